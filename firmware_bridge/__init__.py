@@ -1,0 +1,17 @@
+"""Hardware keystore bridge: keystores behind one interface, and persist-before-release.
+
+Imports nothing from ``agent`` (architecture.md).  See docs/keystore.md.
+"""
+from .bridge import SigningBridge, Status
+from .errors import (DeviceRefused, DeviceTimeout, JournalError, KeyExists, KeyNotFound, KeystoreError,
+                     KeystoreUnavailable, OutcomeUnknown, ProtocolError, UnsupportedAlgorithm, WrongPin)
+from .identity import EventIdentity, Identity, ReceiptIdentity
+from .keystore import ALGORITHMS, Keystore, open_keystore
+from .verify import verify_ed25519, verify_p256
+
+__all__ = [
+    "ALGORITHMS", "DeviceRefused", "DeviceTimeout", "EventIdentity", "Identity", "JournalError", "KeyExists",
+    "KeyNotFound", "Keystore", "KeystoreError", "KeystoreUnavailable", "OutcomeUnknown", "ProtocolError",
+    "ReceiptIdentity", "SigningBridge", "Status", "UnsupportedAlgorithm", "WrongPin", "open_keystore",
+    "verify_ed25519", "verify_p256",
+]

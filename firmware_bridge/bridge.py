@@ -1,0 +1,226 @@
+"""SigningBridge: the only way to obtain signed bytes (SOVM §22.5 clauses 1-2; issue 5 item 2).
+
+Order inside ``release`` / ``release_many`` (docs/keystore.md "The order of steps"):
+
+  (a) durably record an INTENT for every identity          -- journal fsync #1
+  (b) sign (keystore._sign), assemble the COSE_Sign1 bytes  -- caller's ``assemble``
+  (c) durably persist the exact assembled bytes             -- journal fsync #2
+  (d) return them
+
+(a) before (b): after a crash, any identity that *might* have been signed is known (the device
+or token may have produced a signature we never saw), so it is never signed twice (§22.5 cl. 2).
+(c) before (d): nothing leaves the bridge that is not durable, so a restart can re-transmit
+exactly those bytes instead of re-signing (§22.5 cl. 1).  The caller receives bytes only as the
+return value of this class's methods, after (c); there is no public path to a bare signature, so
+the unsafe order cannot be written with this API.
+
+An identity with a durable intent and no durable output raises ``OutcomeUnknown`` for ever:
+events tick their HLC and sign a new identity (wire-profile.md §2); receipts take the §22.6
+"epoch advanced, receipt absent" discontinuity path.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from typing import Callable, Optional, Sequence, Union
+
+from .errors import KeystoreError, OutcomeUnknown, UnsupportedAlgorithm
+from .identity import EventIdentity, Identity, ReceiptIdentity
+from .journal import INTENT, RELEASED, FileOps, Journal
+from .keystore import Keystore
+from .verify import verify_ed25519, verify_p256
+
+Assemble = Callable[[bytes], bytes]
+Item = tuple[Identity, str, bytes, Assemble]
+Hook = Callable[[str], None]
+
+
+class Status(enum.Enum):
+    ABSENT = "absent"                  # never intended: may be signed
+    IN_FLIGHT = "in_flight"            # being signed by another thread of this process
+    OUTCOME_UNKNOWN = "outcome_unknown"  # durable intent, no durable output: never sign again
+    RELEASED = "released"              # durable output: re-transmit exactly these bytes
+
+
+def _unknown_message(identity: Identity) -> str:
+    if isinstance(identity, ReceiptIdentity):
+        return (f"{identity}: a signing intent was recorded but no receipt was persisted (crash or fault "
+                "between intent and persist). Under SOVM §22.5 clause 2 this pair counts as already signed and "
+                "will never be re-signed: the sequencer must take the §22.6 'epoch advanced, receipt absent' "
+                "path (record and surface a receipt-chain discontinuity, chain forward).")
+    return (f"{identity}: a signing intent was recorded but no event was persisted. This HLC is spent: tick "
+            "the HLC above bridge.max_event_hlc(site_id) and sign a new event (wire-profile.md §2); "
+            "never re-sign this one.")
+
+
+def _expected_alg(identity: Identity) -> str:
+    return "ed25519" if isinstance(identity, EventIdentity) else "p256"
+
+
+class SigningBridge:
+    """Persist-before-release around a Keystore.  Thread-safe; concurrent callers share fsyncs."""
+
+    def __init__(self, keystore: Keystore, journal_path: str, *,
+                 fault_hook: Optional[Hook] = None, file_ops: Optional[FileOps] = None) -> None:
+        """``fault_hook`` and ``file_ops`` are test seams (named crash points, lost-fsync shims);
+        production passes neither."""
+        self._ks = keystore
+        self._hook = fault_hook
+        self._journal = Journal(journal_path, ops=file_ops, hook=fault_hook)
+        self._lock = threading.Lock()
+        self._inflight: dict[bytes, threading.Event] = {}
+        self._pub: dict[str, tuple[str, bytes]] = {}
+        self._verify = bool(getattr(keystore, "verify_signatures", True))
+
+    # -- public API ------------------------------------------------------------------------
+    def release(self, identity: Identity, key_name: str, tbs: bytes, assemble: Assemble) -> bytes:
+        """Sign ``tbs`` (the exact Sig_structure) for ``identity`` and return the persisted
+        ``assemble(signature)`` bytes; or the bytes already persisted for ``identity``."""
+        return self._release([(identity, key_name, tbs, assemble)])[0]
+
+    def release_many(self, items: Sequence[Item]) -> list[bytes]:
+        """Group commit: all intents in one fsync, all signatures, all outputs in one fsync."""
+        return self._release(list(items))
+
+    def released(self, identity: Identity) -> Optional[bytes]:
+        """The exact persisted bytes for ``identity`` (for re-transmission), or None."""
+        return self._journal.read_released(self._ident(identity))
+
+    def status(self, identity: Identity) -> Status:
+        ident = self._ident(identity)
+        with self._lock:
+            if ident in self._inflight:
+                return Status.IN_FLIGHT
+        return {"absent": Status.ABSENT, "intent": Status.OUTCOME_UNKNOWN,
+                "released": Status.RELEASED}[self._journal.state(ident)]
+
+    def max_event_hlc(self, site_id: bytes) -> Optional[tuple[int, int]]:
+        """Highest HLC ever *intended* for ``site_id``: the clock resumes above it (wire-profile §2)."""
+        return self._journal.max_event_hlc(site_id)
+
+    def max_receipt_epoch(self, group_id: bytes) -> Optional[int]:
+        """Highest epoch ever intended for ``group_id`` (§22.6 step 1: detect an absent receipt)."""
+        return self._journal.max_receipt_epoch(group_id)
+
+    @property
+    def keystore(self) -> Keystore:
+        return self._ks
+
+    def describe(self) -> dict[str, object]:
+        return {"journal": self._journal.path, "keystore": self._ks.describe()}
+
+    def close(self) -> None:
+        self._journal.close()
+
+    def __enter__(self) -> "SigningBridge":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the one path every signature takes ----------------------------------------------------
+    @staticmethod
+    def _ident(identity: Identity) -> bytes:
+        if not isinstance(identity, (EventIdentity, ReceiptIdentity)):
+            raise TypeError("identity must be an EventIdentity or a ReceiptIdentity")
+        return identity.encode()
+
+    def _public(self, key_name: str) -> tuple[str, bytes]:
+        got = self._pub.get(key_name)
+        if got is None:
+            got = (self._ks.algorithm(key_name), self._ks.public_key(key_name))  # KeyNotFound early
+            self._pub[key_name] = got
+        return got
+
+    def _release(self, items: list[Item]) -> list[bytes]:
+        idents: list[bytes] = []
+        for identity, key_name, tbs, assemble in items:
+            ident = self._ident(identity)
+            if not isinstance(tbs, (bytes, bytearray)) or not callable(assemble):
+                raise TypeError("tbs must be bytes and assemble a callable(signature) -> bytes")
+            alg, _ = self._public(key_name)  # checked before any intent: nothing is burnt by a typo
+            if alg != _expected_alg(identity):
+                raise UnsupportedAlgorithm(f"key {key_name!r} is {alg}; {type(identity).__name__} needs "
+                                           f"{_expected_alg(identity)} (events: ed25519, receipts: p256)")
+            idents.append(ident)
+        if len(set(idents)) != len(idents):
+            raise ValueError("release_many: the same identity appears twice in one batch")
+
+        results: dict[bytes, bytes] = {}
+        todo: list[int] = []
+        mine: list[bytes] = []
+        try:
+            # Claim the identities: wait out other threads' in-flight signing of the same ones.
+            while True:
+                with self._lock:
+                    busy = [self._inflight[i] for i in idents if i in self._inflight]
+                    if not busy:
+                        for k, ident in enumerate(idents):
+                            state = self._journal.state(ident)
+                            if state == "intent":
+                                raise OutcomeUnknown(_unknown_message(items[k][0]), items[k][0])
+                            if state == "absent":
+                                todo.append(k)
+                        for k in todo:
+                            self._inflight[idents[k]] = threading.Event()
+                            mine.append(idents[k])
+                        break
+                for ev in busy:
+                    ev.wait()
+            for k, ident in enumerate(idents):
+                if k not in todo:
+                    out = self._journal.read_released(ident)
+                    assert out is not None
+                    results[ident] = out  # §22.5 cl. 1: re-transmit exactly the persisted bytes
+            if todo:
+                self._sign_and_persist(items, idents, todo, results)
+            return [results[i] for i in idents]
+        finally:
+            with self._lock:
+                for ident in mine:
+                    self._inflight.pop(ident).set()
+
+    def _sign_and_persist(self, items: list[Item], idents: list[bytes], todo: list[int],
+                          results: dict[bytes, bytes]) -> None:
+        # (a) intents, one durable commit for the whole batch
+        self._journal.commit([(INTENT, idents[k], items[k][1]) for k in todo])
+        self._fire("after_intent")
+        # (b) sign in identity order (a serial device refuses identities at/below its last one)
+        done: list[tuple[bytes, bytes]] = []
+        failure: Optional[BaseException] = None
+        for k in sorted(todo, key=lambda k: idents[k]):
+            identity, key_name, tbs, assemble = items[k]
+            try:
+                sig = self._ks._sign(key_name, identity, bytes(tbs))
+                self._check_signature(key_name, bytes(tbs), sig)
+                out = assemble(sig)
+                if not isinstance(out, (bytes, bytearray)) or not out:
+                    raise TypeError("assemble(signature) must return the encoded COSE_Sign1 bytes")
+            except BaseException as exc:  # the rest of the batch stays OutcomeUnknown
+                failure = exc
+                break
+            done.append((idents[k], bytes(out)))
+            self._fire("after_sign")
+        self._fire("before_persist")
+        # (c) persist every output we have, one durable commit; (d) only then return them
+        if done:
+            self._journal.commit([(RELEASED, ident, out) for ident, out in done])
+            self._fire("after_persist")
+        if failure is not None:
+            raise failure
+        results.update(done)
+
+    def _check_signature(self, key_name: str, tbs: bytes, sig: bytes) -> None:
+        if not isinstance(sig, bytes) or len(sig) != 64:
+            raise KeystoreError(f"keystore returned a malformed signature for key {key_name!r}")
+        if not self._verify:
+            return
+        alg, pub = self._public(key_name)
+        ok = verify_ed25519(pub, tbs, sig) if alg == "ed25519" else verify_p256(pub, tbs, sig)
+        if not ok:
+            raise KeystoreError(f"keystore returned a signature that does not verify under key {key_name!r}; "
+                                "nothing was released. Check the device/token (wrong key, fault or tampering).")
+
+    def _fire(self, point: str) -> None:
+        if self._hook is not None:
+            self._hook(point)

@@ -1,0 +1,81 @@
+"""Signing identities and their canonical byte encoding.
+
+An event's identity is (site_id, HLC) (wire-profile.md §1/§2); a receipt's identity is
+(group_id, epoch) (SOVM §22.5, wire-profile.md §6).  The same byte encoding is used as the
+journal key and on the serial line, so the device can enforce its own refusal (§22.5 clause 2).
+
+Encoding (big-endian):
+  event:   b"E" | site_id (16) | physical_ms (u64) | logical (u32)          = 29 bytes
+  receipt: b"R" | len(group_id) (u16) | group_id | epoch (u64)
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Union
+
+_U64 = (1 << 64) - 1
+_U32 = (1 << 32) - 1
+
+
+@dataclass(frozen=True, order=True)
+class EventIdentity:
+    """A change event: the producer's site_id and the HLC it signs under (wire-profile.md §2)."""
+
+    site_id: bytes
+    physical_ms: int
+    logical: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.site_id, bytes) or len(self.site_id) != 16:
+            raise ValueError("EventIdentity.site_id must be exactly 16 bytes (wire-profile.md §1)")
+        if not (isinstance(self.physical_ms, int) and 0 <= self.physical_ms <= _U64):
+            raise ValueError("EventIdentity.physical_ms must be a uint64")
+        if not (isinstance(self.logical, int) and 0 <= self.logical <= _U32):
+            raise ValueError("EventIdentity.logical must be a uint32")
+
+    @property
+    def hlc(self) -> tuple[int, int]:
+        return (self.physical_ms, self.logical)
+
+    def encode(self) -> bytes:
+        return b"E" + self.site_id + struct.pack(">QI", self.physical_ms, self.logical)
+
+    def __str__(self) -> str:
+        return f"event site_id={self.site_id.hex()} hlc={self.physical_ms}.{self.logical}"
+
+
+@dataclass(frozen=True, order=True)
+class ReceiptIdentity:
+    """A sequencing receipt: (group_id, epoch); the epoch is dictated by CAS, not chosen (§22.5)."""
+
+    group_id: bytes
+    epoch: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group_id, bytes) or not 1 <= len(self.group_id) <= 255:
+            raise ValueError("ReceiptIdentity.group_id must be 1..255 bytes")
+        if not (isinstance(self.epoch, int) and 0 <= self.epoch <= _U64):
+            raise ValueError("ReceiptIdentity.epoch must be a uint64")
+
+    def encode(self) -> bytes:
+        return b"R" + struct.pack(">H", len(self.group_id)) + self.group_id + struct.pack(">Q", self.epoch)
+
+    def __str__(self) -> str:
+        return f"receipt group_id={self.group_id.hex()} epoch={self.epoch}"
+
+
+Identity = Union[EventIdentity, ReceiptIdentity]
+
+
+def decode_identity(data: bytes) -> Identity:
+    """Inverse of ``Identity.encode``; raises ValueError on anything malformed or trailing."""
+    if len(data) == 29 and data[:1] == b"E":
+        phys, logical = struct.unpack(">QI", data[17:29])
+        return EventIdentity(bytes(data[1:17]), phys, logical)
+    if len(data) >= 3 and data[:1] == b"R":
+        (n,) = struct.unpack(">H", data[1:3])
+        if len(data) == 3 + n + 8:
+            (epoch,) = struct.unpack(">Q", data[3 + n:])
+            return ReceiptIdentity(bytes(data[3:3 + n]), epoch)
+    raise ValueError("malformed identity encoding")

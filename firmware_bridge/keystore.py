@@ -1,0 +1,101 @@
+"""The abstract keystore interface (issue 5 item 1; architecture.md: the agent's `Signer`).
+
+A keystore holds named keys that were generated inside it and never leave it.  It exports public
+keys and signs — but raw signing is the private ``_sign`` method: the only public way to obtain a
+signature is ``SigningBridge.release`` (SOVM §22.5 clause 1, persist-before-release).
+"""
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from typing import Any
+
+from .errors import KeystoreError, UnsupportedAlgorithm
+from .identity import Identity
+
+ALGORITHMS = ("ed25519", "p256")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def check_key_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise KeystoreError(
+            f"invalid key name {name!r}: use 1-64 characters from A-Z a-z 0-9 . _ - (not starting with . _ -)")
+    return name
+
+
+def check_alg(alg: str) -> str:
+    if alg not in ALGORITHMS:
+        raise UnsupportedAlgorithm(f"unsupported algorithm {alg!r}: use one of {', '.join(ALGORITHMS)}")
+    return alg
+
+
+class Keystore(ABC):
+    """Named keys; Ed25519 ("ed25519") for events/records, ECDSA P-256 ("p256") for receipts."""
+
+    kind: str = "abstract"
+
+    @abstractmethod
+    def generate_key(self, name: str, alg: str) -> bytes:
+        """Generate a key inside the keystore; return its public key (see ``public_key``)."""
+
+    @abstractmethod
+    def public_key(self, name: str) -> bytes:
+        """Ed25519: 32 raw bytes.  P-256: 33-byte compressed SEC1 (§22.5, wire-profile.md §6)."""
+
+    @abstractmethod
+    def algorithm(self, name: str) -> str:
+        """"ed25519" or "p256" for an existing key; KeyNotFound otherwise."""
+
+    @abstractmethod
+    def key_names(self) -> list[str]:
+        """Names of the keys held, sorted."""
+
+    @abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """What an operator should see (kind, path / token / port, key names). Never secrets."""
+
+    @abstractmethod
+    def _sign(self, name: str, identity: Identity, data: bytes) -> bytes:
+        """Raw signature over ``data`` (Ed25519: 64 bytes; P-256: raw r||s, 64 bytes).
+
+        Private on purpose: only ``SigningBridge`` calls it, after recording the intent (§22.5).
+        ``identity`` is passed so a device can enforce its own per-identity refusal.
+        """
+
+    def close(self) -> None:
+        """Release resources (files, worker processes, serial ports)."""
+
+    def __enter__(self) -> "Keystore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_keystore(config: dict[str, Any]) -> Keystore:
+    """Open the keystore a profile names.
+
+    ``{"kind": "software", "dir": PATH}``
+    ``{"kind": "pkcs11", "module": SO_PATH, "token_label": STR, "pin": STR[, "env": {..}]}``
+    ``{"kind": "serial", "port": DEV, "baud": 115200, "timeout_s": 2.0}``
+    """
+    kind = config.get("kind") if isinstance(config, dict) else None
+    if kind == "software":
+        from .software import SoftwareKeystore
+        return SoftwareKeystore(_req(config, "dir"))
+    if kind == "pkcs11":
+        from .pkcs11_keystore import Pkcs11Keystore
+        return Pkcs11Keystore(module=_req(config, "module"), token_label=_req(config, "token_label"),
+                              pin=_req(config, "pin"), env=config.get("env"))
+    if kind == "serial":
+        from .serial_driver import SerialKeystore
+        return SerialKeystore(port=_req(config, "port"), baud=int(config.get("baud", 115200)),
+                              timeout_s=float(config.get("timeout_s", 2.0)))
+    raise KeystoreError(f"unknown keystore kind {kind!r}: set keystore.kind to software, pkcs11 or serial")
+
+
+def _req(config: dict[str, Any], key: str) -> Any:
+    if key not in config:
+        raise KeystoreError(f"keystore config of kind {config.get('kind')!r} lacks {key!r}")
+    return config[key]

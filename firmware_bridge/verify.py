@@ -1,0 +1,46 @@
+"""Signature verification entry points with one accept set each.
+
+- Ed25519: libsodium ``crypto_sign_verify_detached`` semantics through PyNaCl (wire-profile.md §2,
+  "One accept set for signatures").
+- P-256 receipts (ES256, wire-profile.md §6): IEEE P1363 raw r||s, exactly 64 bytes, r and s in
+  [1, n-1]; public key as SEC1 compressed (33) or uncompressed (65) bytes.  Pinned by the
+  Wycheproof ecdsa_secp256r1_sha256_p1363 vectors in tests/bridge.
+"""
+from __future__ import annotations
+
+import nacl.exceptions
+import nacl.signing
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
+
+from .ec import P256_ORDER
+
+
+def verify_ed25519(public_key: bytes, message: bytes, signature: bytes) -> bool:
+    """True iff libsodium accepts ``signature`` over ``message`` under the 32-byte key."""
+    if len(public_key) != 32 or len(signature) != 64:
+        return False
+    try:
+        nacl.signing.VerifyKey(bytes(public_key)).verify(bytes(message), bytes(signature))
+        return True
+    except (nacl.exceptions.BadSignatureError, nacl.exceptions.ValueError, nacl.exceptions.TypeError,
+            ValueError, TypeError):
+        return False
+
+
+def verify_p256(public_key: bytes, message: bytes, signature: bytes) -> bool:
+    """True iff ``signature`` (64-byte r||s) is a valid ECDSA P-256/SHA-256 signature of ``message``."""
+    if len(signature) != 64 or len(public_key) not in (33, 65):
+        return False
+    r = int.from_bytes(signature[:32], "big")
+    s = int.from_bytes(signature[32:], "big")
+    if not (1 <= r < P256_ORDER and 1 <= s < P256_ORDER):
+        return False
+    try:
+        key = ec.EllipticCurvePublicKey.from_encoded_point(ec.SECP256R1(), bytes(public_key))
+        key.verify(encode_dss_signature(r, s), bytes(message), ec.ECDSA(hashes.SHA256()))
+        return True
+    except (InvalidSignature, ValueError, TypeError):
+        return False

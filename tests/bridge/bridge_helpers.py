@@ -1,0 +1,80 @@
+"""Shared test helpers: a minimal COSE_Sign1 builder (the caller owns COSE encoding) and a
+journal parser written independently of firmware_bridge.journal, from docs/keystore.md."""
+from __future__ import annotations
+
+import glob
+import os
+import struct
+import zlib
+
+import cbor2
+
+MESH_ID = bytes(range(16))
+
+
+def event_protected(site_id: bytes) -> bytes:
+    return cbor2.dumps({1: -8, 3: "sovm/ssp-event-v1", 4: site_id}, canonical=True)
+
+
+def receipt_protected(kid33: bytes) -> bytes:
+    return cbor2.dumps({1: -7, 3: "sovm/sequencing-receipt-v1", 4: kid33}, canonical=True)
+
+
+def event_payload(physical_ms: int, logical: int, value: int) -> bytes:
+    return cbor2.dumps({"table_schema": "t1", "table_name": "readings", "row_key": {"id": value % 7},
+                        "operation": "upsert", "payload": {"v": value},
+                        "hlc_physical_ms": physical_ms, "hlc_logical": logical}, canonical=True)
+
+
+def receipt_payload(group_id: bytes, epoch: int, commit_hash: bytes, prev: bytes | None) -> bytes:
+    return cbor2.dumps({"group_id": group_id, "epoch": epoch, "commit_hash": commit_hash,
+                        "previous_receipt_hash": prev}, canonical=True)
+
+
+def sig_structure(protected: bytes, payload: bytes, aad: bytes = MESH_ID) -> bytes:
+    return cbor2.dumps(["Signature1", protected, aad, payload], canonical=True)
+
+
+def assembler(protected: bytes, payload: bytes):
+    def assemble(signature: bytes) -> bytes:
+        return cbor2.dumps(cbor2.CBORTag(18, [protected, {}, payload, signature]), canonical=True)
+    return assemble
+
+
+def cose_parts(cose: bytes) -> tuple[bytes, bytes, bytes]:
+    tag = cbor2.loads(cose)
+    assert tag.tag == 18
+    protected, _unprot, payload, sig = tag.value
+    return protected, payload, sig
+
+
+def parse_journal(path: str) -> list[tuple[int, bytes, bytes]]:
+    """[(type, ident, key_name-or-cose)] of every complete, CRC-valid record (docs/keystore.md)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:8] == b"SSPJRNL1", "bad journal magic"
+    pos, out = 8, []
+    while pos + 8 <= len(data):
+        blen, crc = struct.unpack_from(">II", data, pos)
+        body = data[pos + 8:pos + 8 + blen]
+        if len(body) != blen or zlib.crc32(body) != crc or blen == 0:
+            break
+        rtype = body[0]
+        (ilen,) = struct.unpack_from(">H", body, 1)
+        ident = body[3:3 + ilen]
+        rest = body[3 + ilen:]
+        if rtype == 1:
+            out.append((1, ident, rest[1:1 + rest[0]]))
+        else:
+            (clen,) = struct.unpack_from(">I", rest, 0)
+            out.append((2, ident, rest[4:4 + clen]))
+        pos += 8 + blen
+    return out
+
+
+def softhsm_module() -> str | None:
+    for cand in ["/usr/lib/softhsm/libsofthsm2.so", *glob.glob("/usr/lib/*/softhsm/libsofthsm2.so"),
+                 "/usr/local/lib/softhsm/libsofthsm2.so", *glob.glob("/usr/lib64/**/libsofthsm2.so", recursive=True)]:
+        if os.path.exists(cand):
+            return cand
+    return None

@@ -1,0 +1,211 @@
+"""SigningBridge and journal behaviour in one process (SOVM §22.5, wire-profile.md §2)."""
+import os
+import threading
+
+import pytest
+
+from firmware_bridge import (EventIdentity, KeyExists, KeyNotFound, KeystoreError, OutcomeUnknown,
+                             ReceiptIdentity, SigningBridge, Status, UnsupportedAlgorithm, open_keystore,
+                             verify_ed25519, verify_p256)
+from firmware_bridge.journal import INTENT
+
+from bridge_helpers import (assembler, cose_parts, event_payload, event_protected, parse_journal,
+                            receipt_payload, receipt_protected, sig_structure)
+
+SITE = bytes.fromhex("00112233445566778899aabbccddeeff")
+GROUP = b"group-0001"
+
+
+@pytest.fixture
+def env(tmp_path):
+    ks = open_keystore({"kind": "software", "dir": str(tmp_path / "keys")})
+    ev_pub = ks.generate_key("site", "ed25519")
+    rc_pub = ks.generate_key("seq", "p256")
+    bridge = SigningBridge(ks, str(tmp_path / "journal"))
+    yield ks, bridge, ev_pub, rc_pub, tmp_path
+    bridge.close()
+
+
+def ev_item(p, l, v=0):
+    prot, pay = event_protected(SITE), event_payload(p, l, v)
+    return EventIdentity(SITE, p, l), "site", sig_structure(prot, pay), assembler(prot, pay)
+
+
+def rc_item(ks, epoch, prev=None):
+    prot = receipt_protected(ks.public_key("seq"))
+    pay = receipt_payload(GROUP, epoch, bytes(32), prev)
+    return ReceiptIdentity(GROUP, epoch), "seq", sig_structure(prot, pay), assembler(prot, pay)
+
+
+def test_key_files_are_0600_and_never_overwritten(env):
+    ks, _, _, _, tmp = env
+    for name in ("site", "seq"):
+        assert os.stat(tmp / "keys" / f"{name}.key").st_mode & 0o777 == 0o600
+    with pytest.raises(KeyExists):
+        ks.generate_key("site", "ed25519")
+    assert len(ks.public_key("seq")) == 33 and ks.public_key("seq")[0] in (2, 3)
+    assert "secret" not in repr(ks.describe()) and ks.describe()["keys"] == {"seq": "p256", "site": "ed25519"}
+
+
+def test_group_readable_key_file_refused(tmp_path):
+    ks = open_keystore({"kind": "software", "dir": str(tmp_path)})
+    ks.generate_key("k", "ed25519")
+    os.chmod(tmp_path / "k.key", 0o644)
+    with pytest.raises(KeystoreError, match="chmod 600"):
+        open_keystore({"kind": "software", "dir": str(tmp_path)}).public_key("k")
+
+
+def test_release_signs_persists_and_retransmits_exact_bytes(env):
+    ks, bridge, ev_pub, rc_pub, tmp = env
+    ident, key, tbs, asm = ev_item(1000, 0)
+    out = bridge.release(ident, key, tbs, asm)
+    prot, pay, sig = cose_parts(out)
+    assert verify_ed25519(ev_pub, sig_structure(prot, pay), sig)
+    # a second request, even with other tbs, returns exactly the persisted bytes
+    assert bridge.release(ident, key, b"different", asm) == out
+    assert bridge.released(ident) == out
+    recs = parse_journal(str(tmp / "journal"))
+    assert [r[0] for r in recs] == [1, 2] and recs[1][2] == out
+    r_ident, r_key, r_tbs, r_asm = rc_item(ks, 0)
+    rout = bridge.release(r_ident, r_key, r_tbs, r_asm)
+    prot, pay, sig = cose_parts(rout)
+    assert verify_p256(rc_pub, sig_structure(prot, pay), sig)
+    assert bridge.release(r_ident, r_key, r_tbs, r_asm) == rout
+
+
+def test_unknown_outcome_is_never_resigned(env):
+    ks, bridge, *_ , tmp = env
+    e = EventIdentity(SITE, 5, 5)
+    r = ReceiptIdentity(GROUP, 7)
+    # simulate a crash between intent and persist: the intent alone is in the journal
+    bridge._journal.commit([(INTENT, e.encode(), "site"), (INTENT, r.encode(), "seq")])
+    bridge.close()
+    bridge2 = SigningBridge(ks, str(tmp / "journal"))
+    assert bridge2.status(e) is Status.OUTCOME_UNKNOWN
+    with pytest.raises(OutcomeUnknown, match="tick the HLC"):
+        bridge2.release(*ev_item(5, 5))
+    with pytest.raises(OutcomeUnknown, match="§22.6"):
+        bridge2.release(*rc_item(ks, 7))
+    assert bridge2.max_event_hlc(SITE) == (5, 5) and bridge2.max_receipt_epoch(GROUP) == 7
+    assert bridge2.released(r) is None
+    bridge2.close()
+
+
+def test_key_problems_burn_nothing(env):
+    ks, bridge, *_ = env
+    ident, _, tbs, asm = ev_item(9, 0)
+    with pytest.raises(KeyNotFound, match="generate it first"):
+        bridge.release(ident, "nokey", tbs, asm)
+    with pytest.raises(UnsupportedAlgorithm):
+        bridge.release(ident, "seq", tbs, asm)
+    assert bridge.status(ident) is Status.ABSENT
+    assert bridge.release(ident, "site", tbs, asm)
+
+
+def test_release_many_uses_two_fsyncs_and_mixes_in_persisted(env):
+    ks, bridge, *_ = env
+    first = bridge.release(*ev_item(1, 0))
+    before = bridge._journal.fsyncs
+    items = [ev_item(1, 0)] + [ev_item(2, k, k) for k in range(100)]
+    outs = bridge.release_many(items)
+    assert bridge._journal.fsyncs - before == 2
+    assert outs[0] == first and len(set(outs)) == 101
+    with pytest.raises(ValueError):
+        bridge.release_many([ev_item(3, 0), ev_item(3, 0)])
+
+
+def test_failure_mid_batch_persists_signed_ones_and_burns_the_rest(env):
+    ks, bridge, *_ = env
+    items = [ev_item(4, k) for k in range(5)]
+    ident, key, tbs, _ = items[3]
+
+    def boom(sig):
+        raise RuntimeError("encoder bug")
+    items[3] = (ident, key, tbs, boom)
+    with pytest.raises(RuntimeError):
+        bridge.release_many(items)
+    assert [bridge.status(i[0]) for i in items] == [Status.RELEASED] * 3 + [Status.OUTCOME_UNKNOWN] * 2
+
+
+def test_concurrent_releases_share_fsyncs(env):
+    ks, bridge, *_ = env
+    n_threads, per = 8, 40
+    outs: dict = {}
+
+    def work(t):
+        for k in range(per):
+            it = ev_item(100 + t, k)
+            outs[it[0]] = bridge.release(*it)
+    before = bridge._journal.fsyncs
+    th = [threading.Thread(target=work, args=(t,)) for t in range(n_threads)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    assert len(outs) == n_threads * per
+    assert all(bridge.released(i) == o for i, o in outs.items())
+    assert bridge._journal.fsyncs - before <= 2 * n_threads * per
+
+
+def test_same_identity_from_two_threads_signs_once(env):
+    ks, bridge, *_ = env
+    prot = receipt_protected(ks.public_key("seq"))
+    results = []
+    barrier = threading.Barrier(6)
+
+    def work():
+        barrier.wait()
+        results.append(bridge.release(*rc_item(ks, 42)))
+    th = [threading.Thread(target=work) for _ in range(6)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    assert len(results) == 6 and len(set(results)) == 1
+    assert sum(1 for r in parse_journal(str(bridge._journal.path)) if r[0] == 2) == 1
+
+
+def test_journal_is_exclusive(env):
+    ks, bridge, *_, tmp = env
+    with pytest.raises(KeystoreError, match="in use"):
+        SigningBridge(ks, str(tmp / "journal"))
+
+
+def test_torn_tail_is_truncated_and_earlier_records_survive(env):
+    ks, bridge, *_, tmp = env
+    outs = bridge.release_many([ev_item(7, k) for k in range(10)])
+    bridge.close()
+    path = tmp / "journal"
+    good = path.read_bytes()
+    for cut in (1, 7, 30):
+        path.write_bytes(good + good[-60:-cut])  # a partial record after the durable ones
+        b = SigningBridge(ks, str(path))
+        assert b._journal.truncated_bytes == 60 - cut
+        assert [b.released(ev_item(7, k)[0]) for k in range(10)] == outs
+        b.close()
+        assert path.read_bytes() == good
+
+
+def test_not_a_journal_is_refused(tmp_path):
+    ks = open_keystore({"kind": "software", "dir": str(tmp_path / "k")})
+    (tmp_path / "j").write_bytes(b"something else entirely")
+    with pytest.raises(KeystoreError, match="bad magic"):
+        SigningBridge(ks, str(tmp_path / "j"))
+
+
+def test_open_keystore_rejects_unknown_kind():
+    with pytest.raises(KeystoreError, match="software, pkcs11 or serial"):
+        open_keystore({"kind": "tpm"})
+
+
+def test_no_public_raw_signing():
+    import firmware_bridge
+    from firmware_bridge.keystore import Keystore
+    public = [n for n in dir(Keystore) if not n.startswith("_")]
+    assert not any("sign" in n for n in public), public
+    public_bridge = [n for n in dir(SigningBridge) if not n.startswith("_")]
+    assert set(public_bridge) == {"release", "release_many", "released", "status", "max_event_hlc",
+                                  "max_receipt_epoch", "keystore", "describe", "close"}
+    src = "".join(open(os.path.join(os.path.dirname(firmware_bridge.__file__), f)).read()
+                  for f in os.listdir(os.path.dirname(firmware_bridge.__file__)) if f.endswith(".py"))
+    assert "from agent" not in src and "import agent" not in src
