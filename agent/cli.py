@@ -1,0 +1,369 @@
+"""The `ssp-agent` command (shared/spec/cli-contract.md). Exit 0: done; 1: a runtime fault
+(broker unreachable, keystore unavailable); 2: the request was refused (bad input, a node
+that already exists, a purge request...), with a one-line reason on stderr."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from .core.ids import IdFormatError, parse_hlc, parse_public_key, parse_site_id
+from .core.messages import ProtocolError
+from .core.schema import ManifestError
+
+EXIT_OK, EXIT_FAULT, EXIT_REFUSED = 0, 1, 2
+
+
+class Refused(Exception):
+    """Exit 2 with this one-line reason."""
+
+
+class Fault(Exception):
+    """Exit 1 with this one-line reason."""
+
+
+def to_json(v: Any) -> Any:
+    if isinstance(v, (bytes, bytearray)):
+        return {"$bytes": bytes(v).hex()}
+    if isinstance(v, dict):
+        return {k: to_json(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [to_json(x) for x in v]
+    return v
+
+
+def from_json(v: Any) -> Any:
+    """JSON values for --key/--set: {"$bytes": hex} is a byte string; no other coercion."""
+    if isinstance(v, dict):
+        if set(v) == {"$bytes"} and isinstance(v["$bytes"], str):
+            try:
+                return bytes.fromhex(v["$bytes"])
+            except ValueError:
+                raise Refused("{\"$bytes\": ...} must hold hex") from None
+        raise Refused("nested objects are not column values (use {\"$bytes\": \"hex\"} for bytes)")
+    if isinstance(v, list):
+        raise Refused("arrays are not column values")
+    if isinstance(v, bool):
+        raise Refused("booleans are not column values (SSP/1 has no bool type; use 0/1)")
+    return v
+
+
+def emit(obj: Any) -> None:
+    sys.stdout.write(json.dumps(to_json(obj), sort_keys=False) + "\n")
+
+
+def _open(args):
+    from .node import Node
+    return Node.open(Path(args.home))
+
+
+def _json_arg(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise Refused(f"{what} is not valid JSON: {e}") from None
+
+
+def _table_arg(text: str) -> str:
+    if text.count(".") != 1 or not all(text.split(".")):
+        raise Refused(f"table must be SCHEMA.TABLE, got {text!r}")
+    return text
+
+
+# ---------------------------------------------------------------- verbs
+def cmd_init(args) -> int:
+    from .node import Node
+    try:
+        text = Path(args.manifest).read_text()
+    except OSError as e:
+        raise Refused(f"cannot read manifest {args.manifest}: {e.strerror}") from None
+    keystore = None
+    if args.keystore:
+        keystore = _json_arg(args.keystore, "--keystore")
+        if not isinstance(keystore, dict):
+            raise Refused("--keystore must be a JSON object, e.g. {\"kind\": \"software\", \"dir\": \"/path\"}")
+    node, pk = Node.init(Path(args.home), text, keystore)
+    emit({"site_id": node.site_id.hex(), "public_key": pk.hex()})
+    node.close()
+    return EXIT_OK
+
+
+def cmd_peer_add(args) -> int:
+    try:
+        site = parse_site_id(args.site_id)
+        pk = parse_public_key(args.public_key)
+        ra = parse_hlc(args.retired_after) if args.retired_after else None
+    except IdFormatError as e:
+        raise Refused(str(e)) from None
+    node = _open(args)
+    try:
+        node.add_peer(site, pk, ra)
+    finally:
+        node.close()
+    emit({"site_id": site.hex(), "public_key": pk.hex(), "retired_after": args.retired_after})
+    return EXIT_OK
+
+
+def cmd_write(args) -> int:
+    table = _table_arg(args.table)
+    key = _json_arg(args.key, "--key")
+    if not isinstance(key, dict):
+        raise Refused("--key must be a JSON object of key columns")
+    key = {k: from_json(v) for k, v in key.items()}
+    values = None
+    if not args.delete:
+        values = _json_arg(args.set, "--set")
+        if not isinstance(values, dict):
+            raise Refused("--set must be a JSON object of column values")
+        values = {k: from_json(v) for k, v in values.items()}
+    node = _open(args)
+    try:
+        eid = node.write(table, key, values, delete=args.delete)
+    finally:
+        node.close()
+    print(eid.hex())
+    return EXIT_OK
+
+
+def cmd_purge(args) -> int:
+    # Scope excerpt §4.2: purge is reserved and not available; never a silent soft delete.
+    raise Refused("purge is not available in SSP/1 (reserved, no message format exists); nothing was changed. "
+                  "A soft delete (`write --delete`) hides a row but keeps history; permanent erasure needs "
+                  "destruction of the keys protecting the data at a layer above SSP/1")
+
+
+def cmd_mailbox_import(args) -> int:
+    from . import mailbox
+    try:
+        data = Path(args.file).read_bytes()
+    except OSError as e:
+        raise Refused(f"cannot read {args.file}: {e.strerror}") from None
+    node = _open(args)
+    try:
+        result = mailbox.import_body(node, data)
+    except ProtocolError as e:
+        raise Refused(f"malformed sync body ({e.reason}): {e.detail or 'see SSP/1 §32'}; nothing was changed") from None
+    finally:
+        node.close()
+    emit(result)
+    return EXIT_OK
+
+
+def cmd_dump(args) -> int:
+    node = _open(args)
+    try:
+        emit(node.dump())
+    finally:
+        node.close()
+    return EXIT_OK
+
+
+def cmd_log(args) -> int:
+    node = _open(args)
+    try:
+        for entry in node.log_entries():
+            sys.stdout.write(json.dumps(to_json(entry)) + "\n")
+    finally:
+        node.close()
+    return EXIT_OK
+
+
+def cmd_evict(args) -> int:
+    table = _table_arg(args.table)
+    try:
+        h = parse_hlc(args.horizon)
+    except IdFormatError as e:
+        raise Refused(str(e)) from None
+    node = _open(args)
+    try:
+        node.raise_horizon(table, h)
+    finally:
+        node.close()
+    emit({"table": table, "horizon": args.horizon})
+    return EXIT_OK
+
+
+def cmd_events(args) -> int:
+    node = _open(args)
+    try:
+        for e in node.surfaced(args.limit):
+            sys.stdout.write(json.dumps(e) + "\n")
+        if args.ignored_columns:
+            for e in node.ignored_columns():
+                sys.stdout.write(json.dumps({"kind": "ignored_column", **e}) + "\n")
+    finally:
+        node.close()
+    return EXIT_OK
+
+
+def cmd_status(args) -> int:
+    node = _open(args)
+    try:
+        emit(node.status())
+    finally:
+        node.close()
+    return EXIT_OK
+
+
+def cmd_add_column(args) -> int:
+    table = _table_arg(args.table)
+    node = _open(args)
+    try:
+        n = node.add_column(table, args.column, args.type)
+    finally:
+        node.close()
+    emit({"table": table, "column": args.column, "type": args.type, "rows_rebuilt": n})
+    return EXIT_OK
+
+
+def cmd_create_table(args) -> int:
+    spec = _json_arg(args.spec, "--spec")
+    if not isinstance(spec, dict):
+        raise Refused("--spec must be a JSON object like a manifest [[tables]] entry")
+    node = _open(args)
+    try:
+        outs = node.create_table(spec)
+    finally:
+        node.close()
+    from .outcomes import counts
+    emit({"table": f"{spec.get('schema')}.{spec.get('name')}", "released_held": counts(outs)})
+    return EXIT_OK
+
+
+def cmd_rebind(args) -> int:
+    if not args.confirm_original_destroyed:
+        raise Refused("rebind moves this identity to this machine; pass --confirm-original-destroyed only if the "
+                      "device that created it can never run again (otherwise initialise a new node)")
+    from .node import Node
+    node = Node.open(Path(args.home), check_machine=False)
+    try:
+        node.rebind_machine()
+    finally:
+        node.close()
+    emit({"site_id": node.site_id.hex(), "rebound": True})
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ssp-agent",
+        description="SSP/1 sync node for field devices: signed, per-column-merged SQLite replication.",
+        epilog="Exit status: 0 done, 1 runtime fault (e.g. broker unreachable), 2 request refused "
+               "(the reason is on stderr). Docs: README.md and docs/.")
+    p.add_argument("--home", default=os.environ.get("SSP_AGENT_HOME"),
+                   help="the node's state directory (default: $SSP_AGENT_HOME)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level to stderr")
+    sub = p.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+
+    s = sub.add_parser("init", help="create a node from a provisioning manifest (TOML)")
+    s.add_argument("--manifest", required=True, help="provisioning manifest: mesh_id, peers, tables")
+    s.add_argument("--keystore", help='keystore as JSON, e.g. {"kind":"software","dir":"/var/lib/ssp/keys"}; '
+                                      "default: a software keystore in HOME/keystore")
+    s.set_defaults(fn=cmd_init)
+
+    s = sub.add_parser("peer", help="manage the trusted-peer keyring")
+    ps = s.add_subparsers(dest="peer_verb", metavar="ACTION")
+    ps.required = True
+    a = ps.add_parser("add", help="trust a peer's Ed25519 key")
+    a.add_argument("--site-id", required=True)
+    a.add_argument("--public-key", required=True, help="64 hex characters")
+    a.add_argument("--retired-after", help="retirement cutoff HLC: this peer's later events are dropped")
+    a.set_defaults(fn=cmd_peer_add)
+
+    s = sub.add_parser("write", help="produce one signed local event and apply it")
+    s.add_argument("table", metavar="SCHEMA.TABLE")
+    s.add_argument("--key", required=True, help='row key as JSON, e.g. {"device":"d1","seq":1}')
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("--set", help='column values as JSON, e.g. {"temp":20.5}; {"$bytes":"hex"} for blobs')
+    g.add_argument("--delete", action="store_true", help="soft delete the row (a tombstone; resurrectable)")
+    s.set_defaults(fn=cmd_write)
+
+    s = sub.add_parser("purge", help="refused: purge is not available in SSP/1 (exit 2)")
+    s.add_argument("rest", nargs="*")
+    s.set_defaults(fn=cmd_purge)
+
+    s = sub.add_parser("mailbox", help="store-and-forward sync bodies as files")
+    ms = s.add_subparsers(dest="mailbox_verb", metavar="ACTION")
+    ms.required = True
+    a = ms.add_parser("import", help="apply every event of one sync body file")
+    a.add_argument("file")
+    a.set_defaults(fn=cmd_mailbox_import)
+    _add_later_verbs(sub, ms)
+
+    s = sub.add_parser("dump", help="print the materialized tables as JSON")
+    s.set_defaults(fn=cmd_dump)
+    s = sub.add_parser("log", help="print the retained event log, one JSON object a line")
+    s.set_defaults(fn=cmd_log)
+    s = sub.add_parser("evict", help="raise a table's eviction horizon (never lowers it)")
+    s.add_argument("table", metavar="SCHEMA.TABLE")
+    s.add_argument("--horizon", required=True, help="HLC, e.g. 1764669600000.0")
+    s.set_defaults(fn=cmd_evict)
+    s = sub.add_parser("events", help="list what the node surfaced: drops, rejects, holds, partial rebuilds")
+    s.add_argument("--limit", type=int, default=1000)
+    s.add_argument("--ignored-columns", action="store_true", help="also list metered ignored payload columns")
+    s.set_defaults(fn=cmd_events)
+    s = sub.add_parser("status", help="identity, keystore, tables and horizons")
+    s.set_defaults(fn=cmd_status)
+
+    s = sub.add_parser("table", help="schema changes")
+    ts = s.add_subparsers(dest="table_verb", metavar="ACTION")
+    ts.required = True
+    a = ts.add_parser("add-column", help="add a value column and rebuild it from the retained log")
+    a.add_argument("table", metavar="SCHEMA.TABLE")
+    a.add_argument("--column", required=True)
+    a.add_argument("--type", required=True, choices=["integer", "real", "text", "blob"])
+    a.set_defaults(fn=cmd_add_column)
+    a = ts.add_parser("create", help="create a table (events held for it are then applied)")
+    a.add_argument("--spec", required=True, help='JSON like a manifest [[tables]] entry')
+    a.set_defaults(fn=cmd_create_table)
+
+    s = sub.add_parser("identity", help="identity binding of this home to this machine")
+    is_ = s.add_subparsers(dest="identity_verb", metavar="ACTION")
+    is_.required = True
+    a = is_.add_parser("rebind", help="bind this identity to this machine (original device destroyed)")
+    a.add_argument("--confirm-original-destroyed", action="store_true")
+    a.set_defaults(fn=cmd_rebind)
+    return p
+
+
+def _add_later_verbs(sub, mailbox_sub) -> None:
+    """Verbs whose implementations live in other modules register themselves here."""
+    for mod in ("agent.cli_sync",):
+        try:
+            m = __import__(mod, fromlist=["register"])
+        except ImportError:
+            continue
+        m.register(sub, mailbox_sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if not args.home:
+        print("ssp-agent: --home DIR is required (or set SSP_AGENT_HOME)", file=sys.stderr)
+        return EXIT_REFUSED
+    from .node import NodeError
+    from firmware_bridge import KeystoreError
+    try:
+        return args.fn(args)
+    except (Refused, NodeError, ManifestError) as e:
+        print(f"ssp-agent: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    except KeystoreError as e:
+        print(f"ssp-agent: keystore: {e}", file=sys.stderr)
+        return EXIT_FAULT
+    except Fault as e:
+        print(f"ssp-agent: {e}", file=sys.stderr)
+        return EXIT_FAULT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

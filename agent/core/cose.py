@@ -1,0 +1,93 @@
+"""COSE_Sign1 (RFC 9052 §4.2) exactly as wire-profile.md §2: tag 18, empty unprotected
+map, Sig_structure = ["Signature1", protected, external_aad = mesh_id, payload]."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import cbor2
+import nacl.bindings
+import nacl.exceptions
+
+from .codec import DecodeError, decode_strict, encode
+
+COSE_SIGN1_TAG = 18
+ALG_EDDSA = -8
+ALG_ES256 = -7
+HDR_ALG, HDR_CTYPE, HDR_KID = 1, 3, 4
+
+
+@dataclass(frozen=True)
+class Sign1:
+    """A strictly parsed COSE_Sign1 whose signature is not yet verified."""
+
+    protected_bytes: bytes
+    alg: int
+    content_type: str
+    kid: bytes
+    payload_bytes: bytes
+    signature: bytes
+
+    def sig_structure(self, external_aad: bytes) -> bytes:
+        return sig_structure(self.protected_bytes, external_aad, self.payload_bytes)
+
+
+def protected_header(alg: int, content_type: str, kid: bytes) -> bytes:
+    return encode({HDR_ALG: alg, HDR_CTYPE: content_type, HDR_KID: kid})
+
+
+def sig_structure(protected_bytes: bytes, external_aad: bytes, payload_bytes: bytes) -> bytes:
+    return encode(["Signature1", protected_bytes, external_aad, payload_bytes])
+
+
+def assemble(protected_bytes: bytes, payload_bytes: bytes, signature: bytes) -> bytes:
+    """The exact encoded COSE_Sign1 bytes for a signature (deterministic)."""
+    return encode(cbor2.CBORTag(COSE_SIGN1_TAG, [protected_bytes, {}, payload_bytes, signature]))
+
+
+def parse_sign1(data: bytes, expect_alg: int = ALG_EDDSA, kid_len: int = 16, sig_len: int = 64) -> Sign1:
+    """Strict structural parse; raises DecodeError with a stable reason code."""
+    obj = decode_strict(data, allowed_tags=frozenset({COSE_SIGN1_TAG}))
+    if not isinstance(obj, cbor2.CBORTag):
+        raise DecodeError("untagged_cose", "COSE_Sign1 must carry CBOR tag 18")
+    if obj.tag != COSE_SIGN1_TAG:
+        raise DecodeError("unexpected_tag", f"tag {obj.tag}, expected 18")
+    v = obj.value
+    if not isinstance(v, (list, tuple)) or len(v) != 4:
+        raise DecodeError("bad_cose_shape", "COSE_Sign1 must be an array of 4")
+    protected, unprotected, payload, signature = v
+    if not isinstance(unprotected, Mapping):
+        raise DecodeError("bad_cose_shape", "unprotected header must be a map")
+    if len(unprotected) != 0:
+        raise DecodeError("unprotected_not_empty", "the unprotected header must be the empty map")
+    if not isinstance(protected, bytes) or not isinstance(payload, bytes) or not isinstance(signature, bytes):
+        raise DecodeError("bad_cose_shape", "protected, payload and signature must be byte strings")
+    if len(signature) != sig_len:
+        raise DecodeError("bad_signature_length", f"signature must be {sig_len} bytes")
+    hdr = decode_strict(protected)
+    if not isinstance(hdr, dict) or set(hdr) != {HDR_ALG, HDR_CTYPE, HDR_KID}:
+        raise DecodeError("bad_protected_header", "protected header must hold exactly alg, content type and kid")
+    alg, ctype, kid = hdr[HDR_ALG], hdr[HDR_CTYPE], hdr[HDR_KID]
+    if isinstance(alg, bool) or alg != expect_alg:
+        raise DecodeError("bad_alg", f"alg {alg!r}, expected {expect_alg}")
+    if not isinstance(ctype, str):
+        raise DecodeError("bad_protected_header", "content type must be text")
+    if not isinstance(kid, bytes) or len(kid) != kid_len:
+        raise DecodeError("bad_kid", f"kid must be {kid_len} bytes")
+    return Sign1(protected, alg, ctype, kid, payload, signature)
+
+
+def verify_ed25519(public_key: bytes, message: bytes, signature: bytes) -> bool:
+    """libsodium crypto_sign_verify_detached semantics (wire-profile.md §2: one accept set)."""
+    if len(public_key) != 32 or len(signature) != 64:
+        return False
+    try:
+        nacl.bindings.crypto_sign_open(signature + message, public_key)
+        return True
+    except (nacl.exceptions.BadSignatureError, nacl.exceptions.ValueError, ValueError, TypeError):
+        return False
+
+
+def decode_payload(sign1: Sign1) -> Any:
+    return decode_strict(sign1.payload_bytes)

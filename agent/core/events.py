@@ -1,0 +1,137 @@
+"""Change events (wire-profile.md §2): building the signed form and the EventPayload shape check."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+
+from .codec import INT64_MAX, INT64_MIN, DecodeError, decode_strict, encode
+from .cose import ALG_EDDSA, Sign1, protected_header, sig_structure
+from .ids import UINT32_MAX, UINT64_MAX
+
+EVENT_CONTENT_TYPE = "sovm/ssp-event-v1"
+PAYLOAD_MEMBERS = frozenset(
+    {"table_schema", "table_name", "row_key", "operation", "payload", "hlc_physical_ms", "hlc_logical"}
+)
+OPERATIONS = ("upsert", "delete")
+PURGE = "purge"  # registered, never available (scope excerpt §4.2)
+
+Scalar = int | float | str | bytes
+
+
+def event_id(raw: bytes) -> bytes:
+    """BLAKE3-256 of the exact received COSE_Sign1 bytes (wire-profile.md §1)."""
+    return blake3.blake3(raw).digest()
+
+
+@dataclass(frozen=True)
+class Event:
+    """A verified, shape-checked change event."""
+
+    event_id: bytes
+    raw: bytes
+    site_id: bytes  # the signer's kid
+    table_schema: str
+    table_name: str
+    row_key: dict[str, Any]
+    operation: str
+    payload: dict[str, Any] | None
+    hlc: tuple[int, int]
+
+    @property
+    def stamp(self) -> tuple[int, int, bytes]:
+        return (self.hlc[0], self.hlc[1], self.site_id)
+
+    @property
+    def table(self) -> str:
+        return f"{self.table_schema}.{self.table_name}"
+
+
+def is_scalar(v: Any) -> bool:
+    # bool is an int subclass in Python: refuse it explicitly (wire-profile.md §2).
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int):
+        return INT64_MIN <= v <= INT64_MAX
+    return isinstance(v, (float, str, bytes))
+
+
+def check_payload_shape(obj: Any) -> str | None:
+    """The EventPayload shape; returns a reason code when the shape is wrong, None when right."""
+    if not isinstance(obj, dict):
+        return "payload_not_map"
+    if set(obj) != PAYLOAD_MEMBERS:
+        return "payload_members"
+    if not isinstance(obj["table_schema"], str) or not obj["table_schema"]:
+        return "bad_table_schema"
+    if not isinstance(obj["table_name"], str) or not obj["table_name"]:
+        return "bad_table_name"
+    rk = obj["row_key"]
+    if rk is None or (isinstance(rk, dict) and len(rk) == 0):
+        return "row_key_empty"  # §13.6: a null or empty key addresses nothing
+    if not isinstance(rk, dict) or not all(isinstance(k, str) for k in rk):
+        return "bad_row_key"
+    if not all(is_scalar(v) for v in rk.values()):
+        return "bad_row_key_value"
+    op = obj["operation"]
+    if op not in OPERATIONS or not isinstance(op, str):
+        return "bad_operation"
+    pl = obj["payload"]
+    if op == "delete":
+        if pl is not None:
+            return "delete_with_payload"
+    else:
+        if not isinstance(pl, dict) or not all(isinstance(k, str) for k in pl):
+            return "bad_payload_map"
+        if not all(v is None or is_scalar(v) for v in pl.values()):
+            return "bad_payload_value"
+    p, l = obj["hlc_physical_ms"], obj["hlc_logical"]
+    if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p <= UINT64_MAX:
+        return "bad_hlc"
+    if isinstance(l, bool) or not isinstance(l, int) or not 0 <= l <= UINT32_MAX:
+        return "bad_hlc"
+    return None
+
+
+def event_from_verified(raw: bytes, sign1: Sign1) -> Event:
+    """Decode and shape-check the payload of a COSE_Sign1 whose signature verified.
+    Raises DecodeError (reason) when it can never become a valid event."""
+    obj = decode_strict(sign1.payload_bytes)
+    reason = check_payload_shape(obj)
+    if reason:
+        raise DecodeError(reason, "EventPayload shape")
+    return Event(
+        event_id=event_id(raw),
+        raw=raw,
+        site_id=sign1.kid,
+        table_schema=obj["table_schema"],
+        table_name=obj["table_name"],
+        row_key=dict(obj["row_key"]),
+        operation=obj["operation"],
+        payload=None if obj["payload"] is None else dict(obj["payload"]),
+        hlc=(obj["hlc_physical_ms"], obj["hlc_logical"]),
+    )
+
+
+def payload_bytes(schema: str, table: str, row_key: dict, operation: str, payload: dict | None,
+                  hlc: tuple[int, int]) -> bytes:
+    obj = {
+        "table_schema": schema,
+        "table_name": table,
+        "row_key": row_key,
+        "operation": operation,
+        "payload": payload,
+        "hlc_physical_ms": hlc[0],
+        "hlc_logical": hlc[1],
+    }
+    reason = check_payload_shape(obj)
+    if reason:
+        raise ValueError(f"cannot build an event: {reason}")
+    return encode(obj)
+
+
+def to_be_signed(site_id: bytes, mesh_id: bytes, payload: bytes) -> tuple[bytes, bytes]:
+    """(protected header bytes, Sig_structure bytes) for an event by `site_id`."""
+    protected = protected_header(ALG_EDDSA, EVENT_CONTENT_TYPE, site_id)
+    return protected, sig_structure(protected, mesh_id, payload)

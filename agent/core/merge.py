@@ -1,0 +1,112 @@
+"""The §13 merge rules as pure functions over one row's clocks.
+
+Returns effects; writes nothing. Stamps are (physical_ms, logical, site_id) tuples whose
+lexicographic order is the §13.1 total order; None means "no clock yet" and is beaten by
+every stamp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from .schema import TableDef, value_fits
+
+Stamp = tuple[int, int, bytes]
+
+
+def beats(a: Stamp, b: Stamp | None) -> bool:
+    return b is None or a > b
+
+
+@dataclass
+class RowState:
+    exists: bool = False
+    exist_clock: Stamp | None = None  # the highest-HLC existence event (§13.2)
+    tomb_clock: Stamp | None = None  # the highest-HLC delete ever applied (§13.3)
+    cells: dict[str, Stamp] = field(default_factory=dict)  # column clocks (§13.1)
+
+
+@dataclass
+class Effects:
+    writes: dict[str, tuple[Any, Stamp]] = field(default_factory=dict)  # column -> (value, clock)
+    state: RowState = field(default_factory=RowState)  # the row's clocks after the event
+    resurrected: bool = False  # an upsert won existence over a delete: rebuild (§13.4)
+    ignored: list[str] = field(default_factory=list)  # unknown or ill-typed payload columns
+
+
+def merge_upsert(table: TableDef, row: RowState, stamp: Stamp, payload: dict[str, Any]) -> Effects:
+    fx = Effects(state=RowState(row.exists, row.exist_clock, row.tomb_clock, dict(row.cells)))
+    st = fx.state
+    value_cols = set(table.value_columns)
+    for col, value in payload.items():
+        if col in table.key:
+            continue  # wire-profile.md §2: payload entries naming a key column are ignored
+        if col not in value_cols or not value_fits(table.columns[col], value):
+            fx.ignored.append(col)  # §13.6: applied in part, clock untouched, metered
+            continue
+        # §13.1: written only if it beats both the column clock and the tombstone clock.
+        if beats(stamp, st.cells.get(col)) and beats(stamp, st.tomb_clock):
+            fx.writes[col] = (value, stamp)
+            st.cells[col] = stamp
+        # else: lost; the clock is left as it is (no-op for this column)
+    # §13.2: existence by the highest-HLC existence event, independent of the columns.
+    if beats(stamp, st.exist_clock):
+        if not st.exists and st.exist_clock is not None:
+            fx.resurrected = True  # the previous winner was a delete
+        st.exists, st.exist_clock = True, stamp
+    return fx
+
+
+def merge_delete(table: TableDef, row: RowState, stamp: Stamp) -> Effects:
+    fx = Effects(state=RowState(row.exists, row.exist_clock, row.tomb_clock, dict(row.cells)))
+    st = fx.state
+    # §13.3 / wire-profile §2a: winning or losing, clear every value column it beats
+    # (a column with no clock yet is beaten) to a null clocked at the delete.
+    for col in table.value_columns:
+        if beats(stamp, st.cells.get(col)):
+            fx.writes[col] = (None, stamp)
+            st.cells[col] = stamp
+    if beats(stamp, st.tomb_clock):
+        st.tomb_clock = stamp
+    if beats(stamp, st.exist_clock):
+        st.exists, st.exist_clock = False, stamp
+    return fx
+
+
+def below(hlc: tuple[int, int], horizon: tuple[int, int] | None) -> bool:
+    """§3: strictly below a table's eviction horizon."""
+    return horizon is not None and hlc < horizon
+
+
+@dataclass
+class Rebuild:
+    writes: dict[str, tuple[Any, Stamp] | None]  # None: the column keeps no clock at all
+    partial: bool  # §13.4: the tombstone clock lies below the horizon
+
+
+def rebuild_columns(table: TableDef, columns: Iterable[str], tomb_clock: Stamp | None,
+                    candidates: Iterable[tuple[Stamp, dict[str, Any]]],
+                    horizon: tuple[int, int] | None) -> Rebuild:
+    """§13.4 / §13.6 last paragraphs: each column from the highest-HLC retained upsert that
+    carries it (with a fitting type), beats the tombstone clock and is not below the horizon.
+    No candidate: the delete's clocked null (wire-profile §2a), or no clock if never deleted."""
+    cols = list(columns)
+    best: dict[str, tuple[Any, Stamp]] = {}
+    for stamp, payload in candidates:
+        if below(stamp[:2], horizon) or not beats(stamp, tomb_clock):
+            continue
+        for col in cols:
+            if col in payload and value_fits(table.columns[col], payload[col]):
+                cur = best.get(col)
+                if cur is None or stamp > cur[1]:
+                    best[col] = (payload[col], stamp)
+    writes: dict[str, tuple[Any, Stamp] | None] = {}
+    for col in cols:
+        if col in best:
+            writes[col] = best[col]
+        elif tomb_clock is not None:
+            writes[col] = (None, tomb_clock)
+        else:
+            writes[col] = None
+    partial = tomb_clock is not None and below(tomb_clock[:2], horizon)
+    return Rebuild(writes, partial)

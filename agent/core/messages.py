@@ -1,0 +1,175 @@
+"""SSP/1 messages (§30-§34, wire-profile.md §4): strict parse, deterministic emit.
+
+A message is a handshake or a sync body according to its member set; anything else is
+rejected with a stable reason (§32.2: a malformed body never becomes an empty one)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .codec import DecodeError, decode_strict, encode
+from .ids import UINT32_MAX, UINT64_MAX
+
+SSP_VERSION = 1
+HANDSHAKE_MEMBERS = frozenset({"ssp_version", "site_id", "have_max_hlc", "supports_realtime", "secure_channel", "rtt_ms"})
+BODY_MEMBERS = frozenset({"ssp_version", "from_site_id", "have_max_hlc", "events", "records", "applied_watermarks"})
+WATERMARK_MEMBERS = frozenset({"site_id", "table_schema", "table_name", "hlc_physical_ms", "hlc_logical"})
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class ProtocolError(ValueError):
+    """A peer's message that cannot be accepted; `reason` is a stable code (never a crash)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.detail = reason, detail
+
+
+@dataclass(frozen=True)
+class Watermark:
+    site_id: bytes
+    table: str  # "schema.table"
+    hlc: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Handshake:
+    site_id: bytes
+    have_max_hlc: tuple[int, int]
+    supports_realtime: bool
+    secure_channel: bool | None  # None: a value we did not understand (fail closed)
+    rtt_ms: int | None
+    understood: bool = True  # False when some member value fell back to batch mode (§31)
+
+
+@dataclass(frozen=True)
+class SyncBody:
+    from_site_id: bytes
+    have_max_hlc: tuple[int, int]
+    events: tuple[bytes, ...] = ()
+    records: tuple[bytes, ...] = ()
+    applied_watermarks: tuple[Watermark, ...] = field(default_factory=tuple)
+
+
+def _uint(v: Any, limit: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= limit
+
+
+def _site(v: Any, what: str) -> bytes:
+    if not isinstance(v, str) or len(v) != 32 or any(c not in "0123456789abcdef" for c in v):
+        raise ProtocolError("bad_site_id", f"{what} must be 32 lowercase hex characters")
+    return bytes.fromhex(v)
+
+
+def _hlc_map(v: Any) -> tuple[int, int]:
+    if not isinstance(v, dict) or set(v) != {"physical_ms", "logical"}:
+        raise ProtocolError("bad_have_max_hlc", "have_max_hlc must be {physical_ms, logical}")
+    if not _uint(v["physical_ms"], UINT64_MAX) or not _uint(v["logical"], UINT32_MAX):
+        raise ProtocolError("bad_have_max_hlc", "have_max_hlc members must be unsigned integers")
+    return (v["physical_ms"], v["logical"])
+
+
+def _watermark(v: Any) -> Watermark:
+    if not isinstance(v, dict) or set(v) != WATERMARK_MEMBERS:
+        raise ProtocolError("bad_watermark", "a watermark must have exactly the §34 members")
+    if not isinstance(v["table_schema"], str) or not isinstance(v["table_name"], str):
+        raise ProtocolError("bad_watermark", "table_schema and table_name must be text")
+    if not _uint(v["hlc_physical_ms"], UINT64_MAX) or not _uint(v["hlc_logical"], UINT32_MAX):
+        raise ProtocolError("bad_watermark", "watermark HLC members must be unsigned integers")
+    return Watermark(_site(v["site_id"], "watermark site_id"), f"{v['table_schema']}.{v['table_name']}",
+                     (v["hlc_physical_ms"], v["hlc_logical"]))
+
+
+def parse_message(data: bytes) -> Handshake | SyncBody:
+    if not isinstance(data, (bytes, bytearray)):
+        raise ProtocolError("not_bytes")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError("too_large", f"{len(data)} bytes")
+    try:
+        obj = decode_strict(bytes(data), deterministic=False)
+    except DecodeError as e:
+        raise ProtocolError("malformed_cbor", e.reason) from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("not_a_map", "a message must be a CBOR map")
+    if "ssp_version" not in obj:
+        raise ProtocolError("missing_ssp_version", "every message carries ssp_version (§30)")
+    v = obj["ssp_version"]
+    if not _uint(v, UINT64_MAX):
+        raise ProtocolError("bad_ssp_version", "ssp_version must be an unsigned integer")
+    if v != SSP_VERSION:
+        raise ProtocolError("unknown_ssp_version", f"version {v}; this node speaks 1 (§30: fail closed)")
+    keys = set(obj)
+    if keys == BODY_MEMBERS:
+        return _parse_body(obj)
+    if keys == HANDSHAKE_MEMBERS:
+        return _parse_handshake(obj)
+    if keys & {"events", "records", "from_site_id", "applied_watermarks"}:
+        missing = sorted(BODY_MEMBERS - keys)
+        extra = sorted(keys - BODY_MEMBERS)
+        raise ProtocolError("bad_members", f"sync body members: missing {missing}, unexpected {extra} (§32.2)")
+    raise ProtocolError("bad_members", f"neither a handshake nor a sync body: {sorted(map(str, keys))}")
+
+
+def parse_body(data: bytes) -> SyncBody:
+    m = parse_message(data)
+    if not isinstance(m, SyncBody):
+        raise ProtocolError("not_a_body", "expected a sync body, got a handshake")
+    return m
+
+
+def _parse_body(obj: dict) -> SyncBody:
+    sender = _site(obj["from_site_id"], "from_site_id")
+    hmax = _hlc_map(obj["have_max_hlc"])
+    evs, recs, wms = obj["events"], obj["records"], obj["applied_watermarks"]
+    if not isinstance(evs, (list, tuple)) or not all(isinstance(e, bytes) for e in evs):
+        raise ProtocolError("bad_events", "events must be an array of byte strings")
+    if not isinstance(recs, (list, tuple)) or not all(isinstance(r, bytes) for r in recs):
+        raise ProtocolError("bad_records", "records must be an array of byte strings")
+    if not isinstance(wms, (list, tuple)):
+        raise ProtocolError("bad_watermarks", "applied_watermarks must be an array")
+    return SyncBody(sender, hmax, tuple(evs), tuple(recs), tuple(_watermark(w) for w in wms))
+
+
+def _parse_handshake(obj: dict) -> Handshake:
+    site = _site(obj["site_id"], "site_id")
+    hmax = _hlc_map(obj["have_max_hlc"])
+    understood = True
+    rt = obj["supports_realtime"]
+    if not isinstance(rt, bool):
+        rt, understood = False, False  # §31: unknown member value -> batch mode
+    sc = obj["secure_channel"]
+    if not isinstance(sc, bool):
+        sc, understood = None, False
+    rtt = obj["rtt_ms"]
+    if rtt is not None and not _uint(rtt, UINT64_MAX):
+        rtt, understood = None, False
+    return Handshake(site, hmax, rt, sc, rtt, understood)
+
+
+def _hlc_obj(h: tuple[int, int]) -> dict:
+    return {"physical_ms": h[0], "logical": h[1]}
+
+
+def emit_body(b: SyncBody) -> bytes:
+    return encode({
+        "ssp_version": SSP_VERSION,
+        "from_site_id": b.from_site_id.hex(),
+        "have_max_hlc": _hlc_obj(b.have_max_hlc),
+        "events": list(b.events),
+        "records": list(b.records),
+        "applied_watermarks": [
+            {"site_id": w.site_id.hex(), "table_schema": w.table.split(".", 1)[0],
+             "table_name": w.table.split(".", 1)[1], "hlc_physical_ms": w.hlc[0], "hlc_logical": w.hlc[1]}
+            for w in b.applied_watermarks],
+    })
+
+
+def emit_handshake(h: Handshake) -> bytes:
+    return encode({
+        "ssp_version": SSP_VERSION,
+        "site_id": h.site_id.hex(),
+        "have_max_hlc": _hlc_obj(h.have_max_hlc),
+        "supports_realtime": bool(h.supports_realtime),
+        "secure_channel": bool(h.secure_channel),
+        "rtt_ms": h.rtt_ms,
+    })

@@ -1,0 +1,142 @@
+"""The provisioning manifest (cli-contract.md `init`) and the local table schema, including
+the floor of scope excerpt §1.1. Pure: parses text, touches no file."""
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from .events import is_scalar
+from .ids import IdFormatError, parse_hlc, parse_mesh_id, parse_public_key, parse_site_id
+
+# §1.1 the floor: fixed categories, identical on every node.
+SYNCABLE = "syncable"
+NEVER_SYNCABLE = "never_syncable"
+NODE_LOCAL_DERIVED = "node_local_derived"
+CATEGORIES = (SYNCABLE, NEVER_SYNCABLE, NODE_LOCAL_DERIVED)
+
+COLUMN_TYPES = ("integer", "real", "text", "blob")
+_IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}$")
+
+
+class ManifestError(ValueError):
+    """A manifest or schema change that cannot be accepted; the message says what to fix."""
+
+
+def value_fits(col_type: str, v: Any) -> bool:
+    """wire-profile.md §2 Types: integer<->int, real<->float, text<->tstr, blob<->bstr, no coercion."""
+    if v is None:
+        return True
+    if not is_scalar(v):
+        return False
+    if col_type == "integer":
+        return isinstance(v, int)
+    if col_type == "real":
+        return isinstance(v, float)
+    if col_type == "text":
+        return isinstance(v, str)
+    if col_type == "blob":
+        return isinstance(v, bytes)
+    return False
+
+
+@dataclass(frozen=True)
+class TableDef:
+    schema: str
+    name: str
+    category: str
+    key: tuple[str, ...]
+    columns: dict[str, str] = field(hash=False)  # every column (key and value) -> type
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+    @property
+    def value_columns(self) -> tuple[str, ...]:
+        return tuple(c for c in sorted(self.columns) if c not in self.key)
+
+    def key_fits(self, row_key: dict[str, Any]) -> str | None:
+        """wire-profile.md §2 Addressing: exactly the key columns, each of a fitting non-null type."""
+        if set(row_key) != set(self.key):
+            return "row_key_columns"
+        for k in self.key:
+            v = row_key[k]
+            if v is None or not value_fits(self.columns[k], v):
+                return "row_key_type"
+        return None
+
+
+def check_ident(name: str, what: str) -> str:
+    if not isinstance(name, str) or not _IDENT.match(name) or name.lower().startswith("_ssp"):
+        raise ManifestError(f"{what} {name!r} must be a letter followed by letters, digits or _ (max 63)")
+    return name
+
+
+def table_def_from(spec: dict[str, Any]) -> TableDef:
+    schema = check_ident(spec.get("schema"), "table schema")
+    name = check_ident(spec.get("name"), "table name")
+    category = spec.get("category", SYNCABLE)
+    if category not in CATEGORIES:
+        raise ManifestError(f"table {schema}.{name}: category must be one of {', '.join(CATEGORIES)}")
+    cols = spec.get("columns")
+    if not isinstance(cols, dict) or not cols:
+        raise ManifestError(f"table {schema}.{name}: columns must be a non-empty table of name = type")
+    for c, t in cols.items():
+        check_ident(c, f"table {schema}.{name}: column")
+        if t not in COLUMN_TYPES:
+            raise ManifestError(f"table {schema}.{name}: column {c} has type {t!r}; use one of {', '.join(COLUMN_TYPES)}")
+    key = spec.get("key")
+    if not isinstance(key, list) or not key or not all(isinstance(k, str) for k in key):
+        raise ManifestError(f"table {schema}.{name}: key must be a non-empty list of column names")
+    if len(set(key)) != len(key) or any(k not in cols for k in key):
+        raise ManifestError(f"table {schema}.{name}: key columns must be distinct columns of the table")
+    return TableDef(schema, name, category, tuple(key), dict(cols))
+
+
+@dataclass(frozen=True)
+class PeerEntry:
+    site_id: bytes
+    public_key: bytes
+    retired_after: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class Manifest:
+    mesh_id: bytes
+    authorities: tuple[bytes, ...]
+    peers: tuple[PeerEntry, ...]
+    tables: tuple[TableDef, ...]
+    evictable: tuple[str, ...]  # qualified names the manifest declares evictable (§3)
+
+
+def parse_manifest(text: str) -> Manifest:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ManifestError(f"manifest is not valid TOML: {e}") from None
+    known = {"mesh_id", "authorities", "peers", "tables", "evictable"}
+    extra = set(doc) - known
+    if extra:
+        raise ManifestError(f"unknown manifest keys: {', '.join(sorted(extra))}")
+    try:
+        mesh_id = parse_mesh_id(doc.get("mesh_id"))
+        authorities = tuple(parse_site_id(a, "authority") for a in doc.get("authorities", []))
+        peers = []
+        for p in doc.get("peers", []):
+            ra = p.get("retired_after")
+            peers.append(PeerEntry(parse_site_id(p.get("site_id"), "peer site_id"),
+                                   parse_public_key(p.get("public_key")),
+                                   parse_hlc(ra) if ra is not None else None))
+    except IdFormatError as e:
+        raise ManifestError(str(e)) from None
+    tables = tuple(table_def_from(t) for t in doc.get("tables", []))
+    names = [t.qualified for t in tables]
+    if len(set(names)) != len(names):
+        raise ManifestError("a table is declared twice")
+    evictable = tuple(doc.get("evictable", []))
+    for e in evictable:
+        if e not in names:
+            raise ManifestError(f"evictable table {e!r} is not declared in [[tables]]")
+    return Manifest(mesh_id, authorities, tuple(peers), tables, evictable)

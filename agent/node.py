@@ -1,0 +1,551 @@
+"""The node runtime: the one apply path (§12), local writes through the keystore bridge,
+materialization (§13) and the operator's views. Transports, the mailbox and the CLI all
+call `Node.apply_batch`; nothing else writes rows."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from firmware_bridge import EventIdentity, OutcomeUnknown, SigningBridge, open_keystore
+
+from . import identity as ident
+from .core import cose, events as ev
+from .core.clock import Hlc, beyond_skew
+from .core.codec import DecodeError, decode_strict, encode
+from .core.merge import Effects, RowState, below, merge_delete, merge_upsert, rebuild_columns
+from .core.schema import SYNCABLE, Manifest, ManifestError, TableDef, parse_manifest, table_def_from
+from .outcomes import APPLIED, DROPPED, DUPLICATE, HELD, REJECTED, Outcome
+from .store import db, rows as rowstore
+
+log = logging.getLogger("ssp_agent")
+
+EVENT_KEY = "events"  # the key name of the node's event-signing key in its keystore
+HELD_LIMIT_PER_TABLE = 10_000  # a fictional table cannot fill the disk (§13.6 held row)
+SURFACED_LIMIT = 100_000
+
+
+class NodeError(RuntimeError):
+    """A refusal the operator must see (exit 2 in the CLI); the message says what to do."""
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass
+class _Table:
+    tdef: TableDef
+    rows: rowstore.RowStore
+    horizon: tuple[int, int] | None
+
+
+class Node:
+    STORE_FILE = "store.sqlite"
+    IDENTITY_FILE = "identity.json"
+
+    def __init__(self, home: Path, conn: sqlite3.Connection, bridge: SigningBridge | None) -> None:
+        self.home = home
+        self.conn = conn
+        self.bridge = bridge
+        self.site_id: bytes = bytes(db.get_meta(conn, "site_id"))
+        self.mesh_id: bytes = bytes(db.get_meta(conn, "mesh_id"))
+        self.authorities: set[bytes] = {bytes.fromhex(a) for a in json.loads(db.get_meta(conn, "authorities", "[]"))}
+        self.evictable: set[str] = set(json.loads(db.get_meta(conn, "evictable", "[]")))
+        self._load_caches()
+        self.clock = self._resume_clock()
+        # A crash between creating a table and releasing its held events: finish it now.
+        for (q,) in conn.execute("SELECT DISTINCT qualified FROM held").fetchall():
+            if q in self.tables:
+                self.retry_held(q)
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def init(cls, home: Path, manifest_text: str, keystore: dict | None = None) -> tuple["Node", bytes]:
+        """Create a node: identity, keystore key, store, manifest tables. Returns (node, public_key)."""
+        home = Path(home)
+        if (home / cls.STORE_FILE).exists() or (home / cls.IDENTITY_FILE).exists():
+            raise NodeError(f"{home} already holds a node; choose an empty directory (a node is never re-initialised in place)")
+        manifest = parse_manifest(manifest_text)
+        home.mkdir(parents=True, exist_ok=True)
+        os.chmod(home, 0o700)
+        site_id = os.urandom(16)
+        ks_conf = dict(keystore or {"kind": "software", "dir": str(home / "keystore")})
+        ks = open_keystore(ks_conf)
+        public_key = ks.generate_key(EVENT_KEY, "ed25519")
+        conn = db.connect(home / cls.STORE_FILE)
+        db.create(conn)
+        with _txn(conn):
+            db.set_meta(conn, "site_id", site_id)
+            db.set_meta(conn, "mesh_id", manifest.mesh_id)
+            db.set_meta(conn, "public_key", public_key)
+            db.set_meta(conn, "authorities", json.dumps([a.hex() for a in manifest.authorities]))
+            db.set_meta(conn, "evictable", json.dumps(list(manifest.evictable)))
+            db.set_meta(conn, "keystore", json.dumps(ks_conf))
+            db.set_meta(conn, "machine", ident.machine_fingerprint())
+            db.set_meta(conn, "clock_ceiling", 0)
+            conn.execute("INSERT INTO keyring VALUES (?, ?, NULL, NULL, 'self')", (site_id, public_key))
+            for p in manifest.peers:
+                if p.site_id == site_id:
+                    continue
+                ra = p.retired_after
+                conn.execute("INSERT OR REPLACE INTO keyring VALUES (?, ?, ?, ?, 'manifest')",
+                             (p.site_id, p.public_key, ra[0] if ra else None, ra[1] if ra else None))
+            for t in manifest.tables:
+                _create_table_rows(conn, t, t.qualified in manifest.evictable)
+        _write_identity_file(home, site_id, public_key, manifest.mesh_id, ks_conf)
+        ks.close() if hasattr(ks, "close") else None
+        return cls.open(home), public_key
+
+    @classmethod
+    def open(cls, home: Path, *, check_machine: bool = True) -> "Node":
+        home = Path(home)
+        path = home / cls.STORE_FILE
+        if not path.exists():
+            raise NodeError(f"{home} holds no node; create one with `ssp-agent --home {home} init --manifest FILE`")
+        conn = db.connect(path)
+        if check_machine:
+            bound = db.get_meta(conn, "machine")
+            here = ident.machine_fingerprint()
+            if bound is not None and bound != here:
+                site = bytes(db.get_meta(conn, "site_id")).hex()
+                conn.close()
+                raise NodeError(
+                    f"this home belongs to site {site}, created on another machine ({bound}, this is {here}). "
+                    "Running it here would make two devices sign as one site_id. Initialise a new node on this "
+                    "device, or, only if the original device is destroyed, run "
+                    f"`ssp-agent --home {home} identity rebind --confirm-original-destroyed`.")
+        ks_conf = json.loads(db.get_meta(conn, "keystore"))
+        bridge = SigningBridge(open_keystore(ks_conf), str(home / "sign-journal"))
+        return cls(home, conn, bridge)
+
+    def rebind_machine(self) -> None:
+        with _txn(self.conn):
+            db.set_meta(self.conn, "machine", ident.machine_fingerprint())
+
+    def close(self) -> None:
+        if self.bridge is not None:
+            self.bridge.close()
+            self.bridge = None
+        self.conn.close()
+
+    def _load_caches(self) -> None:
+        """Rebuilt from the database on every open: it is the only source of truth."""
+        self.keyring: dict[bytes, tuple[bytes, tuple[int, int] | None]] = {}
+        for sid, pk, rp, rl, _src in self.conn.execute("SELECT * FROM keyring"):
+            self.keyring[bytes(sid)] = (bytes(pk), None if rp is None else (rp, rl))
+        self.tables: dict[str, _Table] = {}
+        for q, sch, name, cat, key_json, cols_json, _evict, hp, hl in self.conn.execute("SELECT * FROM tables"):
+            t = TableDef(sch, name, cat, tuple(json.loads(key_json)), json.loads(cols_json))
+            self.tables[q] = _Table(t, rowstore.RowStore(self.conn, t), (hp, hl) if (hp, hl) != (0, 0) else None)
+
+    def _resume_clock(self) -> Hlc:
+        """§13.5 clock durability. Every HLC this node may have released has a durable
+        signing intent in the bridge journal, so normally the clock resumes just above the
+        highest of those. If the store's ceiling is behind the witness kept outside the home
+        (the home was restored from an older copy) or the record is gone, it resumes above the
+        highest ceiling ever persisted instead: that bounds everything issued before."""
+        store_ceiling = int(db.get_meta(self.conn, "clock_ceiling", 0))
+        witness = ident.read_witness(self.site_id)
+        seen = [self._max_own_hlc()]
+        if self.bridge is not None:
+            seen.append(self.bridge.max_event_hlc(self.site_id))
+        highest = max((s for s in seen if s is not None), default=None)
+        if witness > store_ceiling or (highest is None and store_ceiling > 0):
+            log.warning("clock: state older than its witness (restored copy?); resuming above ceiling %d",
+                        max(witness, store_ceiling))
+            return Hlc.resume(max(witness, store_ceiling), highest)
+        clock = Hlc.resume(0, highest)
+        clock.ceiling_ms = store_ceiling  # still binding: the next tick past it persists a new one
+        return clock
+
+    def _max_own_hlc(self) -> tuple[int, int] | None:
+        r = self.conn.execute("SELECT hlc_p, hlc_l FROM events WHERE site_id=? ORDER BY hlc_p DESC, hlc_l DESC LIMIT 1",
+                              (self.site_id,)).fetchone()
+        return None if r is None else (r[0], r[1])
+
+    # ------------------------------------------------------------------ the apply path (§12)
+    def apply_batch(self, raws: Iterable[bytes], now: int | None = None, origin: str = "remote") -> list[Outcome]:
+        """Apply events in one transaction; each event is atomic on its own (a savepoint:
+        log insert, clocks, row and metering commit together or not at all)."""
+        now = now_ms() if now is None else now
+        with _txn(self.conn):
+            return self._apply_in_txn(raws, now, origin)
+
+    def _apply_in_txn(self, raws: Iterable[bytes], now: int, origin: str) -> list[Outcome]:
+        out: list[Outcome] = []
+        for raw in raws:
+            self.conn.execute("SAVEPOINT ev")
+            try:
+                out.append(self._apply_one(raw, now, origin))
+            except Exception:
+                self.conn.execute("ROLLBACK TO ev")
+                self.conn.execute("RELEASE ev")
+                raise
+            self.conn.execute("RELEASE ev")
+        return out
+
+    def _apply_one(self, raw: bytes, now: int, origin: str) -> Outcome:
+        """The one apply path: §12 steps in the spec's order, then §13 materialization."""
+        if not isinstance(raw, (bytes, bytearray)):
+            return self._surface(Outcome(DROPPED, "not_bytes"), now)
+        raw = bytes(raw)
+        eid = ev.event_id(raw)
+        # Envelope: tag 18, empty unprotected map, deterministic bytes (wire-profile §2): else dropped.
+        try:
+            sign1 = cose.parse_sign1(raw)
+        except DecodeError as e:
+            return self._surface(Outcome(DROPPED, e.reason, eid), now)
+        if sign1.content_type != ev.EVENT_CONTENT_TYPE:
+            return self._surface(Outcome(DROPPED, "not_an_event", eid), now)
+        kid = sign1.kid
+        # §32.1 self-echo suppression, on every path (local writes are ours by construction).
+        if origin != "local" and kid == self.site_id:
+            return Outcome(DROPPED, "self_echo", eid, kid)
+        # Identical bytes were verified when first applied: a known event_id is a no-op (§12.4).
+        known = self._known(eid)
+        if known == "log":
+            return Outcome(DUPLICATE, "duplicate", eid, kid, verified=True)
+        if known == "held":
+            return Outcome(HELD, "already_held", eid, kid, verified=True)
+        # §12.1 signature verification: kid in the keyring, valid signature, retirement cutoff.
+        entry = self.keyring.get(kid)
+        if entry is None:
+            return self._surface(Outcome(DROPPED, "unknown_kid", eid, kid), now)
+        if not cose.verify_ed25519(entry[0], sign1.sig_structure(self.mesh_id), sign1.signature):
+            return self._surface(Outcome(DROPPED, "bad_signature", eid, kid), now)
+        try:
+            e = ev.event_from_verified(raw, sign1)
+        except DecodeError as err:
+            return self._surface(Outcome(DROPPED, err.reason, eid, kid, verified=True), now)
+        base = dict(event_id=eid, site_id=kid, table=e.table, hlc=e.hlc, verified=True)
+        if entry[1] is not None and e.hlc > entry[1]:
+            return self._surface(Outcome(DROPPED, "retired_signer", **base), now)
+        # §12.2 skew bound: rejected and not retained; the sender re-offers it.
+        if beyond_skew(e.hlc[0], now):
+            return self._surface(Outcome(REJECTED, "clock_skew", **base), now)
+        # §12.3 scope: a missing table is held (§13.6 row 1); outside the floor is dropped and logged.
+        tbl = self.tables.get(e.table)
+        if tbl is None:
+            return self._hold(e, now, base)
+        if tbl.tdef.category != SYNCABLE:
+            log.info("dropped %s: table %s is %s (outside the floor)", eid.hex(), e.table, tbl.tdef.category)
+            return self._surface(Outcome(DROPPED, "out_of_floor", **base), now, kind="logged")
+        bad_key = tbl.tdef.key_fits(e.row_key)
+        if bad_key:
+            return self._surface(Outcome(DROPPED, bad_key, **base), now)
+        # §3: below the table's eviction horizon counts as applied and writes nothing.
+        if below(e.hlc, tbl.horizon):
+            return Outcome(APPLIED, "below_horizon", **base)
+        # §12.4 idempotent insert keyed on event_id.
+        rk = rowstore.row_key_bytes(e.row_key)
+        cur = self.conn.execute(
+            "INSERT OR IGNORE INTO events (event_id, site_id, hlc_p, hlc_l, qualified, row_key, operation, raw, origin)"
+            " VALUES (?,?,?,?,?,?,?,?,?)", (eid, kid, e.hlc[0], e.hlc[1], e.table, rk, e.operation, raw, origin))
+        if cur.rowcount == 0:
+            return Outcome(DUPLICATE, "duplicate", **base)
+        # §12.5 HLC observe.
+        self.clock.observe(e.hlc, now)
+        self._materialize(tbl, e, rk, now)
+        return Outcome(APPLIED, "applied", **base)
+
+    def _known(self, eid: bytes) -> str | None:
+        if self.conn.execute("SELECT 1 FROM events WHERE event_id=?", (eid,)).fetchone():
+            return "log"
+        if self.conn.execute("SELECT 1 FROM held WHERE event_id=?", (eid,)).fetchone():
+            return "held"
+        return None
+
+    def _materialize(self, tbl: _Table, e: ev.Event, rk: bytes, now: int) -> None:
+        """§13: compute the effects from the row's clocks, then write them."""
+        state = tbl.rows.load(rk) or RowState()
+        fx: Effects
+        if e.operation == "delete":
+            fx = merge_delete(tbl.tdef, state, e.stamp)
+        else:
+            fx = merge_upsert(tbl.tdef, state, e.stamp, e.payload or {})
+        writes: dict[str, Any] = dict(fx.writes)
+        if fx.resurrected:
+            rb = rebuild_columns(tbl.tdef, tbl.tdef.value_columns, fx.state.tomb_clock,
+                                 self._candidates(tbl.tdef, rk), tbl.horizon)
+            writes = rb.writes
+            row_txt = json.dumps(_jsonable(e.row_key), sort_keys=True)
+            if rb.partial:
+                # §13.4 MUST: never present a partial rebuild as complete; name row and horizon.
+                h = tbl.horizon
+                self._record("partial_rebuild", "tombstone_below_horizon", e, now,
+                             {"row_key": _jsonable(e.row_key), "horizon": f"{h[0]}.{h[1]}",
+                              "tombstone": f"{fx.state.tomb_clock[0]}.{fx.state.tomb_clock[1]}"})
+                log.warning("partial resurrection rebuild of %s %s: history below horizon %s.%s is evicted",
+                            e.table, row_txt, h[0], h[1])
+            else:
+                self._record("resurrection", "resurrected", e, now, {"row_key": _jsonable(e.row_key)})
+        tbl.rows.save(rk, e.row_key, fx.state, writes)
+        if fx.ignored:
+            # §13.6: meter ignored columns per (site, table, column).
+            self.conn.executemany(
+                "INSERT INTO ignored_columns VALUES (?,?,?,1,?,?) ON CONFLICT(site_id, qualified, column_name)"
+                " DO UPDATE SET count = count + 1, last_ms = excluded.last_ms",
+                [(e.site_id, e.table, c, now, now) for c in fx.ignored])
+
+    def _candidates(self, t: TableDef, rk: bytes) -> Iterable[tuple[tuple[int, int, bytes], dict]]:
+        """Retained upserts of one row (the rebuild filters by tombstone clock and horizon)."""
+        for sid, p, l, raw in self.conn.execute(
+                "SELECT site_id, hlc_p, hlc_l, raw FROM events WHERE qualified=? AND row_key=? AND operation='upsert'",
+                (t.qualified, rk)):
+            payload = decode_strict(cose.parse_sign1(bytes(raw)).payload_bytes)["payload"]
+            yield (p, l, bytes(sid)), dict(payload)
+
+    def _hold(self, e: ev.Event, now: int, base: dict) -> Outcome:
+        n = self.conn.execute("SELECT count(*) FROM held WHERE qualified=?", (e.table,)).fetchone()[0]
+        if n >= HELD_LIMIT_PER_TABLE:
+            # Retain nothing more for a table that may never exist; the sender re-offers later.
+            return self._surface(Outcome(REJECTED, "held_limit", **base), now)
+        self.conn.execute("INSERT OR IGNORE INTO held (event_id, site_id, qualified, hlc_p, hlc_l, raw, received_ms)"
+                          " VALUES (?,?,?,?,?,?,?)", (e.event_id, e.site_id, e.table, e.hlc[0], e.hlc[1], e.raw, now))
+        return self._surface(Outcome(HELD, "table_missing", **base), now, kind="held")
+
+    def _surface(self, o: Outcome, now: int, kind: str | None = None) -> Outcome:
+        """Record what the spec says to surface (or log) where `ssp-agent events` lists it."""
+        kind = kind or o.status
+        self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, event_id, site_id, qualified, detail)"
+                          " VALUES (?,?,?,?,?,?,?)",
+                          (now, kind, o.reason, o.event_id, o.site_id if o.verified else None, o.table,
+                           json.dumps({"status": o.status, "claimed_kid": None if o.verified or o.site_id is None
+                                       else o.site_id.hex()})))
+        if kind != "logged":
+            log.warning("%s %s: %s", o.status, o.event_id.hex() if o.event_id else "-", o.reason)
+        return o
+
+    def _record(self, kind: str, reason: str, e: ev.Event, now: int, detail: dict) -> None:
+        self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, event_id, site_id, qualified, detail)"
+                          " VALUES (?,?,?,?,?,?,?)",
+                          (now, kind, reason, e.event_id, e.site_id, e.table, json.dumps(detail, sort_keys=True)))
+
+    # ------------------------------------------------------------------ local writes
+    def write(self, table: str, key: dict[str, Any], values: dict[str, Any] | None, *, delete: bool = False,
+              now: int | None = None) -> bytes:
+        return self.write_many([(table, key, values, delete)], now=now)[0]
+
+    def write_many(self, writes: list[tuple[str, dict, dict | None, bool]], now: int | None = None) -> list[bytes]:
+        """Produce signed local events: tick the HLC (durable ceiling first), sign and persist
+        through the bridge (one group commit), then apply through the one apply path."""
+        now = now_ms() if now is None else now
+        payloads = []
+        for table, key, values, delete in writes:
+            tbl = self.tables.get(table)
+            if tbl is None:
+                raise NodeError(f"no table {table!r} on this node (known: {', '.join(sorted(self.tables)) or 'none'})")
+            if tbl.tdef.category != SYNCABLE:
+                # §1.1: a producer emitting out-of-floor data has a bug that silence would hide.
+                raise NodeError(f"{table} is {tbl.tdef.category}: it never leaves this node and takes no events")
+            bad = tbl.tdef.key_fits(key)
+            if bad:
+                raise NodeError(f"--key must give exactly the key columns {list(tbl.tdef.key)} with fitting types ({bad})")
+            if not delete:
+                if not isinstance(values, dict):
+                    raise NodeError("--set must be a JSON object of column values")
+                from .core.schema import value_fits
+                for c, v in values.items():
+                    if c not in tbl.tdef.value_columns:
+                        raise NodeError(f"{table} has no value column {c!r} (value columns: {', '.join(tbl.tdef.value_columns)})")
+                    if not value_fits(tbl.tdef.columns[c], v):
+                        raise NodeError(f"column {c} is {tbl.tdef.columns[c]}; {v!r} does not fit")
+            payloads.append((tbl.tdef, key, None if delete else values, "delete" if delete else "upsert"))
+        raws = self._sign_events(payloads, now)
+        outs = self.apply_batch(raws, now, origin="local")
+        for o in outs:
+            if o.status != APPLIED:
+                raise NodeError(f"local event was not applied: {o.status} ({o.reason})")
+        return [o.event_id for o in outs]
+
+    def _tick(self, now: int) -> tuple[int, int]:
+        need = self.clock.needs_ceiling(now)
+        if need is not None:
+            # Persist the ceiling (and its witness outside the home) before issuing past it.
+            with _txn(self.conn):
+                db.set_meta(self.conn, "clock_ceiling", need)
+            ident.write_witness(self.site_id, need)
+            self.clock.set_ceiling(need)
+        return self.clock.tick(now)
+
+    def _sign_events(self, payloads: list[tuple[TableDef, dict, dict | None, str]], now: int) -> list[bytes]:
+        assert self.bridge is not None, "node opened without a keystore bridge"
+        for _attempt in range(8):
+            items = []
+            for t, key, values, op in payloads:
+                hlc = self._tick(now)
+                pb = ev.payload_bytes(t.schema, t.name, key, op, values, hlc)
+                protected, tbs = ev.to_be_signed(self.site_id, self.mesh_id, pb)
+                items.append((EventIdentity(self.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs,
+                              lambda sig, pr=protected, pl=pb: cose.assemble(pr, pl, sig)))
+            try:
+                return self.bridge.release_many(items)
+            except OutcomeUnknown:
+                # wire-profile §2: an HLC whose release is unknown is spent; tick past it and sign anew.
+                hi = self.bridge.max_event_hlc(self.site_id)
+                if hi is not None:
+                    self.clock.observe(hi, now)
+        raise NodeError("the keystore journal keeps reporting unknown outcomes; check the keystore")
+
+    # ------------------------------------------------------------------ schema and horizons
+    def create_table(self, spec: dict, evictable: bool = False) -> list[Outcome]:
+        """Create a table, then apply the events held for it (§13.6 row 1)."""
+        t = table_def_from(spec)
+        if t.qualified in self.tables:
+            raise NodeError(f"table {t.qualified} already exists")
+        with _txn(self.conn):
+            _create_table_rows(self.conn, t, evictable)
+        self._load_caches()
+        return self.retry_held(t.qualified)
+
+    def retry_held(self, qualified: str, now: int | None = None) -> list[Outcome]:
+        now = now_ms() if now is None else now
+        if qualified not in self.tables:
+            return []
+        with _txn(self.conn):  # release and re-apply in one transaction: nothing is lost between
+            rows = self.conn.execute("SELECT seq, raw FROM held WHERE qualified=? ORDER BY seq", (qualified,)).fetchall()
+            self.conn.execute("DELETE FROM held WHERE qualified=?", (qualified,))
+            return self._apply_in_txn([bytes(r[1]) for r in rows], now, "remote")
+
+    def add_column(self, table: str, column: str, col_type: str) -> int:
+        """Schema evolution: add a value column and rebuild it from the retained log by the
+        resurrection-rebuild rule (§13.6 last paragraphs), in one transaction. Returns rows rebuilt."""
+        tbl = self.tables.get(table)
+        if tbl is None:
+            raise NodeError(f"no table {table!r}")
+        if column in tbl.tdef.columns:
+            raise NodeError(f"{table} already has a column {column!r}")
+        cols = dict(tbl.tdef.columns)
+        cols[column] = col_type
+        try:
+            newdef = table_def_from({"schema": tbl.tdef.schema, "name": tbl.tdef.name, "category": tbl.tdef.category,
+                                     "key": list(tbl.tdef.key), "columns": cols})
+        except ManifestError as e:
+            raise NodeError(str(e)) from None
+        n = 0
+        with _txn(self.conn):
+            rowstore.add_column(self.conn, newdef, column)
+            self.conn.execute("UPDATE tables SET columns_json=? WHERE qualified=?",
+                              (json.dumps(cols, sort_keys=True), table))
+            rs = rowstore.RowStore(self.conn, newdef)
+            for rk, key in list(rs.all_row_keys()):
+                state = rs.load(rk)
+                rb = rebuild_columns(newdef, [column], state.tomb_clock, self._candidates(newdef, rk), tbl.horizon)
+                if rb.writes[column] is not None:
+                    rs.save(rk, key, state, {column: rb.writes[column]})
+                    n += 1
+        self._load_caches()
+        return n
+
+    def raise_horizon(self, table: str, horizon: tuple[int, int]) -> None:
+        """§3: horizons are monotonic; only rehydration lowers one (to zero)."""
+        tbl = self.tables.get(table)
+        if tbl is None:
+            raise NodeError(f"no table {table!r}")
+        cur = tbl.horizon or (0, 0)
+        if horizon < cur:
+            raise NodeError(f"{table}: horizon {horizon[0]}.{horizon[1]} is below the current {cur[0]}.{cur[1]}; "
+                            "horizons never move back (only rehydration resets them)")
+        with _txn(self.conn):
+            self.conn.execute("UPDATE tables SET horizon_p=?, horizon_l=? WHERE qualified=?",
+                              (horizon[0], horizon[1], table))
+        tbl.horizon = horizon if horizon != (0, 0) else None
+
+    # ------------------------------------------------------------------ keyring
+    def add_peer(self, site_id: bytes, public_key: bytes, retired_after: tuple[int, int] | None,
+                 source: str = "operator") -> None:
+        if site_id == self.site_id:
+            raise NodeError("that is this node's own site_id; a node does not add itself as a peer")
+        if len(public_key) != 32:
+            raise NodeError("public key must be 32 bytes (Ed25519)")
+        with _txn(self.conn):
+            self.conn.execute("INSERT OR REPLACE INTO keyring VALUES (?,?,?,?,?)",
+                              (site_id, public_key, retired_after[0] if retired_after else None,
+                               retired_after[1] if retired_after else None, source))
+        self.keyring[site_id] = (public_key, retired_after)
+
+    # ------------------------------------------------------------------ views
+    def dump(self) -> dict[str, list]:
+        return {q: t.rows.dump() for q, t in sorted(self.tables.items())}
+
+    def log_entries(self) -> Iterable[dict]:
+        for eid, sid, p, l, q, rk, op in self.conn.execute(
+                "SELECT event_id, site_id, hlc_p, hlc_l, qualified, row_key, operation FROM events ORDER BY seq"):
+            yield {"event_id": bytes(eid).hex(), "site_id": bytes(sid).hex(), "hlc": f"{p}.{l}", "table": q,
+                   "operation": op, "row_key": decode_strict(bytes(rk))}
+
+    def surfaced(self, limit: int = 1000) -> list[dict]:
+        out = []
+        for seq, at, kind, reason, eid, sid, q, detail in self.conn.execute(
+                "SELECT * FROM surfaced ORDER BY seq DESC LIMIT ?", (limit,)):
+            d = {"seq": seq, "at_ms": at, "kind": kind, "reason": reason}
+            if eid is not None:
+                d["event_id"] = bytes(eid).hex()
+            if sid is not None:
+                d["site_id"] = bytes(sid).hex()
+            if q is not None:
+                d["table"] = q
+            if detail:
+                d["detail"] = json.loads(detail)
+            out.append(d)
+        return out[::-1]
+
+    def ignored_columns(self) -> list[dict]:
+        return [{"site_id": bytes(s).hex(), "table": q, "column": c, "count": n, "first_ms": f, "last_ms": la}
+                for s, q, c, n, f, la in self.conn.execute("SELECT * FROM ignored_columns ORDER BY 1,2,3")]
+
+    def status(self) -> dict:
+        return {"site_id": self.site_id.hex(), "mesh_id": self.mesh_id.hex(),
+                "public_key": bytes(db.get_meta(self.conn, "public_key")).hex(),
+                "keystore": self.bridge.describe() if self.bridge else None,
+                "events": self.conn.execute("SELECT count(*) FROM events").fetchone()[0],
+                "held": self.conn.execute("SELECT count(*) FROM held").fetchone()[0],
+                "tables": {q: {"category": t.tdef.category,
+                               "horizon": f"{t.horizon[0]}.{t.horizon[1]}" if t.horizon else "0.0"}
+                           for q, t in sorted(self.tables.items())}}
+
+
+def _create_table_rows(conn: sqlite3.Connection, t: TableDef, evictable: bool) -> None:
+    conn.execute("INSERT INTO tables (qualified, schema_name, table_name, category, key_json, columns_json, evictable)"
+                 " VALUES (?,?,?,?,?,?,?)", rowstore.table_def_row(t) + (int(evictable),))
+    rowstore.create_table(conn, t)
+
+
+def _write_identity_file(home: Path, site_id: bytes, public_key: bytes, mesh_id: bytes, ks: dict) -> None:
+    """A human-readable card of who this node is (never secrets)."""
+    data = {"site_id": site_id.hex(), "public_key": public_key.hex(), "mesh_id": mesh_id.hex(),
+            "keystore": ks.get("kind")}
+    (home / Node.IDENTITY_FILE).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return {"$bytes": v.hex()}
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+class _txn:
+    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on any exception."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.conn.execute("BEGIN IMMEDIATE")
+        return self.conn
+
+    def __exit__(self, et, e, tb) -> None:
+        if et is None:
+            self.conn.execute("COMMIT")
+        else:
+            self.conn.execute("ROLLBACK")

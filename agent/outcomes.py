@@ -1,0 +1,37 @@
+"""Per-event outcomes of the apply path: values with a reason code, never exceptions (§12, §13.6)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+APPLIED, DUPLICATE, DROPPED, REJECTED, HELD = "applied", "duplicate", "dropped", "rejected", "held"
+STATUSES = (APPLIED, DUPLICATE, DROPPED, REJECTED, HELD)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str
+    reason: str
+    event_id: bytes | None = None
+    site_id: bytes | None = None  # the signed kid; only trustworthy when `verified`
+    table: str | None = None
+    hlc: tuple[int, int] | None = None
+    verified: bool = False  # the signature verified, so site_id/table/hlc are authentic
+
+    def as_json(self) -> dict:
+        d = {"status": self.status, "reason": self.reason}
+        if self.event_id is not None:
+            d["event_id"] = self.event_id.hex()
+        if self.site_id is not None and self.verified:
+            d["site_id"] = self.site_id.hex()
+        if self.table is not None:
+            d["table"] = self.table
+        if self.hlc is not None:
+            d["hlc"] = f"{self.hlc[0]}.{self.hlc[1]}"
+        return d
+
+
+def counts(outcomes: list[Outcome]) -> dict[str, int]:
+    c = {s: 0 for s in STATUSES}
+    for o in outcomes:
+        c[o.status] += 1
+    return c

@@ -1,0 +1,142 @@
+"""Materialized rows (§13): one base table per local table holding the key columns, the
+value columns, and the clocks the merge needs (existence, tombstone, one per column); and a
+view named `schema.table` that shows the rows that exist.
+
+A stamp is stored as one BLOB whose bytewise order is the §13.1 order:
+physical_ms (8 bytes BE) || logical (4 bytes BE) || site_id (16 bytes)."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import struct
+from typing import Any, Iterable
+
+from ..core.codec import encode
+from ..core.merge import RowState, Stamp
+from ..core.schema import TableDef
+
+_ST = struct.Struct(">QI")
+
+
+def pack_stamp(s: Stamp | None) -> bytes | None:
+    return None if s is None else _ST.pack(s[0], s[1]) + s[2]
+
+
+def unpack_stamp(b: bytes | None) -> Stamp | None:
+    if b is None:
+        return None
+    p, l = _ST.unpack_from(b)
+    return (p, l, bytes(b[12:]))
+
+
+def q(ident: str) -> str:
+    return '"' + ident.replace('"', '""') + '"'
+
+
+def base_name(t: TableDef) -> str:
+    return f"_ssp_rows.{t.qualified}"
+
+
+def row_key_bytes(row_key: dict[str, Any]) -> bytes:
+    """The canonical address of a row: deterministic CBOR of its key map."""
+    return encode(row_key)
+
+
+def create_table(conn: sqlite3.Connection, t: TableDef) -> None:
+    # Columns carry no declared type: SQLite then never coerces (wire-profile §2: no coercion).
+    cols = [q(c) for c in t.key] + [q(c) for c in t.value_columns]
+    cols += ["_ex INTEGER NOT NULL DEFAULT 0", "_ex_c BLOB", "_tomb_c BLOB", "_rk BLOB PRIMARY KEY"]
+    cols += [q("_c_" + c) + " BLOB" for c in t.value_columns]
+    conn.execute(f"CREATE TABLE {q(base_name(t))} ({', '.join(cols)}) WITHOUT ROWID")
+    create_view(conn, t)
+
+
+def create_view(conn: sqlite3.Connection, t: TableDef) -> None:
+    conn.execute(f"DROP VIEW IF EXISTS {q(t.qualified)}")
+    shown = ", ".join(q(c) for c in list(t.key) + list(t.value_columns))
+    conn.execute(f"CREATE VIEW {q(t.qualified)} AS SELECT {shown} FROM {q(base_name(t))} WHERE _ex = 1")
+
+
+def add_column(conn: sqlite3.Connection, t: TableDef, column: str) -> None:
+    conn.execute(f"ALTER TABLE {q(base_name(t))} ADD COLUMN {q(column)}")
+    conn.execute(f"ALTER TABLE {q(base_name(t))} ADD COLUMN {q('_c_' + column)} BLOB")
+    create_view(conn, t)
+
+
+class RowStore:
+    """Reads and writes one table's rows; SQL is built once per table and column set."""
+
+    def __init__(self, conn: sqlite3.Connection, t: TableDef) -> None:
+        self.conn, self.t = conn, t
+        self.vcols = t.value_columns
+        clock_cols = ", ".join(q("_c_" + c) for c in self.vcols)
+        self._select = (f"SELECT _ex, _ex_c, _tomb_c{', ' + clock_cols if clock_cols else ''} "
+                        f"FROM {q(base_name(t))} WHERE _rk = ?")
+        self._upserts: dict[tuple[str, ...], str] = {}
+
+    def load(self, rk: bytes) -> RowState | None:
+        r = self.conn.execute(self._select, (rk,)).fetchone()
+        if r is None:
+            return None
+        cells = {c: unpack_stamp(r[3 + i]) for i, c in enumerate(self.vcols) if r[3 + i] is not None}
+        return RowState(bool(r[0]), unpack_stamp(r[1]), unpack_stamp(r[2]), cells)
+
+    def _upsert_sql(self, cols: tuple[str, ...]) -> str:
+        sql = self._upserts.get(cols)
+        if sql is None:
+            names = ["_rk", "_ex", "_ex_c", "_tomb_c"] + list(self.t.key)
+            for c in cols:
+                names += [c, "_c_" + c]
+            placeholders = ", ".join("?" for _ in names)
+            updates = ["_ex = excluded._ex", "_ex_c = excluded._ex_c", "_tomb_c = excluded._tomb_c"]
+            for c in cols:
+                updates += [f"{q(c)} = excluded.{q(c)}", f"{q('_c_' + c)} = excluded.{q('_c_' + c)}"]
+            sql = (f"INSERT INTO {q(base_name(self.t))} ({', '.join(q(n) for n in names)}) VALUES ({placeholders}) "
+                   f"ON CONFLICT(_rk) DO UPDATE SET {', '.join(updates)}")
+            self._upserts[cols] = sql
+        return sql
+
+    def save(self, rk: bytes, row_key: dict[str, Any], state: RowState,
+             writes: dict[str, tuple[Any, Stamp] | None]) -> None:
+        """Write the row's clocks and the given column writes (None: drop the column's clock)."""
+        cols = tuple(sorted(writes))
+        params: list[Any] = [rk, int(state.exists), pack_stamp(state.exist_clock), pack_stamp(state.tomb_clock)]
+        params += [row_key[k] for k in self.t.key]
+        for c in cols:
+            w = writes[c]
+            params += [None, None] if w is None else [w[0], pack_stamp(w[1])]
+        self.conn.execute(self._upsert_sql(cols), params)
+
+    def dump(self) -> list[dict[str, Any]]:
+        """The rows that exist, sorted by key; `values` holds only columns with a clock
+        (cli-contract.md dump: an unmaterialized column is absent, never a default)."""
+        sel = ", ".join([q(c) for c in self.t.key] + [q(c) for c in self.vcols] + [q("_c_" + c) for c in self.vcols])
+        out = []
+        nk, nv = len(self.t.key), len(self.vcols)
+        for r in self.conn.execute(f"SELECT {sel} FROM {q(base_name(self.t))} WHERE _ex = 1"):
+            key = {k: r[i] for i, k in enumerate(self.t.key)}
+            values = {c: r[nk + i] for i, c in enumerate(self.vcols) if r[nk + nv + i] is not None}
+            out.append({"key": key, "values": values})
+        out.sort(key=lambda row: [_sort_key(row["key"][k]) for k in self.t.key])
+        return out
+
+    def all_row_keys(self) -> Iterable[tuple[bytes, dict[str, Any]]]:
+        cols = ", ".join(q(c) for c in self.t.key)
+        for r in self.conn.execute(f"SELECT _rk, {cols} FROM {q(base_name(self.t))}").fetchall():
+            yield r[0], {k: r[1 + i] for i, k in enumerate(self.t.key)}
+
+
+def _sort_key(v: Any) -> tuple:
+    # A total order across the scalar kinds a key may hold (type rank first, then value).
+    if isinstance(v, int):
+        return (0, v, b"")
+    if isinstance(v, float):
+        return (1, v, b"")
+    if isinstance(v, str):
+        return (2, 0, v.encode())
+    return (3, 0, bytes(v))
+
+
+def table_def_row(t: TableDef) -> tuple:
+    return (t.qualified, t.schema, t.name, t.category, json.dumps(list(t.key)),
+            json.dumps(t.columns, sort_keys=True))
