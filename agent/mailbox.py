@@ -11,7 +11,8 @@ def import_body(node, data: bytes) -> dict:
     outcomes = node.apply_batch(body.events)
     result = counts(outcomes)
     result["from_site_id"] = body.from_site_id.hex()
-    result["events"] = [o.as_json() for o in outcomes]
+    # Detail for what did not simply apply (reasons, event ids); counts cover the rest.
+    result["events"] = [o.as_json() for o in outcomes if o.status not in ("applied",) or o.reason != "applied"]
     if hasattr(node, "apply_records") and body.records:
         result["records"] = node.apply_records(body.records)
     return result

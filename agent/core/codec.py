@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import cbor2
@@ -54,41 +53,49 @@ def encode(obj: Any) -> bytes:
     return cbor2.dumps(obj, canonical=True)
 
 
+def encode_trusted(obj: Any) -> bytes:
+    """`encode` for values built by our own code whose maps are known to be homogeneous
+    (hot paths: Sig_structure, row addresses)."""
+    return cbor2.dumps(obj, canonical=True)
+
+
 _ALLOWED_SCALARS = (int, float, str, bytes, type(None))
 
 
+_MAPS = (dict, cbor2.frozendict)
+_SEQS = (list, tuple)
+
+
 def _check_decoded(obj: Any, allowed_tags: frozenset[int], depth: int = 0) -> None:
+    """Refuse what cbor2 can decode but our formats never carry. Type checks are exact
+    (`type(x) in ...`): this runs on every received event, so it avoids abc instance checks."""
     if depth > 16:
         raise DecodeError("too_deep", "nesting deeper than 16")
-    if isinstance(obj, bool):
-        return  # bools are valid CBOR; shape checks decide whether they are allowed
-    if isinstance(obj, int):
-        if not (INT64_MIN <= obj <= INT64_MAX) and not (0 <= obj < 2**64):
+    t = type(obj)
+    if t is int:
+        if not (INT64_MIN <= obj < 2**64):
             raise DecodeError("int_out_of_range", "integer outside the 64-bit range")
-        return
-    if isinstance(obj, float):
+    elif t is str or t is bytes or obj is None or t is bool:
+        pass  # bools are valid CBOR; shape checks decide whether they are allowed
+    elif t is float:
         if not math.isfinite(obj):
             raise DecodeError("non_finite_float", "NaN and infinities are not allowed")
-        return
-    if isinstance(obj, _ALLOWED_SCALARS):
-        return
-    if isinstance(obj, (list, tuple)):
+    elif t in _SEQS:
         for v in obj:
             _check_decoded(v, allowed_tags, depth + 1)
-        return
-    if isinstance(obj, Mapping):  # cbor2 gives frozendict inside tags
+    elif t in _MAPS:
         for k, v in obj.items():
-            if isinstance(k, bool) or not isinstance(k, (int, str)):
+            tk = type(k)
+            if tk is not str and tk is not int:
                 raise DecodeError("bad_map_key", "map keys must be text or integers")
             _check_decoded(v, allowed_tags, depth + 1)
-        return
-    if isinstance(obj, cbor2.CBORTag):
+    elif t is cbor2.CBORTag:
         if obj.tag not in allowed_tags or depth != 0:
             raise DecodeError("unexpected_tag", f"tag {obj.tag} not allowed here")
         _check_decoded(obj.value, frozenset(), depth + 1)
-        return
-    # cbor2 turns some semantic tags (bignums, dates, decimals, sets, ...) into objects.
-    raise DecodeError("unexpected_type", f"{type(obj).__name__} is not allowed")
+    else:
+        # cbor2 turns some semantic tags (bignums, dates, decimals, sets, ...) into objects.
+        raise DecodeError("unexpected_type", f"{t.__name__} is not allowed")
 
 
 def decode_strict(data: bytes, allowed_tags: frozenset[int] = frozenset(), *, deterministic: bool = True) -> Any:
@@ -124,7 +131,7 @@ def decode_strict(data: bytes, allowed_tags: frozenset[int] = frozenset(), *, de
 
 def thaw(obj: Any) -> Any:
     """cbor2 returns immutable containers inside tags; give plain dicts and lists."""
-    if isinstance(obj, Mapping):
+    if isinstance(obj, (dict, cbor2.frozendict)):
         return {k: thaw(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [thaw(v) for v in obj]

@@ -10,7 +10,7 @@ import cbor2
 import nacl.bindings
 import nacl.exceptions
 
-from .codec import DecodeError, decode_strict, encode
+from .codec import DecodeError, decode_strict, encode, encode_trusted
 
 COSE_SIGN1_TAG = 18
 ALG_EDDSA = -8
@@ -38,7 +38,7 @@ def protected_header(alg: int, content_type: str, kid: bytes) -> bytes:
 
 
 def sig_structure(protected_bytes: bytes, external_aad: bytes, payload_bytes: bytes) -> bytes:
-    return encode(["Signature1", protected_bytes, external_aad, payload_bytes])
+    return encode_trusted(["Signature1", protected_bytes, external_aad, payload_bytes])
 
 
 def assemble(protected_bytes: bytes, payload_bytes: bytes, signature: bytes) -> bytes:

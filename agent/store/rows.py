@@ -11,7 +11,7 @@ import sqlite3
 import struct
 from typing import Any, Iterable
 
-from ..core.codec import encode
+from ..core.codec import encode_trusted
 from ..core.merge import RowState, Stamp
 from ..core.schema import TableDef
 
@@ -39,7 +39,7 @@ def base_name(t: TableDef) -> str:
 
 def row_key_bytes(row_key: dict[str, Any]) -> bytes:
     """The canonical address of a row: deterministic CBOR of its key map."""
-    return encode(row_key)
+    return encode_trusted(row_key)  # keys are text (checked by the EventPayload shape)
 
 
 def create_table(conn: sqlite3.Connection, t: TableDef) -> None:

@@ -1,0 +1,506 @@
+"""The MQTT binding of SSP/1 (paho-mqtt 2.x, VERSION2 callbacks, MQTT v5). See docs/mqtt.md.
+
+Topic layout, per mesh and per node (`PREFIX` defaults to `ssp`; ids are lowercase hex):
+
+    PREFIX/<mesh_id>/<site_id>/inbox/req   sync bodies addressed to <site_id>: batch and realtime pushes
+    PREFIX/<mesh_id>/<site_id>/inbox/ans   answers to <site_id>'s pushes
+    PREFIX/<mesh_id>/<site_id>/presence    retained §31 handshake while online; the last will clears it
+
+A push is one PUBLISH (QoS 1) of a §32 sync body to the peer's `inbox/req`, with the MQTT v5
+Response Topic (the pusher's `inbox/ans`) and random Correlation Data. It is successful only
+when the peer answers: the answer carries, in user properties, how many events of the body were
+processed to a final state before the first rejected one (`ssp-processed`), and the answer's
+payload is a §32 body with no events carrying the answerer's applied watermarks. A broker's
+PUBACK means nothing here (mosquitto loses queued messages on SIGKILL): the sender's durable
+cursor advances only on the answer, and anything unanswered is re-offered by the next cycle.
+
+The receiver acknowledges an inbound PUBLISH to the broker (`manual_ack`) only after the SQLite
+transaction that absorbed it has committed, so a node killed mid-apply gets the body again
+(redelivered with the DUP flag on reconnect) and absorbs it idempotently.
+
+This module moves bytes and metadata; it parses no sync body (the runner and the sync driver
+do). Everything paho calls back runs on the link's network thread and only enqueues.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import random
+import re
+import ssl
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+from urllib.parse import unquote, urlparse
+
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+log = logging.getLogger("ssp_agent.mqtt")
+
+DEFAULT_PREFIX = "ssp"
+DEFAULT_SESSION_EXPIRY_S = 7 * 24 * 3600  # a device offline for a week still finds its mailbox
+DEFAULT_BODY_LIMIT_BYTES = 256 * 1024
+DEFAULT_MAX_EVENTS = 1000
+PACKET_OVERHEAD = 1024  # topic, packet id, properties: generous, so a body never trips the limit
+
+# user property names (all values are text)
+P_KIND, P_FROM, P_START, P_END, P_COUNT, P_PART = "ssp-kind", "ssp-from", "ssp-start", "ssp-end", "ssp-count", "ssp-part"
+P_STATUS, P_REASON, P_PROCESSED = "ssp-status", "ssp-reason", "ssp-processed"
+KIND_BATCH, KIND_REALTIME = "batch", "rt"
+
+_GENERATIONS = itertools.count(1)
+
+
+class TransportError(RuntimeError):
+    """A local transport fault (broker unreachable, TLS files unreadable): never a protocol error."""
+
+
+# ---------------------------------------------------------------------------- settings
+@dataclass
+class MqttSettings:
+    host: str = "127.0.0.1"
+    port: int = 1883
+    tls: bool = False
+    ca_file: str | None = None
+    cert_file: str | None = None  # optional client certificate (mutual TLS)
+    key_file: str | None = None
+    username: str | None = None
+    password: str | None = None
+    keepalive: int = 30
+    session_expiry_s: int = DEFAULT_SESSION_EXPIRY_S
+    prefix: str = DEFAULT_PREFIX
+    body_limit_bytes: int = DEFAULT_BODY_LIMIT_BYTES  # the profile's body limit
+    max_events: int = DEFAULT_MAX_EVENTS  # events per body (the sender-enforced limit)
+    backoff_min_s: float = 0.5
+    backoff_max_s: float = 60.0
+    client_id: str | None = None  # default: the site_id in hex (a persistent session per device)
+
+    @classmethod
+    def from_url(cls, url: str, **kw) -> "MqttSettings":
+        """mqtt://[user[:password]@]HOST[:PORT] or mqtts://... (TLS, default port 8883)."""
+        u = urlparse(url)
+        if u.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
+            raise ValueError(f"broker URL must be mqtt://HOST:PORT or mqtts://HOST:PORT, got {url!r}")
+        if not u.hostname:
+            raise ValueError(f"broker URL {url!r} names no host")
+        tls = u.scheme in ("mqtts", "ssl")
+        try:
+            port = u.port or (8883 if tls else 1883)
+        except ValueError:
+            raise ValueError(f"broker URL {url!r} has a bad port") from None
+        s = cls(host=u.hostname, port=port, tls=tls)
+        if u.username:
+            s.username = unquote(u.username)
+        if u.password:
+            s.password = unquote(u.password)
+        for k, v in kw.items():
+            if v is not None:
+                setattr(s, k, v)
+        if s.ca_file or s.cert_file:
+            s.tls = True
+        return s
+
+
+class Topics:
+    def __init__(self, mesh_id: bytes, prefix: str = DEFAULT_PREFIX) -> None:
+        self.prefix, self.mesh = prefix, mesh_id.hex()
+        self._node = re.compile(rf"^{re.escape(prefix)}/{self.mesh}/([0-9a-f]{{32}})/(inbox/req|inbox/ans|presence)$")
+
+    def base(self, site: bytes) -> str:
+        return f"{self.prefix}/{self.mesh}/{site.hex()}"
+
+    def requests(self, site: bytes) -> str:
+        return self.base(site) + "/inbox/req"
+
+    def answers(self, site: bytes) -> str:
+        return self.base(site) + "/inbox/ans"
+
+    def inbox_filter(self, site: bytes) -> str:
+        return self.base(site) + "/inbox/+"
+
+    def presence(self, site: bytes) -> str:
+        return self.base(site) + "/presence"
+
+    def presence_filter(self) -> str:
+        return f"{self.prefix}/{self.mesh}/+/presence"
+
+    def classify(self, topic: str) -> tuple[bytes, str] | None:
+        """(site_id, 'inbox/req' | 'inbox/ans' | 'presence'), or None for a foreign topic."""
+        m = self._node.match(topic)
+        return None if m is None else (bytes.fromhex(m.group(1)), m.group(2))
+
+
+class Backoff:
+    """Capped exponential backoff with jitter (half fixed, half random: never a zero wait, and
+    a fleet that lost its broker at the same moment does not come back in lockstep)."""
+
+    def __init__(self, base: float = 0.5, cap: float = 60.0, rng: random.Random | None = None) -> None:
+        self.base, self.cap, self.n = base, cap, 0
+        self.rng = rng or random.Random()
+
+    def next(self) -> float:
+        d = min(self.cap, self.base * (2 ** min(self.n, 30)))
+        self.n += 1
+        return d / 2 + self.rng.uniform(0, d / 2)
+
+    def reset(self) -> None:
+        self.n = 0
+
+
+# ---------------------------------------------------------------------------- splitting
+def _cbor_head(n: int) -> int:
+    return 1 if n < 24 else 2 if n < 256 else 3 if n < 65536 else 5 if n < 2 ** 32 else 9
+
+
+def split_sizes(sizes: Sequence[int], base_size: int, limit: int, max_events: int) -> list[tuple[int, int]]:
+    """Split consecutive items (their encoded sizes) into [start, end) ranges whose body stays
+    within `limit` bytes and `max_events` items. A single item too large for any body still
+    forms a body of its own (the caller decides whether to send it)."""
+    out: list[tuple[int, int]] = []
+    start, size = 0, base_size + 8  # + the events array's length head growing
+    for i, s in enumerate(sizes):
+        cost = s + _cbor_head(s)
+        if i > start and (size + cost > limit or i - start >= max_events):
+            out.append((start, i))
+            start, size = i, base_size + 8
+        size += cost
+    if start < len(sizes):
+        out.append((start, len(sizes)))
+    return out
+
+
+# ---------------------------------------------------------------------------- the link
+@dataclass
+class Inbound:
+    """One PUBLISH taken from the broker: bytes and metadata, unparsed."""
+    kind: str  # "req" | "ans" | "presence"
+    site: bytes  # the site the topic names (the addressee for inbox, the subject for presence)
+    payload: bytes
+    props: dict[str, str]
+    correlation: bytes | None
+    response_topic: str | None
+    mid: int
+    qos: int
+    dup: bool
+    retain: bool
+    generation: int  # the connection it arrived on: acks on a later connection are meaningless
+    received: float = field(default_factory=time.monotonic)
+
+
+def _user_props(p: Properties | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    if p is not None and hasattr(p, "UserProperty"):
+        for k, v in p.UserProperty:
+            out.setdefault(k, v)  # first one wins: a repeated name cannot override
+    return out
+
+
+def _publish_props(user: dict[str, str], correlation: bytes | None = None,
+                   response_topic: str | None = None) -> Properties:
+    p = Properties(PacketTypes.PUBLISH)
+    if response_topic is not None:
+        p.ResponseTopic = response_topic
+    if correlation is not None:
+        p.CorrelationData = correlation
+    if user:
+        p.UserProperty = [(k, str(v)) for k, v in user.items()]
+    return p
+
+
+class MqttLink:
+    """One device's connection to the broker: a persistent session (clean_start=False, session
+    expiry), QoS 1 everywhere, manual acks, retained presence with a last will, and its own
+    reconnect loop (capped exponential backoff with jitter) on a network thread.
+
+    Inbound inbox messages and presence changes go to `self.inbound` (a queue) for one consumer
+    thread, which acks each message after its transaction commits (`ack`)."""
+
+    def __init__(self, settings: MqttSettings, mesh_id: bytes, site_id: bytes,
+                 presence_payload: Callable[[], bytes] | None = None) -> None:
+        self.s = settings
+        self.site_id, self.mesh_id = site_id, mesh_id
+        self.topics = Topics(mesh_id, settings.prefix)
+        self.presence_payload = presence_payload
+        self.inbound: "queue.Queue[Inbound]" = queue.Queue()
+        self.present: dict[bytes, bytes] = {}  # peer site -> its retained presence payload (handshake bytes)
+        self.broker_max_packet: int | None = None
+        self.generation = 0
+        self.connected = threading.Event()
+        self.session_present = False
+        self.last_error: str | None = None
+        self.connects = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._backoff = Backoff(settings.backoff_min_s, settings.backoff_max_s)
+        self._client = self._make_client()
+
+    # -------------------------------------------------------------- setup
+    def _make_client(self) -> paho.Client:
+        s = self.s
+        c = paho.Client(CallbackAPIVersion.VERSION2, client_id=s.client_id or self.site_id.hex(),
+                        protocol=paho.MQTTv5, manual_ack=True)
+        c.max_inflight_messages_set(100)
+        c.max_queued_messages_set(0)
+        if s.username is not None:
+            c.username_pw_set(s.username, s.password)
+        if s.tls:
+            for f in (s.ca_file, s.cert_file, s.key_file):
+                if f and not os.access(f, os.R_OK):
+                    raise TransportError(f"TLS file {f} is not readable")
+            c.tls_set(ca_certs=s.ca_file, certfile=s.cert_file, keyfile=s.key_file,
+                      cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
+        # The last will: an empty retained presence clears ours when we vanish without a word.
+        c.will_set(self.topics.presence(self.site_id), b"", qos=1, retain=True)
+        c.on_connect = self._on_connect
+        c.on_disconnect = self._on_disconnect
+        c.on_subscribe = self._on_subscribe
+        c.on_message = self._on_message
+        return c
+
+    def _connect_props(self) -> Properties:
+        p = Properties(PacketTypes.CONNECT)
+        p.SessionExpiryInterval = int(self.s.session_expiry_s)
+        p.ReceiveMaximum = 1000
+        return p
+
+    # -------------------------------------------------------------- lifecycle
+    def start(self) -> "MqttLink":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"mqtt-{self.site_id.hex()[:8]}", daemon=True)
+            self._thread.start()
+        return self
+
+    def wait_connected(self, timeout: float) -> bool:
+        return self.connected.wait(timeout)
+
+    def close(self, clear_presence: bool = True, timeout: float = 2.0) -> None:
+        """Leave cleanly: clear our retained presence, then DISCONNECT (the session stays on
+        the broker for `session_expiry_s`, so bodies for us keep queueing while we are away)."""
+        if self.connected.is_set() and clear_presence:
+            try:
+                self._client.publish(self.topics.presence(self.site_id), b"", qos=1, retain=True).wait_for_publish(timeout)
+            except (RuntimeError, ValueError):
+                pass
+        self._stop.set()
+        try:
+            self._client.disconnect()
+        except Exception:  # noqa: BLE001 - closing a dead socket
+            pass
+        if self._thread is not None:
+            self._thread.join(timeout + 2)
+            self._thread = None
+
+    def abort(self) -> None:
+        """Drop the connection without DISCONNECT (tests: a device losing its link; the will fires)."""
+        self._stop.set()
+        sock = self._client.socket()
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        if self._thread is not None:
+            self._thread.join(3)
+            self._thread = None
+
+    def _run(self) -> None:
+        first = True
+        while not self._stop.is_set():
+            if not self._client.is_connected() and not self._connecting:
+                try:
+                    if first:
+                        self._client.connect(self.s.host, self.s.port, self.s.keepalive, clean_start=False,
+                                             properties=self._connect_props())
+                        first = False
+                    else:
+                        self._client.reconnect()
+                    self._connecting = True
+                    self._connect_started = time.monotonic()
+                except (OSError, ssl.SSLError, ValueError) as e:
+                    self.last_error = f"cannot reach broker {self.s.host}:{self.s.port}: {e}"
+                    self._sleep(self._backoff.next())
+                    continue
+            rc = self._client.loop(timeout=0.05)
+            if self._connecting and time.monotonic() - self._connect_started > 10:
+                rc = MQTTErrorCode.MQTT_ERR_CONN_LOST  # no CONNACK: start over
+                try:
+                    self._client.disconnect()
+                except Exception:  # noqa: BLE001
+                    pass
+            if rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+                self._connecting = False
+                if self.connected.is_set():
+                    self._lost(f"connection lost ({rc.name if hasattr(rc, 'name') else rc})")
+                if not self._stop.is_set():
+                    self._sleep(self._backoff.next())
+        self.connected.clear()
+
+    _connecting = False
+    _connect_started = 0.0
+
+    def _sleep(self, secs: float) -> None:
+        self._stop.wait(secs)
+
+    def _lost(self, why: str) -> None:
+        self.connected.clear()
+        self.last_error = why
+        log.info("mqtt %s: %s", self.site_id.hex()[:8], why)
+
+    # -------------------------------------------------------------- paho callbacks (network thread)
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        self._connecting = False
+        if reason_code.is_failure:
+            self.last_error = f"broker refused the connection: {reason_code}"
+            log.warning("mqtt %s: %s", self.site_id.hex()[:8], self.last_error)
+            return
+        self.generation = next(_GENERATIONS)  # unique across links: an ack never crosses connections
+        self.connects += 1
+        self.session_present = bool(getattr(flags, "session_present", False))
+        mps = getattr(properties, "MaximumPacketSize", None) if properties is not None else None
+        self.broker_max_packet = int(mps) if mps else None
+        # Usable once the broker confirmed our subscriptions (SUBACK), not at CONNACK: a peer's
+        # push must never race a subscription that is still on its way.
+        _rc, self._sub_mid = client.subscribe([(self.topics.inbox_filter(self.site_id), 1),
+                                               (self.topics.presence_filter(), 1)])
+        self.publish_presence()
+        self._backoff.reset()
+        log.info("mqtt %s: connected (session present: %s)", self.site_id.hex()[:8], self.session_present)
+
+    def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
+        if mid == self._sub_mid:
+            bad = [rc for rc in reason_codes if rc.is_failure]
+            if bad:
+                self.last_error = f"broker refused our subscriptions: {bad} (check the ACL)"
+                log.warning("mqtt %s: %s", self.site_id.hex()[:8], self.last_error)
+            self.connected.set()
+
+    _sub_mid = -1
+
+    def _on_disconnect(self, client, userdata, flags, reason_code, properties) -> None:
+        self._connecting = False
+        if self.connected.is_set():
+            self._lost(f"disconnected: {reason_code}")
+
+    def _on_message(self, client, userdata, msg) -> None:
+        where = self.topics.classify(msg.topic)
+        props = getattr(msg, "properties", None)
+        if where is None:
+            self._ack_now(msg)
+            return
+        site, kind = where
+        if kind == "presence":
+            self._ack_now(msg)
+            if site == self.site_id:
+                return
+            if msg.payload:
+                self.present[site] = bytes(msg.payload)
+            else:
+                self.present.pop(site, None)
+            self.inbound.put(Inbound("presence", site, bytes(msg.payload), {}, None, None, msg.mid, msg.qos,
+                                     bool(msg.dup), bool(msg.retain), self.generation))
+            return
+        if site != self.site_id:
+            self._ack_now(msg)  # not ours (a wildcard we did not ask for): nothing to keep
+            return
+        corr = getattr(props, "CorrelationData", None) if props is not None else None
+        rt = getattr(props, "ResponseTopic", None) if props is not None else None
+        self.inbound.put(Inbound("req" if kind == "inbox/req" else "ans", site, bytes(msg.payload),
+                                 _user_props(props), bytes(corr) if corr is not None else None, rt,
+                                 msg.mid, msg.qos, bool(msg.dup), bool(msg.retain), self.generation))
+
+    def _ack_now(self, msg) -> None:
+        if msg.qos > 0:
+            self._client.ack(msg.mid, msg.qos)
+
+    # -------------------------------------------------------------- operations (any thread)
+    def ack(self, m: Inbound) -> bool:
+        """Acknowledge an inbound message to the broker: call only after its transaction committed.
+        A message from an earlier connection is not acked (the broker redelivers it; it is absorbed)."""
+        if m.qos == 0 or m.generation != self.generation or not self.connected.is_set():
+            return False
+        return self._client.ack(m.mid, m.qos) == MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    def publish_presence(self) -> None:
+        if self.presence_payload is not None:
+            self._client.publish(self.topics.presence(self.site_id), self.presence_payload(), qos=1, retain=True)
+
+    def max_payload(self) -> int:
+        """The largest body this link may send: the profile's body limit, under the broker's
+        maximum packet size when the broker announced one."""
+        lim = self.s.body_limit_bytes
+        if self.broker_max_packet:
+            lim = min(lim, self.broker_max_packet - PACKET_OVERHEAD)
+        return max(lim, 1024)
+
+    def push(self, peer: bytes, body: bytes, user: dict[str, str], correlation: bytes | None = None) -> bytes:
+        """Publish a body to the peer's inbox with our answer topic; returns the correlation data.
+        A PUBACK proves nothing: success is the peer's answer (see the module doc)."""
+        corr = correlation or os.urandom(16)
+        props = _publish_props({P_FROM: self.site_id.hex(), **user}, corr, self.topics.answers(self.site_id))
+        self._client.publish(self.topics.requests(peer), body, qos=1, properties=props)
+        return corr
+
+    def answer(self, m: Inbound, body: bytes, user: dict[str, str]) -> bool:
+        """Answer a request on its Response Topic with its Correlation Data. Refuses a response
+        topic that is not a node's answer topic in this mesh (a rogue cannot make us publish
+        elsewhere); returns whether an answer was sent."""
+        rt = m.response_topic
+        where = self.topics.classify(rt) if rt else None
+        if where is None or where[1] != "inbox/ans" or m.correlation is None or len(m.correlation) > 64:
+            return False
+        props = _publish_props({P_FROM: self.site_id.hex(), **user}, m.correlation)
+        self._client.publish(rt, body, qos=1, properties=props)
+        return True
+
+    def publish_raw(self, topic: str, payload: bytes, props: Properties | None = None, qos: int = 1):
+        """Tests and tools only: publish anything (the rogue-client test uses a separate link)."""
+        return self._client.publish(topic, payload, qos=qos, properties=props)
+
+    @property
+    def client(self) -> paho.Client:
+        return self._client
+
+
+def drain(q: "queue.Queue[Inbound]", first_timeout: float, max_items: int = 10_000) -> list[Inbound]:
+    """Everything waiting in the queue, waiting up to `first_timeout` for the first item."""
+    out: list[Inbound] = []
+    try:
+        out.append(q.get(timeout=first_timeout) if first_timeout > 0 else q.get_nowait())
+    except queue.Empty:
+        return out
+    while len(out) < max_items:
+        try:
+            out.append(q.get_nowait())
+        except queue.Empty:
+            break
+    return out
+
+
+def iter_ranges(items: Iterable, ranges: list[tuple[int, int]]) -> Iterable[list]:
+    lst = list(items)
+    for a, b in ranges:
+        yield lst[a:b]
+
+
+def wait_for(q: "queue.Queue[Inbound]", kind: str, timeout: float, keep: list | None = None) -> Inbound | None:
+    """Tests and tools: the next inbound of `kind`, others set aside in `keep` (or dropped)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            m = q.get(timeout=left)
+        except queue.Empty:
+            return None
+        if m.kind == kind:
+            return m
+        if keep is not None:
+            keep.append(m)

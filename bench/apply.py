@@ -1,0 +1,114 @@
+"""Core benchmark (issue 2): import one mailbox body of N valid events over ~5 sites and ~2 000
+rows through the one apply path, against the raw limits measured in the same run:
+PyNaCl Ed25519 verify of the same events, and raw SQLite inserts of the same rows.
+
+    python bench/apply.py [--events 50000]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import resource
+import sqlite3
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agent.core import cose  # noqa: E402
+from agent.mailbox import import_body  # noqa: E402
+from agent.node import Node  # noqa: E402
+from agent.simpeer import SimPeer  # noqa: E402
+
+MESH = bytes.fromhex("be4c0000000000000000000000000001")
+
+
+def make_events(n: int, sites: list[SimPeer], rows: int, seed: int = 1) -> list[bytes]:
+    rnd = random.Random(seed)
+    base = time.time_ns() // 1_000_000 - 3_600_000
+    out = []
+    for i in range(n):
+        s = sites[i % len(sites)]
+        r = rnd.randrange(rows)
+        vals = {"temp": rnd.uniform(-20, 40), "note": f"n{i % 97}"} if i % 3 else {"temp": rnd.uniform(-20, 40)}
+        out.append(s.event("app.readings", {"device": f"dev{r % 50}", "seq": r}, vals, (base + i // 4, i % 4)))
+    return out
+
+
+def raw_verify_rate(events: list[bytes], keys: dict[bytes, bytes]) -> float:
+    parsed = [cose.parse_sign1(e) for e in events]
+    tbs = [(keys[p.kid], p.sig_structure(MESH), p.signature) for p in parsed]
+    t = time.perf_counter()
+    for pk, m, sig in tbs:
+        assert cose.verify_ed25519(pk, m, sig)
+    return len(tbs) / (time.perf_counter() - t)
+
+
+def raw_sqlite_rate(n: int, path: Path) -> float:
+    conn = sqlite3.connect(str(path), isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("CREATE TABLE r (device, seq, temp, note, PRIMARY KEY (device, seq))")
+    rnd = random.Random(2)
+    rows = [(f"dev{i % 50}", rnd.randrange(2000), float(i), "x") for i in range(n)]
+    t = time.perf_counter()
+    for i in range(0, n, 1000):
+        conn.execute("BEGIN")
+        conn.executemany("INSERT OR REPLACE INTO r VALUES (?,?,?,?)", rows[i:i + 1000])
+        conn.execute("COMMIT")
+    rate = n / (time.perf_counter() - t)
+    conn.close()
+    return rate
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--events", type=int, default=50_000)
+    ap.add_argument("--sites", type=int, default=5)
+    ap.add_argument("--rows", type=int, default=2_000)
+    args = ap.parse_args()
+    sites = [SimPeer(MESH) for _ in range(args.sites)]
+    print(f"generating {args.events} signed events over {args.sites} sites and {args.rows} rows ...", flush=True)
+    events = make_events(args.events, sites, args.rows)
+    body = sites[0].body(events)
+    raw_bytes = sum(len(e) for e in events)
+    with tempfile.TemporaryDirectory() as d:
+        os.environ.setdefault("SSP_AGENT_WITNESS_DIR", os.path.join(d, "witness"))
+        manifest = f'mesh_id = "{MESH.hex()}"\n' + "".join(s.manifest_peer() for s in sites) + """
+[[tables]]
+schema = "app"
+name = "readings"
+key = ["device", "seq"]
+columns = { device = "text", seq = "integer", temp = "real", note = "text" }
+"""
+        node, _ = Node.init(Path(d) / "node", manifest)
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        t = time.perf_counter()
+        result = import_body(node, body)
+        dt = time.perf_counter() - t
+        apply_rate = args.events / dt
+        assert result["applied"] == args.events, result
+        t = time.perf_counter()
+        dup = import_body(node, body)
+        dup_rate = args.events / (time.perf_counter() - t)
+        assert dup["duplicate"] == args.events
+        node.close()
+        verify_rate = raw_verify_rate(events, {s.site_id: s.public_key for s in sites})
+        sqlite_rate = raw_sqlite_rate(args.events, Path(d) / "raw.sqlite")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"events:                      {args.events} ({raw_bytes / args.events:.0f} bytes each on average)")
+    print(f"apply path (mailbox import): {apply_rate:10.0f} events/s")
+    print(f"re-import (all duplicates):  {dup_rate:10.0f} events/s")
+    print(f"raw Ed25519 verify (PyNaCl): {verify_rate:10.0f} verifies/s")
+    print(f"raw SQLite inserts (WAL, FULL, 1000-row txns): {sqlite_rate:10.0f} rows/s")
+    print(f"ratio apply / raw verify:    {apply_rate / verify_rate:10.2f}   (target >= 0.40)")
+    print(f"ratio apply / raw SQLite:    {apply_rate / sqlite_rate:10.2f}")
+    print(f"peak RSS:                    {peak:10.1f} MB (before import {rss0 / 1024:.1f} MB; target < 150 MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""§12 steps in order and every §13.6 row, each with a hostile input."""
+from __future__ import annotations
+
+import cbor2
+import pytest
+
+from agent.core import cose, events as ev
+from agent.core.codec import encode
+from agent.outcomes import APPLIED, DROPPED, DUPLICATE, HELD, REJECTED
+from agent.simpeer import SimPeer
+
+from .helpers import MESH, NOW, T, make_node, peers
+
+
+@pytest.fixture
+def env(tmp_path):
+    a, b = peers(2)
+    node = make_node(tmp_path / "n", [a, b])
+    yield node, a, b
+    node.close()
+
+
+def one(node, raw, now=NOW):
+    return node.apply_batch([raw], now)[0]
+
+
+def payload(**over):
+    p = {"table_schema": "app", "table_name": "readings", "row_key": {"device": "d", "seq": 1},
+         "operation": "upsert", "payload": {"temp": 1.5}, "hlc_physical_ms": NOW, "hlc_logical": 0}
+    p.update(over)
+    return p
+
+
+def test_valid_event_applies_and_duplicate_is_noop(env):
+    node, a, _ = env
+    raw = a.event(T, {"device": "d", "seq": 1}, {"temp": 1.5}, (NOW, 0))
+    assert one(node, raw).status == APPLIED
+    o = one(node, raw)
+    assert (o.status, o.reason) == (DUPLICATE, "duplicate")
+    assert node.dump()[T] == [{"key": {"device": "d", "seq": 1}, "values": {"temp": 1.5}}]
+    assert len(list(node.log_entries())) == 1
+
+
+def test_forged_signature_dropped_surfaced_and_victim_stream_unaffected(env):
+    node, a, b = env
+    good = a.event(T, {"device": "d", "seq": 1}, {"temp": 1.5}, (NOW, 0))
+    # b signs with a's kid: the signature does not verify under a's key.
+    forged = b.sign_payload(encode(payload(hlc_physical_ms=NOW + 10)), kid=a.site_id)
+    outs = node.apply_batch([forged, good], NOW)
+    assert (outs[0].status, outs[0].reason) == (DROPPED, "bad_signature")
+    assert not outs[0].verified
+    assert outs[1].status == APPLIED
+    assert any(s["reason"] == "bad_signature" for s in node.surfaced())
+
+
+def test_tampered_bytes_fail_signature(env):
+    node, a, _ = env
+    raw = bytearray(a.event(T, {"device": "d", "seq": 1}, {"temp": 1.5}, (NOW, 0)))
+    raw[-1] ^= 1
+    assert one(node, bytes(raw)).reason == "bad_signature"
+
+
+def test_unknown_kid_dropped(env, tmp_path):
+    node, _, _ = env
+    stranger = SimPeer(MESH)
+    o = one(node, stranger.event(T, {"device": "d", "seq": 1}, {"temp": 1.0}, (NOW, 0)))
+    assert (o.status, o.reason) == (DROPPED, "unknown_kid")
+
+
+def test_wrong_mesh_id_fails_signature(env):
+    node, a, _ = env
+    other_mesh = SimPeer(bytes(16), site_id=a.site_id, key=a.key)
+    o = one(node, other_mesh.event(T, {"device": "d", "seq": 1}, {"temp": 1.0}, (NOW, 0)))
+    assert o.reason == "bad_signature"
+
+
+def test_retired_signer_above_cutoff_dropped_below_applied(env):
+    node, a, _ = env
+    node.add_peer(a.site_id, a.public_key, (NOW, 5))
+    below = one(node, a.event(T, {"device": "d", "seq": 1}, {"temp": 1.0}, (NOW, 5)))
+    above = one(node, a.event(T, {"device": "d", "seq": 2}, {"temp": 1.0}, (NOW, 6)))
+    assert below.status == APPLIED
+    assert (above.status, above.reason) == (DROPPED, "retired_signer")
+
+
+def test_skew_rejected_not_retained(env):
+    node, a, _ = env
+    raw = a.event(T, {"device": "d", "seq": 1}, {"temp": 1.0}, (NOW + 300_001, 0))
+    o = one(node, raw)
+    assert (o.status, o.reason) == (REJECTED, "clock_skew")
+    assert list(node.log_entries()) == []
+    # At exactly the bound it is accepted; and the rejected one applies once time catches up.
+    assert one(node, a.event(T, {"device": "d", "seq": 2}, {"temp": 1.0}, (NOW + 300_000, 0))).status == APPLIED
+    assert one(node, raw, now=NOW + 1).status == APPLIED
+
+
+def test_out_of_floor_dropped_and_logged_not_raised(env):
+    node, a, _ = env
+    for table in ("sec.keys", "app.index"):
+        key = {"id": "x"}
+        raw = a.event(table, key, {}, (NOW, 0))
+        o = one(node, raw)
+        assert (o.status, o.reason) == (DROPPED, "out_of_floor")
+    good = a.event(T, {"device": "d", "seq": 1}, {"temp": 1.0}, (NOW, 1))
+    assert one(node, good).status == APPLIED
+    assert [s for s in node.surfaced() if s["reason"] == "out_of_floor" and s["kind"] == "logged"]
+
+
+def test_missing_table_held_then_applied_after_creation(env):
+    node, a, _ = env
+    raw = a.event("app.later", {"id": "r1"}, {"v": 7}, (NOW, 0))
+    o = one(node, raw)
+    assert (o.status, o.reason) == (HELD, "table_missing")
+    again = one(node, raw)
+    assert again.status == HELD  # still held, not a duplicate that would pass the watermark
+    released = node.create_table({"schema": "app", "name": "later", "key": ["id"],
+                                  "columns": {"id": "text", "v": "integer"}})
+    assert [x.status for x in released] == [APPLIED]
+    assert node.dump()["app.later"] == [{"key": {"id": "r1"}, "values": {"v": 7}}]
+
+
+@pytest.mark.parametrize("row_key,reason", [
+    (None, "row_key_empty"),
+    ({}, "row_key_empty"),
+    ({"device": "d"}, "row_key_columns"),  # one key column missing
+    ({"device": "d", "seq": 1, "extra": 2}, "row_key_columns"),
+    ({"device": "d", "nope": 1}, "row_key_columns"),  # composite key with one unknown part
+    ({"device": "d", "seq": "1"}, "row_key_type"),
+    ({"device": None, "seq": 1}, "bad_row_key_value"),  # null is not a key Scalar
+])
+def test_row_key_conditions_dropped(env, row_key, reason):
+    node, a, _ = env
+    raw = a.sign_payload(encode(payload(row_key=row_key)))
+    o = one(node, raw)
+    assert (o.status, o.reason) == (DROPPED, reason)
+    assert node.dump()[T] == []
+
+
+def test_unknown_and_ill_typed_payload_columns_applied_in_part_and_metered(env):
+    node, a, _ = env
+    raw = a.event(T, {"device": "d", "seq": 1}, {"temp": 2.5, "future_col": 1, "note": 5}, (NOW, 0))
+    o = one(node, raw)
+    assert o.status == APPLIED
+    assert node.dump()[T] == [{"key": {"device": "d", "seq": 1}, "values": {"temp": 2.5}}]
+    metered = {(m["column"], m["count"]) for m in node.ignored_columns()}
+    assert metered == {("future_col", 1), ("note", 1)}
+    # The ignored column's clock was untouched: a later lower-HLC write of it still wins.
+    assert one(node, a.event(T, {"device": "d", "seq": 1}, {"note": "ok"}, (NOW - 5, 0))).status == APPLIED
+    assert node.dump()[T][0]["values"] == {"temp": 2.5, "note": "ok"}
+
+
+def test_upsert_without_known_columns_asserts_existence(env):
+    node, a, _ = env
+    one(node, a.event(T, {"device": "d", "seq": 1}, {"unknown": 1}, (NOW, 0)))
+    assert node.dump()[T] == [{"key": {"device": "d", "seq": 1}, "values": {}}]
+
+
+def _resign(a: SimPeer, raw: bytes, mutate) -> bytes:
+    """Re-wrap a valid event's parts in another byte form, with a valid signature over them."""
+    tag = cbor2.loads(raw)
+    protected, _u, pl, sig = tag.value
+    return mutate(protected, pl, sig)
+
+
+def test_untagged_cose_dropped(env):
+    node, a, _ = env
+    raw = a.event(T, {"device": "d", "seq": 1}, {"temp": 1.0}, (NOW, 0))
+    untagged = encode(list(cbor2.loads(raw).value))
+    assert (one(node, untagged).status, one(node, untagged).reason) == (DROPPED, "untagged_cose")
+
+
+def test_non_empty_unprotected_header_dropped(env):
+    node, a, _ = env
+    raw = a.event(T, {"device": "d", "seq": 1}, {"temp": 1.0}, (NOW, 0))
+    p, _u, pl, sig = cbor2.loads(raw).value
+    bad = encode(cbor2.CBORTag(18, [p, {4: a.site_id}, pl, sig]))
+    o = one(node, bad)
+    assert (o.status, o.reason) == (DROPPED, "unprotected_not_empty")
+
+
+def test_non_deterministic_envelope_with_valid_signature_dropped(env):
+    node, a, _ = env
+    raw = a.event(T, {"device": "d", "seq": 1}, {"temp": 1.0}, (NOW, 0))
+    # Same signed content, array header in a non-shortest form: a second byte form.
+    assert raw[1] == 0x84
+    bad = raw[:1] + b"\x98\x04" + raw[2:]
+    o = one(node, bad)
+    assert (o.status, o.reason) == (DROPPED, "non_deterministic")
+
+
+def test_non_deterministic_payload_with_valid_signature_dropped(env):
+    node, a, _ = env
+    # A payload map with keys out of canonical order, signed as is.
+    p = payload()
+    items = sorted(p.items(), key=lambda kv: kv[0], reverse=True)
+    body = bytes([0xA0 + len(items)]) + b"".join(cbor2.dumps(k) + cbor2.dumps(v, canonical=True) for k, v in items)
+    assert cbor2.loads(body) == p
+    o = one(node, a.sign_payload(body))
+    assert (o.status, o.reason) == (DROPPED, "non_deterministic")
+    # Non-shortest integer inside the payload.
+    body2 = encode(payload()).replace(b"\x6bhlc_logical\x00", b"\x6bhlc_logical\x18\x00")
+    assert body2 != encode(payload())
+    assert one(node, a.sign_payload(body2)).reason == "non_deterministic"
+
+
+@pytest.mark.parametrize("over,reason", [
+    ({"payload": {"temp": True}}, "bad_payload_value"),
+    ({"row_key": {"device": "d", "seq": True}}, "bad_row_key_value"),
+    ({"operation": "purge"}, "bad_operation"),
+    ({"operation": "delete"}, "delete_with_payload"),
+    ({"payload": None}, "bad_payload_map"),
+    ({"hlc_logical": -1}, "bad_hlc"),
+    ({"extra": 1}, "payload_members"),
+])
+def test_bad_payload_shapes_dropped(env, over, reason):
+    node, a, _ = env
+    o = one(node, a.sign_payload(encode(payload(**over))))
+    assert (o.status, o.reason) == (DROPPED, reason)
+
+
+def test_self_echo_dropped(env):
+    node, a, _ = env
+    eid = node.write(T, {"device": "d", "seq": 9}, {"temp": 3.0}, now=NOW)
+    raw = [bytes(r[0]) for r in node.conn.execute("SELECT raw FROM events WHERE event_id=?", (eid,))][0]
+    o = one(node, raw)
+    assert (o.status, o.reason) == (DROPPED, "self_echo")
+
+
+def test_signature_checked_before_skew_and_scope(env):
+    """§12 order: a forged far-future event for a missing table is dropped (signature), not
+    rejected (skew) nor held (scope)."""
+    node, a, b = env
+    forged = b.sign_payload(encode(payload(table_name="nope", hlc_physical_ms=NOW + 10**9)), kid=a.site_id)
+    o = one(node, forged)
+    assert (o.status, o.reason) == (DROPPED, "bad_signature")
+    far = a.sign_payload(encode(payload(table_name="nope", hlc_physical_ms=NOW + 10**9)))
+    assert one(node, far).status == REJECTED  # skew before scope
+
+
+def test_non_bytes_and_garbage_dropped(env):
+    node, _, _ = env
+    assert one(node, b"\xff\x00garbage").status == DROPPED
+    assert one(node, b"").status == DROPPED

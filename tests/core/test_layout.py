@@ -1,0 +1,55 @@
+"""Architecture rules enforced by reading imports, and storage settings the issue pins."""
+from __future__ import annotations
+
+import ast
+import os
+import stat
+import sys
+from pathlib import Path
+
+from .helpers import make_node, peers
+
+ROOT = Path(__file__).resolve().parents[2]
+CORE_ALLOWED = {"cbor2", "nacl", "blake3", "cryptography"}
+CORE_FORBIDDEN = {"sqlite3", "socket", "threading", "time", "os", "random", "asyncio", "subprocess", "select"}
+
+
+def _imports(path: Path):
+    tree = ast.parse(path.read_text())
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            for a in n.names:
+                yield a.name.split(".")[0], n.level if hasattr(n, "level") else 0
+        elif isinstance(n, ast.ImportFrom):
+            yield (n.module or "").split(".")[0], n.level
+
+
+def test_core_is_sans_io():
+    for f in (ROOT / "agent" / "core").glob("*.py"):
+        for mod, level in _imports(f):
+            if level:
+                continue  # relative: inside agent.core
+            assert mod not in CORE_FORBIDDEN, f"{f.name} imports {mod}"
+            assert mod in CORE_ALLOWED or mod in sys.stdlib_module_names or mod == "__future__", f"{f.name}: {mod}"
+
+
+def test_firmware_bridge_imports_nothing_from_agent():
+    for f in (ROOT / "firmware_bridge").rglob("*.py"):
+        for mod, level in _imports(f):
+            assert level or mod != "agent", f"{f} imports agent"
+
+
+def test_store_uses_wal_and_synchronous_full(tmp_path):
+    node = make_node(tmp_path / "n", peers(1))
+    assert node.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert node.conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    node.close()
+
+
+def test_key_file_is_private(tmp_path):
+    node = make_node(tmp_path / "n", peers(1))
+    node.close()
+    keyfiles = [p for p in (tmp_path / "n" / "keystore").iterdir() if p.suffix == ".key"]
+    assert keyfiles
+    for p in keyfiles:
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
