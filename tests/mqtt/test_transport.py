@@ -1,0 +1,165 @@
+"""The MQTT binding itself, against a real mosquitto: request/response correlation, manual ack
+after commit (redelivery of an un-acked body), presence with a last will, reconnect with
+backoff across a broker restart, splitting under the packet and body limits."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from agent.transport.broker import Broker
+from agent.transport.mqtt import (Backoff, MqttLink, MqttSettings, Topics, split_sizes, wait_for,
+                                  _publish_props)
+
+MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
+
+
+def link(broker, site, hs=b"hs", **kw):
+    s = MqttSettings.from_url(broker.url, backoff_min_s=0.05, backoff_max_s=0.5, **kw)
+    lk = MqttLink(s, MESH, site, lambda: hs).start()
+    assert lk.wait_connected(5), lk.last_error
+    return lk
+
+
+def test_request_answer_correlation(broker):
+    a, b = os.urandom(16), os.urandom(16)
+    la, lb = link(broker, a), link(broker, b)
+    try:
+        corr = la.push(b, b"body", {"ssp-start": "3", "ssp-end": "9"})
+        m = wait_for(lb.inbound, "req", 3)
+        assert m is not None and m.payload == b"body" and m.correlation == corr
+        assert m.props["ssp-start"] == "3" and m.props["ssp-from"] == a.hex()
+        assert m.response_topic == Topics(MESH).answers(a)
+        assert lb.answer(m, b"answer", {"ssp-processed": "7"})
+        assert lb.ack(m)
+        ans = wait_for(la.inbound, "ans", 3)
+        assert ans.correlation == corr and ans.props["ssp-processed"] == "7" and ans.payload == b"answer"
+    finally:
+        la.close(); lb.close()
+
+
+def test_answer_refuses_foreign_response_topic(broker):
+    a, b = os.urandom(16), os.urandom(16)
+    la, lb = link(broker, a), link(broker, b)
+    try:
+        la.publish_raw(Topics(MESH).requests(b), b"x", _publish_props({}, b"c" * 16, "elsewhere/topic"))
+        m = wait_for(lb.inbound, "req", 3)
+        assert m is not None and not lb.answer(m, b"a", {})
+        la.publish_raw(Topics(MESH).requests(b), b"x", _publish_props({}, None, Topics(MESH).answers(a)))
+        m = wait_for(lb.inbound, "req", 3)
+        assert m is not None and not lb.answer(m, b"a", {})  # no correlation data: nothing to answer
+    finally:
+        la.close(); lb.close()
+
+
+def test_unacked_body_is_redelivered_after_reconnect(broker):
+    a, b = os.urandom(16), os.urandom(16)
+    la, lb = link(broker, a), link(broker, b)
+    la.push(b, b"first", {})
+    m = wait_for(lb.inbound, "req", 3)
+    assert m.payload == b"first" and not m.dup
+    lb.abort()  # killed before its transaction committed: never acked
+    lb2 = link(broker, b)
+    try:
+        m2 = wait_for(lb2.inbound, "req", 5)
+        assert m2 is not None and m2.payload == b"first" and m2.dup
+        assert lb2.session_present
+        assert lb2.ack(m2)
+        assert not lb2.ack(m)  # an ack from the old connection is never sent on the new one
+    finally:
+        la.close(); lb2.close()
+
+
+def test_offline_node_mailbox_and_presence_will(broker):
+    a, b = os.urandom(16), os.urandom(16)
+    la, lb = link(broker, a, hs=b"A"), link(broker, b, hs=b"B")
+    deadline = time.monotonic() + 3
+    while b not in la.present and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert la.present.get(b) == b"B"
+    lb.abort()  # vanishes without DISCONNECT: the will clears its retained presence
+    deadline = time.monotonic() + 5
+    while b in la.present and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert b not in la.present
+    for i in range(5):
+        la.push(b, b"while-away-%d" % i, {})
+    time.sleep(0.3)
+    lb2 = link(broker, b, hs=b"B")
+    try:
+        got = []
+        while len(got) < 5:
+            m = wait_for(lb2.inbound, "req", 5)
+            assert m is not None, got
+            got.append(m.payload)
+            lb2.ack(m)
+        assert got == [b"while-away-%d" % i for i in range(5)]
+    finally:
+        la.close(); lb2.close()
+
+
+def test_reconnect_after_broker_restart(broker):
+    a, b = os.urandom(16), os.urandom(16)
+    la, lb = link(broker, a), link(broker, b)
+    try:
+        broker.kill()
+        time.sleep(0.3)
+        assert not la.connected.is_set()
+        broker.start()
+        assert la.wait_connected(10) and lb.wait_connected(10)
+        assert la.connects >= 2
+        corr = la.push(b, b"after", {})
+        m = wait_for(lb.inbound, "req", 5)
+        assert m is not None and m.correlation == corr
+    finally:
+        la.close(); lb.close()
+
+
+def test_unreachable_broker_reports_error():
+    s = MqttSettings(host="127.0.0.1", port=1, backoff_min_s=0.05, backoff_max_s=0.1)
+    lk = MqttLink(s, MESH, os.urandom(16)).start()
+    try:
+        assert not lk.wait_connected(0.5)
+        assert "cannot reach broker" in (lk.last_error or "")
+    finally:
+        lk.close()
+
+
+def test_backoff_capped_with_jitter():
+    bo = Backoff(0.5, 8.0)
+    d = [bo.next() for _ in range(10)]
+    assert all(0.25 <= x <= 8.0 for x in d)
+    assert max(d[6:]) <= 8.0 and min(d[6:]) >= 4.0  # at the cap: half fixed, half random
+    assert len({round(x, 6) for x in d[6:]}) > 1
+    bo.reset()
+    assert bo.next() <= 0.5
+
+
+def test_split_sizes_respects_limits():
+    sizes = [300] * 100
+    r = split_sizes(sizes, 200, 4096, 1000)
+    assert r[0][0] == 0 and r[-1][1] == 100
+    assert all(200 + 8 + sum(s + 3 for s in sizes[x:y]) <= 4096 for x, y in r)
+    assert split_sizes(sizes, 200, 10**9, 7)[0] == (0, 7)
+    assert split_sizes([10_000], 200, 4096, 10) == [(0, 1)]  # an oversized item stands alone
+    assert split_sizes([], 200, 4096, 10) == []
+
+
+def test_broker_max_packet_size_is_honoured(tmp_path):
+    with Broker(workdir=tmp_path / "b", max_packet_size=20_000) as br:
+        lk = link(br, os.urandom(16))
+        try:
+            assert lk.broker_max_packet == 20_000
+            assert lk.max_payload() <= 20_000 - 1024
+        finally:
+            lk.close()
+
+
+def test_settings_from_url():
+    s = MqttSettings.from_url("mqtts://dev1:s3cret@gw.local", ca_file=None)
+    assert (s.host, s.port, s.tls, s.username, s.password) == ("gw.local", 8883, True, "dev1", "s3cret")
+    s = MqttSettings.from_url("mqtt://127.0.0.1:1884")
+    assert (s.port, s.tls) == (1884, False)
+    with pytest.raises(ValueError):
+        MqttSettings.from_url("http://x")
