@@ -1,0 +1,60 @@
+"""Builders for the MQTT tests: real nodes that trust each other, runners on a real broker."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from agent.node import Node
+from agent.runner import RunConfig, Runner
+from agent.transport.mqtt import MqttSettings
+
+MESH = bytes.fromhex("5e5e0000000000000000000000000042")
+T = "app.readings"
+MANIFEST = f'''mesh_id = "{MESH.hex()}"
+
+[[tables]]
+schema = "app"
+name = "readings"
+category = "syncable"
+key = ["device", "seq"]
+columns = {{ device = "text", seq = "integer", temp = "real", note = "text" }}
+'''
+
+
+def make_nodes(tmp: Path, n: int) -> list[Node]:
+    nodes = [Node.init(tmp / f"n{i}", MANIFEST)[0] for i in range(n)]
+    for a in nodes:
+        for b in nodes:
+            if a is not b:
+                a.add_peer(b.site_id, b.keyring[b.site_id][0], None)
+    return nodes
+
+
+def settings(broker, **kw) -> MqttSettings:
+    return MqttSettings.from_url(broker.url, backoff_min_s=0.05, backoff_max_s=0.5, **kw)
+
+
+def runner(node: Node, broker, **cfg) -> Runner:
+    base = dict(cadence_s=0.5, answer_timeout_s=3.0)
+    base.update(cfg)
+    r = Runner(node, settings(broker), RunConfig(**base))
+    assert r.start(10), r.link.last_error
+    return r
+
+
+def step_until(runners, cond, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for r in runners:
+            r.step(0.01)
+        if cond():
+            return True
+    return False
+
+
+def write(node: Node, i: int, device: str = "d") -> bytes:
+    return node.write(T, {"device": device, "seq": i}, {"temp": float(i), "note": f"{device}{i}"})
+
+
+def event_ids(node: Node) -> set[bytes]:
+    return {bytes(r[0]) for r in node.conn.execute("SELECT event_id FROM events")}
