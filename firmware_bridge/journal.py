@@ -225,11 +225,16 @@ class Journal:
                                "Check the disk, then restart the agent: anything not durable was not released") from exc
         with self._cond:
             self.fsyncs += 1
-            for tagged, loc in effects:
-                self._apply(tagged[0], tagged[1:], loc)
-            self._durable = upto
-            self._flushing = False
-            self._cond.notify_all()
+            try:
+                for tagged, loc in effects:
+                    self._apply(tagged[0], tagged[1:], loc)
+            except (ValueError, IndexError) as exc:  # the index disagrees with the file: stop
+                self._failed = exc
+                raise JournalError(f"journal index inconsistent ({exc}); restart the agent") from exc
+            finally:
+                self._durable = upto
+                self._flushing = False
+                self._cond.notify_all()
 
     def _write(self, buf: bytes) -> None:
         if self._hook and len(buf) > 1:

@@ -1,0 +1,90 @@
+"""Crash tests with real processes: SIGKILL at named points and at seeded random times.
+
+Producer: crash_producer.py (a subprocess).  Independent checker: crash_harness.Checker, which
+reads only the producer's stdout pipe and the journal file.  SOVM §22.5 clauses 1-2,
+wire-profile.md §2 (HLC never reused).
+"""
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from crash_harness import CheckFailed, drive_chain, random_schedule
+
+EVENT_POINTS = ["after_pending", "after_intent", "after_sign", "before_persist", "journal_torn_write",
+                "journal_before_fsync", "after_persist", "after_print"]
+RECEIPT_POINTS = [p for p in EVENT_POINTS if p != "after_pending"]
+HITS = (1, 3, 8)
+# in a group of 32, hit 20 of after_sign is in the middle of a group commit
+GROUP_HITS = {"after_sign": (5, 20, 70), "after_print": (10, 40, 70)}
+
+
+def _parallel(jobs):
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return [f.result() for f in [pool.submit(*j) for j in jobs]]
+
+
+def _named(points, hits_for):
+    return [f"{p}:{h}" for p in points for h in hits_for(p)]
+
+
+def test_event_named_crash_points(tmp_path):
+    single = _named(EVENT_POINTS, lambda p: HITS)
+    group = _named(EVENT_POINTS, lambda p: GROUP_HITS.get(p, HITS))
+    (c1, k1), (c2, k2) = _parallel([(drive_chain, str(tmp_path / "single"), single),
+                                    (lambda: drive_chain(str(tmp_path / "group"), group, batch=32, total=4000),)])
+    assert k1 == len(single) and k2 == len(group)  # every point reached and killed, several hits each
+    assert c1.unknown and c2.unknown        # unknown outcomes happened and were refused
+    assert c1.retransmits and c2.retransmits  # persisted bytes were re-sent exactly
+
+
+def test_receipt_named_crash_points(tmp_path):
+    sched = _named(RECEIPT_POINTS, lambda p: HITS)
+    (c1, k1), (c2, k2) = _parallel([
+        (lambda: drive_chain(str(tmp_path / "single"), sched, mode="receipt"),),
+        (lambda: drive_chain(str(tmp_path / "group"), _named(RECEIPT_POINTS, lambda p: GROUP_HITS.get(p, HITS)),
+                             mode="receipt", batch=32, total=4000),)])
+    assert k1 == len(sched) and k2 == len(sched)
+    assert c1.unknown and c1.retransmits and c2.unknown
+
+
+def _random_kills(tmp_path, seed, target, mode, batch, max_delay):
+    kills, chain = 0, 0
+    while kills < target:
+        sched = random_schedule(seed * 1000 + chain, 40, max_delay)
+        _, k = drive_chain(str(tmp_path / f"{mode}-{batch}-{chain}"), sched, mode=mode, batch=batch)
+        kills += k
+        chain += 1
+    return kills
+
+
+@pytest.mark.parametrize("seed", [20261202])
+def test_random_kills_events(tmp_path, seed):
+    k = _parallel([(_random_kills, tmp_path, seed, 70, "event", 1, 0.02),
+                   (_random_kills, tmp_path, seed + 1, 70, "event", 16, 0.02)])
+    assert sum(k) >= 140, k
+
+
+@pytest.mark.parametrize("seed", [77])
+def test_random_kills_receipts(tmp_path, seed):
+    k = _parallel([(_random_kills, tmp_path, seed, 30, "receipt", 1, 0.02),
+                   (_random_kills, tmp_path, seed + 1, 30, "receipt", 8, 0.02)])
+    assert sum(k) >= 60, k
+
+
+# -- negative controls: the same checker must catch the unsafe orders ---------------------------
+
+@pytest.mark.parametrize("mode", ["event", "receipt"])
+def test_negative_control_release_before_persist_is_caught(tmp_path, mode):
+    with pytest.raises(CheckFailed, match="not durable"):
+        drive_chain(str(tmp_path / "s"), ["after_print:5"], mode=mode, unsafe="UnsafeBridge")
+
+
+def test_negative_control_caught_under_random_kills(tmp_path):
+    with pytest.raises(CheckFailed, match="not durable|two different"):
+        drive_chain(str(tmp_path / "s"), random_schedule(5, 30, 0.02), unsafe="UnsafeBridge")
+
+
+@pytest.mark.parametrize("mode", ["event", "receipt"])
+def test_negative_control_resign_after_unknown_outcome_is_caught(tmp_path, mode):
+    with pytest.raises(CheckFailed, match="after an unknown-outcome crash"):
+        drive_chain(str(tmp_path / "s"), ["after_sign:2"], mode=mode, unsafe="ResigningBridge")
