@@ -1,0 +1,108 @@
+"""`ssp-agent sync --broker mqtt://HOST:PORT [--once]` and `ssp-agent run` (cli-contract.md).
+
+Without --broker, a private mosquitto is started on a free loopback port for the duration of
+the command (useful on a single machine and in the demo; a device normally names its gateway).
+TLS and credentials: --ca-file/--cert-file/--key-file/--username, password from
+$SSP_MQTT_PASSWORD or --password-file (never on the command line)."""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+
+def _add_common(s) -> None:
+    s.add_argument("--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT (default: a private mosquitto "
+                                    "on a free loopback port, started and stopped with this command)")
+    s.add_argument("--cadence", type=float, default=30.0, help="seconds between batch cycles (default 30)")
+    s.add_argument("--no-realtime", action="store_true", help="advertise supports_realtime: false; batch only")
+    s.add_argument("--flush-cadence", type=float, default=None,
+                   help="realtime pushes on this fixed cadence (seconds) instead of at production (§33.3)")
+    s.add_argument("--ca-file", help="CA bundle for TLS (implies TLS)")
+    s.add_argument("--cert-file", help="client certificate for mutual TLS")
+    s.add_argument("--key-file", help="client private key for mutual TLS")
+    s.add_argument("--username", help="broker username (password from $SSP_MQTT_PASSWORD or --password-file)")
+    s.add_argument("--password-file", help="file holding the broker password")
+    s.add_argument("--connect-timeout", type=float, default=10.0)
+
+
+def register(sub, mailbox_sub) -> None:
+    s = sub.add_parser("sync", help="sync with peers through an MQTT broker (batch + realtime)")
+    _add_common(s)
+    s.add_argument("--once", action="store_true",
+                   help="one full cycle (push what each cursor selects, take in what waits), print JSON, exit")
+    s.add_argument("--timeout", type=float, default=20.0, help="--once: longest wait for answers (seconds)")
+    s.set_defaults(fn=cmd_sync)
+    s = sub.add_parser("run", help="the long-running node: MQTT sync until SIGTERM/SIGINT")
+    _add_common(s)
+    s.set_defaults(fn=cmd_run, once=False)
+
+
+def _settings(args):
+    from .cli import Refused
+    from .runner import settings_from_env
+    password = None
+    if args.password_file:
+        try:
+            password = Path(args.password_file).read_text().strip()
+        except OSError as e:
+            raise Refused(f"cannot read --password-file {args.password_file}: {e.strerror}") from None
+    try:
+        return settings_from_env(args.broker, ca_file=args.ca_file, cert_file=args.cert_file,
+                                 key_file=args.key_file, username=args.username, password=password)
+    except ValueError as e:
+        raise Refused(str(e)) from None
+
+
+def _go(args, once: bool) -> int:
+    from .cli import EXIT_OK, Fault, _open, emit
+    from .runner import RunConfig, Runner
+    from .transport.broker import Broker, BrokerError
+    from .transport.mqtt import TransportError
+    broker = None
+    if not args.broker:
+        try:
+            broker = Broker().start()
+        except BrokerError as e:
+            raise Fault(str(e)) from None
+        args.broker = broker.url
+        print(f"ssp-agent: no --broker given; started a private mosquitto at {broker.url}", file=sys.stderr)
+    node = _open(args)
+    try:
+        cfg = RunConfig(cadence_s=args.cadence, realtime=not args.no_realtime, flush_cadence_s=args.flush_cadence)
+        try:
+            r = Runner(node, _settings(args), cfg)
+        except TransportError as e:
+            raise Fault(str(e)) from None
+        if not r.start(args.connect_timeout):
+            err = r.link.last_error or f"no answer from {args.broker} within {args.connect_timeout}s"
+            r.link.close(clear_presence=False)
+            raise Fault(f"broker unreachable: {err}")
+        try:
+            if once:
+                emit(r.sync_once(timeout_s=args.timeout))
+                return EXIT_OK
+            stop = {"v": False}
+
+            def _stop(*_a):
+                stop["v"] = True
+            signal.signal(signal.SIGTERM, _stop)
+            signal.signal(signal.SIGINT, _stop)
+            r.run(lambda: stop["v"])
+            emit(r.summary())
+            return EXIT_OK
+        finally:
+            r.close()
+    finally:
+        node.close()
+        if broker is not None:
+            broker.close()
+
+
+def cmd_sync(args) -> int:
+    return _go(args, args.once)
+
+
+def cmd_run(args) -> int:
+    return _go(args, False)
