@@ -1,18 +1,24 @@
 """Mailbox files (cli-contract.md `mailbox`): one sync body per file, store-and-forward.
-Import parses the whole body strictly before anything touches the store (§32.2)."""
+
+Export selects from the durable per-peer cursor of the `mailbox` path, filtered by policy and
+self-echo, and advances it only once the file is durably written. Import parses the whole body
+strictly before anything touches the store (§32.2), then verifies and stores its control
+records, then applies its events through the node's one apply path. A file carries no answer
+and no authenticated stream, so mailbox bodies never move applied watermarks (docs/protocol.md).
+"""
 from __future__ import annotations
 
-from .core.messages import parse_body
-from .outcomes import counts
+from pathlib import Path
 
 
-def import_body(node, data: bytes) -> dict:
-    body = parse_body(data)  # raises ProtocolError: nothing has changed yet
-    outcomes = node.apply_batch(body.events)
-    result = counts(outcomes)
-    result["from_site_id"] = body.from_site_id.hex()
+def import_body(node, data: bytes, now: int | None = None) -> dict:
+    from .sync import SyncDriver
+    result = SyncDriver(node).import_mailbox(data, now)  # raises ProtocolError: nothing has changed
     # Detail for what did not simply apply (reasons, event ids); counts cover the rest.
-    result["events"] = [o.as_json() for o in outcomes if o.status not in ("applied",) or o.reason != "applied"]
-    if hasattr(node, "apply_records") and body.records:
-        result["records"] = node.apply_records(body.records)
+    result["events"] = [e for e in result["events"] if e["status"] != "applied" or e["reason"] != "applied"]
     return result
+
+
+def export_body(node, peer: bytes, out: Path) -> dict:
+    from .sync import SyncDriver
+    return SyncDriver(node).export_mailbox(peer, Path(out))

@@ -1,0 +1,184 @@
+"""CLI verbs of the sync layer (cli-contract.md): `mailbox export`, `policy`, `record`.
+Registered into agent/cli.py's parser by `register(sub, mailbox_sub)`."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .cli import EXIT_OK, Refused, _open, _table_arg, emit
+from .core.ids import IdFormatError, parse_hlc, parse_public_key, parse_site_id
+
+
+def cmd_mailbox_export(args) -> int:
+    from . import mailbox
+    try:
+        peer = parse_site_id(args.peer, "--peer")
+    except IdFormatError as e:
+        raise Refused(str(e)) from None
+    node = _open(args)
+    try:
+        if peer == node.site_id:
+            raise Refused("--peer is this node's own site_id; export for another node")
+        out = Path(args.out)
+        if not out.parent.exists():
+            raise Refused(f"directory {out.parent} does not exist")
+        emit(mailbox.export_body(node, peer, out))
+    finally:
+        node.close()
+    return EXIT_OK
+
+
+def _policy_row(args, effect: str):
+    from .core.scope import PolicyRow
+    peer = args.peer
+    if peer != "*":
+        try:
+            peer = parse_site_id(peer, "--peer").hex()
+        except IdFormatError as e:
+            raise Refused(str(e)) from None
+    if args.table.count(".") != 1:
+        raise Refused(f"--table must be SCHEMA.TABLE or SCHEMA.*, got {args.table!r}")
+    schema, table = args.table.split(".")
+    return PolicyRow(peer, schema, table, args.layer, effect, args.role or "")
+
+
+def cmd_policy_set(args) -> int:
+    from .core.scope import PolicyError, check_row
+    from .store import sync_state as st
+    from .sync import _txn
+    effect = args.policy_verb
+    node = _open(args)
+    try:
+        row = _policy_row(args, effect)
+        try:
+            check_row(row, {q: t.tdef.category for q, t in node.tables.items()})
+        except PolicyError as e:
+            raise Refused(str(e)) from None
+        st.ensure_schema(node.conn)
+        with _txn(node.conn):
+            st.put_policy_row(node.conn, row)
+            n = st.schedule_backfill(node.conn, row.peer) if effect == "allow" else 0
+        emit({"peer": row.peer, "table": f"{row.schema}.{row.table}", "layer": row.layer, "effect": effect,
+              "role": row.role or None, "backfill_scheduled": n})
+    finally:
+        node.close()
+    return EXIT_OK
+
+
+def cmd_policy_remove(args) -> int:
+    from .store import sync_state as st
+    from .sync import _txn
+    node = _open(args)
+    try:
+        row = _policy_row(args, "allow")
+        st.ensure_schema(node.conn)
+        with _txn(node.conn):
+            n = st.delete_policy_row(node.conn, row)
+            # Removing a deny may widen: re-walk history for the matching peers (scope §2).
+            bf = st.schedule_backfill(node.conn, row.peer) if n else 0
+        emit({"removed": n, "backfill_scheduled": bf})
+    finally:
+        node.close()
+    return EXIT_OK
+
+
+def cmd_policy_list(args) -> int:
+    from .store import sync_state as st
+    node = _open(args)
+    try:
+        st.ensure_schema(node.conn)
+        for r in sorted(st.policy_rows(node.conn), key=lambda r: (r.schema, r.table, r.peer, r.layer, r.role)):
+            sys.stdout.write(json.dumps({"peer": r.peer, "table": f"{r.schema}.{r.table}", "layer": r.layer,
+                                         "role": r.role or None, "effect": r.effect}) + "\n")
+    finally:
+        node.close()
+    return EXIT_OK
+
+
+def cmd_record_issue(args) -> int:
+    from .sync import issue_record
+    try:
+        subject = parse_site_id(args.subject, "--subject")
+        if args.record_verb == "issue-vouch":
+            kind, value = "vouch", parse_public_key(args.public_key)
+        elif args.record_verb == "issue-retire":
+            succ = parse_site_id(args.successor, "--successor") if args.successor else None
+            kind, value = "retire", (parse_hlc(args.retired_after), succ)
+        else:
+            if not args.role:
+                raise Refused("--role must name a role")
+            kind, value = "role", args.role
+    except IdFormatError as e:
+        raise Refused(str(e)) from None
+    node = _open(args)
+    try:
+        raw, info = issue_record(node, kind, subject, value)
+        if args.out:
+            Path(args.out).write_bytes(raw)
+        emit(info)
+    finally:
+        node.close()
+    return EXIT_OK
+
+
+def cmd_record_list(args) -> int:
+    from .core.records import resolve_chains
+    from .store import sync_state as st
+    node = _open(args)
+    try:
+        st.ensure_schema(node.conn)
+        recs = st.records(node.conn)
+        chains = resolve_chains(recs)
+        for r in recs:
+            ch = chains[(r.kind, r.subject)]
+            sys.stdout.write(json.dumps({
+                "record_hash": r.record_hash.hex(), "kind": r.kind, "issuer": r.issuer.hex(),
+                "subject": r.subject.hex(), "generation": r.generation,
+                "previous_record_hash": r.previous.hex() if r.previous else None,
+                "head": ch.head is not None and ch.head.record_hash == r.record_hash, "forked": ch.forked}) + "\n")
+    finally:
+        node.close()
+    return EXIT_OK
+
+
+def register(sub, mailbox_sub) -> None:
+    a = mailbox_sub.add_parser("export", help="write one sync body for a peer (its mailbox cursor advances once written)")
+    a.add_argument("--peer", required=True, help="the peer's site_id")
+    a.add_argument("--out", required=True, help="file to write")
+    a.set_defaults(fn=cmd_mailbox_export)
+
+    s = sub.add_parser("policy", help="the local policy store (scope §1.2; never replicated)")
+    ps = s.add_subparsers(dest="policy_verb", metavar="ACTION")
+    ps.required = True
+    for eff in ("allow", "deny", "remove"):
+        a = ps.add_parser(eff, help=f"{eff} a (peer, table, layer) row" if eff != "remove" else "remove a row")
+        a.add_argument("--peer", required=True, help="SITE_ID or *")
+        a.add_argument("--table", required=True, help="SCHEMA.TABLE or SCHEMA.* (a schema wildcard is refused)")
+        a.add_argument("--layer", required=True, choices=["system", "role", "user"])
+        a.add_argument("--role", help="role layer only: the row applies to peers holding this role")
+        a.set_defaults(fn=cmd_policy_remove if eff == "remove" else cmd_policy_set)
+    a = ps.add_parser("list", help="print the policy rows, one JSON object a line")
+    a.set_defaults(fn=cmd_policy_list)
+
+    s = sub.add_parser("record", help="control records: vouch, retire, role (issued by a mesh authority)")
+    rs = s.add_subparsers(dest="record_verb", metavar="ACTION")
+    rs.required = True
+    a = rs.add_parser("issue-vouch", help="vouch for a site's Ed25519 key")
+    a.add_argument("--subject", required=True)
+    a.add_argument("--public-key", required=True)
+    a.add_argument("--out")
+    a.set_defaults(fn=cmd_record_issue)
+    a = rs.add_parser("issue-retire", help="retire a site: its events above the cutoff are dropped")
+    a.add_argument("--subject", required=True)
+    a.add_argument("--retired-after", required=True, help="HLC cutoff, e.g. 1764669600000.0")
+    a.add_argument("--successor", help="the replacing device's site_id")
+    a.add_argument("--out")
+    a.set_defaults(fn=cmd_record_issue)
+    a = rs.add_parser("issue-role", help="assign a role to a site (role layer of policy)")
+    a.add_argument("--subject", required=True)
+    a.add_argument("--role", required=True)
+    a.add_argument("--out")
+    a.set_defaults(fn=cmd_record_issue)
+    a = rs.add_parser("list", help="print the control records this node holds")
+    a.set_defaults(fn=cmd_record_list)

@@ -1,0 +1,148 @@
+"""Delivery arithmetic (§14, §32, §34, wire-profile.md §5): cursor selection, cursor advance,
+stream continuity and applied-watermark inference. Pure functions over values; the store and
+the driver (agent/sync.py) feed them rows and persist what they return.
+
+Positions are the sender's local append order (`events.seq`). A cursor value c means "every
+event with seq <= c has been dealt with for this peer on this path": selection takes seq > c,
+which is the inclusive bound of §32 on the append order, so an old event relayed late gets a
+new, higher seq and is still offered (wire-profile.md §5).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+APPLIED, DUPLICATE, DROPPED, REJECTED, HELD = "applied", "duplicate", "dropped", "rejected", "held"
+# Drops whose HLC is not authentic data (or whose signer's later history is void): they never
+# set a watermark value, and they never block one either (§13.6 signature row).
+UNVERIFIED_DROPS = frozenset({"retired_signer"})
+
+Group = tuple[bytes, str]  # (site_id, "schema.table")
+Hlc = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class LogRow:
+    seq: int
+    site_id: bytes
+    table: str
+    hlc: Hlc
+    raw: bytes
+
+
+@dataclass
+class Selection:
+    events: list[bytes] = field(default_factory=list)
+    seqs: list[int] = field(default_factory=list)  # local seq of each selected event
+    end: int = 0  # last seq examined (the cursor value once everything is processed)
+    gaps: set[str] = field(default_factory=set)  # tables whose *own* events were withheld by policy
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> count (self_echo, policy, watermark)
+
+
+def select(rows: Iterable[LogRow], start: int, peer: bytes, self_site: bytes, allowed: Callable[[str], bool],
+           peer_watermarks: dict[Group, Hlc], limit: int) -> Selection:
+    """Choose what to offer `peer` from log rows with seq > start, in seq order, at most `limit`.
+
+    - never the peer's own events (§32.1: self-echo is pointless to send and dropped anyway);
+    - never what policy denies for that peer *now* (scope §1.2, checked at selection time);
+    - may skip what the peer's reported watermark covers (§14.2; a lie only hurts the liar).
+    `end` is the last seq examined, so filtered rows are not examined again."""
+    sel = Selection(end=start)
+    for r in rows:
+        if r.seq <= start:
+            continue
+        if len(sel.events) >= limit:
+            break
+        sel.end = r.seq
+        if r.site_id == peer:
+            sel.skipped["self_echo"] = sel.skipped.get("self_echo", 0) + 1
+            continue
+        if not allowed(r.table):
+            sel.skipped["policy"] = sel.skipped.get("policy", 0) + 1
+            if r.site_id == self_site:
+                sel.gaps.add(r.table)
+            continue
+        wm = peer_watermarks.get((r.site_id, r.table))
+        if wm is not None and r.hlc <= wm:
+            sel.skipped["watermark"] = sel.skipped.get("watermark", 0) + 1
+            continue
+        sel.events.append(r.raw)
+        sel.seqs.append(r.seq)
+    return sel
+
+
+def cursor_after(start: int, seqs: list[int], end: int, processed: int) -> int:
+    """The cursor once the peer processed the first `processed` events to a final state (it
+    stops before the first rejected one, which is re-offered next cycle)."""
+    if processed >= len(seqs):
+        return end
+    return max(start, seqs[processed] - 1)
+
+
+def continues(start: int, completed: int | None) -> bool:
+    """A body continues the stream a receiver has completed from that sender on that path."""
+    return completed is not None and start <= completed
+
+
+def completed_after(start: int, end: int, seqs: list[int], processed: int) -> int:
+    """How far the sender's stream is complete at the receiver after this body."""
+    return cursor_after(start, seqs, end, processed)
+
+
+@dataclass(frozen=True)
+class Processed:
+    """One event's outcome as the watermark arithmetic needs it."""
+
+    status: str
+    reason: str
+    site_id: bytes | None
+    table: str | None
+    hlc: Hlc | None
+    verified: bool
+
+
+def first_rejected(outcomes: list[Processed]) -> int:
+    """How many events reached a final state before the first rejected one."""
+    for i, o in enumerate(outcomes):
+        if o.status == REJECTED:
+            return i
+    return len(outcomes)
+
+
+def infer_watermarks(sender: bytes, outcomes: list[Processed], current: dict[Group, Hlc],
+                     held_min: dict[Group, Hlc], gapped: set[str] | frozenset[str]) -> dict[Group, Hlc]:
+    """Watermark advances demonstrated by one body from `sender` (§14.2, §13.6).
+
+    Call only for a body sent by `sender` itself over a live batch session whose frame shows it
+    continues the stream (`continues`). Per group (sender, table), in body order: advance over
+    events whose outcome is final (applied, duplicate, dropped after verification); stop at the
+    first held or rejected one, at any event at/above a still-held event of the group, and at any
+    event not above the previous one (a site's own stream is HLC-ordered; anything else is not
+    demonstrable). Events that failed verification neither set a value nor block. Tables the
+    sender withheld some of its own events from (`gapped`) are never inferred. Returns only
+    strict increases (monotonic)."""
+    blocked: set[Group] = set()
+    last: dict[Group, Hlc] = {}
+    best: dict[Group, Hlc] = {}
+    for o in outcomes:
+        if not o.verified or o.site_id != sender or o.table is None or o.hlc is None:
+            continue  # forged or foreign: not this stream's data, no block either
+        if o.status == DROPPED and o.reason in UNVERIFIED_DROPS:
+            continue
+        g = (sender, o.table)
+        if g in blocked or o.table in gapped:
+            continue
+        if o.status in (HELD, REJECTED):
+            blocked.add(g)
+            continue
+        hm = held_min.get(g)
+        if hm is not None and o.hlc >= hm:
+            blocked.add(g)
+            continue
+        prev = last.get(g)
+        if prev is not None and o.hlc <= prev:
+            blocked.add(g)
+            continue
+        last[g] = o.hlc
+        best[g] = o.hlc
+    return {g: h for g, h in best.items() if current.get(g) is None or h > current[g]}

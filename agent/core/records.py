@@ -1,0 +1,184 @@
+"""Control records (the sync body's `records` member; wire-profile.md §3, scope excerpt §1.3).
+
+Role assignment, vouch and retire records: tagged COSE_Sign1, alg EdDSA, kid = issuer site_id,
+external_aad = mesh_id, deterministic CBOR payload, chained per (kind, subject) by `generation`
+and `previous_record_hash` (BLAKE3 of the exact bytes of the superseded record).
+
+Pure: `verify_record` checks one record on its own (independent of events and of other
+records); `resolve_chains` turns the set of verified records a node holds into heads and
+forks. Because it is a function of the set, the result does not depend on arrival order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import blake3
+
+from .codec import DecodeError, decode_strict, encode
+from .cose import ALG_EDDSA, assemble, parse_sign1, protected_header, sig_structure, verify_ed25519
+from .ids import UINT32_MAX, UINT64_MAX
+
+ROLE, VOUCH, RETIRE = "sovm/ssp-role-v1", "sovm/ssp-vouch-v1", "sovm/ssp-retire-v1"
+KINDS = {ROLE: "role", VOUCH: "vouch", RETIRE: "retire"}
+CONTENT_TYPES = {v: k for k, v in KINDS.items()}
+_MEMBERS = {
+    ROLE: frozenset({"subject_site_id", "role", "generation", "previous_record_hash"}),
+    VOUCH: frozenset({"subject_site_id", "public_key", "generation", "previous_record_hash"}),
+    RETIRE: frozenset({"subject_site_id", "retired_after", "successor_site_id", "generation", "previous_record_hash"}),
+}
+
+
+class RecordError(ValueError):
+    """A record that is dropped and surfaced; `reason` is a stable code."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason, self.detail = reason, detail
+
+
+@dataclass(frozen=True)
+class Record:
+    record_hash: bytes  # BLAKE3 of the exact bytes
+    raw: bytes
+    kind: str  # role | vouch | retire
+    issuer: bytes
+    subject: bytes
+    generation: int
+    previous: bytes | None
+    value: Any  # role: str; vouch: public key bytes; retire: ((p, l), successor | None)
+
+
+def record_hash(raw: bytes) -> bytes:
+    return blake3.blake3(raw).digest()
+
+
+def payload_for(kind: str, subject: bytes, value: Any, generation: int, previous: bytes | None) -> dict:
+    p: dict[str, Any] = {"subject_site_id": subject, "generation": generation, "previous_record_hash": previous}
+    if kind == "role":
+        p["role"] = value
+    elif kind == "vouch":
+        p["public_key"] = value
+    elif kind == "retire":
+        (hp, hl), succ = value
+        p["retired_after"] = [hp, hl]
+        p["successor_site_id"] = succ
+    else:
+        raise ValueError(f"unknown record kind {kind!r}")
+    return p
+
+
+def to_be_signed(kind: str, issuer: bytes, mesh_id: bytes, subject: bytes, value: Any, generation: int,
+                 previous: bytes | None) -> tuple[bytes, bytes, bytes]:
+    """(protected, payload, Sig_structure) bytes for a record; sign the last, then `assemble`."""
+    protected = protected_header(ALG_EDDSA, CONTENT_TYPES[kind], issuer)
+    payload = encode(payload_for(kind, subject, value, generation, previous))
+    return protected, payload, sig_structure(protected, mesh_id, payload)
+
+
+def build_record(kind: str, issuer: bytes, mesh_id: bytes, subject: bytes, value: Any, generation: int,
+                 previous: bytes | None, sign: Callable[[bytes], bytes]) -> bytes:
+    protected, payload, tbs = to_be_signed(kind, issuer, mesh_id, subject, value, generation, previous)
+    return assemble(protected, payload, sign(tbs))
+
+
+def _bstr(v: Any, n: int) -> bool:
+    return isinstance(v, bytes) and len(v) == n
+
+
+def _uint(v: Any, limit: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= limit
+
+
+def verify_record(raw: bytes, mesh_id: bytes, authorities: Iterable[bytes],
+                  key_of: Callable[[bytes], bytes | None]) -> Record:
+    """Verify one record on its own. Raises RecordError (dropped and surfaced) otherwise.
+    `key_of(issuer)` gives the issuer's Ed25519 key from the trusted keyring (or None)."""
+    if not isinstance(raw, (bytes, bytearray)):
+        raise RecordError("not_bytes")
+    raw = bytes(raw)
+    try:
+        s = parse_sign1(raw)
+    except DecodeError as e:
+        raise RecordError(e.reason, e.detail) from None
+    if s.content_type not in _MEMBERS:
+        raise RecordError("unknown_record_type", s.content_type)
+    if s.kid not in set(authorities):
+        raise RecordError("unauthorized_issuer", f"{s.kid.hex()} is not a mesh authority")
+    key = key_of(s.kid)
+    if key is None:
+        raise RecordError("unknown_issuer_key", s.kid.hex())
+    if not verify_ed25519(key, s.sig_structure(mesh_id), s.signature):
+        raise RecordError("bad_signature")
+    try:
+        p = decode_strict(s.payload_bytes)
+    except DecodeError as e:
+        raise RecordError(e.reason, "record payload") from None
+    if not isinstance(p, dict) or set(p) != _MEMBERS[s.content_type]:
+        raise RecordError("bad_record_members")
+    if not _bstr(p["subject_site_id"], 16):
+        raise RecordError("bad_subject")
+    gen, prev = p["generation"], p["previous_record_hash"]
+    if not _uint(gen, UINT64_MAX):
+        raise RecordError("bad_generation")
+    if prev is not None and not _bstr(prev, 32):
+        raise RecordError("bad_previous_record_hash")
+    if (gen == 0) != (prev is None):
+        raise RecordError("bad_genesis", "generation 0 exactly when previous_record_hash is null")
+    kind = KINDS[s.content_type]
+    if kind == "role":
+        value: Any = p["role"]
+        if not isinstance(value, str) or not value:
+            raise RecordError("bad_role")
+    elif kind == "vouch":
+        value = p["public_key"]
+        if not _bstr(value, 32):
+            raise RecordError("bad_public_key")
+    else:
+        ra, succ = p["retired_after"], p["successor_site_id"]
+        if not isinstance(ra, list) or len(ra) != 2 or not _uint(ra[0], UINT64_MAX) or not _uint(ra[1], UINT32_MAX):
+            raise RecordError("bad_retired_after")
+        if succ is not None and not _bstr(succ, 16):
+            raise RecordError("bad_successor")
+        value = ((ra[0], ra[1]), succ)
+    return Record(record_hash(raw), raw, kind, s.kid, p["subject_site_id"], gen, prev, value)
+
+
+@dataclass
+class Chain:
+    kind: str
+    subject: bytes
+    head: Record | None = None  # None: absent (no genesis held, or forked)
+    forked: bool = False
+    fork_records: list[bytes] = field(default_factory=list)  # hashes of the conflicting records
+    values: list[Any] = field(default_factory=list)  # values of every held record (fail-closed uses)
+
+
+def resolve_chains(records: Iterable[Record]) -> dict[tuple[str, bytes], Chain]:
+    """Heads per (kind, subject). Two records claiming the same predecessor are a fork: the
+    chain is marked forked and its head is absent. A record whose predecessor is not held
+    waits (it links when the predecessor arrives: order independence)."""
+    groups: dict[tuple[str, bytes], list[Record]] = {}
+    for r in records:
+        groups.setdefault((r.kind, r.subject), []).append(r)
+    out: dict[tuple[str, bytes], Chain] = {}
+    for key, recs in groups.items():
+        ch = Chain(key[0], key[1], values=[r.value for r in recs])
+        by_prev: dict[bytes | None, list[Record]] = {}
+        for r in sorted(recs, key=lambda r: r.record_hash):
+            by_prev.setdefault(r.previous, []).append(r)
+        forks = [rs for rs in by_prev.values() if len(rs) > 1]
+        if forks:
+            ch.forked = True
+            ch.fork_records = sorted(r.record_hash for rs in forks for r in rs)
+            out[key] = ch
+            continue
+        cur = by_prev.get(None, [None])[0]
+        while cur is not None:
+            ch.head = cur
+            nxt = by_prev.get(cur.record_hash, [None])[0]
+            if nxt is not None and nxt.generation != cur.generation + 1:
+                break  # a successor with a wrong generation does not extend the chain
+            cur = nxt
+        out[key] = ch
+    return out

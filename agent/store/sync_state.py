@@ -1,0 +1,244 @@
+"""Durable delivery state (SQLite): per-(peer, path) cursors and backfill ranges, per-(sender,
+path) stream positions, the peers' reported watermarks, the local policy store (never
+replicated) and the control records this node holds. The node's own applied watermarks live
+in the store's `watermarks` table (agent/store/db.py). All of it is created on first use, so
+homes made before these tables existed gain them without a migration step."""
+from __future__ import annotations
+
+import json
+import sqlite3
+from typing import Iterable
+
+from ..core.records import Record, resolve_chains
+from ..core.scope import WILDCARD, PolicyRow
+from ..core.schema import SYNCABLE
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS sync_cursors (
+  peer BLOB NOT NULL, path TEXT NOT NULL, live INTEGER NOT NULL DEFAULT 0,
+  bf_next INTEGER NOT NULL DEFAULT 0, bf_end INTEGER NOT NULL DEFAULT 0,
+  PRIMARY KEY (peer, path)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS sync_streams (
+  sender BLOB NOT NULL, path TEXT NOT NULL, completed INTEGER NOT NULL,
+  PRIMARY KEY (sender, path)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS sync_stream_gaps (
+  sender BLOB NOT NULL, qualified TEXT NOT NULL, PRIMARY KEY (sender, qualified)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS peer_watermarks (
+  peer BLOB NOT NULL, site_id BLOB NOT NULL, qualified TEXT NOT NULL,
+  hlc_p INTEGER NOT NULL, hlc_l INTEGER NOT NULL, PRIMARY KEY (peer, site_id, qualified)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS policy_rows (
+  peer TEXT NOT NULL, schema_name TEXT NOT NULL, table_name TEXT NOT NULL, layer TEXT NOT NULL,
+  role TEXT NOT NULL DEFAULT '', effect TEXT NOT NULL,
+  PRIMARY KEY (peer, schema_name, table_name, layer, role)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS control_records (
+  record_hash BLOB PRIMARY KEY, kind TEXT NOT NULL, issuer BLOB NOT NULL, subject BLOB NOT NULL,
+  generation INTEGER NOT NULL, previous BLOB, value TEXT NOT NULL, raw BLOB NOT NULL) WITHOUT ROWID;
+"""
+
+
+def has_schema(conn: sqlite3.Connection) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE name='control_records'").fetchone() is not None
+
+
+def ensure_schema(conn: sqlite3.Connection) -> None:
+    """Create the tables (idempotent) and, once per home, the default policy rows: a `system`
+    layer allow for every peer and every schema holding a syncable table (`peer * SCHEMA.*`), so a
+    fresh mesh syncs. Operators narrow it with higher layers (docs/protocol.md)."""
+    if has_schema(conn) and conn.execute("SELECT 1 FROM meta WHERE key='policy_defaults'").fetchone():
+        return
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for stmt in _DDL.strip().split(";"):
+            if stmt.strip():
+                conn.execute(stmt)
+        if conn.execute("SELECT 1 FROM meta WHERE key='policy_defaults'").fetchone() is None:
+            schemas = sorted({s for s, c in conn.execute("SELECT schema_name, category FROM tables") if c == SYNCABLE})
+            for s in schemas:
+                conn.execute("INSERT OR IGNORE INTO policy_rows VALUES ('*', ?, '*', 'system', '', 'allow')", (s,))
+            conn.execute("INSERT OR REPLACE INTO meta VALUES ('policy_defaults', ?)", (json.dumps(schemas),))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+# ---------------------------------------------------------------- cursors
+def cursor(conn: sqlite3.Connection, peer: bytes, path: str) -> tuple[int, int, int]:
+    """(live, bf_next, bf_end); a peer never sent to starts at genesis (§14.1)."""
+    r = conn.execute("SELECT live, bf_next, bf_end FROM sync_cursors WHERE peer=? AND path=?", (peer, path)).fetchone()
+    return (0, 0, 0) if r is None else (r[0], r[1], r[2])
+
+
+def advance_cursor(conn: sqlite3.Connection, peer: bytes, path: str, live: int, bf_next: int | None = None) -> None:
+    """Monotonic: a confirmation never moves a cursor back (two exchanges may overlap)."""
+    cur = cursor(conn, peer, path)
+    new_live = max(cur[0], live)
+    new_bf = cur[1] if bf_next is None else max(cur[1], bf_next)
+    conn.execute("INSERT OR REPLACE INTO sync_cursors VALUES (?,?,?,?,?)", (peer, path, new_live, new_bf, cur[2]))
+
+
+def schedule_backfill(conn: sqlite3.Connection, peer_text: str) -> int:
+    """Widening backfill (scope §2): every cursor of the matching peers re-walks the log from
+    genesis up to where its live cursor stands, selection re-checking policy at emit time."""
+    n = 0
+    rows = conn.execute("SELECT peer, path, live FROM sync_cursors").fetchall()
+    for peer, path, live in rows:
+        if peer_text == WILDCARD or bytes(peer).hex() == peer_text:
+            conn.execute("UPDATE sync_cursors SET bf_next=0, bf_end=? WHERE peer=? AND path=?", (live, peer, path))
+            n += 1
+    return n
+
+
+def peers_with_cursors(conn: sqlite3.Connection, path: str | None = None) -> list[bytes]:
+    q = "SELECT DISTINCT peer FROM sync_cursors" + (" WHERE path=?" if path else "")
+    return [bytes(r[0]) for r in conn.execute(q, (path,) if path else ())]
+
+
+# ---------------------------------------------------------------- streams (receiver side)
+def stream_completed(conn: sqlite3.Connection, sender: bytes, path: str) -> int:
+    r = conn.execute("SELECT completed FROM sync_streams WHERE sender=? AND path=?", (sender, path)).fetchone()
+    return 0 if r is None else r[0]
+
+
+def set_stream_completed(conn: sqlite3.Connection, sender: bytes, path: str, completed: int) -> None:
+    conn.execute("INSERT OR REPLACE INTO sync_streams VALUES (?,?,?)", (sender, path, completed))
+
+
+def stream_gaps(conn: sqlite3.Connection, sender: bytes) -> set[str]:
+    return {q for (q,) in conn.execute("SELECT qualified FROM sync_stream_gaps WHERE sender=?", (sender,))}
+
+
+def add_stream_gaps(conn: sqlite3.Connection, sender: bytes, tables: Iterable[str]) -> None:
+    conn.executemany("INSERT OR IGNORE INTO sync_stream_gaps VALUES (?,?)", [(sender, t) for t in tables])
+
+
+# ---------------------------------------------------------------- watermarks
+def own_watermarks(conn: sqlite3.Connection) -> dict[tuple[bytes, str], tuple[int, int]]:
+    return {(bytes(s), q): (p, l) for s, q, p, l in conn.execute("SELECT site_id, qualified, hlc_p, hlc_l FROM watermarks")}
+
+
+def raise_watermarks(conn: sqlite3.Connection, updates: dict[tuple[bytes, str], tuple[int, int]]) -> None:
+    for (s, q), (p, l) in updates.items():
+        r = conn.execute("SELECT hlc_p, hlc_l FROM watermarks WHERE site_id=? AND qualified=?", (s, q)).fetchone()
+        if r is None or (p, l) > (r[0], r[1]):  # monotonic (§14.2)
+            conn.execute("INSERT OR REPLACE INTO watermarks VALUES (?,?,?,?)", (s, q, p, l))
+
+
+def held_min(conn: sqlite3.Connection, site: bytes) -> dict[tuple[bytes, str], tuple[int, int]]:
+    out: dict[tuple[bytes, str], tuple[int, int]] = {}
+    for q, p, l in conn.execute("SELECT qualified, hlc_p, hlc_l FROM held WHERE site_id=?", (site,)):
+        if (site, q) not in out or (p, l) < out[(site, q)]:
+            out[(site, q)] = (p, l)
+    return out
+
+
+def peer_watermarks(conn: sqlite3.Connection, peer: bytes) -> dict[tuple[bytes, str], tuple[int, int]]:
+    return {(bytes(s), q): (p, l) for s, q, p, l in
+            conn.execute("SELECT site_id, qualified, hlc_p, hlc_l FROM peer_watermarks WHERE peer=?", (peer,))}
+
+
+def set_peer_watermarks(conn: sqlite3.Connection, peer: bytes, wms: Iterable[tuple[bytes, str, tuple[int, int]]]) -> None:
+    """The peer's latest report replaces the previous one (a peer restored from a backup reports
+    less, and must be offered again what it lost)."""
+    conn.execute("DELETE FROM peer_watermarks WHERE peer=?", (peer,))
+    conn.executemany("INSERT OR REPLACE INTO peer_watermarks VALUES (?,?,?,?,?)",
+                     [(peer, s, q, h[0], h[1]) for s, q, h in wms])
+
+
+# ---------------------------------------------------------------- policy
+def policy_rows(conn: sqlite3.Connection) -> list[PolicyRow]:
+    return [PolicyRow(p, s, t, la, e, r) for p, s, t, la, r, e in
+            conn.execute("SELECT peer, schema_name, table_name, layer, role, effect FROM policy_rows")]
+
+
+def put_policy_row(conn: sqlite3.Connection, row: PolicyRow) -> None:
+    conn.execute("INSERT OR REPLACE INTO policy_rows VALUES (?,?,?,?,?,?)",
+                 (row.peer, row.schema, row.table, row.layer, row.role, row.effect))
+
+
+def delete_policy_row(conn: sqlite3.Connection, row: PolicyRow) -> int:
+    return conn.execute("DELETE FROM policy_rows WHERE peer=? AND schema_name=? AND table_name=? AND layer=? AND role=?",
+                        (row.peer, row.schema, row.table, row.layer, row.role)).rowcount
+
+
+# ---------------------------------------------------------------- control records
+def _value_json(r: Record) -> str:
+    if r.kind == "role":
+        return json.dumps(r.value)
+    if r.kind == "vouch":
+        return json.dumps(r.value.hex())
+    (p, l), succ = r.value
+    return json.dumps([[p, l], succ.hex() if succ else None])
+
+
+def _value_from(kind: str, text: str):
+    v = json.loads(text)
+    if kind == "role":
+        return v
+    if kind == "vouch":
+        return bytes.fromhex(v)
+    return ((v[0][0], v[0][1]), bytes.fromhex(v[1]) if v[1] else None)
+
+
+def has_record(conn: sqlite3.Connection, h: bytes) -> bool:
+    return conn.execute("SELECT 1 FROM control_records WHERE record_hash=?", (h,)).fetchone() is not None
+
+
+def put_record(conn: sqlite3.Connection, r: Record) -> bool:
+    cur = conn.execute("INSERT OR IGNORE INTO control_records VALUES (?,?,?,?,?,?,?,?)",
+                       (r.record_hash, r.kind, r.issuer, r.subject, r.generation, r.previous, _value_json(r), r.raw))
+    return cur.rowcount == 1
+
+
+def records(conn: sqlite3.Connection) -> list[Record]:
+    if not has_schema(conn):
+        return []
+    return [Record(bytes(h), bytes(raw), k, bytes(i), bytes(s), g, bytes(p) if p is not None else None, _value_from(k, v))
+            for h, k, i, s, g, p, v, raw in conn.execute(
+                "SELECT record_hash, kind, issuer, subject, generation, previous, value, raw FROM control_records"
+                " ORDER BY record_hash")]
+
+
+def record_raws(conn: sqlite3.Connection) -> list[bytes]:
+    if not has_schema(conn):
+        return []
+    return [bytes(r[0]) for r in conn.execute("SELECT raw FROM control_records ORDER BY record_hash")]
+
+
+def overlay_keyring(conn: sqlite3.Connection, keyring: dict, self_site: bytes) -> dict:
+    """Apply the record-derived trust to the in-memory keyring the apply path reads:
+    a vouch head adds its key for a site the keyring does not already hold; a retire head (or,
+    for a forked retire chain, the lowest cutoff any held record names: fail closed, a signer is
+    never trusted more because its records conflict) lowers that site's cutoff. A forked vouch
+    chain adds nothing. Returns the chains, for callers that surface forks."""
+    chains = resolve_chains(records(conn))
+    for (kind, subject), ch in sorted(chains.items(), key=lambda kv: kv[0][0] != "vouch"):
+        if subject == self_site:
+            continue
+        if kind == "vouch" and ch.head is not None and subject not in keyring:
+            keyring[subject] = (ch.head.value, None)
+        elif kind == "retire":
+            if ch.head is not None:
+                cut = ch.head.value[0]
+            elif ch.forked:
+                cut = min(v[0] for v in ch.values)
+            else:
+                continue
+            if subject in keyring:
+                pk, old = keyring[subject]
+                keyring[subject] = (pk, cut if old is None else min(old, cut))
+    return chains
+
+
+def current_roles(conn: sqlite3.Connection) -> dict[bytes, object]:
+    """subject -> role (str) or scope.FORKED."""
+    from ..core.scope import FORKED
+    out: dict[bytes, object] = {}
+    for (kind, subject), ch in resolve_chains(records(conn)).items():
+        if kind != "role":
+            continue
+        if ch.forked:
+            out[subject] = FORKED
+        elif ch.head is not None:
+            out[subject] = ch.head.value
+    return out

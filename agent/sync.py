@@ -1,0 +1,357 @@
+"""The node-side sync driver: wires sans-I/O sessions (agent/core/session.py) to a Node.
+
+It builds bodies from the durable per-(peer, path) cursor (filtered by policy, self-echo and
+the peer's reported watermarks), applies received bodies through the node's one apply path
+(`Node.apply_batch`), advances cursors only on the peer's answer, and advances the node's own
+applied watermarks only from what a live, authenticated, stream-continuous body demonstrates.
+See docs/protocol.md for the design and why it is sound.
+
+For a transport: make one `SyncDriver` per open Node, then one session per link:
+
+    drv = SyncDriver(node)
+    s = drv.session(path="mqtt", peer=site_id_or_None, secure=binding_authenticated,
+                    binding_unsolicited=True, realtime_capable=True)
+    s.start(now)                       # queues the handshake
+    ... s.receive(frame_bytes, now)    # every frame from the peer
+    ... for f in s.data_to_send(): transmit(f)
+    ... if s.timer() <= now: s.handle_timer(now)
+    ... after a local write: s.local_events(now)   (realtime push, coalesced)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .core import delivery
+from .core.messages import SyncBody, Watermark, emit_body, parse_body
+from .core.records import RecordError, resolve_chains, verify_record
+from .core.scope import resolve
+from .core.session import Outgoing, Session, StreamMeta
+from .outcomes import counts
+from .store import sync_state as st
+
+log = logging.getLogger("ssp_agent.sync")
+
+DEFAULT_BATCH_LIMIT = 500
+SCAN_FACTOR = 20  # rows examined per body at most: limit * SCAN_FACTOR (a mostly-filtered log cannot stall a cycle)
+MAILBOX_PATH = "mailbox"
+
+
+@dataclass(frozen=True)
+class _Token:
+    path: str
+    start: int
+    seqs: tuple[int, ...]
+    end: int
+    bf_start: int
+    bf_seqs: tuple[int, ...]
+    bf_end: int
+
+
+class SyncDriver:
+    def __init__(self, node, batch_limit: int = DEFAULT_BATCH_LIMIT) -> None:
+        self.node = node
+        self.conn = node.conn
+        self.batch_limit = batch_limit
+        st.ensure_schema(self.conn)
+        self._push_pos: dict[tuple[bytes, str], int] = {}
+        self.stats = {"pushed_events": 0, "received_events": 0, "bodies_out": 0, "bodies_in": 0}
+
+    # ------------------------------------------------------------------ sessions
+    def session(self, path: str = "memory", peer: bytes | None = None, *, secure: bool = False,
+                binding_unsolicited: bool = False, realtime_capable: bool = False, **kw: Any) -> Session:
+        """A session for one link. `secure`: the binding authenticated the peer (e.g. TLS client
+        certificates bound to the site_id); only then are its reports and stream trusted for
+        watermarks. `path` names the transport path (one cursor per peer per path)."""
+        return Session(LinkProvider(self, path, secure), peer=peer, secure=secure,
+                       binding_unsolicited=binding_unsolicited, realtime_capable=realtime_capable, **kw)
+
+    # ------------------------------------------------------------------ selection
+    def have_max_hlc(self) -> tuple[int, int]:
+        return self.node.clock.current()  # an upper bound of every HLC held; advisory only (§31)
+
+    def _allowed_fn(self, peer: bytes):
+        rows = st.policy_rows(self.conn)
+        roles = st.current_roles(self.conn)
+        role = roles.get(peer)
+        cats = {q: t.tdef.category for q, t in self.node.tables.items()}
+        cache: dict[str, bool] = {}
+        peer_hex = peer.hex()
+
+        def allowed(q: str) -> bool:
+            v = cache.get(q)
+            if v is None:
+                schema, name = q.split(".", 1)
+                d = resolve(rows, peer_hex, schema, name, cats.get(q), role)
+                if d.log:
+                    log.info("policy: %s for peer %s table %s: deny (%s)", "denied", peer_hex, q, d.reason)
+                v = cache[q] = d.allow
+            return v
+        return allowed
+
+    def _rows(self, after: int, upto: int | None):
+        """Log rows with seq > after (and <= upto), in append order, bounded by the scan budget."""
+        budget = self.batch_limit * SCAN_FACTOR
+        chunk = max(64, min(self.batch_limit * 2, budget))
+        pos = after
+        while budget > 0:
+            q = "SELECT seq, site_id, qualified, hlc_p, hlc_l, raw FROM events WHERE seq > ?"
+            args: list[Any] = [pos]
+            if upto is not None:
+                q += " AND seq <= ?"
+                args.append(upto)
+            rows = self.conn.execute(q + " ORDER BY seq LIMIT ?", (*args, min(chunk, budget))).fetchall()
+            if not rows:
+                return
+            for seq, s, t, p, l, raw in rows:
+                yield delivery.LogRow(seq, bytes(s), t, (p, l), bytes(raw))
+            pos = rows[-1][0]
+            budget -= len(rows)
+
+    def select_for(self, peer: bytes, path: str, mode: str = "batch") -> tuple[delivery.Selection, delivery.Selection | None, int, int]:
+        live, bf_next, bf_end = st.cursor(self.conn, peer, path)
+        start = live
+        if mode == "push":
+            start = max(live, self._push_pos.get((peer, path), 0))
+        allowed = self._allowed_fn(peer)
+        pwm = st.peer_watermarks(self.conn, peer)
+        sel = delivery.select(self._rows(start, None), start, peer, self.node.site_id, allowed, pwm, self.batch_limit)
+        bf = None
+        room = self.batch_limit - len(sel.events)
+        if mode != "push" and bf_next < bf_end and room > 0:
+            # Widening backfill (scope §2): live tail first, then history re-checked against policy now.
+            bf = delivery.select(self._rows(bf_next, bf_end), bf_next, peer, self.node.site_id, allowed, pwm, room)
+        return sel, bf, start, bf_next
+
+    def build(self, peer: bytes, path: str, mode: str) -> Outgoing:
+        sel, bf, start, bf_start = self.select_for(peer, path, mode)
+        if mode == "push":
+            self._push_pos[(peer, path)] = sel.end
+        events = list(sel.events) + (list(bf.events) if bf else [])
+        body = SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events), tuple(st.record_raws(self.conn)),
+                        tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items())))
+        meta = StreamMeta(start, sel.end, tuple(sel.seqs), tuple(sorted(sel.gaps)), len(bf.events) if bf else 0)
+        tok = _Token(path, start, tuple(sel.seqs), sel.end, bf_start, tuple(bf.seqs) if bf else (),
+                     bf.end if bf else bf_start)
+        self.stats["bodies_out"] += 1
+        self.stats["pushed_events"] += len(events)
+        return Outgoing(emit_body(body), meta, tok, len(events))
+
+    def confirm(self, peer: bytes, tok: _Token, processed: int) -> None:
+        """The peer processed the first `processed` events to a final state: advance (§14.1)."""
+        n_live = len(tok.seqs)
+        live = delivery.cursor_after(tok.start, list(tok.seqs), tok.end, min(processed, n_live))
+        bf = None
+        if processed >= n_live and tok.bf_end > tok.bf_start:
+            bf = delivery.cursor_after(tok.bf_start, list(tok.bf_seqs), tok.bf_end, processed - n_live)
+        with _txn(self.conn):
+            st.advance_cursor(self.conn, peer, tok.path, live, bf)
+
+    # ------------------------------------------------------------------ receiving
+    def apply_records(self, raws, now: int) -> dict:
+        """Verify and store control records, each on its own (a bad one is dropped and surfaced
+        without affecting the rest), then refresh the keyring overlay. Runs before the body's
+        events so a vouch travelling with its subject's events admits them."""
+        out = {"stored": 0, "known": 0, "dropped": 0, "forks": 0}
+        node = self.node
+        new = False
+        before = {k for k, c in resolve_chains(st.records(self.conn)).items() if c.forked}
+        with _txn(self.conn):
+            for raw in raws:
+                if not isinstance(raw, (bytes, bytearray)):
+                    continue
+                if st.has_record(self.conn, delivery_hash(raw)):
+                    out["known"] += 1
+                    continue
+                try:
+                    r = verify_record(bytes(raw), node.mesh_id, node.authorities, self._issuer_key)
+                except RecordError as e:
+                    out["dropped"] += 1
+                    _surface(self.conn, now, "record_dropped", e.reason, {"detail": e.detail})
+                    continue
+                if st.put_record(self.conn, r):
+                    out["stored"] += 1
+                    new = True
+            if new:
+                chains = resolve_chains(st.records(self.conn))
+                for k, c in chains.items():
+                    if c.forked and k not in before:
+                        out["forks"] += 1
+                        log.warning("control record fork: %s chain of %s; treated as absent", k[0], k[1].hex())
+                        _surface(self.conn, now, "record_fork", f"{k[0]}_fork",
+                                 {"subject": k[1].hex(), "records": [h.hex() for h in c.fork_records]})
+        if new:
+            node._load_caches()  # keyring rebuilt from the store, records overlaid (agent/node.py)
+        return out
+
+    def _issuer_key(self, issuer: bytes) -> bytes | None:
+        """An authority's key from the provisioned keyring (never from a vouch: a record cannot
+        vouch for its own issuer)."""
+        if issuer == self.node.site_id:
+            from .store import db
+            return bytes(db.get_meta(self.conn, "public_key"))
+        r = self.conn.execute("SELECT public_key FROM keyring WHERE site_id=?", (issuer,)).fetchone()
+        return None if r is None else bytes(r[0])
+
+    def receive(self, peer: bytes, body: SyncBody, meta: StreamMeta | None, mode: str, now: int,
+                path: str, secure: bool) -> tuple[int, list]:
+        """Apply one parsed body from `peer`. Returns (processed before first rejected, outcomes)."""
+        if body.records:
+            self.apply_records(body.records, now)
+        outcomes = self.node.apply_batch(body.events, now, origin="remote")
+        k = delivery.first_rejected([_proc(o) for o in outcomes])
+        self.stats["bodies_in"] += 1
+        self.stats["received_events"] += len(outcomes)
+        if secure and mode != MAILBOX_PATH:
+            with _txn(self.conn):
+                if mode == "batch" and meta is not None:
+                    self._advance_stream(peer, path, meta, outcomes, k)
+                # Reports are hints for selection only; taken from authenticated peers only.
+                st.set_peer_watermarks(self.conn, peer, [(w.site_id, w.table, w.hlc) for w in body.applied_watermarks])
+        return k, outcomes
+
+    def _advance_stream(self, peer: bytes, path: str, meta: StreamMeta, outcomes: list, k: int) -> None:
+        n_live = len(meta.seqs)
+        if meta.gaps:
+            st.add_stream_gaps(self.conn, peer, meta.gaps)
+        completed = st.stream_completed(self.conn, peer, path)
+        if not delivery.continues(meta.start, completed):
+            return  # not demonstrably contiguous with what we hold from this sender: infer nothing
+        live = [_proc(o) for o in outcomes[:n_live]]
+        up = delivery.infer_watermarks(peer, live, st.own_watermarks(self.conn), st.held_min(self.conn, peer),
+                                       st.stream_gaps(self.conn, peer))
+        st.raise_watermarks(self.conn, up)
+        new = delivery.completed_after(meta.start, meta.end, list(meta.seqs), min(k, n_live))
+        if new > completed:
+            st.set_stream_completed(self.conn, peer, path, new)
+
+    def surface_protocol_error(self, peer: bytes | None, reason: str, detail: str, now: int) -> None:
+        log.warning("protocol error from %s: %s %s", peer.hex() if peer else "?", reason, detail)
+        with _txn(self.conn):
+            _surface(self.conn, now, "protocol_error", reason, {"peer": peer.hex() if peer else None, "detail": detail})
+
+    # ------------------------------------------------------------------ mailbox
+    def export_mailbox(self, peer: bytes, out: Path) -> dict:
+        """One sync body for `peer` from the mailbox path's cursor; the cursor advances only
+        once the file is durably written (cli-contract.md)."""
+        o = self.build(peer, MAILBOX_PATH, "batch")
+        _write_durably(Path(out), o.body)
+        self.confirm(peer, o.token, o.n_events)  # a file cannot answer: written is delivered
+        return {"peer": peer.hex(), "events": o.n_events, "bytes": len(o.body), "file": str(out)}
+
+    def import_mailbox(self, data: bytes, now: int | None = None) -> dict:
+        """Parse the whole body strictly first (nothing changes on a malformed one), then records,
+        then events through the one apply path. Mailbox bodies never move watermarks."""
+        body = parse_body(data)
+        from .node import now_ms
+        now = now_ms() if now is None else now
+        recs = self.apply_records(body.records, now) if body.records else None
+        outcomes = self.node.apply_batch(body.events, now, origin="remote")
+        result: dict[str, Any] = counts(outcomes)
+        result["from_site_id"] = body.from_site_id.hex()
+        result["events"] = [o.as_json() for o in outcomes]
+        if recs is not None:
+            result["records"] = recs
+        return result
+
+
+class LinkProvider:
+    """The Provider a Session talks to: one per link (path + what the binding knows)."""
+
+    def __init__(self, driver: SyncDriver, path: str, secure: bool) -> None:
+        self.driver, self.path, self.secure = driver, path, secure
+
+    def hello_info(self) -> tuple[bytes, tuple[int, int]]:
+        return self.driver.node.site_id, self.driver.have_max_hlc()
+
+    def outgoing(self, peer: bytes, mode: str, now: int) -> Outgoing:
+        return self.driver.build(peer, self.path, mode)
+
+    def incoming(self, peer: bytes, body: SyncBody, meta: StreamMeta, mode: str, now: int) -> int:
+        return self.driver.receive(peer, body, meta, mode, now, self.path, self.secure)[0]
+
+    def confirm(self, peer: bytes, token: Any, processed: int) -> None:
+        if isinstance(token, _Token):
+            self.driver.confirm(peer, token, processed)
+
+    def protocol_error(self, peer: bytes | None, reason: str, detail: str, now: int) -> None:
+        self.driver.surface_protocol_error(peer, reason, detail, now)
+
+
+# ---------------------------------------------------------------------- helpers
+def delivery_hash(raw: bytes) -> bytes:
+    from .core.records import record_hash
+    return record_hash(bytes(raw))
+
+
+def _proc(o) -> delivery.Processed:
+    return delivery.Processed(o.status, o.reason, o.site_id, o.table, o.hlc, o.verified)
+
+
+def _surface(conn, now: int, kind: str, reason: str, detail: dict) -> None:
+    conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
+                 (now, kind, reason, json.dumps(detail, sort_keys=True)))
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(str(path.parent.resolve()), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _txn:
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def __enter__(self):
+        self.conn.execute("BEGIN IMMEDIATE")
+        return self.conn
+
+    def __exit__(self, et, e, tb) -> None:
+        self.conn.execute("COMMIT" if et is None else "ROLLBACK")
+
+
+def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = None) -> tuple[bytes, dict]:
+    """Issue a control record as this node (it must be a mesh authority), signed with its event
+    key through the keystore bridge under a fresh HLC identity (persist-before-release: a crash
+    never makes it sign two different records it could both have released). The record extends
+    the subject's chain from the head this node holds, is stored, and travels in every body."""
+    from firmware_bridge import EventIdentity
+    from .core import records as rec
+    from .core.cose import assemble
+    from .node import EVENT_KEY, NodeError, now_ms
+    if node.site_id not in node.authorities:
+        raise NodeError("this node is not a mesh authority (the manifest's `authorities`); only an authority "
+                        "may issue vouch, retire and role records")
+    if subject == node.site_id and kind != "role":
+        raise NodeError("a node does not vouch for or retire itself")
+    drv = SyncDriver(node)
+    ch = resolve_chains(st.records(node.conn)).get((kind, subject))
+    if ch is not None and ch.forked:
+        raise NodeError(f"the {kind} chain of {subject.hex()} has forked; it is treated as absent until an "
+                        "operator resolves it")
+    gen, prev = (0, None) if ch is None or ch.head is None else (ch.head.generation + 1, ch.head.record_hash)
+    if ch is not None and ch.head is None and not ch.forked and ch.values:
+        raise NodeError(f"this node holds {kind} records of {subject.hex()} without their genesis; sync first")
+    now = now_ms() if now is None else now
+    protected, payload, tbs = rec.to_be_signed(kind, node.site_id, node.mesh_id, subject, value, gen, prev)
+    hlc = node._tick(now)
+    raw = node.bridge.release(EventIdentity(node.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs,
+                              lambda sig: assemble(protected, payload, sig))
+    res = drv.apply_records([raw], now)
+    if res["stored"] != 1 and res["known"] != 1:
+        raise NodeError(f"the issued record did not verify here: {res}")
+    return raw, {"kind": kind, "subject": subject.hex(), "generation": gen,
+                 "record_hash": rec.record_hash(raw).hex(), "previous_record_hash": prev.hex() if prev else None}
