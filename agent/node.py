@@ -143,6 +143,9 @@ class Node:
         self.keyring: dict[bytes, tuple[bytes, tuple[int, int] | None]] = {}
         for sid, pk, rp, rl, _src in self.conn.execute("SELECT * FROM keyring"):
             self.keyring[bytes(sid)] = (bytes(pk), None if rp is None else (rp, rl))
+        # Control records (vouch, retire) held by this node extend the keyring (agent/store/sync_state.py).
+        from .store import sync_state
+        sync_state.overlay_keyring(self.conn, self.keyring, self.site_id)
         self.tables: dict[str, _Table] = {}
         for q, sch, name, cat, key_json, cols_json, _evict, hp, hl in self.conn.execute("SELECT * FROM tables"):
             t = TableDef(sch, name, cat, tuple(json.loads(key_json)), json.loads(cols_json))
