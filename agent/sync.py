@@ -221,13 +221,23 @@ class SyncDriver:
         completed = st.stream_completed(self.conn, peer, path)
         if not delivery.continues(meta.start, completed):
             return  # not demonstrably contiguous with what we hold from this sender: infer nothing
-        live = [_proc(o) for o in outcomes[:n_live]]
+        live = [self._proc_full(o) for o in outcomes[:n_live]]
         up = delivery.infer_watermarks(peer, live, st.own_watermarks(self.conn), st.held_min(self.conn, peer),
                                        st.stream_gaps(self.conn, peer))
         st.raise_watermarks(self.conn, up)
         new = delivery.completed_after(meta.start, meta.end, list(meta.seqs), min(k, n_live))
         if new > completed:
             st.set_stream_completed(self.conn, peer, path, new)
+
+    def _proc_full(self, o) -> delivery.Processed:
+        """A known event's duplicate outcome carries no table/HLC: read them from the log."""
+        if o.verified and (o.table is None or o.hlc is None) and o.event_id is not None:
+            r = self.conn.execute("SELECT qualified, hlc_p, hlc_l FROM events WHERE event_id=?", (o.event_id,)).fetchone()
+            if r is None:
+                r = self.conn.execute("SELECT qualified, hlc_p, hlc_l FROM held WHERE event_id=?", (o.event_id,)).fetchone()
+            if r is not None:
+                return delivery.Processed(o.status, o.reason, o.site_id, r[0], (r[1], r[2]), o.verified)
+        return _proc(o)
 
     def surface_protocol_error(self, peer: bytes | None, reason: str, detail: str, now: int) -> None:
         log.warning("protocol error from %s: %s %s", peer.hex() if peer else "?", reason, detail)
