@@ -78,3 +78,17 @@ def softhsm_module() -> str | None:
         if os.path.exists(cand):
             return cand
     return None
+
+
+def start_emulator(tmp, *extra: str, state: str = "device"):
+    """Start the serial keystore emulator; return (process, port path)."""
+    import subprocess
+    import sys
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    port = os.path.join(str(tmp), f"port-{state}")
+    proc = subprocess.Popen([sys.executable, "-m", "firmware_bridge.serial_device", "--port-link", port,
+                             "--state", os.path.join(str(tmp), state), *extra],
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=root))
+    line = proc.stdout.readline()
+    assert line.startswith("READY"), line
+    return proc, port

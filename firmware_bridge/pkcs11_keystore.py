@@ -1,0 +1,110 @@
+"""PKCS#11 keystore (python-pkcs11), e.g. SoftHSM2 or a hardware token (issue 5 item 4).
+
+Keys are generated on the token (CKA_SENSITIVE, not CKA_EXTRACTABLE) and never leave it.  Ed25519
+via CKM_EC_EDWARDS_KEY_PAIR_GEN / CKM_EDDSA; P-256 via CKM_ECDSA_SHA256 or CKM_ECDSA over a
+SHA-256 digest.  The token chooses its own ECDSA nonces, which is why §22.5 forbids re-signing.
+All token calls run in a worker process (pkcs11_worker.py; reasons there).
+"""
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+import threading
+from typing import Any, Optional
+
+import cbor2
+
+from . import errors
+from .errors import KeystoreError, KeystoreUnavailable
+from .identity import Identity
+from .keystore import Keystore, check_alg, check_key_name
+
+
+class Pkcs11Keystore(Keystore):
+    kind = "pkcs11"
+    verify_signatures = True
+
+    def __init__(self, module: str, token_label: str, pin: str, env: Optional[dict[str, str]] = None) -> None:
+        self.module = module
+        self.token_label = token_label
+        self._lock = threading.Lock()
+        self._algs: dict[str, str] = {}
+        if not os.path.exists(module):
+            raise KeystoreUnavailable(f"PKCS#11 module {module} does not exist; install it (Debian: apt-get "
+                                      "install softhsm2) or fix keystore.module in the profile")
+        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        penv = dict(os.environ, **(env or {}))
+        penv["PYTHONPATH"] = pkg_root + os.pathsep + penv.get("PYTHONPATH", "")
+        self._proc = subprocess.Popen([sys.executable, "-m", "firmware_bridge.pkcs11_worker"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=penv)
+        try:
+            self.info = self._call("open", module=module, token_label=token_label, pin=pin)
+        except BaseException:
+            self.close()
+            raise
+
+    def _call(self, op: str, **kw: Any) -> Any:
+        with self._lock:
+            proc = self._proc
+            if proc is None or proc.poll() is not None:
+                raise KeystoreUnavailable("the PKCS#11 worker process is not running; restart the agent")
+            try:
+                data = cbor2.dumps({"op": op, **kw})
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(struct.pack(">I", len(data)) + data)
+                proc.stdin.flush()
+                head = proc.stdout.read(4)
+                if len(head) < 4:
+                    raise EOFError
+                reply = cbor2.loads(proc.stdout.read(struct.unpack(">I", head)[0]))
+            except (OSError, EOFError, ValueError):
+                raise KeystoreUnavailable(f"the PKCS#11 worker for {self.module} died during {op}; "
+                                          "check the token and restart the agent") from None
+        if "err" in reply:
+            cls = getattr(errors, reply["err"], KeystoreError)
+            if not (isinstance(cls, type) and issubclass(cls, KeystoreError)):
+                cls = KeystoreError
+            raise cls(reply["msg"])
+        return reply["ok"]
+
+    def generate_key(self, name: str, alg: str) -> bytes:
+        pub = self._call("generate", name=check_key_name(name), alg=check_alg(alg))
+        self._algs[name] = alg
+        return bytes(pub)
+
+    def _pub(self, name: str) -> tuple[str, bytes]:
+        alg, pub = self._call("public", name=check_key_name(name))
+        self._algs[name] = alg
+        return alg, bytes(pub)
+
+    def public_key(self, name: str) -> bytes:
+        return self._pub(name)[1]
+
+    def algorithm(self, name: str) -> str:
+        return self._algs.get(name) or self._pub(name)[0]
+
+    def key_names(self) -> list[str]:
+        got = self._call("list")
+        self._algs.update(got)
+        return sorted(got)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": self.kind, "module": self.module, "token_label": self.token_label,
+                "token_serial": self.info.get("token_serial"), "ecdsa": self.info.get("ecdsa_mechanism"),
+                "keys": self._call("list")}
+
+    def _sign(self, name: str, identity: Identity, data: bytes) -> bytes:
+        return bytes(self._call("sign", name=name, alg=self.algorithm(name), data=data))
+
+    def close(self) -> None:
+        proc, self._proc = getattr(self, "_proc", None), None
+        if proc is not None:
+            try:
+                if proc.stdin:
+                    proc.stdin.close()
+                proc.wait(timeout=5)
+            except Exception:  # noqa: BLE001
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,187 @@
+"""PKCS#11 worker process: owns the module, the token session and the login.
+
+Run by Pkcs11Keystore as ``python -m firmware_bridge.pkcs11_worker``; it speaks length-prefixed
+CBOR over stdin/stdout.  A separate process because python-pkcs11 loads one module per process and
+C_Initialize reads its configuration (e.g. SOFTHSM2_CONF) once, and so a hung or crashed token
+library cannot take the agent down with it.  The PIN arrives on the pipe, never on argv.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from typing import Any, BinaryIO
+
+import cbor2
+
+ED25519_OID = "1.3.101.112"
+
+
+def _unwrap_point(data: bytes) -> bytes:
+    """EC_POINT is usually a DER OCTET STRING around the point; accept both forms."""
+    if len(data) >= 2 and data[0] == 0x04 and data[1] == len(data) - 2 and len(data) in (34, 67):
+        return bytes(data[2:])
+    return bytes(data)
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.session: Any = None
+        self.info: dict[str, Any] = {}
+        self._keys: dict[str, Any] = {}  # private key handles by label (find once)
+
+    def op_open(self, module: str, token_label: str, pin: str) -> dict[str, Any]:
+        import pkcs11
+        try:
+            lib = pkcs11.lib(module)
+        except Exception as exc:  # noqa: BLE001 - the binding raises several types here
+            raise _Err("KeystoreUnavailable", f"cannot load PKCS#11 module {module}: {exc}; check the path "
+                       "(Debian: apt-get install softhsm2 puts it in /usr/lib/softhsm/libsofthsm2.so)")
+        try:
+            token = lib.get_token(token_label=token_label)
+        except pkcs11.NoSuchToken:
+            labels = []
+            try:
+                labels = [t for t in (s.get_token().label for s in lib.get_slots(token_present=True)) if t]
+            except Exception:  # noqa: BLE001
+                pass
+            raise _Err("KeystoreUnavailable", f"no token labelled {token_label!r} in {module} (present: "
+                       f"{', '.join(labels) or 'none'}); insert the token or initialise it "
+                       "(softhsm2-util --init-token --free --label ...)")
+        try:
+            self.session = token.open(user_pin=pin, rw=True)
+        except pkcs11.PinIncorrect:
+            raise _Err("WrongPin", f"token {token_label!r} rejected the PIN; check the keystore PIN in the "
+                       "profile (repeated failures may lock the token)")
+        except pkcs11.PinLocked:
+            raise _Err("KeystoreUnavailable", f"token {token_label!r} has its user PIN locked; unlock it with the SO PIN")
+        mechs = set(token.slot.get_mechanisms())
+        self.ecdsa_sha256 = pkcs11.Mechanism.ECDSA_SHA256 in mechs
+        self.info = {"token_label": token.label, "token_serial": token.serial.decode(errors="replace").strip()
+                     if isinstance(token.serial, bytes) else str(token.serial),
+                     "manufacturer": str(token.manufacturer_id).strip(),
+                     "eddsa": pkcs11.Mechanism.EDDSA in mechs or not mechs,
+                     "ecdsa_mechanism": "CKM_ECDSA_SHA256" if self.ecdsa_sha256 else "CKM_ECDSA over SHA-256"}
+        return self.info
+
+    def _private(self, name: str) -> Any:
+        import pkcs11
+        from pkcs11 import ObjectClass
+        if name in self._keys:
+            return self._keys[name]
+        try:
+            key = self._keys[name] = self.session.get_key(object_class=ObjectClass.PRIVATE_KEY, label=name)
+            return key
+        except pkcs11.NoSuchKey:
+            raise _Err("KeyNotFound", f"no private key labelled {name!r} on the token; generate it first")
+        except pkcs11.MultipleObjectsReturned:
+            raise _Err("KeystoreError", f"several private keys labelled {name!r} on the token; remove the duplicates")
+
+    def _public(self, name: str) -> tuple[str, bytes]:
+        import pkcs11
+        from pkcs11 import Attribute, KeyType, ObjectClass
+        try:
+            pub = self.session.get_key(object_class=ObjectClass.PUBLIC_KEY, label=name)
+        except pkcs11.NoSuchKey:
+            raise _Err("KeyNotFound", f"no key labelled {name!r} on the token; generate it first")
+        point = _unwrap_point(pub[Attribute.EC_POINT])
+        if pub.key_type == KeyType.EC_EDWARDS:
+            return "ed25519", point
+        from .ec import compress_point
+        return "p256", compress_point(point)
+
+    def op_key_attributes(self, name: str) -> dict[str, bool]:
+        from pkcs11 import Attribute
+        key = self._private(name)
+        return {"sensitive": bool(key[Attribute.SENSITIVE]), "extractable": bool(key[Attribute.EXTRACTABLE]),
+                "never_extractable": bool(key[Attribute.NEVER_EXTRACTABLE]), "local": bool(key[Attribute.LOCAL])}
+
+    def op_public(self, name: str) -> list[Any]:
+        alg, pub = self._public(name)
+        return [alg, pub]
+
+    def op_list(self) -> dict[str, str]:
+        from pkcs11 import Attribute, KeyType, ObjectClass
+        out = {}
+        for obj in self.session.get_objects({Attribute.CLASS: ObjectClass.PRIVATE_KEY}):
+            out[obj.label] = "ed25519" if obj.key_type == KeyType.EC_EDWARDS else "p256"
+        return out
+
+    def op_generate(self, name: str, alg: str) -> bytes:
+        import pkcs11
+        from pkcs11 import Attribute, KeyType, Mechanism
+        from pkcs11.util.ec import encode_named_curve_parameters
+        try:
+            self._private(name)
+            raise _Err("KeyExists", f"a key labelled {name!r} already exists on the token; keys are never overwritten")
+        except _Err as e:
+            if e.cls != "KeyNotFound":
+                raise
+        priv_t = {Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False, Attribute.SIGN: True,
+                  Attribute.TOKEN: True, Attribute.PRIVATE: True, Attribute.ID: name.encode()}
+        pub_t = {Attribute.VERIFY: True, Attribute.TOKEN: True, Attribute.ID: name.encode()}
+        try:
+            if alg == "ed25519":
+                pub_t[Attribute.EC_PARAMS] = encode_named_curve_parameters(ED25519_OID)
+                self.session.generate_keypair(KeyType.EC_EDWARDS, mechanism=Mechanism.EC_EDWARDS_KEY_PAIR_GEN,
+                                              store=True, label=name, public_template=pub_t, private_template=priv_t)
+            else:
+                params = self.session.create_domain_parameters(
+                    KeyType.EC, {Attribute.EC_PARAMS: encode_named_curve_parameters("secp256r1")}, local=True)
+                params.generate_keypair(store=True, label=name, public_template=pub_t, private_template=priv_t)
+        except (pkcs11.MechanismInvalid, pkcs11.DomainParamsInvalid, pkcs11.FunctionNotSupported) as exc:
+            raise _Err("UnsupportedAlgorithm", f"the token cannot generate {alg} keys ({type(exc).__name__}); "
+                       "EdDSA needs SoftHSM >= 2.6 built with OpenSSL >= 1.1.1, or a token with CKM_EDDSA")
+        return self._public(name)[1]
+
+    def op_sign(self, name: str, alg: str, data: bytes) -> bytes:
+        from pkcs11 import Mechanism
+        key = self._private(name)
+        if alg == "ed25519":
+            return bytes(key.sign(data, mechanism=Mechanism.EDDSA))
+        if self.ecdsa_sha256:
+            return bytes(key.sign(data, mechanism=Mechanism.ECDSA_SHA256))
+        # CKM_ECDSA over the SHA-256 digest; PKCS#11 returns raw r||s, as COSE ES256 wants
+        return bytes(key.sign(hashlib.sha256(data).digest(), mechanism=Mechanism.ECDSA))
+
+
+class _Err(Exception):
+    def __init__(self, cls: str, msg: str) -> None:
+        super().__init__(msg)
+        self.cls = cls
+        self.msg = msg
+
+
+def read_msg(f: BinaryIO) -> Any:
+    head = f.read(4)
+    if len(head) < 4:
+        return None
+    (n,) = struct.unpack(">I", head)
+    return cbor2.loads(f.read(n))
+
+
+def write_msg(f: BinaryIO, obj: Any) -> None:
+    data = cbor2.dumps(obj)
+    f.write(struct.pack(">I", len(data)) + data)
+    f.flush()
+
+
+def main() -> None:
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing else may write to the message pipe
+    worker = Worker()
+    while True:
+        msg = read_msg(inp)
+        if msg is None:
+            return
+        op = msg.pop("op")
+        try:
+            write_msg(out, {"ok": getattr(worker, "op_" + op)(**msg)})
+        except _Err as e:
+            write_msg(out, {"err": e.cls, "msg": e.msg})
+        except Exception as e:  # noqa: BLE001 - reported to the host, never silently dropped
+            write_msg(out, {"err": "KeystoreError", "msg": f"PKCS#11 {op} failed: {type(e).__name__}: {e}"})
+
+
+if __name__ == "__main__":
+    main()

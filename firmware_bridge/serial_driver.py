@@ -1,0 +1,152 @@
+"""Host driver for the serial keystore device (pyserial), protocol in serial_protocol.py.
+
+One request at a time (a lock), each with a fresh request id; replies with another id (stale
+replies to an earlier, timed-out request) and corrupted frames are discarded.  Nothing is ever
+retried automatically: a SIGN whose reply was lost may have been signed by the device, and the
+bridge's journal already treats that identity as OutcomeUnknown (SOVM §22.5 clause 2).
+"""
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from typing import Any
+
+import serial
+
+from . import serial_protocol as sp
+from .errors import (DeviceRefused, DeviceTimeout, KeyExists, KeyNotFound, KeystoreUnavailable, ProtocolError,
+                     UnsupportedAlgorithm)
+from .identity import Identity
+from .keystore import Keystore, check_alg, check_key_name
+
+_REFUSAL_HINT = {
+    sp.E_ALREADY_SIGNED: "the device has already signed this identity and will never sign it again "
+                         "(events: tick the HLC; receipts: §22.6 discontinuity path)",
+    sp.E_NOT_MONOTONIC: "the device only signs identities above the last one it signed for this key; "
+                        "the host's clock or epoch state is behind the device's",
+    sp.E_WRONG_KEY_FOR_IDENTITY: "use an ed25519 key for events and a p256 key for receipts",
+    sp.E_STORAGE: "the device could not persist its counter; check its storage",
+}
+
+
+class SerialKeystore(Keystore):
+    kind = "serial"
+    verify_signatures = True  # the line and the device are outside our process: check before persisting
+
+    def __init__(self, port: str, baud: int = 115200, timeout_s: float = 2.0) -> None:
+        self.port = port
+        self.baud = baud
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._req = 0
+        self._reader = sp.FrameReader()
+        self._algs: dict[str, str] = {}
+        try:
+            self._ser = serial.Serial(port, baudrate=baud, timeout=0.05, write_timeout=timeout_s)
+        except (serial.SerialException, OSError) as exc:
+            raise KeystoreUnavailable(f"cannot open serial keystore at {port}: {exc}; check that the device "
+                                      "is plugged in and the port name is right (ls -l /dev/serial/by-id/)") from None
+        self._ser.reset_input_buffer()
+        hello = sp.BodyReader(self._request(sp.HELLO, b""))
+        self.protocol = hello.u8()
+        self.firmware = hello.str()
+        self.device_id = hello.take(8).hex()
+
+    # -- request / reply ----------------------------------------------------------------------
+    def _request(self, op: int, body: bytes) -> bytes:
+        with self._lock:
+            self._req = (self._req + 1) & 0xFFFF or 1
+            req_id = self._req
+            try:
+                self._ser.write(sp.encode_frame(op, req_id, body))
+                self._ser.flush()
+            except (serial.SerialException, OSError) as exc:
+                raise KeystoreUnavailable(f"serial keystore at {self.port} disconnected while sending ({exc}); "
+                                          "reconnect the device and restart the agent") from None
+            rejected_before = self._reader.rejected
+            deadline = time.monotonic() + self.timeout_s
+            while time.monotonic() < deadline:
+                try:
+                    data = self._ser.read(self._ser.in_waiting or 1)
+                except (serial.SerialException, OSError) as exc:
+                    raise KeystoreUnavailable(f"serial keystore at {self.port} disconnected mid-request ({exc}); "
+                                              "nothing was released; reconnect the device and restart the agent") from None
+                for frame in self._reader.feed(data):
+                    if frame.req_id != req_id:
+                        continue  # a stale reply to an earlier request
+                    if frame.kind == sp.ERROR:
+                        code = frame.body[0] if frame.body else 0
+                        msg = frame.body[1:].decode(errors="replace")
+                        raise self._refusal(code, msg)
+                    if frame.kind != op | sp.OK_BIT:
+                        raise ProtocolError(f"device answered op 0x{op:02x} with kind 0x{frame.kind:02x}")
+                    return frame.body
+            if self._reader.rejected > rejected_before:
+                raise ProtocolError(f"serial keystore at {self.port}: reply rejected ({self._reader.last_error}); "
+                                    "line noise or a wrong baud rate — check the cable and the baud setting")
+            raise DeviceTimeout(f"serial keystore at {self.port} did not answer within {self.timeout_s} s; "
+                                "check that the device is powered and running the keystore firmware")
+
+    def _refusal(self, code: int, msg: str) -> Exception:
+        if code == sp.E_KEY_NOT_FOUND:
+            return KeyNotFound(f"{msg}; generate it on the device first")
+        if code == sp.E_KEY_EXISTS:
+            return KeyExists(f"{msg}; keys are never overwritten on the device")
+        if code == sp.E_BAD_ALG:
+            return UnsupportedAlgorithm(msg)
+        hint = _REFUSAL_HINT.get(code, "")
+        name = sp.ERROR_NAMES.get(code, f"error {code}")
+        return DeviceRefused(f"serial keystore refused ({name}): {msg}" + (f"; {hint}" if hint else ""), code)
+
+    # -- Keystore -------------------------------------------------------------------------------
+    def generate_key(self, name: str, alg: str) -> bytes:
+        check_key_name(name)
+        body = bytes([sp.ALG_CODES[check_alg(alg)]]) + sp.put_str(name)
+        r = sp.BodyReader(self._request(sp.GENERATE, body))
+        self._algs[name] = sp.ALG_NAMES[r.u8()]
+        return r.blob()
+
+    def _pub(self, name: str) -> tuple[str, bytes]:
+        r = sp.BodyReader(self._request(sp.PUBKEY, sp.put_str(check_key_name(name))))
+        alg = sp.ALG_NAMES.get(r.u8())
+        if alg is None:
+            raise ProtocolError("device reported an unknown algorithm")
+        self._algs[name] = alg
+        return alg, r.blob()
+
+    def public_key(self, name: str) -> bytes:
+        return self._pub(name)[1]
+
+    def algorithm(self, name: str) -> str:
+        return self._algs.get(name) or self._pub(name)[0]
+
+    def key_names(self) -> list[str]:
+        r = sp.BodyReader(self._request(sp.LIST, b""))
+        names = []
+        for _ in range(r.u8()):
+            alg = sp.ALG_NAMES.get(r.u8(), "?")
+            name = r.str()
+            self._algs[name] = alg
+            names.append(name)
+        return sorted(names)
+
+    def describe(self) -> dict[str, Any]:
+        names = self.key_names()
+        return {"kind": self.kind, "port": self.port, "baud": self.baud, "firmware": self.firmware,
+                "device_id": self.device_id, "keys": {n: self._algs[n] for n in names}}
+
+    def _sign(self, name: str, identity: Identity, data: bytes) -> bytes:
+        body = sp.put_str(name) + sp.put_blob(identity.encode()) + sp.put_blob(data)
+        r = sp.BodyReader(self._request(sp.SIGN, body))
+        self.last_counter = r.u64()
+        sig = r.blob()
+        if len(sig) != 64:
+            raise ProtocolError("device returned a signature that is not 64 bytes")
+        return sig
+
+    def close(self) -> None:
+        try:
+            self._ser.close()
+        except Exception:
+            pass

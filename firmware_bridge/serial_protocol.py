@@ -1,0 +1,200 @@
+"""Serial keystore protocol, sans I/O (docs/keystore.md "Serial protocol"; issue 5 item 4).
+
+Frame on the wire:   COBS( payload | CRC-32(payload) as 4 bytes big-endian ) | 0x00
+payload:             version (u8 = 1) | kind (u8) | request id (u16) | body
+
+COBS makes 0x00 an unambiguous frame delimiter, so a receiver resynchronises after line noise
+at the next 0x00; CRC-32 (zlib/IEEE polynomial) rejects corrupted frames.  Requests carry an
+op code as kind; an OK response carries ``op | 0x80``; an error response carries ``ERROR`` with
+body ``code (u8) | message (utf-8)``.  Strings are u8-length-prefixed, blobs u16-length-prefixed.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Iterator
+
+VERSION = 1
+MAX_PAYLOAD = 4096
+
+# request op codes
+HELLO = 0x01      # body: -                          -> proto u8 | firmware str | device_id (8)
+GENERATE = 0x02   # body: alg u8 | name str          -> alg u8 | public key blob
+PUBKEY = 0x03     # body: name str                   -> alg u8 | public key blob
+SIGN = 0x04       # body: name str | ident blob | data blob -> counter u64 | signature blob
+LIST = 0x05       # body: -                          -> count u8 | (alg u8 | name str)*
+OK_BIT = 0x80
+ERROR = 0x7F
+
+ALG_CODES = {"ed25519": 1, "p256": 2}
+ALG_NAMES = {v: k for k, v in ALG_CODES.items()}
+
+# error codes (ERROR body)
+E_BAD_REQUEST = 1
+E_UNKNOWN_OP = 2
+E_KEY_NOT_FOUND = 3
+E_KEY_EXISTS = 4
+E_BAD_ALG = 5
+E_ALREADY_SIGNED = 6
+E_NOT_MONOTONIC = 7
+E_STORAGE = 8
+E_TOO_LARGE = 9
+E_WRONG_KEY_FOR_IDENTITY = 10
+ERROR_NAMES = {E_BAD_REQUEST: "bad request", E_UNKNOWN_OP: "unknown op", E_KEY_NOT_FOUND: "key not found",
+               E_KEY_EXISTS: "key exists", E_BAD_ALG: "bad algorithm", E_ALREADY_SIGNED: "identity already signed",
+               E_NOT_MONOTONIC: "identity at or below the last signed one", E_STORAGE: "device storage failure",
+               E_TOO_LARGE: "request too large", E_WRONG_KEY_FOR_IDENTITY: "key algorithm does not fit identity"}
+
+
+class FrameError(ValueError):
+    """A frame that fails COBS decoding, CRC, version or length checks."""
+
+
+def cobs_encode(data: bytes) -> bytes:
+    out = bytearray()
+    block = bytearray()
+    for b in data:
+        if b == 0:
+            out.append(len(block) + 1)
+            out += block
+            block.clear()
+        else:
+            block.append(b)
+            if len(block) == 254:
+                out.append(255)
+                out += block
+                block.clear()
+    out.append(len(block) + 1)
+    out += block
+    return bytes(out)
+
+
+def cobs_decode(data: bytes) -> bytes:
+    out = bytearray()
+    i = 0
+    n = len(data)
+    while i < n:
+        code = data[i]
+        if code == 0:
+            raise FrameError("zero byte inside COBS data")
+        end = i + code
+        if end > n:
+            raise FrameError("truncated COBS block")
+        block = data[i + 1:end]
+        if 0 in block:
+            raise FrameError("zero byte inside COBS block")
+        out += block
+        i = end
+        if code != 255 and i < n:
+            out.append(0)
+    return bytes(out)
+
+
+def encode_frame(kind: int, req_id: int, body: bytes = b"") -> bytes:
+    payload = struct.pack(">BBH", VERSION, kind, req_id & 0xFFFF) + body
+    if len(payload) > MAX_PAYLOAD:
+        raise ValueError("frame payload too large")
+    return cobs_encode(payload + struct.pack(">I", zlib.crc32(payload))) + b"\x00"
+
+
+@dataclass(frozen=True)
+class Frame:
+    kind: int
+    req_id: int
+    body: bytes
+
+
+def decode_frame(raw: bytes) -> Frame:
+    """``raw`` is the COBS data between delimiters (without the 0x00)."""
+    data = cobs_decode(raw)
+    if len(data) < 8:
+        raise FrameError("frame too short")
+    payload, crc = data[:-4], struct.unpack(">I", data[-4:])[0]
+    if zlib.crc32(payload) != crc:
+        raise FrameError("CRC mismatch")
+    if payload[0] != VERSION:
+        raise FrameError(f"unsupported protocol version {payload[0]}")
+    _, kind, req_id = struct.unpack(">BBH", payload[:4])
+    return Frame(kind, req_id, bytes(payload[4:]))
+
+
+class FrameReader:
+    """Accumulates bytes from the line; yields decoded frames and counts rejected ones."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self.rejected = 0
+        self.last_error = ""
+
+    def feed(self, data: bytes) -> Iterator[Frame]:
+        self._buf += data
+        while True:
+            idx = self._buf.find(0)
+            if idx < 0:
+                if len(self._buf) > 2 * MAX_PAYLOAD:  # noise without delimiters: drop it
+                    self._buf.clear()
+                    self.rejected += 1
+                return
+            raw = bytes(self._buf[:idx])
+            del self._buf[:idx + 1]
+            if not raw:
+                continue  # empty frame: delimiter run, used to resynchronise
+            try:
+                yield decode_frame(raw)
+            except FrameError as exc:
+                self.rejected += 1
+                self.last_error = str(exc)
+
+
+# -- body helpers -----------------------------------------------------------------------------
+def put_str(s: str) -> bytes:
+    b = s.encode()
+    if len(b) > 255:
+        raise ValueError("string too long")
+    return bytes([len(b)]) + b
+
+
+def put_blob(b: bytes) -> bytes:
+    if len(b) > 0xFFFF:
+        raise ValueError("blob too long")
+    return struct.pack(">H", len(b)) + b
+
+
+class BodyReader:
+    def __init__(self, body: bytes) -> None:
+        self.b = body
+        self.i = 0
+
+    def u8(self) -> int:
+        if self.i >= len(self.b):
+            raise FrameError("body truncated")
+        self.i += 1
+        return self.b[self.i - 1]
+
+    def u64(self) -> int:
+        if self.i + 8 > len(self.b):
+            raise FrameError("body truncated")
+        (v,) = struct.unpack_from(">Q", self.b, self.i)
+        self.i += 8
+        return v
+
+    def take(self, n: int) -> bytes:
+        if self.i + n > len(self.b):
+            raise FrameError("body truncated")
+        self.i += n
+        return self.b[self.i - n:self.i]
+
+    def str(self) -> str:
+        try:
+            return self.take(self.u8()).decode()
+        except UnicodeDecodeError:
+            raise FrameError("bad utf-8") from None
+
+    def blob(self) -> bytes:
+        n = struct.unpack(">H", self.take(2))[0]
+        return self.take(n)
+
+    def end(self) -> None:
+        if self.i != len(self.b):
+            raise FrameError("trailing bytes in body")
