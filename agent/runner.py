@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .core.messages import Handshake, ProtocolError, SyncBody, emit_body, emit_handshake, parse_body, parse_message
-from .outcomes import REJECTED, counts
+from .outcomes import counts
 from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_COUNT, P_END, P_KIND, P_PART, P_PROCESSED, P_REASON,
                              P_START, P_STATUS, Inbound, MqttLink, MqttSettings, split_sizes)
 
@@ -72,6 +72,8 @@ class SyncPort:
         self.node = node
         self.conn = node.conn
         self.peer_watermarks: dict[bytes, list] = {}  # what each peer last reported (advisory)
+        from .sync import SyncDriver
+        self.driver = SyncDriver(node)
 
     def peers(self) -> list[bytes]:
         return sorted(s for s in self.node.keyring if s != self.node.site_id)
@@ -130,10 +132,11 @@ class SyncPort:
         """Parse strictly (raises ProtocolError, nothing changes), apply every event in one
         transaction (committed on return). Returns (body, outcomes, processed)."""
         body = parse_body(data)
-        outs = self.node.apply_batch(body.events)
-        processed = next((i for i, o in enumerate(outs) if o.status == REJECTED), len(outs))
-        if body.records and hasattr(self.node, "apply_records"):
-            self.node.apply_records(body.records)
+        # Through the sync driver (agent/sync.py): control records first, then the events through
+        # the node's one apply path. The sender is not authenticated by this binding (secure=False),
+        # so nothing it reports or streams moves this node's watermarks.
+        from .node import now_ms
+        processed, outs = self.driver.receive(body.from_site_id, body, None, "batch", now_ms(), self.PATH, False)
         return body, outs, processed
 
     def answer_body(self) -> bytes:
