@@ -161,14 +161,16 @@ class SigningBridge:
                                 raise OutcomeUnknown(_unknown_message(items[k][0]), items[k][0])
                             if state == "absent":
                                 todo.append(k)
+                        done_event = threading.Event()  # one per call, shared by its identities
                         for k in todo:
-                            self._inflight[idents[k]] = threading.Event()
+                            self._inflight[idents[k]] = done_event
                             mine.append(idents[k])
                         break
-                for ev in busy:
-                    ev.wait()
+                for waiting in busy:
+                    waiting.wait()
+            todo_set = set(todo)
             for k, ident in enumerate(idents):
-                if k not in todo:
+                if k not in todo_set:
                     out = self._journal.read_released(ident)
                     assert out is not None
                     results[ident] = out  # §22.5 cl. 1: re-transmit exactly the persisted bytes
@@ -176,9 +178,12 @@ class SigningBridge:
                 self._sign_and_persist(items, idents, todo, results)
             return [results[i] for i in idents]
         finally:
-            with self._lock:
-                for ident in mine:
-                    self._inflight.pop(ident).set()
+            if mine:
+                with self._lock:
+                    ev = self._inflight[mine[0]]
+                    for ident in mine:
+                        del self._inflight[ident]
+                ev.set()
 
     def _sign_and_persist(self, items: list[Item], idents: list[bytes], todo: list[int],
                           results: dict[bytes, bytes]) -> None:
