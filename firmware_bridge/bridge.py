@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence
 
 from .errors import KeystoreError, OutcomeUnknown, UnsupportedAlgorithm
-from .identity import EventIdentity, Identity, ReceiptIdentity
+from .identity import EventIdentity, Identity, ReceiptIdentity, decode_identity
 from .journal import INTENT, RELEASED, FileOps, Journal
 from .keystore import Keystore
 from .verify import verify_ed25519, verify_p256
@@ -85,6 +85,12 @@ class SigningBridge:
     def released(self, identity: Identity) -> Optional[bytes]:
         """The exact persisted bytes for ``identity`` (for re-transmission), or None."""
         return self._journal.read_released(self._ident(identity))
+
+    def iter_released(self) -> Iterator[tuple[Identity, bytes]]:
+        """Every persisted output, in persist order: after a crash between release and apply, the
+        agent re-applies the ones its store lacks (docs/keystore.md, local event production)."""
+        for ident, loc in self._journal.released_items():
+            yield decode_identity(ident), self._journal.read_at(loc)
 
     def status(self, identity: Identity) -> Status:
         ident = self._ident(identity)

@@ -268,6 +268,17 @@ class Journal:
             self._check()
             return os.pread(self._fd, loc[1], loc[0])
 
+    def released_items(self) -> list[tuple[bytes, tuple[int, int]]]:
+        """[(ident, (offset, length))] of every durable output, in journal (= persist) order."""
+        with self._lock:
+            items = [(i, loc) for i, loc in self._index.items() if loc is not None]
+        return sorted(items, key=lambda x: x[1][0])
+
+    def read_at(self, loc: tuple[int, int]) -> bytes:
+        with self._lock:
+            self._check()
+            return os.pread(self._fd, loc[1], loc[0])
+
     def max_event_hlc(self, site_id: bytes) -> Optional[tuple[int, int]]:
         with self._lock:
             return self._max_hlc.get(site_id)
