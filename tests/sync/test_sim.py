@@ -255,3 +255,41 @@ columns = { id = "text", v = "integer" }
     assert (a.site_id, "app.later") in st.own_watermarks(b.conn)
     watermarks_sound(b)
     assert len(b.dump()["app.later"]) == 4
+
+
+def test_receiver_restored_from_backup_infers_nothing_across_the_gap(tmp_path):
+    """b's store goes back in time (restored copy): a's cursor is past events b no longer holds,
+    so a's next body does not continue b's recorded stream and b must infer no watermark from it."""
+    import shutil
+    a, b = mesh(tmp_path, 2)
+    da, db_ = SyncDriver(a), SyncDriver(b)
+    t = sync(da, db_, NOW)  # streams exist, nothing in them
+    home = b.home
+    b.close()
+    shutil.copytree(home, tmp_path / "backup")
+    b = Node_open(home)
+    db_ = SyncDriver(b)
+    write_n(a, 3, "a")
+    t = sync(da, db_, t + 1)
+    assert len(log_set(b)) == 3
+    b.close()
+    shutil.rmtree(home)
+    shutil.copytree(tmp_path / "backup", home)
+    b = Node_open(home)
+    db_ = SyncDriver(b)
+    assert log_set(b) == set()
+    a.write(T, {"device": "a", "seq": 9}, {"temp": 9.0}, now=NOW)
+    p = pair(da, db_, cycle_ms=10**9)
+    p.start(t + 1)
+    handshake(p, t + 1)
+    p.sessions[0].cycle(t + 10)  # a's body starts at its cursor (3): beyond b's completed stream (0)
+    p.flush(t + 10)
+    p.run(t + 10, t + 10_000)
+    assert len(log_set(b)) == 1
+    assert (a.site_id, T) not in st.own_watermarks(b.conn)
+    watermarks_sound(b)
+
+
+def Node_open(home):
+    from agent.node import Node
+    return Node.open(home)
