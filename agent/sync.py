@@ -99,7 +99,7 @@ class SyncDriver:
         chunk = max(64, min(self.batch_limit * 2, budget))
         pos = after
         while budget > 0:
-            q = "SELECT seq, site_id, qualified, hlc_p, hlc_l, raw FROM events WHERE seq > ?"
+            q = "SELECT seq, site_id, qualified, hlc_p, hlc_l, raw, origin FROM events WHERE seq > ?"
             args: list[Any] = [pos]
             if upto is not None:
                 q += " AND seq <= ?"
@@ -107,8 +107,8 @@ class SyncDriver:
             rows = self.conn.execute(q + " ORDER BY seq LIMIT ?", (*args, min(chunk, budget))).fetchall()
             if not rows:
                 return
-            for seq, s, t, p, l, raw in rows:
-                yield delivery.LogRow(seq, bytes(s), t, (p, l), bytes(raw))
+            for seq, s, t, p, l, raw, origin in rows:
+                yield delivery.LogRow(seq, bytes(s), t, (p, l), bytes(raw), origin)
             pos = rows[-1][0]
             budget -= len(rows)
 
@@ -202,7 +202,9 @@ class SyncDriver:
         """Apply one parsed body from `peer`. Returns (processed before first rejected, outcomes)."""
         if body.records:
             self.apply_records(body.records, now)
-        outcomes = self.node.apply_batch(body.events, now, origin="remote")
+        # An authenticated peer's deliveries are tagged, so they are never offered back to it.
+        origin = delivery.origin_tag(peer) if secure else "remote"
+        outcomes = self.node.apply_batch(body.events, now, origin=origin)
         k = delivery.first_rejected([_proc(o) for o in outcomes])
         self.stats["bodies_in"] += 1
         self.stats["received_events"] += len(outcomes)
@@ -260,7 +262,7 @@ class SyncDriver:
         from .node import now_ms
         now = now_ms() if now is None else now
         recs = self.apply_records(body.records, now) if body.records else None
-        outcomes = self.node.apply_batch(body.events, now, origin="remote")
+        outcomes = self.node.apply_batch(body.events, now, origin="mailbox")
         result: dict[str, Any] = counts(outcomes)
         result["from_site_id"] = body.from_site_id.hex()
         result["events"] = [o.as_json() for o in outcomes]

@@ -28,6 +28,11 @@ class LogRow:
     table: str
     hlc: Hlc
     raw: bytes
+    origin: str = ""  # who delivered it here ("peer:<hex>" when an authenticated peer did)
+
+
+def origin_tag(peer: bytes) -> str:
+    return "peer:" + peer.hex()
 
 
 @dataclass
@@ -44,10 +49,13 @@ def select(rows: Iterable[LogRow], start: int, peer: bytes, self_site: bytes, al
     """Choose what to offer `peer` from log rows with seq > start, in seq order, at most `limit`.
 
     - never the peer's own events (§32.1: self-echo is pointless to send and dropped anyway);
+    - never what that same peer delivered to us over an authenticated link (it selected them
+      from its own log, so it holds them: sending them back only doubles the traffic);
     - never what policy denies for that peer *now* (scope §1.2, checked at selection time);
     - may skip what the peer's reported watermark covers (§14.2; a lie only hurts the liar).
     `end` is the last seq examined, so filtered rows are not examined again."""
     sel = Selection(end=start)
+    from_peer = origin_tag(peer)
     for r in rows:
         if r.seq <= start:
             continue
@@ -56,6 +64,9 @@ def select(rows: Iterable[LogRow], start: int, peer: bytes, self_site: bytes, al
         sel.end = r.seq
         if r.site_id == peer:
             sel.skipped["self_echo"] = sel.skipped.get("self_echo", 0) + 1
+            continue
+        if r.origin == from_peer:
+            sel.skipped["from_peer"] = sel.skipped.get("from_peer", 0) + 1
             continue
         if not allowed(r.table):
             sel.skipped["policy"] = sel.skipped.get("policy", 0) + 1
