@@ -367,3 +367,76 @@ def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = 
         raise NodeError(f"the issued record did not verify here: {res}")
     return raw, {"kind": kind, "subject": subject.hex(), "generation": gen,
                  "record_hash": rec.record_hash(raw).hex(), "previous_record_hash": prev.hex() if prev else None}
+
+
+class PortAdapter:
+    """The driver behind the interface agent/runner.py's `SyncPort` exposes (peers, cursor,
+    select, advance, receive, answer_body, note_answer, handshake, have_max, backlog), so the MQTT
+    runner gets this layer's durable per-path cursors, policy, self-echo and peer-origin filters and
+    control records: `Runner(node, settings, port=PortAdapter(node))`.
+
+    A binding that does not authenticate the peer (`secure=False`, plain MQTT) gets no watermark
+    inference and its reports are ignored. That is fail-closed and costs only re-offers."""
+
+    def __init__(self, node, path: str = "mqtt", secure: bool = False, batch_limit: int = DEFAULT_BATCH_LIMIT) -> None:
+        self.node, self.path, self.secure = node, path, secure
+        self.driver = SyncDriver(node, batch_limit)
+        self.conn = node.conn
+
+    def peers(self) -> list[bytes]:
+        return sorted(s for s in self.node.keyring if s != self.node.site_id)
+
+    def have_max(self) -> tuple[int, int]:
+        return self.driver.have_max_hlc()
+
+    def handshake(self, supports_realtime: bool) -> bytes:
+        from .core.messages import Handshake, emit_handshake
+        return emit_handshake(Handshake(self.node.site_id, self.have_max(), supports_realtime, self.secure, None))
+
+    def cursor(self, peer: bytes) -> int:
+        return st.cursor(self.conn, peer, self.path)[0]
+
+    def select(self, peer: bytes, start: int, limit: int):
+        from .runner import Offer
+        d = self.driver
+        sel = delivery.select(d._rows(start, None), start, peer, self.node.site_id, d._allowed_fn(peer),
+                              st.peer_watermarks(self.conn, peer), limit)
+        return Offer(start, sel.end, list(sel.seqs), list(sel.events))
+
+    def backlog(self, peer: bytes) -> int:
+        return self.conn.execute("SELECT count(*) FROM events WHERE seq > ? AND site_id != ?",
+                                 (self.cursor(peer), peer)).fetchone()[0]
+
+    def advance(self, peer: bytes, start: int, seqs: list[int], end: int, processed: int) -> bool:
+        cur = self.cursor(peer)
+        if start > cur:
+            return False  # an earlier body is unanswered: that range is re-offered
+        new = delivery.cursor_after(start, list(seqs), end, processed)
+        if new <= cur:
+            return False
+        with _txn(self.conn):
+            st.advance_cursor(self.conn, peer, self.path, new)
+        return True
+
+    def receive(self, data: bytes):
+        body = parse_body(data)  # raises ProtocolError: nothing changed
+        from .node import now_ms
+        k, outs = self.driver.receive(body.from_site_id, body, None, "batch", now_ms(), self.path, self.secure)
+        return body, outs, k
+
+    def answer_body(self) -> bytes:
+        return emit_body(SyncBody(self.node.site_id, self.have_max(), (), tuple(st.record_raws(self.conn)),
+                                  tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items()))))
+
+    def note_answer(self, peer: bytes, data: bytes) -> None:
+        if not self.secure:
+            return
+        try:
+            b = parse_body(data)
+        except Exception:  # noqa: BLE001 - a malformed answer is the runner's to surface
+            return
+        if b.records:
+            from .node import now_ms
+            self.driver.apply_records(b.records, now_ms())
+        with _txn(self.conn):
+            st.set_peer_watermarks(self.conn, peer, [(w.site_id, w.table, w.hlc) for w in b.applied_watermarks])
