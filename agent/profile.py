@@ -1,0 +1,106 @@
+"""Device profiles (profiles/*.toml): horizons per retention class, disk budget, sync limits and
+the keystore. A node records the profile it was initialised with in its store; README documents
+every key."""
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+DEFAULT_PROFILE = "pi-3-4"
+_DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d|w)\s*$")
+_UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message names the key to fix."""
+
+
+def parse_duration_ms(text: str, what: str) -> int:
+    m = _DURATION.match(text) if isinstance(text, str) else None
+    if not m:
+        raise ProfileError(f"{what}: {text!r} is not a duration like 90s, 15m, 12h, 7d or 2w")
+    return int(m.group(1)) * _UNIT_MS[m.group(2)]
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str = ""
+    disk_budget_bytes: int = 1024 * 2**20
+    warn_fraction: float = 0.8
+    horizons_ms: dict[str, int] = field(default_factory=dict)  # retention class -> history kept
+    eviction_interval_s: float = 1800
+    cadence_s: float = 30
+    batch_limit: int = 1000
+    body_limit_bytes: int = 256 * 1024
+    backfill_rows_per_cycle: int = 1000
+    session_expiry_s: int = 7 * 86400
+    keystore: dict = field(default_factory=lambda: {"kind": "software"})
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "description": self.description, "disk_budget_bytes": self.disk_budget_bytes,
+                "warn_fraction": self.warn_fraction, "horizons_ms": dict(self.horizons_ms),
+                "eviction_interval_s": self.eviction_interval_s, "cadence_s": self.cadence_s,
+                "batch_limit": self.batch_limit, "body_limit_bytes": self.body_limit_bytes,
+                "backfill_rows_per_cycle": self.backfill_rows_per_cycle, "session_expiry_s": self.session_expiry_s,
+                "keystore": dict(self.keystore)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        return cls(**{**d, "horizons_ms": dict(d.get("horizons_ms", {})), "keystore": dict(d.get("keystore", {}))})
+
+
+_KNOWN = {"name", "description", "store", "horizons", "eviction", "sync", "keystore"}
+
+
+def parse_profile(text: str, origin: str = "profile") -> Profile:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ProfileError(f"{origin} is not valid TOML: {e}") from None
+    extra = set(doc) - _KNOWN
+    if extra:
+        raise ProfileError(f"{origin}: unknown keys {', '.join(sorted(extra))}")
+    store, sync, evict = doc.get("store", {}), doc.get("sync", {}), doc.get("eviction", {})
+
+    def num(section: dict, key: str, default, kind=int, minimum=0):
+        v = section.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < minimum:
+            raise ProfileError(f"{origin}: {key} must be a number >= {minimum}")
+        return kind(v)
+
+    horizons = {cls: parse_duration_ms(v, f"{origin}: horizons.{cls}") for cls, v in doc.get("horizons", {}).items()}
+    ks = doc.get("keystore", {"kind": "software"})
+    if not isinstance(ks, dict) or ks.get("kind") not in ("software", "pkcs11", "serial"):
+        raise ProfileError(f"{origin}: keystore.kind must be software, pkcs11 or serial")
+    warn = num(store, "warn_fraction", 0.8, float)
+    if not 0 < warn <= 1:
+        raise ProfileError(f"{origin}: store.warn_fraction must be in (0, 1]")
+    name = doc.get("name")
+    if not isinstance(name, str) or not name:
+        raise ProfileError(f"{origin}: name is required")
+    return Profile(
+        name=name, description=str(doc.get("description", "")),
+        disk_budget_bytes=num(store, "disk_budget_mb", 1024, int, 1) * 2**20, warn_fraction=warn,
+        horizons_ms=horizons, eviction_interval_s=num(evict, "interval_s", 1800, float, 1),
+        cadence_s=num(sync, "cadence_s", 30, float, 0.05), batch_limit=num(sync, "batch_limit", 1000, int, 1),
+        body_limit_bytes=num(sync, "body_limit_bytes", 256 * 1024, int, 1024),
+        backfill_rows_per_cycle=num(sync, "backfill_rows_per_cycle", 1000, int, 1),
+        session_expiry_s=num(sync, "session_expiry_s", 7 * 86400, int, 0), keystore=dict(ks))
+
+
+def load_profile(name_or_path: str | None) -> Profile:
+    """A profile by name (profiles/NAME.toml) or by path; None gives the default."""
+    ref = name_or_path or DEFAULT_PROFILE
+    path = Path(ref)
+    if not path.suffix:
+        path = PROFILES_DIR / f"{ref}.toml"
+    try:
+        text = path.read_text()
+    except OSError:
+        names = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.toml")))
+        raise ProfileError(f"no profile {ref!r} (built in: {names}; or give a path to a .toml file)") from None
+    return parse_profile(text, str(path))
