@@ -86,7 +86,7 @@ def cmd_init(args) -> int:
         keystore = _json_arg(args.keystore, "--keystore")
         if not isinstance(keystore, dict):
             raise Refused("--keystore must be a JSON object, e.g. {\"kind\": \"software\", \"dir\": \"/path\"}")
-    node, pk = Node.init(Path(args.home), text, keystore)
+    node, pk = Node.init(Path(args.home), text, keystore, args.profile)
     emit({"site_id": node.site_id.hex(), "public_key": pk.hex()})
     node.close()
     return EXIT_OK
@@ -173,6 +173,17 @@ def cmd_log(args) -> int:
 
 
 def cmd_evict(args) -> int:
+    if args.auto:
+        if args.table or args.horizon:
+            raise Refused("--auto takes no table or horizon: it uses the profile's horizons for every evictable table")
+        node = _open(args)
+        try:
+            emit(node.run_eviction())
+        finally:
+            node.close()
+        return EXIT_OK
+    if not args.table or not args.horizon:
+        raise Refused("give SCHEMA.TABLE --horizon HLC, or --auto")
     table = _table_arg(args.table)
     try:
         h = parse_hlc(args.horizon)
@@ -180,10 +191,10 @@ def cmd_evict(args) -> int:
         raise Refused(str(e)) from None
     node = _open(args)
     try:
-        node.raise_horizon(table, h)
+        deleted = node.evict_table(table, h)
     finally:
         node.close()
-    emit({"table": table, "horizon": args.horizon})
+    emit({"table": table, "horizon": args.horizon, "events_deleted": deleted})
     return EXIT_OK
 
 
@@ -263,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("init", help="create a node from a provisioning manifest (TOML)")
     s.add_argument("--manifest", required=True, help="provisioning manifest: mesh_id, peers, tables")
+    s.add_argument("--profile", help="device profile: a name from profiles/ (pi-zero-2w, pi-3-4, pi-5-cm4, "
+                                     "gateway) or a path to a .toml file; default pi-3-4")
     s.add_argument("--keystore", help='keystore as JSON, e.g. {"kind":"software","dir":"/var/lib/ssp/keys"}; '
                                       "default: a software keystore in HOME/keystore")
     s.set_defaults(fn=cmd_init)
@@ -300,9 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_dump)
     s = sub.add_parser("log", help="print the retained event log, one JSON object a line")
     s.set_defaults(fn=cmd_log)
-    s = sub.add_parser("evict", help="raise a table's eviction horizon (never lowers it)")
-    s.add_argument("table", metavar="SCHEMA.TABLE")
-    s.add_argument("--horizon", required=True, help="HLC, e.g. 1764669600000.0")
+    s = sub.add_parser("evict", help="raise a table's eviction horizon (never lowers it) and reclaim space")
+    s.add_argument("table", metavar="SCHEMA.TABLE", nargs="?")
+    s.add_argument("--horizon", help="HLC, e.g. 1764669600000.0")
+    s.add_argument("--auto", action="store_true",
+                   help="run the eviction job: every evictable table to now minus its profile duration")
     s.set_defaults(fn=cmd_evict)
     s = sub.add_parser("events", help="list what the node surfaced: drops, rejects, holds, partial rebuilds")
     s.add_argument("--limit", type=int, default=1000)

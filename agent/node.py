@@ -20,6 +20,7 @@ from .core.clock import Hlc, beyond_skew
 from .core.codec import DecodeError, decode_strict, encode
 from .core.merge import Effects, RowState, below, merge_delete, merge_upsert, rebuild_columns
 from .core.schema import SYNCABLE, Manifest, ManifestError, TableDef, parse_manifest, table_def_from
+from .profile import Profile, ProfileError, load_profile
 from .outcomes import APPLIED, DROPPED, DUPLICATE, HELD, REJECTED, Outcome
 from .store import db, rows as rowstore
 
@@ -57,7 +58,8 @@ class Node:
         self.site_id: bytes = bytes(db.get_meta(conn, "site_id"))
         self.mesh_id: bytes = bytes(db.get_meta(conn, "mesh_id"))
         self.authorities: set[bytes] = {bytes.fromhex(a) for a in json.loads(db.get_meta(conn, "authorities", "[]"))}
-        self.evictable: set[str] = set(json.loads(db.get_meta(conn, "evictable", "[]")))
+        self.profile = Profile.from_dict(json.loads(db.get_meta(conn, "profile", "null") or "null")
+                                         or load_profile(None).as_dict())
         self._load_caches()
         self.clock = self._resume_clock()
         # A crash between creating a table and releasing its held events: finish it now.
@@ -67,16 +69,24 @@ class Node:
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
-    def init(cls, home: Path, manifest_text: str, keystore: dict | None = None) -> tuple["Node", bytes]:
-        """Create a node: identity, keystore key, store, manifest tables. Returns (node, public_key)."""
+    def init(cls, home: Path, manifest_text: str, keystore: dict | None = None,
+             profile: str | Profile | None = None) -> tuple["Node", bytes]:
+        """Create a node: identity, keystore key, store, manifest tables. Returns (node, public_key).
+        The profile (profiles/*.toml) sets horizons, limits and the default keystore."""
         home = Path(home)
         if (home / cls.STORE_FILE).exists() or (home / cls.IDENTITY_FILE).exists():
             raise NodeError(f"{home} already holds a node; choose an empty directory (a node is never re-initialised in place)")
         manifest = parse_manifest(manifest_text)
+        try:
+            prof = profile if isinstance(profile, Profile) else load_profile(profile)
+        except ProfileError as e:
+            raise NodeError(str(e)) from None
         home.mkdir(parents=True, exist_ok=True)
         os.chmod(home, 0o700)
         site_id = os.urandom(16)
-        ks_conf = dict(keystore or {"kind": "software", "dir": str(home / "keystore")})
+        ks_conf = dict(keystore or prof.keystore)
+        if ks_conf.get("kind") == "software":
+            ks_conf.setdefault("dir", str(home / "keystore"))
         ks = open_keystore(ks_conf)
         public_key = ks.generate_key(EVENT_KEY, "ed25519")
         conn = db.connect(home / cls.STORE_FILE)
@@ -86,7 +96,7 @@ class Node:
             db.set_meta(conn, "mesh_id", manifest.mesh_id)
             db.set_meta(conn, "public_key", public_key)
             db.set_meta(conn, "authorities", json.dumps([a.hex() for a in manifest.authorities]))
-            db.set_meta(conn, "evictable", json.dumps(list(manifest.evictable)))
+            db.set_meta(conn, "profile", json.dumps(prof.as_dict()))
             db.set_meta(conn, "keystore", json.dumps(ks_conf))
             db.set_meta(conn, "machine", ident.machine_fingerprint())
             db.set_meta(conn, "clock_ceiling", 0)
@@ -98,7 +108,7 @@ class Node:
                 conn.execute("INSERT OR REPLACE INTO keyring VALUES (?, ?, ?, ?, 'manifest')",
                              (p.site_id, p.public_key, ra[0] if ra else None, ra[1] if ra else None))
             for t in manifest.tables:
-                _create_table_rows(conn, t, t.qualified in manifest.evictable)
+                _create_table_rows(conn, t)
         _write_identity_file(home, site_id, public_key, manifest.mesh_id, ks_conf)
         ks.close() if hasattr(ks, "close") else None
         return cls.open(home), public_key
@@ -147,8 +157,8 @@ class Node:
         from .store import sync_state
         sync_state.overlay_keyring(self.conn, self.keyring, self.site_id)
         self.tables: dict[str, _Table] = {}
-        for q, sch, name, cat, key_json, cols_json, _evict, hp, hl in self.conn.execute("SELECT * FROM tables"):
-            t = TableDef(sch, name, cat, tuple(json.loads(key_json)), json.loads(cols_json))
+        for q, sch, name, cat, key_json, cols_json, retention, hp, hl in self.conn.execute("SELECT * FROM tables"):
+            t = TableDef(sch, name, cat, tuple(json.loads(key_json)), json.loads(cols_json), retention)
             self.tables[q] = _Table(t, rowstore.RowStore(self.conn, t), (hp, hl) if (hp, hl) != (0, 0) else None)
 
     def _resume_clock(self) -> Hlc:
@@ -423,13 +433,13 @@ class Node:
         raise NodeError("the keystore journal keeps reporting unknown outcomes; check the keystore")
 
     # ------------------------------------------------------------------ schema and horizons
-    def create_table(self, spec: dict, evictable: bool = False) -> list[Outcome]:
+    def create_table(self, spec: dict) -> list[Outcome]:
         """Create a table, then apply the events held for it (§13.6 row 1)."""
         t = table_def_from(spec)
         if t.qualified in self.tables:
             raise NodeError(f"table {t.qualified} already exists")
         with _txn(self.conn):
-            _create_table_rows(self.conn, t, evictable)
+            _create_table_rows(self.conn, t)
         self._load_caches()
         return self.retry_held(t.qualified)
 
@@ -454,7 +464,7 @@ class Node:
         cols[column] = col_type
         try:
             newdef = table_def_from({"schema": tbl.tdef.schema, "name": tbl.tdef.name, "category": tbl.tdef.category,
-                                     "key": list(tbl.tdef.key), "columns": cols})
+                                     "key": list(tbl.tdef.key), "columns": cols, "retention": tbl.tdef.retention})
         except ManifestError as e:
             raise NodeError(str(e)) from None
         n = 0
@@ -477,6 +487,9 @@ class Node:
         tbl = self.tables.get(table)
         if tbl is None:
             raise NodeError(f"no table {table!r}")
+        if tbl.tdef.retention is None:
+            raise NodeError(f"{table} is not declared evictable: give it a retention class in the manifest "
+                            "(scope §3: only declared categories may be evicted)")
         cur = tbl.horizon or (0, 0)
         if horizon < cur:
             raise NodeError(f"{table}: horizon {horizon[0]}.{horizon[1]} is below the current {cur[0]}.{cur[1]}; "
@@ -485,6 +498,70 @@ class Node:
             self.conn.execute("UPDATE tables SET horizon_p=?, horizon_l=? WHERE qualified=?",
                               (horizon[0], horizon[1], table))
         tbl.horizon = horizon if horizon != (0, 0) else None
+
+    def evict_table(self, table: str, horizon: tuple[int, int]) -> int:
+        """Raise one table's horizon and delete the retained events below it. Returns events deleted."""
+        self.raise_horizon(table, horizon)
+        n = self._delete_below_horizon(table)
+        self._reclaim()
+        return n
+
+    def run_eviction(self, now: int | None = None) -> dict:
+        """The eviction job (scope §3): advance each evictable table's horizon to now minus the
+        profile's duration for its retention class, delete the retained events below it and
+        reclaim the space. It never emits an event and never removes a materialized row (an
+        ambiguous marker fails open: rows stay). Horizons only move up."""
+        now = now_ms() if now is None else now
+        before = self.store_bytes()
+        tables = {}
+        for q, t in sorted(self.tables.items()):
+            keep_ms = self.profile.horizons_ms.get(t.tdef.retention) if t.tdef.retention else None
+            if keep_ms is None:
+                continue  # not declared evictable, or this profile keeps that class in full
+            target = (max(0, now - keep_ms), 0)
+            if t.horizon is None or target > t.horizon:
+                self.raise_horizon(q, target)
+            h = t.horizon or (0, 0)
+            tables[q] = {"horizon": f"{h[0]}.{h[1]}", "events_deleted": self._delete_below_horizon(q)}
+        self._reclaim()
+        report = {"tables": tables, "bytes_before": before, "bytes_after": self.store_bytes()}
+        report["budget"] = self.check_disk_budget(now)
+        return report
+
+    def _delete_below_horizon(self, table: str) -> int:
+        h = self.tables[table].horizon
+        if h is None:
+            return 0
+        with _txn(self.conn):
+            cur = self.conn.execute("DELETE FROM events WHERE qualified=? AND (hlc_p < ? OR (hlc_p = ? AND hlc_l < ?))",
+                                    (table, h[0], h[0], h[1]))
+        return cur.rowcount
+
+    def _reclaim(self) -> None:
+        # auto_vacuum=INCREMENTAL (set at creation) returns freed pages to the filesystem.
+        self.conn.execute("PRAGMA incremental_vacuum")
+        self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    def store_bytes(self) -> int:
+        page = self.conn.execute("PRAGMA page_size").fetchone()[0]
+        pages = self.conn.execute("PRAGMA page_count").fetchone()[0]
+        wal = self.home / (self.STORE_FILE + "-wal")
+        return page * pages + (wal.stat().st_size if wal.exists() else 0)
+
+    def check_disk_budget(self, now: int | None = None) -> dict:
+        """Say so loudly when the store nears its budget; writes keep working (never a silent failure)."""
+        used, budget = self.store_bytes(), self.profile.disk_budget_bytes
+        frac = used / budget
+        state = "ok" if frac < self.profile.warn_fraction else "near" if frac < 1 else "over"
+        if state != "ok":
+            msg = (f"store uses {used / 2**20:.1f} MiB of its {budget / 2**20:.0f} MiB budget ({frac:.0%}); "
+                   "shorten the profile's horizons, run eviction, or move to a larger profile")
+            log.warning("DISK BUDGET %s: %s", state.upper(), msg)
+            with _txn(self.conn):
+                self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
+                                  (now_ms() if now is None else now, "disk_budget", state,
+                                   json.dumps({"used_bytes": used, "budget_bytes": budget, "message": msg})))
+        return {"state": state, "used_bytes": used, "budget_bytes": budget}
 
     # ------------------------------------------------------------------ keyring
     def add_peer(self, site_id: bytes, public_key: bytes, retired_after: tuple[int, int] | None,
@@ -530,19 +607,20 @@ class Node:
                 for s, q, c, n, f, la in self.conn.execute("SELECT * FROM ignored_columns ORDER BY 1,2,3")]
 
     def status(self) -> dict:
-        return {"site_id": self.site_id.hex(), "mesh_id": self.mesh_id.hex(),
+        return {"site_id": self.site_id.hex(), "mesh_id": self.mesh_id.hex(), "profile": self.profile.name,
+                "store_bytes": self.store_bytes(), "disk_budget_bytes": self.profile.disk_budget_bytes,
                 "public_key": bytes(db.get_meta(self.conn, "public_key")).hex(),
                 "keystore": self.bridge.describe() if self.bridge else None,
                 "events": self.conn.execute("SELECT count(*) FROM events").fetchone()[0],
                 "held": self.conn.execute("SELECT count(*) FROM held").fetchone()[0],
-                "tables": {q: {"category": t.tdef.category,
+                "tables": {q: {"category": t.tdef.category, "retention": t.tdef.retention,
                                "horizon": f"{t.horizon[0]}.{t.horizon[1]}" if t.horizon else "0.0"}
                            for q, t in sorted(self.tables.items())}}
 
 
-def _create_table_rows(conn: sqlite3.Connection, t: TableDef, evictable: bool) -> None:
-    conn.execute("INSERT INTO tables (qualified, schema_name, table_name, category, key_json, columns_json, evictable)"
-                 " VALUES (?,?,?,?,?,?,?)", rowstore.table_def_row(t) + (int(evictable),))
+def _create_table_rows(conn: sqlite3.Connection, t: TableDef) -> None:
+    conn.execute("INSERT INTO tables (qualified, schema_name, table_name, category, key_json, columns_json, retention)"
+                 " VALUES (?,?,?,?,?,?,?)", rowstore.table_def_row(t))
     rowstore.create_table(conn, t)
 
 

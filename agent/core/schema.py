@@ -48,6 +48,7 @@ class TableDef:
     category: str
     key: tuple[str, ...]
     columns: dict[str, str] = field(hash=False)  # every column (key and value) -> type
+    retention: str | None = None  # eviction class (scope §3): None = never evicted
 
     @property
     def qualified(self) -> str:
@@ -92,7 +93,12 @@ def table_def_from(spec: dict[str, Any]) -> TableDef:
         raise ManifestError(f"table {schema}.{name}: key must be a non-empty list of column names")
     if len(set(key)) != len(key) or any(k not in cols for k in key):
         raise ManifestError(f"table {schema}.{name}: key columns must be distinct columns of the table")
-    return TableDef(schema, name, category, tuple(key), dict(cols))
+    retention = spec.get("retention")
+    if retention is not None:
+        check_ident(retention, f"table {schema}.{name}: retention class")
+        if category != SYNCABLE:
+            raise ManifestError(f"table {schema}.{name}: only syncable tables carry history to evict")
+    return TableDef(schema, name, category, tuple(key), dict(cols), retention)
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,11 @@ class Manifest:
     authorities: tuple[bytes, ...]
     peers: tuple[PeerEntry, ...]
     tables: tuple[TableDef, ...]
-    evictable: tuple[str, ...]  # qualified names the manifest declares evictable (§3)
+
+    @property
+    def evictable(self) -> tuple[str, ...]:
+        """Tables the manifest declares evictable (scope §3): those with a retention class."""
+        return tuple(t.qualified for t in self.tables if t.retention is not None)
 
 
 def parse_manifest(text: str) -> Manifest:
@@ -116,7 +126,7 @@ def parse_manifest(text: str) -> Manifest:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ManifestError(f"manifest is not valid TOML: {e}") from None
-    known = {"mesh_id", "authorities", "peers", "tables", "evictable"}
+    known = {"mesh_id", "authorities", "peers", "tables"}
     extra = set(doc) - known
     if extra:
         raise ManifestError(f"unknown manifest keys: {', '.join(sorted(extra))}")
@@ -135,8 +145,4 @@ def parse_manifest(text: str) -> Manifest:
     names = [t.qualified for t in tables]
     if len(set(names)) != len(names):
         raise ManifestError("a table is declared twice")
-    evictable = tuple(doc.get("evictable", []))
-    for e in evictable:
-        if e not in names:
-            raise ManifestError(f"evictable table {e!r} is not declared in [[tables]]")
-    return Manifest(mesh_id, authorities, tuple(peers), tables, evictable)
+    return Manifest(mesh_id, authorities, tuple(peers), tables)

@@ -13,7 +13,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS tables (
   qualified TEXT PRIMARY KEY, schema_name TEXT NOT NULL, table_name TEXT NOT NULL,
   category TEXT NOT NULL, key_json TEXT NOT NULL, columns_json TEXT NOT NULL,
-  evictable INTEGER NOT NULL DEFAULT 0,
+  retention TEXT,  -- eviction class; NULL: this table is never evicted (scope §3)
   horizon_p INTEGER NOT NULL DEFAULT 0, horizon_l INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS keyring (
   site_id BLOB PRIMARY KEY, public_key BLOB NOT NULL,

@@ -139,4 +139,4 @@ def _sort_key(v: Any) -> tuple:
 
 def table_def_row(t: TableDef) -> tuple:
     return (t.qualified, t.schema, t.name, t.category, json.dumps(list(t.key)),
-            json.dumps(t.columns, sort_keys=True))
+            json.dumps(t.columns, sort_keys=True), t.retention)

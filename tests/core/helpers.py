@@ -14,6 +14,7 @@ TABLES = """
 schema = "app"
 name = "readings"
 category = "syncable"
+retention = "telemetry"
 key = ["device", "seq"]
 columns = { device = "text", seq = "integer", temp = "real", note = "text", raw = "blob" }
 
