@@ -99,11 +99,8 @@ def cmd_peer_add(args) -> int:
         ra = parse_hlc(args.retired_after) if args.retired_after else None
     except IdFormatError as e:
         raise Refused(str(e)) from None
-    node = _open(args)
-    try:
+    with _open(args) as node:
         node.add_peer(site, pk, ra)
-    finally:
-        node.close()
     emit({"site_id": site.hex(), "public_key": pk.hex(), "retired_after": args.retired_after})
     return EXIT_OK
 
@@ -120,11 +117,8 @@ def cmd_write(args) -> int:
         if not isinstance(values, dict):
             raise Refused("--set must be a JSON object of column values")
         values = {k: from_json(v) for k, v in values.items()}
-    node = _open(args)
-    try:
+    with _open(args) as node:
         eid = node.write(table, key, values, delete=args.delete)
-    finally:
-        node.close()
     print(eid.hex())
     return EXIT_OK
 
@@ -154,21 +148,15 @@ def cmd_mailbox_import(args) -> int:
 
 
 def cmd_dump(args) -> int:
-    node = _open(args)
-    try:
+    with _open(args) as node:
         emit(node.dump())
-    finally:
-        node.close()
     return EXIT_OK
 
 
 def cmd_log(args) -> int:
-    node = _open(args)
-    try:
+    with _open(args) as node:
         for entry in node.log_entries():
             sys.stdout.write(json.dumps(to_json(entry)) + "\n")
-    finally:
-        node.close()
     return EXIT_OK
 
 
@@ -176,11 +164,8 @@ def cmd_evict(args) -> int:
     if args.auto:
         if args.table or args.horizon:
             raise Refused("--auto takes no table or horizon: it uses the profile's horizons for every evictable table")
-        node = _open(args)
-        try:
+        with _open(args) as node:
             emit(node.run_eviction())
-        finally:
-            node.close()
         return EXIT_OK
     if not args.table or not args.horizon:
         raise Refused("give SCHEMA.TABLE --horizon HLC, or --auto")
@@ -189,44 +174,32 @@ def cmd_evict(args) -> int:
         h = parse_hlc(args.horizon)
     except IdFormatError as e:
         raise Refused(str(e)) from None
-    node = _open(args)
-    try:
+    with _open(args) as node:
         deleted = node.evict_table(table, h)
-    finally:
-        node.close()
     emit({"table": table, "horizon": args.horizon, "events_deleted": deleted})
     return EXIT_OK
 
 
 def cmd_events(args) -> int:
-    node = _open(args)
-    try:
+    with _open(args) as node:
         for e in node.surfaced(args.limit):
             sys.stdout.write(json.dumps(e) + "\n")
         if args.ignored_columns:
             for e in node.ignored_columns():
                 sys.stdout.write(json.dumps({"kind": "ignored_column", **e}) + "\n")
-    finally:
-        node.close()
     return EXIT_OK
 
 
 def cmd_status(args) -> int:
-    node = _open(args)
-    try:
+    with _open(args) as node:
         emit(node.status())
-    finally:
-        node.close()
     return EXIT_OK
 
 
 def cmd_add_column(args) -> int:
     table = _table_arg(args.table)
-    node = _open(args)
-    try:
+    with _open(args) as node:
         n = node.add_column(table, args.column, args.type)
-    finally:
-        node.close()
     emit({"table": table, "column": args.column, "type": args.type, "rows_rebuilt": n})
     return EXIT_OK
 
@@ -235,11 +208,8 @@ def cmd_create_table(args) -> int:
     spec = _json_arg(args.spec, "--spec")
     if not isinstance(spec, dict):
         raise Refused("--spec must be a JSON object like a manifest [[tables]] entry")
-    node = _open(args)
-    try:
+    with _open(args) as node:
         outs = node.create_table(spec)
-    finally:
-        node.close()
     from .outcomes import counts
     emit({"table": f"{spec.get('schema')}.{spec.get('name')}", "released_held": counts(outs)})
     return EXIT_OK

@@ -55,6 +55,7 @@ class Node:
         self.conn = conn
         self.bridge = bridge
         self._pool = None
+        self._surfaced_writes = 0
         self.site_id: bytes = bytes(db.get_meta(conn, "site_id"))
         self.mesh_id: bytes = bytes(db.get_meta(conn, "mesh_id"))
         self.authorities: set[bytes] = {bytes.fromhex(a) for a in json.loads(db.get_meta(conn, "authorities", "[]"))}
@@ -138,6 +139,12 @@ class Node:
     def rebind_machine(self) -> None:
         with _txn(self.conn):
             db.set_meta(self.conn, "machine", ident.machine_fingerprint())
+
+    def __enter__(self) -> "Node":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         if self._pool is not None:
@@ -350,8 +357,12 @@ class Node:
         return self._surface(Outcome(HELD, "table_missing", **base), now, kind="held")
 
     def _surface(self, o: Outcome, now: int, kind: str | None = None) -> Outcome:
-        """Record what the spec says to surface (or log) where `ssp-agent events` lists it."""
+        """Record what the spec says to surface (or log) where `ssp-agent events` lists it.
+        The record is bounded (newest SURFACED_LIMIT kept): a hostile peer cannot fill the disk."""
         kind = kind or o.status
+        self._surfaced_writes += 1
+        if self._surfaced_writes % 1000 == 0:
+            self.conn.execute("DELETE FROM surfaced WHERE seq <= (SELECT max(seq) FROM surfaced) - ?", (SURFACED_LIMIT,))
         self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, event_id, site_id, qualified, detail)"
                           " VALUES (?,?,?,?,?,?,?)",
                           (now, kind, o.reason, o.event_id, o.site_id if o.verified else None, o.table,
