@@ -46,7 +46,7 @@ def _policy_row(args, effect: str):
 def cmd_policy_set(args) -> int:
     from .core.scope import PolicyError, check_row
     from .store import sync_state as st
-    from .sync import _txn
+    from .sync import change_policy
     effect = args.policy_verb
     node = _open(args)
     try:
@@ -55,12 +55,11 @@ def cmd_policy_set(args) -> int:
             check_row(row, {q: t.tdef.category for q, t in node.tables.items()})
         except PolicyError as e:
             raise Refused(str(e)) from None
-        st.ensure_schema(node.conn)
-        with _txn(node.conn):
-            st.put_policy_row(node.conn, row)
-            n = st.schedule_backfill(node.conn, row.peer) if effect == "allow" else 0
+        # A widening (deny before, allow after, per peer and table) enqueues backfill jobs (scope §2).
+        widened = change_policy(node, lambda conn: st.put_policy_row(conn, row))
         emit({"peer": row.peer, "table": f"{row.schema}.{row.table}", "layer": row.layer, "effect": effect,
-              "role": row.role or None, "backfill_scheduled": n})
+              "role": row.role or None, "backfill_scheduled": len(widened),
+              "backfill": [{"peer": p, "table": q} for p, q in widened]})
     finally:
         node.close()
     return EXIT_OK
@@ -68,16 +67,15 @@ def cmd_policy_set(args) -> int:
 
 def cmd_policy_remove(args) -> int:
     from .store import sync_state as st
-    from .sync import _txn
+    from .sync import change_policy
     node = _open(args)
     try:
         row = _policy_row(args, "allow")
-        st.ensure_schema(node.conn)
-        with _txn(node.conn):
-            n = st.delete_policy_row(node.conn, row)
-            # Removing a deny may widen: re-walk history for the matching peers (scope §2).
-            bf = st.schedule_backfill(node.conn, row.peer) if n else 0
-        emit({"removed": n, "backfill_scheduled": bf})
+        removed = []
+        # Removing a deny may widen: backfill jobs for what it opens (scope §2).
+        widened = change_policy(node, lambda conn: removed.append(st.delete_policy_row(conn, row)))
+        emit({"removed": removed[0] if removed else 0, "backfill_scheduled": len(widened),
+              "backfill": [{"peer": p, "table": q} for p, q in widened]})
     finally:
         node.close()
     return EXIT_OK

@@ -510,6 +510,19 @@ class Node:
                               (horizon[0], horizon[1], table))
         tbl.horizon = horizon if horizon != (0, 0) else None
 
+    def reset_horizons(self) -> dict[str, str]:
+        """Rehydration (scope §3, agent/rehydrate.py): every horizon back to zero, the only way a
+        horizon ever moves down. Returns the horizons it replaced. Nothing else changes: rows
+        and the retained log stay; history comes back from peers by re-delivery."""
+        old = {q: f"{t.horizon[0]}.{t.horizon[1]}" for q, t in self.tables.items() if t.horizon}
+        with _txn(self.conn):
+            self.conn.execute("UPDATE tables SET horizon_p=0, horizon_l=0")
+            self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
+                              (now_ms(), "horizons_reset", "rehydration", json.dumps({"previous": old})))
+        for t in self.tables.values():
+            t.horizon = None
+        return old
+
     def evict_table(self, table: str, horizon: tuple[int, int]) -> int:
         """Raise one table's horizon and delete the retained events below it. Returns events deleted."""
         self.raise_horizon(table, horizon)

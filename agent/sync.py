@@ -42,14 +42,29 @@ MAILBOX_PATH = "mailbox"
 
 
 @dataclass(frozen=True)
+class _BfPart:
+    """One backfill job's share of a body: whole rows, in row_key order, after `expect_from`."""
+    table: str
+    expect_from: bytes | None
+    row_keys: tuple[bytes, ...]
+    counts: tuple[int, ...]  # events sent for each row (0: nothing left to send for it)
+    done: bool  # the walk reached the table's end
+
+
+@dataclass(frozen=True)
 class _Token:
     path: str
     start: int
     seqs: tuple[int, ...]
     end: int
-    bf_start: int
-    bf_seqs: tuple[int, ...]
-    bf_end: int
+    bf_parts: tuple[_BfPart, ...] = ()
+    rehydrate_gen: int | None = None  # a rehydration reset since selection voids the live advance
+
+
+@dataclass
+class Backfill:
+    events: list[bytes]
+    parts: list[_BfPart]
 
 
 class SyncDriver:
@@ -112,44 +127,137 @@ class SyncDriver:
             pos = rows[-1][0]
             budget -= len(rows)
 
-    def select_for(self, peer: bytes, path: str, mode: str = "batch") -> tuple[delivery.Selection, delivery.Selection | None, int, int]:
-        live, bf_next, bf_end = st.cursor(self.conn, peer, path)
+    def select_for(self, peer: bytes, path: str, mode: str = "batch") -> tuple[delivery.Selection, Backfill | None, int, int]:
+        live = st.cursor(self.conn, peer, path)[0]
         start = live
         if mode == "push":
             start = max(live, self._push_pos.get((peer, path), 0))
         allowed = self._allowed_fn(peer)
         pwm = st.peer_watermarks(self.conn, peer)
-        sel = delivery.select(self._rows(start, None), start, peer, self.node.site_id, allowed, pwm, self.batch_limit)
+        sel = delivery.select(self._rows_for(peer, start), start, peer, self.node.site_id, allowed, pwm, self.batch_limit)
         bf = None
         room = self.batch_limit - len(sel.events)
-        if mode != "push" and bf_next < bf_end and room > 0:
-            # Widening backfill (scope §2): live tail first, then history re-checked against policy now.
-            bf = delivery.select(self._rows(bf_next, bf_end), bf_next, peer, self.node.site_id, allowed, pwm, room)
-        return sel, bf, start, bf_next
+        if mode != "push" and room > 0:
+            # Widening backfill (scope §2): live tail first, then the jobs' rows, policy re-checked now.
+            bf = self.select_backfill(peer, allowed, pwm, room)
+        return sel, bf, start, 0
+
+    def _rows_for(self, peer: bytes, start: int):
+        """Log rows for `peer`; while this node serves a rehydration of `peer`, rows up to the
+        reset point lose their delivered-by-peer tag, so what the peer itself once relayed here
+        (and may have evicted since) is offered back to it (agent/rehydrate.py)."""
+        upto = st.rehydrate_upto(self.conn, peer) if st.has_schema(self.conn) else 0
+        if not upto or start >= upto:
+            return self._rows(start, None)
+        tag = delivery.origin_tag(peer)
+        return (delivery.LogRow(r.seq, r.site_id, r.table, r.hlc, r.raw, "") if r.origin == tag and r.seq <= upto else r
+                for r in self._rows(start, None))
+
+    # ------------------------------------------------------------------ widening backfill (scope §2)
+    def covering_rows(self, table: str, after: bytes | None, limit: int) -> list[tuple[bytes, list]]:
+        """Up to `limit` rows of `table` with row_key > `after`, in row_key order, each with its
+        covering set: the retained events that own the row's column clocks, existence clock and
+        tombstone clock (§13.1: selected on the clock, not the value), as log rows in HLC order.
+        A clock whose event was evicted (below this node's horizon) has nothing to send."""
+        from .store import rows as rowstore
+        t = self.node.tables[table]
+        base = rowstore.q(rowstore.base_name(t.tdef))
+        clocks = ["_ex_c", "_tomb_c"] + [rowstore.q("_c_" + c) for c in t.tdef.value_columns]
+        sql = f"SELECT _rk, {', '.join(clocks)} FROM {base}" + (" WHERE _rk > ?" if after is not None else "")
+        sql += " ORDER BY _rk LIMIT ?"
+        out = []
+        for r in self.conn.execute(sql, ((after,) if after is not None else ()) + (limit,)).fetchall():
+            stamps = {rowstore.unpack_stamp(b) for b in r[1:] if b is not None}
+            evs = []
+            for p, l, sid in sorted(stamps):
+                e = self.conn.execute("SELECT seq, site_id, qualified, hlc_p, hlc_l, raw, origin FROM events"
+                                      " WHERE site_id=? AND qualified=? AND hlc_p=? AND hlc_l=?",
+                                      (sid, table, p, l)).fetchone()
+                if e is not None:
+                    evs.append(delivery.LogRow(e[0], bytes(e[1]), e[2], (e[3], e[4]), bytes(e[5]), e[6]))
+            out.append((bytes(r[0]), evs))
+        return out
+
+    def select_backfill(self, peer: bytes, allowed, pwm: dict, room: int) -> Backfill | None:
+        """The next rows of this peer's backfill jobs, at most the profile's rows per cycle and
+        `room` events. Policy is re-checked here, at emit time: a job whose table a standing
+        narrow now denies is stopped (a later widening enqueues it again)."""
+        jobs = st.backfill_jobs(self.conn, peer) if st.has_schema(self.conn) else []
+        if not jobs:
+            return None
+        rows_left = max(1, int(getattr(self.node.profile, "backfill_rows_per_cycle", 1000)))
+        events: list[bytes] = []
+        parts: list[_BfPart] = []
+        for job in jobs:
+            q = job["table"]
+            if rows_left <= 0 or room - len(events) <= 0:
+                break
+            if q not in self.node.tables or not allowed(q):
+                with _txn(self.conn):
+                    st.drop_backfill(self.conn, peer, q)
+                log.info("backfill for %s on %s stopped: policy denies it now", peer.hex(), q)
+                continue
+            rows = self.covering_rows(q, job["resume_after_row_key"], rows_left)
+            rks, cnts = [], []
+            full = True
+            for rk, evs in rows:
+                chosen = [e.raw for e in evs
+                          if e.site_id != peer and not ((w := pwm.get((e.site_id, q))) is not None and e.hlc <= w)]
+                if rks and len(events) + len(chosen) > room:
+                    full = False  # whole rows only: the rest waits for the next cycle
+                    break
+                events.extend(chosen)
+                rks.append(rk)
+                cnts.append(len(chosen))
+            rows_left -= len(rks)
+            done = full and len(rows) < rows_left + len(rks)
+            parts.append(_BfPart(q, job["resume_after_row_key"], tuple(rks), tuple(cnts), done))
+            if not full:
+                break
+        return Backfill(events, parts) if parts else None
 
     def build(self, peer: bytes, path: str, mode: str) -> Outgoing:
-        sel, bf, start, bf_start = self.select_for(peer, path, mode)
+        sel, bf, start, _ = self.select_for(peer, path, mode)
         if mode == "push":
             self._push_pos[(peer, path)] = sel.end
         events = list(sel.events) + (list(bf.events) if bf else [])
-        body = SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events), tuple(st.record_raws(self.conn)),
+        body = SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events), tuple(self._record_raws()),
                         tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items())))
         meta = StreamMeta(start, sel.end, tuple(sel.seqs), tuple(sorted(sel.gaps)), len(bf.events) if bf else 0)
-        tok = _Token(path, start, tuple(sel.seqs), sel.end, bf_start, tuple(bf.seqs) if bf else (),
-                     bf.end if bf else bf_start)
+        tok = _Token(path, start, tuple(sel.seqs), sel.end, tuple(bf.parts) if bf else (),
+                     st.rehydrate_generation(self.conn, peer))
         self.stats["bodies_out"] += 1
         self.stats["pushed_events"] += len(events)
         return Outgoing(emit_body(body), meta, tok, len(events))
 
+    def _record_raws(self) -> list[bytes]:
+        from . import rehydrate
+        return st.record_raws(self.conn) + rehydrate.record_raws(self.conn)
+
     def confirm(self, peer: bytes, tok: _Token, processed: int) -> None:
-        """The peer processed the first `processed` events to a final state: advance (§14.1)."""
+        """The peer processed the first `processed` events to a final state: advance (§14.1).
+        Backfill progress commits here too, whole rows only, after the live events."""
         n_live = len(tok.seqs)
         live = delivery.cursor_after(tok.start, list(tok.seqs), tok.end, min(processed, n_live))
-        bf = None
-        if processed >= n_live and tok.bf_end > tok.bf_start:
-            bf = delivery.cursor_after(tok.bf_start, list(tok.bf_seqs), tok.bf_end, processed - n_live)
         with _txn(self.conn):
-            st.advance_cursor(self.conn, peer, tok.path, live, bf)
+            if st.rehydrate_generation(self.conn, peer) != tok.rehydrate_gen:
+                return  # the peer asked for its history again meanwhile: its cursors restart at genesis
+            st.advance_cursor(self.conn, peer, tok.path, live)
+            left = processed - n_live
+            if left < 0:
+                return
+            for part in tok.bf_parts:
+                last, nrows, nev, whole = None, 0, 0, True
+                for rk, c in zip(part.row_keys, part.counts):
+                    if c > left:
+                        whole = False
+                        break
+                    left -= c
+                    last, nrows, nev = rk, nrows + 1, nev + c
+                st.advance_backfill(self.conn, peer, part.table, part.expect_from, last, nrows, nev,
+                                    whole and part.done)
+                if not whole:
+                    break
 
     # ------------------------------------------------------------------ receiving
     def apply_records(self, raws, now: int) -> dict:
@@ -159,8 +267,13 @@ class SyncDriver:
         out = {"stored": 0, "known": 0, "dropped": 0, "forks": 0}
         node = self.node
         new = False
+        from . import rehydrate
+        rh = [r for r in raws if rehydrate.is_rehydrate_record(r)]
+        raws = [r for r in raws if not rehydrate.is_rehydrate_record(r)]
         before = {k for k, c in resolve_chains(st.records(self.conn)).items() if c.forked}
         with _txn(self.conn):
+            if rh:
+                out["rehydrate"] = rehydrate.handle_records(self, rh, now)
             for raw in raws:
                 if not isinstance(raw, (bytes, bytearray)):
                     continue
@@ -206,6 +319,8 @@ class SyncDriver:
         origin = delivery.origin_tag(peer) if secure else "remote"
         outcomes = self.node.apply_batch(body.events, now, origin=origin)
         k = delivery.first_rejected([_proc(o) for o in outcomes])
+        from . import rehydrate
+        rehydrate.note_body(self.conn, peer, outcomes)
         self.stats["bodies_in"] += 1
         self.stats["received_events"] += len(outcomes)
         if secure and mode != MAILBOX_PATH:
@@ -263,12 +378,40 @@ class SyncDriver:
         now = now_ms() if now is None else now
         recs = self.apply_records(body.records, now) if body.records else None
         outcomes = self.node.apply_batch(body.events, now, origin="mailbox")
+        from . import rehydrate
+        rehydrate.note_body(self.conn, body.from_site_id, outcomes)
         result: dict[str, Any] = counts(outcomes)
         result["from_site_id"] = body.from_site_id.hex()
         result["events"] = [o.as_json() for o in outcomes]
         if recs is not None:
             result["records"] = recs
         return result
+
+
+def change_policy(node, change, now: int | None = None) -> list[tuple[str, str]]:
+    """Run `change(conn)` (policy rows in, out) in one transaction with the backfill it implies:
+    for every (peer, table) that policy denied before and allows after (a widening, scope §2), one
+    durable backfill job. Peers: every site this node trusts or holds a cursor for. Returns the
+    widened (peer hex, table) pairs."""
+    from .node import now_ms
+    st.ensure_schema(node.conn)
+    drv = SyncDriver(node)
+    peers = sorted(({s for s in node.keyring if s != node.site_id}
+                    | set(st.peers_with_cursors(node.conn))))
+    tables = sorted(q for q, t in node.tables.items() if t.tdef.category == "syncable")
+    before = {p: drv._allowed_fn(p) for p in peers}
+    snap = {(p, q): before[p](q) for p in peers for q in tables}
+    widened = []
+    with _txn(node.conn):
+        change(node.conn)
+        for p in peers:
+            after = drv._allowed_fn(p)
+            for q in tables:
+                if after(q) and not snap[(p, q)]:
+                    widened.append((p, q))
+        for p, q in widened:
+            st.schedule_backfill(node.conn, p.hex(), [q], peers=[p], now_ms=now_ms() if now is None else now)
+    return [(p.hex(), q) for p, q in widened]
 
 
 class LinkProvider:
@@ -370,10 +513,10 @@ def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = 
 
 
 class PortAdapter:
-    """The driver behind the interface agent/runner.py's `SyncPort` exposes (peers, cursor,
-    select, advance, receive, answer_body, note_answer, handshake, have_max, backlog), so the MQTT
-    runner gets this layer's durable per-path cursors, policy, self-echo and peer-origin filters and
-    control records: `Runner(node, settings, port=PortAdapter(node))`.
+    """The driver behind the interface agent/runner.py uses (peers, cursor, select, advance,
+    receive, body, answer_body, note_answer, handshake, have_max, backlog), so the MQTT runner gets
+    this layer's durable per-path cursors, policy, self-echo and peer-origin filters and control
+    records; the runner's default port is `PortAdapter(node, path="mqtt", secure=...)`.
 
     A binding that does not authenticate the peer (`secure=False`, plain MQTT) gets no watermark
     inference and its reports are ignored. That is fail-closed and costs only re-offers."""
@@ -399,9 +542,9 @@ class PortAdapter:
     def select(self, peer: bytes, start: int, limit: int):
         from .runner import Offer
         d = self.driver
-        sel = delivery.select(d._rows(start, None), start, peer, self.node.site_id, d._allowed_fn(peer),
+        sel = delivery.select(d._rows_for(peer, start), start, peer, self.node.site_id, d._allowed_fn(peer),
                               st.peer_watermarks(self.conn, peer), limit)
-        return Offer(start, sel.end, list(sel.seqs), list(sel.events))
+        return Offer(start, sel.end, list(sel.seqs), list(sel.events), sorted(sel.gaps))
 
     def backlog(self, peer: bytes) -> int:
         return self.conn.execute("SELECT count(*) FROM events WHERE seq > ? AND site_id != ?",
@@ -418,14 +561,24 @@ class PortAdapter:
             st.advance_cursor(self.conn, peer, self.path, new)
         return True
 
-    def receive(self, data: bytes):
-        body = parse_body(data)  # raises ProtocolError: nothing changed
+    def receive(self, data: bytes, meta: dict | None = None, sender: bytes | None = None):
+        """`meta`: the frame meta as sent ({s, e, d, g, x}); `sender`: who the binding says sent it
+        (a body naming someone else is refused). Raises ProtocolError: nothing changed."""
+        from .core.messages import ProtocolError
+        body = parse_body(data)
+        if sender is not None and body.from_site_id != sender:
+            raise ProtocolError("sender_mismatch", f"from_site_id {body.from_site_id.hex()} sent by {sender.hex()}")
+        sm = StreamMeta.from_wire(meta, len(body.events)) if meta is not None else None
         from .node import now_ms
-        k, outs = self.driver.receive(body.from_site_id, body, None, "batch", now_ms(), self.path, self.secure)
+        k, outs = self.driver.receive(body.from_site_id, body, sm, "batch", now_ms(), self.path, self.secure)
         return body, outs, k
 
     def answer_body(self) -> bytes:
-        return emit_body(SyncBody(self.node.site_id, self.have_max(), (), tuple(st.record_raws(self.conn)),
+        return self.body(())
+
+    def body(self, events=()) -> bytes:
+        """A sync body carrying `events`, every control record held and this node's applied watermarks."""
+        return emit_body(SyncBody(self.node.site_id, self.have_max(), tuple(events), tuple(self.driver._record_raws()),
                                   tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items()))))
 
     def note_answer(self, peer: bytes, data: bytes) -> None:

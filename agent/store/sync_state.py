@@ -30,6 +30,18 @@ CREATE TABLE IF NOT EXISTS policy_rows (
   peer TEXT NOT NULL, schema_name TEXT NOT NULL, table_name TEXT NOT NULL, layer TEXT NOT NULL,
   role TEXT NOT NULL DEFAULT '', effect TEXT NOT NULL,
   PRIMARY KEY (peer, schema_name, table_name, layer, role)) WITHOUT ROWID;
+-- Widening backfill (scope §2): one durable job per (peer, table), walking rows in row_key order
+-- from resume_after_row_key (NULL: genesis). Rehydration requests seen from peers, per subject.
+CREATE TABLE IF NOT EXISTS backfill_jobs (
+  peer BLOB NOT NULL, qualified TEXT NOT NULL, resume_after_row_key BLOB,
+  rows_sent INTEGER NOT NULL DEFAULT 0, events_sent INTEGER NOT NULL DEFAULT 0,
+  created_ms INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (peer, qualified)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS rehydrate_records (
+  record_hash BLOB PRIMARY KEY, subject BLOB NOT NULL, generation INTEGER NOT NULL,
+  previous BLOB, requested_at INTEGER NOT NULL, raw BLOB NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS rehydrate_served (
+  subject BLOB PRIMARY KEY, generation INTEGER NOT NULL, upto_seq INTEGER NOT NULL,
+  reset_ms INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS control_records (
   record_hash BLOB PRIMARY KEY, kind TEXT NOT NULL, issuer BLOB NOT NULL, subject BLOB NOT NULL,
   generation INTEGER NOT NULL, previous BLOB, value TEXT NOT NULL, raw BLOB NOT NULL) WITHOUT ROWID;
@@ -40,11 +52,16 @@ def has_schema(conn: sqlite3.Connection) -> bool:
     return conn.execute("SELECT 1 FROM sqlite_master WHERE name='control_records'").fetchone() is not None
 
 
+def _has_lifecycle_tables(conn: sqlite3.Connection) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE name='rehydrate_served'").fetchone() is not None
+
+
 def ensure_schema(conn: sqlite3.Connection) -> None:
     """Create the tables (idempotent) and, once per home, the default policy rows: a `system`
     layer allow for every peer and every schema holding a syncable table (`peer * SCHEMA.*`), so a
     fresh mesh syncs. Operators narrow it with higher layers (docs/protocol.md)."""
-    if has_schema(conn) and conn.execute("SELECT 1 FROM meta WHERE key='policy_defaults'").fetchone():
+    if has_schema(conn) and _has_lifecycle_tables(conn) and \
+            conn.execute("SELECT 1 FROM meta WHERE key='policy_defaults'").fetchone():
         return
     conn.execute("BEGIN IMMEDIATE")
     try:
@@ -77,16 +94,53 @@ def advance_cursor(conn: sqlite3.Connection, peer: bytes, path: str, live: int, 
     conn.execute("INSERT OR REPLACE INTO sync_cursors VALUES (?,?,?,?,?)", (peer, path, new_live, new_bf, cur[2]))
 
 
-def schedule_backfill(conn: sqlite3.Connection, peer_text: str) -> int:
-    """Widening backfill (scope §2): every cursor of the matching peers re-walks the log from
-    genesis up to where its live cursor stands, selection re-checking policy at emit time."""
+def schedule_backfill(conn: sqlite3.Connection, peer_text: str, tables: Iterable[str] | None = None,
+                      peers: Iterable[bytes] = (), now_ms: int = 0) -> int:
+    """Widening backfill (scope §2): enqueue one durable job per (peer, table) for the matching
+    peers (those with a cursor, plus `peers`) and the given syncable tables (default: all). A job
+    that already exists restarts from genesis (a second widening must not skip rows the first
+    one had passed while they were still denied). Returns the number of jobs enqueued."""
+    cand = {bytes(r[0]) for r in conn.execute("SELECT DISTINCT peer FROM sync_cursors")} | set(peers)
+    if peer_text != WILDCARD:
+        cand = {p for p in cand if p.hex() == peer_text}
+    if tables is None:
+        tables = [q for q, c in conn.execute("SELECT qualified, category FROM tables") if c == SYNCABLE]
+    tables = sorted(set(tables))
     n = 0
-    rows = conn.execute("SELECT peer, path, live FROM sync_cursors").fetchall()
-    for peer, path, live in rows:
-        if peer_text == WILDCARD or bytes(peer).hex() == peer_text:
-            conn.execute("UPDATE sync_cursors SET bf_next=0, bf_end=? WHERE peer=? AND path=?", (live, peer, path))
+    for p in sorted(cand):
+        for q in tables:
+            conn.execute("INSERT OR REPLACE INTO backfill_jobs VALUES (?,?,NULL,0,0,?)", (p, q, now_ms))
             n += 1
     return n
+
+
+def backfill_jobs(conn: sqlite3.Connection, peer: bytes | None = None) -> list[dict]:
+    q = "SELECT peer, qualified, resume_after_row_key, rows_sent, events_sent, created_ms FROM backfill_jobs"
+    rows = conn.execute(q + (" WHERE peer=?" if peer is not None else "") + " ORDER BY peer, qualified",
+                        (peer,) if peer is not None else ()).fetchall()
+    return [{"peer": bytes(p), "table": t, "resume_after_row_key": None if r is None else bytes(r),
+             "rows_sent": rs, "events_sent": es, "created_ms": c} for p, t, r, rs, es, c in rows]
+
+
+def advance_backfill(conn: sqlite3.Connection, peer: bytes, table: str, expect_from: bytes | None,
+                     resume_after: bytes | None, rows: int, events: int, done: bool) -> bool:
+    """Commit backfill progress after a successful push. Only moves forward from the position the
+    batch was selected from (a job restarted or dropped meanwhile is left alone). `done`: the walk
+    reached the table's end; the job is finished."""
+    r = conn.execute("SELECT resume_after_row_key FROM backfill_jobs WHERE peer=? AND qualified=?",
+                     (peer, table)).fetchone()
+    if r is None or (None if r[0] is None else bytes(r[0])) != expect_from:
+        return False
+    if done:
+        conn.execute("DELETE FROM backfill_jobs WHERE peer=? AND qualified=?", (peer, table))
+    elif resume_after is not None:
+        conn.execute("UPDATE backfill_jobs SET resume_after_row_key=?, rows_sent=rows_sent+?, events_sent=events_sent+?"
+                     " WHERE peer=? AND qualified=?", (resume_after, rows, events, peer, table))
+    return True
+
+
+def drop_backfill(conn: sqlite3.Connection, peer: bytes, table: str) -> None:
+    conn.execute("DELETE FROM backfill_jobs WHERE peer=? AND qualified=?", (peer, table))
 
 
 def peers_with_cursors(conn: sqlite3.Connection, path: str | None = None) -> list[bytes]:
@@ -242,3 +296,17 @@ def current_roles(conn: sqlite3.Connection) -> dict[bytes, object]:
         elif ch.head is not None:
             out[subject] = ch.head.value
     return out
+
+
+# ---------------------------------------------------------------- rehydration (agent/rehydrate.py)
+def rehydrate_upto(conn: sqlite3.Connection, subject: bytes) -> int:
+    """While serving a rehydration of `subject`: the last log seq at the reset (0: not serving)."""
+    r = conn.execute("SELECT upto_seq FROM rehydrate_served WHERE subject=?", (subject,)).fetchone()
+    return 0 if r is None else r[0]
+
+
+def rehydrate_generation(conn: sqlite3.Connection, subject: bytes) -> int | None:
+    if not has_schema(conn):
+        return None
+    r = conn.execute("SELECT generation FROM rehydrate_served WHERE subject=?", (subject,)).fetchone()
+    return None if r is None else r[0]

@@ -1,0 +1,269 @@
+"""Rehydration: a node drops its eviction horizons back to zero and takes the history back from
+the peers that still hold it (scope excerpt §3, §13.5; docs/protocol.md §8).
+
+The trigger must reach a peer over every transport (in-memory sessions, mailbox files, MQTT) and
+make it re-offer history it has already sent, which its cursor has passed. SSP/1's strict message
+parsing forbids new members, so the trigger travels where extension is possible: the `records`
+member, as a **self-signed control record**
+
+    COSE_Sign1(protected = {alg: EdDSA, content type: "sovm/ssp-rehydrate-v1", kid: subject},
+               payload   = {subject_site_id: bstr16, generation: uint,
+                            previous_record_hash: bstr32 / null, requested_at: uint (ms)},
+               external_aad = mesh_id)
+
+A peer that verifies it (kid == subject, the subject's key trusted in its keyring and not
+retired, exact members, generation 0 exactly when there is no predecessor) and has not yet
+handled that generation for that subject, once per generation:
+
+- resets every one of its per-path cursors for the subject to genesis (live re-offer from seq 0,
+  which works unchanged on every path: the MQTT runner, the session driver and mailbox export all
+  select from those cursors);
+- forgets the watermarks the subject reported (they described the state before the reset);
+- stops filtering out, up to the reset point, events the subject itself once delivered to it
+  (the subject may have evicted them since);
+- keeps the record and forwards it in every body, so it reaches peers through relays.
+
+The subject's side (`start`) zeroes its horizons (`Node.reset_horizons`, the only way a horizon
+moves down), clears its own applied watermarks (they were claims about events it counted as
+applied below the horizon and did not keep), issues the record, and counts what arrives.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+from typing import Any
+
+from .core.codec import DecodeError, decode_strict, encode
+from .core.cose import ALG_EDDSA, assemble, parse_sign1, protected_header, sig_structure, verify_ed25519
+from .core.records import record_hash
+
+CONTENT_TYPE = "sovm/ssp-rehydrate-v1"
+_MEMBERS = frozenset({"subject_site_id", "generation", "previous_record_hash", "requested_at"})
+_STATE_KEY = "rehydration"
+
+
+class RehydrateRecordError(ValueError):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def is_rehydrate_record(raw: Any) -> bool:
+    if not isinstance(raw, (bytes, bytearray)):
+        return False
+    try:
+        return parse_sign1(bytes(raw)).content_type == CONTENT_TYPE
+    except (DecodeError, TypeError, ValueError):
+        return False
+
+
+def to_be_signed(subject: bytes, mesh_id: bytes, generation: int, previous: bytes | None,
+                 requested_at: int) -> tuple[bytes, bytes, bytes]:
+    protected = protected_header(ALG_EDDSA, CONTENT_TYPE, subject)
+    payload = encode({"subject_site_id": subject, "generation": generation, "previous_record_hash": previous,
+                      "requested_at": requested_at})
+    return protected, payload, sig_structure(protected, mesh_id, payload)
+
+
+def verify(raw: bytes, mesh_id: bytes, keyring: dict) -> dict:
+    """Check one rehydrate record on its own. Raises RehydrateRecordError (dropped and surfaced)."""
+    try:
+        s = parse_sign1(bytes(raw))
+    except DecodeError as e:
+        raise RehydrateRecordError(e.reason) from None
+    if s.content_type != CONTENT_TYPE:
+        raise RehydrateRecordError("not_a_rehydrate_record")
+    entry = keyring.get(s.kid)
+    if entry is None:
+        raise RehydrateRecordError("unknown_kid")
+    if entry[1] is not None:
+        raise RehydrateRecordError("retired_signer")  # a retired device never pulls history again
+    if not verify_ed25519(entry[0], s.sig_structure(mesh_id), s.signature):
+        raise RehydrateRecordError("bad_signature")
+    try:
+        p = decode_strict(s.payload_bytes)
+    except DecodeError as e:
+        raise RehydrateRecordError(e.reason) from None
+    if not isinstance(p, dict) or set(p) != _MEMBERS:
+        raise RehydrateRecordError("bad_record_members")
+    subj, gen, prev, at = p["subject_site_id"], p["generation"], p["previous_record_hash"], p["requested_at"]
+    if subj != s.kid:
+        raise RehydrateRecordError("not_self_signed")
+    if not isinstance(gen, int) or isinstance(gen, bool) or gen < 0:
+        raise RehydrateRecordError("bad_generation")
+    if prev is not None and not (isinstance(prev, bytes) and len(prev) == 32):
+        raise RehydrateRecordError("bad_previous_record_hash")
+    if (gen == 0) != (prev is None):
+        raise RehydrateRecordError("bad_genesis")
+    if not isinstance(at, int) or isinstance(at, bool) or at < 0:
+        raise RehydrateRecordError("bad_requested_at")
+    return {"subject": subj, "generation": gen, "previous": prev, "requested_at": at,
+            "record_hash": record_hash(bytes(raw)), "raw": bytes(raw)}
+
+
+# ---------------------------------------------------------------- store helpers
+def record_raws(conn: sqlite3.Connection) -> list[bytes]:
+    """The latest rehydrate record held per subject (forwarded in every body's `records`)."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE name='rehydrate_records'").fetchone() is None:
+        return []
+    return [bytes(r[0]) for r in conn.execute(
+        "SELECT raw FROM rehydrate_records r WHERE generation = "
+        "(SELECT max(generation) FROM rehydrate_records WHERE subject = r.subject) ORDER BY subject")]
+
+
+def handle_records(driver, raws: list, now: int) -> dict:
+    """Verify rehydrate records (each on its own) and act on a new generation once. Runs inside
+    SyncDriver.apply_records, before the body's events."""
+    from .store import sync_state as st
+    node, conn = driver.node, driver.conn
+    out = {"stored": 0, "known": 0, "dropped": 0, "reset": 0}
+    for raw in raws:
+        h = record_hash(bytes(raw))
+        if conn.execute("SELECT 1 FROM rehydrate_records WHERE record_hash=?", (h,)).fetchone():
+            out["known"] += 1
+            continue
+        if parse_sign1(bytes(raw)).kid == node.site_id:
+            # our own record coming back: keep it (it travels on), never act on it
+            try:
+                r = verify(raw, node.mesh_id, {node.site_id: (node_public_key(node), None)})
+            except RehydrateRecordError:
+                out["dropped"] += 1
+                continue
+            _store(conn, r)
+            out["stored"] += 1
+            continue
+        try:
+            r = verify(raw, node.mesh_id, node.keyring)
+        except RehydrateRecordError as e:
+            out["dropped"] += 1
+            conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
+                         (now, "record_dropped", e.reason, json.dumps({"type": CONTENT_TYPE})))
+            continue
+        _store(conn, r)
+        out["stored"] += 1
+        done = st.rehydrate_generation(conn, r["subject"])
+        if done is not None and r["generation"] <= done:
+            continue  # once per generation
+        upto = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        conn.execute("UPDATE sync_cursors SET live=0, bf_next=0, bf_end=0 WHERE peer=?", (r["subject"],))
+        conn.execute("DELETE FROM peer_watermarks WHERE peer=?", (r["subject"],))
+        conn.execute("INSERT OR REPLACE INTO rehydrate_served VALUES (?,?,?,?)",
+                     (r["subject"], r["generation"], upto, now))
+        conn.execute("INSERT INTO surfaced (at_ms, kind, reason, site_id, detail) VALUES (?,?,?,?,?)",
+                     (now, "rehydration_served", "cursors_reset", r["subject"],
+                      json.dumps({"generation": r["generation"], "upto_seq": upto})))
+        out["reset"] += 1
+    return out
+
+
+def _store(conn: sqlite3.Connection, r: dict) -> None:
+    conn.execute("INSERT OR IGNORE INTO rehydrate_records VALUES (?,?,?,?,?,?)",
+                 (r["record_hash"], r["subject"], r["generation"], r["previous"], r["requested_at"], r["raw"]))
+
+
+def node_public_key(node) -> bytes:
+    from .store import db
+    return bytes(db.get_meta(node.conn, "public_key"))
+
+
+# ---------------------------------------------------------------- the rehydrating node
+def state(conn: sqlite3.Connection) -> dict | None:
+    r = conn.execute("SELECT value FROM meta WHERE key=?", (_STATE_KEY,)).fetchone()
+    return None if r is None else json.loads(r[0])
+
+
+def _set_state(conn: sqlite3.Connection, s: dict) -> None:
+    conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (_STATE_KEY, json.dumps(s, sort_keys=True)))
+
+
+def start(node, from_peer: bytes | None, now: int | None = None) -> dict:
+    """Zero this node's horizons, clear its own watermarks, issue the next rehydrate record and
+    start counting what arrives. Returns the new state."""
+    from firmware_bridge import EventIdentity
+    from .node import EVENT_KEY, NodeError, now_ms
+    from .store import sync_state as st
+    from .sync import SyncDriver, _txn
+    now = now_ms() if now is None else now
+    if from_peer is not None and from_peer not in node.keyring:
+        raise NodeError(f"--from {from_peer.hex()} is not a trusted peer of this node (peer add, or a vouch record)")
+    st.ensure_schema(node.conn)
+    prev = node.conn.execute("SELECT generation, record_hash FROM rehydrate_records WHERE subject=? "
+                             "ORDER BY generation DESC LIMIT 1", (node.site_id,)).fetchone()
+    gen, prev_hash = (0, None) if prev is None else (prev[0] + 1, bytes(prev[1]))
+    protected, payload, tbs = to_be_signed(node.site_id, node.mesh_id, gen, prev_hash, now)
+    hlc = node._tick(now)  # a fresh signing identity: persist-before-release, like any release
+    raw = node.bridge.release(EventIdentity(node.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs,
+                              lambda sig: assemble(protected, payload, sig))
+    node.reset_horizons()
+    rows = _row_counts(node)
+    s = {"generation": gen, "from": from_peer.hex() if from_peer else None, "started_ms": now,
+         "events_received": 0, "events_applied": 0, "events_duplicate": 0, "events_below_horizon": 0,
+         "bodies": 0, "bodies_from_source": 0, "last_body_events": None, "rows_at_start": rows,
+         "record_hash": record_hash(raw).hex(), "caught_up": False}
+    with _txn(node.conn):
+        node.conn.execute("DELETE FROM watermarks")  # fail closed: claims made below the old horizon
+        _store(node.conn, verify(raw, node.mesh_id, {node.site_id: (node_public_key(node), None)}))
+        _set_state(node.conn, s)
+    SyncDriver  # noqa: B018 - the record travels in every body from now on (SyncDriver._record_raws)
+    return s
+
+
+def note_body(conn: sqlite3.Connection, sender: bytes, outcomes: list) -> None:
+    """Count what a body brought while a rehydration runs (called by SyncDriver after apply)."""
+    s = state(conn)
+    if s is None or s.get("finished_ms"):
+        return
+    applied = sum(1 for o in outcomes if o.status == "applied" and o.reason == "applied")
+    below = sum(1 for o in outcomes if o.reason == "below_horizon")
+    dup = sum(1 for o in outcomes if o.status == "duplicate")
+    s["events_received"] += len(outcomes)
+    s["events_applied"] += applied
+    s["events_below_horizon"] += below
+    s["events_duplicate"] += dup
+    s["bodies"] += 1
+    if s.get("from") == sender.hex():
+        s["bodies_from_source"] += 1
+        s["last_body_events"] = len(outcomes)
+        # A body from the source with nothing new after it has sent something: caught up
+        # (as far as this node can know; the source's own status shows what remains there).
+        s["caught_up"] = s["bodies_from_source"] > 1 and applied == 0
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        _set_state(conn, s)
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def _row_counts(node) -> dict[str, int]:
+    return {q: len(t.rows.dump()) for q, t in sorted(node.tables.items())}
+
+
+def status(node) -> dict:
+    """Progress of this node's own rehydration (rows and events received) and, for peers that
+    asked this node for their history, what remains to send them (known here exactly)."""
+    from .store import sync_state as st
+    st.ensure_schema(node.conn)
+    s = state(node.conn)
+    out: dict[str, Any] = {"site_id": node.site_id.hex(), "rehydrating": None, "serving": []}
+    if s is not None:
+        rows_now = _row_counts(node)
+        s = dict(s)
+        s["rows_now"] = rows_now
+        s["rows_received"] = sum(max(0, rows_now.get(q, 0) - s["rows_at_start"].get(q, 0)) for q in rows_now)
+        s["horizons"] = {q: f"{t.horizon[0]}.{t.horizon[1]}" if t.horizon else "0.0" for q, t in node.tables.items()}
+        s["remaining"] = ("unknown here; run `rehydrate --status` on the source" if not s["caught_up"] else 0)
+        out["rehydrating"] = s
+    for subj, gen, upto, at in node.conn.execute("SELECT subject, generation, upto_seq, reset_ms FROM rehydrate_served"):
+        subj = bytes(subj)
+        paths = {}
+        for path, live in node.conn.execute("SELECT path, live FROM sync_cursors WHERE peer=?", (subj,)):
+            paths[path] = node.conn.execute("SELECT count(*) FROM events WHERE seq > ? AND seq <= ? AND site_id != ?",
+                                            (live, upto, subj)).fetchone()[0]
+        out["serving"].append({"subject": subj.hex(), "generation": gen, "reset_ms": at, "upto_seq": upto,
+                               "remaining_events_by_path": paths,
+                               "remaining_events": min(paths.values()) if paths else
+                               node.conn.execute("SELECT count(*) FROM events WHERE seq <= ? AND site_id != ?",
+                                                 (upto, subj)).fetchone()[0]})
+    return out
