@@ -204,33 +204,57 @@ class Node:
     def _apply_in_txn(self, raws: Iterable[bytes], now: int, origin: str) -> list[Outcome]:
         """Every event's effects (log insert, clocks, row, metering) are written inside the
         caller's transaction; a local fault rolls the whole batch back, never half an event."""
-        raws = list(raws)
-        checked = self._verify_ahead(raws) if len(raws) >= 64 else None
-        return [self._apply_one(raw, now, origin, checked[i] if checked else None) for i, raw in enumerate(raws)]
+        raws = raws if isinstance(raws, (list, tuple)) else list(raws)
+        if len(raws) < 64:
+            return [self._apply_one(raw, now, origin) for raw in raws]
+        out: list[Outcome] = []
+        for raw, checked in self._verified_ahead(raws):
+            out.append(self._apply_one(raw, now, origin, checked))
+        return out
 
-    def _verify_ahead(self, raws: list[bytes]) -> list:
-        """Parse and verify signatures on the second core while this thread writes SQLite
-        (libsodium and sqlite3 both release the GIL). Pure: the same check §12.1 runs, done
-        early; the apply path still takes each result in order."""
+    _CHUNK = 256
+
+    def _verified_ahead(self, raws):
+        """Parse and verify signatures on worker threads, a chunk or two ahead of the thread
+        that writes SQLite (libsodium and sqlite3 release the GIL), so verification overlaps
+        the writes. Pure: the same check §12.1 runs, done early; the apply path still takes
+        each event's result in order, and re-verifies if the keyring entry changed since."""
         from concurrent.futures import ThreadPoolExecutor
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="verify")
         keyring, mesh = dict(self.keyring), self.mesh_id
 
-        def check(raw):
-            try:
-                s1 = cose.parse_sign1(bytes(raw))
-            except (DecodeError, TypeError):
-                return None  # the apply path parses again and reports the reason
-            entry = keyring.get(s1.kid)
-            ok = entry is not None and cose.verify_ed25519(entry[0], s1.sig_structure(mesh), s1.signature)
-            return (s1, entry, ok)
-        return list(self._pool.map(check, raws, chunksize=32))
+        def check(chunk):
+            res = []
+            for raw in chunk:
+                try:
+                    s1 = cose.parse_sign1(bytes(raw))
+                except (DecodeError, TypeError):
+                    res.append(None)  # the apply path parses again and reports the reason
+                    continue
+                entry = keyring.get(s1.kid)
+                ok = entry is not None and cose.verify_ed25519(entry[0], s1.sig_structure(mesh), s1.signature)
+                decoded = None
+                if ok:
+                    try:
+                        decoded = ev.event_from_verified(bytes(raw), s1)
+                    except DecodeError as err:
+                        decoded = err
+                res.append((s1, entry, ok, decoded))
+            return res
+        chunks = [raws[i:i + self._CHUNK] for i in range(0, len(raws), self._CHUNK)]
+        ahead = [self._pool.submit(check, c) for c in chunks[:3]]
+        for i, chunk in enumerate(chunks):
+            results = ahead[i].result()
+            ahead[i] = None  # release the chunk's parsed envelopes as we go
+            if i + 3 < len(chunks):
+                ahead.append(self._pool.submit(check, chunks[i + 3]))
+            yield from zip(chunk, results)
 
     def _apply_one(self, raw: bytes, now: int, origin: str, checked=None) -> Outcome:
         """The one apply path: §12 steps in the spec's order, then §13 materialization.
-        `checked` is this event's (parsed envelope, keyring entry, signature ok) when
-        `_verify_ahead` computed it already."""
+        `checked` is this event's (parsed envelope, keyring entry, signature ok, decoded event
+        or its shape error) when `_verified_ahead` computed them already."""
         if not isinstance(raw, (bytes, bytearray)):
             return self._surface(Outcome(DROPPED, "not_bytes"), now)
         raw = bytes(raw)
@@ -250,7 +274,9 @@ class Node:
         if origin != "local" and kid == self.site_id:
             return Outcome(DROPPED, "self_echo", eid, kid)
         # Identical bytes were verified when first applied: a known event_id is a no-op (§12.4).
-        known = self._known(eid)
+        # (Batches verified ahead skip this look-up: verification cost is off this thread, and
+        # the idempotent insert below and the held insert still detect duplicates.)
+        known = self._known(eid) if checked is None else None
         if known == "log":
             return Outcome(DUPLICATE, "duplicate", eid, kid, verified=True)
         if known == "held":
@@ -265,10 +291,15 @@ class Node:
             sig_ok = cose.verify_ed25519(entry[0], sign1.sig_structure(self.mesh_id), sign1.signature)
         if not sig_ok:
             return self._surface(Outcome(DROPPED, "bad_signature", eid, kid), now)
-        try:
-            e = ev.event_from_verified(raw, sign1)
-        except DecodeError as err:
-            return self._surface(Outcome(DROPPED, err.reason, eid, kid, verified=True), now)
+        decoded = checked[3] if checked is not None and checked[1] == entry else None
+        if decoded is None:
+            try:
+                decoded = ev.event_from_verified(raw, sign1)
+            except DecodeError as err:
+                decoded = err
+        if isinstance(decoded, DecodeError):
+            return self._surface(Outcome(DROPPED, decoded.reason, eid, kid, verified=True), now)
+        e = decoded
         base = dict(event_id=eid, site_id=kid, table=e.table, hlc=e.hlc, verified=True)
         if entry[1] is not None and e.hlc > entry[1]:
             return self._surface(Outcome(DROPPED, "retired_signer", **base), now)
@@ -352,8 +383,10 @@ class Node:
         if n >= HELD_LIMIT_PER_TABLE:
             # Retain nothing more for a table that may never exist; the sender re-offers later.
             return self._surface(Outcome(REJECTED, "held_limit", **base), now)
-        self.conn.execute("INSERT OR IGNORE INTO held (event_id, site_id, qualified, hlc_p, hlc_l, raw, received_ms)"
-                          " VALUES (?,?,?,?,?,?,?)", (e.event_id, e.site_id, e.table, e.hlc[0], e.hlc[1], e.raw, now))
+        cur = self.conn.execute("INSERT OR IGNORE INTO held (event_id, site_id, qualified, hlc_p, hlc_l, raw, received_ms)"
+                                " VALUES (?,?,?,?,?,?,?)", (e.event_id, e.site_id, e.table, e.hlc[0], e.hlc[1], e.raw, now))
+        if cur.rowcount == 0:
+            return Outcome(HELD, "already_held", **base)
         return self._surface(Outcome(HELD, "table_missing", **base), now, kind="held")
 
     def _surface(self, o: Outcome, now: int, kind: str | None = None) -> Outcome:

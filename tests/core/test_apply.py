@@ -241,3 +241,39 @@ def test_non_bytes_and_garbage_dropped(env):
     node, _, _ = env
     assert one(node, b"\xff\x00garbage").status == DROPPED
     assert one(node, b"").status == DROPPED
+
+
+def test_surfaced_record_is_bounded_against_a_flood(env, monkeypatch):
+    import agent.node as node_mod
+    node, a, _ = env
+    monkeypatch.setattr(node_mod, "SURFACED_LIMIT", 50)
+    garbage = [b"\xff" + i.to_bytes(4, "big") for i in range(3000)]
+    outs = node.apply_batch(garbage, NOW)
+    assert all(o.status == DROPPED for o in outs)
+    n = node.conn.execute("SELECT count(*) FROM surfaced").fetchone()[0]
+    assert n <= 50 + 1000
+    # The honest stream behind the flood still applies.
+    assert one(node, a.event(T, {"device": "d", "seq": 1}, {"temp": 1.0}, (NOW, 0))).status == APPLIED
+
+
+def test_large_batches_verified_ahead_give_the_same_outcomes(tmp_path):
+    """The pipelined path (signatures verified on worker threads) is the same apply path:
+    identical outcomes and state to one-by-one application, hostile inputs included."""
+    a, b = peers(2)
+    mixed = []
+    for i in range(40):
+        good = a.event(T, {"device": "d", "seq": i % 7}, {"temp": float(i)}, (NOW, i))
+        mixed += [good, good,  # duplicate inside the batch
+                  b.sign_payload(encode(payload(hlc_logical=i)), kid=a.site_id),  # forged
+                  b.event("app.later", {"id": str(i)}, {"v": i}, (NOW, i)),  # held
+                  b.event(T, {"device": "e", "seq": i}, {"temp": 1.0}, (4_000_000_000_000, i)),  # skew
+                  a.sign_payload(encode(payload(row_key={"device": "d"}, hlc_logical=1000 + i)))]  # bad key
+    big = make_node(tmp_path / "big", [a, b])
+    small = make_node(tmp_path / "small", [a, b])
+    outs_big = big.apply_batch(mixed, NOW)
+    outs_small = [small.apply_batch([r], NOW)[0] for r in mixed]
+    assert [(o.status, o.reason) for o in outs_big] == [(o.status, o.reason) for o in outs_small]
+    assert big.dump() == small.dump()
+    assert len(outs_big) > 64
+    big.close()
+    small.close()
