@@ -39,10 +39,10 @@ def merge_upsert(table: TableDef, row: RowState, stamp: Stamp, payload: dict[str
     st = fx.state
     value_cols = set(table.value_columns)
     for col, value in payload.items():
-        if col in table.key:
-            continue  # wire-profile.md §2: payload entries naming a key column are ignored
         if col not in value_cols or not value_fits(table.columns[col], value):
-            fx.ignored.append(col)  # §13.6: applied in part, clock untouched, metered
+            # §13.6 / wire-profile §2: unknown, ill-typed or key-column entries are ignored,
+            # clock untouched, and metered; the rest of the event applies.
+            fx.ignored.append(col)
             continue
         # §13.1: written only if it beats both the column clock and the tombstone clock.
         if beats(stamp, st.cells.get(col)) and beats(stamp, st.tomb_clock):
