@@ -1,25 +1,20 @@
-"""A one-node demo: create a node, write to it, import a mailbox body of events signed by
-simulated peers, print the resulting tables and what was surfaced."""
+"""Store-and-forward demo: three nodes that never talk to each other directly exchange mailbox
+files (a USB stick carried between sites) through the real `ssp-agent` CLI, and converge.
+
+    python3 tools/demo_mailbox.py [WORKDIR]
+"""
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from agent.cli import to_json
-from agent.mailbox import import_body
-from agent.node import Node
-from agent.simpeer import SimPeer
+MANIFEST = """mesh_id = "5e55a9e7000000000000000000000002"
 
-MESH = bytes.fromhex("5e55a9e7000000000000000000000001")
-
-
-def main() -> int:
-    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="ssp-demo-"))
-    alice, bob = SimPeer(MESH), SimPeer(MESH)
-    manifest = f'mesh_id = "{MESH.hex()}"\n' + alice.manifest_peer() + bob.manifest_peer() + """
 [[tables]]
 schema = "app"
 name = "readings"
@@ -27,27 +22,58 @@ category = "syncable"
 key = ["device", "seq"]
 columns = { device = "text", seq = "integer", temp = "real", note = "text" }
 """
-    print(f"[1/4] creating a node in {root / 'node'}")
-    node, pk = Node.init(root / "node", manifest)
-    print(f"      site_id {node.site_id.hex()}  public key {pk.hex()}")
-    print("[2/4] writing two local readings")
-    node.write("app.readings", {"device": "local", "seq": 1}, {"temp": 21.5, "note": "boot"})
-    node.write("app.readings", {"device": "local", "seq": 2}, {"temp": 21.7})
-    now = time.time_ns() // 1_000_000
-    print("[3/4] importing a mailbox body from two simulated peers (with a duplicate, a forgery, a delete)")
-    evs = [alice.event("app.readings", {"device": "alice", "seq": 1}, {"temp": 18.0}, (now, 0)),
-           bob.event("app.readings", {"device": "bob", "seq": 1}, {"temp": 30.1, "note": "hot"}, (now, 0)),
-           bob.event("app.readings", {"device": "alice", "seq": 1}, {"note": "checked by bob"}, (now, 1)),
-           alice.event("app.readings", {"device": "bob", "seq": 1}, None, (now, 2), delete=True)]
-    evs.append(evs[0])
-    evs.append(bob.sign_payload(b"\xa0", kid=alice.site_id))
-    result = import_body(node, alice.body(evs))
-    print("      " + json.dumps({k: result[k] for k in ("applied", "duplicate", "dropped", "rejected", "held")}))
-    print("[4/4] materialized tables:")
-    print(json.dumps(to_json(node.dump()), indent=2))
-    print("surfaced:", json.dumps([{k: s[k] for k in ("kind", "reason")} for s in node.surfaced()]))
-    node.close()
-    return 0
+
+
+def sh(home: Path, *args: str, quiet: bool = False) -> str:
+    cmd = [sys.executable, "-m", "agent.cli", "--home", str(home), *args]
+    if not quiet:
+        print("  $ ssp-agent --home", home.name, " ".join(shlex.quote(a) for a in args))
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"demo: command failed ({p.returncode}): {p.stderr.strip()}")
+    return p.stdout
+
+
+def main() -> int:
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="ssp-mailbox-demo-"))
+    root.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("SSP_AGENT_WITNESS_DIR", str(root / "witness"))
+    (root / "manifest.toml").write_text(MANIFEST)
+    names = ["north", "south", "east"]
+    homes = {n: root / n for n in names}
+    ids = {}
+    print("[1/5] three field nodes")
+    for n in names:
+        ids[n] = json.loads(sh(homes[n], "init", "--manifest", str(root / "manifest.toml")))
+    print("[2/5] each trusts the others' keys (a mesh authority's vouch records do this in-band)")
+    for n in names:
+        for m in names:
+            if m != n:
+                sh(homes[n], "peer", "add", "--site-id", ids[m]["site_id"], "--public-key", ids[m]["public_key"],
+                   quiet=True)
+    print("[3/5] each writes while disconnected (north and south edit the same row)")
+    sh(homes["north"], "write", "app.readings", "--key", '{"device":"pump","seq":1}', "--set", '{"temp":4.5}')
+    sh(homes["south"], "write", "app.readings", "--key", '{"device":"pump","seq":1}', "--set", '{"note":"serviced"}')
+    sh(homes["east"], "write", "app.readings", "--key", '{"device":"tank","seq":7}', "--set", '{"temp":11.0}')
+    sh(homes["east"], "write", "app.readings", "--key", '{"device":"tank","seq":8}', "--set", '{"temp":12.0}')
+    sh(homes["east"], "write", "app.readings", "--key", '{"device":"tank","seq":8}', "--delete")
+    print("[4/5] a courier carries files round the ring north -> south -> east -> north, twice")
+    mail = root / "usb-stick"
+    mail.mkdir(exist_ok=True)
+    ring = [("north", "south"), ("south", "east"), ("east", "north")]
+    for rnd in range(2):
+        for src, dst in ring:
+            f = mail / f"{src}-to-{dst}-{rnd}.cbor"
+            sh(homes[src], "mailbox", "export", "--peer", ids[dst]["site_id"], "--out", str(f))
+            res = json.loads(sh(homes[dst], "mailbox", "import", str(f)))
+            print(f"      {dst} took {f.name}: " + ", ".join(f"{k} {res[k]}" for k in
+                                                           ("applied", "duplicate", "dropped", "rejected", "held")))
+    print("[5/5] the tables on every node")
+    dumps = {n: json.loads(sh(homes[n], "dump", quiet=True)) for n in names}
+    print(json.dumps(dumps["north"], indent=2))
+    same = all(dumps[n] == dumps["north"] for n in names)
+    print("converged: all three dumps identical" if same else "NOT converged: dumps differ")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
