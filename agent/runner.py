@@ -1,18 +1,32 @@
 """The node's MQTT loop: `ssp-agent run` (always on) and `ssp-agent sync --once` (wake, sync, sleep).
 
 One thread owns the node (SQLite); the MQTT link's network thread only enqueues what arrives.
+Everything sent and received goes through the sync layer (`agent.sync.PortAdapter` on the
+transport path `mqtt`): durable per-(peer, path) cursors in sync_state, selection filtered by
+policy, self-echo, peer origin and the peer's reported watermarks, control records and the
+node's applied watermarks in every body, and the frame meta (cursor range, seq deltas, policy
+gaps) in the `ssp-meta` user property so that an authenticated receiver can infer watermarks.
 
 - **Batch** (§32): every `cadence_s`, for every peer in the keyring, offer what the durable
   per-peer cursor selects, split into bodies under the broker's packet size and the body limit,
   a window of bodies in flight at once. Each body is a request; the cursor advances only when
   the peer's answer arrives, by the number of events it processed to a final state
-  (`cursor_after`). Unanswered bodies are re-offered (the peer absorbs duplicates).
+  (`cursor_after`), and only contiguously. Unanswered bodies are re-offered (the peer absorbs
+  duplicates). A range with nothing for the peer (all filtered) still goes out as an empty body,
+  so the cursor moves only on an answer and the peer's stream position stays in step.
 - **Realtime** (§33): when this node produces events, peers that are present (retained
   presence) and advertised `supports_realtime` (as we do) get a push at once, coalesced over
   `coalesce_s`, or on a fixed cadence (`flush_cadence_s`, §33.3). Pushes are answered like
-  batch bodies, so they can advance the cursor; batch keeps running underneath (§33.1).
-- **Receiving**: a body is checked (size, realtime mode, strict parse), applied in one SQLite
-  transaction through the node's one apply path, answered, and only then acked to the broker.
+  batch bodies, so they can advance the cursor; batch keeps running underneath (§33.1). On this
+  binding a push is a window body sent early: same selection, same meta, answered.
+- **Receiving**: a body is checked (size, realtime mode, sender named by the topic, strict
+  parse), applied in one SQLite transaction through the node's one apply path, answered, and only
+  then acked to the broker.
+- **Secure binding** (`RunConfig.secure`, `--secure-binding`): only when the broker authenticates
+  every device and its ACLs pin the sender segment of inbox topics to the device (docs/mqtt.md).
+  Then received streams advance the node's applied watermarks and the peers' reports are kept
+  (used to skip re-offers and to tell how far behind a peer is). Otherwise nothing moves them.
+- **Eviction**: `run` runs the profile's eviction job every `eviction_interval_s`.
 """
 from __future__ import annotations
 
@@ -24,10 +38,14 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .core.messages import Handshake, ProtocolError, SyncBody, emit_body, emit_handshake, parse_body, parse_message
+from .core.messages import Handshake, ProtocolError, parse_message
 from .outcomes import counts
-from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_COUNT, P_END, P_KIND, P_PART, P_PROCESSED, P_REASON,
-                             P_START, P_STATUS, Inbound, MqttLink, MqttSettings, split_sizes)
+from .store import sync_state as st
+from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_COUNT, P_END, P_KIND, P_META, P_PART, P_PROCESSED,
+                             P_REASON, P_START, P_STATUS, Inbound, MqttLink, MqttSettings, encode_meta, meta_cost,
+                             split_sizes)
+
+PATH = "mqtt"  # the transport path: one durable cursor per (peer, path) in sync_state
 
 log = logging.getLogger("ssp_agent.runner")
 
@@ -41,6 +59,17 @@ class RunConfig:
     coalesce_s: float = 0.05  # realtime: gather what is produced within this interval into one push
     flush_cadence_s: float | None = None  # realtime on a fixed cadence instead of at production (§33.3)
     max_events: int | None = None  # events per body (default: the link settings' max_events)
+    secure: bool = False  # the broker authenticates devices and pins topics to them (see module doc)
+    eviction_interval_s: float | None = None  # run node.run_eviction() this often (None: never)
+
+    @classmethod
+    def from_profile(cls, profile, **overrides) -> "RunConfig":
+        """The device profile's defaults (cadence, events per body, eviction interval); explicit
+        overrides that are not None win."""
+        base = dict(cadence_s=float(profile.cadence_s), max_events=int(profile.batch_limit),
+                    eviction_interval_s=float(profile.eviction_interval_s))
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)
 
 
 @dataclass
@@ -51,6 +80,7 @@ class _Pending:
     end: int
     seqs: list[int]
     sent: float
+    records: int = 0  # control records this node held when it sent the body (every body carries all)
 
 
 @dataclass
@@ -59,108 +89,26 @@ class Offer:
     end: int  # last seq examined
     seqs: list[int] = field(default_factory=list)
     events: list[bytes] = field(default_factory=list)
-
-
-class SyncPort:
-    """What the runner needs from the sync layer: durable per-peer cursors on the MQTT path,
-    selection, absorbing a body, the handshake. This minimal implementation keeps the cursor in
-    the node's meta table (cursor c: every event with seq <= c is dealt with for that peer)."""
-
-    PATH = "mqtt"
-
-    def __init__(self, node) -> None:
-        self.node = node
-        self.conn = node.conn
-        self.peer_watermarks: dict[bytes, list] = {}  # what each peer last reported (advisory)
-        from .sync import SyncDriver
-        self.driver = SyncDriver(node)
-
-    def peers(self) -> list[bytes]:
-        return sorted(s for s in self.node.keyring if s != self.node.site_id)
-
-    def have_max(self) -> tuple[int, int]:
-        r = self.conn.execute("SELECT hlc_p, hlc_l FROM events ORDER BY hlc_p DESC, hlc_l DESC LIMIT 1").fetchone()
-        return (0, 0) if r is None else (r[0], r[1])
-
-    def handshake(self, supports_realtime: bool) -> bytes:
-        return emit_handshake(Handshake(self.node.site_id, self.have_max(), supports_realtime, False, None))
-
-    def _key(self, peer: bytes) -> str:
-        return f"cursor:{self.PATH}:{peer.hex()}"
-
-    def cursor(self, peer: bytes) -> int:
-        r = self.conn.execute("SELECT value FROM meta WHERE key=?", (self._key(peer),)).fetchone()
-        return 0 if r is None else int(r[0])
-
-    def select(self, peer: bytes, start: int, limit: int) -> Offer:
-        off = Offer(start, start)
-        for seq, sid, raw in self.conn.execute(
-                "SELECT seq, site_id, raw FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (start, limit * 2 + 16)):
-            if len(off.events) >= limit:
-                break
-            off.end = seq
-            if bytes(sid) == peer:
-                continue  # its own events: pointless to send, dropped as self-echo anyway
-            off.events.append(bytes(raw))
-            off.seqs.append(seq)
-        return off
-
-    def backlog(self, peer: bytes) -> int:
-        return self.conn.execute("SELECT count(*) FROM events WHERE seq > ? AND site_id != ?",
-                                 (self.cursor(peer), peer)).fetchone()[0]
-
-    def advance(self, peer: bytes, start: int, seqs: list[int], end: int, processed: int) -> bool:
-        """Advance the durable cursor after a peer's answer. Only contiguous progress counts: an
-        answer for a body that starts beyond the cursor (an earlier body is unanswered) moves
-        nothing; that range is re-offered."""
-        cur = self.cursor(peer)
-        if start > cur:
-            return False
-        new = end if processed >= len(seqs) else max(start, seqs[processed] - 1)
-        if new <= cur:
-            return False
-        self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            self.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (self._key(peer), new))
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        return True
-
-    def receive(self, data: bytes) -> tuple[SyncBody, list, int]:
-        """Parse strictly (raises ProtocolError, nothing changes), apply every event in one
-        transaction (committed on return). Returns (body, outcomes, processed)."""
-        body = parse_body(data)
-        # Through the sync driver (agent/sync.py): control records first, then the events through
-        # the node's one apply path. The sender is not authenticated by this binding (secure=False),
-        # so nothing it reports or streams moves this node's watermarks.
-        from .node import now_ms
-        processed, outs = self.driver.receive(body.from_site_id, body, None, "batch", now_ms(), self.PATH, False)
-        return body, outs, processed
-
-    def answer_body(self) -> bytes:
-        return emit_body(SyncBody(self.node.site_id, self.have_max(), (), (), ()))
-
-    def note_answer(self, peer: bytes, data: bytes) -> None:
-        try:
-            b = parse_body(data)
-        except ProtocolError:
-            return
-        self.peer_watermarks[peer] = list(b.applied_watermarks)
+    gaps: list[str] = field(default_factory=list)  # tables whose own events policy withheld in (start, end]
 
 
 class Runner:
-    def __init__(self, node, settings: MqttSettings, config: RunConfig | None = None,
-                 port: SyncPort | None = None) -> None:
+    def __init__(self, node, settings: MqttSettings, config: RunConfig | None = None, port=None) -> None:
+        from .sync import PortAdapter
         self.node = node
         self.cfg = config or RunConfig()
         self.settings = settings
-        self.sync = port or SyncPort(node)
+        self.max_events = self.cfg.max_events or settings.max_events
+        # The sync layer on path "mqtt"; `secure` only when the broker pins topics to devices.
+        self.sync = port or PortAdapter(node, path=PATH, secure=self.cfg.secure, batch_limit=self.max_events)
+        _adopt_private_cursors(node)
         self.link = MqttLink(settings, node.mesh_id, node.site_id,
                              presence_payload=lambda: self.sync.handshake(self.cfg.realtime))
-        self.max_events = self.cfg.max_events or settings.max_events
         self.pending: dict[bytes, _Pending] = {}
+        self.peer_limit: dict[bytes, int] = {}  # per peer: body size it refused as too_large, halved
+        self.records_acked: dict[bytes, int] = {}  # per peer: records held when it last answered a body
+        self.last_eviction: dict | None = None
+        self._next_evict = 0.0
         self.sent_upto: dict[bytes, int] = {}  # per peer: highest seq offered in flight (volatile)
         self.caps: dict[bytes, Handshake] = {}  # present peers' handshakes
         self.stats: Counter = Counter()
@@ -189,6 +137,25 @@ class Runner:
             self._next_batch = now + self.cfg.cadence_s
         if self.cfg.realtime:
             self._realtime(now)
+        if self.cfg.eviction_interval_s and now >= self._next_evict:
+            self._next_evict = now + self.cfg.eviction_interval_s
+            self.evict()
+
+    def evict(self) -> dict | None:
+        """The profile's eviction job (node.run_eviction), its report logged."""
+        try:
+            rep = self.node.run_eviction()
+        except Exception as e:  # noqa: BLE001 - eviction must never stop the sync loop
+            self.stats["eviction_failures"] += 1
+            log.warning("eviction failed: %s", e)
+            return None
+        self.stats["evictions"] += 1
+        self.last_eviction = rep
+        deleted = sum(t.get("events_deleted", 0) for t in rep.get("tables", {}).values())
+        log.info("eviction: %d events deleted, store %d -> %d bytes, budget %s: %s", deleted,
+                 rep.get("bytes_before", 0), rep.get("bytes_after", 0), (rep.get("budget") or {}).get("state", "?"),
+                 json.dumps(rep, sort_keys=True))
+        return rep
 
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:
         while not should_stop():
@@ -233,15 +200,23 @@ class Runner:
         kind = m.props.get(P_KIND, KIND_BATCH)
         if kind not in (KIND_BATCH, KIND_REALTIME):
             return self._reject(m, "unknown_kind", kind[:40])
+        if m.sender is None:
+            return self._reject(m, "bad_topic", "an inbox topic must name its sender")
         if kind == KIND_REALTIME:
-            sender = m.props.get("ssp-from", "")
-            peer = bytes.fromhex(sender) if _is_hex32(sender) else None
-            hs = self.caps.get(peer) if peer else None
+            hs = self.caps.get(m.sender)
             if not (self.cfg.realtime and hs is not None and hs.supports_realtime):
                 # §33: reject, not drop, an unsolicited body without mutual realtime mode.
-                return self._reject(m, "realtime_not_established", sender[:40])
+                return self._reject(m, "realtime_not_established", m.sender.hex())
+        meta = None
+        if P_META in m.props:
+            try:
+                meta = json.loads(m.props[P_META])
+            except ValueError:
+                return self._reject(m, "bad_frame_meta", "ssp-meta is not JSON")
         try:
-            body, outs, processed = self.sync.receive(m.payload)
+            # A realtime body here is a window body sent early (same selection and meta, answered):
+            # the stream rules are those of a batch body.
+            body, outs, processed = self.sync.receive(m.payload, meta=meta, sender=m.sender)
         except ProtocolError as e:
             return self._reject(m, e.reason, e.detail)
         # Committed: now answer, then ack (a crash before the ack means redelivery and duplicates).
@@ -261,13 +236,20 @@ class Runner:
 
     def _on_answer(self, m: Inbound) -> None:
         self.link.ack(m)
-        p = self.pending.pop(m.correlation, None) if m.correlation else None
+        p = self.pending.get(m.correlation) if m.correlation else None
         if p is None:
             self.stats["unknown_answers"] += 1  # late (a previous run), replayed or forged: ignored
             return
+        if m.sender != p.peer:
+            self.stats["answers_from_wrong_sender"] += 1  # not the addressee's answer topic: ignored
+            return
+        del self.pending[m.correlation]
         self.stats["answers"] += 1
         if m.props.get(P_STATUS) != "ok":
-            self.stats[f"push_rejected:{m.props.get(P_REASON, '?')}"] += 1
+            reason = m.props.get(P_REASON, "?")
+            self.stats[f"push_rejected:{reason}"] += 1
+            if reason == "too_large":  # the peer's body limit is below ours: halve what we send it
+                self.peer_limit[p.peer] = max(1024, self._limit(p.peer) // 2)
             self._reset_peer(p.peer)
             return
         try:
@@ -275,6 +257,7 @@ class Runner:
         except ValueError:
             processed = 0
         self.stats["events_acknowledged"] += processed
+        self.records_acked[p.peer] = max(self.records_acked.get(p.peer, 0), p.records)
         self.sync.advance(p.peer, p.start, p.seqs, p.end, processed)
         self.sync.note_answer(p.peer, m.payload)
         if processed < len(p.seqs):
@@ -310,38 +293,48 @@ class Runner:
     def in_flight(self, peer: bytes) -> int:
         return sum(1 for p in self.pending.values() if p.peer == peer)
 
+    def _limit(self, peer: bytes) -> int:
+        return min(self.link.max_payload(), self.peer_limit.get(peer, 1 << 62))
+
     def offer(self, peer: bytes, kind: str = KIND_BATCH, bodies: int | None = None, force: bool = False) -> int:
         """Send up to `bodies` bodies to `peer` from where the in-flight window ends (or the
-        durable cursor). Returns events sent. `force` sends one body even when empty (the
-        fixed-cadence flush)."""
+        durable cursor), as the sync layer selects them. Returns events sent. A range with
+        nothing for the peer goes out as an empty body: the cursor moves only on an answer.
+        `force` sends one body even when nothing is new (the fixed-cadence flush)."""
         bodies = self.cfg.window - self.in_flight(peer) if bodies is None else bodies
         sent = 0
         start = max(self.sync.cursor(peer), self.sent_upto.get(peer, 0))
-        limit = self.link.max_payload()
+        limit = self._limit(peer)
+        base = None
+        # Records travel in every body; one the peer has not answered for yet is worth a body of its own.
+        force = force or (not self.in_flight(peer) and self._records() > self.records_acked.get(peer, 0))
         for _ in range(max(bodies, 0)):
             off = self.sync.select(peer, start, self.max_events)
-            if not off.events and not force:
-                if off.end > start and not self.in_flight(peer):
-                    self.sync.advance(peer, start, [], off.end, 0)  # nothing for this peer in that range
+            if off.end <= start and not force:
                 break
             force = False
-            base = len(self.sync.answer_body())
-            parts = split_sizes([len(e) for e in off.events], base, limit, self.max_events) or [(0, 0)]
-            if len(parts) > 1:  # trim to the first part that fits; the rest goes in the next body
-                a, b = parts[0]
-                off = Offer(start, off.seqs[b] - 1, off.seqs[:b], off.events[:b])
+            if off.events:
+                if base is None:  # records and watermarks travel in every body; the meta rides along
+                    base = len(self.sync.body(())) + 96
+                sizes = [len(e) + c for e, c in zip(off.events, meta_cost(start, off.seqs))]
+                parts = split_sizes(sizes, base + sum(len(g) + 3 for g in off.gaps), limit, self.max_events)
+                if len(parts) > 1:  # the first part that fits; the rest goes in the next body
+                    off = self.sync.select(peer, start, parts[0][1])
             self._send(peer, kind, off)
             sent += len(off.events)
             start = off.end
             self.sent_upto[peer] = off.end
         return sent
 
+    def _records(self) -> int:
+        return self.node.conn.execute("SELECT count(*) FROM control_records").fetchone()[0]
+
     def _send(self, peer: bytes, kind: str, off: Offer) -> None:
-        body = emit_body(SyncBody(self.node.site_id, self.sync.have_max(), tuple(off.events), (), ()))
+        body = self.sync.body(off.events)
         user = {P_KIND: kind, P_START: str(off.start), P_END: str(off.end), P_COUNT: str(len(off.events)),
-                P_PART: "1/1"}
+                P_PART: "1/1", P_META: encode_meta(off.start, off.end, off.seqs, off.gaps)}
         corr = self.link.push(peer, body, user)
-        self.pending[corr] = _Pending(peer, kind, off.start, off.end, off.seqs, time.monotonic())
+        self.pending[corr] = _Pending(peer, kind, off.start, off.end, off.seqs, time.monotonic(), self._records())
         self.stats["bodies_pushed"] += 1
         self.stats["events_pushed"] += len(off.events)
         self.stats[f"pushed_{kind}"] += 1
@@ -414,21 +407,76 @@ class Runner:
         return self.summary()
 
     def summary(self) -> dict[str, Any]:
+        """Counters, and per peer: `behind` = events this node holds that the peer's reported
+        applied watermarks do not cover (secure binding only, else null); `unanswered` = events
+        after the durable cursor on this path (offered or not yet offered, never answered for)."""
         s = self.stats
         peers = {}
         for p in self.sync.peers():
             peers[p.hex()] = {"present": p in self.caps, "cursor": self.sync.cursor(p),
-                              "behind": self.sync.backlog(p),
+                              "behind": peer_lag(self.node.conn, p) if self.cfg.secure else None,
+                              "unanswered": self.sync.backlog(p),
                               "realtime": bool(self.caps.get(p) and self.caps[p].supports_realtime)}
         return {"pushed": s["events_acknowledged"], "offered": s["events_pushed"], "applied": s["applied"],
                 "duplicate": s["duplicate"], "dropped": s["dropped"], "rejected": s["rejected"],
                 "bodies_pushed": s["bodies_pushed"], "bodies_received": s["bodies_received"],
                 "answers": s["answers"], "unanswered": len(self.pending),
-                "refused_bodies": s["rejected_bodies"], "peers": peers}
+                "refused_bodies": s["rejected_bodies"], "secure_binding": self.cfg.secure,
+                "evictions": s["evictions"], "peers": peers}
 
 
-def _is_hex32(s: str) -> bool:
-    return len(s) == 32 and all(c in "0123456789abcdef" for c in s)
+def _adopt_private_cursors(node) -> None:
+    """Homes from before the runner used the sync layer kept their MQTT cursors in `meta`
+    (`cursor:mqtt:<peer>`, same meaning: every seq <= c dealt with). Move them into sync_state's
+    per-(peer, path) cursors (monotonic) once, so an upgrade does not re-offer everything."""
+    rows = node.conn.execute("SELECT key, value FROM meta WHERE key LIKE 'cursor:mqtt:%'").fetchall()
+    if not rows:
+        return
+    node.conn.execute("BEGIN IMMEDIATE")
+    try:
+        for key, value in rows:
+            peer = key.rsplit(":", 1)[1]
+            if len(peer) == 32:
+                st.advance_cursor(node.conn, bytes.fromhex(peer), PATH, int(value))
+            node.conn.execute("DELETE FROM meta WHERE key=?", (key,))
+        node.conn.execute("COMMIT")
+    except BaseException:
+        node.conn.execute("ROLLBACK")
+        raise
+
+
+def peer_lag(conn, peer: bytes) -> int:
+    """How far `peer` is behind this node, from watermarks: the events this node holds (other
+    than the peer's own) that the peer's last reported applied watermarks do not cover. Reports
+    are stored only from authenticated links (sync_state.peer_watermarks); with none, every such
+    event counts."""
+    wms = st.peer_watermarks(conn, peer)
+    total = 0
+    for site, q, n in conn.execute("SELECT site_id, qualified, count(*) FROM events WHERE site_id != ? "
+                                   "GROUP BY site_id, qualified", (peer,)).fetchall():
+        wm = wms.get((bytes(site), q))
+        if wm is not None:
+            n -= conn.execute("SELECT count(*) FROM events WHERE site_id=? AND qualified=? AND "
+                              "(hlc_p < ? OR (hlc_p = ? AND hlc_l <= ?))", (site, q, wm[0], wm[0], wm[1])).fetchone()[0]
+        total += n
+    return total
+
+
+def own_coverage(conn, self_site: bytes) -> dict[bytes, tuple[int, int]]:
+    """Per origin site (other than this node): (events held here, of which covered by this node's
+    own applied watermarks). The node's claim "I have everything of S up to h", per table."""
+    wms = st.own_watermarks(conn)
+    out: dict[bytes, tuple[int, int]] = {}
+    for site, q, n in conn.execute("SELECT site_id, qualified, count(*) FROM events WHERE site_id != ? "
+                                   "GROUP BY site_id, qualified", (self_site,)).fetchall():
+        site = bytes(site)
+        wm = wms.get((site, q))
+        c = 0 if wm is None else conn.execute(
+            "SELECT count(*) FROM events WHERE site_id=? AND qualified=? AND (hlc_p < ? OR (hlc_p = ? AND hlc_l <= ?))",
+            (site, q, wm[0], wm[0], wm[1])).fetchone()[0]
+        h, cov = out.get(site, (0, 0))
+        out[site] = (h + n, cov + c)
+    return out
 
 
 def settings_from_env(url: str, **kw) -> MqttSettings:

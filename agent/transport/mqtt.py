@@ -2,12 +2,17 @@
 
 Topic layout, per mesh and per node (`PREFIX` defaults to `ssp`; ids are lowercase hex):
 
-    PREFIX/<mesh_id>/<site_id>/inbox/req   sync bodies addressed to <site_id>: batch and realtime pushes
-    PREFIX/<mesh_id>/<site_id>/inbox/ans   answers to <site_id>'s pushes
-    PREFIX/<mesh_id>/<site_id>/presence    retained §31 handshake while online; the last will clears it
+    PREFIX/<mesh_id>/<site_id>/inbox/req/<from>   sync bodies addressed to <site_id> by <from>: batch and realtime
+    PREFIX/<mesh_id>/<site_id>/inbox/ans/<from>   answers by <from> to <site_id>'s pushes
+    PREFIX/<mesh_id>/<site_id>/presence           retained §31 handshake while online; the last will clears it
 
-A push is one PUBLISH (QoS 1) of a §32 sync body to the peer's `inbox/req`, with the MQTT v5
-Response Topic (the pusher's `inbox/ans`) and random Correlation Data. It is successful only
+The last segment names the publisher, so a broker ACL can pin it to the authenticated device
+(`pattern write PREFIX/<mesh>/+/inbox/req/%u`); a receiver refuses a body whose `from_site_id`
+differs from it (`sender_mismatch`). Only under such ACLs may the node treat the binding as
+authenticated (`--secure-binding`), see docs/mqtt.md.
+
+A push is one PUBLISH (QoS 1) of a §32 sync body to the peer's `inbox/req/<us>`, with the MQTT v5
+Response Topic (our `inbox/ans/<peer>`) and random Correlation Data. It is successful only
 when the peer answers: the answer carries, in user properties, how many events of the body were
 processed to a final state before the first rejected one (`ssp-processed`), and the answer's
 payload is a §32 body with no events carrying the answerer's applied watermarks. A broker's
@@ -24,6 +29,7 @@ do). Everything paho calls back runs on the link's network thread and only enque
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import queue
@@ -52,6 +58,7 @@ PACKET_OVERHEAD = 1024  # topic, packet id, properties: generous, so a body neve
 # user property names (all values are text)
 P_KIND, P_FROM, P_START, P_END, P_COUNT, P_PART = "ssp-kind", "ssp-from", "ssp-start", "ssp-end", "ssp-count", "ssp-part"
 P_STATUS, P_REASON, P_PROCESSED = "ssp-status", "ssp-reason", "ssp-processed"
+P_META = "ssp-meta"  # the frame meta (docs/protocol.md §1) as compact JSON: {s, e, d, g, x}
 KIND_BATCH, KIND_REALTIME = "batch", "rt"
 
 _GENERATIONS = itertools.count(1)
@@ -110,19 +117,22 @@ class MqttSettings:
 class Topics:
     def __init__(self, mesh_id: bytes, prefix: str = DEFAULT_PREFIX) -> None:
         self.prefix, self.mesh = prefix, mesh_id.hex()
-        self._node = re.compile(rf"^{re.escape(prefix)}/{self.mesh}/([0-9a-f]{{32}})/(inbox/req|inbox/ans|presence)$")
+        self._node = re.compile(rf"^{re.escape(prefix)}/{self.mesh}/([0-9a-f]{{32}})"
+                                rf"/(inbox/req|inbox/ans|presence)(?:/([0-9a-f]{{32}}))?$")
 
     def base(self, site: bytes) -> str:
         return f"{self.prefix}/{self.mesh}/{site.hex()}"
 
-    def requests(self, site: bytes) -> str:
-        return self.base(site) + "/inbox/req"
+    def requests(self, site: bytes, sender: bytes) -> str:
+        """Where `sender` publishes bodies for `site`."""
+        return self.base(site) + "/inbox/req/" + sender.hex()
 
-    def answers(self, site: bytes) -> str:
-        return self.base(site) + "/inbox/ans"
+    def answers(self, site: bytes, sender: bytes) -> str:
+        """Where `sender` publishes its answers to `site`'s pushes."""
+        return self.base(site) + "/inbox/ans/" + sender.hex()
 
     def inbox_filter(self, site: bytes) -> str:
-        return self.base(site) + "/inbox/+"
+        return self.base(site) + "/inbox/#"
 
     def presence(self, site: bytes) -> str:
         return self.base(site) + "/presence"
@@ -130,10 +140,32 @@ class Topics:
     def presence_filter(self) -> str:
         return f"{self.prefix}/{self.mesh}/+/presence"
 
-    def classify(self, topic: str) -> tuple[bytes, str] | None:
-        """(site_id, 'inbox/req' | 'inbox/ans' | 'presence'), or None for a foreign topic."""
+    def classify(self, topic: str) -> tuple[bytes, str, bytes | None] | None:
+        """(site_id, 'inbox/req' | 'inbox/ans' | 'presence', sender or None), or None for a
+        foreign topic. Inbox topics must name their sender; presence must not."""
         m = self._node.match(topic)
-        return None if m is None else (bytes.fromhex(m.group(1)), m.group(2))
+        if m is None or (m.group(2) == "presence") != (m.group(3) is None):
+            return None
+        return bytes.fromhex(m.group(1)), m.group(2), bytes.fromhex(m.group(3)) if m.group(3) else None
+
+
+def encode_meta(start: int, end: int, seqs: Sequence[int], gaps: Iterable[str] = (), extra: int = 0) -> str:
+    """The frame meta as a user property value (docs/protocol.md §1: a binding with native
+    metadata maps the frame onto it). Compact: about two bytes per event."""
+    d, prev = [], start
+    for q in seqs:
+        d.append(q - prev)
+        prev = q
+    return json.dumps({"s": start, "e": end, "d": d, "g": sorted(gaps), "x": extra}, separators=(",", ":"))
+
+
+def meta_cost(start: int, seqs: Sequence[int]) -> list[int]:
+    """Bytes each event adds to `encode_meta` (a delta and a comma), for the size budget."""
+    out, prev = [], start
+    for q in seqs:
+        out.append(len(str(q - prev)) + 1)
+        prev = q
+    return out
 
 
 class Backoff:
@@ -190,6 +222,7 @@ class Inbound:
     dup: bool
     retain: bool
     generation: int  # the connection it arrived on: acks on a later connection are meaningless
+    sender: bytes | None = None  # inbox: the publisher the topic names (pinned by the broker's ACL, if any)
     received: float = field(default_factory=time.monotonic)
 
 
@@ -394,7 +427,7 @@ class MqttLink:
         if where is None:
             self._ack_now(msg)
             return
-        site, kind = where
+        site, kind, sender = where
         if kind == "presence":
             self._ack_now(msg)
             if site == self.site_id:
@@ -413,7 +446,7 @@ class MqttLink:
         rt = getattr(props, "ResponseTopic", None) if props is not None else None
         self.inbound.put(Inbound("req" if kind == "inbox/req" else "ans", site, bytes(msg.payload),
                                  _user_props(props), bytes(corr) if corr is not None else None, rt,
-                                 msg.mid, msg.qos, bool(msg.dup), bool(msg.retain), self.generation))
+                                 msg.mid, msg.qos, bool(msg.dup), bool(msg.retain), self.generation, sender))
 
     def _ack_now(self, msg) -> None:
         if msg.qos > 0:
@@ -443,17 +476,18 @@ class MqttLink:
         """Publish a body to the peer's inbox with our answer topic; returns the correlation data.
         A PUBACK proves nothing: success is the peer's answer (see the module doc)."""
         corr = correlation or os.urandom(16)
-        props = _publish_props({P_FROM: self.site_id.hex(), **user}, corr, self.topics.answers(self.site_id))
-        self._client.publish(self.topics.requests(peer), body, qos=1, properties=props)
+        props = _publish_props({P_FROM: self.site_id.hex(), **user}, corr, self.topics.answers(self.site_id, peer))
+        self._client.publish(self.topics.requests(peer, self.site_id), body, qos=1, properties=props)
         return corr
 
     def answer(self, m: Inbound, body: bytes, user: dict[str, str]) -> bool:
         """Answer a request on its Response Topic with its Correlation Data. Refuses a response
-        topic that is not a node's answer topic in this mesh (a rogue cannot make us publish
-        elsewhere); returns whether an answer was sent."""
+        topic that is not the answer topic of the request's sender naming us (a rogue cannot make
+        us publish elsewhere); returns whether an answer was sent."""
         rt = m.response_topic
         where = self.topics.classify(rt) if rt else None
-        if where is None or where[1] != "inbox/ans" or m.correlation is None or len(m.correlation) > 64:
+        if (where is None or where[1] != "inbox/ans" or where[2] != self.site_id or where[0] != m.sender
+                or m.correlation is None or len(m.correlation) > 64):
             return False
         props = _publish_props({P_FROM: self.site_id.hex(), **user}, m.correlation)
         self._client.publish(rt, body, qos=1, properties=props)

@@ -13,3 +13,10 @@ def broker(tmp_path):
     b = Broker(workdir=tmp_path / "broker").start()
     yield b
     b.close()
+
+
+@pytest.fixture(autouse=True)
+def _witness_dir(tmp_path_factory, monkeypatch):
+    # Nodes mirror their clock ceiling outside their home; keep it inside the test's temp dir
+    # (subprocesses inherit it through os.environ).
+    monkeypatch.setenv("SSP_AGENT_WITNESS_DIR", str(tmp_path_factory.mktemp("witness")))

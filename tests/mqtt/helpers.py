@@ -1,6 +1,7 @@
 """Builders for the MQTT tests: real nodes that trust each other, runners on a real broker."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -18,7 +19,15 @@ name = "readings"
 category = "syncable"
 key = ["device", "seq"]
 columns = {{ device = "text", seq = "integer", temp = "real", note = "text" }}
+
+[[tables]]
+schema = "app"
+name = "notes"
+category = "syncable"
+key = ["id"]
+columns = {{ id = "text", body = "text" }}
 '''
+N = "app.notes"
 
 
 def make_nodes(tmp: Path, n: int) -> list[Node]:
@@ -30,14 +39,22 @@ def make_nodes(tmp: Path, n: int) -> list[Node]:
     return nodes
 
 
-def settings(broker, **kw) -> MqttSettings:
-    return MqttSettings.from_url(broker.url, backoff_min_s=0.05, backoff_max_s=0.5, **kw)
+def make_authority(nodes: list[Node], k: int = 0) -> None:
+    """Node k becomes the mesh authority on every node (as a manifest `authorities` entry would)."""
+    auth = nodes[k].site_id
+    for n in nodes:
+        n.conn.execute("INSERT OR REPLACE INTO meta VALUES ('authorities', ?)", (json.dumps([auth.hex()]),))
+        n.authorities = {auth}
 
 
-def runner(node: Node, broker, **cfg) -> Runner:
+def settings(broker, url: str | None = None, **kw) -> MqttSettings:
+    return MqttSettings.from_url(url or broker.url, backoff_min_s=0.05, backoff_max_s=0.5, **kw)
+
+
+def runner(node: Node, broker, url: str | None = None, link: dict | None = None, **cfg) -> Runner:
     base = dict(cadence_s=0.5, answer_timeout_s=3.0)
     base.update(cfg)
-    r = Runner(node, settings(broker), RunConfig(**base))
+    r = Runner(node, settings(broker, url, **(link or {})), RunConfig(**base))
     assert r.start(10), r.link.last_error
     return r
 

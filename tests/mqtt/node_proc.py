@@ -34,8 +34,8 @@ def main() -> None:
     if mode == "hang_before_ack":
         orig_recv = r.sync.receive
 
-        def recv(data):
-            res = orig_recv(data)
+        def recv(data, **kw):
+            res = orig_recv(data, **kw)
             if res[1]:
                 marker.write_text("committed")
                 time.sleep(120)

@@ -30,7 +30,7 @@ def test_request_answer_correlation(broker):
         m = wait_for(lb.inbound, "req", 3)
         assert m is not None and m.payload == b"body" and m.correlation == corr
         assert m.props["ssp-start"] == "3" and m.props["ssp-from"] == a.hex()
-        assert m.response_topic == Topics(MESH).answers(a)
+        assert m.response_topic == Topics(MESH).answers(a, b) and m.sender == a
         assert lb.answer(m, b"answer", {"ssp-processed": "7"})
         assert lb.ack(m)
         ans = wait_for(la.inbound, "ans", 3)
@@ -43,12 +43,17 @@ def test_answer_refuses_foreign_response_topic(broker):
     a, b = os.urandom(16), os.urandom(16)
     la, lb = link(broker, a), link(broker, b)
     try:
-        la.publish_raw(Topics(MESH).requests(b), b"x", _publish_props({}, b"c" * 16, "elsewhere/topic"))
+        la.publish_raw(Topics(MESH).requests(b, a), b"x", _publish_props({}, b"c" * 16, "elsewhere/topic"))
         m = wait_for(lb.inbound, "req", 3)
         assert m is not None and not lb.answer(m, b"a", {})
-        la.publish_raw(Topics(MESH).requests(b), b"x", _publish_props({}, None, Topics(MESH).answers(a)))
+        la.publish_raw(Topics(MESH).requests(b, a), b"x", _publish_props({}, None, Topics(MESH).answers(a, b)))
         m = wait_for(lb.inbound, "req", 3)
         assert m is not None and not lb.answer(m, b"a", {})  # no correlation data: nothing to answer
+        c = os.urandom(16)  # an answer topic that is not the requester's, or does not name us
+        for rt in (Topics(MESH).answers(c, b), Topics(MESH).answers(a, c)):
+            la.publish_raw(Topics(MESH).requests(b, a), b"x", _publish_props({}, b"c" * 16, rt))
+            m = wait_for(lb.inbound, "req", 3)
+            assert m is not None and not lb.answer(m, b"a", {})
     finally:
         la.close(); lb.close()
 
@@ -154,6 +159,16 @@ def test_broker_max_packet_size_is_honoured(tmp_path):
             assert lk.max_payload() <= 20_000 - 1024
         finally:
             lk.close()
+
+
+def test_topics_name_the_sender():
+    t = Topics(MESH)
+    a, b = os.urandom(16), os.urandom(16)
+    assert t.classify(t.requests(b, a)) == (b, "inbox/req", a)
+    assert t.classify(t.answers(a, b)) == (a, "inbox/ans", b)
+    assert t.classify(t.presence(a)) == (a, "presence", None)
+    assert t.classify(t.base(b) + "/inbox/req") is None  # an inbox topic must name its sender
+    assert t.classify(t.presence(a) + "/" + b.hex()) is None
 
 
 def test_settings_from_url():
