@@ -109,12 +109,107 @@ def cmd_record_issue(args) -> int:
             kind, value = "role", args.role
     except IdFormatError as e:
         raise Refused(str(e)) from None
+    authority = _load_authority(args.authority_key) if getattr(args, "authority_key", None) else None
     node = _open(args)
     try:
-        raw, info = issue_record(node, kind, subject, value)
+        raw, info = issue_record(node, kind, subject, value, authority=authority)
         if args.out:
             Path(args.out).write_bytes(raw)
         emit(info)
+    finally:
+        node.close()
+    return EXIT_OK
+
+
+AUTHORITY_KIND = "ssp-authority-key-v1"
+
+
+def _load_authority(path: str) -> dict:
+    try:
+        d = json.loads(Path(path).read_text())
+        if d.get("kind") != AUTHORITY_KIND:
+            raise ValueError("not an authority key file")
+        a = {"site_id": bytes.fromhex(d["site_id"]), "public_key": bytes.fromhex(d["public_key"]),
+             "secret_key": bytes.fromhex(d["secret_key"])}
+        if len(a["site_id"]) != 16 or len(a["public_key"]) != 32 or len(a["secret_key"]) != 32:
+            raise ValueError("bad lengths")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise Refused(f"--authority-key {path}: not a usable authority key file ({e})") from None
+    import nacl.signing
+    if bytes(nacl.signing.SigningKey(a["secret_key"]).verify_key) != a["public_key"]:
+        raise Refused(f"--authority-key {path}: the secret key does not match its public key")
+    return a
+
+
+def cmd_authority_create(args) -> int:
+    """A standalone mesh authority: its own site_id and Ed25519 key in a file (mode 0600), made
+    before any node exists, so its id can go into every node's manifest (`authorities` and
+    `peers`). Records are then issued from any node with `record issue-* --authority-key FILE`."""
+    import os
+    import nacl.signing
+    out = Path(args.out)
+    if out.exists():
+        raise Refused(f"{out} exists; an authority key is never overwritten")
+    if not out.parent.exists():
+        raise Refused(f"directory {out.parent} does not exist")
+    sk = nacl.signing.SigningKey.generate()
+    site = os.urandom(16)
+    pk = bytes(sk.verify_key)
+    data = {"kind": AUTHORITY_KIND, "site_id": site.hex(), "public_key": pk.hex(), "secret_key": bytes(sk).hex()}
+    fd = os.open(str(out), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(data, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    emit({"site_id": site.hex(), "public_key": pk.hex(), "file": str(out),
+          "manifest": {"authorities": [site.hex()], "peers": [{"site_id": site.hex(), "public_key": pk.hex()}]}})
+    return EXIT_OK
+
+
+def cmd_authority_add(args) -> int:
+    """Amend this node's mesh authorities (the manifest's `authorities`) after init: trust the
+    authority's key for records and list it as an authority. Run on every node of the mesh."""
+    from .store import db
+    from .sync import _txn
+    try:
+        site = parse_site_id(args.site_id, "--site-id")
+        pk = parse_public_key(args.public_key) if args.public_key else None
+    except IdFormatError as e:
+        raise Refused(str(e)) from None
+    node = _open(args)
+    try:
+        if site != node.site_id:
+            if pk is None:
+                if site not in node.keyring:
+                    raise Refused("--public-key is required for an authority this node does not know yet")
+            else:
+                node.add_peer(site, pk, None, source="authority")
+        auth = sorted({a.hex() for a in node.authorities} | {site.hex()})
+        with _txn(node.conn):
+            db.set_meta(node.conn, "authorities", json.dumps(auth))
+        node.authorities = {bytes.fromhex(a) for a in auth}
+        emit({"authorities": auth})
+    finally:
+        node.close()
+    return EXIT_OK
+
+
+def cmd_rehydrate(args) -> int:
+    from . import rehydrate
+    if bool(args.status) == bool(args.from_peer):
+        raise Refused("give --from PEER (start) or --status")
+    node = _open(args)
+    try:
+        if args.status:
+            emit(rehydrate.status(node))
+            return EXIT_OK
+        try:
+            peer = parse_site_id(args.from_peer, "--from")
+        except IdFormatError as e:
+            raise Refused(str(e)) from None
+        if peer == node.site_id:
+            raise Refused("--from is this node itself; name a peer that holds the history (a gateway)")
+        emit(rehydrate.start(node, peer))
     finally:
         node.close()
     return EXIT_OK
@@ -166,17 +261,36 @@ def register(sub, mailbox_sub) -> None:
     a.add_argument("--subject", required=True)
     a.add_argument("--public-key", required=True)
     a.add_argument("--out")
+    a.add_argument("--authority-key", help="sign with a standalone authority key file (`authority create`)")
     a.set_defaults(fn=cmd_record_issue)
     a = rs.add_parser("issue-retire", help="retire a site: its events above the cutoff are dropped")
     a.add_argument("--subject", required=True)
     a.add_argument("--retired-after", required=True, help="HLC cutoff, e.g. 1764669600000.0")
     a.add_argument("--successor", help="the replacing device's site_id")
     a.add_argument("--out")
+    a.add_argument("--authority-key", help="sign with a standalone authority key file (`authority create`)")
     a.set_defaults(fn=cmd_record_issue)
     a = rs.add_parser("issue-role", help="assign a role to a site (role layer of policy)")
     a.add_argument("--subject", required=True)
     a.add_argument("--role", required=True)
     a.add_argument("--out")
+    a.add_argument("--authority-key", help="sign with a standalone authority key file (`authority create`)")
     a.set_defaults(fn=cmd_record_issue)
     a = rs.add_parser("list", help="print the control records this node holds")
     a.set_defaults(fn=cmd_record_list)
+
+    s = sub.add_parser("authority", help="mesh authorities: standalone authority keys, amending a node's list")
+    as_ = s.add_subparsers(dest="authority_verb", metavar="ACTION")
+    as_.required = True
+    a = as_.add_parser("create", help="make a standalone authority key file and print its id for manifests")
+    a.add_argument("--out", required=True)
+    a.set_defaults(fn=cmd_authority_create)
+    a = as_.add_parser("add", help="list a site as a mesh authority on this node (and trust its key)")
+    a.add_argument("--site-id", required=True)
+    a.add_argument("--public-key")
+    a.set_defaults(fn=cmd_authority_add)
+
+    s = sub.add_parser("rehydrate", help="take history back from peers: horizons to zero, peers re-offer")
+    s.add_argument("--from", dest="from_peer", help="the peer that holds the history (e.g. a gateway)")
+    s.add_argument("--status", action="store_true", help="progress here, and what remains for peers served")
+    s.set_defaults(fn=cmd_rehydrate)

@@ -180,12 +180,12 @@ def start(node, from_peer: bytes | None, now: int | None = None) -> dict:
     """Zero this node's horizons, clear its own watermarks, issue the next rehydrate record and
     start counting what arrives. Returns the new state."""
     from firmware_bridge import EventIdentity
-    from .node import EVENT_KEY, NodeError, now_ms
+    from .node import EVENT_KEY, now_ms
     from .store import sync_state as st
     from .sync import SyncDriver, _txn
     now = now_ms() if now is None else now
-    if from_peer is not None and from_peer not in node.keyring:
-        raise NodeError(f"--from {from_peer.hex()} is not a trusted peer of this node (peer add, or a vouch record)")
+    # --from need not be trusted yet: a new device learns its peers' keys from the vouch records
+    # that arrive with the first body (records are processed before events).
     st.ensure_schema(node.conn)
     prev = node.conn.execute("SELECT generation, record_hash FROM rehydrate_records WHERE subject=? "
                              "ORDER BY generation DESC LIMIT 1", (node.site_id,)).fetchone()

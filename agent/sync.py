@@ -478,7 +478,8 @@ class _txn:
         self.conn.execute("COMMIT" if et is None else "ROLLBACK")
 
 
-def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = None) -> tuple[bytes, dict]:
+def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = None,
+                 authority: dict | None = None) -> tuple[bytes, dict]:
     """Issue a control record as this node (it must be a mesh authority), signed with its event
     key through the keystore bridge under a fresh HLC identity (persist-before-release: a crash
     never makes it sign two different records it could both have released). The record extends
@@ -487,9 +488,12 @@ def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = 
     from .core import records as rec
     from .core.cose import assemble
     from .node import EVENT_KEY, NodeError, now_ms
+    if authority is not None:
+        return _issue_with_authority_key(node, kind, subject, value, authority, now)
     if node.site_id not in node.authorities:
         raise NodeError("this node is not a mesh authority (the manifest's `authorities`); only an authority "
-                        "may issue vouch, retire and role records")
+                        "may issue vouch, retire and role records (or pass --authority-key FILE made by "
+                        "`ssp-agent authority create`)")
     if subject == node.site_id and kind != "role":
         raise NodeError("a node does not vouch for or retire itself")
     drv = SyncDriver(node)
@@ -509,6 +513,44 @@ def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = 
     if res["stored"] != 1 and res["known"] != 1:
         raise NodeError(f"the issued record did not verify here: {res}")
     return raw, {"kind": kind, "subject": subject.hex(), "generation": gen,
+                 "record_hash": rec.record_hash(raw).hex(), "previous_record_hash": prev.hex() if prev else None}
+
+
+def _chain_position(node, kind: str, subject: bytes):
+    from .node import NodeError
+    ch = resolve_chains(st.records(node.conn)).get((kind, subject))
+    if ch is not None and ch.forked:
+        raise NodeError(f"the {kind} chain of {subject.hex()} has forked; it is treated as absent until an "
+                        "operator resolves it")
+    if ch is not None and ch.head is None and ch.values:
+        raise NodeError(f"this node holds {kind} records of {subject.hex()} without their genesis; sync first")
+    return (0, None) if ch is None or ch.head is None else (ch.head.generation + 1, ch.head.record_hash)
+
+
+def _issue_with_authority_key(node, kind: str, subject: bytes, value: Any, authority: dict,
+                              now: int | None) -> tuple[bytes, dict]:
+    """Issue a record with a standalone authority key (`ssp-agent authority create`): the issuer is
+    the authority's own site_id, which this node must list as a mesh authority and whose public
+    key it must hold (manifest `authorities` + `peers`, or `ssp-agent authority add`). The key
+    never lives in a node's home; the record is stored here and travels in every body."""
+    import nacl.signing
+    from .core import records as rec
+    from .core.cose import assemble
+    from .node import NodeError, now_ms
+    issuer = authority["site_id"]
+    if issuer not in node.authorities:
+        raise NodeError(f"authority {issuer.hex()} is not a mesh authority on this node; add it with "
+                        f"`ssp-agent authority add --site-id {issuer.hex()} --public-key {authority['public_key'].hex()}`")
+    st.ensure_schema(node.conn)
+    gen, prev = _chain_position(node, kind, subject)
+    protected, payload, tbs = rec.to_be_signed(kind, issuer, node.mesh_id, subject, value, gen, prev)
+    sk = nacl.signing.SigningKey(authority["secret_key"])
+    raw = assemble(protected, payload, sk.sign(tbs).signature)
+    res = SyncDriver(node).apply_records([raw], now_ms() if now is None else now)
+    if res["stored"] != 1 and res["known"] != 1:
+        raise NodeError(f"the issued record did not verify here (is the authority's public key in this node's "
+                        f"keyring?): {res}")
+    return raw, {"kind": kind, "subject": subject.hex(), "issuer": issuer.hex(), "generation": gen,
                  "record_hash": rec.record_hash(raw).hex(), "previous_record_hash": prev.hex() if prev else None}
 
 
