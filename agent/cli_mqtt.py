@@ -3,10 +3,13 @@
 Without --broker, a private mosquitto is started on a free loopback port for the duration of
 the command (useful on a single machine and in the demo; a device normally names its gateway).
 TLS and credentials: --ca-file/--cert-file/--key-file/--username, password from
-$SSP_MQTT_PASSWORD or --password-file (never on the command line)."""
+$SSP_MQTT_PASSWORD or --password-file (never on the command line). The node's device profile
+gives the defaults: cadence, events per body, body limit, session expiry, eviction interval.
+`--secure-binding` (or SSP_MQTT_SECURE_BINDING=1) only when the broker enforces per-device ACLs."""
 from __future__ import annotations
 
-import json
+import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -15,7 +18,8 @@ from pathlib import Path
 def _add_common(s) -> None:
     s.add_argument("--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT (default: a private mosquitto "
                                     "on a free loopback port, started and stopped with this command)")
-    s.add_argument("--cadence", type=float, default=30.0, help="seconds between batch cycles (default 30)")
+    s.add_argument("--cadence", type=float, default=None,
+                   help="seconds between batch cycles (default: the device profile's cadence_s)")
     s.add_argument("--no-realtime", action="store_true", help="advertise supports_realtime: false; batch only")
     s.add_argument("--flush-cadence", type=float, default=None,
                    help="realtime pushes on this fixed cadence (seconds) instead of at production (§33.3)")
@@ -24,6 +28,11 @@ def _add_common(s) -> None:
     s.add_argument("--key-file", help="client private key for mutual TLS")
     s.add_argument("--username", help="broker username (password from $SSP_MQTT_PASSWORD or --password-file)")
     s.add_argument("--password-file", help="file holding the broker password")
+    s.add_argument("--secure-binding", action="store_true", default=None,
+                   help="treat the broker as authenticating senders: ONLY when the broker enforces per-device "
+                        "credentials and ACLs that pin inbox topics to the device (docs/mqtt.md); then received "
+                        "streams advance applied watermarks and peers' reports are used (also "
+                        "SSP_MQTT_SECURE_BINDING=1)")
     s.add_argument("--connect-timeout", type=float, default=10.0)
 
 
@@ -70,9 +79,21 @@ def _go(args, once: bool) -> int:
         print(f"ssp-agent: no --broker given; started a private mosquitto at {broker.url}", file=sys.stderr)
     node = _open(args)
     try:
-        cfg = RunConfig(cadence_s=args.cadence, realtime=not args.no_realtime, flush_cadence_s=args.flush_cadence)
+        prof = node.profile
+        secure = args.secure_binding if args.secure_binding is not None else \
+            os.environ.get("SSP_MQTT_SECURE_BINDING", "").lower() in ("1", "true", "yes")
+        cfg = RunConfig.from_profile(prof, cadence_s=args.cadence, realtime=not args.no_realtime,
+                                     flush_cadence_s=args.flush_cadence, secure=secure)
+        if once:
+            cfg.eviction_interval_s = None  # a wake-sync-sleep device runs `evict --auto` on its own timer
+        else:
+            logging.getLogger("ssp_agent.runner").setLevel(logging.INFO)  # eviction reports, refused bodies
+        settings = _settings(args)
+        settings.body_limit_bytes = int(prof.body_limit_bytes)
+        settings.session_expiry_s = int(prof.session_expiry_s)
+        settings.max_events = int(prof.batch_limit)
         try:
-            r = Runner(node, _settings(args), cfg)
+            r = Runner(node, settings, cfg)
         except TransportError as e:
             raise Fault(str(e)) from None
         if not r.start(args.connect_timeout):

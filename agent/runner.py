@@ -422,7 +422,11 @@ class Runner:
                 "bodies_pushed": s["bodies_pushed"], "bodies_received": s["bodies_received"],
                 "answers": s["answers"], "unanswered": len(self.pending),
                 "refused_bodies": s["rejected_bodies"], "secure_binding": self.cfg.secure,
-                "evictions": s["evictions"], "peers": peers}
+                "evictions": s["evictions"], "peers": peers,
+                "config": {"cadence_s": self.cfg.cadence_s, "max_events": self.max_events,
+                           "body_limit_bytes": self.settings.body_limit_bytes,
+                           "session_expiry_s": self.settings.session_expiry_s,
+                           "eviction_interval_s": self.cfg.eviction_interval_s}}
 
 
 def _adopt_private_cursors(node) -> None:

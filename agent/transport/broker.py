@@ -7,7 +7,9 @@ periodic snapshots and loses them on SIGKILL, so nothing durable ever depends on
 """
 from __future__ import annotations
 
+import base64
 import getpass
+import hashlib
 import os
 import shutil
 import signal
@@ -18,6 +20,35 @@ import time
 from pathlib import Path
 
 CANDIDATES = ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto", "/usr/bin/mosquitto")
+
+
+def password_hash(password: str, salt: bytes | None = None, iterations: int = 101) -> str:
+    """A mosquitto (2.x) password-file hash: `$7$` = PBKDF2-HMAC-SHA512, what `mosquitto_passwd`
+    writes, so no mosquitto tool is needed to provision devices."""
+    salt = salt or os.urandom(12)
+    dk = hashlib.pbkdf2_hmac("sha512", password.encode(), salt, iterations, 64)
+    return f"$7${iterations}${base64.b64encode(salt).decode()}${base64.b64encode(dk).decode()}"
+
+
+def write_password_file(path: str | Path, users: dict[str, str]) -> Path:
+    """username -> password, written as a mosquitto password file (mode 0600)."""
+    path = Path(path)
+    path.write_text("".join(f"{u}:{password_hash(pw)}\n" for u, pw in sorted(users.items())))
+    os.chmod(path, 0o600)
+    return path
+
+
+def acl_text(mesh_ids: list[bytes], prefix: str = "ssp") -> str:
+    """The per-device ACL of docs/mqtt.md (username = the device's site_id in hex, `%u`): a device
+    reads only its own inbox and everyone's presence, publishes bodies and answers only under its
+    own name (the last inbox segment), and presence only for itself."""
+    out = ["# %u is the authenticated username (the device's site_id)"]
+    for m in mesh_ids:
+        b = f"{prefix}/{m.hex()}"
+        out += [f"pattern read  {b}/%u/inbox/#", f"pattern write {b}/+/inbox/req/%u",
+                f"pattern write {b}/+/inbox/ans/%u", f"pattern write {b}/%u/presence",
+                f"pattern read  {b}/+/presence"]
+    return "\n".join(out) + "\n"
 
 
 class BrokerError(RuntimeError):
@@ -54,11 +85,16 @@ class Broker:
     `message_size_limit` caps one PUBLISH payload (the broker rejects larger ones), which is
     what a device learns as the maximum packet size; `extra_conf` is appended verbatim (ACLs,
     TLS listeners...). Persistence is on (a clean stop writes the snapshot, SIGKILL loses it).
+    `listener_conf` replaces the default loopback listener and `allow_anonymous true` (a TLS
+    listener, `allow_anonymous false` with a password file and an ACL file...); it must keep
+    the listener on `self.port`. `raw_conf` replaces every setting but logging and the user
+    (a mosquitto.conf written for production, tried out on a loopback port).
     """
 
     def __init__(self, port: int | None = None, workdir: str | Path | None = None, *,
                  message_size_limit: int | None = None, max_packet_size: int | None = None,
-                 extra_conf: str = "", persistence: bool = True, verbose: bool = False) -> None:
+                 extra_conf: str = "", persistence: bool = True, verbose: bool = False,
+                 listener_conf: str | None = None, raw_conf: str | None = None) -> None:
         self.exe = find_mosquitto()
         if self.exe is None:
             raise BrokerError("mosquitto is not installed: `apt-get install mosquitto` (Debian/Raspberry Pi OS), "
@@ -71,6 +107,8 @@ class Broker:
         self.message_size_limit = message_size_limit
         self.max_packet_size = max_packet_size
         self.extra_conf = extra_conf
+        self.listener_conf = listener_conf
+        self.raw_conf = raw_conf
         self.persistence = persistence
         self.verbose = verbose
         self.proc: subprocess.Popen | None = None
@@ -82,10 +120,16 @@ class Broker:
         return f"mqtt://{self.host}:{self.port}"
 
     def config_text(self) -> str:
-        lines = [
-            "# written by ssp-agent: a private broker for one machine (loopback only)",
-            f"listener {self.port} {self.host}",
-            "allow_anonymous true",
+        if self.raw_conf is not None:
+            lines = [self.raw_conf.strip(), f"log_dest file {self.log_path}"]
+            lines += ["log_type all"] if self.verbose else ["log_type error", "log_type warning", "log_type notice"]
+            if os.geteuid() == 0:
+                lines.append(f"user {getpass.getuser()}")
+            return "\n".join(lines) + "\n"
+        lines = ["# written by ssp-agent: a private broker for one machine (loopback only)"]
+        lines += ([f"listener {self.port} {self.host}", "allow_anonymous true"] if self.listener_conf is None
+                  else [self.listener_conf.strip()])
+        lines += [
             f"persistence {'true' if self.persistence else 'false'}",
             f"persistence_location {self.dir}/",
             "autosave_interval 1800",

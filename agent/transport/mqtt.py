@@ -369,8 +369,13 @@ class MqttLink:
                     pass
             if rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
                 self._connecting = False
+                name = rc.name if hasattr(rc, "name") else rc
                 if self.connected.is_set():
-                    self._lost(f"connection lost ({rc.name if hasattr(rc, 'name') else rc})")
+                    self._lost(f"connection lost ({name})")
+                elif not (self.last_error or "").startswith("broker refused"):
+                    # e.g. TLS 1.3: the broker checks a client certificate after the handshake
+                    self.last_error = (f"the broker at {self.s.host}:{self.s.port} closed the connection before "
+                                       f"accepting it ({name}): TLS settings, client certificate or network")
                 if not self._stop.is_set():
                     self._sleep(self._backoff.next())
         self.connected.clear()

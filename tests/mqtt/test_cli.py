@@ -2,8 +2,16 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import time
 
 from agent.cli import main
+from agent.node import Node
+from agent.transport.broker import Broker, free_port, write_password_file
 
 from .helpers import T, event_ids, make_nodes, write
 
@@ -36,3 +44,100 @@ def test_sync_once_unreachable_broker_exits_1(tmp_path, capsys):
                  "--connect-timeout", "1"]) == 1
     err = capsys.readouterr().err
     assert "broker unreachable" in err and len(err.strip().splitlines()) == 1
+
+
+def _store(home) -> sqlite3.Connection:
+    return sqlite3.connect(f"file:{home}/store.sqlite?mode=ro", uri=True, timeout=5)
+
+
+def test_run_stops_cleanly_on_sigterm_and_sync_once_resumes(tmp_path, capsys):
+    """`ssp-agent run` under username/password (a broker that refuses anonymous devices), as a
+    subprocess stopped with SIGTERM: exit 0 with its summary; a later `sync --once` offers only
+    what is new, from the durable cursor the run left."""
+    a, b = make_nodes(tmp_path, 2)
+    users = {a.site_id.hex(): "pw-a", b.site_id.hex(): "pw-b"}
+    write_password_file(tmp_path / "passwd", users)
+    port = free_port()
+    br = Broker(port=port, workdir=tmp_path / "broker", listener_conf=(
+        f"listener {port} 127.0.0.1\nallow_anonymous false\npassword_file {tmp_path / 'passwd'}")).start()
+    ha, hb = str(a.home), str(b.home)
+    for i in range(3):
+        write(b, i, "b")
+    for i in range(5):
+        write(a, i, "a")
+    a.close(); b.close()
+    (tmp_path / "pw-a").write_text("pw-a\n")
+    cred_a = ["--username", a.site_id.hex(), "--password-file", str(tmp_path / "pw-a")]
+    env = {**os.environ, "SSP_MQTT_USERNAME": b.site_id.hex(), "SSP_MQTT_PASSWORD": "pw-b"}
+    proc = None
+    try:
+        # no credentials: refused, exit 1
+        assert main(["--home", ha, "sync", "--broker", br.url, "--once", "--connect-timeout", "1"]) == 1
+        assert "broker unreachable" in capsys.readouterr().err
+        assert main(["--home", ha, "sync", "--broker", br.url, "--once", "--timeout", "1", *cred_a]) == 0
+        capsys.readouterr()  # a's session now exists at the broker
+        proc = subprocess.Popen([shutil.which("ssp-agent") or "ssp-agent", "--home", hb, "run", "--broker", br.url,
+                                 "--cadence", "0.3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 15
+        got = {}
+        while time.monotonic() < deadline:  # a wakes a few times while b runs
+            assert main(["--home", ha, "sync", "--broker", br.url, "--once", "--timeout", "2", *cred_a]) == 0
+            got = json.loads(capsys.readouterr().out)
+            with _store(hb) as c:
+                n_b = c.execute("SELECT count(*) FROM events").fetchone()[0]
+            if n_b == 8 and got["peers"][b.site_id.hex()]["unanswered"] == 0:
+                break
+        assert n_b == 8 and got["peers"][b.site_id.hex()]["present"]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=15)
+        assert proc.returncode == 0, err.decode()[-2000:]
+        summary = json.loads(out)
+        assert summary["applied"] == 5 and summary["pushed"] >= 3
+        with _store(hb) as c:
+            cur = c.execute("SELECT live FROM sync_cursors WHERE peer=? AND path='mqtt'", (a.site_id,)).fetchone()[0]
+        assert cur >= 3  # b's own three events were answered for
+        # b wakes later with two new events: only those are offered, from the cursor the run left
+        b2 = Node.open(tmp_path / "n1")
+        new = {write(b2, i, "b") for i in range(3, 5)}
+        b2.close()
+        assert main(["--home", hb, "sync", "--broker", br.url, "--once", "--timeout", "1",
+                     "--username", b.site_id.hex(), "--password-file", _pw(tmp_path, "pw-b")]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["offered"] == 2 and out["applied"] == 0
+        assert main(["--home", ha, "sync", "--broker", br.url, "--once", "--timeout", "2", *cred_a]) == 0
+        assert json.loads(capsys.readouterr().out)["applied"] == 2
+        a2 = Node.open(tmp_path / "n0")
+        assert new <= event_ids(a2)
+        a2.close()
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        br.close()
+
+
+def _pw(tmp_path, pw: str) -> str:
+    p = tmp_path / pw
+    p.write_text(pw + "\n")
+    return str(p)
+
+
+def test_profile_gives_the_defaults_and_run_evicts(broker, tmp_path, capsys):
+    from .helpers import MANIFEST, runner
+    from agent.runner import RunConfig
+    n, _ = Node.init(tmp_path / "zero", MANIFEST, profile="pi-zero-2w")
+    n.close()
+    assert main(["--home", str(tmp_path / "zero"), "sync", "--broker", broker.url, "--once", "--timeout", "0.5"]) == 0
+    cfg = json.loads(capsys.readouterr().out)["config"]
+    assert cfg == {"cadence_s": 60.0, "max_events": 250, "body_limit_bytes": 65536, "session_expiry_s": 604800,
+                   "eviction_interval_s": None}  # --once leaves eviction to `evict --auto`
+    assert RunConfig.from_profile(n.profile, cadence_s=2.0).eviction_interval_s == 900.0
+    node = Node.open(tmp_path / "zero")
+    r = runner(node, broker, eviction_interval_s=0.2)
+    try:
+        t_end = time.monotonic() + 0.7
+        while time.monotonic() < t_end:
+            r.step(0.02)
+        assert r.stats["evictions"] >= 2 and "budget" in r.last_eviction
+    finally:
+        r.close()
+        node.close()
