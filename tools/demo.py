@@ -5,7 +5,14 @@
 
 They write; node C goes offline while A and B keep writing; C comes back and catches up from
 its broker mailbox and the peers' cursors. Prints each node's table and how far each peer is
-behind, with progress while it works."""
+behind, with progress while it works.
+
+The broker is configured as docs/mqtt.md recommends: every device logs in as its site_id with
+its own password, and per-device ACLs pin the inbox topics to the device that publishes. That
+makes the binding authenticated, so the nodes run with `secure` (`--secure-binding`): streams
+advance the applied watermarks, and "behind" is measured from them (each peer's last reported
+watermarks against what a node holds). `--insecure` runs an anonymous broker instead: no
+watermark moves, and "behind" falls back to the cursors (events offered but not answered for)."""
 from __future__ import annotations
 
 import argparse
@@ -38,7 +45,11 @@ def node_main(home: Path, url: str, name: str) -> None:
     from agent.runner import RunConfig, Runner
     from agent.transport.mqtt import MqttSettings
     node = Node.open(home)
-    r = Runner(node, MqttSettings.from_url(url, backoff_min_s=0.2, backoff_max_s=2), RunConfig(cadence_s=1.0))
+    settings = MqttSettings.from_url(url, backoff_min_s=0.2, backoff_max_s=2,
+                                     username=os.environ.get("SSP_MQTT_USERNAME"),
+                                     password=os.environ.get("SSP_MQTT_PASSWORD"))
+    secure = os.environ.get("SSP_MQTT_SECURE_BINDING") == "1"
+    r = Runner(node, settings, RunConfig(cadence_s=1.0, secure=secure))
     if not r.start(10):
         print(f"{name}: broker unreachable: {r.link.last_error}", file=sys.stderr)
         sys.exit(1)
@@ -72,6 +83,32 @@ def count(home: Path) -> int:
         c.close()
 
 
+def behind(home: Path, peer: bytes, secure: bool) -> str:
+    """How far `peer` is behind the node at `home`, as that node sees it (read-only)."""
+    from agent.runner import peer_lag
+    from agent.store import sync_state as st
+    c = sqlite3.connect(f"file:{home / 'store.sqlite'}?mode=ro", uri=True, timeout=5)
+    try:
+        if secure:
+            return f"{peer_lag(c, peer)} events behind (by its reported watermarks)"
+        live = st.cursor(c, peer, "mqtt")[0]
+        n = c.execute("SELECT count(*) FROM events WHERE seq > ? AND site_id != ?", (live, peer)).fetchone()[0]
+        return f"{n} events offered but unanswered (cursor; no watermarks without --secure-binding)"
+    finally:
+        c.close()
+
+
+def coverage(home: Path, site: bytes, names: dict[bytes, str]) -> str:
+    """This node's own applied watermarks: of each origin's events held here, how many they cover."""
+    from agent.runner import own_coverage
+    c = sqlite3.connect(f"file:{home / 'store.sqlite'}?mode=ro", uri=True, timeout=5)
+    try:
+        cov = own_coverage(c, site)
+    finally:
+        c.close()
+    return ", ".join(f"{names.get(s, s.hex()[:8])} {k}/{n}" for s, (n, k) in sorted(cov.items(), key=lambda kv: names.get(kv[0], "")))
+
+
 def bar(n: int, total: int, width: int = 30) -> str:
     k = width if total == 0 else min(width, n * width // total)
     return "[" + "#" * k + "." * (width - k) + f"] {n}/{total}"
@@ -81,13 +118,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=10, help="rows each writer adds per phase")
     ap.add_argument("--keep", action="store_true", help="keep the demo directory")
+    ap.add_argument("--insecure", action="store_true",
+                    help="an anonymous broker without ACLs: the binding is not authenticated, watermarks do not move")
     ap.add_argument("node", nargs="*", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.node:
         node_main(Path(args.node[0]), args.node[1], args.node[2])
         return 0
     from agent.node import Node
-    from agent.transport.broker import Broker
+    from agent.transport.broker import Broker, acl_text, free_port, write_password_file
+    secure = not args.insecure
     root = Path(tempfile.mkdtemp(prefix="ssp-demo-"))
     os.environ.setdefault("SSP_AGENT_WITNESS_DIR", str(root / "witness"))
     names = ["A", "B", "C"]
@@ -105,12 +145,26 @@ def main() -> int:
     sites = {n: nodes[n].site_id for n in names}
     for n in names:
         nodes[n].close()
-    broker = Broker(workdir=root / "broker").start()
+    passwords = {n: os.urandom(12).hex() for n in names}
+    listener = None
+    port = free_port()
+    if secure:  # docs/mqtt.md: one login per device, ACLs pinning topics to it
+        (root / "broker").mkdir(parents=True, exist_ok=True)
+        pw = write_password_file(root / "broker" / "ssp.passwd", {sites[n].hex(): passwords[n] for n in names})
+        acl = root / "broker" / "ssp.acl"
+        acl.write_text(acl_text([bytes.fromhex(mesh)]))
+        listener = f"listener {port} 127.0.0.1\nallow_anonymous false\npassword_file {pw}\nacl_file {acl}"
+    broker = Broker(port=port, workdir=root / "broker", listener_conf=listener).start()
     print(f"demo: private mosquitto at {broker.url} (config {broker.conf_path})")
+    print("demo: " + ("per-device passwords and ACLs: the binding is authenticated (--secure-binding)" if secure else
+                      "anonymous broker: the binding is not authenticated, no watermark moves"))
     procs: dict[str, subprocess.Popen] = {}
 
     def spawn(n: str) -> None:
-        procs[n] = subprocess.Popen([sys.executable, __file__, str(homes[n]), broker.url, n], env=os.environ.copy())
+        env = os.environ.copy()
+        if secure:
+            env.update(SSP_MQTT_USERNAME=sites[n].hex(), SSP_MQTT_PASSWORD=passwords[n], SSP_MQTT_SECURE_BINDING="1")
+        procs[n] = subprocess.Popen([sys.executable, __file__, str(homes[n]), broker.url, n], env=env)
 
     def request(n: str, total: int) -> None:
         (homes[n] / "demo-write").write_text(str(total))
@@ -144,10 +198,18 @@ def main() -> int:
         ok &= wait_all(["A", "B"], 5 * args.rows, "A and B")
         print(f"   C is offline with {count(homes['C'])} of {5 * args.rows} events; "
               "its bodies wait at the broker and in A's and B's cursors")
+        time.sleep(1.5)  # a batch cycle or so: A's view of C settles
+        print(f"   as A sees it: B is {behind(homes['A'], sites['B'], secure)}; C is {behind(homes['A'], sites['C'], secure)}")
         print("\n3. C comes back and catches up")
         spawn("C")
         ok &= wait_all(["C"], 5 * args.rows, "C catching up")
-        time.sleep(2.5)  # a couple of batch cycles: answers settle the cursors
+        # a couple of batch cycles: answers settle the cursors and carry the peers' watermarks
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 15:
+            lag = {(n, m): behind(homes[n], sites[m], secure) for n in names for m in names if n != m}
+            if all(v.startswith("0 ") for v in lag.values()) and time.monotonic() - t0 > 2:
+                break
+            time.sleep(0.5)
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -160,16 +222,17 @@ def main() -> int:
         broker.close()
 
     print("\n4. the result")
-    from agent.runner import SyncPort
     dumps = {}
+    by_site = {sites[n]: n for n in names}
     for n in names:
         node = Node.open(homes[n])
         dumps[n] = node.dump()
         rows = dumps[n]["farm.readings"]
-        port = SyncPort(node)
-        behind = ", ".join(f"{m} is {port.backlog(sites[m])} events behind"
-                           for m in names if m != n)
-        print(f"\nnode {n} ({sites[n].hex()[:8]}): {len(rows)} rows; as {n} sees it: {behind}")
+        print(f"\nnode {n} ({sites[n].hex()[:8]}): {len(rows)} rows")
+        for m in names:
+            if m != n:
+                print(f"   as {n} sees it, {m} is {behind(homes[n], sites[m], secure)}")
+        print(f"   {n}'s own applied watermarks cover, per origin: {coverage(homes[n], sites[n], by_site)} events held")
         by = {}
         for r in rows:
             by.setdefault(r["key"]["sensor"], []).append(r)
