@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
-    if not args.home:
+    if not args.home and not getattr(args, "home_optional", False):
         print("ssp-agent: --home DIR is required (or set SSP_AGENT_HOME)", file=sys.stderr)
         return EXIT_REFUSED
     from .node import NodeError

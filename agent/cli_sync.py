@@ -284,7 +284,7 @@ def register(sub, mailbox_sub) -> None:
     as_.required = True
     a = as_.add_parser("create", help="make a standalone authority key file and print its id for manifests")
     a.add_argument("--out", required=True)
-    a.set_defaults(fn=cmd_authority_create)
+    a.set_defaults(fn=cmd_authority_create, home_optional=True)
     a = as_.add_parser("add", help="list a site as a mesh authority on this node (and trust its key)")
     a.add_argument("--site-id", required=True)
     a.add_argument("--public-key")
