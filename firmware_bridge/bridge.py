@@ -48,7 +48,8 @@ def _unknown_message(identity: Identity) -> str:
                 "between intent and persist). Under SOVM §22.5 clause 2 this pair counts as already signed and "
                 "will never be re-signed: the sequencer must take the §22.6 'epoch advanced, receipt absent' "
                 "path (record and surface a receipt-chain discontinuity, chain forward).")
-    return (f"{identity}: a signing intent was recorded but no event was persisted. This HLC is spent: tick "
+    return (f"{identity}: a signing intent was recorded but no event was persisted, or the journal was compacted "
+            "past it (then its output, if any, was recorded by the agent). This HLC is spent: tick "
             "the HLC above bridge.max_event_hlc(site_id) and sign a new event (wire-profile.md §2); "
             "never re-sign this one.")
 
@@ -89,15 +90,33 @@ class SigningBridge:
     def iter_released(self) -> Iterator[tuple[Identity, bytes]]:
         """Every persisted output, in persist order: after a crash between release and apply, the
         agent re-applies the ones its store lacks (docs/keystore.md, local event production)."""
-        for ident, loc in self._journal.released_items():
-            yield decode_identity(ident), self._journal.read_at(loc)
+        for ident, _loc in self._journal.released_items():
+            out = self._journal.read_released(ident)   # by identity: a compaction may move it
+            if out is not None:
+                yield decode_identity(ident), out
+
+    def compact_events(self, recorded: Callable[[EventIdentity], bool]) -> dict[str, int]:
+        """Compact the journal (docs/keystore.md "Compaction"): drop every released event for which
+        ``recorded(identity)`` is true — the caller promises its exact bytes are durable elsewhere
+        (the agent: in its event log) — and every event intent without output (spent), leaving one
+        FLOOR per site at the highest HLC ever intended. Receipts are kept in full. Afterwards an
+        event identity at or below its site's floor that the journal no longer holds is spent:
+        ``release`` raises ``OutcomeUnknown`` for it and never signs it. Returns counts."""
+        def busy() -> set:
+            with self._lock:
+                return set(self._inflight)
+        return self._journal.compact_events(recorded, busy)
+
+    def journal_stats(self) -> dict[str, int]:
+        """{"bytes", "entries", "fsyncs", "compactions"}: when to compact."""
+        return self._journal.stats()
 
     def status(self, identity: Identity) -> Status:
         ident = self._ident(identity)
         with self._lock:
             if ident in self._inflight:
                 return Status.IN_FLIGHT
-        return {"absent": Status.ABSENT, "intent": Status.OUTCOME_UNKNOWN,
+        return {"absent": Status.ABSENT, "intent": Status.OUTCOME_UNKNOWN, "spent": Status.OUTCOME_UNKNOWN,
                 "released": Status.RELEASED}[self._journal.state(ident)]
 
     def max_event_hlc(self, site_id: bytes) -> Optional[tuple[int, int]]:
@@ -163,7 +182,7 @@ class SigningBridge:
                     if not busy:
                         for k, ident in enumerate(idents):
                             state = self._journal.state(ident)
-                            if state == "intent":
+                            if state in ("intent", "spent"):
                                 raise OutcomeUnknown(_unknown_message(items[k][0]), items[k][0])
                             if state == "absent":
                                 todo.append(k)
@@ -178,7 +197,8 @@ class SigningBridge:
             for k, ident in enumerate(idents):
                 if k not in todo_set:
                     out = self._journal.read_released(ident)
-                    assert out is not None
+                    if out is None:   # compacted away since the look-up: spent (the caller holds it)
+                        raise OutcomeUnknown(_unknown_message(items[k][0]), items[k][0])
                     results[ident] = out  # §22.5 cl. 1: re-transmit exactly the persisted bytes
             if todo:
                 self._sign_and_persist(items, idents, todo, results)

@@ -7,6 +7,9 @@ File layout (all integers big-endian), documented in docs/keystore.md "Journal f
     body    = type (u8) | ident_len (u16) | ident (identity.encode()) | rest
       type 1 INTENT:   rest = key_name_len (u8) | key_name (utf-8)
       type 2 RELEASED: rest = cose_len (u32) | exact COSE_Sign1 bytes
+      type 3 FLOOR:    rest = (empty); ident is an event identity (site_id, HLC): every event
+                       identity of that site at or below that HLC that the journal does not hold
+                       is spent (written by compaction, see ``compact_events``)
 
 A record is durable once the fsync that follows its write has returned.  Writers append through
 ``commit``; concurrent callers share one write+fsync (leader/follower group commit): the first
@@ -18,12 +21,19 @@ were never covered by a completed fsync, hence never acted upon (no signature wa
 intent that was not durable, no bytes released before their record was durable); it is
 truncated.  After an fsync failure the journal is poisoned and refuses all further work
 ("fsyncgate": the page cache state after a failed fsync is unknown).
+
+Compaction (``compact_events``) rewrites the file atomically (new file, fsync, rename, fsync of
+the directory): receipts are kept in full; events are kept only when their output is not yet
+recorded elsewhere by the caller (or their signing is in flight); everything else is replaced by
+one FLOOR record per site.  A crash at any point leaves either the old or the new file, and both
+answer every question the same way for every identity the caller still needs.
 """
 from __future__ import annotations
 
 import fcntl
 import os
 import struct
+import sys
 import threading
 import zlib
 from typing import Callable, Iterable, Optional
@@ -35,6 +45,7 @@ from .identity import EventIdentity, ReceiptIdentity, decode_identity
 MAGIC = b"SSPJRNL1"
 INTENT = 1
 RELEASED = 2
+FLOOR = 3
 _HDR = struct.Struct(">II")
 MAX_RECORD = 1 << 24
 
@@ -56,6 +67,9 @@ class FileOps:
     def fsync_dir(self, path: str) -> None:
         fsync_dir(path)
 
+    def replace(self, src: str, dst: str) -> None:
+        os.replace(src, dst)
+
 
 def encode_intent(ident: bytes, key_name: str) -> bytes:
     kn = key_name.encode()
@@ -65,6 +79,11 @@ def encode_intent(ident: bytes, key_name: str) -> bytes:
 
 def encode_released(ident: bytes, cose: bytes) -> bytes:
     body = bytes([RELEASED]) + struct.pack(">H", len(ident)) + ident + struct.pack(">I", len(cose)) + cose
+    return _HDR.pack(len(body), zlib.crc32(body)) + body
+
+
+def encode_floor(ident: bytes) -> bytes:
+    body = bytes([FLOOR]) + struct.pack(">H", len(ident)) + ident
     return _HDR.pack(len(body), zlib.crc32(body)) + body
 
 
@@ -84,6 +103,10 @@ def _parse_body(body: bytes) -> tuple[int, bytes, int, int]:
         if pos + 4 + clen != len(body):
             raise ValueError("released length mismatch")
         return rtype, ident, pos + 4, clen
+    if rtype == FLOOR:
+        if pos != len(body) or ilen != 29 or ident[:1] != b"E":
+            raise ValueError("floor record malformed")
+        return rtype, ident, pos, 0
     raise ValueError("unknown record type")
 
 
@@ -100,15 +123,23 @@ class Journal:
         self._index: dict[bytes, Optional[tuple[int, int]]] = {}
         self._max_hlc: dict[bytes, tuple[int, int]] = {}
         self._max_epoch: dict[bytes, int] = {}
+        self._floor: dict[bytes, tuple[int, int]] = {}   # site_id -> HLC floor (FLOOR records)
+        self._key_of: dict[bytes, str] = {}   # ident -> key name of its intent (interned)
         self._pending = bytearray()
-        self._pending_effects: list[tuple[bytes, Optional[tuple[int, int]]]] = []
+        # (tagged ident, record length, payload length or None, key name or None) of queued records
+        self._pending_effects: list[tuple[bytes, int, Optional[int], Optional[str]]] = []
         self._seq = 0          # last sequence number handed out
         self._durable = 0      # last sequence number covered by a completed fsync
-        self._flushing = False
+        self._flushing = False  # a leader (or a compaction) owns the file
         self._failed: Optional[BaseException] = None
         self.truncated_bytes = 0
         self.fsyncs = 0
+        self.compactions = 0
         self._fd = self._open()
+
+    @property
+    def tmp_path(self) -> str:
+        return self.path + ".compact"
 
     # -- opening and recovery -------------------------------------------------------------
     def _open(self) -> int:
@@ -125,6 +156,11 @@ class Journal:
             os.close(fd)
             raise JournalError(f"journal {self.path} is in use by another process; only one bridge may "
                                "own a journal (stop the other agent first)") from None
+        try:
+            # a compaction that crashed before its rename: the old file is the journal
+            os.unlink(self.tmp_path)
+        except FileNotFoundError:
+            pass
         size = os.fstat(fd).st_size
         if size < len(MAGIC):
             # new (or torn-at-creation) file: write the header, fsync it and its directory
@@ -151,7 +187,8 @@ class Journal:
                 break
             try:
                 rtype, ident, off, ln = _parse_body(body)
-                self._apply(rtype, ident, (start + off, ln) if rtype == RELEASED else None)
+                self._apply(rtype, ident, (start + off, ln) if rtype == RELEASED else None,
+                            body[off:off + ln].decode() if rtype == INTENT else None)
             except (ValueError, IndexError, struct.error):
                 break
             pos = start + blen
@@ -163,9 +200,10 @@ class Journal:
         self._tail = pos
         return fd
 
-    def _apply(self, rtype: int, ident: bytes, loc: Optional[tuple[int, int]]) -> None:
+    def _apply(self, rtype: int, ident: bytes, loc: Optional[tuple[int, int]], key: Optional[str] = None) -> None:
         if rtype == INTENT:
             self._index.setdefault(ident, None)
+            self._key_of.setdefault(ident, sys.intern(key or ""))
             identity = decode_identity(ident)
             if isinstance(identity, EventIdentity):
                 cur = self._max_hlc.get(identity.site_id)
@@ -175,6 +213,13 @@ class Journal:
                 cur_e = self._max_epoch.get(identity.group_id)
                 if cur_e is None or identity.epoch > cur_e:
                     self._max_epoch[identity.group_id] = identity.epoch
+        elif rtype == FLOOR:
+            identity = decode_identity(ident)
+            assert isinstance(identity, EventIdentity)
+            for table in (self._floor, self._max_hlc):
+                cur = table.get(identity.site_id)
+                if cur is None or identity.hlc > cur:
+                    table[identity.site_id] = identity.hlc
         else:
             if self._index.get(ident) is not None:
                 raise ValueError("second released record for one identity")
@@ -188,13 +233,13 @@ class Journal:
             for rtype, ident, arg in records:
                 if rtype == INTENT:
                     rec = encode_intent(ident, arg)  # type: ignore[arg-type]
-                    loc = None
+                    plen = None
                 else:
                     rec = encode_released(ident, arg)  # type: ignore[arg-type]
-                    loc = (self._tail + len(rec) - len(arg), len(arg))  # type: ignore[arg-type]
-                self._tail += len(rec)   # logical end: durable + in flight + queued
+                    plen = len(arg)  # type: ignore[arg-type]
                 self._pending += rec
-                self._pending_effects.append((bytes([rtype]) + ident, loc))
+                self._pending_effects.append((bytes([rtype]) + ident, len(rec), plen,
+                                              arg if rtype == INTENT else None))
             self._seq += 1
             my_seq = self._seq
             while True:
@@ -207,10 +252,17 @@ class Journal:
             # become the leader for everything queued so far
             self._flushing = True
             buf = bytes(self._pending)
-            effects = self._pending_effects
+            pending = self._pending_effects
             upto = self._seq
             self._pending = bytearray()
             self._pending_effects = []
+            # offsets are fixed here, by the leader, against the file it is about to append to
+            # (a compaction between queueing and flushing changes the file)
+            effects = []
+            pos = self._tail
+            for tagged, rlen, plen, key in pending:
+                effects.append((tagged, None if plen is None else (pos + rlen - plen, plen), key))
+                pos += rlen
         try:
             self._write(buf)
             if self._hook:
@@ -225,9 +277,10 @@ class Journal:
                                "Check the disk, then restart the agent: anything not durable was not released") from exc
         with self._cond:
             self.fsyncs += 1
+            self._tail = pos
             try:
-                for tagged, loc in effects:
-                    self._apply(tagged[0], tagged[1:], loc)
+                for tagged, loc, key in effects:
+                    self._apply(tagged[0], tagged[1:], loc, key)
             except (ValueError, IndexError) as exc:  # the index disagrees with the file: stop
                 self._failed = exc
                 raise JournalError(f"journal index inconsistent ({exc}); restart the agent") from exc
@@ -252,13 +305,124 @@ class Journal:
         if self._fd < 0:
             raise JournalError("journal is closed")
 
+    # -- compaction ---------------------------------------------------------------------------
+    def compact_events(self, recorded: Callable[[EventIdentity], bool],
+                       in_flight: Callable[[], set] = set) -> dict[str, int]:
+        """Rewrite the journal without the events the caller has durably recorded elsewhere.
+
+        Kept: every receipt record; every event whose output is released and not ``recorded``;
+        every event intent in ``in_flight()`` (being signed now: its output is about to be
+        persisted).  Dropped: released events for which ``recorded(identity)`` is true, and event
+        intents without output (unknown outcomes, already spent).  Added: one FLOOR per site at
+        the highest event HLC ever intended, so every dropped identity stays spent.
+
+        The new file is written beside the journal, fsynced, renamed over it, and the directory
+        fsynced; commits wait meanwhile (they queue and share the next fsync afterwards).  A
+        crash before the rename leaves the old journal (the stale file is deleted on open); after
+        it, the new one.  ``recorded`` is called without the journal lock held."""
+        with self._cond:
+            self._check()
+            while self._flushing or self._pending_effects:   # queued commits go first
+                self._cond.wait()
+                self._check()
+            self._flushing = True          # no leader may append while we rewrite
+            entries = list(self._index.items())
+            key_of = self._key_of
+            floors = dict(self._max_hlc)
+            old_fd, old_size = self._fd, self._tail
+        new_fd = -1
+        renamed = False
+        try:
+            busy = in_flight()
+            out = bytearray(MAGIC)
+            new_index: dict[bytes, Optional[tuple[int, int]]] = {}
+            new_keys: dict[bytes, str] = {}
+            for site, hlc in sorted(floors.items()):
+                out += encode_floor(EventIdentity(site, *hlc).encode())
+            dropped = 0
+            for ident, loc in entries:
+                if ident[:1] == b"E":
+                    keep = (ident in busy) if loc is None else not recorded(decode_identity(ident))  # type: ignore[arg-type]
+                    if not keep:
+                        dropped += 1
+                        continue
+                new_keys[ident] = key_of.get(ident, "")
+                out += encode_intent(ident, key_of.get(ident, ""))
+                if loc is None:
+                    new_index[ident] = None
+                    continue
+                cose = os.pread(old_fd, loc[1], loc[0])
+                if len(cose) != loc[1]:
+                    raise JournalError(f"journal {self.path}: short read during compaction")
+                rec = encode_released(ident, cose)
+                new_index[ident] = (len(out) + len(rec) - len(cose), len(cose))
+                out += rec
+            tmp = self.tmp_path
+            new_fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+            fcntl.flock(new_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held across the rename
+            half = len(out) // 2
+            self._ops.write(new_fd, bytes(out[:half]))
+            self._fire("compact_torn_write")
+            self._ops.write(new_fd, bytes(out[half:]))
+            self._fire("compact_before_fsync")
+            self._ops.fsync(new_fd)
+            self._fire("compact_before_rename")
+            self._ops.replace(tmp, self.path)
+            renamed = True
+            self._fire("compact_after_rename")
+            self._ops.fsync_dir(os.path.dirname(self.path))
+            self._fire("compact_after_dirsync")
+        except BaseException as exc:
+            with self._cond:
+                if renamed:
+                    # the name may point at either file: stop, the next open decides
+                    self._failed = exc
+                self._flushing = False
+                self._cond.notify_all()
+            if new_fd >= 0:
+                os.close(new_fd)
+            if not renamed:
+                try:
+                    os.unlink(self.tmp_path)
+                except OSError:
+                    pass
+            if isinstance(exc, JournalError):
+                raise
+            raise JournalError(f"journal compaction failed ({exc!r}); " +
+                               ("restart the agent" if renamed else "the journal is unchanged")) from exc
+        with self._cond:
+            self._fd = new_fd
+            os.close(old_fd)
+            self._index = new_index
+            self._key_of = new_keys
+            self._floor = floors
+            self._tail = len(out)
+            self.compactions += 1
+            self._flushing = False
+            self._cond.notify_all()
+        return {"events_dropped": dropped, "entries_kept": len(new_index), "bytes_before": old_size,
+                "bytes_after": len(out)}
+
+    def _fire(self, point: str) -> None:
+        if self._hook:
+            self._hook(point)
+
     # -- queries ------------------------------------------------------------------------------
-    def state(self, ident: bytes) -> str:
-        """"absent", "intent" (durable intent, no durable output) or "released"."""
-        with self._lock:
-            if ident not in self._index:
-                return "absent"
+    def _state_locked(self, ident: bytes) -> str:
+        if ident in self._index:
             return "intent" if self._index[ident] is None else "released"
+        if ident[:1] == b"E" and len(ident) == 29:
+            floor = self._floor.get(ident[1:17])
+            if floor is not None and struct.unpack(">QI", ident[17:29]) <= floor:
+                return "spent"
+        return "absent"
+
+    def state(self, ident: bytes) -> str:
+        """"absent", "intent" (durable intent, no durable output), "released", or "spent" (an
+        event identity at or below its site's compaction floor that the journal no longer holds:
+        recorded by the caller, or an unknown outcome; never to be signed)."""
+        with self._lock:
+            return self._state_locked(ident)
 
     def read_released(self, ident: bytes) -> Optional[bytes]:
         with self._lock:
@@ -269,7 +433,8 @@ class Journal:
             return os.pread(self._fd, loc[1], loc[0])
 
     def released_items(self) -> list[tuple[bytes, tuple[int, int]]]:
-        """[(ident, (offset, length))] of every durable output, in journal (= persist) order."""
+        """[(ident, (offset, length))] of every durable output, in journal (= persist) order.
+        Offsets are only valid until the next compaction: read through ``read_released``."""
         with self._lock:
             items = [(i, loc) for i, loc in self._index.items() if loc is not None]
         return sorted(items, key=lambda x: x[1][0])
@@ -287,8 +452,15 @@ class Journal:
         with self._lock:
             return self._max_epoch.get(group_id)
 
-    def close(self) -> None:
+    def stats(self) -> dict[str, int]:
         with self._lock:
+            return {"bytes": self._tail, "entries": len(self._index), "fsyncs": self.fsyncs,
+                    "compactions": self.compactions}
+
+    def close(self) -> None:
+        with self._cond:
+            while self._flushing:   # let a running flush or compaction finish with its fd
+                self._cond.wait()
             if self._fd >= 0:
                 os.close(self._fd)  # closing drops the flock
                 self._fd = -1

@@ -49,7 +49,8 @@ def cose_parts(cose: bytes) -> tuple[bytes, bytes, bytes]:
 
 
 def parse_journal(path: str) -> list[tuple[int, bytes, bytes]]:
-    """[(type, ident, key_name-or-cose)] of every complete, CRC-valid record (docs/keystore.md)."""
+    """[(type, ident, key_name-or-cose-or-b"")] of every complete, CRC-valid record (docs/keystore.md):
+    type 1 INTENT, 2 RELEASED, 3 FLOOR."""
     with open(path, "rb") as f:
         data = f.read()
     assert data[:8] == b"SSPJRNL1", "bad journal magic"
@@ -65,6 +66,8 @@ def parse_journal(path: str) -> list[tuple[int, bytes, bytes]]:
         rest = body[3 + ilen:]
         if rtype == 1:
             out.append((1, ident, rest[1:1 + rest[0]]))
+        elif rtype == 3:   # FLOOR: ident is (site_id, HLC); rest is empty
+            out.append((3, ident, b""))
         else:
             (clen,) = struct.unpack_from(">I", rest, 0)
             out.append((2, ident, rest[4:4 + clen]))

@@ -50,6 +50,9 @@ class Checker:
     unknown: set = field(default_factory=set)      # idents the bridge refused as OutcomeUnknown
     journal_unknown: set = field(default_factory=set)  # intent without output, read from the journal
     retransmits: int = 0
+    recorded_path: str | None = None               # compaction mode: the producer's durable record
+    floors: dict = field(default_factory=dict)     # site_id -> highest FLOOR seen in the journal
+    compacted: int = 0                             # released outputs found only in the record
 
     def feed(self, lines: list[str]) -> None:
         for line in lines:
@@ -64,6 +67,10 @@ class Checker:
                 _require(ident not in self.unknown, f"{decode_identity(ident)} released after being refused")
                 _require(ident not in self.journal_unknown,
                          f"{decode_identity(ident)} signed and released after an unknown-outcome crash")
+                if ident not in self.seen and ident[:1] == b"E":
+                    idy = decode_identity(ident)
+                    fl = self.floors.get(idy.site_id)
+                    _require(fl is None or idy.hlc > fl, f"{idy} signed at or below its compaction floor {fl}")
                 if ident in self.seen:
                     _require(self.seen[ident] == out, f"{decode_identity(ident)} has two different signed outputs")
                     self.retransmits += 1
@@ -89,6 +96,12 @@ class Checker:
     def check_durable(self, journal_path: str | None = None) -> None:
         recs = parse_journal(journal_path or self.journal)
         intents = {ident for t, ident, _ in recs if t == 1}
+        for t, ident, _ in recs:
+            if t == 3:
+                fl = decode_identity(ident)
+                _require(fl.hlc >= self.floors.get(fl.site_id, (0, 0)), "a compaction floor moved down")
+                self.floors[fl.site_id] = fl.hlc
+        record = read_record(self.recorded_path) if self.recorded_path else {}
         released: dict = {}
         for t, ident, data in recs:
             if t == 2:
@@ -96,6 +109,14 @@ class Checker:
                 _require(ident in intents, f"{decode_identity(ident)}: persisted without a prior intent")
                 released[ident] = data
         for ident, out in self.seen.items():
+            if ident not in released and ident in record:
+                # compacted away: the producer acknowledged it as recorded; it must be spent
+                _require(record[ident] == out, f"{decode_identity(ident)}: recorded bytes differ from released")
+                idy = decode_identity(ident)
+                _require(idy.hlc <= self.floors.get(idy.site_id, (-1, -1)),
+                         f"{idy}: dropped from the journal without a floor covering it")
+                self.compacted += 1
+                continue
             _require(released.get(ident) == out,
                      f"{decode_identity(ident)}: released output not durable with identical bytes")
         for ident in self.unknown:
@@ -105,11 +126,25 @@ class Checker:
         _require(len(hlcs) == len(set(hlcs)), "one HLC persisted under two identities")
 
 
-def new_state(path: str) -> Checker:
+def read_record(path: str) -> dict:
+    """The producer's durable record (compaction mode): lines "<ident hex> <cose hex>", fsynced;
+    a torn last line was never acknowledged."""
+    out: dict = {}
+    if not os.path.exists(path):
+        return out
+    with open(path) as f:
+        for line in f.read().split("\n")[:-1]:
+            ih, oh = line.split()
+            out[bytes.fromhex(ih)] = bytes.fromhex(oh)
+    return out
+
+
+def new_state(path: str, compact: int = 0) -> Checker:
     ks = RandomNonceSoftwareKeystore(os.path.join(path, "keys"))
     ed = ks.generate_key("site", "ed25519")
     p = ks.generate_key("seq", "p256")
-    return Checker(os.path.join(path, "journal"), ed, p)
+    return Checker(os.path.join(path, "journal"), ed, p,
+                   recorded_path=os.path.join(path, "recorded") if compact else None)
 
 
 @dataclass
@@ -121,13 +156,14 @@ class RunResult:
 
 def run_producer(state: str, *, remaining: int, mode: str = "event", batch: int = 1, crash: str | None = None,
                  kill_after: float | None = None, unsafe: str = "", start_value: int = 0,
-                 timeout: float = 60.0) -> RunResult:
+                 timeout: float = 60.0, compact: int = 0) -> RunResult:
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONDONTWRITEBYTECODE="1")
     env.pop("BRIDGE_CRASH", None)
     if crash:
         env["BRIDGE_CRASH"] = crash
     cmd = [sys.executable, PRODUCER, "--state", state, "--mode", mode, "--remaining", str(remaining),
-           "--batch", str(batch), "--start-value", str(start_value)] + (["--unsafe", unsafe] if unsafe else [])
+           "--batch", str(batch), "--start-value", str(start_value), "--compact", str(compact)] + \
+        (["--unsafe", unsafe] if unsafe else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     lines: list = []
     ready = threading.Event()
@@ -166,10 +202,10 @@ def run_producer(state: str, *, remaining: int, mode: str = "event", batch: int 
 
 
 def drive_chain(state: str, schedule: list, *, mode: str = "event", batch: int = 1, total: int = 1000,
-                unsafe: str = "") -> tuple[Checker, int]:
+                unsafe: str = "", compact: int = 0) -> tuple[Checker, int]:
     """Run the producer through ``schedule`` (each entry "point:hit" or a float delay), checking after
     every restart, then to completion.  Returns (checker, number of SIGKILLs delivered)."""
-    checker = new_state(state)
+    checker = new_state(state, compact)
     kills = 0
     for step in schedule + [None]:
         remaining = total - len(checker.seen)
@@ -177,7 +213,7 @@ def drive_chain(state: str, schedule: list, *, mode: str = "event", batch: int =
             continue
         res = run_producer(state, remaining=max(remaining, 0), mode=mode, batch=batch, unsafe=unsafe,
                            start_value=len(checker.seen) * 7,
-                           crash=step if isinstance(step, str) else None,
+                           crash=step if isinstance(step, str) else None, compact=compact,
                            kill_after=step if isinstance(step, float) else None)
         kills += res.killed
         if isinstance(step, str):

@@ -10,7 +10,15 @@ flushed, *before* anything else sees it; the parent is the independent checker. 
 
 Crash points: env BRIDGE_CRASH="point:hit" SIGKILLs this process at the hit-th time the named
 point is reached (bridge points: after_intent, after_sign, before_persist, after_persist,
-journal_torn_write, journal_before_fsync; producer points: after_print, after_pending).
+journal_torn_write, journal_before_fsync, compact_torn_write, compact_before_fsync,
+compact_before_rename, compact_after_rename, compact_after_dirsync; producer points: after_print,
+after_pending, after_record).
+
+Compaction mode (--compact N, events): the producer also keeps a durable *record* of released
+outputs (file "recorded", one fsynced line each, like the agent's event log), one batch behind
+(so a compaction always meets released-but-unrecorded outputs). On start it records whatever the
+journal released that the record lacks (the agent's recovery) and compacts; then every N batches
+it compacts with recorded = "in the record".
 """
 from __future__ import annotations
 
@@ -88,19 +96,60 @@ def make_bridge(args: argparse.Namespace) -> SigningBridge:
     return SigningBridge(ks, os.path.join(args.state, "journal"), fault_hook=hook)
 
 
-def release_and_print(bridge: SigningBridge, items: list) -> None:
-    for (ident, *_), out in zip(items, bridge.release_many(items)):
+def release_and_print(bridge: SigningBridge, items: list) -> list:
+    outs = bridge.release_many(items)
+    for (ident, *_), out in zip(items, outs):
         emit(f"REL {ident.encode().hex()} {out.hex()}")
         hook("after_print")
+    return outs
+
+
+class Record:
+    """The producer's durable record of released outputs (what the agent's log is to the node)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.have: dict[bytes, bytes] = {}
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                data = f.read()
+            good = data[:data.rfind(b"\n") + 1]          # a torn last line was never acknowledged
+            for line in good.decode().split("\n")[:-1]:
+                ih, oh = line.split()
+                self.have[bytes.fromhex(ih)] = bytes.fromhex(oh)
+            if len(good) != len(data):
+                with open(path, "r+b") as f:
+                    f.truncate(len(good))
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def add(self, pairs: list) -> None:
+        pairs = [(i, o) for i, o in pairs if i not in self.have]
+        if not pairs:
+            return
+        os.write(self.fd, "".join(f"{i.hex()} {o.hex()}\n" for i, o in pairs).encode())
+        os.fsync(self.fd)
+        for i, o in pairs:
+            self.have[i] = o
+        hook("after_record")
+
+    def recorded(self, identity) -> bool:
+        return identity.encode() in self.have
 
 
 def events(args: argparse.Namespace, bridge: SigningBridge) -> None:
     pending_path = os.path.join(args.state, "pending.json")
+    record = Record(os.path.join(args.state, "recorded")) if args.compact else None
+    if record is not None:
+        # the agent's recovery: record released outputs the record lacks, then compact
+        record.add([(i.encode(), o) for i, o in bridge.iter_released()])
+        bridge.compact_events(record.recorded)
     # 1. retry whatever was in flight when we last died: persisted -> exact bytes, else refusal
     if os.path.exists(pending_path):
         with open(pending_path) as f:
             pending = json.load(f)
         for p, l, v in pending:
+            if record is not None and EventIdentity(SITE, p, l).encode() in record.have:
+                continue   # recorded (and possibly compacted): nothing to retry
             prot, pay = event_protected(SITE), event_payload(p, l, v)
             item = (EventIdentity(SITE, p, l), "site", sig_structure(prot, pay), assembler(prot, pay))
             try:
@@ -110,7 +159,14 @@ def events(args: argparse.Namespace, bridge: SigningBridge) -> None:
     # 2. resume the clock above everything ever intended, then produce the remaining writes
     clock = DurableHlc(os.path.join(args.state, "hlc"), bridge.max_event_hlc(SITE))
     done, value = 0, args.start_value
+    behind: list = []
+    batches = 0
     while done < args.remaining:
+        if record is not None:
+            batches += 1
+            if batches % args.compact == 0:   # the last batch is released, not yet recorded
+                bridge.compact_events(record.recorded)
+            record.add(behind)   # one batch behind, like an apply queue
         n = min(args.batch, args.remaining - done)
         batch = [(*clock.tick(), value + k) for k in range(n)]
         atomic_write(pending_path, json.dumps(batch).encode())
@@ -119,9 +175,12 @@ def events(args: argparse.Namespace, bridge: SigningBridge) -> None:
         for p, l, v in batch:
             prot, pay = event_protected(SITE), event_payload(p, l, v)
             items.append((EventIdentity(SITE, p, l), "site", sig_structure(prot, pay), assembler(prot, pay)))
-        release_and_print(bridge, items)
+        outs = release_and_print(bridge, items)
+        behind = [(i[0].encode(), o) for i, o in zip(items, outs)]
         done += n
         value += n
+    if record is not None:
+        record.add(behind)
 
 
 def receipts(args: argparse.Namespace, bridge: SigningBridge) -> None:
@@ -174,6 +233,7 @@ def main() -> None:
     ap.add_argument("--remaining", type=int, required=True)
     ap.add_argument("--start-value", type=int, default=0)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--compact", type=int, default=0, help="events: compact every N batches (0: never)")
     ap.add_argument("--unsafe", default="", help="test-only bridge class from unsafe_bridge.py")
     args = ap.parse_args()
     bridge = make_bridge(args)

@@ -48,3 +48,11 @@ class ResigningBridge(SigningBridge):
         super().__init__(*a, **kw)
         real = self._journal.state
         self._journal.state = lambda ident: "absent" if real(ident) == "intent" else real(ident)
+
+
+class CompactAllBridge(SigningBridge):
+    """NEGATIVE CONTROL ONLY: compaction that ignores what the caller has recorded and drops every
+    released event — a crash before the caller records the last outputs loses them."""
+
+    def compact_events(self, recorded):
+        return super().compact_events(lambda identity: True)

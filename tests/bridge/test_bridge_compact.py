@@ -1,0 +1,157 @@
+"""Journal compaction (docs/keystore.md "Compaction"): receipts kept in full, released events the
+caller has recorded replaced by a per-site FLOOR, identities at or below it spent for ever."""
+import os
+import threading
+import time
+
+import pytest
+
+from firmware_bridge import EventIdentity, OutcomeUnknown, ReceiptIdentity, SigningBridge, Status, open_keystore
+
+from bridge_helpers import (assembler, event_payload, event_protected, parse_journal, receipt_payload,
+                            receipt_protected, sig_structure)
+
+SITE = bytes.fromhex("00112233445566778899aabbccddeeff")
+OTHER = bytes.fromhex("ffeeddccbbaa99887766554433221100")
+GROUP = b"group-0001"
+
+
+@pytest.fixture
+def env(tmp_path):
+    ks = open_keystore({"kind": "software", "dir": str(tmp_path / "keys")})
+    ks.generate_key("site", "ed25519")
+    ks.generate_key("seq", "p256")
+    path = str(tmp_path / "journal")
+    bridge = SigningBridge(ks, path)
+    yield ks, bridge, path
+    bridge.close()
+
+
+def ev_item(p, l, v=0, site=SITE):
+    prot, pay = event_protected(site), event_payload(p, l, v)
+    return EventIdentity(site, p, l), "site", sig_structure(prot, pay), assembler(prot, pay)
+
+
+def rc_item(ks, epoch):
+    prot = receipt_protected(ks.public_key("seq"))
+    pay = receipt_payload(GROUP, epoch, bytes(32), None)
+    return ReceiptIdentity(GROUP, epoch), "seq", sig_structure(prot, pay), assembler(prot, pay)
+
+
+def test_compaction_keeps_unrecorded_and_receipts_and_spends_the_rest(env):
+    ks, bridge, path = env
+    outs = dict(zip(range(100), bridge.release_many([ev_item(1000, k, k) for k in range(100)])))
+    rc = bridge.release_many([rc_item(ks, e) for e in range(5)])
+    other = bridge.release(*ev_item(5000, 0, site=OTHER))
+    # an intent without output (unknown outcome), as a crash leaves it
+    bridge._journal.commit([(1, EventIdentity(SITE, 1000, 100).encode(), "site")])
+    before = os.path.getsize(path)
+    recorded = {EventIdentity(SITE, 1000, k) for k in range(90)}   # 90..99 not yet applied
+    stats = bridge.compact_events(lambda i: i in recorded)
+    assert stats["events_dropped"] == 91 and os.path.getsize(path) < before / 4
+    assert bridge.journal_stats()["entries"] == 10 + 5 + 1
+    bridge.close()
+    for _round in range(2):   # the live bridge and a reopened one answer alike
+        bridge = SigningBridge(ks, path)
+        assert bridge.max_event_hlc(SITE) == (1000, 100) and bridge.max_event_hlc(OTHER) == (5000, 0)
+        for k in range(90):
+            assert bridge.status(EventIdentity(SITE, 1000, k)) is Status.OUTCOME_UNKNOWN
+            with pytest.raises(OutcomeUnknown):
+                bridge.release(*ev_item(1000, k, k + 1))       # spent: never signed again
+        with pytest.raises(OutcomeUnknown):
+            bridge.release(*ev_item(1000, 100))                # the unknown outcome stays spent
+        with pytest.raises(OutcomeUnknown):
+            bridge.release(*ev_item(999, 7))                   # below the floor, never intended: spent
+        for k in range(90, 100):
+            assert bridge.release(*ev_item(1000, k, k)) == outs[k]   # exact re-transmission
+        assert bridge.release_many([rc_item(ks, e) for e in range(5)]) == rc
+        assert bridge.release(*ev_item(5000, 0, site=OTHER)) == other  # never recorded: kept
+        assert [i for i, _ in bridge.iter_released() if isinstance(i, EventIdentity) and i.site_id == SITE] == \
+            [EventIdentity(SITE, 1000, k) for k in range(90, 100)]
+        bridge.close()
+    bridge = SigningBridge(ks, path)
+    new = bridge.release(*ev_item(1000, 101))
+    assert bridge.release(*ev_item(1000, 101)) == new
+    bridge.close()
+    recs = parse_journal(path)
+    assert [r for r in recs if r[0] == 3] and all(r[2] in (b"site", b"seq") for r in recs if r[0] == 1)
+    env_bridge = SigningBridge(ks, path)
+    assert env_bridge.released(EventIdentity(SITE, 1000, 101)) == new
+    env_bridge.close()
+
+
+def test_index_memory_is_bounded_after_compaction(env):
+    _, bridge, path = env
+    for start in range(0, 20_000, 2000):
+        bridge.release_many([ev_item(2000, k) for k in range(start, start + 2000)])
+        bridge.compact_events(lambda i: True)
+        assert bridge.journal_stats()["entries"] == 0
+        assert os.path.getsize(path) < 200
+    assert len(bridge._journal._index) == 0 and len(bridge._journal._key_of) == 0
+    assert bridge.max_event_hlc(SITE) == (2000, 19_999)
+
+
+def test_releases_racing_compaction_stay_durable(env):
+    ks, bridge, path = env
+    got: dict = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def writer(t):
+        n = 0
+        while not stop.is_set() and n < 300:
+            items = [ev_item(3000, n * 4 + j, site=bytes([t + 1]) * 16) for j in range(4)]
+            outs = bridge.release_many(items)
+            with lock:
+                got.update({i[0]: o for i, o in zip(items, outs)})
+            n += 1
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    recorded: set = set()
+    compactions = 0
+    while any(th.is_alive() for th in threads):
+        with lock:
+            half = list(got)[: len(got) // 2]
+        recorded.update(half)
+        bridge.compact_events(lambda i: i in recorded)
+        compactions += 1
+        time.sleep(0.005)
+    for th in threads:
+        th.join()
+    bridge.close()
+    bridge = SigningBridge(ks, path)
+    for ident, out in got.items():   # every output: durable in the journal, or recorded (and spent)
+        if ident in recorded:
+            assert bridge.status(ident) is Status.OUTCOME_UNKNOWN
+        else:
+            assert bridge.released(ident) == out
+    assert compactions > 1 and len(got) == 3 * 300 * 4
+    bridge.close()
+
+
+def test_stale_compaction_file_is_ignored_and_removed(env):
+    ks, bridge, path = env
+    out = bridge.release(*ev_item(4000, 0))
+    bridge.close()
+    with open(path + ".compact", "wb") as f:
+        f.write(b"SSPJRNL1" + b"\x00" * 5)     # a compaction that died before its rename
+    bridge = SigningBridge(ks, path)
+    assert not os.path.exists(path + ".compact") and bridge.released(EventIdentity(SITE, 4000, 0)) == out
+    bridge.close()
+
+
+def test_compaction_failure_before_rename_leaves_the_journal_usable(env, monkeypatch):
+    ks, bridge, path = env
+    out = bridge.release(*ev_item(4000, 0))
+
+    def boom(src, dst):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(bridge._journal._ops, "replace", boom)
+    from firmware_bridge import JournalError
+    with pytest.raises(JournalError, match="unchanged"):
+        bridge.compact_events(lambda i: True)
+    assert not os.path.exists(path + ".compact")
+    assert bridge.released(EventIdentity(SITE, 4000, 0)) == out
+    assert bridge.release(*ev_item(4000, 1))   # still works
