@@ -28,6 +28,7 @@ log = logging.getLogger("ssp_agent")
 
 EVENT_KEY = "events"  # the key name of the node's event-signing key in its keystore
 HELD_LIMIT_PER_TABLE = 10_000  # a fictional table cannot fill the disk (§13.6 held row)
+JOURNAL_COMPACT_BYTES = 4 * 2**20  # compact the signing journal when it grew this much since the last time
 SURFACED_LIMIT = 100_000
 
 
@@ -67,6 +68,8 @@ class Node:
         for (q,) in conn.execute("SELECT DISTINCT qualified FROM held").fetchall():
             if q in self.tables:
                 self.retry_held(q)
+        if bridge is not None:
+            self._recover_released()
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -187,6 +190,41 @@ class Node:
         clock = Hlc.resume(0, highest)
         clock.ceiling_ms = store_ceiling  # still binding: the next tick past it persists a new one
         return clock
+
+    def _recover_released(self) -> None:
+        """A crash between the bridge's release and the apply left signed, persisted local events
+        the log lacks: apply them through the one apply path (docs/keystore.md), then compact the
+        journal for everything the log now holds."""
+        missing = [raw for identity, raw in self.bridge.iter_released()
+                   if isinstance(identity, EventIdentity) and identity.site_id == self.site_id
+                   and self._known(ev.event_id(raw)) is None]
+        if missing:
+            log.warning("applying %d local event(s) released before a crash but never applied", len(missing))
+            self.apply_batch(missing, origin="local")
+        self.compact_journal()
+
+    def compact_journal(self) -> dict | None:
+        """Drop from the signing journal our released events whose exact bytes the log holds (its
+        commits are durable: synchronous=FULL) or that count as applied below their table's
+        horizon; the bridge keeps a per-site floor so none of them is ever signed again."""
+        if self.bridge is None:
+            return None
+        done = set()
+        for identity, raw in self.bridge.iter_released():
+            if isinstance(identity, EventIdentity) and identity.site_id == self.site_id and (
+                    self._known(ev.event_id(raw)) == "log" or self._below_own_horizon(raw)):
+                done.add(identity)
+        stats = self.bridge.compact_events(done.__contains__)
+        self._journal_base = stats["bytes_after"]
+        return stats
+
+    def _below_own_horizon(self, raw: bytes) -> bool:
+        try:
+            e = ev.event_from_verified(raw, cose.parse_sign1(raw))
+        except DecodeError:
+            return False
+        tbl = self.tables.get(e.table)
+        return tbl is not None and below(e.hlc, tbl.horizon)
 
     def _max_own_hlc(self) -> tuple[int, int] | None:
         r = self.conn.execute("SELECT hlc_p, hlc_l FROM events WHERE site_id=? ORDER BY hlc_p DESC, hlc_l DESC LIMIT 1",
@@ -445,6 +483,8 @@ class Node:
         for o in outs:
             if o.status != APPLIED:
                 raise NodeError(f"local event was not applied: {o.status} ({o.reason})")
+        if self.bridge.journal_stats()["bytes"] > getattr(self, "_journal_base", 0) + JOURNAL_COMPACT_BYTES:
+            self.compact_journal()
         return [o.event_id for o in outs]
 
     def _tick(self, now: int) -> tuple[int, int]:
@@ -583,6 +623,7 @@ class Node:
         self._reclaim()
         report = {"tables": tables, "bytes_before": before, "bytes_after": self.store_bytes()}
         report["budget"] = self.check_disk_budget(now)
+        report["journal"] = self.compact_journal()
         return report
 
     def _delete_below_horizon(self, table: str) -> int:

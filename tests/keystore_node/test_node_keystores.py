@@ -1,0 +1,163 @@
+"""A node initialised on each of the three keystores produces events through the signing bridge;
+a second node (software keystore) applies them after a mailbox import, signatures verified
+(issue 5 "Done when"). `ssp-agent keystore show` names the keystore and key, never secrets."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from agent import mailbox
+from agent.core import cose
+from agent.node import EVENT_KEY, Node
+from firmware_bridge import EventIdentity, Status
+
+MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
+T = "app.readings"
+MANIFEST = f'mesh_id = "{MESH.hex()}"\n' + """
+[[tables]]
+schema = "app"
+name = "readings"
+category = "syncable"
+retention = "telemetry"
+key = ["device", "seq"]
+columns = { device = "text", seq = "integer", temp = "real" }
+"""
+
+
+def _round_trip(tmp_path, ks_conf):
+    a, pk_a = Node.init(tmp_path / "a", MANIFEST, ks_conf)
+    b, pk_b = Node.init(tmp_path / "b", MANIFEST, {"kind": "software"})
+    try:
+        a.add_peer(b.site_id, pk_b, None)
+        b.add_peer(a.site_id, pk_a, None)
+        assert a.bridge.keystore.public_key(EVENT_KEY) == pk_a
+        ids = a.write_many([(T, {"device": "d1", "seq": i}, {"temp": 20.0 + i}, False) for i in range(12)])
+        ids.append(a.write(T, {"device": "d1", "seq": 3}, None, delete=True))
+        ids.append(a.write(T, {"device": "d2", "seq": 0}, {"temp": -4.5}))
+        # every event went through the bridge: its journal holds the exact bytes the log holds
+        logged = {bytes(e): bytes(r) for e, r in a.conn.execute("SELECT event_id, raw FROM events")}
+        assert set(logged) == set(ids)
+        for raw in logged.values():
+            s1 = cose.parse_sign1(raw)
+            assert cose.verify_ed25519(pk_a, s1.sig_structure(MESH), s1.signature)
+        box = tmp_path / "a-to-b.ssp"
+        mailbox.export_body(a, b.site_id, box)
+        res = mailbox.import_body(b, box.read_bytes())
+        assert res.get("applied") == len(ids), res
+        assert b.dump()[T] == a.dump()[T]
+        assert {bytes(e): bytes(r) for e, r in b.conn.execute(
+            "SELECT event_id, raw FROM events WHERE site_id=?", (a.site_id,))} == logged
+        # compaction: the log holds them all, so the journal drops them and keeps a floor
+        stats = a.compact_journal()
+        assert stats["entries_kept"] == 0 and a.bridge.journal_stats()["entries"] == 0
+        hi = a.bridge.max_event_hlc(a.site_id)
+        assert a.bridge.status(EventIdentity(a.site_id, *hi)) is Status.OUTCOME_UNKNOWN  # spent
+        a.write(T, {"device": "d3", "seq": 0}, {"temp": 1.0})   # and writing goes on above the floor
+        assert a._max_own_hlc() > hi
+    finally:
+        a.close()
+        b.close()
+    a = Node.open(tmp_path / "a")  # reopen on the same keystore: same key, nothing to recover
+    try:
+        assert a.bridge.keystore.public_key(EVENT_KEY) == pk_a
+        assert a.conn.execute("SELECT count(*) FROM events").fetchone()[0] == len(ids) + 1
+        a.write(T, {"device": "d3", "seq": 1}, {"temp": 2.0})
+    finally:
+        a.close()
+    return tmp_path / "a"
+
+
+def test_node_on_software_keystore(tmp_path):
+    _round_trip(tmp_path, {"kind": "software"})
+
+
+def test_node_on_pkcs11_softhsm2(tmp_path, softhsm_conf):
+    home = _round_trip(tmp_path, softhsm_conf)
+    out = _show(home)
+    assert out["keystore"]["kind"] == "pkcs11" and out["keystore"]["token_label"] == softhsm_conf["token_label"]
+    assert out["keystore"]["keys"] and out["event_key"]["matches_node"] is True
+    assert softhsm_conf["pin"] not in json.dumps(out)
+
+
+def test_node_on_serial_emulator(tmp_path, serial_conf):
+    home = _round_trip(tmp_path, serial_conf)
+    out = _show(home)
+    assert out["keystore"]["kind"] == "serial" and out["keystore"]["device_id"]
+    assert out["event_key"] == {**out["event_key"], "name": "events", "algorithm": "ed25519", "matches_node": True}
+
+
+def _show(home, ok=True):
+    p = subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(home), "keystore", "show"],
+                       capture_output=True, text=True, env=dict(os.environ))
+    assert (p.returncode == 0) == ok, p.stderr
+    return json.loads(p.stdout) if ok else p
+
+
+def test_keystore_show_software_and_cli_init(tmp_path):
+    man = tmp_path / "m.toml"
+    man.write_text(MANIFEST)
+    kdir = tmp_path / "keys"
+    p = subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(tmp_path / "n"), "init", "--manifest",
+                        str(man), "--keystore", json.dumps({"kind": "software", "dir": str(kdir)})],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    init = json.loads(p.stdout)
+    out = _show(tmp_path / "n")
+    assert out["site_id"] == init["site_id"] and out["event_key"]["public_key"] == init["public_key"]
+    assert out["keystore"] == {"kind": "software", "dir": str(kdir), "keys": {"events": "ed25519"}}
+    assert out["journal"]["entries"] == 0 and out["journal"]["path"].endswith("sign-journal")
+    # the wrong key file in place of the node's key: refused loudly (exit 1), nothing signed
+    os.rename(kdir / "events.key", kdir / "old.key")
+    from firmware_bridge import open_keystore
+    open_keystore({"kind": "software", "dir": str(kdir)}).generate_key("events", "ed25519")
+    p = _show(tmp_path / "n", ok=False)
+    assert p.returncode == 1 and "not the key this node was initialised with" in p.stderr
+
+
+def test_released_but_unapplied_events_are_applied_on_open(tmp_path, monkeypatch):
+    """A crash between the bridge's release and the apply: the next open applies the journal's
+    outputs through the one apply path (origin local), byte for byte, then compacts."""
+    a, _ = Node.init(tmp_path / "a", MANIFEST, {"kind": "software"})
+    a.write(T, {"device": "d", "seq": 0}, {"temp": 1.0})
+    released: list = []
+    real = a.bridge.release_many
+
+    def release_then_crash(items):
+        outs = real(items)
+        released.extend(outs)
+        raise KeyboardInterrupt("crash between release and apply")
+    monkeypatch.setattr(a.bridge, "release_many", release_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        a.write_many([(T, {"device": "d", "seq": i}, {"temp": float(i)}, False) for i in range(1, 6)])
+    monkeypatch.undo()
+    assert a.conn.execute("SELECT count(*) FROM events").fetchone()[0] == 1
+    a.close()
+    a = Node.open(tmp_path / "a")
+    try:
+        rows = a.conn.execute("SELECT raw, origin FROM events ORDER BY seq").fetchall()
+        assert [bytes(r[0]) for r in rows[1:]] == released and {r[1] for r in rows} == {"local"}
+        assert len(a.dump()[T]) == 6
+        assert a.bridge.journal_stats()["entries"] == 0        # compacted after recovery
+        a.write(T, {"device": "d", "seq": 9}, {"temp": 9.0})    # the clock resumed above them
+    finally:
+        a.close()
+
+
+def test_journal_compacts_past_its_threshold_and_in_eviction(tmp_path, monkeypatch):
+    import agent.node as node_mod
+    monkeypatch.setattr(node_mod, "JOURNAL_COMPACT_BYTES", 20_000)
+    a, _ = Node.init(tmp_path / "a", MANIFEST, {"kind": "software"})
+    try:
+        for k in range(40):
+            a.write_many([(T, {"device": "d", "seq": k * 10 + i}, {"temp": 1.0}, False) for i in range(10)])
+        st = a.bridge.journal_stats()
+        assert st["compactions"] >= 3 and st["bytes"] < 20_000 + 10 * 400 and st["entries"] < 120
+        assert os.path.getsize(tmp_path / "a" / "sign-journal") == st["bytes"]
+        rep = a.run_eviction()
+        assert rep["journal"]["entries_kept"] == 0
+    finally:
+        a.close()
