@@ -81,6 +81,9 @@ class _Pending:
     seqs: list[int]
     sent: float
     records: int = 0  # control records this node held when it sent the body (every body carries all)
+    n_backfill: int = 0  # backfill events after the live ones (widening backfill, scope §2)
+    backfill: bool = False  # the body carries a share of a backfill job (possibly no events: the walk's end)
+    token: Any = None  # the sync layer's confirmation token (live range and backfill rows)
 
 
 @dataclass
@@ -90,6 +93,9 @@ class Offer:
     seqs: list[int] = field(default_factory=list)
     events: list[bytes] = field(default_factory=list)
     gaps: list[str] = field(default_factory=list)  # tables whose own events policy withheld in (start, end]
+    n_backfill: int = 0  # the last n_backfill of `events` are backfill rows' events (not in `seqs`)
+    backfill: bool = False  # carries backfill job progress (rows, or the end of a job's walk)
+    token: Any = None  # handed back to `advance` with the peer's answer
 
 
 class Runner:
@@ -252,15 +258,19 @@ class Runner:
                 self.peer_limit[p.peer] = max(1024, self._limit(p.peer) // 2)
             self._reset_peer(p.peer)
             return
+        total = len(p.seqs) + p.n_backfill
         try:
-            processed = max(0, min(len(p.seqs), int(m.props.get(P_PROCESSED, "0"))))
+            processed = max(0, min(total, int(m.props.get(P_PROCESSED, "0"))))
         except ValueError:
             processed = 0
         self.stats["events_acknowledged"] += processed
         self.records_acked[p.peer] = max(self.records_acked.get(p.peer, 0), p.records)
-        self.sync.advance(p.peer, p.start, p.seqs, p.end, processed)
+        if p.backfill:  # live range and backfill rows commit together (SyncDriver.confirm)
+            self.sync.advance(p.peer, p.start, p.seqs, p.end, processed, token=p.token)
+        else:
+            self.sync.advance(p.peer, p.start, p.seqs, p.end, processed)
         self.sync.note_answer(p.peer, m.payload)
-        if processed < len(p.seqs):
+        if processed < total:
             self._reset_peer(p.peer)  # re-offer from the cursor next cycle
         else:
             self.offer(p.peer, KIND_BATCH)  # keep the window full while there is more (catch-up)
@@ -293,6 +303,11 @@ class Runner:
     def in_flight(self, peer: bytes) -> int:
         return sum(1 for p in self.pending.values() if p.peer == peer)
 
+    def backfill_in_flight(self, peer: bytes) -> bool:
+        """At most one body carrying backfill rows is out per peer: the next rows are selected
+        from the durable row cursor, which moves only when that body is answered."""
+        return any(p.peer == peer and p.backfill for p in self.pending.values())
+
     def _limit(self, peer: bytes) -> int:
         return min(self.link.max_payload(), self.peer_limit.get(peer, 1 << 62))
 
@@ -309,17 +324,21 @@ class Runner:
         # Records travel in every body; one the peer has not answered for yet is worth a body of its own.
         force = force or (not self.in_flight(peer) and self._records() > self.records_acked.get(peer, 0))
         for _ in range(max(bodies, 0)):
-            off = self.sync.select(peer, start, self.max_events)
-            if off.end <= start and not force:
+            # Widening backfill rides batch bodies only, after the live tail (live first), one such
+            # body in flight per peer.
+            bf = kind == KIND_BATCH and not self.backfill_in_flight(peer)
+            off = self.sync.select(peer, start, self.max_events, backfill=bf)
+            if off.end <= start and not off.backfill and not force:
                 break
             force = False
             if off.events:
                 if base is None:  # records and watermarks travel in every body; the meta rides along
                     base = len(self.sync.body(())) + 96
-                sizes = [len(e) + c for e, c in zip(off.events, meta_cost(start, off.seqs))]
+                cost = meta_cost(start, off.seqs) + [0] * off.n_backfill
+                sizes = [len(e) + c for e, c in zip(off.events, cost)]
                 parts = split_sizes(sizes, base + sum(len(g) + 3 for g in off.gaps), limit, self.max_events)
                 if len(parts) > 1:  # the first part that fits; the rest goes in the next body
-                    off = self.sync.select(peer, start, parts[0][1])
+                    off = self.sync.select(peer, start, parts[0][1], backfill=bf)
             self._send(peer, kind, off)
             sent += len(off.events)
             start = off.end
@@ -327,14 +346,21 @@ class Runner:
         return sent
 
     def _records(self) -> int:
-        return self.node.conn.execute("SELECT count(*) FROM control_records").fetchone()[0]
+        """Records held (authority records and rehydrate requests), a count that only grows: a new
+        one the peer has not answered for yet is worth a body of its own (a rehydrate request must
+        reach the peer even when neither side has events to send)."""
+        c = self.node.conn
+        return c.execute("SELECT count(*) FROM control_records").fetchone()[0] + \
+            c.execute("SELECT count(*) FROM rehydrate_records").fetchone()[0]
 
     def _send(self, peer: bytes, kind: str, off: Offer) -> None:
         body = self.sync.body(off.events)
         user = {P_KIND: kind, P_START: str(off.start), P_END: str(off.end), P_COUNT: str(len(off.events)),
-                P_PART: "1/1", P_META: encode_meta(off.start, off.end, off.seqs, off.gaps)}
+                P_PART: "1/1", P_META: encode_meta(off.start, off.end, off.seqs, off.gaps, off.n_backfill)}
         corr = self.link.push(peer, body, user)
-        self.pending[corr] = _Pending(peer, kind, off.start, off.end, off.seqs, time.monotonic(), self._records())
+        self.pending[corr] = _Pending(peer, kind, off.start, off.end, off.seqs, time.monotonic(), self._records(),
+                                      off.n_backfill, off.backfill, off.token)
+        self.stats["backfill_events_pushed"] += off.n_backfill
         self.stats["bodies_pushed"] += 1
         self.stats["events_pushed"] += len(off.events)
         self.stats[f"pushed_{kind}"] += 1

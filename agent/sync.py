@@ -127,20 +127,32 @@ class SyncDriver:
             pos = rows[-1][0]
             budget -= len(rows)
 
-    def select_for(self, peer: bytes, path: str, mode: str = "batch") -> tuple[delivery.Selection, Backfill | None, int, int]:
-        live = st.cursor(self.conn, peer, path)[0]
-        start = live
-        if mode == "push":
-            start = max(live, self._push_pos.get((peer, path), 0))
+    def select_for(self, peer: bytes, path: str, mode: str = "batch", *, start: int | None = None,
+                   limit: int | None = None, backfill: bool = True
+                   ) -> tuple[delivery.Selection, Backfill | None, int, int]:
+        """The one selection both callers use (sessions/mailbox through `build`, the MQTT runner
+        through `PortAdapter.select`): the live tail from `start` (default: the durable cursor, or
+        the push position), at most `limit` events (default: the batch limit), then, if `backfill`
+        and there is room, the next rows of the peer's backfill jobs (never in a push)."""
+        if start is None:
+            start = st.cursor(self.conn, peer, path)[0]
+            if mode == "push":
+                start = max(start, self._push_pos.get((peer, path), 0))
+        limit = self.batch_limit if limit is None else limit
         allowed = self._allowed_fn(peer)
         pwm = st.peer_watermarks(self.conn, peer)
-        sel = delivery.select(self._rows_for(peer, start), start, peer, self.node.site_id, allowed, pwm, self.batch_limit)
+        sel = delivery.select(self._rows_for(peer, start), start, peer, self.node.site_id, allowed, pwm, limit)
         bf = None
-        room = self.batch_limit - len(sel.events)
-        if mode != "push" and room > 0:
+        room = limit - len(sel.events)
+        if backfill and mode != "push" and room > 0:
             # Widening backfill (scope §2): live tail first, then the jobs' rows, policy re-checked now.
             bf = self.select_backfill(peer, allowed, pwm, room)
         return sel, bf, start, 0
+
+    def token(self, peer: bytes, path: str, sel: delivery.Selection, bf: Backfill | None, start: int) -> _Token:
+        """What `confirm` needs once the peer answers a body built from this selection."""
+        return _Token(path, start, tuple(sel.seqs), sel.end, tuple(bf.parts) if bf else (),
+                      st.rehydrate_generation(self.conn, peer))
 
     def _rows_for(self, peer: bytes, start: int):
         """Log rows for `peer`; while this node serves a rehydration of `peer`, rows up to the
@@ -224,8 +236,7 @@ class SyncDriver:
         body = SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events), tuple(self._record_raws()),
                         tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items())))
         meta = StreamMeta(start, sel.end, tuple(sel.seqs), tuple(sorted(sel.gaps)), len(bf.events) if bf else 0)
-        tok = _Token(path, start, tuple(sel.seqs), sel.end, tuple(bf.parts) if bf else (),
-                     st.rehydrate_generation(self.conn, peer))
+        tok = self.token(peer, path, sel, bf, start)
         self.stats["bodies_out"] += 1
         self.stats["pushed_events"] += len(events)
         return Outgoing(emit_body(body), meta, tok, len(events))
@@ -234,18 +245,26 @@ class SyncDriver:
         from . import rehydrate
         return st.record_raws(self.conn) + rehydrate.record_raws(self.conn)
 
-    def confirm(self, peer: bytes, tok: _Token, processed: int) -> None:
+    def confirm(self, peer: bytes, tok: _Token, processed: int, contiguous: bool = False) -> bool:
         """The peer processed the first `processed` events to a final state: advance (§14.1).
-        Backfill progress commits here too, whole rows only, after the live events."""
+        Backfill progress commits here too, whole rows only, after the live events.
+        `contiguous` (several bodies in flight, the MQTT runner): the live cursor moves only if
+        the body started at or before it (an earlier unanswered range is re-offered). Backfill
+        rows are committed on their own (`advance_backfill` only moves from the row the body was
+        selected from). Returns whether the live cursor moved."""
         n_live = len(tok.seqs)
         live = delivery.cursor_after(tok.start, list(tok.seqs), tok.end, min(processed, n_live))
+        moved = False
         with _txn(self.conn):
             if st.rehydrate_generation(self.conn, peer) != tok.rehydrate_gen:
-                return  # the peer asked for its history again meanwhile: its cursors restart at genesis
-            st.advance_cursor(self.conn, peer, tok.path, live)
+                return False  # the peer asked for its history again meanwhile: its cursors restart at genesis
+            cur = st.cursor(self.conn, peer, tok.path)[0]
+            if live > cur and not (contiguous and tok.start > cur):
+                st.advance_cursor(self.conn, peer, tok.path, live)
+                moved = True
             left = processed - n_live
             if left < 0:
-                return
+                return moved
             for part in tok.bf_parts:
                 last, nrows, nev, whole = None, 0, 0, True
                 for rk, c in zip(part.row_keys, part.counts):
@@ -258,6 +277,7 @@ class SyncDriver:
                                     whole and part.done)
                 if not whole:
                     break
+        return moved
 
     # ------------------------------------------------------------------ receiving
     def apply_records(self, raws, now: int) -> dict:
@@ -581,27 +601,30 @@ class PortAdapter:
     def cursor(self, peer: bytes) -> int:
         return st.cursor(self.conn, peer, self.path)[0]
 
-    def select(self, peer: bytes, start: int, limit: int):
+    def select(self, peer: bytes, start: int, limit: int, backfill: bool = False):
+        """At most `limit` events for `peer` after `start`, through the driver's one selection
+        (`SyncDriver.select_for`): the live tail first, then, with `backfill`, whole rows of the
+        peer's backfill jobs in what is left (policy re-checked now). The runner asks for backfill
+        only when no backfill body is in flight to that peer: the next rows are selected from the
+        durable `resume_after_row_key`, which moves only on an answer."""
         from .runner import Offer
-        d = self.driver
-        sel = delivery.select(d._rows_for(peer, start), start, peer, self.node.site_id, d._allowed_fn(peer),
-                              st.peer_watermarks(self.conn, peer), limit)
-        return Offer(start, sel.end, list(sel.seqs), list(sel.events), sorted(sel.gaps))
+        sel, bf, start, _ = self.driver.select_for(peer, self.path, "batch", start=start, limit=limit,
+                                                   backfill=backfill)
+        bf_events = list(bf.events) if bf else []
+        return Offer(start, sel.end, list(sel.seqs), list(sel.events) + bf_events, sorted(sel.gaps),
+                     len(bf_events), bf is not None, self.driver.token(peer, self.path, sel, bf, start))
 
     def backlog(self, peer: bytes) -> int:
         return self.conn.execute("SELECT count(*) FROM events WHERE seq > ? AND site_id != ?",
                                  (self.cursor(peer), peer)).fetchone()[0]
 
-    def advance(self, peer: bytes, start: int, seqs: list[int], end: int, processed: int) -> bool:
-        cur = self.cursor(peer)
-        if start > cur:
-            return False  # an earlier body is unanswered: that range is re-offered
-        new = delivery.cursor_after(start, list(seqs), end, processed)
-        if new <= cur:
-            return False
-        with _txn(self.conn):
-            st.advance_cursor(self.conn, peer, self.path, new)
-        return True
+    def advance(self, peer: bytes, start: int, seqs: list[int], end: int, processed: int, token=None) -> bool:
+        """The peer answered a body: `processed` events (live first, then backfill) reached a final
+        state. The live cursor moves only contiguously; backfill rows commit, whole rows only, with
+        the body's `token` (`Offer.token`, see `SyncDriver.confirm`)."""
+        if token is None:
+            token = _Token(self.path, start, tuple(seqs), end, (), st.rehydrate_generation(self.conn, peer))
+        return self.driver.confirm(peer, token, processed, contiguous=True)
 
     def receive(self, data: bytes, meta: dict | None = None, sender: bytes | None = None):
         """`meta`: the frame meta as sent ({s, e, d, g, x}); `sender`: who the binding says sent it
