@@ -91,7 +91,8 @@ class Node:
         ks_conf = dict(keystore or prof.keystore)
         if ks_conf.get("kind") == "software":
             ks_conf.setdefault("dir", str(home / "keystore"))
-        ks = open_keystore(ks_conf)
+        ks_conf = _keep_pin_out_of_store(home, ks_conf)
+        ks = open_keystore(_with_pin(ks_conf))
         public_key = ks.generate_key(EVENT_KEY, "ed25519")
         conn = db.connect(home / cls.STORE_FILE)
         db.create(conn)
@@ -136,7 +137,7 @@ class Node:
                     "device, or, only if the original device is destroyed, run "
                     f"`ssp-agent --home {home} identity rebind --confirm-original-destroyed`.")
         ks_conf = json.loads(db.get_meta(conn, "keystore"))
-        bridge = SigningBridge(open_keystore(ks_conf), str(home / "sign-journal"))
+        bridge = SigningBridge(open_keystore(_with_pin(ks_conf)), str(home / "sign-journal"))
         return cls(home, conn, bridge)
 
     def rebind_machine(self) -> None:
@@ -720,6 +721,38 @@ def _create_table_rows(conn: sqlite3.Connection, t: TableDef) -> None:
     conn.execute("INSERT INTO tables (qualified, schema_name, table_name, category, key_json, columns_json, retention)"
                  " VALUES (?,?,?,?,?,?,?)", rowstore.table_def_row(t))
     rowstore.create_table(conn, t)
+
+
+def _keep_pin_out_of_store(home: Path, conf: dict) -> dict:
+    """A token PIN given at init goes to HOME/keystore.pin (0600), never into the store, which
+    gets copied and backed up; the store keeps only where to find it (`pin_file`), or the name
+    of an environment variable (`pin_env`) when the operator gave one."""
+    conf = dict(conf)
+    if "pin" in conf:
+        pin_path = home / "keystore.pin"
+        fd = os.open(str(pin_path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(str(conf.pop("pin")))
+            f.flush()
+            os.fsync(f.fileno())
+        conf["pin_file"] = str(pin_path)
+    return conf
+
+
+def _with_pin(conf: dict) -> dict:
+    """The keystore config with its PIN resolved from `pin_file` or `pin_env`."""
+    conf = dict(conf)
+    if "pin_file" in conf:
+        try:
+            conf["pin"] = Path(conf.pop("pin_file")).read_text().strip()
+        except OSError as e:
+            raise NodeError(f"cannot read the keystore PIN file: {e.strerror}; restore it or re-provision") from None
+    elif "pin_env" in conf:
+        name = conf.pop("pin_env")
+        if name not in os.environ:
+            raise NodeError(f"the keystore PIN is expected in ${name}, which is not set")
+        conf["pin"] = os.environ[name]
+    return conf
 
 
 def _write_identity_file(home: Path, site_id: bytes, public_key: bytes, mesh_id: bytes, ks: dict) -> None:

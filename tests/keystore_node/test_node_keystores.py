@@ -81,6 +81,15 @@ def test_node_on_pkcs11_softhsm2(tmp_path, softhsm_conf):
     assert out["keystore"]["kind"] == "pkcs11" and out["keystore"]["token_label"] == softhsm_conf["token_label"]
     assert out["keystore"]["keys"] and out["event_key"]["matches_node"] is True
     assert softhsm_conf["pin"] not in json.dumps(out)
+    # The PIN is kept out of the store (which gets copied and backed up): a 0600 file instead.
+    import os
+    import sqlite3
+    import stat
+    store = sqlite3.connect(str(home / "store.sqlite"))
+    dump = "\n".join(str(r) for r in store.execute("SELECT * FROM meta"))
+    store.close()
+    assert softhsm_conf["pin"] not in dump and "pin_file" in dump
+    assert stat.S_IMODE(os.stat(home / "keystore.pin").st_mode) == 0o600
 
 
 def test_node_on_serial_emulator(tmp_path, serial_conf):
