@@ -27,6 +27,10 @@ gaps) in the `ssp-meta` user property so that an authenticated receiver can infe
   Then received streams advance the node's applied watermarks and the peers' reports are kept
   (used to skip re-offers and to tell how far behind a peer is). Otherwise nothing moves them.
 - **Eviction**: `run` runs the profile's eviction job every `eviction_interval_s`.
+- **Widening backfill** (scope §2): a batch body carries, after the live tail, the next rows of the
+  peer's backfill jobs as the sync layer selects them (`Offer.n_backfill` events at the end, meta
+  `x`); at most one such body is in flight per peer, and its answer commits the job's row cursor
+  (`PortAdapter.advance` with the body's token). Realtime pushes carry none.
 """
 from __future__ import annotations
 
