@@ -9,11 +9,12 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .core.ids import IdFormatError, parse_hlc, parse_public_key, parse_site_id
 from .core.messages import ProtocolError
 from .core.schema import ManifestError
+from .outcomes import to_json  # noqa: F401 - re-exported for tools
 
 EXIT_OK, EXIT_FAULT, EXIT_REFUSED = 0, 1, 2
 
@@ -24,16 +25,6 @@ class Refused(Exception):
 
 class Fault(Exception):
     """Exit 1 with this one-line reason."""
-
-
-def to_json(v: Any) -> Any:
-    if isinstance(v, (bytes, bytearray)):
-        return {"$bytes": bytes(v).hex()}
-    if isinstance(v, dict):
-        return {k: to_json(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [to_json(x) for x in v]
-    return v
 
 
 def from_json(v: Any) -> Any:

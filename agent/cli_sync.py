@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import EXIT_OK, Refused, _open, _table_arg, emit
+from .cli import EXIT_OK, Refused, _open, emit
 from .core.ids import IdFormatError, parse_hlc, parse_public_key, parse_site_id
 
 

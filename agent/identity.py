@@ -10,6 +10,8 @@ import hashlib
 import os
 from pathlib import Path
 
+from firmware_bridge.fsutil import atomic_write
+
 _MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 
 
@@ -51,17 +53,7 @@ def write_witness(site_id: bytes, ceiling_ms: int) -> None:
     p = witness_path(site_id)
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(ceiling_ms))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-        fd = os.open(str(p.parent), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        atomic_write(str(p), str(ceiling_ms).encode(), 0o644)
     except OSError:
         # The witness is a second line of defence; the store's own ceiling is authoritative.
         pass

@@ -17,10 +17,11 @@ from firmware_bridge import EventIdentity, OutcomeUnknown, SigningBridge, open_k
 from . import identity as ident
 from .core import cose, events as ev
 from .core.clock import Hlc, beyond_skew
-from .core.codec import DecodeError, decode_strict, encode
+from .core.codec import DecodeError, decode_strict
 from .core.merge import Effects, RowState, below, merge_delete, merge_upsert, rebuild_columns
-from .core.schema import SYNCABLE, Manifest, ManifestError, TableDef, parse_manifest, table_def_from
+from .core.schema import SYNCABLE, ManifestError, TableDef, parse_manifest, table_def_from
 from .profile import Profile, ProfileError, load_profile
+from .outcomes import to_json
 from .outcomes import APPLIED, DROPPED, DUPLICATE, HELD, REJECTED, Outcome
 from .store import db, rows as rowstore
 
@@ -390,17 +391,17 @@ class Node:
             rb = rebuild_columns(tbl.tdef, tbl.tdef.value_columns, fx.state.tomb_clock,
                                  self._candidates(tbl.tdef, rk), tbl.horizon)
             writes = rb.writes
-            row_txt = json.dumps(_jsonable(e.row_key), sort_keys=True)
+            row_txt = json.dumps(to_json(e.row_key), sort_keys=True)
             if rb.partial:
                 # §13.4 MUST: never present a partial rebuild as complete; name row and horizon.
                 h = tbl.horizon
                 self._record("partial_rebuild", "tombstone_below_horizon", e, now,
-                             {"row_key": _jsonable(e.row_key), "horizon": f"{h[0]}.{h[1]}",
+                             {"row_key": to_json(e.row_key), "horizon": f"{h[0]}.{h[1]}",
                               "tombstone": f"{fx.state.tomb_clock[0]}.{fx.state.tomb_clock[1]}"})
                 log.warning("partial resurrection rebuild of %s %s: history below horizon %s.%s is evicted",
                             e.table, row_txt, h[0], h[1])
             else:
-                self._record("resurrection", "resurrected", e, now, {"row_key": _jsonable(e.row_key)})
+                self._record("resurrection", "resurrected", e, now, {"row_key": to_json(e.row_key)})
         tbl.rows.save(rk, e.row_key, fx.state, writes)
         if fx.ignored:
             # §13.6: meter ignored columns per (site, table, column).
@@ -762,28 +763,4 @@ def _write_identity_file(home: Path, site_id: bytes, public_key: bytes, mesh_id:
     (home / Node.IDENTITY_FILE).write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, bytes):
-        return {"$bytes": v.hex()}
-    if isinstance(v, dict):
-        return {k: _jsonable(x) for k, x in v.items()}
-    if isinstance(v, list):
-        return [_jsonable(x) for x in v]
-    return v
-
-
-class _txn:
-    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on any exception."""
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.conn.execute("BEGIN IMMEDIATE")
-        return self.conn
-
-    def __exit__(self, et, e, tb) -> None:
-        if et is None:
-            self.conn.execute("COMMIT")
-        else:
-            self.conn.execute("ROLLBACK")
+_txn = db.transaction  # kept as a short local name

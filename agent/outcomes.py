@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 APPLIED, DUPLICATE, DROPPED, REJECTED, HELD = "applied", "duplicate", "dropped", "rejected", "held"
 STATUSES = (APPLIED, DUPLICATE, DROPPED, REJECTED, HELD)
@@ -35,3 +36,14 @@ def counts(outcomes: list[Outcome]) -> dict[str, int]:
     for o in outcomes:
         c[o.status] += 1
     return c
+
+
+def to_json(v: Any) -> Any:
+    """The JSON form used by every output (cli-contract.md dump): bytes as {"$bytes": hex}."""
+    if isinstance(v, (bytes, bytearray)):
+        return {"$bytes": bytes(v).hex()}
+    if isinstance(v, dict):
+        return {k: to_json(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [to_json(x) for x in v]
+    return v

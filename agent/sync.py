@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from firmware_bridge.fsutil import atomic_write
 
 from .core import delivery
 from .core.messages import SyncBody, Watermark, emit_body, parse_body
@@ -32,7 +33,7 @@ from .core.records import RecordError, resolve_chains, verify_record
 from .core.scope import resolve
 from .core.session import Outgoing, Session, StreamMeta
 from .outcomes import counts
-from .store import sync_state as st
+from .store import db, sync_state as st
 
 log = logging.getLogger("ssp_agent.sync")
 
@@ -473,29 +474,11 @@ def _surface(conn, now: int, kind: str, reason: str, detail: dict) -> None:
 
 
 def _write_durably(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(str(path.parent.resolve()), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Written whole or not at all, and durable before the mailbox cursor moves."""
+    atomic_write(str(path), data, 0o644)
 
 
-class _txn:
-    def __init__(self, conn) -> None:
-        self.conn = conn
-
-    def __enter__(self):
-        self.conn.execute("BEGIN IMMEDIATE")
-        return self.conn
-
-    def __exit__(self, et, e, tb) -> None:
-        self.conn.execute("COMMIT" if et is None else "ROLLBACK")
+_txn = db.transaction  # one transaction helper for every writer (agent/store/db.py)
 
 
 def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = None,

@@ -7,7 +7,6 @@ bridge's journal already treats that identity as OutcomeUnknown (SOVM §22.5 cla
 """
 from __future__ import annotations
 
-import struct
 import threading
 import time
 from typing import Any

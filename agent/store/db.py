@@ -74,3 +74,17 @@ def get_meta(conn: sqlite3.Connection, key: str, default=None):
 
 def set_meta(conn: sqlite3.Connection, key: str, value) -> None:
     conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+
+class transaction:
+    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on any exception (every writer uses this one)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.conn.execute("BEGIN IMMEDIATE")
+        return self.conn
+
+    def __exit__(self, et, e, tb) -> None:
+        self.conn.execute("COMMIT" if et is None else "ROLLBACK")

@@ -165,7 +165,6 @@ def test_concurrent_releases_share_fsyncs(tmp_path):
 
 def test_same_identity_from_two_threads_signs_once(env):
     ks, bridge, *_ = env
-    prot = receipt_protected(ks.public_key("seq"))
     results = []
     barrier = threading.Barrier(6)
 

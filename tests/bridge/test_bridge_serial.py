@@ -1,6 +1,5 @@
 """Serial keystore: protocol (COBS + CRC-32), host driver and the reference-firmware emulator
 over a real pty pair.  The device's own refusal is SOVM §22.5 clause 2 held against a buggy host."""
-import os
 import signal
 import threading
 import time

@@ -4,7 +4,6 @@ from __future__ import annotations
 import cbor2
 import pytest
 
-from agent.core import cose, events as ev
 from agent.core.codec import encode
 from agent.outcomes import APPLIED, DROPPED, DUPLICATE, HELD, REJECTED
 from agent.simpeer import SimPeer

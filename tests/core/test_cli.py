@@ -5,13 +5,11 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from agent.core.messages import SyncBody, emit_body
 
-from .helpers import MESH, NOW, T, manifest, peers
+from .helpers import NOW, T, manifest, peers
 
 
 def run(home, *args, env=None, check=None):

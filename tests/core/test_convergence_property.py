@@ -87,8 +87,6 @@ def _run(data, horizon=None, replicas=3):
                     node.apply_batch(batch, NOW + 10)
             dumps = [n.dump() for n in nodes]
             logs = [sorted(e["event_id"] for e in n.log_entries()) for n in nodes]
-            surfaced = [sorted((s["kind"], s.get("event_id")) for s in n.surfaced() if s["kind"] == "partial_rebuild")
-                        for n in nodes]
         finally:
             for n in nodes:
                 n.close()

@@ -8,7 +8,7 @@ from agent.core.scope import PolicyRow
 from agent.node import Node
 from agent.store import sync_state as st
 from agent.sync import SyncDriver, change_policy
-from tests.sync.helpers import NOW, T, log_set, mesh, sync
+from tests.sync.helpers import NOW, T, mesh, sync
 
 N = "app.notes"
 

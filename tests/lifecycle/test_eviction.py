@@ -10,9 +10,8 @@ import json
 import pytest
 
 from agent.node import Node, NodeError
-from agent.store import sync_state as st
 from agent.sync import SyncDriver
-from tests.sync.helpers import MESH, Signer, manifest, sync
+from tests.sync.helpers import Signer, manifest, sync
 
 DAY = 86_400_000
 T0 = 1_790_000_000_000

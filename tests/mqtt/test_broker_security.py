@@ -21,7 +21,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from agent.runner import peer_lag
 from agent.store import sync_state as st
 from agent.transport.broker import Broker, free_port, write_password_file
-from agent.transport.mqtt import MqttLink, MqttSettings, Topics, _publish_props, wait_for
+from agent.transport.mqtt import MqttLink, MqttSettings, Topics, _publish_props
 
 from .helpers import MESH, T, event_ids, make_nodes, runner, step_until, write
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st_
 
 from agent.core import records as rec
 from agent.core.scope import FORKED
-from agent.store import db, sync_state as st
+from agent.store import sync_state as st
 from agent.sync import SyncDriver, issue_record
 
 from .helpers import MESH, NOW, T, Signer, log_set, mesh, reopen, sync

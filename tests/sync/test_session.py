@@ -8,7 +8,6 @@ import pytest
 from agent.core.messages import Handshake, emit_handshake
 from agent.core.session import encode_frame
 from agent.sync import SyncDriver
-from agent.transport.memory import Pair, MemoryLink
 
 from .helpers import NOW, T, Signer, log_set, mesh, pair
 

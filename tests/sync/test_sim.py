@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from agent.core.messages import SyncBody, Watermark, emit_body, parse_body
+from agent.core.messages import Watermark, emit_body, parse_body
 from agent.core.session import Outgoing
 from agent.store import sync_state as st
 from agent.sync import SyncDriver
@@ -213,7 +213,7 @@ def test_self_echo_never_sent_and_dropped_if_received(tmp_path):
     a, b = mesh(tmp_path, 2)
     da, db_ = SyncDriver(a), SyncDriver(b)
     write_n(a, 3, "a")
-    t = sync(da, db_, NOW)
+    sync(da, db_, NOW)
     sel, *_ = db_.select_for(a.site_id, "another-path")  # a fresh cursor walks all of b's log
     assert sel.events == [] and sel.skipped.get("self_echo") == 3
     # a misbehaving relay that sends a its own events back: dropped as self-echo, nothing re-ingested
