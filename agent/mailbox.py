@@ -13,10 +13,7 @@ from pathlib import Path
 
 def import_body(node, data: bytes, now: int | None = None) -> dict:
     from .sync import SyncDriver
-    result = SyncDriver(node).import_mailbox(data, now)  # raises ProtocolError: nothing has changed
-    # Detail for what did not simply apply (reasons, event ids); counts cover the rest.
-    result["events"] = [e for e in result["events"] if e["status"] != "applied" or e["reason"] != "applied"]
-    return result
+    return SyncDriver(node).import_mailbox(data, now)  # raises ProtocolError: nothing has changed
 
 
 def export_body(node, peer: bytes, out: Path) -> dict:

@@ -403,7 +403,8 @@ class SyncDriver:
         rehydrate.note_body(self.conn, body.from_site_id, outcomes)
         result: dict[str, Any] = counts(outcomes)
         result["from_site_id"] = body.from_site_id.hex()
-        result["events"] = [o.as_json() for o in outcomes]
+        # Detail for what did not simply apply (reasons, event ids); counts cover the rest.
+        result["events"] = [o.as_json() for o in outcomes if o.reason != "applied"]
         if recs is not None:
             result["records"] = recs
         return result

@@ -48,8 +48,8 @@ def assemble(protected_bytes: bytes, payload_bytes: bytes, signature: bytes) -> 
 
 def parse_sign1(data: bytes, expect_alg: int = ALG_EDDSA, kid_len: int = 16, sig_len: int = 64) -> Sign1:
     """Strict structural parse; raises DecodeError with a stable reason code."""
-    obj = decode_strict(data, allowed_tags=frozenset({COSE_SIGN1_TAG}))
-    if not isinstance(obj, cbor2.CBORTag):
+    obj = decode_strict(data, allowed_tags=frozenset({COSE_SIGN1_TAG}), shape_checked=True)
+    if type(obj) is not cbor2.CBORTag:
         raise DecodeError("untagged_cose", "COSE_Sign1 must carry CBOR tag 18")
     if obj.tag != COSE_SIGN1_TAG:
         raise DecodeError("unexpected_tag", f"tag {obj.tag}, expected 18")
@@ -59,21 +59,23 @@ def parse_sign1(data: bytes, expect_alg: int = ALG_EDDSA, kid_len: int = 16, sig
     protected, unprotected, payload, signature = v
     if not isinstance(unprotected, Mapping):
         raise DecodeError("bad_cose_shape", "unprotected header must be a map")
+    if type(protected) is not bytes or type(payload) is not bytes or type(signature) is not bytes:
+        raise DecodeError("bad_cose_shape", "protected, payload and signature must be byte strings")
     if len(unprotected) != 0:
         raise DecodeError("unprotected_not_empty", "the unprotected header must be the empty map")
     if not isinstance(protected, bytes) or not isinstance(payload, bytes) or not isinstance(signature, bytes):
         raise DecodeError("bad_cose_shape", "protected, payload and signature must be byte strings")
     if len(signature) != sig_len:
         raise DecodeError("bad_signature_length", f"signature must be {sig_len} bytes")
-    hdr = decode_strict(protected)
-    if not isinstance(hdr, dict) or set(hdr) != {HDR_ALG, HDR_CTYPE, HDR_KID}:
+    hdr = decode_strict(protected, shape_checked=True)
+    if type(hdr) is not dict or set(hdr) != {HDR_ALG, HDR_CTYPE, HDR_KID}:
         raise DecodeError("bad_protected_header", "protected header must hold exactly alg, content type and kid")
     alg, ctype, kid = hdr[HDR_ALG], hdr[HDR_CTYPE], hdr[HDR_KID]
-    if isinstance(alg, bool) or alg != expect_alg:
+    if type(alg) is not int or alg != expect_alg:
         raise DecodeError("bad_alg", f"alg {alg!r}, expected {expect_alg}")
-    if not isinstance(ctype, str):
+    if type(ctype) is not str:
         raise DecodeError("bad_protected_header", "content type must be text")
-    if not isinstance(kid, bytes) or len(kid) != kid_len:
+    if type(kid) is not bytes or len(kid) != kid_len:
         raise DecodeError("bad_kid", f"kid must be {kid_len} bytes")
     return Sign1(protected, alg, ctype, kid, payload, signature)
 

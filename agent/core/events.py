@@ -1,6 +1,7 @@
 """Change events (wire-profile.md §2): building the signed form and the EventPayload shape check."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,12 +50,15 @@ class Event:
 
 
 def is_scalar(v: Any) -> bool:
-    # bool is an int subclass in Python: refuse it explicitly (wire-profile.md §2).
-    if isinstance(v, bool):
-        return False
-    if isinstance(v, int):
+    """Scalar = int (signed 64-bit) / float (finite) / tstr / bstr. Exact types: bool is an int
+    subclass in Python and is refused (wire-profile.md §2), as is anything cbor2 decoded from
+    a semantic tag."""
+    t = type(v)
+    if t is int:
         return INT64_MIN <= v <= INT64_MAX
-    return isinstance(v, (float, str, bytes))
+    if t is float:
+        return math.isfinite(v)
+    return t is str or t is bytes
 
 
 def check_payload_shape(obj: Any) -> str | None:
@@ -97,7 +101,7 @@ def check_payload_shape(obj: Any) -> str | None:
 def event_from_verified(raw: bytes, sign1: Sign1) -> Event:
     """Decode and shape-check the payload of a COSE_Sign1 whose signature verified.
     Raises DecodeError (reason) when it can never become a valid event."""
-    obj = decode_strict(sign1.payload_bytes)
+    obj = decode_strict(sign1.payload_bytes, shape_checked=True)  # the shape check types every member
     reason = check_payload_shape(obj)
     if reason:
         raise DecodeError(reason, "EventPayload shape")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import tomllib
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from .events import is_scalar
@@ -54,7 +55,7 @@ class TableDef:
     def qualified(self) -> str:
         return f"{self.schema}.{self.name}"
 
-    @property
+    @cached_property  # on the apply path for every event
     def value_columns(self) -> tuple[str, ...]:
         return tuple(c for c in sorted(self.columns) if c not in self.key)
 

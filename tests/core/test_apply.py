@@ -204,6 +204,9 @@ def test_non_deterministic_payload_with_valid_signature_dropped(env):
 
 @pytest.mark.parametrize("over,reason", [
     ({"payload": {"temp": True}}, "bad_payload_value"),
+    ({"payload": {"temp": float("nan")}}, "bad_payload_value"),  # floats must be finite
+    ({"payload": {"temp": float("inf")}}, "bad_payload_value"),
+    ({"payload": {"temp": [1]}}, "bad_payload_value"),
     ({"row_key": {"device": "d", "seq": True}}, "bad_row_key_value"),
     ({"operation": "purge"}, "bad_operation"),
     ({"operation": "delete"}, "delete_with_payload"),
