@@ -30,12 +30,15 @@ applied below the horizon and did not keep), issues the record, and counts what 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 from typing import Any
 
 from .core.codec import DecodeError, decode_strict, encode
 from .core.cose import ALG_EDDSA, assemble, parse_sign1, protected_header, sig_structure, verify_ed25519
 from .core.records import record_hash
+
+log = logging.getLogger("ssp_agent.rehydrate")
 
 CONTENT_TYPE = "sovm/ssp-rehydrate-v1"
 _MEMBERS = frozenset({"subject_site_id", "generation", "previous_record_hash", "requested_at"})
@@ -153,6 +156,7 @@ def handle_records(driver, raws: list, now: int) -> dict:
                      (now, "rehydration_served", "cursors_reset", r["subject"],
                       json.dumps({"generation": r["generation"], "upto_seq": upto})))
         out["reset"] += 1
+        out.setdefault("subjects_reset", []).append(r["subject"].hex())
     return out
 
 
@@ -254,7 +258,13 @@ def status(node) -> dict:
         s["rows_received"] = sum(max(0, rows_now.get(q, 0) - s["rows_at_start"].get(q, 0)) for q in rows_now)
         s["horizons"] = {q: f"{t.horizon[0]}.{t.horizon[1]}" if t.horizon else "0.0" for q, t in node.tables.items()}
         s["remaining"] = ("unknown here; run `rehydrate --status` on the source" if not s["caught_up"] else 0)
+        # Rows a serving peer declared incomplete (its horizon) and every partial rebuild surfaced here.
+        s["partial_rebuilds"] = node.conn.execute(
+            "SELECT count(*) FROM surfaced WHERE kind='partial_rebuild'").fetchone()[0]
+        s["partial_from_serving_peers"] = node.conn.execute(
+            "SELECT count(*) FROM surfaced WHERE kind='partial_rebuild' AND reason='serving_peer_horizon'").fetchone()[0]
         out["rehydrating"] = s
+    out["truncations"] = truncation_summary(node.conn, node.site_id)
     for subj, gen, upto, at in node.conn.execute("SELECT subject, generation, upto_seq, reset_ms FROM rehydrate_served"):
         subj = bytes(subj)
         paths = {}
@@ -266,4 +276,175 @@ def status(node) -> dict:
                                "remaining_events": min(paths.values()) if paths else
                                node.conn.execute("SELECT count(*) FROM events WHERE seq <= ? AND site_id != ?",
                                                  (upto, subj)).fetchone()[0]})
+    return out
+
+
+# ---------------------------------------------------------------- truncation records (the serving side)
+# A peer that serves history (a rehydration, a widening backfill) from a log it has evicted below a
+# horizon tells the subject which rows it cannot re-send in full: a signed `sovm/ssp-truncated-v1`
+# record per table (agent/core/records.py, docs/protocol.md §8). The subject surfaces each named
+# row as `partial_rebuild` (reason `serving_peer_horizon`): never silently incomplete.
+_TRUNC_DDL = ("CREATE TABLE IF NOT EXISTS truncation_records ("
+              " record_hash BLOB PRIMARY KEY, issuer BLOB NOT NULL, subject BLOB NOT NULL, qualified TEXT NOT NULL,"
+              " horizon_p INTEGER NOT NULL, horizon_l INTEGER NOT NULL, n_rows INTEGER NOT NULL,"
+              " issued_at INTEGER NOT NULL, raw BLOB NOT NULL) WITHOUT ROWID")
+
+
+def _ensure_trunc(conn: sqlite3.Connection) -> None:
+    conn.execute(_TRUNC_DDL)
+
+
+def truncated_rows(node, subject: bytes, tables: list[str] | None = None) -> dict[str, tuple[tuple[int, int], list[bytes]]]:
+    """Per table with a horizon (policy-allowed to `subject`), the rows whose materialized state
+    this node cannot fully re-send: a column, existence or tombstone clock whose owning event is no
+    longer in its retained log, or a tombstone clock below the horizon. {table: (horizon, [_rk])}."""
+    from .core.merge import below
+    from .core.schema import SYNCABLE
+    from .store import rows as rowstore
+    from .sync import SyncDriver
+    allowed = SyncDriver(node)._allowed_fn(subject)
+    out: dict[str, tuple[tuple[int, int], list[bytes]]] = {}
+    for q, t in sorted(node.tables.items()):
+        if t.horizon is None or t.tdef.category != SYNCABLE or (tables is not None and q not in tables):
+            continue
+        if not allowed(q):
+            continue  # never name rows of a table this peer may not receive
+        base = rowstore.q(rowstore.base_name(t.tdef))
+        clocks = ["_tomb_c", "_ex_c"] + [rowstore.q("_c_" + c) for c in t.tdef.value_columns]
+        rks = []
+        for r in node.conn.execute(f"SELECT _rk, {', '.join(clocks)} FROM {base} ORDER BY _rk"):
+            tomb = rowstore.unpack_stamp(r[1])
+            bad = tomb is not None and below((tomb[0], tomb[1]), t.horizon)
+            if not bad:
+                for b in r[1:]:
+                    if b is None:
+                        continue
+                    p, l, sid = rowstore.unpack_stamp(b)
+                    if node.conn.execute("SELECT 1 FROM events WHERE site_id=? AND qualified=? AND hlc_p=? AND hlc_l=?",
+                                         (sid, q, p, l)).fetchone() is None:
+                        bad = True
+                        break
+            if bad:
+                rks.append(bytes(r[0]))
+        if rks:
+            out[q] = (t.horizon, rks)
+    return out
+
+
+def issue_truncations(node, subject: bytes, tables: list[str] | None = None, now: int | None = None,
+                      cause: str = "rehydration") -> list[bytes]:
+    """Sign and store the truncation records for `subject` (nothing when this node has no horizon,
+    e.g. a gateway). Signed with the node's event key through the keystore bridge under fresh HLC
+    identities (persist-before-release), like every record this node issues. Must run outside a
+    transaction. The records travel in every body from then on."""
+    from firmware_bridge import EventIdentity
+    from .core import records as rec
+    from .node import EVENT_KEY, now_ms
+    from .store import db
+    now = now_ms() if now is None else now
+    found = truncated_rows(node, subject, tables)
+    if not found:
+        return []
+    raws = []
+    for q, (h, rks) in found.items():
+        tdef = node.tables[q].tdef
+        keys = [decode_strict(rk) for rk in rks]
+        for i in range(0, len(keys), rec.MAX_TRUNCATED_ROWS):
+            protected, payload, tbs = rec.truncation_to_be_signed(
+                node.site_id, node.mesh_id, subject, tdef.schema, tdef.name, h, keys[i:i + rec.MAX_TRUNCATED_ROWS], now)
+            hlc = node._tick(now)
+            raws.append(node.bridge.release(EventIdentity(node.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs,
+                                            lambda sig, pr=protected, pl=payload: assemble(pr, pl, sig)))
+    own = bytes(db.get_meta(node.conn, "public_key"))
+    with db.transaction(node.conn):
+        _ensure_trunc(node.conn)
+        for raw in raws:
+            _store_trunc(node.conn, rec.verify_truncation(raw, node.mesh_id, lambda k: (own, None) if k == node.site_id else None), now)
+        node.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, site_id, detail) VALUES (?,?,?,?,?)",
+                          (now, "truncation_issued", cause, subject, json.dumps(
+                              {"tables": {q: {"horizon": f"{h[0]}.{h[1]}", "rows": len(rks)} for q, (h, rks) in found.items()},
+                               "records": len(raws)}, sort_keys=True)))
+    log.warning("serving %s (%s) from a log evicted below its horizon: %s", subject.hex(), cause,
+                ", ".join(f"{q}: {len(rks)} row(s) below {h[0]}.{h[1]}" for q, (h, rks) in found.items()))
+    return raws
+
+
+def _store_trunc(conn: sqlite3.Connection, t, now: int) -> bool:
+    cur = conn.execute("INSERT OR IGNORE INTO truncation_records VALUES (?,?,?,?,?,?,?,?,?)",
+                       (t.record_hash, t.issuer, t.subject, t.table, t.horizon[0], t.horizon[1], len(t.row_keys),
+                        t.issued_at, t.raw))
+    return cur.rowcount == 1
+
+
+def truncation_raws(conn: sqlite3.Connection) -> list[bytes]:
+    """Every truncation record held (forwarded in every body's `records`, like the other records)."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE name='truncation_records'").fetchone() is None:
+        return []
+    return [bytes(r[0]) for r in conn.execute("SELECT raw FROM truncation_records ORDER BY issued_at, record_hash")]
+
+
+# ---------------------------------------------------------------- truncation records (the receiving side)
+def handle_truncations(node, raws: list, now: int) -> dict:
+    """Verify truncation records (each on its own; issuer in the keyring and not retired), store
+    them, and, for records addressed to this node, surface every named row as a partial rebuild.
+    Runs inside the caller's transaction, after the body's authority records (a vouch in the same
+    body admits the issuer). Records for other subjects are stored and forwarded only."""
+    from .core.records import RecordError, record_hash as rh, verify_truncation
+    from .outcomes import to_json
+    _ensure_trunc(node.conn)
+    out = {"stored": 0, "known": 0, "dropped": 0, "surfaced_rows": 0}
+    own = node_public_key(node)
+
+    def entry_of(kid: bytes):
+        return (own, None) if kid == node.site_id else node.keyring.get(kid)
+
+    for raw in raws:
+        if not isinstance(raw, (bytes, bytearray)):
+            continue
+        if node.conn.execute("SELECT 1 FROM truncation_records WHERE record_hash=?", (rh(bytes(raw)),)).fetchone():
+            out["known"] += 1
+            continue
+        try:
+            t = verify_truncation(bytes(raw), node.mesh_id, entry_of)
+        except RecordError as e:
+            out["dropped"] += 1
+            node.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
+                              (now, "record_dropped", e.reason, json.dumps({"type": "sovm/ssp-truncated-v1",
+                                                                            "detail": e.detail})))
+            continue
+        _store_trunc(node.conn, t, now)
+        out["stored"] += 1
+        if t.subject != node.site_id:
+            continue
+        h = f"{t.horizon[0]}.{t.horizon[1]}"
+        node.conn.executemany(
+            "INSERT INTO surfaced (at_ms, kind, reason, site_id, qualified, detail) VALUES (?,?,?,?,?,?)",
+            [(now, "partial_rebuild", "serving_peer_horizon", t.issuer, t.table,
+              json.dumps({"row_key": to_json(k), "table": t.table, "serving_peer": t.issuer.hex(), "horizon": h,
+                          "record_hash": t.record_hash.hex()}, sort_keys=True)) for k in t.row_keys])
+        out["surfaced_rows"] += len(t.row_keys)
+        log.warning("%d row(s) of %s served by %s depend on history below its horizon %s: partial rebuilds",
+                    len(t.row_keys), t.table, t.issuer.hex(), h)
+    return out
+
+
+def truncation_summary(conn: sqlite3.Connection, site_id: bytes) -> dict:
+    """Rows flagged to this node by serving peers, per (peer, table), and what this node declared
+    to the subjects it served (distinct rows; the highest horizon named)."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE name='truncation_records'").fetchone() is None:
+        return {"received": [], "issued": []}
+    from .core.records import TRUNCATED_MEMBERS  # noqa: F401 - the payload layout read below
+    groups: dict[tuple[str, bytes, str], tuple[tuple[int, int], set]] = {}
+    for issuer, subject, q, p, l, raw in conn.execute(
+            "SELECT issuer, subject, qualified, horizon_p, horizon_l, raw FROM truncation_records "
+            "WHERE subject=?1 OR issuer=?1", (site_id,)):
+        side, other = ("received", bytes(issuer)) if bytes(subject) == site_id else ("issued", bytes(subject))
+        rks = decode_strict(parse_sign1(bytes(raw)).payload_bytes)["row_keys"]
+        h, rows = groups.get((side, other, q), ((0, 0), set()))
+        rows |= {encode(k) for k in rks}
+        groups[(side, other, q)] = (max(h, (p, l)), rows)
+    out: dict[str, list] = {"received": [], "issued": []}
+    for (side, other, q), (h, rows) in sorted(groups.items()):
+        out[side].append({"serving_peer" if side == "received" else "subject": other.hex(), "table": q,
+                          "horizon": f"{h[0]}.{h[1]}", "rows": len(rows)})
     return out

@@ -244,7 +244,7 @@ class SyncDriver:
 
     def _record_raws(self) -> list[bytes]:
         from . import rehydrate
-        return st.record_raws(self.conn) + rehydrate.record_raws(self.conn)
+        return st.record_raws(self.conn) + rehydrate.record_raws(self.conn) + rehydrate.truncation_raws(self.conn)
 
     def confirm(self, peer: bytes, tok: _Token, processed: int, contiguous: bool = False) -> bool:
         """The peer processed the first `processed` events to a final state: advance (§14.1).
@@ -289,8 +289,10 @@ class SyncDriver:
         node = self.node
         new = False
         from . import rehydrate
+        from .core.records import is_truncation
         rh = [r for r in raws if rehydrate.is_rehydrate_record(r)]
-        raws = [r for r in raws if not rehydrate.is_rehydrate_record(r)]
+        tr = [r for r in raws if is_truncation(r)]
+        raws = [r for r in raws if not rehydrate.is_rehydrate_record(r) and not is_truncation(r)]
         before = {k for k, c in resolve_chains(st.records(self.conn)).items() if c.forked}
         with _txn(self.conn):
             if rh:
@@ -320,6 +322,15 @@ class SyncDriver:
                                  {"subject": k[1].hex(), "records": [h.hex() for h in c.fork_records]})
         if new:
             node._load_caches()  # keyring rebuilt from the store, records overlaid (agent/node.py)
+        if tr:
+            # After the authority records: a vouch in the same body admits the truncation's issuer.
+            with _txn(self.conn):
+                out["truncation"] = rehydrate.handle_truncations(node, tr, now)
+        for subj in out.get("rehydrate", {}).get("subjects_reset", []):
+            # Serving a rehydration from a log evicted below a horizon: say which rows are incomplete.
+            n = len(rehydrate.issue_truncations(node, bytes.fromhex(subj), now=now, cause="rehydration"))
+            if n:
+                out["truncation_issued"] = out.get("truncation_issued", 0) + n
         return out
 
     def _issuer_key(self, issuer: bytes) -> bytes | None:
@@ -433,6 +444,11 @@ def change_policy(node, change, now: int | None = None) -> list[tuple[str, str]]
                     widened.append((p, q))
         for p, q in widened:
             st.schedule_backfill(node.conn, p.hex(), [q], peers=[p], now_ms=now_ms() if now is None else now)
+    # Backfill from a log evicted below a horizon: tell each peer which rows it cannot get in full.
+    from . import rehydrate
+    for p in sorted({p for p, _ in widened}):
+        rehydrate.issue_truncations(node, p, [q for pp, q in widened if pp == p],
+                                    now=now_ms() if now is None else now, cause="widening_backfill")
     return [(p.hex(), q) for p, q in widened]
 
 

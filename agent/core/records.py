@@ -182,3 +182,91 @@ def resolve_chains(records: Iterable[Record]) -> dict[tuple[str, bytes], Chain]:
             cur = nxt
         out[key] = ch
     return out
+
+
+# ---------------------------------------------------------------- truncation records (docs/protocol.md §8)
+# A serving peer's statement to a subject it re-offers history to (rehydration, widening backfill):
+# "these rows of this table depend on history I evicted below my horizon; what I send you for them
+# is not complete". Issued by the serving node itself (kid = issuer), addressed to one subject.
+TRUNCATED = "sovm/ssp-truncated-v1"
+TRUNCATED_MEMBERS = frozenset({"subject_site_id", "table_schema", "table_name", "horizon", "row_keys", "issued_at"})
+MAX_TRUNCATED_ROWS = 256  # row keys per record; more rows make several records
+
+
+@dataclass(frozen=True)
+class Truncation:
+    record_hash: bytes
+    raw: bytes
+    issuer: bytes
+    subject: bytes
+    table: str  # schema.name
+    horizon: tuple[int, int]
+    row_keys: tuple[dict, ...]
+    issued_at: int
+
+
+def truncation_to_be_signed(issuer: bytes, mesh_id: bytes, subject: bytes, schema: str, name: str,
+                            horizon: tuple[int, int], row_keys: list[dict], issued_at: int
+                            ) -> tuple[bytes, bytes, bytes]:
+    protected = protected_header(ALG_EDDSA, TRUNCATED, issuer)
+    payload = encode({"subject_site_id": subject, "table_schema": schema, "table_name": name,
+                      "horizon": [horizon[0], horizon[1]], "row_keys": list(row_keys), "issued_at": issued_at})
+    return protected, payload, sig_structure(protected, mesh_id, payload)
+
+
+def is_truncation(raw: Any) -> bool:
+    if not isinstance(raw, (bytes, bytearray)):
+        return False
+    try:
+        return parse_sign1(bytes(raw)).content_type == TRUNCATED
+    except (DecodeError, TypeError, ValueError):
+        return False
+
+
+def _row_key_ok(k: Any) -> bool:
+    return (isinstance(k, dict) and bool(k) and all(isinstance(c, str) for c in k)
+            and all(isinstance(v, (int, str, bytes, float)) or v is None for v in k.values()))
+
+
+def verify_truncation(raw: bytes, mesh_id: bytes,
+                      entry_of: Callable[[bytes], tuple[bytes, Any] | None]) -> Truncation:
+    """Verify one truncation record on its own. `entry_of(issuer)` gives the issuer's keyring
+    entry (public key, retirement cutoff or None). Raises RecordError (dropped and surfaced)."""
+    if not isinstance(raw, (bytes, bytearray)):
+        raise RecordError("not_bytes")
+    raw = bytes(raw)
+    try:
+        s = parse_sign1(raw)
+    except DecodeError as e:
+        raise RecordError(e.reason, e.detail) from None
+    if s.content_type != TRUNCATED:
+        raise RecordError("not_a_truncation_record", s.content_type)
+    entry = entry_of(s.kid)
+    if entry is None:
+        raise RecordError("unknown_kid", s.kid.hex())
+    if entry[1] is not None:
+        raise RecordError("retired_signer", s.kid.hex())
+    if not verify_ed25519(entry[0], s.sig_structure(mesh_id), s.signature):
+        raise RecordError("bad_signature")
+    try:
+        p = decode_strict(s.payload_bytes)
+    except DecodeError as e:
+        raise RecordError(e.reason, "record payload") from None
+    if not isinstance(p, dict) or set(p) != TRUNCATED_MEMBERS:
+        raise RecordError("bad_record_members")
+    subj, schema, name, h, rks, at = (p["subject_site_id"], p["table_schema"], p["table_name"], p["horizon"],
+                                      p["row_keys"], p["issued_at"])
+    if not _bstr(subj, 16):
+        raise RecordError("bad_subject")
+    if subj == s.kid:
+        raise RecordError("self_addressed", "a node does not declare truncation to itself")
+    if not (isinstance(schema, str) and schema and isinstance(name, str) and name):
+        raise RecordError("bad_table")
+    if not isinstance(h, list) or len(h) != 2 or not _uint(h[0], UINT64_MAX) or not _uint(h[1], UINT32_MAX) \
+            or (h[0], h[1]) == (0, 0):
+        raise RecordError("bad_horizon")
+    if not isinstance(rks, list) or not rks or len(rks) > MAX_TRUNCATED_ROWS or not all(map(_row_key_ok, rks)):
+        raise RecordError("bad_row_keys")
+    if not _uint(at, UINT64_MAX):
+        raise RecordError("bad_issued_at")
+    return Truncation(record_hash(raw), raw, s.kid, subj, f"{schema}.{name}", (h[0], h[1]), tuple(rks), at)
