@@ -199,7 +199,7 @@ class Node:
         journal for everything the log now holds."""
         missing = [raw for identity, raw in self.bridge.iter_released()
                    if isinstance(identity, EventIdentity) and identity.site_id == self.site_id
-                   and self._known(ev.event_id(raw)) is None]
+                   and _is_event(raw) and self._known(ev.event_id(raw)) is None]
         if missing:
             log.warning("applying %d local event(s) released before a crash but never applied", len(missing))
             self.apply_batch(missing, origin="local")
@@ -214,11 +214,23 @@ class Node:
         done = set()
         for identity, raw in self.bridge.iter_released():
             if isinstance(identity, EventIdentity) and identity.site_id == self.site_id and (
+                    self._record_held(raw) if not _is_event(raw) else
                     self._known(ev.event_id(raw)) == "log" or self._below_own_horizon(raw)):
                 done.add(identity)
         stats = self.bridge.compact_events(done.__contains__)
         self._journal_base = stats["bytes_after"]
         return stats
+
+    def _record_held(self, raw: bytes) -> bool:
+        """A control record this node signed through the bridge (rehydrate, truncation, authority
+        records) that its store holds: done, like an event in the log."""
+        from .core.records import record_hash
+        h = record_hash(bytes(raw))
+        for table in ("control_records", "rehydrate_records", "truncation_records"):
+            if self.conn.execute("SELECT 1 FROM sqlite_master WHERE name=?", (table,)).fetchone() and \
+                    self.conn.execute(f"SELECT 1 FROM {table} WHERE record_hash=?", (h,)).fetchone():
+                return True
+        return False
 
     def _below_own_horizon(self, raw: bytes) -> bool:
         try:
@@ -720,6 +732,14 @@ class Node:
                 "tables": {q: {"category": t.tdef.category, "retention": t.tdef.retention,
                                "horizon": f"{t.horizon[0]}.{t.horizon[1]}" if t.horizon else "0.0"}
                            for q, t in sorted(self.tables.items())}}
+
+
+def _is_event(raw: bytes) -> bool:
+    """The bridge journal also holds control records this node signed: those are not events."""
+    try:
+        return cose.parse_sign1(bytes(raw)).content_type == ev.EVENT_CONTENT_TYPE
+    except (DecodeError, TypeError, ValueError):
+        return False
 
 
 def _create_table_rows(conn: sqlite3.Connection, t: TableDef) -> None:

@@ -177,3 +177,15 @@ def test_forged_or_foreign_truncation_records(tmp_path):
     assert res["truncation"]["surfaced_rows"] == len(TRUNCATED)
     assert sorted(k(e["detail"]["row_key"]) for e in flagged(w)) == sorted(map(k, TRUNCATED))
     assert bytes(db.get_meta(srv.conn, "public_key")) == nw.keyring[srv.site_id][0]
+
+
+def test_records_signed_through_the_bridge_are_not_replayed_as_events_on_open(tmp_path):
+    from tests.sync.helpers import reopen
+    gw, srv, w, (nw,), t = history(tmp_path)
+    assert rehydrate.issue_truncations(srv, nw.site_id, now=t)
+    rehydrate.start(nw, srv.site_id, now=t + 1)
+    for n in (reopen(srv), reopen(nw)):
+        assert not [e for e in n.surfaced() if e["reason"] == "not_an_event"]
+        # the journal no longer holds them once the store does (compacted on open)
+        assert not [r for _i, r in n.bridge.iter_released()]
+        n.close()
