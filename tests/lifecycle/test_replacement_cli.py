@@ -178,3 +178,47 @@ def test_replace_a_dead_device_through_the_cli(tmp_path):
         assert [(e["status"], e["reason"]) for e in mine] == [("dropped", "retired_signer")], res
         assert forged["event_id"] not in {e["event_id"] for e in cli.lines(h, "log")}
         assert cli.j(h, "dump")["app.notes"] == [{"key": {"id": "site"}, "values": {"body": "written by n3"}}]
+
+
+def test_replacement_served_by_a_peer_that_evicted_lists_the_truncated_rows(tmp_path):
+    """No gateway: the new device rehydrates from a field node that evicted below a horizon. Rows
+    whose history reaches below that horizon are listed by `events` (serving_peer_horizon) and
+    counted by `rehydrate --status`; every other row equals the server's."""
+    cli = Cli(tmp_path)
+    auth_file = tmp_path / "authority.json"
+    auth = cli.j(tmp_path / "unused", "authority", "create", "--out", auth_file)
+    man = tmp_path / "mesh.toml"
+    man.write_text(f'mesh_id = "{MESH}"\nauthorities = ["{auth["site_id"]}"]\n'
+                   f'[[peers]]\nsite_id = "{auth["site_id"]}"\npublic_key = "{auth["public_key"]}"\n' + TABLES)
+    srv, w, new = (tmp_path / x for x in ("srv", "w", "new"))
+    ids = {h: cli.j(h, "init", "--manifest", man, "--profile", "pi-zero-2w") for h in (srv, w, new)}
+    for h in (srv, w, new):
+        cli(srv, "record", "issue-vouch", "--subject", ids[h]["site_id"], "--public-key", ids[h]["public_key"],
+            "--authority-key", auth_file)
+    cli.carry(srv, w, ids[w]["site_id"])
+    old = [json.dumps({"device": "old", "seq": s}) for s in range(3)]
+    mix, fresh = json.dumps({"device": "mix", "seq": 0}), json.dumps({"device": "new", "seq": 0})
+    for k in old + [mix]:
+        cli(w, "write", "app.readings", "--key", k, "--set", '{"temp": 1.5}')
+    cli.carry(w, srv, ids[srv]["site_id"])
+    top = max((e["hlc"] for e in cli.lines(srv, "log")), key=lambda h: tuple(map(int, h.split("."))))
+    horizon = f"{int(top.split('.')[0]) + 1}.0"
+    assert cli.j(srv, "evict", "app.readings", "--horizon", horizon)["events_deleted"] == 4
+    cli(w, "write", "app.readings", "--key", mix, "--set", '{"note": "late"}')
+    cli(w, "write", "app.readings", "--key", fresh, "--set", '{"temp": 7.0, "note": "above"}')
+    cli.carry(w, srv, ids[srv]["site_id"])
+    cli.j(new, "rehydrate", "--from", ids[srv]["site_id"])
+    cli.carry(new, srv, ids[srv]["site_id"])
+    cli.carry(srv, new, ids[new]["site_id"])
+    listed = [e for e in cli.lines(new, "events") if e["kind"] == "partial_rebuild"]
+    assert sorted(json.dumps(e["detail"]["row_key"]) for e in listed) == sorted(old + [mix])
+    assert {(e["reason"], e["detail"]["horizon"], e["detail"]["serving_peer"]) for e in listed} == \
+        {("serving_peer_horizon", horizon, ids[srv]["site_id"])}
+    st_new = cli.j(new, "rehydrate", "--status")
+    assert st_new["rehydrating"]["partial_from_serving_peers"] == 4
+    assert st_new["truncations"]["received"][0]["rows"] == 4
+    assert cli.j(srv, "rehydrate", "--status")["truncations"]["issued"][0]["subject"] == ids[new]["site_id"]
+    mine = {json.dumps(r["key"]): r["values"] for r in cli.j(new, "dump")["app.readings"]}
+    theirs = {json.dumps(r["key"]): r["values"] for r in cli.j(srv, "dump")["app.readings"]}
+    assert mine[fresh] == theirs[fresh] == {"temp": 7.0, "note": "above"}
+    assert set(mine) - {json.dumps(json.loads(k)) for k in old + [mix]} == {fresh}
