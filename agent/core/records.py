@@ -90,17 +90,22 @@ def _uint(v: Any, limit: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= limit
 
 
-def verify_record(raw: bytes, mesh_id: bytes, authorities: Iterable[bytes],
-                  key_of: Callable[[bytes], bytes | None]) -> Record:
-    """Verify one record on its own. Raises RecordError (dropped and surfaced) otherwise.
-    `key_of(issuer)` gives the issuer's Ed25519 key from the trusted keyring (or None)."""
+def _parse(raw) -> tuple[bytes, Any]:
+    """The strict COSE_Sign1 parse every record starts with (RecordError on failure)."""
     if not isinstance(raw, (bytes, bytearray)):
         raise RecordError("not_bytes")
     raw = bytes(raw)
     try:
-        s = parse_sign1(raw)
+        return raw, parse_sign1(raw)
     except DecodeError as e:
         raise RecordError(e.reason, e.detail) from None
+
+
+def verify_record(raw: bytes, mesh_id: bytes, authorities: Iterable[bytes],
+                  key_of: Callable[[bytes], bytes | None]) -> Record:
+    """Verify one record on its own. Raises RecordError (dropped and surfaced) otherwise.
+    `key_of(issuer)` gives the issuer's Ed25519 key from the trusted keyring (or None)."""
+    raw, s = _parse(raw)
     if s.content_type not in _MEMBERS:
         raise RecordError("unknown_record_type", s.content_type)
     if s.kid not in set(authorities):
@@ -232,13 +237,7 @@ def verify_truncation(raw: bytes, mesh_id: bytes,
                       entry_of: Callable[[bytes], tuple[bytes, Any] | None]) -> Truncation:
     """Verify one truncation record on its own. `entry_of(issuer)` gives the issuer's keyring
     entry (public key, retirement cutoff or None). Raises RecordError (dropped and surfaced)."""
-    if not isinstance(raw, (bytes, bytearray)):
-        raise RecordError("not_bytes")
-    raw = bytes(raw)
-    try:
-        s = parse_sign1(raw)
-    except DecodeError as e:
-        raise RecordError(e.reason, e.detail) from None
+    raw, s = _parse(raw)
     if s.content_type != TRUNCATED:
         raise RecordError("not_a_truncation_record", s.content_type)
     entry = entry_of(s.kid)
