@@ -376,11 +376,13 @@ def _store_trunc(conn: sqlite3.Connection, t, now: int) -> bool:
     return cur.rowcount == 1
 
 
-def truncation_raws(conn: sqlite3.Connection) -> list[bytes]:
-    """Every truncation record held (forwarded in every body's `records`, like the other records)."""
-    if conn.execute("SELECT 1 FROM sqlite_master WHERE name='truncation_records'").fetchone() is None:
+def truncation_raws(conn: sqlite3.Connection, subject: bytes | None = None) -> list[bytes]:
+    """The truncation records for a body to `subject` (only those addressed to it); with no
+    subject (a body for nobody in particular) none."""
+    if subject is None or conn.execute("SELECT 1 FROM sqlite_master WHERE name='truncation_records'").fetchone() is None:
         return []
-    return [bytes(r[0]) for r in conn.execute("SELECT raw FROM truncation_records ORDER BY issued_at, record_hash")]
+    return [bytes(r[0]) for r in conn.execute(
+        "SELECT raw FROM truncation_records WHERE subject=? ORDER BY issued_at, record_hash", (subject,))]
 
 
 # ---------------------------------------------------------------- truncation records (the receiving side)

@@ -240,7 +240,7 @@ class Runner:
                 P_START: m.props.get(P_START, ""), P_END: m.props.get(P_END, ""),
                 "ssp-applied": str(c["applied"]), "ssp-duplicate": str(c["duplicate"]),
                 "ssp-dropped": str(c["dropped"]), "ssp-rejected": str(c["rejected"])}
-        if self.link.answer(m, self.sync.answer_body(), user):
+        if self.link.answer(m, self.sync.answer_body(m.sender), user):
             self.stats["answers_sent"] += 1
         self.link.ack(m)
 
@@ -337,7 +337,7 @@ class Runner:
             force = False
             if off.events:
                 if base is None:  # records and watermarks travel in every body; the meta rides along
-                    base = len(self.sync.body(())) + 96
+                    base = len(self.sync.body((), peer)) + 96
                 cost = meta_cost(start, off.seqs) + [0] * off.n_backfill
                 sizes = [len(e) + c for e, c in zip(off.events, cost)]
                 parts = split_sizes(sizes, base + sum(len(g) + 3 for g in off.gaps), limit, self.max_events)
@@ -358,7 +358,7 @@ class Runner:
             c.execute("SELECT count(*) FROM rehydrate_records").fetchone()[0]
 
     def _send(self, peer: bytes, kind: str, off: Offer) -> None:
-        body = self.sync.body(off.events)
+        body = self.sync.body(off.events, peer)
         user = {P_KIND: kind, P_START: str(off.start), P_END: str(off.end), P_COUNT: str(len(off.events)),
                 P_PART: "1/1", P_META: encode_meta(off.start, off.end, off.seqs, off.gaps, off.n_backfill)}
         corr = self.link.push(peer, body, user)

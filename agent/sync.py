@@ -234,7 +234,7 @@ class SyncDriver:
         if mode == "push":
             self._push_pos[(peer, path)] = sel.end
         events = list(sel.events) + (list(bf.events) if bf else [])
-        body = SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events), tuple(self._record_raws()),
+        body = SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events), tuple(self._record_raws(peer)),
                         tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items())))
         meta = StreamMeta(start, sel.end, tuple(sel.seqs), tuple(sorted(sel.gaps)), len(bf.events) if bf else 0)
         tok = self.token(peer, path, sel, bf, start)
@@ -242,9 +242,11 @@ class SyncDriver:
         self.stats["pushed_events"] += len(events)
         return Outgoing(emit_body(body), meta, tok, len(events))
 
-    def _record_raws(self) -> list[bytes]:
+    def _record_raws(self, peer: bytes | None = None) -> list[bytes]:
+        """Records for a body to `peer`. Truncation records (up to 256 row keys each) go only to
+        their subject, the one node that acts on them, so they never swell every body."""
         from . import rehydrate
-        return st.record_raws(self.conn) + rehydrate.record_raws(self.conn) + rehydrate.truncation_raws(self.conn)
+        return st.record_raws(self.conn) + rehydrate.record_raws(self.conn) + rehydrate.truncation_raws(self.conn, peer)
 
     def confirm(self, peer: bytes, tok: _Token, processed: int, contiguous: bool = False) -> bool:
         """The peer processed the first `processed` events to a final state: advance (§14.1).
@@ -638,12 +640,13 @@ class PortAdapter:
         k, outs = self.driver.receive(body.from_site_id, body, sm, "batch", now_ms(), self.path, self.secure)
         return body, outs, k
 
-    def answer_body(self) -> bytes:
-        return self.body(())
+    def answer_body(self, peer: bytes | None = None) -> bytes:
+        return self.body((), peer)
 
-    def body(self, events=()) -> bytes:
-        """A sync body carrying `events`, every control record held and this node's applied watermarks."""
-        return emit_body(SyncBody(self.node.site_id, self.have_max(), tuple(events), tuple(self.driver._record_raws()),
+    def body(self, events=(), peer: bytes | None = None) -> bytes:
+        """A sync body for `peer` carrying `events`, the control records held (truncation records
+        only to their subject) and this node's applied watermarks."""
+        return emit_body(SyncBody(self.node.site_id, self.have_max(), tuple(events), tuple(self.driver._record_raws(peer)),
                                   tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items()))))
 
     def note_answer(self, peer: bytes, data: bytes) -> None:

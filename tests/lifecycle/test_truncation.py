@@ -93,9 +93,11 @@ def test_rehydrating_from_an_evicted_peer_over_a_session_surfaces_exactly_the_tr
     # more exchanges surface nothing twice
     sync(dn, ds, t + 1, cycles=2)
     assert len(flagged(nw)) == len(TRUNCATED)
-    # the records travel on (stored and forwarded by a third node) but only the subject surfaces them
+    # the records go only to their subject: a third node neither receives nor surfaces them,
+    # so they never swell every body of the mesh
+    assert rehydrate.truncation_raws(srv.conn, nw.site_id)
     sync(ds, SyncDriver(w), t + 100_000)
-    assert len(rehydrate.truncation_raws(w.conn)) == len(rehydrate.truncation_raws(srv.conn)) > 0
+    assert rehydrate.truncation_raws(w.conn, nw.site_id) == []
     assert not flagged(w)
 
 
@@ -118,7 +120,7 @@ def test_a_gateway_serves_with_no_truncation_records(tmp_path):
     dn, dg = SyncDriver(nw), SyncDriver(gw)
     rehydrate.start(nw, gw.site_id, now=t + 1)
     sync(dn, dg, t + 2, cycles=3)
-    assert rehydrate.truncation_raws(gw.conn) == [] and rehydrate.truncation_raws(nw.conn) == []
+    assert rehydrate.truncation_raws(gw.conn, nw.site_id) == [] and rehydrate.status(gw)["truncations"]["issued"] == []
     assert not flagged(nw) and rows(nw) == rows(gw)
     assert rehydrate.status(nw)["truncations"] == {"received": [], "issued": []}
 
@@ -127,10 +129,10 @@ def test_widening_backfill_from_an_evicted_peer_names_the_truncated_rows(tmp_pat
     gw, srv, w, (nw,), t = history(tmp_path)
     deny = PolicyRow(nw.site_id.hex(), "app", "readings", "user", "deny", "")
     change_policy(srv, lambda c: st.put_policy_row(c, deny), now=t)
-    assert rehydrate.truncation_raws(srv.conn) == []
+    assert rehydrate.truncation_raws(srv.conn, nw.site_id) == []
     widened = change_policy(srv, lambda c: st.delete_policy_row(c, deny), now=t + 1)
     assert widened == [(nw.site_id.hex(), R)]
-    assert len(rehydrate.truncation_raws(srv.conn)) == 1
+    assert len(rehydrate.truncation_raws(srv.conn, nw.site_id)) == 1
     sync(SyncDriver(srv), SyncDriver(nw), t + 2, cycles=2)
     check_subject(nw, srv, gw)
 
@@ -170,7 +172,8 @@ def test_forged_or_foreign_truncation_records(tmp_path):
     assert len(foreign) == 1
     out = dn.apply_records(foreign, t)
     assert out["truncation"]["stored"] == 1 and not flagged(nw)
-    assert foreign[0] in dn._record_raws()
+    assert foreign[0] in dn._record_raws(w.site_id)  # kept, and sent on only to its subject
+    assert foreign[0] not in dn._record_raws(srv.site_id)
     assert dn.apply_records(foreign, t)["truncation"]["known"] == 1
     # the same genuine record reaches its subject: surfaced there
     res = SyncDriver(w).apply_records(foreign, t)
