@@ -296,6 +296,9 @@ class SyncDriver:
         tr = [r for r in raws if is_truncation(r)]
         raws = [r for r in raws if not rehydrate.is_rehydrate_record(r) and not is_truncation(r)]
         before = {k for k, c in resolve_chains(st.records(self.conn)).items() if c.forked}
+        # A role record can widen policy (the role layer): such a widening backfills too (scope §2).
+        policy_before = _policy_snapshot(node, self) if raws else None
+        widened: list[tuple[bytes, str]] = []
         with _txn(self.conn):
             if rh:
                 out["rehydrate"] = rehydrate.handle_records(self, rh, now)
@@ -322,8 +325,14 @@ class SyncDriver:
                         log.warning("control record fork: %s chain of %s; treated as absent", k[0], k[1].hex())
                         _surface(self.conn, now, "record_fork", f"{k[0]}_fork",
                                  {"subject": k[1].hex(), "records": [h.hex() for h in c.fork_records]})
+                if policy_before is not None:
+                    widened = _enqueue_widenings(node, self, policy_before, now)
+                    if widened:
+                        out["widened"] = [(p.hex(), q) for p, q in widened]
         if new:
             node._load_caches()  # keyring rebuilt from the store, records overlaid (agent/node.py)
+        if widened:
+            _announce_truncations(node, widened, now)
         if tr:
             # After the authority records: a vouch in the same body admits the truncation's issuer.
             with _txn(self.conn):
@@ -429,29 +438,46 @@ def change_policy(node, change, now: int | None = None) -> list[tuple[str, str]]
     durable backfill job. Peers: every site this node trusts or holds a cursor for. Returns the
     widened (peer hex, table) pairs."""
     from .node import now_ms
+    now = now_ms() if now is None else now
     st.ensure_schema(node.conn)
     drv = SyncDriver(node)
-    peers = sorted(({s for s in node.keyring if s != node.site_id}
-                    | set(st.peers_with_cursors(node.conn))))
-    tables = sorted(q for q, t in node.tables.items() if t.tdef.category == "syncable")
-    before = {p: drv._allowed_fn(p) for p in peers}
-    snap = {(p, q): before[p](q) for p in peers for q in tables}
-    widened = []
+    snap = _policy_snapshot(node, drv)
     with _txn(node.conn):
         change(node.conn)
-        for p in peers:
-            after = drv._allowed_fn(p)
-            for q in tables:
-                if after(q) and not snap[(p, q)]:
-                    widened.append((p, q))
-        for p, q in widened:
-            st.schedule_backfill(node.conn, p.hex(), [q], peers=[p], now_ms=now_ms() if now is None else now)
+        widened = _enqueue_widenings(node, drv, snap, now)
+    _announce_truncations(node, widened, now)
+    return [(p.hex(), q) for p, q in widened]
+
+
+def _policy_snapshot(node, drv: "SyncDriver") -> dict[tuple[bytes, str], bool]:
+    """What policy allows now, for every (peer, syncable table) this node could send to."""
+    peers = sorted({s for s in node.keyring if s != node.site_id} | set(st.peers_with_cursors(node.conn)))
+    tables = sorted(q for q, t in node.tables.items() if t.tdef.category == "syncable")
+    snap = {}
+    for p in peers:
+        allowed = drv._allowed_fn(p)
+        snap.update({(p, q): allowed(q) for q in tables})
+    return snap
+
+
+def _enqueue_widenings(node, drv: "SyncDriver", before: dict, now: int) -> list[tuple[bytes, str]]:
+    """Inside the caller's transaction: one durable backfill job per (peer, table) that `before`
+    denied and policy allows now (scope §2: widening triggers backfill, whatever widened it)."""
+    widened = []
+    for p in sorted({p for p, _ in before}):
+        allowed = drv._allowed_fn(p)
+        widened += [(p, q) for (pp, q), was in sorted(before.items()) if pp == p and not was and allowed(q)]
+    for p, q in widened:
+        st.schedule_backfill(node.conn, p.hex(), [q], peers=[p], now_ms=now)
+    return widened
+
+
+def _announce_truncations(node, widened: list[tuple[bytes, str]], now: int) -> None:
     # Backfill from a log evicted below a horizon: tell each peer which rows it cannot get in full.
     from . import rehydrate
     for p in sorted({p for p, _ in widened}):
-        rehydrate.issue_truncations(node, p, [q for pp, q in widened if pp == p],
-                                    now=now_ms() if now is None else now, cause="widening_backfill")
-    return [(p.hex(), q) for p, q in widened]
+        rehydrate.issue_truncations(node, p, [q for pp, q in widened if pp == p], now=now,
+                                    cause="widening_backfill")
 
 
 class LinkProvider:

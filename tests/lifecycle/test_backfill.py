@@ -150,3 +150,25 @@ def test_policy_cli_reports_the_backfill_it_enqueued(tmp_path):
     assert rc == 0
     out = json.loads(buf.getvalue())
     assert out["removed"] == 1 and out["backfill"] == [{"peer": b.site_id.hex(), "table": N}]
+
+
+def test_a_role_record_that_widens_policy_backfills_the_withheld_history(tmp_path):
+    """Scope §2 and §1.3: widening triggers backfill whatever widens it, here the role layer."""
+    from agent.sync import issue_record
+    auth, a, b = mesh(tmp_path, 3, authority=0)
+    # a withholds notes from everyone, except holders of the role "field".
+    change_policy(a, lambda c: (st.put_policy_row(c, PolicyRow("*", "app", "notes", "system", "deny", "")),
+                                st.put_policy_row(c, PolicyRow("*", "app", "notes", "role", "allow", "field"))))
+    t = NOW
+    for i in range(6):
+        a.write(N, {"id": f"n{i}"}, {"body": f"v{i}"}, now=t + i)
+    sync(SyncDriver(a), SyncDriver(b), t + 10, cycles=2)
+    assert raws(b, N) == {}  # withheld
+    issue_record(auth, "role", b.site_id, "field", now=t + 20)
+    da = SyncDriver(a)
+    sync(SyncDriver(auth), da, t + 30)  # the role record reaches a: its policy widens for b
+    assert st.peers_with_cursors(a.conn)
+    jobs = a.conn.execute("SELECT count(*) FROM backfill_jobs").fetchone()[0]
+    assert jobs == 1
+    sync(da, SyncDriver(b), t + 40, cycles=3)
+    assert raws(b, N) == raws(a, N) and len(raws(b, N)) == 6  # byte for byte, same event_ids
