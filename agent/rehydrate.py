@@ -150,6 +150,7 @@ def handle_records(driver, raws: list, now: int) -> dict:
         upto = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
         conn.execute("UPDATE sync_cursors SET live=0, bf_next=0, bf_end=0 WHERE peer=?", (r["subject"],))
         conn.execute("DELETE FROM peer_watermarks WHERE peer=?", (r["subject"],))
+        st.clear_records_delivered(conn, r["subject"])  # it may have lost its records too: send them again
         conn.execute("INSERT OR REPLACE INTO rehydrate_served VALUES (?,?,?,?)",
                      (r["subject"], r["generation"], upto, now))
         conn.execute("INSERT INTO surfaced (at_ms, kind, reason, site_id, detail) VALUES (?,?,?,?,?)",

@@ -3,8 +3,9 @@
 One thread owns the node (SQLite); the MQTT link's network thread only enqueues what arrives.
 Everything sent and received goes through the sync layer (`agent.sync.PortAdapter` on the
 transport path `mqtt`): durable per-(peer, path) cursors in sync_state, selection filtered by
-policy, self-echo, peer origin and the peer's reported watermarks, control records and the
-node's applied watermarks in every body, and the frame meta (cursor range, seq deltas, policy
+policy, self-echo, peer origin and the peer's reported watermarks, the control records not yet
+delivered to the peer (within a quarter of its body limit, docs/protocol.md §5) and the node's
+applied watermarks in every body, and the frame meta (cursor range, seq deltas, policy
 gaps) in the `ssp-meta` user property so that an authenticated receiver can infer watermarks.
 
 - **Batch** (§32): every `cadence_s`, for every peer in the keyring, offer what the durable
@@ -84,7 +85,6 @@ class _Pending:
     end: int
     seqs: list[int]
     sent: float
-    records: int = 0  # control records this node held when it sent the body (every body carries all)
     n_backfill: int = 0  # backfill events after the live ones (widening backfill, scope §2)
     backfill: bool = False  # the body carries a share of a backfill job (possibly no events: the walk's end)
     token: Any = None  # the sync layer's confirmation token (live range and backfill rows)
@@ -116,7 +116,6 @@ class Runner:
                              presence_payload=lambda: self.sync.handshake(self.cfg.realtime))
         self.pending: dict[bytes, _Pending] = {}
         self.peer_limit: dict[bytes, int] = {}  # per peer: body size it refused as too_large, halved
-        self.records_acked: dict[bytes, int] = {}  # per peer: records held when it last answered a body
         self.last_eviction: dict | None = None
         self._next_evict = 0.0
         self.sent_upto: dict[bytes, int] = {}  # per peer: highest seq offered in flight (volatile)
@@ -268,12 +267,11 @@ class Runner:
         except ValueError:
             processed = 0
         self.stats["events_acknowledged"] += processed
-        self.records_acked[p.peer] = max(self.records_acked.get(p.peer, 0), p.records)
         if p.backfill:  # live range and backfill rows commit together (SyncDriver.confirm)
             self.sync.advance(p.peer, p.start, p.seqs, p.end, processed, token=p.token)
         else:
             self.sync.advance(p.peer, p.start, p.seqs, p.end, processed)
-        self.sync.note_answer(p.peer, m.payload)
+        self.sync.note_answer(p.peer, m.payload, p.token)  # the body's records are delivered now
         if processed < total:
             self._reset_peer(p.peer)  # re-offer from the cursor next cycle
         else:
@@ -324,45 +322,39 @@ class Runner:
         sent = 0
         start = max(self.sync.cursor(peer), self.sent_upto.get(peer, 0))
         limit = self._limit(peer)
-        base = None
-        # Records travel in every body; one the peer has not answered for yet is worth a body of its own.
-        force = force or (not self.in_flight(peer) and self._records() > self.records_acked.get(peer, 0))
+        # Records the peer has not answered for (never delivered to it on this path) are worth a
+        # body of their own; at most a quarter of the peer's limit of them per body, the rest
+        # follow in the next bodies (each answer marks what its body carried as delivered).
+        rbudget = max(256, limit // 4)
+        force = force or (not self.in_flight(peer) and self.sync.records_pending(peer))
         for _ in range(max(bodies, 0)):
             # Widening backfill rides batch bodies only, after the live tail (live first), one such
             # body in flight per peer.
             bf = kind == KIND_BATCH and not self.backfill_in_flight(peer)
-            off = self.sync.select(peer, start, self.max_events, backfill=bf)
+            off = self.sync.select(peer, start, self.max_events, backfill=bf, record_budget=rbudget)
             if off.end <= start and not off.backfill and not force:
                 break
             force = False
             if off.events:
-                if base is None:  # records and watermarks travel in every body; the meta rides along
-                    base = len(self.sync.body((), peer)) + 96
+                # The records this body carries and the watermarks; the meta rides along.
+                base = len(self.sync.body((), peer, off.token)) + 96
                 cost = meta_cost(start, off.seqs) + [0] * off.n_backfill
                 sizes = [len(e) + c for e, c in zip(off.events, cost)]
                 parts = split_sizes(sizes, base + sum(len(g) + 3 for g in off.gaps), limit, self.max_events)
                 if len(parts) > 1:  # the first part that fits; the rest goes in the next body
-                    off = self.sync.select(peer, start, parts[0][1], backfill=bf)
+                    off = self.sync.select(peer, start, parts[0][1], backfill=bf, record_budget=rbudget)
             self._send(peer, kind, off)
             sent += len(off.events)
             start = off.end
             self.sent_upto[peer] = off.end
         return sent
 
-    def _records(self) -> int:
-        """Records held (authority records and rehydrate requests), a count that only grows: a new
-        one the peer has not answered for yet is worth a body of its own (a rehydrate request must
-        reach the peer even when neither side has events to send)."""
-        c = self.node.conn
-        return c.execute("SELECT count(*) FROM control_records").fetchone()[0] + \
-            c.execute("SELECT count(*) FROM rehydrate_records").fetchone()[0]
-
     def _send(self, peer: bytes, kind: str, off: Offer) -> None:
-        body = self.sync.body(off.events, peer)
+        body = self.sync.body(off.events, peer, off.token)
         user = {P_KIND: kind, P_START: str(off.start), P_END: str(off.end), P_COUNT: str(len(off.events)),
                 P_PART: "1/1", P_META: encode_meta(off.start, off.end, off.seqs, off.gaps, off.n_backfill)}
         corr = self.link.push(peer, body, user)
-        self.pending[corr] = _Pending(peer, kind, off.start, off.end, off.seqs, time.monotonic(), self._records(),
+        self.pending[corr] = _Pending(peer, kind, off.start, off.end, off.seqs, time.monotonic(),
                                       off.n_backfill, off.backfill, off.token)
         self.stats["backfill_events_pushed"] += off.n_backfill
         self.stats["bodies_pushed"] += 1

@@ -40,6 +40,8 @@ log = logging.getLogger("ssp_agent.sync")
 DEFAULT_BATCH_LIMIT = 500
 SCAN_FACTOR = 20  # rows examined per body at most: limit * SCAN_FACTOR (a mostly-filtered log cannot stall a cycle)
 MAILBOX_PATH = "mailbox"
+MAX_RECORDS_PER_BODY = 128  # control records per body at most (and at most a quarter of the body limit)
+RECORD_OVERHEAD = 5  # CBOR bstr header, array growth: bytes a record costs in a body beyond its own
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,8 @@ class _Token:
     end: int
     bf_parts: tuple[_BfPart, ...] = ()
     rehydrate_gen: int | None = None  # a rehydration reset since selection voids the live advance
+    records: tuple[bytes, ...] = ()  # hashes of the control records the body carries (delivered on an answer)
+    record_raws: tuple[bytes, ...] = ()  # those records, in body order
 
 
 @dataclass
@@ -90,9 +94,10 @@ class SyncDriver:
     def have_max_hlc(self) -> tuple[int, int]:
         return self.node.clock.current()  # an upper bound of every HLC held; advisory only (§31)
 
-    def _allowed_fn(self, peer: bytes):
-        rows = st.policy_rows(self.conn)
-        roles = st.current_roles(self.conn)
+    def _allowed_fn(self, peer: bytes, rows=None, roles=None):
+        """`rows`, `roles`: policy rows and current roles already read (one read for many peers)."""
+        rows = st.policy_rows(self.conn) if rows is None else rows
+        roles = st.current_roles(self.conn) if roles is None else roles
         role = roles.get(peer)
         cats = {q: t.tdef.category for q, t in self.node.tables.items()}
         cache: dict[str, bool] = {}
@@ -150,10 +155,12 @@ class SyncDriver:
             bf = self.select_backfill(peer, allowed, pwm, room)
         return sel, bf, start, 0
 
-    def token(self, peer: bytes, path: str, sel: delivery.Selection, bf: Backfill | None, start: int) -> _Token:
-        """What `confirm` needs once the peer answers a body built from this selection."""
+    def token(self, peer: bytes, path: str, sel: delivery.Selection, bf: Backfill | None, start: int,
+              records: tuple[tuple[bytes, ...], tuple[bytes, ...]] = ((), ())) -> _Token:
+        """What `confirm` needs once the peer answers a body built from this selection.
+        `records`: (hashes, raws) from `select_records`, the records the body carries."""
         return _Token(path, start, tuple(sel.seqs), sel.end, tuple(bf.parts) if bf else (),
-                      st.rehydrate_generation(self.conn, peer))
+                      st.rehydrate_generation(self.conn, peer), tuple(records[0]), tuple(records[1]))
 
     def _rows_for(self, peer: bytes, start: int):
         """Log rows for `peer`; while this node serves a rehydration of `peer`, rows up to the
@@ -234,19 +241,63 @@ class SyncDriver:
         if mode == "push":
             self._push_pos[(peer, path)] = sel.end
         events = list(sel.events) + (list(bf.events) if bf else [])
-        body = SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events), tuple(self._record_raws(peer)),
+        recs = self.select_records(peer, path)
+        body = SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events), tuple(recs[1]),
                         tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items())))
         meta = StreamMeta(start, sel.end, tuple(sel.seqs), tuple(sorted(sel.gaps)), len(bf.events) if bf else 0)
-        tok = self.token(peer, path, sel, bf, start)
+        tok = self.token(peer, path, sel, bf, start, recs)
         self.stats["bodies_out"] += 1
         self.stats["pushed_events"] += len(events)
         return Outgoing(emit_body(body), meta, tok, len(events))
 
     def _record_raws(self, peer: bytes | None = None) -> list[bytes]:
-        """Records for a body to `peer`. Truncation records (up to 256 row keys each) go only to
-        their subject, the one node that acts on them, so they never swell every body."""
+        """Every record a body to `peer` could carry, in body order: authority records (vouch,
+        retire, role: a vouch admits the signer of what follows), rehydrate requests, then truncation
+        records (up to 256 row keys each), which go only to their subject, the one node that acts
+        on them."""
         from . import rehydrate
-        return st.record_raws(self.conn) + rehydrate.record_raws(self.conn) + rehydrate.truncation_raws(self.conn, peer)
+        return (st.record_raws_ordered(self.conn) + rehydrate.record_raws(self.conn)
+                + rehydrate.truncation_raws(self.conn, peer))
+
+    def record_budget(self) -> int:
+        """Bytes of records a body may carry: a quarter of the profile's body limit."""
+        return max(256, int(getattr(self.node.profile, "body_limit_bytes", 256 * 1024)) // 4)
+
+    def select_records(self, peer: bytes | None, path: str, budget: int | None = None
+                       ) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+        """(hashes, raws) of the records for one body to `peer` on `path`: those not yet delivered
+        to it there (`records_delivered`), in body order, a prefix of at most `budget` bytes
+        (default `record_budget()`) and MAX_RECORDS_PER_BODY records, so records never make a body
+        exceed the limit; the rest follow in later bodies. A single record larger than the budget
+        goes alone (otherwise it could never be sent)."""
+        budget = self.record_budget() if budget is None else budget
+        done = st.delivered_records(self.conn, peer, path) if peer is not None else set()
+        hashes: list[bytes] = []
+        raws: list[bytes] = []
+        used = 0
+        for raw in self._record_raws(peer):
+            h = delivery_hash(raw)
+            if h in done:
+                continue
+            cost = len(raw) + RECORD_OVERHEAD
+            if raws and (used + cost > budget or len(raws) >= MAX_RECORDS_PER_BODY):
+                break  # a prefix: what follows never overtakes what it depends on
+            hashes.append(h)
+            raws.append(raw)
+            used += cost
+        return tuple(hashes), tuple(raws)
+
+    def records_pending(self, peer: bytes, path: str) -> bool:
+        """Whether `peer` has records to receive on `path` (not yet delivered there)."""
+        done = st.delivered_records(self.conn, peer, path)
+        return any(delivery_hash(r) not in done for r in self._record_raws(peer))
+
+    def note_records_received(self, peer: bytes, path: str, raws) -> None:
+        """Records that came from `peer` (a body or an answer): it holds them, never send them back."""
+        hs = [delivery_hash(r) for r in raws if isinstance(r, (bytes, bytearray))]
+        if hs:
+            with _txn(self.conn):
+                st.mark_records_delivered(self.conn, peer, path, hs)
 
     def confirm(self, peer: bytes, tok: _Token, processed: int, contiguous: bool = False) -> bool:
         """The peer processed the first `processed` events to a final state: advance (§14.1).
@@ -261,6 +312,8 @@ class SyncDriver:
         with _txn(self.conn):
             if st.rehydrate_generation(self.conn, peer) != tok.rehydrate_gen:
                 return False  # the peer asked for its history again meanwhile: its cursors restart at genesis
+            if tok.records:  # it answered (or the file is written): it holds the body's records
+                st.mark_records_delivered(self.conn, peer, tok.path, tok.records)
             cur = st.cursor(self.conn, peer, tok.path)[0]
             if live > cur and not (contiguous and tok.start > cur):
                 st.advance_cursor(self.conn, peer, tok.path, live)
@@ -358,6 +411,7 @@ class SyncDriver:
         """Apply one parsed body from `peer`. Returns (processed before first rejected, outcomes)."""
         if body.records:
             self.apply_records(body.records, now)
+            self.note_records_received(peer, path, body.records)
         # An authenticated peer's deliveries are tagged, so they are never offered back to it.
         origin = delivery.origin_tag(peer) if secure else "remote"
         outcomes = self.node.apply_batch(body.events, now, origin=origin)
@@ -420,6 +474,8 @@ class SyncDriver:
         from .node import now_ms
         now = now_ms() if now is None else now
         recs = self.apply_records(body.records, now) if body.records else None
+        if body.records:
+            self.note_records_received(body.from_site_id, MAILBOX_PATH, body.records)
         outcomes = self.node.apply_batch(body.events, now, origin="mailbox")
         from . import rehydrate
         rehydrate.note_body(self.conn, body.from_site_id, outcomes)
@@ -454,8 +510,9 @@ def _policy_snapshot(node, drv: "SyncDriver") -> dict[tuple[bytes, str], bool]:
     peers = sorted({s for s in node.keyring if s != node.site_id} | set(st.peers_with_cursors(node.conn)))
     tables = sorted(q for q, t in node.tables.items() if t.tdef.category == "syncable")
     snap = {}
+    rows, roles = st.policy_rows(node.conn), st.current_roles(node.conn)
     for p in peers:
-        allowed = drv._allowed_fn(p)
+        allowed = drv._allowed_fn(p, rows, roles)
         snap.update({(p, q): allowed(q) for q in tables})
     return snap
 
@@ -464,8 +521,9 @@ def _enqueue_widenings(node, drv: "SyncDriver", before: dict, now: int) -> list[
     """Inside the caller's transaction: one durable backfill job per (peer, table) that `before`
     denied and policy allows now (scope §2: widening triggers backfill, whatever widened it)."""
     widened = []
+    rows, roles = st.policy_rows(node.conn), st.current_roles(node.conn)
     for p in sorted({p for p, _ in before}):
-        allowed = drv._allowed_fn(p)
+        allowed = drv._allowed_fn(p, rows, roles)
         widened += [(p, q) for (pp, q), was in sorted(before.items()) if pp == p and not was and allowed(q)]
     for p, q in widened:
         st.schedule_backfill(node.conn, p.hex(), [q], peers=[p], now_ms=now)
@@ -531,7 +589,8 @@ def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = 
     """Issue a control record as this node (it must be a mesh authority), signed with its event
     key through the keystore bridge under a fresh HLC identity (persist-before-release: a crash
     never makes it sign two different records it could both have released). The record extends
-    the subject's chain from the head this node holds, is stored, and travels in every body."""
+    the subject's chain from the head this node holds, is stored, and goes to every peer (in the next
+    bodies to it, until it answers one: docs/protocol.md §5)."""
     from firmware_bridge import EventIdentity
     from .core import records as rec
     from .core.cose import assemble
@@ -629,18 +688,26 @@ class PortAdapter:
     def cursor(self, peer: bytes) -> int:
         return st.cursor(self.conn, peer, self.path)[0]
 
-    def select(self, peer: bytes, start: int, limit: int, backfill: bool = False):
+    def select(self, peer: bytes, start: int, limit: int, backfill: bool = False, record_budget: int | None = None):
         """At most `limit` events for `peer` after `start`, through the driver's one selection
         (`SyncDriver.select_for`): the live tail first, then, with `backfill`, whole rows of the
         peer's backfill jobs in what is left (policy re-checked now). The runner asks for backfill
         only when no backfill body is in flight to that peer: the next rows are selected from the
-        durable `resume_after_row_key`, which moves only on an answer."""
+        durable `resume_after_row_key`, which moves only on an answer. The offer's token also
+        names the control records the body will carry (`body(events, peer, token)`): those not yet
+        delivered to the peer on this path, at most `record_budget` bytes (default a quarter of the
+        profile's body limit)."""
         from .runner import Offer
         sel, bf, start, _ = self.driver.select_for(peer, self.path, "batch", start=start, limit=limit,
                                                    backfill=backfill)
         bf_events = list(bf.events) if bf else []
+        recs = self.driver.select_records(peer, self.path, record_budget)
         return Offer(start, sel.end, list(sel.seqs), list(sel.events) + bf_events, sorted(sel.gaps),
-                     len(bf_events), bf is not None, self.driver.token(peer, self.path, sel, bf, start))
+                     len(bf_events), bf is not None, self.driver.token(peer, self.path, sel, bf, start, recs))
+
+    def records_pending(self, peer: bytes) -> bool:
+        """Whether `peer` has control records not yet delivered to it on this path."""
+        return self.driver.records_pending(peer, self.path)
 
     def backlog(self, peer: bytes) -> int:
         return self.conn.execute("SELECT count(*) FROM events WHERE seq > ? AND site_id != ?",
@@ -669,13 +736,27 @@ class PortAdapter:
     def answer_body(self, peer: bytes | None = None) -> bytes:
         return self.body((), peer)
 
-    def body(self, events=(), peer: bytes | None = None) -> bytes:
-        """A sync body for `peer` carrying `events`, the control records held (truncation records
-        only to their subject) and this node's applied watermarks."""
-        return emit_body(SyncBody(self.node.site_id, self.have_max(), tuple(events), tuple(self.driver._record_raws(peer)),
+    def body(self, events=(), peer: bytes | None = None, token=None) -> bytes:
+        """A sync body for `peer` carrying `events`, control records and this node's applied
+        watermarks. Records: with `token` (`Offer.token`), the ones selected with the offer (they
+        count as delivered when the peer answers, `advance`/`note_answer` with that token); without
+        one (an answer body), the next ones not yet delivered to the peer, within the budget, not
+        tracked (an answer is not answered)."""
+        if isinstance(token, _Token):
+            raws = token.record_raws
+        else:
+            raws = self.driver.select_records(peer, self.path)[1] if peer is not None else ()
+        return emit_body(SyncBody(self.node.site_id, self.have_max(), tuple(events), tuple(raws),
                                   tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items()))))
 
-    def note_answer(self, peer: bytes, data: bytes) -> None:
+    def note_answer(self, peer: bytes, data: bytes, token=None) -> None:
+        """`peer` answered a body: take the answer's records and (secure binding) reports. With the
+        body's `token`, the records that body carried count as delivered to the peer (unless it
+        asked for its history again since the body was selected)."""
+        if isinstance(token, _Token) and token.records:
+            with _txn(self.conn):
+                if st.rehydrate_generation(self.conn, peer) == token.rehydrate_gen:
+                    st.mark_records_delivered(self.conn, peer, self.path, token.records)
         try:
             b = parse_body(data)
         except Exception:  # noqa: BLE001 - a malformed answer is the runner's to surface
@@ -683,6 +764,7 @@ class PortAdapter:
         if b.records:  # records verify on their own (authority signatures): taken from any answer
             from .node import now_ms
             self.driver.apply_records(b.records, now_ms())
+            self.driver.note_records_received(peer, self.path, b.records)
         if not self.secure:
             return
         with _txn(self.conn):

@@ -45,6 +45,11 @@ CREATE TABLE IF NOT EXISTS rehydrate_served (
 CREATE TABLE IF NOT EXISTS control_records (
   record_hash BLOB PRIMARY KEY, kind TEXT NOT NULL, issuer BLOB NOT NULL, subject BLOB NOT NULL,
   generation INTEGER NOT NULL, previous BLOB, value TEXT NOT NULL, raw BLOB NOT NULL) WITHOUT ROWID;
+-- Control records (any kind) this node knows a peer holds on a path: answered for, written to a
+-- mailbox file, or received from that peer. Bodies carry only the others (docs/protocol.md §5).
+CREATE TABLE IF NOT EXISTS records_delivered (
+  peer BLOB NOT NULL, path TEXT NOT NULL, record_hash BLOB NOT NULL,
+  PRIMARY KEY (peer, path, record_hash)) WITHOUT ROWID;
 """
 
 
@@ -53,7 +58,8 @@ def has_schema(conn: sqlite3.Connection) -> bool:
 
 
 def _has_lifecycle_tables(conn: sqlite3.Connection) -> bool:
-    return conn.execute("SELECT 1 FROM sqlite_master WHERE name='rehydrate_served'").fetchone() is not None
+    return conn.execute("SELECT count(*) FROM sqlite_master WHERE name IN ('rehydrate_served', 'records_delivered')"
+                        ).fetchone()[0] == 2
 
 
 def ensure_schema(conn: sqlite3.Connection) -> None:
@@ -257,6 +263,32 @@ def record_raws(conn: sqlite3.Connection) -> list[bytes]:
     if not has_schema(conn):
         return []
     return [bytes(r[0]) for r in conn.execute("SELECT raw FROM control_records ORDER BY record_hash")]
+
+
+def record_raws_ordered(conn: sqlite3.Connection) -> list[bytes]:
+    """The authority records in the order bodies carry them: vouch, then retire, then role (a
+    vouch admits the signer of what follows it), each chain from its genesis."""
+    if not has_schema(conn):
+        return []
+    return [bytes(r[0]) for r in conn.execute(
+        "SELECT raw FROM control_records ORDER BY CASE kind WHEN 'vouch' THEN 0 WHEN 'retire' THEN 1 ELSE 2 END,"
+        " subject, generation, record_hash")]
+
+
+def delivered_records(conn: sqlite3.Connection, peer: bytes, path: str) -> set[bytes]:
+    """Hashes of the records `peer` is known to hold on `path`."""
+    return {bytes(h) for (h,) in conn.execute("SELECT record_hash FROM records_delivered WHERE peer=? AND path=?",
+                                               (peer, path))}
+
+
+def mark_records_delivered(conn: sqlite3.Connection, peer: bytes, path: str, hashes: Iterable[bytes]) -> None:
+    conn.executemany("INSERT OR IGNORE INTO records_delivered VALUES (?,?,?)",
+                     [(peer, path, bytes(h)) for h in hashes])
+
+
+def clear_records_delivered(conn: sqlite3.Connection, peer: bytes) -> None:
+    """Every path: the peer may have lost what it held (a verified rehydrate request)."""
+    conn.execute("DELETE FROM records_delivered WHERE peer=?", (peer,))
 
 
 def overlay_keyring(conn: sqlite3.Connection, keyring: dict, self_site: bytes) -> dict:
