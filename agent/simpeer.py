@@ -13,6 +13,23 @@ from .core import cose, events as ev
 from .core.messages import SyncBody, emit_body
 
 
+def readings_table(retention: str | None = None) -> str:
+    """The sample sensor table of the demos, benchmarks and tests (one definition); with a
+    retention class it is evictable (scope §3)."""
+    ret = f'retention = "{retention}"\n' if retention else ""
+    return ('\n[[tables]]\nschema = "app"\nname = "readings"\ncategory = "syncable"\n' + ret +
+            'key = ["device", "seq"]\ncolumns = { device = "text", seq = "integer", temp = "real", note = "text" }\n')
+
+
+NOTES_TABLE = '\n[[tables]]\nschema = "app"\nname = "notes"\ncategory = "syncable"\nkey = ["id"]\n' \
+              'columns = { id = "text", body = "text" }\n'
+
+
+def manifest_text(mesh_id: bytes, tables: str, peers: "list[SimPeer]" = ()) -> str:
+    """A provisioning manifest (cli-contract.md `init`) for `tables`, trusting `peers`."""
+    return f'mesh_id = "{mesh_id.hex()}"\n' + "".join(p.manifest_peer() for p in peers) + tables
+
+
 @dataclass
 class SimPeer:
     mesh_id: bytes

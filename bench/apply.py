@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agent.core import cose  # noqa: E402
 from agent.mailbox import import_body  # noqa: E402
 from agent.node import Node  # noqa: E402
-from agent.simpeer import SimPeer  # noqa: E402
+from agent.simpeer import SimPeer, manifest_text, readings_table  # noqa: E402
 
 MESH = bytes.fromhex("be4c0000000000000000000000000001")
 
@@ -77,13 +77,7 @@ def main() -> int:
     raw_bytes = sum(len(e) for e in events)
     with tempfile.TemporaryDirectory() as d:
         os.environ.setdefault("SSP_AGENT_WITNESS_DIR", os.path.join(d, "witness"))
-        manifest = f'mesh_id = "{MESH.hex()}"\n' + "".join(s.manifest_peer() for s in sites) + """
-[[tables]]
-schema = "app"
-name = "readings"
-key = ["device", "seq"]
-columns = { device = "text", seq = "integer", temp = "real", note = "text" }
-"""
+        manifest = manifest_text(MESH, readings_table(), sites)
         node, _ = Node.init(Path(d) / "node", manifest)
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         t = time.perf_counter()

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 
 from firmware_bridge import EventIdentity, ReceiptIdentity, SigningBridge, open_keystore  # noqa: E402
 from firmware_bridge.journal import encode_released  # noqa: E402
+from agent.simpeer import manifest_text, readings_table  # noqa: E402
 
 SITE = bytes.fromhex("00112233445566778899aabbccddeeff")
 MESH = bytes(16)
@@ -135,14 +136,7 @@ def bench_bridge(ks, journal: str, n: int, group: int, base: int, threads: int =
     return rate(n, dt)
 
 
-NODE_MANIFEST = f'mesh_id = "{MESH.hex()}"\n' + """
-[[tables]]
-schema = "app"
-name = "readings"
-category = "syncable"
-key = ["device", "seq"]
-columns = { device = "text", seq = "integer", temp = "real", note = "text" }
-"""
+NODE_MANIFEST = manifest_text(MESH, readings_table())
 
 
 def bench_node(d: str, n: int, group: int) -> tuple[float, float]:

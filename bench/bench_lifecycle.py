@@ -27,18 +27,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from agent.simpeer import readings_table  # noqa: E402
+
 MESH = bytes.fromhex("be4c0000000000000000000000000006")
 T0 = 1_790_000_000_000
 DAY = 86_400_000
-TABLE = """
-[[tables]]
-schema = "app"
-name = "readings"
-category = "syncable"
-retention = "telemetry"
-key = ["device", "seq"]
-columns = { device = "text", seq = "integer", temp = "real", note = "text" }
-"""
+TABLE = readings_table("telemetry")
 
 
 def rss_mb() -> float:

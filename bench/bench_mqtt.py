@@ -21,19 +21,12 @@ os.environ.setdefault("SSP_AGENT_WITNESS_DIR", tempfile.mkdtemp(prefix="ssp-benc
 from agent.core.messages import SyncBody, emit_body  # noqa: E402
 from agent.node import Node  # noqa: E402
 from agent.runner import RunConfig, Runner  # noqa: E402
-from agent.simpeer import SimPeer  # noqa: E402
+from agent.simpeer import SimPeer, manifest_text, readings_table  # noqa: E402
 from agent.transport.broker import Broker  # noqa: E402
 from agent.transport.mqtt import MqttLink, MqttSettings, split_sizes  # noqa: E402
 
 MESH = bytes.fromhex("be4c0000000000000000000000000042")
-MANIFEST = f'''mesh_id = "{MESH.hex()}"
-[[tables]]
-schema = "app"
-name = "readings"
-category = "syncable"
-key = ["device", "seq"]
-columns = {{ device = "text", seq = "integer", temp = "real", note = "text" }}
-'''
+MANIFEST = manifest_text(MESH, readings_table())
 
 
 def events(n: int, sites: list[SimPeer]) -> list[bytes]:

@@ -17,20 +17,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.node import Node  # noqa: E402
-from agent.simpeer import SimPeer  # noqa: E402
+from agent.simpeer import SimPeer, readings_table  # noqa: E402
 from agent.store import db  # noqa: E402
 from agent.sync import SyncDriver  # noqa: E402
 from agent.transport.memory import MemoryLink, Pair  # noqa: E402
 
 MESH = bytes.fromhex("be4c0000000000000000000000000002")
-TABLES = """
-[[tables]]
-schema = "app"
-name = "readings"
-category = "syncable"
-key = ["device", "seq"]
-columns = { device = "text", seq = "integer", temp = "real", note = "text" }
-"""
+TABLES = readings_table()
 
 
 def main() -> int:

@@ -9,7 +9,7 @@ from agent.simpeer import SimPeer
 MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 T = "app.readings"
 
-TABLES = """
+READINGS = """
 [[tables]]
 schema = "app"
 name = "readings"
@@ -17,7 +17,9 @@ category = "syncable"
 retention = "telemetry"
 key = ["device", "seq"]
 columns = { device = "text", seq = "integer", temp = "real", note = "text", raw = "blob" }
+"""
 
+TABLES = READINGS + """
 [[tables]]
 schema = "sec"
 name = "keys"

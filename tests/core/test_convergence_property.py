@@ -10,18 +10,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from agent.node import Node
 
-from .helpers import NOW, T, manifest, peers
+from .helpers import NOW, READINGS, T, manifest, peers
 
 SITES = peers(3)
-TABLES = """
-[[tables]]
-schema = "app"
-name = "readings"
-category = "syncable"
-retention = "telemetry"
-key = ["device", "seq"]
-columns = { device = "text", seq = "integer", temp = "real", note = "text", raw = "blob" }
-"""
+TABLES = READINGS
 VALUE = st.one_of(st.none(), st.floats(allow_nan=False, allow_infinity=False, width=64))
 NOTE = st.one_of(st.none(), st.text(max_size=3))
 RAW = st.one_of(st.none(), st.binary(max_size=3))

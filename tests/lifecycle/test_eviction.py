@@ -10,21 +10,14 @@ import json
 import pytest
 
 from agent.node import Node, NodeError
+from agent.simpeer import readings_table
 from agent.sync import SyncDriver
 from tests.sync.helpers import Signer, manifest, sync
 
 DAY = 86_400_000
 T0 = 1_790_000_000_000
 R = "app.readings"
-TABLES = """
-[[tables]]
-schema = "app"
-name = "readings"
-category = "syncable"
-retention = "telemetry"
-key = ["device", "seq"]
-columns = { device = "text", seq = "integer", temp = "real", note = "text" }
-"""
+TABLES = readings_table("telemetry")
 
 
 def node(tmp_path, name, signers):

@@ -13,23 +13,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-MESH = "00112233445566778899aabbccddeeff"
-TABLES = """
-[[tables]]
-schema = "app"
-name = "readings"
-category = "syncable"
-retention = "telemetry"
-key = ["device", "seq"]
-columns = { device = "text", seq = "integer", temp = "real", note = "text" }
+from agent.simpeer import NOTES_TABLE, readings_table
 
-[[tables]]
-schema = "app"
-name = "notes"
-category = "syncable"
-key = ["id"]
-columns = { id = "text", body = "text" }
-"""
+MESH = "00112233445566778899aabbccddeeff"
+TABLES = readings_table("telemetry") + NOTES_TABLE
 
 
 class Cli:

@@ -6,27 +6,13 @@ import time
 from pathlib import Path
 
 from agent.node import Node
+from agent.simpeer import NOTES_TABLE, manifest_text, readings_table
 from agent.runner import RunConfig, Runner
 from agent.transport.mqtt import MqttSettings
 
 MESH = bytes.fromhex("5e5e0000000000000000000000000042")
 T = "app.readings"
-MANIFEST = f'''mesh_id = "{MESH.hex()}"
-
-[[tables]]
-schema = "app"
-name = "readings"
-category = "syncable"
-key = ["device", "seq"]
-columns = {{ device = "text", seq = "integer", temp = "real", note = "text" }}
-
-[[tables]]
-schema = "app"
-name = "notes"
-category = "syncable"
-key = ["id"]
-columns = {{ id = "text", body = "text" }}
-'''
+MANIFEST = manifest_text(MESH, readings_table() + NOTES_TABLE)
 N = "app.notes"
 
 

@@ -8,6 +8,7 @@ import nacl.signing
 
 from agent.core import cose, events as ev
 from agent.node import Node
+from agent.simpeer import NOTES_TABLE, readings_table
 from agent.store import db
 from agent.sync import SyncDriver
 from agent.transport.memory import Faults, MemoryLink, Pair
@@ -16,21 +17,7 @@ MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 T = "app.readings"
 NOW = 1_790_000_000_000
 
-TABLES = """
-[[tables]]
-schema = "app"
-name = "readings"
-category = "syncable"
-key = ["device", "seq"]
-columns = { device = "text", seq = "integer", temp = "real", note = "text" }
-
-[[tables]]
-schema = "app"
-name = "notes"
-category = "syncable"
-key = ["id"]
-columns = { id = "text", body = "text" }
-
+TABLES = readings_table() + NOTES_TABLE + """
 [[tables]]
 schema = "sec"
 name = "keys"
