@@ -13,15 +13,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-MANIFEST = """mesh_id = "5e55a9e7000000000000000000000002"
+from agent.simpeer import manifest_text, readings_table
 
-[[tables]]
-schema = "app"
-name = "readings"
-category = "syncable"
-key = ["device", "seq"]
-columns = { device = "text", seq = "integer", temp = "real", note = "text" }
-"""
+MANIFEST = manifest_text(bytes.fromhex("5e55a9e7000000000000000000000002"), readings_table())
 
 
 def sh(home: Path, *args: str, quiet: bool = False) -> str:
