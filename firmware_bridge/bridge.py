@@ -216,14 +216,18 @@ class SigningBridge:
         # (a) intents, one durable commit for the whole batch
         self._journal.commit([(INTENT, idents[k], items[k][1]) for k in todo])
         self._fire("after_intent")
-        # (b) sign in identity order (a serial device refuses identities at/below its last one)
+        # (b) sign in identity order (a serial device refuses identities at/below its last one);
+        # the keystore may sign a large batch on several cores, the outputs are the same
+        order = sorted(todo, key=lambda k: idents[k])
+        for k in order:
+            if not isinstance(items[k][2], bytes):
+                items[k] = (items[k][0], items[k][1], bytes(items[k][2]), items[k][3])
+        sigs, failure = self._ks._sign_many([(items[k][1], items[k][0], items[k][2]) for k in order])
         done: list[tuple[bytes, bytes]] = []
-        failure: Optional[BaseException] = None
-        for k in sorted(todo, key=lambda k: idents[k]):
+        for k, sig in zip(order, sigs):
             identity, key_name, tbs, assemble = items[k]
             try:
-                sig = self._ks._sign(key_name, identity, bytes(tbs))
-                self._check_signature(key_name, bytes(tbs), sig)
+                self._check_signature(key_name, tbs, sig)
                 out = assemble(sig)
                 if not isinstance(out, (bytes, bytearray)) or not out:
                     raise TypeError("assemble(signature) must return the encoded COSE_Sign1 bytes")

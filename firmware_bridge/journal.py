@@ -47,6 +47,7 @@ INTENT = 1
 RELEASED = 2
 FLOOR = 3
 _HDR = struct.Struct(">II")
+_HLC = struct.Struct(">QI")
 MAX_RECORD = 1 << 24
 
 Hook = Callable[[str], None]
@@ -127,7 +128,7 @@ class Journal:
         self._key_of: dict[bytes, str] = {}   # ident -> key name of its intent (interned)
         self._pending = bytearray()
         # (tagged ident, record length, payload length or None, key name or None) of queued records
-        self._pending_effects: list[tuple[bytes, int, Optional[int], Optional[str]]] = []
+        self._pending_effects: list[tuple[int, bytes, int, Optional[int], Optional[str]]] = []
         self._seq = 0          # last sequence number handed out
         self._durable = 0      # last sequence number covered by a completed fsync
         self._flushing = False  # a leader (or a compaction) owns the file
@@ -204,12 +205,14 @@ class Journal:
         if rtype == INTENT:
             self._index.setdefault(ident, None)
             self._key_of.setdefault(ident, sys.intern(key or ""))
+            if len(ident) == 29 and ident[0] == 0x45:   # b"E": an event (identity.py), the hot path
+                site, hlc = ident[1:17], _HLC.unpack_from(ident, 17)
+                cur = self._max_hlc.get(site)
+                if cur is None or hlc > cur:
+                    self._max_hlc[site] = hlc
+                return
             identity = decode_identity(ident)
-            if isinstance(identity, EventIdentity):
-                cur = self._max_hlc.get(identity.site_id)
-                if cur is None or identity.hlc > cur:
-                    self._max_hlc[identity.site_id] = identity.hlc
-            elif isinstance(identity, ReceiptIdentity):
+            if isinstance(identity, ReceiptIdentity):
                 cur_e = self._max_epoch.get(identity.group_id)
                 if cur_e is None or identity.epoch > cur_e:
                     self._max_epoch[identity.group_id] = identity.epoch
@@ -238,8 +241,7 @@ class Journal:
                     rec = encode_released(ident, arg)  # type: ignore[arg-type]
                     plen = len(arg)  # type: ignore[arg-type]
                 self._pending += rec
-                self._pending_effects.append((bytes([rtype]) + ident, len(rec), plen,
-                                              arg if rtype == INTENT else None))
+                self._pending_effects.append((rtype, ident, len(rec), plen, arg if rtype == INTENT else None))
             self._seq += 1
             my_seq = self._seq
             while True:
@@ -260,8 +262,8 @@ class Journal:
             # (a compaction between queueing and flushing changes the file)
             effects = []
             pos = self._tail
-            for tagged, rlen, plen, key in pending:
-                effects.append((tagged, None if plen is None else (pos + rlen - plen, plen), key))
+            for rtype, ident, rlen, plen, key in pending:
+                effects.append((rtype, ident, None if plen is None else (pos + rlen - plen, plen), key))
                 pos += rlen
         try:
             self._write(buf)
@@ -279,8 +281,8 @@ class Journal:
             self.fsyncs += 1
             self._tail = pos
             try:
-                for tagged, loc, key in effects:
-                    self._apply(tagged[0], tagged[1:], loc, key)
+                for rtype, ident, loc, key in effects:
+                    self._apply(rtype, ident, loc, key)
             except (ValueError, IndexError) as exc:  # the index disagrees with the file: stop
                 self._failed = exc
                 raise JournalError(f"journal index inconsistent ({exc}); restart the agent") from exc

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Optional, Sequence
 
 from .errors import KeystoreError, UnsupportedAlgorithm
 from .identity import Identity
@@ -62,6 +62,20 @@ class Keystore(ABC):
         Private on purpose: only ``SigningBridge`` calls it, after recording the intent (§22.5).
         ``identity`` is passed so a device can enforce its own per-identity refusal.
         """
+
+    def _sign_many(self, requests: Sequence[tuple[str, Identity, bytes]]) -> tuple[list[bytes], Optional[BaseException]]:
+        """Sign ``requests`` [(key name, identity, data)] in the order given (a device refuses
+        identities at or below its last one); stop at the first failure.  Returns the signatures of
+        a prefix of ``requests`` and the failure that ended it, if any.  Private like ``_sign``: only the bridge's
+        group commit calls it, after the intents are durable.  Backends that can sign concurrently
+        override it (software Ed25519); their prefix may be shorter than this loop's, never longer."""
+        sigs: list[bytes] = []
+        for name, identity, data in requests:
+            try:
+                sigs.append(self._sign(name, identity, data))
+            except BaseException as exc:  # the caller keeps the rest as unknown outcomes
+                return sigs, exc
+        return sigs, None
 
     def close(self) -> None:
         """Release resources (files, worker processes, serial ports)."""

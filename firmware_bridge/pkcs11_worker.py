@@ -144,6 +144,19 @@ class Worker:
         # CKM_ECDSA over the SHA-256 digest; PKCS#11 returns raw r||s, as COSE ES256 wants
         return bytes(key.sign(hashlib.sha256(data).digest(), mechanism=Mechanism.ECDSA))
 
+    def op_sign_many(self, requests: list[list[Any]]) -> dict[str, Any]:
+        """[[name, alg, data], ...] in one round trip (the bridge's group commit); signs in order and
+        stops at the first failure: {"sigs": [...]} plus "err"/"msg" when one failed."""
+        sigs: list[bytes] = []
+        for name, alg, data in requests:
+            try:
+                sigs.append(self.op_sign(name, alg, data))
+            except _Err as e:
+                return {"sigs": sigs, "err": e.cls, "msg": e.msg}
+            except Exception as e:  # noqa: BLE001 - same report as a single sign
+                return {"sigs": sigs, "err": "KeystoreError", "msg": f"PKCS#11 sign failed: {type(e).__name__}: {e}"}
+        return {"sigs": sigs}
+
 
 class _Err(Exception):
     def __init__(self, cls: str, msg: str) -> None:

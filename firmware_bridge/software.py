@@ -11,8 +11,10 @@ import json
 import os
 import stat
 import threading
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional, Sequence
 
+import nacl.bindings
 import nacl.signing
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -26,12 +28,19 @@ from .keystore import Keystore, check_alg, check_key_name
 _SUFFIX = ".key"
 
 
+# A group commit of at least this many Ed25519 signatures is split across worker threads:
+# libsodium releases the GIL, so on a multi-core Pi the signatures of one batch run in parallel.
+PARALLEL_MIN = 64
+
+
 class _Key:
-    __slots__ = ("alg", "ed", "p256")
+    __slots__ = ("alg", "ed", "ed_sk", "p256")
 
     def __init__(self, alg: str, secret: bytes) -> None:
         self.alg = alg
         self.ed = nacl.signing.SigningKey(secret) if alg == "ed25519" else None
+        # libsodium's 64-byte secret (seed || public key) for crypto_sign, built once per key
+        self.ed_sk = nacl.bindings.crypto_sign_seed_keypair(secret)[1] if alg == "ed25519" else None
         self.p256 = ec.derive_private_key(int.from_bytes(secret, "big"), ec.SECP256R1()) if alg == "p256" else None
 
     def public(self) -> bytes:
@@ -41,8 +50,8 @@ class _Key:
         return public_key_compressed(self.p256.public_key())
 
     def sign(self, data: bytes) -> bytes:
-        if self.ed is not None:
-            return self.ed.sign(data).signature
+        if self.ed_sk is not None:
+            return nacl.bindings.crypto_sign(data, self.ed_sk)[:64]
         assert self.p256 is not None
         return der_to_raw(self.p256.sign(data, ec.ECDSA(hashes.SHA256(), deterministic_signing=True)))
 
@@ -139,8 +148,11 @@ class SoftwareKeystore(Keystore):
     # in-process keys: a returned signature is trusted (saves a verify per write on the hot path)
     verify_signatures = False
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, *, sign_threads: Optional[int] = None) -> None:
         self._keys = KeyDir(directory)
+        self._threads = max(1, min(4, os.cpu_count() or 1) if sign_threads is None else sign_threads)
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool_lock = threading.Lock()
 
     def generate_key(self, name: str, alg: str) -> bytes:
         return self._keys.create(name, alg).public()
@@ -160,3 +172,52 @@ class SoftwareKeystore(Keystore):
 
     def _sign(self, name: str, identity: Identity, data: bytes) -> bytes:
         return self._keys.get(name).sign(data)
+
+    def _sign_many(self, requests: Sequence[tuple[str, Identity, bytes]]) -> tuple[list[bytes], Optional[BaseException]]:
+        """Deterministic Ed25519 gives the same bytes in any order, so a large batch of Ed25519
+        requests is signed in contiguous chunks on worker threads; anything else, sequentially."""
+        if self._threads < 2 or len(requests) < PARALLEL_MIN:
+            return super()._sign_many(requests)
+        try:
+            sks = [self._keys.get(name).ed_sk for name, _, _ in requests]
+        except KeystoreError:   # the sequential loop reports it at the right position
+            return super()._sign_many(requests)
+        if any(sk is None for sk in sks):
+            return super()._sign_many(requests)
+        pool = self._worker_pool()
+        step = -(-len(requests) // self._threads)
+        chunks = [(sks[i:i + step], [data for _, _, data in requests[i:i + step]])
+                  for i in range(0, len(requests), step)]
+        futures = [pool.submit(_sign_chunk, keys, datas) for keys, datas in chunks[1:]]
+        sigs: list[bytes] = []
+        failure: Optional[BaseException] = None
+        try:
+            sigs.extend(_sign_chunk(*chunks[0]))   # this thread signs the first chunk itself
+        except BaseException as exc:
+            failure = exc
+        for fut in futures:
+            try:
+                part = fut.result()
+            except BaseException as exc:
+                failure = failure or exc
+                continue
+            if failure is None:
+                sigs.extend(part)
+        return sigs, failure
+
+    def _worker_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._threads - 1, thread_name_prefix="ssp-sign")
+            return self._pool
+
+    def close(self) -> None:
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def _sign_chunk(keys: list, datas: list[bytes]) -> list[bytes]:
+    sign = nacl.bindings.crypto_sign
+    return [sign(data, sk)[:64] for sk, data in zip(keys, datas)]

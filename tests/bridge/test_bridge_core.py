@@ -221,3 +221,58 @@ def test_no_public_raw_signing():
     assert set(public_bridge) == {"release", "release_many", "released", "iter_released", "status", "max_event_hlc",
                                   "max_receipt_epoch", "keystore", "describe", "close", "compact_events",
                                   "journal_stats"}
+
+
+def test_parallel_software_signing_gives_the_sequential_bytes(tmp_path):
+    """A big group commit is signed on worker threads (software Ed25519): every output must be the
+    one the one-thread path produces (deterministic Ed25519) and verify; P-256 stays sequential."""
+    outs = {}
+    for threads in (1, 3):
+        ks = open_keystore({"kind": "software", "dir": str(tmp_path / "keys")})
+        ks._threads = threads
+        if threads == 1:
+            ks.generate_key("site", "ed25519")
+            ks.generate_key("seq", "p256")
+        with SigningBridge(ks, str(tmp_path / f"journal-{threads}")) as bridge:
+            items = [ev_item(7, k, k) for k in range(200)]
+            outs[threads] = bridge.release_many(items)
+            rcs = bridge.release_many([rc_item(ks, e) for e in range(1, 70)])
+            assert all(verify_p256(ks.public_key("seq"), sig_structure(*cose_parts(o)[:2]), cose_parts(o)[2])
+                       for o in rcs)
+        if threads > 1:
+            assert ks._pool is not None, "the parallel path was not taken"
+        ks.close()
+        assert ks._pool is None
+    assert outs[1] == outs[3]
+    pub = open_keystore({"kind": "software", "dir": str(tmp_path / "keys")}).public_key("site")
+    for o in outs[3]:
+        prot, pay, sig = cose_parts(o)
+        assert verify_ed25519(pub, sig_structure(prot, pay), sig)
+
+
+def test_parallel_signing_failure_keeps_a_prefix(tmp_path):
+    """A worker chunk that fails: only a prefix is persisted, the rest stays an unknown outcome."""
+    import firmware_bridge.software as sw_mod
+    ks = open_keystore({"kind": "software", "dir": str(tmp_path / "keys")})
+    ks.generate_key("site", "ed25519")
+    ks._threads = 2
+    real = sw_mod._sign_chunk
+    items = [ev_item(9, k) for k in range(100)]
+    calls = []
+
+    def flaky(keys, datas):   # the second chunk (items 50..99) fails, on whichever thread runs it
+        calls.append(len(datas))
+        if datas[0] == items[50][2]:
+            raise RuntimeError("worker fault")
+        return real(keys, datas)
+    sw_mod._sign_chunk = flaky
+    try:
+        with SigningBridge(ks, str(tmp_path / "journal")) as bridge:
+            with pytest.raises(RuntimeError):
+                bridge.release_many(items)
+            states = [bridge.status(i[0]) for i in items]
+    finally:
+        sw_mod._sign_chunk = real
+        ks.close()
+    assert calls == [50, 50]
+    assert states == [Status.RELEASED] * 50 + [Status.OUTCOME_UNKNOWN] * 50

@@ -110,3 +110,28 @@ def test_token_gone_mid_use_no_partial_release(token, tmp_path):
     assert bridge.released(item2[0]) is None and bridge.status(item2[0]) is Status.OUTCOME_UNKNOWN
     bridge.close()
     ks.close()
+
+
+def test_group_commit_signs_in_worker_batches(keystore, tmp_path):
+    """release_many sends the token's signatures in batches (sign_many): every output verifies, both
+    algorithms, across a chunk boundary; a failure inside a batch keeps the signed prefix only."""
+    site, kid = b"\x03" * 16, keystore.public_key("seq")
+    with SigningBridge(keystore, str(tmp_path / "j")) as bridge:
+        items = []
+        for k in range(150):
+            prot, pay = event_protected(site), event_payload(7, k, k)
+            items.append((EventIdentity(site, 7, k), "site", sig_structure(prot, pay), assembler(prot, pay)))
+        for o in bridge.release_many(items):
+            p2, y2, sig = cose_parts(o)
+            assert verify_ed25519(keystore.public_key("site"), sig_structure(p2, y2), sig)
+        rc = []
+        for e in range(1, 70):
+            prot, pay = receipt_protected(kid), receipt_payload(b"g2", e, bytes(32), None)
+            rc.append((ReceiptIdentity(b"g2", e), "seq", sig_structure(prot, pay), assembler(prot, pay)))
+        for o in bridge.release_many(rc):
+            p2, y2, sig = cose_parts(o)
+            assert verify_p256(kid, sig_structure(p2, y2), sig)
+    got = keystore._call("sign_many", requests=[["site", "ed25519", b"a"], ["nope", "ed25519", b"b"],
+                                                ["site", "ed25519", b"c"]])
+    assert len(got["sigs"]) == 1 and got["err"] == "KeyNotFound"
+    assert verify_ed25519(keystore.public_key("site"), b"a", bytes(got["sigs"][0]))
