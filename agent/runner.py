@@ -267,10 +267,9 @@ class Runner:
         except ValueError:
             processed = 0
         self.stats["events_acknowledged"] += processed
-        if p.backfill:  # live range and backfill rows commit together (SyncDriver.confirm)
-            self.sync.advance(p.peer, p.start, p.seqs, p.end, processed, token=p.token)
-        else:
-            self.sync.advance(p.peer, p.start, p.seqs, p.end, processed)
+        # through the body's token: live range and backfill rows commit together, and an answer to a
+        # body selected before the peer asked for its history again moves nothing (SyncDriver.confirm)
+        self.sync.advance(p.peer, p.start, p.seqs, p.end, processed, token=p.token)
         self.sync.note_answer(p.peer, m.payload, p.token)  # the body's records are delivered now
         if processed < total:
             self._reset_peer(p.peer)  # re-offer from the cursor next cycle

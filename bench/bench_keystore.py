@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")
 
 from firmware_bridge import EventIdentity, ReceiptIdentity, SigningBridge, open_keystore  # noqa: E402
 from firmware_bridge.journal import encode_released  # noqa: E402
+from agent.core import cose  # noqa: E402
 from agent.simpeer import manifest_text, readings_table  # noqa: E402
 
 SITE = bytes.fromhex("00112233445566778899aabbccddeeff")
@@ -51,11 +52,11 @@ def payload(i: int) -> bytes:
 
 
 def tbs(pay: bytes) -> bytes:
-    return cbor2.dumps(["Signature1", PROT_EV, MESH, pay], canonical=True)
+    return cose.sig_structure(PROT_EV, MESH, pay)   # the agent's own encoders (agent/core/cose.py)
 
 
 def assembler(pay: bytes):
-    return lambda sig: cbor2.dumps(cbor2.CBORTag(18, [PROT_EV, {}, pay, sig]), canonical=True)
+    return lambda sig: cose.assemble(PROT_EV, pay, sig)
 
 
 class Workload:

@@ -7,11 +7,12 @@ import pytest
 from firmware_bridge import verify_ed25519, verify_p256
 from firmware_bridge.ec import compress_point
 
-VEC = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "vectors", "wycheproof")
+# a copy of ../shared/vectors/wycheproof (tests/vectors/wycheproof/SOURCE.md), so a clone anywhere runs them
+VEC = os.path.join(os.path.dirname(__file__), "..", "vectors", "wycheproof")
 
 
 def _load(name):
-    path = os.path.normpath(os.path.join(VEC, name))  # shared/ sits beside the checkout (also in CI)
+    path = os.path.normpath(os.path.join(VEC, name))
     with open(path) as f:
         return json.load(f)
 
