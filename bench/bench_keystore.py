@@ -260,7 +260,7 @@ def main() -> None:
     print()
     print(f"software group commit (256) / one-fsync-per-write = {g / base:.1f}x  (issue target: >= 20x)")
     print(f"software group commit (256) / raw Ed25519 sign    = {g / fig['raw_sign_ed25519_software']:.2f}"
-          "  (the ceiling of any signed write path)")
+          "  (one signature at a time, one core)")
     print(f"software group commit (256) / bridge one write per call = "
           f"{g / fig['bridge_software_one_per_call']:.1f}x  (the same bridge without group commit: 2 fsyncs a write)")
     ceiling = max(fig["raw_sign_ed25519_software"], fig["raw_sign_ed25519_software_batch256"])
