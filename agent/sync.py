@@ -353,8 +353,6 @@ class SyncDriver:
         policy_before = _policy_snapshot(node, self) if raws else None
         widened: list[tuple[bytes, str]] = []
         with _txn(self.conn):
-            if rh:
-                out["rehydrate"] = rehydrate.handle_records(self, rh, now)
             for raw in raws:
                 if not isinstance(raw, (bytes, bytearray)):
                     continue
@@ -371,6 +369,9 @@ class SyncDriver:
                     out["stored"] += 1
                     new = True
             if new:
+                # A record this node did not hold can make one a peer dropped acceptable there (a
+                # vouch admits a subject or issuer): every record goes to every peer again, once.
+                st.clear_all_records_delivered(self.conn)
                 chains = resolve_chains(st.records(self.conn))
                 for k, c in chains.items():
                     if c.forked and k not in before:
@@ -384,6 +385,10 @@ class SyncDriver:
                         out["widened"] = [(p.hex(), q) for p, q in widened]
         if new:
             node._load_caches()  # keyring rebuilt from the store, records overlaid (agent/node.py)
+        if rh:
+            # After the vouches: a request travelling with the vouch for its subject is verified.
+            with _txn(self.conn):
+                out["rehydrate"] = rehydrate.handle_records(self, rh, now)
         if widened:
             _announce_truncations(node, widened, now)
         if tr:

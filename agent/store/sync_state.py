@@ -286,6 +286,11 @@ def mark_records_delivered(conn: sqlite3.Connection, peer: bytes, path: str, has
                      [(peer, path, bytes(h)) for h in hashes])
 
 
+def clear_all_records_delivered(conn: sqlite3.Connection) -> None:
+    """Every peer, every path: a newly stored record may unlock what a peer dropped."""
+    conn.execute("DELETE FROM records_delivered")
+
+
 def clear_records_delivered(conn: sqlite3.Connection, peer: bytes) -> None:
     """Every path: the peer may have lost what it held (a verified rehydrate request)."""
     conn.execute("DELETE FROM records_delivered WHERE peer=?", (peer,))

@@ -287,3 +287,37 @@ def test_runner_resends_records_whose_answer_was_lost(tmp_path):
         assert not ra.sync.records_pending(b.site_id) and not ra.in_flight(b.site_id)
     finally:
         ra.close(), rb.close()
+
+
+def test_a_dropped_request_goes_again_once_a_new_record_can_admit_it(tmp_path):
+    """A peer that dropped a record (here: a rehydrate request from a device it does not trust yet)
+    gets it again when the sender stores a record it did not hold (the vouch for that device), and
+    the vouch travelling in the same body admits the request (docs/protocol.md §5)."""
+    from agent.node import Node
+    from agent.store import db
+    from .helpers import TABLES, manifest
+    srv, dev = (Node.init(tmp_path / name, manifest(TABLES))[0] for name in ("srv", "dev"))
+    for nd in (srv, dev):
+        nd.conn.execute("INSERT OR REPLACE INTO meta VALUES ('authorities', ?)", (json.dumps([AUTH.site_id.hex()]),))
+        nd.authorities = {AUTH.site_id}
+        nd.add_peer(AUTH.site_id, AUTH.public_key, None)
+    dev.add_peer(srv.site_id, bytes(db.get_meta(srv.conn, "public_key")), None)   # srv does not know dev
+    ps, pd = PortAdapter(srv), PortAdapter(dev)
+    rehydrate.start(dev, srv.site_id, now=NOW)
+    off = pd.select(srv.site_id, 0, 10)
+    body = pd.body(off.events, srv.site_id, off.token)
+    ps.receive(body, sender=dev.site_id)
+    assert st.rehydrate_generation(srv.conn, dev.site_id) is None   # dropped: dev is not trusted there
+    pd.note_answer(srv.site_id, ps.answer_body(dev.site_id), off.token)
+    assert not pd.records_pending(srv.site_id)                        # ...and counted as delivered
+    dev_pub = bytes(db.get_meta(dev.conn, "public_key"))
+    vouch = rec.build_record("vouch", AUTH.site_id, MESH, dev.site_id, dev_pub, 0, None, AUTH.sign)
+    assert pd.driver.apply_records([vouch], NOW)["stored"] == 1        # dev learns its vouch (from anyone)
+    assert pd.records_pending(srv.site_id)
+    off2 = pd.select(srv.site_id, 0, 10)
+    body2 = pd.body(off2.events, srv.site_id, off2.token)
+    assert {vouch} | {r for r in _recs(body) if rehydrate.is_rehydrate_record(r)} <= set(_recs(body2))
+    ps.receive(body2, sender=dev.site_id)
+    assert st.rehydrate_generation(srv.conn, dev.site_id) == 0        # the vouch admitted the request
+    pd.note_answer(srv.site_id, ps.answer_body(dev.site_id), off2.token)
+    assert not pd.records_pending(srv.site_id)
