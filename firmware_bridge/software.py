@@ -176,8 +176,8 @@ class SoftwareKeystore(Keystore):
     def _sign_many(self, requests: Sequence[tuple[str, Identity, bytes]]) -> tuple[list[bytes], Optional[BaseException]]:
         """Deterministic Ed25519 gives the same bytes in any order, so a large batch of Ed25519
         requests is signed in contiguous chunks on worker threads; anything else, sequentially."""
-        if self._threads < 2 or len(requests) < PARALLEL_MIN:
-            return super()._sign_many(requests)
+        if self._threads < 2 or len(requests) < PARALLEL_MIN or type(self)._sign is not SoftwareKeystore._sign:
+            return super()._sign_many(requests)   # a subclass that changes one signature governs batches too
         try:
             sks = [self._keys.get(name).ed_sk for name, _, _ in requests]
         except KeystoreError:   # the sequential loop reports it at the right position

@@ -156,14 +156,14 @@ class RunResult:
 
 def run_producer(state: str, *, remaining: int, mode: str = "event", batch: int = 1, crash: str | None = None,
                  kill_after: float | None = None, unsafe: str = "", start_value: int = 0,
-                 timeout: float = 60.0, compact: int = 0) -> RunResult:
+                 timeout: float = 60.0, compact: int = 0, keystore: str = "random-nonce") -> RunResult:
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONDONTWRITEBYTECODE="1")
     env.pop("BRIDGE_CRASH", None)
     if crash:
         env["BRIDGE_CRASH"] = crash
     cmd = [sys.executable, PRODUCER, "--state", state, "--mode", mode, "--remaining", str(remaining),
            "--batch", str(batch), "--start-value", str(start_value), "--compact", str(compact)] + \
-        (["--unsafe", unsafe] if unsafe else [])
+        (["--unsafe", unsafe] if unsafe else []) + ["--keystore", keystore]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     lines: list = []
     ready = threading.Event()
@@ -202,7 +202,7 @@ def run_producer(state: str, *, remaining: int, mode: str = "event", batch: int 
 
 
 def drive_chain(state: str, schedule: list, *, mode: str = "event", batch: int = 1, total: int = 1000,
-                unsafe: str = "", compact: int = 0) -> tuple[Checker, int]:
+                unsafe: str = "", compact: int = 0, keystore: str = "random-nonce") -> tuple[Checker, int]:
     """Run the producer through ``schedule`` (each entry "point:hit" or a float delay), checking after
     every restart, then to completion.  Returns (checker, number of SIGKILLs delivered)."""
     checker = new_state(state, compact)
@@ -214,7 +214,7 @@ def drive_chain(state: str, schedule: list, *, mode: str = "event", batch: int =
         res = run_producer(state, remaining=max(remaining, 0), mode=mode, batch=batch, unsafe=unsafe,
                            start_value=len(checker.seen) * 7,
                            crash=step if isinstance(step, str) else None, compact=compact,
-                           kill_after=step if isinstance(step, float) else None)
+                           kill_after=step if isinstance(step, float) else None, keystore=keystore)
         kills += res.killed
         if isinstance(step, str):
             _require(res.killed, f"crash point {step} was never reached")

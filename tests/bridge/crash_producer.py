@@ -89,7 +89,11 @@ class DurableHlc:
 
 def make_bridge(args: argparse.Namespace) -> SigningBridge:
     from keystores_for_tests import RandomNonceSoftwareKeystore
-    ks = RandomNonceSoftwareKeystore(os.path.join(args.state, "keys"))
+    from firmware_bridge.software import SoftwareKeystore
+    # "plain": the production software keystore (large groups sign on worker threads)
+    cls = SoftwareKeystore if args.keystore == "plain" else RandomNonceSoftwareKeystore
+    ks = cls(os.path.join(args.state, "keys"), sign_threads=2) if args.keystore == "plain" else \
+        cls(os.path.join(args.state, "keys"))
     if args.unsafe:
         import unsafe_bridge
         return getattr(unsafe_bridge, args.unsafe)(ks, os.path.join(args.state, "journal"), fault_hook=hook)
@@ -235,6 +239,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--compact", type=int, default=0, help="events: compact every N batches (0: never)")
     ap.add_argument("--unsafe", default="", help="test-only bridge class from unsafe_bridge.py")
+    ap.add_argument("--keystore", choices=["random-nonce", "plain"], default="random-nonce")
     args = ap.parse_args()
     bridge = make_bridge(args)
     emit("READY")

@@ -37,6 +37,17 @@ def test_event_named_crash_points(tmp_path):
     assert c1.retransmits and c2.retransmits  # persisted bytes were re-sent exactly
 
 
+def test_event_named_crash_points_parallel_signing(tmp_path):
+    """Groups of 128: the software keystore signs them on worker threads (firmware_bridge/software.py);
+    a kill before, during and after that batch signing, in the middle of its outputs, loses nothing."""
+    sched = _named(["after_intent", "after_sign", "before_persist", "journal_torn_write", "journal_before_fsync",
+                    "after_persist", "after_print"],
+                   lambda p: {"after_sign": (3, 100, 250), "after_print": (60, 200)}.get(p, (1, 3)))
+    c, k = drive_chain(str(tmp_path / "g128"), sched, batch=128, total=3000, keystore="plain")
+    assert k == len(sched)
+    assert c.unknown and c.retransmits
+
+
 def test_receipt_named_crash_points(tmp_path):
     sched = _named(RECEIPT_POINTS, lambda p: HITS)
     (c1, k1), (c2, k2) = _parallel([
