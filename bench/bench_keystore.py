@@ -271,7 +271,8 @@ def main() -> None:
     print(f"Node.write_many (256, software) / one-fsync-per-write = {nw / base:.1f}x")
     if "raw_sign_ed25519_serial_emulator" in fig:
         print("serial emulator runs over a pty, which ignores baud: on a real 115200-baud line a SIGN "
-              "(~360 bytes each way with a 300-byte event) costs ~63 ms, i.e. ~16 signatures/s")
+              "(a ~380-byte request with a 300-byte event, an ~84-byte reply) is ~41 ms of line time, "
+              "i.e. ~24 signatures/s")
     if args.json:
         print(json.dumps({k: round(v, 1) for k, v in fig.items()}))
 
