@@ -110,59 +110,51 @@ def cmd_record_issue(args) -> int:
     except IdFormatError as e:
         raise Refused(str(e)) from None
     authority = _load_authority(args.authority_key) if getattr(args, "authority_key", None) else None
-    node = _open(args)
     try:
-        raw, info = issue_record(node, kind, subject, value, authority=authority)
-        if args.out:
-            Path(args.out).write_bytes(raw)
-        emit(info)
+        node = _open(args)
+        try:
+            raw, info = issue_record(node, kind, subject, value, authority=authority)
+            if args.out:
+                Path(args.out).write_bytes(raw)
+            emit(info)
+        finally:
+            node.close()
     finally:
-        node.close()
+        if authority is not None:
+            authority.close()
     return EXIT_OK
 
 
-AUTHORITY_KIND = "ssp-authority-key-v1"
-
-
-def _load_authority(path: str) -> dict:
+def _load_authority(path: str):
+    from .authority import Authority, AuthorityError
     try:
-        d = json.loads(Path(path).read_text())
-        if d.get("kind") != AUTHORITY_KIND:
-            raise ValueError("not an authority key file")
-        a = {"site_id": bytes.fromhex(d["site_id"]), "public_key": bytes.fromhex(d["public_key"]),
-             "secret_key": bytes.fromhex(d["secret_key"])}
-        if len(a["site_id"]) != 16 or len(a["public_key"]) != 32 or len(a["secret_key"]) != 32:
-            raise ValueError("bad lengths")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise Refused(f"--authority-key {path}: not a usable authority key file ({e})") from None
-    import nacl.signing
-    if bytes(nacl.signing.SigningKey(a["secret_key"]).verify_key) != a["public_key"]:
-        raise Refused(f"--authority-key {path}: the secret key does not match its public key")
-    return a
+        return Authority(Path(path))
+    except AuthorityError as e:
+        raise Refused(f"--authority-key: {e}") from None
 
 
 def cmd_authority_create(args) -> int:
-    """A standalone mesh authority: its own site_id and Ed25519 key in a file (mode 0600), made
-    before any node exists, so its id can go into every node's manifest (`authorities` and
-    `peers`). Records are then issued from any node with `record issue-* --authority-key FILE`."""
-    import os
-    import nacl.signing
-    out = Path(args.out)
-    if out.exists():
-        raise Refused(f"{out} exists; an authority key is never overwritten")
-    if not out.parent.exists():
-        raise Refused(f"directory {out.parent} does not exist")
-    sk = nacl.signing.SigningKey.generate()
-    site = os.urandom(16)
-    pk = bytes(sk.verify_key)
-    data = {"kind": AUTHORITY_KIND, "site_id": site.hex(), "public_key": pk.hex(), "secret_key": bytes(sk).hex()}
-    fd = os.open(str(out), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(data, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    emit({"site_id": site.hex(), "public_key": pk.hex(), "file": str(out),
-          "manifest": {"authorities": [site.hex()], "peers": [{"site_id": site.hex(), "public_key": pk.hex()}]}})
+    """A standalone mesh authority (agent/authority.py): its own site_id and an Ed25519 key generated
+    inside a keystore (software by default, or --keystore JSON as for `init`), in a directory made
+    before any node exists, so its id can go into every node's manifest (`authorities` and `peers`).
+    Records are then issued from any node with `record issue-* --authority-key DIR`, signed through
+    the directory's keystore bridge."""
+    from .authority import AuthorityError, create
+    conf = None
+    if args.keystore:
+        try:
+            conf = json.loads(args.keystore)
+            if not isinstance(conf, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            raise Refused(f"--keystore must be a JSON object ({e})") from None
+    try:
+        card = create(Path(args.out), conf)
+    except AuthorityError as e:
+        raise Refused(str(e)) from None
+    site, pk = card["site_id"], card["public_key"]
+    emit({"site_id": site, "public_key": pk, "dir": str(args.out), "keystore": card["keystore"].get("kind"),
+          "manifest": {"authorities": [site], "peers": [{"site_id": site, "public_key": pk}]}})
     return EXIT_OK
 
 
@@ -261,20 +253,20 @@ def register(sub, mailbox_sub) -> None:
     a.add_argument("--subject", required=True)
     a.add_argument("--public-key", required=True)
     a.add_argument("--out")
-    a.add_argument("--authority-key", help="sign with a standalone authority key file (`authority create`)")
+    a.add_argument("--authority-key", help="sign as a standalone authority: the directory made by `authority create`")
     a.set_defaults(fn=cmd_record_issue)
     a = rs.add_parser("issue-retire", help="retire a site: its events above the cutoff are dropped")
     a.add_argument("--subject", required=True)
     a.add_argument("--retired-after", required=True, help="HLC cutoff, e.g. 1764669600000.0")
     a.add_argument("--successor", help="the replacing device's site_id")
     a.add_argument("--out")
-    a.add_argument("--authority-key", help="sign with a standalone authority key file (`authority create`)")
+    a.add_argument("--authority-key", help="sign as a standalone authority: the directory made by `authority create`")
     a.set_defaults(fn=cmd_record_issue)
     a = rs.add_parser("issue-role", help="assign a role to a site (role layer of policy)")
     a.add_argument("--subject", required=True)
     a.add_argument("--role", required=True)
     a.add_argument("--out")
-    a.add_argument("--authority-key", help="sign with a standalone authority key file (`authority create`)")
+    a.add_argument("--authority-key", help="sign as a standalone authority: the directory made by `authority create`")
     a.set_defaults(fn=cmd_record_issue)
     a = rs.add_parser("list", help="print the control records this node holds")
     a.set_defaults(fn=cmd_record_list)
@@ -282,8 +274,10 @@ def register(sub, mailbox_sub) -> None:
     s = sub.add_parser("authority", help="mesh authorities: standalone authority keys, amending a node's list")
     as_ = s.add_subparsers(dest="authority_verb", metavar="ACTION")
     as_.required = True
-    a = as_.add_parser("create", help="make a standalone authority key file and print its id for manifests")
-    a.add_argument("--out", required=True)
+    a = as_.add_parser("create", help="make a standalone authority (a directory: keystore, signing journal, card) "
+                                      "and print its id for manifests")
+    a.add_argument("--out", required=True, help="a new, empty directory")
+    a.add_argument("--keystore", help='keystore JSON as for init (default {"kind": "software"} inside the directory)')
     a.set_defaults(fn=cmd_authority_create, home_optional=True)
     a = as_.add_parser("add", help="list a site as a mesh authority on this node (and trust its key)")
     a.add_argument("--site-id", required=True)

@@ -203,6 +203,17 @@ class Node:
         if missing:
             log.warning("applying %d local event(s) released before a crash but never applied", len(missing))
             self.apply_batch(missing, origin="local")
+        # Control records this node signed (vouch/retire/role as an authority, rehydrate requests,
+        # truncation records) that its store lacks: store them, so a re-issue extends their chain.
+        records = [raw for identity, raw in self.bridge.iter_released()
+                   if isinstance(identity, EventIdentity) and identity.site_id == self.site_id
+                   and not _is_event(raw) and not self._record_held(raw)]
+        if records:
+            from .store import sync_state
+            from .sync import SyncDriver
+            sync_state.ensure_schema(self.conn)
+            log.warning("storing %d control record(s) released before a crash but never stored", len(records))
+            SyncDriver(self).apply_records(records, now_ms())
         self.compact_journal()
 
     def compact_journal(self) -> dict | None:

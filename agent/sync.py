@@ -590,7 +590,7 @@ _txn = db.transaction  # one transaction helper for every writer (agent/store/db
 
 
 def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = None,
-                 authority: dict | None = None) -> tuple[bytes, dict]:
+                 authority=None) -> tuple[bytes, dict]:
     """Issue a control record as this node (it must be a mesh authority), signed with its event
     key through the keystore bridge under a fresh HLC identity (persist-before-release: a crash
     never makes it sign two different records it could both have released). The record extends
@@ -639,26 +639,33 @@ def _chain_position(node, kind: str, subject: bytes):
     return (0, None) if ch is None or ch.head is None else (ch.head.generation + 1, ch.head.record_hash)
 
 
-def _issue_with_authority_key(node, kind: str, subject: bytes, value: Any, authority: dict,
-                              now: int | None) -> tuple[bytes, dict]:
-    """Issue a record with a standalone authority key (`ssp-agent authority create`): the issuer is
-    the authority's own site_id, which this node must list as a mesh authority and whose public
-    key it must hold (manifest `authorities` + `peers`, or `ssp-agent authority add`). The key
-    never lives in a node's home; the record is stored here and travels in every body."""
-    import nacl.signing
+def _issue_with_authority_key(node, kind: str, subject: bytes, value: Any, authority, now: int | None
+                              ) -> tuple[bytes, dict]:
+    """Issue a record as a standalone authority (`ssp-agent authority create`, agent/authority.py):
+    the issuer is the authority's own site_id, which this node must list as a mesh authority and
+    whose public key it must hold (manifest `authorities` + `peers`, or `ssp-agent authority add`).
+    The record is signed through the authority's keystore bridge (persist-before-release), stored
+    here and travels in every body. Records the authority released earlier that this node does not
+    hold (a crash after release, or issued through another node) are stored first, so the chain
+    continues from them instead of forking."""
     from .core import records as rec
     from .core.cose import assemble
     from .node import NodeError, now_ms
-    issuer = authority["site_id"]
+    issuer = authority.site_id
     if issuer not in node.authorities:
         raise NodeError(f"authority {issuer.hex()} is not a mesh authority on this node; add it with "
-                        f"`ssp-agent authority add --site-id {issuer.hex()} --public-key {authority['public_key'].hex()}`")
+                        f"`ssp-agent authority add --site-id {issuer.hex()} --public-key {authority.public_key.hex()}`")
     st.ensure_schema(node.conn)
+    now = now_ms() if now is None else now
+    drv = SyncDriver(node)
+    earlier = [raw for raw in authority.released() if not st.has_record(node.conn, delivery_hash(raw))]
+    if earlier:
+        log.warning("storing %d record(s) the authority released before but this node does not hold", len(earlier))
+        drv.apply_records(earlier, now)
     gen, prev = _chain_position(node, kind, subject)
     protected, payload, tbs = rec.to_be_signed(kind, issuer, node.mesh_id, subject, value, gen, prev)
-    sk = nacl.signing.SigningKey(authority["secret_key"])
-    raw = assemble(protected, payload, sk.sign(tbs).signature)
-    res = SyncDriver(node).apply_records([raw], now_ms() if now is None else now)
+    raw = authority.sign(tbs, lambda sig: assemble(protected, payload, sig), now)
+    res = drv.apply_records([raw], now)
     if res["stored"] != 1 and res["known"] != 1:
         raise NodeError(f"the issued record did not verify here (is the authority's public key in this node's "
                         f"keyring?): {res}")

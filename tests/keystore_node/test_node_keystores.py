@@ -156,6 +156,38 @@ def test_released_but_unapplied_events_are_applied_on_open(tmp_path, monkeypatch
         a.close()
 
 
+def test_released_but_unstored_records_are_stored_on_open(tmp_path, monkeypatch):
+    """A crash between releasing a control record (this node is an authority) and storing it:
+    the next open stores it from the journal, so the next record of that chain extends it
+    instead of forking it."""
+    from agent.store import sync_state as st
+    from agent.sync import SyncDriver, issue_record, resolve_chains
+    a, pk = Node.init(tmp_path / "a", MANIFEST, {"kind": "software"})
+    a.conn.execute("INSERT OR REPLACE INTO meta VALUES ('authorities', ?)", (json.dumps([a.site_id.hex()]),))
+    a.authorities = {a.site_id}
+    subject = bytes(range(16))
+
+    def crash(self, raws, now):
+        raise KeyboardInterrupt("crash between release and store")
+    monkeypatch.setattr(SyncDriver, "apply_records", crash)
+    with pytest.raises(KeyboardInterrupt):
+        issue_record(a, "role", subject, "reader")
+    monkeypatch.undo()
+    st.ensure_schema(a.conn)
+    assert st.records(a.conn) == []
+    a.close()
+    a = Node.open(tmp_path / "a")
+    try:
+        chain = resolve_chains(st.records(a.conn))[("role", subject)]
+        assert chain.head.value == "reader"
+        _raw, info = issue_record(a, "role", subject, "writer")
+        assert info["generation"] == 1
+        chain = resolve_chains(st.records(a.conn))[("role", subject)]
+        assert not chain.forked and chain.head.value == "writer"
+    finally:
+        a.close()
+
+
 def test_journal_compacts_past_its_threshold_and_in_eviction(tmp_path, monkeypatch):
     import agent.node as node_mod
     monkeypatch.setattr(node_mod, "JOURNAL_COMPACT_BYTES", 20_000)
@@ -170,3 +202,26 @@ def test_journal_compacts_past_its_threshold_and_in_eviction(tmp_path, monkeypat
         assert rep["journal"]["entries_kept"] == 0
     finally:
         a.close()
+
+
+def test_authority_on_a_pkcs11_token(tmp_path, softhsm_conf):
+    """`authority create --keystore` on SoftHSM2: the authority key is generated on the token, the
+    PIN goes to a 0600 file (never the card), and records are signed through the token's bridge."""
+    import stat
+    from agent import authority as auth_mod
+    from agent.sync import issue_record
+    card = auth_mod.create(tmp_path / "auth", softhsm_conf)
+    text = (tmp_path / "auth" / "authority.json").read_text()
+    assert softhsm_conf["pin"] not in text and card["keystore"]["kind"] == "pkcs11"
+    assert stat.S_IMODE(os.stat(tmp_path / "auth" / "keystore.pin").st_mode) == 0o600
+    man = MANIFEST.replace("\n", f'\nauthorities = ["{card["site_id"]}"]\n[[peers]]\nsite_id = "{card["site_id"]}"\n'
+                                 f'public_key = "{card["public_key"]}"\n', 1)
+    gw, _ = Node.init(tmp_path / "gw", man, {"kind": "software"})
+    try:
+        with auth_mod.Authority(tmp_path / "auth") as a:
+            raw, info = issue_record(gw, "role", bytes(16), "reader", authority=a)
+            assert a.released() == [raw] and info["issuer"] == card["site_id"]
+            s1 = cose.parse_sign1(raw)   # the token's signature over the record (issue_record stored it too)
+            assert cose.verify_ed25519(bytes.fromhex(card["public_key"]), s1.sig_structure(gw.mesh_id), s1.signature)
+    finally:
+        gw.close()

@@ -50,9 +50,11 @@ class Cli:
 def test_replace_a_dead_device_through_the_cli(tmp_path):
     cli = Cli(tmp_path)
     # --- provisioning: a standalone authority key exists before any node, so manifests name it
-    auth_file = tmp_path / "authority.json"
+    auth_file = tmp_path / "authority"      # a directory: keystore, signing journal, card
     auth = cli.j(tmp_path / "unused", "authority", "create", "--out", auth_file)
-    assert oct(auth_file.stat().st_mode & 0o777) == "0o600"
+    assert oct(auth_file.stat().st_mode & 0o777) == "0o700" and auth["keystore"] == "software"
+    assert all(oct(f.stat().st_mode & 0o777) == "0o600" for f in (auth_file / "keystore").iterdir())
+    assert "secret" not in (auth_file / "authority.json").read_text()
     man = tmp_path / "mesh.toml"
     man.write_text(f'mesh_id = "{MESH}"\nauthorities = ["{auth["site_id"]}"]\n'
                    f'[[peers]]\nsite_id = "{auth["site_id"]}"\npublic_key = "{auth["public_key"]}"\n' + TABLES)
@@ -172,7 +174,7 @@ def test_replacement_served_by_a_peer_that_evicted_lists_the_truncated_rows(tmp_
     whose history reaches below that horizon are listed by `events` (serving_peer_horizon) and
     counted by `rehydrate --status`; every other row equals the server's."""
     cli = Cli(tmp_path)
-    auth_file = tmp_path / "authority.json"
+    auth_file = tmp_path / "authority"
     auth = cli.j(tmp_path / "unused", "authority", "create", "--out", auth_file)
     man = tmp_path / "mesh.toml"
     man.write_text(f'mesh_id = "{MESH}"\nauthorities = ["{auth["site_id"]}"]\n'

@@ -1,0 +1,139 @@
+"""A standalone mesh authority (docs/operations.md §0): its own site_id and an Ed25519 key that was
+generated inside a keystore, in a directory kept offline like a CA.
+
+Records it issues are signed through the keystore bridge like every other signature in the agent
+(persist-before-release, SOVM §22.5; docs/keystore.md): the directory holds the keystore, the
+bridge's journal and a card naming them, never a raw secret the agent reads. A record released
+before a crash is in the journal; the next issuance stores it on the node first, so the chain
+continues from it instead of forking.
+
+Layout of the directory (mode 0700):
+  authority.json   {"format": "ssp-authority-v2", "site_id", "public_key", "keystore": {...}}
+  keystore/        the software keystore's key file (0600), when the keystore is software
+  keystore.pin     a PKCS#11 PIN given at creation (0600), never in the card
+  sign-journal     the bridge's journal: every record this authority released, exact bytes
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+from firmware_bridge import EventIdentity, KeystoreError, OutcomeUnknown, SigningBridge, open_keystore
+
+FORMAT = "ssp-authority-v2"
+OLD_FORMAT = "ssp-authority-key-v1"
+KEY_NAME = "authority"
+CARD = "authority.json"
+JOURNAL = "sign-journal"
+
+
+class AuthorityError(Exception):
+    """Something about an authority directory an operator must fix; the message says what."""
+
+
+def create(directory: Path, keystore: dict | None = None) -> dict:
+    """Make an authority directory: a new site_id and a key generated inside the keystore
+    (software by default). Returns the card (no secrets)."""
+    from .node import _keep_pin_out_of_store, _with_pin
+    directory = Path(directory)
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise AuthorityError(f"{directory} exists; an authority is never overwritten (choose a new, empty directory)")
+    if not directory.parent.exists():
+        raise AuthorityError(f"directory {directory.parent} does not exist")
+    directory.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(directory, 0o700)
+    conf = dict(keystore or {"kind": "software"})
+    if conf.get("kind") == "software":
+        conf.setdefault("dir", str(directory / "keystore"))
+    conf = _keep_pin_out_of_store(directory, conf)
+    try:
+        ks = open_keystore(_with_pin(conf))
+        try:
+            public_key = ks.generate_key(KEY_NAME, "ed25519")
+        finally:
+            ks.close()
+    except KeystoreError as e:
+        raise AuthorityError(f"cannot create the authority key: {e}") from None
+    card = {"format": FORMAT, "site_id": os.urandom(16).hex(), "public_key": public_key.hex(), "keystore": conf}
+    from firmware_bridge.fsutil import atomic_write
+    atomic_write(str(directory / CARD), (json.dumps(card, indent=2) + "\n").encode(), 0o600)
+    return card
+
+
+class Authority:
+    """An opened authority directory: sign records through its bridge, list what it released."""
+
+    def __init__(self, directory: Path) -> None:
+        from .node import NodeError, _with_pin
+        self.directory = Path(directory)
+        self.site_id, self.public_key, conf = _read_card(self.directory)
+        try:
+            self._ks = open_keystore(_with_pin(conf))
+        except (KeystoreError, NodeError) as e:
+            raise AuthorityError(f"{self.directory}: cannot open the authority's keystore: {e}") from None
+        try:
+            if self._ks.public_key(KEY_NAME) != self.public_key:
+                raise AuthorityError(f"{self.directory}: the keystore's key is not the one in {CARD} "
+                                     "(wrong token or device)")
+            self.bridge = SigningBridge(self._ks, str(self.directory / JOURNAL))
+        except KeystoreError as e:
+            self._ks.close()
+            raise AuthorityError(f"{self.directory}: {e}") from None
+        except BaseException:
+            self._ks.close()
+            raise
+
+    def released(self) -> list[bytes]:
+        """Every record this authority ever released, exact bytes, in release order."""
+        return [raw for _identity, raw in self.bridge.iter_released()]
+
+    def sign(self, tbs: bytes, assemble: Callable[[bytes], bytes], now_ms: int) -> bytes:
+        """Release one record: a fresh identity above every one ever intended here (the journal
+        is the durable clock), signed and persisted before it is returned."""
+        for _attempt in range(8):
+            hi = self.bridge.max_event_hlc(self.site_id)
+            hlc = (now_ms, 0) if hi is None or now_ms > hi[0] else (hi[0], hi[1] + 1)
+            try:
+                return self.bridge.release(EventIdentity(self.site_id, *hlc), KEY_NAME, tbs, assemble)
+            except OutcomeUnknown:
+                continue  # spent by a crash: the next identity is above it
+        raise AuthorityError(f"{self.directory}: the journal keeps reporting unknown outcomes; check the keystore")
+
+    def close(self) -> None:
+        self.bridge.close()
+        self._ks.close()
+
+    def __enter__(self) -> "Authority":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _read_card(directory: Path) -> tuple[bytes, bytes, dict]:
+    if directory.is_file():
+        try:
+            old = json.loads(directory.read_text()).get("kind") == OLD_FORMAT
+        except (OSError, ValueError, AttributeError):
+            old = False
+        if old:
+            raise AuthorityError(f"{directory} is an old authority key file holding a raw secret; records are now "
+                                 "signed only through a keystore. Create an authority directory with "
+                                 "`ssp-agent authority create --out DIR`, list it on every node "
+                                 "(`ssp-agent authority add`), and retire the old file.")
+        raise AuthorityError(f"{directory} is a file; --authority-key names the directory made by `authority create`")
+    try:
+        card = json.loads((directory / CARD).read_text())
+        if card.get("format") != FORMAT:
+            raise ValueError(f"format {card.get('format')!r}")
+        site, pk, conf = bytes.fromhex(card["site_id"]), bytes.fromhex(card["public_key"]), card["keystore"]
+        if len(site) != 16 or len(pk) != 32 or not isinstance(conf, dict):
+            raise ValueError("bad lengths")
+    except FileNotFoundError:
+        raise AuthorityError(f"{directory} holds no {CARD}: not an authority directory (make one with "
+                             "`ssp-agent authority create --out DIR`)") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise AuthorityError(f"{directory / CARD}: not a usable authority card ({e})") from None
+    return site, pk, conf
