@@ -74,7 +74,9 @@ def assemble(protected_bytes: bytes, payload_bytes: bytes, signature: bytes) -> 
 
 def parse_sign1(data: bytes, expect_alg: int = ALG_EDDSA, kid_len: int = 16, sig_len: int = 64) -> Sign1:
     """Strict structural parse; raises DecodeError with a stable reason code."""
-    obj = decode_strict(data, allowed_tags=frozenset({COSE_SIGN1_TAG}), shape_checked=True)
+    # Determinism of the envelope and the protected header is checked below by rebuilding their
+    # exact deterministic bytes (`assemble`, `protected_header`): cheaper than a generic re-encode.
+    obj = decode_strict(data, allowed_tags=frozenset({COSE_SIGN1_TAG}), shape_checked=True, deterministic=False)
     if type(obj) is not cbor2.CBORTag:
         raise DecodeError("untagged_cose", "COSE_Sign1 must carry CBOR tag 18")
     if obj.tag != COSE_SIGN1_TAG:
@@ -93,16 +95,20 @@ def parse_sign1(data: bytes, expect_alg: int = ALG_EDDSA, kid_len: int = 16, sig
         raise DecodeError("bad_cose_shape", "protected, payload and signature must be byte strings")
     if len(signature) != sig_len:
         raise DecodeError("bad_signature_length", f"signature must be {sig_len} bytes")
-    hdr = decode_strict(protected, shape_checked=True)
+    if assemble(protected, payload, signature) != bytes(data):
+        raise DecodeError("non_deterministic", "bytes are not the deterministic encoding of their value")
+    hdr = decode_strict(protected, shape_checked=True, deterministic=False)
     if type(hdr) is not dict or set(hdr) != {HDR_ALG, HDR_CTYPE, HDR_KID}:
         raise DecodeError("bad_protected_header", "protected header must hold exactly alg, content type and kid")
     alg, ctype, kid = hdr[HDR_ALG], hdr[HDR_CTYPE], hdr[HDR_KID]
-    if type(alg) is not int or alg != expect_alg:
-        raise DecodeError("bad_alg", f"alg {alg!r}, expected {expect_alg}")
     if type(ctype) is not str:
         raise DecodeError("bad_protected_header", "content type must be text")
+    if type(alg) is not int or alg != expect_alg:
+        raise DecodeError("bad_alg", f"alg {alg!r}, expected {expect_alg}")
     if type(kid) is not bytes or len(kid) != kid_len:
         raise DecodeError("bad_kid", f"kid must be {kid_len} bytes")
+    if protected != protected_header(alg, ctype, kid):   # every member checked: safe to re-encode
+        raise DecodeError("non_deterministic", "bytes are not the deterministic encoding of their value")
     return Sign1(protected, alg, ctype, kid, payload, signature)
 
 
