@@ -65,7 +65,8 @@ def create(directory: Path, keystore: dict | None = None) -> dict:
 class Authority:
     """An opened authority directory: sign records through its bridge, list what it released."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, fault_hook: Callable[[str], None] | None = None) -> None:
+        """``fault_hook``: the bridge's test seam (named crash points); production passes none."""
         from .node import NodeError, _with_pin
         self.directory = Path(directory)
         self.site_id, self.public_key, conf = _read_card(self.directory)
@@ -77,7 +78,7 @@ class Authority:
             if self._ks.public_key(KEY_NAME) != self.public_key:
                 raise AuthorityError(f"{self.directory}: the keystore's key is not the one in {CARD} "
                                      "(wrong token or device)")
-            self.bridge = SigningBridge(self._ks, str(self.directory / JOURNAL))
+            self.bridge = SigningBridge(self._ks, str(self.directory / JOURNAL), fault_hook=fault_hook)
         except KeystoreError as e:
             self._ks.close()
             raise AuthorityError(f"{self.directory}: {e}") from None
