@@ -56,6 +56,10 @@ def create(directory: Path, keystore: dict | None = None) -> dict:
             ks.close()
     except KeystoreError as e:
         raise AuthorityError(f"cannot create the authority key: {e}") from None
+    # Paths inside the directory are kept relative, so the directory can move (an offline stick).
+    for k in ("dir", "pin_file"):
+        if k in conf and Path(conf[k]).parent == directory:
+            conf[k] = Path(conf[k]).name
     card = {"format": FORMAT, "site_id": os.urandom(16).hex(), "public_key": public_key.hex(), "keystore": conf}
     from firmware_bridge.fsutil import atomic_write
     atomic_write(str(directory / CARD), (json.dumps(card, indent=2) + "\n").encode(), 0o600)
@@ -70,6 +74,8 @@ class Authority:
         from .node import NodeError, _with_pin
         self.directory = Path(directory)
         self.site_id, self.public_key, conf = _read_card(self.directory)
+        conf = {k: str(self.directory / v) if k in ("dir", "pin_file") and not os.path.isabs(v) else v
+                for k, v in conf.items()}
         try:
             self._ks = open_keystore(_with_pin(conf))
         except (KeystoreError, NodeError) as e:

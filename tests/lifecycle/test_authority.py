@@ -32,6 +32,7 @@ def test_create_makes_a_keystore_directory_without_secrets(tmp_path):
     keyfiles = list((d / "keystore").iterdir())
     assert keyfiles and all((f.stat().st_mode & 0o077) == 0 for f in keyfiles)
     assert "secret" not in (d / "authority.json").read_text()
+    assert card["keystore"]["dir"] == "keystore"     # relative: the directory can move
     with pytest.raises(auth_mod.AuthorityError, match="never overwritten"):
         auth_mod.create(d)
     old = tmp_path / "old.json"
@@ -83,3 +84,13 @@ def test_a_node_that_does_not_list_the_authority_refuses(tmp_path):
         with pytest.raises(NodeError, match="not a mesh authority"):
             issue_record(gw, "role", bytes(16), "reader", now=NOW, authority=a)
         assert a.released() == []                              # nothing signed
+
+
+def test_the_directory_can_move(tmp_path):
+    card = auth_mod.create(tmp_path / "auth")
+    (tmp_path / "stick").mkdir()
+    (tmp_path / "auth").rename(tmp_path / "stick" / "auth")
+    gw = _mesh_with(tmp_path, card)
+    with auth_mod.Authority(tmp_path / "stick" / "auth") as a:
+        raw, info = issue_record(gw, "role", bytes(16), "reader", now=NOW, authority=a)
+        assert a.released() == [raw] and info["issuer"] == card["site_id"]
