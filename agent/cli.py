@@ -342,4 +342,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m agent.cli`: run the package's copy of this module, whose Refused and Fault are the
+    # classes the verb modules (cli_sync, cli_mqtt, ...) import, so their refusals exit 2, not 1.
+    from agent.cli import main as _package_main
+    sys.exit(_package_main())

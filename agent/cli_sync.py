@@ -158,6 +158,29 @@ def cmd_authority_create(args) -> int:
     return EXIT_OK
 
 
+def cmd_authority_show(args) -> int:
+    """An authority directory's identity, keystore and released records (never secrets); exit 1
+    when its keystore holds another key than the card names (wrong token or device)."""
+    from .authority import KEY_NAME
+    from .core.cose import parse_sign1
+    from .core.records import KINDS
+    a = _load_authority(args.authority_key)
+    try:
+        released = a.released()
+        kinds: dict[str, int] = {}
+        for raw in released:
+            ctype = parse_sign1(raw).content_type
+            kinds[KINDS.get(ctype, ctype)] = kinds.get(KINDS.get(ctype, ctype), 0) + 1
+        stats = a.bridge.journal_stats()
+        emit({"site_id": a.site_id.hex(), "public_key": a.public_key.hex(), "dir": str(a.directory),
+              "keystore": a.bridge.keystore.describe(), "key": KEY_NAME,
+              "journal": {"path": a.bridge.describe()["journal"], "bytes": stats["bytes"], "entries": stats["entries"]},
+              "records_released": len(released), "by_kind": kinds})
+    finally:
+        a.close()
+    return EXIT_OK
+
+
 def cmd_authority_add(args) -> int:
     """Amend this node's mesh authorities (the manifest's `authorities`) after init: trust the
     authority's key for records and list it as an authority. Run on every node of the mesh."""
@@ -279,6 +302,9 @@ def register(sub, mailbox_sub) -> None:
     a.add_argument("--out", required=True, help="a new, empty directory")
     a.add_argument("--keystore", help='keystore JSON as for init (default {"kind": "software"} inside the directory)')
     a.set_defaults(fn=cmd_authority_create, home_optional=True)
+    a = as_.add_parser("show", help="which authority a directory holds: site_id, key, keystore, records released")
+    a.add_argument("--authority-key", required=True, help="the directory made by `authority create`")
+    a.set_defaults(fn=cmd_authority_show, home_optional=True)
     a = as_.add_parser("add", help="list a site as a mesh authority on this node (and trust its key)")
     a.add_argument("--site-id", required=True)
     a.add_argument("--public-key")

@@ -154,3 +154,17 @@ def test_home_copied_to_another_machine_is_refused(home):
 def test_help_is_readable():
     p = subprocess.run([sys.executable, "-m", "agent.cli", "--help"], capture_output=True, text=True)
     assert p.returncode == 0 and "mailbox" in p.stdout and "Exit status" in p.stdout
+
+
+def test_refusals_from_every_verb_module_exit_2(home, tmp_path):
+    """Verbs live in several modules (cli_sync, cli_mqtt, cli_keystore); a refusal in any of them is
+    exit 2 with one line on stderr, also when run as `python -m agent.cli`."""
+    h, _, _, _ = home
+    cases = [("record", "issue-role", "--subject", "zz", "--role", "r"),                       # cli_sync
+             ("authority", "show", "--authority-key", str(tmp_path / "none")),                 # cli_sync
+             ("policy", "allow", "--peer", "*", "--table", "nope", "--layer", "user"),          # cli_sync
+             ("sync", "--broker", "ftp://x", "--once")]                                         # cli_mqtt
+    for args in cases:
+        p = run(h, *args)
+        assert p.returncode == 2, (args, p.returncode, p.stderr)
+        assert p.stderr.startswith("ssp-agent: ") and "Traceback" not in p.stderr, (args, p.stderr)

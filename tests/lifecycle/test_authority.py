@@ -94,3 +94,24 @@ def test_the_directory_can_move(tmp_path):
     with auth_mod.Authority(tmp_path / "stick" / "auth") as a:
         raw, info = issue_record(gw, "role", bytes(16), "reader", now=NOW, authority=a)
         assert a.released() == [raw] and info["issuer"] == card["site_id"]
+
+
+def test_authority_show_through_the_cli(tmp_path):
+    import subprocess
+    import sys
+    card = auth_mod.create(tmp_path / "auth")
+    gw = _mesh_with(tmp_path, card)
+    with auth_mod.Authority(tmp_path / "auth") as a:
+        issue_record(gw, "role", bytes(16), "reader", now=NOW, authority=a)
+        issue_record(gw, "vouch", bytes(range(16)), bytes(32), now=NOW, authority=a)
+    gw.close()
+    p = subprocess.run([sys.executable, "-m", "agent.cli", "authority", "show", "--authority-key",
+                        str(tmp_path / "auth")], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["site_id"] == card["site_id"] and out["public_key"] == card["public_key"]
+    assert out["records_released"] == 2 and out["by_kind"] == {"role": 1, "vouch": 1}
+    assert out["keystore"]["kind"] == "software" and "secret" not in p.stdout
+    p = subprocess.run([sys.executable, "-m", "agent.cli", "authority", "show", "--authority-key",
+                        str(tmp_path / "nothing")], capture_output=True, text=True)
+    assert p.returncode == 2 and "not an authority directory" in p.stderr
