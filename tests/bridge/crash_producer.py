@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import struct
 import sys
 import time
@@ -34,26 +33,18 @@ import blake3
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from bridge_helpers import (assembler, event_payload, event_protected, receipt_payload,  # noqa: E402
                             receipt_protected, sig_structure)
 from firmware_bridge import EventIdentity, OutcomeUnknown, ReceiptIdentity, SigningBridge, Status  # noqa: E402
 from firmware_bridge.fsutil import atomic_write  # noqa: E402
+from crashpoint import hook_from_env  # noqa: E402
 
 SITE = bytes.fromhex("5a5a5a5a000000000000000000000001")
 GROUP = b"crash-group"
 
-_crash = os.environ.get("BRIDGE_CRASH", "")
-_point, _, _hit = _crash.partition(":")
-_count = 0
-
-
-def hook(point: str) -> None:
-    global _count
-    if point == _point:
-        _count += 1
-        if _count == int(_hit):
-            os.kill(os.getpid(), signal.SIGKILL)
+hook = hook_from_env("BRIDGE_CRASH")
 
 
 def emit(line: str) -> None:

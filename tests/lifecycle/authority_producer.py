@@ -11,25 +11,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from agent import authority  # noqa: E402
 from agent import sync as sync_mod  # noqa: E402
 from agent.node import Node  # noqa: E402
+from crashpoint import hook_from_env  # noqa: E402
 
-_point, _, _hit = os.environ.get("AUTH_CRASH", "").partition(":")
-_count = 0
-
-
-def hook(point: str) -> None:
-    global _count
-    if point == _point:
-        _count += 1
-        if _count == int(_hit):
-            os.kill(os.getpid(), signal.SIGKILL)
+hook = hook_from_env("AUTH_CRASH")
 
 
 def main() -> None:
