@@ -1,0 +1,26 @@
+"""The benchmarks still run end to end with tiny sizes, so they cannot rot between measurements.
+Figures are never asserted here: speed is measured by running bench/ itself (README, Performance)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+CASES = [
+    (["bench/apply.py", "--events", "600", "--rounds", "1"], "ratio apply / raw verify"),
+    (["bench/bench_sync.py", "--events", "600"], "overhead ratio"),
+    (["bench/bench_mqtt.py", "--events", "600"], "raw paho QoS1"),
+    (["bench/bench_keystore.py", "--quick"], "software group commit (256) / one-fsync-per-write"),
+    (["bench/bench_lifecycle.py", "--days", "1", "--rehydrate-events", "600"], "rehydrate_events_per_s"),
+]
+
+
+@pytest.mark.parametrize("args,marker", CASES, ids=[c[0][0] for c in CASES])
+def test_benchmark_runs(tmp_path, args, marker):
+    env = dict(os.environ, SSP_AGENT_WITNESS_DIR=str(tmp_path / "witness"))
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert marker in p.stdout, p.stdout[-2000:]
