@@ -161,21 +161,19 @@ def cmd_authority_create(args) -> int:
 def cmd_authority_show(args) -> int:
     """An authority directory's identity, keystore and released records (never secrets); exit 1
     when its keystore holds another key than the card names (wrong token or device)."""
+    from collections import Counter
     from .authority import KEY_NAME
-    from .core.cose import parse_sign1
+    from .core.cose import content_type
     from .core.records import KINDS
     a = _load_authority(args.authority_key)
     try:
         released = a.released()
-        kinds: dict[str, int] = {}
-        for raw in released:
-            ctype = parse_sign1(raw).content_type
-            kinds[KINDS.get(ctype, ctype)] = kinds.get(KINDS.get(ctype, ctype), 0) + 1
+        kinds = Counter(KINDS.get(ct, ct) for ct in map(content_type, released))
         stats = a.bridge.journal_stats()
         emit({"site_id": a.site_id.hex(), "public_key": a.public_key.hex(), "dir": str(a.directory),
               "keystore": a.bridge.keystore.describe(), "key": KEY_NAME,
               "journal": {"path": a.bridge.describe()["journal"], "bytes": stats["bytes"], "entries": stats["entries"]},
-              "records_released": len(released), "by_kind": kinds})
+              "records_released": len(released), "by_kind": dict(kinds)})
     finally:
         a.close()
     return EXIT_OK

@@ -197,17 +197,17 @@ class Node:
         """A crash between the bridge's release and the apply left signed, persisted local events
         the log lacks: apply them through the one apply path (docs/keystore.md), then compact the
         journal for everything the log now holds."""
-        missing = [raw for identity, raw in self.bridge.iter_released()
-                   if isinstance(identity, EventIdentity) and identity.site_id == self.site_id
-                   and _is_event(raw) and self._known(ev.event_id(raw)) is None]
+        events: list[bytes] = []
+        records: list[bytes] = []   # control records this node signed (authority, rehydrate, truncation)
+        for identity, raw in self.bridge.iter_released():   # one read of the journal
+            if isinstance(identity, EventIdentity) and identity.site_id == self.site_id:
+                (events if _is_event(raw) else records).append(raw)
+        missing = [raw for raw in events if self._known(ev.event_id(raw)) is None]
         if missing:
             log.warning("applying %d local event(s) released before a crash but never applied", len(missing))
             self.apply_batch(missing, origin="local")
-        # Control records this node signed (vouch/retire/role as an authority, rehydrate requests,
-        # truncation records) that its store lacks: store them, so a re-issue extends their chain.
-        records = [raw for identity, raw in self.bridge.iter_released()
-                   if isinstance(identity, EventIdentity) and identity.site_id == self.site_id
-                   and not _is_event(raw) and not self._record_held(raw)]
+        # Control records the store lacks: store them, so a re-issue extends their chain.
+        records = [raw for raw in records if not self._record_held(raw)]
         if records:
             from .store import sync_state
             from .sync import SyncDriver
@@ -237,11 +237,9 @@ class Node:
         records) that its store holds: done, like an event in the log."""
         from .core.records import record_hash
         h = record_hash(bytes(raw))
-        for table in ("control_records", "rehydrate_records", "truncation_records"):
-            if self.conn.execute("SELECT 1 FROM sqlite_master WHERE name=?", (table,)).fetchone() and \
-                    self.conn.execute(f"SELECT 1 FROM {table} WHERE record_hash=?", (h,)).fetchone():
-                return True
-        return False
+        tables = [t for (t,) in self.conn.execute(
+            "SELECT name FROM sqlite_master WHERE name IN ('control_records', 'rehydrate_records', 'truncation_records')")]
+        return any(self.conn.execute(f"SELECT 1 FROM {t} WHERE record_hash=?", (h,)).fetchone() for t in tables)
 
     def _below_own_horizon(self, raw: bytes) -> bool:
         try:
@@ -747,10 +745,7 @@ class Node:
 
 def _is_event(raw: bytes) -> bool:
     """The bridge journal also holds control records this node signed: those are not events."""
-    try:
-        return cose.parse_sign1(bytes(raw)).content_type == ev.EVENT_CONTENT_TYPE
-    except (DecodeError, TypeError, ValueError):
-        return False
+    return cose.content_type(raw) == ev.EVENT_CONTENT_TYPE
 
 
 def _create_table_rows(conn: sqlite3.Connection, t: TableDef) -> None:

@@ -34,9 +34,9 @@ import logging
 import sqlite3
 from typing import Any
 
-from .core.codec import DecodeError, decode_strict, encode
-from .core.cose import ALG_EDDSA, assemble, parse_sign1, protected_header, sig_structure, verify_ed25519
-from .core.records import record_hash
+from .core.codec import decode_strict, encode
+from .core.cose import ALG_EDDSA, assemble, content_type, parse_sign1, protected_header, sig_structure
+from .core.records import RecordError, record_hash, verify_signed_by_site
 
 log = logging.getLogger("ssp_agent.rehydrate")
 
@@ -52,12 +52,7 @@ class RehydrateRecordError(ValueError):
 
 
 def is_rehydrate_record(raw: Any) -> bool:
-    if not isinstance(raw, (bytes, bytearray)):
-        return False
-    try:
-        return parse_sign1(bytes(raw)).content_type == CONTENT_TYPE
-    except (DecodeError, TypeError, ValueError):
-        return False
+    return content_type(raw) == CONTENT_TYPE
 
 
 def to_be_signed(subject: bytes, mesh_id: bytes, generation: int, previous: bytes | None,
@@ -69,26 +64,12 @@ def to_be_signed(subject: bytes, mesh_id: bytes, generation: int, previous: byte
 
 
 def verify(raw: bytes, mesh_id: bytes, keyring: dict) -> dict:
-    """Check one rehydrate record on its own. Raises RehydrateRecordError (dropped and surfaced)."""
+    """Check one rehydrate record on its own. Raises RehydrateRecordError (dropped and surfaced).
+    A retired device's key is refused like an unknown one: it never pulls history again."""
     try:
-        s = parse_sign1(bytes(raw))
-    except DecodeError as e:
+        raw, s, p = verify_signed_by_site(raw, mesh_id, CONTENT_TYPE, "rehydrate", _MEMBERS, keyring.get)
+    except RecordError as e:
         raise RehydrateRecordError(e.reason) from None
-    if s.content_type != CONTENT_TYPE:
-        raise RehydrateRecordError("not_a_rehydrate_record")
-    entry = keyring.get(s.kid)
-    if entry is None:
-        raise RehydrateRecordError("unknown_kid")
-    if entry[1] is not None:
-        raise RehydrateRecordError("retired_signer")  # a retired device never pulls history again
-    if not verify_ed25519(entry[0], s.sig_structure(mesh_id), s.signature):
-        raise RehydrateRecordError("bad_signature")
-    try:
-        p = decode_strict(s.payload_bytes)
-    except DecodeError as e:
-        raise RehydrateRecordError(e.reason) from None
-    if not isinstance(p, dict) or set(p) != _MEMBERS:
-        raise RehydrateRecordError("bad_record_members")
     subj, gen, prev, at = p["subject_site_id"], p["generation"], p["previous_record_hash"], p["requested_at"]
     if subj != s.kid:
         raise RehydrateRecordError("not_self_signed")
@@ -105,13 +86,18 @@ def verify(raw: bytes, mesh_id: bytes, keyring: dict) -> dict:
 
 
 # ---------------------------------------------------------------- store helpers
-def record_raws(conn: sqlite3.Connection) -> list[bytes]:
-    """The latest rehydrate record held per subject (forwarded in every body's `records`)."""
+def latest_requests(conn: sqlite3.Connection) -> list[tuple[bytes, bytes]]:
+    """(record_hash, raw) of the latest rehydrate record held per subject (forwarded in every
+    body's `records`)."""
     if conn.execute("SELECT 1 FROM sqlite_master WHERE name='rehydrate_records'").fetchone() is None:
         return []
-    return [bytes(r[0]) for r in conn.execute(
-        "SELECT raw FROM rehydrate_records r WHERE generation = "
+    return [(bytes(h), bytes(raw)) for h, raw in conn.execute(
+        "SELECT record_hash, raw FROM rehydrate_records r WHERE generation = "
         "(SELECT max(generation) FROM rehydrate_records WHERE subject = r.subject) ORDER BY subject")]
+
+
+def record_raws(conn: sqlite3.Connection) -> list[bytes]:
+    return [raw for _h, raw in latest_requests(conn)]
 
 
 def handle_records(driver, raws: list, now: int) -> dict:
@@ -187,7 +173,7 @@ def start(node, from_peer: bytes | None, now: int | None = None) -> dict:
     from firmware_bridge import EventIdentity
     from .node import EVENT_KEY, now_ms
     from .store import sync_state as st
-    from .sync import SyncDriver, _txn
+    from .sync import _txn
     now = now_ms() if now is None else now
     # --from need not be trusted yet: a new device learns its peers' keys from the vouch records
     # that arrive with the first body (records are processed before events).
@@ -209,7 +195,6 @@ def start(node, from_peer: bytes | None, now: int | None = None) -> dict:
         node.conn.execute("DELETE FROM watermarks")  # fail closed: claims made below the old horizon
         _store(node.conn, verify(raw, node.mesh_id, {node.site_id: (node_public_key(node), None)}))
         _set_state(node.conn, s)
-    SyncDriver  # noqa: B018 - the record travels in every body from now on (SyncDriver._record_raws)
     return s
 
 
@@ -377,13 +362,17 @@ def _store_trunc(conn: sqlite3.Connection, t, now: int) -> bool:
     return cur.rowcount == 1
 
 
-def truncation_raws(conn: sqlite3.Connection, subject: bytes | None = None) -> list[bytes]:
-    """The truncation records for a body to `subject` (only those addressed to it); with no
-    subject (a body for nobody in particular) none."""
+def truncations_for(conn: sqlite3.Connection, subject: bytes | None = None) -> list[tuple[bytes, bytes]]:
+    """(record_hash, raw) of the truncation records for a body to `subject` (only those addressed
+    to it); with no subject (a body for nobody in particular) none."""
     if subject is None or conn.execute("SELECT 1 FROM sqlite_master WHERE name='truncation_records'").fetchone() is None:
         return []
-    return [bytes(r[0]) for r in conn.execute(
-        "SELECT raw FROM truncation_records WHERE subject=? ORDER BY issued_at, record_hash", (subject,))]
+    return [(bytes(h), bytes(raw)) for h, raw in conn.execute(
+        "SELECT record_hash, raw FROM truncation_records WHERE subject=? ORDER BY issued_at, record_hash", (subject,))]
+
+
+def truncation_raws(conn: sqlite3.Connection, subject: bytes | None = None) -> list[bytes]:
+    return [raw for _h, raw in truncations_for(conn, subject)]
 
 
 # ---------------------------------------------------------------- truncation records (the receiving side)
@@ -436,7 +425,6 @@ def truncation_summary(conn: sqlite3.Connection, site_id: bytes) -> dict:
     to the subjects it served (distinct rows; the highest horizon named)."""
     if conn.execute("SELECT 1 FROM sqlite_master WHERE name='truncation_records'").fetchone() is None:
         return {"received": [], "issued": []}
-    from .core.records import TRUNCATED_MEMBERS  # noqa: F401 - the payload layout read below
     groups: dict[tuple[str, bytes, str], tuple[tuple[int, int], set]] = {}
     for issuer, subject, q, p, l, raw in conn.execute(
             "SELECT issuer, subject, qualified, horizon_p, horizon_l, raw FROM truncation_records "

@@ -250,14 +250,17 @@ class SyncDriver:
         self.stats["pushed_events"] += len(events)
         return Outgoing(emit_body(body), meta, tok, len(events))
 
-    def _record_raws(self, peer: bytes | None = None) -> list[bytes]:
-        """Every record a body to `peer` could carry, in body order: authority records (vouch,
-        retire, role: a vouch admits the signer of what follows), rehydrate requests, then truncation
-        records (up to 256 row keys each), which go only to their subject, the one node that acts
-        on them."""
+    def _held_records(self, peer: bytes | None = None) -> list[tuple[bytes, bytes]]:
+        """(record_hash, raw) of every record a body to `peer` could carry, in body order, hashes
+        as stored: authority records (vouch, retire, role: a vouch admits the signer of what
+        follows), rehydrate requests, then truncation records (up to 256 row keys each), which go
+        only to their subject, the one node that acts on them."""
         from . import rehydrate
-        return (st.record_raws_ordered(self.conn) + rehydrate.record_raws(self.conn)
-                + rehydrate.truncation_raws(self.conn, peer))
+        return (st.records_ordered(self.conn) + rehydrate.latest_requests(self.conn)
+                + rehydrate.truncations_for(self.conn, peer))
+
+    def _record_raws(self, peer: bytes | None = None) -> list[bytes]:
+        return [raw for _h, raw in self._held_records(peer)]
 
     def record_budget(self) -> int:
         """Bytes of records a body may carry: a quarter of the profile's body limit."""
@@ -275,8 +278,7 @@ class SyncDriver:
         hashes: list[bytes] = []
         raws: list[bytes] = []
         used = 0
-        for raw in self._record_raws(peer):
-            h = delivery_hash(raw)
+        for h, raw in self._held_records(peer):
             if h in done:
                 continue
             cost = len(raw) + RECORD_OVERHEAD
@@ -290,7 +292,7 @@ class SyncDriver:
     def records_pending(self, peer: bytes, path: str) -> bool:
         """Whether `peer` has records to receive on `path` (not yet delivered there)."""
         done = st.delivered_records(self.conn, peer, path)
-        return any(delivery_hash(r) not in done for r in self._record_raws(peer))
+        return any(h not in done for h, _raw in self._held_records(peer))
 
     def note_records_received(self, peer: bytes, path: str, raws) -> None:
         """Records that came from `peer` (a body or an answer): it holds them, never send them back."""
@@ -344,10 +346,12 @@ class SyncDriver:
         node = self.node
         new = False
         from . import rehydrate
-        from .core.records import is_truncation
-        rh = [r for r in raws if rehydrate.is_rehydrate_record(r)]
-        tr = [r for r in raws if is_truncation(r)]
-        raws = [r for r in raws if not rehydrate.is_rehydrate_record(r) and not is_truncation(r)]
+        from .core.cose import content_type
+        from .core.records import TRUNCATED
+        kinds = [content_type(r) for r in raws]
+        rh = [r for r, k in zip(raws, kinds) if k == rehydrate.CONTENT_TYPE]
+        tr = [r for r, k in zip(raws, kinds) if k == TRUNCATED]
+        raws = [r for r, k in zip(raws, kinds) if k not in (rehydrate.CONTENT_TYPE, TRUNCATED)]
         before = {k for k, c in resolve_chains(st.records(self.conn)).items() if c.forked}
         # A role record can widen policy (the role layer): such a widening backfills too (scope §2).
         policy_before = _policy_snapshot(node, self) if raws else None
@@ -591,41 +595,53 @@ _txn = db.transaction  # one transaction helper for every writer (agent/store/db
 
 def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = None,
                  authority=None) -> tuple[bytes, dict]:
-    """Issue a control record as this node (it must be a mesh authority), signed with its event
-    key through the keystore bridge under a fresh HLC identity (persist-before-release: a crash
-    never makes it sign two different records it could both have released). The record extends
-    the subject's chain from the head this node holds, is stored, and goes to every peer (in the next
+    """Issue a control record, signed through a keystore bridge under a fresh identity
+    (persist-before-release: a crash never makes an issuer sign two different records it could
+    both have released). The issuer is this node (it must be a mesh authority; signed with its
+    event key) or, with `authority` (agent/authority.py, `authority create`), a standalone
+    authority this node lists, signed through the bridge of its directory; records that authority
+    released and this node does not hold (a crash after release, or issued through another node)
+    are stored first, so the chain continues from them instead of forking. The record extends the
+    subject's chain from the head this node holds, is stored, and goes to every peer (in the next
     bodies to it, until it answers one: docs/protocol.md §5)."""
     from firmware_bridge import EventIdentity
     from .core import records as rec
     from .core.cose import assemble
     from .node import EVENT_KEY, NodeError, now_ms
-    if authority is not None:
-        return _issue_with_authority_key(node, kind, subject, value, authority, now)
-    if node.site_id not in node.authorities:
+    issuer = node.site_id if authority is None else authority.site_id
+    if issuer not in node.authorities:
+        if authority is not None:
+            raise NodeError(f"authority {issuer.hex()} is not a mesh authority on this node; add it with "
+                            f"`ssp-agent authority add --site-id {issuer.hex()} --public-key "
+                            f"{authority.public_key.hex()}`")
         raise NodeError("this node is not a mesh authority (the manifest's `authorities`); only an authority "
-                        "may issue vouch, retire and role records (or pass --authority-key FILE made by "
+                        "may issue vouch, retire and role records (or pass --authority-key DIR made by "
                         "`ssp-agent authority create`)")
-    if subject == node.site_id and kind != "role":
+    if authority is None and subject == node.site_id and kind != "role":
         raise NodeError("a node does not vouch for or retire itself")
-    drv = SyncDriver(node)
-    ch = resolve_chains(st.records(node.conn)).get((kind, subject))
-    if ch is not None and ch.forked:
-        raise NodeError(f"the {kind} chain of {subject.hex()} has forked; it is treated as absent until an "
-                        "operator resolves it")
-    gen, prev = (0, None) if ch is None or ch.head is None else (ch.head.generation + 1, ch.head.record_hash)
-    if ch is not None and ch.head is None and not ch.forked and ch.values:
-        raise NodeError(f"this node holds {kind} records of {subject.hex()} without their genesis; sync first")
+    st.ensure_schema(node.conn)
     now = now_ms() if now is None else now
-    protected, payload, tbs = rec.to_be_signed(kind, node.site_id, node.mesh_id, subject, value, gen, prev)
-    hlc = node._tick(now)
-    raw = node.bridge.release(EventIdentity(node.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs,
-                              lambda sig: assemble(protected, payload, sig))
+    drv = SyncDriver(node)
+    if authority is not None:
+        earlier = [raw for raw in authority.released() if not st.has_record(node.conn, delivery_hash(raw))]
+        if earlier:
+            log.warning("storing %d record(s) the authority released before but this node does not hold", len(earlier))
+            drv.apply_records(earlier, now)
+    gen, prev = _chain_position(node, kind, subject)
+    protected, payload, tbs = rec.to_be_signed(kind, issuer, node.mesh_id, subject, value, gen, prev)
+    if authority is not None:
+        raw = authority.sign(tbs, lambda sig: assemble(protected, payload, sig), now)
+    else:
+        hlc = node._tick(now)
+        raw = node.bridge.release(EventIdentity(node.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs,
+                                  lambda sig: assemble(protected, payload, sig))
     res = drv.apply_records([raw], now)
     if res["stored"] != 1 and res["known"] != 1:
-        raise NodeError(f"the issued record did not verify here: {res}")
-    return raw, {"kind": kind, "subject": subject.hex(), "generation": gen,
-                 "record_hash": rec.record_hash(raw).hex(), "previous_record_hash": prev.hex() if prev else None}
+        hint = " (is the authority's public key in this node's keyring?)" if authority is not None else ""
+        raise NodeError(f"the issued record did not verify here{hint}: {res}")
+    info = {"kind": kind, "subject": subject.hex(), "generation": gen,
+            "record_hash": rec.record_hash(raw).hex(), "previous_record_hash": prev.hex() if prev else None}
+    return raw, info if authority is None else {**info, "issuer": issuer.hex()}
 
 
 def _chain_position(node, kind: str, subject: bytes):
@@ -637,40 +653,6 @@ def _chain_position(node, kind: str, subject: bytes):
     if ch is not None and ch.head is None and ch.values:
         raise NodeError(f"this node holds {kind} records of {subject.hex()} without their genesis; sync first")
     return (0, None) if ch is None or ch.head is None else (ch.head.generation + 1, ch.head.record_hash)
-
-
-def _issue_with_authority_key(node, kind: str, subject: bytes, value: Any, authority, now: int | None
-                              ) -> tuple[bytes, dict]:
-    """Issue a record as a standalone authority (`ssp-agent authority create`, agent/authority.py):
-    the issuer is the authority's own site_id, which this node must list as a mesh authority and
-    whose public key it must hold (manifest `authorities` + `peers`, or `ssp-agent authority add`).
-    The record is signed through the authority's keystore bridge (persist-before-release), stored
-    here and travels in every body. Records the authority released earlier that this node does not
-    hold (a crash after release, or issued through another node) are stored first, so the chain
-    continues from them instead of forking."""
-    from .core import records as rec
-    from .core.cose import assemble
-    from .node import NodeError, now_ms
-    issuer = authority.site_id
-    if issuer not in node.authorities:
-        raise NodeError(f"authority {issuer.hex()} is not a mesh authority on this node; add it with "
-                        f"`ssp-agent authority add --site-id {issuer.hex()} --public-key {authority.public_key.hex()}`")
-    st.ensure_schema(node.conn)
-    now = now_ms() if now is None else now
-    drv = SyncDriver(node)
-    earlier = [raw for raw in authority.released() if not st.has_record(node.conn, delivery_hash(raw))]
-    if earlier:
-        log.warning("storing %d record(s) the authority released before but this node does not hold", len(earlier))
-        drv.apply_records(earlier, now)
-    gen, prev = _chain_position(node, kind, subject)
-    protected, payload, tbs = rec.to_be_signed(kind, issuer, node.mesh_id, subject, value, gen, prev)
-    raw = authority.sign(tbs, lambda sig: assemble(protected, payload, sig), now)
-    res = drv.apply_records([raw], now)
-    if res["stored"] != 1 and res["known"] != 1:
-        raise NodeError(f"the issued record did not verify here (is the authority's public key in this node's "
-                        f"keyring?): {res}")
-    return raw, {"kind": kind, "subject": subject.hex(), "issuer": issuer.hex(), "generation": gen,
-                 "record_hash": rec.record_hash(raw).hex(), "previous_record_hash": prev.hex() if prev else None}
 
 
 class PortAdapter:

@@ -219,13 +219,11 @@ class SigningBridge:
         # (b) sign in identity order (a serial device refuses identities at/below its last one);
         # the keystore may sign a large batch on several cores, the outputs are the same
         order = sorted(todo, key=lambda k: idents[k])
-        for k in order:
-            if not isinstance(items[k][2], bytes):
-                items[k] = (items[k][0], items[k][1], bytes(items[k][2]), items[k][3])
-        sigs, failure = self._ks._sign_many([(items[k][1], items[k][0], items[k][2]) for k in order])
+        requests = [(items[k][1], items[k][0], bytes(items[k][2])) for k in order]
+        sigs, failure = self._ks._sign_many(requests)
         done: list[tuple[bytes, bytes]] = []
-        for k, sig in zip(order, sigs):
-            identity, key_name, tbs, assemble = items[k]
+        for k, (key_name, _identity, tbs), sig in zip(order, requests, sigs):
+            assemble = items[k][3]
             try:
                 self._check_signature(key_name, tbs, sig)
                 out = assemble(sig)

@@ -112,6 +112,17 @@ def parse_sign1(data: bytes, expect_alg: int = ALG_EDDSA, kid_len: int = 16, sig
     return Sign1(protected, alg, ctype, kid, payload, signature)
 
 
+def content_type(raw: Any) -> str | None:
+    """The protected content type of a well-formed COSE_Sign1 (events and every record kind
+    share the envelope), or None for anything that does not parse."""
+    if not isinstance(raw, (bytes, bytearray)):
+        return None
+    try:
+        return parse_sign1(bytes(raw)).content_type
+    except (DecodeError, TypeError, ValueError):
+        return None
+
+
 def verify_ed25519(public_key: bytes, message: bytes, signature: bytes) -> bool:
     """libsodium crypto_sign_verify_detached semantics (wire-profile.md §2: one accept set)."""
     if len(public_key) != 32 or len(signature) != 64:

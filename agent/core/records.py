@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 import blake3
 
 from .codec import DecodeError, decode_strict, encode
-from .cose import ALG_EDDSA, assemble, parse_sign1, protected_header, sig_structure, verify_ed25519
+from .cose import ALG_EDDSA, assemble, content_type, parse_sign1, protected_header, sig_structure, verify_ed25519
 from .ids import UINT32_MAX, UINT64_MAX
 
 ROLE, VOUCH, RETIRE = "sovm/ssp-role-v1", "sovm/ssp-vouch-v1", "sovm/ssp-retire-v1"
@@ -220,12 +220,7 @@ def truncation_to_be_signed(issuer: bytes, mesh_id: bytes, subject: bytes, schem
 
 
 def is_truncation(raw: Any) -> bool:
-    if not isinstance(raw, (bytes, bytearray)):
-        return False
-    try:
-        return parse_sign1(bytes(raw)).content_type == TRUNCATED
-    except (DecodeError, TypeError, ValueError):
-        return False
+    return content_type(raw) == TRUNCATED
 
 
 def _row_key_ok(k: Any) -> bool:
@@ -233,13 +228,15 @@ def _row_key_ok(k: Any) -> bool:
             and all(isinstance(v, (int, str, bytes, float)) or v is None for v in k.values()))
 
 
-def verify_truncation(raw: bytes, mesh_id: bytes,
-                      entry_of: Callable[[bytes], tuple[bytes, Any] | None]) -> Truncation:
-    """Verify one truncation record on its own. `entry_of(issuer)` gives the issuer's keyring
-    entry (public key, retirement cutoff or None). Raises RecordError (dropped and surfaced)."""
+def verify_signed_by_site(raw: Any, mesh_id: bytes, ctype: str, label: str, members: frozenset,
+                          entry_of: Callable[[bytes], tuple[bytes, Any] | None]) -> tuple[bytes, Any, dict]:
+    """The checks a record a site signs about itself starts with (truncation and rehydrate
+    records): the content type, the signer's keyring entry (`entry_of(kid)`: public key and
+    retirement cutoff or None) known and not retired, the signature, and exactly `members` in the
+    payload. Returns (raw, Sign1, payload); raises RecordError."""
     raw, s = _parse(raw)
-    if s.content_type != TRUNCATED:
-        raise RecordError("not_a_truncation_record", s.content_type)
+    if s.content_type != ctype:
+        raise RecordError(f"not_a_{label}_record", s.content_type)
     entry = entry_of(s.kid)
     if entry is None:
         raise RecordError("unknown_kid", s.kid.hex())
@@ -251,8 +248,16 @@ def verify_truncation(raw: bytes, mesh_id: bytes,
         p = decode_strict(s.payload_bytes)
     except DecodeError as e:
         raise RecordError(e.reason, "record payload") from None
-    if not isinstance(p, dict) or set(p) != TRUNCATED_MEMBERS:
+    if not isinstance(p, dict) or set(p) != members:
         raise RecordError("bad_record_members")
+    return raw, s, p
+
+
+def verify_truncation(raw: bytes, mesh_id: bytes,
+                      entry_of: Callable[[bytes], tuple[bytes, Any] | None]) -> Truncation:
+    """Verify one truncation record on its own. `entry_of(issuer)` gives the issuer's keyring
+    entry (public key, retirement cutoff or None). Raises RecordError (dropped and surfaced)."""
+    raw, s, p = verify_signed_by_site(raw, mesh_id, TRUNCATED, "truncation", TRUNCATED_MEMBERS, entry_of)
     subj, schema, name, h, rks, at = (p["subject_site_id"], p["table_schema"], p["table_name"], p["horizon"],
                                       p["row_keys"], p["issued_at"])
     if not _bstr(subj, 16):

@@ -265,14 +265,14 @@ def record_raws(conn: sqlite3.Connection) -> list[bytes]:
     return [bytes(r[0]) for r in conn.execute("SELECT raw FROM control_records ORDER BY record_hash")]
 
 
-def record_raws_ordered(conn: sqlite3.Connection) -> list[bytes]:
-    """The authority records in the order bodies carry them: vouch, then retire, then role (a
-    vouch admits the signer of what follows it), each chain from its genesis."""
+def records_ordered(conn: sqlite3.Connection) -> list[tuple[bytes, bytes]]:
+    """(record_hash, raw) of the authority records in the order bodies carry them: vouch, then
+    retire, then role (a vouch admits the signer of what follows it), each chain from its genesis."""
     if not has_schema(conn):
         return []
-    return [bytes(r[0]) for r in conn.execute(
-        "SELECT raw FROM control_records ORDER BY CASE kind WHEN 'vouch' THEN 0 WHEN 'retire' THEN 1 ELSE 2 END,"
-        " subject, generation, record_hash")]
+    return [(bytes(h), bytes(raw)) for h, raw in conn.execute(
+        "SELECT record_hash, raw FROM control_records ORDER BY CASE kind WHEN 'vouch' THEN 0 WHEN 'retire' THEN 1 "
+        "ELSE 2 END, subject, generation, record_hash")]
 
 
 def delivered_records(conn: sqlite3.Connection, peer: bytes, path: str) -> set[bytes]:

@@ -13,19 +13,12 @@ import pytest
 from agent import mailbox
 from agent.core import cose
 from agent.node import EVENT_KEY, Node
+from agent.simpeer import manifest_text, readings_table
 from firmware_bridge import EventIdentity, Status
 
 MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 T = "app.readings"
-MANIFEST = f'mesh_id = "{MESH.hex()}"\n' + """
-[[tables]]
-schema = "app"
-name = "readings"
-category = "syncable"
-retention = "telemetry"
-key = ["device", "seq"]
-columns = { device = "text", seq = "integer", temp = "real" }
-"""
+MANIFEST = manifest_text(MESH, readings_table(retention="telemetry"))
 
 
 def _round_trip(tmp_path, ks_conf):

@@ -16,8 +16,8 @@ MANIFEST = manifest_text(MESH, readings_table() + NOTES_TABLE)
 N = "app.notes"
 
 
-def make_nodes(tmp: Path, n: int) -> list[Node]:
-    nodes = [Node.init(tmp / f"n{i}", MANIFEST)[0] for i in range(n)]
+def make_nodes(tmp: Path, n: int, manifest: str = MANIFEST) -> list[Node]:
+    nodes = [Node.init(tmp / f"n{i}", manifest)[0] for i in range(n)]
     for a in nodes:
         for b in nodes:
             if a is not b:

@@ -9,10 +9,11 @@ import time
 from agent import rehydrate
 from agent.core.scope import PolicyRow
 from agent.node import Node
+from agent.simpeer import NOTES_TABLE, manifest_text, readings_table
 from agent.store import sync_state as st
 from agent.sync import change_policy
 
-from .helpers import MANIFEST, N, T, event_ids, make_nodes, runner, step_until, write
+from .helpers import MESH, N, T, event_ids, make_nodes, runner, step_until, write
 
 
 def deny(peer, table="notes"):
@@ -163,10 +164,8 @@ def test_restart_mid_backfill_resumes_from_the_durable_row_cursor(broker, tmp_pa
 
 
 def test_rehydration_over_mqtt_brings_back_an_evicted_nodes_history(broker, tmp_path):
-    manifest = MANIFEST.replace('name = "readings"\ncategory = "syncable"\n',
-                                'name = "readings"\ncategory = "syncable"\nretention = "telemetry"\n')
-    assert manifest != MANIFEST
-    gw, pi = nodes = make_nodes_from(tmp_path, manifest, 2)
+    manifest = manifest_text(MESH, readings_table(retention="telemetry") + NOTES_TABLE)
+    gw, pi = nodes = make_nodes(tmp_path, 2, manifest)
     for i in range(30):
         write(gw, i, "g")
     want = raws(gw, T)
@@ -190,12 +189,3 @@ def test_rehydration_over_mqtt_brings_back_an_evicted_nodes_history(broker, tmp_
         assert rehydrate.status(pi)["rehydrating"]["events_applied"] == 30
     finally:
         close(rs, nodes)
-
-
-def make_nodes_from(tmp, manifest, n):
-    nodes = [Node.init(tmp / f"r{i}", manifest)[0] for i in range(n)]
-    for x in nodes:
-        for y in nodes:
-            if x is not y:
-                x.add_peer(y.site_id, y.keyring[y.site_id][0], None)
-    return nodes
