@@ -12,8 +12,13 @@ from pathlib import Path
 
 
 def import_body(node, data: bytes, now: int | None = None) -> dict:
+    """Raises ProtocolError before anything is written (cli-contract.md: a refused body changes
+    nothing): the strict parse runs before the driver is made, because making it creates the
+    sync tables and the default policy rows of a home that has none yet."""
+    from .core.messages import parse_body
     from .sync import SyncDriver
-    return SyncDriver(node).import_mailbox(data, now)  # raises ProtocolError: nothing has changed
+    body = parse_body(data)
+    return SyncDriver(node).import_mailbox(data, now, body=body)
 
 
 def export_body(node, peer: bytes, out: Path) -> dict:

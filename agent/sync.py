@@ -476,10 +476,11 @@ class SyncDriver:
         self.confirm(peer, o.token, o.n_events)  # a file cannot answer: written is delivered
         return {"peer": peer.hex(), "events": o.n_events, "bytes": len(o.body), "file": str(out)}
 
-    def import_mailbox(self, data: bytes, now: int | None = None) -> dict:
+    def import_mailbox(self, data: bytes, now: int | None = None, body: SyncBody | None = None) -> dict:
         """Parse the whole body strictly first (nothing changes on a malformed one), then records,
-        then events through the one apply path. Mailbox bodies never move watermarks."""
-        body = parse_body(data)
+        then events through the one apply path. Mailbox bodies never move watermarks. `body`: the
+        parse of `data` already made (agent/mailbox.py parses before making a driver)."""
+        body = parse_body(data) if body is None else body
         from .node import now_ms
         now = now_ms() if now is None else now
         recs = self.apply_records(body.records, now) if body.records else None
