@@ -53,3 +53,47 @@ def test_key_file_is_private(tmp_path):
     assert keyfiles
     for p in keyfiles:
         assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+
+
+# The blind Commit sequencer (issue 14) is its own service: it never imports the sync node. From
+# the agent it may use only its own package and the shared deterministic CBOR / COSE encoding.
+SEQUENCER_AGENT_ALLOWED = {"agent.sequencer", "agent.core.codec", "agent.core.cose"}
+
+
+def _absolute_imports(path: Path, package: str):
+    """Every module a file imports, absolute; `from X import a` yields X.a when X.a is a module
+    file in this tree, else X."""
+    tree = ast.parse(path.read_text())
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            for a in n.names:
+                yield a.name
+        elif isinstance(n, ast.ImportFrom):
+            mod = n.module or ""
+            if n.level:
+                base = package.split(".")
+                base = base[:len(base) - (n.level - 1)]
+                mod = ".".join(base + ([n.module] if n.module else []))
+            for a in n.names:
+                sub = f"{mod}.{a.name}"
+                is_module = (ROOT / Path(*sub.split("."))).with_suffix(".py").exists() or \
+                    (ROOT / Path(*sub.split("."))).is_dir()
+                yield sub if is_module else mod
+
+
+def test_sequencer_never_imports_the_sync_node():
+    files = list((ROOT / "agent" / "sequencer").rglob("*.py"))
+    assert files
+    for f in files:
+        for mod in _absolute_imports(f, "agent.sequencer"):
+            if mod == "agent" or mod.startswith("agent."):
+                assert any(mod == a or mod.startswith(a + ".") for a in SEQUENCER_AGENT_ALLOWED), \
+                    f"{f.relative_to(ROOT)} imports {mod}: the sequencer never imports the sync node"
+
+
+def test_sequencer_core_is_sans_io():
+    for mod, level in _imports(ROOT / "agent" / "sequencer" / "core.py"):
+        if level:
+            continue
+        assert mod not in CORE_FORBIDDEN, f"sequencer core imports {mod}"
+        assert mod in CORE_ALLOWED or mod in sys.stdlib_module_names or mod in ("__future__", "agent"), mod

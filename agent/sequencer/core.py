@@ -1,0 +1,132 @@
+"""The blind Commit sequencer's pure core (SOVM §22.5–§22.6): no I/O, no clock, no signing.
+
+Per opaque group_id the state is the current accepted epoch — the epoch a Commit must be built
+in to be accepted — and the head of the group's receipt chain. The first-Commit-wins rule of
+§22.5:
+
+    accept iff content_type == commit
+           AND commit.epoch == current_epoch(group_id)
+           AND no commit has already been accepted for that epoch
+
+The third condition is implied by the second because acceptance advances current_epoch in the
+same atomic commitment that makes the receipt durable (§22.5 cl. 3; agent/sequencer/store.py):
+once a Commit is accepted for E, current_epoch is E+1 and every other Commit for E is stale.
+
+A stale Commit is answered with the current head (the conflict answer of transparency-log
+witnesses), so its sender can fetch the canonical Commit, process it, rebuild and retry.
+
+Bootstrap (§22.6): a group is created by explicit registration with its initial epoch, or by the
+first Commit-bearing message observed for an unknown group_id, which initialises tracking at that
+Commit's epoch and is accepted. Either starts a fresh chain (previous_receipt_hash null,
+wire-profile.md §6).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Optional, Union
+
+from agent.sequencer.framing import CONTENT_TYPE_NAMES, Framing
+
+# Stable reason codes of a refusal (cli-contract.md, `sequencer submit`).
+STALE_EPOCH = "stale_epoch"          # built in an epoch a Commit was already accepted for: rebuild
+FUTURE_EPOCH = "future_epoch"        # built in an epoch the sequencer has not reached
+NOT_COMMIT = "not_commit"            # a proposal or application message: nothing to sequence
+UNPARSEABLE = "unparseable"          # framing refused (agent/sequencer/framing.py)
+FAILED_CLOSED = "failed_closed"      # the group is frozen pending audit and migration (§22.6 step 4)
+
+
+@dataclass(frozen=True)
+class Head:
+    """The last receipt of a group's chain: its epoch (the Commit's framing epoch) and the BLAKE3
+    hash of its exact bytes (the next receipt's previous_receipt_hash)."""
+
+    epoch: int
+    receipt_hash: bytes
+
+
+@dataclass(frozen=True)
+class GroupState:
+    group_id: bytes
+    current_epoch: int
+    head: Optional[Head] = None
+    origin: str = "registered"                       # "registered" or "bootstrap" (§22.6)
+    discontinuities: tuple[int, ...] = field(default=())  # epochs accepted whose receipt is absent
+    failed_closed: bool = False
+
+
+@dataclass(frozen=True)
+class Accept:
+    """Sign a receipt for (group_id, epoch) chained to previous_receipt_hash."""
+
+    group_id: bytes
+    epoch: int
+    commit_hash: bytes
+    previous_receipt_hash: Optional[bytes]
+    bootstrap: bool = False
+
+
+@dataclass(frozen=True)
+class Reject:
+    reason: str
+    group_id: Optional[bytes]
+    current_epoch: Optional[int]
+    head: Optional[Head]
+    detail: str = ""
+
+
+Decision = Union[Accept, Reject]
+
+
+def register(existing: Optional[GroupState], group_id: bytes, epoch: int) -> GroupState:
+    """§22.6 bootstrap by explicit registration; a known group is never re-registered."""
+    if existing is not None:
+        raise ValueError(f"group {group_id.hex()} is already known (current epoch {existing.current_epoch})")
+    if not (1 <= len(group_id) <= 255) or not (0 <= epoch < 2**64):
+        raise ValueError("group_id must be 1..255 bytes and epoch a uint64")
+    return GroupState(group_id, epoch, None, "registered")
+
+
+def decide(state: Optional[GroupState], framing: Framing, commit_hash: bytes) -> Decision:
+    """The first-Commit-wins decision for one framed message (§22.5)."""
+    gid = framing.group_id
+    if not framing.is_commit:
+        name = CONTENT_TYPE_NAMES.get(framing.content_type, str(framing.content_type))
+        return _reject(NOT_COMMIT, gid, state, f"content_type {name}: only Commits are sequenced")
+    if state is None:
+        # §22.6: the first Commit-bearing message for an unknown group initialises its tracking
+        return Accept(gid, framing.epoch, commit_hash, None, bootstrap=True)
+    if state.failed_closed:
+        return _reject(FAILED_CLOSED, gid, state, "equivocation evidence: the group awaits audit and migration")
+    if framing.epoch < state.current_epoch:
+        return _reject(STALE_EPOCH, gid, state, f"a Commit was already accepted for epoch {framing.epoch}; "
+                                                "process the canonical Commit, rebuild and resubmit")
+    if framing.epoch > state.current_epoch:
+        return _reject(FUTURE_EPOCH, gid, state, f"epoch {framing.epoch} is ahead of the accepted epoch "
+                                                 f"{state.current_epoch}")
+    prev = state.head.receipt_hash if state.head is not None else None
+    return Accept(gid, framing.epoch, commit_hash, prev)
+
+
+def _reject(reason: str, gid: bytes, state: Optional[GroupState], detail: str) -> Reject:
+    if state is None:
+        return Reject(reason, gid, None, None, detail)
+    return Reject(reason, gid, state.current_epoch, state.head, detail)
+
+
+def accepted(state: Optional[GroupState], decision: Accept, receipt_hash: bytes) -> GroupState:
+    """The state after the receipt for ``decision`` is durable: epoch E+1, head = that receipt."""
+    if state is None:
+        state = GroupState(decision.group_id, decision.epoch, None, "bootstrap")
+    if decision.epoch != state.current_epoch:
+        raise ValueError(f"receipt for epoch {decision.epoch} does not extend a group at {state.current_epoch}")
+    return replace(state, current_epoch=decision.epoch + 1, head=Head(decision.epoch, receipt_hash))
+
+
+def receipt_absent(state: GroupState, epoch: int) -> GroupState:
+    """§22.6 'epoch advanced, receipt absent': the Commit for ``epoch`` was accepted and its
+    receipt identity may have been signed, but no receipt is durable. The pair is never signed
+    again (§22.5 cl. 2): the epoch advances, the gap is recorded, and the head stays at the last
+    receipt before it, so the next receipt chains across the gap (step 5)."""
+    if epoch != state.current_epoch:
+        raise ValueError(f"discontinuity at {epoch} does not extend a group at {state.current_epoch}")
+    return replace(state, current_epoch=epoch + 1, discontinuities=state.discontinuities + (epoch,))

@@ -1,0 +1,236 @@
+"""The plaintext framing of an RFC 9420 MLSMessage, read blind (SOVM §22.5, wire-profile.md §6).
+
+The sequencer reads only what RFC 9420 §6 leaves unencrypted: version, wire_format, group_id,
+epoch and content_type. It never decrypts anything and never decides whether a Commit is
+semantically valid (§22.8): that is every member's job.
+
+Strictness (so that one byte string has one reading on every sequencer):
+- integers are big-endian (RFC 9420 §2.1, TLS presentation language);
+- variable-length vectors use the §2.1.2 length prefix: 1, 2 or 4 bytes chosen by the two top bits,
+  prefix 0b11 invalid, and the shortest form only (a non-minimal length is malformed);
+- a PrivateMessage (§6.3) is parsed to its end and nothing may follow it;
+- a PublicMessage (§6.2) carrying a Commit is walked to its end by lengths alone (the Commit's
+  proposals vector, the optional UpdatePath, the signature, confirmation_tag and, for a member
+  sender, membership_tag) and nothing may follow it. Walking is not reading: no field of the
+  Commit is interpreted. A PublicMessage carrying anything else is not a Commit and is refused
+  by the sequencer whatever follows its content_type, so it is not walked.
+
+Every failure is a ``FramingError`` with a stable ``reason`` code; no other exception escapes
+``parse_mls_message`` for any input bytes (tested with Hypothesis).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MLS10 = 1                                   # ProtocolVersion mls10 (RFC 9420 §6)
+WIRE_PUBLIC, WIRE_PRIVATE, WIRE_WELCOME, WIRE_GROUP_INFO, WIRE_KEY_PACKAGE = 1, 2, 3, 4, 5
+CT_APPLICATION, CT_PROPOSAL, CT_COMMIT = 1, 2, 3
+SENDER_MEMBER, SENDER_EXTERNAL, SENDER_NEW_MEMBER_PROPOSAL, SENDER_NEW_MEMBER_COMMIT = 1, 2, 3, 4
+MAX_GROUP_ID = 255                          # firmware_bridge ReceiptIdentity: group_id is 1..255 bytes
+_U64 = (1 << 64) - 1
+
+WIRE_FORMAT_NAMES = {WIRE_PUBLIC: "mls_public_message", WIRE_PRIVATE: "mls_private_message",
+                     WIRE_WELCOME: "mls_welcome", WIRE_GROUP_INFO: "mls_group_info",
+                     WIRE_KEY_PACKAGE: "mls_key_package"}
+CONTENT_TYPE_NAMES = {CT_APPLICATION: "application", CT_PROPOSAL: "proposal", CT_COMMIT: "commit"}
+
+
+class FramingError(ValueError):
+    """Bytes that are not a well-formed MLSMessage handshake framing. ``reason`` is a stable code."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Framing:
+    """What the sequencer may know about an MLSMessage (RFC 9420 §6, plaintext only)."""
+
+    version: int
+    wire_format: int
+    group_id: bytes
+    epoch: int
+    content_type: int
+
+    @property
+    def is_commit(self) -> bool:
+        return self.content_type == CT_COMMIT
+
+
+class _Reader:
+    __slots__ = ("buf", "pos")
+
+    def __init__(self, buf: bytes) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def take(self, n: int, what: str) -> bytes:
+        end = self.pos + n
+        if end > len(self.buf):
+            raise FramingError("truncated", f"{what}: need {n} bytes at offset {self.pos}, "
+                                            f"{len(self.buf) - self.pos} left")
+        out = self.buf[self.pos:end]
+        self.pos = end
+        return out
+
+    def uint(self, n: int, what: str) -> int:
+        return int.from_bytes(self.take(n, what), "big")
+
+    def varint(self, what: str) -> int:
+        """RFC 9420 §2.1.2: 2-bit prefix gives 1/2/4 bytes; 0b11 invalid; shortest form only."""
+        first = self.take(1, what)[0]
+        prefix = first >> 6
+        if prefix == 3:
+            raise FramingError("bad_vector_length", f"{what}: length prefix 0b11 is invalid (RFC 9420 §2.1.2)")
+        n = 1 << prefix
+        value = first & 0x3F
+        if n > 1:
+            value = (value << (8 * (n - 1))) | self.uint(n - 1, what)
+            if value < (0x40 if n == 2 else 0x4000):
+                raise FramingError("non_minimal_length",
+                                   f"{what}: length {value} not in its shortest form (RFC 9420 §2.1.2)")
+        return value
+
+    def vector(self, what: str) -> bytes:
+        return self.take(self.varint(what), what)
+
+    def at_end(self) -> bool:
+        return self.pos == len(self.buf)
+
+
+def parse_mls_message(data: bytes) -> Framing:
+    """Strictly parse the framing of one MLSMessage; raises ``FramingError`` (only)."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise FramingError("not_bytes", "an MLSMessage is a byte string")
+    r = _Reader(bytes(data))
+    version = r.uint(2, "version")
+    if version != MLS10:
+        raise FramingError("unsupported_version", f"version {version}, expected mls10 (1)")
+    wire_format = r.uint(2, "wire_format")
+    if wire_format == WIRE_PRIVATE:
+        return _private_message(r, version)
+    if wire_format == WIRE_PUBLIC:
+        return _public_message(r, version)
+    if wire_format in WIRE_FORMAT_NAMES:
+        raise FramingError("not_handshake", f"wire_format {WIRE_FORMAT_NAMES[wire_format]} carries no "
+                                            "group_id/epoch/content_type framing to sequence")
+    raise FramingError("unknown_wire_format", f"wire_format {wire_format}")
+
+
+def _group_id(r: _Reader) -> bytes:
+    gid = r.vector("group_id")
+    if not 1 <= len(gid) <= MAX_GROUP_ID:
+        # §22.5: group identifiers are random opaque routing values; an empty one routes nowhere
+        raise FramingError("bad_group_id", f"group_id of {len(gid)} bytes (1..{MAX_GROUP_ID} accepted)")
+    return gid
+
+
+def _content_type(r: _Reader) -> int:
+    ct = r.uint(1, "content_type")
+    if ct not in CONTENT_TYPE_NAMES:
+        raise FramingError("bad_content_type", f"content_type {ct} (1 application, 2 proposal, 3 commit)")
+    return ct
+
+
+def _private_message(r: _Reader, version: int) -> Framing:
+    # RFC 9420 §6.3: group_id<V>, uint64 epoch, content_type, authenticated_data<V>,
+    # encrypted_sender_data<V>, ciphertext<V>.
+    gid = _group_id(r)
+    epoch = r.uint(8, "epoch")
+    ct = _content_type(r)
+    r.vector("authenticated_data")
+    r.vector("encrypted_sender_data")
+    r.vector("ciphertext")
+    if not r.at_end():
+        raise FramingError("trailing_bytes", f"{len(r.buf) - r.pos} bytes after the PrivateMessage")
+    return Framing(version, WIRE_PRIVATE, gid, epoch, ct)
+
+
+def _public_message(r: _Reader, version: int) -> Framing:
+    # RFC 9420 §6.2 / §6: FramedContent = group_id<V>, uint64 epoch, Sender, authenticated_data<V>,
+    # content_type, body; then FramedContentAuthData; then membership_tag for a member sender.
+    gid = _group_id(r)
+    epoch = r.uint(8, "epoch")
+    sender_type = r.uint(1, "sender_type")
+    if sender_type in (SENDER_MEMBER, SENDER_EXTERNAL):
+        r.uint(4, "sender index")
+    elif sender_type not in (SENDER_NEW_MEMBER_PROPOSAL, SENDER_NEW_MEMBER_COMMIT):
+        raise FramingError("bad_sender_type", f"sender_type {sender_type}")
+    r.vector("authenticated_data")
+    ct = _content_type(r)
+    framing = Framing(version, WIRE_PUBLIC, gid, epoch, ct)
+    if ct != CT_COMMIT:
+        return framing
+    _walk_commit(r)
+    r.vector("signature")                   # FramedContentAuthData.signature
+    r.vector("confirmation_tag")            # present for content_type commit
+    if sender_type == SENDER_MEMBER:
+        r.vector("membership_tag")
+    if not r.at_end():
+        raise FramingError("trailing_bytes", f"{len(r.buf) - r.pos} bytes after the PublicMessage")
+    return framing
+
+
+def _walk_commit(r: _Reader) -> None:
+    # Commit = ProposalOrRef proposals<V>; optional<UpdatePath> path (RFC 9420 §12.4)
+    r.vector("commit proposals")
+    present = r.uint(1, "commit path presence")
+    if present == 0:
+        return
+    if present != 1:
+        raise FramingError("bad_optional", f"optional<UpdatePath> presence byte {present}")
+    _walk_leaf_node(r)
+    r.vector("update path nodes")
+
+
+def _walk_leaf_node(r: _Reader) -> None:
+    # LeafNode (RFC 9420 §7.2)
+    r.vector("encryption_key")
+    r.vector("signature_key")
+    ctype = r.uint(2, "credential_type")
+    if ctype == 1:
+        r.vector("basic credential identity")
+    elif ctype == 2:
+        r.vector("x509 certificates")
+    else:
+        # an unregistered credential type has no length we could walk by
+        raise FramingError("unknown_credential_type", f"credential_type {ctype} in the UpdatePath leaf")
+    for what in ("capabilities versions", "capabilities cipher_suites", "capabilities extensions",
+                 "capabilities proposals", "capabilities credentials"):
+        r.vector(what)
+    source = r.uint(1, "leaf_node_source")
+    if source == 1:
+        r.take(16, "lifetime")
+    elif source == 3:
+        r.vector("parent_hash")
+    elif source != 2:
+        raise FramingError("bad_leaf_node_source", f"leaf_node_source {source}")
+    r.vector("leaf extensions")
+    r.vector("leaf signature")
+
+
+# -- encoders: used by tests and tools to build framings (not by the sequencer's read path) -------
+def encode_vector(data: bytes) -> bytes:
+    n = len(data)
+    if n < 0x40:
+        head = bytes((n,))
+    elif n < 0x4000:
+        head = (n | 0x4000).to_bytes(2, "big")
+    elif n < 0x40000000:
+        head = (n | 0x80000000).to_bytes(4, "big")
+    else:
+        raise ValueError("vector longer than 2^30-1 bytes")
+    return head + data
+
+
+def encode_private_message(group_id: bytes, epoch: int, content_type: int = CT_COMMIT, *,
+                           authenticated_data: bytes = b"", encrypted_sender_data: bytes = b"\x00" * 16,
+                           ciphertext: bytes = b"\x00" * 32) -> bytes:
+    """An MLSMessage(PrivateMessage) with the given plaintext framing and opaque (test) body."""
+    if not 0 <= epoch <= _U64:
+        raise ValueError("epoch is a uint64")
+    return b"".join((MLS10.to_bytes(2, "big"), WIRE_PRIVATE.to_bytes(2, "big"), encode_vector(group_id),
+                     epoch.to_bytes(8, "big"), bytes((content_type,)), encode_vector(authenticated_data),
+                     encode_vector(encrypted_sender_data), encode_vector(ciphertext)))
