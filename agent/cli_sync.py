@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import EXIT_OK, Refused, _open, emit
+from .cli import EXIT_OK, Fault, Refused, _open, emit
 from .core.ids import IdFormatError, parse_hlc, parse_public_key, parse_site_id
 
 
@@ -23,7 +23,12 @@ def cmd_mailbox_export(args) -> int:
         out = Path(args.out)
         if not out.parent.exists():
             raise Refused(f"directory {out.parent} does not exist")
-        emit(mailbox.export_body(node, peer, out))
+        try:
+            res = mailbox.export_body(node, peer, out)
+        except OSError as e:  # a full or failing medium: a local fault; nothing moved (docs/protocol.md §6)
+            raise Fault(f"cannot write {out}: {e.strerror or e}; nothing was exported (the mailbox cursor "
+                        "did not move)") from None
+        emit(res)
     finally:
         node.close()
     return EXIT_OK

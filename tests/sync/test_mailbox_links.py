@@ -84,3 +84,56 @@ def test_a_refused_import_changes_nothing_in_a_fresh_home(tmp_path, env, case):
     ok = tmp_path / "ok.cbor"
     ok.write_bytes(good)
     assert json.loads(cli("--home", home, "mailbox", "import", ok, env=env).stdout)["applied"] == 1
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real, small filesystem (a tmpfs of 32 KiB), like a nearly full USB stick."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "stick"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def _mailbox_state(home: Path, peer: bytes) -> tuple:
+    with sqlite3.connect(f"file:{home}/store.sqlite?mode=ro", uri=True) as c:
+        names = {n for (n,) in c.execute("SELECT name FROM sqlite_master")}
+        cur = c.execute("SELECT live, bf_next FROM sync_cursors WHERE peer=? AND path='mailbox'", (peer,)).fetchall() \
+            if "sync_cursors" in names else []
+        rec = c.execute("SELECT count(*) FROM records_delivered WHERE peer=? AND path='mailbox'", (peer,)).fetchone()[0] \
+            if "records_delivered" in names else 0
+        sent = c.execute("SELECT count(*) FROM sent_bodies WHERE peer=? AND path='mailbox'", (peer,)).fetchone()[0] \
+            if "sent_bodies" in names else 0
+    return cur, rec, sent
+
+
+def test_export_onto_a_full_filesystem_fails_and_moves_nothing(tmp_path, env, small_fs):
+    """Issue 10 item 8: an export onto a full USB stick wrote a truncated file, exited 0 and moved
+    the cursor. It must exit 1 with one line, leave no file, and move nothing."""
+    from agent.node import Node
+    homes = [tmp_path / "a", tmp_path / "b"]
+    ids = [init(h, env) for h in homes]
+    cli("--home", homes[0], "peer", "add", "--site-id", ids[1]["site_id"], "--public-key", ids[1]["public_key"], env=env)
+    a = Node.open(homes[0])
+    for i in range(300):  # ~100 KiB of events: more than the stick holds
+        a.write("app.readings", {"device": "a", "seq": i}, {"temp": float(i), "note": "x" * 100})
+    a.close()
+    peer = bytes.fromhex(ids[1]["site_id"])
+    before = _mailbox_state(homes[0], peer)
+    out = small_fs / "to-b.cbor"
+    p = cli("--home", homes[0], "mailbox", "export", "--peer", ids[1]["site_id"], "--out", out, env=env, ok=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "No space left" in p.stderr, p.stderr
+    assert list(small_fs.iterdir()) == []  # neither a truncated file nor a temporary
+    after = _mailbox_state(homes[0], peer)
+    assert after == before == ([], 0, 0)
+    # written elsewhere, the same export works and the peer takes in all 300 events
+    ok = tmp_path / "to-b.cbor"
+    assert json.loads(cli("--home", homes[0], "mailbox", "export", "--peer", ids[1]["site_id"], "--out", ok,
+                          env=env).stdout)["events"] == 300
+    cli("--home", homes[1], "peer", "add", "--site-id", ids[0]["site_id"], "--public-key", ids[0]["public_key"], env=env)
+    assert json.loads(cli("--home", homes[1], "mailbox", "import", ok, env=env).stdout)["applied"] == 300
