@@ -3,15 +3,16 @@
 Imports nothing from ``agent`` (architecture.md).  See docs/keystore.md.
 """
 from .bridge import SigningBridge, Status
-from .errors import (DeviceRefused, DeviceTimeout, JournalError, KeyExists, KeyNotFound, KeystoreError,
-                     KeystoreUnavailable, OutcomeUnknown, ProtocolError, UnsupportedAlgorithm, WrongPin)
+from .errors import (DeviceRefused, DeviceTimeout, JournalCorrupt, JournalError, KeyExists, KeyNotFound,
+                     KeystoreError, KeystoreUnavailable, OutcomeUnknown, ProtocolError, UnsupportedAlgorithm,
+                     WrongPin)
 from .identity import EventIdentity, Identity, ReceiptIdentity
 from .keystore import ALGORITHMS, Keystore, open_keystore
 from .verify import verify_ed25519, verify_p256
 
 __all__ = [
-    "ALGORITHMS", "DeviceRefused", "DeviceTimeout", "EventIdentity", "Identity", "JournalError", "KeyExists",
-    "KeyNotFound", "Keystore", "KeystoreError", "KeystoreUnavailable", "OutcomeUnknown", "ProtocolError",
+    "ALGORITHMS", "DeviceRefused", "DeviceTimeout", "EventIdentity", "Identity", "JournalCorrupt", "JournalError",
+    "KeyExists", "KeyNotFound", "Keystore", "KeystoreError", "KeystoreUnavailable", "OutcomeUnknown", "ProtocolError",
     "ReceiptIdentity", "SigningBridge", "Status", "UnsupportedAlgorithm", "WrongPin", "open_keystore",
     "verify_ed25519", "verify_p256",
 ]

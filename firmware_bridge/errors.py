@@ -50,6 +50,18 @@ class JournalError(KeystoreError):
     """The persist-before-release journal cannot be written or read; the bridge stops releasing."""
 
 
+class JournalCorrupt(JournalError):
+    """Damage inside the journal's durable part: a record that does not parse, with valid records
+    after it.  Unlike a torn tail (truncated on open) this cannot come from an interrupted write;
+    the journal refuses to open and changes nothing (issue 11 item 6; docs/keystore.md)."""
+
+    def __init__(self, message: str, offset: int, records_after: int, released_after: int) -> None:
+        super().__init__(message)
+        self.offset = offset
+        self.records_after = records_after
+        self.released_after = released_after
+
+
 class OutcomeUnknown(KeystoreError):
     """An intent was durably recorded for this identity but no persisted output exists.
 

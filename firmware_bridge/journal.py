@@ -19,7 +19,8 @@ and wakes the followers whose records that fsync covered.
 Recovery: a torn tail (an incomplete or CRC-failing record at the end) can only hold bytes that
 were never covered by a completed fsync, hence never acted upon (no signature was made after an
 intent that was not durable, no bytes released before their record was durable); it is
-truncated.  After an fsync failure the journal is poisoned and refuses all further work
+truncated.  A bad record with valid records after it is not a torn tail (later writes completed
+after it, so it was durable once): the journal raises ``JournalCorrupt`` and changes nothing.  After an fsync failure the journal is poisoned and refuses all further work
 ("fsyncgate": the page cache state after a failed fsync is unknown).
 
 Compaction (``compact_events``) rewrites the file atomically (new file, fsync, rename, fsync of
@@ -38,7 +39,7 @@ import threading
 import zlib
 from typing import Callable, Iterable, Optional
 
-from .errors import JournalError
+from .errors import JournalCorrupt, JournalError
 from .fsutil import fsync_dir
 from .identity import EventIdentity, ReceiptIdentity, decode_identity
 
@@ -111,6 +112,47 @@ def _parse_body(body: bytes) -> tuple[int, bytes, int, int]:
     raise ValueError("unknown record type")
 
 
+def _record_at(data: bytes, pos: int, size: int) -> Optional[tuple[int, bytes, int, int, int]]:
+    """The complete, CRC-valid, well-formed record at ``pos``: (type, ident, payload offset within
+    its body, payload length, end offset); None if the bytes there are not one."""
+    if pos + _HDR.size > size:
+        return None
+    blen, crc = _HDR.unpack_from(data, pos)
+    start = pos + _HDR.size
+    if blen == 0 or blen > MAX_RECORD or start + blen > size:
+        return None
+    body = data[start:start + blen]
+    if zlib.crc32(body) != crc:
+        return None
+    try:
+        rtype, ident, off, ln = _parse_body(body)
+    except (ValueError, IndexError, struct.error):
+        return None
+    return rtype, ident, off, ln, start + blen
+
+
+def _valid_records_after(data: bytes, bad: int, size: int) -> Optional[tuple[int, int, int]]:
+    """Is the region from ``bad`` to the end a torn tail? A torn tail is a prefix of writes no
+    fsync completed: an incomplete or damaged last record, possibly zeroed or garbage to the end,
+    with nothing valid after it. Look for a valid record starting at any later byte (a CRC-32 match
+    on garbage is a 2^-32 chance per offset, and a length must also fit); from the first found,
+    count the chain of valid records that follows it. None: nothing valid follows (a torn tail);
+    else (offset of the first valid record, records in its chain, released outputs among them)."""
+    for q in range(bad + 1, size - _HDR.size):
+        got = _record_at(data, q, size)
+        if got is None:
+            continue
+        records = released = 0
+        pos = q
+        while got is not None:
+            records += 1
+            released += got[0] == RELEASED
+            pos = got[4]
+            got = _record_at(data, pos, size)
+        return q, records, released
+    return None
+
+
 class Journal:
     """Durable intents and released bytes, indexed in memory by identity encoding."""
 
@@ -177,23 +219,34 @@ class Journal:
             raise JournalError(f"{self.path} is not a signing journal (bad magic); refusing to touch it")
         pos = len(MAGIC)
         while pos < size:
-            if pos + _HDR.size > size:
+            got = _record_at(data, pos, size)
+            if got is None:
                 break
-            blen, crc = _HDR.unpack_from(data, pos)
-            start = pos + _HDR.size
-            if blen == 0 or blen > MAX_RECORD or start + blen > size:
-                break
-            body = data[start:start + blen]
-            if zlib.crc32(body) != crc:
-                break
+            rtype, ident, off, ln, end = got
             try:
-                rtype, ident, off, ln = _parse_body(body)
-                self._apply(rtype, ident, (start + off, ln) if rtype == RELEASED else None,
-                            body[off:off + ln].decode() if rtype == INTENT else None)
-            except (ValueError, IndexError, struct.error):
+                self._apply(rtype, ident, (pos + _HDR.size + off, ln) if rtype == RELEASED else None,
+                            data[pos + _HDR.size + off:pos + _HDR.size + off + ln].decode()
+                            if rtype == INTENT else None)
+            except (ValueError, IndexError, struct.error, UnicodeDecodeError):
                 break
-            pos = start + blen
+            pos = end
         if pos < size:
+            after = _valid_records_after(data, pos, size)
+            if after is not None:
+                # Valid records follow the bad one: the bad bytes were followed by later, complete
+                # writes, so they are not a torn tail but damage to durable data. Truncating would
+                # silently drop every later record (released outputs among them): refuse, and
+                # change nothing (issue 11 item 6).
+                os.close(fd)
+                first, records, released = after
+                raise JournalCorrupt(
+                    f"signing journal {self.path} is damaged at byte {pos}: {first - pos} byte(s) there do not "
+                    f"form a record, yet {records} valid record(s) follow ({released} released output(s) "
+                    "among them), so this is not a torn tail but damage to durable data (disk fault or "
+                    "tampering). Nothing was changed. Stop the agent, keep a copy of the file and check the "
+                    "medium; then restore the journal from a backup, or move it aside to start without it "
+                    "(the clock resumes above the store's durable ceiling, but released outputs the store "
+                    "lacks are then lost)", pos, records, released)
             # torn tail: never covered by a completed fsync, so never acted upon (module docstring)
             self.truncated_bytes = size - pos
             os.ftruncate(fd, pos)

@@ -201,6 +201,66 @@ def test_torn_tail_is_truncated_and_earlier_records_survive(env):
         assert path.read_bytes() == good
 
 
+def _record_offsets(data: bytes) -> list[int]:
+    """Start offsets of every record in a journal file (docs/keystore.md "Journal format")."""
+    import struct
+    pos, out = 8, []
+    while pos + 8 <= len(data):
+        out.append(pos)
+        pos += 8 + struct.unpack_from(">I", data, pos)[0]
+    return out
+
+
+@pytest.mark.parametrize("where", ["crc", "length", "zeroed"])
+def test_damage_followed_by_valid_records_is_refused_not_truncated(env, where):
+    """Issue 11 item 6: a bad record with valid records after it is damage to durable data, not a
+    torn tail (a torn tail holds only bytes no completed fsync covered, so nothing valid follows
+    it). Truncating there would silently drop every later record (3 of 3 released outputs lost):
+    the journal refuses to open, names the damage and changes nothing."""
+    from firmware_bridge import JournalCorrupt, JournalError
+    ks, bridge, *_, tmp = env
+    bridge.release_many([ev_item(7, k) for k in range(3)])   # intents, then outputs, two commits
+    bridge.release_many([ev_item(8, k) for k in range(3)])
+    bridge.close()
+    path = tmp / "journal"
+    good = path.read_bytes()
+    at = _record_offsets(good)[1]          # the second intent of the first batch
+    bad = bytearray(good)
+    if where == "crc":
+        bad[at + 20] ^= 0x01               # one flipped bit in the body
+    elif where == "length":
+        bad[at:at + 4] = (2**23).to_bytes(4, "big")   # a length pointing past the end
+    else:
+        bad[at:at + 48] = bytes(48)        # a zeroed block
+    path.write_bytes(bytes(bad))
+    with pytest.raises(JournalCorrupt) as ei:
+        SigningBridge(ks, str(path))
+    assert isinstance(ei.value, JournalError)
+    msg = str(ei.value)
+    assert "\n" not in msg and f"byte {at}" in msg and "released output" in msg
+    assert path.read_bytes() == bytes(bad)   # nothing truncated, nothing rewritten
+    path.write_bytes(good)                   # the undamaged file opens as before
+    SigningBridge(ks, str(path)).close()
+
+
+def test_bad_last_record_is_a_torn_tail(env):
+    """A complete-length but CRC-failing last record, or garbage to the end: a torn tail (power
+    loss may leave unsynced blocks zeroed); truncated as before."""
+    ks, bridge, *_, tmp = env
+    outs = bridge.release_many([ev_item(7, k) for k in range(4)])
+    bridge.close()
+    path = tmp / "journal"
+    good = path.read_bytes()
+    last = _record_offsets(good)[-1]
+    for tail in (bytes(len(good) - last), b"\xff" * 5 + bytes(len(good) - last - 5)):
+        path.write_bytes(good[:last] + tail)
+        b = SigningBridge(ks, str(path))
+        assert b._journal.truncated_bytes == len(good) - last
+        assert [b.released(ev_item(7, k)[0]) for k in range(3)] == outs[:3]
+        assert b.released(ev_item(7, 3)[0]) is None
+        b.close()
+
+
 def test_not_a_journal_is_refused(tmp_path):
     ks = open_keystore({"kind": "software", "dir": str(tmp_path / "k")})
     (tmp_path / "j").write_bytes(b"something else entirely")
