@@ -33,6 +33,11 @@ FUTURE_EPOCH = "future_epoch"        # built in an epoch the sequencer has not r
 NOT_COMMIT = "not_commit"            # a proposal or application message: nothing to sequence
 UNPARSEABLE = "unparseable"          # framing refused (agent/sequencer/framing.py)
 FAILED_CLOSED = "failed_closed"      # the group is frozen pending audit and migration (§22.6 step 4)
+EPOCH_OUT_OF_RANGE = "epoch_out_of_range"  # beyond what the store's signed 64-bit integers hold
+
+# The framing's epoch is a uint64; the sequencer's SQLite state holds signed 64-bit integers and
+# must be able to store E+1 after accepting E.
+MAX_EPOCH = 2**63 - 2
 
 
 @dataclass(frozen=True)
@@ -81,8 +86,8 @@ def register(existing: Optional[GroupState], group_id: bytes, epoch: int) -> Gro
     """§22.6 bootstrap by explicit registration; a known group is never re-registered."""
     if existing is not None:
         raise ValueError(f"group {group_id.hex()} is already known (current epoch {existing.current_epoch})")
-    if not (1 <= len(group_id) <= 255) or not (0 <= epoch < 2**64):
-        raise ValueError("group_id must be 1..255 bytes and epoch a uint64")
+    if not (1 <= len(group_id) <= 255) or not (0 <= epoch <= MAX_EPOCH):
+        raise ValueError(f"group_id must be 1..255 bytes and epoch 0..{MAX_EPOCH}")
     return GroupState(group_id, epoch, None, "registered")
 
 
@@ -92,6 +97,8 @@ def decide(state: Optional[GroupState], framing: Framing, commit_hash: bytes) ->
     if not framing.is_commit:
         name = CONTENT_TYPE_NAMES.get(framing.content_type, str(framing.content_type))
         return _reject(NOT_COMMIT, gid, state, f"content_type {name}: only Commits are sequenced")
+    if framing.epoch > MAX_EPOCH:
+        return _reject(EPOCH_OUT_OF_RANGE, gid, state, f"epoch {framing.epoch} > {MAX_EPOCH}")
     if state is None:
         # §22.6: the first Commit-bearing message for an unknown group initialises its tracking
         return Accept(gid, framing.epoch, commit_hash, None, bootstrap=True)

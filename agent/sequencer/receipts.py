@@ -1,0 +1,125 @@
+"""Sequencing receipts: COSE_Sign1 ES256 exactly as wire-profile.md §6 (SOVM §22.5).
+
+    18([ protected   = bstr .cbor {1: -7, 3: "sovm/sequencing-receipt-v1", 4: kid (33 bytes)},
+         unprotected = {},
+         payload     = bstr .cbor {"group_id": bstr, "epoch": uint, "commit_hash": bstr32,
+                                   "previous_receipt_hash": bstr32 / null},
+         signature   = bstr .size 64 ])            ; P-256 r||s (IEEE P1363)
+
+kid is the sequencer's 33-byte compressed SEC1 public key; external_aad is the empty byte
+string; everything is deterministically encoded. Pure functions: the signature itself comes from
+the keystore bridge (agent/sequencer/service.py), never from here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import blake3
+
+from agent.core import codec, cose
+from firmware_bridge.verify import verify_p256
+
+RECEIPT_CONTENT_TYPE = "sovm/sequencing-receipt-v1"
+EXTERNAL_AAD = b""                          # wire-profile §6: a sequencer serves groups, not one mesh
+KID_LEN = 33
+_FIELDS = frozenset({"group_id", "epoch", "commit_hash", "previous_receipt_hash"})
+
+
+class ReceiptError(ValueError):
+    """A receipt that does not parse or verify. ``reason`` is a stable code."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Receipt:
+    group_id: bytes
+    epoch: int
+    commit_hash: bytes
+    previous_receipt_hash: Optional[bytes]
+    kid: bytes                              # the signer's compressed P-256 key
+    raw: bytes                              # the exact COSE_Sign1 bytes
+
+    @property
+    def receipt_hash(self) -> bytes:
+        return receipt_hash(self.raw)
+
+
+def commit_hash(mls_message: bytes) -> bytes:
+    """BLAKE3 of the whole MLSMessage exactly as the member sent it (wire-profile §6)."""
+    return blake3.blake3(bytes(mls_message)).digest()
+
+
+def receipt_hash(raw: bytes) -> bytes:
+    """BLAKE3 of the exact receipt bytes: the next receipt's previous_receipt_hash."""
+    return blake3.blake3(bytes(raw)).digest()
+
+
+def payload_bytes(group_id: bytes, epoch: int, commit_hash_: bytes, previous: Optional[bytes]) -> bytes:
+    return codec.encode({"group_id": group_id, "epoch": epoch, "commit_hash": commit_hash_,
+                         "previous_receipt_hash": previous})
+
+
+def to_be_signed(kid: bytes, payload: bytes) -> tuple[bytes, bytes]:
+    """(protected header bytes, Sig_structure) for a receipt payload under ``kid``."""
+    if len(kid) != KID_LEN:
+        raise ValueError("kid must be the 33-byte compressed SEC1 P-256 public key (wire-profile §6)")
+    protected = cose.protected_header(cose.ALG_ES256, RECEIPT_CONTENT_TYPE, kid)
+    return protected, cose.sig_structure(protected, EXTERNAL_AAD, payload)
+
+
+def assemble(protected: bytes, payload: bytes, signature: bytes) -> bytes:
+    return cose.assemble(protected, payload, signature)
+
+
+def signature_valid(kid: bytes, message: bytes, signature: bytes) -> bool:
+    """The one ES256 check every receipt goes through: a 33-byte compressed key (the only form
+    registered and compared, §22.5), a 64-byte P1363 signature, r and s in [1, n-1]
+    (firmware_bridge.verify_p256, pinned with Wycheproof)."""
+    if not isinstance(kid, (bytes, bytearray)) or len(kid) != KID_LEN or kid[0] not in (2, 3):
+        return False
+    return verify_p256(bytes(kid), bytes(message), bytes(signature))
+
+
+def parse_receipt(raw: bytes) -> Receipt:
+    """Strict structural parse, signature not checked. Raises ReceiptError."""
+    try:
+        s1 = cose.parse_sign1(bytes(raw), expect_alg=cose.ALG_ES256, kid_len=KID_LEN, sig_len=64)
+        if s1.content_type != RECEIPT_CONTENT_TYPE:
+            raise ReceiptError("bad_content_type", f"content type {s1.content_type!r}")
+        p = codec.decode_strict(s1.payload_bytes)
+    except codec.DecodeError as e:
+        raise ReceiptError(e.reason, e.detail) from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ReceiptError):
+            raise
+        raise ReceiptError("malformed", str(e)) from None
+    if not isinstance(p, dict) or set(p) != _FIELDS:
+        raise ReceiptError("bad_payload", "payload must hold exactly group_id, epoch, commit_hash, "
+                                          "previous_receipt_hash")
+    gid, epoch, ch, prev = p["group_id"], p["epoch"], p["commit_hash"], p["previous_receipt_hash"]
+    if type(gid) is not bytes or not 1 <= len(gid) <= 255:
+        raise ReceiptError("bad_payload", "group_id must be 1..255 bytes")
+    if type(epoch) is not int or not 0 <= epoch < 2**64:
+        raise ReceiptError("bad_payload", "epoch must be a uint64")
+    if type(ch) is not bytes or len(ch) != 32:
+        raise ReceiptError("bad_payload", "commit_hash must be 32 bytes")
+    if prev is not None and (type(prev) is not bytes or len(prev) != 32):
+        raise ReceiptError("bad_payload", "previous_receipt_hash must be 32 bytes or null")
+    return Receipt(gid, epoch, ch, prev, s1.kid, bytes(raw))
+
+
+def verify_receipt(raw: bytes, sequencer_key: Optional[bytes] = None) -> Receipt:
+    """The receipt verification entry point: parse strictly, check the signature under its kid,
+    and (when given) that the kid is the expected sequencer key, compared as 33 compressed
+    bytes (§22.5). Raises ReceiptError."""
+    r = parse_receipt(raw)
+    if sequencer_key is not None and bytes(sequencer_key) != r.kid:
+        raise ReceiptError("wrong_sequencer", f"signed by {r.kid.hex()}, expected {bytes(sequencer_key).hex()}")
+    s1 = cose.parse_sign1(r.raw, expect_alg=cose.ALG_ES256, kid_len=KID_LEN, sig_len=64)
+    if not signature_valid(r.kid, s1.sig_structure(EXTERNAL_AAD), s1.signature):
+        raise ReceiptError("bad_signature", "the ES256 signature does not verify under the receipt's kid")
+    return r

@@ -1,0 +1,308 @@
+"""The sequencer: framing → core decision → receipt through the keystore bridge → atomic store
+commit → release (SOVM §22.5–§22.6, wire-profile.md §6, docs/sequencer.md).
+
+Order of one acceptance and why each step is where it is:
+
+  1. decide     first-Commit-wins on the stored state (agent/sequencer/core.py)
+  2. pending    the accepted Commit's bytes, durable before any signing intent: after a crash the
+                sequencer knows which Commit an intent was for ("accept" crash point after it)
+  3. release    SigningBridge.release(ReceiptIdentity(group_id, E)): durable intent, sign,
+                durable receipt bytes (persist-before-release, §22.5 cl. 1-2; docs/keystore.md)
+  4. commit     receipt bytes + epoch E+1 + head in one SQLite transaction (§22.5 cl. 3)
+  5. return     only now do the receipt bytes leave (the CLI prints them)
+
+On open, before serving anything (§22.6 "epoch advanced, receipt absent", step 1), ``_resume``
+settles every pending acceptance against the bridge journal and checks every group's epoch
+against the journal's highest intended epoch:
+  - journal holds the receipt        → adopt exactly those bytes (never re-sign, cl. 1)
+  - journal holds only the intent    → the pair counts as signed (cl. 2): record a discontinuity,
+                                       advance, chain the next receipt across the gap
+  - journal never heard of it        → nothing was signed: the acceptance is dropped
+and a store behind its journal (restored from an older copy) is a rollback: surfaced, and every
+epoch the journal knows is adopted or recorded as a discontinuity, never signed again.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+from firmware_bridge import KeystoreError, OutcomeUnknown, ReceiptIdentity, SigningBridge, open_keystore
+from firmware_bridge.bridge import Status
+
+from agent.sequencer import core, receipts
+from agent.sequencer.framing import FramingError, parse_mls_message
+from agent.sequencer.store import Store
+
+RECEIPT_KEY = "receipts"          # the key name of the receipt-signing identity in the keystore
+DB_NAME, JOURNAL_NAME, LOCK_NAME, PIN_NAME = "sequencer.db", "sign-journal", "sequencer.lock", "keystore.pin"
+
+Hook = Callable[[str], None]
+
+
+class SequencerRefused(Exception):
+    """The request was refused (CLI exit 2)."""
+
+
+class SequencerFault(Exception):
+    """A local fault: state or keystore unusable (CLI exit 1)."""
+
+
+@dataclass(frozen=True)
+class Accepted:
+    group_id: bytes
+    epoch: int
+    receipt: bytes
+
+
+@dataclass(frozen=True)
+class Rejected:
+    reason: str
+    group_id: Optional[bytes]
+    current_epoch: Optional[int]
+    head: Optional[bytes]            # the exact bytes of the chain head's receipt, or None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Absent:
+    """§22.6: a stated absence, never a new signature."""
+    discontinuity: bool
+
+
+Answer = Union[Accepted, Rejected]
+
+
+def _with_pin(conf: dict) -> dict:
+    conf = dict(conf)
+    if "pin_file" in conf:
+        try:
+            conf["pin"] = Path(conf.pop("pin_file")).read_text().strip()
+        except OSError as e:
+            raise SequencerFault(f"cannot read the keystore PIN file: {e.strerror}") from None
+    elif "pin_env" in conf:
+        name = conf.pop("pin_env")
+        if name not in os.environ:
+            raise SequencerFault(f"the keystore PIN is expected in ${name}, which is not set")
+        conf["pin"] = os.environ[name]
+    return conf
+
+
+def _lock(home: Path) -> int:
+    """One sequencer per home (§22.6 singularity, locally): concurrent verbs queue on this lock."""
+    fd = os.open(str(home / LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def init(home: Path, keystore: Optional[dict] = None) -> bytes:
+    """Create a sequencer home and its receipt key (ES256, generated inside the keystore).
+    Returns the 33-byte compressed public key (the registered form, §22.5)."""
+    home = Path(home)
+    if (home / DB_NAME).exists():
+        raise SequencerRefused(f"{home} already holds a sequencer; it is never overwritten")
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = _lock(home)
+    try:
+        if (home / DB_NAME).exists():
+            raise SequencerRefused(f"{home} already holds a sequencer; it is never overwritten")
+        conf = dict(keystore or {"kind": "software"})
+        if conf.get("kind") == "software":
+            conf.setdefault("dir", str(home / "keystore"))
+        if "pin" in conf:     # a token PIN goes to a 0600 file, never into the state database
+            pfd = os.open(str(home / PIN_NAME), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(pfd, "w") as f:
+                f.write(str(conf.pop("pin")))
+                f.flush()
+                os.fsync(f.fileno())
+            conf["pin_file"] = str(home / PIN_NAME)
+        ks = open_keystore(_with_pin(conf))
+        try:
+            public = ks.generate_key(RECEIPT_KEY, "p256")
+        finally:
+            ks.close()
+        store = Store(home / (DB_NAME + ".new"))
+        store.set_meta("keystore", conf)
+        store.set_meta("receipt_key", {"name": RECEIPT_KEY, "public_key": public.hex()})
+        store.close()
+        os.replace(home / (DB_NAME + ".new"), home / DB_NAME)   # the home exists only when complete
+        dfd = os.open(str(home), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        return public
+    finally:
+        os.close(fd)
+
+
+class Sequencer:
+    def __init__(self, home: Path, *, fault_hook: Optional[Hook] = None) -> None:
+        """Open a sequencer home and resume (§22.6 step 1) before anything is served.
+        ``fault_hook`` is the test seam for named crash points; production passes none."""
+        self.home = Path(home)
+        if not (self.home / DB_NAME).exists():
+            raise SequencerRefused(f"{self.home} holds no sequencer (run `sequencer init` first)")
+        self._hook = fault_hook
+        self._lock_fd = _lock(self.home)
+        self.bridge: Optional[SigningBridge] = None
+        try:
+            self.store = Store(self.home / DB_NAME)
+            meta = self.store.get_meta("receipt_key")
+            self.public_key = bytes.fromhex(meta["public_key"])
+            ks = open_keystore(_with_pin(self.store.get_meta("keystore")))
+            if ks.public_key(RECEIPT_KEY) != self.public_key:
+                ks.close()
+                raise SequencerFault("the keystore's receipt key is not the one this sequencer was "
+                                     "initialised with: wrong token or device attached")
+            self.bridge = SigningBridge(ks, str(self.home / JOURNAL_NAME), fault_hook=fault_hook)
+            self._resume()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.bridge is not None:
+            self.bridge.close()
+            self.bridge.keystore.close()
+            self.bridge = None
+        if getattr(self, "store", None) is not None:
+            self.store.close()
+            self.store = None  # type: ignore[assignment]
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> "Sequencer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _fire(self, point: str) -> None:
+        if self._hook is not None:
+            self._hook(point)
+
+    # -- verbs -----------------------------------------------------------------------------
+    def register(self, group_id: bytes, epoch: int) -> None:
+        try:
+            state = core.register(self.store.group(group_id), group_id, epoch)
+        except ValueError as e:
+            raise SequencerRefused(str(e)) from None
+        self.store.register(state)
+
+    def submit(self, message: bytes) -> Answer:
+        try:
+            framing = parse_mls_message(message)
+        except FramingError as e:
+            return Rejected(core.UNPARSEABLE, None, None, None, str(e))
+        message = bytes(message)
+        ch = receipts.commit_hash(message)
+        state = self.store.group(framing.group_id)
+        decision = core.decide(state, framing, ch)
+        if isinstance(decision, core.Reject):
+            return self._rejected(decision)
+        gid, epoch = decision.group_id, decision.epoch
+        self.store.put_pending(gid, epoch, ch, message, decision.bootstrap)
+        self._fire("accepted")
+        payload = receipts.payload_bytes(gid, epoch, ch, decision.previous_receipt_hash)
+        protected, tbs = receipts.to_be_signed(self.public_key, payload)
+        try:
+            raw = self.bridge.release(ReceiptIdentity(gid, epoch), RECEIPT_KEY, tbs,
+                                      lambda sig: receipts.assemble(protected, payload, sig))
+        except OutcomeUnknown:
+            # An intent for (group, E) predates this acceptance: the store is behind its journal.
+            # Never signed again (§22.5 cl. 2): settle it as the resume path does, refuse this Commit
+            # (whatever was intended for the pair, it was not this Commit).
+            self.store.drop_pending(gid, epoch)
+            self.store.record_event("rollback", {"group": gid.hex(), "epoch": epoch, "found": "intent"})
+            self._settle(gid, epoch, cause="rollback")
+            return self._rejected(core.decide(self.store.group(gid), framing, ch))
+        except KeystoreError:
+            self._settle(gid, epoch, cause="signing_failed")
+            raise
+        got = receipts.parse_receipt(raw)
+        if got.commit_hash != ch:
+            # The journal already held a receipt for (group, E) for another Commit: the store had
+            # been rolled back. Those bytes are the one receipt for the pair; this Commit is stale.
+            self.store.drop_pending(gid, epoch)
+            self.store.record_event("rollback", {"group": gid.hex(), "epoch": epoch, "found": "receipt"})
+            self._settle(gid, epoch, cause="rollback")
+            return self._rejected(core.decide(self.store.group(gid), framing, ch))
+        rh = receipts.receipt_hash(raw)
+        self.store.commit_receipt(core.accepted(state, decision, rh), epoch, ch, raw, rh, message)
+        self._fire("committed")
+        return Accepted(gid, epoch, raw)
+
+    def receipt(self, group_id: bytes, epoch: int) -> Union[bytes, Absent]:
+        raw = self.store.receipt(group_id, epoch)
+        if raw is not None:
+            return raw
+        return Absent(self.store.is_discontinuity(group_id, epoch))
+
+    def commit(self, group_id: bytes, epoch: int) -> Optional[bytes]:
+        """The canonical Commit for (group, epoch), for a sender told to rebuild."""
+        return self.store.commit_message(group_id, epoch)
+
+    def status(self) -> dict:
+        groups = []
+        for gid in self.store.group_ids():
+            s = self.store.group(gid)
+            groups.append({"group": gid.hex(), "current_epoch": s.current_epoch, "origin": s.origin,
+                           "head": None if s.head is None else {"epoch": s.head.epoch,
+                                                                "receipt_hash": s.head.receipt_hash.hex()},
+                           "discontinuities": list(s.discontinuities), "failed_closed": s.failed_closed})
+        return {"sequencer_key": self.public_key.hex(), "groups": groups, "events": self.store.events(),
+                "keystore": self.bridge.keystore.describe()}
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _rejected(self, d: core.Decision) -> Rejected:
+        assert isinstance(d, core.Reject)
+        head = None if d.head is None or d.group_id is None else self.store.receipt(d.group_id, d.head.epoch)
+        return Rejected(d.reason, d.group_id, d.current_epoch, head, d.detail)
+
+    def _settle(self, gid: bytes, epoch: int, *, cause: str, message: Optional[bytes] = None,
+                ch: Optional[bytes] = None, bootstrap: Optional[bool] = None) -> None:
+        """Bring (group, epoch) in line with the journal, never signing (§22.5 cl. 1-2, §22.6)."""
+        for g, e, h, m, b in self.store.pending():
+            if (g, e) == (gid, epoch):
+                ch, message, bootstrap = h, m, b
+        state = self.store.group(gid)
+        if state is not None and state.current_epoch != epoch:
+            self.store.drop_pending(gid, epoch)         # already settled
+            return
+        status = self.bridge.status(ReceiptIdentity(gid, epoch))
+        if status is Status.RELEASED:
+            raw = self.bridge.released(ReceiptIdentity(gid, epoch))
+            got = receipts.parse_receipt(raw)
+            if got.commit_hash != ch:
+                message = None                          # not the Commit we hold: its bytes are unknown
+            if state is None:
+                state = core.GroupState(gid, epoch, None, "bootstrap")
+            rh = receipts.receipt_hash(raw)
+            new = core.accepted(state, core.Accept(gid, epoch, got.commit_hash, got.previous_receipt_hash), rh)
+            self.store.commit_receipt(new, epoch, got.commit_hash, raw, rh, message)
+        elif status is Status.OUTCOME_UNKNOWN:
+            if state is None:
+                state = core.GroupState(gid, epoch, None, "bootstrap")
+            self.store.commit_discontinuity(core.receipt_absent(state, epoch), epoch, ch, message, cause)
+        else:
+            self.store.drop_pending(gid, epoch)         # never signed: nobody got an answer
+
+    def _resume(self) -> None:
+        """§22.6 step 1, before serving anything: settle pending acceptances, then make sure no
+        group's epoch is behind an identity the journal ever intended to sign."""
+        for gid, epoch, _h, _m, _b in self.store.pending():
+            self._settle(gid, epoch, cause="receipt_absent")
+        for gid in self.store.group_ids():
+            top = self.bridge.max_receipt_epoch(gid)
+            state = self.store.group(gid)
+            if top is None or top < state.current_epoch:
+                continue
+            self.store.record_event("rollback", {"group": gid.hex(), "store_epoch": state.current_epoch,
+                                                 "journal_epoch": top})
+            for e in range(state.current_epoch, top + 1):
+                self._settle(gid, e, cause="rollback")

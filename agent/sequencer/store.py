@@ -1,0 +1,165 @@
+"""The sequencer's own SQLite state (SOVM §22.5 cl. 3, §22.6): WAL, synchronous=FULL.
+
+Tables:
+  meta             key -> value (the receipt key's name and public key, the keystore config)
+  groups           group_id -> current_epoch, head (epoch, receipt hash), origin, failed_closed
+  pending          the Commit accepted for (group_id, epoch) whose receipt is being signed: written
+                   (and fsynced) before the bridge records its signing intent, so that after a crash
+                   the sequencer knows which Commit an intent was for (§22.6: "finds stored MLS bytes")
+  receipts         (group_id, epoch) -> the exact receipt bytes, their hash, the Commit and its hash
+  discontinuities  (group_id, epoch) accepted whose receipt is absent (§22.6), stated, never inferred
+  events           what the sequencer surfaced: rollbacks detected, discontinuities recorded
+
+§22.5 clause 3: ``current_epoch`` only ever moves in the transaction that inserts the receipt
+bytes for the epoch it leaves (``commit_receipt``) or records that epoch's discontinuity
+(``commit_discontinuity``); there is no other UPDATE of it. So no committed state has an epoch
+ahead of a durable receipt or a stated gap, as seen by anyone, the sequencer itself included.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Optional
+
+from agent.sequencer.core import GroupState, Head
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS groups (
+  group_id BLOB PRIMARY KEY, current_epoch INTEGER NOT NULL, head_epoch INTEGER, head_hash BLOB,
+  origin TEXT NOT NULL, failed_closed INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS pending (
+  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, commit_hash BLOB NOT NULL, message BLOB NOT NULL,
+  bootstrap INTEGER NOT NULL, PRIMARY KEY (group_id, epoch));
+CREATE TABLE IF NOT EXISTS receipts (
+  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, commit_hash BLOB NOT NULL, receipt BLOB NOT NULL,
+  receipt_hash BLOB NOT NULL, message BLOB, PRIMARY KEY (group_id, epoch));
+CREATE TABLE IF NOT EXISTS discontinuities (
+  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, commit_hash BLOB, message BLOB, cause TEXT NOT NULL,
+  PRIMARY KEY (group_id, epoch));
+CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, detail TEXT NOT NULL);
+"""
+
+
+class Store:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self.conn.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # -- meta ------------------------------------------------------------------------------
+    def set_meta(self, key: str, value: object) -> None:
+        self.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
+
+    def get_meta(self, key: str) -> object:
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    # -- reads -----------------------------------------------------------------------------
+    def group(self, group_id: bytes) -> Optional[GroupState]:
+        row = self.conn.execute("SELECT current_epoch, head_epoch, head_hash, origin, failed_closed FROM groups "
+                                "WHERE group_id = ?", (group_id,)).fetchone()
+        if row is None:
+            return None
+        gaps = tuple(e for (e,) in self.conn.execute(
+            "SELECT epoch FROM discontinuities WHERE group_id = ? ORDER BY epoch", (group_id,)))
+        head = None if row[1] is None else Head(row[1], bytes(row[2]))
+        return GroupState(group_id, row[0], head, row[3], gaps, bool(row[4]))
+
+    def group_ids(self) -> list[bytes]:
+        return [bytes(g) for (g,) in self.conn.execute("SELECT group_id FROM groups ORDER BY group_id")]
+
+    def receipt(self, group_id: bytes, epoch: int) -> Optional[bytes]:
+        row = self.conn.execute("SELECT receipt FROM receipts WHERE group_id = ? AND epoch = ?",
+                                (group_id, epoch)).fetchone()
+        return None if row is None else bytes(row[0])
+
+    def commit_message(self, group_id: bytes, epoch: int) -> Optional[bytes]:
+        """The canonical Commit for (group, epoch), with or without a receipt (§22.6)."""
+        for table in ("receipts", "discontinuities"):
+            row = self.conn.execute(f"SELECT message FROM {table} WHERE group_id = ? AND epoch = ?",
+                                    (group_id, epoch)).fetchone()
+            if row is not None and row[0] is not None:
+                return bytes(row[0])
+        return None
+
+    def is_discontinuity(self, group_id: bytes, epoch: int) -> bool:
+        return self.conn.execute("SELECT 1 FROM discontinuities WHERE group_id = ? AND epoch = ?",
+                                 (group_id, epoch)).fetchone() is not None
+
+    def pending(self) -> list[tuple[bytes, int, bytes, bytes, bool]]:
+        return [(bytes(g), e, bytes(h), bytes(m), bool(b)) for g, e, h, m, b in self.conn.execute(
+            "SELECT group_id, epoch, commit_hash, message, bootstrap FROM pending ORDER BY group_id, epoch")]
+
+    def events(self) -> list[dict]:
+        return [{"seq": s, "kind": k, **json.loads(d)} for s, k, d in
+                self.conn.execute("SELECT seq, kind, detail FROM events ORDER BY seq")]
+
+    # -- the writes: each one transaction --------------------------------------------------
+    def register(self, state: GroupState) -> None:
+        with self._tx():
+            self.conn.execute("INSERT INTO groups (group_id, current_epoch, origin) VALUES (?, ?, ?)",
+                              (state.group_id, state.current_epoch, state.origin))
+
+    def put_pending(self, group_id: bytes, epoch: int, commit_hash: bytes, message: bytes, bootstrap: bool) -> None:
+        with self._tx():
+            self.conn.execute("INSERT INTO pending VALUES (?, ?, ?, ?, ?)",
+                              (group_id, epoch, commit_hash, message, int(bootstrap)))
+
+    def drop_pending(self, group_id: bytes, epoch: int) -> None:
+        with self._tx():
+            self.conn.execute("DELETE FROM pending WHERE group_id = ? AND epoch = ?", (group_id, epoch))
+
+    def commit_receipt(self, new: GroupState, epoch: int, commit_hash: bytes, receipt: bytes,
+                       receipt_hash: bytes, message: Optional[bytes]) -> None:
+        """§22.5 cl. 3: the receipt bytes and the epoch advance in one atomic commitment."""
+        with self._tx():
+            self.conn.execute("INSERT INTO receipts VALUES (?, ?, ?, ?, ?, ?)",
+                              (new.group_id, epoch, commit_hash, receipt, receipt_hash, message))
+            self._put_group(new, epoch)
+
+    def commit_discontinuity(self, new: GroupState, epoch: int, commit_hash: Optional[bytes],
+                             message: Optional[bytes], cause: str) -> None:
+        """§22.6: the stated gap and the epoch advance in one atomic commitment."""
+        with self._tx():
+            self.conn.execute("INSERT INTO discontinuities VALUES (?, ?, ?, ?, ?)",
+                              (new.group_id, epoch, commit_hash, message, cause))
+            self._put_group(new, epoch)
+            self._event("discontinuity", {"group": new.group_id.hex(), "epoch": epoch, "cause": cause})
+
+    def record_event(self, kind: str, detail: dict) -> None:
+        with self._tx():
+            self._event(kind, detail)
+
+    def _put_group(self, new: GroupState, epoch: int) -> None:
+        head = new.head
+        self.conn.execute(
+            "INSERT INTO groups (group_id, current_epoch, head_epoch, head_hash, origin, failed_closed) "
+            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (group_id) DO UPDATE SET current_epoch = excluded.current_epoch, "
+            "head_epoch = excluded.head_epoch, head_hash = excluded.head_hash",
+            (new.group_id, new.current_epoch, None if head is None else head.epoch,
+             None if head is None else head.receipt_hash, new.origin, int(new.failed_closed)))
+        self.conn.execute("DELETE FROM pending WHERE group_id = ? AND epoch = ?", (new.group_id, epoch))
+
+    def _event(self, kind: str, detail: dict) -> None:
+        self.conn.execute("INSERT INTO events (kind, detail) VALUES (?, ?)", (kind, json.dumps(detail)))
+
+    def _tx(self):
+        return _Tx(self.conn)
+
+
+class _Tx:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")

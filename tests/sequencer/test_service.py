@@ -1,0 +1,124 @@
+"""The sequencer service on real SQLite and a real software keystore + bridge journal."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from agent.sequencer import receipts, service
+from agent.sequencer.framing import CT_PROPOSAL, encode_private_message
+from bridge_helpers import parse_journal
+
+G = bytes.fromhex("b2" * 16)
+
+
+def msg(epoch, tag=b"", gid=G, ct=3):
+    return encode_private_message(gid, epoch, ct, ciphertext=b"c" * 32 + tag)
+
+
+def test_first_commit_wins_and_the_stale_sender_gets_the_canonical_head(seq):
+    seq.register(G, 10)
+    a = seq.submit(msg(10, b"alice"))
+    b = seq.submit(msg(10, b"bob"))
+    assert isinstance(a, service.Accepted) and a.epoch == 10
+    assert isinstance(b, service.Rejected) and b.reason == "stale_epoch"
+    assert b.current_epoch == 11 and b.head == a.receipt
+    assert seq.commit(G, 10) == msg(10, b"alice")          # what the loser processes before rebuilding
+    c = seq.submit(msg(11, b"bob-rebuilt"))
+    assert isinstance(c, service.Accepted)
+    assert receipts.parse_receipt(c.receipt).previous_receipt_hash == receipts.receipt_hash(a.receipt)
+
+
+def test_register_known_group_refused(seq):
+    seq.register(G, 0)
+    with pytest.raises(service.SequencerRefused):
+        seq.register(G, 3)
+
+
+def test_refusals_change_nothing(seq):
+    seq.register(G, 2)
+    for m, reason in [(msg(1), "stale_epoch"), (msg(3), "future_epoch"), (msg(2, ct=CT_PROPOSAL), "not_commit"),
+                      (b"\x00\x01\x00\x02junk", "unparseable")]:
+        r = seq.submit(m)
+        assert isinstance(r, service.Rejected) and r.reason == reason
+    assert seq.store.group(G).current_epoch == 2 and seq.store.receipt(G, 2) is None
+    assert seq.bridge.max_receipt_epoch(G) is None
+
+
+def test_bootstrap_by_first_commit_observed(seq):
+    other = bytes.fromhex("c3" * 8)
+    p = seq.submit(msg(4, gid=other, ct=CT_PROPOSAL))
+    assert isinstance(p, service.Rejected) and p.current_epoch is None
+    a = seq.submit(msg(4, gid=other))
+    assert isinstance(a, service.Accepted) and receipts.parse_receipt(a.receipt).previous_receipt_hash is None
+    assert seq.store.group(other).origin == "bootstrap" and seq.store.group(other).current_epoch == 5
+
+
+def test_receipts_reserved_byte_for_byte_after_reopen(tmp_path):
+    home = tmp_path / "s"
+    service.init(home)
+    with service.Sequencer(home) as s:
+        s.register(G, 0)
+        got = [s.submit(msg(e)).receipt for e in range(5)]
+    with service.Sequencer(home) as s:
+        assert [s.receipt(G, e) for e in range(5)] == got
+        assert s.receipt(G, 5) == service.Absent(discontinuity=False)
+        assert s.store.group(G).current_epoch == 5
+
+
+def test_init_refuses_an_existing_home(tmp_path):
+    service.init(tmp_path / "s")
+    with pytest.raises(service.SequencerRefused):
+        service.init(tmp_path / "s")
+
+
+def test_store_rolled_back_is_detected_and_never_resigned(tmp_path):
+    """§22.6: the state database restored from an older copy while the journal survived. Receipts
+    the journal holds are adopted byte for byte, nothing is signed twice, and the old epochs stay
+    closed to competing Commits."""
+    home = tmp_path / "s"
+    service.init(home)
+    with service.Sequencer(home) as s:
+        s.register(G, 0)
+        s.submit(msg(0))
+    shutil.copy(home / "sequencer.db", tmp_path / "backup.db")
+    with service.Sequencer(home) as s:
+        released = [s.submit(msg(e)).receipt for e in (1, 2, 3)]
+    for suffix in ("-wal", "-shm"):
+        (home / ("sequencer.db" + suffix)).unlink(missing_ok=True)
+    shutil.copy(tmp_path / "backup.db", home / "sequencer.db")
+    with service.Sequencer(home) as s:
+        assert [e["kind"] for e in s.store.events()] == ["rollback"]
+        assert s.store.group(G).current_epoch == 4
+        assert [s.receipt(G, e) for e in (1, 2, 3)] == released
+        r = s.submit(msg(2, b"competitor"))
+        assert isinstance(r, service.Rejected) and r.reason == "stale_epoch"
+        assert isinstance(s.submit(msg(4)), service.Accepted)
+    outputs = {}
+    for rec in parse_journal(str(home / "sign-journal")):
+        if rec[0] == 2:
+            assert rec[1] not in outputs, "two receipts for one (group, epoch)"
+            outputs[rec[1]] = rec[2]
+    assert len(outputs) == 5
+
+
+def test_intent_without_receipt_is_a_discontinuity_never_resigned(tmp_path):
+    """§22.6 'epoch advanced, receipt absent': an intent the bridge recorded for a pending
+    acceptance, with no output (the crash between intent and persist)."""
+    from firmware_bridge.journal import INTENT
+    from firmware_bridge import ReceiptIdentity
+    home = tmp_path / "s"
+    service.init(home)
+    with service.Sequencer(home) as s:
+        s.register(G, 0)
+        r0 = s.submit(msg(0)).receipt
+        s.store.put_pending(G, 1, receipts.commit_hash(msg(1)), msg(1), False)
+        s.bridge._journal.commit([(INTENT, ReceiptIdentity(G, 1).encode(), service.RECEIPT_KEY)])
+    with service.Sequencer(home) as s:
+        st = s.store.group(G)
+        assert st.current_epoch == 2 and st.discontinuities == (1,)
+        assert s.receipt(G, 1) == service.Absent(discontinuity=True)
+        assert s.commit(G, 1) == msg(1)                     # the canonical Commit is still forwarded
+        a = s.submit(msg(2))
+        assert receipts.parse_receipt(a.receipt).previous_receipt_hash == receipts.receipt_hash(r0)
+        assert isinstance(s.submit(msg(1, b"other")), service.Rejected)
