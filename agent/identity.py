@@ -7,10 +7,15 @@ original device is gone (`ssp-agent identity rebind`)."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import struct
+import zlib
 from pathlib import Path
 
-from firmware_bridge.fsutil import atomic_write
+from firmware_bridge.fsutil import fsync_dir
+
+log = logging.getLogger("ssp_agent")
 
 _MACHINE_ID_FILES = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 
@@ -33,8 +38,8 @@ def machine_fingerprint() -> str:
 
 
 def witness_path(site_id: bytes) -> Path:
-    """Where the clock ceiling is mirrored outside the home, so restoring the home from an
-    older copy cannot roll the clock back (§13.5 clock durability)."""
+    """Where the clock witness lives, outside the home, so restoring the home from an older
+    copy cannot roll the clock back (§13.5 clock durability; docs/apply.md)."""
     base = os.environ.get("SSP_AGENT_WITNESS_DIR")
     if base is None:
         state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
@@ -42,18 +47,73 @@ def witness_path(site_id: bytes) -> Path:
     return Path(base) / site_id.hex()
 
 
-def read_witness(site_id: bytes) -> int:
-    try:
-        return int(witness_path(site_id).read_text().strip() or 0)
-    except (OSError, ValueError):
-        return 0
+# Two slots of (physical_ms, logical, counter, crc32): a torn write can spoil only the slot
+# being written, and the other still holds the value written before the previous release.
+_SLOT = struct.Struct("<QIQI")
 
 
-def write_witness(site_id: bytes, ceiling_ms: int) -> None:
-    p = witness_path(site_id)
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(str(p), str(ceiling_ms).encode(), 0o644)
-    except OSError:
-        # The witness is a second line of defence; the store's own ceiling is authoritative.
-        pass
+class ClockWitness:
+    """The highest HLC this site may have released, kept outside its home and made durable
+    (fdatasync) before every release (docs/apply.md "Clock durability"). `None` from `read`
+    means no witness survives (first start, or the witness directory was lost)."""
+
+    def __init__(self, site_id: bytes) -> None:
+        self.path = witness_path(site_id)
+        self._fd: int | None = None
+        self._counter = 0
+        self.value: tuple[int, int] | None = None
+        self.failed = False
+
+    def read(self) -> tuple[int, int] | None:
+        try:
+            data = self.path.read_bytes()
+        except OSError:
+            return None
+        best = None
+        if len(data) < _SLOT.size:  # the earlier format: a physical-ms ceiling as text
+            try:
+                best = (int(data.decode().strip()), 2**32 - 1)  # bounds every (ceiling, logical)
+            except ValueError:
+                best = None
+        else:
+            for i in range(2):
+                chunk = data[i * _SLOT.size:(i + 1) * _SLOT.size]
+                if len(chunk) != _SLOT.size:
+                    continue
+                p, l, n, crc = _SLOT.unpack(chunk)
+                if zlib.crc32(chunk[:-4]) != crc:
+                    continue
+                self._counter = max(self._counter, n)
+                best = (p, l) if best is None or (p, l) > best else best
+        self.value = best
+        return best
+
+    def advance(self, hlc: tuple[int, int]) -> bool:
+        """Record `hlc` durably unless the witness already covers it. Returns False (and the
+        caller falls back to the in-home ceiling) when the witness cannot be written."""
+        if self.value is not None and hlc <= self.value:
+            return True
+        try:
+            if self._fd is None:
+                fresh = not self.path.exists()
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT, 0o644)
+                if fresh:
+                    os.fsync(self._fd)
+                    fsync_dir(str(self.path.parent))
+            self._counter += 1
+            body = struct.pack("<QIQ", hlc[0], hlc[1], self._counter)
+            os.pwrite(self._fd, body + struct.pack("<I", zlib.crc32(body)), (self._counter % 2) * _SLOT.size)
+            os.fdatasync(self._fd)
+        except OSError as e:
+            if not self.failed:
+                log.warning("clock witness %s cannot be written (%s); relying on the in-home ceiling", self.path, e)
+            self.failed = True
+            return False
+        self.value = hlc
+        return True
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

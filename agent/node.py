@@ -64,6 +64,7 @@ class Node:
         self.profile = Profile.from_dict(json.loads(db.get_meta(conn, "profile", "null") or "null")
                                          or load_profile(None).as_dict())
         self._load_caches()
+        self.witness = ident.ClockWitness(self.site_id)
         self.clock = self._resume_clock()
         # A crash between creating a table and releasing its held events: finish it now.
         for (q,) in conn.execute("SELECT DISTINCT qualified FROM held").fetchall():
@@ -158,6 +159,7 @@ class Node:
         if self.bridge is not None:
             self.bridge.close()
             self.bridge = None
+        self.witness.close()
         self.conn.close()
 
     def _load_caches(self) -> None:
@@ -174,21 +176,24 @@ class Node:
             self.tables[q] = _Table(t, rowstore.RowStore(self.conn, t), (hp, hl) if (hp, hl) != (0, 0) else None)
 
     def _resume_clock(self) -> Hlc:
-        """§13.5 clock durability. Every HLC this node may have released has a durable
-        signing intent in the bridge journal, so normally the clock resumes just above the
-        highest of those. If the store's ceiling is behind the witness kept outside the home
-        (the home was restored from an older copy) or the record is gone, it resumes above the
-        highest ceiling ever persisted instead: that bounds everything issued before."""
+        """§13.5 clock durability and §12 step 5 across processes. The clock resumes above
+        everything this site may have released (its log, the signing journal's intents, and the
+        witness outside the home, made durable before every release) and everything it has
+        observed (the mark kept with each applied batch), so neither a restart, a crash nor a
+        restored older home re-issues an HLC or undercuts an observed one (docs/apply.md).
+        Without a surviving witness a restore cannot be excluded: then it resumes above the
+        in-home ceiling, which bounds everything that home issued."""
         store_ceiling = int(db.get_meta(self.conn, "clock_ceiling", 0))
-        witness = ident.read_witness(self.site_id)
-        seen = [self._max_own_hlc()]
+        witness = self.witness.read()
+        self._observed = _hlc_meta(db.get_meta(self.conn, "clock_observed"))
+        seen = [self._max_own_hlc(), self._observed, witness]
         if self.bridge is not None:
             seen.append(self.bridge.max_event_hlc(self.site_id))
         highest = max((s for s in seen if s is not None), default=None)
-        if witness > store_ceiling or (highest is None and store_ceiling > 0):
-            log.warning("clock: state older than its witness (restored copy?); resuming above ceiling %d",
-                        max(witness, store_ceiling))
-            return Hlc.resume(max(witness, store_ceiling), highest)
+        if witness is None and store_ceiling > 0:
+            log.warning("clock: no witness at %s (lost, or a restored home?); resuming above the ceiling %d",
+                        self.witness.path, store_ceiling)
+            return Hlc.resume(store_ceiling, highest)
         clock = Hlc.resume(0, highest)
         clock.ceiling_ms = store_ceiling  # still binding: the next tick past it persists a new one
         return clock
@@ -260,7 +265,17 @@ class Node:
         log insert, clocks, row and metering commit together or not at all)."""
         now = now_ms() if now is None else now
         with _txn(self.conn):
-            return self._apply_in_txn(raws, now, origin)
+            out = self._apply_in_txn(raws, now, origin)
+            self._persist_observed()
+            return out
+
+    def _persist_observed(self) -> None:
+        """§12 step 5 across processes: the clock's high-water mark is kept with the batch that
+        raised it, so the next process resumes above every HLC this node has applied."""
+        cur = self.clock.current()
+        if self._observed is None or cur > self._observed:
+            db.set_meta(self.conn, "clock_observed", f"{cur[0]}.{cur[1]}")
+            self._observed = cur
 
     def _apply_in_txn(self, raws: Iterable[bytes], now: int, origin: str) -> list[Outcome]:
         """Every event's effects (log insert, clocks, row, metering) are written inside the
@@ -508,32 +523,43 @@ class Node:
         raws = self._sign_events(payloads, now)
         outs = self.apply_batch(raws, now, origin="local")
         for o in outs:
-            if o.status != APPLIED:
-                raise NodeError(f"local event was not applied: {o.status} ({o.reason})")
+            if o.status != APPLIED or o.reason != "applied":
+                # A local write either lands in the log or fails (issue 10 item 6): never an id
+                # for an event stored and sent nowhere (e.g. below an eviction horizon).
+                raise NodeError(f"local event was not stored: {o.status} ({o.reason})")
         if self.bridge.journal_stats()["bytes"] > getattr(self, "_journal_base", 0) + JOURNAL_COMPACT_BYTES:
             self.compact_journal()
         return [o.event_id for o in outs]
 
-    def _tick(self, now: int) -> tuple[int, int]:
+    def _tick(self, now: int, witness: bool = True) -> tuple[int, int]:
+        """Issue the next local HLC. With `witness` (every caller that releases one value), the
+        witness outside the home records it before the caller releases anything signed with
+        it; batch producers tick with `witness=False` and call `_witness_before_release` once."""
         need = self.clock.needs_ceiling(now)
         if need is not None:
             # Persist the ceiling (and its witness outside the home) before issuing past it.
             with _txn(self.conn):
                 db.set_meta(self.conn, "clock_ceiling", need)
-            ident.write_witness(self.site_id, need)
             self.clock.set_ceiling(need)
-        return self.clock.tick(now)
+        hlc = self.clock.tick(now)
+        if witness:
+            self._witness_before_release(hlc)
+        return hlc
+
+    def _witness_before_release(self, hlc: tuple[int, int]) -> None:
+        self.witness.advance(hlc)
 
     def _sign_events(self, payloads: list[tuple[TableDef, dict, dict | None, str]], now: int) -> list[bytes]:
         assert self.bridge is not None, "node opened without a keystore bridge"
         for _attempt in range(8):
             items = []
             for t, key, values, op in payloads:
-                hlc = self._tick(now)
+                hlc = self._tick(now, witness=False)
                 pb = ev.payload_bytes(t.schema, t.name, key, op, values, hlc)
                 protected, tbs = ev.to_be_signed(self.site_id, self.mesh_id, pb)
                 items.append((EventIdentity(self.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs,
                               lambda sig, pr=protected, pl=pb: cose.assemble(pr, pl, sig)))
+            self._witness_before_release(max((i[0].physical_ms, i[0].logical) for i in items))
             try:
                 return self.bridge.release_many(items)
             except OutcomeUnknown:
@@ -593,8 +619,12 @@ class Node:
         self._load_caches()
         return n
 
-    def raise_horizon(self, table: str, horizon: tuple[int, int]) -> None:
-        """§3: horizons are monotonic; only rehydration lowers one (to zero)."""
+    def raise_horizon(self, table: str, horizon: tuple[int, int], now: int | None = None) -> None:
+        """§3: horizons are monotonic; only rehydration lowers one (to zero). A horizon above
+        both the wall clock and the HLC is refused: every later local write would fall below it
+        and vanish. An accepted one is observed by the clock (and kept with it), so every later
+        local HLC is above it whatever the wall clock does."""
+        now = now_ms() if now is None else now
         tbl = self.tables.get(table)
         if tbl is None:
             raise NodeError(f"no table {table!r}")
@@ -605,9 +635,15 @@ class Node:
         if horizon < cur:
             raise NodeError(f"{table}: horizon {horizon[0]}.{horizon[1]} is below the current {cur[0]}.{cur[1]}; "
                             "horizons never move back (only rehydration resets them)")
+        if horizon > (now, 0) and horizon > self.clock.current():
+            raise NodeError(f"{table}: horizon {horizon[0]}.{horizon[1]} is above this node's clock "
+                            f"({max((now, 0), self.clock.current())[0]}); every later local write would fall "
+                            "below it. Check the clock, and give a horizon in the past")
         with _txn(self.conn):
             self.conn.execute("UPDATE tables SET horizon_p=?, horizon_l=? WHERE qualified=?",
                               (horizon[0], horizon[1], table))
+            self.clock.observe(horizon, now)
+            self._persist_observed()
         tbl.horizon = horizon if horizon != (0, 0) else None
 
     def reset_horizons(self) -> dict[str, str]:
@@ -623,9 +659,9 @@ class Node:
             t.horizon = None
         return old
 
-    def evict_table(self, table: str, horizon: tuple[int, int]) -> int:
+    def evict_table(self, table: str, horizon: tuple[int, int], now: int | None = None) -> int:
         """Raise one table's horizon and delete the retained events below it. Returns events deleted."""
-        self.raise_horizon(table, horizon)
+        self.raise_horizon(table, horizon, now)
         n = self._delete_below_horizon(table)
         self._reclaim()
         return n
@@ -644,7 +680,7 @@ class Node:
                 continue  # not declared evictable, or this profile keeps that class in full
             target = (max(0, now - keep_ms), 0)
             if t.horizon is None or target > t.horizon:
-                self.raise_horizon(q, target)
+                self.raise_horizon(q, target, now)
             h = t.horizon or (0, 0)
             tables[q] = {"horizon": f"{h[0]}.{h[1]}", "events_deleted": self._delete_below_horizon(q)}
         self._reclaim()
@@ -741,6 +777,13 @@ class Node:
                 "tables": {q: {"category": t.tdef.category, "retention": t.tdef.retention,
                                "horizon": f"{t.horizon[0]}.{t.horizon[1]}" if t.horizon else "0.0"}
                            for q, t in sorted(self.tables.items())}}
+
+
+def _hlc_meta(v) -> tuple[int, int] | None:
+    if not v:
+        return None
+    p, l = str(v).split(".")
+    return int(p), int(l)
 
 
 def _is_event(raw: bytes) -> bool:
