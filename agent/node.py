@@ -650,11 +650,18 @@ class Node:
         """Rehydration (scope §3, agent/rehydrate.py): every horizon back to zero, the only way a
         horizon ever moves down. Returns the horizons it replaced. Nothing else changes: rows
         and the retained log stay; history comes back from peers by re-delivery."""
-        old = {q: f"{t.horizon[0]}.{t.horizon[1]}" for q, t in self.tables.items() if t.horizon}
         with _txn(self.conn):
-            self.conn.execute("UPDATE tables SET horizon_p=0, horizon_l=0")
-            self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
-                              (now_ms(), "horizons_reset", "rehydration", json.dumps({"previous": old})))
+            return self.reset_horizons_in_txn()
+
+    def reset_horizons_in_txn(self) -> dict[str, str]:
+        """`reset_horizons` inside the caller's transaction (rehydration resets the horizons and
+        the watermarks that described them as one commitment: issue 10 item 7). The in-memory
+        horizons follow once the caller committed (`_load_caches` on failure is not needed:
+        they are only lowered, and a rolled-back lowering is re-read on the next open)."""
+        old = {q: f"{t.horizon[0]}.{t.horizon[1]}" for q, t in self.tables.items() if t.horizon}
+        self.conn.execute("UPDATE tables SET horizon_p=0, horizon_l=0")
+        self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
+                          (now_ms(), "horizons_reset", "rehydration", json.dumps({"previous": old})))
         for t in self.tables.values():
             t.horizon = None
         return old

@@ -185,17 +185,35 @@ def start(node, from_peer: bytes | None, now: int | None = None) -> dict:
     hlc = node._tick(now)  # a fresh signing identity: persist-before-release, like any release
     raw = node.bridge.release(EventIdentity(node.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs,
                               lambda sig: assemble(protected, payload, sig))
-    node.reset_horizons()
+    _crash_point("released")
     rows = _row_counts(node)
     s = {"generation": gen, "from": from_peer.hex() if from_peer else None, "started_ms": now,
          "events_received": 0, "events_applied": 0, "events_duplicate": 0, "events_below_horizon": 0,
          "bodies": 0, "bodies_from_source": 0, "last_body_events": None, "rows_at_start": rows,
          "record_hash": record_hash(raw).hex(), "caught_up": False}
-    with _txn(node.conn):
-        node.conn.execute("DELETE FROM watermarks")  # fail closed: claims made below the old horizon
-        _store(node.conn, verify(raw, node.mesh_id, {node.site_id: (node_public_key(node), None)}))
-        _set_state(node.conn, s)
+    # One commitment (issue 10 item 7): horizons to zero, our watermarks gone (fail closed: they
+    # were claims made below the old horizon), the record stored and the state set. A crash
+    # in between would leave stale watermarks that make serving peers skip the requested history.
+    try:
+        with _txn(node.conn):
+            node.reset_horizons_in_txn()
+            _crash_point("horizons_reset")
+            node.conn.execute("DELETE FROM watermarks")
+            _store(node.conn, verify(raw, node.mesh_id, {node.site_id: (node_public_key(node), None)}))
+            _set_state(node.conn, s)
+    except BaseException:
+        node._load_caches()  # the in-memory horizons were lowered with the rolled-back statements
+        raise
     return s
+
+
+def _crash_point(name: str) -> None:
+    """Tests name a point here to SIGKILL a real process at it (tests/crashpoint.py)."""
+    if _CRASH_HOOK is not None:
+        _CRASH_HOOK(name)
+
+
+_CRASH_HOOK = None
 
 
 def note_body(conn: sqlite3.Connection, sender: bytes, outcomes: list) -> None:

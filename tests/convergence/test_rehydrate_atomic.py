@@ -1,0 +1,43 @@
+"""Issue 10 item 7: the rehydration start is one commitment. A process SIGKILLed at every named
+point leaves either the old horizons with the old watermarks, or zero horizons with none: never
+zero horizons with stale watermarks (serving peers would skip exactly the requested history)."""
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.node import Node
+
+from ..core.helpers import NOW, T, make_node, peers
+
+PRODUCER = Path(__file__).with_name("rehydrate_producer.py")
+
+
+@pytest.mark.parametrize("point", ["released", "horizons_reset", None])
+def test_crash_at_every_point_of_the_rehydration_start(tmp_path, point):
+    (b,) = peers(1)
+    home = tmp_path / "n"
+    node = make_node(home, [b])
+    node.apply_batch([b.event(T, {"device": "d", "seq": i}, {"temp": 1.0}, (NOW + i, 0)) for i in range(3)], NOW + 10)
+    node.evict_table(T, (NOW + 2, 0), now=NOW + 10)
+    node.close()
+    con = sqlite3.connect(home / "store.sqlite")
+    con.execute("INSERT INTO watermarks VALUES (?, ?, ?, ?)", (b.site_id, T, NOW + 2, 0))
+    con.commit()
+    con.close()
+    env = dict(os.environ, SSP_CRASH=f"{point}:1" if point else "")
+    p = subprocess.run([sys.executable, str(PRODUCER), str(home)], env=env, capture_output=True, text=True, timeout=60)
+    assert (p.returncode == -9) == (point is not None), p.stderr
+    node = Node.open(home)
+    horizon = node.tables[T].horizon
+    wms = node.conn.execute("SELECT count(*) FROM watermarks").fetchone()[0]
+    node.close()
+    if horizon is None:
+        assert wms == 0, "horizons reset but the watermarks that described them survived"
+    else:
+        assert wms == 1 and point is not None
