@@ -63,6 +63,7 @@ class ClockWitness:
         self._counter = 0
         self.value: tuple[int, int] | None = None
         self.failed = False
+        self.legacy = False  # the earlier format: a ceiling, not the highest released HLC
 
     def read(self) -> tuple[int, int] | None:
         try:
@@ -73,6 +74,7 @@ class ClockWitness:
         if len(data) < _SLOT.size:  # the earlier format: a physical-ms ceiling as text
             try:
                 best = (int(data.decode().strip()), 2**32 - 1)  # bounds every (ceiling, logical)
+                self.legacy = True
             except ValueError:
                 best = None
         else:

@@ -190,6 +190,7 @@ class Node:
         if self.bridge is not None:
             seen.append(self.bridge.max_event_hlc(self.site_id))
         highest = max((s for s in seen if s is not None), default=None)
+        self._detect_lost_history(witness)
         if witness is None and store_ceiling > 0:
             log.warning("clock: no witness at %s (lost, or a restored home?); resuming above the ceiling %d",
                         self.witness.path, store_ceiling)
@@ -197,6 +198,36 @@ class Node:
         clock = Hlc.resume(0, highest)
         clock.ceiling_ms = store_ceiling  # still binding: the next tick past it persists a new one
         return clock
+
+    def own_history_floors(self) -> dict[str, tuple[int, int]]:
+        """Per table ("*": every table), the highest own HLC this node may have released and no
+        longer holds (evicted, or lost to a restored home). A receiver infers no watermark for
+        this node's stream across it unless it already holds everything up to it (§14.2;
+        docs/protocol.md "Watermarks under eviction and restores")."""
+        raw = db.get_meta(self.conn, "own_history_floors")
+        return {q: (v[0], v[1]) for q, v in json.loads(raw).items()} if raw else {}
+
+    def _raise_own_floor(self, table: str, hlc: tuple[int, int]) -> None:
+        """Inside the caller's transaction (with the deletion or the detection that causes it)."""
+        floors = self.own_history_floors()
+        if table not in floors or hlc > floors[table]:
+            floors[table] = hlc
+            db.set_meta(self.conn, "own_history_floors", json.dumps({q: list(v) for q, v in sorted(floors.items())}))
+
+    def _detect_lost_history(self, witness: tuple[int, int] | None) -> None:
+        """The witness records every HLC released before it could leave the node; if it is above
+        everything the home knows of its own history, the home lost some (a restore): record it."""
+        if witness is None or self.witness.legacy:
+            return
+        known = [self._max_own_hlc(), *self.own_history_floors().values()]
+        if self.bridge is not None:
+            known.append(self.bridge.max_event_hlc(self.site_id))
+        highest = max((k for k in known if k is not None), default=None)
+        if highest is None or witness > highest:
+            log.warning("clock: this home lacks own events released up to %d.%d (restored from an older copy?); "
+                        "peers will take them from others", witness[0], witness[1])
+            with _txn(self.conn):
+                self._raise_own_floor("*", witness)
 
     def _recover_released(self) -> None:
         """A crash between the bridge's release and the apply left signed, persisted local events
@@ -531,22 +562,31 @@ class Node:
             self.compact_journal()
         return [o.event_id for o in outs]
 
-    def _tick(self, now: int, witness: bool = True) -> tuple[int, int]:
-        """Issue the next local HLC. With `witness` (every caller that releases one value), the
-        witness outside the home records it before the caller releases anything signed with
-        it; batch producers tick with `witness=False` and call `_witness_before_release` once."""
+    def release_signed(self, tbs: bytes, assemble, now: int) -> bytes:
+        """Sign one control record (rehydrate, truncation, authority records) under a fresh HLC
+        identity through the bridge (persist-before-release), then witness the HLC before the
+        record can leave the node."""
+        hlc = self._tick(now)
+        raw = self.bridge.release(EventIdentity(self.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs, assemble)
+        self._witness(hlc)
+        return raw
+
+    def _tick(self, now: int) -> tuple[int, int]:
+        """Issue the next local HLC (the durable in-home ceiling first). Callers release what
+        they sign with it through the bridge, then `_witness` it before it can leave the node."""
         need = self.clock.needs_ceiling(now)
         if need is not None:
             # Persist the ceiling (and its witness outside the home) before issuing past it.
             with _txn(self.conn):
                 db.set_meta(self.conn, "clock_ceiling", need)
             self.clock.set_ceiling(need)
-        hlc = self.clock.tick(now)
-        if witness:
-            self._witness_before_release(hlc)
-        return hlc
+        return self.clock.tick(now)
 
-    def _witness_before_release(self, hlc: tuple[int, int]) -> None:
+    def _witness(self, hlc: tuple[int, int]) -> None:
+        """Record a released HLC in the witness outside the home before anything signed with it
+        leaves the node (it leaves only from the log or the record store, written after this).
+        A crash before this write leaves it in the journal, which the clock resumes above; so the
+        witness is above the home's own history only when the home lost some: a restore."""
         self.witness.advance(hlc)
 
     def _sign_events(self, payloads: list[tuple[TableDef, dict, dict | None, str]], now: int) -> list[bytes]:
@@ -554,14 +594,15 @@ class Node:
         for _attempt in range(8):
             items = []
             for t, key, values, op in payloads:
-                hlc = self._tick(now, witness=False)
+                hlc = self._tick(now)
                 pb = ev.payload_bytes(t.schema, t.name, key, op, values, hlc)
                 protected, tbs = ev.to_be_signed(self.site_id, self.mesh_id, pb)
                 items.append((EventIdentity(self.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs,
                               lambda sig, pr=protected, pl=pb: cose.assemble(pr, pl, sig)))
-            self._witness_before_release(max((i[0].physical_ms, i[0].logical) for i in items))
             try:
-                return self.bridge.release_many(items)
+                raws = self.bridge.release_many(items)
+                self._witness(max((i[0].physical_ms, i[0].logical) for i in items))
+                return raws
             except OutcomeUnknown:
                 # wire-profile §2: an HLC whose release is unknown is spent; tick past it and sign anew.
                 hi = self.bridge.max_event_hlc(self.site_id)
@@ -700,9 +741,13 @@ class Node:
         h = self.tables[table].horizon
         if h is None:
             return 0
+        below_h = "qualified=? AND (hlc_p < ? OR (hlc_p = ? AND hlc_l < ?))"
         with _txn(self.conn):
-            cur = self.conn.execute("DELETE FROM events WHERE qualified=? AND (hlc_p < ? OR (hlc_p = ? AND hlc_l < ?))",
-                                    (table, h[0], h[0], h[1]))
+            own = self.conn.execute(f"SELECT hlc_p, hlc_l FROM events WHERE site_id=? AND {below_h} "
+                                    "ORDER BY hlc_p DESC, hlc_l DESC LIMIT 1", (self.site_id, table, h[0], h[0], h[1])).fetchone()
+            if own is not None:  # our own history below it is gone from here: say so to receivers (§14.2)
+                self._raise_own_floor(table, (own[0], own[1]))
+            cur = self.conn.execute(f"DELETE FROM events WHERE {below_h}", (table, h[0], h[0], h[1]))
         return cur.rowcount
 
     def _reclaim(self) -> None:

@@ -170,8 +170,7 @@ def _set_state(conn: sqlite3.Connection, s: dict) -> None:
 def start(node, from_peer: bytes | None, now: int | None = None) -> dict:
     """Zero this node's horizons, clear its own watermarks, issue the next rehydrate record and
     start counting what arrives. Returns the new state."""
-    from firmware_bridge import EventIdentity
-    from .node import EVENT_KEY, now_ms
+    from .node import now_ms
     from .store import sync_state as st
     from .sync import _txn
     now = now_ms() if now is None else now
@@ -182,9 +181,8 @@ def start(node, from_peer: bytes | None, now: int | None = None) -> dict:
                              "ORDER BY generation DESC LIMIT 1", (node.site_id,)).fetchone()
     gen, prev_hash = (0, None) if prev is None else (prev[0] + 1, bytes(prev[1]))
     protected, payload, tbs = to_be_signed(node.site_id, node.mesh_id, gen, prev_hash, now)
-    hlc = node._tick(now)  # a fresh signing identity: persist-before-release, like any release
-    raw = node.bridge.release(EventIdentity(node.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs,
-                              lambda sig: assemble(protected, payload, sig))
+    # A fresh signing identity: persist-before-release, like any release.
+    raw = node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now)
     _crash_point("released")
     rows = _row_counts(node)
     s = {"generation": gen, "from": from_peer.hex() if from_peer else None, "started_ms": now,
@@ -341,9 +339,8 @@ def issue_truncations(node, subject: bytes, tables: list[str] | None = None, now
     e.g. a gateway). Signed with the node's event key through the keystore bridge under fresh HLC
     identities (persist-before-release), like every record this node issues. Must run outside a
     transaction. The records travel in every body from then on."""
-    from firmware_bridge import EventIdentity
     from .core import records as rec
-    from .node import EVENT_KEY, now_ms
+    from .node import now_ms
     from .store import db
     now = now_ms() if now is None else now
     found = truncated_rows(node, subject, tables)
@@ -356,9 +353,7 @@ def issue_truncations(node, subject: bytes, tables: list[str] | None = None, now
         for i in range(0, len(keys), rec.MAX_TRUNCATED_ROWS):
             protected, payload, tbs = rec.truncation_to_be_signed(
                 node.site_id, node.mesh_id, subject, tdef.schema, tdef.name, h, keys[i:i + rec.MAX_TRUNCATED_ROWS], now)
-            hlc = node._tick(now)
-            raws.append(node.bridge.release(EventIdentity(node.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs,
-                                            lambda sig, pr=protected, pl=payload: assemble(pr, pl, sig)))
+            raws.append(node.release_signed(tbs, lambda sig, pr=protected, pl=payload: assemble(pr, pl, sig), now))
     own = bytes(db.get_meta(node.conn, "public_key"))
     with db.transaction(node.conn):
         _ensure_trunc(node.conn)

@@ -148,6 +148,9 @@ class SyncDriver:
         allowed = self._allowed_fn(peer)
         pwm = st.peer_watermarks(self.conn, peer)
         sel = delivery.select(self._rows_for(peer, start), start, peer, self.node.site_id, allowed, pwm, limit)
+        # Our own history we no longer hold (evicted, lost to a restore) travels with the stream as
+        # floors, so no receiver infers a watermark across it (§14.2; docs/protocol.md §4).
+        sel.gaps |= {delivery.floor_entry(q, h) for q, h in self.node.own_history_floors().items()}
         bf = None
         room = limit - len(sel.events)
         if backfill and mode != "push" and room > 0:
@@ -439,14 +442,17 @@ class SyncDriver:
 
     def _advance_stream(self, peer: bytes, path: str, meta: StreamMeta, outcomes: list, k: int) -> None:
         n_live = len(meta.seqs)
-        if meta.gaps:
-            st.add_stream_gaps(self.conn, peer, meta.gaps)
+        policy_gaps, floors = delivery.split_gaps(meta.gaps)
+        if policy_gaps:
+            st.add_stream_gaps(self.conn, peer, policy_gaps)
         completed = st.stream_completed(self.conn, peer, path)
         if not delivery.continues(meta.start, completed):
             return  # not demonstrably contiguous with what we hold from this sender: infer nothing
         live = [self._proc_full(o) for o in outcomes[:n_live]]
-        up = delivery.infer_watermarks(peer, live, st.own_watermarks(self.conn), st.held_min(self.conn, peer),
-                                       st.stream_gaps(self.conn, peer))
+        current = st.own_watermarks(self.conn)
+        gapped = st.stream_gaps(self.conn, peer) | delivery.unmet_floors(
+            peer, floors, current, {o.table for o in live if o.table is not None})
+        up = delivery.infer_watermarks(peer, live, current, st.held_min(self.conn, peer), gapped)
         st.raise_watermarks(self.conn, up)
         new = delivery.completed_after(meta.start, meta.end, list(meta.seqs), min(k, n_live))
         if new > completed:
@@ -605,10 +611,9 @@ def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = 
     are stored first, so the chain continues from them instead of forking. The record extends the
     subject's chain from the head this node holds, is stored, and goes to every peer (in the next
     bodies to it, until it answers one: docs/protocol.md §5)."""
-    from firmware_bridge import EventIdentity
     from .core import records as rec
     from .core.cose import assemble
-    from .node import EVENT_KEY, NodeError, now_ms
+    from .node import NodeError, now_ms
     issuer = node.site_id if authority is None else authority.site_id
     if issuer not in node.authorities:
         if authority is not None:
@@ -633,9 +638,7 @@ def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = 
     if authority is not None:
         raw = authority.sign(tbs, lambda sig: assemble(protected, payload, sig), now)
     else:
-        hlc = node._tick(now)
-        raw = node.bridge.release(EventIdentity(node.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs,
-                                  lambda sig: assemble(protected, payload, sig))
+        raw = node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now)
     res = drv.apply_records([raw], now)
     if res["stored"] != 1 and res["known"] != 1:
         hint = " (is the authority's public key in this node's keyring?)" if authority is not None else ""

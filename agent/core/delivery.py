@@ -82,6 +82,41 @@ def select(rows: Iterable[LogRow], start: int, peer: bytes, self_site: bytes, al
     return sel
 
 
+def floor_entry(table: str, hlc: Hlc) -> str:
+    """A sender's own-history floor as an entry of the meta's gap list (`TABLE@P.L`, `*@P.L` for
+    every table): "my own events of TABLE up to this HLC may be missing from my log"."""
+    return f"{table}@{hlc[0]}.{hlc[1]}"
+
+
+def split_gaps(entries) -> tuple[set[str], dict[str, Hlc]]:
+    """The meta's gap list as (tables withheld by policy, own-history floors). An entry that
+    looks like a floor but does not parse is kept as a policy gap: it can only stop inference."""
+    gaps: set[str] = set()
+    floors: dict[str, Hlc] = {}
+    for g in entries:
+        table, at, hlc = g.rpartition("@")[0], "@" in g, g.rpartition("@")[2]
+        p, dot, l = hlc.partition(".")
+        if at and table and dot and p.isdigit() and l.isdigit() and len(p) <= 19 and len(l) <= 10:
+            h = (int(p), int(l))
+            floors[table] = max(floors.get(table, h), h)
+        else:
+            gaps.add(g)
+    return gaps, floors
+
+
+def unmet_floors(sender: bytes, floors: dict[str, Hlc], current: dict[Group, Hlc], tables: set[str]) -> set[str]:
+    """Tables of `sender`'s stream across which nothing may be inferred now: the sender no longer
+    holds its own events up to the floor, so a continuous stream from it shows nothing about
+    them; only a receiver whose watermark already covers the floor got them all (§14.2)."""
+    out = set()
+    for q in set(floors) - {"*"} | (tables if "*" in floors else set()):
+        f = max(floors.get(q, (0, 0)), floors.get("*", (0, 0)))
+        w = current.get((sender, q))
+        if w is None or w < f:
+            out.add(q)
+    return out
+
+
 def cursor_after(start: int, seqs: list[int], end: int, processed: int) -> int:
     """The cursor once the peer processed the first `processed` events to a final state (it
     stops before the first rejected one, which is re-offered next cycle)."""
