@@ -1,0 +1,98 @@
+"""A sequencer process for the crash tests (tests/sequencer/test_sequencer_crash.py).
+
+Opens the sequencer home (resume runs first, §22.6 step 1), then drives three groups until each
+has accepted ``--target`` epochs: for the group's current epoch it submits Commits from three
+members in a seeded order (exactly one is accepted, the others are stale), and now and then asks
+for an earlier epoch's receipt. Every byte string the sequencer lets out goes to stdout before
+anything else sees it:
+
+  REL <group> <epoch> <receipt hex>     an accepted Commit's receipt
+  HEAD <group> <epoch> <receipt hex>    the head carried by a stale answer
+  GET <group> <epoch> <receipt hex>     a receipt re-served on request
+  ABSENT <group> <epoch> <0|1>          a stated absence (1: a recorded discontinuity)
+
+SEQ_CRASH="point:n" SIGKILLs the process the n-th time the named point is reached.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from agent.sequencer import receipts, service  # noqa: E402
+from agent.sequencer.framing import encode_private_message  # noqa: E402
+from tests.crashpoint import hook_from_env  # noqa: E402
+
+GROUPS = [(bytes.fromhex("01" * 16), "register", 0), (bytes.fromhex("02" * 16), "register", 100),
+          (bytes.fromhex("03" * 16), "bootstrap", 7)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--home", required=True)
+    ap.add_argument("--target", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--unsafe", default="", help="negative control: 'advance-first' moves the epoch "
+                                                 "before the receipt is durable (violates §22.5 cl. 3)")
+    a = ap.parse_args()
+    if a.unsafe == "advance-first":
+        from agent.sequencer.store import Store
+        orig = Store.put_pending
+
+        def put_pending(self, group_id, epoch, commit_hash, message, bootstrap):
+            orig(self, group_id, epoch, commit_hash, message, bootstrap)
+            self.conn.execute("INSERT INTO groups (group_id, current_epoch, origin) VALUES (?, ?, 'bootstrap') "
+                              "ON CONFLICT (group_id) DO UPDATE SET current_epoch = excluded.current_epoch",
+                              (group_id, epoch + 1))
+        Store.put_pending = put_pending
+    hook = hook_from_env("SEQ_CRASH")
+    rng = random.Random(a.seed)
+    out = sys.stdout
+
+    def emit(line: str) -> None:
+        out.write(line + "\n")
+        out.flush()
+
+    seq = service.Sequencer(a.home, fault_hook=hook)
+    emit("READY")
+    for gid, how, start in GROUPS:
+        if how == "register" and seq.store.group(gid) is None:
+            seq.register(gid, start)
+    while True:
+        todo = []
+        for gid, how, start in GROUPS:
+            st = seq.store.group(gid)
+            epoch = start if st is None else st.current_epoch
+            if epoch - start < a.target:
+                todo.append((gid, epoch))
+        if not todo:
+            break
+        gid, epoch = rng.choice(todo)
+        members = [b"alice", b"bob", b"carol"]
+        rng.shuffle(members)
+        for m in members:
+            msg = encode_private_message(gid, epoch, ciphertext=m + os.urandom(8))
+            ans = seq.submit(msg)
+            if isinstance(ans, service.Accepted):
+                emit(f"REL {gid.hex()} {ans.epoch} {ans.receipt.hex()}")
+                hook("after_release")
+            else:
+                if ans.head is not None:
+                    emit(f"HEAD {gid.hex()} {receipts.parse_receipt(ans.head).epoch} {ans.head.hex()}")
+        if rng.random() < 0.3:
+            st = seq.store.group(gid)
+            e = rng.randrange(max(st.current_epoch - 5, 0), st.current_epoch + 1)
+            got = seq.receipt(gid, e)
+            if isinstance(got, bytes):
+                emit(f"GET {gid.hex()} {e} {got.hex()}")
+            else:
+                emit(f"ABSENT {gid.hex()} {e} {int(got.discontinuity)}")
+    seq.close()
+    emit("DONE")
+
+
+if __name__ == "__main__":
+    main()

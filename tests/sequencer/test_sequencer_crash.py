@@ -1,0 +1,209 @@
+"""SIGKILL a real sequencer process at every named point of accept → sign → persist → release, and
+at seeded random times (SOVM §22.5 cl. 1-3, §22.6; issue 14 "Tests that must exist").
+
+The checker is independent of the package: it reads the producer's stdout (every byte string the
+sequencer let out, printed before anything else saw it), the journal with the parser written
+from docs/keystore.md (tests/bridge/bridge_helpers.py) and the state database with sqlite3, and
+verifies receipts with cryptography through firmware_bridge.verify_p256. After every kill:
+  - never two receipts for one (group_id, epoch) in everything ever released, nor in the journal;
+  - every released receipt is in the state database and in the journal with identical bytes;
+  - the epoch is never ahead of a durable receipt: every epoch below current_epoch has its
+    receipt or a stated discontinuity, and no discontinuity has a receipt;
+  - the chain is continuous: each receipt names the hash of the last receipt before it.
+At the end every released receipt is re-served byte for byte, and every discontinuity is served
+as a stated absence.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import blake3
+import cbor2
+
+from bridge_helpers import cose_parts, parse_journal
+from firmware_bridge import verify_p256
+from firmware_bridge.identity import decode_identity
+
+from agent.sequencer import service
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+PRODUCER = os.path.join(HERE, "seq_producer.py")
+POINTS = ["accepted", "after_intent", "after_sign", "before_persist", "journal_torn_write",
+          "journal_before_fsync", "after_persist", "committed", "after_release"]
+HITS = (1, 3, 7, 15)
+START = {bytes.fromhex("01" * 16): 0, bytes.fromhex("02" * 16): 100, bytes.fromhex("03" * 16): 7}
+
+
+class Checker:
+    def __init__(self, home: str) -> None:
+        self.home = home
+        self.released: dict = {}           # (group, epoch) -> bytes ever let out
+        self.absent: set = set()           # (group, epoch) stated absent as a discontinuity
+        conn = sqlite3.connect(os.path.join(home, "sequencer.db"))
+        self.key = bytes.fromhex(json.loads(conn.execute(
+            "SELECT value FROM meta WHERE key = 'receipt_key'").fetchone()[0])["public_key"])
+        conn.close()
+        self.discontinuities_seen = 0
+
+    def feed(self, lines: list[str]) -> None:
+        for line in lines:
+            kind, g, e, rest = line.split()
+            ident = (bytes.fromhex(g), int(e))
+            if kind == "ABSENT":
+                assert ident not in self.released, f"{ident} released, then stated absent"
+                if rest == "1":
+                    self.absent.add(ident)
+                continue
+            raw = bytes.fromhex(rest)
+            assert ident not in self.absent, f"{ident} stated absent, then released"
+            if ident in self.released:
+                assert self.released[ident] == raw, f"two receipts for {ident}"
+            self._verify(ident, raw)
+            self.released[ident] = raw
+
+    def _verify(self, ident, raw: bytes) -> None:
+        prot, pay, sig = cose_parts(raw)
+        assert verify_p256(self.key, cbor2.dumps(["Signature1", prot, b"", pay], canonical=True), sig)
+        p = cbor2.loads(pay)
+        assert (p["group_id"], p["epoch"]) == ident
+
+    def check_durable(self) -> None:
+        journal: dict = {}
+        for t, ident, data in parse_journal(os.path.join(self.home, "sign-journal")):
+            if t == 2:
+                idy = decode_identity(ident)
+                key = (idy.group_id, idy.epoch)
+                assert key not in journal, f"two persisted receipts for {key}"
+                journal[key] = data
+        conn = sqlite3.connect(os.path.join(self.home, "sequencer.db"))
+        try:
+            store = {(bytes(g), e): bytes(r) for g, e, r in conn.execute("SELECT group_id, epoch, receipt FROM receipts")}
+            gaps = {(bytes(g), e) for g, e in conn.execute("SELECT group_id, epoch FROM discontinuities")}
+            groups = {bytes(g): e for g, e in conn.execute("SELECT group_id, current_epoch FROM groups")}
+        finally:
+            conn.close()
+        for ident, raw in self.released.items():
+            assert store.get(ident) == raw, f"released {ident} not durable in the state with identical bytes"
+            assert journal.get(ident) == raw, f"released {ident} not in the journal with identical bytes"
+        for ident, raw in store.items():
+            assert journal.get(ident) == raw, f"state receipt {ident} differs from the journal's"
+        assert not (gaps & set(store)), "an epoch with both a receipt and a discontinuity"
+        assert self.absent <= gaps
+        for gid, current in groups.items():
+            prev = None
+            for e in range(START[gid], current):
+                ident = (gid, e)
+                assert ident in store or ident in gaps, f"epoch {current} of {gid.hex()} ahead of {e}'s receipt"
+                if ident in store:
+                    p = cbor2.loads(cose_parts(store[ident])[1])
+                    assert p["previous_receipt_hash"] == prev, f"chain broken at {ident}"
+                    prev = blake3.blake3(store[ident]).digest()
+            assert not any(g == gid and e >= current for g, e in store), "a receipt above current_epoch"
+        self.discontinuities_seen = len(gaps)
+
+
+def run(home: str, *, crash: str | None = None, kill_after: float | None = None, seed: int = 0,
+        target: int = 30, unsafe: str = "") -> tuple[list[str], bool, bool]:
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONDONTWRITEBYTECODE="1")
+    env.pop("SEQ_CRASH", None)
+    if crash:
+        env["SEQ_CRASH"] = crash
+    proc = subprocess.Popen([sys.executable, PRODUCER, "--home", home, "--seed", str(seed), "--target", str(target)]
+                            + (["--unsafe", unsafe] if unsafe else []),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    lines: list[str] = []
+
+    def reader() -> None:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+    th = threading.Thread(target=reader, daemon=True)
+    th.start()
+    if kill_after is not None:
+        time.sleep(kill_after)   # from spawn: some kills land in start-up and resume
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(120)
+    th.join(30)
+    err = proc.stderr.read()
+    killed = proc.returncode == -signal.SIGKILL
+    if not killed and proc.returncode != 0:
+        raise AssertionError(f"sequencer failed rc={proc.returncode}: {err[-2000:]}")
+    done = "DONE" in lines
+    return [l for l in lines if l not in ("READY", "DONE")], killed, done
+
+
+def drive(home: str, schedule: list, *, target: int, seed: int, unsafe: str = "") -> tuple[Checker, int]:
+    service.init(home)
+    checker = Checker(home)
+    kills = 0
+    for n, step in enumerate(schedule + [None]):
+        if isinstance(step, float):
+            step_target = 10**6       # never finishes before its kill
+        elif step is None:            # the last run completes: a little past what was reached
+            target = max(target, _progress(home) + 5)
+            step_target = target
+        else:
+            step_target = target
+        lines, killed, done = run(home, crash=step if isinstance(step, str) else None,
+                                  kill_after=step if isinstance(step, float) else None, seed=seed + n,
+                                  target=step_target, unsafe=unsafe)
+        kills += killed
+        if isinstance(step, str):
+            assert killed, f"crash point {step} was never reached"
+        checker.feed(lines)
+        checker.check_durable()
+        if step is None:
+            assert done, "the final run did not complete"
+    # every released receipt re-served byte for byte; every discontinuity a stated absence
+    with service.Sequencer(home) as s:
+        for (g, e), raw in checker.released.items():
+            assert s.receipt(g, e) == raw
+        for g, e in checker.absent:
+            assert s.receipt(g, e) == service.Absent(discontinuity=True)
+        for gid, start in START.items():
+            assert s.store.group(gid).current_epoch - start >= target
+    return checker, kills
+
+
+def _progress(home: str) -> int:
+    conn = sqlite3.connect(os.path.join(home, "sequencer.db"))
+    try:
+        rows = conn.execute("SELECT group_id, current_epoch FROM groups").fetchall()
+    finally:
+        conn.close()
+    return max([e - START[bytes(g)] for g, e in rows], default=0)
+
+
+def test_named_crash_points(tmp_path):
+    sched = [f"{p}:{h}" for p in POINTS for h in HITS]
+    checker, kills = drive(str(tmp_path / "s"), sched, target=100, seed=1)
+    assert kills == len(sched)
+    assert checker.discontinuities_seen > 0     # kills between intent and persist took the §22.6 path
+    assert len(checker.released) >= 100
+
+
+def test_random_kills(tmp_path):
+    rng = random.Random(1414)
+    sched = [round(rng.uniform(0.05, 0.9), 3) for _ in range(60)]
+    checker, kills = drive(str(tmp_path / "s"), sched, target=20, seed=2)
+    assert kills == len(sched)
+    assert len(checker.released) >= 150
+
+
+def test_negative_control_epoch_advanced_before_the_receipt_fails_the_checker(tmp_path):
+    """A sequencer that moves current_epoch before the receipt is durable (§22.5 cl. 3 violated)
+    must fail the same checker after a kill between intent and persist."""
+    import pytest
+    with pytest.raises(AssertionError, match="ahead of"):
+        drive(str(tmp_path / "s"), ["after_intent:3"], target=10, seed=3, unsafe="advance-first")
