@@ -220,6 +220,21 @@ def cmd_rebind(args) -> int:
     return EXIT_OK
 
 
+def version() -> str:
+    """The installed distribution's version; from a checkout that was never installed, the
+    version pyproject.toml declares (so `--version` always answers)."""
+    from importlib import metadata
+    try:
+        return metadata.version("ssp-agent")
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        import tomllib
+        return tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]["version"]
+    except (OSError, KeyError, ValueError):
+        return "unknown"
+
+
 # ---------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -230,12 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--home", default=os.environ.get("SSP_AGENT_HOME"),
                    help="the node's state directory (default: $SSP_AGENT_HOME)")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level to stderr")
+    p.add_argument("--version", action="version", version=f"ssp-agent {version()}")
     sub = p.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
 
     s = sub.add_parser("init", help="create a node from a provisioning manifest (TOML)")
     s.add_argument("--manifest", required=True, help="provisioning manifest: mesh_id, peers, tables")
-    s.add_argument("--profile", help="device profile: a name from profiles/ (pi-zero-2w, pi-3-4, pi-5-cm4, "
+    s.add_argument("--profile", help="device profile: a built-in name (agent/profiles/: pi-zero-2w, pi-3-4, pi-5-cm4, "
                                      "gateway) or a path to a .toml file; default pi-3-4")
     s.add_argument("--keystore", help='keystore as JSON, e.g. {"kind":"software","dir":"/var/lib/ssp/keys"}; '
                                       "default: a software keystore in HOME/keystore")

@@ -78,7 +78,7 @@ class Node:
     def init(cls, home: Path, manifest_text: str, keystore: dict | None = None,
              profile: str | Profile | None = None) -> tuple["Node", bytes]:
         """Create a node: identity, keystore key, store, manifest tables. Returns (node, public_key).
-        The profile (profiles/*.toml) sets horizons, limits and the default keystore."""
+        The profile (agent/profiles/*.toml) sets horizons, limits and the default keystore."""
         home = Path(home)
         if (home / cls.STORE_FILE).exists() or (home / cls.IDENTITY_FILE).exists():
             raise NodeError(f"{home} already holds a node; choose an empty directory (a node is never re-initialised in place)")

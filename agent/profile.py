@@ -1,4 +1,5 @@
-"""Device profiles (profiles/*.toml): horizons per retention class, disk budget, sync limits and
+"""Device profiles (agent/profiles/*.toml, package data found through importlib.resources so an
+install from the wheel has them): horizons per retention class, disk budget, sync limits and
 the keystore. A node records the profile it was initialised with in its store; README documents
 every key."""
 from __future__ import annotations
@@ -6,9 +7,9 @@ from __future__ import annotations
 import re
 import tomllib
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 DEFAULT_PROFILE = "pi-3-4"
 _DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d|w)\s*$")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
@@ -92,15 +93,26 @@ def parse_profile(text: str, origin: str = "profile") -> Profile:
         session_expiry_s=num(sync, "session_expiry_s", 7 * 86400, int, 0), keystore=dict(ks))
 
 
+def _builtin():
+    """The built-in profiles: package data (agent/profiles/), also inside a zip or wheel install."""
+    return resources.files(__package__).joinpath("profiles")
+
+
+def builtin_profiles() -> list[str]:
+    return sorted(p.name[:-5] for p in _builtin().iterdir() if p.name.endswith(".toml"))
+
+
 def load_profile(name_or_path: str | None) -> Profile:
-    """A profile by name (profiles/NAME.toml) or by path; None gives the default."""
+    """A built-in profile by name (agent/profiles/NAME.toml) or a file by path; None gives the default."""
     ref = name_or_path or DEFAULT_PROFILE
     path = Path(ref)
-    if not path.suffix:
-        path = PROFILES_DIR / f"{ref}.toml"
     try:
-        text = path.read_text()
+        if path.suffix:
+            text, origin = path.read_text(), str(path)
+        else:
+            res = _builtin().joinpath(f"{ref}.toml")
+            text, origin = res.read_text(), f"profile {ref}"
     except OSError:
-        names = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.toml")))
+        names = ", ".join(builtin_profiles())
         raise ProfileError(f"no profile {ref!r} (built in: {names}; or give a path to a .toml file)") from None
-    return parse_profile(text, str(path))
+    return parse_profile(text, origin)

@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
 # Installs everything ssp-agent and its tests need on a fresh Debian / Raspberry Pi OS (64-bit)
-# machine: the Python package with its test extras, and the real components the tests start
-# (mosquitto, SoftHSM2, socat). Idempotent; run as root or with sudo available.
+# machine: a virtual environment in the checkout (.venv/, because Debian's system Python refuses
+# `pip install`, PEP 668) holding the package (editable) with its test extras, and the real
+# components the tests start (mosquitto, SoftHSM2, socat). Idempotent; run as root or with sudo
+# available. Everything else (tools/test.sh, tools/demo.sh) uses .venv/bin/python.
+# PYTHON picks the interpreter the venv is made from (default python3, 3.11 or later).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=${SSP_AGENT_VENV:-.venv}
 
 need_apt=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need_apt+=(mosquitto)
 command -v softhsm2-util >/dev/null 2>&1 || need_apt+=(softhsm2)
 command -v socat >/dev/null 2>&1 || need_apt+=(socat)
+# Debian splits venv's pip bootstrap (ensurepip) into python3-venv.
+if [ ! -x "$VENV/bin/python" ] && ! $PY -c "import venv, ensurepip" >/dev/null 2>&1; then
+  need_apt+=(python3-venv)
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
   echo "setup: installing Debian packages: ${need_apt[*]}"
@@ -17,8 +27,13 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 # Debian's mosquitto package may start a system broker on 1883; ours use private ports, so leave it.
 
-PY=${PYTHON:-python3}
-echo "setup: installing ssp-agent (editable) with test extras"
-$PY -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v -E "^WARNING: (Running pip as|Location)" || true
-$PY -c "import agent, firmware_bridge, cbor2, nacl, blake3, paho.mqtt, serial" \
-  || { echo "setup: the Python dependencies did not install" >&2; exit 1; }
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating the virtual environment $VENV"
+  $PY -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+echo "setup: installing ssp-agent (editable, into $VENV) with test extras"
+"$VPY" -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 \
+  | grep -v -E "^WARNING: (Running pip as|Location)" || true
+"$VPY" -c "import agent, firmware_bridge, cbor2, nacl, blake3, paho.mqtt, serial, pytest" \
+  || { echo "setup: the Python dependencies did not install into $VENV" >&2; exit 1; }

@@ -1,6 +1,25 @@
 #!/usr/bin/env bash
-# The whole test suite, from a fresh clone: installs what it needs, then runs pytest.
+# The whole test suite, from a fresh clone: installs what it needs (tools/setup.sh: .venv/), builds
+# the wheel, installs it into a clean venv (not editable, runtime deps and [pkcs11] only) and runs
+# pytest with SSP_AGENT_CMD naming that installed `ssp-agent`, so every CLI-level test drives the
+# command a device gets (tests/cli_cmd.py). Unit tests import the checkout (pytest pythonpath).
+# Arguments go to pytest. SSP_AGENT_CMD already set: that command is tested instead (no wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
-exec ${PYTHON:-python3} -m pytest -q "$@"
+VPY=.venv/bin/python
+
+if [ -z "${SSP_AGENT_CMD:-}" ]; then
+  WORK=$(mktemp -d "${TMPDIR:-/tmp}/ssp-agent-wheel.XXXXXX")
+  trap 'rm -rf "$WORK"' EXIT
+  echo "test: building the wheel and installing it into a clean venv ($WORK/venv)"
+  "$VPY" tools/build_wheel.py --out "$WORK/dist" >/dev/null
+  "$VPY" -m venv "$WORK/venv"
+  WHEEL=$(ls "$WORK"/dist/ssp_agent-*.whl)
+  # the installed command must not see this checkout
+  env -u PYTHONPATH "$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check "$WHEEL[pkcs11]" 2>&1 \
+    | grep -v -E "^WARNING: (Running pip as|Location)" || true
+  export SSP_AGENT_CMD="$WORK/venv/bin/ssp-agent"
+  "$SSP_AGENT_CMD" --version
+fi
+"$VPY" -m pytest -q "$@"

@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
+
+from tests.cli_cmd import agent_cmd, agent_env
 
 from .helpers import NOW, T, manifest, peers
 
 
 def run(home, *args, env=None, check=None):
-    p = subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(home), *args],
-                       capture_output=True, text=True, env={**os.environ, **(env or {})})
+    p = subprocess.run([*agent_cmd(), "--home", str(home), *args],
+                       capture_output=True, text=True, env=agent_env(env))
     if check is not None:
         assert p.returncode == check, (p.returncode, p.stdout, p.stderr)
     return p
@@ -152,7 +152,7 @@ def test_home_copied_to_another_machine_is_refused(home):
 
 
 def test_help_is_readable():
-    p = subprocess.run([sys.executable, "-m", "agent.cli", "--help"], capture_output=True, text=True)
+    p = subprocess.run([*agent_cmd(), "--help"], capture_output=True, text=True, env=agent_env())
     assert p.returncode == 0 and "mailbox" in p.stdout and "Exit status" in p.stdout
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
@@ -15,6 +14,7 @@ from agent.core import cose
 from agent.node import EVENT_KEY, Node
 from agent.simpeer import manifest_text, readings_table
 from firmware_bridge import EventIdentity, Status
+from tests.cli_cmd import agent_cmd, agent_env
 
 MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 T = "app.readings"
@@ -93,8 +93,8 @@ def test_node_on_serial_emulator(tmp_path, serial_conf):
 
 
 def _show(home, ok=True):
-    p = subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(home), "keystore", "show"],
-                       capture_output=True, text=True, env=dict(os.environ))
+    p = subprocess.run([*agent_cmd(), "--home", str(home), "keystore", "show"],
+                       capture_output=True, text=True, env=agent_env())
     assert (p.returncode == 0) == ok, p.stderr
     return json.loads(p.stdout) if ok else p
 
@@ -103,9 +103,9 @@ def test_keystore_show_software_and_cli_init(tmp_path):
     man = tmp_path / "m.toml"
     man.write_text(MANIFEST)
     kdir = tmp_path / "keys"
-    p = subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(tmp_path / "n"), "init", "--manifest",
+    p = subprocess.run([*agent_cmd(), "--home", str(tmp_path / "n"), "init", "--manifest",
                         str(man), "--keystore", json.dumps({"kind": "software", "dir": str(kdir)})],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env=agent_env())
     assert p.returncode == 0, p.stderr
     init = json.loads(p.stdout)
     out = _show(tmp_path / "n")

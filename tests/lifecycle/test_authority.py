@@ -13,6 +13,7 @@ from agent.core.cose import assemble
 from agent.node import Node, NodeError
 from agent.store import sync_state as st
 from agent.sync import issue_record, resolve_chains
+from tests.cli_cmd import agent_cmd, agent_env
 
 from ..sync.helpers import NOW, TABLES, manifest
 
@@ -98,20 +99,19 @@ def test_the_directory_can_move(tmp_path):
 
 def test_authority_show_through_the_cli(tmp_path):
     import subprocess
-    import sys
     card = auth_mod.create(tmp_path / "auth")
     gw = _mesh_with(tmp_path, card)
     with auth_mod.Authority(tmp_path / "auth") as a:
         issue_record(gw, "role", bytes(16), "reader", now=NOW, authority=a)
         issue_record(gw, "vouch", bytes(range(16)), bytes(32), now=NOW, authority=a)
     gw.close()
-    p = subprocess.run([sys.executable, "-m", "agent.cli", "authority", "show", "--authority-key",
-                        str(tmp_path / "auth")], capture_output=True, text=True)
+    p = subprocess.run([*agent_cmd(), "authority", "show", "--authority-key",
+                        str(tmp_path / "auth")], capture_output=True, text=True, env=agent_env())
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["site_id"] == card["site_id"] and out["public_key"] == card["public_key"]
     assert out["records_released"] == 2 and out["by_kind"] == {"role": 1, "vouch": 1}
     assert out["keystore"]["kind"] == "software" and "secret" not in p.stdout
-    p = subprocess.run([sys.executable, "-m", "agent.cli", "authority", "show", "--authority-key",
-                        str(tmp_path / "nothing")], capture_output=True, text=True)
+    p = subprocess.run([*agent_cmd(), "authority", "show", "--authority-key",
+                        str(tmp_path / "nothing")], capture_output=True, text=True, env=agent_env())
     assert p.returncode == 2 and "not an authority directory" in p.stderr

@@ -137,7 +137,7 @@ def test_crash_mid_backfill_resumes_from_the_durable_row_cursor(tmp_path):
 
 def test_policy_cli_reports_the_backfill_it_enqueued(tmp_path):
     a, b, da, db_, t = withheld_history(tmp_path)
-    from agent.cli import main
+    from tests.cli_cmd import main
     a_home = str(a.home)
     a.close()
     import io

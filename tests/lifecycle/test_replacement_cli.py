@@ -7,13 +7,12 @@ rebuilds; an event signed with the retired key above the cutoff is dropped every
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 from agent.simpeer import NOTES_TABLE, readings_table
+from tests.cli_cmd import agent_cmd, agent_env
 
 MESH = "00112233445566778899aabbccddeeff"
 TABLES = readings_table("telemetry") + NOTES_TABLE
@@ -22,9 +21,8 @@ TABLES = readings_table("telemetry") + NOTES_TABLE
 class Cli:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.env = dict(os.environ, SSP_AGENT_WITNESS_DIR=str(tmp / "witness"))
-        exe = shutil.which("ssp-agent")
-        self.cmd = [exe] if exe else [sys.executable, "-c", "import sys; from agent.cli import main; sys.exit(main())"]
+        self.env = agent_env({"SSP_AGENT_WITNESS_DIR": str(tmp / "witness")})
+        self.cmd = agent_cmd()
         self.n = 0
 
     def __call__(self, home, *args, ok=True):

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import sqlite3
 import subprocess
 import time
 
-from agent.cli import main
+from tests.cli_cmd import agent_cmd, agent_env, main
 from agent.node import Node
 from agent.transport.broker import Broker, free_port, write_password_file
 
@@ -68,7 +66,7 @@ def test_run_stops_cleanly_on_sigterm_and_sync_once_resumes(tmp_path, capsys):
     a.close(); b.close()
     (tmp_path / "pw-a").write_text("pw-a\n")
     cred_a = ["--username", a.site_id.hex(), "--password-file", str(tmp_path / "pw-a")]
-    env = {**os.environ, "SSP_MQTT_USERNAME": b.site_id.hex(), "SSP_MQTT_PASSWORD": "pw-b"}
+    env = agent_env({"SSP_MQTT_USERNAME": b.site_id.hex(), "SSP_MQTT_PASSWORD": "pw-b"})
     proc = None
     try:
         # no credentials: refused, exit 1
@@ -76,7 +74,7 @@ def test_run_stops_cleanly_on_sigterm_and_sync_once_resumes(tmp_path, capsys):
         assert "broker unreachable" in capsys.readouterr().err
         assert main(["--home", ha, "sync", "--broker", br.url, "--once", "--timeout", "1", *cred_a]) == 0
         capsys.readouterr()  # a's session now exists at the broker
-        proc = subprocess.Popen([shutil.which("ssp-agent") or "ssp-agent", "--home", hb, "run", "--broker", br.url,
+        proc = subprocess.Popen([*agent_cmd(), "--home", hb, "run", "--broker", br.url,
                                  "--cadence", "0.3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 15
         got = {}

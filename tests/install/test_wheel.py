@@ -1,0 +1,76 @@
+"""Issue 12 item 1: the agent installed from its wheel into a clean (non-editable) venv works:
+`--version` prints the version and `init` with the default profile succeeds, because the
+profiles ship inside the package. tools/test.sh builds and installs the wheel once and sets
+SSP_AGENT_CMD; run alone, this test builds and installs one itself."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.cli_cmd import installed, installed_python
+
+ROOT = Path(__file__).resolve().parents[2]
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+@pytest.fixture(scope="module")
+def wheel_cmd(tmp_path_factory):
+    """(ssp-agent command, venv python) of an install from the built wheel, never this checkout."""
+    if installed():
+        from tests.cli_cmd import agent_cmd
+        return agent_cmd(), installed_python()
+    base = tmp_path_factory.mktemp("wheel")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([sys.executable, str(ROOT / "tools" / "build_wheel.py"), "--out", str(base / "dist")],
+                   check=True, env=env, capture_output=True, timeout=600)
+    venv = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    wheel = next((base / "dist").glob("ssp_agent-*.whl"))
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(wheel)], check=True, env=env,
+                   capture_output=True, timeout=600)
+    return [str(venv / "bin" / "ssp-agent")], str(venv / "bin" / "python")
+
+
+def _env():
+    # the installed package, never a checkout on PYTHONPATH
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def _run(cmd, *args, cwd=None):
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, env=_env(), cwd=cwd, timeout=120)
+
+
+def test_installed_package_is_not_the_checkout(wheel_cmd):
+    _, py = wheel_cmd
+    p = subprocess.run([py, "-c", "import agent; print(agent.__file__)"], capture_output=True, text=True,
+                       env=_env(), cwd="/", check=True)
+    assert "site-packages" in p.stdout and not p.stdout.startswith(str(ROOT)), p.stdout
+
+
+def test_version(wheel_cmd):
+    cmd, _ = wheel_cmd
+    p = _run(cmd, "--version")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == f"ssp-agent {VERSION}"
+
+
+def test_init_with_default_profile(wheel_cmd, tmp_path):
+    from tests.core.helpers import manifest, peers
+    cmd, _ = wheel_cmd
+    mf = tmp_path / "m.toml"
+    mf.write_text(manifest(peers(1)))
+    p = _run(cmd, "--home", str(tmp_path / "h"), "init", "--manifest", str(mf), cwd="/")
+    assert p.returncode == 0, p.stderr
+    assert len(json.loads(p.stdout)["site_id"]) == 32
+    st = _run(cmd, "--home", str(tmp_path / "h"), "status", cwd="/")
+    assert st.returncode == 0 and json.loads(st.stdout)["profile"] == "pi-3-4", st.stderr
+    # every built-in profile is in the package
+    for name in ("pi-zero-2w", "pi-5-cm4", "gateway"):
+        p = _run(cmd, "--home", str(tmp_path / name), "init", "--manifest", str(mf), "--profile", name, cwd="/")
+        assert p.returncode == 0, (name, p.stderr)
