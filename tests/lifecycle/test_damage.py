@@ -8,13 +8,13 @@ import json
 import os
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from agent.node import Node
 from agent.simpeer import manifest_text, readings_table
+from tests.cli_cmd import agent_cmd, agent_env
 
 MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 T = "app.readings"
@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli(home, *args):
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(home), *args],
+    env = agent_env({"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    return subprocess.run([*agent_cmd(), "--home", str(home), *args],
                           capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=120)
 
 

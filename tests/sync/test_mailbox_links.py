@@ -6,22 +6,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 
 import cbor2
 import pytest
 
+from tests.cli_cmd import agent_cmd, agent_env
+
 from .helpers import MESH, TABLES
 
 
 def cli(*args, env, ok=True):
-    exe = shutil.which("ssp-agent")
-    cmd = [exe] if exe else [sys.executable, "-c", "import sys; from agent.cli import main; sys.exit(main())"]
-    p = subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, env=env)
+    p = subprocess.run([*agent_cmd(), *map(str, args)], capture_output=True, text=True, env=agent_env(env))
     if ok:
         assert p.returncode == 0, p.stderr
     return p
