@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_later_verbs(sub, mailbox_sub) -> None:
     """Verbs whose implementations live in other modules register themselves here."""
-    for mod in ("agent.cli_sync", "agent.cli_mqtt", "agent.cli_keystore"):
+    for mod in ("agent.cli_sync", "agent.cli_mqtt", "agent.cli_keystore", "agent.cli_sequencer"):
         try:
             m = __import__(mod, fromlist=["register"])
         except ImportError:

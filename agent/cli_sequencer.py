@@ -1,0 +1,122 @@
+"""CLI verbs `ssp-agent --home DIR sequencer ...` (cli-contract.md, sequencer section; SOVM
+§22.5-§22.7; docs/sequencer.md). The sequencer has its own home, separate from any node's.
+Registered into agent/cli.py's parser by `register(sub, mailbox_sub)`."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .cli import EXIT_OK, EXIT_REFUSED, Fault, Refused, _json_arg, emit
+
+
+def _print(obj) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+
+
+def _group(text: str) -> bytes:
+    try:
+        gid = bytes.fromhex(text)
+    except ValueError:
+        raise Refused(f"--group must be hex, got {text!r}") from None
+    if not 1 <= len(gid) <= 255:
+        raise Refused("--group must be 1..255 bytes")
+    return gid
+
+
+def _open(args):
+    from .sequencer import service
+    try:
+        return service.Sequencer(Path(args.home))
+    except service.SequencerRefused as e:
+        raise Refused(str(e)) from None
+    except service.SequencerFault as e:
+        raise Fault(str(e)) from None
+
+
+def cmd_init(args) -> int:
+    from .sequencer import service
+    keystore = None
+    if args.keystore:
+        keystore = _json_arg(args.keystore, "--keystore")
+        if not isinstance(keystore, dict):
+            raise Refused("--keystore must be a JSON object, e.g. {\"kind\": \"software\", \"dir\": \"/path\"}")
+    try:
+        public = service.init(Path(args.home), keystore)
+    except service.SequencerRefused as e:
+        raise Refused(str(e)) from None
+    emit({"sequencer_key": public.hex()})
+    return EXIT_OK
+
+
+def cmd_register(args) -> int:
+    from .sequencer import service
+    gid = _group(args.group)
+    if args.epoch < 0:
+        raise Refused("--epoch must be >= 0")
+    with _open(args) as s:
+        try:
+            s.register(gid, args.epoch)
+        except service.SequencerRefused as e:
+            raise Refused(str(e)) from None
+    _print({"group": gid.hex(), "epoch": args.epoch})
+    return EXIT_OK
+
+
+def cmd_submit(args) -> int:
+    from .sequencer import service
+    try:
+        message = Path(args.file).read_bytes()
+    except OSError as e:
+        raise Refused(f"cannot read {args.file}: {e.strerror}") from None
+    with _open(args) as s:
+        ans = s.submit(message)
+    if isinstance(ans, service.Accepted):
+        _print({"accepted": True, "group": ans.group_id.hex(), "epoch": ans.epoch, "receipt": ans.receipt.hex()})
+        return EXIT_OK
+    _print({"accepted": False, "reason": ans.reason,
+            "group": None if ans.group_id is None else ans.group_id.hex(),
+            "current_epoch": ans.current_epoch, "head": None if ans.head is None else ans.head.hex()})
+    if ans.detail:
+        print(f"ssp-agent: not accepted: {ans.detail}", file=sys.stderr)
+    return EXIT_REFUSED
+
+
+def cmd_receipt(args) -> int:
+    gid = _group(args.group)
+    with _open(args) as s:
+        got = s.receipt(gid, args.epoch)
+    if isinstance(got, bytes):
+        _print({"receipt": got.hex()})
+    else:   # §22.6: a stated absence, never a new signature
+        _print({"receipt": None, "absent": True, "discontinuity": got.discontinuity})
+    return EXIT_OK
+
+
+def cmd_status(args) -> int:
+    with _open(args) as s:
+        _print(s.status())
+    return EXIT_OK
+
+
+def register(sub, mailbox_sub) -> None:
+    s = sub.add_parser("sequencer", help="the blind Commit sequencer (its own home; docs/sequencer.md)")
+    ss = s.add_subparsers(dest="sequencer_verb", metavar="ACTION")
+    ss.required = True
+    a = ss.add_parser("init", help="create the sequencer and its receipt-signing key (ES256, in the keystore)")
+    a.add_argument("--keystore", help='keystore as JSON, e.g. {"kind":"software","dir":"/var/lib/seq/keys"}; '
+                                      "default: a software keystore in HOME/keystore")
+    a.set_defaults(fn=cmd_init)
+    a = ss.add_parser("register", help="register a new opaque group_id with its initial epoch (§22.6)")
+    a.add_argument("--group", required=True, help="group_id, hex")
+    a.add_argument("--epoch", required=True, type=int)
+    a.set_defaults(fn=cmd_register)
+    a = ss.add_parser("submit", help="submit one MLSMessage file exactly as a member sent it")
+    a.add_argument("file")
+    a.set_defaults(fn=cmd_submit)
+    a = ss.add_parser("receipt", help="the exact receipt released for (group, epoch), or a stated absence")
+    a.add_argument("--group", required=True, help="group_id, hex")
+    a.add_argument("--epoch", required=True, type=int)
+    a.set_defaults(fn=cmd_receipt)
+    a = ss.add_parser("status", help="groups, current epochs, receipt-chain heads, discontinuities (JSON)")
+    a.set_defaults(fn=cmd_status)
