@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import os
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,9 @@ def emit(obj: Any) -> None:
     sys.stdout.write(json.dumps(to_json(obj), sort_keys=False) + "\n")
 
 
-def _open(args):
+def _open(args, read_only: bool = False):
     from .node import Node
-    return Node.open(Path(args.home))
+    return Node.open(Path(args.home), read_only=read_only)
 
 
 def _json_arg(text: str, what: str) -> Any:
@@ -139,13 +140,13 @@ def cmd_mailbox_import(args) -> int:
 
 
 def cmd_dump(args) -> int:
-    with _open(args) as node:
+    with _open(args, read_only=True) as node:
         emit(node.dump())
     return EXIT_OK
 
 
 def cmd_log(args) -> int:
-    with _open(args) as node:
+    with _open(args, read_only=True) as node:
         for entry in node.log_entries():
             sys.stdout.write(json.dumps(to_json(entry)) + "\n")
     return EXIT_OK
@@ -172,7 +173,7 @@ def cmd_evict(args) -> int:
 
 
 def cmd_events(args) -> int:
-    with _open(args) as node:
+    with _open(args, read_only=True) as node:
         for e in node.surfaced(args.limit):
             sys.stdout.write(json.dumps(e) + "\n")
         if args.ignored_columns:
@@ -182,7 +183,7 @@ def cmd_events(args) -> int:
 
 
 def cmd_status(args) -> int:
-    with _open(args) as node:
+    with _open(args, read_only=True) as node:
         emit(node.status())
     return EXIT_OK
 
@@ -343,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         print("ssp-agent: --home DIR is required (or set SSP_AGENT_HOME)", file=sys.stderr)
         return EXIT_REFUSED
     from .node import NodeError
+    from .store.db import StoreError
     from firmware_bridge import KeystoreError
     try:
         return args.fn(args)
@@ -352,8 +354,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeystoreError as e:
         print(f"ssp-agent: keystore: {e}", file=sys.stderr)
         return EXIT_FAULT
-    except Fault as e:
+    except (Fault, StoreError) as e:
         print(f"ssp-agent: {e}", file=sys.stderr)
+        return EXIT_FAULT
+    except (sqlite3.Error, OSError) as e:
+        # A full disk, a damaged store, a failing medium: one line with what to do, exit 1. Anything
+        # storage_fault does not recognise is a bug and keeps its traceback.
+        from .store.db import storage_fault
+        fault = storage_fault(e, Path(args.home or ".") / "store.sqlite")
+        if fault is None:
+            raise
+        print(f"ssp-agent: {fault}", file=sys.stderr)
         return EXIT_FAULT
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from firmware_bridge import EventIdentity, OutcomeUnknown, SigningBridge, open_keystore
+from firmware_bridge.journal import inspect as journal_inspect
 
 from . import identity as ident
 from .core import cose, events as ev
@@ -52,10 +53,12 @@ class Node:
     STORE_FILE = "store.sqlite"
     IDENTITY_FILE = "identity.json"
 
-    def __init__(self, home: Path, conn: sqlite3.Connection, bridge: SigningBridge | None) -> None:
+    def __init__(self, home: Path, conn: sqlite3.Connection, bridge: SigningBridge | None, *,
+                 read_only: bool = False) -> None:
         self.home = home
         self.conn = conn
         self.bridge = bridge
+        self.read_only = read_only
         self._pool = None
         self._surfaced_writes = 0
         self.site_id: bytes = bytes(db.get_meta(conn, "site_id"))
@@ -66,6 +69,8 @@ class Node:
         self._load_caches()
         self.witness = ident.ClockWitness(self.site_id)
         self.clock = self._resume_clock()
+        if read_only:
+            return   # a read view: the repairs below write, and are left to the next writing open
         # A crash between creating a table and releasing its held events: finish it now.
         for (q,) in conn.execute("SELECT DISTINCT qualified FROM held").fetchall():
             if q in self.tables:
@@ -121,12 +126,15 @@ class Node:
         return cls.open(home), public_key
 
     @classmethod
-    def open(cls, home: Path, *, check_machine: bool = True) -> "Node":
+    def open(cls, home: Path, *, check_machine: bool = True, read_only: bool = False) -> "Node":
+        """``read_only``: for the read verbs (status, dump, log, events). Writes nothing (no WAL
+        set-up, no recovery, no journal compaction, no keystore), so they work on a full disk and
+        beside a running agent; the journal is only inspected, and damage in it still refuses."""
         home = Path(home)
         path = home / cls.STORE_FILE
         if not path.exists():
             raise NodeError(f"{home} holds no node; create one with `ssp-agent --home {home} init --manifest FILE`")
-        conn = db.connect(path)
+        conn = db.connect_readonly(path) if read_only else db.connect(path)
         if check_machine:
             bound = db.get_meta(conn, "machine")
             here = ident.machine_fingerprint()
@@ -138,6 +146,13 @@ class Node:
                     "Running it here would make two devices sign as one site_id. Initialise a new node on this "
                     "device, or, only if the original device is destroyed, run "
                     f"`ssp-agent --home {home} identity rebind --confirm-original-destroyed`.")
+        if read_only:
+            try:
+                journal_inspect(str(home / "sign-journal"))   # JournalCorrupt: refuse, as a writing open does
+            except BaseException:
+                conn.close()
+                raise
+            return cls(home, conn, None, read_only=True)
         ks_conf = json.loads(db.get_meta(conn, "keystore"))
         bridge = SigningBridge(open_keystore(_with_pin(ks_conf)), str(home / "sign-journal"))
         return cls(home, conn, bridge)
@@ -823,12 +838,19 @@ class Node:
         return {"site_id": self.site_id.hex(), "mesh_id": self.mesh_id.hex(), "profile": self.profile.name,
                 "store_bytes": self.store_bytes(), "disk_budget_bytes": self.profile.disk_budget_bytes,
                 "public_key": bytes(db.get_meta(self.conn, "public_key")).hex(),
-                "keystore": self.bridge.describe() if self.bridge else None,
+                "keystore": self.bridge.describe() if self.bridge else self._keystore_card(),
                 "events": self.conn.execute("SELECT count(*) FROM events").fetchone()[0],
                 "held": self.conn.execute("SELECT count(*) FROM held").fetchone()[0],
                 "tables": {q: {"category": t.tdef.category, "retention": t.tdef.retention,
                                "horizon": f"{t.horizon[0]}.{t.horizon[1]}" if t.horizon else "0.0"}
                            for q, t in sorted(self.tables.items())}}
+
+    def _keystore_card(self) -> dict:
+        """What a read-only status says of the keystore without opening it (no worker, no device):
+        its configuration as stored (never a PIN: the store holds none) and the journal as read."""
+        conf = json.loads(db.get_meta(self.conn, "keystore", "{}") or "{}")
+        path = str(self.home / "sign-journal")
+        return {"journal": path, "keystore": conf, "journal_state": journal_inspect(path)}
 
 
 def _hlc_meta(v) -> tuple[int, int] | None:

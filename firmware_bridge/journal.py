@@ -153,6 +153,49 @@ def _valid_records_after(data: bytes, bad: int, size: int) -> Optional[tuple[int
     return None
 
 
+def _corrupt(path: str, pos: int, after: tuple[int, int, int]) -> JournalCorrupt:
+    first, records, released = after
+    return JournalCorrupt(
+        f"signing journal {path} is damaged at byte {pos}: {first - pos} byte(s) there do not form a "
+        f"record, yet {records} valid record(s) follow ({released} released output(s) among them), so this "
+        "is not a torn tail but damage to durable data (disk fault or tampering). Nothing was changed. Stop "
+        "the agent, keep a copy of the file and check the medium; then restore the journal from a backup, "
+        "or move it aside to start without it (the clock resumes above the store's durable ceiling, but "
+        "released outputs the store lacks are then lost)", pos, records, released)
+
+
+def inspect(path: str) -> dict[str, int]:
+    """Read a journal without opening it for writing, taking its lock or repairing anything (for
+    read-only views such as ``ssp-agent status``, which must work on a full disk and beside a
+    running agent): {"bytes", "records", "released", "torn_tail_bytes"}. Raises JournalCorrupt
+    for damage in the middle (as opening would), JournalError for a file that is not a journal."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return {"bytes": 0, "records": 0, "released": 0, "torn_tail_bytes": 0}
+    except OSError as exc:
+        raise JournalError(f"cannot read journal {path}: {exc.strerror}") from None
+    size = len(data)
+    if size < len(MAGIC):
+        return {"bytes": size, "records": 0, "released": 0, "torn_tail_bytes": size}
+    if data[:len(MAGIC)] != MAGIC:
+        raise JournalError(f"{path} is not a signing journal (bad magic); refusing to touch it")
+    pos, records, released = len(MAGIC), 0, 0
+    while pos < size:
+        got = _record_at(data, pos, size)
+        if got is None:
+            break
+        records += 1
+        released += got[0] == RELEASED
+        pos = got[4]
+    if pos < size:
+        after = _valid_records_after(data, pos, size)
+        if after is not None:
+            raise _corrupt(os.path.abspath(path), pos, after)
+    return {"bytes": size, "records": records, "released": released, "torn_tail_bytes": size - pos}
+
+
 class Journal:
     """Durable intents and released bytes, indexed in memory by identity encoding."""
 
@@ -238,15 +281,7 @@ class Journal:
                 # silently drop every later record (released outputs among them): refuse, and
                 # change nothing (issue 11 item 6).
                 os.close(fd)
-                first, records, released = after
-                raise JournalCorrupt(
-                    f"signing journal {self.path} is damaged at byte {pos}: {first - pos} byte(s) there do not "
-                    f"form a record, yet {records} valid record(s) follow ({released} released output(s) "
-                    "among them), so this is not a torn tail but damage to durable data (disk fault or "
-                    "tampering). Nothing was changed. Stop the agent, keep a copy of the file and check the "
-                    "medium; then restore the journal from a backup, or move it aside to start without it "
-                    "(the clock resumes above the store's durable ceiling, but released outputs the store "
-                    "lacks are then lost)", pos, records, released)
+                raise _corrupt(self.path, pos, after)
             # torn tail: never covered by a completed fsync, so never acted upon (module docstring)
             self.truncated_bytes = size - pos
             os.ftruncate(fd, pos)

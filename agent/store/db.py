@@ -3,7 +3,10 @@ anything released to the outside (signed events, the HLC ceiling, cursor advance
 The database is the only source of truth; every cache is rebuilt from it on open."""
 from __future__ import annotations
 
+import errno
+import os
 import sqlite3
+import urllib.parse
 from pathlib import Path
 
 SCHEMA_VERSION = 1
@@ -48,7 +51,56 @@ CREATE TABLE IF NOT EXISTS watermarks (
 
 
 class StoreError(RuntimeError):
-    """A local storage fault (never a protocol error)."""
+    """A local storage fault (never a protocol error): the CLI prints its one-line message, which
+    says what is wrong and what to do, and exits 1."""
+
+
+# SQLite primary result codes (sqlite3.Error.sqlite_errorcode & 0xFF) that mean the medium or the
+# file, not the program, is at fault; anything else is a bug and keeps its traceback.
+_BUSY, _LOCKED, _READONLY, _IOERR, _CORRUPT, _FULL, _CANTOPEN, _NOTADB = 5, 6, 8, 10, 11, 13, 14, 26
+LOW_SPACE_BYTES = 1 << 20   # below this much free space an I/O error is reported as a full disk
+
+
+def free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(str(path))
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def storage_fault(exc: BaseException, store: Path) -> StoreError | None:
+    """Classify an exception from the store or its filesystem (the one function the CLI boundary
+    calls): a full disk, a damaged store, an unreadable or busy file become a StoreError whose
+    one line says what is wrong and what to do; None for anything else (a bug: not hidden)."""
+    home = store.parent
+    free = free_bytes(home)
+    full_msg = (f"the filesystem holding {home} is full ({free if free is not None else '?'} bytes free): nothing "
+                "was changed. Free space there (or run `ssp-agent evict --auto` once some is free), then retry; "
+                "read verbs (status, dump, log, events) still work")
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StoreError(full_msg)
+    if isinstance(exc, OSError) and exc.errno in (errno.EIO, errno.EROFS):
+        return StoreError(f"{exc.filename or home}: {exc.strerror}; the medium is failing or read-only: check it "
+                          "(dmesg), keep a copy of the home, then retry")
+    if not isinstance(exc, sqlite3.Error) or getattr(exc, "sqlite_errorcode", None) is None:
+        return None
+    code, name = exc.sqlite_errorcode & 0xFF, exc.sqlite_errorname
+    if code == _FULL or (code == _IOERR and free is not None and free < LOW_SPACE_BYTES):
+        return StoreError(full_msg)
+    if code in (_CORRUPT, _NOTADB):
+        return StoreError(f"store {store} is damaged ({exc}, {name}): nothing was changed. Stop the agent and keep a "
+                          "copy of the home; then restore store.sqlite from a backup (the clock witness keeps HLCs "
+                          "unique), or initialise a new node and rehydrate it from a peer (docs/operations.md)")
+    if code == _IOERR:
+        return StoreError(f"store {store}: I/O error ({name}): the medium is failing; check it (dmesg), keep a copy "
+                          "of the home, then retry")
+    if code in (_BUSY, _LOCKED):
+        return StoreError(f"store {store} is busy ({name}): another process holds it; retry when it is done")
+    if code in (_READONLY, _CANTOPEN):
+        return StoreError(f"store {store} cannot be opened for writing ({exc}, {name}): check the permissions "
+                          "and that the filesystem is mounted read-write")
+    return None
 
 
 def connect(path: Path) -> sqlite3.Connection:
@@ -57,6 +109,30 @@ def connect(path: Path) -> sqlite3.Connection:
     conn.execute("PRAGMA synchronous=FULL")  # this connection records released outputs
     conn.execute("PRAGMA foreign_keys=ON")
     conn.execute("PRAGMA busy_timeout=10000")
+    return conn
+
+
+def connect_readonly(path: Path) -> sqlite3.Connection:
+    """A connection for the read verbs (status, dump, log, events) that writes nothing, so they
+    work on a full disk. A read-only WAL reader still needs the -shm index file; on a full disk
+    it cannot be created or sized (SQLITE_IOERR_SHMSIZE). Then read in exclusive locking mode,
+    where SQLite keeps the WAL index in heap memory and needs no -shm at all (it still reads any
+    committed frames from the -wal file); `query_only` keeps this connection from writing."""
+    uri = "file:" + urllib.parse.quote(str(path)) + "?mode=ro"
+    conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+    try:
+        conn.execute("PRAGMA busy_timeout=10000")
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return conn
+    except sqlite3.OperationalError as e:
+        conn.close()
+        if (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF not in (_IOERR, _CANTOPEN, _FULL):
+            raise
+    conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA locking_mode=EXCLUSIVE")
+    conn.execute("PRAGMA query_only=1")
+    conn.execute("PRAGMA busy_timeout=10000")
+    conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
     return conn
 
 

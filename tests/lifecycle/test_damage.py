@@ -51,8 +51,8 @@ def test_journal_damaged_in_the_middle_is_refused_not_silently_dropped(tmp_path,
     """Three events signed and released, then a crash before they were applied; then one byte of
     the journal's durable part is damaged before them. Before: the damage was taken for a torn
     tail, the three outputs were truncated away and `status` exited 0. Now every verb refuses
-    with one line (exit 1) and the file is untouched; with the byte repaired, the next open
-    applies all three."""
+    with one line (exit 1) and the file is untouched; with the byte repaired, the next writing
+    open applies all three."""
     home = tmp_path / "a"
     a, _ = Node.init(home, MANIFEST, {"kind": "software"})
     a.write(T, {"device": "d", "seq": 0}, {"temp": 0.0})
@@ -79,7 +79,115 @@ def test_journal_damaged_in_the_middle_is_refused_not_silently_dropped(tmp_path,
         assert "damaged at byte" in line and "3 released output(s)" in line and "Nothing was changed" in line
     assert journal.read_bytes() == bytes(bad)
     journal.write_bytes(good)              # restored from a backup
-    p = cli(home, "status")
+    p = cli(home, "status")                # a read verb: reports, recovers nothing
     assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout)["events"] == 4
-    assert len(json.loads(cli(home, "dump").stdout)[T]) == 4
+    st = json.loads(p.stdout)
+    assert st["events"] == 1 and st["keystore"]["journal_state"]["released"] == 4
+    assert cli(home, "write", T, "--key", '{"device":"d","seq":9}', "--set", '{"temp":9.0}').returncode == 0
+    assert json.loads(cli(home, "status").stdout)["events"] == 5      # the three recovered, then the write
+    assert [r["key"]["seq"] for r in json.loads(cli(home, "dump").stdout)[T]] == [0, 1, 2, 3, 9]
+
+
+# ---------------------------------------------------------------- a full disk
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real, small filesystem (tmpfs of 2 MiB) that the test fills up; removed afterwards."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({p.stderr.strip()})")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def fill(fs: Path) -> Path:
+    """Write zeros until the filesystem refuses: a full disk, for real."""
+    f = fs / "filler"
+    with open(f, "wb") as out:
+        try:
+            while True:
+                out.write(bytes(65536))
+                out.flush()
+        except OSError as e:
+            assert e.errno == 28, e
+    assert os.statvfs(fs).f_bavail == 0
+    return f
+
+
+def write(home, seq):
+    return cli(home, "write", T, "--key", json.dumps({"device": "d", "seq": seq}), "--set", '{"temp": 1.5}')
+
+
+def test_full_disk_read_verbs_work_and_writes_fail_with_one_line(small_fs):
+    """Issue 11 item 6: on a full disk even `status` and `dump` died with a traceback (the
+    writable open sets up the WAL index and compacts the journal). Read verbs now open the store
+    read-only and write nothing; a write is a local fault: one line, exit 1, nothing changed."""
+    home = small_fs / "h"
+    mf = small_fs.parent / "m.toml"
+    mf.write_text(MANIFEST)
+    assert cli(home, "init", "--manifest", str(mf)).returncode == 0
+    for i in range(3):
+        assert write(home, i).returncode == 0
+    # a write that reached the store's WAL but was never checkpointed (the writer died), and no
+    # -shm index (it is rebuilt by the next reader; a full disk cannot hold a new one)
+    code = ("import os, sys; from pathlib import Path; from agent.node import Node; "
+            f"n = Node.open(Path({str(home)!r})); n.write({T!r}, {{'device': 'd', 'seq': 3}}, {{'temp': 3.0}}); "
+            "os._exit(0)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT),
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0, p.stderr
+    assert (home / "store.sqlite-wal").stat().st_size > 0
+    (home / "store.sqlite-shm").unlink()
+    filler = fill(small_fs)
+    st = cli(home, "status")
+    assert st.returncode == 0, st.stderr
+    status = json.loads(st.stdout)
+    assert status["events"] == 4 and status["keystore"]["journal_state"]["torn_tail_bytes"] == 0
+    d = cli(home, "dump")
+    assert d.returncode == 0, d.stderr
+    assert [r["key"]["seq"] for r in json.loads(d.stdout)[T]] == [0, 1, 2, 3]   # the WAL's row too
+    lg = cli(home, "log")
+    assert lg.returncode == 0 and len(lg.stdout.splitlines()) == 4, lg.stderr
+    assert cli(home, "events").returncode == 0
+    line = one_line_fault(write(home, 9))
+    assert "is full" in line and "Free space" in line
+    filler.unlink()
+    assert write(home, 9).returncode == 0                    # space back: writes go on
+    assert json.loads(cli(home, "status").stdout)["events"] == 5
+
+
+# ---------------------------------------------------------------- a corrupt store
+@pytest.fixture
+def node_home(tmp_path):
+    home = tmp_path / "h"
+    mf = tmp_path / "m.toml"
+    mf.write_text(MANIFEST)
+    assert cli(home, "init", "--manifest", str(mf)).returncode == 0
+    for i in range(20):
+        assert write(home, i).returncode == 0
+    assert not (home / "store.sqlite-wal").exists()   # checkpointed at close: the file holds it all
+    return home
+
+
+@pytest.mark.parametrize("where", ["header", "pages"])
+def test_corrupt_store_is_one_line_with_what_to_do(node_home, where):
+    """Overwritten bytes of store.sqlite (its header, or every page after the first) gave raw
+    tracebacks for every verb; now one line naming the damage and what to do, exit 1."""
+    store = node_home / "store.sqlite"
+    data = bytearray(store.read_bytes())
+    page = int.from_bytes(data[16:18], "big")
+    if where == "header":
+        data[0:16] = b"this is no db!!\0"
+    else:
+        data[page:] = b"\x5a" * (len(data) - page)
+    store.write_bytes(bytes(data))
+    for verb in (["status"], ["dump"], ["log"], ["events"]):
+        line = one_line_fault(cli(node_home, *verb))
+        assert "is damaged" in line and "restore store.sqlite from a backup" in line, line
+    line = one_line_fault(write(node_home, 99))
+    assert "is damaged" in line
+    assert store.read_bytes() == bytes(data)    # nothing written over the damage
