@@ -352,7 +352,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ssp-agent: {e}", file=sys.stderr)
         return EXIT_REFUSED
     except KeystoreError as e:
-        print(f"ssp-agent: keystore: {e}", file=sys.stderr)
+        # A journal write that failed for want of space is a full disk, and says so (what to do).
+        from .store.db import storage_fault
+        cause, fault = e.__cause__, None
+        while cause is not None and fault is None:
+            fault = storage_fault(cause, Path(args.home or ".") / "store.sqlite")
+            cause = cause.__cause__
+        print(f"ssp-agent: {fault}" if fault is not None else f"ssp-agent: keystore: {e}", file=sys.stderr)
         return EXIT_FAULT
     except (Fault, StoreError) as e:
         print(f"ssp-agent: {e}", file=sys.stderr)

@@ -205,7 +205,8 @@ class Node:
         if self.bridge is not None:
             seen.append(self.bridge.max_event_hlc(self.site_id))
         highest = max((s for s in seen if s is not None), default=None)
-        self._detect_lost_history(witness)
+        if not self.read_only:   # it records what it finds (a write), and needs the journal's intents
+            self._detect_lost_history(witness)
         if witness is None and store_ceiling > 0:
             log.warning("clock: no witness at %s (lost, or a restored home?); resuming above the ceiling %d",
                         self.witness.path, store_ceiling)

@@ -8,13 +8,14 @@ import json
 import os
 import struct
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from agent.node import Node
 from agent.simpeer import manifest_text, readings_table
-from tests.cli_cmd import agent_cmd, agent_env
+from tests.cli_cmd import agent_cmd, agent_env, installed_python
 
 MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 T = "app.readings"
@@ -137,8 +138,8 @@ def test_full_disk_read_verbs_work_and_writes_fail_with_one_line(small_fs):
     code = ("import os, sys; from pathlib import Path; from agent.node import Node; "
             f"n = Node.open(Path({str(home)!r})); n.write({T!r}, {{'device': 'd', 'seq': 3}}, {{'temp': 3.0}}); "
             "os._exit(0)")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT),
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.run([installed_python() or sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=str(ROOT), env=agent_env({"PYTHONPATH": str(ROOT)}))
     assert p.returncode == 0, p.stderr
     assert (home / "store.sqlite-wal").stat().st_size > 0
     (home / "store.sqlite-shm").unlink()
