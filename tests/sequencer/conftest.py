@@ -6,6 +6,9 @@ import sys
 import pytest
 
 # the journal parser written from docs/keystore.md lives beside the bridge tests (bridge_helpers)
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
 _BRIDGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bridge")
 if _BRIDGE not in sys.path:
     sys.path.insert(0, _BRIDGE)
