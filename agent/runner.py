@@ -13,7 +13,9 @@ gaps) in the `ssp-meta` user property so that an authenticated receiver can infe
   a window of bodies in flight at once. Each body is a request; the cursor advances only when
   the peer's answer arrives, by the number of events it processed to a final state
   (`cursor_after`), and only contiguously. Unanswered bodies are re-offered (the peer absorbs
-  duplicates). A range with nothing for the peer (all filtered) still goes out as an empty body,
+  duplicates). Every body sent is kept in `sync_state.sent_bodies` until answered, so an answer
+  that waited in the broker while this process was gone (a `sync --once` device asleep, a
+  restart) still moves the cursor when the next process takes it. A range with nothing for the peer (all filtered) still goes out as an empty body,
   so the cursor moves only on an answer and the peer's stream position stays in step.
 - **Realtime** (§33): when this node produces events, peers that are present (retained
   presence) and advertised `supports_realtime` (as we do) get a push at once, coalesced over
@@ -115,6 +117,7 @@ class Runner:
         self.link = MqttLink(settings, node.mesh_id, node.site_id,
                              presence_payload=lambda: self.sync.handshake(self.cfg.realtime))
         self.pending: dict[bytes, _Pending] = {}
+        self._unsaved: list = []  # bodies published, not yet in sync_state.sent_bodies
         self.peer_limit: dict[bytes, int] = {}  # per peer: body size it refused as too_large, halved
         self.last_eviction: dict | None = None
         self._next_evict = 0.0
@@ -245,21 +248,34 @@ class Runner:
 
     def _on_answer(self, m: Inbound) -> None:
         self.link.ack(m)
-        p = self.pending.get(m.correlation) if m.correlation else None
+        corr = m.correlation
+        p = self.pending.get(corr) if corr else None
+        earlier = False  # a body this process does not track: sent by an earlier wake, or given up on
+        if p is None and corr:
+            d = self.sync.recall(corr)  # the durable record of the bodies sent (sync_state.sent_bodies)
+            if d is not None:
+                p = _Pending(d["peer"], d["kind"], d["start"], d["end"], d["seqs"], 0.0, d["n_backfill"],
+                             d["backfill"], d["token"])
+                earlier = True
         if p is None:
-            self.stats["unknown_answers"] += 1  # late (a previous run), replayed or forged: ignored
+            self.stats["unknown_answers"] += 1  # replayed, forged, or forgotten long ago: ignored
             return
         if m.sender != p.peer:
             self.stats["answers_from_wrong_sender"] += 1  # not the addressee's answer topic: ignored
             return
-        del self.pending[m.correlation]
+        if not earlier:
+            del self.pending[corr]
+        else:
+            self.stats["earlier_answers"] += 1
         self.stats["answers"] += 1
         if m.props.get(P_STATUS) != "ok":
             reason = m.props.get(P_REASON, "?")
             self.stats[f"push_rejected:{reason}"] += 1
+            self.sync.forget(corr)
             if reason == "too_large":  # the peer's body limit is below ours: halve what we send it
                 self.peer_limit[p.peer] = max(1024, self._limit(p.peer) // 2)
-            self._reset_peer(p.peer)
+            if not earlier:
+                self._reset_peer(p.peer)
             return
         total = len(p.seqs) + p.n_backfill
         try:
@@ -271,6 +287,11 @@ class Runner:
         # body selected before the peer asked for its history again moves nothing (SyncDriver.confirm)
         self.sync.advance(p.peer, p.start, p.seqs, p.end, processed, token=p.token)
         self.sync.note_answer(p.peer, m.payload, p.token)  # the body's records are delivered now
+        if earlier:
+            # The cursor moved (§14.1); the next batch cycle (at once after the settle of a
+            # `sync --once` wake) sends the window after it. Offering here, once per earlier answer,
+            # would re-send ranges whose answers are still in the queue behind this one.
+            return
         if processed < total:
             self._reset_peer(p.peer)  # re-offer from the cursor next cycle
         else:
@@ -346,6 +367,12 @@ class Runner:
             sent += len(off.events)
             start = off.end
             self.sent_upto[peer] = off.end
+        if self._unsaved:
+            # Durable (one transaction for the window): an answer that arrives after this process
+            # has gone still moves the cursor on the next wake. A crash before this commit loses
+            # only that: the range is re-offered.
+            self.sync.remember(self._unsaved)
+            self._unsaved = []
         return sent
 
     def _send(self, peer: bytes, kind: str, off: Offer) -> None:
@@ -353,12 +380,14 @@ class Runner:
         user = {P_KIND: kind, P_START: str(off.start), P_END: str(off.end), P_COUNT: str(len(off.events)),
                 P_PART: "1/1", P_META: encode_meta(off.start, off.end, off.seqs, off.gaps, off.n_backfill)}
         corr = self.link.push(peer, body, user)
+        off.token = self.sync.keyed(off.token, corr)  # its answer confirms it, in this process or a later one
         self.pending[corr] = _Pending(peer, kind, off.start, off.end, off.seqs, time.monotonic(),
                                       off.n_backfill, off.backfill, off.token)
         self.stats["backfill_events_pushed"] += off.n_backfill
         self.stats["bodies_pushed"] += 1
         self.stats["events_pushed"] += len(off.events)
         self.stats[f"pushed_{kind}"] += 1
+        self._unsaved.append((corr, peer, kind, off))  # made durable by `offer`, once per window
 
     def batch_cycle(self) -> int:
         self.stats["batch_cycles"] += 1

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,12 +64,39 @@ class _Token:
     rehydrate_gen: int | None = None  # a rehydration reset since selection voids the live advance
     records: tuple[bytes, ...] = ()  # hashes of the control records the body carries (delivered on an answer)
     record_raws: tuple[bytes, ...] = ()  # those records, in body order
+    sent_key: bytes | None = None  # the body's row in sync_state.sent_bodies (the key its answer names)
 
 
 @dataclass
 class Backfill:
     events: list[bytes]
     parts: list[_BfPart]
+
+
+def _hex(b: bytes | None) -> str | None:
+    return None if b is None else b.hex()
+
+
+def _unhex(h: str | None) -> bytes | None:
+    return None if h is None else bytes.fromhex(h)
+
+
+def token_to_json(tok: _Token, **extra: Any) -> str:
+    """A confirmation token as kept in `sent_bodies` (the record raws are not: the body is sent)."""
+    return json.dumps({"p": tok.path, "s": tok.start, "q": list(tok.seqs), "e": tok.end, "g": tok.rehydrate_gen,
+                       "r": [h.hex() for h in tok.records], "k": _hex(tok.sent_key),
+                       "b": [[b.table, _hex(b.expect_from), [k.hex() for k in b.row_keys], list(b.counts), b.done]
+                             for b in tok.bf_parts], **extra}, separators=(",", ":"))
+
+
+def token_from_json(text: str) -> tuple[_Token, dict]:
+    """The token and the extra members stored with it."""
+    d = json.loads(text)
+    parts = tuple(_BfPart(t, _unhex(x), tuple(bytes.fromhex(k) for k in rks), tuple(cs), bool(done))
+                  for t, x, rks, cs, done in d.pop("b"))
+    tok = _Token(d.pop("p"), d.pop("s"), tuple(d.pop("q")), d.pop("e"), parts, d.pop("g"),
+                 tuple(bytes.fromhex(h) for h in d.pop("r")), (), _unhex(d.pop("k", None)))
+    return tok, d
 
 
 class SyncDriver:
@@ -306,6 +333,7 @@ class SyncDriver:
 
     def confirm(self, peer: bytes, tok: _Token, processed: int, contiguous: bool = False) -> bool:
         """The peer processed the first `processed` events to a final state: advance (§14.1).
+        The body's row in `sent_bodies` (`tok.sent_key`), answered now, goes in the same transaction.
         Backfill progress commits here too, whole rows only, after the live events.
         `contiguous` (several bodies in flight, the MQTT runner): the live cursor moves only if
         the body started at or before it (an earlier unanswered range is re-offered). Backfill
@@ -315,6 +343,8 @@ class SyncDriver:
         live = delivery.cursor_after(tok.start, list(tok.seqs), tok.end, min(processed, n_live))
         moved = False
         with _txn(self.conn):
+            if tok.sent_key is not None:
+                st.forget_sent_body(self.conn, tok.path, tok.sent_key)
             if st.rehydrate_generation(self.conn, peer) != tok.rehydrate_gen:
                 return False  # the peer asked for its history again meanwhile: its cursors restart at genesis
             if tok.records:  # it answered (or the file is written): it holds the body's records
@@ -718,6 +748,39 @@ class PortAdapter:
         if token is None:
             token = _Token(self.path, start, tuple(seqs), end, (), st.rehydrate_generation(self.conn, peer))
         return self.driver.confirm(peer, token, processed, contiguous=True)
+
+    @staticmethod
+    def keyed(token, corr: bytes):
+        """The token of a body published under correlation data `corr` (its `sent_bodies` key)."""
+        return replace(token, sent_key=corr) if isinstance(token, _Token) else token
+
+    def remember(self, sent: list[tuple[bytes, bytes, str, Any]]) -> None:
+        """Bodies just published, as (correlation data, peer, kind, Offer): kept durably, so an
+        answer that waits in the broker while this process is gone (a wake-sync-sleep device, a
+        restart) still moves the cursor when a later process takes it (§14.1)."""
+        from .node import now_ms
+        t = now_ms()
+        with _txn(self.conn):
+            for corr, peer, kind, off in sent:
+                if isinstance(off.token, _Token):
+                    st.put_sent_body(self.conn, self.path, corr, peer, kind,
+                                     token_to_json(off.token, x=off.n_backfill, bf=off.backfill), t)
+
+    def forget(self, corr: bytes) -> None:
+        """A body the peer refused (`ssp-status: rejected`): nothing to confirm later."""
+        with _txn(self.conn):
+            st.forget_sent_body(self.conn, self.path, corr)
+
+    def recall(self, corr: bytes) -> dict | None:
+        """A body an earlier process (or this one) sent under `corr` and nobody answered yet:
+        peer, kind, start, end, seqs, n_backfill, backfill, token. None if unknown."""
+        r = st.sent_body(self.conn, self.path, corr)
+        if r is None:
+            return None
+        peer, kind, text = r
+        tok, extra = token_from_json(text)
+        return {"peer": peer, "kind": kind, "start": tok.start, "end": tok.end, "seqs": list(tok.seqs),
+                "n_backfill": int(extra.get("x", 0)), "backfill": bool(extra.get("bf", False)), "token": tok}
 
     def receive(self, data: bytes, meta: dict | None = None, sender: bytes | None = None):
         """`meta`: the frame meta as sent ({s, e, d, g, x}); `sender`: who the binding says sent it

@@ -50,6 +50,12 @@ CREATE TABLE IF NOT EXISTS control_records (
 CREATE TABLE IF NOT EXISTS records_delivered (
   peer BLOB NOT NULL, path TEXT NOT NULL, record_hash BLOB NOT NULL,
   PRIMARY KEY (peer, path, record_hash)) WITHOUT ROWID;
+-- Bodies sent and not yet answered, per path, by the key the answer names (MQTT: correlation
+-- data, or for a mailbox file its BLAKE3), with the selection token the answer confirms. Durable, so an
+-- answer taken by a later process (a device that woke again) still moves the cursor (§14.1).
+CREATE TABLE IF NOT EXISTS sent_bodies (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, path TEXT NOT NULL, sent_key BLOB NOT NULL, peer BLOB NOT NULL,
+  kind TEXT NOT NULL, token TEXT NOT NULL, sent_ms INTEGER NOT NULL, UNIQUE (path, sent_key));
 """
 
 
@@ -58,8 +64,8 @@ def has_schema(conn: sqlite3.Connection) -> bool:
 
 
 def _has_lifecycle_tables(conn: sqlite3.Connection) -> bool:
-    return conn.execute("SELECT count(*) FROM sqlite_master WHERE name IN ('rehydrate_served', 'records_delivered')"
-                        ).fetchone()[0] == 2
+    return conn.execute("SELECT count(*) FROM sqlite_master WHERE name IN ('rehydrate_served', 'records_delivered', "
+                        "'sent_bodies')").fetchone()[0] == 3
 
 
 def ensure_schema(conn: sqlite3.Connection) -> None:
@@ -98,6 +104,39 @@ def advance_cursor(conn: sqlite3.Connection, peer: bytes, path: str, live: int, 
     new_live = max(cur[0], live)
     new_bf = cur[1] if bf_next is None else max(cur[1], bf_next)
     conn.execute("INSERT OR REPLACE INTO sync_cursors VALUES (?,?,?,?,?)", (peer, path, new_live, new_bf, cur[2]))
+
+
+# ---------------------------------------------------------------- bodies awaiting an answer
+SENT_BODIES_KEPT = 64  # per (peer, path): older unanswered bodies are forgotten (their range is re-offered)
+
+
+def put_sent_body(conn: sqlite3.Connection, path: str, key: bytes, peer: bytes, kind: str, token: str,
+                  now_ms: int) -> None:
+    """A body sent to `peer` on `path` whose answer will name `key`. Only the newest
+    SENT_BODIES_KEPT per (peer, path) are kept: an answer to a forgotten one moves nothing, and the
+    cursor it would have moved re-offers that range (at-least-once, §14.1)."""
+    conn.execute("INSERT OR REPLACE INTO sent_bodies (path, sent_key, peer, kind, token, sent_ms) VALUES (?,?,?,?,?,?)",
+                 (path, key, peer, kind, token, now_ms))
+    conn.execute("DELETE FROM sent_bodies WHERE peer=? AND path=? AND id NOT IN (SELECT id FROM sent_bodies "
+                 "WHERE peer=? AND path=? ORDER BY id DESC LIMIT ?)", (peer, path, peer, path, SENT_BODIES_KEPT))
+
+
+def sent_body(conn: sqlite3.Connection, path: str, key: bytes) -> tuple[bytes, str, str] | None:
+    """(peer, kind, token) of the unanswered body sent on `path` under `key`, or None."""
+    if not has_schema(conn):
+        return None
+    r = conn.execute("SELECT peer, kind, token FROM sent_bodies WHERE path=? AND sent_key=?", (path, key)).fetchone()
+    return None if r is None else (bytes(r[0]), r[1], r[2])
+
+
+def forget_sent_body(conn: sqlite3.Connection, path: str, key: bytes) -> None:
+    conn.execute("DELETE FROM sent_bodies WHERE path=? AND sent_key=?", (path, key))
+
+
+def sent_bodies_count(conn: sqlite3.Connection, peer: bytes, path: str) -> int:
+    if not has_schema(conn):
+        return 0
+    return conn.execute("SELECT count(*) FROM sent_bodies WHERE peer=? AND path=?", (peer, path)).fetchone()[0]
 
 
 def schedule_backfill(conn: sqlite3.Connection, peer_text: str, tables: Iterable[str] | None = None,
