@@ -125,9 +125,11 @@ def cmd_purge(args) -> int:
 def cmd_mailbox_import(args) -> int:
     from . import mailbox
     try:
-        data = Path(args.file).read_bytes()
+        data = mailbox.read_file(Path(args.file))
     except OSError as e:
         raise Refused(f"cannot read {args.file}: {e.strerror}") from None
+    except ProtocolError as e:
+        raise Refused(f"malformed sync body ({e.reason}): {e.detail}; nothing was changed") from None
     node = _open(args)
     try:
         result = mailbox.import_body(node, data)

@@ -8,7 +8,21 @@ and no authenticated stream, so mailbox bodies never move applied watermarks (do
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+from .core.messages import MAX_MESSAGE_BYTES, ProtocolError
+
+
+def read_file(path: Path) -> bytes:
+    """A mailbox file's bytes, refused (ProtocolError `too_large`) before reading when it is
+    larger than any message may be, so a hostile file cannot make the import read gigabytes.
+    Parsing is `import_body`'s (the sync body boundary, agent/core/messages.py `parse_body`)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_MESSAGE_BYTES:
+            raise ProtocolError("too_large", f"{size} bytes > {MAX_MESSAGE_BYTES}")
+        return f.read(MAX_MESSAGE_BYTES + 1)
 
 
 def import_body(node, data: bytes, now: int | None = None) -> dict:

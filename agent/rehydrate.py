@@ -34,7 +34,8 @@ import logging
 import sqlite3
 from typing import Any
 
-from .core.codec import decode_strict, encode
+from .core.classify import classified
+from .core.codec import INT64_MAX, decode_strict, encode
 from .core.cose import ALG_EDDSA, assemble, content_type, parse_sign1, protected_header, sig_structure
 from .core.records import RecordError, record_hash, verify_signed_by_site
 
@@ -63,8 +64,9 @@ def to_be_signed(subject: bytes, mesh_id: bytes, generation: int, previous: byte
     return protected, payload, sig_structure(protected, mesh_id, payload)
 
 
+@classified(lambda reason, detail: RehydrateRecordError(reason), RehydrateRecordError)
 def verify(raw: bytes, mesh_id: bytes, keyring: dict) -> dict:
-    """Check one rehydrate record on its own. Raises RehydrateRecordError (dropped and surfaced).
+    """The rehydrate record boundary. Check one rehydrate record on its own. Raises RehydrateRecordError (dropped and surfaced).
     A retired device's key is refused like an unknown one: it never pulls history again."""
     try:
         raw, s, p = verify_signed_by_site(raw, mesh_id, CONTENT_TYPE, "rehydrate", _MEMBERS, keyring.get)
@@ -73,13 +75,14 @@ def verify(raw: bytes, mesh_id: bytes, keyring: dict) -> dict:
     subj, gen, prev, at = p["subject_site_id"], p["generation"], p["previous_record_hash"], p["requested_at"]
     if subj != s.kid:
         raise RehydrateRecordError("not_self_signed")
-    if not isinstance(gen, int) or isinstance(gen, bool) or gen < 0:
+    # generation and requested_at reach the store: bounded by SQLite's signed 64-bit (issue 11 item 3)
+    if not isinstance(gen, int) or isinstance(gen, bool) or not 0 <= gen <= INT64_MAX:
         raise RehydrateRecordError("bad_generation")
     if prev is not None and not (isinstance(prev, bytes) and len(prev) == 32):
         raise RehydrateRecordError("bad_previous_record_hash")
     if (gen == 0) != (prev is None):
         raise RehydrateRecordError("bad_genesis")
-    if not isinstance(at, int) or isinstance(at, bool) or at < 0:
+    if not isinstance(at, int) or isinstance(at, bool) or not 0 <= at <= INT64_MAX:
         raise RehydrateRecordError("bad_requested_at")
     return {"subject": subj, "generation": gen, "previous": prev, "requested_at": at,
             "record_hash": record_hash(bytes(raw)), "raw": bytes(raw)}

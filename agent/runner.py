@@ -45,7 +45,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .core.messages import Handshake, ProtocolError, parse_message
+from .core.messages import Handshake, ProtocolError, parse_presence
+from .core.session import parse_meta_text
 from .outcomes import counts
 from .store import sync_state as st
 from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_COUNT, P_END, P_KIND, P_META, P_PART, P_PROCESSED,
@@ -125,6 +126,7 @@ class Runner:
         self.caps: dict[bytes, Handshake] = {}  # present peers' handshakes
         self.stats: Counter = Counter()
         self.rejections: deque = deque(maxlen=1000)  # (reason, detail) of refused inbound messages
+        self._refused_presence: dict[bytes, tuple] = {}  # site -> the refused payload last surfaced
         self._last_local = self._local_max()
         self._next_batch = 0.0
         self._next_flush = 0.0
@@ -193,10 +195,14 @@ class Runner:
 
     # -------------------------------------------------------------- receiving
     def _reject(self, m: Inbound, reason: str, detail: str = "") -> None:
+        """Refuse a request: surfaced with its reason (`ssp-agent events`, kind `refused`), answered,
+        and acknowledged, so the broker never redelivers it (issue 11: a poison message redelivered
+        after every restart kept a node down)."""
         self.stats["rejected_bodies"] += 1
         self.stats[f"rejected:{reason}"] += 1
         self.rejections.append((reason, detail))
         log.warning("refused a body in our inbox (%s%s)", reason, f": {detail}" if detail else "")
+        self.node.surface_refused("mqtt_request", reason, detail, m.sender)
         if self.link.answer(m, b"", {P_STATUS: "rejected", P_REASON: reason, P_PROCESSED: "0",
                                      P_START: m.props.get(P_START, ""), P_END: m.props.get(P_END, "")}):
             self.stats["answers_sent"] += 1
@@ -219,13 +225,10 @@ class Runner:
             if not (self.cfg.realtime and hs is not None and hs.supports_realtime):
                 # §33: reject, not drop, an unsolicited body without mutual realtime mode.
                 return self._reject(m, "realtime_not_established", m.sender.hex())
-        meta = None
-        if P_META in m.props:
-            try:
-                meta = json.loads(m.props[P_META])
-            except ValueError:
-                return self._reject(m, "bad_frame_meta", "ssp-meta is not JSON")
         try:
+            # Every byte from outside goes through its boundary parser, which refuses with a
+            # ProtocolError and nothing else (agent/core/classify.py): the meta, then the body.
+            meta = parse_meta_text(m.props[P_META]) if P_META in m.props else None
             # A realtime body here is a window body sent early (same selection and meta, answered):
             # the stream rules are those of a batch body.
             body, outs, processed = self.sync.receive(m.payload, meta=meta, sender=m.sender)
@@ -298,18 +301,26 @@ class Runner:
             self.offer(p.peer, KIND_BATCH)  # keep the window full while there is more (catch-up)
 
     def _on_presence(self, m: Inbound) -> None:
-        if not m.payload:
-            self.caps.pop(m.site, None)
-            return
+        """A retained presence reaches every node at every start: a payload its boundary refuses is
+        surfaced (once per site and payload in this process) and the site counts as absent. The
+        link acknowledged it on arrival (presence is never redelivered by a nack)."""
         try:
-            hs = parse_message(m.payload)
-        except ProtocolError:
+            hs = parse_presence(m.payload, m.site)
+        except ProtocolError as e:
+            self.caps.pop(m.site, None)
+            self.stats["refused_presence"] += 1
+            key = (m.site, hash(m.payload))
+            if self._refused_presence.get(m.site) != key:
+                self._refused_presence[m.site] = key
+                log.warning("refused the presence of %s (%s: %s)", m.site.hex(), e.reason, e.detail)
+                self.node.surface_refused("presence", e.reason, e.detail, m.site)
+            return
+        if hs is None:
             self.caps.pop(m.site, None)
             return
-        if isinstance(hs, Handshake) and hs.site_id == m.site:
-            if not hs.understood:
-                hs = Handshake(hs.site_id, hs.have_max_hlc, False, hs.secure_channel, hs.rtt_ms, False)
-            self.caps[m.site] = hs
+        if not hs.understood:
+            hs = Handshake(hs.site_id, hs.have_max_hlc, False, hs.secure_channel, hs.rtt_ms, False)
+        self.caps[m.site] = hs
 
     # -------------------------------------------------------------- sending
     def _reset_peer(self, peer: bytes) -> None:

@@ -47,13 +47,15 @@ class SerialKeystore(Keystore):
             raise KeystoreUnavailable(f"cannot open serial keystore at {port}: {exc}; check that the device "
                                       "is plugged in and the port name is right (ls -l /dev/serial/by-id/)") from None
         self._ser.reset_input_buffer()
-        hello = sp.BodyReader(self._request(sp.HELLO, b""))
-        self.protocol = hello.u8()
-        self.firmware = hello.str()
-        self.device_id = hello.take(8).hex()
+        hello = self._request(sp.HELLO, b"")
+        self.protocol = hello.protocol
+        self.firmware = hello.firmware
+        self.device_id = hello.device_id.hex()
 
     # -- request / reply ----------------------------------------------------------------------
-    def _request(self, op: int, body: bytes) -> bytes:
+    def _request(self, op: int, body: bytes):
+        """Send one request and return its reply, parsed by the reply boundary
+        (`serial_protocol.parse_reply`: a ProtocolError for anything malformed)."""
         with self._lock:
             self._req = (self._req + 1) & 0xFFFF or 1
             req_id = self._req
@@ -74,13 +76,10 @@ class SerialKeystore(Keystore):
                 for frame in self._reader.feed(data):
                     if frame.req_id != req_id:
                         continue  # a stale reply to an earlier request
-                    if frame.kind == sp.ERROR:
-                        code = frame.body[0] if frame.body else 0
-                        msg = frame.body[1:].decode(errors="replace")
-                        raise self._refusal(code, msg)
-                    if frame.kind != op | sp.OK_BIT:
-                        raise ProtocolError(f"device answered op 0x{op:02x} with kind 0x{frame.kind:02x}")
-                    return frame.body
+                    reply = sp.parse_reply(op, frame)
+                    if isinstance(reply, sp.DeviceError):
+                        raise self._refusal(reply.code, reply.message)
+                    return reply
             if self._reader.rejected > rejected_before:
                 raise ProtocolError(f"serial keystore at {self.port}: reply rejected ({self._reader.last_error}); "
                                     "line noise or a wrong baud rate — check the cable and the baud setting")
@@ -102,17 +101,14 @@ class SerialKeystore(Keystore):
     def generate_key(self, name: str, alg: str) -> bytes:
         check_key_name(name)
         body = bytes([sp.ALG_CODES[check_alg(alg)]]) + sp.put_str(name)
-        r = sp.BodyReader(self._request(sp.GENERATE, body))
-        self._algs[name] = sp.ALG_NAMES[r.u8()]
-        return r.blob()
+        r = self._request(sp.GENERATE, body)
+        self._algs[name] = r.alg
+        return r.public_key
 
     def _pub(self, name: str) -> tuple[str, bytes]:
-        r = sp.BodyReader(self._request(sp.PUBKEY, sp.put_str(check_key_name(name))))
-        alg = sp.ALG_NAMES.get(r.u8())
-        if alg is None:
-            raise ProtocolError("device reported an unknown algorithm")
-        self._algs[name] = alg
-        return alg, r.blob()
+        r = self._request(sp.PUBKEY, sp.put_str(check_key_name(name)))
+        self._algs[name] = r.alg
+        return r.alg, r.public_key
 
     def public_key(self, name: str) -> bytes:
         return self._pub(name)[1]
@@ -121,11 +117,8 @@ class SerialKeystore(Keystore):
         return self._algs.get(name) or self._pub(name)[0]
 
     def key_names(self) -> list[str]:
-        r = sp.BodyReader(self._request(sp.LIST, b""))
         names = []
-        for _ in range(r.u8()):
-            alg = sp.ALG_NAMES.get(r.u8(), "?")
-            name = r.str()
+        for name, alg in self._request(sp.LIST, b"").keys:
             self._algs[name] = alg
             names.append(name)
         return sorted(names)
@@ -137,12 +130,9 @@ class SerialKeystore(Keystore):
 
     def _sign(self, name: str, identity: Identity, data: bytes) -> bytes:
         body = sp.put_str(name) + sp.put_blob(identity.encode()) + sp.put_blob(data)
-        r = sp.BodyReader(self._request(sp.SIGN, body))
-        self.last_counter = r.u64()
-        sig = r.blob()
-        if len(sig) != 64:
-            raise ProtocolError("device returned a signature that is not 64 bytes")
-        return sig
+        r = self._request(sp.SIGN, body)
+        self.last_counter = r.counter
+        return r.signature
 
     def close(self) -> None:
         try:

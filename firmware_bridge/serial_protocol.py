@@ -13,7 +13,9 @@ from __future__ import annotations
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Union
+
+from .errors import ProtocolError
 
 VERSION = 1
 MAX_PAYLOAD = 4096
@@ -106,7 +108,19 @@ class Frame:
 
 
 def decode_frame(raw: bytes) -> Frame:
-    """``raw`` is the COBS data between delimiters (without the 0x00)."""
+    """``raw`` is the COBS data between delimiters (without the 0x00). Raises FrameError only
+    (anything else a hostile line could provoke is classified as one: the reader never dies)."""
+    try:
+        return _decode_frame(raw)
+    except FrameError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the catch-and-classify net of this boundary
+        raise FrameError(f"unclassified frame ({type(exc).__name__})") from None
+
+
+def _decode_frame(raw: bytes) -> Frame:
+    if len(raw) > 2 * MAX_PAYLOAD:
+        raise FrameError("frame too long")
     data = cobs_decode(raw)
     if len(data) < 8:
         raise FrameError("frame too short")
@@ -198,3 +212,95 @@ class BodyReader:
     def end(self) -> None:
         if self.i != len(self.b):
             raise FrameError("trailing bytes in body")
+
+
+# -- replies (the host's boundary: every byte the device sends back) ---------------------------
+class ReplyError(ProtocolError):
+    """A reply frame that is not a valid answer to the request; `reason` is a stable code."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"serial keystore reply refused ({reason}{': ' + detail if detail else ''}); "
+                         "line noise, a wrong baud rate or firmware that does not speak protocol 1")
+        self.reason, self.detail = reason, detail
+
+
+@dataclass(frozen=True)
+class Hello:
+    protocol: int
+    firmware: str
+    device_id: bytes  # 8 bytes
+
+
+@dataclass(frozen=True)
+class KeyInfo:  # GENERATE and PUBKEY
+    alg: str
+    public_key: bytes
+
+
+@dataclass(frozen=True)
+class Signed:
+    counter: int
+    signature: bytes  # 64 bytes: Ed25519, or P-256 raw r||s
+
+
+@dataclass(frozen=True)
+class KeyList:
+    keys: tuple[tuple[str, str], ...]  # (name, alg); an algorithm this host does not know is "?"
+
+
+@dataclass(frozen=True)
+class DeviceError:
+    code: int
+    message: str
+
+
+Reply = Union[Hello, KeyInfo, Signed, KeyList, DeviceError]
+_PUBLIC_KEY_LEN = {"ed25519": (32,), "p256": (33, 65)}  # SEC1 compressed or uncompressed point
+
+
+def parse_reply(op: int, frame: Frame) -> Reply:
+    """The serial keystore reply boundary: the reply to request `op` in `frame`, parsed whole
+    (no trailing bytes), or ReplyError (a ProtocolError, a KeystoreError) with a stable reason.
+    Nothing else escapes, whatever the device or the line sends (issue 11)."""
+    try:
+        return _parse_reply(op, frame)
+    except ReplyError:
+        raise
+    except FrameError as exc:
+        raise ReplyError("malformed_body", str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - the catch-and-classify net of this boundary
+        raise ReplyError("unclassified", type(exc).__name__) from None
+
+
+def _parse_reply(op: int, frame: Frame) -> Reply:
+    if frame.kind == ERROR:
+        code = frame.body[0] if frame.body else 0
+        return DeviceError(code, frame.body[1:].decode(errors="replace"))
+    if frame.kind != op | OK_BIT:
+        raise ReplyError("unexpected_kind", f"op 0x{op:02x} answered with kind 0x{frame.kind:02x}")
+    r = BodyReader(frame.body)
+    out: Reply
+    if op == HELLO:
+        out = Hello(r.u8(), r.str(), r.take(8))
+    elif op in (GENERATE, PUBKEY):
+        alg = ALG_NAMES.get(r.u8())
+        if alg is None:
+            raise ReplyError("unknown_algorithm", "the device reported an algorithm this host does not know")
+        out = KeyInfo(alg, r.blob())
+        if len(out.public_key) not in _PUBLIC_KEY_LEN[alg]:
+            raise ReplyError("bad_public_key", f"{len(out.public_key)}-byte {alg} public key")
+    elif op == SIGN:
+        out = Signed(r.u64(), r.blob())
+        if len(out.signature) != 64:
+            raise ReplyError("bad_signature_length", "a signature is 64 bytes")
+    elif op == LIST:
+        keys = []
+        for _ in range(r.u8()):
+            alg = ALG_NAMES.get(r.u8(), "?")
+            keys.append((r.str(), alg))
+        out = KeyList(tuple(keys))
+    else:
+        raise ReplyError("unknown_op", f"0x{op:02x}")
+    if r.i != len(r.b):
+        raise ReplyError("trailing_bytes", f"{len(r.b) - r.i} bytes after the reply")
+    return out

@@ -6,8 +6,6 @@ integers), where cbor2's length-first canonical order equals the bytewise order 
 """
 from __future__ import annotations
 
-import io
-import math
 from typing import Any
 
 import cbor2
@@ -59,77 +57,144 @@ def encode_trusted(obj: Any) -> bytes:
     return cbor2.dumps(obj, canonical=True)
 
 
-_ALLOWED_SCALARS = (int, float, str, bytes, type(None))
+# Bounds of the strict decoder (docs/protocol.md "Boundaries and limits"). Canonical SSP bytes
+# never come near them: the deepest structure we emit (a body's watermark) nests 3 deep.
+MAX_DEPTH = 16  # containers (and the one allowed tag) nested in each other
+MAX_ITEMS = 100_000  # data items in one decoded value (a 16 MiB body of 1-byte items would be 16 M)
+MAX_BYTES = 16 * 1024 * 1024  # input bytes to one decode (messages.MAX_MESSAGE_BYTES)
 
 
-_MAPS = (dict, cbor2.frozendict)
-_SEQS = (list, tuple)
+def prescan(data: bytes, allowed_tags: frozenset[int] = frozenset(), *, max_depth: int = MAX_DEPTH,
+            max_items: int = MAX_ITEMS, max_bytes: int = MAX_BYTES, finite_floats: bool = True) -> None:
+    """Walk the CBOR item heads of `data` (major type, additional info, argument) without
+    building anything, in time linear in len(data), and refuse what SSP never carries before
+    cbor2 sees it (wire-profile.md §2 "a strict decoder"; issue 11 item 2):
 
+    - any tag not in `allowed_tags`, and an allowed tag anywhere but on the outermost item (so
+      value sharing, tags 28/29, which turns a few hundred bytes into a graph walked as a tree
+      of billions of nodes, and string references never reach cbor2);
+    - indefinite lengths and the break byte; reserved additional information (28-30);
+    - a length that exceeds the bytes left (each array or map member costs at least one byte,
+      so nothing decoded can be larger than the input);
+    - nesting deeper than `max_depth`, more than `max_items` items, more than `max_bytes`;
+    - integers outside the signed 64-bit range (what SQLite stores: a value above it could pass
+      the parse and crash the store, issue 11 item 3);
+    - map keys other than integers and text, simple values other than false/true/null, and
+      non-finite floats;
+    - trailing bytes after the one item.
 
-def _check_decoded(obj: Any, allowed_tags: frozenset[int], depth: int = 0) -> None:
-    """Refuse what cbor2 can decode but our formats never carry. Type checks are exact
-    (`type(x) in ...`): this runs on every received event, so it avoids abc instance checks."""
-    if depth > 16:
-        raise DecodeError("too_deep", "nesting deeper than 16")
-    t = type(obj)
-    if t is int:
-        if not (INT64_MIN <= obj < 2**64):
-            raise DecodeError("int_out_of_range", "integer outside the 64-bit range")
-    elif t is str or t is bytes or obj is None or t is bool:
-        pass  # bools are valid CBOR; shape checks decide whether they are allowed
-    elif t is float:
-        if not math.isfinite(obj):
-            raise DecodeError("non_finite_float", "NaN and infinities are not allowed")
-    elif t in _SEQS:
-        for v in obj:
-            _check_decoded(v, allowed_tags, depth + 1)
-    elif t in _MAPS:
-        for k, v in obj.items():
-            tk = type(k)
-            if tk is not str and tk is not int:
-                raise DecodeError("bad_map_key", "map keys must be text or integers")
-            _check_decoded(v, allowed_tags, depth + 1)
-    elif t is cbor2.CBORTag:
-        if obj.tag not in allowed_tags or depth != 0:
-            raise DecodeError("unexpected_tag", f"tag {obj.tag} not allowed here")
-        _check_decoded(obj.value, frozenset(), depth + 1)
-    else:
-        # cbor2 turns some semantic tags (bignums, dates, decimals, sets, ...) into objects.
-        raise DecodeError("unexpected_type", f"{t.__name__} is not allowed")
+    Raises DecodeError with a stable reason. Determinism (shortest forms, key order) is checked
+    after the decode, by re-encoding."""
+    n = len(data)
+    if n > max_bytes:
+        raise DecodeError("too_large", f"{n} bytes > {max_bytes}")
+    if n == 0:
+        raise DecodeError("malformed_cbor", "empty input")
+    i = 0
+    items = 0
+    # Open containers: remaining members of each, and whether it is a map. `left` and `is_map`
+    # are the innermost one; the outermost "container" is the one item the input must hold.
+    stack: list[tuple[int, bool]] = []
+    left, is_map = 1, False
+    while True:
+        if i >= n:
+            raise DecodeError("malformed_cbor", "truncated item")
+        ib = data[i]
+        i += 1
+        major = ib >> 5
+        ai = ib & 31
+        if ai < 24:
+            arg = ai
+        elif ai == 24:
+            if i >= n:
+                raise DecodeError("malformed_cbor", "truncated head")
+            arg = data[i]
+            i += 1
+        elif ai < 28:
+            w = 1 << (ai - 24)  # 2, 4 or 8 bytes
+            if i + w > n:
+                raise DecodeError("malformed_cbor", "truncated head")
+            arg = int.from_bytes(data[i:i + w], "big")
+            i += w
+        elif ai == 31:
+            raise DecodeError("indefinite_length", "indefinite lengths and break are not allowed")
+        else:
+            raise DecodeError("malformed_cbor", f"reserved additional information {ai}")
+        items += 1
+        if items > max_items:
+            raise DecodeError("too_many_items", f"more than {max_items} items")
+        if is_map and not left & 1 and major != 0 and major != 1 and major != 3:
+            # `left` counts a map's keys and values down from an even number: even means a key.
+            raise DecodeError("bad_map_key", "map keys must be text or integers")
+        if major < 2:
+            if arg > INT64_MAX:
+                raise DecodeError("int_out_of_range", "integer outside the signed 64-bit range")
+        elif major < 4:
+            if arg > n - i:
+                raise DecodeError("malformed_cbor", "string longer than the input")
+            i += arg
+        elif major < 6:
+            count = arg << 1 if major == 5 else arg
+            if count:
+                if count > n - i:
+                    raise DecodeError("malformed_cbor", "more members than bytes left")
+                if len(stack) >= max_depth:
+                    raise DecodeError("too_deep", f"nesting deeper than {max_depth}")
+                stack.append((left, is_map))
+                left, is_map = count, major == 5
+                continue  # the container completes with its last member
+        elif major == 6:
+            if arg not in allowed_tags or i != (1 if ai < 24 else 1 + (1 << (ai - 24))):
+                raise DecodeError("unexpected_tag", f"tag {arg} not allowed here")
+            stack.append((left, is_map))
+            left, is_map = 1, False  # the tag's content: one item
+            continue
+        else:
+            if ai < 20 or ai == 23 or ai == 24:
+                raise DecodeError("unexpected_type", f"simple value {arg} is not allowed")
+            if ai > 24 and finite_floats:  # half, single, double: an all-ones exponent is an infinity or NaN
+                if (ai == 25 and arg & 0x7C00 == 0x7C00) or (ai == 26 and arg & 0x7F800000 == 0x7F800000) \
+                        or (ai == 27 and arg & 0x7FF0000000000000 == 0x7FF0000000000000):
+                    raise DecodeError("non_finite_float", "NaN and infinities are not allowed")
+        # one complete item: close every container it completes
+        left -= 1
+        while not left:
+            if not stack:
+                if i != n:
+                    raise DecodeError("trailing_bytes", f"{n - i} bytes after the item")
+                return
+            left, is_map = stack.pop()
+            left -= 1
 
 
 def decode_strict(data: bytes, allowed_tags: frozenset[int] = frozenset(), *, deterministic: bool = True,
-                  shape_checked: bool = False) -> Any:
-    """Decode exactly one CBOR item, refusing trailing bytes, duplicate keys, indefinite
-    lengths, unexpected tags, non-finite floats and (unless `deterministic=False`, for message
-    envelopes, which §30 lets be non-deterministic) any non-deterministic form.
-    `shape_checked=True` skips the generic type walk for callers that check every member's
-    exact type themselves right after (COSE envelope, protected header, EventPayload): the
-    hot path of every received event."""
+                  shape_checked: bool = False, max_items: int = MAX_ITEMS, max_bytes: int = MAX_BYTES) -> Any:
+    """Decode exactly one CBOR item within the bounds of `prescan` (which runs first, so cbor2
+    only ever sees bytes whose decoded size is bounded by their length), refusing duplicate keys
+    and (unless `deterministic=False`, for message envelopes, which §30 lets be
+    non-deterministic) any non-deterministic form. Raises DecodeError only.
+    `shape_checked` is accepted for callers that check every member's exact type themselves
+    (the prescan already refuses every type and tag our formats never carry)."""
     if not isinstance(data, (bytes, bytearray)):
         raise DecodeError("not_bytes")
-    fp = io.BytesIO(data)
+    data = bytes(data)
+    # A shape-checked payload types its floats itself (an EventPayload's NaN is `bad_payload_value`).
+    prescan(data, allowed_tags, max_items=max_items, max_bytes=max_bytes, finite_floats=not shape_checked)
     try:
-        # Unknown tags come back as CBORTag; semantic ones as objects that _check_decoded refuses.
-        dec = cbor2.CBORDecoder(fp, allow_duplicate_keys=False, allow_indefinite=False)
-        obj = dec.decode()
+        obj = cbor2.loads(data, allow_duplicate_keys=False, allow_indefinite=False)
     except cbor2.CBORDecodeError as e:
         msg = str(e)
-        reason = "duplicate_key" if "uplicate" in msg else "indefinite_length" if "ndefinite" in msg else "malformed_cbor"
+        reason = "duplicate_key" if "uplicate" in msg else "malformed_cbor"
         raise DecodeError(reason, msg) from None
-    except (ValueError, TypeError, OverflowError, RecursionError, MemoryError) as e:
-        raise DecodeError("malformed_cbor", str(e)) from None
-    if fp.tell() != len(data):
-        raise DecodeError("trailing_bytes", f"{len(data) - fp.tell()} bytes after the item")
-    if not shape_checked:
-        _check_decoded(obj, allowed_tags)
+    except Exception as e:  # noqa: BLE001 - whatever cbor2 raises on prescanned bytes is a malformed item
+        raise DecodeError("malformed_cbor", f"{type(e).__name__}: {e}") from None
     if not deterministic:
         return obj
     try:
         again = cbor2.dumps(obj, canonical=True)
     except Exception as e:  # noqa: BLE001 - anything cbor2 cannot re-encode is not ours
         raise DecodeError("not_reencodable", str(e)) from None
-    if again != bytes(data):
+    if again != data:
         raise DecodeError("non_deterministic", "bytes are not the deterministic encoding of their value")
     return obj
 

@@ -11,6 +11,7 @@ import cbor2
 import nacl.bindings
 import nacl.exceptions
 
+from .classify import classified
 from .codec import DecodeError, decode_strict, encode
 
 COSE_SIGN1_TAG = 18
@@ -72,10 +73,44 @@ def assemble(protected_bytes: bytes, payload_bytes: bytes, signature: bytes) -> 
     return b"".join((_SIGN1_HEAD, _bstr(protected_bytes), b"\xa0", _bstr(payload_bytes), _bstr(signature)))
 
 
-def parse_sign1(data: bytes, expect_alg: int = ALG_EDDSA, kid_len: int = 16, sig_len: int = 64) -> Sign1:
-    """Strict structural parse; raises DecodeError with a stable reason code."""
-    # Determinism of the envelope and the protected header is checked below by rebuilding their
-    # exact deterministic bytes (`assemble`, `protected_header`): cheaper than a generic re-encode.
+def _bstr_at(data: bytes, i: int) -> tuple[int, int] | None:
+    """(start, end) of the byte string whose head is at `i`, or None when there is none there."""
+    n = len(data)
+    if i >= n or not 0x40 <= data[i] <= 0x5B:
+        return None
+    ai = data[i] - 0x40
+    if ai < 24:
+        start, ln = i + 1, ai
+    else:
+        w = 1 << (ai - 24)
+        start = i + 1 + w
+        if start > n:
+            return None
+        ln = int.from_bytes(data[i + 1:start], "big")
+    end = start + ln
+    return None if end > n else (start, end)
+
+
+def _split_sign1(data: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """The hot path of every received event: (protected, payload, signature) when `data` has
+    exactly the envelope's shape (tag 18, array of 4, a byte string, the empty map, two byte
+    strings, nothing after), read from the heads without building a CBOR value. None for
+    anything else: the generic strict decode then names what is wrong."""
+    if data[:2] != _SIGN1_HEAD:
+        return None
+    p = _bstr_at(data, 2)
+    if p is None or p[1] >= len(data) or data[p[1]] != 0xA0:
+        return None
+    y = _bstr_at(data, p[1] + 1)
+    if y is None:
+        return None
+    s = _bstr_at(data, y[1])
+    if s is None or s[1] != len(data):
+        return None
+    return data[p[0]:p[1]], data[y[0]:y[1]], data[s[0]:s[1]]
+
+
+def _split_generic(data: bytes) -> tuple[bytes, bytes, bytes]:
     obj = decode_strict(data, allowed_tags=frozenset({COSE_SIGN1_TAG}), shape_checked=True, deterministic=False)
     if type(obj) is not cbor2.CBORTag:
         raise DecodeError("untagged_cose", "COSE_Sign1 must carry CBOR tag 18")
@@ -91,18 +126,38 @@ def parse_sign1(data: bytes, expect_alg: int = ALG_EDDSA, kid_len: int = 16, sig
         raise DecodeError("bad_cose_shape", "protected, payload and signature must be byte strings")
     if len(unprotected) != 0:
         raise DecodeError("unprotected_not_empty", "the unprotected header must be the empty map")
-    if not isinstance(protected, bytes) or not isinstance(payload, bytes) or not isinstance(signature, bytes):
-        raise DecodeError("bad_cose_shape", "protected, payload and signature must be byte strings")
-    if len(signature) != sig_len:
-        raise DecodeError("bad_signature_length", f"signature must be {sig_len} bytes")
-    if assemble(protected, payload, signature) != bytes(data):
-        raise DecodeError("non_deterministic", "bytes are not the deterministic encoding of their value")
+    return protected, payload, signature
+
+
+@lru_cache(maxsize=1024)
+def _header(protected: bytes) -> tuple[Any, str, Any]:
+    """(alg, content type, kid) of a protected header (a site signs all its events under one:
+    cached). Raises DecodeError, which is not cached."""
     hdr = decode_strict(protected, shape_checked=True, deterministic=False)
     if type(hdr) is not dict or set(hdr) != {HDR_ALG, HDR_CTYPE, HDR_KID}:
         raise DecodeError("bad_protected_header", "protected header must hold exactly alg, content type and kid")
     alg, ctype, kid = hdr[HDR_ALG], hdr[HDR_CTYPE], hdr[HDR_KID]
     if type(ctype) is not str:
         raise DecodeError("bad_protected_header", "content type must be text")
+    return alg, ctype, kid
+
+
+@classified(DecodeError)
+def parse_sign1(data: bytes, expect_alg: int = ALG_EDDSA, kid_len: int = 16, sig_len: int = 64) -> Sign1:
+    """The envelope boundary of every event and record: strict structural parse; raises
+    DecodeError with a stable reason code (and nothing else)."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise DecodeError("not_bytes")
+    data = bytes(data)
+    # Determinism of the envelope and the protected header is checked below by rebuilding their
+    # exact deterministic bytes (`assemble`, `protected_header`): cheaper than a generic re-encode.
+    parts = _split_sign1(data) or _split_generic(data)
+    protected, payload, signature = parts
+    if len(signature) != sig_len:
+        raise DecodeError("bad_signature_length", f"signature must be {sig_len} bytes")
+    if assemble(protected, payload, signature) != data:
+        raise DecodeError("non_deterministic", "bytes are not the deterministic encoding of their value")
+    alg, ctype, kid = _header(protected)
     if type(alg) is not int or alg != expect_alg:
         raise DecodeError("bad_alg", f"alg {alg!r}, expected {expect_alg}")
     if type(kid) is not bytes or len(kid) != kid_len:

@@ -13,6 +13,7 @@ _HLC = re.compile(r"^(0|[1-9][0-9]{0,19})\.(0|[1-9][0-9]{0,9})$")
 
 UINT64_MAX = 2**64 - 1
 UINT32_MAX = 2**32 - 1
+HLC_PHYSICAL_MAX = 2**63 - 1  # what the store (SQLite, signed 64-bit) holds of the wire's uint64
 
 
 class IdFormatError(ValueError):
@@ -46,11 +47,12 @@ def hlc_text(physical_ms: int, logical: int) -> str:
 
 
 def parse_hlc(text: str) -> tuple[int, int]:
-    """`PHYSICAL.LOGICAL` -> (physical_ms, logical), both range-checked (uint64, uint32)."""
+    """`PHYSICAL.LOGICAL` -> (physical_ms, logical), both range-checked (physical below 2**63,
+    what the store holds; logical uint32)."""
     m = _HLC.match(text) if isinstance(text, str) else None
     if not m:
         raise IdFormatError(f"HLC must look like PHYSICAL.LOGICAL (e.g. 1764669600000.3), got {text!r}")
     p, l = int(m.group(1)), int(m.group(2))
-    if p > UINT64_MAX or l > UINT32_MAX:
-        raise IdFormatError(f"HLC out of range (physical uint64, logical uint32): {text!r}")
+    if p > HLC_PHYSICAL_MAX or l > UINT32_MAX:
+        raise IdFormatError(f"HLC out of range (physical below 2**63, logical uint32): {text!r}")
     return p, l

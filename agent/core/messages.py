@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .codec import DecodeError, decode_strict, encode
+from .classify import classified
+from .codec import INT64_MAX, DecodeError, decode_strict, encode
 from .ids import UINT32_MAX, UINT64_MAX
 
 SSP_VERSION = 1
@@ -61,26 +62,37 @@ def _site(v: Any, what: str) -> bytes:
     return bytes.fromhex(v)
 
 
+# Integers that reach the store are bounded by what SQLite holds (signed 64-bit), not by the
+# wire's uint64: an HLC of 2**63 would pass a uint64 check and crash the store (issue 11 item 3).
+# The strict decoder refuses such integers first (`int_out_of_range`); these checks say it again
+# where the value is used. hlc_logical is a uint32 (wire-profile.md §1).
+HLC_PHYSICAL_MAX = INT64_MAX
+
+
 def _hlc_map(v: Any) -> tuple[int, int]:
     if not isinstance(v, dict) or set(v) != {"physical_ms", "logical"}:
         raise ProtocolError("bad_have_max_hlc", "have_max_hlc must be {physical_ms, logical}")
-    if not _uint(v["physical_ms"], UINT64_MAX) or not _uint(v["logical"], UINT32_MAX):
-        raise ProtocolError("bad_have_max_hlc", "have_max_hlc members must be unsigned integers")
+    if not _uint(v["physical_ms"], HLC_PHYSICAL_MAX) or not _uint(v["logical"], UINT32_MAX):
+        raise ProtocolError("bad_have_max_hlc", "have_max_hlc members must be unsigned integers (physical < 2**63)")
     return (v["physical_ms"], v["logical"])
 
 
-def _watermark(v: Any) -> Watermark:
+@classified(ProtocolError)
+def parse_watermark(v: Any) -> Watermark:
+    """The watermark boundary (§34): one decoded `applied_watermarks` member, or ProtocolError."""
     if not isinstance(v, dict) or set(v) != WATERMARK_MEMBERS:
         raise ProtocolError("bad_watermark", "a watermark must have exactly the §34 members")
     if not isinstance(v["table_schema"], str) or not isinstance(v["table_name"], str):
         raise ProtocolError("bad_watermark", "table_schema and table_name must be text")
-    if not _uint(v["hlc_physical_ms"], UINT64_MAX) or not _uint(v["hlc_logical"], UINT32_MAX):
-        raise ProtocolError("bad_watermark", "watermark HLC members must be unsigned integers")
+    if not _uint(v["hlc_physical_ms"], HLC_PHYSICAL_MAX) or not _uint(v["hlc_logical"], UINT32_MAX):
+        raise ProtocolError("bad_watermark", "watermark HLC members must be unsigned integers (physical < 2**63)")
     return Watermark(_site(v["site_id"], "watermark site_id"), f"{v['table_schema']}.{v['table_name']}",
                      (v["hlc_physical_ms"], v["hlc_logical"]))
 
 
+@classified(ProtocolError)
 def parse_message(data: bytes) -> Handshake | SyncBody:
+    """The message boundary: a handshake or a sync body, or ProtocolError (and nothing else)."""
     if not isinstance(data, (bytes, bytearray)):
         raise ProtocolError("not_bytes")
     if len(data) > MAX_MESSAGE_BYTES:
@@ -91,6 +103,8 @@ def parse_message(data: bytes) -> Handshake | SyncBody:
         raise ProtocolError("malformed_cbor", e.reason) from None
     if not isinstance(obj, dict):
         raise ProtocolError("not_a_map", "a message must be a CBOR map")
+    if not all(type(k) is str for k in obj):
+        raise ProtocolError("bad_members", "member names must be text (§30)")
     if "ssp_version" not in obj:
         raise ProtocolError("missing_ssp_version", "every message carries ssp_version (§30)")
     v = obj["ssp_version"]
@@ -107,14 +121,38 @@ def parse_message(data: bytes) -> Handshake | SyncBody:
         missing = sorted(BODY_MEMBERS - keys)
         extra = sorted(keys - BODY_MEMBERS)
         raise ProtocolError("bad_members", f"sync body members: missing {missing}, unexpected {extra} (§32.2)")
-    raise ProtocolError("bad_members", f"neither a handshake nor a sync body: {sorted(map(str, keys))}")
+    raise ProtocolError("bad_members", f"neither a handshake nor a sync body: {sorted(keys)[:8]}")
 
 
+@classified(ProtocolError)
 def parse_body(data: bytes) -> SyncBody:
+    """The sync body boundary (§32, and a mailbox file: exactly one body): SyncBody or ProtocolError."""
     m = parse_message(data)
     if not isinstance(m, SyncBody):
         raise ProtocolError("not_a_body", "expected a sync body, got a handshake")
     return m
+
+
+@classified(ProtocolError)
+def parse_handshake(data: bytes) -> Handshake:
+    """The handshake boundary (§31): Handshake or ProtocolError."""
+    m = parse_message(data)
+    if not isinstance(m, Handshake):
+        raise ProtocolError("not_a_handshake", "expected a handshake, got a sync body")
+    return m
+
+
+@classified(ProtocolError)
+def parse_presence(payload: bytes, site: bytes) -> Handshake | None:
+    """The presence boundary (a retained §31 handshake on `site`'s presence topic): None when
+    the site left (an empty payload), its handshake, or ProtocolError. A handshake naming
+    another site is refused (`presence_site_mismatch`): one site cannot speak for another."""
+    if not payload:
+        return None
+    hs = parse_handshake(payload)
+    if hs.site_id != site:
+        raise ProtocolError("presence_site_mismatch", f"handshake of {hs.site_id.hex()} on {site.hex()}'s topic")
+    return hs
 
 
 def _parse_body(obj: dict) -> SyncBody:
@@ -127,7 +165,7 @@ def _parse_body(obj: dict) -> SyncBody:
         raise ProtocolError("bad_records", "records must be an array of byte strings")
     if not isinstance(wms, (list, tuple)):
         raise ProtocolError("bad_watermarks", "applied_watermarks must be an array")
-    return SyncBody(sender, hmax, tuple(evs), tuple(recs), tuple(_watermark(w) for w in wms))
+    return SyncBody(sender, hmax, tuple(evs), tuple(recs), tuple(parse_watermark(w) for w in wms))
 
 
 def _parse_handshake(obj: dict) -> Handshake:
@@ -141,7 +179,7 @@ def _parse_handshake(obj: dict) -> Handshake:
     if not isinstance(sc, bool):
         sc, understood = None, False
     rtt = obj["rtt_ms"]
-    if rtt is not None and not _uint(rtt, UINT64_MAX):
+    if rtt is not None and not _uint(rtt, INT64_MAX):
         rtt, understood = None, False
     return Handshake(site, hmax, rt, sc, rtt, understood)
 

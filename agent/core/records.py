@@ -15,9 +15,14 @@ from typing import Any, Callable, Iterable
 
 import blake3
 
-from .codec import DecodeError, decode_strict, encode
+from .classify import classified
+from .codec import INT64_MAX, DecodeError, decode_strict, encode
 from .cose import ALG_EDDSA, assemble, content_type, parse_sign1, protected_header, sig_structure, verify_ed25519
-from .ids import UINT32_MAX, UINT64_MAX
+from .ids import UINT32_MAX
+
+# Generations, horizons, cutoffs and times reach the store: bounded by what SQLite holds (signed
+# 64-bit), not the wire's uint64 (issue 11 item 3; the strict decoder refuses more first).
+STORE_UINT_MAX = INT64_MAX
 
 ROLE, VOUCH, RETIRE = "sovm/ssp-role-v1", "sovm/ssp-vouch-v1", "sovm/ssp-retire-v1"
 KINDS = {ROLE: "role", VOUCH: "vouch", RETIRE: "retire"}
@@ -101,9 +106,10 @@ def _parse(raw) -> tuple[bytes, Any]:
         raise RecordError(e.reason, e.detail) from None
 
 
+@classified(RecordError)
 def verify_record(raw: bytes, mesh_id: bytes, authorities: Iterable[bytes],
                   key_of: Callable[[bytes], bytes | None]) -> Record:
-    """Verify one record on its own. Raises RecordError (dropped and surfaced) otherwise.
+    """The authority record boundary. Verify one record on its own. Raises RecordError (dropped and surfaced) otherwise.
     `key_of(issuer)` gives the issuer's Ed25519 key from the trusted keyring (or None)."""
     raw, s = _parse(raw)
     if s.content_type not in _MEMBERS:
@@ -124,7 +130,7 @@ def verify_record(raw: bytes, mesh_id: bytes, authorities: Iterable[bytes],
     if not _bstr(p["subject_site_id"], 16):
         raise RecordError("bad_subject")
     gen, prev = p["generation"], p["previous_record_hash"]
-    if not _uint(gen, UINT64_MAX):
+    if not _uint(gen, STORE_UINT_MAX):
         raise RecordError("bad_generation")
     if prev is not None and not _bstr(prev, 32):
         raise RecordError("bad_previous_record_hash")
@@ -141,7 +147,7 @@ def verify_record(raw: bytes, mesh_id: bytes, authorities: Iterable[bytes],
             raise RecordError("bad_public_key")
     else:
         ra, succ = p["retired_after"], p["successor_site_id"]
-        if not isinstance(ra, list) or len(ra) != 2 or not _uint(ra[0], UINT64_MAX) or not _uint(ra[1], UINT32_MAX):
+        if not isinstance(ra, list) or len(ra) != 2 or not _uint(ra[0], STORE_UINT_MAX) or not _uint(ra[1], UINT32_MAX):
             raise RecordError("bad_retired_after")
         if succ is not None and not _bstr(succ, 16):
             raise RecordError("bad_successor")
@@ -228,6 +234,7 @@ def _row_key_ok(k: Any) -> bool:
             and all(isinstance(v, (int, str, bytes, float)) or v is None for v in k.values()))
 
 
+@classified(RecordError)
 def verify_signed_by_site(raw: Any, mesh_id: bytes, ctype: str, label: str, members: frozenset,
                           entry_of: Callable[[bytes], tuple[bytes, Any] | None]) -> tuple[bytes, Any, dict]:
     """The checks a record a site signs about itself starts with (truncation and rehydrate
@@ -253,9 +260,10 @@ def verify_signed_by_site(raw: Any, mesh_id: bytes, ctype: str, label: str, memb
     return raw, s, p
 
 
+@classified(RecordError)
 def verify_truncation(raw: bytes, mesh_id: bytes,
                       entry_of: Callable[[bytes], tuple[bytes, Any] | None]) -> Truncation:
-    """Verify one truncation record on its own. `entry_of(issuer)` gives the issuer's keyring
+    """The truncation record boundary. Verify one truncation record on its own. `entry_of(issuer)` gives the issuer's keyring
     entry (public key, retirement cutoff or None). Raises RecordError (dropped and surfaced)."""
     raw, s, p = verify_signed_by_site(raw, mesh_id, TRUNCATED, "truncation", TRUNCATED_MEMBERS, entry_of)
     subj, schema, name, h, rks, at = (p["subject_site_id"], p["table_schema"], p["table_name"], p["horizon"],
@@ -266,11 +274,11 @@ def verify_truncation(raw: bytes, mesh_id: bytes,
         raise RecordError("self_addressed", "a node does not declare truncation to itself")
     if not (isinstance(schema, str) and schema and isinstance(name, str) and name):
         raise RecordError("bad_table")
-    if not isinstance(h, list) or len(h) != 2 or not _uint(h[0], UINT64_MAX) or not _uint(h[1], UINT32_MAX) \
+    if not isinstance(h, list) or len(h) != 2 or not _uint(h[0], STORE_UINT_MAX) or not _uint(h[1], UINT32_MAX) \
             or (h[0], h[1]) == (0, 0):
         raise RecordError("bad_horizon")
     if not isinstance(rks, list) or not rks or len(rks) > MAX_TRUNCATED_ROWS or not all(map(_row_key_ok, rks)):
         raise RecordError("bad_row_keys")
-    if not _uint(at, UINT64_MAX):
+    if not _uint(at, STORE_UINT_MAX):
         raise RecordError("bad_issued_at")
     return Truncation(record_hash(raw), raw, s.kid, subj, f"{schema}.{name}", (h[0], h[1]), tuple(rks), at)

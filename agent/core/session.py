@@ -28,8 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .codec import DecodeError, decode_strict, encode
-from .ids import UINT64_MAX
+import json
+
+from .classify import classified
+from .codec import INT64_MAX, DecodeError, decode_strict, encode
 from .messages import Handshake, ProtocolError, SyncBody, emit_handshake, parse_message
 
 FRAME_TYPES = ("hello", "body", "answer", "ack", "push", "error")
@@ -52,7 +54,11 @@ class StreamMeta:
         return {"s": self.start, "e": self.end, "d": d, "g": list(self.gaps), "x": self.extra}
 
     @classmethod
+    @classified(ProtocolError)
     def from_wire(cls, m: Any, n_events: int) -> "StreamMeta":
+        """The frame meta boundary (a decoded meta): StreamMeta or ProtocolError `bad_frame_meta`.
+        Positions are log seqs that reach the store (stream_completed): bounded by what SQLite
+        holds, as is their sum (`pos <= e`)."""
         if not isinstance(m, dict) or set(m) != {"s", "e", "d", "g", "x"}:
             raise ProtocolError("bad_frame_meta", "meta must be {s, e, d, g, x}")
         s, e, d, g, x = m["s"], m["e"], m["d"], m["g"], m["x"]
@@ -86,7 +92,31 @@ class Provider(Protocol):
 
 
 def _uint(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= UINT64_MAX
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= INT64_MAX
+
+
+MAX_META_CHARS = 65_535  # an MQTT user property value cannot be longer (a UTF-8 string, u16 length)
+
+
+@classified(ProtocolError)
+def parse_meta_text(text: Any) -> dict:
+    """The meta property boundary (MQTT `ssp-meta`, docs/mqtt.md): the JSON text of a frame meta
+    as a dict with the {s, e, d, g, x} members, or ProtocolError `bad_frame_meta`. Deep nesting
+    (5 000 `[` made the JSON parser raise RecursionError, issue 11 item 1) is refused before
+    parsing: a meta nests two deep. `StreamMeta.from_wire` checks it against the body."""
+    if not isinstance(text, str) or len(text) > MAX_META_CHARS:
+        raise ProtocolError("bad_frame_meta", "ssp-meta is not text of at most 65 535 characters")
+    if text.count("[") + text.count("{") > 3 + text.count('"'):
+        # Brackets outside strings: at most one map and two arrays; inside strings (table names
+        # in `g`) each comes with quotes. A cheap over-approximation that refuses deep nesting.
+        raise ProtocolError("bad_frame_meta", "ssp-meta nests deeper than a frame meta")
+    try:
+        m = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ProtocolError("bad_frame_meta", "ssp-meta is not JSON") from None
+    if not isinstance(m, dict) or set(m) != {"s", "e", "d", "g", "x"}:
+        raise ProtocolError("bad_frame_meta", "meta must be {s, e, d, g, x}")
+    return m
 
 
 def encode_frame(t: str, *, c: int | None = None, b: bytes | None = None, m: dict | None = None,
@@ -109,14 +139,17 @@ _FRAME_MEMBERS = {"hello": {"t", "b", "r"}, "body": {"t", "c", "b", "m"}, "answe
                   "ack": {"t", "c", "k"}, "push": {"t", "c", "b", "m"}, "error": {"t", "r"}}
 
 
+@classified(ProtocolError)
 def decode_frame(data: bytes) -> dict:
+    """The session frame boundary: a frame dict with its members typed, or ProtocolError."""
     if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_FRAME_BYTES:
         raise ProtocolError("bad_frame", "not bytes or too large")
     try:
         f = decode_strict(bytes(data), deterministic=False)
     except DecodeError as e:
         raise ProtocolError("bad_frame", e.reason) from None
-    if not isinstance(f, dict) or f.get("t") not in _FRAME_MEMBERS or set(f) != _FRAME_MEMBERS[f["t"]]:
+    if not isinstance(f, dict) or type(f.get("t")) is not str or f["t"] not in _FRAME_MEMBERS \
+            or set(f) != _FRAME_MEMBERS[f["t"]]:
         raise ProtocolError("bad_frame", "unknown frame type or members")
     if "c" in f and not _uint(f["c"]):
         raise ProtocolError("bad_frame", "correlation id must be unsigned")
