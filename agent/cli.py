@@ -4,6 +4,7 @@ that already exists, a purge request...), with a one-line reason on stderr."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -48,7 +49,42 @@ def emit(obj: Any) -> None:
     sys.stdout.write(json.dumps(to_json(obj), sort_keys=False) + "\n")
 
 
+# While `run` serves a forwarded verb (agent/control.py), the verb runs on the running agent's own
+# node: `_open` lends it (closing it is the agent's business) and `status` adds the run's state.
+_served: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def serving(node, status_extra=None):
+    _served.update(node=node, status_extra=status_extra)
+    try:
+        yield
+    finally:
+        _served.clear()
+
+
+class _Lent:
+    """The running agent's node, lent to one forwarded verb: `with` and close() leave it open."""
+
+    def __init__(self, node) -> None:
+        self._node = node
+
+    def __enter__(self):
+        return self._node
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self._node, name)
+
+
 def _open(args, read_only: bool = False):
+    if _served:
+        return _Lent(_served["node"])
     from .node import Node
     return Node.open(Path(args.home), read_only=read_only)
 
@@ -186,7 +222,10 @@ def cmd_events(args) -> int:
 
 def cmd_status(args) -> int:
     with _open(args, read_only=True) as node:
-        emit(node.status())
+        st = node.status()
+        if _served.get("status_extra"):
+            st["run"] = _served["status_extra"]()  # served by `run`: its pid, broker, peers, counters
+        emit(st)
     return EXIT_OK
 
 
@@ -345,6 +384,20 @@ def main(argv: list[str] | None = None) -> int:
     if not args.home and not getattr(args, "home_optional", False):
         print("ssp-agent: --home DIR is required (or set SSP_AGENT_HOME)", file=sys.stderr)
         return EXIT_REFUSED
+    from . import control
+    if args.verb in control.FORWARDED:
+        # `run` holds this home: the verb runs inside it, on its node (one writer; docs/operations.md)
+        res = control.forward(Path(args.home), sys.argv[1:] if argv is None else list(argv))
+        if res is not None:
+            rc, out, err = res
+            sys.stdout.write(out)
+            sys.stderr.write(err)
+            return rc
+    return dispatch(args)
+
+
+def dispatch(args) -> int:
+    """Run the parsed verb; map refusals to exit 2 and local faults to exit 1."""
     from .node import NodeError
     from .store.db import StoreError
     from firmware_bridge import KeystoreError

@@ -110,7 +110,7 @@ def _go(args, once: bool) -> int:
                 stop["v"] = True
             signal.signal(signal.SIGTERM, _stop)
             signal.signal(signal.SIGINT, _stop)
-            r.run(lambda: stop["v"])
+            _serve_and_run(r, node, args.broker, lambda: stop["v"])
             emit(r.summary())
             return EXIT_OK
         finally:
@@ -119,6 +119,30 @@ def _go(args, once: bool) -> int:
         node.close()
         if broker is not None:
             broker.close()
+
+
+def _serve_and_run(r, node, broker_url: str, should_stop) -> None:
+    """`run`'s loop: the runner's steps, and between them the verbs other commands forward
+    through the control socket (agent/control.py), run here on the loop thread that owns the
+    node, so the node keeps one writer."""
+    from .control import ControlServer, run_forwarded
+
+    def status_extra() -> dict:
+        return {"pid": os.getpid(), "broker": broker_url, **r.summary()}
+
+    def execute(argv: list[str]) -> tuple[int, str, str]:
+        res = run_forwarded(argv, node, status_extra)
+        if res[0] == 0 and "write" in argv:
+            r.notify_produced()  # a forwarded write: realtime peers get it at once
+        return res
+
+    server = ControlServer(node.home, execute)
+    try:
+        while not should_stop():
+            r.step()
+            server.serve()
+    finally:
+        server.close()
 
 
 def cmd_sync(args) -> int:

@@ -1,0 +1,230 @@
+"""The running agent's control socket (issue 12 item 2): while `ssp-agent run` holds a home, the
+verbs `status`, `dump`, `events`, `log` and `write` given for that home are forwarded to it and
+executed on its own node, by the loop thread that owns the node's SQLite connection and signing
+bridge. So a sensor script can write while the service syncs and an operator can inspect it, and
+there is still one writer: every forwarded write goes through the same bridge (persist before
+release) and the one apply path as any other local write.
+
+- **Where**: `HOME/control.sock`, a Unix stream socket, mode 0600 inside the 0700 home. File
+  permissions are the only access rule: whoever may open it may do what the CLI may do with the
+  home, which is what owning the home's files already allows.
+- **Protocol**: the client sends one JSON line `{"argv": [...]}` (the command line after the
+  program name) and reads one JSON line `{"exit": n, "stdout": "...", "stderr": "..."}`; the
+  server closes the connection. Exit statuses are the CLI's (0 done, 1 fault, 2 refused).
+- **Staleness**: a socket file nobody listens on (an agent killed with SIGKILL) is ignored by the
+  client (the verb opens the home itself) and replaced by the next `run`, which holds the home's
+  journal lock before it binds, so it can never take over a live agent's socket.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+from pathlib import Path
+from typing import Callable
+
+SOCKET_NAME = "control.sock"
+FORWARDED = ("status", "dump", "events", "log", "write")  # the verbs a running agent serves
+MAX_REQUEST = 1 << 20  # a command line, not data: a megabyte is plenty
+CLIENT_TIMEOUT_S = 120.0  # a forwarded verb waits at most this long for the loop to run it
+MAX_CLIENTS = 16  # connections served at once; more wait in the listen backlog
+
+log = logging.getLogger("ssp_agent.control")
+
+
+def socket_path(home: Path) -> Path:
+    return Path(home) / SOCKET_NAME
+
+
+@contextlib.contextmanager
+def _addr(path: Path):
+    """An address for `path` that fits sun_path (108 bytes): long paths go through the directory's
+    /proc/self/fd entry (Linux), so a home may live at any depth."""
+    p = str(path)
+    if len(os.fsencode(p)) < 100:
+        yield p
+        return
+    fd = os.open(str(path.parent), os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- client
+def forward(home: Path, argv: list[str], timeout: float = CLIENT_TIMEOUT_S) -> tuple[int, str, str] | None:
+    """Run `argv` in the agent running on `home`. None when no agent listens there (no socket, or a
+    stale one): the caller then opens the home itself."""
+    path = socket_path(home)
+    if not path.exists():
+        return None
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(10.0)
+        try:
+            with _addr(path) as addr:
+                s.connect(addr)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return None  # stale: the agent that made it is gone
+        s.settimeout(timeout)
+        s.sendall(json.dumps({"argv": list(argv)}).encode() + b"\n")
+        s.shutdown(socket.SHUT_WR)
+        data = _read_all(s)
+    except socket.timeout:
+        return 1, "", f"ssp-agent: the agent running on {home} did not answer within {timeout:.0f}s\n"
+    except OSError as e:
+        return 1, "", f"ssp-agent: cannot talk to the agent running on {home} ({SOCKET_NAME}): {e.strerror or e}\n"
+    finally:
+        s.close()
+    try:
+        r = json.loads(data)
+        return int(r["exit"]), str(r.get("stdout", "")), str(r.get("stderr", ""))
+    except (ValueError, KeyError, TypeError):
+        return 1, "", f"ssp-agent: the agent running on {home} closed its control socket without an answer " \
+                      "(it is stopping?); try again\n"
+
+
+def _read_all(s: socket.socket, limit: int | None = None) -> bytes:
+    chunks, n = [], 0
+    while True:
+        b = s.recv(65536)
+        if not b:
+            return b"".join(chunks)
+        chunks.append(b)
+        n += len(b)
+        if limit is not None and n > limit:
+            raise ValueError("request too large")
+
+
+# ---------------------------------------------------------------- server
+class _Request:
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+        self.done = threading.Event()
+        self.result: tuple[int, str, str] = (1, "", "ssp-agent: the running agent stopped before it ran this; "
+                                                    "try again\n")
+
+
+class ControlServer:
+    """Accepts connections on a thread; requests wait in a queue until the loop thread, which owns
+    the node, calls `serve()` (between its steps) and runs them with `execute`."""
+
+    def __init__(self, home: Path, execute: Callable[[list[str]], tuple[int, str, str]],
+                 wake: Callable[[], None] | None = None) -> None:
+        self.path = socket_path(home)
+        self.execute = execute
+        self.wake = wake or (lambda: None)
+        self.requests: queue.Queue[_Request] = queue.Queue()
+        self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        self._closed = threading.Event()
+        # Only an agent that holds the home (its journal lock) gets here, so a socket file already
+        # there was left by one that died: replace it.
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # created 0600: file permissions are the only access rule
+        try:
+            with _addr(self.path) as addr:
+                self.sock.bind(addr)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        self.sock.listen(MAX_CLIENTS)
+        self.sock.settimeout(0.5)  # so close() stops the accept loop promptly
+        self._thread = threading.Thread(target=self._accept_loop, name="ssp-control", daemon=True)
+        self._thread.start()
+
+    # accept thread and its per-connection threads: never touch the node
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return  # closed
+            self._slots.acquire()
+            threading.Thread(target=self._handle, args=(conn,), name="ssp-control-conn", daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(10.0)
+            try:
+                req = json.loads(_read_all(conn, MAX_REQUEST))
+                argv = req["argv"]
+                if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+                    raise ValueError
+            except (ValueError, KeyError, TypeError, OSError):
+                self._reply(conn, (2, "", "ssp-agent: malformed control request\n"))
+                return
+            r = _Request(argv)
+            if self._closed.is_set():
+                self._reply(conn, r.result)
+                return
+            self.requests.put(r)
+            self.wake()
+            r.done.wait(CLIENT_TIMEOUT_S)
+            self._reply(conn, r.result)
+        finally:
+            conn.close()
+            self._slots.release()
+
+    @staticmethod
+    def _reply(conn: socket.socket, result: tuple[int, str, str]) -> None:
+        rc, out, err = result
+        with contextlib.suppress(OSError):
+            conn.settimeout(CLIENT_TIMEOUT_S)
+            conn.sendall(json.dumps({"exit": rc, "stdout": out, "stderr": err}).encode() + b"\n")
+
+    # the loop thread
+    def serve(self, max_items: int = 64) -> int:
+        """Run waiting requests on the calling (loop) thread. Returns how many ran."""
+        n = 0
+        while n < max_items:
+            try:
+                r = self.requests.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                r.result = self.execute(r.argv)
+            except Exception as e:  # noqa: BLE001 - a request must never stop the service
+                log.exception("control request %s failed", r.argv[:1])
+                r.result = (1, "", f"ssp-agent: internal error in the running agent: {e}\n")
+            r.done.set()
+            n += 1
+        return n
+
+    def close(self) -> None:
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        while True:  # whoever still waits is told the agent stopped (their default result)
+            try:
+                self.requests.get_nowait().done.set()
+            except queue.Empty:
+                break
+        self._thread.join(timeout=2)
+
+
+def run_forwarded(argv: list[str], node, status_extra: Callable[[], dict] | None = None) -> tuple[int, str, str]:
+    """Execute one forwarded command line on `node` (the running agent's), capturing what the verb
+    prints. Only the FORWARDED verbs; anything else is refused."""
+    from . import cli
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            args = cli.build_parser().parse_args(argv)
+        except SystemExit as e:  # argparse already explained on stderr
+            return (e.code if isinstance(e.code, int) else 2), out.getvalue(), err.getvalue()
+        if args.verb not in FORWARDED:
+            return 2, "", f"ssp-agent: {args.verb} is not served by a running agent; stop it first\n"
+        with cli.serving(node, status_extra):
+            rc = cli.dispatch(args)
+    return rc, out.getvalue(), err.getvalue()
