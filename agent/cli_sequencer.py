@@ -24,10 +24,16 @@ def _group(text: str) -> bytes:
     return gid
 
 
-def _open(args):
+def _open(args, *, reader_ok: bool = False, serve: bool = False):
+    """The sequencer, resumed (§22.6 step 1). While a `sequencer run` holds the home, reads
+    (``reader_ok``) go to its committed state read-only; writes are refused (use the broker)."""
     from .sequencer import service
     try:
-        return service.Sequencer(Path(args.home))
+        return service.Sequencer(Path(args.home), serve=serve)
+    except service.SequencerServing as e:
+        if reader_ok:
+            return service.Reader(Path(args.home))
+        raise Refused(str(e)) from None
     except service.SequencerRefused as e:
         raise Refused(str(e)) from None
     except service.SequencerFault as e:
@@ -84,7 +90,7 @@ def cmd_submit(args) -> int:
 
 def cmd_receipt(args) -> int:
     gid = _group(args.group)
-    with _open(args) as s:
+    with _open(args, reader_ok=True) as s:
         got = s.receipt(gid, args.epoch)
     if isinstance(got, bytes):
         _print({"receipt": got.hex()})
@@ -94,8 +100,40 @@ def cmd_receipt(args) -> int:
 
 
 def cmd_status(args) -> int:
-    with _open(args) as s:
+    with _open(args, reader_ok=True) as s:
         _print(s.status())
+    return EXIT_OK
+
+
+def cmd_run(args) -> int:
+    import signal
+    from .sequencer import serve, service
+    password = None
+    if args.password_file:
+        try:
+            password = Path(args.password_file).read_text().strip()
+        except OSError as e:
+            raise Refused(f"cannot read --password-file {args.password_file}: {e.strerror}") from None
+    try:
+        settings = serve.BrokerSettings.from_url(args.broker, ca_file=args.ca_file, username=args.username,
+                                                 password=password, prefix=args.prefix)
+    except ValueError as e:
+        raise Refused(str(e)) from None
+    seq = _open(args, serve=True)
+    server = serve.Server(seq, settings)
+    try:
+        try:
+            server.start(args.connect_timeout)
+        except service.SequencerFault as e:
+            raise Fault(str(e)) from None
+        signal.signal(signal.SIGTERM, lambda *_: server.stop.set())
+        signal.signal(signal.SIGINT, lambda *_: server.stop.set())
+        _print({"serving": args.broker, "prefix": settings.prefix, "sequencer_key": seq.public_key.hex()})
+        sys.stdout.flush()
+        server.serve_forever()
+    finally:
+        server.close()
+        seq.close()
     return EXIT_OK
 
 
@@ -120,3 +158,11 @@ def register(sub, mailbox_sub) -> None:
     a.set_defaults(fn=cmd_receipt)
     a = ss.add_parser("status", help="groups, current epochs, receipt-chain heads, discontinuities (JSON)")
     a.set_defaults(fn=cmd_status)
+    a = ss.add_parser("run", help="serve groups through an MQTT 5 broker until SIGTERM/SIGINT")
+    a.add_argument("--broker", required=True, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
+    a.add_argument("--prefix", default=None, help="topic prefix (default sovm-seq)")
+    a.add_argument("--ca-file", help="CA bundle for TLS (implies TLS)")
+    a.add_argument("--username", help="broker username (password from --password-file)")
+    a.add_argument("--password-file", help="file holding the broker password")
+    a.add_argument("--connect-timeout", type=float, default=10.0)
+    a.set_defaults(fn=cmd_run)

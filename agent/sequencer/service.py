@@ -39,6 +39,7 @@ from agent.sequencer.store import Store
 
 RECEIPT_KEY = "receipts"          # the key name of the receipt-signing identity in the keystore
 DB_NAME, JOURNAL_NAME, LOCK_NAME, PIN_NAME = "sequencer.db", "sign-journal", "sequencer.lock", "keystore.pin"
+RUN_LOCK_NAME = "run.lock"        # held exclusively by `sequencer run`, shared by every other verb
 
 Hook = Callable[[str], None]
 
@@ -49,6 +50,10 @@ class SequencerRefused(Exception):
 
 class SequencerFault(Exception):
     """A local fault: state or keystore unusable (CLI exit 1)."""
+
+
+class SequencerServing(SequencerRefused):
+    """A `sequencer run` holds this home: requests go through the broker, reads are read-only."""
 
 
 @dataclass(frozen=True)
@@ -91,11 +96,27 @@ def _with_pin(conf: dict) -> dict:
     return conf
 
 
-def _lock(home: Path) -> int:
+def _lock(home: Path, name: str = LOCK_NAME, how: int = fcntl.LOCK_EX) -> int:
     """One sequencer per home (§22.6 singularity, locally): concurrent verbs queue on this lock."""
-    fd = os.open(str(home / LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    fd = os.open(str(home / name), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, how)
+    except BlockingIOError:
+        os.close(fd)
+        raise SequencerServing(f"a `sequencer run` is serving {home}: submit and register through the "
+                               "broker (docs/sequencer.md)") from None
     return fd
+
+
+def serving(home: Path) -> bool:
+    """True while a `sequencer run` holds ``home``."""
+    try:
+        os.close(_lock(Path(home), RUN_LOCK_NAME, fcntl.LOCK_SH | fcntl.LOCK_NB))
+    except SequencerServing:
+        return True
+    except FileNotFoundError:
+        return False
+    return False
 
 
 def init(home: Path, keystore: Optional[dict] = None) -> bytes:
@@ -140,13 +161,17 @@ def init(home: Path, keystore: Optional[dict] = None) -> bytes:
 
 
 class Sequencer:
-    def __init__(self, home: Path, *, fault_hook: Optional[Hook] = None) -> None:
+    def __init__(self, home: Path, *, fault_hook: Optional[Hook] = None, serve: bool = False) -> None:
         """Open a sequencer home and resume (§22.6 step 1) before anything is served.
-        ``fault_hook`` is the test seam for named crash points; production passes none."""
+        ``serve``: for `sequencer run`, which holds the home for its lifetime (a second one waits,
+        a standby); other openers share the run lock and are refused (SequencerServing) while a
+        run holds it. ``fault_hook`` is the test seam for named crash points; production passes none."""
         self.home = Path(home)
         if not (self.home / DB_NAME).exists():
             raise SequencerRefused(f"{self.home} holds no sequencer (run `sequencer init` first)")
         self._hook = fault_hook
+        self._lock_fd = None
+        self._run_fd = _lock(self.home, RUN_LOCK_NAME, fcntl.LOCK_EX if serve else fcntl.LOCK_SH | fcntl.LOCK_NB)
         self._lock_fd = _lock(self.home)
         self.bridge: Optional[SigningBridge] = None
         try:
@@ -175,6 +200,9 @@ class Sequencer:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        if getattr(self, "_run_fd", None) is not None:
+            os.close(self._run_fd)
+            self._run_fd = None
 
     def __enter__(self) -> "Sequencer":
         return self
@@ -248,15 +276,7 @@ class Sequencer:
         return self.store.commit_message(group_id, epoch)
 
     def status(self) -> dict:
-        groups = []
-        for gid in self.store.group_ids():
-            s = self.store.group(gid)
-            groups.append({"group": gid.hex(), "current_epoch": s.current_epoch, "origin": s.origin,
-                           "head": None if s.head is None else {"epoch": s.head.epoch,
-                                                                "receipt_hash": s.head.receipt_hash.hex()},
-                           "discontinuities": list(s.discontinuities), "failed_closed": s.failed_closed})
-        return {"sequencer_key": self.public_key.hex(), "groups": groups, "events": self.store.events(),
-                "keystore": self.bridge.keystore.describe()}
+        return dict(_status(self.store), keystore=self.bridge.keystore.describe())
 
     # -- helpers ---------------------------------------------------------------------------
     def _rejected(self, d: core.Decision) -> Rejected:
@@ -306,3 +326,40 @@ class Sequencer:
                                                  "journal_epoch": top})
             for e in range(state.current_epoch, top + 1):
                 self._settle(gid, e, cause="rollback")
+
+
+def _status(store: Store) -> dict:
+    groups = []
+    for gid in store.group_ids():
+        s = store.group(gid)
+        groups.append({"group": gid.hex(), "current_epoch": s.current_epoch, "origin": s.origin,
+                       "head": None if s.head is None else {"epoch": s.head.epoch,
+                                                            "receipt_hash": s.head.receipt_hash.hex()},
+                       "discontinuities": list(s.discontinuities), "failed_closed": s.failed_closed})
+    return {"sequencer_key": store.get_meta("receipt_key")["public_key"], "groups": groups,
+            "events": store.events()}
+
+
+class Reader:
+    """Read-only access beside a running `sequencer run` (which resumed before serving, §22.6
+    step 1): the committed state only, never a signature."""
+
+    def __init__(self, home: Path) -> None:
+        self.store = Store(Path(home) / DB_NAME, readonly=True)
+
+    def receipt(self, group_id: bytes, epoch: int) -> Union[bytes, Absent]:
+        raw = self.store.receipt(group_id, epoch)
+        return raw if raw is not None else Absent(self.store.is_discontinuity(group_id, epoch))
+
+    def status(self) -> dict:
+        conf = self.store.get_meta("keystore") or {}
+        return dict(_status(self.store), keystore={"kind": conf.get("kind")}, serving=True)
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

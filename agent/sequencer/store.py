@@ -43,8 +43,12 @@ CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind T
 
 
 class Store:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, readonly: bool = False) -> None:
+        """``readonly``: a reader beside a running `sequencer run` (WAL: it sees committed state)."""
         self.path = Path(path)
+        if readonly:
+            self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None)
+            return
         self.conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=FULL")
@@ -92,6 +96,10 @@ class Store:
     def is_discontinuity(self, group_id: bytes, epoch: int) -> bool:
         return self.conn.execute("SELECT 1 FROM discontinuities WHERE group_id = ? AND epoch = ?",
                                  (group_id, epoch)).fetchone() is not None
+
+    def discontinuities(self) -> list[tuple[bytes, int, Optional[bytes]]]:
+        return [(bytes(g), e, None if m is None else bytes(m)) for g, e, m in self.conn.execute(
+            "SELECT group_id, epoch, message FROM discontinuities ORDER BY group_id, epoch")]
 
     def pending(self) -> list[tuple[bytes, int, bytes, bytes, bool]]:
         return [(bytes(g), e, bytes(h), bytes(m), bool(b)) for g, e, h, m, b in self.conn.execute(

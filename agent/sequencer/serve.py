@@ -1,0 +1,212 @@
+"""`ssp-agent sequencer run --broker URL`: the sequencer served through an MQTT 5 broker
+(SOVM §22.5-§22.7; docs/sequencer.md "Serving through the broker").
+
+Topics (PREFIX defaults to "sovm-seq"; GROUP is the group_id in lowercase hex):
+
+  PREFIX/GROUP/submit      request:  one MLSMessage exactly as the member sent it
+  PREFIX/GROUP/register    request:  the initial epoch as decimal text (§22.6 bootstrap)
+  PREFIX/GROUP/receipt     request:  an epoch as decimal text
+  PREFIX/GROUP/accepted    published, retained, QoS 1, after the receipt is durable: deterministic
+                           CBOR {"epoch": E, "commit": the canonical Commit, "receipt": its receipt}
+  PREFIX/GROUP/discontinuity/E   published, retained, QoS 1: CBOR {"epoch": E, "commit": bytes/null}
+                           (§22.6 step 4: surfaced to every member alike, by the broker)
+
+A request carries an MQTT 5 response topic and correlation data; the answer is the JSON the CLI
+prints for the same verb (cli-contract.md). Requests are acknowledged to the broker only after
+their answer is queued, so a request the sequencer never finished (crash) is redelivered by the
+broker (persistent session) and answered then: a Commit that won before the crash is answered
+`stale_epoch` with its own receipt as head — its sender sees its commit_hash in it.
+
+One wildcard subscription per request kind: an idle group costs nothing (no per-group polling,
+no per-group subscription). Requests are handled one at a time on one thread (the Sequencer and
+its SQLite connection are not shared).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import ssl
+import threading
+from dataclasses import dataclass
+from typing import Optional
+from urllib.parse import unquote, urlparse
+
+from agent.core import codec
+from agent.sequencer import service
+
+log = logging.getLogger("ssp.sequencer")
+DEFAULT_PREFIX = "sovm-seq"
+
+
+@dataclass
+class BrokerSettings:
+    host: str
+    port: int
+    tls: bool = False
+    ca_file: Optional[str] = None
+    username: Optional[str] = None
+    password: Optional[str] = None
+    prefix: str = DEFAULT_PREFIX
+    session_expiry_s: int = 7 * 86400
+
+    @classmethod
+    def from_url(cls, url: str, **kw) -> "BrokerSettings":
+        u = urlparse(url)
+        if u.scheme not in ("mqtt", "mqtts") or not u.hostname:
+            raise ValueError(f"broker URL must be mqtt://HOST:PORT or mqtts://HOST:PORT, got {url!r}")
+        tls = u.scheme == "mqtts"
+        try:
+            port = u.port or (8883 if tls else 1883)
+        except ValueError:
+            raise ValueError(f"broker URL {url!r} has a bad port") from None
+        s = cls(u.hostname, port, tls, username=unquote(u.username) if u.username else None,
+                password=unquote(u.password) if u.password else None)
+        for k, v in kw.items():
+            if v is not None:
+                setattr(s, k, v)
+        if s.ca_file:
+            s.tls = True
+        return s
+
+
+def answer_json(ans: service.Answer) -> dict:
+    if isinstance(ans, service.Accepted):
+        return {"accepted": True, "group": ans.group_id.hex(), "epoch": ans.epoch, "receipt": ans.receipt.hex()}
+    return {"accepted": False, "reason": ans.reason, "group": None if ans.group_id is None else ans.group_id.hex(),
+            "current_epoch": ans.current_epoch, "head": None if ans.head is None else ans.head.hex()}
+
+
+class Server:
+    def __init__(self, seq: service.Sequencer, settings: BrokerSettings) -> None:
+        import paho.mqtt.client as paho
+        from paho.mqtt.enums import CallbackAPIVersion
+        self.seq, self.s = seq, settings
+        self.inbound: "queue.Queue" = queue.Queue()
+        self.stop = threading.Event()
+        self.subscribed = threading.Event()
+        self._published_gaps: set = set()
+        c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"sovm-seq-{seq.public_key.hex()[2:26]}",
+                        protocol=paho.MQTTv5, manual_ack=True)
+        if settings.username is not None:
+            c.username_pw_set(settings.username, settings.password)
+        if settings.tls:
+            c.tls_set(ca_certs=settings.ca_file, cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
+        c.on_connect = self._on_connect
+        c.on_subscribe = lambda *a: self.subscribed.set()
+        c.on_message = lambda client, userdata, msg: self.inbound.put(msg)
+        c.reconnect_delay_set(0.5, 30)
+        self.client = c
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            log.error("broker refused the connection: %s", reason_code)
+            return
+        p = self.s.prefix
+        client.subscribe([(f"{p}/+/submit", 1), (f"{p}/+/register", 1), (f"{p}/+/receipt", 1)])
+
+    def start(self, timeout: float = 10.0) -> None:
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = int(self.s.session_expiry_s)
+        self.client.connect_async(self.s.host, self.s.port, keepalive=30, clean_start=False, properties=props)
+        self.client.loop_start()
+        if not self.subscribed.wait(timeout):
+            self.client.loop_stop()
+            raise service.SequencerFault(f"broker {self.s.host}:{self.s.port} unreachable or refused the subscription")
+        self._publish_discontinuities()
+
+    def serve_forever(self) -> None:
+        while not self.stop.is_set():
+            try:
+                msg = self.inbound.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            self.handle(msg)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.client.disconnect()
+        self.client.loop_stop()
+
+    # -- one request ---------------------------------------------------------------------------
+    def handle(self, msg) -> None:
+        parts = msg.topic.split("/")
+        kind = parts[-1] if len(parts) >= 3 else ""
+        try:
+            gid = bytes.fromhex(parts[-2])
+        except (ValueError, IndexError):
+            gid = None
+        try:
+            if kind == "submit":
+                body = self._submit(gid, bytes(msg.payload))
+            elif kind == "register":
+                body = self._register(gid, bytes(msg.payload))
+            elif kind == "receipt":
+                body = self._receipt(gid, bytes(msg.payload))
+            else:
+                body = {"error": "unknown request"}
+        except service.SequencerRefused as e:
+            body = {"error": str(e)}
+        self._reply(msg, body)
+        if msg.qos > 0:
+            self.client.ack(msg.mid, msg.qos)   # only now: an unanswered request is redelivered
+
+    def _submit(self, gid: Optional[bytes], payload: bytes) -> dict:
+        # the framing, not the topic, names the group (§22.5: the sequencer reads the framing)
+        ans = self.seq.submit(payload)
+        if isinstance(ans, service.Accepted):
+            self._publish_accepted(ans.group_id, ans.epoch, payload, ans.receipt)
+        self._publish_discontinuities()
+        return answer_json(ans)
+
+    def _register(self, gid: Optional[bytes], payload: bytes) -> dict:
+        try:
+            epoch = int(payload.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            return {"error": "register: the payload is the initial epoch as decimal text"}
+        if gid is None:
+            return {"error": "register: the topic must name the group in hex"}
+        self.seq.register(gid, epoch)
+        return {"group": gid.hex(), "epoch": epoch}
+
+    def _receipt(self, gid: Optional[bytes], payload: bytes) -> dict:
+        try:
+            epoch = int(payload.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            return {"error": "receipt: the payload is an epoch as decimal text"}
+        if gid is None:
+            return {"error": "receipt: the topic must name the group in hex"}
+        got = self.seq.receipt(gid, epoch)
+        if isinstance(got, bytes):
+            return {"receipt": got.hex()}
+        return {"receipt": None, "absent": True, "discontinuity": got.discontinuity}
+
+    # -- publications ------------------------------------------------------------------------
+    def _reply(self, msg, body: dict) -> None:
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+        props = getattr(msg, "properties", None)
+        rt = getattr(props, "ResponseTopic", None) if props is not None else None
+        if not rt:
+            return
+        out = Properties(PacketTypes.PUBLISH)
+        corr = getattr(props, "CorrelationData", None)
+        if corr is not None:
+            out.CorrelationData = corr
+        self.client.publish(rt, json.dumps(body).encode(), qos=1, properties=out)
+
+    def _publish_accepted(self, gid: bytes, epoch: int, commit: bytes, receipt: bytes) -> None:
+        body = codec.encode({"epoch": epoch, "commit": commit, "receipt": receipt})
+        self.client.publish(f"{self.s.prefix}/{gid.hex()}/accepted", body, qos=1, retain=True)
+
+    def _publish_discontinuities(self) -> None:
+        """§22.6 step 4: every recorded gap, retained on the broker for every member alike."""
+        for g, e, m in self.seq.store.discontinuities():
+            key = (bytes(g), e)
+            if key in self._published_gaps:
+                continue
+            body = codec.encode({"epoch": e, "commit": None if m is None else bytes(m)})
+            self.client.publish(f"{self.s.prefix}/{bytes(g).hex()}/discontinuity/{e}", body, qos=1, retain=True)
+            self._published_gaps.add(key)

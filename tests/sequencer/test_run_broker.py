@@ -1,0 +1,137 @@
+"""`ssp-agent sequencer run --broker URL` against a real mosquitto: requests and answers over MQTT 5
+(response topic + correlation data), the canonical Commit and its receipt published retained,
+reads beside the running server, refusal of local writes, SIGTERM."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import uuid
+
+import cbor2
+import paho.mqtt.client as paho
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from agent.sequencer import receipts
+from agent.sequencer.framing import encode_private_message
+from agent.transport.broker import Broker, find_mosquitto
+
+G = bytes.fromhex("a7" * 16)
+
+
+@pytest.fixture
+def broker(tmp_path):
+    if find_mosquitto() is None:
+        pytest.fail("mosquitto is not installed (apt-get install mosquitto)")
+    b = Broker(workdir=tmp_path / "broker").start()
+    yield b
+    b.close()
+
+
+class Member:
+    """A member's MQTT client: requests with a response topic, answers by correlation data."""
+
+    def __init__(self, url_port: int, name: str) -> None:
+        self.answers: "queue.Queue" = queue.Queue()
+        self.published: "queue.Queue" = queue.Queue()
+        self.reply_to = f"members/{name}/{uuid.uuid4().hex}"
+        self.c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"{name}-{uuid.uuid4().hex[:8]}",
+                             protocol=paho.MQTTv5)
+        self.c.on_message = self._msg
+        self.c.connect("127.0.0.1", url_port)
+        self.c.loop_start()
+        self.c.subscribe([(self.reply_to, 1), ("sovm-seq/+/accepted", 1), ("sovm-seq/+/discontinuity/+", 1)])
+
+    def _msg(self, client, userdata, msg) -> None:
+        if msg.topic == self.reply_to:
+            self.answers.put((bytes(msg.properties.CorrelationData), json.loads(msg.payload)))
+        else:
+            self.published.put((msg.topic, bytes(msg.payload), msg.retain))
+
+    def request(self, topic: str, payload: bytes, timeout: float = 20.0) -> dict:
+        corr = uuid.uuid4().bytes
+        p = Properties(PacketTypes.PUBLISH)
+        p.ResponseTopic = self.reply_to
+        p.CorrelationData = corr
+        self.c.publish(topic, payload, qos=1, properties=p)
+        got_corr, body = self.answers.get(timeout=timeout)
+        assert got_corr == corr
+        return body
+
+    def close(self) -> None:
+        self.c.loop_stop()
+        self.c.disconnect()
+
+
+def cli(home, *args):
+    return subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(home), "sequencer", *args],
+                          capture_output=True, text=True, env=dict(os.environ))
+
+
+def test_run_serves_groups_through_the_broker(tmp_path, broker):
+    home = tmp_path / "seq"
+    key = bytes.fromhex(json.loads(cli(home, "init").stdout)["sequencer_key"])
+    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "--home", str(home), "sequencer", "run",
+                             "--broker", broker.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ))
+    members = []
+    try:
+        ready = json.loads(proc.stdout.readline())
+        assert ready["sequencer_key"] == key.hex()
+        members = [Member(broker.port, n) for n in ("alice", "bob", "carol")]
+        assert members[0].request(f"sovm-seq/{G.hex()}/register", b"5") == {"group": G.hex(), "epoch": 5}
+        # three members race Commits for epoch 5: exactly one accepted, the others told to rebuild
+        for m, tag in zip(members, (b"a", b"b", b"c")):
+            p = Properties(PacketTypes.PUBLISH)
+            p.ResponseTopic = m.reply_to
+            p.CorrelationData = tag
+            m.c.publish(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 5, ciphertext=tag * 8), qos=1,
+                        properties=p)
+        answers = [m.answers.get(timeout=20)[1] for m in members]
+        won = [a for a in answers if a["accepted"]]
+        assert len(won) == 1
+        for a in answers:
+            if not a["accepted"]:
+                assert a["reason"] == "stale_epoch" and a["head"] == won[0]["receipt"] and a["current_epoch"] == 6
+        r = receipts.verify_receipt(bytes.fromhex(won[0]["receipt"]), key)
+        # every member sees the canonical Commit and its receipt published by the sequencer
+        for m in members:
+            topic, body, _retain = m.published.get(timeout=20)
+            pub = cbor2.loads(body)
+            assert topic == f"sovm-seq/{G.hex()}/accepted" and pub["receipt"] == bytes.fromhex(won[0]["receipt"])
+            assert receipts.commit_hash(pub["commit"]) == r.commit_hash and pub["epoch"] == 5
+        # a member arriving later gets the retained head
+        late = Member(broker.port, "dave")
+        members.append(late)
+        topic, body, retain = late.published.get(timeout=20)
+        assert retain and cbor2.loads(body)["receipt"] == bytes.fromhex(won[0]["receipt"])
+        assert late.request(f"sovm-seq/{G.hex()}/receipt", b"5") == {"receipt": won[0]["receipt"]}
+        assert late.request(f"sovm-seq/{G.hex()}/receipt", b"6") == {"receipt": None, "absent": True,
+                                                                      "discontinuity": False}
+        # beside the running server: reads answer from its committed state; writes are refused
+        st = cli(home, "status")
+        assert st.returncode == 0, st.stderr
+        status = json.loads(st.stdout)
+        assert status["serving"] is True and status["groups"][0]["current_epoch"] == 6
+        got = cli(home, "receipt", "--group", G.hex(), "--epoch", "5")
+        assert json.loads(got.stdout) == {"receipt": won[0]["receipt"]}
+        f = tmp_path / "m"
+        f.write_bytes(encode_private_message(G, 6))
+        refused = cli(home, "submit", str(f))
+        assert refused.returncode == 2 and "through the broker" in refused.stderr
+    finally:
+        for m in members:
+            m.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0, proc.stderr.read()
+    # after the server stopped, the CLI owns the home again and the state is where it left it
+    f = tmp_path / "m"
+    ok = cli(home, "submit", str(f))
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["epoch"] == 6
