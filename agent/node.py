@@ -31,7 +31,6 @@ log = logging.getLogger("ssp_agent")
 EVENT_KEY = "events"  # the key name of the node's event-signing key in its keystore
 HELD_LIMIT_PER_TABLE = 10_000  # a fictional table cannot fill the disk (§13.6 held row)
 JOURNAL_COMPACT_BYTES = 4 * 2**20  # compact the signing journal when it grew this much since the last time
-SURFACED_LIMIT = 100_000
 
 
 class NodeError(RuntimeError):
@@ -60,7 +59,6 @@ class Node:
         self.bridge = bridge
         self.read_only = read_only
         self._pool = None
-        self._surfaced_writes = 0
         self.site_id: bytes = bytes(db.get_meta(conn, "site_id"))
         self.mesh_id: bytes = bytes(db.get_meta(conn, "mesh_id"))
         self.authorities: set[bytes] = {bytes.fromhex(a) for a in json.loads(db.get_meta(conn, "authorities", "[]"))}
@@ -112,6 +110,9 @@ class Node:
             db.set_meta(conn, "keystore", json.dumps(ks_conf))
             db.set_meta(conn, "machine", ident.machine_fingerprint())
             db.set_meta(conn, "clock_ceiling", 0)
+            db.set_meta(conn, "surfaced_limit", prof.surfaced_limit)
+            db.set_meta(conn, "records_limit", prof.records_limit)
+            db.set_meta(conn, "records_limit_bytes", prof.records_limit_bytes)
             conn.execute("INSERT INTO keyring VALUES (?, ?, NULL, NULL, 'self')", (site_id, public_key))
             for p in manifest.peers:
                 if p.site_id == site_id:
@@ -135,6 +136,8 @@ class Node:
         if not path.exists():
             raise NodeError(f"{home} holds no node; create one with `ssp-agent --home {home} init --manifest FILE`")
         conn = db.connect_readonly(path) if read_only else db.connect(path)
+        if not read_only:
+            db.ensure_bounds(conn)
         if check_machine:
             bound = db.get_meta(conn, "machine")
             here = ident.machine_fingerprint()
@@ -518,11 +521,9 @@ class Node:
 
     def _surface(self, o: Outcome, now: int, kind: str | None = None) -> Outcome:
         """Record what the spec says to surface (or log) where `ssp-agent events` lists it.
-        The record is bounded (newest SURFACED_LIMIT kept): a hostile peer cannot fill the disk."""
+        The store bounds the record (the newest `surfaced_limit` rows are kept, evictions counted:
+        agent/store/db.py), in every process: a hostile peer cannot fill the disk."""
         kind = kind or o.status
-        self._surfaced_writes += 1
-        if self._surfaced_writes % 1000 == 0:
-            self.conn.execute("DELETE FROM surfaced WHERE seq <= (SELECT max(seq) FROM surfaced) - ?", (SURFACED_LIMIT,))
         self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, event_id, site_id, qualified, detail)"
                           " VALUES (?,?,?,?,?,?,?)",
                           (now, kind, o.reason, o.event_id, o.site_id if o.verified else None, o.table,
@@ -857,9 +858,17 @@ class Node:
                 "keystore": self.bridge.describe() if self.bridge else self._keystore_card(),
                 "events": self.conn.execute("SELECT count(*) FROM events").fetchone()[0],
                 "held": self.conn.execute("SELECT count(*) FROM held").fetchone()[0],
+                "bounds": self._bounds(),
                 "tables": {q: {"category": t.tdef.category, "retention": t.tdef.retention,
                                "horizon": f"{t.horizon[0]}.{t.horizon[1]}" if t.horizon else "0.0"}
                            for q, t in sorted(self.tables.items())}}
+
+    def _bounds(self) -> dict:
+        """The store-enforced bounds on what peers can make this node keep, and what each evicted
+        or refused (docs/apply.md "Bounds"): never silent."""
+        from .store import sync_state
+        return {"surfaced": db.surfaced_bounds(self.conn),
+                "records": sync_state.record_bounds(self.conn, self.site_id)}
 
     def _keystore_card(self) -> dict:
         """What a read-only status says of the keystore without opening it (no worker, no device):

@@ -40,6 +40,9 @@ class Profile:
     backfill_rows_per_cycle: int = 1000
     session_expiry_s: int = 7 * 86400
     keystore: dict = field(default_factory=lambda: {"kind": "software"})
+    surfaced_limit: int = 100_000       # surfaced rows kept (store-enforced; docs/apply.md "Bounds")
+    records_limit: int = 10_000         # control records stored from others, in total
+    records_limit_bytes: int = 16 * 2**20
 
     def as_dict(self) -> dict:
         return {"name": self.name, "description": self.description, "disk_budget_bytes": self.disk_budget_bytes,
@@ -47,7 +50,8 @@ class Profile:
                 "eviction_interval_s": self.eviction_interval_s, "cadence_s": self.cadence_s,
                 "batch_limit": self.batch_limit, "body_limit_bytes": self.body_limit_bytes,
                 "backfill_rows_per_cycle": self.backfill_rows_per_cycle, "session_expiry_s": self.session_expiry_s,
-                "keystore": dict(self.keystore)}
+                "keystore": dict(self.keystore), "surfaced_limit": self.surfaced_limit,
+                "records_limit": self.records_limit, "records_limit_bytes": self.records_limit_bytes}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
@@ -90,7 +94,10 @@ def parse_profile(text: str, origin: str = "profile") -> Profile:
         cadence_s=num(sync, "cadence_s", 30, float, 0.05), batch_limit=num(sync, "batch_limit", 1000, int, 1),
         body_limit_bytes=num(sync, "body_limit_bytes", 256 * 1024, int, 1024),
         backfill_rows_per_cycle=num(sync, "backfill_rows_per_cycle", 1000, int, 1),
-        session_expiry_s=num(sync, "session_expiry_s", 7 * 86400, int, 0), keystore=dict(ks))
+        session_expiry_s=num(sync, "session_expiry_s", 7 * 86400, int, 0), keystore=dict(ks),
+        surfaced_limit=num(store, "surfaced_limit", 100_000, int, 1),
+        records_limit=num(store, "records_limit", 10_000, int, 1),
+        records_limit_bytes=int(num(store, "records_limit_mb", 16, float, 0.001) * 2**20))
 
 
 def _builtin():

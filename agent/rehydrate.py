@@ -108,7 +108,8 @@ def handle_records(driver, raws: list, now: int) -> dict:
     SyncDriver.apply_records, before the body's events."""
     from .store import sync_state as st
     node, conn = driver.node, driver.conn
-    out = {"stored": 0, "known": 0, "dropped": 0, "reset": 0}
+    out = {"stored": 0, "known": 0, "dropped": 0, "reset": 0, "refused": 0}
+    budget = st.RecordBudget(conn, node.site_id)
     for raw in raws:
         h = record_hash(bytes(raw))
         if conn.execute("SELECT 1 FROM rehydrate_records WHERE record_hash=?", (h,)).fetchone():
@@ -130,6 +131,9 @@ def handle_records(driver, raws: list, now: int) -> dict:
             out["dropped"] += 1
             conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
                          (now, "record_dropped", e.reason, json.dumps({"type": CONTENT_TYPE})))
+            continue
+        if not budget.admit(r["subject"], r["raw"], CONTENT_TYPE, r["record_hash"], now):
+            out["refused"] += 1   # over the record bound: neither stored nor acted upon
             continue
         _store(conn, r)
         out["stored"] += 1
@@ -400,8 +404,10 @@ def handle_truncations(node, raws: list, now: int) -> dict:
     from .core.records import RecordError, record_hash as rh, verify_truncation
     from .outcomes import to_json
     _ensure_trunc(node.conn)
-    out = {"stored": 0, "known": 0, "dropped": 0, "surfaced_rows": 0}
+    out = {"stored": 0, "known": 0, "dropped": 0, "surfaced_rows": 0, "refused": 0}
     own = node_public_key(node)
+    from .store.sync_state import RecordBudget
+    budget = RecordBudget(node.conn, node.site_id)
 
     def entry_of(kid: bytes):
         return (own, None) if kid == node.site_id else node.keyring.get(kid)
@@ -419,6 +425,9 @@ def handle_truncations(node, raws: list, now: int) -> dict:
             node.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
                               (now, "record_dropped", e.reason, json.dumps({"type": "sovm/ssp-truncated-v1",
                                                                             "detail": e.detail})))
+            continue
+        if not budget.admit(t.issuer, t.raw, "sovm/ssp-truncated-v1", t.record_hash, now):
+            out["refused"] += 1   # over the record bound: not stored, its rows not surfaced as partial
             continue
         _store_trunc(node.conn, t, now)
         out["stored"] += 1

@@ -375,7 +375,7 @@ class SyncDriver:
         """Verify and store control records, each on its own (a bad one is dropped and surfaced
         without affecting the rest), then refresh the keyring overlay. Runs before the body's
         events so a vouch travelling with its subject's events admits them."""
-        out = {"stored": 0, "known": 0, "dropped": 0, "forks": 0}
+        out = {"stored": 0, "known": 0, "dropped": 0, "forks": 0, "refused": 0}
         node = self.node
         new = False
         from . import rehydrate
@@ -390,6 +390,7 @@ class SyncDriver:
         policy_before = _policy_snapshot(node, self) if raws else None
         widened: list[tuple[bytes, str]] = []
         with _txn(self.conn):
+            budget = st.RecordBudget(self.conn, node.site_id) if raws else None
             for raw in raws:
                 if not isinstance(raw, (bytes, bytearray)):
                     continue
@@ -401,6 +402,9 @@ class SyncDriver:
                 except RecordError as e:
                     out["dropped"] += 1
                     _surface(self.conn, now, "record_dropped", e.reason, {"detail": e.detail})
+                    continue
+                if not budget.admit(r.issuer, r.raw, r.kind, r.record_hash, now):
+                    out["refused"] += 1   # over the record bound: not stored, surfaced (agent/store/sync_state.py)
                     continue
                 if st.put_record(self.conn, r):
                     out["stored"] += 1

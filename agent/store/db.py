@@ -50,6 +50,38 @@ CREATE TABLE IF NOT EXISTS watermarks (
 """
 
 
+# ---------------------------------------------------------------- bounds on what peers can make us store
+# The surfaced record (`ssp-agent events`) keeps the newest `surfaced_limit` rows (meta; set from the
+# profile at init). The bound is a trigger, so every process and every insert path honours it (the
+# apply path, record and rehydration handling, the disk-budget check...), and every row it evicts
+# is counted in meta `surfaced_evicted` (shown by `status`): never silently (issue 11 item 4).
+SURFACED_LIMIT = 100_000
+_BOUNDS_DDL = f"""
+CREATE TRIGGER IF NOT EXISTS surfaced_bound AFTER INSERT ON surfaced
+WHEN NEW.seq > coalesce((SELECT value FROM meta WHERE key='surfaced_limit'), {SURFACED_LIMIT})
+BEGIN
+  INSERT INTO meta (key, value) VALUES ('surfaced_evicted', (SELECT count(*) FROM surfaced WHERE seq <=
+      NEW.seq - coalesce((SELECT value FROM meta WHERE key='surfaced_limit'), {SURFACED_LIMIT})))
+    ON CONFLICT (key) DO UPDATE SET value = value + excluded.value;
+  DELETE FROM surfaced WHERE seq <= NEW.seq - coalesce((SELECT value FROM meta WHERE key='surfaced_limit'),
+                                                       {SURFACED_LIMIT});
+END
+"""
+
+
+def ensure_bounds(conn: sqlite3.Connection) -> None:
+    """Install the store-enforced bounds in a home made before they existed (a writing open)."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type='trigger' AND name='surfaced_bound'").fetchone() is None:
+        conn.execute(_BOUNDS_DDL)
+
+
+def surfaced_bounds(conn: sqlite3.Connection) -> dict:
+    """What `status` shows: rows kept, the bound, and how many rows the bound has evicted."""
+    return {"rows": conn.execute("SELECT count(*) FROM surfaced").fetchone()[0],
+            "limit": int(get_meta(conn, "surfaced_limit", SURFACED_LIMIT)),
+            "evicted": int(get_meta(conn, "surfaced_evicted", 0))}
+
+
 class StoreError(RuntimeError):
     """A local storage fault (never a protocol error): the CLI prints its one-line message, which
     says what is wrong and what to do, and exits 1."""
@@ -140,6 +172,7 @@ def create(conn: sqlite3.Connection) -> None:
     # auto_vacuum must be chosen before the first table exists (eviction reclaims space).
     conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
     conn.executescript(_DDL)
+    conn.execute(_BOUNDS_DDL)
     conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
 
 

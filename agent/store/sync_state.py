@@ -279,6 +279,75 @@ def _value_from(kind: str, text: str):
     return ((v[0][0], v[0][1]), bytes.fromhex(v[1]) if v[1] else None)
 
 
+# ---------------------------------------------------------------- the bound on stored records
+# Control records (vouch, retire, role), rehydrate requests and truncation records are stored
+# without expiry, and a chain head in force (the vouch admitting a signer, a retirement, a role)
+# must never be evicted, nor the chain below it that peers need to resolve it (records_ordered).
+# No eviction rule is safe for all of them, so the bound refuses instead (docs/apply.md "Bounds"):
+# once the records held from other issuers reach `records_limit` records or `records_limit_bytes`
+# raw bytes (meta; set from the profile at init), a new one from another issuer is not stored,
+# the refusal is surfaced (`record_refused`, reason `record_limit`) and counted (meta
+# `records_refused`). Records this node issued itself are always stored (their bytes already
+# left through the signing journal). A dropped record stores only its surfaced row, which the
+# surfaced bound (agent/store/db.py) covers.
+RECORDS_LIMIT = 10_000
+RECORDS_LIMIT_BYTES = 16 * 2**20
+_RECORD_TABLES = (("control_records", "issuer"), ("rehydrate_records", "subject"), ("truncation_records", "issuer"))
+
+
+def record_usage(conn: sqlite3.Connection, self_site: bytes) -> tuple[int, int]:
+    """(records, raw bytes) held from issuers other than this node, over every record table."""
+    have = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    n = size = 0
+    for table, issuer in _RECORD_TABLES:
+        if table in have:
+            c, b = conn.execute(f"SELECT count(*), coalesce(sum(length(raw)), 0) FROM {table} WHERE {issuer} != ?",
+                                (self_site,)).fetchone()
+            n, size = n + c, size + b
+    return n, size
+
+
+class RecordBudget:
+    """Room for records from other issuers, read once from the store per batch of records (the
+    caller's transaction) and counted down as it admits them."""
+
+    def __init__(self, conn: sqlite3.Connection, self_site: bytes) -> None:
+        self.conn, self.self_site = conn, self_site
+        self.count, self.bytes = record_usage(conn, self_site)
+        self.limit = int(conn.execute("SELECT coalesce((SELECT value FROM meta WHERE key='records_limit'), ?)",
+                                      (RECORDS_LIMIT,)).fetchone()[0])
+        self.limit_bytes = int(conn.execute(
+            "SELECT coalesce((SELECT value FROM meta WHERE key='records_limit_bytes'), ?)",
+            (RECORDS_LIMIT_BYTES,)).fetchone()[0])
+
+    def admit(self, issuer: bytes, raw: bytes, record_type: str, record_hash: bytes, now: int) -> bool:
+        """True: store it (and it is counted). False: refused over the bound, surfaced and counted."""
+        if issuer == self.self_site:
+            return True
+        if self.count < self.limit and self.bytes + len(raw) <= self.limit_bytes:
+            self.count += 1
+            self.bytes += len(raw)
+            return True
+        self.conn.execute("INSERT INTO meta (key, value) VALUES ('records_refused', 1)"
+                          " ON CONFLICT (key) DO UPDATE SET value = value + 1")
+        self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, site_id, detail) VALUES (?,?,?,?,?)",
+                          (now, "record_refused", "record_limit", issuer, json.dumps(
+                              {"type": record_type, "record_hash": record_hash.hex(), "bytes": len(raw),
+                               "held": self.count, "held_bytes": self.bytes, "limit": self.limit,
+                               "limit_bytes": self.limit_bytes}, sort_keys=True)))
+        return False
+
+
+def record_bounds(conn: sqlite3.Connection, self_site: bytes) -> dict:
+    """What `status` shows of the record bound."""
+    n, size = record_usage(conn, self_site)
+    meta = dict(conn.execute("SELECT key, value FROM meta WHERE key IN "
+                             "('records_limit', 'records_limit_bytes', 'records_refused')").fetchall())
+    return {"held": n, "held_bytes": size, "limit": int(meta.get("records_limit", RECORDS_LIMIT)),
+            "limit_bytes": int(meta.get("records_limit_bytes", RECORDS_LIMIT_BYTES)),
+            "refused": int(meta.get("records_refused", 0))}
+
+
 def has_record(conn: sqlite3.Connection, h: bytes) -> bool:
     return conn.execute("SELECT 1 FROM control_records WHERE record_hash=?", (h,)).fetchone() is not None
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 import cbor2
 import pytest
 
+from agent.core import events as ev
 from agent.core.codec import encode
+from agent.store import db
 from agent.outcomes import APPLIED, DROPPED, DUPLICATE, HELD, REJECTED
 from agent.simpeer import SimPeer
 
@@ -245,15 +247,16 @@ def test_non_bytes_and_garbage_dropped(env):
     assert one(node, b"").status == DROPPED
 
 
-def test_surfaced_record_is_bounded_against_a_flood(env, monkeypatch):
-    import agent.node as node_mod
+def test_surfaced_record_is_bounded_against_a_flood(env):
+    """The store keeps the newest `surfaced_limit` rows and counts what it evicts (issue 11 item 4)."""
     node, a, _ = env
-    monkeypatch.setattr(node_mod, "SURFACED_LIMIT", 50)
+    with db.transaction(node.conn):
+        db.set_meta(node.conn, "surfaced_limit", 50)
     garbage = [b"\xff" + i.to_bytes(4, "big") for i in range(3000)]
     outs = node.apply_batch(garbage, NOW)
     assert all(o.status == DROPPED for o in outs)
-    n = node.conn.execute("SELECT count(*) FROM surfaced").fetchone()[0]
-    assert n <= 50 + 1000
+    assert node.status()["bounds"]["surfaced"] == {"rows": 50, "limit": 50, "evicted": 2950}
+    assert [e["event_id"] for e in node.surfaced(1000)] == [ev.event_id(g).hex() for g in garbage[-50:]]
     # The honest stream behind the flood still applies.
     assert one(node, a.event(T, {"device": "d", "seq": 1}, {"temp": 1.0}, (NOW, 0))).status == APPLIED
 
