@@ -105,6 +105,58 @@ def cmd_status(args) -> int:
     return EXIT_OK
 
 
+def _bindings(items: list[str]) -> dict[int, bytes]:
+    out = {}
+    for item in items or []:
+        epoch, _, key = item.partition(":")
+        try:
+            out[int(epoch)] = bytes.fromhex(key)
+        except ValueError:
+            raise Refused(f"--binding must be EPOCH:KEYHEX (33-byte compressed key), got {item!r}") from None
+        if len(out[int(epoch)]) != 33:
+            raise Refused("--binding keys are 33-byte compressed SEC1 P-256 keys (66 hex)")
+    if not out:
+        raise Refused("at least one --binding EPOCH:KEYHEX is needed to verify the receipts")
+    return out
+
+
+def cmd_recover(args) -> int:
+    from .sequencer import recovery
+    gid = _group(args.group)
+    bindings = _bindings(args.binding)
+    evidence = []
+    for path in args.evidence:
+        try:
+            doc = json.loads(Path(path).read_text())
+            evidence.append(recovery.MemberEvidence(str(doc["member"]), tuple(bytes.fromhex(r) for r in doc["receipts"]),
+                                                    int(doc["attested_epoch"]),
+                                                    tuple(int(e) for e in doc.get("discontinuities", []))))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise Refused(f"evidence file {path}: {e}; expected JSON {{\"member\", \"receipts\": [hex], "
+                          "\"attested_epoch\", \"discontinuities\": [epochs]}") from None
+    with _open(args) as s:
+        try:
+            out = s.recover(gid, evidence, bindings)
+        except Exception as e:
+            from .sequencer import service
+            if isinstance(e, service.SequencerRefused):
+                raise Refused(str(e)) from None
+            raise
+    if isinstance(out, recovery.Resume):
+        _print({"outcome": "resume", "group": gid.hex(), "current_epoch": out.current_epoch,
+                "head": out.head.raw.hex(), "discontinuities": list(out.discontinuities),
+                "unusable": list(out.unusable)})
+        return EXIT_OK
+    if isinstance(out, recovery.FailClosed):
+        _print({"outcome": "fail_closed", "group": gid.hex(),
+                "evidence": [{"kind": e.kind, "epoch": e.epoch} for e in out.evidence]})
+    elif isinstance(out, recovery.NotConverged):
+        _print({"outcome": "not_converged", "group": gid.hex(), "reason": out.reason, "unusable": list(out.unusable)})
+    else:
+        _print({"outcome": "genesis_reset", "group": gid.hex(), "unusable": list(out.unusable)})
+    return EXIT_REFUSED
+
+
 def cmd_run(args) -> int:
     import signal
     from .sequencer import serve, service
@@ -158,6 +210,11 @@ def register(sub, mailbox_sub) -> None:
     a.set_defaults(fn=cmd_receipt)
     a = ss.add_parser("status", help="groups, current epochs, receipt-chain heads, discontinuities (JSON)")
     a.set_defaults(fn=cmd_status)
+    a = ss.add_parser("recover", help="rebuild a lost group's state from members' receipt chains (§22.6)")
+    a.add_argument("--group", required=True, help="group_id, hex")
+    a.add_argument("--binding", action="append", help="EPOCH:KEYHEX: the sequencer bound from that epoch (repeat)")
+    a.add_argument("evidence", nargs="+", help="member evidence JSON files")
+    a.set_defaults(fn=cmd_recover)
     a = ss.add_parser("run", help="serve groups through an MQTT 5 broker until SIGTERM/SIGINT")
     a.add_argument("--broker", required=True, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
     a.add_argument("--prefix", default=None, help="topic prefix (default sovm-seq)")

@@ -278,6 +278,40 @@ class Sequencer:
     def status(self) -> dict:
         return dict(_status(self.store), keystore=self.bridge.keystore.describe())
 
+    def recover(self, group_id: bytes, evidence: list, bindings: dict[int, bytes]):
+        """§22.6 state loss, steps 1-5, for a group this sequencer holds no state for (or holds
+        frozen). Returns the recovery outcome; the state changes only on Resume (the chain is
+        adopted and CAS resumes at head.epoch + 1) and FailClosed (the group is frozen)."""
+        from agent.sequencer import recovery
+        state = self.store.group(group_id)
+        if state is not None and not state.failed_closed:
+            raise SequencerRefused(f"group {group_id.hex()} has state here (epoch {state.current_epoch}); "
+                                   "recovery is for a sequencer that lost it")
+        out = recovery.assess(group_id, evidence, bindings)
+        if isinstance(out, recovery.Resume):
+            if state is not None:
+                raise SequencerRefused(f"group {group_id.hex()} is frozen on equivocation evidence: audit and "
+                                       "migrate it (§22.6 step 4); evidence that converges now does not unfreeze it")
+            head = out.head
+            new = core.GroupState(group_id, out.current_epoch, core.Head(head.epoch, head.receipt_hash),
+                                  "recovered", out.discontinuities)
+            self.store.restore_group(new, [(r.epoch, r.commit_hash, r.raw, r.receipt_hash) for r in out.receipts],
+                                     list(out.discontinuities),
+                                     {"group": group_id.hex(), "head_epoch": head.epoch,
+                                      "members": len(evidence), "unusable": list(out.unusable)})
+        elif isinstance(out, recovery.FailClosed):
+            top = max((ev.epoch for ev in out.evidence), default=0)
+            self.store.fail_closed(group_id, top + 1, {
+                "group": group_id.hex(),
+                "evidence": [{"kind": ev.kind, "epoch": ev.epoch, "receipts": [r.hex() for r in ev.receipts]}
+                             for ev in out.evidence]})
+        else:
+            self.store.record_event("recovery_refused", {
+                "group": group_id.hex(), "outcome": type(out).__name__,
+                "reason": getattr(out, "reason", "no usable receipt evidence: domain genesis reset (§22.10)"),
+                "unusable": list(out.unusable)})
+        return out
+
     # -- helpers ---------------------------------------------------------------------------
     def _rejected(self, d: core.Decision) -> Rejected:
         assert isinstance(d, core.Reject)

@@ -141,6 +141,28 @@ class Store:
             self._put_group(new, epoch)
             self._event("discontinuity", {"group": new.group_id.hex(), "epoch": epoch, "cause": cause})
 
+    def restore_group(self, state: GroupState, chain: list[tuple[int, bytes, bytes, bytes]],
+                      gaps: list[int], detail: dict) -> None:
+        """§22.6 step 3: a group recovered from members' receipts, in one transaction: the verified
+        chain (epoch, commit_hash, receipt, receipt_hash), its recorded gaps, the state."""
+        with self._tx():
+            for epoch, ch, raw, rh in chain:
+                self.conn.execute("INSERT OR IGNORE INTO receipts VALUES (?, ?, ?, ?, ?, NULL)",
+                                  (state.group_id, epoch, ch, raw, rh))
+            for epoch in gaps:
+                self.conn.execute("INSERT OR IGNORE INTO discontinuities VALUES (?, ?, NULL, NULL, 'recovered')",
+                                  (state.group_id, epoch))
+            self._put_group(state, -1)
+            self._event("recovered", detail)
+
+    def fail_closed(self, group_id: bytes, current_epoch: int, detail: dict) -> None:
+        """§22.6 step 4: equivocation evidence freezes the group for audit and migration."""
+        with self._tx():
+            self.conn.execute(
+                "INSERT INTO groups (group_id, current_epoch, origin, failed_closed) VALUES (?, ?, 'recovered', 1) "
+                "ON CONFLICT (group_id) DO UPDATE SET failed_closed = 1", (group_id, current_epoch))
+            self._event("equivocation", detail)
+
     def record_event(self, kind: str, detail: dict) -> None:
         with self._tx():
             self._event(kind, detail)
