@@ -69,6 +69,8 @@ class RunConfig:
     max_events: int | None = None  # events per body (default: the link settings' max_events)
     secure: bool = False  # the broker authenticates devices and pins topics to them (see module doc)
     eviction_interval_s: float | None = None  # run node.run_eviction() this often (None: never)
+    limit_probe_s: float = 60.0  # after a too_large refusal, try twice the reduced body limit this much later
+    limit_probe_max_s: float = 3600.0  # the wait before a probe doubles with each refusal, up to this
 
     @classmethod
     def from_profile(cls, profile, **overrides) -> "RunConfig":
@@ -91,6 +93,47 @@ class _Pending:
     n_backfill: int = 0  # backfill events after the live ones (widening backfill, scope §2)
     backfill: bool = False  # the body carries a share of a backfill job (possibly no events: the walk's end)
     token: Any = None  # the sync layer's confirmation token (live range and backfill rows)
+    size: int = 0  # bytes of the body (0: unknown, a body recalled from an earlier process)
+
+
+MIN_BODY_LIMIT = 1024  # never send a peer less than this per body (MqttLink.max_payload's floor)
+
+
+@dataclass
+class PeerLimit:
+    """The body size this node sends one peer after `too_large` refusals (issue 11 item 5).
+
+    A refusal halves it. But an answer is not authenticated without the broker's ACLs: a client
+    that reads inbox topics sees the correlation data and can answer first, so a refusal is no
+    evidence that the peer cannot take bigger bodies. A reduction is therefore provisional: after
+    `wait` seconds without a refusal the limit doubles (a probe), until it is back at the link's
+    maximum and forgotten. A peer whose limit really is lower refuses the probe, which halves the
+    limit again and doubles the wait (up to `limit_probe_max_s`): it costs one refused, re-offered
+    body per wait at most. An answer `ok` to a body larger than the last reduction shows the peer
+    takes that size: the wait starts again from `limit_probe_s`. A forger must keep forging to
+    keep the limit down, and the limit is back within about `limit_probe_max_s` plus
+    log2(maximum / MIN_BODY_LIMIT) waits of its last forgery."""
+    limit: int
+    probe_at: float
+    wait: float
+    floor_seen: int  # the lowest limit since the last probe (an ok above it is evidence)
+
+    def refused(self, now: float, probe_max_s: float) -> None:
+        self.limit = max(MIN_BODY_LIMIT, self.limit // 2)
+        self.floor_seen = min(self.floor_seen, self.limit)
+        self.wait = min(probe_max_s, self.wait * 2)
+        self.probe_at = now + self.wait
+
+    def answered_ok(self, size: int, probe_s: float) -> None:
+        if size > self.floor_seen:
+            self.wait, self.floor_seen = probe_s, self.limit
+
+    def current(self, now: float, top: int) -> int:
+        """The limit now (doubled once per `wait` elapsed since the last refusal, up to `top`)."""
+        while now >= self.probe_at and self.limit < top:
+            self.limit *= 2
+            self.probe_at += self.wait
+        return min(self.limit, top)
 
 
 @dataclass
@@ -119,7 +162,7 @@ class Runner:
                              presence_payload=lambda: self.sync.handshake(self.cfg.realtime))
         self.pending: dict[bytes, _Pending] = {}
         self._unsaved: list = []  # bodies published, not yet in sync_state.sent_bodies
-        self.peer_limit: dict[bytes, int] = {}  # per peer: body size it refused as too_large, halved
+        self.peer_limit: dict[bytes, PeerLimit] = {}  # per peer, after too_large refusals (provisional)
         self.last_eviction: dict | None = None
         self._next_evict = 0.0
         self.sent_upto: dict[bytes, int] = {}  # per peer: highest seq offered in flight (volatile)
@@ -275,8 +318,8 @@ class Runner:
             reason = m.props.get(P_REASON, "?")
             self.stats[f"push_rejected:{reason}"] += 1
             self.sync.forget(corr)
-            if reason == "too_large":  # the peer's body limit is below ours: halve what we send it
-                self.peer_limit[p.peer] = max(1024, self._limit(p.peer) // 2)
+            if reason == "too_large":  # the peer's body limit may be below ours: halve what we send it
+                self._too_large(p.peer)
             if not earlier:
                 self._reset_peer(p.peer)
             return
@@ -286,6 +329,9 @@ class Runner:
         except ValueError:
             processed = 0
         self.stats["events_acknowledged"] += processed
+        pl = self.peer_limit.get(p.peer)
+        if pl is not None:
+            pl.answered_ok(p.size, self.cfg.limit_probe_s)
         # through the body's token: live range and backfill rows commit together, and an answer to a
         # body selected before the peer asked for its history again moves nothing (SyncDriver.confirm)
         self.sync.advance(p.peer, p.start, p.seqs, p.end, processed, token=p.token)
@@ -342,7 +388,27 @@ class Runner:
         return any(p.peer == peer and p.backfill for p in self.pending.values())
 
     def _limit(self, peer: bytes) -> int:
-        return min(self.link.max_payload(), self.peer_limit.get(peer, 1 << 62))
+        """Bytes per body for `peer`: the link's maximum, or less after its too_large refusals
+        (PeerLimit: provisional, probed back up)."""
+        top = self.link.max_payload()
+        pl = self.peer_limit.get(peer)
+        if pl is None:
+            return top
+        lim = pl.current(time.monotonic(), top)
+        if lim >= top:
+            del self.peer_limit[peer]  # back at the maximum: the reduction is forgotten
+            self.stats["body_limit_recovered"] += 1
+            return top
+        return lim
+
+    def _too_large(self, peer: bytes) -> None:
+        now = time.monotonic()
+        pl = self.peer_limit.get(peer)
+        if pl is None:
+            top = self.link.max_payload()
+            pl = self.peer_limit[peer] = PeerLimit(top, now, self.cfg.limit_probe_s / 2, top)
+        pl.refused(now, self.cfg.limit_probe_max_s)
+        self.stats["body_limit_reduced"] += 1
 
     def offer(self, peer: bytes, kind: str = KIND_BATCH, bodies: int | None = None, force: bool = False) -> int:
         """Send up to `bodies` bodies to `peer` from where the in-flight window ends (or the
@@ -393,7 +459,7 @@ class Runner:
         corr = self.link.push(peer, body, user)
         off.token = self.sync.keyed(off.token, corr)  # its answer confirms it, in this process or a later one
         self.pending[corr] = _Pending(peer, kind, off.start, off.end, off.seqs, time.monotonic(),
-                                      off.n_backfill, off.backfill, off.token)
+                                      off.n_backfill, off.backfill, off.token, len(body))
         self.stats["backfill_events_pushed"] += off.n_backfill
         self.stats["bodies_pushed"] += 1
         self.stats["events_pushed"] += len(off.events)

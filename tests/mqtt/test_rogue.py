@@ -86,3 +86,62 @@ def test_rogue_inbox_traffic(broker, tmp_path):
         ra.close(); rb.close()
         for n in nodes:
             n.close()
+
+
+class _Forger:
+    """A client that reads a node's inbox topics (no broker ACLs) and answers every body it sees
+    first, with the real correlation data: `ssp-status: rejected, ssp-reason: too_large`."""
+
+    def __init__(self, broker, watch: str, answerer: bytes) -> None:
+        import paho.mqtt.client as paho
+        from paho.mqtt.enums import CallbackAPIVersion
+        self.forged = 0
+        self.active = True
+        self.answerer = answerer
+        self.c = paho.Client(CallbackAPIVersion.VERSION2, client_id="forger-" + os.urandom(4).hex(),
+                             protocol=paho.MQTTv5)
+        self.c.on_message = self._on_message
+        self.c.connect(broker.host, broker.port)
+        self.c.subscribe(watch, qos=1)
+        self.c.loop_start()
+
+    def _on_message(self, client, userdata, msg) -> None:
+        p = msg.properties
+        if not self.active or not getattr(p, "ResponseTopic", None):
+            return
+        self.forged += 1
+        client.publish(p.ResponseTopic, b"", qos=1, properties=_publish_props(
+            {"ssp-from": self.answerer.hex(), "ssp-status": "rejected", "ssp-reason": "too_large"},
+            p.CorrelationData))
+
+    def close(self) -> None:
+        self.c.loop_stop()
+        self.c.disconnect()
+
+
+def test_forged_too_large_answers_cannot_shrink_bodies_for_good(broker, tmp_path):
+    """Issue 11 item 5: forged `too_large` answers halved a sender's body limit down to 1 KiB for
+    good. Now a reduction is provisional (PeerLimit): once the forger stops, the limit probes
+    back up to the link's maximum, and the events flow meanwhile."""
+    a, b = nodes = make_nodes(tmp_path, 2)
+    rb = runner(b, broker, cadence_s=3600, realtime=False)
+    rb.close()  # b is away: its broker session queues bodies for it, and only the forger answers
+    ra = runner(a, broker, cadence_s=0.1, realtime=False)
+    ra.cfg.limit_probe_s, ra.cfg.limit_probe_max_s = 0.2, 0.8  # (unknown to the code before the fix)
+    forger = _Forger(broker, Topics(MESH).requests(b.site_id, a.site_id), b.site_id)
+    try:
+        for i in range(40):
+            write(a, i, "w")
+        top = ra.link.max_payload()
+        assert step_until([ra], lambda: ra._limit(b.site_id) == 1024, 20), ra.stats  # the forger got there
+        forger.active = False
+        rb = runner(b, broker, cadence_s=3600, realtime=False)
+        assert step_until([ra, rb], lambda: event_ids(a) <= event_ids(b), 20)
+        assert step_until([ra, rb], lambda: ra._limit(b.site_id) == top, 30), (ra.peer_limit, ra.stats)
+        assert forger.forged >= 8 and ra.stats["body_limit_recovered"] >= 1
+        assert a.dump() == b.dump()
+    finally:
+        forger.close()
+        ra.close(); rb.close()
+        for n in nodes:
+            n.close()
