@@ -157,6 +157,39 @@ def cmd_recover(args) -> int:
     return EXIT_REFUSED
 
 
+def cmd_migrate(args) -> int:
+    from .sequencer import service
+    gid = _group(args.group)
+    with _open(args) as s:
+        try:
+            package = s.handoff(gid)
+        except service.SequencerRefused as e:
+            raise Refused(str(e)) from None
+    text = json.dumps(package, indent=2) + "\n"
+    if args.out:
+        from firmware_bridge.fsutil import atomic_write
+        atomic_write(str(args.out), text.encode(), 0o600)
+    _print(package)
+    return EXIT_OK
+
+
+def cmd_adopt(args) -> int:
+    from .sequencer import service
+    try:
+        package = json.loads(Path(args.file).read_text())
+    except (OSError, ValueError) as e:
+        raise Refused(f"cannot read the hand-off package {args.file}: {e}") from None
+    with _open(args) as s:
+        try:
+            st = s.adopt(package)
+        except service.SequencerRefused as e:
+            raise Refused(str(e)) from None
+        key = s.public_key.hex()
+    _print({"group": st.group_id.hex(), "current_epoch": st.current_epoch, "generation": st.current_epoch,
+            "sequencer_key": key})
+    return EXIT_OK
+
+
 def cmd_run(args) -> int:
     import signal
     from .sequencer import serve, service
@@ -215,6 +248,13 @@ def register(sub, mailbox_sub) -> None:
     a.add_argument("--binding", action="append", help="EPOCH:KEYHEX: the sequencer bound from that epoch (repeat)")
     a.add_argument("evidence", nargs="+", help="member evidence JSON files")
     a.set_defaults(fn=cmd_recover)
+    a = ss.add_parser("migrate", help="hand a group off to another sequencer (§22.6): print the package, stop serving it")
+    a.add_argument("--group", required=True, help="group_id, hex")
+    a.add_argument("--out", help="also write the package to this file (0600)")
+    a.set_defaults(fn=cmd_migrate)
+    a = ss.add_parser("adopt", help="take over a group from a hand-off package made by `sequencer migrate`")
+    a.add_argument("file")
+    a.set_defaults(fn=cmd_adopt)
     a = ss.add_parser("run", help="serve groups through an MQTT 5 broker until SIGTERM/SIGINT")
     a.add_argument("--broker", required=True, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
     a.add_argument("--prefix", default=None, help="topic prefix (default sovm-seq)")

@@ -33,6 +33,7 @@ FUTURE_EPOCH = "future_epoch"        # built in an epoch the sequencer has not r
 NOT_COMMIT = "not_commit"            # a proposal or application message: nothing to sequence
 UNPARSEABLE = "unparseable"          # framing refused (agent/sequencer/framing.py)
 FAILED_CLOSED = "failed_closed"      # the group is frozen pending audit and migration (§22.6 step 4)
+MIGRATED = "migrated"                # the group was handed to another sequencer (§22.6 singularity)
 EPOCH_OUT_OF_RANGE = "epoch_out_of_range"  # beyond what the store's signed 64-bit integers hold
 
 # The framing's epoch is a uint64; the sequencer's SQLite state holds signed 64-bit integers and
@@ -57,6 +58,7 @@ class GroupState:
     origin: str = "registered"                       # "registered", "bootstrap" or "recovered" (§22.6)
     discontinuities: tuple[int, ...] = field(default=())  # epochs accepted whose receipt is absent
     failed_closed: bool = False
+    migrated: bool = False                           # handed off: this sequencer never serves it again
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,8 @@ def decide(state: Optional[GroupState], framing: Framing, commit_hash: bytes) ->
     if state is None:
         # §22.6: the first Commit-bearing message for an unknown group initialises its tracking
         return Accept(gid, framing.epoch, commit_hash, None, bootstrap=True)
+    if state.migrated:
+        return _reject(MIGRATED, gid, state, "this group is bound to another sequencer now (§22.6 singularity)")
     if state.failed_closed:
         return _reject(FAILED_CLOSED, gid, state, "equivocation evidence: the group awaits audit and migration")
     if framing.epoch < state.current_epoch:

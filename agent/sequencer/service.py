@@ -39,6 +39,7 @@ from agent.sequencer.store import Store
 
 RECEIPT_KEY = "receipts"          # the key name of the receipt-signing identity in the keystore
 DB_NAME, JOURNAL_NAME, LOCK_NAME, PIN_NAME = "sequencer.db", "sign-journal", "sequencer.lock", "keystore.pin"
+HANDOFF_FORMAT = "sovm-sequencer-handoff-v1"
 RUN_LOCK_NAME = "run.lock"        # held exclusively by `sequencer run`, shared by every other verb
 
 Hook = Callable[[str], None]
@@ -312,6 +313,58 @@ class Sequencer:
                 "unusable": list(out.unusable)})
         return out
 
+    def handoff(self, group_id: bytes) -> dict:
+        """§22.6 migration, old side: the accepted epoch, the receipt-chain head (exact bytes) and
+        the recorded discontinuities, with the generation from which the new binding takes effect.
+        The group is marked migrated in the same step: from now on this sequencer refuses its
+        Commits (the old and new sequencer never operate concurrently for one group)."""
+        state = self.store.group(group_id)
+        if state is None:
+            raise SequencerRefused(f"group {group_id.hex()} is unknown here")
+        if state.migrated:
+            raise SequencerRefused(f"group {group_id.hex()} was already handed off")
+        if state.failed_closed:
+            raise SequencerRefused(f"group {group_id.hex()} is frozen on equivocation evidence: audit it first "
+                                   "and recover it on the new sequencer (§22.6 step 4)")
+        head = None if state.head is None else self.store.receipt(group_id, state.head.epoch)
+        package = {"format": HANDOFF_FORMAT, "group": group_id.hex(), "current_epoch": state.current_epoch,
+                   "generation": state.current_epoch, "head": None if head is None else head.hex(),
+                   "discontinuities": list(state.discontinuities), "from_key": self.public_key.hex()}
+        self.store.mark_migrated(group_id, {"group": group_id.hex(), "generation": state.current_epoch})
+        return package
+
+    def adopt(self, package: dict) -> core.GroupState:
+        """§22.6 migration, new side: verify the old sequencer's head and take the group over; the
+        first receipt here chains to the old sequencer's last (one chain, not a second one)."""
+        try:
+            if package.get("format") != HANDOFF_FORMAT:
+                raise ValueError(f"format must be {HANDOFF_FORMAT}")
+            gid = bytes.fromhex(package["group"])
+            epoch = int(package["current_epoch"])
+            gaps = tuple(sorted(int(e) for e in package.get("discontinuities", [])))
+            from_key = bytes.fromhex(package["from_key"])
+            head_raw = None if package.get("head") is None else bytes.fromhex(package["head"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise SequencerRefused(f"not a hand-off package: {e}") from None
+        if self.store.group(gid) is not None:
+            raise SequencerRefused(f"group {gid.hex()} already has state here")
+        head = None
+        if head_raw is not None:
+            try:
+                r = receipts.verify_receipt(head_raw, from_key)
+            except receipts.ReceiptError as e:
+                raise SequencerRefused(f"the hand-off head does not verify under the old sequencer's key: {e}") from None
+            if r.group_id != gid or not (r.epoch < epoch and all(e in gaps for e in range(r.epoch + 1, epoch))):
+                raise SequencerRefused("the hand-off head is not the head of that group at that epoch")
+            head = core.Head(r.epoch, r.receipt_hash)
+            chain = [(r.epoch, r.commit_hash, r.raw, r.receipt_hash)]
+        else:
+            chain = []
+        new = core.GroupState(gid, epoch, head, "migrated", gaps)
+        self.store.restore_group(new, chain, list(gaps), {"group": gid.hex(), "generation": epoch,
+                                                           "from_key": from_key.hex()}, kind="migrated_in")
+        return new
+
     # -- helpers ---------------------------------------------------------------------------
     def _rejected(self, d: core.Decision) -> Rejected:
         assert isinstance(d, core.Reject)
@@ -369,7 +422,8 @@ def _status(store: Store) -> dict:
         groups.append({"group": gid.hex(), "current_epoch": s.current_epoch, "origin": s.origin,
                        "head": None if s.head is None else {"epoch": s.head.epoch,
                                                             "receipt_hash": s.head.receipt_hash.hex()},
-                       "discontinuities": list(s.discontinuities), "failed_closed": s.failed_closed})
+                       "discontinuities": list(s.discontinuities), "failed_closed": s.failed_closed,
+                       "migrated": s.migrated})
     return {"sequencer_key": store.get_meta("receipt_key")["public_key"], "groups": groups,
             "events": store.events()}
 

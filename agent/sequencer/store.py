@@ -28,7 +28,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS groups (
   group_id BLOB PRIMARY KEY, current_epoch INTEGER NOT NULL, head_epoch INTEGER, head_hash BLOB,
-  origin TEXT NOT NULL, failed_closed INTEGER NOT NULL DEFAULT 0);
+  origin TEXT NOT NULL, failed_closed INTEGER NOT NULL DEFAULT 0, migrated INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS pending (
   group_id BLOB NOT NULL, epoch INTEGER NOT NULL, commit_hash BLOB NOT NULL, message BLOB NOT NULL,
   bootstrap INTEGER NOT NULL, PRIMARY KEY (group_id, epoch));
@@ -67,14 +67,14 @@ class Store:
 
     # -- reads -----------------------------------------------------------------------------
     def group(self, group_id: bytes) -> Optional[GroupState]:
-        row = self.conn.execute("SELECT current_epoch, head_epoch, head_hash, origin, failed_closed FROM groups "
-                                "WHERE group_id = ?", (group_id,)).fetchone()
+        row = self.conn.execute("SELECT current_epoch, head_epoch, head_hash, origin, failed_closed, migrated "
+                                "FROM groups WHERE group_id = ?", (group_id,)).fetchone()
         if row is None:
             return None
         gaps = tuple(e for (e,) in self.conn.execute(
             "SELECT epoch FROM discontinuities WHERE group_id = ? ORDER BY epoch", (group_id,)))
         head = None if row[1] is None else Head(row[1], bytes(row[2]))
-        return GroupState(group_id, row[0], head, row[3], gaps, bool(row[4]))
+        return GroupState(group_id, row[0], head, row[3], gaps, bool(row[4]), bool(row[5]))
 
     def group_ids(self) -> list[bytes]:
         return [bytes(g) for (g,) in self.conn.execute("SELECT group_id FROM groups ORDER BY group_id")]
@@ -142,7 +142,7 @@ class Store:
             self._event("discontinuity", {"group": new.group_id.hex(), "epoch": epoch, "cause": cause})
 
     def restore_group(self, state: GroupState, chain: list[tuple[int, bytes, bytes, bytes]],
-                      gaps: list[int], detail: dict) -> None:
+                      gaps: list[int], detail: dict, kind: str = "recovered") -> None:
         """§22.6 step 3: a group recovered from members' receipts, in one transaction: the verified
         chain (epoch, commit_hash, receipt, receipt_hash), its recorded gaps, the state."""
         with self._tx():
@@ -153,7 +153,7 @@ class Store:
                 self.conn.execute("INSERT OR IGNORE INTO discontinuities VALUES (?, ?, NULL, NULL, 'recovered')",
                                   (state.group_id, epoch))
             self._put_group(state, -1)
-            self._event("recovered", detail)
+            self._event(kind, detail)
 
     def fail_closed(self, group_id: bytes, current_epoch: int, detail: dict) -> None:
         """§22.6 step 4: equivocation evidence freezes the group for audit and migration."""
@@ -162,6 +162,12 @@ class Store:
                 "INSERT INTO groups (group_id, current_epoch, origin, failed_closed) VALUES (?, ?, 'recovered', 1) "
                 "ON CONFLICT (group_id) DO UPDATE SET failed_closed = 1", (group_id, current_epoch))
             self._event("equivocation", detail)
+
+    def mark_migrated(self, group_id: bytes, detail: dict) -> None:
+        """§22.6: after the hand-off this sequencer never serves the group again."""
+        with self._tx():
+            self.conn.execute("UPDATE groups SET migrated = 1 WHERE group_id = ?", (group_id,))
+            self._event("migrated_out", detail)
 
     def record_event(self, kind: str, detail: dict) -> None:
         with self._tx():
