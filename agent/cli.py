@@ -128,8 +128,25 @@ def cmd_peer_add(args) -> int:
     except IdFormatError as e:
         raise Refused(str(e)) from None
     with _open(args) as node:
-        node.add_peer(site, pk, ra)
+        node.add_peer(site, pk, ra, replace=args.replace)
     emit({"site_id": site.hex(), "public_key": pk.hex(), "retired_after": args.retired_after})
+    return EXIT_OK
+
+
+def cmd_peer_list(args) -> int:
+    with _open(args, read_only=True) as node:
+        emit(node.keyring_entries())
+    return EXIT_OK
+
+
+def cmd_peer_remove(args) -> int:
+    try:
+        site = parse_site_id(args.site_id)
+    except IdFormatError as e:
+        raise Refused(str(e)) from None
+    with _open(args) as node:
+        node.remove_peer(site)
+    emit({"removed": site.hex()})
     return EXIT_OK
 
 
@@ -306,7 +323,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--site-id", required=True)
     a.add_argument("--public-key", required=True, help="64 hex characters")
     a.add_argument("--retired-after", help="retirement cutoff HLC: this peer's later events are dropped")
+    a.add_argument("--replace", action="store_true",
+                   help="replace the key of a site_id already in the keyring (refused without it)")
     a.set_defaults(fn=cmd_peer_add)
+    a = ps.add_parser("list", help="the keyring as JSON: site_id, public_key, retired_after, source")
+    a.set_defaults(fn=cmd_peer_list)
+    a = ps.add_parser("remove", help="drop a manifest or operator peer from the keyring")
+    a.add_argument("--site-id", required=True)
+    a.set_defaults(fn=cmd_peer_remove)
 
     s = sub.add_parser("write", help="produce one signed local event and apply it")
     s.add_argument("table", metavar="SCHEMA.TABLE")

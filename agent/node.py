@@ -82,7 +82,9 @@ class Node:
              profile: str | Profile | None = None) -> tuple["Node", bytes]:
         """Create a node: identity, keystore key, store, manifest tables. Returns (node, public_key).
         The profile (agent/profiles/*.toml) sets horizons, limits and the default keystore."""
-        home = Path(home)
+        # Absolute: what the store records (keystore dir, PIN file) must not depend on the directory
+        # `init` ran in; a systemd unit or cron starts the node from elsewhere (issue 12 item 9).
+        home = Path(home).absolute()
         if (home / cls.STORE_FILE).exists() or (home / cls.IDENTITY_FILE).exists():
             raise NodeError(f"{home} already holds a node; choose an empty directory (a node is never re-initialised in place)")
         manifest = parse_manifest(manifest_text)
@@ -90,15 +92,22 @@ class Node:
             prof = profile if isinstance(profile, Profile) else load_profile(profile)
         except ProfileError as e:
             raise NodeError(str(e)) from None
+        _check_retention(prof, manifest.tables)
+        ks_conf = _check_keystore_conf(dict(keystore or prof.keystore))
         home.mkdir(parents=True, exist_ok=True)
         os.chmod(home, 0o700)
         site_id = os.urandom(16)
-        ks_conf = dict(keystore or prof.keystore)
         if ks_conf.get("kind") == "software":
-            ks_conf.setdefault("dir", str(home / "keystore"))
+            ks_conf["dir"] = str(Path(ks_conf.get("dir") or home / "keystore").absolute())
+        wrote_pin = "pin" in ks_conf
         ks_conf = _keep_pin_out_of_store(home, ks_conf)
-        ks = open_keystore(_with_pin(ks_conf))
-        public_key = ks.generate_key(EVENT_KEY, "ed25519")
+        try:
+            ks = open_keystore(_with_pin(ks_conf))
+            public_key = ks.generate_key(EVENT_KEY, "ed25519")
+        except BaseException:
+            if wrote_pin:  # a failed init leaves no PIN behind (it would outlive the attempt)
+                Path(ks_conf["pin_file"]).unlink(missing_ok=True)
+            raise
         conn = db.connect(home / cls.STORE_FILE)
         db.create(conn)
         with _txn(conn):
@@ -581,7 +590,11 @@ class Node:
                     if c not in tbl.tdef.value_columns:
                         raise NodeError(f"{table} has no value column {c!r} (value columns: {', '.join(tbl.tdef.value_columns)})")
                     if not value_fits(tbl.tdef.columns[c], v):
-                        raise NodeError(f"column {c} is {tbl.tdef.columns[c]}; {v!r} does not fit")
+                        hint = ""
+                        if tbl.tdef.columns[c] == "real" and type(v) is int:
+                            # wire-profile §2: no coercion; say how to write it rather than convert silently
+                            hint = f" (an integer is not a real; write {float(v)!r})"
+                        raise NodeError(f"column {c} is {tbl.tdef.columns[c]}; {v!r} does not fit{hint}")
             payloads.append((tbl.tdef, key, None if delete else values, "delete" if delete else "upsert"))
         raws = self._sign_events(payloads, now)
         outs = self.apply_batch(raws, now, origin="local")
@@ -648,6 +661,7 @@ class Node:
         t = table_def_from(spec)
         if t.qualified in self.tables:
             raise NodeError(f"table {t.qualified} already exists")
+        _check_retention(self.profile, [t])
         with _txn(self.conn):
             _create_table_rows(self.conn, t)
         self._load_caches()
@@ -810,16 +824,43 @@ class Node:
 
     # ------------------------------------------------------------------ keyring
     def add_peer(self, site_id: bytes, public_key: bytes, retired_after: tuple[int, int] | None,
-                 source: str = "operator") -> None:
+                 source: str = "operator", replace: bool = False) -> None:
         if site_id == self.site_id:
             raise NodeError("that is this node's own site_id; a node does not add itself as a peer")
         if len(public_key) != 32:
             raise NodeError("public key must be 32 bytes (Ed25519)")
+        known = self.keyring.get(site_id)
+        if known is not None and known[0] != public_key and not replace:
+            # A different key for a known site_id is either a mistake or a re-keyed device; never silent.
+            raise NodeError(f"site {site_id.hex()} is already trusted with another key ({known[0].hex()}); "
+                            "pass --replace to replace it (events it signed with the old key stay valid)")
         with _txn(self.conn):
             self.conn.execute("INSERT OR REPLACE INTO keyring VALUES (?,?,?,?,?)",
                               (site_id, public_key, retired_after[0] if retired_after else None,
                                retired_after[1] if retired_after else None, source))
         self.keyring[site_id] = (public_key, retired_after)
+
+    def remove_peer(self, site_id: bytes) -> None:
+        """Drop a peer the operator or the manifest put in the keyring. One trusted through a vouch
+        record is in-band state: retire it through the mesh authority instead."""
+        if site_id == self.site_id:
+            raise NodeError("that is this node's own site_id; its key cannot be removed from its keyring")
+        row = self.conn.execute("SELECT source FROM keyring WHERE site_id=?", (site_id,)).fetchone()
+        if row is None:
+            if site_id in self.keyring:
+                raise NodeError(f"site {site_id.hex()} is trusted through a vouch record; retire it with the "
+                                "mesh authority (`record issue-retire`)")
+            raise NodeError(f"site {site_id.hex()} is not in the keyring (`peer list` shows it)")
+        with _txn(self.conn):
+            self.conn.execute("DELETE FROM keyring WHERE site_id=?", (site_id,))
+        self._load_caches()
+
+    def keyring_entries(self) -> list[dict]:
+        """The trusted-peer keyring as the node uses it: its own key, manifest and operator entries,
+        and keys vouched for by control records (source "record")."""
+        sources = {bytes(s): src for s, src in self.conn.execute("SELECT site_id, source FROM keyring")}
+        return [{"site_id": s.hex(), "public_key": pk.hex(), "retired_after": f"{ra[0]}.{ra[1]}" if ra else None,
+                 "source": sources.get(s, "record")} for s, (pk, ra) in sorted(self.keyring.items())]
 
     # ------------------------------------------------------------------ views
     def dump(self) -> dict[str, list]:
@@ -894,6 +935,36 @@ def _create_table_rows(conn: sqlite3.Connection, t: TableDef) -> None:
     conn.execute("INSERT INTO tables (qualified, schema_name, table_name, category, key_json, columns_json, retention)"
                  " VALUES (?,?,?,?,?,?,?)", rowstore.table_def_row(t))
     rowstore.create_table(conn, t)
+
+
+def _check_retention(prof: Profile, tables) -> None:
+    """A retention class the profile does not name is refused: a typo would silently keep that
+    table's history forever (README "Device profiles")."""
+    for t in tables:
+        if t.retention is not None and prof.unknown_classes([t.retention]):
+            known = sorted([*prof.horizons_ms, *prof.keep_full])
+            raise NodeError(f"table {t.qualified}: retention class {t.retention!r} is not one profile {prof.name} "
+                            f"names ({', '.join(known)}); fix the manifest, or add it to the profile's [horizons] "
+                            f"(\"forever\" keeps it in full)")
+
+
+_KEYSTORE_NEEDS = {"software": (), "pkcs11": ("module", "token_label"), "serial": ("port",)}
+
+
+def _check_keystore_conf(conf: dict) -> dict:
+    """A keystore request that cannot be right is refused before anything is made (exit 2); a
+    keystore that is right but unavailable is a fault the keystore reports (exit 1)."""
+    kind = conf.get("kind")
+    if kind not in _KEYSTORE_NEEDS:
+        raise NodeError(f"unknown keystore kind {kind!r}: use software, pkcs11 or serial (docs/keystore.md)")
+    missing = [k for k in _KEYSTORE_NEEDS[kind] if not conf.get(k)]
+    if kind == "pkcs11" and not any(k in conf for k in ("pin", "pin_env", "pin_file")):
+        missing.append("pin, pin_env or pin_file")
+    if missing:
+        raise NodeError(f"a {kind} keystore needs {', '.join(missing)} (docs/keystore.md)")
+    if conf.get("pin_file"):
+        conf["pin_file"] = str(Path(conf["pin_file"]).absolute())
+    return conf
 
 
 def _keep_pin_out_of_store(home: Path, conf: dict) -> dict:

@@ -22,7 +22,7 @@ class ProfileError(ValueError):
 def parse_duration_ms(text: str, what: str) -> int:
     m = _DURATION.match(text) if isinstance(text, str) else None
     if not m:
-        raise ProfileError(f"{what}: {text!r} is not a duration like 90s, 15m, 12h, 7d or 2w")
+        raise ProfileError(f"{what}: {text!r} is not a duration like 90s, 15m, 12h, 7d or 2w (or \"forever\" in [horizons])")
     return int(m.group(1)) * _UNIT_MS[m.group(2)]
 
 
@@ -43,6 +43,15 @@ class Profile:
     surfaced_limit: int = 100_000       # surfaced rows kept (store-enforced; docs/apply.md "Bounds")
     records_limit: int = 10_000         # control records stored from others, in total
     records_limit_bytes: int = 16 * 2**20
+    keep_full: tuple[str, ...] = ()  # retention classes listed as "forever": known, never evicted
+
+    def unknown_classes(self, classes) -> list[str]:
+        """Retention classes this profile does not name. A profile with no horizons at all keeps
+        everything (the gateway) and names none, so nothing is unknown to it; otherwise a class
+        it does not list is most likely a typo, which would keep that table's history forever."""
+        if not self.horizons_ms and not self.keep_full:
+            return []
+        return sorted({c for c in classes if c is not None and c not in self.horizons_ms and c not in self.keep_full})
 
     def as_dict(self) -> dict:
         return {"name": self.name, "description": self.description, "disk_budget_bytes": self.disk_budget_bytes,
@@ -51,11 +60,13 @@ class Profile:
                 "batch_limit": self.batch_limit, "body_limit_bytes": self.body_limit_bytes,
                 "backfill_rows_per_cycle": self.backfill_rows_per_cycle, "session_expiry_s": self.session_expiry_s,
                 "keystore": dict(self.keystore), "surfaced_limit": self.surfaced_limit,
-                "records_limit": self.records_limit, "records_limit_bytes": self.records_limit_bytes}
+                "records_limit": self.records_limit, "records_limit_bytes": self.records_limit_bytes,
+                "keep_full": list(self.keep_full)}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
-        return cls(**{**d, "horizons_ms": dict(d.get("horizons_ms", {})), "keystore": dict(d.get("keystore", {}))})
+        return cls(**{**d, "horizons_ms": dict(d.get("horizons_ms", {})), "keystore": dict(d.get("keystore", {})),
+                      "keep_full": tuple(d.get("keep_full", ()))})
 
 
 _KNOWN = {"name", "description", "store", "horizons", "eviction", "sync", "keystore"}
@@ -77,7 +88,9 @@ def parse_profile(text: str, origin: str = "profile") -> Profile:
             raise ProfileError(f"{origin}: {key} must be a number >= {minimum}")
         return kind(v)
 
-    horizons = {cls: parse_duration_ms(v, f"{origin}: horizons.{cls}") for cls, v in doc.get("horizons", {}).items()}
+    hdoc = doc.get("horizons", {})
+    keep_full = tuple(sorted(c for c, v in hdoc.items() if v == "forever"))
+    horizons = {c: parse_duration_ms(v, f"{origin}: horizons.{c}") for c, v in hdoc.items() if v != "forever"}
     ks = doc.get("keystore", {"kind": "software"})
     if not isinstance(ks, dict) or ks.get("kind") not in ("software", "pkcs11", "serial"):
         raise ProfileError(f"{origin}: keystore.kind must be software, pkcs11 or serial")
@@ -97,7 +110,7 @@ def parse_profile(text: str, origin: str = "profile") -> Profile:
         session_expiry_s=num(sync, "session_expiry_s", 7 * 86400, int, 0), keystore=dict(ks),
         surfaced_limit=num(store, "surfaced_limit", 100_000, int, 1),
         records_limit=num(store, "records_limit", 10_000, int, 1),
-        records_limit_bytes=int(num(store, "records_limit_mb", 16, float, 0.001) * 2**20))
+        records_limit_bytes=int(num(store, "records_limit_mb", 16, float, 0.001) * 2**20), keep_full=keep_full)
 
 
 def _builtin():

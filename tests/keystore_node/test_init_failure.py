@@ -1,0 +1,27 @@
+"""Issue 12 item 9: a PKCS#11 `init` that fails (wrong token label, wrong PIN) leaves no
+keystore.pin behind, and no half-made node: the technician can fix the argument and run it again."""
+from __future__ import annotations
+
+import json
+
+from agent.simpeer import manifest_text, readings_table
+from tests.cli_cmd import run_cli
+
+MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
+
+
+def test_failed_pkcs11_init_leaves_no_pin(tmp_path, softhsm_conf):
+    mf = tmp_path / "m.toml"
+    mf.write_text(manifest_text(MESH, readings_table(retention="telemetry")))
+    env = softhsm_conf["env"]
+    base = {k: v for k, v in softhsm_conf.items() if k != "env"}
+    h = tmp_path / "h"
+    for bad in ({**base, "token_label": "no-such-token"}, {**base, "pin": "000000"}):
+        p = run_cli("--home", h, "init", "--manifest", mf, "--keystore", json.dumps(bad), env=env)
+        assert p.returncode == 1, (p.returncode, p.stderr)  # the keystore is unavailable: a fault
+        assert not (h / "keystore.pin").exists()
+        assert not (h / "store.sqlite").exists() and not (h / "identity.json").exists()
+    # fixed: the same home initialises
+    p = run_cli("--home", h, "init", "--manifest", mf, "--keystore", json.dumps(base), env=env)
+    assert p.returncode == 0, p.stderr
+    assert (h / "keystore.pin").exists()
