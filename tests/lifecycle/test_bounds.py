@@ -28,10 +28,11 @@ def garbage(n: int, tag: int) -> list[bytes]:
     return [b"\xff" + tag.to_bytes(4, "big") + i.to_bytes(4, "big") for i in range(n)]
 
 
-def test_surfaced_bound_holds_across_short_lived_processes(tmp_path, monkeypatch):
-    """Before: the cap was a per-process counter that pruned every 1 000th write, so short imports
-    (a fresh Node each) never pruned: 150 imports left 179 850 rows. Here 30 opens of 40 drops
-    each, with the cap at 50 both ways: the store keeps 50 and counts 1 150 evicted."""
+def test_surfaced_bound_holds_across_short_lived_nodes(tmp_path, monkeypatch):
+    """Before: the cap was a per-Node counter that pruned every 1 000th write, so short imports
+    (a fresh Node each, as every CLI process opens) never pruned: 150 imports left 179 850 rows.
+    Here 30 opens of 40 drops each, with the cap at 50 both ways: the store keeps the newest 50
+    and counts 1 150 evicted. (Real processes: test_profile_sets_the_bounds_and_status_shows_them.)"""
     node, _ = Node.init(tmp_path / "n", manifest_text(MESH, readings_table()))
     with db.transaction(node.conn):
         db.set_meta(node.conn, "surfaced_limit", 50)
