@@ -98,8 +98,13 @@ def _go(args, once: bool) -> int:
             raise Fault(str(e)) from None
         if not r.start(args.connect_timeout):
             err = r.link.last_error or f"no answer from {args.broker} within {args.connect_timeout}s"
-            r.link.close(clear_presence=False)
-            raise Fault(f"broker unreachable: {err}")
+            # `run` on a device that booted before its gateway keeps trying (the link's backoff) and
+            # serves its control socket meanwhile; systemd restarts are a backstop, not the plan.
+            # A broker that refuses us (credentials, ACL) needs a human: exit 1, as `--once` always does.
+            if once or err.startswith("broker refused"):
+                r.link.close(clear_presence=False)
+                raise Fault(f"broker unreachable: {err}")
+            print(f"ssp-agent: broker unreachable ({err}); run keeps retrying", file=sys.stderr)
         try:
             if once:
                 emit(r.sync_once(timeout_s=args.timeout))

@@ -117,3 +117,45 @@ def test_a_stale_socket_left_by_a_killed_agent_does_not_block(broker, tmp_path):
         assert json.loads(run_cli("--home", ha, "status").stdout)["events"] == 1
     finally:
         _stop(p)
+
+
+def test_run_keeps_retrying_a_broker_that_is_down_at_start(tmp_path):
+    """Issue 12 item 9: a device that boots before its gateway. `run` does not exit (systemd restarts
+    are the backstop, not the plan): it serves its control socket (writes keep working) and syncs
+    once the broker comes up."""
+    from agent.transport.broker import Broker, free_port
+    a, b = make_nodes(tmp_path, 2)
+    ha, hb = a.home, b.home
+    a.close(); b.close()
+    port = free_port()
+    url = f"mqtt://127.0.0.1:{port}"
+    pa = subprocess.Popen([*agent_cmd(), "--home", str(ha), "run", "--broker", url, "--cadence", "0.3",
+                           "--connect-timeout", "1"], env=agent_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+    br = pb = None
+    try:
+        _wait_serving(ha, pa)
+        p = run_cli("--home", ha, "write", T, "--key", '{"device": "early", "seq": 1}', "--set", '{"temp": 3.5}')
+        assert p.returncode == 0, p.stderr
+        assert pa.poll() is None  # still running, broker or not
+        br = Broker(port=port, workdir=tmp_path / "broker").start()
+        pb = subprocess.Popen([*agent_cmd(), "--home", str(hb), "run", "--broker", url, "--cadence", "0.3"],
+                              env=agent_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _wait_serving(hb, pb)
+        deadline = time.monotonic() + 60
+        rows = []
+        while time.monotonic() < deadline:
+            rows = [r for r in json.loads(run_cli("--home", hb, "dump").stdout)[T] if r["key"]["device"] == "early"]
+            if rows:
+                break
+            time.sleep(0.2)
+        assert rows and rows[0]["values"]["temp"] == 3.5
+        _stop(pa)
+        _stop(pb)
+    finally:
+        for p in (pa, pb):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        if br is not None:
+            br.close()
