@@ -254,7 +254,8 @@ def cmd_record_list(args) -> int:
 
 
 def register(sub, mailbox_sub) -> None:
-    a = mailbox_sub.add_parser("export", help="write one sync body for a peer (its mailbox cursor advances once written)")
+    a = mailbox_sub.add_parser("export", help="write one sync body for a peer (its mailbox cursor moves when "
+                                              "the peer's answer comes back in a file from it)")
     a.add_argument("--peer", required=True, help="the peer's site_id")
     a.add_argument("--out", required=True, help="file to write")
     a.set_defaults(fn=cmd_mailbox_export)

@@ -297,12 +297,13 @@ class Node:
         return stats
 
     def _record_held(self, raw: bytes) -> bool:
-        """A control record this node signed through the bridge (rehydrate, truncation, authority
+        """A control record this node signed through the bridge (rehydrate, truncation, mailbox answer, authority
         records) that its store holds: done, like an event in the log."""
         from .core.records import record_hash
         h = record_hash(bytes(raw))
         tables = [t for (t,) in self.conn.execute(
-            "SELECT name FROM sqlite_master WHERE name IN ('control_records', 'rehydrate_records', 'truncation_records')")]
+            "SELECT name FROM sqlite_master WHERE name IN ('control_records', 'rehydrate_records', 'truncation_records', "
+            "'mailbox_acks')")]
         return any(self.conn.execute(f"SELECT 1 FROM {t} WHERE record_hash=?", (h,)).fetchone() for t in tables)
 
     def _below_own_horizon(self, raw: bytes) -> bool:

@@ -266,13 +266,15 @@ class SyncDriver:
                 break
         return Backfill(events, parts) if parts else None
 
-    def build(self, peer: bytes, path: str, mode: str) -> Outgoing:
+    def build(self, peer: bytes, path: str, mode: str, extra_records: tuple[bytes, ...] = ()) -> Outgoing:
+        """`extra_records`: records the body carries beyond the held ones (the mailbox path's
+        answer record, agent/mailbox.py); never tracked as delivered."""
         sel, bf, start, _ = self.select_for(peer, path, mode)
         if mode == "push":
             self._push_pos[(peer, path)] = sel.end
         events = list(sel.events) + (list(bf.events) if bf else [])
         recs = self.select_records(peer, path)
-        body = SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events), tuple(recs[1]),
+        body = SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events), tuple(recs[1]) + tuple(extra_records),
                         tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items())))
         meta = StreamMeta(start, sel.end, tuple(sel.seqs), tuple(sorted(sel.gaps)), len(bf.events) if bf else 0)
         tok = self.token(peer, path, sel, bf, start, recs)
@@ -381,10 +383,16 @@ class SyncDriver:
         from . import rehydrate
         from .core.cose import content_type
         from .core.records import TRUNCATED
+        from .mailbox import ACK_CONTENT_TYPE
         kinds = [content_type(r) for r in raws]
         rh = [r for r, k in zip(raws, kinds) if k == rehydrate.CONTENT_TYPE]
         tr = [r for r, k in zip(raws, kinds) if k == TRUNCATED]
-        raws = [r for r, k in zip(raws, kinds) if k not in (rehydrate.CONTENT_TYPE, TRUNCATED)]
+        acks = [r for r, k in zip(raws, kinds) if k == ACK_CONTENT_TYPE]
+        raws = [r for r, k in zip(raws, kinds) if k not in (rehydrate.CONTENT_TYPE, TRUNCATED, ACK_CONTENT_TYPE)]
+        if acks:
+            # Mailbox answers are taken by `import_mailbox` only (they speak to one node about its
+            # files). Here: this node's own, released before a crash and not stored (recovery).
+            self._keep_own_acks(acks, now)
         before = {k for k, c in resolve_chains(st.records(self.conn)).items() if c.forked}
         # A role record can widen policy (the role layer): such a widening backfills too (scope §2).
         policy_before = _policy_snapshot(node, self) if raws else None
@@ -509,32 +517,125 @@ class SyncDriver:
 
     # ------------------------------------------------------------------ mailbox
     def export_mailbox(self, peer: bytes, out: Path) -> dict:
-        """One sync body for `peer` from the mailbox path's cursor; the cursor advances only
-        once the file is durably written (cli-contract.md)."""
-        o = self.build(peer, MAILBOX_PATH, "batch")
+        """One sync body for `peer` from the mailbox path's cursor, carrying this node's answer to
+        the files it imported from `peer` (agent/mailbox.py). Written whole and durably or not at
+        all: OSError, and nothing moved or kept. The cursor does not move here: it moves when
+        `peer`'s answer to this file comes back in one of its files (§14.1), so every export
+        re-offers what is not yet acknowledged."""
+        from . import mailbox
+        from .node import now_ms
+        now = now_ms()
+        ack = self._mailbox_ack(peer, now)
+        o = self.build(peer, MAILBOX_PATH, "batch", extra_records=(ack,) if ack is not None else ())
         _write_durably(Path(out), o.body)
-        self.confirm(peer, o.token, o.n_events)  # a file cannot answer: written is delivered
-        return {"peer": peer.hex(), "events": o.n_events, "bytes": len(o.body), "file": str(out)}
+        h = mailbox.body_hash(o.body)
+        with _txn(self.conn):
+            st.put_sent_body(self.conn, MAILBOX_PATH, h, peer, "mailbox", token_to_json(replace(o.token, sent_key=h)),
+                             now)
+        return {"peer": peer.hex(), "events": o.n_events, "bytes": len(o.body), "file": str(out),
+                "body_hash": h.hex(), "answers": len(st.owed_mailbox_answers(self.conn, peer)) if ack else 0,
+                "cursor": st.cursor(self.conn, peer, MAILBOX_PATH)[0]}
+
+    def _mailbox_ack(self, peer: bytes, now: int) -> bytes | None:
+        """The answer record to `peer`'s files imported here (the newest 16), signed through the
+        keystore bridge under a fresh identity (persist-before-release, like every record this node
+        issues) and stored; the held one is re-used while the answers are unchanged."""
+        from firmware_bridge import EventIdentity
+        from . import mailbox
+        from .core.cose import assemble
+        from .node import EVENT_KEY
+        answers = st.owed_mailbox_answers(self.conn, peer)
+        if not answers:
+            return None
+        raw = st.mailbox_ack_saying(self.conn, peer, answers)
+        if raw is not None:
+            return raw
+        node = self.node
+        protected, payload, tbs = mailbox.ack_to_be_signed(node.site_id, node.mesh_id, peer, answers, now)
+        hlc = node._tick(now)
+        raw = node.bridge.release(EventIdentity(node.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs,
+                                  lambda sig: assemble(protected, payload, sig))
+        with _txn(self.conn):
+            st.put_mailbox_ack(self.conn, delivery_hash(raw), peer, answers, raw, now)
+        return raw
+
+    def _keep_own_acks(self, raws, now: int) -> None:
+        """Answer records this node signed and released but did not store (a crash between the
+        two): stored, unpruned, so the signing journal can drop them on this open."""
+        from . import mailbox
+        from .store import db
+        own = bytes(db.get_meta(self.conn, "public_key"))
+        with _txn(self.conn):
+            for raw in raws:
+                try:
+                    a = mailbox.verify_ack(raw, self.node.mesh_id,
+                                           lambda k: (own, None) if k == self.node.site_id else None)
+                except RecordError:
+                    continue  # someone else's: not taken on this path
+                st.put_mailbox_ack(self.conn, delivery_hash(a["raw"]), a["subject"], a["answers"], a["raw"],
+                                   a["issued_at"], prune=False)
+
+    def _take_mailbox_acks(self, sender: bytes, raws, now: int) -> dict:
+        """The answers in a file from `sender`: each record verified on its own (issuer's key in the
+        keyring, not retired; signature over mesh_id; exact members), else dropped and surfaced. An
+        answer counts only when its issuer is the file's sender and its subject is this node, and
+        only for a file this node wrote for that sender and has not had answered (`sent_bodies`):
+        the cursor then moves as the MQTT answer moves it (`confirm`, §14.1)."""
+        from . import mailbox
+        out = {"bodies": 0, "events": 0}
+        node = self.node
+        for raw in raws:
+            try:
+                a = mailbox.verify_ack(raw, node.mesh_id, node.keyring.get)
+            except RecordError as e:
+                with _txn(self.conn):
+                    _surface(self.conn, now, "record_dropped", e.reason,
+                             {"type": mailbox.ACK_CONTENT_TYPE, "detail": e.detail})
+                continue
+            if a["issuer"] != sender or a["subject"] != node.site_id:
+                continue
+            for h, k in a["answers"]:
+                r = st.sent_body(self.conn, MAILBOX_PATH, h)
+                if r is None or r[0] != sender:
+                    continue  # answered already, forgotten, or not ours
+                tok, _extra = token_from_json(r[2])
+                n = max(0, min(k, len(tok.seqs) + sum(sum(p.counts) for p in tok.bf_parts)))
+                self.confirm(sender, tok, n)
+                out["bodies"] += 1
+                out["events"] += n
+        return out
 
     def import_mailbox(self, data: bytes, now: int | None = None, body: SyncBody | None = None) -> dict:
         """Parse the whole body strictly first (nothing changes on a malformed one), then records,
-        then events through the one apply path. Mailbox bodies never move watermarks. `body`: the
-        parse of `data` already made (agent/mailbox.py parses before making a driver)."""
+        then the answers to this node's files, then events through the one apply path; then owe
+        the sender an answer for this file (carried by the next export to it). Mailbox bodies never
+        move watermarks. `body`: the parse of `data` already made (agent/mailbox.py parses before
+        making a driver)."""
+        from . import mailbox
         body = parse_body(data) if body is None else body
         from .node import now_ms
         now = now_ms() if now is None else now
-        recs = self.apply_records(body.records, now) if body.records else None
-        if body.records:
-            self.note_records_received(body.from_site_id, MAILBOX_PATH, body.records)
+        sender = body.from_site_id
+        acks = [r for r in body.records if mailbox.is_ack(r)]
+        others = [r for r in body.records if not mailbox.is_ack(r)]
+        recs = self.apply_records(others, now) if others else None
+        if others:
+            self.note_records_received(sender, MAILBOX_PATH, others)
+        acked = self._take_mailbox_acks(sender, acks, now)  # after the records: a vouch admits its issuer
         outcomes = self.node.apply_batch(body.events, now, origin="mailbox")
+        k = delivery.first_rejected([_proc(o) for o in outcomes])
+        if sender != self.node.site_id:
+            with _txn(self.conn):
+                st.owe_mailbox_answer(self.conn, sender, mailbox.body_hash(data), k, now)
         from . import rehydrate
-        rehydrate.note_body(self.conn, body.from_site_id, outcomes)
+        rehydrate.note_body(self.conn, sender, outcomes)
         result: dict[str, Any] = counts(outcomes)
-        result["from_site_id"] = body.from_site_id.hex()
+        result["from_site_id"] = sender.hex()
         # Detail for what did not simply apply (reasons, event ids); counts cover the rest.
         result["events"] = [o.as_json() for o in outcomes if o.reason != "applied"]
         if recs is not None:
             result["records"] = recs
+        result["acknowledged"] = acked
         return result
 
 

@@ -56,6 +56,15 @@ CREATE TABLE IF NOT EXISTS records_delivered (
 CREATE TABLE IF NOT EXISTS sent_bodies (
   id INTEGER PRIMARY KEY AUTOINCREMENT, path TEXT NOT NULL, sent_key BLOB NOT NULL, peer BLOB NOT NULL,
   kind TEXT NOT NULL, token TEXT NOT NULL, sent_ms INTEGER NOT NULL, UNIQUE (path, sent_key));
+-- The mailbox path's answers (agent/mailbox.py, docs/protocol.md §6). Owed: the files imported
+-- from a peer (BLAKE3 of the file, events processed before the first rejected one), newest kept.
+-- Acks: the answer records this node signed (held, so the signing journal can drop them).
+CREATE TABLE IF NOT EXISTS mailbox_owed (
+  peer BLOB NOT NULL, body_hash BLOB NOT NULL, processed INTEGER NOT NULL, received_ms INTEGER NOT NULL,
+  PRIMARY KEY (peer, body_hash)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS mailbox_acks (
+  record_hash BLOB PRIMARY KEY, peer BLOB NOT NULL, answers TEXT NOT NULL, issued_ms INTEGER NOT NULL,
+  raw BLOB NOT NULL) WITHOUT ROWID;
 """
 
 
@@ -65,7 +74,7 @@ def has_schema(conn: sqlite3.Connection) -> bool:
 
 def _has_lifecycle_tables(conn: sqlite3.Connection) -> bool:
     return conn.execute("SELECT count(*) FROM sqlite_master WHERE name IN ('rehydrate_served', 'records_delivered', "
-                        "'sent_bodies')").fetchone()[0] == 3
+                        "'sent_bodies', 'mailbox_owed', 'mailbox_acks')").fetchone()[0] == 5
 
 
 def ensure_schema(conn: sqlite3.Connection) -> None:
@@ -137,6 +146,51 @@ def sent_bodies_count(conn: sqlite3.Connection, peer: bytes, path: str) -> int:
     if not has_schema(conn):
         return 0
     return conn.execute("SELECT count(*) FROM sent_bodies WHERE peer=? AND path=?", (peer, path)).fetchone()[0]
+
+
+# ---------------------------------------------------------------- mailbox answers (agent/mailbox.py)
+MAILBOX_ANSWERS_KEPT = 16  # answers owed per peer (an ack carries at most 16)
+MAILBOX_ACKS_KEPT = 4  # signed answer records kept per peer (the newest is re-used while nothing changed)
+
+
+def owe_mailbox_answer(conn: sqlite3.Connection, peer: bytes, h: bytes, processed: int, now_ms: int) -> None:
+    """This node imported file `h` from `peer` and processed its first `processed` events to a
+    final state. A file imported again keeps the larger count; the newest files are kept."""
+    r = conn.execute("SELECT processed FROM mailbox_owed WHERE peer=? AND body_hash=?", (peer, h)).fetchone()
+    conn.execute("INSERT OR REPLACE INTO mailbox_owed VALUES (?,?,?,?)",
+                 (peer, h, processed if r is None else max(r[0], processed), now_ms))
+    conn.execute("DELETE FROM mailbox_owed WHERE peer=? AND body_hash NOT IN (SELECT body_hash FROM mailbox_owed "
+                 "WHERE peer=? ORDER BY received_ms DESC, body_hash LIMIT ?)", (peer, peer, MAILBOX_ANSWERS_KEPT))
+
+
+def owed_mailbox_answers(conn: sqlite3.Connection, peer: bytes) -> list[tuple[bytes, int]]:
+    """(file hash, processed), oldest first."""
+    return [(bytes(h), k) for h, k in conn.execute(
+        "SELECT body_hash, processed FROM mailbox_owed WHERE peer=? ORDER BY received_ms, body_hash", (peer,))]
+
+
+def _answers_json(answers: list[tuple[bytes, int]]) -> str:
+    return json.dumps([[h.hex(), k] for h, k in answers])
+
+
+def mailbox_ack_saying(conn: sqlite3.Connection, peer: bytes, answers: list[tuple[bytes, int]]) -> bytes | None:
+    """A held answer record to `peer` that says exactly `answers` (re-used: no new signature)."""
+    r = conn.execute("SELECT raw FROM mailbox_acks WHERE peer=? AND answers=? ORDER BY issued_ms DESC LIMIT 1",
+                     (peer, _answers_json(answers))).fetchone()
+    return None if r is None else bytes(r[0])
+
+
+def put_mailbox_ack(conn: sqlite3.Connection, h: bytes, peer: bytes, answers: list[tuple[bytes, int]], raw: bytes,
+                    issued_ms: int, prune: bool = True) -> None:
+    """Keep an answer record this node signed. `prune`: drop the oldest beyond MAILBOX_ACKS_KEPT
+    (off when recovery stores released ones: each must be held until the journal has dropped it,
+    or the next open would store it again, docs/keystore.md)."""
+    conn.execute("INSERT OR IGNORE INTO mailbox_acks VALUES (?,?,?,?,?)", (h, peer, _answers_json(answers), issued_ms,
+                                                                             raw))
+    if prune:
+        conn.execute("DELETE FROM mailbox_acks WHERE peer=? AND record_hash NOT IN (SELECT record_hash FROM "
+                     "mailbox_acks WHERE peer=? ORDER BY issued_ms DESC, record_hash LIMIT ?)",
+                     (peer, peer, MAILBOX_ACKS_KEPT))
 
 
 def schedule_backfill(conn: sqlite3.Connection, peer_text: str, tables: Iterable[str] | None = None,

@@ -125,6 +125,7 @@ def test_replace_a_dead_device_through_the_cli(tmp_path):
     st4 = cli.j(n4, "rehydrate", "--status")["rehydrating"]
     assert st4["events_applied"] > 0 and st4["rows_received"] == sum(len(v) for v in gw_dump.values())
     assert st4["caught_up"] is True and st4["remaining"] == 0
+    cli.carry(n4, gw, sid(gw))  # n4's answer to those files (in its next file) moves the gateway's cursor
     assert cli.j(gw, "rehydrate", "--status")["serving"][0]["remaining_events"] == 0
     assert cli.j(n4, "dump") == gw_dump
     # --- days later: n4's profile eviction raises its horizon above all of that history ...

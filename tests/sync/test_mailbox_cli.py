@@ -55,10 +55,15 @@ def test_mailbox_round_trip_three_homes(tmp_path):
     assert len(dumps[0]["app.readings"]) == 9 and len(dumps[0]["app.notes"]) == 1
     logs = [sorted(run("--home", h, "log", env=env).stdout.splitlines()) for h in homes]
     assert {json.loads(x)["event_id"] for x in logs[0]} == {json.loads(x)["event_id"] for x in logs[2]}
-    # the mailbox cursor advanced: a second export to the same peer carries nothing new
+    # b's mailbox cursor for a moves only on a's answer, which travels in a's next file to b
     again = json.loads(run("--home", homes[1], "mailbox", "export", "--peer", ids[0]["site_id"], "--out",
                            tmp_path / "ba2.cbor", env=env).stdout)
-    assert again["events"] == 0
+    assert again["events"] == out["events"] > 0 and again["cursor"] == 0  # not answered yet: offered again
+    _, res = carry(0, 1, "ab3.cbor")
+    assert res["acknowledged"]["bodies"] == 1  # a's answer to ba.cbor (ba2.cbor was never imported)
+    again = json.loads(run("--home", homes[1], "mailbox", "export", "--peer", ids[0]["site_id"], "--out",
+                           tmp_path / "ba3.cbor", env=env).stdout)
+    assert again["events"] == 0 and again["cursor"] > 0
 
 
 def test_mailbox_import_malformed_changes_nothing(tmp_path):

@@ -135,3 +135,164 @@ def test_export_onto_a_full_filesystem_fails_and_moves_nothing(tmp_path, env, sm
                           env=env).stdout)["events"] == 300
     cli("--home", homes[1], "peer", "add", "--site-id", ids[0]["site_id"], "--public-key", ids[0]["public_key"], env=env)
     assert json.loads(cli("--home", homes[1], "mailbox", "import", ok, env=env).stdout)["applied"] == 300
+
+
+# ---------------------------------------------------------------- the cursor moves on the peer's answer
+def _cursor(node, peer) -> int:
+    from agent.store import sync_state as st
+    return st.cursor(node.conn, peer.site_id, "mailbox")[0]
+
+
+def _events_in(path: Path) -> list[bytes]:
+    return list(cbor2.loads(path.read_bytes())["events"])
+
+
+def test_a_lost_file_is_offered_again(tmp_path):
+    """Issue 10 item 8: export advanced the cursor when the file was written, so a file lost on the
+    way was never offered again on the mailbox path."""
+    from agent.sync import SyncDriver
+    from .helpers import NOW, mesh
+    a, b = mesh(tmp_path, 2)
+    da, dbb = SyncDriver(a), SyncDriver(b)
+    ids = [a.write("app.readings", {"device": "a", "seq": i}, {"temp": 1.0}, now=NOW + i) for i in range(3)]
+    f1, f2 = tmp_path / "f1", tmp_path / "f2"
+    assert da.export_mailbox(b.site_id, f1)["events"] == 3
+    f1.unlink()  # lost on the way
+    assert _cursor(a, b) == 0
+    assert da.export_mailbox(b.site_id, f2)["events"] == 3  # offered again
+    assert dbb.import_mailbox(f2.read_bytes(), NOW + 10)["applied"] == 3
+    assert {e for e, in b.conn.execute("SELECT event_id FROM events")} >= set(ids)
+
+
+def test_rejected_events_are_offered_again_until_the_peer_answers_past_them(tmp_path):
+    """A receiver whose clock is behind rejects (clock_skew) what is too far ahead; its answer,
+    carried back in its next file, says how far it processed (stopping before the first rejected
+    event), and the sender's cursor moves exactly that far: the rest is offered again."""
+    from agent.sync import SyncDriver
+    from .helpers import NOW, mesh
+    a, b = mesh(tmp_path, 2)
+    da, dbb = SyncDriver(a), SyncDriver(b)
+    early = [a.write("app.readings", {"device": "a", "seq": i}, {"temp": 1.0}, now=NOW + i) for i in range(2)]
+    late = [a.write("app.readings", {"device": "a", "seq": i}, {"temp": 2.0}, now=NOW + 600_000 + i) for i in (2, 3)]
+    f = [tmp_path / f"f{i}" for i in range(8)]
+    da.export_mailbox(b.site_id, f[0])
+    res = dbb.import_mailbox(f[0].read_bytes(), NOW + 1_000)  # b's clock is 10 minutes behind a's
+    assert res["applied"] == 2 and res["rejected"] == 2
+    assert _cursor(a, b) == 0  # a file cannot answer: nothing moved yet
+    dbb.export_mailbox(a.site_id, f[1])  # b's next file carries its answer to f0
+    res = da.import_mailbox(f[1].read_bytes(), NOW + 600_010)
+    seq = {bytes(e): s for e, s in a.conn.execute("SELECT event_id, seq FROM events")}
+    assert _cursor(a, b) == seq[early[-1]]  # up to the event before the first rejected one
+    assert res["acknowledged"] == {"bodies": 1, "events": 2}
+    da.export_mailbox(b.site_id, f[2])
+    assert [bytes(x) for x in _events_in(f[2])] and len(_events_in(f[2])) == 2  # the rejected two, again
+    assert dbb.import_mailbox(f[2].read_bytes(), NOW + 600_100)["applied"] == 2  # b's clock is right now
+    dbb.export_mailbox(a.site_id, f[3])
+    da.import_mailbox(f[3].read_bytes(), NOW + 600_200)
+    assert _cursor(a, b) == max(seq[e] for e in late)
+    assert da.export_mailbox(b.site_id, f[4])["events"] == 0  # everything answered for
+    # an answer travels in every file until it is superseded; a repeat moves nothing back
+    dbb.export_mailbox(a.site_id, f[5])
+    da.import_mailbox(f[5].read_bytes(), NOW + 600_300)
+    assert _cursor(a, b) == max(seq[e] for e in late)
+
+
+def test_a_forged_or_misaddressed_answer_moves_nothing(tmp_path):
+    from agent import mailbox
+    from agent.core.messages import SyncBody, emit_body, parse_body
+    from agent.sync import SyncDriver
+    from .helpers import NOW, mesh
+    a, b, c = mesh(tmp_path, 3)
+    da, dbb, dc = SyncDriver(a), SyncDriver(b), SyncDriver(c)
+    for i in range(3):
+        a.write("app.readings", {"device": "a", "seq": i}, {"temp": 1.0}, now=NOW + i)
+    f = [tmp_path / f"f{i}" for i in range(6)]
+    da.export_mailbox(b.site_id, f[0])
+    dbb.import_mailbox(f[0].read_bytes(), NOW + 100)
+    dbb.export_mailbox(a.site_id, f[1])
+    genuine = parse_body(f[1].read_bytes())
+    acks = [r for r in genuine.records if mailbox.is_ack(r)]
+    assert len(acks) == 1
+    # 1. the ack, its signature broken (one byte of the payload changed): dropped and surfaced
+    bad = bytearray(acks[0])
+    bad[-70] ^= 1
+    forged = SyncBody(b.site_id, genuine.have_max_hlc, (), (bytes(bad),), ())
+    res = da.import_mailbox(emit_body(forged), NOW + 200)
+    assert _cursor(a, b) == 0 and res["acknowledged"] == {"bodies": 0, "events": 0}
+    assert a.conn.execute("SELECT count(*) FROM surfaced WHERE kind='record_dropped' AND detail LIKE '%mailbox-ack%'"
+                          ).fetchone()[0] == 1
+    # 2. b's genuine ack in a file that claims to come from c: an answer speaks for its issuer only
+    relayed = SyncBody(c.site_id, genuine.have_max_hlc, (), tuple(acks), ())
+    da.import_mailbox(emit_body(relayed), NOW + 200)
+    assert _cursor(a, b) == 0 and _cursor(a, c) == 0
+    # 3. the genuine file: the cursor moves
+    res = da.import_mailbox(f[1].read_bytes(), NOW + 300)
+    assert _cursor(a, b) > 0 and res["acknowledged"]["bodies"] == 1
+    # 4. b's ack for a's file, seen by c (not its subject): nothing there either
+    res = dc.import_mailbox(f[1].read_bytes(), NOW + 300)
+    assert res["acknowledged"] == {"bodies": 0, "events": 0}
+
+
+def test_an_answer_released_before_a_crash_is_stored_on_open_and_leaves_the_journal(tmp_path):
+    """Answer records are signed through the keystore bridge (persist-before-release). One the
+    store lacks (a crash between release and store) is stored on the next open, and the journal
+    then drops it like every other record the store holds: answers never pile up in the journal."""
+    from agent import mailbox
+    from agent.core.messages import parse_body
+    from agent.sync import SyncDriver
+    from .helpers import NOW, mesh
+    a, b = mesh(tmp_path, 2)
+    a.write("app.readings", {"device": "a", "seq": 1}, {"temp": 1.0}, now=NOW)
+    f0, f1 = tmp_path / "f0", tmp_path / "f1"
+    SyncDriver(a).export_mailbox(b.site_id, f0)
+    SyncDriver(b).import_mailbox(f0.read_bytes(), NOW + 1)
+    SyncDriver(b).export_mailbox(a.site_id, f1)
+    (ack,) = [r for r in parse_body(f1.read_bytes()).records if mailbox.is_ack(r)]
+    home = b.home
+    b.close()  # the journal still holds the answer (it is compacted on the next open)
+    assert ack in [raw for _i, raw in _journal(home)]
+    with sqlite3.connect(home / "store.sqlite") as c:
+        c.execute("DELETE FROM mailbox_acks")  # the store a crash between release and store leaves
+    from agent.node import Node
+    b = Node.open(home)
+    try:
+        assert [bytes(r) for (r,) in b.conn.execute("SELECT raw FROM mailbox_acks")] == [ack]
+        assert ack not in [raw for _i, raw in b.bridge.iter_released()]  # held now: compacted
+        assert b.conn.execute("SELECT count(*) FROM surfaced WHERE kind='record_dropped'").fetchone()[0] == 0
+    finally:
+        b.close()
+
+
+def _journal(home):
+    """The signing journal's released outputs, read without opening the node (opening compacts)."""
+    from firmware_bridge.journal import Journal
+    j = Journal(str(home / "sign-journal"))
+    try:
+        return [(i, j.read_released(i)) for i, _loc in j.released_items()]
+    finally:
+        j.close()
+
+
+def test_answers_do_not_pile_up_in_the_signing_journal(tmp_path):
+    from agent.sync import SyncDriver
+    from .helpers import NOW, mesh, reopen
+    a, b = mesh(tmp_path, 2)
+    for i in range(6):
+        a.write("app.readings", {"device": "a", "seq": i}, {"temp": 1.0}, now=NOW + i)
+        f, g = tmp_path / f"a{i}", tmp_path / f"b{i}"
+        SyncDriver(a).export_mailbox(b.site_id, f)
+        SyncDriver(b).import_mailbox(f.read_bytes(), NOW + 10 + i)
+        SyncDriver(b).export_mailbox(a.site_id, g)
+        SyncDriver(a).import_mailbox(g.read_bytes(), NOW + 20 + i)
+    b = reopen(b)
+    assert list(b.bridge.iter_released()) == []  # every answer b signed is held by its store
+    # the next export (an answer that changed) keeps the newest four; the others left the journal
+    a.write("app.readings", {"device": "a", "seq": 99}, {"temp": 1.0}, now=NOW + 99)
+    SyncDriver(a).export_mailbox(b.site_id, tmp_path / "a99")
+    SyncDriver(b).import_mailbox((tmp_path / "a99").read_bytes(), NOW + 100)
+    SyncDriver(b).export_mailbox(a.site_id, tmp_path / "b99")
+    assert b.conn.execute("SELECT count(*) FROM mailbox_acks").fetchone()[0] == 4
+    b = reopen(b)
+    assert list(b.bridge.iter_released()) == []
+    assert b.conn.execute("SELECT count(*) FROM mailbox_acks").fetchone()[0] == 4
+    assert b.conn.execute("SELECT count(*) FROM surfaced WHERE kind='record_dropped'").fetchone()[0] == 0

@@ -128,22 +128,30 @@ def test_500_records_flow_in_bounded_bodies_over_several_exchanges(tmp_path):
     assert len(SyncDriver(a).build(b.site_id, "memory", "batch").body) <= PI_ZERO_LIMIT
 
 
-def test_mailbox_export_marks_records_delivered(tmp_path):
+def test_mailbox_records_are_delivered_on_the_answer(tmp_path):
+    """Like the cursor (§14.1): a file's records count as delivered when the peer's answer to that
+    file comes back in its next file, not when the file is written (it may be lost)."""
+    from agent.mailbox import is_ack
     a, b = _authority_mesh(tmp_path)
     held = _hold_records(a, 4)
     da, dbb = SyncDriver(a), SyncDriver(b)
     f1, f2 = tmp_path / "m1.ssp", tmp_path / "m2.ssp"
     da.export_mailbox(b.site_id, f1)
     assert set(_recs(f1.read_bytes())) == set(held)
-    assert st.delivered_records(a.conn, b.site_id, MAILBOX_PATH) == {delivery_hash(r) for r in held}
+    assert st.delivered_records(a.conn, b.site_id, MAILBOX_PATH) == set()
     da.export_mailbox(b.site_id, f2)
-    assert _recs(f2.read_bytes()) == []
+    assert set(_recs(f2.read_bytes())) == set(held)  # f1 may be lost: offered again
     dbb.import_mailbox(f1.read_bytes(), NOW)
     assert set(held) <= set(st.record_raws(b.conn))
-    # b holds them from a's file: its mailbox export to a does not send them back
+    # b holds them from a's file: its mailbox export to a does not send them back, only its answer
     f3 = tmp_path / "m3.ssp"
     dbb.export_mailbox(a.site_id, f3)
-    assert _recs(f3.read_bytes()) == []
+    assert [r for r in _recs(f3.read_bytes()) if not is_ack(r)] == []
+    da.import_mailbox(f3.read_bytes(), NOW)
+    assert st.delivered_records(a.conn, b.site_id, MAILBOX_PATH) == {delivery_hash(r) for r in held}
+    f4 = tmp_path / "m4.ssp"
+    da.export_mailbox(b.site_id, f4)
+    assert [r for r in _recs(f4.read_bytes()) if not is_ack(r)] == []
 
 
 def test_a_rehydrate_request_makes_records_flow_again(tmp_path):
