@@ -1,6 +1,6 @@
 """Serial keystore protocol, sans I/O (docs/keystore.md "Serial protocol"; issue 5 item 4).
 
-Frame on the wire:   COBS( payload | CRC-32(payload) as 4 bytes big-endian ) | 0x00
+Frame on the wire:   COBS( payload | CRC-32(payload) as 4 bytes big-endian ) | 0x00   (framing.py)
 payload:             version (u8 = 1) | kind (u8) | request id (u16) | body
 
 COBS makes 0x00 an unambiguous frame delimiter, so a receiver resynchronises after line noise
@@ -11,11 +11,12 @@ body ``code (u8) | message (utf-8)``.  Strings are u8-length-prefixed, blobs u16
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass
 from typing import Iterator, Union
 
+from . import framing
 from .errors import ProtocolError
+from .framing import FrameError, cobs_decode, cobs_encode  # noqa: F401 - this protocol's names for them
 
 VERSION = 1
 MAX_PAYLOAD = 4096
@@ -49,55 +50,11 @@ ERROR_NAMES = {E_BAD_REQUEST: "bad request", E_UNKNOWN_OP: "unknown op", E_KEY_N
                E_TOO_LARGE: "request too large", E_WRONG_KEY_FOR_IDENTITY: "key algorithm does not fit identity"}
 
 
-class FrameError(ValueError):
-    """A frame that fails COBS decoding, CRC, version or length checks."""
-
-
-def cobs_encode(data: bytes) -> bytes:
-    out = bytearray()
-    block = bytearray()
-    for b in data:
-        if b == 0:
-            out.append(len(block) + 1)
-            out += block
-            block.clear()
-        else:
-            block.append(b)
-            if len(block) == 254:
-                out.append(255)
-                out += block
-                block.clear()
-    out.append(len(block) + 1)
-    out += block
-    return bytes(out)
-
-
-def cobs_decode(data: bytes) -> bytes:
-    out = bytearray()
-    i = 0
-    n = len(data)
-    while i < n:
-        code = data[i]
-        if code == 0:
-            raise FrameError("zero byte inside COBS data")
-        end = i + code
-        if end > n:
-            raise FrameError("truncated COBS block")
-        block = data[i + 1:end]
-        if 0 in block:
-            raise FrameError("zero byte inside COBS block")
-        out += block
-        i = end
-        if code != 255 and i < n:
-            out.append(0)
-    return bytes(out)
-
-
 def encode_frame(kind: int, req_id: int, body: bytes = b"") -> bytes:
     payload = struct.pack(">BBH", VERSION, kind, req_id & 0xFFFF) + body
     if len(payload) > MAX_PAYLOAD:
         raise ValueError("frame payload too large")
-    return cobs_encode(payload + struct.pack(">I", zlib.crc32(payload))) + b"\x00"
+    return framing.encode(payload, MAX_PAYLOAD)
 
 
 @dataclass(frozen=True)
@@ -119,14 +76,12 @@ def decode_frame(raw: bytes) -> Frame:
 
 
 def _decode_frame(raw: bytes) -> Frame:
-    if len(raw) > 2 * MAX_PAYLOAD:
-        raise FrameError("frame too long")
-    data = cobs_decode(raw)
-    if len(data) < 8:
+    return _frame(framing.decode(raw, MAX_PAYLOAD))  # COBS, length bound, CRC (framing.py)
+
+
+def _frame(payload: bytes) -> Frame:
+    if len(payload) < 4:
         raise FrameError("frame too short")
-    payload, crc = data[:-4], struct.unpack(">I", data[-4:])[0]
-    if zlib.crc32(payload) != crc:
-        raise FrameError("CRC mismatch")
     if payload[0] != VERSION:
         raise FrameError(f"unsupported protocol version {payload[0]}")
     _, kind, req_id = struct.unpack(">BBH", payload[:4])
@@ -134,31 +89,35 @@ def _decode_frame(raw: bytes) -> Frame:
 
 
 class FrameReader:
-    """Accumulates bytes from the line; yields decoded frames and counts rejected ones."""
+    """Accumulates bytes from the line; yields decoded frames and counts rejected ones
+    (framing.Decoder: bounded, linear, resynchronises at the next 0x00)."""
 
     def __init__(self) -> None:
-        self._buf = bytearray()
-        self.rejected = 0
-        self.last_error = ""
+        self._dec = framing.Decoder(MAX_PAYLOAD)
+        self._rejected = 0
+        self._last_error = ""
+
+    @property
+    def rejected(self) -> int:
+        return self._dec.rejected + self._rejected
+
+    @property
+    def last_error(self) -> str:
+        return self._last_error or self._dec.last_error
 
     def feed(self, data: bytes) -> Iterator[Frame]:
-        self._buf += data
-        while True:
-            idx = self._buf.find(0)
-            if idx < 0:
-                if len(self._buf) > 2 * MAX_PAYLOAD:  # noise without delimiters: drop it
-                    self._buf.clear()
-                    self.rejected += 1
-                return
-            raw = bytes(self._buf[:idx])
-            del self._buf[:idx + 1]
-            if not raw:
-                continue  # empty frame: delimiter run, used to resynchronise
+        before = self._dec.rejected
+        payloads = self._dec.feed(data)
+        if self._dec.rejected != before:
+            self._last_error = ""
+        for payload in payloads:
             try:
-                yield decode_frame(raw)
+                frame = _frame(payload)
             except FrameError as exc:
-                self.rejected += 1
-                self.last_error = str(exc)
+                self._rejected += 1
+                self._last_error = str(exc)
+                continue
+            yield frame
 
 
 # -- body helpers -----------------------------------------------------------------------------

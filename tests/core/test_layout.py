@@ -97,3 +97,10 @@ def test_sequencer_core_is_sans_io():
             continue
         assert mod not in CORE_FORBIDDEN, f"sequencer core imports {mod}"
         assert mod in CORE_ALLOWED or mod in sys.stdlib_module_names or mod in ("__future__", "agent"), mod
+
+
+# The byte-stream framing (COBS + CRC-32) is shared by the serial keystore and the serial sync
+# link: pure, so both the firmware side and a sans-I/O link can use it.
+def test_framing_is_pure():
+    for mod, level in _imports(ROOT / "firmware_bridge" / "framing.py"):
+        assert not level and (mod in ("__future__", "struct", "zlib")), f"framing imports {mod}"
