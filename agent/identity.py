@@ -6,6 +6,7 @@ the machine id; on every open a mismatch is refused until an operator states tha
 original device is gone (`ssp-agent identity rebind`)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -45,6 +46,48 @@ def witness_path(site_id: bytes) -> Path:
         state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
         base = os.path.join(state, "ssp-agent", "clock-witness")
     return Path(base) / site_id.hex()
+
+
+def claim_home(site_id: bytes, home: Path) -> str | None:
+    """Which home this site_id lives in, recorded beside its clock witness (outside the home): a
+    `cp -a` copy of a live home must not sign as the original (HLC reuse, §13.5), while a home that
+    moved must keep working. Returns the other home's path when it still holds this site's store
+    (this one is a copy); otherwise records `home` as the site's home and returns None."""
+    here = os.path.realpath(home)
+    path = witness_path(site_id).with_suffix(".home")
+    try:
+        other = path.read_text().strip()
+    except OSError:
+        other = ""
+    if other and other != here and _holds_site(Path(other), site_id):
+        try:
+            if os.path.samefile(other, here):  # the same directory by another path (bind mount)
+                return None
+        except OSError:
+            pass
+        return other
+    if other != here:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".home.tmp")
+            tmp.write_text(here + "\n")
+            os.replace(tmp, path)
+        except OSError as e:  # the claim is a guard, not a dependency: never stop a node for it
+            log.warning("cannot record the home of site %s in %s: %s", site_id.hex(), path, e)
+    return None
+
+
+def _holds_site(home: Path, site_id: bytes) -> bool:
+    import sqlite3
+    store = home / "store.sqlite"
+    if not store.exists():
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=5)) as c:
+            row = c.execute("SELECT value FROM meta WHERE key='site_id'").fetchone()
+    except sqlite3.Error:
+        return False
+    return row is not None and bytes(row[0]) == site_id
 
 
 # Two slots of (physical_ms, logical, counter, crc32): a torn write can spoil only the slot

@@ -108,6 +108,10 @@ class Node:
             if wrote_pin:  # a failed init leaves no PIN behind (it would outlive the attempt)
                 Path(ks_conf["pin_file"]).unlink(missing_ok=True)
             raise
+        # Paths inside the home are stored relative to it, so the home can move (docs/operations.md).
+        for k in ("dir", "pin_file"):
+            if k in ks_conf and Path(ks_conf[k]).parent == home:
+                ks_conf[k] = Path(ks_conf[k]).name
         conn = db.connect(home / cls.STORE_FILE)
         db.create(conn)
         with _txn(conn):
@@ -132,6 +136,7 @@ class Node:
             for t in manifest.tables:
                 _create_table_rows(conn, t)
         _write_identity_file(home, site_id, public_key, manifest.mesh_id, ks_conf)
+        ident.claim_home(site_id, home)
         ks.close() if hasattr(ks, "close") else None
         return cls.open(home), public_key
 
@@ -165,7 +170,16 @@ class Node:
                 conn.close()
                 raise
             return cls(home, conn, None, read_only=True)
-        ks_conf = json.loads(db.get_meta(conn, "keystore"))
+        if check_machine:
+            site = bytes(db.get_meta(conn, "site_id"))
+            other = ident.claim_home(site, home)
+            if other is not None:
+                conn.close()
+                raise NodeError(
+                    f"this home is a copy of {other}, which holds the same node (site {site.hex()}): two homes "
+                    "signing as one site_id would reuse HLCs (§13.5). Initialise a new node here; or, if this copy "
+                    f"is to replace the original, remove {other} first (a home that moves is followed).")
+        ks_conf = _home_paths(home, json.loads(db.get_meta(conn, "keystore")))
         bridge = SigningBridge(open_keystore(_with_pin(ks_conf)), str(home / "sign-journal"))
         return cls(home, conn, bridge)
 
@@ -965,6 +979,19 @@ def _check_keystore_conf(conf: dict) -> dict:
         raise NodeError(f"a {kind} keystore needs {', '.join(missing)} (docs/keystore.md)")
     if conf.get("pin_file"):
         conf["pin_file"] = str(Path(conf["pin_file"]).absolute())
+    return conf
+
+
+def _home_paths(home: Path, conf: dict) -> dict:
+    """The keystore config with paths stored relative to the home resolved against it. (A home made
+    before paths were stored this way by an `init` with a relative --home holds paths relative to
+    the directory init ran in: those still resolve from there.)"""
+    conf = dict(conf)
+    for k in ("dir", "pin_file"):
+        v = conf.get(k)
+        if v and not os.path.isabs(v):
+            in_home = home / v
+            conf[k] = str(in_home if in_home.exists() or not os.path.exists(v) else Path(v).absolute())
     return conf
 
 

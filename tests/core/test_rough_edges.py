@@ -4,7 +4,7 @@ columns, exit 2 for an unknown keystore kind, a typo'd retention class refused."
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import sqlite3
 
 from tests.cli_cmd import run_cli
@@ -29,7 +29,7 @@ def test_a_relative_home_works_from_another_directory(tmp_path):
     home = work / "node"
     with sqlite3.connect(home / "store.sqlite") as c:
         ks = json.loads(c.execute("SELECT value FROM meta WHERE key='keystore'").fetchone()[0])
-    assert os.path.isabs(ks["dir"]), ks
+    assert ks["dir"] == "keystore", ks  # inside the home: stored relative to it, so the home can move
     p = run_cli("--home", home, "write", "app.readings", "--key", '{"device": "d", "seq": 1}',
                 "--set", '{"temp": 1.5}', cwd="/")
     assert p.returncode == 0, p.stderr
@@ -113,3 +113,24 @@ def test_a_typod_retention_class_is_refused(tmp_path):
     assert p.returncode == 2 and "recrods" in p.stderr, p.stderr
 
 
+
+
+def test_a_copied_home_is_refused_and_a_moved_home_follows(tmp_path):
+    """`cp -a` of a live home would sign as the original's site_id from two places (HLC reuse,
+    §13.5): refused (exit 2) while the original holds the node. A moved home (the original gone)
+    just works, and then the old place's copy is the one refused."""
+    h = tmp_path / "h"
+    _init(tmp_path, h)
+    w = ("write", "app.readings", "--key", '{"device": "d", "seq": 1}', "--set", '{"temp": 1.5}')
+    assert run_cli("--home", h, *w).returncode == 0
+    shutil.copytree(h, tmp_path / "copy", symlinks=True)
+    p = run_cli("--home", tmp_path / "copy", *w)
+    assert p.returncode == 2 and "copy" in p.stderr and str(h) in p.stderr, (p.returncode, p.stderr)
+    assert run_cli("--home", tmp_path / "copy", "dump").returncode == 0  # reading a copy is harmless
+    # moved: the original is gone, the node follows its home
+    shutil.rmtree(tmp_path / "copy")
+    h.rename(tmp_path / "moved")
+    assert run_cli("--home", tmp_path / "moved", *w).returncode == 0
+    shutil.copytree(tmp_path / "moved", h, symlinks=True)  # a stale copy back at the old place
+    p = run_cli("--home", h, *w)
+    assert p.returncode == 2 and str(tmp_path / "moved") in p.stderr, p.stderr
