@@ -33,7 +33,10 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 VPY="$VENV/bin/python"
 echo "setup: installing ssp-agent (editable, into $VENV) with test extras"
-"$VPY" -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 \
-  | grep -v -E "^WARNING: (Running pip as|Location)" || true
+if ! "$VPY" -m pip install -q --disable-pip-version-check -e ".[test]" >"$VENV/setup-pip.log" 2>&1; then
+  cat "$VENV/setup-pip.log" >&2
+  echo "setup: pip could not install ssp-agent into $VENV" >&2
+  exit 1
+fi
 "$VPY" -c "import agent, firmware_bridge, cbor2, nacl, blake3, paho.mqtt, serial, pytest" \
   || { echo "setup: the Python dependencies did not install into $VENV" >&2; exit 1; }

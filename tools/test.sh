@@ -17,8 +17,12 @@ if [ -z "${SSP_AGENT_CMD:-}" ]; then
   "$VPY" -m venv "$WORK/venv"
   WHEEL=$(ls "$WORK"/dist/ssp_agent-*.whl)
   # the installed command must not see this checkout
-  env -u PYTHONPATH "$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check "$WHEEL[pkcs11]" 2>&1 \
-    | grep -v -E "^WARNING: (Running pip as|Location)" || true
+  if ! env -u PYTHONPATH "$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check "$WHEEL[pkcs11]" \
+      >"$WORK/pip.log" 2>&1; then
+    cat "$WORK/pip.log" >&2
+    echo "test: the wheel did not install into a clean venv" >&2
+    exit 1
+  fi
   export SSP_AGENT_CMD="$WORK/venv/bin/ssp-agent"
   "$SSP_AGENT_CMD" --version
 fi
