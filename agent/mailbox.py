@@ -2,9 +2,10 @@
 
 Export selects from the durable per-peer cursor of the `mailbox` path, filtered by policy and
 self-echo. The cursor does **not** move when the file is written: like every path (§14.1) it
-moves only on the peer's answer. A file cannot answer, so the answer travels back in the peer's
-next mailbox file to this node, as a self-verifying signed record in the body's `records` member
-(wire-profile.md §5 "Extensions"; docs/protocol.md §6):
+moves only on the peer's answer. A file cannot answer, so the answer travels in the peer's next
+mailbox files (to this node, or to any node, which relays it on: a ring of files), as a
+self-verifying signed record in the body's `records` member (wire-profile.md §5 "Extensions";
+docs/protocol.md §6):
 
     COSE_Sign1(protected = {1: -8, 3: "sovm/ssp-mailbox-ack-v1", 4: issuer site_id (the receiver)},
                payload   = {subject_site_id: bstr16 (the exporter answered),

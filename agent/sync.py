@@ -525,8 +525,13 @@ class SyncDriver:
         from . import mailbox
         from .node import now_ms
         now = now_ms()
+        # This node's answers: to the peer's files first, then to every other node's (files may go
+        # round a ring, never straight back: the next node relays them on). Then the answers of
+        # other nodes that reached this node, the peer's first.
         ack = self._mailbox_ack(peer, now)
-        o = self.build(peer, MAILBOX_PATH, "batch", extra_records=(ack,) if ack is not None else ())
+        others = [self._mailbox_ack(s, now) for s in st.mailbox_owed_peers(self.conn) if s != peer]
+        extra = tuple(r for r in [ack, *others] if r is not None) + tuple(st.relayed_mailbox_acks(self.conn, peer))
+        o = self.build(peer, MAILBOX_PATH, "batch", extra_records=extra)
         _write_durably(Path(out), o.body)
         h = mailbox.body_hash(o.body)
         with _txn(self.conn):
@@ -576,13 +581,14 @@ class SyncDriver:
                                    a["issued_at"], prune=False)
 
     def _take_mailbox_acks(self, sender: bytes, raws, now: int) -> dict:
-        """The answers in a file from `sender`: each record verified on its own (issuer's key in the
-        keyring, not retired; signature over mesh_id; exact members), else dropped and surfaced. An
-        answer counts only when its issuer is the file's sender and its subject is this node, and
-        only for a file this node wrote for that sender and has not had answered (`sent_bodies`):
-        the cursor then moves as the MQTT answer moves it (`confirm`, §14.1)."""
+        """The answer records in a file from `sender`: each verified on its own (issuer's key in the
+        keyring, not retired; signature over mesh_id; exact members), else dropped and surfaced. One
+        addressed to this node counts for the files this node wrote for its issuer and has not had
+        answered (`sent_bodies`): the cursor then moves as the MQTT answer moves it (`confirm`,
+        §14.1). It may come from the issuer or through any node that relays it (the signature is
+        the issuer's); one addressed to a third node is kept and relayed to it in this node's files."""
         from . import mailbox
-        out = {"bodies": 0, "events": 0}
+        out = {"bodies": 0, "events": 0, "relayed": 0}
         node = self.node
         for raw in raws:
             try:
@@ -592,15 +598,19 @@ class SyncDriver:
                     _surface(self.conn, now, "record_dropped", e.reason,
                              {"type": mailbox.ACK_CONTENT_TYPE, "detail": e.detail})
                 continue
-            if a["issuer"] != sender or a["subject"] != node.site_id:
+            issuer, subject = a["issuer"], a["subject"]
+            if subject != node.site_id:
+                if issuer != node.site_id:
+                    with _txn(self.conn):
+                        out["relayed"] += st.relay_mailbox_ack(self.conn, subject, issuer, a["issued_at"], a["raw"])
                 continue
             for h, k in a["answers"]:
                 r = st.sent_body(self.conn, MAILBOX_PATH, h)
-                if r is None or r[0] != sender:
-                    continue  # answered already, forgotten, or not ours
+                if r is None or r[0] != issuer:
+                    continue  # answered already, forgotten, or not a file written for the issuer
                 tok, _extra = token_from_json(r[2])
                 n = max(0, min(k, len(tok.seqs) + sum(sum(p.counts) for p in tok.bf_parts)))
-                self.confirm(sender, tok, n)
+                self.confirm(issuer, tok, n)
                 out["bodies"] += 1
                 out["events"] += n
         return out

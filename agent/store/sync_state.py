@@ -65,6 +65,11 @@ CREATE TABLE IF NOT EXISTS mailbox_owed (
 CREATE TABLE IF NOT EXISTS mailbox_acks (
   record_hash BLOB PRIMARY KEY, peer BLOB NOT NULL, answers TEXT NOT NULL, issued_ms INTEGER NOT NULL,
   raw BLOB NOT NULL) WITHOUT ROWID;
+-- Relay: other nodes' answer records addressed to a third node (a ring of files), the newest per
+-- (subject, issuer), carried in every file to their subject.
+CREATE TABLE IF NOT EXISTS mailbox_relay (
+  subject BLOB NOT NULL, issuer BLOB NOT NULL, issued_at INTEGER NOT NULL, raw BLOB NOT NULL,
+  PRIMARY KEY (subject, issuer)) WITHOUT ROWID;
 """
 
 
@@ -74,7 +79,7 @@ def has_schema(conn: sqlite3.Connection) -> bool:
 
 def _has_lifecycle_tables(conn: sqlite3.Connection) -> bool:
     return conn.execute("SELECT count(*) FROM sqlite_master WHERE name IN ('rehydrate_served', 'records_delivered', "
-                        "'sent_bodies', 'mailbox_owed', 'mailbox_acks')").fetchone()[0] == 5
+                        "'sent_bodies', 'mailbox_owed', 'mailbox_acks', 'mailbox_relay')").fetchone()[0] == 6
 
 
 def ensure_schema(conn: sqlite3.Connection) -> None:
@@ -151,6 +156,7 @@ def sent_bodies_count(conn: sqlite3.Connection, peer: bytes, path: str) -> int:
 # ---------------------------------------------------------------- mailbox answers (agent/mailbox.py)
 MAILBOX_ANSWERS_KEPT = 16  # answers owed per peer (an ack carries at most 16)
 MAILBOX_ACKS_KEPT = 4  # signed answer records kept per peer (the newest is re-used while nothing changed)
+MAILBOX_RELAY_PER_ISSUER = 64  # other nodes' answer records relayed: subjects kept per issuer
 
 
 def owe_mailbox_answer(conn: sqlite3.Connection, peer: bytes, h: bytes, processed: int, now_ms: int) -> None:
@@ -191,6 +197,30 @@ def put_mailbox_ack(conn: sqlite3.Connection, h: bytes, peer: bytes, answers: li
         conn.execute("DELETE FROM mailbox_acks WHERE peer=? AND record_hash NOT IN (SELECT record_hash FROM "
                      "mailbox_acks WHERE peer=? ORDER BY issued_ms DESC, record_hash LIMIT ?)",
                      (peer, peer, MAILBOX_ACKS_KEPT))
+
+
+def relay_mailbox_ack(conn: sqlite3.Connection, subject: bytes, issuer: bytes, issued_at: int, raw: bytes) -> bool:
+    """Keep `issuer`'s answer record to `subject` for the files to `subject`, if it is newer than
+    the one held (an answer names the issuer's newest files from the subject)."""
+    r = conn.execute("SELECT issued_at FROM mailbox_relay WHERE subject=? AND issuer=?", (subject, issuer)).fetchone()
+    if r is not None and r[0] >= issued_at:
+        return False
+    conn.execute("INSERT OR REPLACE INTO mailbox_relay VALUES (?,?,?,?)", (subject, issuer, issued_at, raw))
+    # Bounded per issuer: a signer naming fictional subjects cannot grow the store (or every file).
+    conn.execute("DELETE FROM mailbox_relay WHERE issuer=? AND subject NOT IN (SELECT subject FROM mailbox_relay "
+                 "WHERE issuer=? ORDER BY issued_at DESC, subject LIMIT ?)", (issuer, issuer, MAILBOX_RELAY_PER_ISSUER))
+    return True
+
+
+def relayed_mailbox_acks(conn: sqlite3.Connection, peer: bytes) -> list[bytes]:
+    """The relayed answer records a file to `peer` carries: those addressed to `peer` first, then
+    the others (they go on round the ring), never `peer`'s own."""
+    return [bytes(r) for (r,) in conn.execute(
+        "SELECT raw FROM mailbox_relay WHERE issuer != ? ORDER BY subject != ?, subject, issuer", (peer, peer))]
+
+
+def mailbox_owed_peers(conn: sqlite3.Connection) -> list[bytes]:
+    return [bytes(p) for (p,) in conn.execute("SELECT DISTINCT peer FROM mailbox_owed ORDER BY peer")]
 
 
 def schedule_backfill(conn: sqlite3.Connection, peer_text: str, tables: Iterable[str] | None = None,

@@ -183,7 +183,7 @@ def test_rejected_events_are_offered_again_until_the_peer_answers_past_them(tmp_
     res = da.import_mailbox(f[1].read_bytes(), NOW + 600_010)
     seq = {bytes(e): s for e, s in a.conn.execute("SELECT event_id, seq FROM events")}
     assert _cursor(a, b) == seq[early[-1]]  # up to the event before the first rejected one
-    assert res["acknowledged"] == {"bodies": 1, "events": 2}
+    assert res["acknowledged"] == {"bodies": 1, "events": 2, "relayed": 0}
     da.export_mailbox(b.site_id, f[2])
     assert [bytes(x) for x in _events_in(f[2])] and len(_events_in(f[2])) == 2  # the rejected two, again
     assert dbb.import_mailbox(f[2].read_bytes(), NOW + 600_100)["applied"] == 2  # b's clock is right now
@@ -203,6 +203,7 @@ def test_a_forged_or_misaddressed_answer_moves_nothing(tmp_path):
     from agent.sync import SyncDriver
     from .helpers import NOW, mesh
     a, b, c = mesh(tmp_path, 3)
+    del SyncBody
     da, dbb, dc = SyncDriver(a), SyncDriver(b), SyncDriver(c)
     for i in range(3):
         a.write("app.readings", {"device": "a", "seq": i}, {"temp": 1.0}, now=NOW + i)
@@ -216,21 +217,24 @@ def test_a_forged_or_misaddressed_answer_moves_nothing(tmp_path):
     # 1. the ack, its signature broken (one byte of the payload changed): dropped and surfaced
     bad = bytearray(acks[0])
     bad[-70] ^= 1
+    from agent.core.messages import SyncBody
     forged = SyncBody(b.site_id, genuine.have_max_hlc, (), (bytes(bad),), ())
     res = da.import_mailbox(emit_body(forged), NOW + 200)
-    assert _cursor(a, b) == 0 and res["acknowledged"] == {"bodies": 0, "events": 0}
+    assert _cursor(a, b) == 0 and res["acknowledged"] == {"bodies": 0, "events": 0, "relayed": 0}
     assert a.conn.execute("SELECT count(*) FROM surfaced WHERE kind='record_dropped' AND detail LIKE '%mailbox-ack%'"
                           ).fetchone()[0] == 1
-    # 2. b's genuine ack in a file that claims to come from c: an answer speaks for its issuer only
-    relayed = SyncBody(c.site_id, genuine.have_max_hlc, (), tuple(acks), ())
-    da.import_mailbox(emit_body(relayed), NOW + 200)
-    assert _cursor(a, b) == 0 and _cursor(a, c) == 0
-    # 3. the genuine file: the cursor moves
-    res = da.import_mailbox(f[1].read_bytes(), NOW + 300)
-    assert _cursor(a, b) > 0 and res["acknowledged"]["bodies"] == 1
-    # 4. b's ack for a's file, seen by c (not its subject): nothing there either
+    # 2. b's answer seen by c (not its subject): nothing moves at c, c keeps it for a
     res = dc.import_mailbox(f[1].read_bytes(), NOW + 300)
-    assert res["acknowledged"] == {"bodies": 0, "events": 0}
+    assert res["acknowledged"] == {"bodies": 0, "events": 0, "relayed": 1}
+    assert _cursor(c, a) == 0 and _cursor(c, b) == 0
+    # 3. c's file to a carries b's answer: it speaks for b (its issuer), never for c
+    dc.export_mailbox(a.site_id, f[2])
+    res = da.import_mailbox(f[2].read_bytes(), NOW + 400)
+    assert res["acknowledged"]["bodies"] == 1 and _cursor(a, b) > 0 and _cursor(a, c) == 0
+    # 4. the same answer again, in b's own file: that file was answered already, nothing moves
+    moved = _cursor(a, b)
+    res = da.import_mailbox(f[1].read_bytes(), NOW + 500)
+    assert res["acknowledged"]["bodies"] == 0 and _cursor(a, b) == moved
 
 
 def test_an_answer_released_before_a_crash_is_stored_on_open_and_leaves_the_journal(tmp_path):
@@ -296,3 +300,31 @@ def test_answers_do_not_pile_up_in_the_signing_journal(tmp_path):
     assert list(b.bridge.iter_released()) == []
     assert b.conn.execute("SELECT count(*) FROM mailbox_acks").fetchone()[0] == 4
     assert b.conn.execute("SELECT count(*) FROM surfaced WHERE kind='record_dropped'").fetchone()[0] == 0
+
+
+def test_a_ring_of_files_moves_every_cursor(tmp_path):
+    """Files go only round a ring (a -> b -> c -> a), as a courier's round trip does: b's answer to
+    a's file reaches a through c's file (the answer is b's signature, whoever carries it), so every
+    cursor moves and the files stop re-offering what was answered."""
+    from agent.sync import SyncDriver
+    from .helpers import NOW, mesh
+    nodes = mesh(tmp_path, 3)
+    drv = [SyncDriver(n) for n in nodes]
+    for k, n in enumerate(nodes):
+        for i in range(5):
+            n.write("app.readings", {"device": f"d{k}", "seq": i}, {"temp": float(i)}, now=NOW + i)
+    t = NOW + 100
+    for rnd in range(4):
+        for k in range(3):
+            src, dst = k, (k + 1) % 3
+            f = tmp_path / f"r{rnd}-{src}-{dst}"
+            drv[src].export_mailbox(nodes[dst].site_id, f)
+            t += 10
+            drv[dst].import_mailbox(f.read_bytes(), t)
+    ids = [{bytes(e) for (e,) in n.conn.execute("SELECT event_id FROM events")} for n in nodes]
+    assert ids[0] == ids[1] == ids[2] and len(ids[0]) == 15
+    for k, n in enumerate(nodes):
+        nxt = nodes[(k + 1) % 3]
+        top = n.conn.execute("SELECT max(seq) FROM events").fetchone()[0]
+        assert _cursor(n, nxt) == top  # every event in k's log answered for by the next node
+        assert drv[k].export_mailbox(nxt.site_id, tmp_path / f"last-{k}")["events"] == 0
