@@ -529,7 +529,8 @@ class SyncDriver:
         # round a ring, never straight back: the next node relays them on). Then the answers of
         # other nodes that reached this node, the peer's first.
         ack = self._mailbox_ack(peer, now)
-        others = [self._mailbox_ack(s, now) for s in st.mailbox_owed_peers(self.conn) if s != peer]
+        others = [self._mailbox_ack(s, now) for s in st.mailbox_owed_peers(self.conn)
+                  if s != peer and s in self.node.keyring]
         extra = tuple(r for r in [ack, *others] if r is not None) + tuple(st.relayed_mailbox_acks(self.conn, peer))
         o = self.build(peer, MAILBOX_PATH, "batch", extra_records=extra)
         _write_durably(Path(out), o.body)
@@ -634,7 +635,9 @@ class SyncDriver:
         acked = self._take_mailbox_acks(sender, acks, now)  # after the records: a vouch admits its issuer
         outcomes = self.node.apply_batch(body.events, now, origin="mailbox")
         k = delivery.first_rejected([_proc(o) for o in outcomes])
-        if sender != self.node.site_id:
+        if sender != self.node.site_id and sender in self.node.keyring:
+            # Owed only to a site this node trusts: a file naming any other sender (a stranger,
+            # another mesh) must not make this node sign and carry answers to it in every file.
             with _txn(self.conn):
                 st.owe_mailbox_answer(self.conn, sender, mailbox.body_hash(data), k, now)
         from . import rehydrate

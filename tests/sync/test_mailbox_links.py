@@ -328,3 +328,24 @@ def test_a_ring_of_files_moves_every_cursor(tmp_path):
         top = n.conn.execute("SELECT max(seq) FROM events").fetchone()[0]
         assert _cursor(n, nxt) == top  # every event in k's log answered for by the next node
         assert drv[k].export_mailbox(nxt.site_id, tmp_path / f"last-{k}")["events"] == 0
+
+
+def test_a_file_from_a_stranger_is_owed_no_answer(tmp_path):
+    """A well-formed file from a site this node does not trust (a stranger, another mesh) is
+    imported (cli-contract.md: exit 0, its events dropped), but owes no answer: nothing is signed
+    for it and no file carries an answer to it."""
+    from agent import mailbox
+    from agent.core.messages import parse_body
+    from agent.sync import SyncDriver
+    from .helpers import NOW, mesh
+    a, b = mesh(tmp_path, 2)
+    (stranger,) = mesh(tmp_path / "other", 1)
+    stranger.write("app.readings", {"device": "s", "seq": 1}, {"temp": 1.0}, now=NOW)
+    f = tmp_path / "from-stranger"
+    SyncDriver(stranger).export_mailbox(a.site_id, f)
+    res = SyncDriver(a).import_mailbox(f.read_bytes(), NOW + 1)
+    assert res["dropped"] == 1
+    assert a.conn.execute("SELECT count(*) FROM mailbox_owed").fetchone()[0] == 0
+    g = tmp_path / "a-to-b"
+    SyncDriver(a).export_mailbox(b.site_id, g)
+    assert [r for r in parse_body(g.read_bytes()).records if mailbox.is_ack(r)] == []
