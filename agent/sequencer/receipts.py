@@ -59,8 +59,9 @@ def receipt_hash(raw: bytes) -> bytes:
 
 
 def payload_bytes(group_id: bytes, epoch: int, commit_hash_: bytes, previous: Optional[bytes]) -> bytes:
-    return codec.encode({"group_id": group_id, "epoch": epoch, "commit_hash": commit_hash_,
-                         "previous_receipt_hash": previous})
+    # text keys only, values of our own making: the deterministic encoder without its shape check
+    return codec.encode_trusted({"group_id": bytes(group_id), "epoch": int(epoch), "commit_hash": bytes(commit_hash_),
+                                 "previous_receipt_hash": None if previous is None else bytes(previous)})
 
 
 def to_be_signed(kid: bytes, payload: bytes) -> tuple[bytes, bytes]:

@@ -224,47 +224,77 @@ class Sequencer:
         self.store.register(state)
 
     def submit(self, message: bytes) -> Answer:
-        try:
-            framing = parse_mls_message(message)
-        except FramingError as e:
-            return Rejected(core.UNPARSEABLE, None, None, None, str(e))
-        message = bytes(message)
-        ch = receipts.commit_hash(message)
-        state = self.store.group(framing.group_id)
-        decision = core.decide(state, framing, ch)
-        if isinstance(decision, core.Reject):
-            return self._rejected(decision)
-        gid, epoch = decision.group_id, decision.epoch
-        self.store.put_pending(gid, epoch, ch, message, decision.bootstrap)
+        return self.submit_many([message])[0]
+
+    def submit_many(self, messages: list[bytes]) -> list[Answer]:
+        """Sequence a batch of MLSMessages (any groups), answers in order. Group commit: per round
+        one pending transaction, one bridge call (two journal fsyncs for all its receipts) and one
+        state transaction. A round takes at most one message per group, in arrival order, so
+        first-Commit-wins is exactly the order of ``messages``."""
+        answers: list[Optional[Answer]] = [None] * len(messages)
+        queue = []
+        for i, m in enumerate(messages):
+            try:
+                f = parse_mls_message(m)
+            except FramingError as e:
+                answers[i] = Rejected(core.UNPARSEABLE, None, None, None, str(e))
+                continue
+            m = bytes(m)
+            queue.append((i, f, m, receipts.commit_hash(m)))
+        while queue:
+            this_round, later, seen = [], [], set()
+            for item in queue:
+                (later if item[1].group_id in seen else this_round).append(item)
+                seen.add(item[1].group_id)
+            self._round(this_round, answers)
+            queue = later
+        return answers  # type: ignore[return-value]
+
+    def _round(self, items: list, answers: list) -> None:
+        accepts = []
+        for i, f, m, ch in items:
+            state = self.store.group(f.group_id)
+            d = core.decide(state, f, ch)
+            if isinstance(d, core.Reject):
+                answers[i] = self._rejected(d)
+                continue
+            if self.bridge.status(ReceiptIdentity(d.group_id, d.epoch)) is not Status.ABSENT:
+                # The journal already knows this pair: the state is behind its journal (restored
+                # from an older copy). Never signed again (§22.5 cl. 1-2): adopt or record the gap.
+                self.store.record_event("rollback", {"group": d.group_id.hex(), "epoch": d.epoch})
+                self._settle(d.group_id, d.epoch, cause="rollback", candidate=(ch, m))
+                raw = self.store.receipt(d.group_id, d.epoch)
+                if raw is not None and receipts.parse_receipt(raw).commit_hash == ch:
+                    answers[i] = Accepted(d.group_id, d.epoch, raw)   # exactly the persisted bytes
+                else:
+                    answers[i] = self._rejected(core.decide(self.store.group(d.group_id), f, ch))
+                continue
+            accepts.append((i, m, ch, state, d))
+        if not accepts:
+            return
+        self.store.put_pending_many([(d.group_id, d.epoch, ch, m, d.bootstrap) for _i, m, ch, _s, d in accepts])
         self._fire("accepted")
-        payload = receipts.payload_bytes(gid, epoch, ch, decision.previous_receipt_hash)
-        protected, tbs = receipts.to_be_signed(self.public_key, payload)
+        requests = []
+        for _i, _m, ch, _s, d in accepts:
+            payload = receipts.payload_bytes(d.group_id, d.epoch, ch, d.previous_receipt_hash)
+            protected, tbs = receipts.to_be_signed(self.public_key, payload)
+            requests.append((ReceiptIdentity(d.group_id, d.epoch), RECEIPT_KEY, tbs,
+                             (lambda pr, pa: lambda sig: receipts.assemble(pr, pa, sig))(protected, payload)))
         try:
-            raw = self.bridge.release(ReceiptIdentity(gid, epoch), RECEIPT_KEY, tbs,
-                                      lambda sig: receipts.assemble(protected, payload, sig))
-        except OutcomeUnknown:
-            # An intent for (group, E) predates this acceptance: the store is behind its journal.
-            # Never signed again (§22.5 cl. 2): settle it as the resume path does, refuse this Commit
-            # (whatever was intended for the pair, it was not this Commit).
-            self.store.drop_pending(gid, epoch)
-            self.store.record_event("rollback", {"group": gid.hex(), "epoch": epoch, "found": "intent"})
-            self._settle(gid, epoch, cause="rollback")
-            return self._rejected(core.decide(self.store.group(gid), framing, ch))
+            raws = self.bridge.release_many(requests)
         except KeystoreError:
-            self._settle(gid, epoch, cause="signing_failed")
+            # some receipts may be persisted, others intended only, others never asked for: each
+            # pair is settled against the journal, never re-signed (§22.5 cl. 2, §22.6)
+            for _i, _m, _ch, _s, d in accepts:
+                self._settle(d.group_id, d.epoch, cause="signing_failed")
             raise
-        got = receipts.parse_receipt(raw)
-        if got.commit_hash != ch:
-            # The journal already held a receipt for (group, E) for another Commit: the store had
-            # been rolled back. Those bytes are the one receipt for the pair; this Commit is stale.
-            self.store.drop_pending(gid, epoch)
-            self.store.record_event("rollback", {"group": gid.hex(), "epoch": epoch, "found": "receipt"})
-            self._settle(gid, epoch, cause="rollback")
-            return self._rejected(core.decide(self.store.group(gid), framing, ch))
-        rh = receipts.receipt_hash(raw)
-        self.store.commit_receipt(core.accepted(state, decision, rh), epoch, ch, raw, rh, message)
+        done = []
+        for (i, m, ch, state, d), raw in zip(accepts, raws):
+            rh = receipts.receipt_hash(raw)
+            done.append((core.accepted(state, d, rh), d.epoch, ch, raw, rh, m))
+            answers[i] = Accepted(d.group_id, d.epoch, raw)
+        self.store.commit_receipts(done)     # §22.5 cl. 3: receipts and epochs, one transaction
         self._fire("committed")
-        return Accepted(gid, epoch, raw)
 
     def receipt(self, group_id: bytes, epoch: int) -> Union[bytes, Absent]:
         raw = self.store.receipt(group_id, epoch)
@@ -371,12 +401,18 @@ class Sequencer:
         head = None if d.head is None or d.group_id is None else self.store.receipt(d.group_id, d.head.epoch)
         return Rejected(d.reason, d.group_id, d.current_epoch, head, d.detail)
 
-    def _settle(self, gid: bytes, epoch: int, *, cause: str, message: Optional[bytes] = None,
-                ch: Optional[bytes] = None, bootstrap: Optional[bool] = None) -> None:
-        """Bring (group, epoch) in line with the journal, never signing (§22.5 cl. 1-2, §22.6)."""
-        for g, e, h, m, b in self.store.pending():
+    def _settle(self, gid: bytes, epoch: int, *, cause: str,
+                candidate: Optional[tuple[bytes, bytes]] = None) -> None:
+        """Bring (group, epoch) in line with the journal, never signing (§22.5 cl. 1-2, §22.6).
+        The Commit is our pending one for the pair; ``candidate`` (commit hash, bytes) is a Commit
+        offered now, kept only if the journal's receipt names it."""
+        ch: Optional[bytes] = None
+        message: Optional[bytes] = None
+        for g, e, h, m, _b in self.store.pending():
             if (g, e) == (gid, epoch):
-                ch, message, bootstrap = h, m, b
+                ch, message = h, m
+        if ch is None and candidate is not None and self.bridge.status(ReceiptIdentity(gid, epoch)) is Status.RELEASED:
+            ch, message = candidate
         state = self.store.group(gid)
         if state is not None and state.current_epoch != epoch:
             self.store.drop_pending(gid, epoch)         # already settled

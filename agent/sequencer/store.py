@@ -46,6 +46,10 @@ class Store:
     def __init__(self, path: Path, *, readonly: bool = False) -> None:
         """``readonly``: a reader beside a running `sequencer run` (WAL: it sees committed state)."""
         self.path = Path(path)
+        # The writer holds the home's flock (service.py), so it may cache every group's state: the
+        # cache changes only after the transaction that changed the rows committed.
+        self._cache: Optional[dict[bytes, Optional[GroupState]]] = None if readonly else {}
+        self._dirty: dict[bytes, Optional[GroupState]] = {}
         if readonly:
             self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None)
             return
@@ -67,6 +71,14 @@ class Store:
 
     # -- reads -----------------------------------------------------------------------------
     def group(self, group_id: bytes) -> Optional[GroupState]:
+        if self._cache is not None and group_id in self._cache:
+            return self._cache[group_id]
+        got = self._read_group(group_id)
+        if self._cache is not None and got is not None:
+            self._cache[group_id] = got
+        return got
+
+    def _read_group(self, group_id: bytes) -> Optional[GroupState]:
         row = self.conn.execute("SELECT current_epoch, head_epoch, head_hash, origin, failed_closed, migrated "
                                 "FROM groups WHERE group_id = ?", (group_id,)).fetchone()
         if row is None:
@@ -114,11 +126,15 @@ class Store:
         with self._tx():
             self.conn.execute("INSERT INTO groups (group_id, current_epoch, origin) VALUES (?, ?, ?)",
                               (state.group_id, state.current_epoch, state.origin))
+            self._dirty[state.group_id] = state
 
     def put_pending(self, group_id: bytes, epoch: int, commit_hash: bytes, message: bytes, bootstrap: bool) -> None:
+        self.put_pending_many([(group_id, epoch, commit_hash, message, bootstrap)])
+
+    def put_pending_many(self, rows: list[tuple[bytes, int, bytes, bytes, bool]]) -> None:
         with self._tx():
-            self.conn.execute("INSERT INTO pending VALUES (?, ?, ?, ?, ?)",
-                              (group_id, epoch, commit_hash, message, int(bootstrap)))
+            self.conn.executemany("INSERT INTO pending VALUES (?, ?, ?, ?, ?)",
+                                  [(g, e, h, m, int(b)) for g, e, h, m, b in rows])
 
     def drop_pending(self, group_id: bytes, epoch: int) -> None:
         with self._tx():
@@ -131,6 +147,17 @@ class Store:
             self.conn.execute("INSERT INTO receipts VALUES (?, ?, ?, ?, ?, ?)",
                               (new.group_id, epoch, commit_hash, receipt, receipt_hash, message))
             self._put_group(new, epoch)
+
+    def commit_receipts(self, rows: list[tuple[GroupState, int, bytes, bytes, bytes, Optional[bytes]]]) -> None:
+        """``commit_receipt`` for a batch (distinct groups), one transaction."""
+        with self._tx():
+            self.conn.executemany("INSERT INTO receipts VALUES (?, ?, ?, ?, ?, ?)",
+                                  [(new.group_id, epoch, ch, raw, rh, m) for new, epoch, ch, raw, rh, m in rows])
+            self.conn.executemany(_UPSERT_GROUP, [_group_row(new) for new, *_rest in rows])
+            for new, *_rest in rows:
+                self._dirty[new.group_id] = new
+            self.conn.executemany("DELETE FROM pending WHERE group_id = ? AND epoch = ?",
+                                  [(new.group_id, epoch) for new, epoch, *_rest in rows])
 
     def commit_discontinuity(self, new: GroupState, epoch: int, commit_hash: Optional[bytes],
                              message: Optional[bytes], cause: str) -> None:
@@ -161,12 +188,14 @@ class Store:
             self.conn.execute(
                 "INSERT INTO groups (group_id, current_epoch, origin, failed_closed) VALUES (?, ?, 'recovered', 1) "
                 "ON CONFLICT (group_id) DO UPDATE SET failed_closed = 1", (group_id, current_epoch))
+            self._dirty[group_id] = None                 # re-read after commit
             self._event("equivocation", detail)
 
     def mark_migrated(self, group_id: bytes, detail: dict) -> None:
         """§22.6: after the hand-off this sequencer never serves the group again."""
         with self._tx():
             self.conn.execute("UPDATE groups SET migrated = 1 WHERE group_id = ?", (group_id,))
+            self._dirty[group_id] = None
             self._event("migrated_out", detail)
 
     def record_event(self, kind: str, detail: dict) -> None:
@@ -174,28 +203,48 @@ class Store:
             self._event(kind, detail)
 
     def _put_group(self, new: GroupState, epoch: int) -> None:
-        head = new.head
-        self.conn.execute(
-            "INSERT INTO groups (group_id, current_epoch, head_epoch, head_hash, origin, failed_closed) "
-            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (group_id) DO UPDATE SET current_epoch = excluded.current_epoch, "
-            "head_epoch = excluded.head_epoch, head_hash = excluded.head_hash",
-            (new.group_id, new.current_epoch, None if head is None else head.epoch,
-             None if head is None else head.receipt_hash, new.origin, int(new.failed_closed)))
+        self.conn.execute(_UPSERT_GROUP, _group_row(new))
         self.conn.execute("DELETE FROM pending WHERE group_id = ? AND epoch = ?", (new.group_id, epoch))
+        self._dirty[new.group_id] = new
 
     def _event(self, kind: str, detail: dict) -> None:
         self.conn.execute("INSERT INTO events (kind, detail) VALUES (?, ?)", (kind, json.dumps(detail)))
 
     def _tx(self):
-        return _Tx(self.conn)
+        return _Tx(self)
+
+
+_UPSERT_GROUP = (
+    "INSERT INTO groups (group_id, current_epoch, head_epoch, head_hash, origin, failed_closed) "
+    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (group_id) DO UPDATE SET current_epoch = excluded.current_epoch, "
+    "head_epoch = excluded.head_epoch, head_hash = excluded.head_hash")
+
+
+def _group_row(new: GroupState) -> tuple:
+    head = new.head
+    return (new.group_id, new.current_epoch, None if head is None else head.epoch,
+            None if head is None else head.receipt_hash, new.origin, int(new.failed_closed))
 
 
 class _Tx:
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
+    def __init__(self, store: Store) -> None:
+        self.store = store
 
     def __enter__(self) -> None:
-        self.conn.execute("BEGIN IMMEDIATE")
+        self.store._dirty = {}
+        self.store.conn.execute("BEGIN IMMEDIATE")
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.conn.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        st = self.store
+        if exc_type is not None:
+            st.conn.execute("ROLLBACK")
+            st._dirty = {}
+            return
+        st.conn.execute("COMMIT")
+        if st._cache is not None:
+            for gid, state in st._dirty.items():
+                if state is None:
+                    st._cache.pop(gid, None)
+                else:
+                    st._cache[gid] = state
+        st._dirty = {}

@@ -35,19 +35,22 @@ def main() -> None:
     ap.add_argument("--home", required=True)
     ap.add_argument("--target", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", action="store_true", help="group commit: every group's competing Commits "
+                                                        "in one submit_many per round")
     ap.add_argument("--unsafe", default="", help="negative control: 'advance-first' moves the epoch "
                                                  "before the receipt is durable (violates §22.5 cl. 3)")
     a = ap.parse_args()
     if a.unsafe == "advance-first":
         from agent.sequencer.store import Store
-        orig = Store.put_pending
+        orig = Store.put_pending_many
 
-        def put_pending(self, group_id, epoch, commit_hash, message, bootstrap):
-            orig(self, group_id, epoch, commit_hash, message, bootstrap)
-            self.conn.execute("INSERT INTO groups (group_id, current_epoch, origin) VALUES (?, ?, 'bootstrap') "
-                              "ON CONFLICT (group_id) DO UPDATE SET current_epoch = excluded.current_epoch",
-                              (group_id, epoch + 1))
-        Store.put_pending = put_pending
+        def put_pending_many(self, rows):
+            orig(self, rows)
+            for group_id, epoch, _h, _m, _b in rows:
+                self.conn.execute("INSERT INTO groups (group_id, current_epoch, origin) VALUES (?, ?, 'bootstrap') "
+                                  "ON CONFLICT (group_id) DO UPDATE SET current_epoch = excluded.current_epoch",
+                                  (group_id, epoch + 1))
+        Store.put_pending_many = put_pending_many
     hook = hook_from_env("SEQ_CRASH")
     rng = random.Random(a.seed)
     out = sys.stdout
@@ -70,6 +73,17 @@ def main() -> None:
                 todo.append((gid, epoch))
         if not todo:
             break
+        if a.batch:
+            batch = [encode_private_message(g, e, ciphertext=m + os.urandom(8))
+                     for g, e in todo for m in (b"alice", b"bob", b"carol")]
+            rng.shuffle(batch)
+            for ans in seq.submit_many(batch):
+                if isinstance(ans, service.Accepted):
+                    emit(f"REL {ans.group_id.hex()} {ans.epoch} {ans.receipt.hex()}")
+                    hook("after_release")
+                elif ans.head is not None:
+                    emit(f"HEAD {ans.group_id.hex()} {receipts.parse_receipt(ans.head).epoch} {ans.head.hex()}")
+            continue
         gid, epoch = rng.choice(todo)
         members = [b"alice", b"bob", b"carol"]
         rng.shuffle(members)

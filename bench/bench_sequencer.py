@@ -1,0 +1,129 @@
+"""Commits sequenced per second with durable receipts (issue 14, Benchmark), as a ratio of the raw
+ES256 signing rate of the same keystore measured in the same run.
+
+  raw_es256_<ks>            receipt signatures/s straight from the keystore (its private _sign /
+                            _sign_many, no persistence, no COSE): the denominator
+  seq_one_<ks>              Sequencer.submit, one Commit per call: a pending commit, two journal
+                            fsyncs (intent, receipt) and a state commit per Commit
+  seq_batch<G>_<ks>         Sequencer.submit_many of G Commits for G different groups (group commit
+                            across groups: the same four commits for the whole batch)
+  seq_batch<G>_<ks>_idle    the same with 10 000 idle groups registered (no per-group cost)
+
+    python bench/bench_sequencer.py [--quick] [--json] [--no-pkcs11]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+
+from firmware_bridge import ReceiptIdentity  # noqa: E402
+from agent.sequencer import receipts, service  # noqa: E402
+from agent.sequencer.framing import encode_private_message  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_keystore import softhsm_config  # noqa: E402
+
+
+def rate(n: int, dt: float) -> float:
+    return n / dt if dt > 0 else float("inf")
+
+
+def raw_es256(seq: service.Sequencer, n: int, batch: int) -> float:
+    ks = seq.bridge.keystore
+    payload = receipts.payload_bytes(b"\x01" * 16, 0, b"\x02" * 32, None)
+    _p, tbs = receipts.to_be_signed(seq.public_key, payload)
+    reqs = [(service.RECEIPT_KEY, ReceiptIdentity(b"raw-bench", 10**9 + i), tbs) for i in range(n)]
+    t = time.perf_counter()
+    for i in range(0, n, batch):
+        sigs, failure = ks._sign_many(reqs[i:i + batch])
+        assert failure is None
+    return rate(n, time.perf_counter() - t)
+
+
+def groups(n: int, tag: bytes) -> list[bytes]:
+    return [tag + i.to_bytes(8, "big") for i in range(n)]
+
+
+def seq_one(seq: service.Sequencer, n: int) -> float:
+    gs = groups(8, b"one-")
+    for g in gs:
+        seq.register(g, 0)
+    msgs = [encode_private_message(gs[i % 8], i // 8) for i in range(n)]
+    t = time.perf_counter()
+    for m in msgs:
+        assert isinstance(seq.submit(m), service.Accepted)
+    return rate(n, time.perf_counter() - t)
+
+
+def seq_batch(seq: service.Sequencer, n: int, batch: int, tag: bytes) -> float:
+    gs = groups(batch, tag)
+    for g in gs:
+        seq.register(g, 0)
+    rounds = max(n // batch, 1)
+    msgs = [[encode_private_message(g, r) for g in gs] for r in range(rounds)]
+    t = time.perf_counter()
+    for ms in msgs:
+        ans = seq.submit_many(ms)
+        assert all(isinstance(a, service.Accepted) for a in ans)
+    return rate(rounds * batch, time.perf_counter() - t)
+
+
+def register_idle(seq: service.Sequencer, n: int) -> None:
+    with seq.store._tx():
+        seq.store.conn.executemany("INSERT INTO groups (group_id, current_epoch, origin) VALUES (?, 0, 'registered')",
+                                   [(b"idle-" + i.to_bytes(8, "big"),) for i in range(n)])
+
+
+def run_keystore(name: str, conf: dict | None, d: str, n: int, batch: int, idle: int, fig: dict) -> None:
+    home = os.path.join(d, name)
+    service.init(home, conf)
+    with service.Sequencer(home) as seq:
+        fig[f"raw_es256_{name}"] = raw_es256(seq, n, batch)
+        fig[f"seq_one_{name}"] = seq_one(seq, max(n // 8, 16))
+        fig[f"seq_batch{batch}_{name}"] = seq_batch(seq, n, batch, b"batch-")
+        register_idle(seq, idle)
+        fig[f"seq_batch{batch}_{name}_idle{idle}"] = seq_batch(seq, n, batch, b"after-idle-")
+        fig[f"raw_es256_{name}_again"] = raw_es256(seq, n, batch)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="small counts (smoke run)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-pkcs11", action="store_true")
+    a = ap.parse_args()
+    n, batch, idle = (512, 64, 1000) if a.quick else (8192, 256, 10_000)
+    fig: dict = {}
+    d = tempfile.mkdtemp(prefix="bench-seq-")
+    try:
+        run_keystore("software", None, d, n, batch, idle, fig)
+        if not a.no_pkcs11:
+            cfg = softhsm_config(os.path.join(d, "hsm"))
+            if cfg is None:
+                print("pkcs11: skipped (SoftHSM2 not installed: apt-get install -y softhsm2)")
+            else:
+                run_keystore("pkcs11", cfg, d, n // 4, batch, idle, fig)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    for k, v in fig.items():
+        print(f"{k:40s} {v:10.0f} /s")
+    for ks in ("software", "pkcs11"):
+        if f"raw_es256_{ks}" not in fig:
+            continue
+        raw = (fig[f"raw_es256_{ks}"] + fig[f"raw_es256_{ks}_again"]) / 2
+        one, b, bi = fig[f"seq_one_{ks}"], fig[f"seq_batch{batch}_{ks}"], fig[f"seq_batch{batch}_{ks}_idle{idle}"]
+        print(f"{ks}: ratio one-per-call / raw ES256 {one / raw:.3f}; group commit ({batch} groups) / raw ES256 "
+              f"{b / raw:.3f}; with {idle} idle groups {bi / raw:.3f} (idle/busy {bi / b:.2f})")
+    if a.json:
+        print(json.dumps({k: round(v, 1) for k, v in fig.items()}))
+
+
+if __name__ == "__main__":
+    main()
