@@ -111,6 +111,10 @@ def test_run_serves_groups_through_the_broker(tmp_path, broker):
         members.append(late)
         topic, body, retain = late.published.get(timeout=20)
         assert retain and cbor2.loads(body)["receipt"] == bytes.fromhex(won[0]["receipt"])
+        # the member-side validator keeps the head it heard on the broker, without asking the sequencer
+        from agent.sequencer import member as validator
+        chain = validator.ReceiptChain(G, key)
+        assert chain.observe_head(cbor2.loads(body)["receipt"]) == validator.ACCEPTED
         assert late.request(f"sovm-seq/{G.hex()}/receipt", b"5") == {"receipt": won[0]["receipt"]}
         assert late.request(f"sovm-seq/{G.hex()}/receipt", b"6") == {"receipt": None, "absent": True,
                                                                       "discontinuity": False}

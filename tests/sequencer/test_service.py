@@ -122,3 +122,36 @@ def test_intent_without_receipt_is_a_discontinuity_never_resigned(tmp_path):
         a = s.submit(msg(2))
         assert receipts.parse_receipt(a.receipt).previous_receipt_hash == receipts.receipt_hash(r0)
         assert isinstance(s.submit(msg(1, b"other")), service.Rejected)
+
+
+def test_rollback_over_an_intent_without_receipt_takes_the_discontinuity_path(tmp_path):
+    """§22.6: state restored from an older copy; the journal holds receipts for some of the lost
+    epochs and only an intent for the last one (a crash between intent and persist after the
+    copy was taken). Receipts are adopted byte for byte; the intent-only epoch becomes a recorded
+    discontinuity, answered with a stated absence, never signed; the chain continues across it."""
+    from firmware_bridge import ReceiptIdentity
+    from firmware_bridge.journal import INTENT
+    home = tmp_path / "s"
+    service.init(home)
+    with service.Sequencer(home) as s:
+        s.register(G, 0)
+        s.submit(msg(0))
+    shutil.copy(home / "sequencer.db", tmp_path / "backup.db")
+    with service.Sequencer(home) as s:
+        released = [s.submit(msg(e)).receipt for e in (1, 2)]
+        s.bridge._journal.commit([(INTENT, ReceiptIdentity(G, 3).encode(), service.RECEIPT_KEY)])
+    for suffix in ("-wal", "-shm"):
+        (home / ("sequencer.db" + suffix)).unlink(missing_ok=True)
+    shutil.copy(tmp_path / "backup.db", home / "sequencer.db")
+    with service.Sequencer(home) as s:
+        st = s.store.group(G)
+        assert st.current_epoch == 4 and st.discontinuities == (3,)
+        assert [s.receipt(G, e) for e in (1, 2)] == released
+        assert s.receipt(G, 3) == service.Absent(discontinuity=True)
+        assert isinstance(s.submit(msg(3, b"x")), service.Rejected)
+        nxt = s.submit(msg(4)).receipt
+        assert receipts.parse_receipt(nxt).previous_receipt_hash == receipts.receipt_hash(released[1])
+        kinds = [e["kind"] for e in s.store.events()]
+        assert "rollback" in kinds and "discontinuity" in kinds
+    outputs = [rec for rec in parse_journal(str(home / "sign-journal")) if rec[0] == 2]
+    assert len(outputs) == len({rec[1] for rec in outputs}) == 4     # 0, 1, 2, 4: epoch 3 never signed
