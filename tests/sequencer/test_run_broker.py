@@ -139,3 +139,41 @@ def test_run_serves_groups_through_the_broker(tmp_path, broker):
     ok = cli(home, "submit", str(f))
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["epoch"] == 6
+
+
+def test_commits_queue_while_the_sequencer_is_down(tmp_path, broker):
+    """§22.7 relay unavailability: while `sequencer run` is down, members' Commits wait in the
+    broker (the sequencer's persistent session keeps its subscription) and are sequenced, in
+    order, when it is back: the first accepted, the competing one told to rebuild."""
+    home = tmp_path / "seq"
+    key = bytes.fromhex(json.loads(cli(home, "init").stdout)["sequencer_key"])
+    cli(home, "register", "--group", G.hex(), "--epoch", "0")
+
+    def start():
+        p = subprocess.Popen([sys.executable, "-m", "agent.cli", "--home", str(home), "sequencer", "run",
+                              "--broker", broker.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ))
+        assert json.loads(p.stdout.readline())["sequencer_key"] == key.hex()
+        return p
+    proc = start()                      # creates the persistent session and its subscriptions
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(20) == 0
+    m = Member(broker.port, "erin")
+    try:
+        sent = []
+        for tag in (b"first", b"second"):
+            p = Properties(PacketTypes.PUBLISH)
+            p.ResponseTopic = m.reply_to
+            p.CorrelationData = tag
+            m.c.publish(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 0, ciphertext=tag * 4), qos=1,
+                        properties=p).wait_for_publish(10)
+            sent.append(tag)
+        assert m.answers.empty()
+        proc = start()
+        got = dict(m.answers.get(timeout=20) for _ in sent)
+        assert got[b"first"]["accepted"] is True
+        assert got[b"second"]["reason"] == "stale_epoch" and got[b"second"]["head"] == got[b"first"]["receipt"]
+    finally:
+        m.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
