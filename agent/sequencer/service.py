@@ -440,14 +440,12 @@ class Sequencer:
         group's epoch is behind an identity the journal ever intended to sign."""
         for gid, epoch, _h, _m, _b in self.store.pending():
             self._settle(gid, epoch, cause="receipt_absent")
-        for gid in self.store.group_ids():
-            top = self.bridge.max_receipt_epoch(gid)
-            state = self.store.group(gid)
-            if top is None or top < state.current_epoch:
+        for gid, current in self.store.current_epochs():     # one query, however many groups
+            top = self.bridge.max_receipt_epoch(gid)            # the journal's in-memory index
+            if top is None or top < current:
                 continue
-            self.store.record_event("rollback", {"group": gid.hex(), "store_epoch": state.current_epoch,
-                                                 "journal_epoch": top})
-            for e in range(state.current_epoch, top + 1):
+            self.store.record_event("rollback", {"group": gid.hex(), "store_epoch": current, "journal_epoch": top})
+            for e in range(current, top + 1):
                 self._settle(gid, e, cause="rollback")
 
 

@@ -1,0 +1,108 @@
+"""SIGKILL `sequencer run` while members send competing Commits through a real mosquitto, restart
+it, repeat (SOVM §22.5 cl. 1-3 through the broker). Requests are acknowledged to the broker only
+after their answer is queued, so a request cut by a kill is redelivered to the restarted server.
+The checker of test_sequencer_crash.py then holds over every answer any member ever received:
+one receipt per (group, epoch), every released receipt durable and re-served byte for byte, the
+epoch never ahead of a receipt or a recorded gap, the chain continuous."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from agent.sequencer import receipts, service
+from agent.sequencer.framing import encode_private_message
+from agent.transport.broker import Broker, find_mosquitto
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from test_run_broker import Member
+from test_sequencer_crash import START, Checker
+
+GROUPS = list(START)
+
+
+@pytest.fixture
+def broker(tmp_path):
+    if find_mosquitto() is None:
+        pytest.fail("mosquitto is not installed (apt-get install mosquitto)")
+    b = Broker(workdir=tmp_path / "broker").start()
+    yield b
+    b.close()
+
+
+def start(home, url):
+    p = subprocess.Popen([sys.executable, "-m", "agent.cli", "--home", str(home), "sequencer", "run", "--broker", url],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    line = p.stdout.readline()
+    assert line, p.stderr.read()
+    return p
+
+
+def test_kill_run_while_members_race(tmp_path, broker):
+    home = tmp_path / "seq"
+    service.init(home)
+    with service.Sequencer(home) as s:
+        s.register(GROUPS[0], START[GROUPS[0]])
+        s.register(GROUPS[1], START[GROUPS[1]])
+    checker = Checker(str(home))
+    member = Member(broker.port, "racer")
+    rng = random.Random(1919)
+    epochs = dict(START)
+    proc = start(home, broker.url)
+    kills, lines, deadline_kill = 0, [], time.monotonic() + rng.uniform(0.2, 0.8)
+    try:
+        for _round in range(100):
+            sent = {}
+            for g in GROUPS:
+                for who in (b"a", b"b"):
+                    corr = uuid.uuid4().bytes
+                    p = Properties(PacketTypes.PUBLISH)
+                    p.ResponseTopic = member.reply_to
+                    p.CorrelationData = corr
+                    member.c.publish(f"sovm-seq/{g.hex()}/submit",
+                                     encode_private_message(g, epochs[g], ciphertext=who + os.urandom(8)),
+                                     qos=1, properties=p)
+                    sent[corr] = g
+            end = time.monotonic() + 30
+            while sent and time.monotonic() < end:
+                if time.monotonic() > deadline_kill:
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait(10)
+                    kills += 1
+                    proc = start(home, broker.url)
+                    deadline_kill = time.monotonic() + rng.uniform(0.2, 0.8)
+                try:
+                    corr, ans = member.answers.get(timeout=0.2)
+                except Exception:
+                    continue
+                g = sent.pop(corr, None) or bytes.fromhex(ans["group"])
+                if ans["accepted"]:
+                    lines.append(f"REL {ans['group']} {ans['epoch']} {ans['receipt']}")
+                    epochs[g] = max(epochs[g], ans["epoch"] + 1)
+                else:
+                    if ans["head"] is not None:
+                        e = receipts.parse_receipt(bytes.fromhex(ans["head"])).epoch
+                        lines.append(f"HEAD {ans['group']} {e} {ans['head']}")
+                    if ans["current_epoch"] is not None:
+                        epochs[g] = max(epochs[g], ans["current_epoch"])
+            assert not sent, f"requests never answered across restarts: {len(sent)}"
+            checker.feed(lines)
+            lines = []
+    finally:
+        member.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+    checker.check_durable()
+    print(f"run crash test: {kills} kills, {len(checker.released)} receipts released")
+    assert kills >= 20 and len(checker.released) >= 100
+    with service.Sequencer(home) as s:
+        for (g, e), raw in checker.released.items():
+            assert s.receipt(g, e) == raw
