@@ -6,8 +6,6 @@ or produced 40 001 events)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -135,14 +133,13 @@ def test_a_retained_poison_presence_does_not_kill_nodes_at_start(broker, tmp_pat
 # ---------------------------------------------------------------- item 1: the CLI contract
 def test_mailbox_import_of_a_poison_body_exits_2_with_one_line(tmp_path):
     a, = _nodes(tmp_path, 1)
-    home = a.home if hasattr(a, "home") else tmp_path / "n0"
+    home = a.home
     before = a.conn.execute("SELECT count(*) FROM surfaced").fetchone()[0]
     a.close()
     f = tmp_path / "poison.cbor"
     f.write_bytes(MIXED_KEY_BODY)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(home), "mailbox", "import", str(f)],
-                       capture_output=True, text=True, env=env, timeout=120)
+    from tests.cli_cmd import run_cli
+    p = run_cli("--home", home, "mailbox", "import", f, timeout=120)
     assert p.returncode == 2, p.stderr  # exit 1 with a TypeError traceback before the fix
     assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert "bad_members" in p.stderr and "nothing was changed" in p.stderr

@@ -1,0 +1,224 @@
+"""Hypothesis strategies for hostile bytes: generated (structured, near-valid values at every
+integer, type and nesting edge) and mutated (valid or poison seeds with flipped bytes, inserted
+CBOR heads such as value-sharing tags, indefinite markers and huge lengths, truncations)."""
+from __future__ import annotations
+
+import json
+import zlib
+
+import cbor2
+from hypothesis import strategies as st
+
+from agent.core.events import PAYLOAD_MEMBERS
+from firmware_bridge import serial_protocol as sp
+
+from . import poison
+from .targets import KID, MESH, SITE, sign
+
+EDGE_INTS = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**31, 2**32 - 1, 2**32, 2**53, 2**63 - 1, 2**63, 2**64 - 1,
+             2**64, -1, -24, -25, -(2**63), -(2**63) - 1, -(2**64)]
+INTS = st.one_of(st.sampled_from(EDGE_INTS), st.integers(-(2**65), 2**65), st.integers(0, 2**41))
+FLOATS = st.one_of(st.floats(width=16), st.floats(width=32), st.floats())  # NaN and infinities included
+TAGS = st.sampled_from([0, 1, 2, 3, 18, 24, 25, 28, 29, 55799, 256, 258, 2**32, 2**63])
+TEXT = st.text(max_size=24)
+SCALARS = st.one_of(st.none(), st.booleans(), INTS, FLOATS, TEXT, st.binary(max_size=48))
+
+
+def _tag(t: int, v):
+    return cbor2.CBORTag(t, v)
+
+
+CBOR_VALUES = st.recursive(
+    SCALARS,
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=6),
+        st.dictionaries(st.one_of(TEXT, st.integers(-5, 30), st.binary(max_size=4)), kids, max_size=6),
+        st.builds(_tag, TAGS, kids)),
+    max_leaves=40)
+
+
+def dumps(v, canonical: bool = False) -> bytes:
+    try:
+        return cbor2.dumps(v, canonical=canonical)
+    except Exception:  # noqa: BLE001 - some generated values have no encoding: null instead
+        return b"\xf6"
+
+
+@st.composite
+def cbor_bytes(draw, values=CBOR_VALUES) -> bytes:
+    return dumps(draw(values), draw(st.booleans()))
+
+
+def _maybe(draw, good, bad=CBOR_VALUES, p_bad: float = 0.15):
+    """Mostly a right-typed value, sometimes anything."""
+    return draw(bad) if draw(st.integers(0, 99)) < p_bad * 100 else draw(good)
+
+
+HEX16 = st.one_of(st.just(SITE.hex()), st.just(KID.hex()), st.binary(min_size=16, max_size=16).map(bytes.hex))
+HLC_P = st.one_of(st.sampled_from([0, 1_790_000_000_000, 2**63 - 1, 2**63, 2**64 - 1]), st.integers(0, 2**64 - 1))
+HLC_L = st.one_of(st.sampled_from([0, 1, 2**32 - 1, 2**32]), st.integers(0, 2**33))
+
+
+@st.composite
+def event_payload_obj(draw) -> dict:
+    key = {"device": _maybe(draw, TEXT), "seq": _maybe(draw, INTS)}
+    if draw(st.booleans()):
+        key = draw(st.dictionaries(TEXT, SCALARS, max_size=3))
+    op = draw(st.sampled_from(["upsert", "delete", "purge", ""]))
+    payload = None if op == "delete" and draw(st.booleans()) else draw(
+        st.dictionaries(st.sampled_from(["temp", "note", "device", "x", ""]), SCALARS, max_size=4))
+    obj = {"table_schema": _maybe(draw, st.sampled_from(["app", "sec", ""])),
+           "table_name": _maybe(draw, st.sampled_from(["readings", "notes", "nope"])),
+           "row_key": key, "operation": op, "payload": payload,
+           "hlc_physical_ms": _maybe(draw, HLC_P), "hlc_logical": _maybe(draw, HLC_L)}
+    if draw(st.integers(0, 9)) == 0:
+        obj.pop(draw(st.sampled_from(sorted(PAYLOAD_MEMBERS))))
+    return obj
+
+
+@st.composite
+def event_payload_bytes(draw) -> bytes:
+    return dumps(draw(event_payload_obj()), canonical=draw(st.integers(0, 9)) > 0)
+
+
+@st.composite
+def events(draw) -> bytes:
+    """COSE_Sign1 events: validly signed payloads (generated), or envelopes with generated parts."""
+    if draw(st.booleans()):
+        return sign(draw(event_payload_bytes()))
+    return dumps(cbor2.CBORTag(draw(st.sampled_from([18, 18, 17])),
+                               [_maybe(draw, st.binary(max_size=40)), _maybe(draw, st.just({})),
+                                _maybe(draw, event_payload_bytes()), _maybe(draw, st.binary(min_size=64, max_size=64))]))
+
+
+@st.composite
+def record_payload_bytes(draw) -> bytes:
+    gen = _maybe(draw, st.one_of(st.sampled_from([0, 1, 2**63 - 1, 2**63, 2**64 - 1]), INTS))
+    p = {"subject_site_id": _maybe(draw, st.binary(min_size=16, max_size=16)), "generation": gen,
+         "previous_record_hash": _maybe(draw, st.one_of(st.none(), st.binary(min_size=32, max_size=32)))}
+    kind = draw(st.sampled_from(["role", "vouch", "retire", "truncated", "rehydrate"]))
+    if kind == "role":
+        p["role"] = _maybe(draw, TEXT)
+    elif kind == "vouch":
+        p["public_key"] = _maybe(draw, st.binary(min_size=32, max_size=32))
+    elif kind == "retire":
+        p["retired_after"] = _maybe(draw, st.lists(HLC_P, min_size=2, max_size=2))
+        p["successor_site_id"] = _maybe(draw, st.one_of(st.none(), st.binary(min_size=16, max_size=16)))
+    elif kind == "truncated":
+        p = {"subject_site_id": p["subject_site_id"], "table_schema": _maybe(draw, st.just("app")),
+             "table_name": _maybe(draw, st.just("readings")),
+             "horizon": _maybe(draw, st.lists(st.one_of(HLC_P, HLC_L), min_size=2, max_size=2)),
+             "row_keys": _maybe(draw, st.lists(st.dictionaries(TEXT, SCALARS, max_size=3), max_size=4)),
+             "issued_at": _maybe(draw, HLC_P)}
+    else:
+        p["requested_at"] = _maybe(draw, HLC_P)
+    return dumps(p, canonical=draw(st.integers(0, 9)) > 0)
+
+
+@st.composite
+def watermark_obj(draw) -> dict:
+    return {"site_id": _maybe(draw, HEX16), "table_schema": _maybe(draw, st.just("app")),
+            "table_name": _maybe(draw, st.just("readings")), "hlc_physical_ms": _maybe(draw, HLC_P),
+            "hlc_logical": _maybe(draw, HLC_L)}
+
+
+@st.composite
+def body_bytes(draw) -> bytes:
+    """A sync body (§32) or handshake (§31), near-valid."""
+    hmax = {"physical_ms": _maybe(draw, HLC_P), "logical": _maybe(draw, HLC_L)}
+    if draw(st.integers(0, 4)) == 0:
+        obj = {"ssp_version": _maybe(draw, st.just(1)), "site_id": _maybe(draw, HEX16), "have_max_hlc": hmax,
+               "supports_realtime": _maybe(draw, st.booleans()), "secure_channel": _maybe(draw, st.booleans()),
+               "rtt_ms": _maybe(draw, st.one_of(st.none(), INTS))}
+    else:
+        obj = {"ssp_version": _maybe(draw, st.just(1)), "from_site_id": _maybe(draw, HEX16), "have_max_hlc": hmax,
+               "events": _maybe(draw, st.lists(events(), max_size=3)),
+               "records": _maybe(draw, st.lists(record_payload_bytes().map(lambda p: sign(p, "sovm/ssp-vouch-v1")),
+                                                max_size=2)),
+               "applied_watermarks": _maybe(draw, st.lists(watermark_obj(), max_size=3))}
+    if draw(st.integers(0, 9)) == 0:
+        obj[draw(st.one_of(TEXT, st.integers(0, 9)))] = draw(SCALARS)
+    return dumps(obj, canonical=draw(st.booleans()))
+
+
+@st.composite
+def meta_text(draw) -> bytes:
+    if draw(st.integers(0, 4)) == 0:
+        return draw(st.text(max_size=80)).encode()
+    s = _maybe(draw, st.integers(0, 2**64))
+    d = _maybe(draw, st.lists(st.one_of(st.integers(-2, 2**64), st.sampled_from([1, 2**63])), max_size=6))
+    m = {"s": s, "e": _maybe(draw, st.integers(0, 2**65)), "d": d,
+         "g": _maybe(draw, st.lists(TEXT, max_size=3)), "x": _maybe(draw, st.integers(0, 2**64))}
+    if draw(st.integers(0, 9)) == 0:
+        m = draw(st.recursive(st.one_of(st.none(), st.integers(), TEXT), lambda k: st.lists(k) | st.dictionaries(TEXT, k)))
+    try:
+        return json.dumps(m).encode()
+    except (TypeError, ValueError):
+        return b"{}"
+
+
+@st.composite
+def session_frame_bytes(draw) -> bytes:
+    f = {"t": _maybe(draw, st.sampled_from(["hello", "body", "answer", "ack", "push", "error"])),
+         "c": _maybe(draw, INTS), "b": _maybe(draw, body_bytes()), "m": _maybe(draw, st.just({"s": 0})),
+         "k": _maybe(draw, INTS), "r": _maybe(draw, st.booleans())}
+    for k in draw(st.lists(st.sampled_from("cbmkr"), max_size=3)):
+        f.pop(k, None)
+    return dumps(f, canonical=draw(st.booleans()))
+
+
+@st.composite
+def serial_line(draw) -> bytes:
+    """What the line carries from the device: well-framed replies with generated bodies, noise."""
+    out = b""
+    for _ in range(draw(st.integers(0, 3))):
+        kind = draw(st.sampled_from([sp.HELLO, sp.GENERATE, sp.PUBKEY, sp.SIGN, sp.LIST, sp.ERROR])) | (
+            sp.OK_BIT if draw(st.integers(0, 4)) else 0)
+        body = draw(st.one_of(st.binary(max_size=80), st.builds(
+            lambda a, n, b: bytes([a]) + bytes([n]) + b, st.integers(0, 255), st.integers(0, 255), st.binary(max_size=70))))
+        payload = bytes([sp.VERSION, kind & 0xFF]) + draw(st.integers(0, 0xFFFF)).to_bytes(2, "big") + body
+        out += sp.cobs_encode(payload + zlib.crc32(payload).to_bytes(4, "big")) + b"\x00"
+    return out + draw(st.binary(max_size=30))
+
+
+HEADS = [b"\xd8\x1c", b"\xd8\x1d\x00", b"\x9f", b"\xbf", b"\x7f", b"\xff", b"\x5b\xff\xff\xff\xff\xff\xff\xff\xff",
+         b"\x9b\x00\x00\x00\x01\x00\x00\x00\x00", b"\x1b\x80\x00\x00\x00\x00\x00\x00\x00", b"\x3b\xff" + b"\xff" * 7,
+         b"\xfb\x7f\xf8\x00\x00\x00\x00\x00\x00", b"\xf9\x7c\x00", b"\xc2", b"\xf7", b"\xd2", b"\x81" * 20, b"\xa1\x80",
+         b"\x1c", b"\x00"]
+
+
+@st.composite
+def mutated(draw, seeds) -> bytes:
+    """A seed with a few mutations: byte flips, inserted CBOR heads, deletions, truncation,
+    duplicated slices."""
+    data = bytearray(draw(seeds))
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "head", "delete", "truncate", "dup", "byte"]))
+        at = draw(st.integers(0, len(data))) if data else 0
+        if op == "flip" and data:
+            i = min(at, len(data) - 1)
+            data[i] ^= 1 << draw(st.integers(0, 7))
+        elif op == "byte" and data:
+            data[min(at, len(data) - 1)] = draw(st.integers(0, 255))
+        elif op == "head":
+            data[at:at] = draw(st.sampled_from(HEADS))
+        elif op == "delete":
+            del data[at:at + draw(st.integers(1, 8))]
+        elif op == "truncate":
+            del data[at:]
+        elif op == "dup" and data:
+            n = draw(st.integers(1, 16))
+            data[at:at] = data[at:at + n] * draw(st.integers(1, 4))
+    return bytes(data)
+
+
+POISON = st.sampled_from(sorted(poison.corpus().values()) + [poison.MIXED_KEY_BODY, poison.sharing_bomb(3, 3)])
+
+
+def hostile(generated) -> st.SearchStrategy[bytes]:
+    """Generated inputs, mutated generated inputs, mutated poison, random bytes."""
+    return st.one_of(generated, mutated(generated), mutated(POISON), st.binary(max_size=200))
+
+
+__all__ = ["hostile", "cbor_bytes", "body_bytes", "events", "event_payload_bytes", "record_payload_bytes",
+           "meta_text", "session_frame_bytes", "serial_line", "MESH"]

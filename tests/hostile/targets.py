@@ -1,0 +1,238 @@
+"""One fuzz target per boundary (issue 11): each takes bytes from outside, feeds them through the
+boundary's one classify function, and checks that the outcome is a designated one: a parsed
+value, or the boundary's refusal with a stable reason code (never `unclassified`, which would
+mean the parser's own net caught a bug). Anything else raised is a finding.
+
+The Hypothesis tests (test_fuzz.py, in CI) and the atheris harness (tools/fuzz_atheris.py, long
+runs by tools/fuzz.sh) call the same targets. `bounded` adds the per-input wall-time and memory
+bounds around a call."""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import time
+import tracemalloc
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+import nacl.signing
+
+from agent.core import cose
+from agent.core.classify import UNCLASSIFIED
+from agent.core.codec import DecodeError, decode_strict
+from agent.core.events import EVENT_CONTENT_TYPE, event_from_verified
+from agent.core.messages import Handshake, ProtocolError, SyncBody, parse_message, parse_presence
+from agent.core.records import TRUNCATED, CONTENT_TYPES, RecordError, verify_record, verify_truncation
+from agent.core.session import StreamMeta, decode_frame, parse_meta_text
+from agent.outcomes import STATUSES
+from firmware_bridge import serial_protocol as sp
+
+MESH = bytes.fromhex("f0220000000000000000000000000011")
+SITE = bytes.fromhex("0123456789abcdef0123456789abcdef")
+# A fixed trusted key (the authority and peer of the fuzzed node): hostile but validly signed
+# payloads get past the signature to the payload checks.
+KEY = nacl.signing.SigningKey(bytes(range(32)))
+KID = bytes.fromhex("a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5a5")
+
+TIME_BOUND_S = 2.0  # per input: a superlinear parse (value sharing took seconds to hours) exceeds it
+NODE_TIME_BOUND_S = 10.0  # per input through a real node (SQLite commits with fsync on a shared disk)
+MEM_BASE = 4 * 1024 * 1024  # per input: 4 MiB plus
+MEM_PER_BYTE = 256  # ... this many bytes per input byte (Python objects for one-byte CBOR items)
+_REASON = re.compile(r"^[a-z][a-z0-9_]*$")
+
+COUNTS: dict[str, int] = {}  # executions per target (the fuzzing figures)
+
+
+class Finding(AssertionError):
+    """An outcome that is not designated, or a bound exceeded."""
+
+
+def designated(e: BaseException) -> None:
+    reason = getattr(e, "reason", None)
+    if not isinstance(reason, str) or not _REASON.match(reason):
+        raise Finding(f"refusal without a stable reason code: {e!r}")
+    if reason == UNCLASSIFIED:
+        raise Finding(f"the classify net caught a parser bug: {e!r}")
+
+
+def bounded(name: str, fn: Callable[[bytes], Any], data: bytes, memory: bool = True) -> Any:
+    """Run one target on one input within the time bound and (pure targets) the memory bound,
+    traced by tracemalloc during the call only (generating the input is not the target's)."""
+    COUNTS[name] = COUNTS.get(name, 0) + 1
+    if memory:
+        tracemalloc.start()
+    try:
+        t0 = time.monotonic()
+        out = fn(data)
+        dt = time.monotonic() - t0
+        peak = tracemalloc.get_traced_memory()[1] if memory else 0
+    finally:
+        if memory:
+            tracemalloc.stop()
+    if dt > (TIME_BOUND_S if memory else NODE_TIME_BOUND_S):
+        raise Finding(f"{name}: {dt:.2f} s for {len(data)} bytes")
+    if peak > MEM_BASE + MEM_PER_BYTE * len(data):
+        raise Finding(f"{name}: {peak} bytes allocated for {len(data)} bytes")
+    return out
+
+
+def sign(payload: bytes, content_type: str = EVENT_CONTENT_TYPE, kid: bytes = KID) -> bytes:
+    protected = cose.protected_header(cose.ALG_EDDSA, content_type, kid)
+    return cose.assemble(protected, payload, KEY.sign(cose.sig_structure(protected, MESH, payload)).signature)
+
+
+# ---------------------------------------------------------------- pure boundaries
+def codec(data: bytes) -> None:
+    for kw in ({}, {"deterministic": False, "allowed_tags": frozenset({18})}):
+        try:
+            decode_strict(data, **kw)
+        except DecodeError as e:
+            designated(e)
+
+
+def message(data: bytes) -> None:
+    try:
+        m = parse_message(data)
+    except ProtocolError as e:
+        designated(e)
+        return
+    assert isinstance(m, (Handshake, SyncBody))
+    if isinstance(m, SyncBody):  # what a parsed body holds is what its consumers expect
+        assert all(type(e) is bytes for e in m.events) and all(type(r) is bytes for r in m.records)
+        assert all(0 <= w.hlc[0] < 2**63 and 0 <= w.hlc[1] < 2**32 for w in m.applied_watermarks)
+
+
+def presence(data: bytes) -> None:
+    try:
+        parse_presence(data, SITE)
+    except ProtocolError as e:
+        designated(e)
+
+
+def meta(data: bytes) -> None:
+    text = data.decode("utf-8", "replace")
+    try:
+        m = parse_meta_text(text)
+    except ProtocolError as e:
+        designated(e)
+        return
+    d = m["d"]
+    for n in (0, 1, len(d) if isinstance(d, list) else 2, 1000):
+        try:
+            sm = StreamMeta.from_wire(m, n)
+        except ProtocolError as e:
+            designated(e)
+            continue
+        assert 0 <= sm.start and all(s < 2**63 for s in sm.seqs) and sm.end < 2**63
+
+
+def frame(data: bytes) -> None:
+    try:
+        decode_frame(data)
+    except ProtocolError as e:
+        designated(e)
+
+
+def envelope(data: bytes) -> None:
+    """An event or record envelope, then (as if its signature verified) the event payload."""
+    try:
+        s1 = cose.parse_sign1(data)
+    except DecodeError as e:
+        designated(e)
+        return
+    try:
+        event_from_verified(data, s1)
+    except DecodeError as e:
+        designated(e)
+
+
+def event_payload(data: bytes) -> None:
+    """Payload bytes signed validly under the trusted key: the EventPayload boundary."""
+    raw = sign(data)
+    try:
+        event_from_verified(raw, cose.parse_sign1(raw))
+    except DecodeError as e:
+        designated(e)
+
+
+def record_payload(data: bytes) -> None:
+    """Payload bytes signed validly by a mesh authority, as every record kind (authority records,
+    truncation): the record boundaries."""
+    for ctype in list(CONTENT_TYPES.values()) + [TRUNCATED]:
+        raw = sign(data, ctype)
+        try:
+            if ctype == TRUNCATED:
+                verify_truncation(raw, MESH, lambda kid: (bytes(KEY.verify_key), None) if kid == KID else None)
+            else:
+                verify_record(raw, MESH, {KID}, lambda kid: bytes(KEY.verify_key) if kid == KID else None)
+        except RecordError as e:
+            designated(e)
+
+
+def serial(data: bytes) -> None:
+    """Bytes on the serial line from the keystore device: the frame reader, then the reply
+    boundary for every request op. The same bytes also go out as one well-framed reply (valid
+    COBS and CRC), so the body parser is reached whatever the CRC."""
+    reader = sp.FrameReader()
+    frames = list(reader.feed(data))
+    payload = bytes([sp.VERSION]) + data[:sp.MAX_PAYLOAD]
+    if len(payload) >= 4:
+        raw = sp.cobs_encode(payload + zlib.crc32(payload).to_bytes(4, "big"))
+        frames += list(sp.FrameReader().feed(raw + b"\x00"))
+    for f in frames:
+        for op in (sp.HELLO, sp.GENERATE, sp.PUBKEY, sp.SIGN, sp.LIST):
+            try:
+                sp.parse_reply(op, f)
+            except sp.ReplyError as e:
+                designated(e)
+
+
+PURE = {"codec": codec, "message": message, "presence": presence, "meta": meta, "frame": frame,
+        "envelope": envelope, "event_payload": event_payload, "record_payload": record_payload, "serial": serial}
+
+
+# ---------------------------------------------------------------- boundaries with a real node
+class FuzzNode:
+    """One node on a real SQLite store trusting KEY (as a peer and as the mesh authority), for the
+    targets that go through the apply path, the records and the mailbox import."""
+
+    def __init__(self, home: Path | None = None) -> None:
+        from agent.node import Node
+        from agent.simpeer import NOTES_TABLE, readings_table
+        home = home or Path(tempfile.mkdtemp(prefix="ssp-fuzz-")) / "n"
+        os.environ.setdefault("SSP_AGENT_WITNESS_DIR", str(home.parent / "witness"))
+        man = (f'mesh_id = "{MESH.hex()}"\nauthorities = ["{KID.hex()}"]\n[[peers]]\nsite_id = "{KID.hex()}"\n'
+               f'public_key = "{bytes(KEY.verify_key).hex()}"\n' + readings_table() + NOTES_TABLE)
+        self.node, _ = Node.init(home, man)
+        from agent.sync import SyncDriver
+        self.driver = SyncDriver(self.node)
+        self.now = int(time.time() * 1000)
+
+    def close(self) -> None:
+        self.node.close()
+
+    def events(self, raws: list[bytes]) -> None:
+        outs = self.node.apply_batch(raws, self.now)
+        assert len(outs) == len(raws) and all(o.status in STATUSES and _REASON.match(o.reason) for o in outs)
+
+    def event_payload(self, data: bytes) -> None:
+        self.events([sign(data), data])
+
+    def records(self, data: bytes) -> None:
+        from agent.rehydrate import CONTENT_TYPE as REHYDRATE
+        raws = [sign(data, c) for c in list(CONTENT_TYPES.values()) + [TRUNCATED, REHYDRATE]] + [data]
+        out = self.driver.apply_records(raws, self.now)
+        assert isinstance(out, dict)
+
+    def mailbox(self, data: bytes) -> None:
+        try:
+            out = self.driver.import_mailbox(data, self.now)
+        except ProtocolError as e:
+            designated(e)
+            return
+        assert {"applied", "duplicate", "dropped", "rejected", "held"} <= set(out)
+
+
+NODE_TARGETS = ("event_payload", "records", "mailbox")
