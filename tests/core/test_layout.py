@@ -104,3 +104,12 @@ def test_sequencer_core_is_sans_io():
 def test_framing_is_pure():
     for mod, level in _imports(ROOT / "firmware_bridge" / "framing.py"):
         assert not level and (mod in ("__future__", "struct", "zlib")), f"framing imports {mod}"
+
+
+def test_serial_link_is_sans_io():
+    """agent/transport/serial_link.py is the serial line's state machine: time passed in, timers
+    returned, no port, clock or randomness (the adapter in agent/transport/serial.py does I/O)."""
+    for mod, level in _imports(ROOT / "agent" / "transport" / "serial_link.py"):
+        assert not level, mod
+        assert mod not in CORE_FORBIDDEN and mod != "serial", f"serial_link imports {mod}"
+        assert mod in sys.stdlib_module_names or mod in ("__future__", "firmware_bridge"), mod

@@ -1,0 +1,372 @@
+"""Sync over a serial line (docs/serial.md): the one session (agent/core/session.py, through
+`SyncDriver.session(path="serial")`) over the reliable link (serial_link.py) over a port.
+
+Two parts:
+- `SerialEndpoint`, sans I/O: joins one SerialLink and one Session. A link incarnation that
+  comes up gets a fresh session (handshake first); one that goes down drops its session, and
+  what no answer confirmed is offered again by the next one (cursors move only on answers,
+  §14.1: at-least-once, idempotent apply absorbs the duplicates). The tests drive it over a
+  simulated line; `SerialPort` drives it over a real one.
+- `SerialPort`: the loop over a pyserial port (non-blocking reads and writes, select on its
+  descriptor), `sync_once` and `run`. A port that disappears (a USB adapter pulled) is reopened.
+
+Two clocks: the link's timers run on a monotonic clock (a clock step must not end a link); the
+session and the apply path get wall-clock milliseconds (HLCs, the skew bound).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import select
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..outcomes import STATUSES
+from .serial_link import LinkConfig, LinkError, SerialLink
+
+PATH = "serial"
+
+
+class SerialError(Exception):
+    """A local fault of the serial transport (the port cannot be opened, the other end never
+    answered): exit 1 with this message."""
+
+
+class _Counting:
+    """The session's Provider (sync.LinkProvider), counting what happened to received events and
+    remembering how full the last body sent was (a full body means more is waiting)."""
+
+    def __init__(self, inner, batch_limit: int) -> None:
+        self.inner, self.batch_limit = inner, batch_limit
+        self.counts = {s: 0 for s in STATUSES}
+        self.offered = 0
+        self.last_full = False
+
+    def hello_info(self):
+        return self.inner.hello_info()
+
+    def outgoing(self, peer, mode, now):
+        out = self.inner.outgoing(peer, mode, now)
+        self.offered += out.n_events
+        if mode == "batch":
+            self.last_full = out.n_events >= self.batch_limit
+        return out
+
+    def incoming(self, peer, body, meta, mode, now):
+        d = self.inner.driver
+        k, outs = d.receive(peer, body, meta, mode, now, self.inner.path, self.inner.secure)
+        for o in outs:
+            self.counts[o.status] += 1
+        return k
+
+    def confirm(self, peer, token, processed):
+        self.inner.confirm(peer, token, processed)
+
+    def protocol_error(self, peer, reason, detail, now):
+        self.inner.protocol_error(peer, reason, detail, now)
+
+
+@dataclass
+class SessionSettings:
+    realtime: bool = True
+    secure: bool = False
+    cycle_ms: int = 30_000
+    answer_timeout_ms: int = 60_000
+    batch_limit: int = 1000
+    cycle_on_ready: bool = True  # start an exchange as soon as the handshake is done (sync --once)
+
+
+class SerialEndpoint:
+    def __init__(self, driver, link: SerialLink, write: Callable[[bytes], None], settings: SessionSettings) -> None:
+        self.driver, self.link, self.write, self.settings = driver, link, write, settings
+        self.session = None
+        self.provider: _Counting | None = None
+        self.totals = {s: 0 for s in STATUSES}
+        self.offered = 0
+        self.exchanges = 0  # own bodies answered
+        self.answered = 0  # peer bodies answered and acknowledged... answered at least
+        self.sessions = 0
+        self.events: list[tuple[str, str]] = []  # link and session events, for the caller
+
+    # ------------------------------------------------------------------ inputs
+    def start(self, mono: int) -> None:
+        self.link.start(mono)
+        self._flush()
+
+    def receive_bytes(self, data: bytes, mono: int, wall: int) -> None:
+        self.link.receive_bytes(data, mono)
+        self._pump(mono, wall)
+
+    def handle_timer(self, mono: int, wall: int) -> None:
+        t = self.link.timer()
+        if t is not None and t <= mono:
+            self.link.handle_timer(mono)
+        s = self.session
+        if s is not None:
+            st = s.timer()
+            if st is not None and st <= wall:
+                s.handle_timer(wall)
+        self._pump(mono, wall)
+
+    def timer(self, mono: int, wall: int) -> int | None:
+        """The next deadline, on the monotonic clock."""
+        ts = [t for t in (self.link.timer(),) if t is not None]
+        if self.session is not None:
+            st = self.session.timer()
+            if st is not None:
+                ts.append(mono + (st - wall))
+        return min(ts) if ts else None
+
+    def local_events(self, mono: int, wall: int) -> None:
+        """The node wrote: a realtime session pushes (coalesced, §33)."""
+        if self.session is not None:
+            self.session.local_events(wall)
+            self._pump(mono, wall)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def ready(self) -> bool:
+        return self.session is not None and self.session.state == "ready"
+
+    def busy(self) -> bool:
+        """An exchange in flight either way, or bytes not yet acknowledged by the other end."""
+        s = self.session
+        return bool(s is not None and (s._my_body or s._my_answers)) or not self.link.idle()
+
+    def summary(self) -> dict[str, Any]:
+        c = dict(self.totals)
+        if self.provider is not None:
+            for k, v in self.provider.counts.items():
+                c[k] += v
+        offered = self.offered + (self.provider.offered if self.provider else 0)
+        ls = self.link.stats
+        return {"pushed": offered, "applied": c["applied"], "duplicate": c["duplicate"], "dropped": c["dropped"],
+                "rejected": c["rejected"], "held": c["held"], "exchanges": self.exchanges,
+                "peer": self.session.peer.hex() if self.session is not None and self.session.peer else None,
+                "realtime": bool(self.session is not None and self.session.realtime),
+                "link": {"state": self.link.state, "incarnations": self.sessions, "bytes_out": ls["bytes_out"],
+                         "bytes_in": ls["bytes_in"], "retransmits": ls["retransmits"] + ls["fast_retransmits"],
+                         "frames_rejected": self.link.rejected_frames, "duplicates": ls["duplicates"],
+                         "segment_size": self.link.segment_size}}
+
+    # ------------------------------------------------------------------ glue
+    def _new_session(self, wall: int) -> None:
+        self._retire_session()
+        st = self.settings
+        s = self.driver.session(PATH, None, secure=st.secure, binding_unsolicited=True,
+                                realtime_capable=st.realtime, cycle_ms=st.cycle_ms,
+                                answer_timeout_ms=st.answer_timeout_ms)
+        self.provider = _Counting(s.provider, st.batch_limit)
+        s.provider = self.provider
+        self.session = s
+        self.sessions += 1
+        s.start(wall)
+
+    def _retire_session(self) -> None:
+        if self.provider is not None:
+            for k, v in self.provider.counts.items():
+                self.totals[k] += v
+            self.offered += self.provider.offered
+        self.session, self.provider = None, None
+
+    def _flush(self) -> None:
+        data = self.link.data_to_send()
+        if data:
+            self.write(data)
+
+    def _pump(self, mono: int, wall: int) -> None:
+        for ev in self.link.events:
+            self.events.append(("link_" + ev[0], ev[1]))
+            if ev[0] == "up":
+                self._new_session(wall)
+            elif ev[0] == "down":
+                self._retire_session()  # SSP re-offers what no answer confirmed
+        self.link.events.clear()
+        self._flush()  # acknowledgements first: the peer keeps sending while this node applies
+        s = self.session
+        if s is not None:
+            for m in self.link.messages():
+                s.receive(m, wall)
+            for ev in s.events:
+                self.events.append((ev.kind, ev.detail))
+                if ev.kind == "ready" and self.settings.cycle_on_ready:
+                    s.cycle(wall)
+                elif ev.kind == "exchanged":
+                    self.exchanges += 1
+                    if self.provider is not None and self.provider.last_full:
+                        s.cycle(wall)  # a full body: more is waiting, send it now, not a cadence later
+            s.events.clear()
+            for f in s.data_to_send():
+                try:
+                    self.link.send_message(f, mono)
+                except LinkError as e:  # a body over the link's bound: configuration, surfaced
+                    self.events.append(("warning", str(e)))
+        self._flush()
+
+
+# ---------------------------------------------------------------------- the port loop
+def _mono() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
+def _wall() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def link_config(profile, baud: int) -> LinkConfig:
+    g = lambda k, d: getattr(profile, k, d)  # noqa: E731 - profiles from before [serial] lack these
+    return LinkConfig(baud=baud, max_payload=int(g("serial_frame_bytes", 1024)), window=int(g("serial_window_bytes", 8192)),
+                      keepalive_ms=int(g("serial_keepalive_s", 1.0) * 1000), dead_ms=int(g("serial_dead_s", 10.0) * 1000),
+                      max_message=int(g("serial_max_message_bytes", 17 * 1024 * 1024)))
+
+
+def session_settings(profile, baud: int, *, realtime: bool, secure: bool, cadence_s: float | None = None,
+                     cycle_on_ready: bool = True) -> SessionSettings:
+    g = lambda k, d: getattr(profile, k, d)  # noqa: E731
+    batch = int(g("serial_batch_limit", g("batch_limit", 1000)))
+    # An answer can only come after the body crossed the line: allow for a full body at this
+    # baud (events of ~400 bytes), twice, plus the profile's margin.
+    line_ms = batch * 400 * 10_000 // max(1, baud)
+    return SessionSettings(realtime=realtime, secure=secure,
+                           cycle_ms=int((cadence_s if cadence_s is not None else g("cadence_s", 30)) * 1000),
+                           answer_timeout_ms=2 * line_ms + int(g("serial_timeout_s", 30.0) * 1000),
+                           batch_limit=batch, cycle_on_ready=cycle_on_ready)
+
+
+class SerialPort:
+    """One node on one serial port."""
+
+    def __init__(self, node, port: str, baud: int, *, realtime: bool = True, secure: bool = False,
+                 cadence_s: float | None = None, nonce: int | None = None) -> None:
+        from ..sync import SyncDriver
+        self.node, self.port, self.baud = node, port, baud
+        prof = node.profile
+        self.settings = session_settings(prof, baud, realtime=realtime, secure=secure, cadence_s=cadence_s)
+        self.driver = SyncDriver(node, self.settings.batch_limit)
+        link = SerialLink(link_config(prof, baud), nonce if nonce is not None else int.from_bytes(os.urandom(4), "big"))
+        self._fd: int | None = None
+        self._ser = None
+        self._pending = bytearray()
+        self.endpoint = SerialEndpoint(self.driver, link, self._write, self.settings)
+        self.timeout_s = float(getattr(prof, "serial_timeout_s", 30.0))
+        self._open()
+        self.endpoint.start(_mono())
+        self._drain_writes()
+
+    # ------------------------------------------------------------------ port
+    def _open(self) -> None:
+        import serial
+        try:
+            self._ser = serial.Serial(self.port, baudrate=self.baud, timeout=0, write_timeout=0, exclusive=True)
+        except (serial.SerialException, OSError, ValueError) as e:
+            raise SerialError(f"cannot open serial port {self.port}: {e}; check the port name "
+                              "(ls -l /dev/serial/by-id/) and that no other program holds it") from None
+        self._fd = self._ser.fileno()
+        os.set_blocking(self._fd, False)
+
+    def _close_port(self) -> None:
+        if self._ser is not None:
+            try:
+                self._ser.close()
+            except Exception:  # noqa: BLE001 - closing a port that vanished
+                pass
+        self._ser, self._fd = None, None
+
+    def close(self) -> None:
+        self._close_port()
+
+    def _write(self, data: bytes) -> None:
+        self._pending += data
+        self._drain_writes()
+
+    def _drain_writes(self) -> None:
+        while self._pending and self._fd is not None:
+            try:
+                n = os.write(self._fd, self._pending)
+            except BlockingIOError:
+                return  # the line is slower than us; select waits for room
+            except OSError as e:
+                self._lost_port(e)
+                return
+            del self._pending[:n]
+
+    def _lost_port(self, e: OSError) -> None:
+        # The adapter went away (USB pulled): the link's dead timer ends the incarnation; we
+        # keep trying to reopen the port meanwhile.
+        self._close_port()
+        self._pending.clear()
+        self.endpoint.events.append(("port_lost", f"{e.strerror or e}"))
+
+    # ------------------------------------------------------------------ loop
+    def step(self, max_wait_s: float = 0.2) -> None:
+        mono = _mono()
+        if self._fd is None:
+            try:
+                self._open()
+            except SerialError:
+                time.sleep(min(max_wait_s, 0.5))
+                self.endpoint.handle_timer(_mono(), _wall())
+                return
+        t = self.endpoint.timer(mono, _wall())
+        wait = max_wait_s if t is None else max(0.0, min(max_wait_s, (t - mono) / 1000))
+        fd = self._fd
+        try:
+            r, w, _ = select.select([fd], [fd] if self._pending else [], [], wait)
+        except (OSError, ValueError) as e:
+            self._lost_port(OSError(errno.EIO, str(e)))
+            return
+        if r:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                data = b""
+            except OSError as e:
+                self._lost_port(e)
+                return
+            if data:
+                self.endpoint.receive_bytes(data, _mono(), _wall())
+        if self._pending:
+            self._drain_writes()
+        self.endpoint.handle_timer(_mono(), _wall())
+
+    def sync_once(self, timeout_s: float | None = None, linger_s: float = 0.3) -> dict:
+        """One full exchange in both directions (cli-contract.md "sync over a serial line"):
+        handshake, this node's body answered (and following full bodies), the peer's bodies
+        answered and acknowledged, every byte acknowledged by the link; then a short quiet
+        linger for a body the other end is about to send. SerialError when the other end never
+        answers within `timeout_s` (the profile's serial timeout)."""
+        ep = self.endpoint
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        while not ep.ready:
+            if time.monotonic() > deadline:
+                raise SerialError(f"no answer on {self.port} within {timeout_s:g} s (link {ep.link.state}); "
+                                  "check the cable, the baud rate and that the other end runs ssp-agent")
+            self.step(0.1)
+        quiet_since = None
+        while True:
+            now = time.monotonic()
+            done = ep.ready and ep.exchanges > 0 and not ep.busy()
+            if done:
+                quiet_since = quiet_since or now
+                if now - quiet_since >= linger_s:
+                    break
+            else:
+                quiet_since = None
+                if now > deadline + self.settings.answer_timeout_ms / 1000:
+                    raise SerialError(f"the exchange on {self.port} did not complete within "
+                                      f"{timeout_s + self.settings.answer_timeout_ms / 1000:g} s "
+                                      f"(link {ep.link.state}); nothing unconfirmed was lost: the next sync re-offers it")
+                if not ep.ready and ep.exchanges == 0 and ep.link.state != "up" and now > deadline:
+                    raise SerialError(f"the line on {self.port} failed (link {ep.link.state})")
+            self.step(0.05)
+        return ep.summary()
+
+    def run(self, should_stop: Callable[[], bool], serve: Callable[[], None] | None = None) -> dict:
+        while not should_stop():
+            self.step(0.05)
+            if serve is not None:
+                serve()
+        return self.endpoint.summary()

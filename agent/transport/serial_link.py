@@ -1,0 +1,484 @@
+"""A reliable link over one serial line, sans I/O (docs/serial.md "Link").
+
+It carries opaque messages (the session frames of agent/core/session.py, `encode_frame` bytes)
+between the two ends of a cable, in order, each delivered at most once per link incarnation. Like
+the session, it never reads a clock, a port or the randomness source: bytes come in through
+`receive_bytes(data, now)`, bytes to write come out of `data_to_send()`, the next deadline is
+`timer()` and the caller calls `handle_timer(now)` when it passes (aioquic's shape). The only
+imports are the standard library and the shared framing (firmware_bridge/framing.py); the
+layout test keeps it that way.
+
+Packets (the payload of one COBS + CRC-32 frame, sent with a leading delimiter):
+
+  HELLO  01 | version u8 | nonce u32 | seen u32 | flags u8 (bit 0: up) | max_payload u16 | window u8
+  DATA   02 | tag u16 | seq u32 | flags u8 (bit 0: first, bit 1: last fragment) | fragment
+  ACK    03 | tag u16 | cum u32 | sack u32 | credit u8
+  PING   04 | tag u16                                   (answered by an ACK)
+
+- Incarnations. Each end picks a nonce (the adapter passes one in; a new one after every loss of
+  the link). The HELLO exchange is done when both ends have seen each other's nonce (`seen`) and
+  one says `up`; `tag` (both nonces folded to 16 bits) marks DATA/ACK/PING of that incarnation,
+  so bytes from a previous one (a re-plugged cable, a restarted process) are never taken as this
+  one's. A HELLO with a new nonce from the peer ends the incarnation on this side too.
+- Reliability. Sequence numbers per direction; the receiver keeps out-of-order frames inside
+  its window and acknowledges cumulatively plus a 32-frame selective bitmap; the sender
+  retransmits only what is missing: at once when a later frame was acknowledged (a serial line
+  does not reorder, so an earlier frame missing is lost), otherwise when its timer runs out
+  (exponential backoff). Duplicates (a retransmission whose ACK was lost, a doubled frame) are
+  suppressed by sequence number.
+- Flow control. At most `window` frames unacknowledged; the receiver's ACK also grants
+  `credit` (frames beyond `cum` it will take): frames of delivered messages the node has not
+  taken yet count against it, so a receiver busy applying a body is not sent more than it can
+  buffer. A sender held at zero credit probes with PING.
+- Liveness. PING when the peer has been silent for `keepalive_ms`; silence for `dead_ms` ends
+  the incarnation ("down", a pulled cable or a peer gone); the HELLO exchange then restarts.
+- Timers account for the line: a frame's retransmission timer starts when the line will have
+  finished sending it (bytes queued ahead of it at `baud`), not when it was queued.
+
+What it does not do: deliver across incarnations. Messages not acknowledged when the link goes
+down are dropped; the session above is restarted and SSP re-offers what no answer confirmed
+(at-least-once; idempotent apply absorbs the duplicates, docs/serial.md "Guarantees").
+"""
+from __future__ import annotations
+
+import struct
+from collections import deque
+from dataclasses import dataclass, field
+
+from firmware_bridge import framing
+
+VERSION = 1
+HELLO, DATA, ACK, PING = 1, 2, 3, 4
+F_UP = 1
+MAX_SACK = 4  # ranges in one ACK
+MIN_SEGMENT = 32
+_HELLO = struct.Struct(">BBIIBHI")
+_DATA = struct.Struct(">BHQ")
+_ACK = struct.Struct(">BHQIB")
+_RANGE = struct.Struct(">II")
+_PING = struct.Struct(">BH")
+_LEN = struct.Struct(">I")
+
+
+class LinkError(ValueError):
+    """A local fault: a message this link cannot carry (over `max_message`)."""
+
+
+@dataclass
+class LinkConfig:
+    baud: int = 115_200
+    max_payload: int = 1024  # bytes of one packet (link header + segment) inside a frame
+    window: int = 8192  # bytes sent and not acknowledged, at most
+    max_message: int = 17 * 1024 * 1024  # one message; a peer announcing a longer one ends the incarnation
+    hello_ms: int = 500
+    keepalive_ms: int = 1_000
+    dead_ms: int = 10_000
+    min_rto_ms: int = 200
+    max_rto_ms: int = 4_000
+
+    def __post_init__(self) -> None:
+        if not 64 <= self.max_payload <= 65_535:
+            raise ValueError("max_payload must be 64..65535 bytes")
+        if not self.max_payload <= self.window <= 2**31:
+            raise ValueError("window must be at least max_payload bytes")
+
+
+@dataclass
+class _Seg:
+    start: int  # stream offset of its first byte
+    end: int
+    sent_at: int  # when the line finishes sending its latest copy (modelled)
+    due: int
+    tries: int = 1
+
+
+def _tag(a: int, b: int) -> int:
+    x = a ^ b
+    return (x ^ (x >> 16)) & 0xFFFF
+
+
+def _minus(a: int, b: int, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[a, b) without the ranges in `covered` (sorted, disjoint)."""
+    out, pos = [], a
+    for s, e in covered:
+        if e <= pos or s >= b:
+            continue
+        if s > pos:
+            out.append((pos, s))
+        pos = max(pos, e)
+    if pos < b:
+        out.append((pos, b))
+    return out
+
+
+@dataclass
+class SerialLink:
+    cfg: LinkConfig
+    nonce: int  # this end's first nonce (non-zero); later ones follow from it
+
+    state: str = "connecting"  # connecting -> up -> (down: connecting again)
+    peer_nonce: int = 0
+    peer_max_payload: int = 0
+    events: list[tuple[str, str]] = field(default_factory=list)  # ("up", "") / ("down", reason)
+    stats: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.nonce = (self.nonce & 0xFFFFFFFF) or 1
+        self._decoder = framing.Decoder(self.cfg.max_payload)
+        self._out = bytearray()
+        self._tx_free_at = 0  # when the line will have sent what was queued (modelled from baud)
+        self._last_heard: int | None = None
+        self._last_ping = 0
+        self._next_hello: int | None = None
+        self._srtt: float | None = None
+        self.stats = {k: 0 for k in ("bytes_in", "bytes_out", "frames_in", "frames_out", "data_out", "retransmits",
+                                     "fast_retransmits", "duplicates", "out_of_window", "stale", "bad_packet",
+                                     "pings", "messages_in", "messages_out", "downs", "stream_bytes_out")}
+        self._reset_sequences()
+
+    def _reset_sequences(self) -> None:
+        # sender: the byte stream of length-prefixed messages from offset _snd_base (acknowledged below)
+        self._stream = bytearray()
+        self._snd_base = 0
+        self._snd_next = 0  # first byte never sent
+        self._segs: list[_Seg] = []  # in flight, not acknowledged
+        self._sacked: list[tuple[int, int]] = []  # acknowledged above _snd_base
+        self._peer_credit = self.cfg.window
+        self._probe_due: int | None = None
+        self._seg_size = self._max_segment()
+        # receiver
+        self._rcv_next = 0
+        self._ooo: dict[int, bytes] = {}  # start -> bytes, beyond _rcv_next, inside the window
+        self._rbuf = bytearray()  # delivered stream bytes of a message not complete yet
+        self._inbox: list[bytes] = []
+        self._held = 0  # bytes of delivered messages the node has not taken yet
+        self._ack_due = False
+
+    def _max_segment(self) -> int:
+        mp = min(self.cfg.max_payload, self.peer_max_payload or self.cfg.max_payload)
+        return mp - _DATA.size
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def up(self) -> bool:
+        return self.state == "up"
+
+    @property
+    def tag(self) -> int:
+        return _tag(self.nonce, self.peer_nonce)
+
+    @property
+    def segment_size(self) -> int:
+        """Stream bytes per DATA frame now (adapts to the line's error rate)."""
+        return self._seg_size
+
+    def idle(self) -> bool:
+        """Nothing waiting to be sent or acknowledged."""
+        return not self._stream and not self._out
+
+    def rto_ms(self, tries: int = 1) -> int:
+        base = self.cfg.min_rto_ms if self._srtt is None else max(self.cfg.min_rto_ms, int(2 * self._srtt) + 50)
+        return min(self.cfg.max_rto_ms, base << min(tries - 1, 8))
+
+    @property
+    def rejected_frames(self) -> int:
+        return self._decoder.rejected
+
+    # ------------------------------------------------------------------ inputs
+    def start(self, now: int) -> None:
+        self._send_hello(now)
+
+    def send_message(self, msg: bytes, now: int) -> None:
+        """Queue one message: its length and bytes go into the stream as they are (segments are
+        cut from the stream when sent, so signed bytes inside are never altered)."""
+        if len(msg) > self.cfg.max_message:
+            raise LinkError(f"message of {len(msg)} bytes exceeds the link's max_message {self.cfg.max_message}")
+        self._stream += _LEN.pack(len(msg)) + msg
+        self.stats["messages_out"] += 1
+        self._pump(now)
+
+    def messages(self) -> list[bytes]:
+        """Messages delivered, in order, once each. Taking them frees receive credit."""
+        if not self._inbox:
+            return []
+        out, self._inbox = self._inbox, []
+        if self._held:
+            self._ack_due = True  # a window update: the peer may have been held at low credit
+        self._held = 0
+        return out
+
+    def data_to_send(self) -> bytes:
+        if self._ack_due and self.up:
+            ranges = self._sack()
+            self._emit(_ACK.pack(ACK, self.tag, self._rcv_next, self._credit(), len(ranges))
+                       + b"".join(_RANGE.pack(s - self._rcv_next, e - self._rcv_next) for s, e in ranges), 0)
+            self._ack_due = False
+        out, self._out = bytes(self._out), bytearray()
+        return out
+
+    def receive_bytes(self, data: bytes, now: int) -> None:
+        self.stats["bytes_in"] += len(data)
+        for pkt in self._decoder.feed(data):
+            self.stats["frames_in"] += 1
+            self._packet(pkt, now)
+        self._pump(now)
+
+    def timer(self) -> int | None:
+        if self.state == "connecting":
+            return self._next_hello
+        ts = [g.due for g in self._segs]
+        if self._last_heard is not None:
+            ts.append(self._last_heard + self.cfg.dead_ms)
+            ts.append(max(self._last_heard, self._last_ping) + self.cfg.keepalive_ms)
+        if self._probe_due is not None:
+            ts.append(self._probe_due)
+        return min(ts) if ts else None
+
+    def handle_timer(self, now: int) -> None:
+        if self.state == "connecting":
+            if self._next_hello is not None and now >= self._next_hello:
+                self._send_hello(now)
+            return
+        assert self._last_heard is not None
+        if now - self._last_heard >= self.cfg.dead_ms:
+            self._down("peer_silent", now)  # a pulled cable, a powered-off peer, a half-open line
+            return
+        expired = [g for g in self._segs if now >= g.due]
+        if expired:
+            self._lost(expired, now, "retransmits")
+        if now - max(self._last_heard, self._last_ping) >= self.cfg.keepalive_ms:
+            self._ping(now)
+        if self._probe_due is not None and now >= self._probe_due:
+            self._probe_due = None
+            self._ping(now)  # zero credit and nothing in flight: ask for a window update
+        self._pump(now)
+
+    # ------------------------------------------------------------------ packets
+    def _packet(self, p: bytes, now: int) -> None:
+        kind = p[0] if p else 0
+        try:
+            if kind == HELLO:
+                self._on_hello(*_HELLO.unpack(p), now)
+                return
+            if self.state != "up":
+                self.stats["stale"] += 1  # DATA/ACK/PING before this incarnation is up
+                return
+            if kind == DATA:
+                _, tag, off = _DATA.unpack_from(p)
+                if self._mine(tag, now):
+                    self._on_data(off, p[_DATA.size:], now)
+            elif kind == ACK:
+                _, tag, cum, credit, n = _ACK.unpack_from(p)
+                if len(p) != _ACK.size + n * _RANGE.size or n > MAX_SACK:
+                    raise struct.error("ACK length")
+                ranges = [_RANGE.unpack_from(p, _ACK.size + i * _RANGE.size) for i in range(n)]
+                if self._mine(tag, now):
+                    self._on_ack(cum, credit, [(cum + s, cum + e) for s, e in ranges], now)
+            elif kind == PING:
+                _, tag = _PING.unpack(p)
+                if self._mine(tag, now):
+                    self._ack_due = True
+            else:
+                self.stats["bad_packet"] += 1
+        except struct.error:
+            self.stats["bad_packet"] += 1  # a CRC-clean packet of the wrong length: a peer's bug
+
+    def _mine(self, tag: int, now: int) -> bool:
+        if tag != self.tag:
+            self.stats["stale"] += 1  # from an earlier incarnation
+            return False
+        self._last_heard = now
+        return True
+
+    def _on_hello(self, _k: int, version: int, nonce: int, seen: int, flags: int, max_payload: int,
+                  window: int, now: int) -> None:
+        if version != VERSION or nonce == 0 or max_payload < 64:
+            self.stats["bad_packet"] += 1
+            return
+        if nonce != self.peer_nonce:
+            if self.state == "up":
+                self._down("peer_restarted", now, new_nonce=False, hello=False)
+            self.peer_nonce = nonce
+        if seen == self.nonce and self.state != "up":
+            self.state = "up"
+            self.peer_max_payload = max_payload
+            self._seg_size = self._max_segment()
+            self._next_hello = None
+            self._last_heard = now
+            self._last_ping = now
+            self._peer_credit = min(self.cfg.window, window)
+            self.events.append(("up", ""))
+        elif self.state == "up":
+            self._last_heard = now
+        if seen != self.nonce or not flags & F_UP:
+            self._send_hello(now)  # the peer does not know yet that this end has seen it
+
+    def _on_data(self, off: int, data: bytes, now: int) -> None:
+        self._ack_due = True  # every DATA is acknowledged (also duplicates: their ACK was lost)
+        end = off + len(data)
+        limit = self._rcv_next + self.cfg.window
+        if end <= self._rcv_next or not data:
+            self.stats["duplicates"] += 1
+            return
+        if off >= limit:
+            self.stats["out_of_window"] += 1
+            return
+        if off < self._rcv_next:  # partly old: keep the new part
+            data, off = data[self._rcv_next - off:], self._rcv_next
+        if end > limit:
+            data, end = data[:limit - off], limit
+        if any(s <= off and off + len(data) <= s + len(d) for s, d in self._ooo.items()):
+            self.stats["duplicates"] += 1  # held already
+            return
+        if off > self._rcv_next and sum(len(d) for d in self._ooo.values()) + len(data) > self.cfg.window:
+            # Overlapping pieces beyond what the window holds. Never the piece at _rcv_next: it
+            # is what lets the receiver deliver and free the others.
+            self.stats["out_of_window"] += 1
+            return
+        self._ooo[off] = data
+        progressed = off <= self._rcv_next  # only a piece at _rcv_next lets anything be delivered
+        while progressed:
+            progressed = False
+            for s in list(self._ooo):
+                d = self._ooo[s]
+                if s + len(d) <= self._rcv_next:
+                    del self._ooo[s]  # wholly delivered already
+                elif s <= self._rcv_next:
+                    del self._ooo[s]
+                    self._deliver(d[self._rcv_next - s:], now)
+                    progressed = True
+                    if self.state != "up":
+                        return
+
+    def _deliver(self, data: bytes, now: int) -> None:
+        self._rcv_next += len(data)
+        self._rbuf += data
+        while len(self._rbuf) >= _LEN.size:
+            (n,) = _LEN.unpack_from(self._rbuf)
+            if n > self.cfg.max_message:
+                # Only a broken or hostile peer announces this (the CRC passed): end the incarnation.
+                self.stats["bad_packet"] += 1
+                self._down("message_too_large", now)
+                return
+            if len(self._rbuf) < _LEN.size + n:
+                return
+            msg = bytes(self._rbuf[_LEN.size:_LEN.size + n])
+            del self._rbuf[:_LEN.size + n]
+            self._inbox.append(msg)
+            self._held += len(msg) + _LEN.size
+            self.stats["messages_in"] += 1
+
+    def _on_ack(self, cum: int, credit: int, ranges: list[tuple[int, int]], now: int) -> None:
+        if cum > self._snd_next:
+            self.stats["bad_packet"] += 1  # acknowledges what was never sent
+            return
+        if cum < self._snd_base:
+            return  # an older ACK than one already taken (a reordered or duplicated frame)
+        if cum > self._snd_base:
+            del self._stream[:cum - self._snd_base]
+            self._snd_base = cum
+        sacked = sorted((max(s, cum), min(e, self._snd_next)) for s, e in ranges if e > s and s < self._snd_next)
+        self._sacked = [r for r in sacked if r[1] > r[0]]
+        covered = [(0, self._snd_base)] + self._sacked
+        newest = None
+        keep = []
+        for g in self._segs:
+            if _minus(g.start, g.end, covered):
+                keep.append(g)
+                continue
+            if g.tries == 1 and now >= g.sent_at:  # Karn: only unambiguous samples
+                sample = now - g.sent_at
+                self._srtt = sample if self._srtt is None else 0.875 * self._srtt + 0.125 * sample
+            newest = g.sent_at if newest is None else max(newest, g.sent_at)
+            # Additive increase: a segment got through whole.
+            self._seg_size = min(self._max_segment(), self._seg_size + max(1, self._seg_size // 16))
+        self._segs = keep
+        self._peer_credit = min(self.cfg.window, credit)
+        if newest is not None:
+            # Segments sent after these arrived; the line keeps order, so these were lost: resend now.
+            lost = [g for g in self._segs if g.sent_at < newest]
+            if lost:
+                self._lost(lost, now, "fast_retransmits")
+
+    # ------------------------------------------------------------------ output
+    def _credit(self) -> int:
+        return max(0, self.cfg.window - sum(len(d) for d in self._ooo.values()) - self._held)
+
+    def _sack(self) -> list[tuple[int, int]]:
+        ranges: list[tuple[int, int]] = []
+        for s in sorted(self._ooo):
+            e = s + len(self._ooo[s])
+            if ranges and s <= ranges[-1][1]:
+                ranges[-1] = (ranges[-1][0], max(ranges[-1][1], e))
+            else:
+                ranges.append((s, e))
+        return ranges[:MAX_SACK]
+
+    def _emit(self, packet: bytes, now: int) -> int:
+        """Queue one frame; returns when the line will have finished sending it."""
+        f = framing.encode(packet, self.cfg.max_payload, lead=True)
+        self._out += f
+        self.stats["frames_out"] += 1
+        self.stats["bytes_out"] += len(f)
+        self._tx_free_at = max(self._tx_free_at, now) + (len(f) * 10_000 + self.cfg.baud - 1) // self.cfg.baud
+        return self._tx_free_at
+
+    def _send_segment(self, start: int, end: int, now: int, tries: int) -> None:
+        data = bytes(self._stream[start - self._snd_base:end - self._snd_base])
+        sent_at = self._emit(_DATA.pack(DATA, self.tag, start) + data, now)
+        self._segs.append(_Seg(start, end, sent_at, sent_at + self.rto_ms(tries), tries))
+        self.stats["data_out"] += 1
+        self.stats["stream_bytes_out"] += end - start
+
+    def _lost(self, segs: list[_Seg], now: int, why: str) -> None:
+        """Resend what of `segs` is still missing, cut to the current segment size (halved: a
+        loss on this line says frames this long do not get through it often enough)."""
+        self._seg_size = max(MIN_SEGMENT, self._seg_size // 2)
+        covered = [(0, self._snd_base)] + self._sacked
+        gone = {id(g) for g in segs}
+        self._segs = [g for g in self._segs if id(g) not in gone]
+        for g in sorted(segs, key=lambda g: g.start):
+            for s, e in _minus(g.start, g.end, covered):
+                for k in range(s, e, self._seg_size):
+                    self.stats[why] += 1
+                    self._send_segment(k, min(e, k + self._seg_size), now, g.tries + 1)
+
+    def _pump(self, now: int) -> None:
+        """Send new stream bytes the window and the peer's credit allow."""
+        if not self.up:
+            return
+        stream_end = self._snd_base + len(self._stream)
+        limit = min(stream_end, self._snd_base + min(self.cfg.window, self._peer_credit))
+        while self._snd_next < limit:
+            end = min(limit, self._snd_next + self._seg_size)
+            self._send_segment(self._snd_next, end, now, 1)
+            self._snd_next = end
+            self._probe_due = None
+        if self._snd_next < stream_end and not self._segs and self._probe_due is None:
+            self._probe_due = now + self.rto_ms()
+
+    def _ping(self, now: int) -> None:
+        self._last_ping = now
+        self.stats["pings"] += 1
+        self._emit(_PING.pack(PING, self.tag), now)
+
+    def _send_hello(self, now: int) -> None:
+        flags = F_UP if self.up else 0
+        self._emit(_HELLO.pack(HELLO, VERSION, self.nonce, self.peer_nonce, flags, self.cfg.max_payload,
+                               self.cfg.window), now)
+        if not self.up:
+            self._next_hello = now + self.cfg.hello_ms
+
+    def _down(self, reason: str, now: int, new_nonce: bool = True, hello: bool = True) -> None:
+        """End this incarnation: whatever was not acknowledged is dropped (SSP re-offers it)."""
+        self.stats["downs"] += 1
+        self.events.append(("down", reason))
+        self.state = "connecting"
+        if new_nonce:
+            # A new incarnation the peer can tell apart even if it never noticed the loss.
+            self.nonce = (self.nonce * 1_103_515_245 + 12_345) & 0xFFFFFFFF or 1
+            self.peer_nonce = 0
+        self._last_heard = None
+        self._reset_sequences()
+        if hello:
+            self._send_hello(now)
