@@ -12,6 +12,8 @@ from agent.core.codec import encode
 from agent.simpeer import SimPeer
 from agent.transport.mqtt import MqttLink, MqttSettings, Topics, _publish_props, wait_for
 
+from tests.hostile.poison import DEEP_META, MIXED_KEY_BODY, shared_events_body, watermark_body
+
 from .helpers import MESH, T, event_ids, make_nodes, runner, step_until, write
 
 
@@ -49,6 +51,13 @@ def test_rogue_inbox_traffic(broker, tmp_path):
         send(stranger.body([forged, forged2]), as_=stranger.site_id)
         send(honest_body, as_=a.site_id, **{"ssp-kind": "rt"})  # unsolicited, b has no realtime
         send(honest_body, as_=a.site_id, **{"ssp-meta": "{not json"})
+        # issue 11: poison that crashed the node (RecursionError, TypeError, OverflowError on a
+        # secure binding) and a retained poison presence every node receives at every start
+        send(honest_body, as_=a.site_id, **{"ssp-meta": DEEP_META})
+        send(MIXED_KEY_BODY, as_=a.site_id)
+        send(watermark_body(a.site_id), as_=a.site_id)
+        send(shared_events_body(2000, 1024), as_=a.site_id)
+        rogue.client.publish(topics.presence(rogue_site), MIXED_KEY_BODY, qos=1, retain=True)
         # forged answers into a's inbox: unknown correlation, ignored (a's cursor cannot be moved)
         for _ in range(3):
             rogue.publish_raw(topics.answers(a.site_id, b.site_id), b"",
@@ -62,10 +71,12 @@ def test_rogue_inbox_traffic(broker, tmp_path):
             m = wait_for(rogue.inbound, "ans", 0.05)
             if m is not None:
                 answers.append(m.props)
-        step_until([ra, rb], lambda: len(rb.rejections) >= 8, 5)
+        step_until([ra, rb], lambda: len(rb.rejections) >= 12 and rb.stats["refused_presence"], 5)
         reasons = [r for r, _ in rb.rejections]
         assert {"malformed_cbor", "not_a_map", "unknown_ssp_version", "too_large", "sender_mismatch",
-                "realtime_not_established", "bad_frame_meta"} <= set(reasons), reasons
+                "realtime_not_established", "bad_frame_meta", "bad_members"} <= set(reasons), reasons
+        assert reasons.count("bad_frame_meta") == 2 and reasons.count("malformed_cbor") == 3
+        assert rb.stats["refused_presence"] >= 1 and rogue_site not in rb.caps
         assert rb.stats["event:unknown_kid"] == 1 and rb.stats["event:bad_signature"] == 1
         assert rb.stats["duplicate"] >= 1  # the replay was absorbed
         assert {p.get("ssp-reason") for p in answers if p.get("ssp-status") == "rejected"} >= {
