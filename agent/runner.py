@@ -357,6 +357,8 @@ class Runner:
             self.stats["refused_presence"] += 1
             key = (m.site, hash(m.payload))
             if self._refused_presence.get(m.site) != key:
+                if len(self._refused_presence) >= 1024:  # presence topics of fictional sites: bounded
+                    self._refused_presence.clear()
                 self._refused_presence[m.site] = key
                 log.warning("refused the presence of %s (%s: %s)", m.site.hex(), e.reason, e.detail)
                 self.node.surface_refused("presence", e.reason, e.detail, m.site)
