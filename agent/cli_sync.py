@@ -206,6 +206,7 @@ def cmd_authority_add(args) -> int:
         with _txn(node.conn):
             db.set_meta(node.conn, "authorities", json.dumps(auth))
         node.authorities = {bytes.fromhex(a) for a in auth}
+        node.refresh_trust()  # records it issued that this node holds count now
         emit({"authorities": auth})
     finally:
         node.close()
@@ -234,20 +235,22 @@ def cmd_rehydrate(args) -> int:
 
 
 def cmd_record_list(args) -> int:
-    from .core.records import resolve_chains
     from .store import sync_state as st
     node = _open(args)
     try:
         st.ensure_schema(node.conn)
         recs = st.records(node.conn)
-        chains = resolve_chains(recs)
+        trust = st.trust(node.conn, node.site_id)
+        chains = trust.chains
         for r in recs:
-            ch = chains[(r.kind, r.subject)]
-            sys.stdout.write(json.dumps({
+            ch = chains.get((r.kind, r.subject))
+            void = trust.void.get(r.record_hash)
+            sys.stdout.write(json.dumps({"counts": void is None, **({"void": void} if void else {}),
                 "record_hash": r.record_hash.hex(), "kind": r.kind, "issuer": r.issuer.hex(),
                 "subject": r.subject.hex(), "generation": r.generation,
                 "previous_record_hash": r.previous.hex() if r.previous else None,
-                "head": ch.head is not None and ch.head.record_hash == r.record_hash, "forked": ch.forked}) + "\n")
+                "head": ch is not None and ch.head is not None and ch.head.record_hash == r.record_hash,
+                "forked": ch is not None and ch.forked}) + "\n")
     finally:
         node.close()
     return EXIT_OK

@@ -19,7 +19,7 @@ from . import identity as ident
 from .core import cose, events as ev
 from .core.clock import Hlc, beyond_skew
 from .core.codec import DecodeError, decode_strict
-from .core.merge import Effects, RowState, below, merge_delete, merge_upsert, rebuild_columns
+from .core.merge import Effects, RowState, below, merge_delete, merge_upsert, rebuild_columns, rebuild_without
 from .core.schema import SYNCABLE, ManifestError, TableDef, parse_manifest, table_def_from
 from .profile import Profile, ProfileError, load_profile
 from .outcomes import to_json
@@ -69,6 +69,9 @@ class Node:
         self.clock = self._resume_clock()
         if read_only:
             return   # a read view: the repairs below write, and are left to the next writing open
+        if self._trust_changed():  # e.g. a home written before trust changes were rebuilt
+            with _txn(self.conn):
+                self._reconcile_trust(now_ms())
         # A crash between creating a table and releasing its held events: finish it now.
         for (q,) in conn.execute("SELECT DISTINCT qualified FROM held").fetchall():
             if q in self.tables:
@@ -205,11 +208,10 @@ class Node:
 
     def _load_caches(self) -> None:
         """Rebuilt from the database on every open: it is the only source of truth."""
-        self.keyring: dict[bytes, tuple[bytes, tuple[int, int] | None]] = {}
-        for sid, pk, rp, rl, _src in self.conn.execute("SELECT * FROM keyring"):
-            self.keyring[bytes(sid)] = (bytes(pk), None if rp is None else (rp, rl))
-        # Control records (vouch, retire) held by this node extend the keyring (agent/store/sync_state.py).
+        # The effective keyring: provisioned keys, then what the control records held make of them
+        # (vouched keys, cutoffs lowered by retire records: agent/store/sync_state.py trust).
         from .store import sync_state
+        self.keyring: dict[bytes, tuple[bytes, tuple[int, int] | None]] = {}
         sync_state.overlay_keyring(self.conn, self.keyring, self.site_id)
         self.tables: dict[str, _Table] = {}
         for q, sch, name, cat, key_json, cols_json, retention, hp, hl in self.conn.execute("SELECT * FROM tables"):
@@ -438,7 +440,12 @@ class Node:
         # §12.1 signature verification: kid in the keyring, valid signature, retirement cutoff.
         entry = self.keyring.get(kid)
         if entry is None:
-            return self._surface(Outcome(DROPPED, "unknown_kid", eid, kid), now)
+            # Rejected, not dropped (issue 10 item 5, docs/protocol.md §5 Trust): the one
+            # verification failure that may resolve (a vouch or `peer add` may still come), so the
+            # sender re-offers it. Nothing is retained and no watermark is blocked (the event is
+            # attributable to no group here); only the delivering link's cursor waits, which costs
+            # whoever delivered it, and an honest sender holds it only if it trusts the kid.
+            return self._surface(Outcome(REJECTED, "unknown_kid", eid, kid), now)
         if checked is not None and checked[1] == entry:
             sig_ok = checked[2]
         else:
@@ -525,12 +532,119 @@ class Node:
                 [(e.site_id, e.table, c, now, now) for c in fx.ignored])
 
     def _candidates(self, t: TableDef, rk: bytes) -> Iterable[tuple[tuple[int, int, bytes], dict]]:
-        """Retained upserts of one row (the rebuild filters by tombstone clock and horizon)."""
-        for sid, p, l, raw in self.conn.execute(
-                "SELECT site_id, hlc_p, hlc_l, raw FROM events WHERE qualified=? AND row_key=? AND operation='upsert'",
-                (t.qualified, rk)):
+        """Retained upserts of one row that count under the current trust (the rebuild filters
+        by tombstone clock and horizon)."""
+        for stamp, op, payload in self._row_events(t, rk):
+            if op == "upsert" and self._counts(stamp):
+                yield stamp, payload
+
+    def _row_events(self, t: TableDef, rk: bytes) -> Iterable[tuple[tuple[int, int, bytes], str, dict | None]]:
+        """Every retained event of one row: (stamp, operation, payload)."""
+        for sid, p, l, op, raw in self.conn.execute(
+                "SELECT site_id, hlc_p, hlc_l, operation, raw FROM events WHERE qualified=? AND row_key=?",
+                (t.qualified, rk)).fetchall():
             payload = decode_strict(cose.parse_sign1(bytes(raw)).payload_bytes)["payload"]
-            yield (p, l, bytes(sid)), dict(payload)
+            yield (p, l, bytes(sid)), op, (dict(payload) if payload is not None else None)
+
+    def _counts(self, stamp: tuple[int, int, bytes]) -> bool:
+        """Whether a retained event with this stamp still passes §12.1 under the current trust:
+        its signer is trusted and its HLC is not above the signer's cutoff. The log keeps the
+        events that do not; they no longer count (issue 10 item 5)."""
+        entry = self.keyring.get(stamp[2])
+        return entry is not None and (entry[1] is None or stamp[:2] <= entry[1])
+
+    # ------------------------------------------------------------------ trust changes (item 5)
+    def _trust_snapshot(self) -> dict:
+        return {s.hex(): [pk.hex(), None if c is None else list(c)] for s, (pk, c) in sorted(self.keyring.items())}
+
+    def _trust_changed(self) -> bool:
+        raw = db.get_meta(self.conn, "materialized_trust")
+        return raw is None or json.loads(raw) != self._trust_snapshot()
+
+    def refresh_trust(self, now: int | None = None) -> dict | None:
+        """Re-read the keyring and control records and bring the rows in line (one transaction)."""
+        now = now_ms() if now is None else now
+        try:
+            with _txn(self.conn):
+                self._load_caches()
+                return self._reconcile_trust(now)
+        finally:
+            self._load_caches()
+
+    def _reconcile_trust(self, now: int) -> dict | None:
+        """Inside the caller's transaction, after `_load_caches`: make the rows the merge of the
+        retained events that count under the current trust (materialized state is a function of
+        the delivered events and records, issue 10 item 5). `meta.materialized_trust` records the
+        keyring the rows reflect. Against it: for a signer trusted less now (cutoff lowered, key no
+        longer trusted) every row with a clock owned by one of its events that no longer counts is
+        rebuilt without them (`merge.rebuild_without`); for a signer trusted more now (a vouch
+        whose fork resolved, an operator raising a cutoff) its retained events that count again
+        are merged back (merging is idempotent and order-free). Returns a summary, or None."""
+        cur = self._trust_snapshot()
+        raw = db.get_meta(self.conn, "materialized_trust")
+        if raw is not None and json.loads(raw) == cur:
+            return None
+        if raw is None:
+            # Rows made before this record existed may hold effects of any retained event.
+            old = {bytes(r[0]).hex(): "unknown" for r in self.conn.execute("SELECT DISTINCT site_id FROM events")}
+        else:
+            old = json.loads(raw)
+        inf = (float("inf"), 0)
+
+        def cut(e):
+            return inf if e[1] is None else tuple(e[1])
+        shrunk, grown = [], []
+        for h in sorted(set(old) | set(cur)):
+            o, n = old.get(h), cur.get(h)
+            if o == "unknown":
+                if n is None or n[1] is not None:
+                    shrunk.append(bytes.fromhex(h))
+                continue
+            if o is not None and (n is None or cut(n) < cut(o) or n[0] != o[0]):
+                shrunk.append(bytes.fromhex(h))
+            if n is not None and (o is None or cut(n) > cut(o) or n[0] != o[0]):
+                grown.append(bytes.fromhex(h))
+        summary = {"rows_rebuilt": 0, "events_merged": 0, "partial": 0}
+        void = lambda s: not self._counts(s)  # noqa: E731
+        for q, tbl in sorted(self.tables.items()):
+            for rk, key in tbl.rows.rows_with_clock_of(shrunk):
+                state = tbl.rows.load(rk)
+                if state is None or not any(void(c) for c in [state.exist_clock, state.tomb_clock,
+                                                               *state.cells.values()] if c is not None):
+                    continue
+                rb = rebuild_without(tbl.tdef, state, void, self._row_events(tbl.tdef, rk), tbl.horizon)
+                st = rb.state
+                if st.exist_clock is None and st.tomb_clock is None and not st.cells:
+                    tbl.rows.delete(rk)  # nothing that counts ever touched it
+                else:
+                    tbl.rows.save(rk, key, st, rb.writes)
+                summary["rows_rebuilt"] += 1
+                if rb.partial:
+                    summary["partial"] += 1
+                    h = tbl.horizon
+                    self.conn.execute(
+                        "INSERT INTO surfaced (at_ms, kind, reason, qualified, detail) VALUES (?,?,?,?,?)",
+                        (now, "partial_rebuild", "trust_change_below_horizon", q,
+                         json.dumps({"row_key": to_json(key), "horizon": f"{h[0]}.{h[1]}", "clocks": rb.partial},
+                                    sort_keys=True)))
+        for site in grown:
+            for p, l, q, raw in self.conn.execute(
+                    "SELECT hlc_p, hlc_l, qualified, raw FROM events WHERE site_id=? ORDER BY hlc_p, hlc_l",
+                    (site,)).fetchall():
+                tbl = self.tables.get(q)
+                if tbl is None or not self._counts((p, l, site)) or below((p, l), tbl.horizon):
+                    continue
+                e = ev.event_from_verified(bytes(raw), cose.parse_sign1(bytes(raw)))
+                self._materialize(tbl, e, rowstore.row_key_bytes(e.row_key), now)
+                summary["events_merged"] += 1
+        db.set_meta(self.conn, "materialized_trust", json.dumps(cur, sort_keys=True))
+        if summary["rows_rebuilt"] or summary["events_merged"]:
+            log.warning("trust changed: %s", summary)
+            self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
+                              (now, "trust_change", "rows_rebuilt",
+                               json.dumps({**summary, "less_trusted": [s.hex() for s in shrunk],
+                                           "more_trusted": [s.hex() for s in grown]}, sort_keys=True)))
+        return summary
 
     def _hold(self, e: ev.Event, now: int, base: dict) -> Outcome:
         n = self.conn.execute("SELECT count(*) FROM held WHERE qualified=?", (e.table,)).fetchone()[0]
@@ -849,11 +963,15 @@ class Node:
             # A different key for a known site_id is either a mistake or a re-keyed device; never silent.
             raise NodeError(f"site {site_id.hex()} is already trusted with another key ({known[0].hex()}); "
                             "pass --replace to replace it (events it signed with the old key stay valid)")
-        with _txn(self.conn):
-            self.conn.execute("INSERT OR REPLACE INTO keyring VALUES (?,?,?,?,?)",
-                              (site_id, public_key, retired_after[0] if retired_after else None,
-                               retired_after[1] if retired_after else None, source))
-        self.keyring[site_id] = (public_key, retired_after)
+        try:
+            with _txn(self.conn):
+                self.conn.execute("INSERT OR REPLACE INTO keyring VALUES (?,?,?,?,?)",
+                                  (site_id, public_key, retired_after[0] if retired_after else None,
+                                   retired_after[1] if retired_after else None, source))
+                self._load_caches()
+                self._reconcile_trust(now_ms())  # a lowered cutoff removes what no longer counts
+        finally:
+            self._load_caches()
 
     def remove_peer(self, site_id: bytes) -> None:
         """Drop a peer the operator or the manifest put in the keyring. One trusted through a vouch
@@ -866,9 +984,13 @@ class Node:
                 raise NodeError(f"site {site_id.hex()} is trusted through a vouch record; retire it with the "
                                 "mesh authority (`record issue-retire`)")
             raise NodeError(f"site {site_id.hex()} is not in the keyring (`peer list` shows it)")
-        with _txn(self.conn):
-            self.conn.execute("DELETE FROM keyring WHERE site_id=?", (site_id,))
-        self._load_caches()
+        try:
+            with _txn(self.conn):
+                self.conn.execute("DELETE FROM keyring WHERE site_id=?", (site_id,))
+                self._load_caches()
+                self._reconcile_trust(now_ms())  # its events no longer count: rows rebuilt without them
+        finally:
+            self._load_caches()
 
     def keyring_entries(self) -> list[dict]:
         """The trusted-peer keyring as the node uses it: its own key, manifest and operator entries,

@@ -29,7 +29,7 @@ from firmware_bridge.fsutil import atomic_write
 
 from .core import delivery
 from .core.messages import SyncBody, Watermark, emit_body, parse_body
-from .core.records import RecordError, resolve_chains, verify_record
+from .core.records import RecordError, resolve_chains, verify_record  # noqa: F401 (resolve_chains: re-exported)
 from .core.scope import resolve
 from .core.session import Outgoing, Session, StreamMeta
 from .outcomes import counts
@@ -174,7 +174,9 @@ class SyncDriver:
         limit = self.batch_limit if limit is None else limit
         allowed = self._allowed_fn(peer)
         pwm = st.peer_watermarks(self.conn, peer)
-        sel = delivery.select(self._rows_for(peer, start), start, peer, self.node.site_id, allowed, pwm, limit)
+        counts = self.node._counts
+        sel = delivery.select(self._rows_for(peer, start), start, peer, self.node.site_id, allowed, pwm, limit,
+                              lambda r: counts((r.hlc[0], r.hlc[1], r.site_id)))
         # Our own history we no longer hold (evicted, lost to a restore) travels with the stream as
         # floors, so no receiver infers a watermark across it (§14.2; docs/protocol.md §4).
         sel.gaps |= {delivery.floor_entry(q, h) for q, h in self.node.own_history_floors().items()}
@@ -393,47 +395,65 @@ class SyncDriver:
             # Mailbox answers are taken by `import_mailbox` only (they speak to one node about its
             # files). Here: this node's own, released before a crash and not stored (recovery).
             self._keep_own_acks(acks, now)
-        before = {k for k, c in resolve_chains(st.records(self.conn)).items() if c.forked}
+        before = {k for k, c in st.trust(self.conn, node.site_id).chains.items() if c.forked}
         # A role record can widen policy (the role layer): such a widening backfills too (scope §2).
         policy_before = _policy_snapshot(node, self) if raws else None
         widened: list[tuple[bytes, str]] = []
-        with _txn(self.conn):
-            budget = st.RecordBudget(self.conn, node.site_id) if raws else None
-            for raw in raws:
-                if not isinstance(raw, (bytes, bytearray)):
-                    continue
-                if st.has_record(self.conn, delivery_hash(raw)):
-                    out["known"] += 1
-                    continue
-                try:
-                    r = verify_record(bytes(raw), node.mesh_id, node.authorities, self._issuer_key)
-                except RecordError as e:
-                    out["dropped"] += 1
-                    _surface(self.conn, now, "record_dropped", e.reason, {"detail": e.detail})
-                    continue
-                if not budget.admit(r.issuer, r.raw, r.kind, r.record_hash, now):
-                    out["refused"] += 1   # over the record bound: not stored, surfaced (agent/store/sync_state.py)
-                    continue
-                if st.put_record(self.conn, r):
-                    out["stored"] += 1
-                    new = True
+        try:
+            with _txn(self.conn):
+                retired = st.trust(self.conn, node.site_id).retired_authorities if raws else set()
+                budget = st.RecordBudget(self.conn, node.site_id) if raws else None
+                for raw in raws:
+                    if not isinstance(raw, (bytes, bytearray)):
+                        continue
+                    if st.has_record(self.conn, delivery_hash(raw)):
+                        out["known"] += 1
+                        continue
+                    try:
+                        r = verify_record(bytes(raw), node.mesh_id, node.authorities, self._issuer_key)
+                    except RecordError as e:
+                        out["dropped"] += 1
+                        _surface(self.conn, now, "record_dropped", e.reason, {"detail": e.detail})
+                        continue
+                    if not budget.admit(r.issuer, r.raw, r.kind, r.record_hash, now):
+                        out["refused"] += 1   # over the record bound: not stored, surfaced (agent/store/sync_state.py)
+                        continue
+                    if r.kind != "retire" and r.issuer in retired:
+                        # A retired authority issues nothing that counts (docs/protocol.md §5 Trust).
+                        # Stored all the same, void: what a node holds then stays a function of the
+                        # records it received (a second key for a site still withdraws that site).
+                        _surface(self.conn, now, "record_refused", "issuer_retired",
+                                 {"issuer": r.issuer.hex(), "kind": r.kind, "subject": r.subject.hex(),
+                                  "record_hash": r.record_hash.hex()})
+                    if st.put_record(self.conn, r):
+                        out["stored"] += 1
+                        new = True
+                        if r.kind == "retire":
+                            retired = st.trust(self.conn, node.site_id).retired_authorities
+                if new:
+                    # A record this node did not hold can make one a peer dropped acceptable there (a
+                    # vouch admits a subject or issuer): every record goes to every peer again, once.
+                    st.clear_all_records_delivered(self.conn)
+                    chains = st.trust(self.conn, node.site_id).chains
+                    for k, c in chains.items():
+                        if c.forked and k not in before:
+                            out["forks"] += 1
+                            log.warning("control record fork: %s chain of %s; treated as absent", k[0], k[1].hex())
+                            _surface(self.conn, now, "record_fork", f"{k[0]}_fork",
+                                     {"subject": k[1].hex(), "records": [h.hex() for h in c.fork_records]})
+                    # Trust changed: rows become the merge of the retained events that still count
+                    # (a retire removes its subject's events above the cutoff, whenever it arrives).
+                    node._load_caches()
+                    fx = node._reconcile_trust(now)
+                    if fx:
+                        out["trust"] = fx
+                    if policy_before is not None:
+                        widened = _enqueue_widenings(node, self, policy_before, now)
+                        if widened:
+                            out["widened"] = [(p.hex(), q) for p, q in widened]
+        finally:
             if new:
-                # A record this node did not hold can make one a peer dropped acceptable there (a
-                # vouch admits a subject or issuer): every record goes to every peer again, once.
-                st.clear_all_records_delivered(self.conn)
-                chains = resolve_chains(st.records(self.conn))
-                for k, c in chains.items():
-                    if c.forked and k not in before:
-                        out["forks"] += 1
-                        log.warning("control record fork: %s chain of %s; treated as absent", k[0], k[1].hex())
-                        _surface(self.conn, now, "record_fork", f"{k[0]}_fork",
-                                 {"subject": k[1].hex(), "records": [h.hex() for h in c.fork_records]})
-                if policy_before is not None:
-                    widened = _enqueue_widenings(node, self, policy_before, now)
-                    if widened:
-                        out["widened"] = [(p.hex(), q) for p, q in widened]
-        if new:
-            node._load_caches()  # keyring rebuilt from the store, records overlaid (agent/node.py)
+                node._load_caches()  # keyring rebuilt from the store, records overlaid (agent/node.py)
         if rh:
             # After the vouches: a request travelling with the vouch for its subject is verified.
             with _txn(self.conn):
@@ -774,6 +794,9 @@ def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = 
     if authority is None and subject == node.site_id and kind != "role":
         raise NodeError("a node does not vouch for or retire itself")
     st.ensure_schema(node.conn)
+    if kind != "retire" and issuer in st.trust(node.conn, node.site_id).retired_authorities:
+        raise NodeError(f"authority {issuer.hex()} is retired: its vouch and role records count nowhere "
+                        "(docs/protocol.md §5 Trust); issue from a current authority")
     now = now_ms() if now is None else now
     drv = SyncDriver(node)
     if authority is not None:
@@ -798,7 +821,9 @@ def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = 
 
 def _chain_position(node, kind: str, subject: bytes):
     from .node import NodeError
-    ch = resolve_chains(st.records(node.conn)).get((kind, subject))
+    # Over the records that count: a retired authority's records are no link (a successor issues
+    # a new genesis), docs/protocol.md §5 Trust.
+    ch = st.trust(node.conn, node.site_id).chains.get((kind, subject))
     if ch is not None and ch.forked:
         raise NodeError(f"the {kind} chain of {subject.hex()} has forked; it is treated as absent until an "
                         "operator resolves it")

@@ -45,14 +45,17 @@ class Selection:
 
 
 def select(rows: Iterable[LogRow], start: int, peer: bytes, self_site: bytes, allowed: Callable[[str], bool],
-           peer_watermarks: dict[Group, Hlc], limit: int) -> Selection:
+           peer_watermarks: dict[Group, Hlc], limit: int, counts: Callable[[LogRow], bool] | None = None
+           ) -> Selection:
     """Choose what to offer `peer` from log rows with seq > start, in seq order, at most `limit`.
 
     - never the peer's own events (§32.1: self-echo is pointless to send and dropped anyway);
     - never what that same peer delivered to us over an authenticated link (it selected them
       from its own log, so it holds them: sending them back only doubles the traffic);
     - never what policy denies for that peer *now* (scope §1.2, checked at selection time);
-    - may skip what the peer's reported watermark covers (§14.2; a lie only hurts the liar).
+    - may skip what the peer's reported watermark covers (§14.2; a lie only hurts the liar);
+    - never what no longer counts here (`counts`: a retained event whose signer this node now
+      trusts less, docs/protocol.md §5 Trust), so a peer holding the same records does not reject it.
     `end` is the last seq examined, so filtered rows are not examined again."""
     sel = Selection(end=start)
     from_peer = origin_tag(peer)
@@ -64,6 +67,9 @@ def select(rows: Iterable[LogRow], start: int, peer: bytes, self_site: bytes, al
         sel.end = r.seq
         if r.site_id == peer:
             sel.skipped["self_echo"] = sel.skipped.get("self_echo", 0) + 1
+            continue
+        if counts is not None and not counts(r):
+            sel.skipped["void"] = sel.skipped.get("void", 0) + 1
             continue
         if r.origin == from_peer:
             sel.skipped["from_peer"] = sel.skipped.get("from_peer", 0) + 1

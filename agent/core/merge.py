@@ -7,7 +7,7 @@ every stamp.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from .schema import TableDef, value_fits
 
@@ -110,3 +110,69 @@ def rebuild_columns(table: TableDef, columns: Iterable[str], tomb_clock: Stamp |
             writes[col] = None
     partial = tomb_clock is not None and below(tomb_clock[:2], horizon)
     return Rebuild(writes, partial)
+
+
+@dataclass
+class TrustRebuild:
+    state: RowState
+    writes: dict[str, tuple[Any, Stamp] | None]  # re-derived columns (None: no clock any more)
+    partial: list[str]  # clocks re-derived with no candidate while a horizon may hide one
+
+
+def rebuild_without(table: TableDef, row: RowState, void: Callable[[Stamp], bool],
+                    events: Iterable[tuple[Stamp, str, dict[str, Any] | None]],
+                    horizon: tuple[int, int] | None) -> TrustRebuild:
+    """Remove from one row the effects of events that no longer count (issue 10 item 5: their
+    signer was retired below their HLC, or its key is trusted no more), so the row equals the
+    merge of the retained events that do count, whatever order events and records arrived in.
+
+    `events`: the row's retained events (stamp, operation, payload). Every clock owned by a void
+    stamp is re-derived from the events that count and are not below the horizon (§13.4's
+    candidate rule): the tombstone clock from the highest delete; existence from the highest
+    upsert or delete; a column from the highest upsert carrying it (fitting type) that beats the
+    tombstone clock, or else the highest delete's clocked null (wire-profile §2a). A clock owned
+    by an event that counts stays: it is already the maximum over those events, and lowering the
+    tombstone clock cannot unseat it. A re-derived clock found among candidates at or above the
+    horizon is exact (anything evicted lies below it); one that finds no candidate while the
+    table has a horizon may have had its evidence evicted, and is reported in `partial` (§13.4:
+    never present a partial rebuild as complete)."""
+    cands = [(s, op, p) for s, op, p in events if not void(s) and not below(s[:2], horizon)]
+    st = RowState(row.exists, row.exist_clock, row.tomb_clock, dict(row.cells))
+    evicting = horizon is not None
+    partial: list[str] = []
+    if st.tomb_clock is not None and void(st.tomb_clock):
+        dels = [s for s, op, _ in cands if op == "delete"]
+        st.tomb_clock = max(dels) if dels else None
+        if not dels and evicting:
+            partial.append("tombstone")
+    if st.exist_clock is not None and void(st.exist_clock):
+        best = max(((s, op) for s, op, _ in cands), default=None)
+        if best is None:
+            st.exists, st.exist_clock = False, None
+            if evicting:
+                partial.append("existence")
+        else:
+            st.exists, st.exist_clock = best[1] == "upsert", best[0]
+    writes: dict[str, tuple[Any, Stamp] | None] = {}
+    for col in table.value_columns:
+        clock = st.cells.get(col)
+        if clock is None or not void(clock):
+            continue
+        found: tuple[Any, Stamp] | None = None
+        for s, op, p in cands:
+            if op == "delete":
+                cand = (None, s)
+            elif p and col in p and value_fits(table.columns[col], p[col]) and beats(s, st.tomb_clock):
+                cand = (p[col], s)
+            else:
+                continue
+            if found is None or s > found[1]:
+                found = cand
+        writes[col] = found
+        if found is None:
+            del st.cells[col]
+            if evicting:
+                partial.append(col)
+        else:
+            st.cells[col] = found[1]
+    return TrustRebuild(st, writes, partial)

@@ -282,3 +282,72 @@ def verify_truncation(raw: bytes, mesh_id: bytes,
     if not _uint(at, STORE_UINT_MAX):
         raise RecordError("bad_issued_at")
     return Truncation(record_hash(raw), raw, s.kid, subj, f"{schema}.{name}", (h[0], h[1]), tuple(rks), at)
+
+
+# ---------------------------------------------------------------- trust (docs/protocol.md §5 "Trust")
+@dataclass
+class Trust:
+    """What the records a node holds (with its provisioned keyring and authority list) make it
+    trust. A pure function of the *set* of records, so every node holding the same set trusts the
+    same keys with the same cutoffs, whatever order the records arrived in."""
+    keyring: dict[bytes, tuple[bytes, tuple[int, int] | None]]  # site -> (public key, cutoff or None)
+    retired_authorities: set[bytes]
+    chains: dict[tuple[str, bytes], Chain]  # vouch and role chains over the records that count
+    void: dict[bytes, str]  # record_hash -> why a held record does not count
+    multi_key: set[bytes]  # sites whose vouch records name more than one key (trusted with none)
+
+
+def resolve_trust(records: Iterable[Record], provisioned: dict[bytes, tuple[bytes, tuple[int, int] | None]],
+                  authorities: Iterable[bytes], self_site: bytes) -> Trust:
+    """The effective keyring. Every rule only ever moves one way as records are added, which is
+    what makes arrival order irrelevant (a drop retains nothing, so nothing a drop decided may
+    later be reversed):
+
+    - retire records count from every listed authority, retired or not (a retire only takes trust
+      away; counting it whatever its issuer's state keeps cutoffs monotone, never rising);
+    - a signer's cutoff is the lowest of its provisioned cutoff and every retire record naming it;
+    - an authority is retired when it has a cutoff (provisioned, or any retire record names it);
+      a retired authority's vouch and role records do not count at all: records carry no clock,
+      so no order every node agrees on places one before or after the retirement;
+    - vouch and role chains are resolved over the records that count (a fork is absent);
+    - a vouch admits its head's key for a site the provisioned keyring does not hold, unless the
+      site's vouch records (any issuer) name more than one key: then none (fail closed, for good);
+    - the node's own site is never changed by records."""
+    records = list(records)
+    auth = set(authorities)
+    void: dict[bytes, str] = {}
+    counted: list[Record] = []
+    for r in records:
+        if r.issuer not in auth:
+            void[r.record_hash] = "issuer_not_authority"
+        else:
+            counted.append(r)
+    retire = [r for r in counted if r.kind == "retire"]
+    cut: dict[bytes, tuple[int, int]] = {}
+    for r in retire:
+        c = r.value[0]
+        cut[r.subject] = c if r.subject not in cut else min(cut[r.subject], c)
+    retired = {a for a in auth if (provisioned.get(a) or (None, None))[1] is not None or a in cut}
+    rest: list[Record] = []
+    for r in counted:
+        if r.kind != "retire" and r.issuer in retired:
+            void[r.record_hash] = "issuer_retired"
+        else:
+            rest.append(r)
+    chains = resolve_chains(r for r in rest if r.kind != "retire")
+    keys: dict[bytes, set[bytes]] = {}
+    for r in records:
+        if r.kind == "vouch" and r.issuer in auth:
+            keys.setdefault(r.subject, set()).add(r.value)
+    multi = {s for s, ks in keys.items() if len(ks) > 1}
+    keyring = dict(provisioned)
+    for (kind, subject), ch in sorted(chains.items()):
+        if kind == "vouch" and ch.head is not None and subject not in keyring and subject not in multi \
+                and subject != self_site:
+            keyring[subject] = (ch.head.value, None)
+    for subject, c in cut.items():
+        if subject in keyring and subject != self_site:
+            pk, old = keyring[subject]
+            keyring[subject] = (pk, c if old is None else min(old, c))
+    chains.update(resolve_chains(retire))
+    return Trust(keyring, retired, chains, void, multi)

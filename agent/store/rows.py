@@ -120,6 +120,24 @@ class RowStore:
         out.sort(key=lambda row: [_sort_key(row["key"][k]) for k in self.t.key])
         return out
 
+    def delete(self, rk: bytes) -> None:
+        """Forget a row that no counted event touches any more (it has no clock left)."""
+        self.conn.execute(f"DELETE FROM {q(base_name(self.t))} WHERE _rk = ?", (rk,))
+
+    def rows_with_clock_of(self, sites: Iterable[bytes]) -> list[tuple[bytes, dict[str, Any]]]:
+        """(rk, key) of the rows with any clock (existence, tombstone, a column) owned by an
+        event of one of `sites` (a stamp ends with its site_id)."""
+        sites = list(sites)
+        if not sites:
+            return []
+        clocks = ["_ex_c", "_tomb_c"] + [q("_c_" + c) for c in self.vcols]
+        marks = ", ".join("?" for _ in sites)
+        where = " OR ".join(f"substr({c}, 13) IN ({marks})" for c in clocks)
+        cols = ", ".join(q(c) for c in self.t.key)
+        rows = self.conn.execute(f"SELECT _rk, {cols} FROM {q(base_name(self.t))} WHERE {where}",
+                                 [bytes(s) for s in sites] * len(clocks)).fetchall()
+        return [(bytes(r[0]), {k: r[1 + i] for i, k in enumerate(self.t.key)}) for r in rows]
+
     def all_row_keys(self) -> Iterable[tuple[bytes, dict[str, Any]]]:
         cols = ", ".join(q(c) for c in self.t.key)
         for r in self.conn.execute(f"SELECT _rk, {cols} FROM {q(base_name(self.t))}").fetchall():

@@ -9,7 +9,7 @@ import json
 import sqlite3
 from typing import Iterable
 
-from ..core.records import Record, resolve_chains
+from ..core.records import Record, Trust, resolve_trust
 from ..core.scope import WILDCARD, PolicyRow
 from ..core.schema import SYNCABLE
 
@@ -458,12 +458,15 @@ def record_raws(conn: sqlite3.Connection) -> list[bytes]:
 
 
 def records_ordered(conn: sqlite3.Connection) -> list[tuple[bytes, bytes]]:
-    """(record_hash, raw) of the authority records in the order bodies carry them: vouch, then
-    retire, then role (a vouch admits the signer of what follows it), each chain from its genesis."""
+    """(record_hash, raw) of the authority records in the order bodies carry them: retire, then
+    vouch, then role, each chain from its genesis. Retirements first: a retire may void what an
+    authority issued, so a receiver that gets it before a successor's re-issued genesis never sees
+    the two geneses as a fork (authority records are verified with provisioned keys only, so
+    nothing here depends on a vouch)."""
     if not has_schema(conn):
         return []
     return [(bytes(h), bytes(raw)) for h, raw in conn.execute(
-        "SELECT record_hash, raw FROM control_records ORDER BY CASE kind WHEN 'vouch' THEN 0 WHEN 'retire' THEN 1 "
+        "SELECT record_hash, raw FROM control_records ORDER BY CASE kind WHEN 'retire' THEN 0 WHEN 'vouch' THEN 1 "
         "ELSE 2 END, subject, generation, record_hash")]
 
 
@@ -488,36 +491,42 @@ def clear_records_delivered(conn: sqlite3.Connection, peer: bytes) -> None:
     conn.execute("DELETE FROM records_delivered WHERE peer=?", (peer,))
 
 
+def provisioned_keyring(conn: sqlite3.Connection) -> dict:
+    """The keyring the node was given (manifest, `peer add`, `authority add`), without records."""
+    return {bytes(sid): (bytes(pk), None if rp is None else (rp, rl))
+            for sid, pk, rp, rl in conn.execute("SELECT site_id, public_key, retired_p, retired_l FROM keyring")}
+
+
+def authorities(conn: sqlite3.Connection) -> set[bytes]:
+    r = conn.execute("SELECT value FROM meta WHERE key='authorities'").fetchone()
+    return {bytes.fromhex(a) for a in json.loads(r[0] if r else "[]")}
+
+
+def trust(conn: sqlite3.Connection, self_site: bytes | None = None) -> Trust:
+    """The effective trust (core/records.resolve_trust) from the provisioned keyring, the
+    authority list and every control record held."""
+    if self_site is None:
+        r = conn.execute("SELECT value FROM meta WHERE key='site_id'").fetchone()
+        self_site = bytes(r[0]) if r else b""
+    return resolve_trust(records(conn), provisioned_keyring(conn), authorities(conn), self_site)
+
+
 def overlay_keyring(conn: sqlite3.Connection, keyring: dict, self_site: bytes) -> dict:
-    """Apply the record-derived trust to the in-memory keyring the apply path reads:
-    a vouch head adds its key for a site the keyring does not already hold; a retire head (or,
-    for a forked retire chain, the lowest cutoff any held record names: fail closed, a signer is
-    never trusted more because its records conflict) lowers that site's cutoff. A forked vouch
-    chain adds nothing. Returns the chains, for callers that surface forks."""
-    chains = resolve_chains(records(conn))
-    for (kind, subject), ch in sorted(chains.items(), key=lambda kv: kv[0][0] != "vouch"):
-        if subject == self_site:
-            continue
-        if kind == "vouch" and ch.head is not None and subject not in keyring:
-            keyring[subject] = (ch.head.value, None)
-        elif kind == "retire":
-            if ch.head is not None:
-                cut = ch.head.value[0]
-            elif ch.forked:
-                cut = min(v[0] for v in ch.values)
-            else:
-                continue
-            if subject in keyring:
-                pk, old = keyring[subject]
-                keyring[subject] = (pk, cut if old is None else min(old, cut))
-    return chains
+    """Replace the in-memory keyring the apply path reads with the effective one: provisioned keys
+    and cutoffs, vouched keys, and cutoffs lowered by retire records (resolve_trust). Returns the
+    chains, for callers that surface forks."""
+    t = trust(conn, self_site)
+    keyring.clear()
+    keyring.update(t.keyring)
+    return t.chains
 
 
 def current_roles(conn: sqlite3.Connection) -> dict[bytes, object]:
-    """subject -> role (str) or scope.FORKED."""
+    """subject -> role (str) or scope.FORKED, from the role records that count (a retired
+    authority's do not)."""
     from ..core.scope import FORKED
     out: dict[bytes, object] = {}
-    for (kind, subject), ch in resolve_chains(records(conn)).items():
+    for (kind, subject), ch in trust(conn).chains.items():
         if kind != "role":
             continue
         if ch.forked:

@@ -61,11 +61,15 @@ def test_tampered_bytes_fail_signature(env):
     assert one(node, bytes(raw)).reason == "bad_signature"
 
 
-def test_unknown_kid_dropped(env, tmp_path):
+def test_unknown_kid_rejected_and_not_retained(env, tmp_path):
+    # Rejected, not dropped (issue 10 item 5): a vouch may still admit the kid, so the sender
+    # re-offers it; nothing is retained meanwhile.
     node, _, _ = env
     stranger = SimPeer(MESH)
     o = one(node, stranger.event(T, {"device": "d", "seq": 1}, {"temp": 1.0}, (NOW, 0)))
-    assert (o.status, o.reason) == (DROPPED, "unknown_kid")
+    assert (o.status, o.reason, o.verified) == (REJECTED, "unknown_kid", False)
+    assert node.conn.execute("SELECT count(*) FROM events").fetchone()[0] == 0
+    assert node.conn.execute("SELECT count(*) FROM held").fetchone()[0] == 0
 
 
 def test_wrong_mesh_id_fails_signature(env):
