@@ -69,6 +69,11 @@ class Node:
         self.clock = self._resume_clock()
         if read_only:
             return   # a read view: the repairs below write, and are left to the next writing open
+        stale = [t.tdef for t in self.tables.values() if not rowstore.view_is_current(conn, t.tdef)]
+        if stale:  # views made before they carried "C$state" (docs/apply.md)
+            with _txn(conn):
+                for tdef in stale:
+                    rowstore.create_view(conn, tdef)
         if self._trust_changed():  # e.g. a home written before trust changes were rebuilt
             with _txn(self.conn):
                 self._reconcile_trust(now_ms())
@@ -380,7 +385,15 @@ class Node:
 
         def parse(chunk):  # on this thread: Python work that needs the GIL
             out = []
-            for raw in chunk:
+            # Events this node already holds are answered by the apply path's duplicate look-up
+            # before any verification (§12.4 early): verifying them ahead would be wasted work.
+            # (The log and the held table only grow during a batch, so "known" stays true.)
+            ids = [ev.event_id(bytes(r)) if isinstance(r, (bytes, bytearray)) else None for r in chunk]
+            known = self._known_among([i for i in ids if i is not None])
+            for raw, eid in zip(chunk, ids):
+                if eid is None or eid in known:
+                    out.append(None)
+                    continue
                 try:
                     s1 = cose.parse_sign1(bytes(raw))
                 except (DecodeError, TypeError):
@@ -430,9 +443,8 @@ class Node:
         if origin != "local" and kid == self.site_id:
             return Outcome(DROPPED, "self_echo", eid, kid)
         # Identical bytes were verified when first applied: a known event_id is a no-op (§12.4).
-        # (Batches verified ahead skip this look-up: verification cost is off this thread, and
-        # the idempotent insert below and the held insert still detect duplicates.)
-        known = self._known(eid) if checked is None else None
+        # Whatever the batch size: the same bytes get the same outcome (issue 10 item 10).
+        known = self._known(eid)
         if known == "log":
             return Outcome(DUPLICATE, "duplicate", eid, kid, verified=True)
         if known == "held":
@@ -492,6 +504,15 @@ class Node:
         self.clock.observe(e.hlc, now)
         self._materialize(tbl, e, rk, now)
         return Outcome(APPLIED, "applied", **base)
+
+    def _known_among(self, eids: list[bytes]) -> set[bytes]:
+        """The event_ids among `eids` that the log or the held table holds (one query)."""
+        if not eids:
+            return set()
+        marks = ",".join("?" for _ in eids)
+        return {bytes(r[0]) for r in self.conn.execute(
+            f"SELECT event_id FROM events WHERE event_id IN ({marks}) UNION ALL "
+            f"SELECT event_id FROM held WHERE event_id IN ({marks})", eids + eids)}
 
     def _known(self, eid: bytes) -> str | None:
         in_log, in_held = self.conn.execute(

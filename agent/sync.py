@@ -106,6 +106,7 @@ class SyncDriver:
         self.batch_limit = batch_limit
         st.ensure_schema(self.conn)
         self._push_pos: dict[tuple[bytes, str], int] = {}
+        self._denials_surfaced: set[tuple[bytes, str, str]] = set()
         self.stats = {"pushed_events": 0, "received_events": 0, "bodies_out": 0, "bodies_in": 0}
 
     # ------------------------------------------------------------------ sessions
@@ -136,10 +137,24 @@ class SyncDriver:
                 schema, name = q.split(".", 1)
                 d = resolve(rows, peer_hex, schema, name, cats.get(q), role)
                 if d.log:
-                    log.info("policy: %s for peer %s table %s: deny (%s)", "denied", peer_hex, q, d.reason)
+                    self._surface_policy_denial(peer, q, d.reason)
                 v = cache[q] = d.allow
             return v
         return allowed
+
+    def _surface_policy_denial(self, peer: bytes, table: str, reason: str) -> None:
+        """Scope §1.2 rule 4 (incomparable maximal rows) and a forked role chain: "deny and log".
+        Surfaced where `ssp-agent events` lists it, once per (peer, table, reason) while that
+        entry is kept (selection runs every cycle; the entry must not flood the record)."""
+        if (peer, table, reason) in self._denials_surfaced:
+            return
+        self._denials_surfaced.add((peer, table, reason))
+        log.warning("policy: deny for peer %s table %s (%s)", peer.hex(), table, reason)
+        self.conn.execute(
+            "INSERT INTO surfaced (at_ms, kind, reason, site_id, qualified, detail) SELECT ?,?,?,?,?,? WHERE NOT EXISTS"
+            " (SELECT 1 FROM surfaced WHERE kind='policy_denied' AND reason=? AND site_id=? AND qualified=?)",
+            (_now_ms(), "policy_denied", reason, peer, table, json.dumps({"peer": peer.hex(), "table": table}),
+             reason, peer, table))
 
     def _rows(self, after: int, upto: int | None):
         """Log rows with seq > after (and <= upto), in append order, bounded by the scan budget."""
@@ -749,6 +764,11 @@ class LinkProvider:
 def delivery_hash(raw: bytes) -> bytes:
     from .core.records import record_hash
     return record_hash(bytes(raw))
+
+
+def _now_ms() -> int:
+    from .node import now_ms
+    return now_ms()
 
 
 def _proc(o) -> delivery.Processed:

@@ -169,9 +169,14 @@ def _parse_body(obj: dict) -> SyncBody:
 
 
 def _parse_handshake(obj: dict) -> Handshake:
-    site = _site(obj["site_id"], "site_id")
-    hmax = _hlc_map(obj["have_max_hlc"])
+    site = _site(obj["site_id"], "site_id")  # who is speaking: not a capability, stays strict
     understood = True
+    try:
+        hmax = _hlc_map(obj["have_max_hlc"])
+    except ProtocolError:
+        # §31: any unknown member value fails closed to batch mode, never a rejected session;
+        # have_max_hlc is advisory and read by nothing (§14.1), so nothing is guessed.
+        hmax, understood = (0, 0), False
     rt = obj["supports_realtime"]
     if not isinstance(rt, bool):
         rt, understood = False, False  # §31: unknown member value -> batch mode

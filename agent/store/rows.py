@@ -51,10 +51,26 @@ def create_table(conn: sqlite3.Connection, t: TableDef) -> None:
     create_view(conn, t)
 
 
+STATE_SUFFIX = "$state"  # manifest identifiers are [A-Za-z][A-Za-z0-9_]*: no collision possible
+
+
 def create_view(conn: sqlite3.Connection, t: TableDef) -> None:
+    """The user-facing view: the rows that exist, their key and value columns, and per value
+    column C a companion "C$state" derived from C's column clock (§13.6: a column the local schema
+    never materialized carries no clock, and must not be presented as a cleared value):
+    'materialized' (a NULL value is a real, clocked null: cleared or written null) or
+    'unmaterialized' (no event that counts ever set it here: NULL means absent, not cleared)."""
     conn.execute(f"DROP VIEW IF EXISTS {q(t.qualified)}")
-    shown = ", ".join(q(c) for c in list(t.key) + list(t.value_columns))
-    conn.execute(f"CREATE VIEW {q(t.qualified)} AS SELECT {shown} FROM {q(base_name(t))} WHERE _ex = 1")
+    shown = [q(c) for c in list(t.key) + list(t.value_columns)]
+    shown += [f"CASE WHEN {q('_c_' + c)} IS NULL THEN 'unmaterialized' ELSE 'materialized' END AS "
+              f"{q(c + STATE_SUFFIX)}" for c in t.value_columns]
+    conn.execute(f"CREATE VIEW {q(t.qualified)} AS SELECT {', '.join(shown)} FROM {q(base_name(t))} WHERE _ex = 1")
+
+
+def view_is_current(conn: sqlite3.Connection, t: TableDef) -> bool:
+    """Whether the view carries the companion columns (views made by older versions do not)."""
+    r = conn.execute("SELECT sql FROM sqlite_master WHERE type='view' AND name=?", (t.qualified,)).fetchone()
+    return r is not None and (not t.value_columns or STATE_SUFFIX in r[0])
 
 
 def add_column(conn: sqlite3.Connection, t: TableDef, column: str) -> None:

@@ -286,3 +286,25 @@ def test_large_batches_verified_ahead_give_the_same_outcomes(tmp_path):
     assert len(outs_big) > 64
     big.close()
     small.close()
+
+
+def test_duplicate_check_is_the_same_whatever_the_batch_size(tmp_path):
+    """Issue 10 item 10: the duplicate look-up (§12.4) must not depend on the batch size. Events
+    already in the log are duplicates whether they come back alone or in a batch of 64 or more
+    (the verify-ahead path), even after the checks behind it would now answer otherwise (a horizon
+    raised above them, a signer retired below them)."""
+    a, b = peers(2)
+    raws = [a.event(T, {"device": "d", "seq": i}, {"temp": float(i)}, (NOW, i)) for i in range(70)]
+    nodes = {}
+    for name in ("alone", "batch"):
+        n = make_node(tmp_path / name, [a, b])
+        assert {o.status for o in n.apply_batch(raws, NOW)} == {APPLIED}
+        n.raise_horizon(T, (NOW, 35))                                    # half of them below it now
+        n.add_peer(a.site_id, a.public_key, (NOW, 50))                   # and the rest above a's cutoff
+        nodes[name] = n
+    alone = [nodes["alone"].apply_batch([r], NOW)[0] for r in raws]
+    batch = nodes["batch"].apply_batch(raws, NOW)
+    assert [(o.status, o.reason) for o in alone] == [(DUPLICATE, "duplicate")] * 70
+    assert [(o.status, o.reason) for o in batch] == [(o.status, o.reason) for o in alone]
+    for n in nodes.values():
+        n.close()

@@ -189,3 +189,18 @@ def test_local_delete_hides_the_row(env):
     node.write(T, K, {"note": "x"}, now=NOW)
     node.write(T, K, None, delete=True, now=NOW)
     assert node.dump()[T] == []
+
+
+def test_sql_view_tells_a_never_materialized_column_from_a_cleared_one(env):
+    # §13.6: an unmaterialized column must not be presented as a cleared value (issue 10 item 10).
+    # The view "schema.table" carries, per value column C, "C$state": 'materialized' when C has a
+    # column clock (its value, NULL included, is a real clocked write) and 'unmaterialized' when not.
+    node, a, b = env
+    node.apply_batch([a.event(T, K, {"temp": 1.0, "note": None}, (NOW, 1)),  # note: an explicit null (cleared)
+                      a.event(T, {"device": "d", "seq": 2}, {"temp": 2.0}, (NOW, 2))], NOW)
+    node.add_column(T, "unit", "text")  # no event ever carried it
+    rows = node.conn.execute(
+        'SELECT seq, note, "note$state", unit, "unit$state", temp, "temp$state" FROM "app.readings" ORDER BY seq'
+    ).fetchall()
+    assert rows == [(1, None, "materialized", None, "unmaterialized", 1.0, "materialized"),
+                    (2, None, "unmaterialized", None, "unmaterialized", 2.0, "materialized")]

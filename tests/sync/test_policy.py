@@ -127,3 +127,20 @@ def test_receiver_cannot_widen_its_own_feed(tmp_path):
     a.write(T, {"device": "d", "seq": 1}, {"temp": 1.0}, now=NOW)
     sync(da, db_, NOW, cycles=2)
     assert log_set(b) == set()
+
+
+def test_an_incomparable_denial_is_surfaced_where_events_shows_it(tmp_path):
+    # scope §1.2 rule 4: "deny and log" (issue 10 item 10: it left no trace by default). Surfaced
+    # once per (peer, table, reason) while that entry is kept, however many bodies hit it.
+    a, b = mesh(tmp_path, 2)
+    da = SyncDriver(a)
+    a.write(T, {"device": "d", "seq": 1}, {"temp": 1.0}, now=NOW)
+    with _txn(a.conn):
+        st.put_policy_row(a.conn, R(b.site_id.hex(), "*", "user", "allow"))
+        st.put_policy_row(a.conn, R("*", "readings", "user", "deny"))
+    for _ in range(3):
+        sel, *_ = da.select_for(b.site_id, "memory")
+        assert sel.events == []
+    hits = [s for s in a.surfaced() if s["reason"] == "incomparable"]
+    assert len(hits) == 1
+    assert hits[0]["kind"] == "policy_denied" and hits[0]["table"] == T and hits[0]["site_id"] == b.site_id.hex()

@@ -132,6 +132,29 @@ def test_handshake_value_not_understood_falls_back_to_batch(two):
     assert s.state == "ready" and not s.realtime
 
 
+@pytest.mark.parametrize("member, value", [
+    ("have_max_hlc", {"physical_ms": 1, "logical": 0, "epoch": 7}),   # a member this version does not know
+    ("have_max_hlc", {"physical_ms": -1, "logical": 0}),
+    ("have_max_hlc", "soon"),
+    ("supports_realtime", 2),
+    ("secure_channel", "maybe"),
+    ("rtt_ms", -5),
+])
+def test_any_unknown_handshake_value_falls_back_to_batch_not_rejection(two, member, value):
+    # §31: "A receiver MUST fail closed to batch mode on any unknown member value" (issue 10 item 10).
+    a, b, da, db_ = two
+    s = db_.session("memory", a.site_id, secure=True, realtime_capable=True, binding_unsolicited=True)
+    s.start(NOW)
+    hs = cbor2.loads(emit_handshake(Handshake(a.site_id, (5, 0), True, True, None)))
+    hs[member] = value
+    s.receive(encode_frame("hello", b=cbor2.dumps(hs), r=False), NOW)
+    assert [e for e in s.events if e.kind == "protocol_error"] == []
+    assert s.state == "ready" and not s.realtime
+    # and the session works in batch mode
+    s.receive(encode_frame("body", c=1, b=good_body(a.site_id), m=META), NOW)
+    assert [e for e in s.events if e.kind == "protocol_error"] == []
+
+
 def test_secure_channel_disagreement_warns(two):
     a, b, da, db_ = two
     s = db_.session("memory", a.site_id, secure=False)
