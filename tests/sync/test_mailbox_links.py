@@ -344,7 +344,8 @@ def test_a_file_from_a_stranger_is_owed_no_answer(tmp_path):
     f = tmp_path / "from-stranger"
     SyncDriver(stranger).export_mailbox(a.site_id, f)
     res = SyncDriver(a).import_mailbox(f.read_bytes(), NOW + 1)
-    assert res["dropped"] == 1
+    # an unknown kid is rejected, not dropped (issue 10 item 5: a vouch may still admit it); not applied
+    assert (res["rejected"], res["applied"]) == (1, 0)
     assert a.conn.execute("SELECT count(*) FROM mailbox_owed").fetchone()[0] == 0
     g = tmp_path / "a-to-b"
     SyncDriver(a).export_mailbox(b.site_id, g)
