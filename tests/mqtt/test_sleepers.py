@@ -10,17 +10,15 @@ window, so a peer never got more than one window of a device's events."""
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
 import sqlite3
 import subprocess
-import sys
 import time
 
 from agent.node import Node
 
 from .helpers import MANIFEST, event_ids, write
+from tests.cli_cmd import agent_cmd, agent_env
 
 N_DEVICES = 3
 EVENTS_EACH = 12
@@ -43,10 +41,8 @@ kind = "software"
 
 
 def _sync_once(home, url: str) -> dict:
-    exe = shutil.which("ssp-agent")
-    cmd = [exe] if exe else [sys.executable, "-c", "import sys; from agent.cli import main; sys.exit(main())"]
-    p = subprocess.run([*cmd, "--home", str(home), "sync", "--broker", url, "--once", "--timeout", "2"],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run([*agent_cmd(), "--home", str(home), "sync", "--broker", url, "--once", "--timeout", "2"],
+                       capture_output=True, text=True, timeout=60, env=agent_env())
     assert p.returncode == 0, p.stderr[-2000:]
     return json.loads(p.stdout)
 

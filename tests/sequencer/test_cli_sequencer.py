@@ -3,20 +3,19 @@ subprocesses (real SQLite, real software keystore, real concurrent processes).""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from agent.sequencer import receipts
 from agent.sequencer.framing import CT_PROPOSAL, encode_private_message
+from tests.cli_cmd import agent_cmd, agent_env
 
 G = "d4" * 16
 
 
 def run(home, *args, check=None):
-    p = subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(home), "sequencer", *args],
-                       capture_output=True, text=True, env=dict(os.environ))
+    p = subprocess.run([*agent_cmd(), "--home", str(home), "sequencer", *args],
+                       capture_output=True, text=True, env=agent_env())
     if check is not None:
         assert p.returncode == check, (p.returncode, p.stdout, p.stderr)
     return p

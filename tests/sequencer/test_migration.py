@@ -6,13 +6,12 @@ members and retained for attribution."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 
 from agent.sequencer import member, receipts, service
 from agent.sequencer.framing import encode_private_message
+from tests.cli_cmd import agent_cmd, agent_env
 
 G = bytes.fromhex("9b" * 16)
 
@@ -22,8 +21,8 @@ def msg(e, tag=b""):
 
 
 def cli(home, *args):
-    return subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(home), "sequencer", *args],
-                          capture_output=True, text=True, env=dict(os.environ))
+    return subprocess.run([*agent_cmd(), "--home", str(home), "sequencer", *args],
+                          capture_output=True, text=True, env=agent_env())
 
 
 def test_migration_chains_one_receipt_chain_and_rotated_out_signer_is_attributed(tmp_path):

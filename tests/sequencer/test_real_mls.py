@@ -9,31 +9,31 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from mls_clients import founding_group
 
 from agent.sequencer import member as validator
 from agent.sequencer.framing import CT_COMMIT, WIRE_PUBLIC, parse_mls_message
+from tests.cli_cmd import agent_cmd, agent_env
 
 
 def submit(home, path):
-    p = subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(home), "sequencer", "submit", str(path)],
-                       capture_output=True, text=True, env=dict(os.environ))
+    p = subprocess.run([*agent_cmd(), "--home", str(home), "sequencer", "submit", str(path)],
+                       capture_output=True, text=True, env=agent_env())
     assert p.returncode in (0, 2), p.stderr
     return p.returncode, json.loads(p.stdout)
 
 
 def test_real_members_race_commits_one_wins_losers_rebuild(tmp_path):
     home = tmp_path / "seq"
-    key = json.loads(subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(home), "sequencer", "init"],
+    key = json.loads(subprocess.run([*agent_cmd(), "--home", str(home), "sequencer", "init"],
                                     capture_output=True, text=True, check=True).stdout)["sequencer_key"]
     gid = os.urandom(16)                      # §22.5: random opaque group identifiers
     members = founding_group(gid, [b"alice", b"bob", b"carol", b"dave"])
     start = members[0].epoch
     assert all(m.epoch == start for m in members)
-    subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(home), "sequencer", "register",
+    subprocess.run([*agent_cmd(), "--home", str(home), "sequencer", "register",
                     "--group", gid.hex(), "--epoch", str(start)], check=True, capture_output=True)
     chains = {m.name: validator.ReceiptChain(gid, bytes.fromhex(key)) for m in members}
     waiting = list(members)                   # members whose change is not in yet

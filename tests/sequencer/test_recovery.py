@@ -11,6 +11,7 @@ from agent.sequencer import member, receipts, recovery, service
 from agent.sequencer.framing import encode_private_message
 
 from test_member import G, RogueSequencer
+from tests.cli_cmd import agent_cmd, agent_env
 
 
 
@@ -113,16 +114,14 @@ def test_inconsistent_attestation_and_holes_do_not_converge():
 
 def test_recover_verb(tmp_path):
     import json
-    import os
     import subprocess
-    import sys
     home_old, key, rx = history(tmp_path, 4)
     shutil.rmtree(home_old)
     home = tmp_path / "new"
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(home), "sequencer", *args],
-                              capture_output=True, text=True, env=dict(os.environ))
+        return subprocess.run([*agent_cmd(), "--home", str(home), "sequencer", *args],
+                              capture_output=True, text=True, env=agent_env())
     new_key = json.loads(cli("init").stdout)["sequencer_key"]
     f = tmp_path / "alice.json"
     f.write_text(json.dumps({"member": "alice", "receipts": [r.hex() for r in rx], "attested_epoch": 4}))

@@ -4,11 +4,9 @@ reads beside the running server, refusal of local writes, SIGTERM."""
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
 import subprocess
-import sys
 import uuid
 
 import cbor2
@@ -21,6 +19,7 @@ from paho.mqtt.properties import Properties
 from agent.sequencer import receipts
 from agent.sequencer.framing import encode_private_message
 from agent.transport.broker import Broker, find_mosquitto
+from tests.cli_cmd import agent_cmd, agent_env
 
 G = bytes.fromhex("a7" * 16)
 
@@ -70,16 +69,16 @@ class Member:
 
 
 def cli(home, *args):
-    return subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(home), "sequencer", *args],
-                          capture_output=True, text=True, env=dict(os.environ))
+    return subprocess.run([*agent_cmd(), "--home", str(home), "sequencer", *args],
+                          capture_output=True, text=True, env=agent_env())
 
 
 def test_run_serves_groups_through_the_broker(tmp_path, broker):
     home = tmp_path / "seq"
     key = bytes.fromhex(json.loads(cli(home, "init").stdout)["sequencer_key"])
-    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "--home", str(home), "sequencer", "run",
+    proc = subprocess.Popen([*agent_cmd(), "--home", str(home), "sequencer", "run",
                              "--broker", broker.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ))
+                            env=agent_env())
     members = []
     try:
         ready = json.loads(proc.stdout.readline())
@@ -150,9 +149,9 @@ def test_commits_queue_while_the_sequencer_is_down(tmp_path, broker):
     cli(home, "register", "--group", G.hex(), "--epoch", "0")
 
     def start():
-        p = subprocess.Popen([sys.executable, "-m", "agent.cli", "--home", str(home), "sequencer", "run",
+        p = subprocess.Popen([*agent_cmd(), "--home", str(home), "sequencer", "run",
                               "--broker", broker.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=dict(os.environ))
+                             env=agent_env())
         assert json.loads(p.stdout.readline())["sequencer_key"] == key.hex()
         return p
     proc = start()                      # creates the persistent session and its subscriptions

@@ -11,7 +11,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 import uuid
 
@@ -25,6 +24,7 @@ from paho.mqtt.properties import Properties
 
 from test_run_broker import Member
 from test_sequencer_crash import START, Checker
+from tests.cli_cmd import agent_cmd, agent_env
 
 GROUPS = list(START)
 
@@ -39,8 +39,8 @@ def broker(tmp_path):
 
 
 def start(home, url):
-    p = subprocess.Popen([sys.executable, "-m", "agent.cli", "--home", str(home), "sequencer", "run", "--broker", url],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    p = subprocess.Popen([*agent_cmd(), "--home", str(home), "sequencer", "run", "--broker", url],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
     line = p.stdout.readline()
     assert line, p.stderr.read()
     return p
