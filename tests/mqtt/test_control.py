@@ -29,8 +29,11 @@ def _wait_serving(home, proc, deadline_s: float = 60) -> None:
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()[1][-2000:]
-        if (home / "control.sock").exists() and run_cli("--home", home, "status").returncode == 0:
-            return
+        if (home / "control.sock").exists():
+            p = run_cli("--home", home, "status")
+            # answered by the agent itself ("run"), not by a read-only open past a stale socket
+            if p.returncode == 0 and "run" in json.loads(p.stdout):
+                return
         time.sleep(0.1)
     raise AssertionError("the running agent never answered on its control socket")
 
