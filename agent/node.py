@@ -758,7 +758,7 @@ class Node:
         return [o.event_id for o in outs]
 
     def release_signed(self, tbs: bytes, assemble, now: int) -> bytes:
-        """Sign one control record (rehydrate, truncation, authority records) under a fresh HLC
+        """Sign one control record (rehydrate, truncation, mailbox answer, authority records) under a fresh HLC
         identity through the bridge (persist-before-release), then witness the HLC before the
         record can leave the node."""
         hlc = self._tick(now)

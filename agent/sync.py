@@ -581,10 +581,8 @@ class SyncDriver:
         """The answer record to `peer`'s files imported here (the newest 16), signed through the
         keystore bridge under a fresh identity (persist-before-release, like every record this node
         issues) and stored; the held one is re-used while the answers are unchanged."""
-        from firmware_bridge import EventIdentity
         from . import mailbox
         from .core.cose import assemble
-        from .node import EVENT_KEY
         answers = st.owed_mailbox_answers(self.conn, peer)
         if not answers:
             return None
@@ -593,9 +591,7 @@ class SyncDriver:
             return raw
         node = self.node
         protected, payload, tbs = mailbox.ack_to_be_signed(node.site_id, node.mesh_id, peer, answers, now)
-        hlc = node._tick(now)
-        raw = node.bridge.release(EventIdentity(node.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs,
-                                  lambda sig: assemble(protected, payload, sig))
+        raw = node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now)
         with _txn(self.conn):
             st.put_mailbox_ack(self.conn, delivery_hash(raw), peer, answers, raw, now)
         return raw
