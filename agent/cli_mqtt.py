@@ -16,6 +16,10 @@ from pathlib import Path
 
 
 def _add_common(s) -> None:
+    s.add_argument("--serial", metavar="PORT",
+                   help="sync over this serial line instead of a broker (e.g. /dev/ttyUSB0; docs/serial.md)")
+    s.add_argument("--baud", type=int, default=None,
+                   help="--serial: line rate in bits per second (default: the device profile's [serial] baud)")
     s.add_argument("--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT (default: a private mosquitto "
                                     "on a free loopback port, started and stopped with this command)")
     s.add_argument("--cadence", type=float, default=None,
@@ -37,13 +41,14 @@ def _add_common(s) -> None:
 
 
 def register(sub, mailbox_sub) -> None:
-    s = sub.add_parser("sync", help="sync with peers through an MQTT broker (batch + realtime)")
+    s = sub.add_parser("sync", help="sync with peers through an MQTT broker or over a serial line (batch + realtime)")
     _add_common(s)
     s.add_argument("--once", action="store_true",
                    help="one full cycle (push what each cursor selects, take in what waits), print JSON, exit")
-    s.add_argument("--timeout", type=float, default=20.0, help="--once: longest wait for answers (seconds)")
+    s.add_argument("--timeout", type=float, default=None,
+                   help="--once: longest wait for answers in seconds (default 20; --serial: the profile's [serial] timeout_s)")
     s.set_defaults(fn=cmd_sync)
-    s = sub.add_parser("run", help="the long-running node: MQTT sync until SIGTERM/SIGINT")
+    s = sub.add_parser("run", help="the long-running node: MQTT (or --serial) sync until SIGTERM/SIGINT")
     _add_common(s)
     s.set_defaults(fn=cmd_run, once=False)
 
@@ -65,6 +70,9 @@ def _settings(args):
 
 
 def _go(args, once: bool) -> int:
+    if args.serial:
+        from .cli_serial import go
+        return go(args, once)
     from .cli import EXIT_OK, Fault, _open, emit
     from .runner import RunConfig, Runner
     from .transport.broker import Broker, BrokerError
@@ -107,7 +115,7 @@ def _go(args, once: bool) -> int:
             print(f"ssp-agent: broker unreachable ({err}); run keeps retrying", file=sys.stderr)
         try:
             if once:
-                emit(r.sync_once(timeout_s=args.timeout))
+                emit(r.sync_once(timeout_s=20.0 if args.timeout is None else args.timeout))
                 return EXIT_OK
             stop = {"v": False}
 

@@ -44,6 +44,14 @@ class Profile:
     records_limit: int = 10_000         # control records stored from others, in total
     records_limit_bytes: int = 16 * 2**20
     keep_full: tuple[str, ...] = ()  # retention classes listed as "forever": known, never evicted
+    # [serial]: the serial link (docs/serial.md "Settings")
+    serial_baud: int = 115_200
+    serial_batch_limit: int = 1000      # events per body over a serial line
+    serial_frame_bytes: int = 1024      # largest link frame payload
+    serial_window_bytes: int = 8192     # bytes unacknowledged at most (and receive credit)
+    serial_keepalive_s: float = 1.0     # PING after this much silence from the other end
+    serial_dead_s: float = 10.0         # silence that ends the link (a pulled cable)
+    serial_timeout_s: float = 30.0      # sync --serial --once: wait this long for the other end
 
     def unknown_classes(self, classes) -> list[str]:
         """Retention classes this profile does not name. A profile with no horizons at all keeps
@@ -61,7 +69,10 @@ class Profile:
                 "backfill_rows_per_cycle": self.backfill_rows_per_cycle, "session_expiry_s": self.session_expiry_s,
                 "keystore": dict(self.keystore), "surfaced_limit": self.surfaced_limit,
                 "records_limit": self.records_limit, "records_limit_bytes": self.records_limit_bytes,
-                "keep_full": list(self.keep_full)}
+                "keep_full": list(self.keep_full), "serial_baud": self.serial_baud,
+                "serial_batch_limit": self.serial_batch_limit, "serial_frame_bytes": self.serial_frame_bytes,
+                "serial_window_bytes": self.serial_window_bytes, "serial_keepalive_s": self.serial_keepalive_s,
+                "serial_dead_s": self.serial_dead_s, "serial_timeout_s": self.serial_timeout_s}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
@@ -69,7 +80,7 @@ class Profile:
                       "keep_full": tuple(d.get("keep_full", ()))})
 
 
-_KNOWN = {"name", "description", "store", "horizons", "eviction", "sync", "keystore"}
+_KNOWN = {"name", "description", "store", "horizons", "eviction", "sync", "keystore", "serial"}
 
 
 def parse_profile(text: str, origin: str = "profile") -> Profile:
@@ -81,6 +92,7 @@ def parse_profile(text: str, origin: str = "profile") -> Profile:
     if extra:
         raise ProfileError(f"{origin}: unknown keys {', '.join(sorted(extra))}")
     store, sync, evict = doc.get("store", {}), doc.get("sync", {}), doc.get("eviction", {})
+    ser = doc.get("serial", {})
 
     def num(section: dict, key: str, default, kind=int, minimum=0):
         v = section.get(key, default)
@@ -110,7 +122,12 @@ def parse_profile(text: str, origin: str = "profile") -> Profile:
         session_expiry_s=num(sync, "session_expiry_s", 7 * 86400, int, 0), keystore=dict(ks),
         surfaced_limit=num(store, "surfaced_limit", 100_000, int, 1),
         records_limit=num(store, "records_limit", 10_000, int, 1),
-        records_limit_bytes=int(num(store, "records_limit_mb", 16, float, 0.001) * 2**20), keep_full=keep_full)
+        records_limit_bytes=int(num(store, "records_limit_mb", 16, float, 0.001) * 2**20), keep_full=keep_full,
+        serial_baud=num(ser, "baud", 115_200, int, 50), serial_batch_limit=num(ser, "batch_limit", 1000, int, 1),
+        serial_frame_bytes=min(65_535, num(ser, "frame_bytes", 1024, int, 64)),
+        serial_window_bytes=num(ser, "window_bytes", 8192, int, 1024),
+        serial_keepalive_s=num(ser, "keepalive_s", 1.0, float, 0.05), serial_dead_s=num(ser, "dead_s", 10.0, float, 0.2),
+        serial_timeout_s=num(ser, "timeout_s", 30.0, float, 0.5))
 
 
 def _builtin():

@@ -148,7 +148,8 @@ class SerialEndpoint:
                 "link": {"state": self.link.state, "incarnations": self.sessions, "bytes_out": ls["bytes_out"],
                          "bytes_in": ls["bytes_in"], "retransmits": ls["retransmits"] + ls["fast_retransmits"],
                          "frames_rejected": self.link.rejected_frames, "duplicates": ls["duplicates"],
-                         "segment_size": self.link.segment_size}}
+                         "segment_size": self.link.segment_size, "downs": ls["downs"],
+                         "down_reasons": sorted({d for k, d in self.events if k == "link_down"})}}
 
     # ------------------------------------------------------------------ glue
     def _new_session(self, wall: int) -> None:
@@ -222,14 +223,15 @@ def link_config(profile, baud: int) -> LinkConfig:
 
 
 def session_settings(profile, baud: int, *, realtime: bool, secure: bool, cadence_s: float | None = None,
-                     cycle_on_ready: bool = True) -> SessionSettings:
+                     cycle_on_ready: bool = True, once: bool = False) -> SessionSettings:
     g = lambda k, d: getattr(profile, k, d)  # noqa: E731
     batch = int(g("serial_batch_limit", g("batch_limit", 1000)))
     # An answer can only come after the body crossed the line: allow for a full body at this
     # baud (events of ~400 bytes), twice, plus the profile's margin.
     line_ms = batch * 400 * 10_000 // max(1, baud)
     return SessionSettings(realtime=realtime, secure=secure,
-                           cycle_ms=int((cadence_s if cadence_s is not None else g("cadence_s", 30)) * 1000),
+                           # --once: the exchange at the handshake is the cycle; no cadence
+                           cycle_ms=10**12 if once else int((cadence_s if cadence_s is not None else g("cadence_s", 30)) * 1000),
                            answer_timeout_ms=2 * line_ms + int(g("serial_timeout_s", 30.0) * 1000),
                            batch_limit=batch, cycle_on_ready=cycle_on_ready)
 
@@ -238,11 +240,11 @@ class SerialPort:
     """One node on one serial port."""
 
     def __init__(self, node, port: str, baud: int, *, realtime: bool = True, secure: bool = False,
-                 cadence_s: float | None = None, nonce: int | None = None) -> None:
+                 cadence_s: float | None = None, nonce: int | None = None, once: bool = False) -> None:
         from ..sync import SyncDriver
         self.node, self.port, self.baud = node, port, baud
         prof = node.profile
-        self.settings = session_settings(prof, baud, realtime=realtime, secure=secure, cadence_s=cadence_s)
+        self.settings = session_settings(prof, baud, realtime=realtime, secure=secure, cadence_s=cadence_s, once=once)
         self.driver = SyncDriver(node, self.settings.batch_limit)
         link = SerialLink(link_config(prof, baud), nonce if nonce is not None else int.from_bytes(os.urandom(4), "big"))
         self._fd: int | None = None
