@@ -29,7 +29,11 @@ from .store import db, rows as rowstore
 log = logging.getLogger("ssp_agent")
 
 EVENT_KEY = "events"  # the key name of the node's event-signing key in its keystore
-HELD_LIMIT_PER_TABLE = 10_000  # a fictional table cannot fill the disk (§13.6 held row)
+# Held events (§13.6 row 1) are bounded per signer and in total, so neither fictional tables nor
+# one signer can fill the disk or crowd out another signer's holds (issue 10 item 4). What does
+# not fit is rejected (surfaced; the sender re-offers it later), never dropped.
+HELD_LIMIT_PER_SIGNER = 10_000
+HELD_LIMIT_TOTAL = 100_000
 JOURNAL_COMPACT_BYTES = 4 * 2**20  # compact the signing journal when it grew this much since the last time
 
 
@@ -64,6 +68,7 @@ class Node:
         self.authorities: set[bytes] = {bytes.fromhex(a) for a in json.loads(db.get_meta(conn, "authorities", "[]"))}
         self.profile = Profile.from_dict(json.loads(db.get_meta(conn, "profile", "null") or "null")
                                          or load_profile(None).as_dict())
+        db.ensure_held_counts(conn)
         self._load_caches()
         self.witness = ident.ClockWitness(self.site_id)
         self.clock = self._resume_clock()
@@ -668,9 +673,9 @@ class Node:
         return summary
 
     def _hold(self, e: ev.Event, now: int, base: dict) -> Outcome:
-        n = self.conn.execute("SELECT count(*) FROM held WHERE qualified=?", (e.table,)).fetchone()[0]
-        if n >= HELD_LIMIT_PER_TABLE:
-            # Retain nothing more for a table that may never exist; the sender re-offers later.
+        n_signer, n_total = db.held_count(self.conn, e.site_id)
+        if n_signer >= HELD_LIMIT_PER_SIGNER or n_total >= HELD_LIMIT_TOTAL:
+            # Retain nothing more; the sender moves past it and re-offers it later (agent/sync.py).
             return self._surface(Outcome(REJECTED, "held_limit", **base), now)
         cur = self.conn.execute("INSERT OR IGNORE INTO held (event_id, site_id, qualified, hlc_p, hlc_l, raw, received_ms)"
                                 " VALUES (?,?,?,?,?,?,?)", (e.event_id, e.site_id, e.table, e.hlc[0], e.hlc[1], e.raw, now))

@@ -50,6 +50,7 @@ from .core.session import parse_meta_text
 from .outcomes import counts
 from .store import sync_state as st
 from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_COUNT, P_END, P_KIND, P_META, P_PART, P_PROCESSED,
+                             P_REJECTED_AT, decode_indices, encode_indices,
                              P_REASON, P_START, P_STATUS, Inbound, MqttLink, MqttSettings, encode_meta, meta_cost,
                              split_sizes)
 
@@ -288,6 +289,9 @@ class Runner:
                 P_START: m.props.get(P_START, ""), P_END: m.props.get(P_END, ""),
                 "ssp-applied": str(c["applied"]), "ssp-duplicate": str(c["duplicate"]),
                 "ssp-dropped": str(c["dropped"]), "ssp-rejected": str(c["rejected"])}
+        rejected = [i for i, o in enumerate(outs) if o.status == "rejected"]
+        if rejected:
+            user[P_REJECTED_AT] = encode_indices(rejected)
         if self.link.answer(m, self.sync.answer_body(m.sender), user):
             self.stats["answers_sent"] += 1
         self.link.ack(m)
@@ -328,13 +332,18 @@ class Runner:
             processed = max(0, min(total, int(m.props.get(P_PROCESSED, "0"))))
         except ValueError:
             processed = 0
-        self.stats["events_acknowledged"] += processed
+        # Every event but the rejected ones reached a final state (issue 10 item 4): the cursor moves
+        # past those, which are re-offered later; without the list, `processed` is a prefix.
+        rejected = decode_indices(m.props[P_REJECTED_AT], total) if P_REJECTED_AT in m.props else None
+        if rejected is not None:
+            processed = total
+        self.stats["events_acknowledged"] += processed - len(rejected or ())
         pl = self.peer_limit.get(p.peer)
         if pl is not None:
             pl.answered_ok(p.size, self.cfg.limit_probe_s)
         # through the body's token: live range and backfill rows commit together, and an answer to a
         # body selected before the peer asked for its history again moves nothing (SyncDriver.confirm)
-        self.sync.advance(p.peer, p.start, p.seqs, p.end, processed, token=p.token)
+        self.sync.advance(p.peer, p.start, p.seqs, p.end, processed, token=p.token, rejected=rejected)
         self.sync.note_answer(p.peer, m.payload, p.token)  # the body's records are delivered now
         if earlier:
             # The cursor moved (§14.1); the next batch cycle (at once after the settle of a

@@ -65,6 +65,8 @@ class _Token:
     records: tuple[bytes, ...] = ()  # hashes of the control records the body carries (delivered on an answer)
     record_raws: tuple[bytes, ...] = ()  # those records, in body order
     sent_key: bytes | None = None  # the body's row in sync_state.sent_bodies (the key its answer names)
+    reoffer_seqs: tuple[int, ...] = ()  # re-offered events (after the live ones, before backfill)
+    rescans: tuple[tuple[bytes, int], ...] = ()  # rescan markers the re-offers advance (sync_state)
 
 
 @dataclass
@@ -86,7 +88,8 @@ def token_to_json(tok: _Token, **extra: Any) -> str:
     return json.dumps({"p": tok.path, "s": tok.start, "q": list(tok.seqs), "e": tok.end, "g": tok.rehydrate_gen,
                        "r": [h.hex() for h in tok.records], "k": _hex(tok.sent_key),
                        "b": [[b.table, _hex(b.expect_from), [k.hex() for k in b.row_keys], list(b.counts), b.done]
-                             for b in tok.bf_parts], **extra}, separators=(",", ":"))
+                             for b in tok.bf_parts], "o": list(tok.reoffer_seqs),
+                       "z": [[site.hex(), upto] for site, upto in tok.rescans], **extra}, separators=(",", ":"))
 
 
 def token_from_json(text: str) -> tuple[_Token, dict]:
@@ -95,7 +98,8 @@ def token_from_json(text: str) -> tuple[_Token, dict]:
     parts = tuple(_BfPart(t, _unhex(x), tuple(bytes.fromhex(k) for k in rks), tuple(cs), bool(done))
                   for t, x, rks, cs, done in d.pop("b"))
     tok = _Token(d.pop("p"), d.pop("s"), tuple(d.pop("q")), d.pop("e"), parts, d.pop("g"),
-                 tuple(bytes.fromhex(h) for h in d.pop("r")), (), _unhex(d.pop("k", None)))
+                 tuple(bytes.fromhex(h) for h in d.pop("r")), (), _unhex(d.pop("k", None)),
+                 reoffer_seqs=tuple(d.pop("o", ())), rescans=tuple((bytes.fromhex(x), u) for x, u in d.pop("z", ())))
     return tok, d
 
 
@@ -176,8 +180,8 @@ class SyncDriver:
             budget -= len(rows)
 
     def select_for(self, peer: bytes, path: str, mode: str = "batch", *, start: int | None = None,
-                   limit: int | None = None, backfill: bool = True
-                   ) -> tuple[delivery.Selection, Backfill | None, int, int]:
+                   limit: int | None = None, backfill: bool = True, now: int | None = None
+                   ) -> tuple[delivery.Selection, Backfill | None, int, tuple[list, tuple]]:
         """The one selection both callers use (sessions/mailbox through `build`, the MQTT runner
         through `PortAdapter.select`): the live tail from `start` (default: the durable cursor, or
         the push position), at most `limit` events (default: the batch limit), then, if `backfill`
@@ -190,24 +194,44 @@ class SyncDriver:
         allowed = self._allowed_fn(peer)
         pwm = st.peer_watermarks(self.conn, peer)
         counts = self.node._counts
-        sel = delivery.select(self._rows_for(peer, start), start, peer, self.node.site_id, allowed, pwm, limit,
-                              lambda r: counts((r.hlc[0], r.hlc[1], r.site_id)))
+        ro, scans = self._due_reoffers(peer, path, allowed, limit, now) if mode != "push" else ([], ())
+        sel = delivery.select(self._rows_for(peer, start), start, peer, self.node.site_id, allowed, pwm,
+                              limit - len(ro), lambda r: counts((r.hlc[0], r.hlc[1], r.site_id)))
         # Our own history we no longer hold (evicted, lost to a restore) travels with the stream as
         # floors, so no receiver infers a watermark across it (§14.2; docs/protocol.md §4).
         sel.gaps |= {delivery.floor_entry(q, h) for q, h in self.node.own_history_floors().items()}
         bf = None
-        room = limit - len(sel.events)
+        room = limit - len(sel.events) - len(ro)
         if backfill and mode != "push" and room > 0:
             # Widening backfill (scope §2): live tail first, then the jobs' rows, policy re-checked now.
             bf = self.select_backfill(peer, allowed, pwm, room)
-        return sel, bf, start, 0
+        return sel, bf, start, (ro, scans)
+
+    def _due_reoffers(self, peer: bytes, path: str, allowed, limit: int, now: int | None
+                      ) -> tuple[list[tuple[int, bytes]], tuple[tuple[bytes, int], ...]]:
+        """(seq, raw) of events `peer` rejected on `path` that are due again, at most a quarter of
+        the body (issue 10 item 4): they never crowd out the live tail, and the live tail never
+        starves them; and the rescans they include (`st.reoffer_due`). Policy and self-echo are
+        re-checked now, like any selection."""
+        if not st.has_schema(self.conn) or not st.reoffer_count(self.conn, peer, path):
+            return [], ()
+        from .node import now_ms
+        with _txn(self.conn):
+            due, scans = st.reoffer_due(self.conn, peer, path, now_ms() if now is None else now,
+                                        max(1, limit // 4), st.cursor(self.conn, peer, path)[0])
+            stale = {seq for seq, site, q, _raw in due if site == peer or not allowed(q)}
+            if stale:
+                st.reoffer_done(self.conn, peer, path, stale)
+        return [(seq, raw) for seq, site, q, raw in due if seq not in stale], tuple(scans)
 
     def token(self, peer: bytes, path: str, sel: delivery.Selection, bf: Backfill | None, start: int,
-              records: tuple[tuple[bytes, ...], tuple[bytes, ...]] = ((), ())) -> _Token:
+              records: tuple[tuple[bytes, ...], tuple[bytes, ...]] = ((), ()), ro=((), ())) -> _Token:
         """What `confirm` needs once the peer answers a body built from this selection.
-        `records`: (hashes, raws) from `select_records`, the records the body carries."""
+        `records`: (hashes, raws) from `select_records`, the records the body carries; `ro`: the
+        re-offers ((seq, raw), rescans) it carries after the live events."""
         return _Token(path, start, tuple(sel.seqs), sel.end, tuple(bf.parts) if bf else (),
-                      st.rehydrate_generation(self.conn, peer), tuple(records[0]), tuple(records[1]))
+                      st.rehydrate_generation(self.conn, peer), tuple(records[0]), tuple(records[1]),
+                      reoffer_seqs=tuple(seq for seq, _raw in ro[0]), rescans=tuple(ro[1]))
 
     def _rows_for(self, peer: bytes, start: int):
         """Log rows for `peer`; while this node serves a rehydration of `peer`, rows up to the
@@ -283,18 +307,20 @@ class SyncDriver:
                 break
         return Backfill(events, parts) if parts else None
 
-    def build(self, peer: bytes, path: str, mode: str, extra_records: tuple[bytes, ...] = ()) -> Outgoing:
+    def build(self, peer: bytes, path: str, mode: str, now: int | None = None,
+              extra_records: tuple[bytes, ...] = ()) -> Outgoing:
         """`extra_records`: records the body carries beyond the held ones (the mailbox path's
         answer record, agent/mailbox.py); never tracked as delivered."""
-        sel, bf, start, _ = self.select_for(peer, path, mode)
+        sel, bf, start, ro = self.select_for(peer, path, mode, now=now)
         if mode == "push":
             self._push_pos[(peer, path)] = sel.end
-        events = list(sel.events) + (list(bf.events) if bf else [])
+        extra = [raw for _seq, raw in ro[0]] + (list(bf.events) if bf else [])
+        events = list(sel.events) + extra
         recs = self.select_records(peer, path)
         body = SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events), tuple(recs[1]) + tuple(extra_records),
                         tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items())))
-        meta = StreamMeta(start, sel.end, tuple(sel.seqs), tuple(sorted(sel.gaps)), len(bf.events) if bf else 0)
-        tok = self.token(peer, path, sel, bf, start, recs)
+        meta = StreamMeta(start, sel.end, tuple(sel.seqs), tuple(sorted(sel.gaps)), len(extra))
+        tok = self.token(peer, path, sel, bf, start, recs, ro)
         self.stats["bodies_out"] += 1
         self.stats["pushed_events"] += len(events)
         return Outgoing(emit_body(body), meta, tok, len(events))
@@ -350,16 +376,23 @@ class SyncDriver:
             with _txn(self.conn):
                 st.mark_records_delivered(self.conn, peer, path, hs)
 
-    def confirm(self, peer: bytes, tok: _Token, processed: int, contiguous: bool = False) -> bool:
-        """The peer processed the first `processed` events to a final state: advance (§14.1).
-        The body's row in `sent_bodies` (`tok.sent_key`), answered now, goes in the same transaction.
-        Backfill progress commits here too, whole rows only, after the live events.
+    def confirm(self, peer: bytes, tok: _Token, processed: int, contiguous: bool = False,
+                rejected: list[int] | None = None, now: int | None = None) -> bool:
+        """The peer answered a body: advance (§14.1). `processed`: events it processed to a final
+        state before the first rejected one. `rejected` (peers that report it): the indices of
+        every event it rejected; then everything else counts as processed, the live cursor moves
+        past the rejected events and they join the re-offer set (issue 10 item 4: one rejected
+        event cannot pin the stream behind it, and it is still re-offered, §13.6), unless that
+        set is full, where the cursor stops at the first one that does not fit, as before.
+        Backfill progress commits here too, whole rows only, after the live events and re-offers.
         `contiguous` (several bodies in flight, the MQTT runner): the live cursor moves only if
         the body started at or before it (an earlier unanswered range is re-offered). Backfill
         rows are committed on their own (`advance_backfill` only moves from the row the body was
         selected from). Returns whether the live cursor moved."""
-        n_live = len(tok.seqs)
-        live = delivery.cursor_after(tok.start, list(tok.seqs), tok.end, min(processed, n_live))
+        from .node import now_ms
+        now = now_ms() if now is None else now
+        n_live, n_ro = len(tok.seqs), len(tok.reoffer_seqs)
+        total = n_live + n_ro + sum(sum(p.counts) for p in tok.bf_parts)
         moved = False
         with _txn(self.conn):
             if tok.sent_key is not None:
@@ -368,14 +401,32 @@ class SyncDriver:
                 return False  # the peer asked for its history again meanwhile: its cursors restart at genesis
             if tok.records:  # it answered (or the file is written): it holds the body's records
                 st.mark_records_delivered(self.conn, peer, tok.path, tok.records)
+            if rejected is None:
+                rej = set(range(min(processed, total), total))  # all after the prefix: not known
+                live_to, new_reoffers = min(processed, n_live), []
+            else:
+                rej = {i for i in rejected if 0 <= i < total}
+                live_to, new_reoffers = n_live, [tok.seqs[i] for i in sorted(rej) if i < n_live]
+            live = delivery.cursor_after(tok.start, list(tok.seqs), tok.end, live_to)
             cur = st.cursor(self.conn, peer, tok.path)[0]
             if live > cur and not (contiguous and tok.start > cur):
                 st.advance_cursor(self.conn, peer, tok.path, live)
                 moved = True
-            left = processed - n_live
-            if left < 0:
-                return moved
+                st.reoffer_put(self.conn, peer, tok.path, new_reoffers, now)
+            ro_rej = [seq for i, seq in enumerate(tok.reoffer_seqs) if n_live + i in rej]
+            st.reoffer_done(self.conn, peer, tok.path, [s for s in tok.reoffer_seqs if s not in ro_rej])
+            if rejected is not None or not ro_rej:
+                for site, upto in tok.rescans:  # the walk moves on; its rejections go back below
+                    st.rescan_done(self.conn, peer, tok.path, site, upto, now)
+            if ro_rej and rejected is not None:
+                st.reoffer_put(self.conn, peer, tok.path, ro_rej, now)  # later, less often
+            if rejected is None:
+                left = processed - n_live - n_ro  # negative: the prefix ended before the backfill
+            else:
+                left = min((i for i in rej if i >= n_live + n_ro), default=total) - n_live - n_ro
             for part in tok.bf_parts:
+                if left < 0:
+                    break
                 last, nrows, nev, whole = None, 0, 0, True
                 for rk, c in zip(part.row_keys, part.counts):
                     if c > left:
@@ -509,6 +560,7 @@ class SyncDriver:
         rehydrate.note_body(self.conn, peer, outcomes)
         self.stats["bodies_in"] += 1
         self.stats["received_events"] += len(outcomes)
+        self._note_rejections(outcomes)
         if secure and mode != MAILBOX_PATH:
             with _txn(self.conn):
                 if mode == "batch" and meta is not None:
@@ -516,6 +568,23 @@ class SyncDriver:
                 # Reports are hints for selection only; taken from authenticated peers only.
                 st.set_peer_watermarks(self.conn, peer, [(w.site_id, w.table, w.hlc) for w in body.applied_watermarks])
         return k, outcomes
+
+    def _note_rejections(self, outcomes: list) -> None:
+        """Rejected events are not retained (§13.6), but the sender moves past them now (issue 10
+        item 4) and re-offers them later: remember each (bounded per signer) so no watermark is
+        inferred across it, and forget it once it reaches a final state here, on any path."""
+        pins = [(o.site_id, o.table, o.hlc, o.event_id) for o in outcomes
+                if o.status == delivery.REJECTED and o.verified and o.table is not None and o.hlc is not None]
+        final = [(o.site_id, o.event_id) for o in outcomes
+                 if o.status != delivery.REJECTED and o.event_id is not None and o.site_id is not None]
+        if final and not st.any_pins(self.conn):
+            final = []
+        if pins or final:
+            with _txn(self.conn):
+                if final:
+                    st.unpin(self.conn, final)
+                if pins:
+                    st.pin_rejected(self.conn, pins)
 
     def _advance_stream(self, peer: bytes, path: str, meta: StreamMeta, outcomes: list, k: int) -> None:
         n_live = len(meta.seqs)
@@ -531,7 +600,9 @@ class SyncDriver:
             peer, floors, current, {o.table for o in live if o.table is not None})
         up = delivery.infer_watermarks(peer, live, current, st.held_min(self.conn, peer), gapped)
         st.raise_watermarks(self.conn, up)
-        new = delivery.completed_after(meta.start, meta.end, list(meta.seqs), min(k, n_live))
+        # Rejected events are pinned (`_note_rejections`), so the stream is complete past them: the
+        # sender's cursor moves past them too and re-offers them (issue 10 item 4).
+        new = delivery.completed_after(meta.start, meta.end, list(meta.seqs), n_live)
         if new > completed:
             st.set_stream_completed(self.conn, peer, path, new)
 
@@ -743,20 +814,26 @@ class LinkProvider:
         return self.driver.node.site_id, self.driver.have_max_hlc()
 
     def outgoing(self, peer: bytes, mode: str, now: int) -> Outgoing:
-        return self.driver.build(peer, self.path, mode)
+        return self.driver.build(peer, self.path, mode, now)
 
-    def incoming(self, peer: bytes, body: SyncBody, meta: StreamMeta, mode: str, now: int) -> int:
-        return self.driver.receive(peer, body, meta, mode, now, self.path, self.secure)[0]
+    def incoming(self, peer: bytes, body: SyncBody, meta: StreamMeta, mode: str, now: int) -> tuple[int, list[int]]:
+        k, outs = self.driver.receive(peer, body, meta, mode, now, self.path, self.secure)
+        return k, rejected_indices(outs)
 
-    def confirm(self, peer: bytes, token: Any, processed: int) -> None:
+    def confirm(self, peer: bytes, token: Any, processed: int, rejected: list[int] | None, now: int) -> None:
         if isinstance(token, _Token):
-            self.driver.confirm(peer, token, processed)
+            self.driver.confirm(peer, token, processed, rejected=rejected, now=now)
 
     def protocol_error(self, peer: bytes | None, reason: str, detail: str, now: int) -> None:
         self.driver.surface_protocol_error(peer, reason, detail, now)
 
 
 # ---------------------------------------------------------------------- helpers
+def rejected_indices(outcomes: list) -> list[int]:
+    """The body indices of the events rejected here (the answer reports them: issue 10 item 4)."""
+    return [i for i, o in enumerate(outcomes) if o.status == delivery.REJECTED]
+
+
 def delivery_hash(raw: bytes) -> bytes:
     from .core.records import record_hash
     return record_hash(bytes(raw))
@@ -885,12 +962,12 @@ class PortAdapter:
         delivered to the peer on this path, at most `record_budget` bytes (default a quarter of the
         profile's body limit)."""
         from .runner import Offer
-        sel, bf, start, _ = self.driver.select_for(peer, self.path, "batch", start=start, limit=limit,
-                                                   backfill=backfill)
-        bf_events = list(bf.events) if bf else []
+        sel, bf, start, ro = self.driver.select_for(peer, self.path, "batch", start=start, limit=limit,
+                                                    backfill=backfill)
+        extra = [raw for _seq, raw in ro[0]] + (list(bf.events) if bf else [])
         recs = self.driver.select_records(peer, self.path, record_budget)
-        return Offer(start, sel.end, list(sel.seqs), list(sel.events) + bf_events, sorted(sel.gaps),
-                     len(bf_events), bf is not None, self.driver.token(peer, self.path, sel, bf, start, recs))
+        return Offer(start, sel.end, list(sel.seqs), list(sel.events) + extra, sorted(sel.gaps),
+                     len(extra), bf is not None, self.driver.token(peer, self.path, sel, bf, start, recs, ro))
 
     def records_pending(self, peer: bytes) -> bool:
         """Whether `peer` has control records not yet delivered to it on this path."""
@@ -900,13 +977,14 @@ class PortAdapter:
         return self.conn.execute("SELECT count(*) FROM events WHERE seq > ? AND site_id != ?",
                                  (self.cursor(peer), peer)).fetchone()[0]
 
-    def advance(self, peer: bytes, start: int, seqs: list[int], end: int, processed: int, token=None) -> bool:
+    def advance(self, peer: bytes, start: int, seqs: list[int], end: int, processed: int, token=None,
+                rejected: list[int] | None = None) -> bool:
         """The peer answered a body: `processed` events (live first, then backfill) reached a final
         state. The live cursor moves only contiguously; backfill rows commit, whole rows only, with
         the body's `token` (`Offer.token`, see `SyncDriver.confirm`)."""
         if token is None:
             token = _Token(self.path, start, tuple(seqs), end, (), st.rehydrate_generation(self.conn, peer))
-        return self.driver.confirm(peer, token, processed, contiguous=True)
+        return self.driver.confirm(peer, token, processed, contiguous=True, rejected=rejected)
 
     @staticmethod
     def keyed(token, corr: bytes):

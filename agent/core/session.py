@@ -86,8 +86,8 @@ class Outgoing:
 class Provider(Protocol):
     def hello_info(self) -> tuple[bytes, tuple[int, int]]: ...  # (site_id, have_max_hlc)
     def outgoing(self, peer: bytes, mode: str, now: int) -> Outgoing: ...  # mode: batch | push
-    def incoming(self, peer: bytes, body: SyncBody, meta: StreamMeta, mode: str, now: int) -> int: ...
-    def confirm(self, peer: bytes, token: Any, processed: int) -> None: ...
+    def incoming(self, peer: bytes, body: SyncBody, meta: StreamMeta, mode: str, now: int) -> tuple[int, list[int]]: ...
+    def confirm(self, peer: bytes, token: Any, processed: int, rejected: list[int] | None, now: int) -> None: ...
     def protocol_error(self, peer: bytes | None, reason: str, detail: str, now: int) -> None: ...
 
 
@@ -120,7 +120,7 @@ def parse_meta_text(text: Any) -> dict:
 
 
 def encode_frame(t: str, *, c: int | None = None, b: bytes | None = None, m: dict | None = None,
-                 k: int | None = None, r: Any = None) -> bytes:
+                 k: int | None = None, r: Any = None, j: list[int] | None = None) -> bytes:
     f: dict[str, Any] = {"t": t}
     if c is not None:
         f["c"] = c
@@ -132,11 +132,17 @@ def encode_frame(t: str, *, c: int | None = None, b: bytes | None = None, m: dic
         f["k"] = k
     if r is not None:
         f["r"] = r
+    if j:
+        f["j"] = list(j)
     return encode(f)
 
 
 _FRAME_MEMBERS = {"hello": {"t", "b", "r"}, "body": {"t", "c", "b", "m"}, "answer": {"t", "c", "b", "m", "k"},
                   "ack": {"t", "c", "k"}, "push": {"t", "c", "b", "m"}, "error": {"t", "r"}}
+# j: the indices of the answered body's events the peer rejected (every other one reached a final
+# state). Optional: a peer that omits it is read by `k` alone (issue 10 item 4).
+_FRAME_OPTIONAL = {"answer": {"j"}, "ack": {"j"}}
+MAX_REJECTED_INDICES = 100_000
 
 
 @classified(ProtocolError)
@@ -149,8 +155,11 @@ def decode_frame(data: bytes) -> dict:
     except DecodeError as e:
         raise ProtocolError("bad_frame", e.reason) from None
     if not isinstance(f, dict) or type(f.get("t")) is not str or f["t"] not in _FRAME_MEMBERS \
-            or set(f) != _FRAME_MEMBERS[f["t"]]:
+            or set(f) - _FRAME_OPTIONAL.get(f["t"], set()) != _FRAME_MEMBERS[f["t"]]:
         raise ProtocolError("bad_frame", "unknown frame type or members")
+    if "j" in f and (not isinstance(f["j"], list) or len(f["j"]) > MAX_REJECTED_INDICES
+                     or not all(_uint(i) for i in f["j"])):
+        raise ProtocolError("bad_frame", "j must be a list of event indices")
     if "c" in f and not _uint(f["c"]):
         raise ProtocolError("bad_frame", "correlation id must be unsigned")
     if "k" in f and not _uint(f["k"]):
@@ -310,10 +319,10 @@ class Session:
         self._require_ready()
         body, meta = self._body(f)
         assert self.peer is not None
-        k = self.provider.incoming(self.peer, body, meta, "batch", now)
+        k, rejected = self.provider.incoming(self.peer, body, meta, "batch", now)
         out = self.provider.outgoing(self.peer, "batch", now)
         self._my_answers[f["c"]] = (out.token, now)
-        self._out.append(encode_frame("answer", c=f["c"], b=out.body, m=out.meta.to_wire(), k=k))
+        self._out.append(encode_frame("answer", c=f["c"], b=out.body, m=out.meta.to_wire(), k=k, j=rejected))
 
     def _on_answer(self, f: dict, now: int) -> None:
         self._require_ready()
@@ -322,16 +331,16 @@ class Session:
         mine = self._my_body.pop(f["c"], None)
         if mine is not None:
             self.rtt_ms = max(0, now - mine[1])
-            self.provider.confirm(self.peer, mine[0], f["k"])
-        k = self.provider.incoming(self.peer, body, meta, "batch", now)
-        self._out.append(encode_frame("ack", c=f["c"], k=k))
+            self.provider.confirm(self.peer, mine[0], f["k"], f.get("j"), now)
+        k, rejected = self.provider.incoming(self.peer, body, meta, "batch", now)
+        self._out.append(encode_frame("ack", c=f["c"], k=k, j=rejected))
         self.events.append(SessionEvent("exchanged", str(f["c"])))
 
     def _on_ack(self, f: dict, now: int) -> None:
         self._require_ready()
         mine = self._my_answers.pop(f["c"], None)
         if mine is not None and self.peer is not None:
-            self.provider.confirm(self.peer, mine[0], f["k"])
+            self.provider.confirm(self.peer, mine[0], f["k"], f.get("j"), now)
 
     def _on_push(self, f: dict, now: int) -> None:
         self._require_ready()

@@ -82,6 +82,37 @@ def surfaced_bounds(conn: sqlite3.Connection) -> dict:
             "evicted": int(get_meta(conn, "surfaced_evicted", 0))}
 
 
+# Held events counted per signer and in total (site_id X'') by triggers, so the bound of
+# Node._hold costs one look-up whatever the store holds (issue 10 item 4, issue 11 item 4).
+_HELD_COUNTS = (
+    "CREATE TABLE IF NOT EXISTS held_counts (site_id BLOB PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID",
+    "CREATE INDEX IF NOT EXISTS held_site ON held (site_id)",
+    "CREATE TRIGGER IF NOT EXISTS held_count_ins AFTER INSERT ON held BEGIN "
+    "INSERT INTO held_counts VALUES (NEW.site_id, 1) ON CONFLICT(site_id) DO UPDATE SET n = n + 1; "
+    "INSERT INTO held_counts VALUES (X'', 1) ON CONFLICT(site_id) DO UPDATE SET n = n + 1; END",
+    "CREATE TRIGGER IF NOT EXISTS held_count_del AFTER DELETE ON held BEGIN "
+    "UPDATE held_counts SET n = n - 1 WHERE site_id IN (OLD.site_id, X''); END",
+)
+
+
+def ensure_held_counts(conn: sqlite3.Connection) -> None:
+    """Create the counters (homes made before them get them on open), counting what is held."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE name='held_count_del'").fetchone():
+        return
+    with transaction(conn):
+        for stmt in _HELD_COUNTS:
+            conn.execute(stmt)
+        conn.execute("DELETE FROM held_counts")
+        conn.execute("INSERT INTO held_counts SELECT site_id, count(*) FROM held GROUP BY site_id")
+        conn.execute("INSERT INTO held_counts SELECT X'', count(*) FROM held")
+
+
+def held_count(conn: sqlite3.Connection, site_id: bytes) -> tuple[int, int]:
+    """(events held from `site_id`, events held in total)."""
+    r = dict(conn.execute("SELECT site_id, n FROM held_counts WHERE site_id IN (?, X'')", (site_id,)).fetchall())
+    return r.get(site_id, 0), r.get(b"", 0)
+
+
 class StoreError(RuntimeError):
     """A local storage fault (never a protocol error): the CLI prints its one-line message, which
     says what is wrong and what to do, and exits 1."""

@@ -47,6 +47,23 @@ CREATE TABLE IF NOT EXISTS control_records (
   generation INTEGER NOT NULL, previous BLOB, value TEXT NOT NULL, raw BLOB NOT NULL) WITHOUT ROWID;
 -- Control records (any kind) this node knows a peer holds on a path: answered for, written to a
 -- mailbox file, or received from that peer. Bodies carry only the others (docs/protocol.md §5).
+-- Sender side (issue 10 item 4): events a peer rejected on a path (skew, held limit). The
+-- cursor moves past them so one event cannot pin the stream behind it, and each is re-offered
+-- until the peer takes it (§13.6: rejecting leaves the event in the set the sender re-offers).
+CREATE TABLE IF NOT EXISTS reoffer (
+  peer BLOB NOT NULL, path TEXT NOT NULL, seq INTEGER NOT NULL, site_id BLOB NOT NULL,
+  attempts INTEGER NOT NULL, due_ms INTEGER NOT NULL, PRIMARY KEY (peer, path, seq)) WITHOUT ROWID;
+-- Past REOFFER_PER_SIGNER entries of one signer, a rescan marker instead: that signer's events
+-- from from_seq up to the cursor are walked again (re-offered) when due, so overflow is
+-- re-offered later, never lost, and costs one row.
+CREATE TABLE IF NOT EXISTS reoffer_rescan (
+  peer BLOB NOT NULL, path TEXT NOT NULL, site_id BLOB NOT NULL, from_seq INTEGER NOT NULL,
+  attempts INTEGER NOT NULL, due_ms INTEGER NOT NULL, PRIMARY KEY (peer, path, site_id)) WITHOUT ROWID;
+-- Receiver side: events this node rejected (not retained, §13.6), remembered only so that no
+-- watermark is inferred across them until they apply (§14.2), bounded per signer.
+CREATE TABLE IF NOT EXISTS rejected_pins (
+  site_id BLOB NOT NULL, qualified TEXT NOT NULL, hlc_p INTEGER NOT NULL, hlc_l INTEGER NOT NULL,
+  event_id BLOB NOT NULL, PRIMARY KEY (site_id, event_id)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS records_delivered (
   peer BLOB NOT NULL, path TEXT NOT NULL, record_hash BLOB NOT NULL,
   PRIMARY KEY (peer, path, record_hash)) WITHOUT ROWID;
@@ -77,9 +94,13 @@ def has_schema(conn: sqlite3.Connection) -> bool:
     return conn.execute("SELECT 1 FROM sqlite_master WHERE name='control_records'").fetchone() is not None
 
 
+_LATER_TABLES = ('rehydrate_served', 'records_delivered', 'sent_bodies', 'mailbox_owed', 'mailbox_acks', 'mailbox_relay',
+                 'reoffer', 'reoffer_rescan', 'rejected_pins')
+
+
 def _has_lifecycle_tables(conn: sqlite3.Connection) -> bool:
-    return conn.execute("SELECT count(*) FROM sqlite_master WHERE name IN ('rehydrate_served', 'records_delivered', "
-                        "'sent_bodies', 'mailbox_owed', 'mailbox_acks', 'mailbox_relay')").fetchone()[0] == 6
+    return conn.execute(f"SELECT count(*) FROM sqlite_master WHERE name IN {_LATER_TABLES}"
+                        ).fetchone()[0] == len(_LATER_TABLES)
 
 
 def ensure_schema(conn: sqlite3.Connection) -> None:
@@ -308,11 +329,131 @@ def raise_watermarks(conn: sqlite3.Connection, updates: dict[tuple[bytes, str], 
 
 
 def held_min(conn: sqlite3.Connection, site: bytes) -> dict[tuple[bytes, str], tuple[int, int]]:
+    """Per group of `site`, the lowest HLC of an event this node holds or rejected and has not
+    applied: no watermark may be inferred at or above it (§14.2)."""
     out: dict[tuple[bytes, str], tuple[int, int]] = {}
-    for q, p, l in conn.execute("SELECT qualified, hlc_p, hlc_l FROM held WHERE site_id=?", (site,)):
+    for q, p, l in conn.execute("SELECT qualified, hlc_p, hlc_l FROM held WHERE site_id=? UNION ALL "
+                                "SELECT qualified, hlc_p, hlc_l FROM rejected_pins WHERE site_id=?", (site, site)):
         if (site, q) not in out or (p, l) < out[(site, q)]:
             out[(site, q)] = (p, l)
     return out
+
+
+PINS_PER_SIGNER = 10_000  # rejected-event pins kept per signer (issue 10 item 4; docs/apply.md)
+
+
+def pin_rejected(conn: sqlite3.Connection, pins: list[tuple[bytes, str, tuple[int, int], bytes]]) -> int:
+    """Remember rejected events (site, table, hlc, event_id) so no watermark passes them. Past
+    PINS_PER_SIGNER a signer's group is gapped for good instead (inference stops; nothing is
+    claimed), so a flood costs the flooder's own watermarks and a bounded number of rows.
+    Returns how many groups were gapped."""
+    gapped = 0
+    room: dict[bytes, int] = {}
+    for site, q, hlc, eid in pins:
+        if site not in room:
+            room[site] = PINS_PER_SIGNER - conn.execute("SELECT count(*) FROM rejected_pins WHERE site_id=?",
+                                                        (site,)).fetchone()[0]
+        if room[site] <= 0:
+            add_stream_gaps(conn, site, [q])
+            gapped += 1
+            continue
+        room[site] -= conn.execute("INSERT OR IGNORE INTO rejected_pins VALUES (?,?,?,?,?)",
+                                   (site, q, hlc[0], hlc[1], eid)).rowcount
+    return gapped
+
+
+def any_pins(conn: sqlite3.Connection) -> bool:
+    return conn.execute("SELECT 1 FROM rejected_pins LIMIT 1").fetchone() is not None
+
+
+def unpin(conn: sqlite3.Connection, events: Iterable[tuple[bytes, bytes]]) -> None:
+    """Forget pins of events (site_id, event_id) that reached a final state here."""
+    conn.executemany("DELETE FROM rejected_pins WHERE site_id=? AND event_id=?", list(events))
+
+
+# ---------------------------------------------------------------- re-offers (sender side)
+REOFFER_PER_SIGNER = 2_000  # entries per (peer, path, signer); past it, one rescan marker
+
+
+def _backoff(now_ms: int, attempts: int) -> int:
+    """The next try waits 2^attempts s (at most 10 min): an event that keeps being rejected
+    costs the link a bounded share."""
+    return now_ms + min(600_000, 1000 * 2 ** min(attempts, 10))
+
+
+def reoffer_due(conn: sqlite3.Connection, peer: bytes, path: str, now_ms: int, limit: int, cursor: int
+                ) -> tuple[list[tuple[int, bytes, str, bytes]], list[tuple[bytes, int]]]:
+    """Re-offers due now: (seq, site_id, table, raw) of stored entries, least recently tried
+    first, then of due rescans (that signer's events from its marker up to `cursor`), at most
+    `limit` in all; and the rescans taken as (site_id, last seq taken or -1 when none is left).
+    Entries whose event left the log (evicted) are dropped: the peer counts them applied below
+    its horizon anyway."""
+    rows = conn.execute("SELECT r.seq, e.site_id, e.qualified, e.raw FROM reoffer r LEFT JOIN events e ON e.seq = r.seq"
+                        " WHERE r.peer=? AND r.path=? AND r.due_ms <= ? ORDER BY r.due_ms, r.seq LIMIT ?",
+                        (peer, path, now_ms, limit)).fetchall()
+    gone = [(peer, path, seq) for seq, sid, _q, _raw in rows if sid is None]
+    if gone:
+        conn.executemany("DELETE FROM reoffer WHERE peer=? AND path=? AND seq=?", gone)
+    out = [(seq, bytes(sid), q, bytes(raw)) for seq, sid, q, raw in rows if sid is not None]
+    scans: list[tuple[bytes, int]] = []
+    for site, from_seq in conn.execute("SELECT site_id, from_seq FROM reoffer_rescan WHERE peer=? AND path=? "
+                                       "AND due_ms <= ? ORDER BY due_ms", (peer, path, now_ms)).fetchall():
+        room = limit - len(out)
+        if room <= 0:
+            break
+        got = conn.execute("SELECT seq, site_id, qualified, raw FROM events WHERE site_id=? AND seq >= ? AND seq <= ?"
+                           " ORDER BY seq LIMIT ?", (site, from_seq, cursor, room)).fetchall()
+        out += [(q, bytes(sid), t, bytes(raw)) for q, sid, t, raw in got]
+        scans.append((bytes(site), got[-1][0] if len(got) == room else -1))
+    return out, scans
+
+
+def reoffer_count(conn: sqlite3.Connection, peer: bytes, path: str) -> int:
+    """Stored entries plus rescan markers for `peer` on `path`."""
+    return conn.execute("SELECT (SELECT count(*) FROM reoffer WHERE peer=?1 AND path=?2) + "
+                        "(SELECT count(*) FROM reoffer_rescan WHERE peer=?1 AND path=?2)", (peer, path)).fetchone()[0]
+
+
+def reoffer_put(conn: sqlite3.Connection, peer: bytes, path: str, seqs: Iterable[int], now_ms: int) -> None:
+    """Add or re-schedule rejected events (attempts grow, `_backoff`). A signer past
+    REOFFER_PER_SIGNER entries gets a rescan marker at its lowest such seq instead."""
+    for seq in seqs:
+        r = conn.execute("SELECT attempts FROM reoffer WHERE peer=? AND path=? AND seq=?", (peer, path, seq)).fetchone()
+        if r is not None:
+            conn.execute("UPDATE reoffer SET attempts=?, due_ms=? WHERE peer=? AND path=? AND seq=?",
+                         (r[0] + 1, _backoff(now_ms, r[0] + 1), peer, path, seq))
+            continue
+        site = conn.execute("SELECT site_id FROM events WHERE seq=?", (seq,)).fetchone()
+        if site is None:
+            continue
+        site = bytes(site[0])
+        n = conn.execute("SELECT count(*) FROM reoffer WHERE peer=? AND path=? AND site_id=?", (peer, path, site)).fetchone()[0]
+        if n < REOFFER_PER_SIGNER:
+            conn.execute("INSERT INTO reoffer VALUES (?,?,?,?,?,?)", (peer, path, seq, site, 1, _backoff(now_ms, 1)))
+            continue
+        m = conn.execute("SELECT from_seq, attempts FROM reoffer_rescan WHERE peer=? AND path=? AND site_id=?",
+                         (peer, path, site)).fetchone()
+        attempts = 1 if m is None else m[1] + 1
+        conn.execute("INSERT OR REPLACE INTO reoffer_rescan VALUES (?,?,?,?,?,?)",
+                     (peer, path, site, seq if m is None else min(m[0], seq), attempts, _backoff(now_ms, attempts)))
+
+
+def rescan_done(conn: sqlite3.Connection, peer: bytes, path: str, site: bytes, upto: int, now_ms: int) -> None:
+    """The peer answered a body carrying a rescan of `site` up to seq `upto` (-1: the walk reached
+    the cursor): move the marker past it (its rejections were put back first, lowering it)."""
+    m = conn.execute("SELECT from_seq, attempts FROM reoffer_rescan WHERE peer=? AND path=? AND site_id=?",
+                     (peer, path, site)).fetchone()
+    if m is None:
+        return
+    if upto < 0:
+        conn.execute("DELETE FROM reoffer_rescan WHERE peer=? AND path=? AND site_id=?", (peer, path, site))
+    else:
+        conn.execute("UPDATE reoffer_rescan SET from_seq=max(from_seq, ?), due_ms=? WHERE peer=? AND path=? AND site_id=?",
+                     (upto + 1, now_ms, peer, path, site))
+
+
+def reoffer_done(conn: sqlite3.Connection, peer: bytes, path: str, seqs: Iterable[int]) -> None:
+    conn.executemany("DELETE FROM reoffer WHERE peer=? AND path=? AND seq=?", [(peer, path, s) for s in seqs])
 
 
 def peer_watermarks(conn: sqlite3.Connection, peer: bytes) -> dict[tuple[bytes, str], tuple[int, int]]:

@@ -58,6 +58,9 @@ PACKET_OVERHEAD = 1024  # topic, packet id, properties: generous, so a body neve
 # user property names (all values are text)
 P_KIND, P_FROM, P_START, P_END, P_COUNT, P_PART = "ssp-kind", "ssp-from", "ssp-start", "ssp-end", "ssp-count", "ssp-part"
 P_STATUS, P_REASON, P_PROCESSED = "ssp-status", "ssp-reason", "ssp-processed"
+# The indices of the answered body's events the receiver rejected, comma-separated (issue 10
+# item 4); absent when none was. A sender that gets it counts every other event as processed.
+P_REJECTED_AT = "ssp-rejected-at"
 P_META = "ssp-meta"  # the frame meta (docs/protocol.md §1) as compact JSON: {s, e, d, g, x}
 KIND_BATCH, KIND_REALTIME = "batch", "rt"
 
@@ -157,6 +160,21 @@ def encode_meta(start: int, end: int, seqs: Sequence[int], gaps: Iterable[str] =
         d.append(q - prev)
         prev = q
     return json.dumps({"s": start, "e": end, "d": d, "g": sorted(gaps), "x": extra}, separators=(",", ":"))
+
+
+def encode_indices(indices: Sequence[int]) -> str:
+    return ",".join(str(i) for i in indices)
+
+
+def decode_indices(text: str, total: int) -> list[int] | None:
+    """`encode_indices` read strictly: distinct indices below `total`, else None (ignored)."""
+    if not text:
+        return []
+    parts = text.split(",")
+    if len(parts) > total or not all(p.isdigit() and len(p) <= 9 for p in parts):
+        return None
+    out = [int(p) for p in parts]
+    return out if len(set(out)) == len(out) and all(i < total for i in out) else None
 
 
 def meta_cost(start: int, seqs: Sequence[int]) -> list[int]:

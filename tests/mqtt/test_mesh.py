@@ -63,9 +63,9 @@ def test_broker_sigkill_mid_sync(broker, tmp_path):
     for r in rs:
         orig = r.sync.advance
 
-        def spy(peer, start, seqs, end, processed, token=None, _o=orig, _r=r):
+        def spy(peer, start, seqs, end, processed, token=None, rejected=None, _o=orig, _r=r):
             before = _r.sync.cursor(peer)
-            moved = _o(peer, start, seqs, end, processed, token=token)
+            moved = _o(peer, start, seqs, end, processed, token=token, rejected=rejected)
             after = _r.sync.cursor(peer)
             answered.setdefault((_r.node.site_id, peer), []).append((before, after, start, end, processed, len(seqs)))
             return moved

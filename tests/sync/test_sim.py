@@ -174,8 +174,8 @@ class LyingDriver(SyncDriver):
         # (int_out_of_range: the store cannot hold it), which costs the liar its own data only
         return (2**63 - 1, 0) if self.lie_max else super().have_max_hlc()
 
-    def build(self, peer, path, mode):
-        o = super().build(peer, path, mode)
+    def build(self, peer, path, mode, now=None):
+        o = super().build(peer, path, mode, now)
         if not self.lie_wm:
             return o
         b = parse_body(o.body)
