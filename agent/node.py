@@ -370,8 +370,18 @@ class Node:
         if len(raws) < 64:
             return [self._apply_one(raw, now, origin) for raw in raws]
         out: list[Outcome] = []
+        # Events this batch put into the log or the held table since their chunk's look-up (the
+        # only way one found unknown there becomes known): the duplicate check answers from it
+        # exactly as `_known` would, without a query per event.
+        since: dict[bytes, str] = {}
         for raw, checked in self._verified_ahead(raws):
-            out.append(self._apply_one(raw, now, origin, checked))
+            o = self._apply_one(raw, now, origin, checked, since if checked is not None else None)
+            if o.event_id is not None:
+                if o.status == HELD:
+                    since.setdefault(o.event_id, "held")
+                elif o.status == DUPLICATE or (o.status == APPLIED and o.reason == "applied"):
+                    since[o.event_id] = "log"
+            out.append(o)
         return out
 
     _CHUNK = 256
@@ -425,10 +435,11 @@ class Node:
                 ahead.append(check(chunks[i + 3]))
             yield from zip(chunk, results)
 
-    def _apply_one(self, raw: bytes, now: int, origin: str, checked=None) -> Outcome:
+    def _apply_one(self, raw: bytes, now: int, origin: str, checked=None, since: dict | None = None) -> Outcome:
         """The one apply path: §12 steps in the spec's order, then §13 materialization.
         `checked` is this event's (parsed envelope, keyring entry, signature ok, decoded event
-        or its shape error) when `_verified_ahead` computed them already."""
+        or its shape error) when `_verified_ahead` computed them already; `since` then holds what
+        the batch made known after the chunk's one duplicate look-up found this event unknown."""
         if not isinstance(raw, (bytes, bytearray)):
             return self._surface(Outcome(DROPPED, "not_bytes"), now)
         raw = bytes(raw)
@@ -449,7 +460,7 @@ class Node:
             return Outcome(DROPPED, "self_echo", eid, kid)
         # Identical bytes were verified when first applied: a known event_id is a no-op (§12.4).
         # Whatever the batch size: the same bytes get the same outcome (issue 10 item 10).
-        known = self._known(eid)
+        known = since.get(eid) if since is not None else self._known(eid)
         if known == "log":
             return Outcome(DUPLICATE, "duplicate", eid, kid, verified=True)
         if known == "held":
