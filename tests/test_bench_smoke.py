@@ -15,6 +15,7 @@ CASES = [
     (["bench/bench_mqtt.py", "--events", "600"], "raw paho QoS1"),
     (["bench/bench_keystore.py", "--quick"], "software group commit (256) / one-fsync-per-write"),
     (["bench/bench_lifecycle.py", "--days", "1", "--rehydrate-events", "600"], "rehydrate_events_per_s"),
+    (["bench/bench_serial.py", "--events", "60", "--ber-events", "30", "--ber", "1e-4"], "ratio to line limit"),
     (["bench/bench_sequencer.py", "--quick", "--no-pkcs11"], "group commit"),
 ]
 

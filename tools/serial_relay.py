@@ -129,7 +129,9 @@ class Relay:
         self._q: tuple[deque, deque] = (deque(), deque())  # bytes due at the far end: (due, data)
         self._free_at = [0.0, 0.0]
         self.sent = [0, 0]  # bytes written by each end (before faults)
-        self.delivered = [0, 0]  # bytes delivered to the far end
+        self.delivered = [0, 0]  # bytes from each end delivered to the far end
+        self.first_at: list[float | None] = [None, None]  # monotonic time of the first and last byte
+        self.last_at = [0.0, 0.0]                          # from each end delivered
         self._pulled = False
         self._stall_until = 0.0
         self._stop = threading.Event()
@@ -187,14 +189,14 @@ class Relay:
                     if self._pulled:
                         continue
                     out = self.faults[i].apply(data)
-                    if out:
-                        if self.baud:
-                            start = max(now, self._free_at[i])
-                            self._free_at[i] = start + len(out) * 10 / self.baud
-                            due = self._free_at[i]
-                        else:
-                            due = now
-                        self._q[i].append((due, out))
+                    if out and self.baud:
+                        # Bytes reach the far end as the line sends them, not all at the end.
+                        for k in range(0, len(out), 64):
+                            piece = out[k:k + 64]
+                            self._free_at[i] = max(now, self._free_at[i]) + len(piece) * 10 / self.baud
+                            self._q[i].append((self._free_at[i], piece))
+                    elif out:
+                        self._q[i].append((now, out))
             with self._lock:
                 stalled = now < self._stall_until
                 for i, q in enumerate(self._q):
@@ -206,7 +208,11 @@ class Relay:
                         n = os.write(fd, pending[j])
                     except (BlockingIOError, OSError):
                         n = 0
-                    self.delivered[1 - j] += n
+                    if n:
+                        self.delivered[1 - j] += n
+                        t = time.monotonic()
+                        self.first_at[1 - j] = self.first_at[1 - j] or t
+                        self.last_at[1 - j] = t
                     del pending[j][:n]
 
 

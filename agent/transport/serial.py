@@ -42,6 +42,7 @@ class _Counting:
         self.counts = {s: 0 for s in STATUSES}
         self.offered = 0
         self.last_full = False
+        self.confirms = 0  # exchanges completed, either role (our body answered, our answer acknowledged)
 
     def hello_info(self):
         return self.inner.hello_info()
@@ -61,6 +62,7 @@ class _Counting:
         return k
 
     def confirm(self, peer, token, processed):
+        self.confirms += 1
         self.inner.confirm(peer, token, processed)
 
     def protocol_error(self, peer, reason, detail, now):
@@ -74,7 +76,10 @@ class SessionSettings:
     cycle_ms: int = 30_000
     answer_timeout_ms: int = 60_000
     batch_limit: int = 1000
-    cycle_on_ready: bool = True  # start an exchange as soon as the handshake is done (sync --once)
+    once: bool = False  # sync --once: no cadence; the end with the larger site_id starts an exchange
+    # only if the other end has not started one within `responder_wait_ms` (one exchange carries
+    # both directions, so two at once would send the same events twice)
+    responder_wait_ms: int = 2_000
 
 
 class SerialEndpoint:
@@ -84,9 +89,10 @@ class SerialEndpoint:
         self.provider: _Counting | None = None
         self.totals = {s: 0 for s in STATUSES}
         self.offered = 0
-        self.exchanges = 0  # own bodies answered
-        self.answered = 0  # peer bodies answered and acknowledged... answered at least
+        self.exchanges = 0  # completed, either role, all sessions
         self.sessions = 0
+        self._ready_at: int | None = None
+        self._rcv_at_ready = 0
         self.events: list[tuple[str, str]] = []  # link and session events, for the caller
 
     # ------------------------------------------------------------------ inputs
@@ -107,6 +113,15 @@ class SerialEndpoint:
             st = s.timer()
             if st is not None and st <= wall:
                 s.handle_timer(wall)
+            if self._ready_at is not None and mono >= self._ready_at + self.settings.responder_wait_ms:
+                if self.link.stream_received > self._rcv_at_ready + 512:
+                    # Bytes are arriving: the other end's body, most likely. Keep waiting for it.
+                    self._ready_at, self._rcv_at_ready = mono, self.link.stream_received
+                else:
+                    self._ready_at = None
+                    if self.provider is not None and not self.provider.confirms and not s._my_body \
+                            and not s._my_answers:
+                        s.cycle(wall)  # the other end did not start one: start it here
         self._pump(mono, wall)
 
     def timer(self, mono: int, wall: int) -> int | None:
@@ -116,6 +131,8 @@ class SerialEndpoint:
             st = self.session.timer()
             if st is not None:
                 ts.append(mono + (st - wall))
+        if self._ready_at is not None:
+            ts.append(self._ready_at + self.settings.responder_wait_ms)
         return min(ts) if ts else None
 
     def local_events(self, mono: int, wall: int) -> None:
@@ -128,6 +145,11 @@ class SerialEndpoint:
     @property
     def ready(self) -> bool:
         return self.session is not None and self.session.state == "ready"
+
+    @property
+    def completed(self) -> int:
+        """Exchanges completed, either role, over every session so far."""
+        return self.exchanges + (self.provider.confirms if self.provider is not None else 0)
 
     def busy(self) -> bool:
         """An exchange in flight either way, or bytes not yet acknowledged by the other end."""
@@ -142,7 +164,7 @@ class SerialEndpoint:
         offered = self.offered + (self.provider.offered if self.provider else 0)
         ls = self.link.stats
         return {"pushed": offered, "applied": c["applied"], "duplicate": c["duplicate"], "dropped": c["dropped"],
-                "rejected": c["rejected"], "held": c["held"], "exchanges": self.exchanges,
+                "rejected": c["rejected"], "held": c["held"], "exchanges": self.completed,
                 "peer": self.session.peer.hex() if self.session is not None and self.session.peer else None,
                 "realtime": bool(self.session is not None and self.session.realtime),
                 "link": {"state": self.link.state, "incarnations": self.sessions, "bytes_out": ls["bytes_out"],
@@ -169,7 +191,9 @@ class SerialEndpoint:
             for k, v in self.provider.counts.items():
                 self.totals[k] += v
             self.offered += self.provider.offered
+            self.exchanges += self.provider.confirms
         self.session, self.provider = None, None
+        self._ready_at = None
 
     def _flush(self) -> None:
         data = self.link.data_to_send()
@@ -191,13 +215,16 @@ class SerialEndpoint:
                 s.receive(m, wall)
             for ev in s.events:
                 self.events.append((ev.kind, ev.detail))
-                if ev.kind == "ready" and self.settings.cycle_on_ready:
-                    s.cycle(wall)
-                elif ev.kind == "exchanged":
-                    self.exchanges += 1
-                    if self.provider is not None and self.provider.last_full:
-                        s.cycle(wall)  # a full body: more is waiting, send it now, not a cadence later
+                if ev.kind == "ready" and self.settings.once and s.peer is not None \
+                        and self.driver.node.site_id > s.peer:
+                    self._ready_at = mono  # the smaller site_id starts (the session's stagger)
+                    self._rcv_at_ready = self.link.stream_received
             s.events.clear()
+            p = self.provider
+            if s.state == "ready" and p is not None and p.last_full and not s._my_body and not s._my_answers:
+                # The last body or answer was full: more is waiting. Send it now, not a cadence later.
+                p.last_full = False
+                s.cycle(wall)
             for f in s.data_to_send():
                 try:
                     self.link.send_message(f, mono)
@@ -223,7 +250,7 @@ def link_config(profile, baud: int) -> LinkConfig:
 
 
 def session_settings(profile, baud: int, *, realtime: bool, secure: bool, cadence_s: float | None = None,
-                     cycle_on_ready: bool = True, once: bool = False) -> SessionSettings:
+                     once: bool = False) -> SessionSettings:
     g = lambda k, d: getattr(profile, k, d)  # noqa: E731
     batch = int(g("serial_batch_limit", g("batch_limit", 1000)))
     # An answer can only come after the body crossed the line: allow for a full body at this
@@ -233,7 +260,7 @@ def session_settings(profile, baud: int, *, realtime: bool, secure: bool, cadenc
                            # --once: the exchange at the handshake is the cycle; no cadence
                            cycle_ms=10**12 if once else int((cadence_s if cadence_s is not None else g("cadence_s", 30)) * 1000),
                            answer_timeout_ms=2 * line_ms + int(g("serial_timeout_s", 30.0) * 1000),
-                           batch_limit=batch, cycle_on_ready=cycle_on_ready)
+                           batch_limit=batch, once=once)
 
 
 class SerialPort:
@@ -350,7 +377,7 @@ class SerialPort:
         quiet_since = None
         while True:
             now = time.monotonic()
-            done = ep.ready and ep.exchanges > 0 and not ep.busy()
+            done = ep.ready and ep.completed > 0 and not ep.busy()
             if done:
                 quiet_since = quiet_since or now
                 if now - quiet_since >= linger_s:
@@ -361,8 +388,9 @@ class SerialPort:
                     raise SerialError(f"the exchange on {self.port} did not complete within "
                                       f"{timeout_s + self.settings.answer_timeout_ms / 1000:g} s "
                                       f"(link {ep.link.state}); nothing unconfirmed was lost: the next sync re-offers it")
-                if not ep.ready and ep.exchanges == 0 and ep.link.state != "up" and now > deadline:
-                    raise SerialError(f"the line on {self.port} failed (link {ep.link.state})")
+                if not ep.ready and ep.completed == 0 and now > deadline:
+                    raise SerialError(f"the line on {self.port} failed before an exchange completed (link "
+                                      f"{ep.link.state}); check the cable")
             self.step(0.05)
         return ep.summary()
 

@@ -181,6 +181,11 @@ class SerialLink:
         return min(self.cfg.max_rto_ms, base << min(tries - 1, 8))
 
     @property
+    def stream_received(self) -> int:
+        """Stream bytes received in order in this incarnation."""
+        return self._rcv_next
+
+    @property
     def rejected_frames(self) -> int:
         return self._decoder.rejected
 
@@ -244,7 +249,14 @@ class SerialLink:
             self._down("peer_silent", now)  # a pulled cable, a powered-off peer, a half-open line
             return
         expired = [g for g in self._segs if now >= g.due]
-        if expired:
+        if expired and self._peer_credit == 0:
+            # The peer said it holds a whole message it has not taken (it is applying a body):
+            # what it has not acknowledged is most likely unread, not lost. Ask, do not resend.
+            for g in expired:
+                g.tries += 1
+                g.due = now + self.rto_ms(g.tries)
+            self._ping(now)
+        elif expired:
             self._lost(expired, now, "retransmits")
         if now - max(self._last_heard, self._last_ping) >= self.cfg.keepalive_ms:
             self._ping(now)
