@@ -34,12 +34,11 @@ class SerialError(Exception):
 
 
 class _Counting:
-    """The session's Provider (sync.LinkProvider), counting what happened to received events and
-    remembering how full the last body sent was (a full body means more is waiting)."""
+    """The session's Provider (sync.LinkProvider), passed through, remembering how full the last
+    body or answer sent was (a full one means more is waiting) and counting completed exchanges."""
 
     def __init__(self, inner, batch_limit: int) -> None:
         self.inner, self.batch_limit = inner, batch_limit
-        self.counts = {s: 0 for s in STATUSES}
         self.offered = 0
         self.last_full = False
         self.confirms = 0  # exchanges completed, either role (our body answered, our answer acknowledged)
@@ -54,19 +53,15 @@ class _Counting:
             self.last_full = out.n_events >= self.batch_limit
         return out
 
-    def incoming(self, peer, body, meta, mode, now):
-        d = self.inner.driver
-        k, outs = d.receive(peer, body, meta, mode, now, self.inner.path, self.inner.secure)
-        for o in outs:
-            self.counts[o.status] += 1
-        return k
+    def incoming(self, *args):
+        return self.inner.incoming(*args)
 
-    def confirm(self, peer, token, processed):
+    def confirm(self, *args):
         self.confirms += 1
-        self.inner.confirm(peer, token, processed)
+        return self.inner.confirm(*args)
 
-    def protocol_error(self, peer, reason, detail, now):
-        self.inner.protocol_error(peer, reason, detail, now)
+    def protocol_error(self, *args):
+        return self.inner.protocol_error(*args)
 
 
 @dataclass
@@ -87,7 +82,15 @@ class SerialEndpoint:
         self.driver, self.link, self.write, self.settings = driver, link, write, settings
         self.session = None
         self.provider: _Counting | None = None
-        self.totals = {s: 0 for s in STATUSES}
+        self.totals = {s: 0 for s in STATUSES}  # what happened to received events, every session
+        receive = driver.receive
+
+        def counted(*args, **kw):
+            k, outs = receive(*args, **kw)
+            for o in outs:
+                self.totals[o.status] += 1
+            return k, outs
+        driver.receive = counted  # the one apply path's outcomes, counted for the summary
         self.offered = 0
         self.exchanges = 0  # completed, either role, all sessions
         self.sessions = 0
@@ -157,10 +160,7 @@ class SerialEndpoint:
         return bool(s is not None and (s._my_body or s._my_answers)) or not self.link.idle()
 
     def summary(self) -> dict[str, Any]:
-        c = dict(self.totals)
-        if self.provider is not None:
-            for k, v in self.provider.counts.items():
-                c[k] += v
+        c = self.totals
         offered = self.offered + (self.provider.offered if self.provider else 0)
         ls = self.link.stats
         return {"pushed": offered, "applied": c["applied"], "duplicate": c["duplicate"], "dropped": c["dropped"],
@@ -188,8 +188,6 @@ class SerialEndpoint:
 
     def _retire_session(self) -> None:
         if self.provider is not None:
-            for k, v in self.provider.counts.items():
-                self.totals[k] += v
             self.offered += self.provider.offered
             self.exchanges += self.provider.confirms
         self.session, self.provider = None, None
