@@ -24,7 +24,7 @@ from .core.schema import SYNCABLE, ManifestError, TableDef, parse_manifest, tabl
 from .profile import Profile, ProfileError, load_profile
 from .outcomes import to_json
 from .outcomes import APPLIED, DROPPED, DUPLICATE, HELD, REJECTED, Outcome
-from .store import db, rows as rowstore
+from .store import db, migrations, rows as rowstore
 
 log = logging.getLogger("ssp_agent")
 
@@ -68,7 +68,8 @@ class Node:
         self.authorities: set[bytes] = {bytes.fromhex(a) for a in json.loads(db.get_meta(conn, "authorities", "[]"))}
         self.profile = Profile.from_dict(json.loads(db.get_meta(conn, "profile", "null") or "null")
                                          or load_profile(None).as_dict())
-        db.ensure_held_counts(conn)
+        if not read_only:   # a read view writes nothing (an older layout is read as it is)
+            db.ensure_held_counts(conn)
         self._load_caches()
         self.witness = ident.ClockWitness(self.site_id)
         self.clock = self._resume_clock()
@@ -163,8 +164,17 @@ class Node:
         if not path.exists():
             raise NodeError(f"{home} holds no node; create one with `ssp-agent --home {home} init --manifest FILE`")
         conn = db.connect_readonly(path) if read_only else db.connect(path)
-        if not read_only:
-            db.ensure_bounds(conn)
+        try:
+            # The layout version (issue 12 item 8): a newer store is refused by both kinds of open;
+            # a writing open migrates an older one forward, a read view reads it as it is.
+            if read_only:
+                migrations.refuse_newer(conn, path)
+            else:
+                migrations.migrate(conn, path)
+                db.ensure_bounds(conn)
+        except BaseException:
+            conn.close()
+            raise
         if check_machine:
             bound = db.get_meta(conn, "machine")
             here = ident.machine_fingerprint()
@@ -1069,6 +1079,7 @@ class Node:
     def status(self) -> dict:
         return {"site_id": self.site_id.hex(), "mesh_id": self.mesh_id.hex(), "profile": self.profile.name,
                 "store_bytes": self.store_bytes(), "disk_budget_bytes": self.profile.disk_budget_bytes,
+                "store_schema": {"version": migrations.store_version(self.conn), "agent": migrations.LATEST},
                 "public_key": bytes(db.get_meta(self.conn, "public_key")).hex(),
                 "keystore": self.bridge.describe() if self.bridge else self._keystore_card(),
                 "events": self.conn.execute("SELECT count(*) FROM events").fetchone()[0],

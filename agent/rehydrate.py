@@ -293,10 +293,7 @@ def status(node) -> dict:
 # horizon tells the subject which rows it cannot re-send in full: a signed `sovm/ssp-truncated-v1`
 # record per table (agent/core/records.py, docs/protocol.md §8). The subject surfaces each named
 # row as `partial_rebuild` (reason `serving_peer_horizon`): never silently incomplete.
-_TRUNC_DDL = ("CREATE TABLE IF NOT EXISTS truncation_records ("
-              " record_hash BLOB PRIMARY KEY, issuer BLOB NOT NULL, subject BLOB NOT NULL, qualified TEXT NOT NULL,"
-              " horizon_p INTEGER NOT NULL, horizon_l INTEGER NOT NULL, n_rows INTEGER NOT NULL,"
-              " issued_at INTEGER NOT NULL, raw BLOB NOT NULL) WITHOUT ROWID")
+from .store.sync_state import TRUNCATION_DDL as _TRUNC_DDL  # noqa: E402 (also made by the store migration to version 2)
 
 
 def _ensure_trunc(conn: sqlite3.Connection) -> None:

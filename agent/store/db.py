@@ -9,7 +9,7 @@ import sqlite3
 import urllib.parse
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1   # the first release's layout; the current one is migrations.LATEST
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
@@ -100,11 +100,18 @@ def ensure_held_counts(conn: sqlite3.Connection) -> None:
     if conn.execute("SELECT 1 FROM sqlite_master WHERE name='held_count_del'").fetchone():
         return
     with transaction(conn):
-        for stmt in _HELD_COUNTS:
-            conn.execute(stmt)
-        conn.execute("DELETE FROM held_counts")
-        conn.execute("INSERT INTO held_counts SELECT site_id, count(*) FROM held GROUP BY site_id")
-        conn.execute("INSERT INTO held_counts SELECT X'', count(*) FROM held")
+        create_held_counts(conn)
+
+
+def create_held_counts(conn: sqlite3.Connection) -> None:
+    """The counters and their triggers, counting what is held (inside the caller's transaction)."""
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE name='held_count_del'").fetchone():
+        return
+    for stmt in _HELD_COUNTS:
+        conn.execute(stmt)
+    conn.execute("DELETE FROM held_counts")
+    conn.execute("INSERT INTO held_counts SELECT site_id, count(*) FROM held GROUP BY site_id")
+    conn.execute("INSERT INTO held_counts SELECT X'', count(*) FROM held")
 
 
 def held_count(conn: sqlite3.Connection, site_id: bytes) -> tuple[int, int]:
@@ -200,11 +207,11 @@ def connect_readonly(path: Path) -> sqlite3.Connection:
 
 
 def create(conn: sqlite3.Connection) -> None:
-    # auto_vacuum must be chosen before the first table exists (eviction reclaims space).
+    """A new store: auto_vacuum must be chosen before the first table exists (eviction reclaims
+    space); the layout is made by the migrations from version 0 (agent/store/migrations.py)."""
+    from . import migrations   # migrations builds on this module
     conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
-    conn.executescript(_DDL)
-    conn.execute(_BOUNDS_DDL)
-    conn.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
+    migrations.migrate(conn, Path(conn.execute("PRAGMA database_list").fetchone()[2]))
 
 
 def get_meta(conn: sqlite3.Connection, key: str, default=None):

@@ -112,18 +112,33 @@ def ensure_schema(conn: sqlite3.Connection) -> None:
         return
     conn.execute("BEGIN IMMEDIATE")
     try:
-        for stmt in _DDL.strip().split(";"):
-            if stmt.strip():
-                conn.execute(stmt)
-        if conn.execute("SELECT 1 FROM meta WHERE key='policy_defaults'").fetchone() is None:
-            schemas = sorted({s for s, c in conn.execute("SELECT schema_name, category FROM tables") if c == SYNCABLE})
-            for s in schemas:
-                conn.execute("INSERT OR IGNORE INTO policy_rows VALUES ('*', ?, '*', 'system', '', 'allow')", (s,))
-            conn.execute("INSERT OR REPLACE INTO meta VALUES ('policy_defaults', ?)", (json.dumps(schemas),))
+        create_schema(conn)
         conn.execute("COMMIT")
     except BaseException:
         conn.execute("ROLLBACK")
         raise
+
+
+def create_schema(conn: sqlite3.Connection, *, policy_defaults: bool = True) -> None:
+    """The tables and the default policy rows, inside the caller's transaction (ensure_schema,
+    and the store migration that introduced them: agent/store/migrations.py). The defaults are
+    computed from the tables the store holds, so a store being created (no tables yet) leaves
+    them to the first ensure_schema after `init` has made its tables."""
+    for stmt in _DDL.strip().split(";"):
+        if stmt.strip():
+            conn.execute(stmt)
+    if policy_defaults and conn.execute("SELECT 1 FROM meta WHERE key='policy_defaults'").fetchone() is None:
+        schemas = sorted({s for s, c in conn.execute("SELECT schema_name, category FROM tables") if c == SYNCABLE})
+        for s in schemas:
+            conn.execute("INSERT OR IGNORE INTO policy_rows VALUES ('*', ?, '*', 'system', '', 'allow')", (s,))
+        conn.execute("INSERT OR REPLACE INTO meta VALUES ('policy_defaults', ?)", (json.dumps(schemas),))
+
+
+# Truncation records (the serving side of rehydration, agent/rehydrate.py, docs/protocol.md §8).
+TRUNCATION_DDL = ("CREATE TABLE IF NOT EXISTS truncation_records ("
+                  " record_hash BLOB PRIMARY KEY, issuer BLOB NOT NULL, subject BLOB NOT NULL, qualified TEXT NOT NULL,"
+                  " horizon_p INTEGER NOT NULL, horizon_l INTEGER NOT NULL, n_rows INTEGER NOT NULL,"
+                  " issued_at INTEGER NOT NULL, raw BLOB NOT NULL) WITHOUT ROWID")
 
 
 # ---------------------------------------------------------------- cursors

@@ -1,0 +1,98 @@
+"""Versioned store layout (issue 12 item 8): the store's schema version is `PRAGMA user_version`
+(the SQLite file header, read without touching any table). Migrations run forward only, on a
+writing open, each in its own transaction together with the version it reaches, so a crash or a
+full disk leaves the store at the previous version, never between two. A store newer than this
+agent is refused (StoreError, exit 1): an older agent cannot know what the newer layout means.
+
+Version history:
+  0  an empty file (no table yet)
+  1  the first release's layout (agent/store/db.py at 45c23df): meta (schema_version=1 in meta,
+     user_version never set), tables, keyring, events, held, surfaced, ignored_columns, watermarks
+  2  the bound on the surfaced record (trigger), held counts per signer (table, index, triggers,
+     counted from what is held), the durable sync state (agent/store/sync_state.py) with the default
+     policy rows, truncation records (the serving side of rehydration)
+
+To change the layout: append a step (version LATEST + 1) below. Never edit a released step.
+The ensure_* functions stay idempotent and keep working on their own (they are also called where
+the tables are first used), but a home reaches a version only through this list."""
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Callable
+
+from . import db, sync_state
+
+
+def statements(script: str) -> list[str]:
+    """A DDL script as single statements (executescript would COMMIT the step's transaction);
+    a `;` inside a comment does not end one."""
+    out, buf = [], ""
+    for part in script.split(";"):
+        buf += part + ";"
+        if sqlite3.complete_statement(buf):
+            if buf.strip(" \n;"):
+                out.append(buf)
+            buf = ""
+    return out
+
+
+def _v1_base(conn: sqlite3.Connection) -> None:
+    for stmt in statements(db._DDL):
+        conn.execute(stmt)
+
+
+def _v2_bounds_sync_state(conn: sqlite3.Connection) -> None:
+    conn.execute(db._BOUNDS_DDL) if conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type='trigger' AND name='surfaced_bound'").fetchone() is None else None
+    db.create_held_counts(conn)
+    # An existing home gets its default policy now; a store being created gets it once `init`
+    # has made the manifest's tables (the first ensure_schema), as before.
+    sync_state.create_schema(conn, policy_defaults=db.get_meta(conn, "site_id") is not None)
+    conn.execute(sync_state.TRUNCATION_DDL)
+
+
+# (version reached, what it does): applied in order, each in one transaction.
+MIGRATIONS: list[tuple[int, str, Callable[[sqlite3.Connection], None]]] = [
+    (1, "base layout", _v1_base),
+    (2, "surfaced bound, held counts, sync state, truncation records", _v2_bounds_sync_state),
+]
+LATEST = MIGRATIONS[-1][0]
+
+
+def store_version(conn: sqlite3.Connection) -> int:
+    """The layout version of the store behind `conn` (reads only)."""
+    v = conn.execute("PRAGMA user_version").fetchone()[0]
+    if v:
+        return v
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='meta'").fetchone() is None:
+        return 0
+    return 1   # the first release wrote meta schema_version=1 and left user_version at 0
+
+
+def refuse_newer(conn: sqlite3.Connection, path: Path) -> int:
+    """The store's version, or StoreError when a newer agent wrote it (read and writing opens)."""
+    v = store_version(conn)
+    if v > LATEST:
+        raise db.StoreError(
+            f"store {path} has layout version {v}, newer than this agent understands ({LATEST}): it was written by "
+            "a newer ssp-agent. Nothing was changed. Install that release or a later one (`ssp-agent --version` "
+            "shows this one); a store is never migrated backwards")
+    return v
+
+
+def migrate(conn: sqlite3.Connection, path: Path) -> list[int]:
+    """Bring the store to LATEST (a writing open). Returns the versions applied (empty: current)."""
+    applied = []
+    for version, _name, step in MIGRATIONS:
+        if refuse_newer(conn, path) >= version:
+            continue
+        with db.transaction(conn):
+            # Re-read under the write lock: another process may have migrated meanwhile.
+            if store_version(conn) >= version:
+                continue
+            step(conn)
+            conn.execute(f"PRAGMA user_version = {int(version)}")
+            db.set_meta(conn, "schema_version", version)
+        applied.append(version)
+    return applied
