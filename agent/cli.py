@@ -392,7 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_later_verbs(sub, mailbox_sub) -> None:
     """Verbs whose implementations live in other modules register themselves here."""
-    for mod in ("agent.cli_sync", "agent.cli_mqtt", "agent.cli_keystore", "agent.cli_sequencer"):
+    for mod in ("agent.cli_sync", "agent.cli_mqtt", "agent.cli_keystore", "agent.cli_sequencer", "agent.cli_service"):
         try:
             m = __import__(mod, fromlist=["register"])
         except ImportError:
@@ -405,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+    if not args.home and not getattr(args, "home_optional", False):
+        from .config import ConfigError, load   # /etc/ssp-agent/agent.toml `home` (agent/config.py)
+        try:
+            args.home = load()["home"]
+        except ConfigError as e:
+            print(f"ssp-agent: {e}", file=sys.stderr)
+            return EXIT_REFUSED
     if not args.home and not getattr(args, "home_optional", False):
         print("ssp-agent: --home DIR is required (or set SSP_AGENT_HOME)", file=sys.stderr)
         return EXIT_REFUSED

@@ -53,18 +53,44 @@ def register(sub, mailbox_sub) -> None:
     s.set_defaults(fn=cmd_run, once=False)
 
 
+def _config(args) -> dict:
+    """The configuration file's [mqtt] table (agent/config.py), read once per command."""
+    from .cli import Refused
+    from .config import ConfigError, load
+    if not hasattr(args, "_config"):
+        try:
+            args._config = load()
+        except ConfigError as e:
+            raise Refused(str(e)) from None
+    return args._config["mqtt"]
+
+
+def _from(args, flag: str, env: str):
+    """A setting: the flag, else the environment, else the configuration file (flags win)."""
+    return getattr(args, flag, None) or os.environ.get(env) or _config(args).get(flag)
+
+
 def _settings(args):
     from .cli import Refused
+    from .config import credential_password
     from .runner import settings_from_env
     password = None
-    if args.password_file:
+    password_file = args.password_file
+    if not password_file and not os.environ.get("SSP_MQTT_PASSWORD"):
+        password = credential_password()   # systemd's LoadCredential=mqtt-password (docs/systemd.md)
+        if password is None:
+            password_file = _config(args).get("password_file")
+    if password_file:
         try:
-            password = Path(args.password_file).read_text().strip()
+            password = Path(password_file).read_text().strip()
         except OSError as e:
-            raise Refused(f"cannot read --password-file {args.password_file}: {e.strerror}") from None
+            raise Refused(f"cannot read the password file {password_file}: {e.strerror}") from None
     try:
-        return settings_from_env(args.broker, ca_file=args.ca_file, cert_file=args.cert_file,
-                                 key_file=args.key_file, username=args.username, password=password)
+        return settings_from_env(args.broker, ca_file=_from(args, "ca_file", "SSP_MQTT_CA_FILE"),
+                                 cert_file=_from(args, "cert_file", "SSP_MQTT_CERT_FILE"),
+                                 key_file=_from(args, "key_file", "SSP_MQTT_KEY_FILE"),
+                                 username=_from(args, "username", "SSP_MQTT_USERNAME"), password=password,
+                                 prefix=_from(args, "prefix", "SSP_MQTT_PREFIX"))
     except ValueError as e:
         raise Refused(str(e)) from None
 
@@ -78,6 +104,7 @@ def _go(args, once: bool) -> int:
     from .transport.broker import Broker, BrokerError
     from .transport.mqtt import TransportError
     broker = None
+    args.broker = _from(args, "broker", "SSP_MQTT_BROKER")   # flag, environment, /etc/ssp-agent/agent.toml
     if not args.broker:
         try:
             broker = Broker().start()
@@ -89,7 +116,8 @@ def _go(args, once: bool) -> int:
     try:
         prof = node.profile
         secure = args.secure_binding if args.secure_binding is not None else \
-            os.environ.get("SSP_MQTT_SECURE_BINDING", "").lower() in ("1", "true", "yes")
+            os.environ.get("SSP_MQTT_SECURE_BINDING", "").lower() in ("1", "true", "yes") \
+            if "SSP_MQTT_SECURE_BINDING" in os.environ else bool(_config(args).get("secure_binding", False))
         cfg = RunConfig.from_profile(prof, cadence_s=args.cadence, realtime=not args.no_realtime,
                                      flush_cadence_s=args.flush_cadence, secure=secure)
         if once:
@@ -149,12 +177,19 @@ def _serve_and_run(r, node, broker_url: str, should_stop) -> None:
             r.notify_produced()  # a forwarded write: realtime peers get it at once
         return res
 
+    from . import sdnotify
     server = ControlServer(node.home, execute)
+    watchdog = sdnotify.Watchdog()
+    # Type=notify: ready once the control socket serves and the runner is started (connected, or
+    # retrying a broker that is down: the service is up either way).
+    sdnotify.notify(f"READY=1\nSTATUS=syncing through {broker_url}\nMAINPID={os.getpid()}")
     try:
         while not should_stop():
+            watchdog.ping()   # from the loop itself, so a loop stuck in a step is what the watchdog sees
             r.step()
             server.serve()
     finally:
+        sdnotify.notify("STOPPING=1")
         server.close()
 
 

@@ -74,3 +74,14 @@ def test_init_with_default_profile(wheel_cmd, tmp_path):
     for name in ("pi-zero-2w", "pi-5-cm4", "gateway"):
         p = _run(cmd, "--home", str(tmp_path / name), "init", "--manifest", str(mf), "--profile", name, cwd="/")
         assert p.returncode == 0, (name, p.stderr)
+
+
+def test_installed_wheel_has_the_systemd_units(wheel_cmd, tmp_path):
+    """Issue 12 item 3: the units are package data; `service install` from the wheel names the
+    installed command in ExecStart=."""
+    cmd, _ = wheel_cmd
+    p = _run(cmd, "service", "install", "--root", str(tmp_path / "root"), "--bin", cmd[0])
+    assert p.returncode == 0, p.stderr
+    unit = (tmp_path / "root/etc/systemd/system/ssp-agent.service").read_text()
+    assert f"ExecStart={cmd[0]} run" in unit and "WatchdogSec=" in unit
+    assert (tmp_path / "root/etc/systemd/system/ssp-agent-sync.timer").exists()
