@@ -114,7 +114,8 @@ def cmd_init(args) -> int:
         keystore = _json_arg(args.keystore, "--keystore")
         if not isinstance(keystore, dict):
             raise Refused("--keystore must be a JSON object, e.g. {\"kind\": \"software\", \"dir\": \"/path\"}")
-    node, pk = Node.init(Path(args.home), text, keystore, args.profile)
+    node, pk = Node.init(Path(args.home), text, keystore, args.profile,
+                         clock_trusted=args.clock_trusted, wait_clock_s=args.wait_clock)
     emit({"site_id": node.site_id.hex(), "public_key": pk.hex()})
     node.close()
     return EXIT_OK
@@ -212,7 +213,7 @@ def cmd_evict(args) -> int:
         if args.table or args.horizon:
             raise Refused("--auto takes no table or horizon: it uses the profile's horizons for every evictable table")
         with _open(args) as node:
-            emit(node.run_eviction())
+            emit(node.run_eviction(clock_override=args.clock_trusted, wait_clock_s=args.wait_clock))
         return EXIT_OK
     if not args.table or not args.horizon:
         raise Refused("give SCHEMA.TABLE --horizon HLC, or --auto")
@@ -222,7 +223,7 @@ def cmd_evict(args) -> int:
     except IdFormatError as e:
         raise Refused(str(e)) from None
     with _open(args) as node:
-        deleted = node.evict_table(table, h)
+        deleted = node.evict_table(table, h, clock_override=args.clock_trusted, wait_clock_s=args.wait_clock)
     emit({"table": table, "horizon": args.horizon, "events_deleted": deleted})
     return EXIT_OK
 
@@ -314,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "gateway) or a path to a .toml file; default pi-3-4")
     s.add_argument("--keystore", help='keystore as JSON, e.g. {"kind":"software","dir":"/var/lib/ssp/keys"}; '
                                       "default: a software keystore in HOME/keystore")
+    _clock_flags(s)
     s.set_defaults(fn=cmd_init)
 
     s = sub.add_parser("peer", help="manage the trusted-peer keyring")
@@ -361,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--horizon", help="HLC, e.g. 1764669600000.0")
     s.add_argument("--auto", action="store_true",
                    help="run the eviction job: every evictable table to now minus its profile duration")
+    _clock_flags(s)
     s.set_defaults(fn=cmd_evict)
     s = sub.add_parser("events", help="list what the node surfaced: drops, rejects, holds, partial rebuilds")
     s.add_argument("--limit", type=int, default=1000)
@@ -388,6 +391,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--confirm-original-destroyed", action="store_true")
     a.set_defaults(fn=cmd_rebind)
     return p
+
+
+def _clock_flags(s) -> None:
+    # docs/apply.md "Clocks without an RTC": these verbs need a trustworthy wall clock.
+    s.add_argument("--clock-trusted", action="store_true",
+                   help="the wall clock is right even though no time sync says so (an RTC, set by hand): "
+                        "proceed without waiting for NTP")
+    s.add_argument("--wait-clock", type=float, default=0, metavar="SECONDS",
+                   help="wait up to SECONDS for the clock to be synchronised before refusing (exit 2, clock_untrusted)")
 
 
 def _add_later_verbs(sub, mailbox_sub) -> None:

@@ -18,6 +18,7 @@ from firmware_bridge.journal import inspect as journal_inspect
 from . import identity as ident
 from .core import cose, events as ev
 from .core.clock import Hlc, beyond_skew
+from .core.clock import signing_time as clock_signing_time
 from .core.codec import DecodeError, decode_strict
 from .core.merge import Effects, RowState, below, merge_delete, merge_upsert, rebuild_columns, rebuild_without
 from .core.schema import SYNCABLE, ManifestError, TableDef, parse_manifest, table_def_from
@@ -39,6 +40,11 @@ JOURNAL_COMPACT_BYTES = 4 * 2**20  # compact the signing journal when it grew th
 
 class NodeError(RuntimeError):
     """A refusal the operator must see (exit 2 in the CLI); the message says what to do."""
+
+
+class ClockUntrusted(NodeError):
+    """Reason code `clock_untrusted`: an operation that needs a trustworthy wall clock (eviction,
+    a horizon change, `init`) found none and had no override (docs/apply.md "Clocks without an RTC")."""
 
 
 def now_ms() -> int:
@@ -73,6 +79,8 @@ class Node:
         self._load_caches()
         self.witness = ident.ClockWitness(self.site_id)
         self.clock = self._resume_clock()
+        ev_ms = db.get_meta(conn, "clock_evidence")
+        self.clock_evidence: int | None = int(ev_ms) if ev_ms is not None else None
         if read_only:
             return   # a read view: the repairs below write, and are left to the next writing open
         stale = [t.tdef for t in self.tables.values() if not rowstore.view_is_current(conn, t.tdef)]
@@ -93,7 +101,8 @@ class Node:
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     def init(cls, home: Path, manifest_text: str, keystore: dict | None = None,
-             profile: str | Profile | None = None) -> tuple["Node", bytes]:
+             profile: str | Profile | None = None, *, clock_trusted: bool = False,
+             wait_clock_s: float = 0) -> tuple["Node", bytes]:
         """Create a node: identity, keystore key, store, manifest tables. Returns (node, public_key).
         The profile (agent/profiles/*.toml) sets horizons, limits and the default keystore."""
         # Absolute: what the store records (keystore dir, PIN file) must not depend on the directory
@@ -108,6 +117,9 @@ class Node:
             raise NodeError(str(e)) from None
         _check_retention(prof, manifest.tables)
         ks_conf = _check_keystore_conf(dict(keystore or prof.keystore))
+        # A node's first evidence of real time is the reading taken here: a wrong one would let
+        # its first writes be stamped anywhere, so `init` waits for a trustworthy clock.
+        clock = _require_trusted_clock(None, "init", clock_trusted, wait_clock_s)
         home.mkdir(parents=True, exist_ok=True)
         os.chmod(home, 0o700)
         site_id = os.urandom(16)
@@ -137,6 +149,7 @@ class Node:
             db.set_meta(conn, "keystore", json.dumps(ks_conf))
             db.set_meta(conn, "machine", ident.machine_fingerprint())
             db.set_meta(conn, "clock_ceiling", 0)
+            db.set_meta(conn, "clock_evidence", clock["now_ms"])
             db.set_meta(conn, "surfaced_limit", prof.surfaced_limit)
             db.set_meta(conn, "records_limit", prof.records_limit)
             db.set_meta(conn, "records_limit_bytes", prof.records_limit_bytes)
@@ -724,6 +737,12 @@ class Node:
                           (now, kind, reason, e.event_id, e.site_id, e.table, json.dumps(detail, sort_keys=True)))
 
     # ------------------------------------------------------------------ refused messages (issue 11)
+    def surface_clock(self, reason: str, detail: dict) -> None:
+        """Surface a clock condition (kind `clock`), e.g. eviction deferred for an untrusted clock."""
+        with _txn(self.conn):
+            self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
+                              (now_ms(), "clock", reason, json.dumps(detail, sort_keys=True)))
+
     def surface_refused(self, source: str, reason: str, detail: str = "", claimed_sender: bytes | None = None,
                         now: int | None = None) -> None:
         """Surface a message from outside that its boundary parser refused (an MQTT body, a
@@ -772,7 +791,7 @@ class Node:
                             hint = f" (an integer is not a real; write {float(v)!r})"
                         raise NodeError(f"column {c} is {tbl.tdef.columns[c]}; {v!r} does not fit{hint}")
             payloads.append((tbl.tdef, key, None if delete else values, "delete" if delete else "upsert"))
-        raws = self._sign_events(payloads, now)
+        raws = self._sign_events(payloads, self._signing_now(now))
         outs = self.apply_batch(raws, now, origin="local")
         for o in outs:
             if o.status != APPLIED or o.reason != "applied":
@@ -787,10 +806,39 @@ class Node:
         """Sign one control record (rehydrate, truncation, mailbox answer, authority records) under a fresh HLC
         identity through the bridge (persist-before-release), then witness the HLC before the
         record can leave the node."""
-        hlc = self._tick(now)
+        hlc = self._tick(self._signing_now(now))
         raw = self.bridge.release(EventIdentity(self.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs, assemble)
         self._witness(hlc)
         return raw
+
+    def _signing_now(self, now: int) -> int:
+        """The wall-clock input of the next ticks (core/clock.signing_time): bounded by the
+        evidence while the clock is not trustworthy; while it is, the reading is new evidence."""
+        from . import clockstate
+        st = clockstate.assess(self, now)
+        if st["trusted"]:
+            self.record_clock_evidence(now)
+        return clock_signing_time(now, self.clock_evidence, st["trusted"])
+
+    def record_clock_evidence(self, now: int, force: bool = False) -> None:
+        """Keep the highest wall-clock reading taken while the clock was trustworthy (meta
+        clock_evidence; only rises). Throttled to one store write a minute unless forced."""
+        from .clockstate import EVIDENCE_EVERY_MS
+        cur = self.clock_evidence
+        if self.read_only or (cur is not None and (now <= cur or (not force and now < cur + EVIDENCE_EVERY_MS))):
+            return
+        with _txn(self.conn):
+            db.set_meta(self.conn, "clock_evidence", now)
+        self.clock_evidence = now
+
+    def require_trusted_clock(self, what: str, *, override: bool = False, wait_s: float = 0,
+                              now: int | None = None) -> dict:
+        """Eviction and horizon changes need a trustworthy wall clock (issue 12 item 5): wait up
+        to `wait_s` for one, else refuse (ClockUntrusted). Returns the clock's assessment; a
+        trusted reading is recorded as evidence."""
+        st = _require_trusted_clock(self, what, override, wait_s, now)
+        self.record_clock_evidence(st["now_ms"], force=True)
+        return st
 
     def _tick(self, now: int) -> tuple[int, int]:
         """Issue the next local HLC (the durable in-home ceiling first). Callers release what
@@ -929,19 +977,27 @@ class Node:
             t.horizon = None
         return old
 
-    def evict_table(self, table: str, horizon: tuple[int, int], now: int | None = None) -> int:
-        """Raise one table's horizon and delete the retained events below it. Returns events deleted."""
+    def evict_table(self, table: str, horizon: tuple[int, int], now: int | None = None, *,
+                    clock_override: bool = False, wait_clock_s: float = 0) -> int:
+        """Raise one table's horizon and delete the retained events below it. Returns events deleted.
+        Needs a trustworthy clock: a horizon is judged against it (raise_horizon)."""
+        st = self.require_trusted_clock(f"evict {table}", override=clock_override, wait_s=wait_clock_s, now=now)
+        now = st["now_ms"] if now is None else now
         self.raise_horizon(table, horizon, now)
         n = self._delete_below_horizon(table)
         self._reclaim()
         return n
 
-    def run_eviction(self, now: int | None = None) -> dict:
+    def run_eviction(self, now: int | None = None, *, clock_override: bool = False,
+                     wait_clock_s: float = 0) -> dict:
         """The eviction job (scope §3): advance each evictable table's horizon to now minus the
         profile's duration for its retention class, delete the retained events below it and
         reclaim the space. It never emits an event and never removes a materialized row (an
-        ambiguous marker fails open: rows stay). Horizons only move up."""
-        now = now_ms() if now is None else now
+        ambiguous marker fails open: rows stay). Horizons only move up. Its horizons are "now
+        minus a duration": a clock a year ahead would evict a year of history and set horizons
+        no write can get above, so it refuses without a trustworthy clock (ClockUntrusted)."""
+        st = self.require_trusted_clock("eviction", override=clock_override, wait_s=wait_clock_s, now=now)
+        now = st["now_ms"] if now is None else now
         before = self.store_bytes()
         tables = {}
         for q, t in sorted(self.tables.items()):
@@ -1085,9 +1141,14 @@ class Node:
                 "events": self.conn.execute("SELECT count(*) FROM events").fetchone()[0],
                 "held": self.conn.execute("SELECT count(*) FROM held").fetchone()[0],
                 "bounds": self._bounds(),
+                "clock": self._clock_status(),
                 "tables": {q: {"category": t.tdef.category, "retention": t.tdef.retention,
                                "horizon": f"{t.horizon[0]}.{t.horizon[1]}" if t.horizon else "0.0"}
                            for q, t in sorted(self.tables.items())}}
+
+    def _clock_status(self) -> dict:
+        from . import clockstate
+        return clockstate.assess(self)
 
     def _bounds(self) -> dict:
         """The store-enforced bounds on what peers can make this node keep, and what each evicted
@@ -1102,6 +1163,20 @@ class Node:
         conf = json.loads(db.get_meta(self.conn, "keystore", "{}") or "{}")
         path = str(self.home / "sign-journal")
         return {"journal": path, "keystore": conf, "journal_state": journal_inspect(path)}
+
+
+def _require_trusted_clock(node, what: str, override: bool, wait_s: float, now: int | None = None) -> dict:
+    from . import clockstate
+    deadline = time.monotonic() + max(0.0, wait_s)
+    while True:
+        st = clockstate.assess(node, now, trusted_override=override)
+        if st["trusted"] or time.monotonic() >= deadline:
+            break
+        time.sleep(1.0)
+    if not st["trusted"]:
+        raise ClockUntrusted(f"clock_untrusted: {what} needs a trustworthy wall clock ({st['state']}: {st['hint']}); "
+                             "wait for time sync (--wait-clock SECONDS), or pass --clock-trusted if the clock is right")
+    return st
 
 
 def _hlc_meta(v) -> tuple[int, int] | None:

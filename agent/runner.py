@@ -201,8 +201,16 @@ class Runner:
 
     def evict(self) -> dict | None:
         """The profile's eviction job (node.run_eviction), its report logged."""
+        from .node import ClockUntrusted
         try:
             rep = self.node.run_eviction()
+        except ClockUntrusted as e:
+            # Deferred, not failed: the next interval tries again (docs/apply.md "Clocks without an RTC").
+            self.stats["evictions_deferred"] = self.stats.get("evictions_deferred", 0) + 1
+            if self.stats["evictions_deferred"] == 1:
+                log.warning("eviction deferred: %s", e)
+                self.node.surface_clock("clock_untrusted", {"deferred": "eviction", "message": str(e)})
+            return None
         except Exception as e:  # noqa: BLE001 - eviction must never stop the sync loop
             self.stats["eviction_failures"] += 1
             log.warning("eviction failed: %s", e)

@@ -1,5 +1,12 @@
 
+import os
+
 import pytest
+
+# This machine (and CI containers) run no time sync: the kernel reports STA_UNSYNC. The suite
+# declares the wall clock trustworthy (docs/apply.md "Clocks without an RTC"); the tests of the
+# clock rule (tests/lifecycle/test_clock_trust.py) remove this and drive the sync state themselves.
+os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
 
 
 @pytest.fixture(autouse=True)

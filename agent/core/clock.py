@@ -89,3 +89,18 @@ class Hlc:
 def beyond_skew(hlc_physical_ms: int, now_ms: int) -> bool:
     """§12 step 2: more than 300 000 ms in the receiver's future."""
     return hlc_physical_ms - now_ms > SKEW_BOUND_MS
+
+
+def signing_time(now_ms: int, evidence_ms: int | None, trusted: bool) -> int:
+    """The wall-clock reading a tick may use (docs/apply.md "Clocks without an RTC").
+
+    A trustworthy clock is used as is. An untrustworthy one (no NTP sync yet, no override) may
+    not carry the HLC beyond the node's evidence of real time (the highest wall-clock reading
+    it took while the clock was trustworthy) plus the §12 step 2 skew bound: every receiver
+    whose clock is right accepts such a value, so a bad boot a year ahead cannot stamp events a
+    receiver rejects (`clock_skew`) until that year has passed. Only the wall-clock input is
+    bounded: the tick still issues strictly above every value issued or observed (never reissue,
+    never undercut). No evidence at all (a home made before the rule) leaves `now_ms` as is."""
+    if trusted or evidence_ms is None:
+        return now_ms
+    return min(now_ms, evidence_ms + SKEW_BOUND_MS)

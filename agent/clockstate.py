@@ -1,0 +1,148 @@
+"""Is this node's wall clock trustworthy? (issue 12 item 5; docs/apply.md "Clocks without an RTC").
+
+A Raspberry Pi has no real-time clock: it boots at fake-hwclock's last saved time, or anywhere,
+until NTP syncs. The node trusts its wall clock when one of its sync sources says it is
+synchronised and the clock is not behind the node's own evidence:
+
+- `kernel`: the kernel's NTP state, read with adjtimex(2) (modes 0: a read, no privilege);
+  synchronised when STA_UNSYNC is clear and the call does not answer TIME_ERROR. timesyncd,
+  chrony and ntpd all clear it once they have set the clock.
+- `timesyncd[:PATH]`: systemd-timesyncd's flag file, /run/systemd/timesync/synchronized.
+
+`SSP_AGENT_CLOCK_SYNC` lists the sources (default `kernel,timesyncd`). `SSP_AGENT_CLOCK_TRUSTED=1`
+declares the wall clock trustworthy whatever they say (a device with a battery-backed RTC or a
+GPS clock); `--clock-trusted` on `init` and `evict` does it for one command.
+
+The node's evidence: `meta.clock_evidence`, the highest wall-clock reading taken while the clock
+was trustworthy (recorded at `init`, by eviction and horizon changes, and by writes at most once
+a minute), and the highest HLC it holds (`clock.current()`, which is above the observed mark
+`meta.clock_observed` and the witness).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from pathlib import Path
+
+from .core.clock import SKEW_BOUND_MS, signing_time
+
+TIMESYNCD_FLAG = "/run/systemd/timesync/synchronized"
+STA_UNSYNC = 0x0040
+TIME_ERROR = 5
+# A wall clock this far from the evidence is surfaced (`check` warns): the §12 step 2 bound, so
+# what is shown as "behind" is exactly what peers with a right clock would reject.
+FAR_MS = SKEW_BOUND_MS
+EVIDENCE_EVERY_MS = 60_000  # how stale the recorded evidence may get before a write refreshes it
+
+_TRUE = ("1", "yes", "true", "on")
+
+
+class _Timex(ctypes.Structure):
+    # struct timex (linux/timex.h); only `status` is read. The trailing padding covers the
+    # reserved fields of every kernel ABI.
+    _fields_ = [("modes", ctypes.c_uint), ("offset", ctypes.c_long), ("freq", ctypes.c_long),
+                ("maxerror", ctypes.c_long), ("esterror", ctypes.c_long), ("status", ctypes.c_int),
+                ("constant", ctypes.c_long), ("precision", ctypes.c_long), ("tolerance", ctypes.c_long),
+                ("time_sec", ctypes.c_long), ("time_usec", ctypes.c_long), ("tick", ctypes.c_long),
+                ("ppsfreq", ctypes.c_long), ("jitter", ctypes.c_long), ("shift", ctypes.c_int),
+                ("stabil", ctypes.c_long), ("jitcnt", ctypes.c_long), ("calcnt", ctypes.c_long),
+                ("errcnt", ctypes.c_long), ("stbcnt", ctypes.c_long), ("tai", ctypes.c_int),
+                ("_reserved", ctypes.c_int * 11)]
+
+
+_libc = None
+
+
+def kernel_synced() -> bool | None:
+    """The kernel's NTP state: True synchronised, False not, None when it cannot be read."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = getattr(_libc, "adjtimex", None) or getattr(_libc, "ntp_adjtime")
+        tx = _Timex()  # modes = 0: read only
+        state = fn(ctypes.byref(tx))
+    except (OSError, AttributeError):
+        return None
+    if state < 0:
+        return None
+    return state != TIME_ERROR and not (tx.status & STA_UNSYNC)
+
+
+def sources() -> list[tuple[str, str | None]]:
+    spec = os.environ.get("SSP_AGENT_CLOCK_SYNC", "kernel,timesyncd")
+    out = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        name, _, arg = item.partition(":")
+        out.append((name, arg or None))
+    return out
+
+
+def sync_state() -> dict[str, bool | None]:
+    """Each configured source's answer (None: unreadable or unknown source)."""
+    res: dict[str, bool | None] = {}
+    for name, arg in sources():
+        if name == "kernel":
+            res["kernel"] = kernel_synced()
+        elif name == "timesyncd":
+            res["timesyncd"] = Path(arg or TIMESYNCD_FLAG).exists()
+        else:
+            res[name] = None
+    return res
+
+
+def override() -> bool:
+    return os.environ.get("SSP_AGENT_CLOCK_TRUSTED", "").strip().lower() in _TRUE
+
+
+def assess(node=None, now: int | None = None, *, trusted_override: bool = False) -> dict:
+    """The clock's state for `status`, `check` and the gates. Reads only (works on a read-only
+    node). Keys: trusted (bool), state ("ok", "unsynced", "behind", "ahead", "no_evidence"),
+    source (what made it trusted, or None), sync (each source's answer), now_ms, evidence_ms
+    (None when the home has none), hlc ("P.L"), behind_ms (how far the node's HLC is ahead of
+    the wall clock), ahead_ms (how far the wall clock is past the evidence), signing_cap_ms
+    (the highest physical a tick may use now, None when unbounded), hint."""
+    from .node import now_ms
+    now = now_ms() if now is None else now
+    sync = sync_state()
+    synced = any(v for v in sync.values())
+    forced = trusted_override or override()
+    evidence = getattr(node, "clock_evidence", None) if node is not None else None
+    hlc = node.clock.current() if node is not None else (0, 0)
+    behind_ms = max(0, hlc[0] - now)
+    ahead_ms = max(0, now - evidence) if evidence is not None else 0
+    behind_evidence = evidence is not None and evidence - now > FAR_MS
+    source = "override" if forced else next((k for k, v in sync.items() if v), None)
+    trusted = forced or (synced and not behind_evidence)
+    if not trusted and behind_evidence:
+        state = "behind"
+        hint = (f"the wall clock is {(evidence - now) // 1000} s behind what this node saw it read while it "
+                "was trustworthy; the time service set it wrong, or the evidence was recorded under a wrong "
+                "override. Fix the clock (timedatectl), or pass --clock-trusted if it is right")
+    elif not trusted:
+        state = "unsynced"
+        hint = ("no sync source says the clock is synchronised (timedatectl timesync-status); eviction and "
+                "horizon changes wait for it, and writes are stamped no later than the evidence plus "
+                f"{SKEW_BOUND_MS // 1000} s. Bring NTP up, or set SSP_AGENT_CLOCK_TRUSTED=1 on a device with an RTC")
+    elif behind_ms > FAR_MS:
+        state = "behind"
+        hint = (f"this node's HLC is {behind_ms // 1000} s ahead of the (trusted) wall clock: it once stamped "
+                "events ahead (a bad clock before this rule, or observed from a peer); its writes stay "
+                "above that value (§13.5) and peers with a right clock reject them until real time passes it")
+    elif node is not None and evidence is None:
+        state = "no_evidence"
+        hint = "this home has no record of a trustworthy reading yet; the next eviction or write records one"
+    else:
+        state = "ok"
+        hint = ""
+    if not trusted and ahead_ms > FAR_MS and state == "unsynced":
+        state = "ahead"
+        hint = (f"the wall clock reads {ahead_ms // 1000} s past the last trustworthy reading and is not "
+                "synchronised (a bad boot?); " + hint)
+    cap = signing_time(now, evidence, trusted)
+    return {"trusted": trusted, "state": state, "source": source, "sync": sync, "now_ms": now,
+            "evidence_ms": evidence, "hlc": f"{hlc[0]}.{hlc[1]}", "behind_ms": behind_ms,
+            "ahead_ms": ahead_ms, "signing_cap_ms": cap if cap < now else None, "hint": hint}

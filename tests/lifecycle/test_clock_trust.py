@@ -1,0 +1,146 @@
+"""Clocks on devices without an RTC (issue 12 item 5; docs/apply.md "Clocks without an RTC"), through
+the real CLI as subprocesses and libfaketime for a bad boot.
+
+The sync source is systemd-timesyncd's flag file, redirected to a file of the test
+(SSP_AGENT_CLOCK_SYNC=timesyncd:PATH): present = synchronised, absent = not. This machine's kernel
+reports STA_UNSYNC, so the kernel source is left out to make "synchronised" reachable here.
+
+The rule under test: eviction, horizon changes and `init` refuse (exit 2, clock_untrusted) without a
+trustworthy clock or --clock-trusted; while the clock is untrusted a write is stamped no later than
+the evidence (the last trustworthy reading) plus the 300 s skew bound, so after a bad boot a year
+ahead nothing is evicted, no horizon moves, and a fresh peer with a right clock accepts every write."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.simpeer import readings_table
+from tests.cli_cmd import agent_cmd, agent_env
+
+pytestmark = pytest.mark.skipif(shutil.which("faketime") is None, reason="libfaketime (Debian faketime) not installed")
+
+MESH = "00112233445566778899aabbccddeeff"
+YEAR_MS = 365 * 86_400_000
+SKEW_MS = 300_000
+
+
+class Cli:
+    def __init__(self, tmp: Path) -> None:
+        self.flag = tmp / "timesync" / "synchronized"
+        self.flag.parent.mkdir()
+        self.env = agent_env({"SSP_AGENT_WITNESS_DIR": str(tmp / "witness"),
+                              "SSP_AGENT_CLOCK_SYNC": f"timesyncd:{self.flag}"})
+        self.env.pop("SSP_AGENT_CLOCK_TRUSTED", None)
+
+    def synced(self, yes: bool) -> None:
+        if yes:
+            self.flag.write_text("")
+        else:
+            self.flag.unlink(missing_ok=True)
+
+    def __call__(self, home, *args, ok=True, fake: str | None = None):
+        pre = ["faketime", "-f", fake] if fake else []
+        p = subprocess.run([*pre, *agent_cmd(), "--home", str(home), *map(str, args)], capture_output=True,
+                           text=True, env=self.env, timeout=120)
+        if ok:
+            assert p.returncode == 0, f"{args}: {p.stderr}"
+        return p
+
+    def j(self, home, *args, **kw):
+        return json.loads(self(home, *args, **kw).stdout)
+
+    def log(self, home):
+        return [json.loads(x) for x in self(home, "log").stdout.splitlines() if x.strip()]
+
+
+def _manifest(tmp: Path, name: str, peers: list[dict]) -> Path:
+    text = f'mesh_id = "{MESH}"\n' + "".join(
+        f'[[peers]]\nsite_id = "{p["site_id"]}"\npublic_key = "{p["public_key"]}"\n' for p in peers)
+    text += readings_table("telemetry")
+    f = tmp / f"{name}.toml"
+    f.write_text(text)
+    return f
+
+
+def _p(hlc: str) -> int:
+    return int(hlc.split(".")[0])
+
+
+def test_init_waits_for_a_trustworthy_clock(tmp_path):
+    cli = Cli(tmp_path)
+    m = _manifest(tmp_path, "m", [])
+    cli.synced(False)
+    p = cli(tmp_path / "a", "init", "--manifest", m, ok=False)
+    assert p.returncode == 2 and "clock_untrusted" in p.stderr, p.stderr
+    assert not (tmp_path / "a" / "store.sqlite").exists()          # nothing made
+    t0 = time.time()
+    p = cli(tmp_path / "a", "init", "--manifest", m, "--wait-clock", "1.5", ok=False)
+    assert p.returncode == 2 and time.time() - t0 >= 1.5            # it waited, then refused
+    # The override, or a clock that becomes synchronised while it waits:
+    cli(tmp_path / "b", "init", "--manifest", m, "--clock-trusted")
+    cli.synced(True)
+    cli(tmp_path / "a", "init", "--manifest", m, "--wait-clock", "5")
+    st = cli.j(tmp_path / "a", "status")["clock"]
+    assert st["trusted"] and st["source"] == "timesyncd" and st["state"] == "ok"
+    assert abs(st["evidence_ms"] - time.time() * 1000) < 60_000
+
+
+def test_a_bad_boot_a_year_ahead_neither_evicts_nor_poisons_the_mesh(tmp_path):
+    cli = Cli(tmp_path)
+    cli.synced(True)
+    b = cli.j(tmp_path / "b", "init", "--manifest", _manifest(tmp_path, "mb", []))
+    a = cli.j(tmp_path / "a", "init", "--manifest", _manifest(tmp_path, "ma", [b]))
+    A, B = tmp_path / "a", tmp_path / "b"
+    cli(B, "peer", "add", "--site-id", a["site_id"], "--public-key", a["public_key"])
+    key = lambda n: json.dumps({"device": "d", "seq": n})  # noqa: E731
+    cli(A, "write", "app.readings", "--key", key(1), "--set", '{"temp": 20.5}')
+    evidence = cli.j(A, "status")["clock"]["evidence_ms"]
+
+    # A bad boot: the wall clock a year ahead, no time sync yet.
+    cli.synced(False)
+    bad = "+365d"
+    st = cli.j(A, "status", fake=bad)["clock"]
+    assert not st["trusted"] and st["state"] == "ahead" and st["ahead_ms"] > YEAR_MS - 86_400_000
+    p = cli(A, "evict", "--auto", fake=bad, ok=False)
+    assert p.returncode == 2 and "clock_untrusted" in p.stderr, p.stderr
+    ahead = f"{int(time.time() * 1000) + YEAR_MS}.0"
+    p = cli(A, "evict", "app.readings", "--horizon", ahead, fake=bad, ok=False)
+    assert p.returncode == 2 and "clock_untrusted" in p.stderr, p.stderr
+    # The sensor keeps writing through the bad boot: stamped no later than evidence + skew bound.
+    cli(A, "write", "app.readings", "--key", key(2), "--set", '{"temp": 21.5}', fake=bad)
+    cli(A, "write", "app.readings", "--key", key(3), "--set", '{"temp": 22.5}', fake=bad)
+    # The clock corrected by hand but not yet synchronised: still bounded, still monotonic.
+    cli(A, "write", "app.readings", "--key", key(4), "--set", '{"temp": 23.5}')
+    # Synchronised: stamped by the real clock again.
+    cli.synced(True)
+    cli(A, "write", "app.readings", "--key", key(5), "--set", '{"temp": 24.5}')
+
+    log = cli.log(A)
+    assert [e["row_key"]["seq"] for e in log] == [1, 2, 3, 4, 5]    # no history evicted
+    stamps = [tuple(map(int, e["hlc"].split("."))) for e in log]
+    assert stamps == sorted(stamps) and len(set(stamps)) == 5       # never reissued, monotonic
+    now = int(time.time() * 1000)
+    assert all(p <= evidence + SKEW_MS for p, _ in stamps[1:4]), (evidence, stamps)
+    assert all(p <= now + SKEW_MS for p, _ in stamps)               # nothing stamped in the future
+    st = cli.j(A, "status")
+    assert all(t["horizon"] == "0.0" for t in st["tables"].values())  # no horizon raised a year ahead
+    # The HLC may sit up to the skew bound above the corrected clock (the bounded writes): within
+    # what every peer accepts, and not "behind" (far from the wall clock) for `check`.
+    assert st["clock"]["trusted"] and st["clock"]["behind_ms"] <= SKEW_MS and st["clock"]["state"] == "ok"
+
+    # A fresh peer with a right clock takes every write: none rejected for clock skew.
+    body = tmp_path / "a-to-b.body"
+    cli(A, "mailbox", "export", "--peer", b["site_id"], "--out", body)
+    res = cli.j(B, "mailbox", "import", body)
+    assert res["applied"] == 5 and res["rejected"] == 0, res
+    assert len(cli.j(B, "dump")["app.readings"]) == 5
+
+    # With a trustworthy clock the eviction job runs (and its horizon is in the past).
+    rep = cli.j(A, "evict", "--auto")
+    h = _p(rep["tables"]["app.readings"]["horizon"])
+    assert h < int(time.time() * 1000)
