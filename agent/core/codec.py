@@ -90,81 +90,88 @@ def prescan(data: bytes, allowed_tags: frozenset[int] = frozenset(), *, max_dept
         raise DecodeError("too_large", f"{n} bytes > {max_bytes}")
     if n == 0:
         raise DecodeError("malformed_cbor", "empty input")
-    i = 0
+    # Every item costs at least one byte, so only an input longer than `max_items` needs counting.
+    count = n > max_items
     items = 0
+    i = 0
     # Open containers: remaining members of each, and whether it is a map. `left` and `is_map`
     # are the innermost one; the outermost "container" is the one item the input must hold.
+    # (Written for speed: it runs over every received event's payload.)
     stack: list[tuple[int, bool]] = []
     left, is_map = 1, False
-    while True:
-        if i >= n:
-            raise DecodeError("malformed_cbor", "truncated item")
-        ib = data[i]
-        i += 1
-        major = ib >> 5
-        ai = ib & 31
-        if ai < 24:
-            arg = ai
-        elif ai == 24:
-            if i >= n:
-                raise DecodeError("malformed_cbor", "truncated head")
-            arg = data[i]
+    try:
+        while True:
+            ib = data[i]
             i += 1
-        elif ai < 28:
-            w = 1 << (ai - 24)  # 2, 4 or 8 bytes
-            if i + w > n:
-                raise DecodeError("malformed_cbor", "truncated head")
-            arg = int.from_bytes(data[i:i + w], "big")
-            i += w
-        elif ai == 31:
-            raise DecodeError("indefinite_length", "indefinite lengths and break are not allowed")
-        else:
-            raise DecodeError("malformed_cbor", f"reserved additional information {ai}")
-        items += 1
-        if items > max_items:
-            raise DecodeError("too_many_items", f"more than {max_items} items")
-        if is_map and not left & 1 and major != 0 and major != 1 and major != 3:
-            # `left` counts a map's keys and values down from an even number: even means a key.
-            raise DecodeError("bad_map_key", "map keys must be text or integers")
-        if major < 2:
-            if arg > INT64_MAX:
-                raise DecodeError("int_out_of_range", "integer outside the signed 64-bit range")
-        elif major < 4:
-            if arg > n - i:
-                raise DecodeError("malformed_cbor", "string longer than the input")
-            i += arg
-        elif major < 6:
-            count = arg << 1 if major == 5 else arg
-            if count:
-                if count > n - i:
-                    raise DecodeError("malformed_cbor", "more members than bytes left")
-                if len(stack) >= max_depth:
-                    raise DecodeError("too_deep", f"nesting deeper than {max_depth}")
-                stack.append((left, is_map))
-                left, is_map = count, major == 5
-                continue  # the container completes with its last member
-        elif major == 6:
-            if arg not in allowed_tags or i != (1 if ai < 24 else 1 + (1 << (ai - 24))):
-                raise DecodeError("unexpected_tag", f"tag {arg} not allowed here")
-            stack.append((left, is_map))
-            left, is_map = 1, False  # the tag's content: one item
-            continue
-        else:
-            if ai < 20 or ai == 23 or ai == 24:
+            major = ib >> 5
+            arg = ib & 31
+            if arg > 23:
+                ai = arg
+                if ai == 24:
+                    arg = data[i]
+                    i += 1
+                elif ai < 28:
+                    j = i + (1 << (ai - 24))  # 2, 4 or 8 bytes
+                    if j > n:
+                        raise IndexError
+                    arg = int.from_bytes(data[i:j], "big")
+                    i = j
+                elif ai == 31:
+                    raise DecodeError("indefinite_length", "indefinite lengths and break are not allowed")
+                else:
+                    raise DecodeError("malformed_cbor", f"reserved additional information {ai}")
+                if major == 7:
+                    if ai == 24:
+                        raise DecodeError("unexpected_type", f"simple value {arg} is not allowed")
+                    # half, single, double: an all-ones exponent is an infinity or NaN
+                    if finite_floats and ((ai == 25 and arg & 0x7C00 == 0x7C00)
+                                          or (ai == 26 and arg & 0x7F800000 == 0x7F800000)
+                                          or (ai == 27 and arg & 0x7FF0000000000000 == 0x7FF0000000000000)):
+                        raise DecodeError("non_finite_float", "NaN and infinities are not allowed")
+            elif major == 7 and (arg < 20 or arg == 23):
                 raise DecodeError("unexpected_type", f"simple value {arg} is not allowed")
-            if ai > 24 and finite_floats:  # half, single, double: an all-ones exponent is an infinity or NaN
-                if (ai == 25 and arg & 0x7C00 == 0x7C00) or (ai == 26 and arg & 0x7F800000 == 0x7F800000) \
-                        or (ai == 27 and arg & 0x7FF0000000000000 == 0x7FF0000000000000):
-                    raise DecodeError("non_finite_float", "NaN and infinities are not allowed")
-        # one complete item: close every container it completes
-        left -= 1
-        while not left:
-            if not stack:
-                if i != n:
-                    raise DecodeError("trailing_bytes", f"{n - i} bytes after the item")
-                return
-            left, is_map = stack.pop()
+            if count:
+                items += 1
+                if items > max_items:
+                    raise DecodeError("too_many_items", f"more than {max_items} items")
+            # `left` counts a map's keys and values down from an even number: even means a key.
+            if is_map and not left & 1 and major != 3 and major > 1:
+                raise DecodeError("bad_map_key", "map keys must be text or integers")
+            if major < 2:
+                if arg > INT64_MAX:
+                    raise DecodeError("int_out_of_range", "integer outside the signed 64-bit range")
+            elif major < 4:
+                i += arg
+                if i > n:
+                    raise DecodeError("malformed_cbor", "string longer than the input")
+            elif major < 6:
+                if arg:
+                    if major == 5:
+                        arg <<= 1
+                    if arg > n - i:
+                        raise DecodeError("malformed_cbor", "more members than bytes left")
+                    if len(stack) >= max_depth:
+                        raise DecodeError("too_deep", f"nesting deeper than {max_depth}")
+                    stack.append((left, is_map))
+                    left, is_map = arg, major == 5
+                    continue  # the container completes with its last member
+            elif major == 6:
+                if arg not in allowed_tags or stack or i != (1 if ib & 31 < 24 else 1 + (1 << ((ib & 31) - 24))):
+                    raise DecodeError("unexpected_tag", f"tag {arg} not allowed here")
+                stack.append((left, is_map))
+                left, is_map = 1, False  # the tag's content: one item
+                continue
+            # one complete item: close every container it completes
             left -= 1
+            while not left:
+                if not stack:
+                    if i != n:
+                        raise DecodeError("trailing_bytes", f"{n - i} bytes after the item")
+                    return
+                left, is_map = stack.pop()
+                left -= 1
+    except IndexError:
+        raise DecodeError("malformed_cbor", "truncated item") from None
 
 
 def decode_strict(data: bytes, allowed_tags: frozenset[int] = frozenset(), *, deterministic: bool = True,
