@@ -203,6 +203,7 @@ class FuzzNode:
         from agent.simpeer import NOTES_TABLE, readings_table
         home = home or Path(tempfile.mkdtemp(prefix="ssp-fuzz-")) / "n"
         os.environ.setdefault("SSP_AGENT_WITNESS_DIR", str(home.parent / "witness"))
+        os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")  # as tests/conftest.py (atheris runs outside pytest)
         man = (f'mesh_id = "{MESH.hex()}"\nauthorities = ["{KID.hex()}"]\n[[peers]]\nsite_id = "{KID.hex()}"\n'
                f'public_key = "{bytes(KEY.verify_key).hex()}"\n' + readings_table() + NOTES_TABLE)
         self.node, _ = Node.init(home, man)
