@@ -6,7 +6,7 @@
 # in build/fuzz/corpus/TARGET seeded from the tests, findings written as build/fuzz/crash-*.
 # Without atheris (it ships wheels for CPython x86_64/aarch64 Linux only): falls back to a long
 # Hypothesis run of tests/hostile/test_fuzz.py (SSP_FUZZ_SCALE examples per target, default 100x)
-# and says so.
+# and says so (SSP_FUZZ_NO_ATHERIS=1 chooses that run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -18,10 +18,10 @@ mkdir -p "$OUT"
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python  # tools/setup.sh's venv, when there is one
 
-if ! "$PY" -c "import atheris" 2>/dev/null; then
+if [ -z "${SSP_FUZZ_NO_ATHERIS:-}" ] && ! "$PY" -c "import atheris" 2>/dev/null; then
   "$PY" -m pip install --quiet atheris 2>/dev/null || true
 fi
-if ! "$PY" -c "import atheris" 2>/dev/null; then
+if [ -n "${SSP_FUZZ_NO_ATHERIS:-}" ] || ! "$PY" -c "import atheris" 2>/dev/null; then
   echo "tools/fuzz.sh: atheris is not available here: falling back to a long Hypothesis run" \
        "(SSP_FUZZ_SCALE=${SSP_FUZZ_SCALE:-100})" >&2
   exec env SSP_FUZZ_SCALE="${SSP_FUZZ_SCALE:-100}" "$PY" -m pytest -q -p no:cacheprovider -W ignore \
