@@ -40,7 +40,7 @@ class _Counting:
     def __init__(self, inner, batch_limit: int) -> None:
         self.inner, self.batch_limit = inner, batch_limit
         self.offered = 0
-        self.last_full = False
+        self.received = 0  # events in bodies, answers and pushes received
         self.confirms = 0  # exchanges completed, either role (our body answered, our answer acknowledged)
 
     def hello_info(self):
@@ -49,12 +49,11 @@ class _Counting:
     def outgoing(self, peer, mode, now):
         out = self.inner.outgoing(peer, mode, now)
         self.offered += out.n_events
-        if mode == "batch":
-            self.last_full = out.n_events >= self.batch_limit
         return out
 
-    def incoming(self, *args):
-        return self.inner.incoming(*args)
+    def incoming(self, peer, body, *rest):
+        self.received += len(body.events)
+        return self.inner.incoming(peer, body, *rest)
 
     def confirm(self, *args):
         self.confirms += 1
@@ -96,6 +95,9 @@ class SerialEndpoint:
         self.sessions = 0
         self._ready_at: int | None = None
         self._rcv_at_ready = 0
+        self._seen_confirms = 0
+        self._moved_mark = 0
+        self.empty_exchanges = 0  # completed exchanges that moved no event either way
         self.events: list[tuple[str, str]] = []  # link and session events, for the caller
 
     # ------------------------------------------------------------------ inputs
@@ -165,6 +167,8 @@ class SerialEndpoint:
         ls = self.link.stats
         return {"pushed": offered, "applied": c["applied"], "duplicate": c["duplicate"], "dropped": c["dropped"],
                 "rejected": c["rejected"], "held": c["held"], "exchanges": self.completed,
+                "timeouts": sum(1 for k, _ in self.events if k == "timeout"),
+                "protocol_errors": sum(1 for k, _ in self.events if k in ("protocol_error", "peer_error")),
                 "peer": self.session.peer.hex() if self.session is not None and self.session.peer else None,
                 "realtime": bool(self.session is not None and self.session.realtime),
                 "link": {"state": self.link.state, "incarnations": self.sessions, "bytes_out": ls["bytes_out"],
@@ -191,7 +195,37 @@ class SerialEndpoint:
             self.offered += self.provider.offered
             self.exchanges += self.provider.confirms
         self.session, self.provider = None, None
+        self._seen_confirms = self._moved_mark = 0
         self._ready_at = None
+
+    def _after(self, s, mono: int) -> bool:
+        """Account for what the session just did; True when an exchange this end started is done
+        and moved events (so more may be waiting: chain the next one)."""
+        p = self.provider
+        moved = None
+        if p is not None and p.confirms != self._seen_confirms:
+            # An exchange completed (either role): did events move either way since the last one?
+            self._seen_confirms = p.confirms
+            total = p.offered + p.received
+            moved, self._moved_mark = total - self._moved_mark, total
+            if moved == 0:
+                self.empty_exchanges += 1
+        chain = False
+        for ev in s.events:
+            self.events.append((ev.kind, ev.detail))
+            if ev.kind == "ready" and self.settings.once and s.peer is not None \
+                    and self.driver.node.site_id > s.peer:
+                self._ready_at = mono  # the smaller site_id starts (the session's stagger)
+                self._rcv_at_ready = self.link.stream_received
+            elif ev.kind == "exchanged":
+                # An exchange this end started is done. If it moved events either way, more may
+                # be waiting on either side: the next one now, not a cadence later, until one
+                # moves nothing. Only the end that started one chains, so the two ends never
+                # start one each at once (that would send the same events twice: a body and an
+                # answer selected from one cursor).
+                chain = bool(moved)
+        s.events.clear()
+        return chain
 
     def _flush(self) -> None:
         data = self.link.data_to_send()
@@ -209,19 +243,13 @@ class SerialEndpoint:
         self._flush()  # acknowledgements first: the peer keeps sending while this node applies
         s = self.session
         if s is not None:
+            chain = self._after(s, mono)  # session timers may have produced events too
             for m in self.link.messages():
                 s.receive(m, wall)
-            for ev in s.events:
-                self.events.append((ev.kind, ev.detail))
-                if ev.kind == "ready" and self.settings.once and s.peer is not None \
-                        and self.driver.node.site_id > s.peer:
-                    self._ready_at = mono  # the smaller site_id starts (the session's stagger)
-                    self._rcv_at_ready = self.link.stream_received
-            s.events.clear()
-            p = self.provider
-            if s.state == "ready" and p is not None and p.last_full and not s._my_body and not s._my_answers:
-                # The last body or answer was full: more is waiting. Send it now, not a cadence later.
-                p.last_full = False
+                # One message at a time: an acknowledgement and the next body often arrive in one
+                # read, and each exchange's movement must be told apart (the end of a --once).
+                chain = self._after(s, mono) or chain
+            if chain and s.state == "ready" and not s._my_body:
                 s.cycle(wall)
             for f in s.data_to_send():
                 try:
@@ -373,12 +401,21 @@ class SerialPort:
                                   "check the cable, the baud rate and that the other end runs ssp-agent")
             self.step(0.1)
         quiet_since = None
+        heard = ep.link.stream_received
         while True:
             now = time.monotonic()
+            if ep.completed > 0 and now > deadline + self.settings.answer_timeout_ms / 1000:
+                break  # an exchange completed; the other end keeps sending (a busy `run`): enough
             done = ep.ready and ep.completed > 0 and not ep.busy()
-            if done:
+            if ep.link.stream_received != heard:
+                # Stream bytes still arriving: the other end's next body (it chains a full one
+                # at once after our acknowledgement), or more of one. Not quiet.
+                heard, quiet_since = ep.link.stream_received, None
+            elif done:
+                # Ended by an exchange that moved nothing (the starting end chains until one does),
+                # or, with a peer that does not chain, by a longer silence.
                 quiet_since = quiet_since or now
-                if now - quiet_since >= linger_s:
+                if now - quiet_since >= (linger_s if ep.empty_exchanges else 3.0):
                     break
             else:
                 quiet_since = None

@@ -17,8 +17,9 @@ from serial_relay import LineFaults, Relay
 from ..cli_cmd import agent_cmd, agent_env
 from ..mqtt.helpers import MANIFEST, T
 
+# serial_batch_limit 12: every sync below takes several exchanges, chained one after the other.
 PROFILE = dataclasses.replace(load_profile("pi-3-4"), serial_keepalive_s=0.3, serial_dead_s=1.5,
-                              serial_timeout_s=20.0, cadence_s=1.0)
+                              serial_timeout_s=20.0, cadence_s=1.0, serial_batch_limit=12)
 
 
 def homes(tmp, n_a: int, n_b: int):
