@@ -73,7 +73,7 @@ class SessionSettings:
     once: bool = False  # sync --once: no cadence; the end with the larger site_id starts an exchange
     # only if the other end has not started one within `responder_wait_ms` (one exchange carries
     # both directions, so two at once would send the same events twice)
-    responder_wait_ms: int = 2_000
+    responder_wait_ms: int = 5_000
 
 
 class SerialEndpoint:
