@@ -14,8 +14,8 @@ declares the wall clock trustworthy whatever they say (a device with a battery-b
 GPS clock); `--clock-trusted` on `init` and `evict` does it for one command.
 
 The node's evidence: `meta.clock_evidence`, the highest wall-clock reading taken while the clock
-was trustworthy (recorded at `init`, by eviction and horizon changes, and by writes at most once
-a minute), and the highest HLC it holds (`clock.current()`, which is above the observed mark
+was trustworthy (recorded at `init`, by eviction and horizon changes, by writes at most once
+a minute, and by `run` every minute), and the highest HLC it holds (`clock.current()`, which is above the observed mark
 `meta.clock_observed` and the witness).
 """
 from __future__ import annotations

@@ -820,6 +820,16 @@ class Node:
             self.record_clock_evidence(now)
         return clock_signing_time(now, self.clock_evidence, st["trusted"])
 
+    def note_clock(self, now: int | None = None) -> dict:
+        """Assess the clock and, when it is trustworthy, keep the reading as evidence (throttled):
+        `run` calls it every minute, so a node that only receives still has fresh evidence."""
+        from . import clockstate
+        now = now_ms() if now is None else now
+        st = clockstate.assess(self, now)
+        if st["trusted"]:
+            self.record_clock_evidence(now)
+        return st
+
     def record_clock_evidence(self, now: int, force: bool = False) -> None:
         """Keep the highest wall-clock reading taken while the clock was trustworthy (meta
         clock_evidence; only rises). Throttled to one store write a minute unless forced."""

@@ -166,6 +166,8 @@ class Runner:
         self.peer_limit: dict[bytes, PeerLimit] = {}  # per peer, after too_large refusals (provisional)
         self.last_eviction: dict | None = None
         self._next_evict = 0.0
+        self._next_clock = 0.0
+        self.clock_state: dict | None = None
         self.sent_upto: dict[bytes, int] = {}  # per peer: highest seq offered in flight (volatile)
         self.caps: dict[bytes, Handshake] = {}  # present peers' handshakes
         self.stats: Counter = Counter()
@@ -198,6 +200,13 @@ class Runner:
         if self.cfg.eviction_interval_s and now >= self._next_evict:
             self._next_evict = now + self.cfg.eviction_interval_s
             self.evict()
+        if now >= self._next_clock:
+            # docs/apply.md "Clocks without an RTC": keep the evidence fresh while the clock is trusted
+            self._next_clock = now + 60.0
+            try:
+                self.clock_state = self.node.note_clock()
+            except Exception as e:  # noqa: BLE001 - a clock check must never stop the sync loop
+                log.warning("clock check failed: %s", e)
 
     def evict(self) -> dict | None:
         """The profile's eviction job (node.run_eviction), its report logged."""

@@ -144,3 +144,31 @@ def test_a_bad_boot_a_year_ahead_neither_evicts_nor_poisons_the_mesh(tmp_path):
     rep = cli.j(A, "evict", "--auto")
     h = _p(rep["tables"]["app.readings"]["horizon"])
     assert h < int(time.time() * 1000)
+
+
+def test_runs_eviction_job_is_deferred_without_a_trustworthy_clock(tmp_path, monkeypatch):
+    """`run`'s eviction job (Runner.evict) on a real node: deferred (not failed, nothing deleted,
+    surfaced once) while no sync source says the clock is synchronised; run once it is."""
+    from agent.node import Node
+    from agent.runner import RunConfig, Runner
+    from agent.transport.mqtt import MqttSettings
+    flag = tmp_path / "synchronized"
+    flag.write_text("")
+    monkeypatch.delenv("SSP_AGENT_CLOCK_TRUSTED", raising=False)
+    monkeypatch.setenv("SSP_AGENT_CLOCK_SYNC", f"timesyncd:{flag}")
+    node, _ = Node.init(tmp_path / "a", (_manifest(tmp_path, "m", [])).read_text())
+    try:
+        old = int(time.time() * 1000) - 10 * 86_400_000          # older than the profile's 7 days
+        node.write("app.readings", {"device": "d", "seq": 1}, {"temp": 1.5}, now=old)
+        runner = Runner(node, MqttSettings(), RunConfig(eviction_interval_s=60))
+        flag.unlink()
+        assert runner.evict() is None and runner.evict() is None
+        assert runner.stats["evictions_deferred"] == 2 and runner.stats["eviction_failures"] == 0
+        assert node.conn.execute("SELECT count(*) FROM events").fetchone()[0] == 1
+        assert [e["reason"] for e in node.surfaced(100) if e["kind"] == "clock"] == ["clock_untrusted"]
+        assert node.status()["tables"]["app.readings"]["horizon"] == "0.0"
+        flag.write_text("")
+        rep = runner.evict()
+        assert rep["tables"]["app.readings"]["events_deleted"] == 1
+    finally:
+        node.close()
