@@ -70,6 +70,8 @@ def raw_sqlite_rate(n: int, path: Path) -> float:
 
 
 def main() -> int:
+    # docs/apply.md "Clocks without an RTC": simulated or back-dated clocks, on machines that may run no time sync; declare the wall clock trustworthy
+    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=50_000)
     ap.add_argument("--sites", type=int, default=5)

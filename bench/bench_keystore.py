@@ -195,6 +195,8 @@ def softhsm_config(d: str):
 
 
 def main() -> None:
+    # docs/apply.md "Clocks without an RTC": simulated or back-dated clocks, on machines that may run no time sync; declare the wall clock trustworthy
+    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller counts (CI smoke run)")
     ap.add_argument("--json", action="store_true", help="also print the figures as one JSON line")

@@ -142,6 +142,8 @@ def rehydration(n_events: int) -> dict:
 
 
 def main() -> int:
+    # docs/apply.md "Clocks without an RTC": simulated or back-dated clocks, on machines that may run no time sync; declare the wall clock trustworthy
+    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
     ap = argparse.ArgumentParser()
     ap.add_argument("--days", type=int, default=30)
     ap.add_argument("--sensors", type=int, default=2)

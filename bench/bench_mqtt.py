@@ -66,6 +66,8 @@ def raw_paho_rate(url: str, bodies: list[bytes]) -> float:
 
 
 def main() -> None:
+    # docs/apply.md "Clocks without an RTC": simulated or back-dated clocks, on machines that may run no time sync; declare the wall clock trustworthy
+    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=50_000)
     ap.add_argument("--max-events", type=int, default=1000)

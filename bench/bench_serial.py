@@ -89,6 +89,8 @@ def one(d: Path, n: int, ber: float, baud: int, seed: int) -> dict:
 
 
 def main() -> int:
+    # docs/apply.md "Clocks without an RTC": simulated or back-dated clocks, on machines that may run no time sync; declare the wall clock trustworthy
+    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=1500)
     ap.add_argument("--ber-events", type=int, default=300)

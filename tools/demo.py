@@ -115,6 +115,8 @@ def bar(n: int, total: int, width: int = 30) -> str:
 
 
 def main() -> int:
+    # docs/apply.md "Clocks without an RTC": a demo on a machine that may run no time sync (a container); declare the wall clock trustworthy
+    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=10, help="rows each writer adds per phase")
     ap.add_argument("--keep", action="store_true", help="keep the demo directory")

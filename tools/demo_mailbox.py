@@ -29,6 +29,8 @@ def sh(home: Path, *args: str, quiet: bool = False) -> str:
 
 
 def main() -> int:
+    # docs/apply.md "Clocks without an RTC": a demo on a machine that may run no time sync (a container); declare the wall clock trustworthy
+    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
     root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="ssp-mailbox-demo-"))
     root.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("SSP_AGENT_WITNESS_DIR", str(root / "witness"))
