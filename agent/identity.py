@@ -107,6 +107,8 @@ class ClockWitness:
         self.value: tuple[int, int] | None = None
         self.failed = False
         self.legacy = False  # the earlier format: a ceiling, not the highest released HLC
+        self._afd: int | None = None
+        self._acount = 0
 
     def read(self) -> tuple[int, int] | None:
         try:
@@ -158,7 +160,41 @@ class ClockWitness:
         self.value = hlc
         return True
 
+    # The count of events the home has applied, mirrored beside the witness after each batch
+    # (no fsync: it only has to outlive the process, and it is read against the store's own count,
+    # which commits first). A store behind it lost applied events: a restored home (docs/apply.md).
+    def applied_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".applied")
+
+    def read_applied(self) -> int | None:
+        try:
+            data = self.applied_path().read_bytes()
+        except OSError:
+            return None
+        best = None
+        for i in range(2):
+            chunk = data[i * 16:(i + 1) * 16]
+            if len(chunk) == 16:
+                n, c, crc = struct.unpack("<QII", chunk)
+                if zlib.crc32(chunk[:12]) == crc:
+                    best = n if best is None else max(best, n)
+        return best
+
+    def note_applied(self, n: int) -> None:
+        try:
+            if self._afd is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._afd = os.open(str(self.applied_path()), os.O_RDWR | os.O_CREAT, 0o644)
+            self._acount += 1
+            body = struct.pack("<QI", n, self._acount & 0xFFFFFFFF)
+            os.pwrite(self._afd, body + struct.pack("<I", zlib.crc32(body)), (self._acount % 2) * 16)
+        except OSError:
+            pass  # a second line of defence: restore detection only
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self._afd is not None:
+            os.close(self._afd)
+            self._afd = None

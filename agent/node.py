@@ -81,6 +81,7 @@ class Node:
         self.clock = self._resume_clock()
         ev_ms = db.get_meta(conn, "clock_evidence")
         self.clock_evidence: int | None = int(ev_ms) if ev_ms is not None else None
+        self._applied = int(db.get_meta(conn, "applied_count", 0))
         if read_only:
             return   # a read view: the repairs below write, and are left to the next writing open
         stale = [t.tdef for t in self.tables.values() if not rowstore.view_is_current(conn, t.tdef)]
@@ -97,6 +98,28 @@ class Node:
                 self.retry_held(q)
         if bridge is not None:
             self._recover_released()
+            self._redeliver_if_restored()
+
+    def _redeliver_if_restored(self) -> None:
+        """A home restored from an older copy lost events it had applied, and its peers' cursors
+        are past them: ask every peer to offer its history again (a rehydrate request that keeps
+        the horizons, agent/rehydrate.py). Detected by the applied count kept beside the witness,
+        outside the home. The node's own events signed after the copy cannot come back to it
+        (§32.1 drops them unconditionally); peers keep them, and the lost-history floor keeps
+        receivers from counting them as held here (docs/protocol.md §3)."""
+        mirrored = self.witness.read_applied()
+        if mirrored is None or mirrored <= self._applied:
+            return
+        from . import rehydrate
+        log.warning("this home applied %d events before and holds %d now (restored from an older copy?): "
+                    "asking peers to offer their history again", mirrored, self._applied)
+        rehydrate.start(self, None, reset=False, cause="restored_home")
+        with _txn(self.conn):
+            self._applied = mirrored
+            db.set_meta(self.conn, "applied_count", mirrored)
+            self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
+                              (now_ms(), "restored_home", "applied_count_behind_witness",
+                               json.dumps({"applied_before": mirrored})))
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -376,7 +399,13 @@ class Node:
         with _txn(self.conn):
             out = self._apply_in_txn(raws, now, origin)
             self._persist_observed()
-            return out
+            new = sum(1 for o in out if o.reason == "applied")
+            if new:
+                self._applied += new
+                db.set_meta(self.conn, "applied_count", self._applied)
+        if new:
+            self.witness.note_applied(self._applied)
+        return out
 
     def _persist_observed(self) -> None:
         """§12 step 5 across processes: the clock's high-water mark is kept with the batch that

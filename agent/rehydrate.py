@@ -174,7 +174,8 @@ def _set_state(conn: sqlite3.Connection, s: dict) -> None:
     conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (_STATE_KEY, json.dumps(s, sort_keys=True)))
 
 
-def start(node, from_peer: bytes | None, now: int | None = None) -> dict:
+def start(node, from_peer: bytes | None, now: int | None = None, *, reset: bool = True,
+          cause: str = "operator") -> dict:
     """Zero this node's horizons, clear its own watermarks, issue the next rehydrate record and
     start counting what arrives. Returns the new state."""
     from .node import now_ms
@@ -195,15 +196,16 @@ def start(node, from_peer: bytes | None, now: int | None = None) -> dict:
     s = {"generation": gen, "from": from_peer.hex() if from_peer else None, "started_ms": now,
          "events_received": 0, "events_applied": 0, "events_duplicate": 0, "events_below_horizon": 0,
          "bodies": 0, "bodies_from_source": 0, "last_body_events": None, "rows_at_start": rows,
-         "record_hash": record_hash(raw).hex(), "caught_up": False}
+         "record_hash": record_hash(raw).hex(), "caught_up": False, "cause": cause}
     # One commitment (issue 10 item 7): horizons to zero, our watermarks gone (fail closed: they
     # were claims made below the old horizon), the record stored and the state set. A crash
     # in between would leave stale watermarks that make serving peers skip the requested history.
     try:
         with _txn(node.conn):
-            node.reset_horizons_in_txn()
-            _crash_point("horizons_reset")
-            node.conn.execute("DELETE FROM watermarks")
+            if reset:  # a restored home (`reset=False`) keeps its horizons and its consistent watermarks
+                node.reset_horizons_in_txn()
+                _crash_point("horizons_reset")
+                node.conn.execute("DELETE FROM watermarks")
             _store(node.conn, verify(raw, node.mesh_id, {node.site_id: (node_public_key(node), None)}))
             _set_state(node.conn, s)
     except BaseException:
