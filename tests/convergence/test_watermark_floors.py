@@ -5,6 +5,7 @@ new or long-offline receiver R that must still get that history from G."""
 from __future__ import annotations
 
 import shutil
+import time
 
 from agent.node import Node
 from agent.simpeer import NOTES_TABLE, readings_table
@@ -81,6 +82,9 @@ def test_receiver_part_way_through_the_stream_when_the_sender_evicts(tmp_path):
 
 
 def test_sender_restored_from_an_older_copy(tmp_path):
+    # Real time: the restored node asks its peers for its history again, signing that request
+    # under the wall clock (agent/node.py `_redeliver_if_restored`).
+    NOW = int(time.time() * 1000)
     d, g, r = mesh(tmp_path, 3, TABLES)
     for i in range(5):
         d.write(T, {"device": "d", "seq": i}, {"temp": float(i)}, now=NOW + i)
