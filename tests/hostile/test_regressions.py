@@ -195,3 +195,40 @@ def test_a_truncation_record_with_horizon_2_63_is_dropped(tmp_path):
         assert [s["reason"] for s in node.surfaced() if s["kind"] == "record_dropped"] == ["int_out_of_range"]
     finally:
         node.close()
+
+
+# ---------------------------------------------------------------- found while writing the classify functions
+def test_a_session_frame_whose_type_is_not_text_is_refused():
+    from agent.core.session import decode_frame
+    with pytest.raises(ProtocolError) as e:  # TypeError (unhashable type) before the fix
+        decode_frame(cbor2.dumps({"t": [1], "b": b""}))
+    assert e.value.reason == "bad_frame"
+
+
+def test_frame_meta_positions_beyond_what_the_store_holds_are_refused():
+    from agent.core.session import StreamMeta
+    with pytest.raises(ProtocolError) as e:  # accepted before the fix (stream positions reach SQLite)
+        StreamMeta.from_wire({"s": 2**63, "e": 2**63, "d": [], "g": [], "x": 0}, 0)
+    assert e.value.reason == "bad_frame_meta"
+
+
+def test_a_retirement_cutoff_beyond_what_the_store_holds_is_refused(tmp_path):
+    node, = _nodes(tmp_path, 1)
+    home = node.home
+    node.close()
+    p = SimPeer(MESH)
+    from tests.cli_cmd import run_cli
+    r = run_cli("--home", home, "peer", "add", "--site-id", p.site_id.hex(), "--public-key", p.public_key.hex(),
+                "--retired-after", f"{2**63}.0", timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr  # OverflowError traceback before
+
+
+def test_a_truncated_serial_reply_is_a_keystore_protocol_error():
+    from firmware_bridge import KeystoreError
+    from firmware_bridge import serial_protocol as sp
+    for op, body in ((sp.HELLO, b"\x01\x05ab"), (sp.GENERATE, b"\x07\x00\x20" + bytes(32)), (sp.SIGN, b"\x00" * 9),
+                     (sp.LIST, b"\x02\x01\x01a")):
+        with pytest.raises(KeystoreError) as e:  # FrameError (a ValueError) or KeyError from the driver before
+            sp.parse_reply(op, sp.Frame(op | sp.OK_BIT, 1, body))
+        assert isinstance(e.value, sp.ReplyError) and e.value.reason in (
+            "malformed_body", "unknown_algorithm"), e.value
