@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from firmware_bridge import EventIdentity, OutcomeUnknown, SigningBridge, open_keystore
+from firmware_bridge import (EventIdentity, KeystoreUnavailable, OutcomeUnknown, SigningBridge, open_keystore,
+                             with_pin)
 from firmware_bridge.journal import inspect as journal_inspect
 
 from . import identity as ident
@@ -1296,19 +1297,11 @@ def _keep_pin_out_of_store(home: Path, conf: dict) -> dict:
 
 
 def _with_pin(conf: dict) -> dict:
-    """The keystore config with its PIN resolved from `pin_file` or `pin_env`."""
-    conf = dict(conf)
-    if "pin_file" in conf:
-        try:
-            conf["pin"] = Path(conf.pop("pin_file")).read_text().strip()
-        except OSError as e:
-            raise NodeError(f"cannot read the keystore PIN file: {e.strerror}; restore it or re-provision") from None
-    elif "pin_env" in conf:
-        name = conf.pop("pin_env")
-        if name not in os.environ:
-            raise NodeError(f"the keystore PIN is expected in ${name}, which is not set")
-        conf["pin"] = os.environ[name]
-    return conf
+    """The keystore config with its PIN resolved (firmware_bridge.with_pin), as a refusal."""
+    try:
+        return with_pin(conf)
+    except KeystoreUnavailable as e:
+        raise NodeError(f"{e}; restore it or re-provision") from None
 
 
 def _write_identity_file(home: Path, site_id: bytes, public_key: bytes, mesh_id: bytes, ks: dict) -> None:

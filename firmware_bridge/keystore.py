@@ -6,11 +6,13 @@ signature is ``SigningBridge.release`` (SOVM §22.5 clause 1, persist-before-rel
 """
 from __future__ import annotations
 
+import os
 import re
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .errors import KeystoreError, UnsupportedAlgorithm
+from .errors import KeystoreError, KeystoreUnavailable, UnsupportedAlgorithm
 from .identity import Identity
 
 ALGORITHMS = ("ed25519", "p256")
@@ -85,6 +87,24 @@ class Keystore(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def with_pin(config: dict[str, Any]) -> dict[str, Any]:
+    """The keystore config with its PIN resolved from `pin_file` or `pin_env` (a PIN is never
+    kept in a store that gets copied and backed up). Raises KeystoreUnavailable saying what is
+    missing; callers add what to do."""
+    conf = dict(config)
+    if "pin_file" in conf:
+        try:
+            conf["pin"] = Path(conf.pop("pin_file")).read_text().strip()
+        except OSError as e:
+            raise KeystoreUnavailable(f"cannot read the keystore PIN file: {e.strerror}") from None
+    elif "pin_env" in conf:
+        name = conf.pop("pin_env")
+        if name not in os.environ:
+            raise KeystoreUnavailable(f"the keystore PIN is expected in ${name}, which is not set")
+        conf["pin"] = os.environ[name]
+    return conf
 
 
 def open_keystore(config: dict[str, Any]) -> Keystore:

@@ -22,10 +22,10 @@ statement) is the caller's to check before evidence reaches ``assess``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Union
 
-from agent.sequencer.member import EQUIVOCATION, Evidence, ReceiptChain
+from agent.sequencer.member import Evidence, ReceiptChain
 from agent.sequencer.receipts import Receipt
 
 

@@ -24,13 +24,12 @@ epoch the journal knows is adopted or recorded as a discontinuity, never signed 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from firmware_bridge import KeystoreError, OutcomeUnknown, ReceiptIdentity, SigningBridge, open_keystore
+from firmware_bridge import KeystoreError, KeystoreUnavailable, ReceiptIdentity, SigningBridge, open_keystore, with_pin
 from firmware_bridge.bridge import Status
 
 from agent.sequencer import core, receipts
@@ -83,18 +82,10 @@ Answer = Union[Accepted, Rejected]
 
 
 def _with_pin(conf: dict) -> dict:
-    conf = dict(conf)
-    if "pin_file" in conf:
-        try:
-            conf["pin"] = Path(conf.pop("pin_file")).read_text().strip()
-        except OSError as e:
-            raise SequencerFault(f"cannot read the keystore PIN file: {e.strerror}") from None
-    elif "pin_env" in conf:
-        name = conf.pop("pin_env")
-        if name not in os.environ:
-            raise SequencerFault(f"the keystore PIN is expected in ${name}, which is not set")
-        conf["pin"] = os.environ[name]
-    return conf
+    try:
+        return with_pin(conf)
+    except KeystoreUnavailable as e:
+        raise SequencerFault(str(e)) from None
 
 
 def _lock(home: Path, name: str = LOCK_NAME, how: int = fcntl.LOCK_EX) -> int:
