@@ -482,17 +482,20 @@ def _install_units(meta: dict, root: Path, conf: Path, username: str) -> list[st
     units = list(meta.get("units") or [])
     try:
         from . import cli_service  # noqa: F401
-        argv = ["service", "install", "--root", str(root), "--bin", DEVICE_BIN, "--username", username]
-        if mq.get("broker"):
-            argv += ["--broker", mq["broker"]]
-        for k, flag in (("ca_file", "--ca-file"), ("cert_file", "--cert-file"), ("key_file", "--key-file")):
-            if mq.get(k):
-                argv += [flag, f"/etc/ssp-agent/{mq[k]}"]
+        argv = ["service", "install", "--root", str(root), "--bin", DEVICE_BIN]
+        if not (conf / "agent.toml").exists():   # written once; an enrolment run again keeps an edited one
+            argv += ["--username", username]
+            if mq.get("broker"):
+                argv += ["--broker", mq["broker"]]
+            for k, flag in (("ca_file", "--ca-file"), ("cert_file", "--cert-file"), ("key_file", "--key-file")):
+                if mq.get(k):
+                    argv += [flag, f"/etc/ssp-agent/{mq[k]}"]
         from . import cli
-        with contextlib.redirect_stdout(io.StringIO()):
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             rc = cli.dispatch(cli.build_parser().parse_args(argv))
         if rc != 0:
-            raise RuntimeError(f"service install exited {rc}")
+            raise cli.Fault(f"installing the service units failed: {err.getvalue().strip()}")
     except ImportError:
         bundle_units = Path(DEVICE_BUNDLE) if root == Path("/") else _under(root, DEVICE_BUNDLE)
         for name in units:

@@ -199,17 +199,17 @@ def test_flash_then_first_boot_installs_offline_and_enrols(tmp_path, bundle):
                listener_conf=f"listener {port} 127.0.0.1\nallow_anonymous false\npassword_file {pwfile}").start()
     try:
         def connects(user, password):
+            """The broker's CONNACK: True accepted, False refused (waits for the answer, not a time)."""
+            import threading
+            got, answer = threading.Event(), {}
             c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
             c.username_pw_set(user, password)
+            c.on_connect = lambda cl, ud, fl, rc, pr: (answer.update(ok=not rc.is_failure), got.set())
+            c.connect("127.0.0.1", port)
+            c.loop_start()
             try:
-                c.connect("127.0.0.1", port)
-                c.loop_start()
-                import time
-                for _ in range(100):
-                    if c.is_connected():
-                        return True
-                    time.sleep(0.05)
-                return False
+                assert got.wait(60), "no CONNACK"
+                return answer["ok"]
             finally:
                 c.loop_stop()
                 c.disconnect()
@@ -217,3 +217,36 @@ def test_flash_then_first_boot_installs_offline_and_enrols(tmp_path, bundle):
         assert not connects(card["site_id"], "wrong")
     finally:
         b.close()
+
+
+def test_shared_account_timer_bundle_enrols(tmp_path, wheelhouse):
+    """A bundle with one shared broker account, a client certificate and the wake-sync-sleep timer:
+    the device keeps the given credentials (secrets 0600), publishes no password hash, and enables
+    the timer instead of the always-on service. (device-setup and enrol as firstboot.sh runs them.)"""
+    m = tmp_path / "mesh.toml"
+    m.write_text(f'mesh_id = "{MESH}"\n' + readings_table("telemetry"))
+    for name, text in (("pw", "s3cret\n"), ("c.pem", "CERT\n"), ("c.key", "KEY\n")):
+        (tmp_path / name).write_text(text)
+    b = tmp_path / "bundle"
+    p = run_cli("provision", "bundle", "--out", b, "--manifest", m, "--wheelhouse", wheelhouse, "--service", "timer",
+                "--broker", "mqtt://gw:1883", "--username", "fleet", "--password-file", tmp_path / "pw",
+                "--cert-file", tmp_path / "c.pem", "--key-file", tmp_path / "c.key")
+    assert p.returncode == 0, p.stderr
+    assert stat.S_IMODE((b / "client.key").stat().st_mode) == 0o600
+    root, boot = tmp_path / "root", tmp_path / "root" / "boot" / "firmware"
+    for verb in ("device-setup", "enrol"):
+        p = run_cli("provision", verb, "--bundle", b, "--root", root, "--boot", boot)
+        assert p.returncode == 0, (verb, p.stderr)
+    card = json.loads((boot / "ssp-enrolment.json").read_text())
+    assert card["mqtt"] == {"broker": "mqtt://gw:1883", "username": "fleet", "password_file_line": None}
+    conf = root / "etc/ssp-agent"
+    assert (conf / "mqtt-password").read_text() == "s3cret\n" and stat.S_IMODE((conf / "mqtt-password").stat().st_mode) == 0o600
+    assert stat.S_IMODE((conf / "client.key").stat().st_mode) == 0o600
+    toml = (conf / "agent.toml").read_text()
+    assert 'username = "fleet"' in toml and 'key_file = "/etc/ssp-agent/client.key"' in toml
+    assert (root / "etc/systemd/system/timers.target.wants/ssp-agent-sync.timer").is_symlink()
+    assert not (root / "etc/systemd/system/multi-user.target.wants/ssp-agent.service").exists()
+    assert not (root / "etc/systemd/system/multi-user.target.wants/ssp-agent-enrol.service").exists()
+    # enrolling again is harmless: the same identity, the card rewritten
+    p = run_cli("provision", "enrol", "--bundle", b, "--root", root, "--boot", boot)
+    assert p.returncode == 0 and json.loads(p.stdout)["site_id"] == card["site_id"]
