@@ -50,7 +50,7 @@ from firmware_bridge import framing
 VERSION = 1
 HELLO, DATA, ACK, PING = 1, 2, 3, 4
 F_UP = 1
-MAX_SACK = 4  # ranges in one ACK
+MAX_SACK = 8  # ranges in one ACK
 MIN_SEGMENT = 32
 _HELLO = struct.Struct(">BBIIBHI")
 _DATA = struct.Struct(">BHQ")
@@ -148,7 +148,8 @@ class SerialLink:
         self._seg_size = self._max_segment()
         # receiver
         self._rcv_next = 0
-        self._ooo: dict[int, bytes] = {}  # start -> bytes, beyond _rcv_next, inside the window
+        self._ooo: dict[int, bytes] = {}  # start -> bytes beyond _rcv_next: disjoint, coalesced
+        self._ooo_bytes = 0
         self._rbuf = bytearray()  # delivered stream bytes of a message not complete yet
         self._inbox: list[bytes] = []
         self._held = 0  # bytes of delivered messages the node has not taken yet
@@ -339,28 +340,36 @@ class SerialLink:
             data, off = data[self._rcv_next - off:], self._rcv_next
         if end > limit:
             data, end = data[:limit - off], limit
-        if any(s <= off and off + len(data) <= s + len(d) for s, d in self._ooo.items()):
-            self.stats["duplicates"] += 1  # held already
+        # Only bytes not held yet, and held pieces kept disjoint and coalesced: memory is exact
+        # (what the credit counts) and the selective acknowledgement names few, long ranges.
+        held = sorted((s, s + len(d)) for s, d in self._ooo.items())
+        new = _minus(off, end, held)
+        if not new:
+            self.stats["duplicates"] += 1
             return
-        if off > self._rcv_next and sum(len(d) for d in self._ooo.values()) + len(data) > self.cfg.window:
-            # Overlapping pieces beyond what the window holds. Never the piece at _rcv_next: it
-            # is what lets the receiver deliver and free the others.
+        n_new = sum(e - s for s, e in new)
+        if off > self._rcv_next and self._ooo_bytes + n_new > self.cfg.window:
+            # Beyond what the window holds. Never the piece at _rcv_next: it is what lets the
+            # receiver deliver and free the others.
             self.stats["out_of_window"] += 1
             return
-        self._ooo[off] = data
-        progressed = off <= self._rcv_next  # only a piece at _rcv_next lets anything be delivered
-        while progressed:
-            progressed = False
-            for s in list(self._ooo):
-                d = self._ooo[s]
-                if s + len(d) <= self._rcv_next:
-                    del self._ooo[s]  # wholly delivered already
-                elif s <= self._rcv_next:
-                    del self._ooo[s]
-                    self._deliver(d[self._rcv_next - s:], now)
-                    progressed = True
-                    if self.state != "up":
-                        return
+        for s, e in new:
+            self._ooo[s] = data[s - off:e - off]
+        self._ooo_bytes += n_new
+        merged: dict[int, bytes] = {}
+        for s in sorted(self._ooo):
+            d = self._ooo[s]
+            if merged:
+                ls = next(reversed(merged))
+                if ls + len(merged[ls]) == s:
+                    merged[ls] += d
+                    continue
+            merged[s] = d
+        self._ooo = merged
+        while self._rcv_next in self._ooo and self.state == "up":
+            d = self._ooo.pop(self._rcv_next)
+            self._ooo_bytes -= len(d)
+            self._deliver(d, now)
 
     def _deliver(self, data: bytes, now: int) -> None:
         self._rcv_next += len(data)
@@ -414,7 +423,7 @@ class SerialLink:
 
     # ------------------------------------------------------------------ output
     def _credit(self) -> int:
-        return max(0, self.cfg.window - sum(len(d) for d in self._ooo.values()) - self._held)
+        return max(0, self.cfg.window - self._ooo_bytes - self._held)
 
     def _sack(self) -> list[tuple[int, int]]:
         ranges: list[tuple[int, int]] = []
