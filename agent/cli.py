@@ -405,7 +405,7 @@ def _clock_flags(s) -> None:
 def _add_later_verbs(sub, mailbox_sub) -> None:
     """Verbs whose implementations live in other modules register themselves here."""
     for mod in ("agent.cli_sync", "agent.cli_mqtt", "agent.cli_keystore", "agent.cli_sequencer", "agent.cli_service",
-                "agent.cli_provision"):
+                "agent.cli_provision", "agent.cli_health"):
         try:
             m = __import__(mod, fromlist=["register"])
         except ImportError:

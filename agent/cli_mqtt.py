@@ -38,6 +38,10 @@ def _add_common(s) -> None:
                         "streams advance applied watermarks and peers' reports are used (also "
                         "SSP_MQTT_SECURE_BINDING=1)")
     s.add_argument("--connect-timeout", type=float, default=10.0)
+    s.add_argument("--metrics-file", metavar="PATH",
+                   help="write metrics (Prometheus text format) here for node_exporter's textfile collector: "
+                        "`run` every --metrics-interval seconds, `sync --once` after its cycle (replaced atomically)")
+    s.add_argument("--metrics-interval", type=float, default=15.0, help="run: seconds between metrics writes")
 
 
 def register(sub, mailbox_sub) -> None:
@@ -139,11 +143,19 @@ def _go(args, once: bool) -> int:
             # A broker that refuses us (credentials, ACL) needs a human: exit 1, as `--once` always does.
             if once or err.startswith("broker refused"):
                 r.link.close(clear_presence=False)
+                if once:
+                    _count_sync_run(node, "unreachable", args)
                 raise Fault(f"broker unreachable: {err}")
             print(f"ssp-agent: broker unreachable ({err}); run keeps retrying", file=sys.stderr)
         try:
             if once:
-                emit(r.sync_once(timeout_s=20.0 if args.timeout is None else args.timeout))
+                try:
+                    summary = r.sync_once(timeout_s=20.0 if args.timeout is None else args.timeout)
+                except BaseException:
+                    _count_sync_run(node, "failed", args)
+                    raise
+                _count_sync_run(node, "ok", args)
+                emit(summary)
                 return EXIT_OK
             stop = {"v": False}
 
@@ -151,7 +163,7 @@ def _go(args, once: bool) -> int:
                 stop["v"] = True
             signal.signal(signal.SIGTERM, _stop)
             signal.signal(signal.SIGINT, _stop)
-            _serve_and_run(r, node, args.broker, lambda: stop["v"])
+            _serve_and_run(r, node, args.broker, lambda: stop["v"], args.metrics_file, args.metrics_interval)
             emit(r.summary())
             return EXIT_OK
         finally:
@@ -162,7 +174,30 @@ def _go(args, once: bool) -> int:
             broker.close()
 
 
-def _serve_and_run(r, node, broker_url: str, should_stop) -> None:
+def _count_sync_run(node, outcome: str, args) -> None:
+    """A `sync --once` run's outcome, durable (the metrics' ssp_sync_runs_total), and the metrics file."""
+    import sqlite3
+
+    from .store import counters, db
+    try:
+        with db.transaction(node.conn):
+            counters.bump(node.conn, "sync_runs", {outcome: 1})
+    except sqlite3.Error as e:   # e.g. a full disk: the run's own outcome matters more than its count
+        logging.getLogger("ssp_agent").warning("could not count the sync run: %s", e)
+    _write_metrics(node, args.metrics_file, None)
+
+
+def _write_metrics(node, path, run_stats) -> None:
+    if not path:
+        return
+    from .metrics import render, write_atomic
+    try:
+        write_atomic(Path(path), render(node, run_stats))
+    except OSError as e:   # the metrics are a window, never a reason to stop syncing
+        logging.getLogger("ssp_agent").warning("cannot write metrics to %s: %s", path, e)
+
+
+def _serve_and_run(r, node, broker_url: str, should_stop, metrics_file=None, metrics_interval=15.0) -> None:
     """`run`'s loop: the runner's steps, and between them the verbs other commands forward
     through the control socket (agent/control.py), run here on the loop thread that owns the
     node, so the node keeps one writer."""
@@ -183,14 +218,20 @@ def _serve_and_run(r, node, broker_url: str, should_stop) -> None:
     # Type=notify: ready once the control socket serves and the runner is started (connected, or
     # retrying a broker that is down: the service is up either way).
     sdnotify.notify(f"READY=1\nSTATUS=syncing through {broker_url}\nMAINPID={os.getpid()}")
+    import time
+    next_metrics = 0.0
     try:
         while not should_stop():
             watchdog.ping()   # from the loop itself, so a loop stuck in a step is what the watchdog sees
             r.step()
             server.serve()
+            if metrics_file and time.monotonic() >= next_metrics:
+                _write_metrics(node, metrics_file, r.stats)
+                next_metrics = time.monotonic() + metrics_interval
     finally:
         sdnotify.notify("STOPPING=1")
         server.close()
+        _write_metrics(node, metrics_file, r.stats)
 
 
 def cmd_sync(args) -> int:

@@ -26,7 +26,7 @@ from .core.schema import SYNCABLE, ManifestError, TableDef, parse_manifest, tabl
 from .profile import Profile, ProfileError, load_profile
 from .outcomes import to_json
 from .outcomes import APPLIED, DROPPED, DUPLICATE, HELD, REJECTED, Outcome
-from .store import db, migrations, rows as rowstore
+from .store import counters, db, migrations, rows as rowstore
 
 log = logging.getLogger("ssp_agent")
 
@@ -404,6 +404,7 @@ class Node:
             if new:
                 self._applied += new
                 db.set_meta(self.conn, "applied_count", self._applied)
+            counters.bump_outcomes(self.conn, origin, (o.status for o in out))   # the metrics (issue 12 item 4)
         if new:
             self.witness.note_applied(self._applied)
         return out
@@ -938,7 +939,9 @@ class Node:
         with _txn(self.conn):  # release and re-apply in one transaction: nothing is lost between
             rows = self.conn.execute("SELECT seq, raw FROM held WHERE qualified=? ORDER BY seq", (qualified,)).fetchall()
             self.conn.execute("DELETE FROM held WHERE qualified=?", (qualified,))
-            return self._apply_in_txn([bytes(r[1]) for r in rows], now, "remote")
+            out = self._apply_in_txn([bytes(r[1]) for r in rows], now, "remote")
+            counters.bump_outcomes(self.conn, "released", (o.status for o in out))   # held, now applied
+            return out
 
     def add_column(self, table: str, column: str, col_type: str) -> int:
         """Schema evolution: add a value column and rebuild it from the retained log by the
