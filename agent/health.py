@@ -5,7 +5,6 @@ one short MQTT connection of its own (a different client id, so a running agent 
 session). Exit status by the worst line: 0 all OK, 3 a WARN, 4 a FAIL (docs/operations.md)."""
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import threading
@@ -19,7 +18,6 @@ _RANK = {OK: 0, WARN: 1, FAIL: 2}
 # Kinds of surfaced rows that mean something went wrong (docs/apply.md, `ssp-agent events`).
 FAULT_KINDS = ("rejected", "dropped", "refused", "disk_budget", "record_dropped", "policy_denied")
 FAULT_WINDOW_MS = 24 * 3600 * 1000
-CLOCK_BEHIND_TOLERANCE_MS = 60_000   # the wall clock may lag the newest HLC this much (another node's skew)
 PEER_LAG_WARN_MS = 3600 * 1000
 
 
@@ -157,42 +155,29 @@ def check_broker(settings, site_id: bytes | None, timeout: float) -> dict:
                 "check the network, the broker's address and port, and TLS files; `run` keeps retrying meanwhile")
 
 
-def kernel_clock_synchronized() -> bool | None:
-    """The kernel's NTP state (adjtimex with no change: TIME_ERROR means unsynchronized), or
-    timesyncd's flag file; None when neither can be read."""
-    if Path("/run/systemd/timesync/synchronized").exists():
-        return True
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        buf = ctypes.create_string_buffer(512)   # struct timex, modes = 0: read only
-        rc = libc.adjtimex(buf)
-    except (OSError, AttributeError):
-        return None
-    if rc < 0:
-        return None
-    return rc != 5   # TIME_ERROR
-
-
 def check_clock(node, now_ms: int) -> dict:
-    from .node import _hlc_meta
-    from .store import db
-    signed = int(db.get_meta(node.conn, "clock_ceiling", 0) or 0)
-    observed = (_hlc_meta(db.get_meta(node.conn, "clock_observed")) or (0, 0))[0]
-    newest = max(signed, observed)
-    synced = kernel_clock_synchronized()
-    detail = {"wall_ms": now_ms, "node_newest_hlc_ms": newest, "ntp_synchronized": synced}
-    if newest and now_ms < newest - CLOCK_BEHIND_TOLERANCE_MS:
-        return line("clock", FAIL, f"the wall clock is {_ago(newest - now_ms)} behind the newest HLC this node has "
-                    "signed or applied: it was set back (a Pi without RTC booted with an old time?)",
-                    "set the clock (NTP: timedatectl) before writing; the node keeps its HLC above what it "
-                    "holds, so new writes are stamped ahead of the wall clock until it catches up", **detail)
-    if synced is False:
-        return line("clock", WARN, "the kernel clock is not NTP-synchronized" +
-                    (f"; the node's newest HLC is {_ago(now_ms - newest)} old" if newest else ""),
-                    "check network time (timedatectl timesync-status); a Pi has no RTC", **detail)
-    return line("clock", OK, "wall clock " + ("NTP-synchronized" if synced else "sync state unknown") +
-                (f"; the node's newest HLC is {_ago(now_ms - newest)} old" if newest else "; nothing signed yet"),
-                **detail)
+    """The node's clock against the wall clock, as agent/clockstate.py judges it (issue 12 item 5):
+    FAIL when the node's HLC is far ahead of the wall clock or the wall clock is behind the
+    node's own evidence (it was set back: writes are stamped ahead of real time and fresh peers
+    reject them); WARN when no sync source vouches for the wall clock."""
+    from . import clockstate
+    a = clockstate.assess(node, now_ms)
+    detail = {k: a[k] for k in ("state", "trusted", "source", "sync", "now_ms", "evidence_ms", "hlc",
+                                "behind_ms", "ahead_ms", "signing_cap_ms")}
+    if a["behind_ms"] > clockstate.FAR_MS or a["state"] == "behind":
+        behind = a["behind_ms"] if a["behind_ms"] > clockstate.FAR_MS else (a["evidence_ms"] or now_ms) - now_ms
+        return line("clock", FAIL, f"the wall clock is {_ago(behind)} behind this node's clock (its HLC "
+                    f"{a['hlc']} or its last trustworthy reading): it was set back", a["hint"] or
+                    "fix the clock (timedatectl); writes are stamped ahead of it until real time catches up",
+                    **detail)
+    if not a["trusted"]:
+        return line("clock", WARN, f"wall clock not trusted ({a['state']}): no sync source says it is synchronised"
+                    + (f", and it reads {_ago(a['ahead_ms'])} past the last trustworthy reading" if a["state"] == "ahead"
+                       else ""), a["hint"], **detail)
+    if a["state"] == "no_evidence":
+        return line("clock", WARN, "wall clock trusted, but this home has no trustworthy reading recorded yet",
+                    a["hint"], **detail)
+    return line("clock", OK, f"wall clock trusted ({a['source']}); the node's HLC is {a['hlc']}", **detail)
 
 
 def check_disk(node) -> dict:
