@@ -158,7 +158,11 @@ def test_full_disk_read_verbs_work_and_writes_fail_with_one_line(small_fs):
     assert "is full" in line and "Free space" in line
     filler.unlink()
     assert write(home, 9).returncode == 0                    # space back: writes go on
-    assert json.loads(cli(home, "status").stdout)["events"] == 5
+    # Whether the refused write got as far as the bridge's release depends on a page of slack in the
+    # journal file (the store's layout moves it): a released event the store lacks is applied by the
+    # next writing open (persist-before-release, docs/keystore.md), so seq 9 may be there twice.
+    seqs = [json.loads(x)["row_key"]["seq"] for x in cli(home, "log").stdout.splitlines()]
+    assert seqs in ([0, 1, 2, 3, 9], [0, 1, 2, 3, 9, 9]), seqs
 
 
 # ---------------------------------------------------------------- a corrupt store
