@@ -117,8 +117,18 @@ def cmd_init(args) -> int:
     node, pk = Node.init(Path(args.home), text, keystore, args.profile,
                          clock_trusted=args.clock_trusted, wait_clock_s=args.wait_clock)
     emit({"site_id": node.site_id.hex(), "public_key": pk.hex()})
+    _warn_unverified_clock(node, "init")
     node.close()
     return EXIT_OK
+
+
+def _warn_unverified_clock(node, what: str) -> None:
+    """One stderr line when a verb went ahead on a clock nobody vouches for (docs/apply.md)."""
+    from . import clockstate
+    st = clockstate.assess(node)
+    if not st["trusted"]:
+        print(f"warning: {what}: the wall clock is not known to be synchronised ({st['state']}); "
+              "use --wait-clock SECONDS (or SSP_AGENT_CLOCK_STRICT=1) to wait for time sync", file=sys.stderr)
 
 
 def cmd_peer_add(args) -> int:
@@ -224,6 +234,7 @@ def cmd_evict(args) -> int:
         raise Refused(str(e)) from None
     with _open(args) as node:
         deleted = node.evict_table(table, h, clock_override=args.clock_trusted, wait_clock_s=args.wait_clock)
+        _warn_unverified_clock(node, "evict")
     emit({"table": table, "horizon": args.horizon, "events_deleted": deleted})
     return EXIT_OK
 

@@ -435,6 +435,9 @@ def cmd_enrol(args) -> int:
     conf = root / "etc/ssp-agent"
     home = _under(root, DEVICE_HOME)
     os.environ.setdefault("SSP_AGENT_WITNESS_DIR", str(_under(root, DEVICE_WITNESS)))
+    # A device without an RTC must not take its identity's first reading of time from a clock
+    # nobody vouches for: enrolment waits (retried by its unit) for a synchronised clock.
+    os.environ.setdefault("SSP_AGENT_CLOCK_STRICT", "1")
     if not (home / Node.STORE_FILE).exists():
         manifest = (conf / "manifest.toml").read_text() if (conf / "manifest.toml").exists() \
             else (bundle / "manifest.toml").read_text()

@@ -142,7 +142,9 @@ class Node:
         _check_retention(prof, manifest.tables)
         ks_conf = _check_keystore_conf(dict(keystore or prof.keystore))
         # A node's first evidence of real time is the reading taken here: a wrong one would let
-        # its first writes be stamped anywhere, so `init` waits for a trustworthy clock.
+        # its first writes be stamped anywhere, so `init` waits for a trustworthy clock in strict
+        # mode (first-boot enrolment, --wait-clock); elsewhere an unverifiable clock is accepted
+        # with a warning and recorded as no evidence (`_require_trusted_clock`).
         clock = _require_trusted_clock(None, "init", clock_trusted, wait_clock_s)
         home.mkdir(parents=True, exist_ok=True)
         os.chmod(home, 0o700)
@@ -173,7 +175,8 @@ class Node:
             db.set_meta(conn, "keystore", json.dumps(ks_conf))
             db.set_meta(conn, "machine", ident.machine_fingerprint())
             db.set_meta(conn, "clock_ceiling", 0)
-            db.set_meta(conn, "clock_evidence", clock["now_ms"])
+            if clock["trusted"]:  # an unverified reading is no evidence (docs/apply.md)
+                db.set_meta(conn, "clock_evidence", clock["now_ms"])
             db.set_meta(conn, "surfaced_limit", prof.surfaced_limit)
             db.set_meta(conn, "records_limit", prof.records_limit)
             db.set_meta(conn, "records_limit_bytes", prof.records_limit_bytes)
@@ -873,12 +876,13 @@ class Node:
         self.clock_evidence = now
 
     def require_trusted_clock(self, what: str, *, override: bool = False, wait_s: float = 0,
-                              now: int | None = None) -> dict:
+                              now: int | None = None, strict: bool = False) -> dict:
         """Eviction and horizon changes need a trustworthy wall clock (issue 12 item 5): wait up
         to `wait_s` for one, else refuse (ClockUntrusted). Returns the clock's assessment; a
         trusted reading is recorded as evidence."""
-        st = _require_trusted_clock(self, what, override, wait_s, now)
-        self.record_clock_evidence(st["now_ms"], force=True)
+        st = _require_trusted_clock(self, what, override, wait_s, now, strict)
+        if st["trusted"]:
+            self.record_clock_evidence(st["now_ms"], force=True)
         return st
 
     def _tick(self, now: int) -> tuple[int, int]:
@@ -1039,7 +1043,9 @@ class Node:
         ambiguous marker fails open: rows stay). Horizons only move up. Its horizons are "now
         minus a duration": a clock a year ahead would evict a year of history and set horizons
         no write can get above, so it refuses without a trustworthy clock (ClockUntrusted)."""
-        st = self.require_trusted_clock("eviction", override=clock_override, wait_s=wait_clock_s, now=now)
+        # The automatic job is strict: it runs unattended, and what it deletes does not come back.
+        st = self.require_trusted_clock("eviction", override=clock_override, wait_s=wait_clock_s, now=now,
+                                        strict=True)
         now = st["now_ms"] if now is None else now
         before = self.store_bytes()
         tables = {}
@@ -1208,14 +1214,27 @@ class Node:
         return {"journal": path, "keystore": conf, "journal_state": journal_inspect(path)}
 
 
-def _require_trusted_clock(node, what: str, override: bool, wait_s: float, now: int | None = None) -> dict:
+def _require_trusted_clock(node, what: str, override: bool, wait_s: float, now: int | None = None,
+                           strict: bool = False) -> dict:
+    """Wait up to `wait_s` for a trustworthy clock. A clock the node has evidence against (behind
+    or far ahead of what it read while trusted) is always refused. A clock that is merely not
+    known to be synchronised (no sync source, no contrary evidence: containers, devices without a
+    time service) is refused only in strict mode — `strict`, a `--wait-clock`, or
+    SSP_AGENT_CLOCK_STRICT=1, which first-boot enrolment and the automatic eviction job use — and
+    otherwise accepted with a warning, so the command-line contract (cli-contract.md: `init`,
+    `evict --horizon`) holds on machines that cannot say."""
     from . import clockstate
+    strict = strict or wait_s > 0 or os.environ.get("SSP_AGENT_CLOCK_STRICT", "").strip().lower() in ("1", "true", "yes")
     deadline = time.monotonic() + max(0.0, wait_s)
     while True:
         st = clockstate.assess(node, now, trusted_override=override)
         if st["trusted"] or time.monotonic() >= deadline:
             break
         time.sleep(1.0)
+    if not st["trusted"] and not strict and st["state"] == "unsynced":
+        log.warning("%s: the wall clock is not known to be synchronised (%s); proceeding", what, st["hint"])
+        st = dict(st, unverified=True)
+        return st
     if not st["trusted"]:
         raise ClockUntrusted(f"clock_untrusted: {what} needs a trustworthy wall clock ({st['state']}: {st['hint']}); "
                              "wait for time sync (--wait-clock SECONDS), or pass --clock-trusted if the clock is right")

@@ -75,6 +75,13 @@ def test_init_waits_for_a_trustworthy_clock(tmp_path):
     cli = Cli(tmp_path)
     m = _manifest(tmp_path, "m", [])
     cli.synced(False)
+    # A clock nobody vouches for and nothing contradicts: accepted with a warning (the CLI contract
+    # holds on machines that cannot say), and the reading is not taken as evidence.
+    p = cli(tmp_path / "c", "init", "--manifest", m)
+    assert "not known to be synchronised" in p.stderr, p.stderr
+    assert cli.j(tmp_path / "c", "status")["clock"]["evidence_ms"] is None
+    # Strict mode (first-boot enrolment, SSP_AGENT_CLOCK_STRICT=1, or --wait-clock) refuses it.
+    cli.env["SSP_AGENT_CLOCK_STRICT"] = "1"
     p = cli(tmp_path / "a", "init", "--manifest", m, ok=False)
     assert p.returncode == 2 and "clock_untrusted" in p.stderr, p.stderr
     assert not (tmp_path / "a" / "store.sqlite").exists()          # nothing made
@@ -85,6 +92,7 @@ def test_init_waits_for_a_trustworthy_clock(tmp_path):
     cli(tmp_path / "b", "init", "--manifest", m, "--clock-trusted")
     cli.synced(True)
     cli(tmp_path / "a", "init", "--manifest", m, "--wait-clock", "5")
+    del cli.env["SSP_AGENT_CLOCK_STRICT"]
     st = cli.j(tmp_path / "a", "status")["clock"]
     assert st["trusted"] and st["source"] == "timesyncd" and st["state"] == "ok"
     assert abs(st["evidence_ms"] - time.time() * 1000) < 60_000
