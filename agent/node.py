@@ -206,12 +206,9 @@ class Node:
         conn = db.connect_readonly(path) if read_only else db.connect(path)
         try:
             # The layout version (issue 12 item 8): a newer store is refused by both kinds of open;
-            # a writing open migrates an older one forward, a read view reads it as it is.
-            if read_only:
-                migrations.refuse_newer(conn, path)
-            else:
-                migrations.migrate(conn, path)
-                db.ensure_bounds(conn)
+            # a writing open migrates an older one forward (below, once the identity checks pass,
+            # so a refused open changes nothing), a read view reads it as it is.
+            migrations.refuse_newer(conn, path)
         except BaseException:
             conn.close()
             raise
@@ -242,6 +239,12 @@ class Node:
                     f"this home is a copy of {other}, which holds the same node (site {site.hex()}): two homes "
                     "signing as one site_id would reuse HLCs (§13.5). Initialise a new node here; or, if this copy "
                     f"is to replace the original, remove {other} first (a home that moves is followed).")
+        try:
+            migrations.migrate(conn, path)
+            db.ensure_bounds(conn)
+        except BaseException:
+            conn.close()
+            raise
         ks_conf = _home_paths(home, json.loads(db.get_meta(conn, "keystore")))
         bridge = SigningBridge(open_keystore(_with_pin(ks_conf)), str(home / "sign-journal"))
         return cls(home, conn, bridge)

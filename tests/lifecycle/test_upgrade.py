@@ -165,3 +165,17 @@ def test_a_new_store_is_made_by_the_migrations(tmp_path):
     assert cli(tmp_path, tmp_path / "h", "init", "--manifest", man).returncode == 0
     version, layout = _version(tmp_path / "h")
     assert version == migrations.LATEST and "truncation_records" in layout
+
+
+def test_a_refused_open_does_not_migrate(tmp_path):
+    """An open refused for its identity (a home from another machine) leaves the older layout as
+    it was: the migrations run only once the node may open."""
+    home = make_v1_home(tmp_path)
+    c = sqlite3.connect(home / "store.sqlite")
+    c.execute("UPDATE meta SET value = 'another-machine' WHERE key = 'machine'")
+    c.commit()
+    c.close()
+    before = _version(home)
+    p = cli(tmp_path, home, "write", "app.readings", "--key", '{"device": "d1", "seq": 3}', "--set", '{"temp": 1.5}')
+    assert p.returncode == 2 and "another machine" in p.stderr, p.stderr
+    assert _version(home) == before
