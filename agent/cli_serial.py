@@ -29,19 +29,23 @@ def go(args, once: bool) -> int:
             raise Fault(str(e)) from None
         try:
             if once:
+                from .cli_mqtt import _count_sync_run
                 try:
-                    emit(port.sync_once(timeout_s=args.timeout))
+                    summary = port.sync_once(timeout_s=args.timeout)
                 except SerialError as e:
+                    _count_sync_run(node, "failed", args)
                     raise Fault(str(e)) from None
+                _count_sync_run(node, "ok", args)
+                emit(summary)
                 return EXIT_OK
-            return _run(port, node, args.serial)
+            return _run(port, node, args.serial, args)
         finally:
             port.close()
     finally:
         node.close()
 
 
-def _run(port, node, name: str) -> int:
+def _run(port, node, name: str, args=None) -> int:
     """`run --serial`: the loop, and between its steps the verbs other commands forward through
     the control socket (agent/control.py), run on this thread that owns the node."""
     from .cli import EXIT_OK, emit
@@ -63,11 +67,28 @@ def _run(port, node, name: str) -> int:
             port.endpoint.local_events(_mono(), _wall())  # realtime: the peer gets it at once (§33)
         return res
 
+    from . import sdnotify
+    from .cli_mqtt import _write_metrics
+    import time
     server = ControlServer(node.home, execute)
+    watchdog = sdnotify.Watchdog()
+    metrics_file = getattr(args, "metrics_file", None)
+    interval = getattr(args, "metrics_interval", 15.0)
+    nxt = {"t": 0.0}
+
+    def serve() -> None:   # each turn of the line's loop: the watchdog, forwarded verbs, the metrics file
+        watchdog.ping()
+        server.serve()
+        if metrics_file and time.monotonic() >= nxt["t"]:
+            _write_metrics(node, metrics_file, None)
+            nxt["t"] = time.monotonic() + interval
     print(f"ssp-agent: syncing over {name} at {port.baud} baud", file=sys.stderr)
+    sdnotify.notify(f"READY=1\nSTATUS=syncing over {name}\nMAINPID={os.getpid()}")   # systemd Type=notify
     try:
-        summary = port.run(lambda: stop["v"], server.serve)
+        summary = port.run(lambda: stop["v"], serve)
     finally:
+        sdnotify.notify("STOPPING=1")
         server.close()
+        _write_metrics(node, metrics_file, None)
     emit(summary)
     return EXIT_OK
