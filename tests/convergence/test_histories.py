@@ -29,7 +29,7 @@ from agent.transport.memory import Faults
 
 from agent.simpeer import NOTES_TABLE, readings_table
 
-from ..sync.helpers import MESH, T, mesh, pair, reopen, sync_until_quiet
+from ..sync.helpers import MESH, T, mesh, partial_exchange, reopen, sync_until_quiet
 
 TABLES = readings_table("telemetry") + NOTES_TABLE
 
@@ -130,9 +130,8 @@ class Histories(RuleBasedStateMachine):
         i, j = i % n, j % n
         if i == j:
             return
-        p = pair(self.drivers[i], self.drivers[j], Faults(drop, dup, reorder, (0, 20)), seed=seed, cycle_ms=40)
-        p.start(self.t)
-        self.t = p.run(self.t, self.t + cut, idle_stop=False) + 1
+        self.t = partial_exchange(self.drivers[i], self.drivers[j], self.t, Faults(drop, dup, reorder, (0, 20)),
+                                  seed, cut)
         self._note_log(self.nodes[j])
 
     @rule(i=st.integers(0, 4))

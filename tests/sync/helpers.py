@@ -73,6 +73,14 @@ def sync(da: SyncDriver, db_: SyncDriver, now: int, faults: Faults | None = None
     return t
 
 
+def partial_exchange(da: SyncDriver, db_: SyncDriver, now: int, faults: Faults, seed: int, cut: int) -> int:
+    """An exchange over a faulty link that the simulation stops after `cut` ms, in whatever state
+    it is (bodies in flight are lost with the session). Returns the time reached."""
+    p = pair(da, db_, faults, seed, cycle_ms=40)
+    p.start(now)
+    return p.run(now, now + cut, idle_stop=False) + 1
+
+
 def sync_until_quiet(drivers: list[SyncDriver], now: int, max_rounds: int = 50) -> int:
     """Every ordered pair exchanges, round after round, until no node's log grows."""
     t = now

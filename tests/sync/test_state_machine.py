@@ -15,7 +15,7 @@ from agent.store import sync_state as sst
 from agent.sync import SyncDriver
 from agent.transport.memory import Faults
 
-from .helpers import NOW, T, log_set, mesh, pair, reopen, sync_until_quiet
+from .helpers import NOW, T, log_set, mesh, partial_exchange, reopen, sync_until_quiet
 
 VALUES = st.one_of(st.none(), st.floats(allow_nan=False, allow_infinity=False, width=32))
 
@@ -65,9 +65,8 @@ class Mesh(RuleBasedStateMachine):
         i, j = i % n, j % n
         if i == j:
             return
-        p = pair(self.drivers[i], self.drivers[j], Faults(drop, dup, reorder, (0, 20)), seed=seed, cycle_ms=40)
-        p.start(self.t)
-        self.t = p.run(self.t, self.t + cut, idle_stop=False) + 1
+        self.t = partial_exchange(self.drivers[i], self.drivers[j], self.t, Faults(drop, dup, reorder, (0, 20)),
+                                  seed, cut)
 
     @rule(i=st.integers(0, 4))
     def restart(self, i):
