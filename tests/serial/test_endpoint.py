@@ -13,7 +13,8 @@ from ..sync.helpers import NOW, T, mesh
 
 
 class EndpointLine:
-    def __init__(self, drivers, faults, baud=115_200, **cfg):
+    def __init__(self, drivers, faults, baud=115_200, base=NOW, **cfg):
+        self.base = base
         self.q = [[], []]
         self.free = [0.0, 0.0]
         self.rate = baud / 10 / 1000
@@ -43,12 +44,12 @@ class EndpointLine:
                 due = [x for x in self.q[i] if x[0] <= t]
                 self.q[i] = [x for x in self.q[i] if x[0] > t]
                 for _, d in due:
-                    self.eps[1 - i].receive_bytes(d, t, NOW + t)
+                    self.eps[1 - i].receive_bytes(d, t, self.base + t)
             for ep in self.eps:
-                ep.handle_timer(t, NOW + t)
+                ep.handle_timer(t, self.base + t)
             if done():
                 return True
-            nxt = [int(x[0]) + 1 for q in self.q for x in q] + [x for x in (ep.timer(t, NOW + t) for ep in self.eps) if x is not None]
+            nxt = [int(x[0]) + 1 for q in self.q for x in q] + [x for x in (ep.timer(t, self.base + t) for ep in self.eps) if x is not None]
             self.t = max(t + 1, min(nxt)) if nxt else t + 100
         return False
 
@@ -101,3 +102,34 @@ def test_pulled_cable_mid_exchange_then_replugged_converges(tmp_path):
     assert all(ep.sessions >= 2 for ep in line.eps)
     kinds = [k for k, _ in line.eps[0].events]
     assert "link_down" in kinds and kinds.count("link_up") >= 2
+
+
+def test_an_evicted_node_rehydrates_from_a_gateway_over_a_faulty_serial_line(tmp_path):
+    """tests/lifecycle/test_rehydrate.py's scenario, the gateway and the Pi joined by a cable at
+    BER 1e-3: they sync over it, the Pi evicts, asks for its history (a record in a body), the
+    gateway re-offers from genesis on the same serial path and the Pi takes it all back."""
+    from agent import rehydrate
+    from agent.store import sync_state as st
+    from tests.lifecycle.test_eviction import DAY, R, T0, TABLES
+    from tests.sync.helpers import sync
+    gw, pi, other = mesh(tmp_path, 3, TABLES)
+    for s in range(40):
+        other.write(R, {"device": "o", "seq": s}, {"temp": float(s)}, now=T0 + s)
+    dg, dp = SyncDriver(gw), SyncDriver(pi)
+    sync(SyncDriver(other), dg, T0 + 100)
+    top = gw.conn.execute("SELECT max(seq) FROM events").fetchone()[0]
+    f = dict(ber=1e-3, drop=0.02, duplicate=0.02, reorder=0.02, truncate=0.02)
+    line = EndpointLine([dg, dp], [LineFaults(seed=8, **f), LineFaults(seed=9, **f)], base=T0 + 2 * DAY)
+    for ep in line.eps:
+        ep.start(0)
+    served = lambda: st.cursor(gw.conn, pi.site_id, "serial")[0] >= top  # noqa: E731
+    assert line.run(3_000_000, lambda: n_events(pi) == 40 and served())
+    pi.evict_table(R, (T0 + DAY, 0))
+    assert n_events(pi) == 0
+    line.run(line.t + 20_000, lambda: False)
+    assert n_events(pi) == 0  # the serial cursor passed it all: nothing comes by itself
+    rehydrate.start(pi, gw.site_id, now=T0 + 2 * DAY + line.t)
+    assert line.run(line.t + 3_000_000, lambda: n_events(pi) == 40 and served())
+    assert pi.dump() == gw.dump()
+    assert rehydrate.status(pi)["rehydrating"]["events_applied"] == 40
+    assert rehydrate.status(gw)["serving"][0]["remaining_events_by_path"]["serial"] == 0
