@@ -280,12 +280,13 @@ def session_settings(profile, baud: int, *, realtime: bool, secure: bool, cadenc
     g = lambda k, d: getattr(profile, k, d)  # noqa: E731
     batch = int(g("serial_batch_limit", g("batch_limit", 1000)))
     # An answer can only come after the body crossed the line: allow for a full body at this
-    # baud (events of ~400 bytes), twice, plus the profile's margin.
-    line_ms = batch * 400 * 10_000 // max(1, baud)
+    # baud (events of ~400 bytes) four times over (a noisy line resends much of it), plus the
+    # profile's margin and at least a minute (a body given up on is sent again whole).
+    line_ms = 2 * batch * 400 * 10_000 // max(1, baud)
     return SessionSettings(realtime=realtime, secure=secure,
                            # --once: the exchange at the handshake is the cycle; no cadence
                            cycle_ms=10**12 if once else int((cadence_s if cadence_s is not None else g("cadence_s", 30)) * 1000),
-                           answer_timeout_ms=2 * line_ms + int(g("serial_timeout_s", 30.0) * 1000),
+                           answer_timeout_ms=2 * line_ms + max(60_000, int(g("serial_timeout_s", 30.0) * 1000)),
                            batch_limit=batch, once=once)
 
 
@@ -401,21 +402,24 @@ class SerialPort:
                                   "check the cable, the baud rate and that the other end runs ssp-agent")
             self.step(0.1)
         quiet_since = None
-        heard = ep.link.stream_received
+        heard = ep.link.stats["data_in"]
+        # Without an exchange that moved nothing (a peer that does not chain), silence ends it:
+        # long enough that a body crawling through retransmissions is not taken for silence.
+        fallback_s = max(3.0, 2 * ep.link.cfg.max_rto_ms / 1000)
         while True:
             now = time.monotonic()
             if ep.completed > 0 and now > deadline + self.settings.answer_timeout_ms / 1000:
                 break  # an exchange completed; the other end keeps sending (a busy `run`): enough
             done = ep.ready and ep.completed > 0 and not ep.busy()
-            if ep.link.stream_received != heard:
-                # Stream bytes still arriving: the other end's next body (it chains a full one
-                # at once after our acknowledgement), or more of one. Not quiet.
-                heard, quiet_since = ep.link.stream_received, None
+            if ep.link.stats["data_in"] != heard:
+                # Data still arriving (in order or not, retransmissions too): the other end's next
+                # body (it chains one at once after our acknowledgement), or more of one. Not quiet.
+                heard, quiet_since = ep.link.stats["data_in"], None
             elif done:
                 # Ended by an exchange that moved nothing (the starting end chains until one does),
                 # or, with a peer that does not chain, by a longer silence.
                 quiet_since = quiet_since or now
-                if now - quiet_since >= (linger_s if ep.empty_exchanges else 3.0):
+                if now - quiet_since >= (linger_s if ep.empty_exchanges else fallback_s):
                     break
             else:
                 quiet_since = None

@@ -133,7 +133,7 @@ class SerialLink:
         self._srtt: float | None = None
         self.stats = {k: 0 for k in ("bytes_in", "bytes_out", "frames_in", "frames_out", "data_out", "retransmits",
                                      "fast_retransmits", "duplicates", "out_of_window", "stale", "bad_packet",
-                                     "pings", "messages_in", "messages_out", "downs", "stream_bytes_out")}
+                                     "pings", "messages_in", "messages_out", "downs", "stream_bytes_out", "data_in")}
         self._reset_sequences()
 
     def _reset_sequences(self) -> None:
@@ -279,6 +279,7 @@ class SerialLink:
             if kind == DATA:
                 _, tag, off = _DATA.unpack_from(p)
                 if self._mine(tag, now):
+                    self.stats["data_in"] += 1
                     self._on_data(off, p[_DATA.size:], now)
             elif kind == ACK:
                 _, tag, cum, credit, n = _ACK.unpack_from(p)
