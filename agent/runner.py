@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class RunConfig:
     eviction_interval_s: float | None = None  # run node.run_eviction() this often (None: never)
     limit_probe_s: float = 60.0  # after a too_large refusal, try twice the reduced body limit this much later
     limit_probe_max_s: float = 3600.0  # the wait before a probe doubles with each refusal, up to this
+    others_per_step: int = 256  # inbound messages per step from sites not in the keyring (flood bound, pump)
 
     @classmethod
     def from_profile(cls, profile, **overrides) -> "RunConfig":
@@ -98,6 +100,11 @@ class _Pending:
 
 
 MIN_BODY_LIMIT = 1024  # never send a peer less than this per body (MqttLink.max_payload's floor)
+# Flood bounds (issue 11 item 4, docs/apply.md "Bounds"): refusals surfaced (and logged) per
+# (source, reason) in each window; the rest are counted and summed up in one row when the window ends.
+REFUSALS_SURFACED_PER_WINDOW = 20
+REFUSAL_WINDOW_S = 60.0
+PRESENCE_LIMIT = 1024  # handshakes kept (Runner.caps): fictional sites' presence evicts the oldest
 
 
 @dataclass
@@ -173,6 +180,9 @@ class Runner:
         self.stats: Counter = Counter()
         self.rejections: deque = deque(maxlen=1000)  # (reason, detail) of refused inbound messages
         self._refused_presence: dict[bytes, tuple] = {}  # site -> the refused payload last surfaced
+        self._others: deque = deque()  # taken in, from sites not in the keyring, not yet handled (pump)
+        self._refusal_window: dict[tuple, list] = {}  # (source, reason) -> [window start, surfaced, not surfaced]
+        self.presence_limit = PRESENCE_LIMIT
         self._last_local = self._local_max()
         self._next_batch = 0.0
         self._next_flush = 0.0
@@ -185,6 +195,9 @@ class Runner:
 
     def close(self) -> None:
         self.link.close()
+        for (source, reason), w in self._refusal_window.items():
+            self._surface_suppressed(source, reason, w)
+        self._refusal_window.clear()
 
     # -------------------------------------------------------------- the loop
     def step(self, timeout: float = 0.05) -> None:
@@ -237,22 +250,39 @@ class Runner:
             self.step()
 
     def pump(self, timeout: float = 0.0, max_items: int = 10_000) -> int:
-        n = 0
-        wait = timeout
-        while n < max_items:
+        """Handle what arrived. Answers and messages from sites in the keyring are handled at once,
+        in arrival order; messages from any other site (which a rogue client with broker access can
+        publish at will, under fictional names) wait in `_others` and at most `others_per_step` of
+        them are handled per call, so an honest body never waits behind a whole flood (issue 11
+        item 4). `_others` holds unacknowledged messages only, so it is bounded by the link's
+        Receive Maximum: past that the broker holds them back."""
+        n = got = 0
+        wait = 0.0 if self._others else timeout
+        keyring = self.node.keyring
+        while got < max_items:
             try:
                 m = self.link.inbound.get(timeout=wait) if wait > 0 else self.link.inbound.get_nowait()
-            except Exception:  # queue.Empty
+            except queue.Empty:
                 break
             wait = 0
-            n += 1
-            if m.kind == "req":
-                self._on_request(m)
-            elif m.kind == "ans":
-                self._on_answer(m)
+            got += 1
+            if m.kind == "ans" or (m.sender if m.kind == "req" else m.site) in keyring:
+                self._handle(m)
+                n += 1
             else:
-                self._on_presence(m)
+                self._others.append(m)
+        for _ in range(min(len(self._others), self.cfg.others_per_step)):
+            self._handle(self._others.popleft())
+            n += 1
         return n
+
+    def _handle(self, m: Inbound) -> None:
+        if m.kind == "req":
+            self._on_request(m)
+        elif m.kind == "ans":
+            self._on_answer(m)
+        else:
+            self._on_presence(m)
 
     # -------------------------------------------------------------- receiving
     def _reject(self, m: Inbound, reason: str, detail: str = "") -> None:
@@ -262,12 +292,42 @@ class Runner:
         self.stats["rejected_bodies"] += 1
         self.stats[f"rejected:{reason}"] += 1
         self.rejections.append((reason, detail))
-        log.warning("refused a body in our inbox (%s%s)", reason, f": {detail}" if detail else "")
-        self.node.surface_refused("mqtt_request", reason, detail, m.sender)
+        self._surface_refusal("mqtt_request", reason, detail, m.sender)
         if self.link.answer(m, b"", {P_STATUS: "rejected", P_REASON: reason, P_PROCESSED: "0",
                                      P_START: m.props.get(P_START, ""), P_END: m.props.get(P_END, "")}):
             self.stats["answers_sent"] += 1
         self.link.ack(m)
+
+    def _surface_refusal(self, source: str, reason: str, detail: str, sender: bytes | None) -> None:
+        """Log and surface a refusal, at most REFUSALS_SURFACED_PER_WINDOW per (source, reason) in
+        each REFUSAL_WINDOW_S: each surfaced row is a transaction of its own (an fsync), which made
+        a flood cost one fsync per hostile message and held honest bodies back. The rest are
+        counted (`refusals_not_surfaced`) and surfaced as one row when the window ends."""
+        now = time.monotonic()
+        key = (source, reason)
+        w = self._refusal_window.get(key)
+        if w is None or now - w[0] >= REFUSAL_WINDOW_S:
+            if w is not None:
+                self._surface_suppressed(source, reason, w)
+            w = self._refusal_window[key] = [now, 0, 0]
+        if w[1] >= REFUSALS_SURFACED_PER_WINDOW:
+            w[2] += 1
+            self.stats["refusals_not_surfaced"] += 1
+            return
+        w[1] += 1
+        log.warning("refused %s (%s%s)", "a body in our inbox" if source == "mqtt_request" else source,
+                    reason, f": {detail}" if detail else "")
+        self.node.surface_refused(source, reason, detail, sender)
+
+    def _surface_suppressed(self, source: str, reason: str, w: list) -> None:
+        if w[2]:
+            msg = f"{w[2]} more refusals not surfaced within {REFUSAL_WINDOW_S:g} s (flood bound)"
+            log.warning("refused %s (%s): %s", source, reason, msg)
+            try:
+                self.node.surface_refused(source, reason, msg, None)
+            except Exception as e:  # noqa: BLE001 - a summary row must never stop the loop (or close)
+                log.warning("could not surface the refusal summary: %s", e)
+            w[2] = 0
 
     def _on_request(self, m: Inbound) -> None:
         self.stats["bodies_received"] += 1
@@ -386,15 +446,23 @@ class Runner:
                 if len(self._refused_presence) >= 1024:  # presence topics of fictional sites: bounded
                     self._refused_presence.clear()
                 self._refused_presence[m.site] = key
-                log.warning("refused the presence of %s (%s: %s)", m.site.hex(), e.reason, e.detail)
-                self.node.surface_refused("presence", e.reason, e.detail, m.site)
+                self._surface_refusal("presence", e.reason, e.detail, m.site)
             return
         if hs is None:
             self.caps.pop(m.site, None)
             return
         if not hs.understood:
             hs = Handshake(hs.site_id, hs.have_max_hlc, False, hs.secure_channel, hs.rtt_ms, False)
+        self.caps.pop(m.site, None)  # re-inserted: the order is the order of the last presence
         self.caps[m.site] = hs
+        if len(self.caps) > self.presence_limit:
+            # Presence of fictional sites (anyone with broker access can publish one per made-up
+            # site): bounded, the oldest of the sites not in the keyring goes, counted.
+            keyring = self.node.keyring
+            old = next((s for s in self.caps if s not in keyring), None)
+            if old is not None:
+                del self.caps[old]
+                self.stats["presence_evicted"] += 1
 
     # -------------------------------------------------------------- sending
     def _reset_peer(self, peer: bytes) -> None:

@@ -67,6 +67,9 @@ KIND_BATCH, KIND_REALTIME = "batch", "rt"
 _GENERATIONS = itertools.count(1)
 
 
+PRESENT_LIMIT = 1024  # presence payloads kept (MqttLink.present); the oldest go first
+
+
 class TransportError(RuntimeError):
     """A local transport fault (broker unreachable, TLS files unreadable): never a protocol error."""
 
@@ -280,6 +283,9 @@ class MqttLink:
         self.presence_payload = presence_payload
         self.inbound: "queue.Queue[Inbound]" = queue.Queue()
         self.present: dict[bytes, bytes] = {}  # peer site -> its retained presence payload (handshake bytes)
+        # Bounded: anyone with broker access can publish presence for made-up sites (issue 11 item 4).
+        self.present_limit = PRESENT_LIMIT
+        self.present_evicted = 0  # oldest entries dropped past present_limit
         self.broker_max_packet: int | None = None
         self.generation = 0
         self.connected = threading.Event()
@@ -455,10 +461,12 @@ class MqttLink:
             self._ack_now(msg)
             if site == self.site_id:
                 return
+            self.present.pop(site, None)  # re-inserted: the order is the order of the last presence
             if msg.payload:
                 self.present[site] = bytes(msg.payload)
-            else:
-                self.present.pop(site, None)
+                if len(self.present) > self.present_limit:
+                    del self.present[next(iter(self.present))]
+                    self.present_evicted += 1
             self.inbound.put(Inbound("presence", site, bytes(msg.payload), {}, None, None, msg.mid, msg.qos,
                                      bool(msg.dup), bool(msg.retain), self.generation))
             return
