@@ -71,6 +71,11 @@ def test_a_flood_does_not_hold_back_honest_bodies_and_costs_bounded_rows(broker,
         ra.batch_cycle(); rb.batch_cycle()
         assert step_until([ra, rb], lambda: e2 in event_ids(b) and e3 in event_ids(a), 10)
         assert a.dump() == b.dump()
+        # what was not surfaced is summed up, per reason, when the window ends (here: on close)
+        n_not = rb.stats["refusals_not_surfaced"]
+        rb.close()
+        rows = [s for s in b.surfaced() if "more refusals not surfaced" in s.get("detail", {}).get("detail", "")]
+        assert sum(int(r["detail"]["detail"].split()[0]) for r in rows) == n_not, rows
     finally:
         rogue.close()
         ra.close(); rb.close()
