@@ -222,6 +222,11 @@ def cmd_run(args) -> int:
     return EXIT_OK
 
 
+def _group_epoch(a) -> None:
+    a.add_argument("--group", required=True, help="group_id, hex")
+    a.add_argument("--epoch", required=True, type=int)
+
+
 def register(sub, mailbox_sub) -> None:
     s = sub.add_parser("sequencer", help="the blind Commit sequencer (its own home; docs/sequencer.md)")
     ss = s.add_subparsers(dest="sequencer_verb", metavar="ACTION")
@@ -231,15 +236,13 @@ def register(sub, mailbox_sub) -> None:
                                       "default: a software keystore in HOME/keystore")
     a.set_defaults(fn=cmd_init)
     a = ss.add_parser("register", help="register a new opaque group_id with its initial epoch (§22.6)")
-    a.add_argument("--group", required=True, help="group_id, hex")
-    a.add_argument("--epoch", required=True, type=int)
+    _group_epoch(a)
     a.set_defaults(fn=cmd_register)
     a = ss.add_parser("submit", help="submit one MLSMessage file exactly as a member sent it")
     a.add_argument("file")
     a.set_defaults(fn=cmd_submit)
     a = ss.add_parser("receipt", help="the exact receipt released for (group, epoch), or a stated absence")
-    a.add_argument("--group", required=True, help="group_id, hex")
-    a.add_argument("--epoch", required=True, type=int)
+    _group_epoch(a)
     a.set_defaults(fn=cmd_receipt)
     a = ss.add_parser("status", help="groups, current epochs, receipt-chain heads, discontinuities (JSON)")
     a.set_defaults(fn=cmd_status)

@@ -127,18 +127,18 @@ def parse_message(data: bytes) -> Handshake | SyncBody:
 @classified(ProtocolError)
 def parse_body(data: bytes) -> SyncBody:
     """The sync body boundary (§32, and a mailbox file: exactly one body): SyncBody or ProtocolError."""
-    m = parse_message(data)
-    if not isinstance(m, SyncBody):
-        raise ProtocolError("not_a_body", "expected a sync body, got a handshake")
-    return m
+    return _expect(parse_message(data), SyncBody, "not_a_body", "expected a sync body, got a handshake")
 
 
 @classified(ProtocolError)
 def parse_handshake(data: bytes) -> Handshake:
     """The handshake boundary (§31): Handshake or ProtocolError."""
-    m = parse_message(data)
-    if not isinstance(m, Handshake):
-        raise ProtocolError("not_a_handshake", "expected a handshake, got a sync body")
+    return _expect(parse_message(data), Handshake, "not_a_handshake", "expected a handshake, got a sync body")
+
+
+def _expect(m, kind, reason: str, detail: str):
+    if not isinstance(m, kind):
+        raise ProtocolError(reason, detail)
     return m
 
 

@@ -83,6 +83,33 @@ def softhsm_module() -> str | None:
     return None
 
 
+def softhsm_token(tmp, label: str, so_pin: str = "87654321", pin: str = "246810") -> dict:
+    """A fresh SoftHSM2 token in `tmp/softhsm` and the keystore config that opens it (the
+    node-on-keystore and sequencer tests share it). Fails the test when SoftHSM2 is missing."""
+    import shutil
+    import subprocess
+    import pytest
+    module, util = softhsm_module(), shutil.which("softhsm2-util")
+    if module is None or util is None:
+        pytest.fail("SoftHSM2 is not installed: run `apt-get install -y softhsm2` (docs/keystore.md, Test set-up)")
+    d = tmp / "softhsm"
+    (d / "tokens").mkdir(parents=True)
+    conf = d / "softhsm2.conf"
+    conf.write_text(f"directories.tokendir = {d / 'tokens'}\nobjectstore.backend = file\nlog.level = ERROR\n")
+    subprocess.run([util, "--init-token", "--free", "--label", label, "--so-pin", so_pin, "--pin", pin],
+                   check=True, env=dict(os.environ, SOFTHSM2_CONF=str(conf)), capture_output=True)
+    return {"kind": "pkcs11", "module": module, "token_label": label, "pin": pin,
+            "env": {"SOFTHSM2_CONF": str(conf)}}
+
+
+def serial_keystore(tmp):
+    """The serial keystore emulator over a pty, as a keystore config (a generator: a fixture's body)."""
+    proc, port = start_emulator(tmp)
+    yield {"kind": "serial", "port": port, "timeout_s": 5.0}
+    proc.terminate()
+    proc.wait(10)
+
+
 def start_emulator(tmp, *extra: str, state: str = "device"):
     """Start the serial keystore emulator; return (process, port path)."""
     import subprocess

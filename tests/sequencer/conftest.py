@@ -27,26 +27,11 @@ def seq(tmp_path):
 
 @pytest.fixture
 def softhsm_conf(tmp_path):
-    import shutil
-    import subprocess
-    from bridge_helpers import softhsm_module
-    module, util = softhsm_module(), shutil.which("softhsm2-util")
-    if module is None or util is None:
-        pytest.fail("SoftHSM2 is not installed: run `apt-get install -y softhsm2` (docs/keystore.md, Test set-up)")
-    d = tmp_path / "softhsm"
-    (d / "tokens").mkdir(parents=True)
-    conf = d / "softhsm2.conf"
-    conf.write_text(f"directories.tokendir = {d / 'tokens'}\nobjectstore.backend = file\nlog.level = ERROR\n")
-    subprocess.run([util, "--init-token", "--free", "--label", "ssp-seq", "--so-pin", "87654321", "--pin", "246810"],
-                   check=True, env=dict(os.environ, SOFTHSM2_CONF=str(conf)), capture_output=True)
-    return {"kind": "pkcs11", "module": module, "token_label": "ssp-seq", "pin": "246810",
-            "env": {"SOFTHSM2_CONF": str(conf)}}
+    from bridge_helpers import softhsm_token
+    return softhsm_token(tmp_path, "ssp-seq")
 
 
 @pytest.fixture
 def serial_conf(tmp_path):
-    from bridge_helpers import start_emulator
-    proc, port = start_emulator(tmp_path)
-    yield {"kind": "serial", "port": port, "timeout_s": 5.0}
-    proc.terminate()
-    proc.wait(10)
+    from bridge_helpers import serial_keystore
+    yield from serial_keystore(tmp_path)
