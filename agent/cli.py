@@ -196,7 +196,8 @@ def cmd_mailbox_import(args) -> int:
         raise Refused(f"malformed sync body ({e.reason}): {e.detail}; nothing was changed") from None
     node = _open(args)
     try:
-        result = mailbox.import_body(node, data)
+        from .sync import import_mailbox_body
+        result = import_mailbox_body(node, data)
     except ProtocolError as e:
         raise Refused(f"malformed sync body ({e.reason}): {e.detail or 'see SSP/1 §32'}; nothing was changed") from None
     finally:
@@ -422,6 +423,26 @@ def _add_later_verbs(sub, mailbox_sub) -> None:
         except ImportError:
             continue
         m.register(sub, mailbox_sub)
+
+
+def run_forwarded(argv: list[str], node, status_extra=None) -> tuple[int, str, str]:
+    """Execute one forwarded command line on `node` (the running agent's), capturing what the verb
+    prints. Only the FORWARDED verbs; anything else is refused. Here, beside the verbs, not in
+    agent/control.py: the control socket server never imports the CLI (no import circle)."""
+    import io
+
+    from .control import FORWARDED
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as e:  # argparse already explained on stderr
+            return (e.code if isinstance(e.code, int) else 2), out.getvalue(), err.getvalue()
+        if args.verb not in FORWARDED:
+            return 2, "", f"ssp-agent: {args.verb} is not served by a running agent; stop it first\n"
+        with serving(node, status_extra):
+            rc = dispatch(args)
+    return rc, out.getvalue(), err.getvalue()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,6 +104,7 @@ def _go(args, once: bool) -> int:
         from .cli_serial import go
         return go(args, once)
     from .cli import EXIT_OK, Fault, _open, emit
+    from .metrics import count_sync_run
     from .runner import RunConfig, Runner
     from .transport.broker import Broker, BrokerError
     from .transport.mqtt import TransportError
@@ -144,7 +145,7 @@ def _go(args, once: bool) -> int:
             if once or err.startswith("broker refused"):
                 r.link.close(clear_presence=False)
                 if once:
-                    _count_sync_run(node, "unreachable", args)
+                    count_sync_run(node, "unreachable", args)
                 raise Fault(f"broker unreachable: {err}")
             print(f"ssp-agent: broker unreachable ({err}); run keeps retrying", file=sys.stderr)
         try:
@@ -152,9 +153,9 @@ def _go(args, once: bool) -> int:
                 try:
                     summary = r.sync_once(timeout_s=20.0 if args.timeout is None else args.timeout)
                 except BaseException:
-                    _count_sync_run(node, "failed", args)
+                    count_sync_run(node, "failed", args)
                     raise
-                _count_sync_run(node, "ok", args)
+                count_sync_run(node, "ok", args)
                 emit(summary)
                 return EXIT_OK
             stop = {"v": False}
@@ -174,34 +175,13 @@ def _go(args, once: bool) -> int:
             broker.close()
 
 
-def _count_sync_run(node, outcome: str, args) -> None:
-    """A `sync --once` run's outcome, durable (the metrics' ssp_sync_runs_total), and the metrics file."""
-    import sqlite3
-
-    from .store import counters, db
-    try:
-        with db.transaction(node.conn):
-            counters.bump(node.conn, "sync_runs", {outcome: 1})
-    except sqlite3.Error as e:   # e.g. a full disk: the run's own outcome matters more than its count
-        logging.getLogger("ssp_agent").warning("could not count the sync run: %s", e)
-    _write_metrics(node, args.metrics_file, None)
-
-
-def _write_metrics(node, path, run_stats) -> None:
-    if not path:
-        return
-    from .metrics import render, write_atomic
-    try:
-        write_atomic(Path(path), render(node, run_stats))
-    except OSError as e:   # the metrics are a window, never a reason to stop syncing
-        logging.getLogger("ssp_agent").warning("cannot write metrics to %s: %s", path, e)
-
-
 def _serve_and_run(r, node, broker_url: str, should_stop, metrics_file=None, metrics_interval=15.0) -> None:
     """`run`'s loop: the runner's steps, and between them the verbs other commands forward
     through the control socket (agent/control.py), run here on the loop thread that owns the
     node, so the node keeps one writer."""
-    from .control import ControlServer, run_forwarded
+    from .cli import run_forwarded
+    from .control import ControlServer
+    from .metrics import write_metrics_file
 
     def status_extra() -> dict:
         return {"pid": os.getpid(), "broker": broker_url, **r.summary()}
@@ -226,12 +206,12 @@ def _serve_and_run(r, node, broker_url: str, should_stop, metrics_file=None, met
             r.step()
             server.serve()
             if metrics_file and time.monotonic() >= next_metrics:
-                _write_metrics(node, metrics_file, r.stats)
+                write_metrics_file(node, metrics_file, r.stats)
                 next_metrics = time.monotonic() + metrics_interval
     finally:
         sdnotify.notify("STOPPING=1")
         server.close()
-        _write_metrics(node, metrics_file, r.stats)
+        write_metrics_file(node, metrics_file, r.stats)
 
 
 def cmd_sync(args) -> int:

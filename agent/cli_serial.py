@@ -29,13 +29,13 @@ def go(args, once: bool) -> int:
             raise Fault(str(e)) from None
         try:
             if once:
-                from .cli_mqtt import _count_sync_run
+                from .metrics import count_sync_run
                 try:
                     summary = port.sync_once(timeout_s=args.timeout)
                 except SerialError as e:
-                    _count_sync_run(node, "failed", args)
+                    count_sync_run(node, "failed", args)
                     raise Fault(str(e)) from None
-                _count_sync_run(node, "ok", args)
+                count_sync_run(node, "ok", args)
                 emit(summary)
                 return EXIT_OK
             return _run(port, node, args.serial, args)
@@ -49,7 +49,8 @@ def _run(port, node, name: str, args=None) -> int:
     """`run --serial`: the loop, and between its steps the verbs other commands forward through
     the control socket (agent/control.py), run on this thread that owns the node."""
     from .cli import EXIT_OK, emit
-    from .control import ControlServer, run_forwarded
+    from .cli import run_forwarded
+    from .control import ControlServer
     from .transport.serial import _mono, _wall
     stop = {"v": False}
 
@@ -68,7 +69,7 @@ def _run(port, node, name: str, args=None) -> int:
         return res
 
     from . import sdnotify
-    from .cli_mqtt import _write_metrics
+    from .metrics import write_metrics_file
     import time
     server = ControlServer(node.home, execute)
     watchdog = sdnotify.Watchdog()
@@ -80,7 +81,7 @@ def _run(port, node, name: str, args=None) -> int:
         watchdog.ping()
         server.serve()
         if metrics_file and time.monotonic() >= nxt["t"]:
-            _write_metrics(node, metrics_file, None)
+            write_metrics_file(node, metrics_file, None)
             nxt["t"] = time.monotonic() + interval
     print(f"ssp-agent: syncing over {name} at {port.baud} baud", file=sys.stderr)
     sdnotify.notify(f"READY=1\nSTATUS=syncing over {name}\nMAINPID={os.getpid()}")   # systemd Type=notify
@@ -89,6 +90,6 @@ def _run(port, node, name: str, args=None) -> int:
     finally:
         sdnotify.notify("STOPPING=1")
         server.close()
-        _write_metrics(node, metrics_file, None)
+        write_metrics_file(node, metrics_file, None)
     emit(summary)
     return EXIT_OK

@@ -11,7 +11,7 @@ from .core.ids import IdFormatError, parse_hlc, parse_public_key, parse_site_id
 
 
 def cmd_mailbox_export(args) -> int:
-    from . import mailbox
+    from .sync import export_mailbox_body
     try:
         peer = parse_site_id(args.peer, "--peer")
     except IdFormatError as e:
@@ -24,7 +24,7 @@ def cmd_mailbox_export(args) -> int:
         if not out.parent.exists():
             raise Refused(f"directory {out.parent} does not exist")
         try:
-            res = mailbox.export_body(node, peer, out)
+            res = export_mailbox_body(node, peer, out)
         except OSError as e:  # a full or failing medium: a local fault; nothing moved (docs/protocol.md §6)
             raise Fault(f"cannot write {out}: {e.strerror or e}; nothing was exported (the mailbox cursor "
                         "did not move)") from None

@@ -23,11 +23,18 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import time
 from pathlib import Path
 
 from .core.clock import SKEW_BOUND_MS, signing_time
 
 TIMESYNCD_FLAG = "/run/systemd/timesync/synchronized"
+
+
+def now_ms() -> int:
+    """The wall clock in milliseconds (HLCs, the skew bound). Here, at the bottom: the node, the
+    sync driver and rehydration all read it, and none of them may import the others upward."""
+    return time.time_ns() // 1_000_000
 STA_UNSYNC = 0x0040
 TIME_ERROR = 5
 # A wall clock this far from the evidence is surfaced (`check` warns): the §12 step 2 bound, so
@@ -105,7 +112,6 @@ def assess(node=None, now: int | None = None, *, trusted_override: bool = False)
     (None when the home has none), hlc ("P.L"), behind_ms (how far the node's HLC is ahead of
     the wall clock), ahead_ms (how far the wall clock is past the evidence), signing_cap_ms
     (the highest physical a tick may use now, None when unbounded), hint."""
-    from .node import now_ms
     now = now_ms() if now is None else now
     sync = sync_state()
     synced = any(v for v in sync.values())

@@ -18,7 +18,6 @@ release) and the one apply path as any other local write.
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
@@ -211,20 +210,3 @@ class ControlServer:
             except queue.Empty:
                 break
         self._thread.join(timeout=2)
-
-
-def run_forwarded(argv: list[str], node, status_extra: Callable[[], dict] | None = None) -> tuple[int, str, str]:
-    """Execute one forwarded command line on `node` (the running agent's), capturing what the verb
-    prints. Only the FORWARDED verbs; anything else is refused."""
-    from . import cli
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            args = cli.build_parser().parse_args(argv)
-        except SystemExit as e:  # argparse already explained on stderr
-            return (e.code if isinstance(e.code, int) else 2), out.getvalue(), err.getvalue()
-        if args.verb not in FORWARDED:
-            return 2, "", f"ssp-agent: {args.verb} is not served by a running agent; stop it first\n"
-        with cli.serving(node, status_extra):
-            rc = cli.dispatch(args)
-    return rc, out.getvalue(), err.getvalue()

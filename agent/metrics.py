@@ -5,6 +5,7 @@ directory, fsync, rename), so the collector never reads half of it; the temporar
 end in `.prom`, so the collector ignores it. docs/operations.md lists every metric."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -98,3 +99,26 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+# The CLI verbs that sync (`sync --once`, `run`, over MQTT or a serial line) share these.
+def count_sync_run(node, outcome: str, args) -> None:
+    """A `sync --once` run's outcome, durable (the metrics' ssp_sync_runs_total), and the metrics file."""
+    import sqlite3
+
+    from .store import db
+    try:
+        with db.transaction(node.conn):
+            counters.bump(node.conn, "sync_runs", {outcome: 1})
+    except sqlite3.Error as e:   # e.g. a full disk: the run's own outcome matters more than its count
+        logging.getLogger("ssp_agent").warning("could not count the sync run: %s", e)
+    write_metrics_file(node, args.metrics_file, None)
+
+
+def write_metrics_file(node, path, run_stats) -> None:
+    if not path:
+        return
+    try:
+        write_atomic(Path(path), render(node, run_stats))
+    except OSError as e:   # the metrics are a window, never a reason to stop syncing
+        logging.getLogger("ssp_agent").warning("cannot write metrics to %s: %s", path, e)

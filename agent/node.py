@@ -17,6 +17,7 @@ from firmware_bridge import (EventIdentity, KeystoreUnavailable, OutcomeUnknown,
 from firmware_bridge.journal import inspect as journal_inspect
 
 from . import identity as ident
+from .clockstate import now_ms  # re-exported: callers read the wall clock as node.now_ms
 from .core import cose, events as ev
 from .core.clock import Hlc, beyond_skew
 from .core.clock import signing_time as clock_signing_time
@@ -46,10 +47,6 @@ class NodeError(RuntimeError):
 class ClockUntrusted(NodeError):
     """Reason code `clock_untrusted`: an operation that needs a trustworthy wall clock (eviction,
     a horizon change, `init`) found none and had no override (docs/apply.md "Clocks without an RTC")."""
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 @dataclass
@@ -165,7 +162,7 @@ class Node:
             if k in ks_conf and Path(ks_conf[k]).parent == home:
                 ks_conf[k] = Path(ks_conf[k]).name
         conn = db.connect(home / cls.STORE_FILE)
-        db.create(conn)
+        migrations.create(conn)
         with _txn(conn):
             db.set_meta(conn, "site_id", site_id)
             db.set_meta(conn, "mesh_id", manifest.mesh_id)
@@ -353,11 +350,68 @@ class Node:
         records = [raw for raw in records if not self._record_held(raw)]
         if records:
             from .store import sync_state
-            from .sync import SyncDriver
             sync_state.ensure_schema(self.conn)
             log.warning("storing %d control record(s) released before a crash but never stored", len(records))
-            SyncDriver(self).apply_records(records, now_ms())
+            self.apply_records(records, now_ms())
         self.compact_journal()
+
+    def apply_records(self, raws, now: int) -> dict:
+        """Verify and store control records, each on its own (a bad one is dropped and surfaced
+        without affecting the rest), and act on what they change. Runs before a body's events so
+        a vouch travelling with its subject's events admits them. The processing lives below the
+        node (agent/records_in.py, agent/rehydrate.py) and returns effects; the node acts on them
+        here: keyring and trust rebuilt in the records' own transaction, then rehydrate requests
+        (verified under the new keyring), then the truncation records a widening or a served
+        rehydration calls for (signed through the bridge, outside any transaction)."""
+        from . import rehydrate, records_in
+        from .core.cose import content_type
+        from .core.records import TRUNCATED
+        from .mailbox import ACK_CONTENT_TYPE
+        kinds = [content_type(r) for r in raws]
+        rh = [r for r, k in zip(raws, kinds) if k == rehydrate.CONTENT_TYPE]
+        tr = [r for r, k in zip(raws, kinds) if k == TRUNCATED]
+        acks = [r for r, k in zip(raws, kinds) if k == ACK_CONTENT_TYPE]
+        raws = [r for r, k in zip(raws, kinds) if k not in (rehydrate.CONTENT_TYPE, TRUNCATED, ACK_CONTENT_TYPE)]
+        if acks:
+            # Mailbox answers are taken by the mailbox import only (they speak to one node about its
+            # files). Here: this node's own, released before a crash and not stored (recovery).
+            records_in.keep_own_acks(self, acks, now)
+        fx = records_in.RecordEffects()
+        try:
+            with _txn(self.conn):
+                out, fx = records_in.store_authority_records(self, raws, now)
+                if fx.trust_changed:
+                    # Trust changed: rows become the merge of the retained events that still count
+                    # (a retire removes its subject's events above the cutoff, whenever it arrives).
+                    self._load_caches()
+                    trust = self._reconcile_trust(now)
+                    if trust:
+                        out["trust"] = trust
+        finally:
+            if fx.trust_changed:
+                self._load_caches()  # keyring rebuilt from the store, records overlaid
+        if rh:
+            # After the vouches: a request travelling with the vouch for its subject is verified.
+            with _txn(self.conn):
+                out["rehydrate"] = rehydrate.handle_records(self, rh, now)
+            fx.subjects_reset = [bytes.fromhex(s) for s in out["rehydrate"].get("subjects_reset", [])]
+        if fx.widened:
+            rehydrate.announce_truncations(self, fx.widened, now)
+        if tr:
+            # After the authority records: a vouch in the same body admits the truncation's issuer.
+            with _txn(self.conn):
+                out["truncation"] = rehydrate.handle_truncations(self, tr, now)
+        for subj in fx.subjects_reset:
+            # Serving a rehydration from a log evicted below a horizon: say which rows are incomplete.
+            n = len(rehydrate.issue_truncations(self, subj, now=now, cause="rehydration"))
+            if n:
+                out["truncation_issued"] = out.get("truncation_issued", 0) + n
+        return out
+
+    def reload_caches(self) -> None:
+        """The keyring, tables and horizons again from the store (after a rolled-back change that
+        lowered them in memory: agent/rehydrate.py `start`)."""
+        self._load_caches()
 
     def compact_journal(self) -> dict | None:
         """Drop from the signing journal our released events whose exact bytes the log holds (its

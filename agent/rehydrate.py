@@ -34,10 +34,13 @@ import logging
 import sqlite3
 from typing import Any
 
+from . import policy
+from .clockstate import now_ms
 from .core.classify import classified
 from .core.codec import INT64_MAX, decode_strict, encode
 from .core.cose import ALG_EDDSA, assemble, content_type, parse_sign1, protected_header, sig_structure
 from .core.records import RecordError, record_hash, verify_signed_by_site
+from .store import db
 
 log = logging.getLogger("ssp_agent.rehydrate")
 
@@ -103,11 +106,12 @@ def record_raws(conn: sqlite3.Connection) -> list[bytes]:
     return [raw for _h, raw in latest_requests(conn)]
 
 
-def handle_records(driver, raws: list, now: int) -> dict:
+def handle_records(node, raws: list, now: int) -> dict:
     """Verify rehydrate records (each on its own) and act on a new generation once. Runs inside
-    SyncDriver.apply_records, before the body's events."""
+    `Node.apply_records`, before the body's events. Its effect, the subjects whose cursors were
+    reset (`subjects_reset`, hex), is returned for the caller to act on (truncation records)."""
     from .store import sync_state as st
-    node, conn = driver.node, driver.conn
+    conn = node.conn
     out = {"stored": 0, "known": 0, "dropped": 0, "reset": 0, "refused": 0}
     budget = st.RecordBudget(conn, node.site_id)
     for raw in raws:
@@ -160,7 +164,6 @@ def _store(conn: sqlite3.Connection, r: dict) -> None:
 
 
 def node_public_key(node) -> bytes:
-    from .store import db
     return bytes(db.get_meta(node.conn, "public_key"))
 
 
@@ -178,9 +181,7 @@ def start(node, from_peer: bytes | None, now: int | None = None, *, reset: bool 
           cause: str = "operator") -> dict:
     """Zero this node's horizons, clear its own watermarks, issue the next rehydrate record and
     start counting what arrives. Returns the new state."""
-    from .node import now_ms
     from .store import sync_state as st
-    from .sync import _txn
     now = now_ms() if now is None else now
     # --from need not be trusted yet: a new device learns its peers' keys from the vouch records
     # that arrive with the first body (records are processed before events).
@@ -201,7 +202,7 @@ def start(node, from_peer: bytes | None, now: int | None = None, *, reset: bool 
     # were claims made below the old horizon), the record stored and the state set. A crash
     # in between would leave stale watermarks that make serving peers skip the requested history.
     try:
-        with _txn(node.conn):
+        with db.transaction(node.conn):
             if reset:  # a restored home (`reset=False`) keeps its horizons and its consistent watermarks
                 node.reset_horizons_in_txn()
                 _crash_point("horizons_reset")
@@ -209,7 +210,7 @@ def start(node, from_peer: bytes | None, now: int | None = None, *, reset: bool 
             _store(node.conn, verify(raw, node.mesh_id, {node.site_id: (node_public_key(node), None)}))
             _set_state(node.conn, s)
     except BaseException:
-        node._load_caches()  # the in-memory horizons were lowered with the rolled-back statements
+        node.reload_caches()  # the in-memory horizons were lowered with the rolled-back statements
         raise
     return s
 
@@ -309,8 +310,7 @@ def truncated_rows(node, subject: bytes, tables: list[str] | None = None) -> dic
     from .core.merge import below
     from .core.schema import SYNCABLE
     from .store import rows as rowstore
-    from .sync import SyncDriver
-    allowed = SyncDriver(node)._allowed_fn(subject)
+    allowed = policy.allowed_fn(node.conn, node.tables, subject)
     out: dict[str, tuple[tuple[int, int], list[bytes]]] = {}
     for q, t in sorted(node.tables.items()):
         if t.horizon is None or t.tdef.category != SYNCABLE or (tables is not None and q not in tables):
@@ -346,8 +346,6 @@ def issue_truncations(node, subject: bytes, tables: list[str] | None = None, now
     identities (persist-before-release), like every record this node issues. Must run outside a
     transaction. The records travel in every body from then on."""
     from .core import records as rec
-    from .node import now_ms
-    from .store import db
     now = now_ms() if now is None else now
     found = truncated_rows(node, subject, tables)
     if not found:
@@ -372,6 +370,12 @@ def issue_truncations(node, subject: bytes, tables: list[str] | None = None, now
     log.warning("serving %s (%s) from a log evicted below its horizon: %s", subject.hex(), cause,
                 ", ".join(f"{q}: {len(rks)} row(s) below {h[0]}.{h[1]}" for q, (h, rks) in found.items()))
     return raws
+
+
+def announce_truncations(node, widened: list[tuple[bytes, str]], now: int) -> None:
+    """Backfill from a log evicted below a horizon: tell each peer which rows it cannot get in full."""
+    for p in sorted({p for p, _ in widened}):
+        issue_truncations(node, p, [q for pp, q in widened if pp == p], now=now, cause="widening_backfill")
 
 
 def _store_trunc(conn: sqlite3.Connection, t, now: int) -> bool:

@@ -43,13 +43,14 @@ import os
 import queue
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from .core.messages import Handshake, ProtocolError, parse_presence
 from .core.session import parse_meta_text
 from .outcomes import counts
 from .store import sync_state as st
+from .sync import Offer  # noqa: F401 - defined below the runner (no import circle); re-exported
 from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_COUNT, P_END, P_KIND, P_META, P_PART, P_PROCESSED,
                              P_REJECTED_AT, decode_indices, encode_indices,
                              P_REASON, P_START, P_STATUS, Inbound, MqttLink, MqttSettings, encode_meta, meta_cost,
@@ -142,18 +143,6 @@ class PeerLimit:
             self.limit *= 2
             self.probe_at += self.wait
         return min(self.limit, top)
-
-
-@dataclass
-class Offer:
-    start: int  # the cursor value the selection started from (seq > start)
-    end: int  # last seq examined
-    seqs: list[int] = field(default_factory=list)
-    events: list[bytes] = field(default_factory=list)
-    gaps: list[str] = field(default_factory=list)  # tables whose own events policy withheld in (start, end]
-    n_backfill: int = 0  # the last n_backfill of `events` are backfill rows' events (not in `seqs`)
-    backfill: bool = False  # carries backfill job progress (rows, or the end of a job's walk)
-    token: Any = None  # handed back to `advance` with the peer's answer
 
 
 class Runner:

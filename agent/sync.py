@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from firmware_bridge.fsutil import atomic_write
 
+from . import mailbox, policy, rehydrate
+from .clockstate import now_ms
 from .core import delivery
 from .core.messages import SyncBody, Watermark, emit_body, parse_body
-from .core.records import RecordError, resolve_chains, verify_record  # noqa: F401 (resolve_chains: re-exported)
-from .core.scope import resolve
+from .core.records import RecordError, resolve_chains  # noqa: F401 (resolve_chains: re-exported)
 from .core.session import Outgoing, Session, StreamMeta
 from .outcomes import counts
 from .store import db, sync_state as st
@@ -67,6 +68,20 @@ class _Token:
     sent_key: bytes | None = None  # the body's row in sync_state.sent_bodies (the key its answer names)
     reoffer_seqs: tuple[int, ...] = ()  # re-offered events (after the live ones, before backfill)
     rescans: tuple[tuple[bytes, int], ...] = ()  # rescan markers the re-offers advance (sync_state)
+
+
+@dataclass
+class Offer:
+    """A body selected for a peer (`PortAdapter.select`), kept by the runner until answered.
+    Here, below agent/runner.py: the runner imports the sync layer, never the other way round."""
+    start: int  # the cursor value the selection started from (seq > start)
+    end: int  # last seq examined
+    seqs: list[int] = field(default_factory=list)
+    events: list[bytes] = field(default_factory=list)
+    gaps: list[str] = field(default_factory=list)  # tables whose own events policy withheld in (start, end]
+    n_backfill: int = 0  # the last n_backfill of `events` are backfill rows' events (not in `seqs`)
+    backfill: bool = False  # carries backfill job progress (rows, or the end of a job's walk)
+    token: Any = None  # handed back to `advance` with the peer's answer
 
 
 @dataclass
@@ -127,38 +142,9 @@ class SyncDriver:
         return self.node.clock.current()  # an upper bound of every HLC held; advisory only (§31)
 
     def _allowed_fn(self, peer: bytes, rows=None, roles=None):
-        """`rows`, `roles`: policy rows and current roles already read (one read for many peers)."""
-        rows = st.policy_rows(self.conn) if rows is None else rows
-        roles = st.current_roles(self.conn) if roles is None else roles
-        role = roles.get(peer)
-        cats = {q: t.tdef.category for q, t in self.node.tables.items()}
-        cache: dict[str, bool] = {}
-        peer_hex = peer.hex()
-
-        def allowed(q: str) -> bool:
-            v = cache.get(q)
-            if v is None:
-                schema, name = q.split(".", 1)
-                d = resolve(rows, peer_hex, schema, name, cats.get(q), role)
-                if d.log:
-                    self._surface_policy_denial(peer, q, d.reason)
-                v = cache[q] = d.allow
-            return v
-        return allowed
-
-    def _surface_policy_denial(self, peer: bytes, table: str, reason: str) -> None:
-        """Scope §1.2 rule 4 (incomparable maximal rows) and a forked role chain: "deny and log".
-        Surfaced where `ssp-agent events` lists it, once per (peer, table, reason) while that
-        entry is kept (selection runs every cycle; the entry must not flood the record)."""
-        if (peer, table, reason) in self._denials_surfaced:
-            return
-        self._denials_surfaced.add((peer, table, reason))
-        log.warning("policy: deny for peer %s table %s (%s)", peer.hex(), table, reason)
-        self.conn.execute(
-            "INSERT INTO surfaced (at_ms, kind, reason, site_id, qualified, detail) SELECT ?,?,?,?,?,? WHERE NOT EXISTS"
-            " (SELECT 1 FROM surfaced WHERE kind='policy_denied' AND reason=? AND site_id=? AND qualified=?)",
-            (_now_ms(), "policy_denied", reason, peer, table, json.dumps({"peer": peer.hex(), "table": table}),
-             reason, peer, table))
+        """`rows`, `roles`: policy rows and current roles already read (one read for many peers).
+        Each denial that must be logged is surfaced once per driver (agent/policy.py)."""
+        return policy.allowed_fn(self.conn, self.node.tables, peer, rows, roles, self._denials_surfaced)
 
     def _rows(self, after: int, upto: int | None):
         """Log rows with seq > after (and <= upto), in append order, bounded by the scan budget."""
@@ -215,7 +201,6 @@ class SyncDriver:
         re-checked now, like any selection."""
         if not st.has_schema(self.conn) or not st.reoffer_count(self.conn, peer, path):
             return [], ()
-        from .node import now_ms
         with _txn(self.conn):
             due, scans = st.reoffer_due(self.conn, peer, path, now_ms() if now is None else now,
                                         max(1, limit // 4), st.cursor(self.conn, peer, path)[0])
@@ -330,7 +315,6 @@ class SyncDriver:
         as stored: authority records (vouch, retire, role: a vouch admits the signer of what
         follows), rehydrate requests, then truncation records (up to 256 row keys each), which go
         only to their subject, the one node that acts on them."""
-        from . import rehydrate
         return (st.records_ordered(self.conn) + rehydrate.latest_requests(self.conn)
                 + rehydrate.truncations_for(self.conn, peer))
 
@@ -389,7 +373,6 @@ class SyncDriver:
         the body started at or before it (an earlier unanswered range is re-offered). Backfill
         rows are committed on their own (`advance_backfill` only moves from the row the body was
         selected from). Returns whether the live cursor moved."""
-        from .node import now_ms
         now = now_ms() if now is None else now
         n_live, n_ro = len(tok.seqs), len(tok.reoffer_seqs)
         total = n_live + n_ro + sum(sum(p.counts) for p in tok.bf_parts)
@@ -442,109 +425,9 @@ class SyncDriver:
 
     # ------------------------------------------------------------------ receiving
     def apply_records(self, raws, now: int) -> dict:
-        """Verify and store control records, each on its own (a bad one is dropped and surfaced
-        without affecting the rest), then refresh the keyring overlay. Runs before the body's
-        events so a vouch travelling with its subject's events admits them."""
-        out = {"stored": 0, "known": 0, "dropped": 0, "forks": 0, "refused": 0}
-        node = self.node
-        new = False
-        from . import rehydrate
-        from .core.cose import content_type
-        from .core.records import TRUNCATED
-        from .mailbox import ACK_CONTENT_TYPE
-        kinds = [content_type(r) for r in raws]
-        rh = [r for r, k in zip(raws, kinds) if k == rehydrate.CONTENT_TYPE]
-        tr = [r for r, k in zip(raws, kinds) if k == TRUNCATED]
-        acks = [r for r, k in zip(raws, kinds) if k == ACK_CONTENT_TYPE]
-        raws = [r for r, k in zip(raws, kinds) if k not in (rehydrate.CONTENT_TYPE, TRUNCATED, ACK_CONTENT_TYPE)]
-        if acks:
-            # Mailbox answers are taken by `import_mailbox` only (they speak to one node about its
-            # files). Here: this node's own, released before a crash and not stored (recovery).
-            self._keep_own_acks(acks, now)
-        before = {k for k, c in st.trust(self.conn, node.site_id).chains.items() if c.forked}
-        # A role record can widen policy (the role layer): such a widening backfills too (scope §2).
-        policy_before = _policy_snapshot(node, self) if raws else None
-        widened: list[tuple[bytes, str]] = []
-        try:
-            with _txn(self.conn):
-                retired = st.trust(self.conn, node.site_id).retired_authorities if raws else set()
-                budget = st.RecordBudget(self.conn, node.site_id) if raws else None
-                for raw in raws:
-                    if not isinstance(raw, (bytes, bytearray)):
-                        continue
-                    if st.has_record(self.conn, delivery_hash(raw)):
-                        out["known"] += 1
-                        continue
-                    try:
-                        r = verify_record(bytes(raw), node.mesh_id, node.authorities, self._issuer_key)
-                    except RecordError as e:
-                        out["dropped"] += 1
-                        _surface(self.conn, now, "record_dropped", e.reason, {"detail": e.detail})
-                        continue
-                    if not budget.admit(r.issuer, r.raw, r.kind, r.record_hash, now):
-                        out["refused"] += 1   # over the record bound: not stored, surfaced (agent/store/sync_state.py)
-                        continue
-                    if r.kind != "retire" and r.issuer in retired:
-                        # A retired authority issues nothing that counts (docs/protocol.md §5 Trust).
-                        # Stored all the same, void: what a node holds then stays a function of the
-                        # records it received (a second key for a site still withdraws that site).
-                        _surface(self.conn, now, "record_refused", "issuer_retired",
-                                 {"issuer": r.issuer.hex(), "kind": r.kind, "subject": r.subject.hex(),
-                                  "record_hash": r.record_hash.hex()})
-                    if st.put_record(self.conn, r):
-                        out["stored"] += 1
-                        new = True
-                        if r.kind == "retire":
-                            retired = st.trust(self.conn, node.site_id).retired_authorities
-                if new:
-                    # A record this node did not hold can make one a peer dropped acceptable there (a
-                    # vouch admits a subject or issuer): every record goes to every peer again, once.
-                    st.clear_all_records_delivered(self.conn)
-                    chains = st.trust(self.conn, node.site_id).chains
-                    for k, c in chains.items():
-                        if c.forked and k not in before:
-                            out["forks"] += 1
-                            log.warning("control record fork: %s chain of %s; treated as absent", k[0], k[1].hex())
-                            _surface(self.conn, now, "record_fork", f"{k[0]}_fork",
-                                     {"subject": k[1].hex(), "records": [h.hex() for h in c.fork_records]})
-                    # Trust changed: rows become the merge of the retained events that still count
-                    # (a retire removes its subject's events above the cutoff, whenever it arrives).
-                    node._load_caches()
-                    fx = node._reconcile_trust(now)
-                    if fx:
-                        out["trust"] = fx
-                    if policy_before is not None:
-                        widened = _enqueue_widenings(node, self, policy_before, now)
-                        if widened:
-                            out["widened"] = [(p.hex(), q) for p, q in widened]
-        finally:
-            if new:
-                node._load_caches()  # keyring rebuilt from the store, records overlaid (agent/node.py)
-        if rh:
-            # After the vouches: a request travelling with the vouch for its subject is verified.
-            with _txn(self.conn):
-                out["rehydrate"] = rehydrate.handle_records(self, rh, now)
-        if widened:
-            _announce_truncations(node, widened, now)
-        if tr:
-            # After the authority records: a vouch in the same body admits the truncation's issuer.
-            with _txn(self.conn):
-                out["truncation"] = rehydrate.handle_truncations(node, tr, now)
-        for subj in out.get("rehydrate", {}).get("subjects_reset", []):
-            # Serving a rehydration from a log evicted below a horizon: say which rows are incomplete.
-            n = len(rehydrate.issue_truncations(node, bytes.fromhex(subj), now=now, cause="rehydration"))
-            if n:
-                out["truncation_issued"] = out.get("truncation_issued", 0) + n
-        return out
-
-    def _issuer_key(self, issuer: bytes) -> bytes | None:
-        """An authority's key from the provisioned keyring (never from a vouch: a record cannot
-        vouch for its own issuer)."""
-        if issuer == self.node.site_id:
-            from .store import db
-            return bytes(db.get_meta(self.conn, "public_key"))
-        r = self.conn.execute("SELECT public_key FROM keyring WHERE site_id=?", (issuer,)).fetchone()
-        return None if r is None else bytes(r[0])
+        """Verify and store control records and act on what they change (`Node.apply_records`:
+        the processing returns effects, the node acts on them)."""
+        return self.node.apply_records(raws, now)
 
     def receive(self, peer: bytes, body: SyncBody, meta: StreamMeta | None, mode: str, now: int,
                 path: str, secure: bool) -> tuple[int, list]:
@@ -556,7 +439,6 @@ class SyncDriver:
         origin = delivery.origin_tag(peer) if secure else "remote"
         outcomes = self.node.apply_batch(body.events, now, origin=origin)
         k = delivery.first_rejected([_proc(o) for o in outcomes])
-        from . import rehydrate
         rehydrate.note_body(self.conn, peer, outcomes)
         self.stats["bodies_in"] += 1
         self.stats["received_events"] += len(outcomes)
@@ -628,8 +510,6 @@ class SyncDriver:
         all: OSError, and nothing moved or kept. The cursor does not move here: it moves when
         `peer`'s answer to this file comes back in one of its files (§14.1), so every export
         re-offers what is not yet acknowledged."""
-        from . import mailbox
-        from .node import now_ms
         now = now_ms()
         # This node's answers: to the peer's files first, then to every other node's (files may go
         # round a ring, never straight back: the next node relays them on). Then the answers of
@@ -652,7 +532,6 @@ class SyncDriver:
         """The answer record to `peer`'s files imported here (the newest 16), signed through the
         keystore bridge under a fresh identity (persist-before-release, like every record this node
         issues) and stored; the held one is re-used while the answers are unchanged."""
-        from . import mailbox
         from .core.cose import assemble
         answers = st.owed_mailbox_answers(self.conn, peer)
         if not answers:
@@ -667,22 +546,6 @@ class SyncDriver:
             st.put_mailbox_ack(self.conn, delivery_hash(raw), peer, answers, raw, now)
         return raw
 
-    def _keep_own_acks(self, raws, now: int) -> None:
-        """Answer records this node signed and released but did not store (a crash between the
-        two): stored, unpruned, so the signing journal can drop them on this open."""
-        from . import mailbox
-        from .store import db
-        own = bytes(db.get_meta(self.conn, "public_key"))
-        with _txn(self.conn):
-            for raw in raws:
-                try:
-                    a = mailbox.verify_ack(raw, self.node.mesh_id,
-                                           lambda k: (own, None) if k == self.node.site_id else None)
-                except RecordError:
-                    continue  # someone else's: not taken on this path
-                st.put_mailbox_ack(self.conn, delivery_hash(a["raw"]), a["subject"], a["answers"], a["raw"],
-                                   a["issued_at"], prune=False)
-
     def _take_mailbox_acks(self, sender: bytes, raws, now: int) -> dict:
         """The answer records in a file from `sender`: each verified on its own (issuer's key in the
         keyring, not retired; signature over mesh_id; exact members), else dropped and surfaced. One
@@ -690,7 +553,6 @@ class SyncDriver:
         answered (`sent_bodies`): the cursor then moves as the MQTT answer moves it (`confirm`,
         §14.1). It may come from the issuer or through any node that relays it (the signature is
         the issuer's); one addressed to a third node is kept and relayed to it in this node's files."""
-        from . import mailbox
         out = {"bodies": 0, "events": 0, "relayed": 0}
         node = self.node
         for raw in raws:
@@ -724,9 +586,7 @@ class SyncDriver:
         the sender an answer for this file (carried by the next export to it). Mailbox bodies never
         move watermarks. `body`: the parse of `data` already made (agent/mailbox.py parses before
         making a driver)."""
-        from . import mailbox
         body = parse_body(data) if body is None else body
-        from .node import now_ms
         now = now_ms() if now is None else now
         sender = body.from_site_id
         acks = [r for r in body.records if mailbox.is_ack(r)]
@@ -742,7 +602,6 @@ class SyncDriver:
             # another mesh) must not make this node sign and carry answers to it in every file.
             with _txn(self.conn):
                 st.owe_mailbox_answer(self.conn, sender, mailbox.body_hash(data), k, now)
-        from . import rehydrate
         rehydrate.note_body(self.conn, sender, outcomes)
         result: dict[str, Any] = counts(outcomes)
         result["from_site_id"] = sender.hex()
@@ -754,54 +613,33 @@ class SyncDriver:
         return result
 
 
+# The mailbox verbs (agent/mailbox.py holds the file and answer-record pieces below this layer).
+def import_mailbox_body(node, data: bytes, now: int | None = None) -> dict:
+    """Raises ProtocolError before anything is written (cli-contract.md: a refused body changes
+    nothing): the strict parse runs before the driver is made, because making it creates the
+    sync tables and the default policy rows of a home that has none yet."""
+    body = parse_body(data)
+    return SyncDriver(node).import_mailbox(data, now, body=body)
+
+
+def export_mailbox_body(node, peer: bytes, out: Path) -> dict:
+    """Raises OSError (a full or failing medium) having moved nothing."""
+    return SyncDriver(node).export_mailbox(peer, Path(out))
+
+
 def change_policy(node, change, now: int | None = None) -> list[tuple[str, str]]:
     """Run `change(conn)` (policy rows in, out) in one transaction with the backfill it implies:
     for every (peer, table) that policy denied before and allows after (a widening, scope §2), one
     durable backfill job. Peers: every site this node trusts or holds a cursor for. Returns the
     widened (peer hex, table) pairs."""
-    from .node import now_ms
     now = now_ms() if now is None else now
     st.ensure_schema(node.conn)
-    drv = SyncDriver(node)
-    snap = _policy_snapshot(node, drv)
+    snap = policy.snapshot(node)
     with _txn(node.conn):
         change(node.conn)
-        widened = _enqueue_widenings(node, drv, snap, now)
-    _announce_truncations(node, widened, now)
+        widened = policy.enqueue_widenings(node, snap, now)
+    rehydrate.announce_truncations(node, widened, now)
     return [(p.hex(), q) for p, q in widened]
-
-
-def _policy_snapshot(node, drv: "SyncDriver") -> dict[tuple[bytes, str], bool]:
-    """What policy allows now, for every (peer, syncable table) this node could send to."""
-    peers = sorted({s for s in node.keyring if s != node.site_id} | set(st.peers_with_cursors(node.conn)))
-    tables = sorted(q for q, t in node.tables.items() if t.tdef.category == "syncable")
-    snap = {}
-    rows, roles = st.policy_rows(node.conn), st.current_roles(node.conn)
-    for p in peers:
-        allowed = drv._allowed_fn(p, rows, roles)
-        snap.update({(p, q): allowed(q) for q in tables})
-    return snap
-
-
-def _enqueue_widenings(node, drv: "SyncDriver", before: dict, now: int) -> list[tuple[bytes, str]]:
-    """Inside the caller's transaction: one durable backfill job per (peer, table) that `before`
-    denied and policy allows now (scope §2: widening triggers backfill, whatever widened it)."""
-    widened = []
-    rows, roles = st.policy_rows(node.conn), st.current_roles(node.conn)
-    for p in sorted({p for p, _ in before}):
-        allowed = drv._allowed_fn(p, rows, roles)
-        widened += [(p, q) for (pp, q), was in sorted(before.items()) if pp == p and not was and allowed(q)]
-    for p, q in widened:
-        st.schedule_backfill(node.conn, p.hex(), [q], peers=[p], now_ms=now)
-    return widened
-
-
-def _announce_truncations(node, widened: list[tuple[bytes, str]], now: int) -> None:
-    # Backfill from a log evicted below a horizon: tell each peer which rows it cannot get in full.
-    from . import rehydrate
-    for p in sorted({p for p, _ in widened}):
-        rehydrate.issue_truncations(node, p, [q for pp, q in widened if pp == p], now=now,
-                                    cause="widening_backfill")
 
 
 class LinkProvider:
@@ -840,7 +678,6 @@ def delivery_hash(raw: bytes) -> bytes:
 
 
 def _now_ms() -> int:
-    from .node import now_ms
     return now_ms()
 
 
@@ -874,7 +711,7 @@ def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = 
     bodies to it, until it answers one: docs/protocol.md §5)."""
     from .core import records as rec
     from .core.cose import assemble
-    from .node import NodeError, now_ms
+    from .node import NodeError
     issuer = node.site_id if authority is None else authority.site_id
     if issuer not in node.authorities:
         if authority is not None:
@@ -961,7 +798,6 @@ class PortAdapter:
         names the control records the body will carry (`body(events, peer, token)`): those not yet
         delivered to the peer on this path, at most `record_budget` bytes (default a quarter of the
         profile's body limit)."""
-        from .runner import Offer
         sel, bf, start, ro = self.driver.select_for(peer, self.path, "batch", start=start, limit=limit,
                                                     backfill=backfill)
         extra = [raw for _seq, raw in ro[0]] + (list(bf.events) if bf else [])
@@ -995,7 +831,6 @@ class PortAdapter:
         """Bodies just published, as (correlation data, peer, kind, Offer): kept durably, so an
         answer that waits in the broker while this process is gone (a wake-sync-sleep device, a
         restart) still moves the cursor when a later process takes it (§14.1)."""
-        from .node import now_ms
         t = now_ms()
         with _txn(self.conn):
             for corr, peer, kind, off in sent:
@@ -1027,7 +862,6 @@ class PortAdapter:
         if sender is not None and body.from_site_id != sender:
             raise ProtocolError("sender_mismatch", f"from_site_id {body.from_site_id.hex()} sent by {sender.hex()}")
         sm = StreamMeta.from_wire(meta, len(body.events)) if meta is not None else None
-        from .node import now_ms
         k, outs = self.driver.receive(body.from_site_id, body, sm, "batch", now_ms(), self.path, self.secure)
         return body, outs, k
 
@@ -1060,7 +894,6 @@ class PortAdapter:
         except Exception:  # noqa: BLE001 - a malformed answer is the runner's to surface
             return
         if b.records:  # records verify on their own (authority signatures): taken from any answer
-            from .node import now_ms
             self.driver.apply_records(b.records, now_ms())
             self.driver.note_records_received(peer, self.path, b.records)
         if not self.secure:

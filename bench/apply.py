@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agent.core import cose  # noqa: E402
-from agent.mailbox import import_body  # noqa: E402
+from agent.sync import import_mailbox_body as import_body  # noqa: E402
 from agent.node import Node  # noqa: E402
 from agent.simpeer import SimPeer, manifest_text, readings_table  # noqa: E402
 

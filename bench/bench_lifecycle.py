@@ -98,7 +98,7 @@ def stream_run(evict: bool, days: int, sensors: int, period_s: int, out: str) ->
 
 
 def rehydration(n_events: int) -> dict:
-    from agent.mailbox import import_body
+    from agent.sync import import_mailbox_body as import_body
     from agent.node import Node
     from agent.simpeer import SimPeer
     from agent.store import db

@@ -206,14 +206,6 @@ def connect_readonly(path: Path) -> sqlite3.Connection:
     return conn
 
 
-def create(conn: sqlite3.Connection) -> None:
-    """A new store: auto_vacuum must be chosen before the first table exists (eviction reclaims
-    space); the layout is made by the migrations from version 0 (agent/store/migrations.py)."""
-    from . import migrations   # migrations builds on this module
-    conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
-    migrations.migrate(conn, Path(conn.execute("PRAGMA database_list").fetchone()[2]))
-
-
 def get_meta(conn: sqlite3.Connection, key: str, default=None):
     row = conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
     return default if row is None else row[0]

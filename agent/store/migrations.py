@@ -102,3 +102,11 @@ def migrate(conn: sqlite3.Connection, path: Path) -> list[int]:
             db.set_meta(conn, "schema_version", version)
         applied.append(version)
     return applied
+
+
+def create(conn: sqlite3.Connection) -> None:
+    """A new store: auto_vacuum must be chosen before the first table exists (eviction reclaims
+    space); the layout is made by the migrations from version 0. Here, not in db.py: this module
+    builds on db, never the other way round (no import circle)."""
+    conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
+    migrate(conn, Path(conn.execute("PRAGMA database_list").fetchone()[2]))

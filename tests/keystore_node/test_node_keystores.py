@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from agent import mailbox
+from agent.sync import export_mailbox_body, import_mailbox_body
 from agent.core import cose
 from agent.node import EVENT_KEY, Node
 from agent.simpeer import manifest_text, readings_table
@@ -38,8 +38,8 @@ def _round_trip(tmp_path, ks_conf):
             s1 = cose.parse_sign1(raw)
             assert cose.verify_ed25519(pk_a, s1.sig_structure(MESH), s1.signature)
         box = tmp_path / "a-to-b.ssp"
-        mailbox.export_body(a, b.site_id, box)
-        res = mailbox.import_body(b, box.read_bytes())
+        export_mailbox_body(a, b.site_id, box)
+        res = import_mailbox_body(b, box.read_bytes())
         assert res.get("applied") == len(ids), res
         assert b.dump()[T] == a.dump()[T]
         assert {bytes(e): bytes(r) for e, r in b.conn.execute(
