@@ -216,6 +216,7 @@ def cmd_run(args) -> int:
         _print({"serving": args.broker, "prefix": settings.prefix, "sequencer_key": seq.public_key.hex()})
         sys.stdout.flush()
         server.serve_forever()
+        _print({"stopped": True, **server.stats})   # how many submits, in how many group commits
     finally:
         server.close()
         seq.close()
@@ -266,3 +267,136 @@ def register(sub, mailbox_sub) -> None:
     a.add_argument("--password-file", help="file holding the broker password")
     a.add_argument("--connect-timeout", type=float, default=10.0)
     a.set_defaults(fn=cmd_run)
+    register_commits(sub)
+
+
+# -- the member side: the Commit queue (§22.7; agent/sequencer/client.py) ----------------------
+def _queue(args):
+    from .sequencer import client
+    key = None
+    if getattr(args, "sequencer_key", None):
+        try:
+            key = bytes.fromhex(args.sequencer_key)
+        except ValueError:
+            raise Refused("--sequencer-key must be hex (66 digits: the compressed P-256 key)") from None
+        if len(key) != 33:
+            raise Refused("--sequencer-key must be the 33-byte compressed P-256 key (66 hex digits)")
+    try:
+        return client.open_queue(Path(args.home), key)
+    except Exception as e:  # noqa: BLE001 - sqlite3 errors: the queue file is unusable
+        raise Fault(f"cannot open the Commit queue in {args.home}: {e}") from None
+
+
+def cmd_commits_queue(args) -> int:
+    from .sequencer import client
+    try:
+        message = Path(args.file).read_bytes()
+    except OSError as e:
+        raise Refused(f"cannot read {args.file}: {e.strerror}") from None
+    q = _queue(args)
+    try:
+        e = q.enqueue(message)
+    except client.QueueRefused as e:
+        raise Refused(str(e)) from None
+    finally:
+        q.close()
+    _print(e.as_json())
+    return EXIT_OK
+
+
+def cmd_commits_status(args) -> int:
+    q = _queue(args)
+    try:
+        _print({"member_id": q.member_id, "commits": [e.as_json() for e in q.entries()], "events": q.events()})
+    finally:
+        q.close()
+    return EXIT_OK
+
+
+def _client(args, q):
+    from .sequencer import client, serve
+    password = None
+    if args.password_file:
+        try:
+            password = Path(args.password_file).read_text().strip()
+        except OSError as e:
+            raise Refused(f"cannot read --password-file {args.password_file}: {e.strerror}") from None
+    try:
+        settings = serve.BrokerSettings.from_url(args.broker, ca_file=args.ca_file, username=args.username,
+                                                 password=password, prefix=args.prefix)
+    except ValueError as e:
+        raise Refused(str(e)) from None
+    return client.CommitClient(q, settings)
+
+
+def cmd_commits_send(args) -> int:
+    """Submit every queued Commit and wait up to --timeout for the outcomes; what is left stays
+    queued (exit 1: the sequencer or its broker is unreachable; run it again, or `commits run`)."""
+    import threading
+    import time
+    q = _queue(args)
+    try:
+        c = _client(args, q)
+        c.start()
+        try:
+            c.run(threading.Event(), until_settled=True, deadline=time.monotonic() + args.timeout)
+        finally:
+            c.close()
+        left = q.outstanding()
+        _print({"commits": [e.as_json() for e in q.entries()], "outstanding": len(left)})
+    finally:
+        q.close()
+    if left:
+        sys.stderr.write(f"error: {len(left)} Commit(s) still queued: the sequencer or its broker did not answer "
+                         f"within {args.timeout:g} s; they are kept and resubmitted by the next send or run\n")
+        return 1
+    return EXIT_OK
+
+
+def cmd_commits_run(args) -> int:
+    """Keep submitting: every queued Commit on every (re)connection, new ones as they are queued."""
+    import signal
+    import threading
+    q = _queue(args)
+    stop = threading.Event()
+    try:
+        c = _client(args, q)
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        c.start()
+        _print({"member_id": q.member_id, "broker": args.broker})
+        sys.stdout.flush()
+        try:
+            c.run(stop)
+        finally:
+            c.close()
+    finally:
+        q.close()
+    return EXIT_OK
+
+
+def _broker_args(a) -> None:
+    a.add_argument("--broker", required=True, help="mqtt://HOST:PORT or mqtts://HOST:PORT (the sequencer's)")
+    a.add_argument("--prefix", default=None, help="the sequencer's topic prefix (default sovm-seq)")
+    a.add_argument("--ca-file", help="CA bundle for TLS (implies TLS)")
+    a.add_argument("--username", help="broker username (password from --password-file)")
+    a.add_argument("--password-file", help="file holding the broker password")
+
+
+def register_commits(sub) -> None:
+    s = sub.add_parser("commits", help="a member's queue of membership Commits for the sequencer (§22.7)")
+    ss = s.add_subparsers(dest="commits_verb", metavar="ACTION")
+    ss.required = True
+    a = ss.add_parser("queue", help="queue one Commit (an MLSMessage file); one outstanding per group")
+    a.add_argument("file")
+    a.add_argument("--sequencer-key", help="the sequencer's key (66 hex): receipts must be signed by it")
+    a.set_defaults(fn=cmd_commits_queue)
+    a = ss.add_parser("send", help="submit the queued Commits once and wait for their outcomes")
+    _broker_args(a)
+    a.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for outcomes (default 30)")
+    a.set_defaults(fn=cmd_commits_send)
+    a = ss.add_parser("run", help="keep submitting queued Commits, again on every reconnection, until SIGTERM")
+    _broker_args(a)
+    a.set_defaults(fn=cmd_commits_run)
+    a = ss.add_parser("status", help="the queue: each Commit's state, reason and receipt (JSON)")
+    a.set_defaults(fn=cmd_commits_status)

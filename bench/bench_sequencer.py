@@ -9,7 +9,10 @@ ES256 signing rate of the same keystore measured in the same run.
                             across groups: the same four commits for the whole batch)
   seq_batch<G>_<ks>_idle    the same with 10 000 idle groups registered (no per-group cost)
 
-    python bench/bench_sequencer.py [--quick] [--json] [--no-pkcs11]
+Each figure is the median of ``--rounds`` rounds with its range; every ratio is taken against the
+raw rate measured just before and just after it.
+
+    python bench/bench_sequencer.py [--quick] [--json] [--no-pkcs11] [--rounds N] [--batch G]
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -81,16 +85,29 @@ def register_idle(seq: service.Sequencer, n: int) -> None:
                                    [(b"idle-" + i.to_bytes(8, "big"),) for i in range(n)])
 
 
-def run_keystore(name: str, conf: dict | None, d: str, n: int, batch: int, idle: int, fig: dict) -> None:
+def run_keystore(name: str, conf: dict | None, d: str, n: int, batch: int, idle: int, rounds: int,
+                 fig: dict) -> None:
+    """``rounds`` rounds, each: raw ES256, group commit, raw ES256 again (the ratio's denominator is
+    the mean of the two raw runs beside it, so a neighbour's load shifts both alike)."""
     home = os.path.join(d, name)
     service.init(home, conf)
     with service.Sequencer(home) as seq:
-        fig[f"raw_es256_{name}"] = raw_es256(seq, n, batch)
-        fig[f"seq_one_{name}"] = seq_one(seq, max(n // 8, 16))
-        fig[f"seq_batch{batch}_{name}"] = seq_batch(seq, n, batch, b"batch-")
+        fig[f"seq_one_{name}"] = [seq_one(seq, max(n // 16, 16))]
+        for r in range(rounds):
+            raw1 = raw_es256(seq, n, batch)
+            b = seq_batch(seq, n, batch, b"batch-%d-" % r)
+            raw2 = raw_es256(seq, n, batch)
+            for k, v in ((f"raw_es256_{name}", (raw1 + raw2) / 2), (f"seq_batch{batch}_{name}", b),
+                         (f"ratio_batch{batch}_{name}", b / ((raw1 + raw2) / 2))):
+                fig.setdefault(k, []).append(v)
         register_idle(seq, idle)
-        fig[f"seq_batch{batch}_{name}_idle{idle}"] = seq_batch(seq, n, batch, b"after-idle-")
-        fig[f"raw_es256_{name}_again"] = raw_es256(seq, n, batch)
+        for r in range(rounds):
+            raw1 = raw_es256(seq, n, batch)
+            b = seq_batch(seq, n, batch, b"after-idle-%d-" % r)
+            raw2 = raw_es256(seq, n, batch)
+            for k, v in ((f"seq_batch{batch}_{name}_idle{idle}", b),
+                         (f"ratio_batch{batch}_{name}_idle{idle}", b / ((raw1 + raw2) / 2))):
+                fig.setdefault(k, []).append(v)
 
 
 def main() -> None:
@@ -98,31 +115,31 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small counts (smoke run)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-pkcs11", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=None, help="Commits (distinct groups) per group commit")
     a = ap.parse_args()
     n, batch, idle = (512, 64, 1000) if a.quick else (8192, 256, 10_000)
+    batch = a.batch or batch
     fig: dict = {}
     d = tempfile.mkdtemp(prefix="bench-seq-")
     try:
-        run_keystore("software", None, d, n, batch, idle, fig)
+        run_keystore("software", None, d, n, batch, idle, a.rounds, fig)
         if not a.no_pkcs11:
             cfg = softhsm_config(os.path.join(d, "hsm"))
             if cfg is None:
                 print("pkcs11: skipped (SoftHSM2 not installed: apt-get install -y softhsm2)")
             else:
-                run_keystore("pkcs11", cfg, d, n // 4, batch, idle, fig)
+                run_keystore("pkcs11", cfg, d, n // 4, batch, idle, a.rounds, fig)
     finally:
         shutil.rmtree(d, ignore_errors=True)
+    print(f"{a.rounds} rounds; median [min .. max]")
     for k, v in fig.items():
-        print(f"{k:40s} {v:10.0f} /s")
-    for ks in ("software", "pkcs11"):
-        if f"raw_es256_{ks}" not in fig:
-            continue
-        raw = (fig[f"raw_es256_{ks}"] + fig[f"raw_es256_{ks}_again"]) / 2
-        one, b, bi = fig[f"seq_one_{ks}"], fig[f"seq_batch{batch}_{ks}"], fig[f"seq_batch{batch}_{ks}_idle{idle}"]
-        print(f"{ks}: ratio one-per-call / raw ES256 {one / raw:.3f}; group commit ({batch} groups) / raw ES256 "
-              f"{b / raw:.3f}; with {idle} idle groups {bi / raw:.3f} (idle/busy {bi / b:.2f})")
+        fmt = "{:.3f}" if k.startswith("ratio") else "{:.0f}"
+        print(f"{k:40s} {fmt.format(statistics.median(v)):>8s}  [{fmt.format(min(v))} .. {fmt.format(max(v))}]"
+              + ("" if k.startswith("ratio") else " /s"))
     if a.json:
-        print(json.dumps({k: round(v, 1) for k, v in fig.items()}))
+        print(json.dumps({k: {"median": round(statistics.median(v), 3), "min": round(min(v), 3),
+                              "max": round(max(v), 3)} for k, v in fig.items()}))
 
 
 if __name__ == "__main__":

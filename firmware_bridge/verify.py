@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import nacl.exceptions
 import nacl.signing
 from cryptography.exceptions import InvalidSignature
@@ -39,8 +41,15 @@ def verify_p256(public_key: bytes, message: bytes, signature: bytes) -> bool:
     if not (1 <= r < P256_ORDER and 1 <= s < P256_ORDER):
         return False
     try:
-        key = ec.EllipticCurvePublicKey.from_encoded_point(ec.SECP256R1(), bytes(public_key))
+        key = _p256_key(bytes(public_key))
         key.verify(encode_dss_signature(r, s), bytes(message), ec.ECDSA(hashes.SHA256()))
         return True
     except (InvalidSignature, ValueError, TypeError):
         return False
+
+
+@lru_cache(maxsize=256)
+def _p256_key(public_key: bytes) -> ec.EllipticCurvePublicKey:
+    """Decoding a point costs about a third of a verification; a sequencer's or a member's checks
+    are under a handful of keys. A point that does not decode raises (never cached)."""
+    return ec.EllipticCurvePublicKey.from_encoded_point(ec.SECP256R1(), public_key)

@@ -130,7 +130,9 @@ def accepted(state: Optional[GroupState], decision: Accept, receipt_hash: bytes)
         state = GroupState(decision.group_id, decision.epoch, None, "bootstrap")
     if decision.epoch != state.current_epoch:
         raise ValueError(f"receipt for epoch {decision.epoch} does not extend a group at {state.current_epoch}")
-    return replace(state, current_epoch=decision.epoch + 1, head=Head(decision.epoch, receipt_hash))
+    # built directly, not with dataclasses.replace: this runs once per receipt (the hot path)
+    return GroupState(state.group_id, decision.epoch + 1, Head(decision.epoch, receipt_hash), state.origin,
+                      state.discontinuities, state.failed_closed, state.migrated)
 
 
 def receipt_absent(state: GroupState, epoch: int) -> GroupState:

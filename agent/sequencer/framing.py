@@ -76,11 +76,19 @@ class _Reader:
         return out
 
     def uint(self, n: int, what: str) -> int:
-        return int.from_bytes(self.take(n, what), "big")
+        end = self.pos + n
+        if end > len(self.buf):
+            self.take(n, what)                  # raises the truncation error
+        v = int.from_bytes(self.buf[self.pos:end], "big")
+        self.pos = end
+        return v
 
     def varint(self, what: str) -> int:
         """RFC 9420 §2.1.2: 2-bit prefix gives 1/2/4 bytes; 0b11 invalid; shortest form only."""
-        first = self.take(1, what)[0]
+        if self.pos >= len(self.buf):
+            self.take(1, what)                  # raises the truncation error
+        first = self.buf[self.pos]
+        self.pos += 1
         prefix = first >> 6
         if prefix == 3:
             raise FramingError("bad_vector_length", f"{what}: length prefix 0b11 is invalid (RFC 9420 §2.1.2)")
@@ -95,6 +103,14 @@ class _Reader:
 
     def vector(self, what: str) -> bytes:
         return self.take(self.varint(what), what)
+
+    def skip_vector(self, what: str) -> None:
+        """A vector walked by its length, not read (nor copied: a Commit's body may be large)."""
+        n = self.varint(what)
+        end = self.pos + n
+        if end > len(self.buf):
+            self.take(n, what)                  # raises the truncation error
+        self.pos = end
 
     def at_end(self) -> bool:
         return self.pos == len(self.buf)
@@ -140,9 +156,9 @@ def _private_message(r: _Reader, version: int) -> Framing:
     gid = _group_id(r)
     epoch = r.uint(8, "epoch")
     ct = _content_type(r)
-    r.vector("authenticated_data")
-    r.vector("encrypted_sender_data")
-    r.vector("ciphertext")
+    r.skip_vector("authenticated_data")
+    r.skip_vector("encrypted_sender_data")
+    r.skip_vector("ciphertext")
     if not r.at_end():
         raise FramingError("trailing_bytes", f"{len(r.buf) - r.pos} bytes after the PrivateMessage")
     return Framing(version, WIRE_PRIVATE, gid, epoch, ct)
@@ -158,16 +174,16 @@ def _public_message(r: _Reader, version: int) -> Framing:
         r.uint(4, "sender index")
     elif sender_type not in (SENDER_NEW_MEMBER_PROPOSAL, SENDER_NEW_MEMBER_COMMIT):
         raise FramingError("bad_sender_type", f"sender_type {sender_type}")
-    r.vector("authenticated_data")
+    r.skip_vector("authenticated_data")
     ct = _content_type(r)
     framing = Framing(version, WIRE_PUBLIC, gid, epoch, ct)
     if ct != CT_COMMIT:
         return framing
     _walk_commit(r)
-    r.vector("signature")                   # FramedContentAuthData.signature
-    r.vector("confirmation_tag")            # present for content_type commit
+    r.skip_vector("signature")                   # FramedContentAuthData.signature
+    r.skip_vector("confirmation_tag")            # present for content_type commit
     if sender_type == SENDER_MEMBER:
-        r.vector("membership_tag")
+        r.skip_vector("membership_tag")
     if not r.at_end():
         raise FramingError("trailing_bytes", f"{len(r.buf) - r.pos} bytes after the PublicMessage")
     return framing
@@ -175,40 +191,40 @@ def _public_message(r: _Reader, version: int) -> Framing:
 
 def _walk_commit(r: _Reader) -> None:
     # Commit = ProposalOrRef proposals<V>; optional<UpdatePath> path (RFC 9420 §12.4)
-    r.vector("commit proposals")
+    r.skip_vector("commit proposals")
     present = r.uint(1, "commit path presence")
     if present == 0:
         return
     if present != 1:
         raise FramingError("bad_optional", f"optional<UpdatePath> presence byte {present}")
     _walk_leaf_node(r)
-    r.vector("update path nodes")
+    r.skip_vector("update path nodes")
 
 
 def _walk_leaf_node(r: _Reader) -> None:
     # LeafNode (RFC 9420 §7.2)
-    r.vector("encryption_key")
-    r.vector("signature_key")
+    r.skip_vector("encryption_key")
+    r.skip_vector("signature_key")
     ctype = r.uint(2, "credential_type")
     if ctype == 1:
-        r.vector("basic credential identity")
+        r.skip_vector("basic credential identity")
     elif ctype == 2:
-        r.vector("x509 certificates")
+        r.skip_vector("x509 certificates")
     else:
         # an unregistered credential type has no length we could walk by
         raise FramingError("unknown_credential_type", f"credential_type {ctype} in the UpdatePath leaf")
     for what in ("capabilities versions", "capabilities cipher_suites", "capabilities extensions",
                  "capabilities proposals", "capabilities credentials"):
-        r.vector(what)
+        r.skip_vector(what)
     source = r.uint(1, "leaf_node_source")
     if source == 1:
         r.take(16, "lifetime")
     elif source == 3:
-        r.vector("parent_hash")
+        r.skip_vector("parent_hash")
     elif source != 2:
         raise FramingError("bad_leaf_node_source", f"leaf_node_source {source}")
-    r.vector("leaf extensions")
-    r.vector("leaf signature")
+    r.skip_vector("leaf extensions")
+    r.skip_vector("leaf signature")
 
 
 # -- encoders: used by tests and tools to build framings (not by the sequencer's read path) -------

@@ -58,10 +58,34 @@ def receipt_hash(raw: bytes) -> bytes:
     return blake3.blake3(bytes(raw)).digest()
 
 
+# The payload map's keys in deterministic order (RFC 8949 §4.2.1: bytewise on the encoded keys;
+# all text keys, so shortest first), each with its encoded head: the payload is built directly on
+# the hot path of every receipt (equal to codec.encode, tests/sequencer/test_receipts.py).
+_K_EPOCH, _K_GROUP, _K_COMMIT, _K_PREV = (b"\x65epoch", b"\x68group_id", b"\x6bcommit_hash",
+                                          b"\x75previous_receipt_hash")
+
+
+def _uint(n: int) -> bytes:
+    if n < 24:
+        return bytes((n,))
+    if n < 0x100:
+        return bytes((0x18, n))
+    if n < 0x10000:
+        return b"\x19" + n.to_bytes(2, "big")
+    if n < 0x100000000:
+        return b"\x1a" + n.to_bytes(4, "big")
+    return b"\x1b" + n.to_bytes(8, "big")
+
+
 def payload_bytes(group_id: bytes, epoch: int, commit_hash_: bytes, previous: Optional[bytes]) -> bytes:
-    # text keys only, values of our own making: the deterministic encoder without its shape check
-    return codec.encode_trusted({"group_id": bytes(group_id), "epoch": int(epoch), "commit_hash": bytes(commit_hash_),
-                                 "previous_receipt_hash": None if previous is None else bytes(previous)})
+    """The deterministic CBOR of {"group_id", "epoch", "commit_hash", "previous_receipt_hash"}
+    (wire-profile §6)."""
+    epoch = int(epoch)
+    if not 0 <= epoch < 2**64:
+        raise ValueError("epoch is a uint64")
+    return b"".join((b"\xa4", _K_EPOCH, _uint(epoch), _K_GROUP, cose._bstr(bytes(group_id)),
+                     _K_COMMIT, cose._bstr(bytes(commit_hash_)), _K_PREV,
+                     b"\xf6" if previous is None else cose._bstr(bytes(previous))))
 
 
 def to_be_signed(kid: bytes, payload: bytes) -> tuple[bytes, bytes]:
@@ -70,6 +94,16 @@ def to_be_signed(kid: bytes, payload: bytes) -> tuple[bytes, bytes]:
         raise ValueError("kid must be the 33-byte compressed SEC1 P-256 public key (wire-profile §6)")
     protected = cose.protected_header(cose.ALG_ES256, RECEIPT_CONTENT_TYPE, kid)
     return protected, cose.sig_structure(protected, EXTERNAL_AAD, payload)
+
+
+def protected_header(kid: bytes) -> bytes:
+    if len(kid) != KID_LEN:
+        raise ValueError("kid must be the 33-byte compressed SEC1 P-256 public key (wire-profile §6)")
+    return cose.protected_header(cose.ALG_ES256, RECEIPT_CONTENT_TYPE, bytes(kid))
+
+
+def sig_structure(protected: bytes, payload: bytes) -> bytes:
+    return cose.sig_structure(protected, EXTERNAL_AAD, payload)
 
 
 def assemble(protected: bytes, payload: bytes, signature: bytes) -> bytes:

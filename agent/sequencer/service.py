@@ -249,7 +249,9 @@ class Sequencer:
             if isinstance(d, core.Reject):
                 answers[i] = self._rejected(d)
                 continue
-            if self.bridge.status(ReceiptIdentity(d.group_id, d.epoch)) is not Status.ABSENT:
+            top = self.bridge.max_receipt_epoch(d.group_id)   # the journal's in-memory index
+            if top is not None and top >= d.epoch and \
+                    self.bridge.status(ReceiptIdentity(d.group_id, d.epoch)) is not Status.ABSENT:
                 # The journal already knows this pair: the state is behind its journal (restored
                 # from an older copy). Never signed again (§22.5 cl. 1-2): adopt or record the gap.
                 self.store.record_event("rollback", {"group": d.group_id.hex(), "epoch": d.epoch})
@@ -266,11 +268,12 @@ class Sequencer:
         self.store.put_pending_many([(d.group_id, d.epoch, ch, m, d.bootstrap) for _i, m, ch, _s, d in accepts])
         self._fire("accepted")
         requests = []
+        protected = receipts.protected_header(self.public_key)     # one per sequencer key
         for _i, _m, ch, _s, d in accepts:
             payload = receipts.payload_bytes(d.group_id, d.epoch, ch, d.previous_receipt_hash)
-            protected, tbs = receipts.to_be_signed(self.public_key, payload)
-            requests.append((ReceiptIdentity(d.group_id, d.epoch), RECEIPT_KEY, tbs,
-                             (lambda pr, pa: lambda sig: receipts.assemble(pr, pa, sig))(protected, payload)))
+            requests.append((ReceiptIdentity(d.group_id, d.epoch), RECEIPT_KEY,
+                             receipts.sig_structure(protected, payload),
+                             (lambda pa: lambda sig: receipts.assemble(protected, pa, sig))(payload)))
         try:
             raws = self.bridge.release_many(requests)
         except KeystoreError:

@@ -7,6 +7,7 @@ from pathlib import Path
 import blake3
 import cbor2
 import pytest
+from hypothesis import given, strategies as st
 
 from agent.sequencer import receipts, service
 from agent.sequencer.framing import encode_private_message
@@ -79,3 +80,12 @@ def test_wycheproof_p256_p1363_through_the_receipt_entry_point():
             counts[t["result"]] += 1
     assert counts["valid"] > 50 and counts["invalid"] > 50
     assert sum(counts.values()) == doc["numberOfTests"]
+
+
+@given(st.binary(min_size=1, max_size=255), st.integers(0, 2**64 - 1), st.binary(min_size=32, max_size=32),
+       st.none() | st.binary(min_size=32, max_size=32))
+def test_payload_built_directly_equals_the_deterministic_encoder(gid, epoch, ch, prev):
+    # receipts.payload_bytes builds the map by hand on the hot path; it must be exactly codec.encode
+    from agent.core import codec
+    assert receipts.payload_bytes(gid, epoch, ch, prev) == codec.encode(
+        {"group_id": gid, "epoch": epoch, "commit_hash": ch, "previous_receipt_hash": prev})

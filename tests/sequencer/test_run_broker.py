@@ -176,3 +176,49 @@ def test_commits_queue_while_the_sequencer_is_down(tmp_path, broker):
         m.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)
+
+
+def test_requests_handled_together_keep_their_arrival_order(tmp_path, broker):
+    """`sequencer run` takes what has arrived at once: consecutive submits become one group commit
+    (Sequencer.submit_many), and a register or receipt request in between still sees exactly the
+    submits before it. The batch is handed to the real Server over a real broker; only its
+    grouping is chosen here (the broker's delivery timing decides it in production)."""
+    from paho.mqtt.client import MQTTMessage
+    from agent.sequencer import serve, service
+    home = tmp_path / "seq"
+    service.init(home)
+    seq = service.Sequencer(home, serve=True)
+    server = serve.Server(seq, serve.BrokerSettings.from_url(broker.url))
+    server.start()
+    m = Member(broker.port, "frank")
+    H = bytes.fromhex("b8" * 16)
+
+    def msg(topic: str, payload: bytes, corr: bytes) -> MQTTMessage:
+        x = MQTTMessage(topic=topic.encode())
+        x.payload, x.qos = payload, 0
+        x.properties = Properties(PacketTypes.PUBLISH)
+        x.properties.ResponseTopic = m.reply_to
+        x.properties.CorrelationData = corr
+        return x
+    try:
+        batch = [msg(f"sovm-seq/{G.hex()}/register", b"3", b"reg"),
+                 msg(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 3, ciphertext=b"w" * 8), b"win"),
+                 msg(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 3, ciphertext=b"l" * 8), b"lose"),
+                 msg(f"sovm-seq/{H.hex()}/submit", encode_private_message(H, 0), b"other"),
+                 msg(f"sovm-seq/{G.hex()}/receipt", b"3", b"rcpt"),
+                 msg(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 4), b"next")]
+        server.handle_many(batch)
+        got = dict(m.answers.get(timeout=20) for _ in batch)
+        assert got[b"reg"] == {"group": G.hex(), "epoch": 3}
+        assert got[b"win"]["accepted"] and got[b"win"]["epoch"] == 3
+        assert got[b"lose"]["reason"] == "stale_epoch" and got[b"lose"]["head"] == got[b"win"]["receipt"]
+        assert got[b"other"]["accepted"] and got[b"other"]["epoch"] == 0
+        assert got[b"rcpt"] == {"receipt": got[b"win"]["receipt"]}
+        nxt = receipts.verify_receipt(bytes.fromhex(got[b"next"]["receipt"]), seq.public_key)
+        assert nxt.epoch == 4 and nxt.previous_receipt_hash == receipts.receipt_hash(bytes.fromhex(got[b"win"]["receipt"]))
+        # the three submits before the receipt request were one group commit, the last one another
+        assert server.stats == {"submits": 4, "submit_batches": 2}
+    finally:
+        m.close()
+        server.close()
+        seq.close()

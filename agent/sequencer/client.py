@@ -1,0 +1,392 @@
+"""The member side of Commit submission: a durable queue of membership Commits and the client that
+submits them to the sequencer through the broker (SOVM §22.5, §22.7; issue 14 item 8;
+docs/sequencer.md "Member side: the Commit queue").
+
+§22.7: while the sequencer (or its broker) is unreachable, membership-changing Commits *queue* on
+the member; data sync goes on (this queue is its own SQLite file and its own client: nothing of
+the sync node waits on it). "Clients MUST NOT create divergent offline membership histories": a
+member keeps at most **one outstanding Commit per group** — a second is refused until the first
+has an outcome, so it is never tempted to build epoch E+1 on its own unconfirmed Commit for E.
+
+Queue states (table ``commits``):
+
+  queued    waiting for an outcome; (re)submitted on every connection, byte for byte
+  accepted  the sequencer's receipt names this Commit (commit_hash) at its epoch: it is canonical
+  lost      another Commit won the epoch: ``receipt`` is the canonical one; process that Commit,
+            rebuild, enqueue the rebuilt one (§22.5: "MUST be rebuilt by its sender")
+  absent    the sequencer states the epoch's receipt absent (§22.6 discontinuity): which Commit
+            won is learnt from MLS, not from a receipt
+  refused   not sequenceable (not a Commit, unparseable, out of range, built ahead of the group)
+
+First-Commit-wins, with the answer lost: a Commit the sequencer accepted whose answer never
+reached the member (crash, disconnect) is resubmitted; the sequencer answers ``stale_epoch``
+(its epoch moved on). That is not a loss: if the head receipt names this Commit it is accepted;
+if the head is later, the receipt *for this Commit's epoch* is asked for and compared. Only a
+receipt naming another Commit makes it ``lost``.
+
+Every receipt is verified (signature, group, epoch, commit hash; the sequencer key when the member
+was given it) before it decides anything; one that does not verify decides nothing (surfaced).
+"""
+from __future__ import annotations
+
+import json
+import queue
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from agent.sequencer import receipts
+from agent.sequencer.framing import FramingError, parse_mls_message
+
+QUEUED, ACCEPTED, LOST, ABSENT, REFUSED = "queued", "accepted", "lost", "absent", "refused"
+# a refusal that ends the Commit; any other reason leaves it queued (migrated, failed_closed: the
+# group's relay is unavailable until the operator acts, §22.6)
+FINAL_REFUSALS = frozenset({"not_commit", "unparseable", "epoch_out_of_range", "future_epoch"})
+ANSWER_ROOT = "sovm-member"
+RESUBMIT_FIRST_S, RESUBMIT_MAX_S = 2.0, 60.0     # an unanswered Commit is sent again, backing off
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS commits (
+  commit_hash BLOB PRIMARY KEY, group_id BLOB NOT NULL, epoch INTEGER NOT NULL, message BLOB NOT NULL,
+  state TEXT NOT NULL, reason TEXT, receipt BLOB, queued_seq INTEGER NOT NULL, submissions INTEGER NOT NULL DEFAULT 0);
+CREATE UNIQUE INDEX IF NOT EXISTS one_outstanding ON commits (group_id) WHERE state = 'queued';
+CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, detail TEXT NOT NULL);
+"""
+
+
+class QueueRefused(Exception):
+    """An enqueue refused (CLI exit 2): not a Commit, or the group already has one outstanding."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    commit_hash: bytes
+    group_id: bytes
+    epoch: int
+    message: bytes
+    state: str
+    reason: Optional[str]
+    receipt: Optional[bytes]
+    submissions: int
+
+    def as_json(self) -> dict:
+        return {"commit_hash": self.commit_hash.hex(), "group": self.group_id.hex(), "epoch": self.epoch,
+                "state": self.state, "reason": self.reason,
+                "receipt": None if self.receipt is None else self.receipt.hex(), "submissions": self.submissions}
+
+
+class CommitQueue:
+    """The durable queue (SQLite, WAL, synchronous=FULL: an enqueued Commit survives a power cut)."""
+
+    def __init__(self, path: Path, sequencer_key: Optional[bytes] = None) -> None:
+        self.path = Path(path)
+        self.conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self.conn.execute("PRAGMA busy_timeout=10000")
+        self.conn.executescript(SCHEMA)
+        with self._tx():
+            if self._meta("member_id") is None:
+                # the client's own name on the broker (persistent session, answer topic)
+                self.conn.execute("INSERT INTO meta VALUES ('member_id', ?)", (secrets.token_hex(8),))
+            if sequencer_key is not None:
+                self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('sequencer_key', ?)", (sequencer_key.hex(),))
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def _meta(self, key: str) -> Optional[str]:
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    @property
+    def member_id(self) -> str:
+        return str(self._meta("member_id"))
+
+    @property
+    def sequencer_key(self) -> Optional[bytes]:
+        v = self._meta("sequencer_key")
+        return None if v is None else bytes.fromhex(v)
+
+    def _tx(self):
+        return _Tx(self.conn)
+
+    # -- the queue -------------------------------------------------------------------------
+    def enqueue(self, message: bytes) -> Entry:
+        message = bytes(message)
+        try:
+            f = parse_mls_message(message)
+        except FramingError as e:
+            raise QueueRefused(f"not an MLSMessage: {e}") from None
+        if not f.is_commit:
+            raise QueueRefused("only Commits are sequenced (content_type is not commit)")
+        ch = receipts.commit_hash(message)
+        with self._tx():
+            row = self.conn.execute("SELECT state FROM commits WHERE commit_hash = ?", (ch,)).fetchone()
+            if row is not None:
+                return self.entry(ch)                  # the same bytes again: one entry
+            out = self.conn.execute("SELECT epoch FROM commits WHERE group_id = ? AND state = 'queued'",
+                                    (f.group_id,)).fetchone()
+            if out is not None:
+                raise QueueRefused(f"group {f.group_id.hex()} already has a Commit outstanding (epoch {out[0]}): "
+                                   "wait for its outcome (§22.7: no divergent offline membership histories)")
+            seq = self.conn.execute("SELECT coalesce(max(queued_seq), 0) + 1 FROM commits").fetchone()[0]
+            self.conn.execute("INSERT INTO commits (commit_hash, group_id, epoch, message, state, queued_seq) "
+                              "VALUES (?, ?, ?, ?, 'queued', ?)", (ch, f.group_id, f.epoch, message, seq))
+        return self.entry(ch)
+
+    def entry(self, commit_hash: bytes) -> Optional[Entry]:
+        row = self.conn.execute("SELECT commit_hash, group_id, epoch, message, state, reason, receipt, submissions "
+                                "FROM commits WHERE commit_hash = ?", (commit_hash,)).fetchone()
+        return None if row is None else _entry(row)
+
+    def outstanding(self) -> list[Entry]:
+        return [_entry(r) for r in self.conn.execute(
+            "SELECT commit_hash, group_id, epoch, message, state, reason, receipt, submissions FROM commits "
+            "WHERE state = 'queued' ORDER BY queued_seq")]
+
+    def entries(self) -> list[Entry]:
+        return [_entry(r) for r in self.conn.execute(
+            "SELECT commit_hash, group_id, epoch, message, state, reason, receipt, submissions FROM commits "
+            "ORDER BY queued_seq")]
+
+    def events(self) -> list[dict]:
+        return [{"seq": s, "kind": k, **json.loads(d)} for s, k, d in
+                self.conn.execute("SELECT seq, kind, detail FROM events ORDER BY seq")]
+
+    def note_submitted(self, commit_hash: bytes) -> None:
+        with self._tx():
+            self.conn.execute("UPDATE commits SET submissions = submissions + 1 WHERE commit_hash = ?",
+                              (commit_hash,))
+
+    def settle(self, commit_hash: bytes, state: str, reason: Optional[str], receipt: Optional[bytes]) -> bool:
+        """Record an outcome for a queued Commit (only a queued one: an outcome is final)."""
+        with self._tx():
+            cur = self.conn.execute("UPDATE commits SET state = ?, reason = ?, receipt = ? "
+                                    "WHERE commit_hash = ? AND state = 'queued'",
+                                    (state, reason, receipt, commit_hash))
+            if cur.rowcount:
+                self._event(state, {"commit_hash": commit_hash.hex(), "reason": reason})
+        return bool(cur.rowcount)
+
+    def note_reason(self, commit_hash: bytes, reason: str) -> None:
+        with self._tx():
+            self.conn.execute("UPDATE commits SET reason = ? WHERE commit_hash = ? AND state = 'queued'",
+                              (reason, commit_hash))
+
+    def record_event(self, kind: str, detail: dict) -> None:
+        with self._tx():
+            self._event(kind, detail)
+
+    def _event(self, kind: str, detail: dict) -> None:
+        self.conn.execute("INSERT INTO events (kind, detail) VALUES (?, ?)", (kind, json.dumps(detail)))
+
+
+def _entry(row) -> Entry:
+    ch, g, e, m, st, reason, rc, n = row
+    return Entry(bytes(ch), bytes(g), e, bytes(m), st, reason, None if rc is None else bytes(rc), n)
+
+
+class _Tx:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.conn.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+
+
+# -- outcomes (pure) -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Outcome:
+    state: Optional[str]                # a final state, or None: still queued
+    reason: Optional[str] = None
+    receipt: Optional[bytes] = None
+    ask_receipt: bool = False           # ask the sequencer for the receipt of the Commit's epoch
+    problem: Optional[str] = None       # an answer that decided nothing, and why (surfaced)
+
+
+def _verified(raw_hex: Optional[str], e: Entry, key: Optional[bytes]) -> tuple[Optional[receipts.Receipt], str]:
+    if not raw_hex:
+        return None, "no receipt"
+    try:
+        r = receipts.verify_receipt(bytes.fromhex(raw_hex), key)
+    except (ValueError, receipts.ReceiptError) as ex:
+        return None, f"receipt does not verify: {ex}"
+    if r.group_id != e.group_id:
+        return None, "receipt for another group"
+    return r, ""
+
+
+def submit_outcome(e: Entry, answer: dict, key: Optional[bytes]) -> Outcome:
+    """What a `submit` answer (the JSON of cli-contract.md) means for queued Commit ``e``."""
+    if "error" in answer:
+        return Outcome(None, problem=f"the sequencer answered an error: {answer['error']}")
+    if answer.get("accepted") is True:
+        r, why = _verified(answer.get("receipt"), e, key)
+        if r is None or r.epoch != e.epoch or r.commit_hash != e.commit_hash:
+            return Outcome(None, problem=why or "an acceptance whose receipt does not name this Commit at its epoch")
+        return Outcome(ACCEPTED, None, r.raw)
+    reason = answer.get("reason")
+    if reason == "stale_epoch":
+        head, why = _verified(answer.get("head"), e, key)
+        if head is not None and head.epoch == e.epoch:
+            # the head is this epoch's receipt: ours (an answer lost, then resubmitted) or the winner's
+            return Outcome(ACCEPTED if head.commit_hash == e.commit_hash else LOST, "stale_epoch", head.raw)
+        return Outcome(None, "stale_epoch", ask_receipt=True)     # the head moved on: look up our epoch
+    if reason in FINAL_REFUSALS:
+        return Outcome(REFUSED, reason)
+    return Outcome(None, str(reason))                                # migrated, failed_closed, ...: wait
+
+
+def receipt_outcome(e: Entry, answer: dict, key: Optional[bytes]) -> Outcome:
+    """What a `receipt` answer for the Commit's own epoch means, after a stale answer."""
+    if "error" in answer:
+        return Outcome(None, problem=f"the sequencer answered an error: {answer['error']}")
+    if answer.get("receipt"):
+        r, why = _verified(answer["receipt"], e, key)
+        if r is None or r.epoch != e.epoch:
+            return Outcome(None, problem=why or "a receipt for another epoch")
+        return Outcome(ACCEPTED if r.commit_hash == e.commit_hash else LOST, "stale_epoch", r.raw)
+    if answer.get("absent") and answer.get("discontinuity"):
+        return Outcome(ABSENT, "discontinuity")     # §22.6: a stated absence; MLS tells which Commit won
+    # the sequencer holds no receipt nor gap for an epoch it says is past (a recovered suffix or a
+    # migration that started there): nothing here says this Commit won
+    return Outcome(LOST, "no_receipt")
+
+
+# -- the client ------------------------------------------------------------------------------
+class CommitClient:
+    """Submits the queue's Commits to `sequencer run` through an MQTT 5 broker and records the
+    outcomes. One persistent session (client id from the member id, clean_start false): answers
+    published while the member was away wait for it. On every (re)connection every queued Commit
+    is submitted again, byte for byte; Commits enqueued meanwhile (by another process) are picked
+    up from the queue file."""
+
+    def __init__(self, q: CommitQueue, settings, on_receipt: Optional[Callable[[bytes], None]] = None) -> None:
+        import paho.mqtt.client as paho
+        from paho.mqtt.enums import CallbackAPIVersion
+        self.q, self.s = q, settings
+        self.key = q.sequencer_key
+        self.on_receipt = on_receipt
+        self.reply_to = f"{ANSWER_ROOT}/{q.member_id}/answers"
+        self.inbound: "queue.Queue" = queue.Queue()
+        self.connected = threading.Event()
+        self._generation = 0           # connections made; bumped by the network thread
+        self._sent_in: dict[bytes, tuple[int, float, float]] = {}   # (connection, next resubmit, wait)
+        c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"sovm-member-{q.member_id}", protocol=paho.MQTTv5)
+        if settings.username is not None:
+            c.username_pw_set(settings.username, settings.password)
+        if settings.tls:
+            import ssl
+            c.tls_set(ca_certs=settings.ca_file, cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
+        c.on_connect = self._on_connect
+        c.on_disconnect = lambda *a: self.connected.clear()
+        c.on_message = lambda client, userdata, msg: self.inbound.put(msg)
+        c.reconnect_delay_set(0.2, 5)
+        self.client = c
+
+    def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
+        if reason_code.is_failure:
+            return
+        client.subscribe([(self.reply_to, 1)])
+        self._generation += 1
+        self.connected.set()
+
+    def start(self) -> None:
+        """Connect in the background; an unreachable broker is retried for ever (§22.7: queue)."""
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = int(self.s.session_expiry_s)
+        self.client.connect_async(self.s.host, self.s.port, keepalive=30, clean_start=False, properties=props)
+        self.client.loop_start()
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+    def pump(self, wait: float = 0.2) -> None:
+        """One step: submit what this connection has not carried yet, handle the answers."""
+        gen = self._generation
+        if self.connected.is_set():
+            now = time.monotonic()
+            for e in self.q.outstanding():
+                sent = self._sent_in.get(e.commit_hash)
+                # Again on every connection, and again while unanswered: a request published before
+                # the sequencer's session subscribed (a broker that just came up) is dropped by the
+                # broker, and a duplicate costs nothing (answered stale_epoch with this Commit's own
+                # receipt, which settles it as accepted)
+                if sent is None or sent[0] != gen or now >= sent[1]:
+                    self._publish("submit", e.group_id, e.message, b"c" + e.commit_hash)
+                    self.q.note_submitted(e.commit_hash)
+                    wait = RESUBMIT_FIRST_S if sent is None or sent[0] != gen else min(2 * sent[2], RESUBMIT_MAX_S)
+                    self._sent_in[e.commit_hash] = (gen, now + wait, wait)
+        try:
+            msg = self.inbound.get(timeout=wait)
+        except queue.Empty:
+            return
+        self._handle(msg)
+
+    def run(self, stop: threading.Event, until_settled: bool = False, deadline: Optional[float] = None) -> bool:
+        """Serve until ``stop`` (or, ``until_settled``, until nothing is queued). Returns True when
+        nothing is left queued."""
+        while not stop.is_set():
+            if until_settled and not self.q.outstanding():
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            self.pump()
+        return not self.q.outstanding()
+
+    def _publish(self, kind: str, gid: bytes, payload: bytes, corr: bytes) -> None:
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+        p = Properties(PacketTypes.PUBLISH)
+        p.ResponseTopic = self.reply_to
+        p.CorrelationData = corr
+        self.client.publish(f"{self.s.prefix}/{gid.hex()}/{kind}", payload, qos=1, properties=p)
+
+    def _handle(self, msg) -> None:
+        corr = getattr(getattr(msg, "properties", None), "CorrelationData", None)
+        if not corr or len(corr) != 33:
+            return
+        e = self.q.entry(bytes(corr[1:]))
+        if e is None or e.state != QUEUED:
+            return                                     # settled already (a duplicate answer)
+        try:
+            answer = json.loads(msg.payload)
+        except ValueError:
+            return
+        if not isinstance(answer, dict):
+            return
+        out = submit_outcome(e, answer, self.key) if corr[:1] == b"c" else receipt_outcome(e, answer, self.key)
+        if out.problem:
+            self.q.record_event("bad_answer", {"commit_hash": e.commit_hash.hex(), "problem": out.problem})
+            return
+        if out.ask_receipt:
+            self.q.note_reason(e.commit_hash, "stale_epoch")
+            self._publish("receipt", e.group_id, str(e.epoch).encode(), b"r" + e.commit_hash)
+            return
+        if out.state is None:
+            self.q.note_reason(e.commit_hash, out.reason or "")
+            return
+        if self.q.settle(e.commit_hash, out.state, out.reason, out.receipt) and out.receipt and self.on_receipt:
+            self.on_receipt(out.receipt)
+
+
+def queue_path(home: Path) -> Path:
+    return Path(home) / "commit-queue.db"
+
+
+def open_queue(home: Path, sequencer_key: Optional[bytes] = None) -> CommitQueue:
+    home = Path(home)
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return CommitQueue(queue_path(home), sequencer_key)
