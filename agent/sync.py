@@ -498,10 +498,13 @@ class SyncDriver:
                 return delivery.Processed(o.status, o.reason, o.site_id, r[0], (r[1], r[2]), o.verified)
         return _proc(o)
 
-    def surface_protocol_error(self, peer: bytes | None, reason: str, detail: str, now: int) -> None:
-        log.warning("protocol error from %s: %s %s", peer.hex() if peer else "?", reason, detail)
-        with _txn(self.conn):
-            _surface(self.conn, now, "protocol_error", reason, {"peer": peer.hex() if peer else None, "detail": detail})
+    def surface_protocol_error(self, peer: bytes | None, reason: str, detail: str, now: int,
+                               path: str = "memory") -> None:
+        """A session refused a peer's frame: surfaced as every transport surfaces a refusal (kind
+        `refused`, its code from agent/core/reasons.py, the source `session:<path>`), so
+        `ssp-agent events` shows one name per violation whatever the link."""
+        log.warning("protocol error from %s on %s: %s %s", peer.hex() if peer else "?", path, reason, detail)
+        self.node.surface_refused(f"session:{path}", reason, detail, peer, now)
 
     # ------------------------------------------------------------------ mailbox
     def export_mailbox(self, peer: bytes, out: Path) -> dict:
@@ -663,7 +666,7 @@ class LinkProvider:
             self.driver.confirm(peer, token, processed, rejected=rejected, now=now)
 
     def protocol_error(self, peer: bytes | None, reason: str, detail: str, now: int) -> None:
-        self.driver.surface_protocol_error(peer, reason, detail, now)
+        self.driver.surface_protocol_error(peer, reason, detail, now, self.path)
 
 
 # ---------------------------------------------------------------------- helpers

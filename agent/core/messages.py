@@ -146,12 +146,12 @@ def _expect(m, kind, reason: str, detail: str):
 def parse_presence(payload: bytes, site: bytes) -> Handshake | None:
     """The presence boundary (a retained §31 handshake on `site`'s presence topic): None when
     the site left (an empty payload), its handshake, or ProtocolError. A handshake naming
-    another site is refused (`presence_site_mismatch`): one site cannot speak for another."""
+    another site is refused (`handshake_site_mismatch`): one site cannot speak for another."""
     if not payload:
         return None
     hs = parse_handshake(payload)
     if hs.site_id != site:
-        raise ProtocolError("presence_site_mismatch", f"handshake of {hs.site_id.hex()} on {site.hex()}'s topic")
+        raise ProtocolError("handshake_site_mismatch", f"handshake of {hs.site_id.hex()} on {site.hex()}'s topic")
     return hs
 
 

@@ -149,7 +149,8 @@ MAX_REJECTED_INDICES = 100_000
 def decode_frame(data: bytes) -> dict:
     """The session frame boundary: a frame dict with its members typed, or ProtocolError."""
     if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_FRAME_BYTES:
-        raise ProtocolError("bad_frame", "not bytes or too large")
+        raise ProtocolError("not_bytes" if not isinstance(data, (bytes, bytearray)) else "too_large",
+                            f"a frame of at most {MAX_FRAME_BYTES} bytes")
     try:
         f = decode_strict(bytes(data), deterministic=False)
     except DecodeError as e:
@@ -278,7 +279,7 @@ class Session:
         if not isinstance(msg, Handshake):
             raise ProtocolError("not_a_handshake", "a hello frame must carry a handshake")
         if self.peer is not None and msg.site_id != self.peer:
-            raise ProtocolError("wrong_peer", f"handshake from {msg.site_id.hex()}, expected {self.peer.hex()}")
+            raise ProtocolError("handshake_site_mismatch", f"handshake from {msg.site_id.hex()}, expected {self.peer.hex()}")
         local_site, _ = self.provider.hello_info()
         if msg.site_id == local_site:
             raise ProtocolError("self_handshake", "the peer claims this node's own site_id")
@@ -311,8 +312,8 @@ class Session:
         if not isinstance(msg, SyncBody):
             raise ProtocolError("not_a_body", "expected a sync body")
         if msg.from_site_id != self.peer:
-            raise ProtocolError("from_site_mismatch", f"from_site_id {msg.from_site_id.hex()} on a session with "
-                                                      f"{self.peer.hex() if self.peer else '?'}")
+            raise ProtocolError("sender_mismatch", f"from_site_id {msg.from_site_id.hex()} on a session with "
+                                                   f"{self.peer.hex() if self.peer else '?'}")
         return msg, StreamMeta.from_wire(f["m"], len(msg.events))
 
     def _on_body(self, f: dict, now: int) -> None:
@@ -346,7 +347,7 @@ class Session:
         self._require_ready()
         if not self.realtime:
             # §33: reject, not drop, so a protocol error surfaces as one.
-            raise ProtocolError("unsolicited_body", "realtime mode was not mutually established on this session")
+            raise ProtocolError("realtime_not_established", "realtime mode was not mutually established on this session")
         body, meta = self._body(f)
         assert self.peer is not None
         self.provider.incoming(self.peer, body, meta, "push", now)

@@ -53,8 +53,9 @@ def dump(home):
 
 
 def protocol_errors(home):
+    """Frames a session refused: surfaced as kind `refused` from source `session:serial`."""
     p = cli(home, "events")
-    return [ln for ln in p.stdout.splitlines() if "protocol_error" in ln]
+    return [ln for ln in p.stdout.splitlines() if '"session:serial"' in ln]
 
 
 @pytest.fixture

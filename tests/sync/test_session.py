@@ -66,7 +66,7 @@ def malformed(sender):
         (good_body(sender, applied_watermarks=[dict(WM_OK, extra=1)]), "bad_watermark"),
         (good_body(sender, applied_watermarks=[dict(WM_OK, hlc_logical=-1)]), "bad_watermark"),
         (good_body(sender, from_site_id="AB" * 16), "bad_site_id"),
-        (good_body(sender, from_site_id="cd" * 16), "from_site_mismatch"),
+        (good_body(sender, from_site_id="cd" * 16), "sender_mismatch"),
         (good_body(sender, have_max_hlc=[0, 0]), "bad_have_max_hlc"),
         (good_body(sender, have_max_hlc={"physical_ms": True, "logical": 0}), "bad_have_max_hlc"),
         (emit_handshake(Handshake(sender, (0, 0), False, False, None)), "not_a_body"),
@@ -88,7 +88,7 @@ def test_every_malformed_body_is_rejected_with_a_reason_and_changes_nothing(two)
         assert snapshot(b) == before
         out = sb.data_to_send()
         assert len(out) == 1 and cbor2.loads(out[0])["t"] == "error"  # surfaced to the peer, no answer
-    assert sum(1 for s in b.surfaced() if s["kind"] == "protocol_error") == len(cases)
+    assert sum(1 for s in b.surfaced() if s["kind"] == "refused") == len(cases)
 
 
 def test_bad_frames_and_meta(two):
@@ -170,9 +170,9 @@ def test_unsolicited_body_without_mutual_realtime_is_rejected(two):
     sb = p.sessions[1]
     before = snapshot(b)
     sb.receive(encode_frame("push", c=1, b=good_body(a.site_id), m=META), NOW)
-    assert [e.detail for e in sb.events if e.kind == "protocol_error"] == ["unsolicited_body"]
+    assert [e.detail for e in sb.events if e.kind == "protocol_error"] == ["realtime_not_established"]
     assert snapshot(b) == before
-    assert any(s["reason"] == "unsolicited_body" for s in b.surfaced())
+    assert any(s["reason"] == "realtime_not_established" for s in b.surfaced())
     # one side capable is not enough
     p2 = pair(da, db_, realtime_capable=True, binding_unsolicited=False)
     assert not p2.sessions[0].advertises_realtime

@@ -1,0 +1,49 @@
+"""One list of the reason codes a message from outside is refused with (architecture.md
+"Errors": one `ProtocolError` for everything from outside, one list of reason codes, what
+`ssp-agent events` shows). One name per violation, whatever the transport: the in-memory and
+serial sessions, MQTT and mailbox files refuse the same violation with the same code.
+
+Each code is a stable string; `tests/core/test_reasons.py` fails when any `ProtocolError`,
+MQTT refusal or session check in agent/ uses a code that is not here, and
+`tests/sync/test_reasons_surface.py` drives every code each transport can reach through it and
+finds it in `ssp-agent events` (mailbox: on stderr, as cli-contract.md requires a refused file to
+change nothing in the store)."""
+from __future__ import annotations
+
+# -- bytes and CBOR (agent/core/messages.py parse_message, the SSP/1 message boundary, §30, §32.2)
+NOT_BYTES = "not_bytes"
+TOO_LARGE = "too_large"                     # over the message / frame / body limit (a body limit on MQTT)
+MALFORMED_CBOR = "malformed_cbor"
+NOT_A_MAP = "not_a_map"
+BAD_MEMBERS = "bad_members"
+MISSING_SSP_VERSION = "missing_ssp_version"
+BAD_SSP_VERSION = "bad_ssp_version"
+UNKNOWN_SSP_VERSION = "unknown_ssp_version"
+BAD_SITE_ID = "bad_site_id"
+BAD_HAVE_MAX_HLC = "bad_have_max_hlc"
+BAD_WATERMARK = "bad_watermark"
+BAD_WATERMARKS = "bad_watermarks"
+BAD_EVENTS = "bad_events"
+BAD_RECORDS = "bad_records"
+NOT_A_BODY = "not_a_body"                   # a handshake where a sync body belongs
+NOT_A_HANDSHAKE = "not_a_handshake"         # a sync body where a handshake belongs
+# -- who speaks
+SENDER_MISMATCH = "sender_mismatch"         # a body's from_site_id is not the peer the link is with
+HANDSHAKE_SITE_MISMATCH = "handshake_site_mismatch"  # a handshake names another site than the link's
+SELF_HANDSHAKE = "self_handshake"           # the peer claims this node's own site_id
+# -- order and mode
+NO_HANDSHAKE = "no_handshake"               # a body before the capability handshake (§31)
+REALTIME_NOT_ESTABLISHED = "realtime_not_established"  # a realtime body without mutual realtime (§33)
+# -- framing around the messages
+BAD_FRAME = "bad_frame"                     # a session frame (agent/core/session.py) of the wrong shape
+BAD_FRAME_META = "bad_frame_meta"           # stream positions that do not describe the body
+UNKNOWN_KIND = "unknown_kind"               # MQTT `ssp-kind` neither batch nor realtime
+BAD_TOPIC = "bad_topic"                     # an MQTT inbox topic without its sender
+# -- any other exception a boundary parser raised (agent/core/classify.py)
+UNCLASSIFIED = "unclassified"
+
+ALL = frozenset(v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str))
+
+# Names used before one list existed, and the one name each violation has now (issue 13).
+RENAMED = {"from_site_mismatch": SENDER_MISMATCH, "unsolicited_body": REALTIME_NOT_ESTABLISHED,
+           "wrong_peer": HANDSHAKE_SITE_MISMATCH, "presence_site_mismatch": HANDSHAKE_SITE_MISMATCH}
