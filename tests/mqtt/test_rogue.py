@@ -101,14 +101,16 @@ def test_rogue_inbox_traffic(broker, tmp_path):
 
 class _Forger:
     """A client that reads a node's inbox topics (no broker ACLs) and answers every body it sees
-    first, with the real correlation data: `ssp-status: rejected, ssp-reason: too_large`."""
+    first, with the real correlation data: `ssp-status: rejected, ssp-reason: too_large`, or
+    (`ok=True`) `ssp-status: ok` with every event counted as processed."""
 
-    def __init__(self, broker, watch: str, answerer: bytes) -> None:
+    def __init__(self, broker, watch: str, answerer: bytes, ok: bool = False) -> None:
         import paho.mqtt.client as paho
         from paho.mqtt.enums import CallbackAPIVersion
         self.forged = 0
         self.active = True
         self.answerer = answerer
+        self.ok = ok
         self.c = paho.Client(CallbackAPIVersion.VERSION2, client_id="forger-" + os.urandom(4).hex(),
                              protocol=paho.MQTTv5)
         self.c.on_message = self._on_message
@@ -121,9 +123,15 @@ class _Forger:
         if not self.active or not getattr(p, "ResponseTopic", None):
             return
         self.forged += 1
-        client.publish(p.ResponseTopic, b"", qos=1, properties=_publish_props(
-            {"ssp-from": self.answerer.hex(), "ssp-status": "rejected", "ssp-reason": "too_large"},
-            p.CorrelationData))
+        user = dict(getattr(p, "UserProperty", None) or [])
+        if self.ok:
+            n = user.get("ssp-count", "0")
+            answer = {"ssp-from": self.answerer.hex(), "ssp-status": "ok", "ssp-processed": n, "ssp-count": n,
+                      "ssp-start": user.get("ssp-start", ""), "ssp-end": user.get("ssp-end", ""),
+                      "ssp-applied": n, "ssp-duplicate": "0", "ssp-dropped": "0", "ssp-rejected": "0"}
+        else:
+            answer = {"ssp-from": self.answerer.hex(), "ssp-status": "rejected", "ssp-reason": "too_large"}
+        client.publish(p.ResponseTopic, b"", qos=1, properties=_publish_props(answer, p.CorrelationData))
 
     def close(self) -> None:
         self.c.loop_stop()
@@ -154,5 +162,37 @@ def test_forged_too_large_answers_cannot_shrink_bodies_for_good(broker, tmp_path
     finally:
         forger.close()
         ra.close(); rb.close()
+        for n in nodes:
+            n.close()
+
+
+def test_forged_ok_answers_do_not_move_the_cursor(broker, tmp_path):
+    """Issue 11 item 5 (`ok`): without broker ACLs a client that reads B's inbox answers A's bodies
+    first with `ok` and the real correlation data. B never had a session, so the broker dropped
+    the bodies: before the fix A's cursor moved past events B never got, and B never got them
+    (until a rehydration). Now the cursor moves only on an answer carrying an acknowledgement
+    record signed by B (docs/protocol.md §5 "Acknowledgements on MQTT"): the forgeries are counted
+    and ignored, and once B is there it gets everything."""
+    a, b = nodes = make_nodes(tmp_path, 2)
+    ra = runner(a, broker, cadence_s=0.1, answer_timeout_s=0.5, realtime=False)
+    rb = None
+    forger = _Forger(broker, Topics(MESH).requests(b.site_id, a.site_id), b.site_id, ok=True)
+    try:
+        for i in range(30):
+            write(a, i, "w")
+        step_until([ra], lambda: forger.forged >= 8 or ra.sync.cursor(b.site_id) > 0, 20)
+        assert ra.sync.cursor(b.site_id) == 0, (ra.sync.cursor(b.site_id), ra.stats)
+        assert ra.stats["answers_unproven"] >= 8 and ra.stats["events_acknowledged"] == 0
+        forger.active = False
+        rb = runner(b, broker, cadence_s=3600, realtime=False)
+        assert step_until([ra, rb], lambda: event_ids(a) <= event_ids(b), 20), (ra.stats, ra.sync.cursor(b.site_id))
+        top = a.conn.execute("SELECT max(seq) FROM events").fetchone()[0]
+        assert step_until([ra, rb], lambda: ra.sync.cursor(b.site_id) == top, 10), ra.stats
+        assert a.dump() == b.dump()
+    finally:
+        forger.close()
+        ra.close()
+        if rb is not None:
+            rb.close()
         for n in nodes:
             n.close()
