@@ -366,8 +366,13 @@ class Node:
         from . import rehydrate, records_in
         from .core.cose import content_type
         from .core.records import TRUNCATED
+        from .core.records import ACK as MQTT_ACK
         from .mailbox import ACK_CONTENT_TYPE
         kinds = [content_type(r) for r in raws]
+        # MQTT acknowledgements speak to one node about one body: the runner takes them from the
+        # answer (Runner._proof); anywhere else (recovery from the journal included) they are inert.
+        raws = [r for r, k in zip(raws, kinds) if k != MQTT_ACK]
+        kinds = [k for k in kinds if k != MQTT_ACK]
         rh = [r for r, k in zip(raws, kinds) if k == rehydrate.CONTENT_TYPE]
         tr = [r for r, k in zip(raws, kinds) if k == TRUNCATED]
         acks = [r for r, k in zip(raws, kinds) if k == ACK_CONTENT_TYPE]
@@ -432,7 +437,9 @@ class Node:
     def _record_held(self, raw: bytes) -> bool:
         """A control record this node signed through the bridge (rehydrate, truncation, mailbox answer, authority
         records) that its store holds: done, like an event in the log."""
-        from .core.records import record_hash
+        from .core.records import is_ack, record_hash
+        if is_ack(raw):
+            return True  # an MQTT acknowledgement is done once released: a lost one costs a re-offer
         h = record_hash(bytes(raw))
         tables = [t for (t,) in self.conn.execute(
             "SELECT name FROM sqlite_master WHERE name IN ('control_records', 'rehydrate_records', 'truncation_records', "
@@ -900,6 +907,8 @@ class Node:
         hlc = self._tick(self._signing_now(now))
         raw = self.bridge.release(EventIdentity(self.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs, assemble)
         self._witness(hlc)
+        if self.bridge.journal_stats()["bytes"] > getattr(self, "_journal_base", 0) + JOURNAL_COMPACT_BYTES:
+            self.compact_journal()  # MQTT acknowledgements are signed per answer and stored nowhere else
         return raw
 
     def _signing_now(self, now: int) -> int:

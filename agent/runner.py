@@ -12,7 +12,8 @@ gaps) in the `ssp-meta` user property so that an authenticated receiver can infe
   per-peer cursor selects, split into bodies under the broker's packet size and the body limit,
   a window of bodies in flight at once. Each body is a request; the cursor advances only when
   the peer's answer arrives, by the number of events it processed to a final state
-  (`cursor_after`), and only contiguously. Unanswered bodies are re-offered (the peer absorbs
+  (`cursor_after`), and only contiguously. Without `secure`, only an answer carrying the peer's
+  signed acknowledgement of that exact body counts (`sovm/ssp-ack-v1`, docs/protocol.md §5). Unanswered bodies are re-offered (the peer absorbs
   duplicates). Every body sent is kept in `sync_state.sent_bodies` until answered, so an answer
   that waited in the broker while this process was gone (a `sync --once` device asleep, a
   restart) still moves the cursor when the next process takes it. A range with nothing for the peer (all filtered) still goes out as an empty body,
@@ -46,7 +47,8 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .core.messages import Handshake, ProtocolError, parse_presence
+from .core.messages import Handshake, ProtocolError, parse_body, parse_presence
+from .core.records import MAX_ACK_ANSWERS, AckAnswer, RecordError, is_ack, record_hash as body_hash, verify_ack
 from .core.session import parse_meta_text
 from .outcomes import counts
 from .store import sync_state as st
@@ -57,6 +59,10 @@ from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_COUNT, P_END, P_KIND, 
                              split_sizes)
 
 PATH = "mqtt"  # the transport path: one durable cursor per (peer, path) in sync_state
+# A request property (transport metadata, no authority): "1" asks the receiver for a signed
+# acknowledgement (`sovm/ssp-ack-v1`, docs/protocol.md §5) in its answer. Stripping it only makes
+# the sender's cursor stay (fail closed); adding it only costs the receiver a grouped signature.
+P_ACK = "ssp-ack"
 
 log = logging.getLogger("ssp_agent.runner")
 
@@ -75,6 +81,11 @@ class RunConfig:
     limit_probe_s: float = 60.0  # after a too_large refusal, try twice the reduced body limit this much later
     limit_probe_max_s: float = 3600.0  # the wait before a probe doubles with each refusal, up to this
     others_per_step: int = 256  # inbound messages per step from sites not in the keyring (flood bound, pump)
+    # Signed acknowledgements (docs/protocol.md §5): the answers taken in one pump are grouped per
+    # sender; a slow keystore groups more by itself (bodies queue while it signs). Above 0: at most
+    # one signature per sender this often (answers wait for it; bench/bench_acks.py: 25 ms halved
+    # answers/s on a software keystore, so the default is 0).
+    ack_interval_s: float = 0.0
 
     @classmethod
     def from_profile(cls, profile, **overrides) -> "RunConfig":
@@ -98,6 +109,7 @@ class _Pending:
     backfill: bool = False  # the body carries a share of a backfill job (possibly no events: the walk's end)
     token: Any = None  # the sync layer's confirmation token (live range and backfill rows)
     size: int = 0  # bytes of the body (0: unknown, a body recalled from an earlier process)
+    body_hash: bytes | None = None  # BLAKE3 of the body's exact bytes: what a signed acknowledgement names
 
 
 MIN_BODY_LIMIT = 1024  # never send a peer less than this per body (MqttLink.max_payload's floor)
@@ -171,6 +183,8 @@ class Runner:
         self._refused_presence: dict[bytes, tuple] = {}  # site -> the refused payload last surfaced
         self._others: deque = deque()  # taken in, from sites not in the keyring, not yet handled (pump)
         self._refusal_window: dict[tuple, list] = {}  # (source, reason) -> [window start, surfaced, not surfaced]
+        self._owed: dict[bytes, list] = {}  # sender -> [(request, answer properties, AckAnswer)] not yet answered
+        self._last_ack: dict[bytes, float] = {}  # sender -> when its last acknowledgement was signed
         self.presence_limit = PRESENCE_LIMIT
         # Writes before this runner started are the batch cycle's; realtime pushes follow new ones.
         self._scanned = self._local_top = self._last_local = \
@@ -185,6 +199,8 @@ class Runner:
         return self.link.wait_connected(connect_timeout)
 
     def close(self) -> None:
+        if self._owed:
+            self._answer_owed(force=True)  # applied and committed: answer before going
         self.link.close()
         for (source, reason), w in self._refusal_window.items():
             self._surface_suppressed(source, reason, w)
@@ -249,6 +265,9 @@ class Runner:
         Receive Maximum: past that the broker holds them back."""
         n = got = 0
         wait = 0.0 if self._others else timeout
+        if self._owed:  # answers wait for their grouped acknowledgement: not longer than its interval
+            wait = min(wait, max(0.0, min(self._last_ack.get(s, 0.0) for s in self._owed)
+                                 + self.cfg.ack_interval_s - time.monotonic()))
         keyring = self.node.keyring
         while got < max_items:
             try:
@@ -265,6 +284,8 @@ class Runner:
         for _ in range(min(len(self._others), self.cfg.others_per_step)):
             self._handle(self._others.popleft())
             n += 1
+        if self._owed:
+            self._answer_owed()
         return n
 
     def _handle(self, m: Inbound) -> None:
@@ -360,9 +381,49 @@ class Runner:
         rejected = [i for i, o in enumerate(outs) if o.status == "rejected"]
         if rejected:
             user[P_REJECTED_AT] = encode_indices(rejected)
+        if m.props.get(P_ACK) == "1" and m.sender in self.node.keyring and m.sender != self.node.site_id:
+            # The sender's binding does not authenticate answers: it moves its cursor only on a
+            # signed acknowledgement (docs/protocol.md §5). Signing persists through the bridge,
+            # so the answers of this pump are grouped, one record per sender (`_answer_owed`).
+            # Owed to a site this node trusts only: a body under any other name signs nothing.
+            self._owed.setdefault(m.sender, []).append(
+                (m, user, AckAnswer(body_hash(m.payload), processed, len(outs), tuple(rejected))))
+            return
         if self.link.answer(m, self.sync.answer_body(m.sender), user):
             self.stats["answers_sent"] += 1
         self.link.ack(m)
+
+    def _answer_owed(self, force: bool = False) -> None:
+        """Answer the bodies taken whose senders asked for a signed acknowledgement: one record per
+        sender and MAX_ACK_ANSWERS bodies, signed through the keystore bridge like every record
+        this node issues, carried in the `records` of each answer it covers; then ack them to the
+        broker. A signature costs two journal fsyncs and a witness write: a sender gets one per pump
+        (per MAX_ACK_ANSWERS bodies), so bodies that arrive faster than the node signs (honest, or
+        forged in a trusted name) queue meanwhile and share the next one; `ack_interval_s` > 0
+        also caps signatures per sender per second (its answers wait, already committed)."""
+        now = time.monotonic()
+        for sender in list(self._owed):
+            items = self._owed[sender]
+            if not force and len(items) < MAX_ACK_ANSWERS and now - self._last_ack.get(sender, 0.0) < self.cfg.ack_interval_s:
+                continue  # grouped with what arrives before the interval ends
+            del self._owed[sender]
+            self._last_ack[sender] = now
+            if len(self._last_ack) > 4 * len(self.node.keyring) + 16:
+                self._last_ack = {sender: now}  # senders are keyring sites: bounded, reset if it ever grows
+            for i in range(0, len(items), MAX_ACK_ANSWERS):
+                chunk = items[i:i + MAX_ACK_ANSWERS]
+                try:
+                    ack = self.sync.sign_ack(sender, [a for _m, _u, a in chunk])
+                    self.stats["acks_signed"] += 1
+                except Exception as e:  # noqa: BLE001 - the keystore: answered unsigned, the body is re-offered
+                    ack = None
+                    self.stats["ack_sign_failures"] += 1
+                    log.warning("could not sign an acknowledgement for %s: %s", sender.hex(), e)
+                extra = (ack,) if ack is not None else ()
+                for m, user, _a in chunk:
+                    if self.link.answer(m, self.sync.answer_body(sender, extra), user):
+                        self.stats["answers_sent"] += 1
+                    self.link.ack(m)
 
     def _on_answer(self, m: Inbound) -> None:
         self.link.ack(m)
@@ -373,7 +434,7 @@ class Runner:
             d = self.sync.recall(corr)  # the durable record of the bodies sent (sync_state.sent_bodies)
             if d is not None:
                 p = _Pending(d["peer"], d["kind"], d["start"], d["end"], d["seqs"], 0.0, d["n_backfill"],
-                             d["backfill"], d["token"])
+                             d["backfill"], d["token"], 0, d.get("body_hash"))
                 earlier = True
         if p is None:
             self.stats["unknown_answers"] += 1  # replayed, forged, or forgotten long ago: ignored
@@ -381,28 +442,49 @@ class Runner:
         if m.sender != p.peer:
             self.stats["answers_from_wrong_sender"] += 1  # not the addressee's answer topic: ignored
             return
+        ok = m.props.get(P_STATUS) == "ok"
+        proof = None
+        if ok and not self.cfg.secure:
+            # Without the broker's ACLs an answer is evidence only with the peer's signed
+            # acknowledgement of this exact body (docs/protocol.md §5 "Acknowledgements on MQTT"):
+            # anything else may be a reader of the topic answering first. It is counted and
+            # ignored; the body stays pending, so the peer's own answer still moves the cursor,
+            # and it is re-offered after the answer timeout.
+            proof = self._proof(p, m.payload)
+            if proof is None:
+                self.stats["answers_unproven"] += 1
+                return
         if not earlier:
             del self.pending[corr]
         else:
             self.stats["earlier_answers"] += 1
         self.stats["answers"] += 1
-        if m.props.get(P_STATUS) != "ok":
+        if not ok:
             reason = m.props.get(P_REASON, "?")
             self.stats[f"push_rejected:{reason}"] += 1
-            self.sync.forget(corr)
+            if self.cfg.secure:
+                # Unauthenticated otherwise: a forged refusal must not make the peer's real answer
+                # (which may follow) unknown. The durable record stays, so that answer, signed,
+                # is still taken (as an earlier one); the range is re-offered meanwhile.
+                self.sync.forget(corr)
             if reason == "too_large":  # the peer's body limit may be below ours: halve what we send it
                 self._too_large(p.peer)
             if not earlier:
                 self._reset_peer(p.peer)
             return
         total = len(p.seqs) + p.n_backfill
-        try:
-            processed = max(0, min(total, int(m.props.get(P_PROCESSED, "0"))))
-        except ValueError:
-            processed = 0
+        if proof is not None:
+            # What the peer signed, not the (unauthenticated) properties.
+            processed = min(total, proof.processed)
+            rejected = [i for i in proof.rejected if i < total] or None
+        else:
+            try:
+                processed = max(0, min(total, int(m.props.get(P_PROCESSED, "0"))))
+            except ValueError:
+                processed = 0
+            rejected = decode_indices(m.props[P_REJECTED_AT], total) if P_REJECTED_AT in m.props else None
         # Every event but the rejected ones reached a final state (issue 10 item 4): the cursor moves
         # past those, which are re-offered later; without the list, `processed` is a prefix.
-        rejected = decode_indices(m.props[P_REJECTED_AT], total) if P_REJECTED_AT in m.props else None
         if rejected is not None:
             processed = total
         self.stats["events_acknowledged"] += processed - len(rejected or ())
@@ -422,6 +504,35 @@ class Runner:
             self._reset_peer(p.peer)  # re-offer from the cursor next cycle
         else:
             self.offer(p.peer, KIND_BATCH)  # keep the window full while there is more (catch-up)
+
+    def _proof(self, p: _Pending, payload: bytes):
+        """The peer's signed answer for body `p` in an answer's `records` (an AckAnswer), or None:
+        a `sovm/ssp-ack-v1` record that verifies under the peer's key in the keyring (not
+        retired), is addressed to this node and names the BLAKE3 of the exact body sent, with as
+        many events as it held. A replay of a genuine acknowledgement is the truth about these
+        very bytes, so it is harmless; a record for another body, by another signer or for
+        another node moves nothing."""
+        if p.body_hash is None:
+            self.stats["answers_unprovable"] += 1  # recalled from a process that kept no hash
+            return None
+        try:
+            raws = [r for r in parse_body(payload).records if is_ack(r)]
+        except ProtocolError:
+            return None
+        keyring = self.node.keyring
+        for raw in raws:
+            try:
+                ack = verify_ack(raw, self.node.mesh_id, keyring.get)
+            except RecordError as e:
+                self.stats[f"ack_refused:{e.reason}"] += 1
+                continue
+            if ack.issuer != p.peer or ack.subject != self.node.site_id:
+                self.stats["ack_misaddressed"] += 1
+                continue
+            a = ack.answer_for(p.body_hash)
+            if a is not None and a.count == len(p.seqs) + p.n_backfill:
+                return a
+        return None
 
     def _on_presence(self, m: Inbound) -> None:
         """A retained presence reaches every node at every start: a payload its boundary refuses is
@@ -543,10 +654,13 @@ class Runner:
         body = self.sync.body(off.events, peer, off.token)
         user = {P_KIND: kind, P_START: str(off.start), P_END: str(off.end), P_COUNT: str(len(off.events)),
                 P_PART: "1/1", P_META: encode_meta(off.start, off.end, off.seqs, off.gaps, off.n_backfill)}
+        if not self.cfg.secure:
+            user[P_ACK] = "1"  # answers are not authenticated here: ask for a signed acknowledgement
+        off.body_hash = body_hash(body)
         corr = self.link.push(peer, body, user)
         off.token = self.sync.keyed(off.token, corr)  # its answer confirms it, in this process or a later one
         self.pending[corr] = _Pending(peer, kind, off.start, off.end, off.seqs, time.monotonic(),
-                                      off.n_backfill, off.backfill, off.token, len(body))
+                                      off.n_backfill, off.backfill, off.token, len(body), off.body_hash)
         self.stats["backfill_events_pushed"] += off.n_backfill
         self.stats["bodies_pushed"] += 1
         self.stats["events_pushed"] += len(off.events)

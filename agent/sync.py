@@ -82,6 +82,7 @@ class Offer:
     n_backfill: int = 0  # the last n_backfill of `events` are backfill rows' events (not in `seqs`)
     backfill: bool = False  # carries backfill job progress (rows, or the end of a job's walk)
     token: Any = None  # handed back to `advance` with the peer's answer
+    body_hash: bytes | None = None  # BLAKE3 of the body as published (set by Runner._send; §5 acknowledgements)
 
 
 @dataclass
@@ -838,8 +839,10 @@ class PortAdapter:
         with _txn(self.conn):
             for corr, peer, kind, off in sent:
                 if isinstance(off.token, _Token):
+                    h = getattr(off, "body_hash", None)  # what a signed acknowledgement names (§5)
                     st.put_sent_body(self.conn, self.path, corr, peer, kind,
-                                     token_to_json(off.token, x=off.n_backfill, bf=off.backfill), t)
+                                     token_to_json(off.token, x=off.n_backfill, bf=off.backfill,
+                                                   **({"h": h.hex()} if h else {})), t)
 
     def forget(self, corr: bytes) -> None:
         """A body the peer refused (`ssp-status: rejected`): nothing to confirm later."""
@@ -855,7 +858,8 @@ class PortAdapter:
         peer, kind, text = r
         tok, extra = token_from_json(text)
         return {"peer": peer, "kind": kind, "start": tok.start, "end": tok.end, "seqs": list(tok.seqs),
-                "n_backfill": int(extra.get("x", 0)), "backfill": bool(extra.get("bf", False)), "token": tok}
+                "n_backfill": int(extra.get("x", 0)), "backfill": bool(extra.get("bf", False)), "token": tok,
+                "body_hash": bytes.fromhex(extra["h"]) if extra.get("h") else None}
 
     def receive(self, data: bytes, meta: dict | None = None, sender: bytes | None = None):
         """`meta`: the frame meta as sent ({s, e, d, g, x}); `sender`: who the binding says sent it
@@ -868,10 +872,24 @@ class PortAdapter:
         k, outs = self.driver.receive(body.from_site_id, body, sm, "batch", now_ms(), self.path, self.secure)
         return body, outs, k
 
-    def answer_body(self, peer: bytes | None = None) -> bytes:
-        return self.body((), peer)
+    def answer_body(self, peer: bytes | None = None, extra_records: tuple = ()) -> bytes:
+        """An answer's body: this node's watermarks and the next undelivered records for `peer`,
+        after `extra_records` (a signed acknowledgement, docs/protocol.md §5)."""
+        return self.body((), peer, extra_records=extra_records)
 
-    def body(self, events=(), peer: bytes | None = None, token=None) -> bytes:
+    def sign_ack(self, subject: bytes, answers) -> bytes:
+        """This node's acknowledgement of `subject`'s bodies (`core.records.AckAnswer`s), signed with
+        its event key through the keystore bridge under a fresh HLC identity (persist-before-release,
+        `Node.release_signed`). Not stored: a lost one costs a re-offer, and the journal drops it at
+        the next compaction (Node._record_held)."""
+        from .core.cose import assemble
+        from .core.records import ack_to_be_signed
+        from .node import now_ms
+        node = self.node
+        protected, payload, tbs = ack_to_be_signed(node.site_id, node.mesh_id, subject, list(answers))
+        return node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now_ms())
+
+    def body(self, events=(), peer: bytes | None = None, token=None, extra_records: tuple = ()) -> bytes:
         """A sync body for `peer` carrying `events`, control records and this node's applied
         watermarks. Records: with `token` (`Offer.token`), the ones selected with the offer (they
         count as delivered when the peer answers, `advance`/`note_answer` with that token); without
@@ -881,7 +899,7 @@ class PortAdapter:
             raws = token.record_raws
         else:
             raws = self.driver.select_records(peer, self.path)[1] if peer is not None else ()
-        return emit_body(SyncBody(self.node.site_id, self.have_max(), tuple(events), tuple(raws),
+        return emit_body(SyncBody(self.node.site_id, self.have_max(), tuple(events), tuple(extra_records) + tuple(raws),
                                   tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items()))))
 
     def note_answer(self, peer: bytes, data: bytes, token=None) -> None:

@@ -351,3 +351,71 @@ def resolve_trust(records: Iterable[Record], provisioned: dict[bytes, tuple[byte
             keyring[subject] = (pk, c if old is None else min(old, c))
     chains.update(resolve_chains(retire))
     return Trust(keyring, retired, chains, void, multi)
+
+
+# ---------------------------------------------------------------- acknowledgements on MQTT (docs/protocol.md §5)
+# An answer to a sync body is not authenticated on a binding without broker ACLs: a reader of the
+# inbox topics sees the correlation data and can answer first (issue 11 item 5). So on such a
+# binding the answering node signs, about its own processing, which bodies it received (BLAKE3 of
+# their exact bytes) and what became of their events; the sender moves its cursor only on that.
+# Issued by the answering node (kid = issuer), addressed to the body's author (subject).
+ACK = "sovm/ssp-ack-v1"
+ACK_MEMBERS = frozenset({"subject_site_id", "answers"})
+MAX_ACK_ANSWERS = 16  # bodies one record answers (the answers of one pump, per sender, are grouped)
+
+
+@dataclass(frozen=True)
+class AckAnswer:
+    body_hash: bytes  # BLAKE3 of the exact body received
+    processed: int  # events that reached a final state before the first rejected one (`ssp-processed`)
+    count: int  # events in the body
+    rejected: tuple[int, ...]  # indices of the rejected events (`ssp-rejected-at`), ascending
+
+
+@dataclass(frozen=True)
+class Ack:
+    issuer: bytes
+    subject: bytes
+    answers: tuple[AckAnswer, ...]
+    raw: bytes
+
+    def answer_for(self, body_hash: bytes) -> AckAnswer | None:
+        return next((a for a in self.answers if a.body_hash == body_hash), None)
+
+
+def is_ack(raw: Any) -> bool:
+    return content_type(raw) == ACK
+
+
+def ack_to_be_signed(issuer: bytes, mesh_id: bytes, subject: bytes, answers: list[AckAnswer]
+                     ) -> tuple[bytes, bytes, bytes]:
+    """(protected, payload, Sig_structure) of `issuer`'s acknowledgement of `subject`'s bodies."""
+    if not 1 <= len(answers) <= MAX_ACK_ANSWERS:
+        raise ValueError(f"an acknowledgement answers 1 to {MAX_ACK_ANSWERS} bodies")
+    protected = protected_header(ALG_EDDSA, ACK, issuer)
+    payload = encode({"subject_site_id": subject,
+                      "answers": [[a.body_hash, a.processed, a.count, list(a.rejected)] for a in answers]})
+    return protected, payload, sig_structure(protected, mesh_id, payload)
+
+
+def _ack_answer(a: Any) -> AckAnswer:
+    if not (isinstance(a, list) and len(a) == 4 and _bstr(a[0], 32) and _uint(a[2], UINT32_MAX)
+            and _uint(a[1], a[2]) and isinstance(a[3], list) and len(a[3]) <= a[2]
+            and all(_uint(i, a[2] - 1) for i in a[3]) and list(a[3]) == sorted(set(a[3]))):
+        raise RecordError("bad_answers")
+    return AckAnswer(a[0], a[1], a[2], tuple(a[3]))
+
+
+@classified(RecordError)
+def verify_ack(raw: Any, mesh_id: bytes, entry_of: Callable[[bytes], tuple[bytes, Any] | None]) -> Ack:
+    """The MQTT acknowledgement boundary. Verify one record on its own: content type, the issuer's
+    keyring entry (`entry_of(kid)`) known and not retired, the signature over `mesh_id`, the exact
+    member set and shapes (processed <= count, rejected indices ascending, below count). Raises
+    RecordError. Whether it answers a given body is `Ack.answer_for`."""
+    raw, s, p = verify_signed_by_site(raw, mesh_id, ACK, "ack", ACK_MEMBERS, entry_of)
+    subj, answers = p["subject_site_id"], p["answers"]
+    if not _bstr(subj, 16) or subj == s.kid:
+        raise RecordError("bad_subject")
+    if not (isinstance(answers, list) and 1 <= len(answers) <= MAX_ACK_ANSWERS):
+        raise RecordError("bad_answers")
+    return Ack(s.kid, subj, tuple(_ack_answer(a) for a in answers), raw)

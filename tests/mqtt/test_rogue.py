@@ -180,7 +180,7 @@ def test_forged_ok_answers_do_not_move_the_cursor(broker, tmp_path):
     try:
         for i in range(30):
             write(a, i, "w")
-        step_until([ra], lambda: forger.forged >= 8 or ra.sync.cursor(b.site_id) > 0, 20)
+        step_until([ra], lambda: ra.stats["answers_unproven"] >= 8 or ra.sync.cursor(b.site_id) > 0, 20)
         assert ra.sync.cursor(b.site_id) == 0, (ra.sync.cursor(b.site_id), ra.stats)
         assert ra.stats["answers_unproven"] >= 8 and ra.stats["events_acknowledged"] == 0
         forger.active = False
@@ -194,5 +194,57 @@ def test_forged_ok_answers_do_not_move_the_cursor(broker, tmp_path):
         ra.close()
         if rb is not None:
             rb.close()
+        for n in nodes:
+            n.close()
+
+
+def test_replayed_acks_move_nothing_and_the_peers_own_answer_still_counts(broker, tmp_path):
+    """A reader of both inbox directions captures B's genuine answer (with its signed
+    acknowledgement of one body) and replays it, first, as the answer to every later body. The
+    record names another body's hash: each replay is counted and ignored, the body stays pending,
+    and B's own answer, arriving after the replay, moves the cursor."""
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+    a, b = nodes = make_nodes(tmp_path, 2)
+    ra = runner(a, broker, cadence_s=0.2, answer_timeout_s=5.0, realtime=False)
+    rb = runner(b, broker, cadence_s=3600, realtime=False)
+    topics = Topics(MESH)
+    state = {"captured": None, "active": False, "replayed": 0}
+
+    def on_message(client, userdata, msg):
+        p = msg.properties
+        if msg.topic == topics.answers(a.site_id, b.site_id):
+            if state["captured"] is None and msg.payload:
+                state["captured"] = msg.payload  # B's first genuine answer
+            return
+        if state["active"] and getattr(p, "ResponseTopic", None):
+            state["replayed"] += 1
+            n = dict(p.UserProperty).get("ssp-count", "0")
+            client.publish(p.ResponseTopic, state["captured"], qos=1, properties=_publish_props(
+                {"ssp-from": b.site_id.hex(), "ssp-status": "ok", "ssp-processed": n, "ssp-count": n},
+                p.CorrelationData))
+
+    c = paho.Client(CallbackAPIVersion.VERSION2, client_id="replayer", protocol=paho.MQTTv5)
+    c.on_message = on_message
+    c.connect(broker.host, broker.port)
+    c.subscribe([(topics.answers(a.site_id, b.site_id), 1), (topics.requests(b.site_id, a.site_id), 1)])
+    c.loop_start()
+    try:
+        e1 = write(a, 0, "first")
+        ra.batch_cycle()
+        assert step_until([ra, rb], lambda: e1 in event_ids(b) and state["captured"] is not None
+                          and ra.sync.cursor(b.site_id) >= 1, 10), ra.stats
+        state["active"] = True
+        for i in range(1, 25):
+            write(a, i, "w")
+        top = a.conn.execute("SELECT max(seq) FROM events").fetchone()[0]
+        assert step_until([ra, rb], lambda: ra.sync.cursor(b.site_id) == top, 20), (ra.stats, rb.stats)
+        assert state["replayed"] >= 1 and ra.stats["answers_unproven"] >= 1, (state, ra.stats)
+        assert event_ids(a) <= event_ids(b) and a.dump() == b.dump()
+        assert rb.stats["acks_signed"] >= 1 and ra.stats["unknown_answers"] == 0
+    finally:
+        c.loop_stop()
+        c.disconnect()
+        ra.close(); rb.close()
         for n in nodes:
             n.close()
