@@ -30,7 +30,7 @@ def main(cfg_path: str) -> int:
     cfg = json.loads(Path(cfg_path).read_text())
     import nacl.signing
 
-    from agent.mailbox import export_body, import_body
+    from agent.sync import export_mailbox_body as export_body, import_mailbox_body as import_body
     from agent.node import Node, now_ms
     from agent.simpeer import SimPeer
     from tests.cli_cmd import agent_cmd, agent_env
