@@ -723,25 +723,35 @@ class Runner:
     # -------------------------------------------------------------- one-shot
     def sync_once(self, settle_s: float = 0.5, timeout_s: float = 20.0) -> dict:
         """One full cycle: take in everything waiting for this node, offer every peer what its
-        cursor selects (until it is answered, for peers that are present), then return."""
+        cursor selects (until it is answered, for peers that are present), then return.
+
+        No fixed sleeps (issue 15 item 3): it waits on the events that matter. `start` returned at
+        the SUBACK; everything the broker held for us then (the persistent session's queued bodies,
+        retained presence) is delivered before our own presence, published right after SUBSCRIBE,
+        comes back to us (the broker delivers to one client in order), so that echo ends the
+        intake. A broker that never echoes it (an ACL that drops our presence) falls back to
+        `settle_s` of quiet. Then the answers of present peers end the offering; what arrives
+        after that waits in the broker for the next wake (the session is persistent)."""
         t0 = time.monotonic()
-        # Retained presence and queued bodies arrive right after the subscription.
-        idle_since = time.monotonic()
-        while time.monotonic() - idle_since < settle_s and time.monotonic() - t0 < timeout_s:
-            if self.pump(0.05):
+        deadline = t0 + timeout_s
+        idle_since = t0
+        while time.monotonic() < deadline:
+            if self.link.presence_echo.is_set():
+                while self.pump(0):   # what arrived before the echo is in the queue: take it all
+                    pass
+                break
+            if self.pump(0.01):
                 idle_since = time.monotonic()
+            elif time.monotonic() - idle_since >= settle_s:
+                break
         self.batch_cycle()
-        while time.monotonic() - t0 < timeout_s:
+        while time.monotonic() < deadline:
             self.pump(0.05)
             self._expire(time.monotonic())
             waiting = [p for p in {q.peer for q in self.pending.values()} if p in self.caps]
             if not waiting:
                 break
-        # A last look for bodies that arrived meanwhile.
-        idle_since = time.monotonic()
-        while time.monotonic() - idle_since < min(settle_s, 0.2):
-            if self.pump(0.05):
-                idle_since = time.monotonic()
+        self.pump(0)   # a last look at what is already here, without waiting
         return self.summary()
 
     def summary(self) -> dict[str, Any]:

@@ -289,6 +289,10 @@ class MqttLink:
         self.broker_max_packet: int | None = None
         self.generation = 0
         self.connected = threading.Event()
+        # Set when our own presence, published right after SUBSCRIBE, comes back to us: the broker
+        # delivers to one client in order, so everything it held for us then (queued bodies of the
+        # persistent session, retained presence) has been delivered (`Runner.sync_once`).
+        self.presence_echo = threading.Event()
         self.session_present = False
         self.last_error: str | None = None
         self.connects = 0
@@ -429,6 +433,7 @@ class MqttLink:
         self.broker_max_packet = int(mps) if mps else None
         # Usable once the broker confirmed our subscriptions (SUBACK), not at CONNACK: a peer's
         # push must never race a subscription that is still on its way.
+        self.presence_echo.clear()
         _rc, self._sub_mid = client.subscribe([(self.topics.inbox_filter(self.site_id), 1),
                                                (self.topics.presence_filter(), 1)])
         self.publish_presence()
@@ -460,6 +465,8 @@ class MqttLink:
         if kind == "presence":
             self._ack_now(msg)
             if site == self.site_id:
+                if not msg.retain:   # our live publish, not a retained copy from an earlier session
+                    self.presence_echo.set()
                 return
             self.present.pop(site, None)  # re-inserted: the order is the order of the last presence
             if msg.payload:
