@@ -80,6 +80,7 @@ class Node:
         ev_ms = db.get_meta(conn, "clock_evidence")
         self.clock_evidence: int | None = int(ev_ms) if ev_ms is not None else None
         self._applied = int(db.get_meta(conn, "applied_count", 0))
+        self._logged: set[EventIdentity] = set()   # own events write_many logged since the last compaction
         if read_only:
             return   # a read view: the repairs below write, and are left to the next writing open
         stale = [t.tdef for t in self.tables.values() if not rowstore.view_is_current(conn, t.tdef)]
@@ -421,16 +422,25 @@ class Node:
     def compact_journal(self) -> dict | None:
         """Drop from the signing journal our released events whose exact bytes the log holds (its
         commits are durable: synchronous=FULL) or that count as applied below their table's
-        horizon; the bridge keeps a per-site floor so none of them is ever signed again."""
+        horizon; the bridge keeps a per-site floor so none of them is ever signed again. The
+        events `write_many` applied since the last compaction are known to be in the log without
+        reading them back (`_logged`); any other entry is read from the journal and looked up."""
         if self.bridge is None:
             return None
-        done = set()
-        for identity, raw in self.bridge.iter_released():
-            if isinstance(identity, EventIdentity) and identity.site_id == self.site_id and (
-                    self._record_held(raw) if not _is_event(raw) else
-                    self._known(ev.event_id(raw)) == "log" or self._below_own_horizon(raw)):
-                done.add(identity)
-        stats = self.bridge.compact_events(done.__contains__)
+        logged = set(self._logged)
+        site = self.site_id
+
+        def recorded(identity) -> bool:
+            if identity in logged:
+                return True
+            if not isinstance(identity, EventIdentity) or identity.site_id != site:
+                return False
+            raw = self.bridge.released(identity)
+            return raw is not None and (
+                self._record_held(raw) if not _is_event(raw) else
+                self._known(ev.event_id(raw)) == "log" or self._below_own_horizon(raw))
+        stats = self.bridge.compact_events(recorded)
+        self._logged.difference_update(logged)
         self._journal_base = stats["bytes_after"]
         return stats
 
@@ -460,12 +470,15 @@ class Node:
         return None if r is None else (r[0], r[1])
 
     # ------------------------------------------------------------------ the apply path (§12)
-    def apply_batch(self, raws: Iterable[bytes], now: int | None = None, origin: str = "remote") -> list[Outcome]:
+    def apply_batch(self, raws: Iterable[bytes], now: int | None = None, origin: str = "remote",
+                    built: list | None = None) -> list[Outcome]:
         """Apply events in one transaction; each event is atomic on its own (a savepoint:
-        log insert, clocks, row and metering commit together or not at all)."""
+        log insert, clocks, row and metering commit together or not at all). `built`: for
+        local events only (`write_many`), each event's `checked` as `_local_checked` made it."""
         now = now_ms() if now is None else now
         with _txn(self.conn):
-            out = self._apply_in_txn(raws, now, origin)
+            out = self._apply_in_txn(raws, now, origin) if built is None else \
+                self._apply_built(raws, built, now, origin)
             self._persist_observed()
             new = sum(1 for o in out if o.reason == "applied")
             if new:
@@ -483,6 +496,19 @@ class Node:
         if self._observed is None or cur > self._observed:
             db.set_meta(self.conn, "clock_observed", f"{cur[0]}.{cur[1]}")
             self._observed = cur
+
+    def _apply_built(self, raws: list[bytes], built: list, now: int, origin: str) -> list[Outcome]:
+        """`_apply_in_txn` for local events this node just built and released (`_local_checked`):
+        fresh identities the bridge held no bytes for, so nothing knows them yet (the log's
+        INSERT OR IGNORE still answers a duplicate); parsed, verified and decoded by construction."""
+        since: dict[bytes, str] = {}
+        out = []
+        for raw, checked in zip(raws, built):
+            o = self._apply_one(raw, now, origin, checked, since if checked is not None else None)
+            if o.status == APPLIED and o.reason == "applied":
+                since[o.event_id] = "log"
+            out.append(o)
+        return out
 
     def _apply_in_txn(self, raws: Iterable[bytes], now: int, origin: str) -> list[Outcome]:
         """Every event's effects (log insert, clocks, row, metering) are written inside the
@@ -889,13 +915,15 @@ class Node:
                             hint = f" (an integer is not a real; write {float(v)!r})"
                         raise NodeError(f"column {c} is {tbl.tdef.columns[c]}; {v!r} does not fit{hint}")
             payloads.append((tbl.tdef, key, None if delete else values, "delete" if delete else "upsert"))
-        raws = self._sign_events(payloads, self._signing_now(now))
-        outs = self.apply_batch(raws, now, origin="local")
+        built: list = []
+        raws = self._sign_events(payloads, self._signing_now(now), built)
+        outs = self.apply_batch(raws, now, origin="local", built=self._local_checked(raws, built))
         for o in outs:
             if o.status != APPLIED or o.reason != "applied":
                 # A local write either lands in the log or fails (issue 10 item 6): never an id
                 # for an event stored and sent nowhere (e.g. below an eviction horizon).
                 raise NodeError(f"local event was not stored: {o.status} ({o.reason})")
+        self._logged.update(EventIdentity(self.site_id, *b[6]) for b in built)
         if self.bridge.journal_stats()["bytes"] > getattr(self, "_journal_base", 0) + JOURNAL_COMPACT_BYTES:
             self.compact_journal()
         return [o.event_id for o in outs]
@@ -969,19 +997,28 @@ class Node:
         witness is above the home's own history only when the home lost some: a restore."""
         self.witness.advance(hlc)
 
-    def _sign_events(self, payloads: list[tuple[TableDef, dict, dict | None, str]], now: int) -> list[bytes]:
+    def _sign_events(self, payloads: list[tuple[TableDef, dict, dict | None, str]], now: int,
+                     built: list | None = None) -> list[bytes]:
+        """Sign and persist one group (one `release_many`). `built`, when given, receives what
+        each event was built from: (protected, payload bytes, table, key, values, operation, hlc)."""
         assert self.bridge is not None, "node opened without a keystore bridge"
+        site, mesh = self.site_id, self.mesh_id
+        protected = cose.protected_header(cose.ALG_EDDSA, ev.EVENT_CONTENT_TYPE, site)
         for _attempt in range(8):
             items = []
+            parts = []
             for t, key, values, op in payloads:
                 hlc = self._tick(now)
                 pb = ev.payload_bytes(t.schema, t.name, key, op, values, hlc)
-                protected, tbs = ev.to_be_signed(self.site_id, self.mesh_id, pb)
-                items.append((EventIdentity(self.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs,
-                              lambda sig, pr=protected, pl=pb: cose.assemble(pr, pl, sig)))
+                tbs = cose.sig_structure(protected, mesh, pb)
+                items.append((EventIdentity(site, hlc[0], hlc[1]), EVENT_KEY, tbs,
+                              lambda sig, pl=pb: cose.assemble(protected, pl, sig)))
+                parts.append((protected, pb, t, key, values, op, hlc))
             try:
                 raws = self.bridge.release_many(items)
                 self._witness(max((i[0].physical_ms, i[0].logical) for i in items))
+                if built is not None:
+                    built[:] = parts
                 return raws
             except OutcomeUnknown:
                 # wire-profile §2: an HLC whose release is unknown is spent; tick past it and sign anew.
@@ -989,6 +1026,34 @@ class Node:
                 if hi is not None:
                     self.clock.observe(hi, now)
         raise NodeError("the keystore journal keeps reporting unknown outcomes; check the keystore")
+
+    def _local_checked(self, raws: list[bytes], built: list) -> list:
+        """What the apply path would compute for each freshly released local event (the
+        `checked` of `_apply_one`: envelope, keyring entry, signature valid, decoded event),
+        taken from what we built it from instead of parsing, verifying and decoding it again
+        (issue 15 item 4: a local write is not verified twice). It holds because the bytes are
+        exactly `assemble(protected, payload, signature)` of our own encoding (compared here;
+        otherwise None: the full path), and the signature is valid under our keyring key: the
+        bridge releases only signatures that verify under the keystore's public key (it checks
+        those of keystores outside the process), and that key is compared with ours once."""
+        entry = self.keyring.get(self.site_id)
+        if entry is None or len(raws) != len(built) or not self._own_key_matches(entry[0]):
+            return [None] * len(raws)
+        site = self.site_id
+        out = []
+        for raw, (protected, pb, t, key, values, op, hlc) in zip(raws, built):
+            sig = raw[-64:]
+            if cose.assemble(protected, pb, sig) != raw:
+                out.append(None)
+                continue
+            sign1 = cose.Sign1(protected, cose.ALG_EDDSA, ev.EVENT_CONTENT_TYPE, site, pb, sig)
+            e = ev.Event(ev.event_id(raw), raw, site, t.schema, t.name, dict(key), op,
+                         None if values is None else dict(values), hlc)
+            out.append((sign1, entry, True, e))
+        return out
+
+    def _own_key_matches(self, public_key: bytes) -> bool:
+        return self.bridge.public_key(EVENT_KEY) == public_key
 
     # ------------------------------------------------------------------ schema and horizons
     def create_table(self, spec: dict) -> list[Outcome]:

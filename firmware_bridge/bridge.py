@@ -119,6 +119,10 @@ class SigningBridge:
         return {"absent": Status.ABSENT, "intent": Status.OUTCOME_UNKNOWN, "spent": Status.OUTCOME_UNKNOWN,
                 "released": Status.RELEASED}[self._journal.state(ident)]
 
+    def public_key(self, key_name: str) -> bytes:
+        """The public key this bridge checks ``key_name``'s signatures against (fetched once)."""
+        return self._public(key_name)[1]
+
     def max_event_hlc(self, site_id: bytes) -> Optional[tuple[int, int]]:
         """Highest HLC ever *intended* for ``site_id``: the clock resumes above it (wire-profile §2)."""
         return self._journal.max_event_hlc(site_id)

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import blake3
+import cbor2
 
 from .classify import classified
 from .codec import INT64_MAX, INT64_MIN, DecodeError, decode_strict, encode
@@ -138,7 +140,58 @@ def payload_bytes(schema: str, table: str, row_key: dict, operation: str, payloa
     reason = check_payload_shape(obj)
     if reason:
         raise ValueError(f"cannot build an event: {reason}")
-    return encode(obj)
+    # The shape check makes every map text-keyed and every value a scalar (or None), so the
+    # deterministic encoding can be put together from parts: equal to `encode(obj)` (tested:
+    # tests/core/test_events_encoding.py), about 3x cheaper on every local write (issue 15 item 4).
+    return b"".join((_HEAD_PAYLOAD, b"\xf6" if payload is None else _text_map(payload), _KEY_ROW_KEY,
+                     _text_map(row_key), _fixed(schema, table, operation), _uint(hlc[1]),
+                     _KEY_SCHEMA, _text(schema), _KEY_PHYSICAL, _uint(hlc[0])))
+
+
+# The seven members in deterministic order (RFC 8949 §4.2: text keys by encoded length, then
+# bytewise): payload, row_key, operation, table_name, hlc_logical, table_schema, hlc_physical_ms.
+_HEAD_PAYLOAD = b"\xa7" + cbor2.dumps("payload")
+_KEY_ROW_KEY = cbor2.dumps("row_key")
+_KEY_SCHEMA = cbor2.dumps("table_schema")
+_KEY_PHYSICAL = cbor2.dumps("hlc_physical_ms")
+
+
+def _uint(n: int, major: int = 0) -> bytes:
+    """The shortest head of major type `major` with argument `n` (RFC 8949 §4.2.1)."""
+    if n < 24:
+        return bytes((major | n,))
+    if n < 0x100:
+        return bytes((major | 24, n))
+    if n < 0x10000:
+        return bytes((major | 25,)) + n.to_bytes(2, "big")
+    if n < 0x100000000:
+        return bytes((major | 26,)) + n.to_bytes(4, "big")
+    return bytes((major | 27,)) + n.to_bytes(8, "big")
+
+
+@lru_cache(maxsize=4096)
+def _text(s: str) -> bytes:
+    return cbor2.dumps(s)
+
+
+@lru_cache(maxsize=1024)
+def _fixed(schema: str, table: str, operation: str) -> bytes:
+    return cbor2.dumps("operation") + cbor2.dumps(operation) + cbor2.dumps("table_name") + cbor2.dumps(table) + \
+        cbor2.dumps("hlc_logical")
+
+
+def _text_map(m: dict) -> bytes:
+    """A map with text keys and scalar (or null) values, deterministically encoded: keys in
+    encoded-length-then-bytewise order, each value by cbor2's canonical (shortest-form) encoder."""
+    head = _uint(len(m), 0xA0)
+    keys = [(_text(k), k) for k in m]
+    keys.sort(key=_key_order)
+    dumps = cbor2.dumps
+    return b"".join([head, *(kb + dumps(m[k], canonical=True) for kb, k in keys)])
+
+
+def _key_order(item: tuple[bytes, str]) -> tuple[int, bytes]:
+    return (len(item[0]), item[0])
 
 
 def to_be_signed(site_id: bytes, mesh_id: bytes, payload: bytes) -> tuple[bytes, bytes]:

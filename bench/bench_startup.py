@@ -1,0 +1,154 @@
+"""Start-up of the wake-sync-sleep verbs (issue 15 item 3): wall and CPU per call of `ssp-agent
+write` and `ssp-agent sync --broker URL --once`, against `python -c pass` measured in the same
+rounds, their peak RSS, and the fsync/fdatasync calls each makes (SQLite's included).
+
+Each round, in one temporary directory with a private mosquitto: `python -c pass`; node A
+`write`s one reading; A `sync --once` offers it (B, asleep, is not present: no answer to wait
+for); B `sync --once` takes it in from its persistent session, answers, and leaves. Every call is a
+fresh process (`python -m agent.cli`, what the `ssp-agent` script runs); its CPU time and peak RSS
+come from wait4(2). fsyncs are counted by an LD_PRELOAD shim (bench/fsync_shim.c) when a C compiler
+is there, else by `strace -f` when that is there, else not at all (said so).
+
+    python bench/bench_startup.py [--rounds 7] [--quick] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fsyncshim  # noqa: E402
+from agent.simpeer import manifest_text, readings_table  # noqa: E402
+from agent.transport.broker import Broker, find_mosquitto  # noqa: E402
+
+MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
+
+
+class Call:
+    def __init__(self, wall: float, cpu: float, rss_kb: int, fsyncs: int | None, out: str) -> None:
+        self.wall, self.cpu, self.rss_kb, self.fsyncs, self.out = wall, cpu, rss_kb, fsyncs, out
+
+
+def run(argv: list[str], env: dict, count: str | None, strace: bool) -> Call:
+    """One process: wall from start to reaped, CPU (user + system) and peak RSS from wait4."""
+    if count is not None and os.path.exists(count):
+        os.unlink(count)
+    trace = None
+    if strace:
+        trace = count + ".strace"
+        argv = ["strace", "-f", "-qq", "-e", "trace=fsync,fdatasync", "-o", trace, *argv]
+    with tempfile.TemporaryFile() as so, tempfile.TemporaryFile() as se:
+        t = time.perf_counter()
+        p = subprocess.Popen(argv, env=env, stdout=so, stderr=se)
+        _pid, status, ru = os.wait4(p.pid, 0)   # this child's own rusage (Popen.wait would reap it)
+        wall = time.perf_counter() - t
+        p.returncode = os.waitstatus_to_exitcode(status)
+        so.seek(0)
+        se.seek(0)
+        out, err = so.read(), se.read()
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)} failed: {err.decode()[-2000:]}")
+    fsyncs = None
+    if strace and trace:
+        with open(trace) as f:
+            fsyncs = sum(1 for line in f if "fsync(" in line or "fdatasync(" in line)
+    elif count is not None:
+        fsyncs = sum(a + b for _pid, a, b in fsyncshim.read_counts(count))
+    return Call(wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss, fsyncs, out.decode())
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    k = len(xs) // 2
+    return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=None, help="rounds (default 7; 1 with --quick)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    rounds = args.rounds or (1 if args.quick else 7)
+    if find_mosquitto() is None:
+        raise SystemExit("mosquitto is not installed (apt-get install -y mosquitto)")
+    d = tempfile.mkdtemp(prefix="bench-startup-")
+    try:
+        shim = fsyncshim.build(d)
+        use_strace = shim is None and shutil.which("strace") is not None
+        count = os.path.join(d, "fsyncs")
+        base = dict(os.environ, PYTHONPATH=ROOT, SSP_AGENT_CLOCK_TRUSTED="1",
+                    SSP_AGENT_WITNESS_DIR=os.path.join(d, "witness"))
+        env = fsyncshim.env(shim, count_file=count, base=base) if shim else base
+        py = [sys.executable]
+        cli = [sys.executable, "-m", "agent.cli"]
+        man = os.path.join(d, "m.toml")
+        with open(man, "w") as f:
+            f.write(manifest_text(MESH, readings_table()))
+        keys = {}
+        for n in ("a", "b"):
+            out = subprocess.run(cli + ["--home", os.path.join(d, n), "init", "--manifest", man], env=base,
+                                 capture_output=True, text=True, check=True).stdout
+            keys[n] = json.loads(out)
+        for me, other in (("a", "b"), ("b", "a")):
+            subprocess.run(cli + ["--home", os.path.join(d, me), "peer", "add", "--site-id", keys[other]["site_id"],
+                                  "--public-key", keys[other]["public_key"]], env=base, check=True, capture_output=True)
+        calls: dict[str, list[Call]] = {"python -c pass": [], "write": [], "sync --once (offer)": [],
+                                        "sync --once (take in, answer)": []}
+        with Broker(workdir=os.path.join(d, "broker")) as br:
+            # B's first wake creates its persistent session (not measured)
+            run(cli + ["--home", os.path.join(d, "b"), "sync", "--broker", br.url, "--once"], env, count, use_strace)
+            for r in range(rounds):
+                calls["python -c pass"].append(run(py + ["-c", "pass"], env, count, use_strace))
+                calls["write"].append(run(cli + ["--home", os.path.join(d, "a"), "write", "app.readings", "--key",
+                                                 json.dumps({"device": "d1", "seq": r}), "--set", '{"temp": 20.5}'],
+                                                env, count, use_strace))
+                calls["sync --once (offer)"].append(run(cli + ["--home", os.path.join(d, "a"), "sync", "--broker",
+                                                               br.url, "--once"], env, count, use_strace))
+                got = run(cli + ["--home", os.path.join(d, "b"), "sync", "--broker", br.url, "--once"], env, count,
+                          use_strace)
+                if json.loads(got.out)["applied"] < 1:
+                    raise SystemExit(f"B took in nothing in round {r}: {got.out}")
+                calls["sync --once (take in, answer)"].append(got)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+    how = "LD_PRELOAD shim" if shim else "strace" if use_strace else None
+    base_wall = median([c.wall for c in calls["python -c pass"]])
+    base_cpu = median([c.cpu for c in calls["python -c pass"]])
+    fig: dict[str, float] = {}
+    print(f"{rounds} round(s); medians, range in brackets; fsyncs counted by {how or 'nothing (no cc, no strace)'}")
+    print(f"{'call':32s} {'wall ms':>20s} {'CPU ms':>20s} {'wall - pass':>11s} {'CPU - pass':>10s} "
+          f"{'peak RSS MB':>11s} {'fsyncs':>6s}")
+    for name, cs in calls.items():
+        w = [c.wall * 1e3 for c in cs]
+        u = [c.cpu * 1e3 for c in cs]
+        m = [c.rss_kb / 1024 for c in cs]
+        fs = [c.fsyncs for c in cs if c.fsyncs is not None]
+        print(f"{name:32s} {median(w):7.1f} [{min(w):5.1f}-{max(w):5.1f}] {median(u):7.1f} [{min(u):5.1f}-{max(u):5.1f}] "
+              f"{median(w) - base_wall * 1e3:11.1f} {median(u) - base_cpu * 1e3:10.1f} {max(m):11.1f} "
+              f"{(str(int(median(fs))) if fs else 'n/a'):>6s}")
+        key = name.split(" (")[0].replace(" --", "_").replace(" ", "_").replace("-c_", "") + \
+            ("" if " (" not in name else "_" + name.split(" (")[1].rstrip(")").replace(",", "").replace(" ", "_"))
+        fig[f"{key}_wall_ms"] = median(w)
+        fig[f"{key}_cpu_ms"] = median(u)
+        fig[f"{key}_peak_rss_mb"] = max(m)
+        if fs:
+            fig[f"{key}_fsyncs"] = median(fs)
+    print(f"startup ratio (wall / python -c pass): write {fig['write_wall_ms'] / (base_wall * 1e3):.1f}x, "
+          f"sync --once {fig['sync_once_offer_wall_ms'] / (base_wall * 1e3):.1f}x")
+    if args.json:
+        print(json.dumps({k: round(v, 2) for k, v in fig.items()}))
+
+
+if __name__ == "__main__":
+    main()
