@@ -521,15 +521,31 @@ class Node:
         # only way one found unknown there becomes known): the duplicate check answers from it
         # exactly as `_known` would, without a query per event.
         since: dict[bytes, str] = {}
-        for raw, checked in self._verified_ahead(raws):
-            o = self._apply_one(raw, now, origin, checked, since if checked is not None else None)
-            if o.event_id is not None:
-                if o.status == HELD:
-                    since.setdefault(o.event_id, "held")
-                elif o.status == DUPLICATE or (o.status == APPLIED and o.reason == "applied"):
-                    since[o.event_id] = "log"
-            out.append(o)
+        # The batch's rows are held in memory and written once each (agent/store/rows.py
+        # `defer`), at most ROW_FLUSH of them at a time so a batch over many rows stays bounded.
+        stores = [t.rows for t in self.tables.values()]
+        for rs in stores:
+            rs.defer()
+        try:
+            for raw, checked in self._verified_ahead(raws):
+                o = self._apply_one(raw, now, origin, checked, since if checked is not None else None)
+                if o.event_id is not None:
+                    if o.status == HELD:
+                        since.setdefault(o.event_id, "held")
+                    elif o.status == DUPLICATE or (o.status == APPLIED and o.reason == "applied"):
+                        since[o.event_id] = "log"
+                out.append(o)
+                if len(out) % 256 == 0 and sum(rs.pending() for rs in stores) > self.ROW_FLUSH:
+                    for rs in stores:
+                        rs.flush()
+            for rs in stores:
+                rs.flush(keep=False)
+        finally:
+            for rs in stores:
+                rs.discard()   # after a fault the transaction rolls back: nothing held survives it
         return out
+
+    ROW_FLUSH = 4096  # rows held in memory by one batch before they are written (bounds its memory)
 
     _CHUNK = 256
 
@@ -562,12 +578,12 @@ class Node:
                     out.append(None)  # the apply path parses again and reports the reason
                     continue
                 entry = keyring.get(s1.kid)
-                out.append((s1, entry, None if entry is None else s1.sig_structure(mesh)))
+                out.append((s1, entry, None if entry is None else s1.sig_structure(mesh), eid))
             return out
 
         def verify(parsed):  # on a worker: libsodium, without the GIL
             return [None if p is None else (p[0], p[1], p[1] is not None and
-                                            cose.verify_ed25519(p[1][0], p[2], p[0].signature), None)
+                                            cose.verify_ed25519(p[1][0], p[2], p[0].signature), None, p[3])
                     for p in parsed]
 
         def check(chunk):
@@ -585,12 +601,13 @@ class Node:
     def _apply_one(self, raw: bytes, now: int, origin: str, checked=None, since: dict | None = None) -> Outcome:
         """The one apply path: §12 steps in the spec's order, then §13 materialization.
         `checked` is this event's (parsed envelope, keyring entry, signature ok, decoded event
-        or its shape error) when `_verified_ahead` computed them already; `since` then holds what
-        the batch made known after the chunk's one duplicate look-up found this event unknown."""
+        or its shape error, event_id) when `_verified_ahead` computed them already; `since` then
+        holds what the batch made known after the chunk's one duplicate look-up found this event
+        unknown."""
         if not isinstance(raw, (bytes, bytearray)):
             return self._surface(Outcome(DROPPED, "not_bytes"), now)
         raw = bytes(raw)
-        eid = ev.event_id(raw)
+        eid = checked[4] if checked is not None else ev.event_id(raw)
         # Envelope: tag 18, empty unprotected map, deterministic bytes (wire-profile §2): else dropped.
         if checked is not None:
             sign1 = checked[0]
@@ -630,13 +647,14 @@ class Node:
         decoded = checked[3] if checked is not None and checked[1] == entry else None
         if decoded is None:
             try:
-                decoded = ev.event_from_verified(raw, sign1)
+                decoded = ev.event_from_verified(raw, sign1, eid)
             except DecodeError as err:
                 decoded = err
         if isinstance(decoded, DecodeError):
             return self._surface(Outcome(DROPPED, decoded.reason, eid, kid, verified=True), now)
         e = decoded
-        base = dict(event_id=eid, site_id=kid, table=e.table, hlc=e.hlc, verified=True)
+        table = e.table
+        base = dict(event_id=eid, site_id=kid, table=table, hlc=e.hlc, verified=True)
         if entry[1] is not None and e.hlc > entry[1]:
             return self._surface(Outcome(DROPPED, "retired_signer", **base), now)
         # §12.2 skew bound: rejected and not retained; the sender re-offers it. A local event
@@ -644,11 +662,11 @@ class Node:
         if origin != "local" and beyond_skew(e.hlc[0], now):
             return self._surface(Outcome(REJECTED, "clock_skew", **base), now)
         # §12.3 scope: a missing table is held (§13.6 row 1); outside the floor is dropped and logged.
-        tbl = self.tables.get(e.table)
+        tbl = self.tables.get(table)
         if tbl is None:
             return self._hold(e, now, base)
         if tbl.tdef.category != SYNCABLE:
-            log.info("dropped %s: table %s is %s (outside the floor)", eid.hex(), e.table, tbl.tdef.category)
+            log.info("dropped %s: table %s is %s (outside the floor)", eid.hex(), table, tbl.tdef.category)
             return self._surface(Outcome(DROPPED, "out_of_floor", **base), now, kind="logged")
         bad_key = tbl.tdef.key_fits(e.row_key)
         if bad_key:
@@ -660,13 +678,13 @@ class Node:
         rk = rowstore.row_key_bytes(e.row_key)
         cur = self.conn.execute(
             "INSERT OR IGNORE INTO events (event_id, site_id, hlc_p, hlc_l, qualified, row_key, operation, raw, origin)"
-            " VALUES (?,?,?,?,?,?,?,?,?)", (eid, kid, e.hlc[0], e.hlc[1], e.table, rk, e.operation, raw, origin))
+            " VALUES (?,?,?,?,?,?,?,?,?)", (eid, kid, e.hlc[0], e.hlc[1], table, rk, e.operation, raw, origin))
         if cur.rowcount == 0:
             return Outcome(DUPLICATE, "duplicate", **base)
         # §12.5 HLC observe.
         self.clock.observe(e.hlc, now)
         self._materialize(tbl, e, rk, now)
-        return Outcome(APPLIED, "applied", **base)
+        return Outcome(APPLIED, "applied", eid, kid, table, e.hlc, True)
 
     def _known_among(self, eids: list[bytes]) -> set[bytes]:
         """The event_ids among `eids` that the log or the held table holds (one query)."""

@@ -106,15 +106,16 @@ def check_payload_shape(obj: Any) -> str | None:
 
 
 @classified(DecodeError)
-def event_from_verified(raw: bytes, sign1: Sign1) -> Event:
+def event_from_verified(raw: bytes, sign1: Sign1, eid: bytes | None = None) -> Event:
     """The event payload boundary (after the signature verified). Decode and shape-check the payload of a COSE_Sign1 whose signature verified.
-    Raises DecodeError (reason) when it can never become a valid event."""
+    Raises DecodeError (reason) when it can never become a valid event. `eid`: `event_id(raw)`
+    when the caller computed it already (the apply path hashes each event once)."""
     obj = decode_strict(sign1.payload_bytes, shape_checked=True)  # the shape check types every member
     reason = check_payload_shape(obj)
     if reason:
         raise DecodeError(reason, "EventPayload shape")
     return Event(
-        event_id=event_id(raw),
+        event_id=event_id(raw) if eid is None else eid,
         raw=raw,
         site_id=sign1.kid,
         table_schema=obj["table_schema"],

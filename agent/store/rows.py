@@ -89,8 +89,41 @@ class RowStore:
         self._select = (f"SELECT _ex, _ex_c, _tomb_c{', ' + clock_cols if clock_cols else ''} "
                         f"FROM {q(base_name(t))} WHERE _rk = ?")
         self._upserts: dict[tuple[str, ...], str] = {}
+        # Write-behind (`defer`/`flush`): a batch's rows held in memory between its writes, so a
+        # row touched by many events of one batch is read once and written once (issue 15: the
+        # profile had a SELECT and an upsert per event). rk -> (row_key, state, column writes).
+        self._pending: dict[bytes, tuple[dict[str, Any], RowState, dict[str, Any]]] | None = None
+
+    def defer(self) -> None:
+        """Hold writes in memory until `flush` (inside the caller's transaction); `load` answers
+        from them. Every reader of this table inside the batch goes through `load`."""
+        if self._pending is None:
+            self._pending = {}
+
+    def pending(self) -> int:
+        return 0 if self._pending is None else len(self._pending)
+
+    def flush(self, keep: bool = True) -> None:
+        """Write the held rows, one prepared statement per column set (`executemany`). With
+        `keep=False` deferral ends; `discard` drops them instead (the transaction rolls back)."""
+        held, self._pending = self._pending, ({} if keep and self._pending is not None else None)
+        if not held:
+            return
+        groups: dict[tuple[str, ...], list[list[Any]]] = {}
+        for rk, (row_key, state, writes) in held.items():
+            cols = tuple(sorted(writes))
+            groups.setdefault(cols, []).append(self._params(rk, row_key, state, cols, writes))
+        for cols, params in groups.items():
+            self.conn.executemany(self._upsert_sql(cols), params)
+
+    def discard(self) -> None:
+        self._pending = None
 
     def load(self, rk: bytes) -> RowState | None:
+        if self._pending:
+            held = self._pending.get(rk)
+            if held is not None:
+                return held[1]
         r = self.conn.execute(self._select, (rk,)).fetchone()
         if r is None:
             return None
@@ -114,18 +147,34 @@ class RowStore:
 
     def save(self, rk: bytes, row_key: dict[str, Any], state: RowState,
              writes: dict[str, tuple[Any, Stamp] | None]) -> None:
-        """Write the row's clocks and the given column writes (None: drop the column's clock)."""
+        """Write the row's clocks and the given column writes (None: drop the column's clock).
+        Deferred: the row's newest clocks replace the held ones and its column writes add up
+        (a later write of a column is the newer applied effect), so the flush writes the same row."""
+        if self._pending is not None:
+            held = self._pending.get(rk)
+            if held is None:
+                self._pending[rk] = (row_key, state, dict(writes))
+            else:
+                held[2].update(writes)
+                self._pending[rk] = (row_key, state, held[2])
+            return
         cols = tuple(sorted(writes))
+        self.conn.execute(self._upsert_sql(cols), self._params(rk, row_key, state, cols, writes))
+
+    def _params(self, rk: bytes, row_key: dict[str, Any], state: RowState, cols: tuple[str, ...],
+                writes: dict[str, Any]) -> list[Any]:
         params: list[Any] = [rk, int(state.exists), pack_stamp(state.exist_clock), pack_stamp(state.tomb_clock)]
         params += [row_key[k] for k in self.t.key]
         for c in cols:
             w = writes[c]
             params += [None, None] if w is None else [w[0], pack_stamp(w[1])]
-        self.conn.execute(self._upsert_sql(cols), params)
+        return params
 
     def dump(self) -> list[dict[str, Any]]:
         """The rows that exist, sorted by key; `values` holds only columns with a clock
         (cli-contract.md dump: an unmaterialized column is absent, never a default)."""
+        if self._pending:   # a reader of the table itself sees the held writes
+            self.flush()
         sel = ", ".join([q(c) for c in self.t.key] + [q(c) for c in self.vcols] + [q("_c_" + c) for c in self.vcols])
         out = []
         nk, nv = len(self.t.key), len(self.vcols)
@@ -138,11 +187,15 @@ class RowStore:
 
     def delete(self, rk: bytes) -> None:
         """Forget a row that no counted event touches any more (it has no clock left)."""
+        if self._pending:   # a reader of the table itself sees the held writes
+            self.flush()
         self.conn.execute(f"DELETE FROM {q(base_name(self.t))} WHERE _rk = ?", (rk,))
 
     def rows_with_clock_of(self, sites: Iterable[bytes]) -> list[tuple[bytes, dict[str, Any]]]:
         """(rk, key) of the rows with any clock (existence, tombstone, a column) owned by an
         event of one of `sites` (a stamp ends with its site_id)."""
+        if self._pending:   # a reader of the table itself sees the held writes
+            self.flush()
         sites = list(sites)
         if not sites:
             return []
@@ -155,6 +208,8 @@ class RowStore:
         return [(bytes(r[0]), {k: r[1 + i] for i, k in enumerate(self.t.key)}) for r in rows]
 
     def all_row_keys(self) -> Iterable[tuple[bytes, dict[str, Any]]]:
+        if self._pending:   # a reader of the table itself sees the held writes
+            self.flush()
         cols = ", ".join(q(c) for c in self.t.key)
         for r in self.conn.execute(f"SELECT _rk, {cols} FROM {q(base_name(self.t))}").fetchall():
             yield r[0], {k: r[1 + i] for i, k in enumerate(self.t.key)}
