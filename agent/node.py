@@ -548,6 +548,7 @@ class Node:
     ROW_FLUSH = 4096  # rows held in memory by one batch before they are written (bounds its memory)
 
     _CHUNK = 256
+    _CHUNK_BYTES = 256 * 1024
 
     def _verified_ahead(self, raws):
         """Verify signatures on worker threads a few chunks ahead of the thread that writes
@@ -589,7 +590,18 @@ class Node:
         def check(chunk):
             return self._pool.submit(verify, parse(chunk))
 
-        chunks = [raws[i:i + self._CHUNK] for i in range(0, len(raws), self._CHUNK)]
+        # Chunks of at most _CHUNK events and _CHUNK_BYTES bytes, three ahead of the one being
+        # applied: the verify-ahead window is bounded in bytes as well as in events (issue 15).
+        chunks, cur, size = [], [], 0
+        for r in raws:
+            n = len(r) if isinstance(r, (bytes, bytearray)) else 0
+            if cur and (len(cur) == self._CHUNK or size + n > self._CHUNK_BYTES):
+                chunks.append(cur)
+                cur, size = [], 0
+            cur.append(r)
+            size += n
+        if cur:
+            chunks.append(cur)
         ahead = [check(c) for c in chunks[:3]]
         for i, chunk in enumerate(chunks):
             results = ahead[i].result()

@@ -226,20 +226,24 @@ _CRASH_HOOK = None
 
 def note_body(conn: sqlite3.Connection, sender: bytes, outcomes: list) -> None:
     """Count what a body brought while a rehydration runs (called by SyncDriver after apply)."""
+    note_counts(conn, sender, len(outcomes), sum(1 for o in outcomes if o.status == "applied" and o.reason == "applied"),
+                sum(1 for o in outcomes if o.reason == "below_horizon"),
+                sum(1 for o in outcomes if o.status == "duplicate"))
+
+
+def note_counts(conn: sqlite3.Connection, sender: bytes, received: int, applied: int, below: int, dup: int) -> None:
+    """`note_body` from counts (a mailbox import applies a body a window at a time)."""
     s = state(conn)
     if s is None or s.get("finished_ms"):
         return
-    applied = sum(1 for o in outcomes if o.status == "applied" and o.reason == "applied")
-    below = sum(1 for o in outcomes if o.reason == "below_horizon")
-    dup = sum(1 for o in outcomes if o.status == "duplicate")
-    s["events_received"] += len(outcomes)
+    s["events_received"] += received
     s["events_applied"] += applied
     s["events_below_horizon"] += below
     s["events_duplicate"] += dup
     s["bodies"] += 1
     if s.get("from") == sender.hex():
         s["bodies_from_source"] += 1
-        s["last_body_events"] = len(outcomes)
+        s["last_body_events"] = received
         # A body from the source with nothing new after it has sent something: caught up
         # (as far as this node can know; the source's own status shows what remains there).
         s["caught_up"] = s["bodies_from_source"] > 1 and applied == 0

@@ -30,7 +30,7 @@ from firmware_bridge.fsutil import atomic_write
 from . import mailbox, policy, rehydrate
 from .clockstate import now_ms
 from .core import delivery
-from .core.messages import SyncBody, Watermark, emit_body, parse_body
+from .core.messages import SyncBody, Watermark, emit_body, parse_body, parse_body_streamed
 from .core.records import RecordError, resolve_chains  # noqa: F401 (resolve_chains: re-exported)
 from .core.session import Outgoing, Session, StreamMeta
 from .outcomes import counts
@@ -585,12 +585,13 @@ class SyncDriver:
         return out
 
     def import_mailbox(self, data: bytes, now: int | None = None, body: SyncBody | None = None) -> dict:
-        """Parse the whole body strictly first (nothing changes on a malformed one), then records,
+        """Parse the whole body strictly first (nothing changes on a malformed one: the streamed
+        parse prescans and walks all of it before returning), then records,
         then the answers to this node's files, then events through the one apply path; then owe
         the sender an answer for this file (carried by the next export to it). Mailbox bodies never
         move watermarks. `body`: the parse of `data` already made (agent/mailbox.py parses before
         making a driver)."""
-        body = parse_body(data) if body is None else body
+        body = parse_body_streamed(data) if body is None else body
         now = now_ms() if now is None else now
         sender = body.from_site_id
         acks = [r for r in body.records if mailbox.is_ack(r)]
@@ -599,18 +600,41 @@ class SyncDriver:
         if others:
             self.note_records_received(sender, MAILBOX_PATH, others)
         acked = self._take_mailbox_acks(sender, acks, now)  # after the records: a vouch admits its issuer
-        outcomes = self.node.apply_batch(body.events, now, origin="mailbox")
-        k = delivery.first_rejected([_proc(o) for o in outcomes])
+        # The events go through the one apply path a window at a time (issue 15 item 2): a body
+        # parsed by `parse_body_streamed` yields them from its bytes, so at most one window of
+        # events and of their outcomes is in memory; each window is a batch (one transaction),
+        # and only the counts and what did not simply apply are kept.
+        tally: dict[str, Any] = {"received": 0, "applied": 0, "below_horizon": 0, "duplicate": 0}
+        result: dict[str, Any] = counts([])
+        detail: list[dict] = []
+        k = None
+        events = body.events
+        windows = events.windows(MAILBOX_WINDOW_BYTES) if hasattr(events, "windows") else [events]
+        for window in windows:
+            outcomes = self.node.apply_batch(window, now, origin="mailbox")
+            if k is None:
+                i = delivery.first_rejected([_proc(o) for o in outcomes])
+                k = None if i == len(outcomes) else tally["received"] + i
+            for o in outcomes:
+                result[o.status] += 1
+                if o.reason != "applied":
+                    # Detail for what did not simply apply (reasons, event ids); counts cover the rest.
+                    detail.append(o.as_json())
+            tally["received"] += len(outcomes)
+            tally["applied"] += sum(1 for o in outcomes if o.status == "applied" and o.reason == "applied")
+            tally["below_horizon"] += sum(1 for o in outcomes if o.reason == "below_horizon")
+            tally["duplicate"] += sum(1 for o in outcomes if o.status == "duplicate")
+            del outcomes
+        k = tally["received"] if k is None else k
         if sender != self.node.site_id and sender in self.node.keyring:
             # Owed only to a site this node trusts: a file naming any other sender (a stranger,
             # another mesh) must not make this node sign and carry answers to it in every file.
             with _txn(self.conn):
                 st.owe_mailbox_answer(self.conn, sender, mailbox.body_hash(data), k, now)
-        rehydrate.note_body(self.conn, sender, outcomes)
-        result: dict[str, Any] = counts(outcomes)
+        rehydrate.note_counts(self.conn, sender, tally["received"], tally["applied"], tally["below_horizon"],
+                              tally["duplicate"])
         result["from_site_id"] = sender.hex()
-        # Detail for what did not simply apply (reasons, event ids); counts cover the rest.
-        result["events"] = [o.as_json() for o in outcomes if o.reason != "applied"]
+        result["events"] = detail
         if recs is not None:
             result["records"] = recs
         result["acknowledged"] = acked
@@ -621,8 +645,9 @@ class SyncDriver:
 def import_mailbox_body(node, data: bytes, now: int | None = None) -> dict:
     """Raises ProtocolError before anything is written (cli-contract.md: a refused body changes
     nothing): the strict parse runs before the driver is made, because making it creates the
-    sync tables and the default policy rows of a home that has none yet."""
-    body = parse_body(data)
+    sync tables and the default policy rows of a home that has none yet. The events are read from
+    `data` as they apply (`parse_body_streamed`, issue 15 item 2)."""
+    body = parse_body_streamed(data)
     return SyncDriver(node).import_mailbox(data, now, body=body)
 
 
@@ -644,6 +669,12 @@ def change_policy(node, change, now: int | None = None) -> list[tuple[str, str]]
         widened = policy.enqueue_widenings(node, snap, now)
     rehydrate.announce_truncations(node, widened, now)
     return [(p.hex(), q) for p, q in widened]
+
+
+# The events a mailbox import applies per batch (one transaction each), by their bytes: bounds the
+# import's memory whatever the body holds (issue 15 item 2), and is large enough that the commit
+# per window costs little beside the window's verification.
+MAILBOX_WINDOW_BYTES = 1 << 20
 
 
 class LinkProvider:

@@ -10,7 +10,8 @@ import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 CASES = [
-    (["bench/apply.py", "--events", "600", "--rounds", "1"], "ratio apply / raw verify"),
+    (["bench/apply.py", "--events", "600", "--rounds", "1"], "peak RSS, fresh process"),
+    (["bench/bench_scale.py", "--quick"], "eviction:"),
     (["bench/bench_sync.py", "--events", "600"], "overhead ratio"),
     (["bench/bench_mqtt.py", "--events", "600"], "raw paho QoS1"),
     (["bench/bench_keystore.py", "--quick"], "software group commit (256) / one-fsync-per-write"),

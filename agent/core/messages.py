@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .classify import classified
-from .codec import INT64_MAX, DecodeError, decode_strict, encode
+from .codec import INT64_MAX, DecodeError, decode_strict, encode, prescan
 from .ids import UINT32_MAX, UINT64_MAX
 
 SSP_VERSION = 1
@@ -101,6 +101,11 @@ def parse_message(data: bytes) -> Handshake | SyncBody:
         obj = decode_strict(bytes(data), deterministic=False)
     except DecodeError as e:
         raise ProtocolError("malformed_cbor", e.reason) from None
+    return _message(obj)
+
+
+def _message(obj: Any) -> Handshake | SyncBody:
+    """The member checks of a decoded message (both parses of a body end here)."""
     if not isinstance(obj, dict):
         raise ProtocolError("not_a_map", "a message must be a CBOR map")
     if not all(type(k) is str for k in obj):
@@ -136,6 +141,116 @@ def parse_handshake(data: bytes) -> Handshake:
     return _expect(parse_message(data), Handshake, "not_a_handshake", "expected a handshake, got a sync body")
 
 
+class BodyEvents:
+    """The `events` of a body parsed by `parse_body_streamed`: the byte strings are read from the
+    body's bytes one at a time, as the apply path takes them, instead of all being decoded into a
+    list first (issue 15 item 2: a 16 MiB body must import in 64 MB). Iterating yields `bytes`."""
+
+    __slots__ = ("_data", "_start", "_n")
+
+    def __init__(self, data: bytes, start: int, n: int) -> None:
+        self._data, self._start, self._n = data, start, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self):
+        data, i = self._data, self._start
+        for _ in range(self._n):
+            s, i = _bstr_span(data, i)
+            yield data[s:i]
+
+    def windows(self, max_bytes: int):
+        """Consecutive lists of events of at most `max_bytes` together (at least one each)."""
+        out, size = [], 0
+        for e in self:
+            if out and size + len(e) > max_bytes:
+                yield out
+                out, size = [], 0
+            out.append(e)
+            size += len(e)
+        if out:
+            yield out
+
+
+def _head(data: bytes, i: int) -> tuple[int, int, int]:
+    """(major type, argument, index after the head) of a definite-length item head at `i`
+    (only called on bytes the prescan accepted)."""
+    ib = data[i]
+    major, ai = ib >> 5, ib & 31
+    if ai < 24:
+        return major, ai, i + 1
+    w = 1 << (ai - 24)
+    return major, int.from_bytes(data[i + 1:i + 1 + w], "big"), i + 1 + w
+
+
+def _bstr_span(data: bytes, i: int) -> tuple[int, int]:
+    major, n, j = _head(data, i)
+    return j, j + n
+
+
+def _skip(data: bytes, i: int) -> int:
+    """The index after the (prescanned, definite-length) item at `i`."""
+    left = 1
+    while left:
+        major, arg, i = _head(data, i)
+        left -= 1
+        if major in (2, 3):
+            i += arg
+        elif major == 4:
+            left += arg
+        elif major == 5:
+            left += 2 * arg
+        elif major == 6:
+            left += 1
+    return i
+
+
+@classified(ProtocolError)
+def parse_body_streamed(data: bytes) -> SyncBody:
+    """`parse_body` with the same refusals and the same bounds (the whole body is prescanned
+    first, codec.prescan, issue 11), whose `events` is a `BodyEvents` read from `data` as the
+    import goes instead of a decoded list. The members other than `events` are small and decoded
+    strictly as before. Anything but a well-formed body takes the whole-body parse, so every
+    refusal and its reason stay exactly `parse_body`'s."""
+    if not isinstance(data, (bytes, bytearray)) or len(data) > MAX_MESSAGE_BYTES:
+        return parse_body(data)
+    data = bytes(data)
+    try:
+        prescan(data)
+        major, n, i = _head(data, 0)
+        if major != 5 or n != len(BODY_MEMBERS):
+            return parse_body(data)
+        obj: dict[str, Any] = {}
+        for _ in range(n):
+            major, ln, i = _head(data, i)
+            if major != 3:
+                return parse_body(data)
+            key = data[i:i + ln].decode("utf-8")
+            i += ln
+            if key in obj:
+                return parse_body(data)
+            end = _skip(data, i)
+            if key == "events":
+                major, count, j = _head(data, i)
+                if major != 4:
+                    return parse_body(data)
+                k = j
+                for _ in range(count):
+                    if data[k] >> 5 != 2:
+                        return parse_body(data)   # `bad_events`, named by the whole-body parse
+                    k = _bstr_span(data, k)[1]
+                obj[key] = BodyEvents(data, j, count)
+            else:
+                obj[key] = decode_strict(data[i:end], deterministic=False)
+            i = end
+    except (DecodeError, ValueError, IndexError):
+        return parse_body(data)   # malformed: the whole-body parse names the reason
+    if set(obj) != BODY_MEMBERS:
+        return parse_body(data)
+    return _expect(_message(obj), SyncBody, "not_a_body", "expected a sync body, got a handshake")
+
+
 def _expect(m, kind, reason: str, detail: str):
     if not isinstance(m, kind):
         raise ProtocolError(reason, detail)
@@ -159,13 +274,16 @@ def _parse_body(obj: dict) -> SyncBody:
     sender = _site(obj["from_site_id"], "from_site_id")
     hmax = _hlc_map(obj["have_max_hlc"])
     evs, recs, wms = obj["events"], obj["records"], obj["applied_watermarks"]
-    if not isinstance(evs, (list, tuple)) or not all(isinstance(e, bytes) for e in evs):
+    if isinstance(evs, BodyEvents):
+        pass   # every member was checked to be a byte string by `parse_body_streamed`
+    elif not isinstance(evs, (list, tuple)) or not all(isinstance(e, bytes) for e in evs):
         raise ProtocolError("bad_events", "events must be an array of byte strings")
     if not isinstance(recs, (list, tuple)) or not all(isinstance(r, bytes) for r in recs):
         raise ProtocolError("bad_records", "records must be an array of byte strings")
     if not isinstance(wms, (list, tuple)):
         raise ProtocolError("bad_watermarks", "applied_watermarks must be an array")
-    return SyncBody(sender, hmax, tuple(evs), tuple(recs), tuple(parse_watermark(w) for w in wms))
+    return SyncBody(sender, hmax, evs if isinstance(evs, BodyEvents) else tuple(evs), tuple(recs),
+                    tuple(parse_watermark(w) for w in wms))
 
 
 def _parse_handshake(obj: dict) -> Handshake:
