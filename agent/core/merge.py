@@ -37,7 +37,7 @@ class Effects:
 def merge_upsert(table: TableDef, row: RowState, stamp: Stamp, payload: dict[str, Any]) -> Effects:
     fx = Effects(state=RowState(row.exists, row.exist_clock, row.tomb_clock, dict(row.cells)))
     st = fx.state
-    value_cols = set(table.value_columns)
+    value_cols = table.value_column_set
     for col, value in payload.items():
         if col not in value_cols or not value_fits(table.columns[col], value):
             # §13.6 / wire-profile §2: unknown, ill-typed or key-column entries are ignored,

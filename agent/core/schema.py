@@ -59,9 +59,17 @@ class TableDef:
     def value_columns(self) -> tuple[str, ...]:
         return tuple(c for c in sorted(self.columns) if c not in self.key)
 
+    @cached_property  # merge_upsert's membership test, once per table rather than per event
+    def value_column_set(self) -> frozenset[str]:
+        return frozenset(self.value_columns)
+
+    @cached_property
+    def key_set(self) -> frozenset[str]:
+        return frozenset(self.key)
+
     def key_fits(self, row_key: dict[str, Any]) -> str | None:
         """wire-profile.md §2 Addressing: exactly the key columns, each of a fitting non-null type."""
-        if set(row_key) != set(self.key):
+        if row_key.keys() != self.key_set:
             return "row_key_columns"
         for k in self.key:
             v = row_key[k]
