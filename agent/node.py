@@ -1059,7 +1059,7 @@ class Node:
 
     def _local_checked(self, raws: list[bytes], built: list) -> list:
         """What the apply path would compute for each freshly released local event (the
-        `checked` of `_apply_one`: envelope, keyring entry, signature valid, decoded event),
+        `checked` of `_apply_one`: envelope, keyring entry, signature valid, decoded event, event_id),
         taken from what we built it from instead of parsing, verifying and decoding it again
         (issue 15 item 4: a local write is not verified twice). It holds because the bytes are
         exactly `assemble(protected, payload, signature)` of our own encoding (compared here;
@@ -1079,7 +1079,7 @@ class Node:
             sign1 = cose.Sign1(protected, cose.ALG_EDDSA, ev.EVENT_CONTENT_TYPE, site, pb, sig)
             e = ev.Event(ev.event_id(raw), raw, site, t.schema, t.name, dict(key), op,
                          None if values is None else dict(values), hlc)
-            out.append((sign1, entry, True, e))
+            out.append((sign1, entry, True, e, e.event_id))   # the `checked` tuple of `_apply_one`
         return out
 
     def _own_key_matches(self, public_key: bytes) -> bool:
