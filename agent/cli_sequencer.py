@@ -268,6 +268,7 @@ def register(sub, mailbox_sub) -> None:
     a.add_argument("--connect-timeout", type=float, default=10.0)
     a.set_defaults(fn=cmd_run)
     register_commits(sub)
+    register_sequencing(sub)
 
 
 # -- the member side: the Commit queue (§22.7; agent/sequencer/client.py) ----------------------
@@ -400,3 +401,102 @@ def register_commits(sub) -> None:
     a.set_defaults(fn=cmd_commits_run)
     a = ss.add_parser("status", help="the queue: each Commit's state, reason and receipt (JSON)")
     a.set_defaults(fn=cmd_commits_status)
+
+
+# -- a member node's view: receipt gossip and sequencer bindings in `records` (agent/sequencing.py)
+def _receipt_bytes(text: str) -> bytes:
+    """A receipt given as a file of raw bytes, a file of hex, or hex on the command line."""
+    p = Path(text)
+    if p.is_file():
+        data = p.read_bytes()
+        try:
+            return bytes.fromhex(data.decode("ascii").strip())
+        except (UnicodeDecodeError, ValueError):
+            return data
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise Refused(f"{text!r} is neither a file nor hex") from None
+
+
+def cmd_sequencing_gossip(args) -> int:
+    from . import sequencing
+    from .cli import _open
+    from .node import now_ms
+    raws = [_receipt_bytes(t) for t in args.receipt]
+    if args.from_queue:
+        from .sequencer import client
+        if client.queue_path(Path(args.home)).exists():
+            q = client.open_queue(Path(args.home))
+            try:
+                raws += [e.receipt for e in q.entries() if e.receipt is not None]
+            finally:
+                q.close()
+    node = _open(args)
+    try:
+        out = []
+        for raw in raws:
+            try:
+                out.append(sequencing.gossip(node, raw, now_ms()))
+            except sequencing.SequencingRefused as e:
+                raise Refused(str(e)) from None
+        _print({"gossip": out})
+    finally:
+        node.close()
+    return EXIT_OK
+
+
+def cmd_sequencing_bind(args) -> int:
+    from . import sequencing
+    from .cli import _open
+    from .cli_sync import _load_authority
+    from .node import now_ms
+    gid = _group(args.group)
+    try:
+        key = bytes.fromhex(args.sequencer_key)
+    except ValueError:
+        raise Refused("--sequencer-key must be hex") from None
+    authority = _load_authority(args.authority_key) if args.authority_key else None
+    try:
+        node = _open(args)
+        try:
+            _print(sequencing.bind(node, gid, key, args.generation, now_ms(), authority))
+        except sequencing.SequencingRefused as e:
+            raise Refused(str(e)) from None
+        finally:
+            node.close()
+    finally:
+        if authority is not None:
+            authority.close()
+    return EXIT_OK
+
+
+def cmd_sequencing_status(args) -> int:
+    from . import sequencing
+    from .cli import _open
+    node = _open(args, read_only=True)
+    try:
+        _print(sequencing.status(node, _group(args.group) if args.group else None))
+    finally:
+        node.close()
+    return EXIT_OK
+
+
+def register_sequencing(sub) -> None:
+    s = sub.add_parser("sequencing", help="a member node's sequencing receipts and sequencer bindings, "
+                                          "gossiped in records (docs/sequencer.md)")
+    ss = s.add_subparsers(dest="sequencing_verb", metavar="ACTION")
+    ss.required = True
+    a = ss.add_parser("gossip", help="spread receipts this member holds to the mesh (receipt-head records)")
+    a.add_argument("receipt", nargs="*", help="a receipt: file (raw or hex) or hex")
+    a.add_argument("--from-queue", action="store_true", help="also every receipt in HOME/commit-queue.db")
+    a.set_defaults(fn=cmd_sequencing_gossip)
+    a = ss.add_parser("bind", help="(mesh authority) bind a sequencer to a group from an MLS epoch (§22.6)")
+    a.add_argument("--group", required=True, help="group_id, hex")
+    a.add_argument("--sequencer-key", required=True, help="the sequencer's key (66 hex: compressed P-256)")
+    a.add_argument("--generation", required=True, type=int, help="the MLS epoch from which the binding takes effect")
+    a.add_argument("--authority-key", help="a standalone authority's directory (`authority create`)")
+    a.set_defaults(fn=cmd_sequencing_bind)
+    a = ss.add_parser("status", help="per group: bindings, receipts held, head, held, attributed, equivocation")
+    a.add_argument("--group", help="only this group (hex)")
+    a.set_defaults(fn=cmd_sequencing_status)

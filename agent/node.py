@@ -364,7 +364,7 @@ class Node:
         here: keyring and trust rebuilt in the records' own transaction, then rehydrate requests
         (verified under the new keyring), then the truncation records a widening or a served
         rehydration calls for (signed through the bridge, outside any transaction)."""
-        from . import rehydrate, records_in
+        from . import rehydrate, records_in, sequencing
         from .core.cose import content_type
         from .core.records import TRUNCATED
         from .core.records import ACK as MQTT_ACK
@@ -377,7 +377,9 @@ class Node:
         rh = [r for r, k in zip(raws, kinds) if k == rehydrate.CONTENT_TYPE]
         tr = [r for r, k in zip(raws, kinds) if k == TRUNCATED]
         acks = [r for r, k in zip(raws, kinds) if k == ACK_CONTENT_TYPE]
-        raws = [r for r, k in zip(raws, kinds) if k not in (rehydrate.CONTENT_TYPE, TRUNCATED, ACK_CONTENT_TYPE)]
+        sq = [r for r, k in zip(raws, kinds) if k in sequencing.CONTENT_TYPES]
+        raws = [r for r, k in zip(raws, kinds)
+                if k not in (rehydrate.CONTENT_TYPE, TRUNCATED, ACK_CONTENT_TYPE, *sequencing.CONTENT_TYPES)]
         if acks:
             # Mailbox answers are taken by the mailbox import only (they speak to one node about its
             # files). Here: this node's own, released before a crash and not stored (recovery).
@@ -401,6 +403,11 @@ class Node:
             with _txn(self.conn):
                 out["rehydrate"] = rehydrate.handle_records(self, rh, now)
             fx.subjects_reset = [bytes.fromhex(s) for s in out["rehydrate"].get("subjects_reset", [])]
+        if sq:
+            # Receipt heads and sequencer bindings (agent/sequencing.py), after the authority
+            # records: a vouch in the same body admits a head's issuer.
+            with _txn(self.conn):
+                out["sequencing"] = sequencing.store_records(self, sq, now)
         if fx.widened:
             rehydrate.announce_truncations(self, fx.widened, now)
         if tr:
@@ -453,7 +460,7 @@ class Node:
         h = record_hash(bytes(raw))
         tables = [t for (t,) in self.conn.execute(
             "SELECT name FROM sqlite_master WHERE name IN ('control_records', 'rehydrate_records', 'truncation_records', "
-            "'mailbox_acks')")]
+            "'mailbox_acks', 'sequencing_records')")]
         return any(self.conn.execute(f"SELECT 1 FROM {t} WHERE record_hash=?", (h,)).fetchone() for t in tables)
 
     def _below_own_horizon(self, raw: bytes) -> bool:

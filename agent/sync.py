@@ -34,7 +34,7 @@ from .core.messages import SyncBody, Watermark, emit_body, parse_body, parse_bod
 from .core.records import RecordError, resolve_chains  # noqa: F401 (resolve_chains: re-exported)
 from .core.session import Outgoing, Session, StreamMeta
 from .outcomes import counts
-from .store import db, sync_state as st
+from .store import db, sequencing as seqstore, sync_state as st
 
 log = logging.getLogger("ssp_agent.sync")
 
@@ -315,9 +315,10 @@ class SyncDriver:
         """(record_hash, raw) of every record a body to `peer` could carry, in body order, hashes
         as stored: authority records (vouch, retire, role: a vouch admits the signer of what
         follows), rehydrate requests, then truncation records (up to 256 row keys each), which go
-        only to their subject, the one node that acts on them."""
+        only to their subject, the one node that acts on them, then sequencing records (bindings
+        before receipt heads; agent/sequencing.py), to every peer."""
         return (st.records_ordered(self.conn) + rehydrate.latest_requests(self.conn)
-                + rehydrate.truncations_for(self.conn, peer))
+                + rehydrate.truncations_for(self.conn, peer) + seqstore.records_ordered(self.conn))
 
     def _record_raws(self, peer: bytes | None = None) -> list[bytes]:
         return [raw for _h, raw in self._held_records(peer)]

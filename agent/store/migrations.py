@@ -12,6 +12,7 @@ Version history:
      counted from what is held), the durable sync state (agent/store/sync_state.py) with the default
      policy rows, truncation records (the serving side of rehydration)
   3  durable counters for the metrics (agent/store/counters.py): apply outcomes, sync runs
+  4  sequencing records (agent/store/sequencing.py): receipt heads and sequencer bindings (issue 14)
 
 To change the layout: append a step (version LATEST + 1) below. Never edit a released step.
 The ensure_* functions stay idempotent and keep working on their own (they are also called where
@@ -22,7 +23,7 @@ import sqlite3
 from pathlib import Path
 from typing import Callable
 
-from . import counters, db, sync_state
+from . import counters, db, sequencing, sync_state
 
 
 def statements(script: str) -> list[str]:
@@ -57,11 +58,16 @@ def _v3_counters(conn: sqlite3.Connection) -> None:
     conn.execute(counters.DDL)
 
 
+def _v4_sequencing(conn: sqlite3.Connection) -> None:
+    sequencing.ensure_schema(conn)
+
+
 # (version reached, what it does): applied in order, each in one transaction.
 MIGRATIONS: list[tuple[int, str, Callable[[sqlite3.Connection], None]]] = [
     (1, "base layout", _v1_base),
     (2, "surfaced bound, held counts, sync state, truncation records", _v2_bounds_sync_state),
     (3, "counters for the metrics", _v3_counters),
+    (4, "sequencing records (receipt heads, sequencer bindings)", _v4_sequencing),
 ]
 LATEST = MIGRATIONS[-1][0]
 

@@ -532,7 +532,8 @@ def _value_from(kind: str, text: str):
 # surfaced bound (agent/store/db.py) covers.
 RECORDS_LIMIT = 10_000
 RECORDS_LIMIT_BYTES = 16 * 2**20
-_RECORD_TABLES = (("control_records", "issuer"), ("rehydrate_records", "subject"), ("truncation_records", "issuer"))
+_RECORD_TABLES = (("control_records", "issuer"), ("rehydrate_records", "subject"), ("truncation_records", "issuer"),
+                  ("sequencing_records", "issuer"))
 
 
 def record_usage(conn: sqlite3.Connection, self_site: bytes) -> tuple[int, int]:

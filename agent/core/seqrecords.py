@@ -1,0 +1,174 @@
+"""Sequencing records in the sync plane's `records` (SOVM §22.5-§22.6; wire-profile.md §3 and §5
+"Extensions"; docs/protocol.md §12). Pure: no I/O.
+
+Two record types carry the sequencer's control plane between members over the mesh, so a member
+that never talks to the sequencer (nor its broker) still learns the receipt chain and the binding
+in force, and sees a head that contradicts its own:
+
+``sovm/ssp-receipt-head-v1`` — a member's gossip of one sequencing receipt it holds:
+
+    {"group_id": bstr 1..255, "receipt": bstr (the exact COSE_Sign1 ES256 receipt bytes)}
+
+  Issued by any site in the keyring (a member), kid = the issuer's site_id, EdDSA, external_aad =
+  mesh_id, like every control record (§3). The receipt inside is self-verifying (the sequencer's
+  ES256 signature; checked by the caller, agent/sequencing.py, with agent/sequencer/receipts.py);
+  the wrapper only says who spread it and bounds what a site may make others store (the record
+  budget counts it against its issuer). Not chained: each one is a fact, not a state; two
+  members gossiping one receipt are two records about the same bytes.
+
+``sovm/ssp-sequencer-binding-v1`` — the control-plane binding of a sequencer to a group (§22.6
+singularity: "MUST record the generation — the MLS epoch — from which the binding takes effect"):
+
+    {"group_id": bstr 1..255, "sequencer_key": bstr33 (compressed SEC1 P-256),
+     "generation": uint (the MLS epoch from which it takes effect), "previous_record_hash": bstr32 / null}
+
+  Issued by a mesh authority only (as vouch, retire and role records). Chained per group as §3
+  chains every record: genesis with a null predecessor, each later binding naming the exact
+  bytes of the one it follows; unlike §3's generation counter, a binding's generation is the MLS
+  epoch (§22.5: "its generation is the MLS epoch"), so it strictly increases along the chain
+  without being contiguous. Two records naming one predecessor (or two geneses) are a fork of
+  the binding record: surfaced, and from the lowest generation involved the binding cannot be
+  resolved, so receipts there are *held*, neither applied nor rejected (§22.6).
+
+A node that ignores both types still converges (§5): they carry no authority over data.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+from .classify import classified
+from .codec import DecodeError, decode_strict, encode
+from .cose import ALG_EDDSA, protected_header, sig_structure, verify_ed25519
+from .records import STORE_UINT_MAX, RecordError, _parse, record_hash, verify_signed_by_site
+
+RECEIPT_HEAD = "sovm/ssp-receipt-head-v1"
+BINDING = "sovm/ssp-sequencer-binding-v1"
+HEAD_MEMBERS = frozenset({"group_id", "receipt"})
+BINDING_MEMBERS = frozenset({"group_id", "sequencer_key", "generation", "previous_record_hash"})
+MAX_RECEIPT_BYTES = 1024          # a receipt is ~200 bytes (group_id up to 255); anything larger is not one
+
+
+@dataclass(frozen=True)
+class ReceiptHead:
+    record_hash: bytes
+    raw: bytes
+    issuer: bytes
+    group_id: bytes
+    receipt: bytes
+
+
+@dataclass(frozen=True)
+class Binding:
+    record_hash: bytes
+    raw: bytes
+    issuer: bytes
+    group_id: bytes
+    sequencer_key: bytes
+    generation: int
+    previous: Optional[bytes]
+
+
+def _group_ok(g: Any) -> bool:
+    return isinstance(g, bytes) and 1 <= len(g) <= 255
+
+
+def head_to_be_signed(issuer: bytes, mesh_id: bytes, group_id: bytes, receipt: bytes) -> tuple[bytes, bytes, bytes]:
+    protected = protected_header(ALG_EDDSA, RECEIPT_HEAD, issuer)
+    payload = encode({"group_id": bytes(group_id), "receipt": bytes(receipt)})
+    return protected, payload, sig_structure(protected, mesh_id, payload)
+
+
+def binding_to_be_signed(issuer: bytes, mesh_id: bytes, group_id: bytes, sequencer_key: bytes, generation: int,
+                         previous: Optional[bytes]) -> tuple[bytes, bytes, bytes]:
+    protected = protected_header(ALG_EDDSA, BINDING, issuer)
+    payload = encode({"group_id": bytes(group_id), "sequencer_key": bytes(sequencer_key), "generation": generation,
+                      "previous_record_hash": previous})
+    return protected, payload, sig_structure(protected, mesh_id, payload)
+
+
+@classified(RecordError)
+def verify_receipt_head(raw: bytes, mesh_id: bytes,
+                        entry_of: Callable[[bytes], tuple[bytes, Any] | None]) -> ReceiptHead:
+    """The receipt-head boundary: the wrapper signed by a keyring member not retired, exactly the
+    two members, a group_id, and receipt bytes of a plausible size. Raises RecordError."""
+    raw, s, p = verify_signed_by_site(raw, mesh_id, RECEIPT_HEAD, "receipt_head", HEAD_MEMBERS, entry_of)
+    if not _group_ok(p["group_id"]):
+        raise RecordError("bad_group_id")
+    rc = p["receipt"]
+    if not isinstance(rc, bytes) or not 0 < len(rc) <= MAX_RECEIPT_BYTES:
+        raise RecordError("bad_receipt")
+    return ReceiptHead(record_hash(raw), raw, s.kid, p["group_id"], rc)
+
+
+@classified(RecordError)
+def verify_binding(raw: bytes, mesh_id: bytes, authorities: Iterable[bytes],
+                   key_of: Callable[[bytes], bytes | None]) -> Binding:
+    """The binding boundary: issued by a mesh authority (its provisioned key), exactly the four
+    members, a 33-byte compressed key, genesis iff no predecessor. Raises RecordError."""
+    raw, s = _parse(raw)
+    if s.content_type != BINDING:
+        raise RecordError("not_a_binding_record", s.content_type)
+    if s.kid not in set(authorities):
+        raise RecordError("unauthorized_issuer", f"{s.kid.hex()} is not a mesh authority")
+    key = key_of(s.kid)
+    if key is None:
+        raise RecordError("unknown_issuer_key", s.kid.hex())
+    if not verify_ed25519(key, s.sig_structure(mesh_id), s.signature):
+        raise RecordError("bad_signature")
+    try:
+        p = decode_strict(s.payload_bytes)
+    except DecodeError as e:
+        raise RecordError(e.reason, "record payload") from None
+    if not isinstance(p, dict) or set(p) != BINDING_MEMBERS:
+        raise RecordError("bad_record_members")
+    gid, sk, gen, prev = p["group_id"], p["sequencer_key"], p["generation"], p["previous_record_hash"]
+    if not _group_ok(gid):
+        raise RecordError("bad_group_id")
+    if not (isinstance(sk, bytes) and len(sk) == 33 and sk[0] in (2, 3)):
+        raise RecordError("bad_sequencer_key", "the 33-byte compressed SEC1 key (§22.5)")
+    if not (isinstance(gen, int) and not isinstance(gen, bool) and 0 <= gen <= STORE_UINT_MAX):
+        raise RecordError("bad_generation")
+    if prev is not None and not (isinstance(prev, bytes) and len(prev) == 32):
+        raise RecordError("bad_previous_record_hash")
+    return Binding(record_hash(raw), raw, s.kid, gid, sk, gen, prev)
+
+
+@dataclass
+class BindingChain:
+    """The binding record of one group as resolved from the records held."""
+
+    bindings: dict[int, bytes]                       # generation -> sequencer key, along the chain
+    forks: list[tuple[int, bytes, bytes]]            # (generation from which unresolvable, key, key)
+    fork_records: list[bytes]                        # record hashes involved in a fork
+    waiting: list[bytes]                             # records whose predecessor is not held (yet)
+
+
+def resolve_bindings(records: Iterable[Binding]) -> BindingChain:
+    """A pure function of the *set* of binding records held for one group (order independent).
+    Walk from the genesis; a record with two successors, two geneses, or a successor whose
+    generation does not exceed its predecessor's ends the walk: from the lowest generation
+    involved nothing resolves (a fork, surfaced). Records off the walked chain wait."""
+    by_prev: dict[Optional[bytes], list[Binding]] = {}
+    recs = sorted(records, key=lambda r: r.record_hash)
+    for r in recs:
+        by_prev.setdefault(r.previous, []).append(r)
+    out = BindingChain({}, [], [], [])
+    on_chain: set[bytes] = set()
+    nxt = by_prev.get(None, [])
+    last: Optional[Binding] = None
+    while nxt:
+        bad = len(nxt) > 1 or (last is not None and nxt[0].generation <= last.generation)
+        if bad:
+            involved = nxt + ([last] if last is not None and len(nxt) == 1 else [])
+            gen = min(r.generation for r in nxt)
+            keys = sorted({r.sequencer_key for r in involved})
+            out.forks.append((gen, keys[0], keys[-1]))
+            out.fork_records = sorted(r.record_hash for r in nxt)
+            break
+        last = nxt[0]
+        on_chain.add(last.record_hash)
+        out.bindings[last.generation] = last.sequencer_key
+        nxt = by_prev.get(last.record_hash, [])
+    out.waiting = [r.record_hash for r in recs if r.record_hash not in on_chain and r.record_hash not in out.fork_records]
+    return out

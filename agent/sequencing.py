@@ -1,0 +1,250 @@
+"""A member node's side of the blind Commit sequencer, over the sync plane's `records`
+(SOVM §22.5-§22.6; issue 14 items 4 and 7; docs/protocol.md §12, docs/sequencer.md "Gossip").
+
+- **Receipt heads.** A member gossips each sequencing receipt it holds as a receipt-head record
+  (`gossip`); records travel to every peer and are relayed on, so a member that never talks to the
+  sequencer or its broker learns the chain, and one holding a contradicting receipt sees it.
+- **Bindings.** A mesh authority records which sequencer is bound to a group from which MLS epoch
+  (`bind`): the distributed binding record. Every node resolves the same binding chain from the
+  records it holds.
+- **Validation** (`chain`, `status`) is agent/sequencer/member.py's `ReceiptChain` over the
+  records held, a pure function of that set: receipts signed by a sequencer not bound at their
+  epoch are rejected and kept for attribution, receipts whose binding cannot be resolved (none
+  yet, or a forked binding record) are held, two receipts for one (group, epoch) or divergent
+  chains are equivocation evidence, surfaced (`sequencer_equivocation`) as they appear.
+
+Below the node: it reads a node's data (conn, site_id, mesh_id, authorities, keyring) and signs
+through `node.release_signed` (persist-before-release, like every record the node issues).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from .core import seqrecords as sr
+from .core.cose import assemble, content_type
+from .core.records import RecordError, record_hash
+from .records_in import issuer_key, surface
+from .sequencer import member as validator
+from .sequencer import receipts as rc
+from .store import db, sequencing as store
+from .store.sync_state import RecordBudget
+
+log = logging.getLogger("ssp_agent.sequencing")
+CONTENT_TYPES = (sr.RECEIPT_HEAD, sr.BINDING)
+
+
+class SequencingRefused(Exception):
+    """A gossip or binding this node will not issue (CLI exit 2)."""
+
+
+def is_sequencing_record(raw) -> bool:
+    return content_type(raw) in CONTENT_TYPES
+
+
+def _entry_of(node):
+    own = bytes(db.get_meta(node.conn, "public_key"))
+    return lambda kid: (own, None) if kid == node.site_id else node.keyring.get(kid)
+
+
+def store_records(node, raws: list, now: int) -> dict:
+    """Verify and store receipt heads and bindings, each on its own, inside the caller's
+    transaction (after the body's authority records: a vouch in the same body admits a head's
+    issuer); surface drops, binding forks and new equivocation evidence."""
+    out = {"stored": 0, "known": 0, "dropped": 0, "refused": 0}
+    conn = node.conn
+    store.ensure_schema(conn)
+    budget = RecordBudget(conn, node.site_id)
+    entry_of = _entry_of(node)
+    touched: set[bytes] = set()
+    before: dict[bytes, validator.ReceiptChain] = {}
+    for raw in raws:
+        if not isinstance(raw, (bytes, bytearray)):
+            continue
+        raw = bytes(raw)
+        if store.has(conn, record_hash(raw)):
+            out["known"] += 1
+            continue
+        try:
+            if content_type(raw) == sr.RECEIPT_HEAD:
+                rec = sr.verify_receipt_head(raw, node.mesh_id, entry_of)
+                try:
+                    r = rc.verify_receipt(rec.receipt)     # the sequencer's ES256 signature, strictly
+                except rc.ReceiptError as e:
+                    raise RecordError("bad_receipt", e.reason) from None
+                if r.group_id != rec.group_id:
+                    raise RecordError("bad_receipt", "the receipt is for another group")
+                kind, gid = "receipt_head", rec.group_id
+            else:
+                rec = sr.verify_binding(raw, node.mesh_id, node.authorities,
+                                        lambda issuer: issuer_key(conn, node.site_id, issuer))
+                kind, gid = "binding", rec.group_id
+        except RecordError as e:
+            out["dropped"] += 1
+            surface(conn, now, "record_dropped", e.reason, {"detail": e.detail, "type": content_type(raw)})
+            continue
+        if not budget.admit(rec.issuer, rec.raw, kind, rec.record_hash, now):
+            out["refused"] += 1
+            continue
+        if gid not in before:
+            before[gid] = chain(node, gid)
+        stored = store.put_head(conn, rec, rc.receipt_hash(rec.receipt)) if kind == "receipt_head" \
+            else store.put_binding(conn, rec)
+        if stored:
+            out["stored"] += 1
+            touched.add(gid)
+    for gid in sorted(touched):
+        _surface_news(node, gid, before[gid], chain(node, gid), now)
+    return out
+
+
+def _surface_news(node, gid: bytes, old: validator.ReceiptChain, new: validator.ReceiptChain, now: int) -> None:
+    """What the new records revealed, surfaced once (the loudness §22.5 gives equivocation)."""
+    seen = {(e.kind, e.epoch, e.receipts) for e in old.evidence}
+    for e in new.evidence:
+        if (e.kind, e.epoch, e.receipts) in seen:
+            continue
+        log.warning("sequencer equivocation in group %s at epoch %d: %s", gid.hex(), e.epoch, e.kind)
+        surface(node.conn, now, "sequencer_equivocation", e.kind,
+                {"group": gid.hex(), "epoch": e.epoch, "receipts": [r.hex() for r in e.receipts], "detail": e.detail})
+    old_attr = set(old.attributed)
+    for kid, raw in new.attributed:
+        if (kid, raw) not in old_attr:
+            surface(node.conn, now, "receipt_attributed", "signer_not_bound",
+                    {"group": gid.hex(), "signer": kid.hex(), "receipt": raw.hex()})
+    for f in new.binding_forks:
+        if f not in old.binding_forks:
+            surface(node.conn, now, "record_fork", "sequencer_binding_fork",
+                    {"group": gid.hex(), "generation": f[0], "keys": [f[1].hex(), f[2].hex()]})
+
+
+def bindings(node, gid: bytes) -> sr.BindingChain:
+    recs = []
+    for raw in store.raws(node.conn, gid, "binding"):
+        try:
+            recs.append(sr.verify_binding(raw, node.mesh_id, node.authorities,
+                                          lambda issuer: issuer_key(node.conn, node.site_id, issuer)))
+        except RecordError:
+            continue        # an authority removed since: its bindings count no more
+    return sr.resolve_bindings(recs)
+
+
+def chain(node, gid: bytes) -> validator.ReceiptChain:
+    """The member validator over every receipt and binding this node holds for ``gid``: a pure
+    function of that set (receipts fed in epoch order, then bytes, so any arrival order gives the
+    same verdicts)."""
+    b = bindings(node, gid)
+    ch = validator.ReceiptChain(gid, bindings=dict(b.bindings), binding_forks=list(b.forks))
+    heads = []
+    for raw in store.raws(node.conn, gid, "head"):
+        try:
+            heads.append(sr.verify_receipt_head(raw, node.mesh_id, _entry_of(node)).receipt)
+        except RecordError:
+            continue
+    got = []
+    for raw in set(heads):
+        try:
+            got.append(rc.parse_receipt(raw))
+        except rc.ReceiptError:
+            continue
+    for r in sorted(got, key=lambda r: (r.epoch, r.raw)):
+        ch.add(r.raw)
+    return ch
+
+
+def gossip(node, receipt: bytes, now: int) -> dict:
+    """Spread one receipt this member holds (from the sequencer, its queue or the broker) as a
+    receipt-head record. Not issued again for receipt bytes a head record already carries (from
+    anyone): the record that carries it is relayed to every peer anyway."""
+    try:
+        r = rc.verify_receipt(bytes(receipt))
+    except rc.ReceiptError as e:
+        raise SequencingRefused(f"not a valid sequencing receipt: {e}") from None
+    before = chain(node, r.group_id)
+    if store.has_receipt(node.conn, r.receipt_hash):
+        verdict = "duplicate" if r.epoch in before.receipts and before.receipts[r.epoch].raw == r.raw else "held"
+        return {"group": r.group_id.hex(), "epoch": r.epoch, "gossiped": False, "verdict": verdict}
+    protected, payload, tbs = sr.head_to_be_signed(node.site_id, node.mesh_id, r.group_id, r.raw)
+    raw = node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now)
+    res = node.apply_records([raw], now)
+    after = chain(node, r.group_id)
+    return {"group": r.group_id.hex(), "epoch": r.epoch, "gossiped": True,
+            "record_hash": record_hash(raw).hex(), "stored": res.get("sequencing", {}).get("stored", 0),
+            "verdict": _verdict(after, r)}
+
+
+def _verdict(ch: validator.ReceiptChain, r: rc.Receipt) -> str:
+    if any(r.raw in e.receipts for e in ch.evidence):
+        return validator.EQUIVOCATION
+    if any(raw == r.raw for _k, raw in ch.attributed):
+        return validator.REJECTED
+    if r.raw in ch.held:
+        return validator.HELD
+    return validator.ACCEPTED if r.epoch in ch.receipts else validator.REJECTED
+
+
+def bind(node, gid: bytes, sequencer_key: bytes, generation: int, now: int, authority=None) -> dict:
+    """Issue the binding of ``sequencer_key`` to ``gid`` from MLS epoch ``generation`` (§22.6), as
+    this node (a mesh authority) or a standalone authority (agent/authority.py). It extends the
+    group's binding chain from the head this node holds; a forked chain is refused (contested
+    hand-offs are resolved where hand-offs are recorded, not papered over by a third binding)."""
+    issuer = node.site_id if authority is None else authority.site_id
+    if issuer not in node.authorities:
+        raise SequencingRefused("only a mesh authority may bind a sequencer to a group (the manifest's "
+                                "`authorities`, or --authority-key DIR)")
+    if len(sequencer_key) != 33 or sequencer_key[0] not in (2, 3):
+        raise SequencingRefused("--sequencer-key must be the 33-byte compressed P-256 key (66 hex digits)")
+    store.ensure_schema(node.conn)
+    b = bindings(node, gid)
+    if b.forks:
+        raise SequencingRefused(f"the binding record of group {gid.hex()} has forked at generation {b.forks[0][0]}; "
+                                "resolve the contested hand-off first")
+    prev = None
+    if b.bindings:
+        top = max(b.bindings)
+        if generation <= top:
+            raise SequencingRefused(f"group {gid.hex()} is bound from generation {top} already; a new binding takes "
+                                    "effect from a later MLS epoch")
+        prev = _binding_hash(node, gid, top)
+    protected, payload, tbs = sr.binding_to_be_signed(issuer, node.mesh_id, gid, sequencer_key, generation, prev)
+    if authority is not None:
+        raw = authority.sign(tbs, lambda sig: assemble(protected, payload, sig), now)
+    else:
+        raw = node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now)
+    res = node.apply_records([raw], now)
+    if res.get("sequencing", {}).get("stored") != 1:
+        raise SequencingRefused(f"the binding record did not verify here: {res.get('sequencing')}")
+    return {"group": gid.hex(), "sequencer_key": sequencer_key.hex(), "generation": generation,
+            "record_hash": record_hash(raw).hex(), "previous_record_hash": None if prev is None else prev.hex()}
+
+
+def _binding_hash(node, gid: bytes, generation: int) -> Optional[bytes]:
+    for raw in store.raws(node.conn, gid, "binding"):
+        try:
+            b = sr.verify_binding(raw, node.mesh_id, node.authorities,
+                                  lambda issuer: issuer_key(node.conn, node.site_id, issuer))
+        except RecordError:
+            continue
+        if b.generation == generation:
+            return b.record_hash
+    return None
+
+
+def status(node, gid: Optional[bytes] = None) -> dict:
+    out = []
+    for g in ([gid] if gid is not None else store.groups(node.conn)):
+        ch = chain(node, g)
+        head = ch.head()
+        out.append({
+            "group": g.hex(),
+            "bindings": {str(k): v.hex() for k, v in sorted(ch.bindings.items())},
+            "binding_forks": [{"generation": f[0], "keys": [f[1].hex(), f[2].hex()]} for f in ch.binding_forks],
+            "receipts": [{"epoch": e, "receipt_hash": r.receipt_hash.hex(), "commit_hash": r.commit_hash.hex(),
+                          "signer": r.kid.hex()} for e, r in sorted(ch.receipts.items())],
+            "head": None if head is None else {"epoch": head.epoch, "receipt_hash": head.receipt_hash.hex()},
+            "held": len(ch.held),
+            "attributed": [{"signer": k.hex(), "receipt": raw.hex()} for k, raw in ch.attributed],
+            "equivocation": [{"kind": e.kind, "epoch": e.epoch, "receipts": [r.hex() for r in e.receipts]}
+                             for e in ch.evidence],
+        })
+    return {"groups": out}

@@ -1,0 +1,73 @@
+"""Sequencing records a node holds (agent/core/seqrecords.py; docs/protocol.md §12): receipt heads
+gossiped by members and sequencer bindings issued by authorities. Stored without expiry, counted
+in the record bound against their issuer (agent/store/sync_state.py `record_usage`), relayed to
+every peer like the authority records."""
+from __future__ import annotations
+
+import sqlite3
+
+from ..core.seqrecords import Binding, ReceiptHead
+
+DDL = """
+CREATE TABLE IF NOT EXISTS sequencing_records (
+  record_hash BLOB PRIMARY KEY, kind TEXT NOT NULL, issuer BLOB NOT NULL, group_id BLOB NOT NULL,
+  receipt_hash BLOB, generation INTEGER, raw BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS sequencing_records_group ON sequencing_records (group_id, kind);
+"""
+
+
+def ensure_schema(conn: sqlite3.Connection) -> None:
+    for stmt in DDL.split(";"):
+        if stmt.strip():
+            conn.execute(stmt)
+
+
+def has_schema(conn: sqlite3.Connection) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='sequencing_records'"
+                        ).fetchone() is not None
+
+
+def has(conn: sqlite3.Connection, record_hash: bytes) -> bool:
+    return has_schema(conn) and conn.execute("SELECT 1 FROM sequencing_records WHERE record_hash=?",
+                                             (record_hash,)).fetchone() is not None
+
+
+def has_receipt(conn: sqlite3.Connection, receipt_hash: bytes) -> bool:
+    """A head record for these exact receipt bytes is held (from anyone): no need to gossip it again."""
+    return has_schema(conn) and conn.execute(
+        "SELECT 1 FROM sequencing_records WHERE kind='head' AND receipt_hash=? LIMIT 1", (receipt_hash,)).fetchone() is not None
+
+
+def put_head(conn: sqlite3.Connection, h: ReceiptHead, receipt_hash: bytes) -> bool:
+    cur = conn.execute("INSERT OR IGNORE INTO sequencing_records VALUES (?, 'head', ?, ?, ?, NULL, ?)",
+                       (h.record_hash, h.issuer, h.group_id, receipt_hash, h.raw))
+    return cur.rowcount == 1
+
+
+def put_binding(conn: sqlite3.Connection, b: Binding) -> bool:
+    cur = conn.execute("INSERT OR IGNORE INTO sequencing_records VALUES (?, 'binding', ?, ?, NULL, ?, ?)",
+                       (b.record_hash, b.issuer, b.group_id, b.generation, b.raw))
+    return cur.rowcount == 1
+
+
+def raws(conn: sqlite3.Connection, group_id: bytes, kind: str) -> list[bytes]:
+    if not has_schema(conn):
+        return []
+    return [bytes(r) for (r,) in conn.execute(
+        "SELECT raw FROM sequencing_records WHERE group_id=? AND kind=? ORDER BY record_hash", (group_id, kind))]
+
+
+def groups(conn: sqlite3.Connection) -> list[bytes]:
+    if not has_schema(conn):
+        return []
+    return [bytes(g) for (g,) in conn.execute("SELECT DISTINCT group_id FROM sequencing_records ORDER BY group_id")]
+
+
+def records_ordered(conn: sqlite3.Connection) -> list[tuple[bytes, bytes]]:
+    """(record_hash, raw) in the order bodies carry them: every group's bindings along their
+    generations (a receipt arriving with the binding that resolves it is not held), then heads."""
+    if not has_schema(conn):
+        return []
+    return [(bytes(h), bytes(raw)) for h, raw in conn.execute(
+        "SELECT record_hash, raw FROM sequencing_records ORDER BY CASE kind WHEN 'binding' THEN 0 ELSE 1 END, "
+        "group_id, generation, record_hash")]

@@ -1,0 +1,258 @@
+"""Receipt heads and sequencer bindings in the sync plane's `records` (agent/sequencing.py,
+agent/core/seqrecords.py; SOVM §22.5-§22.6; issue 14 items 4 and 7): real Nodes (real SQLite,
+real sessions) syncing, a real Sequencer for honest receipts, a rogue P-256 signer for dishonest
+ones (an honest sequencer cannot be made to double-sign)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from agent import sequencing
+from agent.core import seqrecords as sr
+from agent.sequencer import receipts
+from agent.sequencer.framing import encode_private_message
+from agent.sync import SyncDriver
+
+from tests.sequencer.test_member import RogueSequencer
+from tests.sync.helpers import NOW, mesh, reopen, sync
+
+G = bytes.fromhex("d4" * 16)
+
+
+def surfaced(node, kind: str) -> list[dict]:
+    return [dict(json.loads(d), reason=r) for r, d in node.conn.execute(
+        "SELECT reason, detail FROM surfaced WHERE kind=? ORDER BY rowid", (kind,))]
+
+
+def converge(nodes, links, t):
+    """Sync along ``links`` (index pairs) twice over: records relay through the middle."""
+    ds = [SyncDriver(n) for n in nodes]
+    for _ in range(2):
+        for a, b in links:
+            t = sync(ds[a], ds[b], t + 1)
+            t = sync(ds[b], ds[a], t + 1)
+    return t
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    ns = mesh(tmp_path, 3, authority=0)
+    yield ns
+    for n in ns:
+        n.close()
+
+
+def rogue_chain(rs: RogueSequencer, n: int, gid: bytes = G, start: int = 0, prev=None) -> list[bytes]:
+    out = []
+    for e in range(start, start + n):
+        out.append(rs.sign(e, b"commit%d" % e, prev, gid))
+        prev = receipts.receipt_hash(out[-1])
+    return out
+
+
+def test_a_member_that_never_talks_to_the_sequencer_learns_the_chain(nodes, seq):
+    n0, n1, n2 = nodes
+    seq.register(G, 0)
+    got = [seq.submit(encode_private_message(G, e)).receipt for e in range(3)]
+    assert sequencing.bind(n0, G, seq.public_key, 0, NOW)["generation"] == 0
+    for raw in got:                               # n1 heard them from the sequencer
+        out = sequencing.gossip(n1, raw, NOW)
+        assert out["gossiped"] and out["verdict"] == "held"   # n1 does not hold the binding yet
+    # n2 talks only to n0 (the authority), never to n1, the sequencer or its broker
+    converge(nodes, [(0, 1), (0, 2)], NOW)
+    for n in nodes:
+        st = sequencing.status(n, G)["groups"][0]
+        assert [r["epoch"] for r in st["receipts"]] == [0, 1, 2], st
+        assert st["head"]["receipt_hash"] == receipts.receipt_hash(got[2]).hex()
+        assert st["held"] == 0 and not st["equivocation"] and st["bindings"] == {"0": seq.public_key.hex()}
+    # gossiping a receipt the mesh already carries issues nothing new
+    assert sequencing.gossip(n2, got[1], NOW) == {"group": G.hex(), "epoch": 1, "gossiped": False,
+                                                  "verdict": "duplicate"}
+    # the records survive a restart (stored, not in memory)
+    n2b = reopen(n2)
+    try:
+        assert [r["epoch"] for r in sequencing.status(n2b, G)["groups"][0]["receipts"]] == [0, 1, 2]
+    finally:
+        nodes[2] = n2b
+
+
+def test_a_double_signing_sequencer_is_flagged_by_both_member_sets_and_bystanders(nodes):
+    """The malicious sequencer of §22.6: receipt A for epoch 2 to one member set, B to another.
+    Each set only ever holds its own; gossip over the mesh puts both in front of everyone,
+    including the authority, which never talked to the sequencer."""
+    n0, n1, n2 = nodes
+    rs = RogueSequencer()
+    sequencing.bind(n0, G, rs.kid, 0, NOW)
+    common = rogue_chain(rs, 2)
+    a = rs.sign(2, b"commit-for-set-A", receipts.receipt_hash(common[1]), G)
+    b = rs.sign(2, b"commit-for-set-B", receipts.receipt_hash(common[1]), G)
+    converge(nodes, [(0, 1), (0, 2)], NOW)         # both hold the binding
+    for raw in common + [a]:
+        assert sequencing.gossip(n1, raw, NOW)["verdict"] == "accepted"
+    for raw in common + [b]:
+        sequencing.gossip(n2, raw, NOW)
+    assert not sequencing.status(n2, G)["groups"][0]["equivocation"]     # alone, B looks fine
+    converge(nodes, [(0, 1), (0, 2)], NOW + 1000)
+    for n in nodes:
+        ev = sequencing.status(n, G)["groups"][0]["equivocation"]
+        assert [(e["kind"], e["epoch"]) for e in ev] == [("double_receipt", 2)], ev
+        assert set(ev[0]["receipts"]) == {a.hex(), b.hex()}
+        loud = surfaced(n, "sequencer_equivocation")
+        assert [(s["reason"], s["epoch"]) for s in loud] == [("double_receipt", 2)]
+
+
+def test_a_rotated_out_sequencer_that_keeps_signing_is_rejected_and_attributed_everywhere(nodes):
+    n0, n1, n2 = nodes
+    old, new = RogueSequencer(), RogueSequencer()
+    sequencing.bind(n0, G, old.kid, 0, NOW)
+    first = rogue_chain(old, 3)                      # epochs 0..2 under the old sequencer
+    sequencing.bind(n0, G, new.kid, 3, NOW)          # migration: the new one from epoch 3
+    handed = new.sign(3, b"canonical-3", receipts.receipt_hash(first[2]), G)
+    stray = old.sign(3, b"stray-3", receipts.receipt_hash(first[2]), G)
+    for raw in first + [handed]:
+        sequencing.gossip(n1, raw, NOW)
+    sequencing.gossip(n2, stray, NOW)                # n2 took it from the rotated-out sequencer
+    converge(nodes, [(0, 1), (0, 2)], NOW)
+    for n in nodes:
+        st = sequencing.status(n, G)["groups"][0]
+        assert st["bindings"] == {"0": old.kid.hex(), "3": new.kid.hex()}
+        assert [r["epoch"] for r in st["receipts"]] == [0, 1, 2, 3]
+        assert st["head"]["receipt_hash"] == receipts.receipt_hash(handed).hex()
+        # an attributable rejection, not a fork that freezes an honest group (§22.6)
+        assert not st["equivocation"] and st["attributed"] == [{"signer": old.kid.hex(), "receipt": stray.hex()}]
+        assert [s["signer"] for s in surfaced(n, "receipt_attributed")] == [old.kid.hex()]
+
+
+def test_a_link_whose_binding_cannot_be_resolved_is_held_until_it_can(nodes):
+    n0, n1, n2 = nodes
+    rs = RogueSequencer()
+    chain = rogue_chain(rs, 2)
+    for raw in chain:
+        assert sequencing.gossip(n1, raw, NOW)["verdict"] == "held"       # no binding for G anywhere
+    converge(nodes, [(1, 2)], NOW)
+    st = sequencing.status(n2, G)["groups"][0]
+    assert st["held"] == 2 and not st["receipts"] and not st["attributed"] and not st["equivocation"]
+    sequencing.bind(n0, G, rs.kid, 0, NOW)
+    converge(nodes, [(0, 2)], NOW + 1000)
+    st = sequencing.status(n2, G)["groups"][0]
+    assert st["held"] == 0 and [r["epoch"] for r in st["receipts"]] == [0, 1]
+
+
+def test_two_bindings_for_one_generation_are_a_fork_surfaced_and_held(tmp_path):
+    """Two authorities each hand the group to a different sequencer at generation 5 (a contested
+    hand-off): the binding record forks; receipts below 5 stand, from 5 on they are held, the fork
+    is surfaced, and no third binding may paper over it."""
+    ns = mesh(tmp_path, 2, authority=0)
+    try:
+        for n in ns:                                  # both nodes are authorities
+            auths = sorted(x.site_id for x in ns)
+            n.conn.execute("INSERT OR REPLACE INTO meta VALUES ('authorities', ?)", (json.dumps([a.hex() for a in auths]),))
+            n.authorities = set(auths)
+        base, k1, k2 = RogueSequencer(), RogueSequencer(), RogueSequencer()
+        sequencing.bind(ns[0], G, base.kid, 0, NOW)
+        converge(ns, [(0, 1)], NOW)
+        sequencing.bind(ns[0], G, k1.kid, 5, NOW)
+        sequencing.bind(ns[1], G, k2.kid, 5, NOW)
+        early = rogue_chain(base, 5)
+        late = k1.sign(5, b"c5", receipts.receipt_hash(early[4]), G)
+        for raw in early + [late]:
+            sequencing.gossip(ns[0], raw, NOW)
+        converge(ns, [(0, 1)], NOW + 1000)
+        for n in ns:
+            st = sequencing.status(n, G)["groups"][0]
+            assert [f["generation"] for f in st["binding_forks"]] == [5]
+            assert [r["epoch"] for r in st["receipts"]] == [0, 1, 2, 3, 4] and st["held"] == 1
+            assert [s["reason"] for s in surfaced(n, "record_fork")] == ["sequencer_binding_fork"]
+            with pytest.raises(sequencing.SequencingRefused, match="forked"):
+                sequencing.bind(n, G, k1.kid, 9, NOW)
+    finally:
+        for n in ns:
+            n.close()
+
+
+def test_records_from_outside_the_mesh_or_with_bad_receipts_are_dropped(nodes):
+    n0, n1, _ = nodes
+    rs = RogueSequencer()
+    good = rogue_chain(rs, 1)[0]
+    # a head record whose receipt does not verify: dropped and surfaced, never stored or relayed
+    bad = bytearray(good)
+    bad[-1] ^= 1
+    protected, payload, tbs = sr.head_to_be_signed(n1.site_id, n1.mesh_id, G, bytes(bad))
+    from agent.core.cose import assemble
+    raw = n1.release_signed(tbs, lambda sig: assemble(protected, payload, sig), NOW)
+    assert n0.apply_records([raw], NOW)["sequencing"] == {"stored": 0, "known": 0, "dropped": 1, "refused": 0}
+    assert [s["reason"] for s in surfaced(n0, "record_dropped")] == ["bad_receipt"]
+    # a binding issued by a member that is not an authority: dropped
+    protected, payload, tbs = sr.binding_to_be_signed(n1.site_id, n1.mesh_id, G, rs.kid, 0, None)
+    raw = n1.release_signed(tbs, lambda sig: assemble(protected, payload, sig), NOW)
+    assert n0.apply_records([raw], NOW)["sequencing"]["dropped"] == 1
+    with pytest.raises(sequencing.SequencingRefused, match="authority"):
+        sequencing.bind(n1, G, rs.kid, 0, NOW)
+    assert sequencing.status(n0)["groups"] == []
+    assert os.path.exists(n0.home)
+
+
+def test_end_to_end_through_the_cli_queue_gossip_mailbox(tmp_path):
+    """Real processes only: a standalone authority binds the sequencer to the group; member b
+    queues its Commit, gets it sequenced through `sequencer run` on a real mosquitto, gossips the
+    receipt from its queue; b's file reaches the gateway, the gateway's reaches c, which never
+    talked to the sequencer nor its broker and now holds the receipt under the binding."""
+    import subprocess
+    from agent.transport.broker import Broker
+    from tests.cli_cmd import agent_cmd, agent_env
+    from tests.sequencer.test_commit_queue import spawn, stop
+    from tests.sync.helpers import MESH, TABLES
+    env = agent_env(dict(os.environ, SSP_AGENT_WITNESS_DIR=str(tmp_path / "w")))
+
+    def j(home, *args):
+        p = subprocess.run([*agent_cmd(), "--home", str(home), *map(str, args)], capture_output=True, text=True,
+                           env=env)
+        assert p.returncode == 0, (args, p.stdout, p.stderr)
+        return json.loads(p.stdout.splitlines()[-1]) if p.stdout.strip() else None
+
+    auth_dir = tmp_path / "authority"
+    auth = j(tmp_path / "unused", "authority", "create", "--out", auth_dir)
+    man = tmp_path / "mesh.toml"
+    man.write_text(f'mesh_id = "{MESH.hex()}"\nauthorities = ["{auth["site_id"]}"]\n'
+                   f'[[peers]]\nsite_id = "{auth["site_id"]}"\npublic_key = "{auth["public_key"]}"\n' + TABLES)
+    gw, b, c = (tmp_path / x for x in ("gw", "b", "c"))
+    ids = {h: j(h, "init", "--manifest", man) for h in (gw, b, c)}
+    for h in (gw, b, c):
+        j(gw, "record", "issue-vouch", "--subject", ids[h]["site_id"], "--public-key", ids[h]["public_key"],
+          "--authority-key", auth_dir)
+    seq_home = tmp_path / "seq"
+    key = j(seq_home, "sequencer", "init")["sequencer_key"]
+    j(seq_home, "sequencer", "register", "--group", G.hex(), "--epoch", "0")
+    bound = j(gw, "sequencing", "bind", "--group", G.hex(), "--sequencer-key", key, "--generation", "0",
+              "--authority-key", auth_dir)
+    assert bound["generation"] == 0 and bound["previous_record_hash"] is None
+    n = [0]
+
+    def carry(src, dst):
+        n[0] += 1
+        f = tmp_path / f"m{n[0]}.cbor"
+        j(src, "mailbox", "export", "--peer", ids[dst]["site_id"], "--out", f)
+        j(dst, "mailbox", "import", f)
+
+    carry(gw, b)                      # vouches and the binding reach b
+    commit = tmp_path / "commit.mls"
+    commit.write_bytes(encode_private_message(G, 0, ciphertext=b"b" * 16))
+    j(b, "commits", "queue", commit, "--sequencer-key", key)
+    broker = Broker(workdir=tmp_path / "broker").start()
+    seqp, _ = spawn(seq_home, "sequencer", "run", "--broker", broker.url)
+    try:
+        sent = j(b, "commits", "send", "--broker", broker.url, "--timeout", "60")
+        assert sent["commits"][0]["state"] == "accepted"
+    finally:
+        stop(seqp)
+        broker.close()
+    gossip = j(b, "sequencing", "gossip", "--from-queue")["gossip"]
+    assert [(g["epoch"], g["gossiped"], g["verdict"]) for g in gossip] == [(0, True, "accepted")]
+    carry(b, gw)
+    carry(gw, c)
+    st = j(c, "sequencing", "status", "--group", G.hex())["groups"][0]
+    assert st["bindings"] == {"0": key} and [r["epoch"] for r in st["receipts"]] == [0]
+    assert st["head"]["receipt_hash"] == receipts.receipt_hash(bytes.fromhex(sent["commits"][0]["receipt"])).hex()
+    assert not st["equivocation"] and st["held"] == 0
