@@ -1,13 +1,22 @@
 """A Hypothesis state machine over 3-5 nodes: random writes, random partial exchanges between
 random pairs over faulty links, node restarts (the database closed and reopened); then faults
 stop and every node syncs with every other: all dumps and all event logs identical, and every
-watermark only ever claims what its node holds."""
+watermark only ever claims what its node holds.
+
+`Mesh` runs the shipped session over in-memory links; `MixedMesh` gives every pair of nodes its
+own link, drawn per example: the in-memory link, a serial cable (the same session through
+SerialEndpoint over the serial link state machine and a lossy byte pipe), or MQTT (the runner
+through one real mosquitto for this module), tests/sync/mixed_links.py; one mesh syncs over all
+three, each transport with its own durable cursors (paths memory, serial, mqtt). The MQTT steps
+run on wall-clock time and the paho thread: a failure found there may not replay exactly while
+Hypothesis shrinks it (it then reports it as flaky, still a failure)."""
 from __future__ import annotations
 
 import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
@@ -15,7 +24,23 @@ from agent.store import sync_state as sst
 from agent.sync import SyncDriver
 from agent.transport.memory import Faults
 
-from .helpers import NOW, T, log_set, mesh, partial_exchange, reopen, sync_until_quiet
+from .helpers import NOW, T, log_set, mesh, partial_exchange, reopen, st_cursors, sync, sync_until_quiet
+from .mixed_links import mqtt_exchange, serial_exchange
+
+LINKS = ("memory", "serial", "mqtt")
+_BROKER = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_broker(tmp_path_factory):
+    """One mosquitto for the module (MixedMesh's MQTT links)."""
+    global _BROKER
+    from agent.transport.broker import Broker, find_mosquitto
+    if find_mosquitto() is None:
+        pytest.fail("mosquitto is not installed (apt-get install mosquitto); the mixed mesh needs a real broker")
+    _BROKER = Broker(workdir=tmp_path_factory.mktemp("broker")).start()
+    yield
+    _BROKER.close()
 
 VALUES = st.one_of(st.none(), st.floats(allow_nan=False, allow_infinity=False, width=32))
 
@@ -33,8 +58,7 @@ class Mesh(RuleBasedStateMachine):
         if not hasattr(self, "nodes"):
             return
         try:
-            # Faults stop; everyone syncs with everyone until nothing moves.
-            sync_until_quiet(self.drivers, self.t + 1, max_rounds=200)
+            self.quiesce()
             dumps = [x.dump() for x in self.nodes]
             logs = [log_set(x) for x in self.nodes]
             assert all(d == dumps[0] for d in dumps), "dumps differ after quiescence"
@@ -44,6 +68,10 @@ class Mesh(RuleBasedStateMachine):
             for x in self.nodes:
                 x.close()
             shutil.rmtree(self.dir, ignore_errors=True)
+
+    def quiesce(self):
+        # Faults stop; everyone syncs with everyone until nothing moves.
+        sync_until_quiet(self.drivers, self.t + 1, max_rounds=200)
 
     @rule(i=st.integers(0, 4), dev=st.sampled_from("ab"), seq=st.integers(0, 3), v=VALUES,
           note=st.one_of(st.none(), st.text("xyz", max_size=2)), delete=st.booleans(), table=st.booleans())
@@ -92,6 +120,67 @@ class Mesh(RuleBasedStateMachine):
                             assert eid in mine, "a watermark claims an event its node does not hold"
 
 
+class MixedMesh(Mesh):
+    """The same rules; each pair's exchanges go over the link drawn for that pair."""
+
+    @initialize(n=st.integers(3, 5), limit=st.integers(1, 6),
+                links=st.lists(st.sampled_from(LINKS), min_size=10, max_size=10))
+    def setup(self, n, limit, links):
+        super().setup(n, limit)
+        pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+        self.links = dict(zip(pairs, links))
+
+    def _link(self, i, j) -> str:
+        return self.links[(min(i, j), max(i, j))]
+
+    @rule(i=st.integers(0, 4), j=st.integers(0, 4), seed=st.integers(0, 2**16), drop=st.sampled_from([0.0, 0.2, 0.5]),
+          dup=st.sampled_from([0.0, 0.3]), reorder=st.sampled_from([0.0, 0.5]), cut=st.integers(1, 200),
+          ber=st.sampled_from([0.0, 1e-4, 1e-3]))
+    def exchange(self, i, j, seed, drop, dup, reorder, cut, ber):
+        n = len(self.nodes)
+        i, j = i % n, j % n
+        if i == j:
+            return
+        link = self._link(i, j)
+        if link == "memory":
+            self.t = partial_exchange(self.drivers[i], self.drivers[j], self.t, Faults(drop, dup, reorder, (0, 20)),
+                                      seed, cut)
+            return
+        if link == "mqtt":
+            mqtt_exchange(_BROKER, self.nodes[i], self.nodes[j], self.limit, cut)  # the broker loses nothing: cut only
+            return
+        # Serial: frame faults per frame (a tenth of the memory link's per-message rates: a body
+        # is many frames), bit errors, and a cut after up to 4 s of line time.
+        self.t = serial_exchange(self.nodes[i], self.nodes[j], self.t, self.limit, seed, cut * 20, ber=ber,
+                                 drop=drop / 10, duplicate=dup / 10, reorder=reorder / 10, truncate=drop / 10)
+
+    def quiesce(self):
+        """Faults stop; every pair syncs over its own link, round after round, until no log and
+        no cursor moves."""
+        t = self.t + 1
+        for _ in range(200):
+            before = [len(list(x.log_entries())) for x in self.nodes]
+            cur = [st_cursors(d) for d in self.drivers]
+            for i in range(len(self.nodes)):
+                for j in range(len(self.nodes)):
+                    if i == j:
+                        continue
+                    link = self._link(i, j)
+                    if link == "serial":
+                        t = serial_exchange(self.nodes[i], self.nodes[j], t, self.limit, i * 7 + j, None)
+                    elif link == "mqtt":
+                        mqtt_exchange(_BROKER, self.nodes[i], self.nodes[j], self.limit, None)
+                    else:
+                        t = sync(self.drivers[i], self.drivers[j], t + 1)
+            if before == [len(list(x.log_entries())) for x in self.nodes] and cur == [st_cursors(d) for d in self.drivers]:
+                return
+        raise AssertionError("no quiescence")
+
+
 TestMesh = Mesh.TestCase
 TestMesh.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+
+TestMixedMesh = MixedMesh.TestCase
+TestMixedMesh.settings = settings(max_examples=15, stateful_step_count=25, deadline=None,
+                                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
