@@ -220,6 +220,16 @@ def cmd_log(args) -> int:
 
 
 def cmd_evict(args) -> int:
+    if not _served:
+        # Opening a home writes (WAL index, journal compaction): on a disk full to the last block
+        # eviction, the way to free space, could not even open it. Use the reserve (issue 16 item 2).
+        from .store import db
+        free = db.free_bytes(Path(args.home))
+        if free is not None and free < db.LOW_SPACE_BYTES:
+            freed = db.release_reserve(Path(args.home))
+            if freed:
+                print(f"ssp-agent: the disk is full: eviction uses the {freed} bytes the home reserves for it",
+                      file=sys.stderr)
     if args.auto:
         if args.table or args.horizon:
             raise Refused("--auto takes no table or horizon: it uses the profile's horizons for every evictable table")

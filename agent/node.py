@@ -188,6 +188,7 @@ class Node:
             for t in manifest.tables:
                 _create_table_rows(conn, t)
         _write_identity_file(home, site_id, public_key, manifest.mesh_id, ks_conf)
+        db.ensure_reserve(home)   # the space eviction may use on a full disk (agent/store/db.py)
         ident.claim_home(site_id, home)
         ks.close() if hasattr(ks, "close") else None
         return cls.open(home), public_key
@@ -243,6 +244,7 @@ class Node:
         except BaseException:
             conn.close()
             raise
+        db.ensure_reserve(home)   # a home made before it, or one whose reserve an eviction used
         ks_conf = _home_paths(home, json.loads(db.get_meta(conn, "keystore")))
         bridge = SigningBridge(open_keystore(_with_pin(ks_conf)), str(home / "sign-journal"))
         return cls(home, conn, bridge)
@@ -1196,12 +1198,31 @@ class Node:
                     clock_override: bool = False, wait_clock_s: float = 0) -> int:
         """Raise one table's horizon and delete the retained events below it. Returns events deleted.
         Needs a trustworthy clock: a horizon is judged against it (raise_horizon)."""
-        st = self.require_trusted_clock(f"evict {table}", override=clock_override, wait_s=wait_clock_s, now=now)
-        now = st["now_ms"] if now is None else now
-        self.raise_horizon(table, horizon, now)
-        n = self._delete_below_horizon(table)
-        self._reclaim()
-        return n
+        def work() -> int:   # all of it writes (the clock evidence too): all of it may need the reserve
+            st = self.require_trusted_clock(f"evict {table}", override=clock_override, wait_s=wait_clock_s, now=now)
+            at = st["now_ms"] if now is None else now
+            self.raise_horizon(table, horizon, at)
+            n = self._delete_below_horizon(table)
+            self._reclaim()
+            return n
+        return self._with_reserve(work)
+
+    def _with_reserve(self, work):
+        """Run an eviction; on a full disk, release the space the home reserves for it and run it
+        once more (it is idempotent: horizons only rise, deletions below them repeat as no-ops).
+        Afterwards take the reserve back if there is room (agent/store/db.py, issue 16 item 2)."""
+        try:
+            out = work()
+        except Exception as e:
+            if not db.disk_full(e, self.home / self.STORE_FILE):
+                raise
+            freed = db.release_reserve(self.home)
+            if not freed:
+                raise
+            log.warning("the disk is full: eviction uses the %d bytes the home reserves for it", freed)
+            out = work()
+        db.ensure_reserve(self.home)
+        return out
 
     def run_eviction(self, now: int | None = None, *, clock_override: bool = False,
                      wait_clock_s: float = 0) -> dict:
@@ -1212,9 +1233,13 @@ class Node:
         minus a duration": a clock a year ahead would evict a year of history and set horizons
         no write can get above, so it refuses without a trustworthy clock (ClockUntrusted)."""
         # The automatic job is strict: it runs unattended, and what it deletes does not come back.
-        st = self.require_trusted_clock("eviction", override=clock_override, wait_s=wait_clock_s, now=now,
-                                        strict=True)
-        now = st["now_ms"] if now is None else now
+        def work() -> dict:   # all of it writes (the clock evidence too): all of it may need the reserve
+            st = self.require_trusted_clock("eviction", override=clock_override, wait_s=wait_clock_s, now=now,
+                                            strict=True)
+            return self._run_eviction(st["now_ms"] if now is None else now)
+        return self._with_reserve(work)
+
+    def _run_eviction(self, now: int) -> dict:
         before = self.store_bytes()
         tables = {}
         for q, t in sorted(self.tables.items()):

@@ -139,6 +139,71 @@ def free_bytes(path: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
+# ---------------------------------------------------------------- the space kept for eviction (issue 16 item 2)
+# Eviction and WAL truncation are how a device frees its own space, yet both write (the deletions
+# go through the WAL, the journal is compacted on open): on a disk filled to the last block they
+# failed like any write. The home keeps a reserve file, allocated while there is room; eviction
+# (and nothing else) releases it when the disk is full, runs, and takes it back once there is room.
+RESERVE_FILE = "store.reserve"
+RESERVE_BYTES = 4 << 20
+
+
+def ensure_reserve(home: Path, size: int = RESERVE_BYTES) -> bool:
+    """Allocate the reserve unless it exists. Never fills a disk to do it: only with its size plus
+    LOW_SPACE_BYTES free. Best effort (a guard, never a reason to stop): False if not there."""
+    path = Path(home) / RESERVE_FILE
+    try:
+        if path.stat().st_size >= size:
+            return True
+    except OSError:
+        pass
+    free = free_bytes(Path(home))
+    if free is None or free < size + LOW_SPACE_BYTES:
+        return False
+    tmp = path.with_name(RESERVE_FILE + ".tmp")
+    try:
+        fd = os.open(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)   # real blocks, not a sparse file
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                from firmware_bridge.fsutil import write_all
+                write_all(fd, bytes(size))
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False
+
+
+def release_reserve(home: Path) -> int:
+    """Give the reserve back to the filesystem (for eviction on a full disk): bytes freed."""
+    path = Path(home) / RESERVE_FILE
+    try:
+        size = path.stat().st_size
+        path.unlink()
+    except OSError:
+        return 0
+    return size
+
+
+def disk_full(exc: BaseException, store: Path) -> bool:
+    """Is `exc`, or an exception it was raised from, the full-disk fault of `storage_fault`?"""
+    while exc is not None:
+        fault = storage_fault(exc, store)
+        if fault is not None and str(fault).startswith("the filesystem holding"):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def storage_fault(exc: BaseException, store: Path) -> StoreError | None:
     """Classify an exception from the store or its filesystem (the one function the CLI boundary
     calls): a full disk, a damaged store, an unreadable or busy file become a StoreError whose
@@ -146,7 +211,8 @@ def storage_fault(exc: BaseException, store: Path) -> StoreError | None:
     home = store.parent
     free = free_bytes(home)
     full_msg = (f"the filesystem holding {home} is full ({free if free is not None else '?'} bytes free): nothing "
-                "was changed. Free space there (or run `ssp-agent evict --auto` once some is free), then retry; "
+                "was changed. Free space there, or run `ssp-agent evict --auto` (it uses the space the home reserves for "
+                "it), then retry; "
                 "read verbs (status, dump, log, events) still work")
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return StoreError(full_msg)
