@@ -8,6 +8,8 @@ ES256 signing rate of the same keystore measured in the same run.
   seq_batch<G>_<ks>         Sequencer.submit_many of G Commits for G different groups (group commit
                             across groups: the same four commits for the whole batch)
   seq_batch<G>_<ks>_idle    the same with 10 000 idle groups registered (no per-group cost)
+  broker_<G>_groups         (--broker) Commits/s through `sequencer run` on a real mosquitto: one
+                            Commit for each of G groups published at once, every answer awaited
 
 Each figure is the median of ``--rounds`` rounds with its range; every ratio is taken against the
 raw rate measured just before and just after it.
@@ -110,6 +112,66 @@ def run_keystore(name: str, conf: dict | None, d: str, n: int, batch: int, idle:
                 fig.setdefault(k, []).append(v)
 
 
+def through_broker(d: str, groups_n: int, rounds: int, fig: dict, pythonpath: str | None = None) -> None:
+    """Commits/s through `sequencer run` on a real mosquitto: one member client publishes one
+    Commit for each of ``groups_n`` groups at once (QoS 1, response topic) and waits for every
+    answer; ``rounds`` times (each round the next epoch of every group). The server's stop line
+    says in how many group commits it sequenced them."""
+    import queue as _q
+    import subprocess
+    import uuid
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+    from agent.transport.broker import Broker
+    env = dict(os.environ, SSP_AGENT_CLOCK_TRUSTED="1")
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    home = os.path.join(d, "broker-seq")
+    cmd = [sys.executable, "-m", "agent.cli", "--home", home, "sequencer"]
+    if not pythonpath:
+        env["PYTHONPATH"] = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+    subprocess.run(cmd + ["init"], check=True, capture_output=True, env=env, cwd=d)   # cwd: -m puts it first
+    broker = Broker(workdir=os.path.join(d, "mosq")).start()
+    srv = subprocess.Popen(cmd + ["run", "--broker", broker.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env=env, cwd=d)
+    srv.stdout.readline()
+    answers: "_q.Queue" = _q.Queue()
+    reply = f"bench/{uuid.uuid4().hex}"
+    c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"bench-{uuid.uuid4().hex[:8]}", protocol=paho.MQTTv5)
+    c.max_inflight_messages_set(65535)
+    c.on_message = lambda cl, u, m: answers.put(json.loads(m.payload))
+    c.connect(broker.host, broker.port)
+    c.loop_start()
+    c.subscribe(reply, qos=1)
+    time.sleep(0.5)
+    gs = groups(groups_n, b"mqtt-")
+    try:
+        for r in range(rounds):
+            msgs = [encode_private_message(g, r) for g in gs]
+            t = time.perf_counter()
+            for g, m in zip(gs, msgs):
+                p = Properties(PacketTypes.PUBLISH)
+                p.ResponseTopic = reply
+                p.CorrelationData = g
+                c.publish(f"sovm-seq/{g.hex()}/submit", m, qos=1, properties=p)
+            got = [answers.get(timeout=300) for _ in gs]
+            dt = time.perf_counter() - t
+            assert all(a.get("accepted") for a in got), got[:3]
+            fig.setdefault(f"broker_{groups_n}_groups", []).append(groups_n / dt)
+    finally:
+        c.loop_stop()
+        c.disconnect()
+        srv.terminate()
+        out, _err = srv.communicate(timeout=60)
+        broker.close()
+    last = ([json.loads(x) for x in out.splitlines() if x.startswith("{")] or [{}])[-1]
+    if "submit_batches" in last:
+        fig.setdefault(f"broker_{groups_n}_commits_per_group_commit", []).append(
+            last["submits"] / max(last["submit_batches"], 1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small counts (smoke run)")
@@ -117,14 +179,22 @@ def main() -> None:
     ap.add_argument("--no-pkcs11", action="store_true")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=None, help="Commits (distinct groups) per group commit")
+    ap.add_argument("--broker", action="store_true", help="also through `sequencer run` on a real mosquitto")
+    ap.add_argument("--broker-only", action="store_true", help="only the broker figure")
+    ap.add_argument("--broker-pythonpath", help="run the served sequencer from this tree (compare a revision)")
     a = ap.parse_args()
     n, batch, idle = (512, 64, 1000) if a.quick else (8192, 256, 10_000)
     batch = a.batch or batch
     fig: dict = {}
     d = tempfile.mkdtemp(prefix="bench-seq-")
     try:
-        run_keystore("software", None, d, n, batch, idle, a.rounds, fig)
-        if not a.no_pkcs11:
+        if a.broker or a.broker_only:
+            through_broker(d, 1024 if not a.quick else 64, a.rounds, fig, a.broker_pythonpath)
+        if a.broker_only:
+            pass
+        else:
+            run_keystore("software", None, d, n, batch, idle, a.rounds, fig)
+        if not a.no_pkcs11 and not a.broker_only:
             cfg = softhsm_config(os.path.join(d, "hsm"))
             if cfg is None:
                 print("pkcs11: skipped (SoftHSM2 not installed: apt-get install -y softhsm2)")
@@ -137,6 +207,12 @@ def main() -> None:
         fmt = "{:.3f}" if k.startswith("ratio") else "{:.0f}"
         print(f"{k:40s} {fmt.format(statistics.median(v)):>8s}  [{fmt.format(min(v))} .. {fmt.format(max(v))}]"
               + ("" if k.startswith("ratio") else " /s"))
+    for ks in ("software", "pkcs11"):
+        k = f"ratio_batch{batch}_{ks}"
+        if k in fig:
+            print(f"{ks}: group commit ({batch} groups) / raw ES256 = {statistics.median(fig[k]):.3f} "
+                  f"[{min(fig[k]):.3f} .. {max(fig[k]):.3f}]; with {idle} idle groups "
+                  f"{statistics.median(fig[k + '_idle' + str(idle)]):.3f} (goal 0.8)")
     if a.json:
         print(json.dumps({k: {"median": round(statistics.median(v), 3), "min": round(min(v), 3),
                               "max": round(max(v), 3)} for k, v in fig.items()}))
