@@ -171,3 +171,41 @@ def test_a_commit_accepted_while_its_answer_was_lost_is_accepted_not_lost(tmp_pa
     finally:
         stop(seqp)
         broker.close()
+
+
+def test_a_member_killed_at_random_times_loses_no_commit_and_misreads_no_outcome(tmp_path, mosquitto_ok):
+    """`commits run` SIGKILLed at seeded random times while its Commits are being answered (some
+    answers arrive to a dead process, some Commits are submitted twice): after a final `send`,
+    every Commit is `accepted` with exactly the receipt the sequencer released for it — never
+    `lost` (nothing competed), never queued twice."""
+    import random
+    rnd = random.Random(1404)
+    seq_home, member = tmp_path / "seq", tmp_path / "member"
+    key = json.loads(agent(seq_home, "sequencer", "init", check=0).stdout)["sequencer_key"]
+    gids = [bytes([0xe0 + i]) * 16 for i in range(6)]
+    for g in gids:
+        agent(seq_home, "sequencer", "register", "--group", g.hex(), "--epoch", "0", check=0)
+    for i, g in enumerate(gids):
+        agent(member, "commits", "queue", str(commit_file(tmp_path, f"k{i}", 0, b"k", g)), "--sequencer-key", key,
+              check=0)
+    broker = Broker(workdir=tmp_path / "broker").start()
+    seqp, _ = spawn(seq_home, "sequencer", "run", "--broker", broker.url)
+    try:
+        for _ in range(10):
+            p = subprocess.Popen([*agent_cmd(), "--home", str(member), "commits", "run", "--broker", broker.url],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=agent_env())
+            time.sleep(rnd.uniform(0.05, 1.2))
+            p.kill()
+            p.wait()
+        out = json.loads(agent(member, "commits", "send", "--broker", broker.url, "--timeout", "60",
+                               check=0).stdout)["commits"]
+        assert [e["state"] for e in out] == ["accepted"] * len(gids), out
+        for e in out:
+            released = json.loads(agent(seq_home, "sequencer", "receipt", "--group", e["group"], "--epoch", "0",
+                                        check=0).stdout)["receipt"]
+            assert e["receipt"] == released
+        st = json.loads(agent(seq_home, "sequencer", "status", check=0).stdout)
+        assert sorted(g["current_epoch"] for g in st["groups"]) == [1] * len(gids)
+    finally:
+        stop(seqp)
+        broker.close()

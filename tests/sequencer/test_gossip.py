@@ -240,7 +240,21 @@ def test_end_to_end_through_the_cli_queue_gossip_mailbox(tmp_path):
     commit = tmp_path / "commit.mls"
     commit.write_bytes(encode_private_message(G, 0, ciphertext=b"b" * 16))
     j(b, "commits", "queue", commit, "--sequencer-key", key)
-    broker = Broker(workdir=tmp_path / "broker").start()
+    # §22.7: the sequencer's broker is not there yet; the Commit waits, data sync does not
+    broker = Broker(workdir=tmp_path / "broker")
+    down = subprocess.run([*agent_cmd(), "--home", str(b), "commits", "send", "--broker", broker.url, "--timeout", "1"],
+                          capture_output=True, text=True, env=env)
+    assert down.returncode == 1 and json.loads(down.stdout)["outstanding"] == 1
+    wrote = subprocess.run([*agent_cmd(), "--home", str(b), "write", "app.readings", "--key",
+                            json.dumps({"device": "b", "seq": 1}), "--set", json.dumps({"temp": 21.5})],
+                           capture_output=True, text=True, env=env)
+    assert wrote.returncode == 0, wrote.stderr
+    carry(b, gw)
+    def dump(home):
+        p = subprocess.run([*agent_cmd(), "--home", str(home), "dump"], capture_output=True, text=True, env=env)
+        return json.loads(p.stdout)["app.readings"]
+    assert dump(gw) == dump(b) != []
+    broker.start()
     seqp, _ = spawn(seq_home, "sequencer", "run", "--broker", broker.url)
     try:
         sent = j(b, "commits", "send", "--broker", broker.url, "--timeout", "60")
