@@ -614,17 +614,20 @@ class SyncDriver:
         for window in windows:
             outcomes = self.node.apply_batch(window, now, origin="mailbox")
             if k is None:
-                i = delivery.first_rejected([_proc(o) for o in outcomes])
+                i = delivery.first_rejected(outcomes)   # reads `status` only
                 k = None if i == len(outcomes) else tally["received"] + i
             for o in outcomes:
                 result[o.status] += 1
                 if o.reason != "applied":
                     # Detail for what did not simply apply (reasons, event ids); counts cover the rest.
                     detail.append(o.as_json())
+                    if o.reason == "below_horizon":
+                        tally["below_horizon"] += 1
+                    elif o.status == "duplicate":
+                        tally["duplicate"] += 1
+                elif o.status == "applied":
+                    tally["applied"] += 1
             tally["received"] += len(outcomes)
-            tally["applied"] += sum(1 for o in outcomes if o.status == "applied" and o.reason == "applied")
-            tally["below_horizon"] += sum(1 for o in outcomes if o.reason == "below_horizon")
-            tally["duplicate"] += sum(1 for o in outcomes if o.status == "duplicate")
             del outcomes
         k = tally["received"] if k is None else k
         if sender != self.node.site_id and sender in self.node.keyring:

@@ -72,7 +72,7 @@ def check_payload_shape(obj: Any) -> str | None:
     """The EventPayload shape; returns a reason code when the shape is wrong, None when right."""
     if not isinstance(obj, dict):
         return "payload_not_map"
-    if set(obj) != PAYLOAD_MEMBERS:
+    if obj.keys() != PAYLOAD_MEMBERS:
         return "payload_members"
     if not isinstance(obj["table_schema"], str) or not obj["table_schema"]:
         return "bad_table_schema"
