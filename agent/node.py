@@ -956,7 +956,20 @@ class Node:
             payloads.append((tbl.tdef, key, None if delete else values, "delete" if delete else "upsert"))
         built: list = []
         raws = self._sign_events(payloads, self._signing_now(now), built)
-        outs = self.apply_batch(raws, now, origin="local", built=self._local_checked(raws, built))
+        try:
+            outs = self.apply_batch(raws, now, origin="local", built=self._local_checked(raws, built))
+        except Exception as e:
+            # Signed and released, so durable in the signing journal: the next writing open applies
+            # them (persist-before-release, _recover_released). On a full disk the CLI's usual
+            # "nothing was changed" would be false, and an operator would write them again.
+            if not db.disk_full(e, self.home / self.STORE_FILE):
+                raise
+            free = db.free_bytes(self.home)
+            raise db.StoreError(
+                f"the filesystem holding {self.home} is full ({free if free is not None else '?'} bytes free): "
+                f"{len(raws)} event(s) were signed and kept in the signing journal but not applied; the next "
+                "writing command applies them once there is space, so do not write them again. Free space there, "
+                "or run `ssp-agent evict --auto` (it uses the space the home reserves for it)") from e
         for o in outs:
             if o.status != APPLIED or o.reason != "applied":
                 # A local write either lands in the log or fails (issue 10 item 6): never an id

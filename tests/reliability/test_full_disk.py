@@ -128,3 +128,35 @@ def test_the_running_nodes_eviction_job_runs_on_a_full_disk(mid_fs, tmp_path):
         assert (home / db.RESERVE_FILE).stat().st_size == db.RESERVE_BYTES   # taken back once there is room
     finally:
         node.close()
+
+
+def test_a_write_signed_but_not_applied_on_a_full_disk_says_so(mid_fs, tmp_path, capsys):
+    """A write whose event the bridge released (the journal's last page had room) but whose store
+    commit hit the full disk: the next writing open applies it (persist-before-release), so the
+    CLI must not say "nothing was changed" (an operator would write it again). Driven through the
+    CLI on a node held open, as `run` serves a forwarded `write` (agent/control.py)."""
+    from agent import cli as agent_cli
+    from agent.node import Node
+    home = mid_fs / "h"
+    node, _ = Node.init(home, manifest_text(MESH, readings_table(retention="telemetry"), [_peer()]),
+                        {"kind": "software"})
+    try:
+        node.write(T, {"device": "d", "seq": 0}, {"temp": 0.5})
+        journal = home / "sign-journal"
+        assert 4096 - journal.stat().st_size % 4096 > 1024   # room for one more intent and output
+        filler = fill(mid_fs)
+        with agent_cli.serving(node):
+            rc = agent_cli.main(["--home", str(home), "write", T, "--key", '{"device": "d", "seq": 1}',
+                                 "--set", '{"temp": 1.5}'])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 1 and len(err) == 1, err
+        released = node.bridge.journal_stats()["entries"]
+    finally:
+        node.close()
+    line = err[0]
+    assert "is full" in line and "nothing was changed" not in line, line
+    assert "signed" in line and "do not write" in line, line
+    filler.unlink()
+    with Node.open(home) as again:             # the next writing open applies it, once
+        seqs = [e["row_key"]["seq"] for e in again.log_entries()]
+    assert seqs == [0, 1], (seqs, released)
