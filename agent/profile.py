@@ -52,6 +52,7 @@ class Profile:
     serial_keepalive_s: float = 1.0     # PING after this much silence from the other end
     serial_dead_s: float = 10.0         # silence that ends the link (a pulled cable)
     serial_timeout_s: float = 30.0      # sync --serial --once: wait this long for the other end
+    serial_compress: bool = True        # offer per-message zlib (preset dictionary) in the link's HELLO
 
     def unknown_classes(self, classes) -> list[str]:
         """Retention classes this profile does not name. A profile with no horizons at all keeps
@@ -72,7 +73,8 @@ class Profile:
                 "keep_full": list(self.keep_full), "serial_baud": self.serial_baud,
                 "serial_batch_limit": self.serial_batch_limit, "serial_frame_bytes": self.serial_frame_bytes,
                 "serial_window_bytes": self.serial_window_bytes, "serial_keepalive_s": self.serial_keepalive_s,
-                "serial_dead_s": self.serial_dead_s, "serial_timeout_s": self.serial_timeout_s}
+                "serial_dead_s": self.serial_dead_s, "serial_timeout_s": self.serial_timeout_s,
+                "serial_compress": self.serial_compress}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Profile":
@@ -127,7 +129,14 @@ def parse_profile(text: str, origin: str = "profile") -> Profile:
         serial_frame_bytes=min(65_535, num(ser, "frame_bytes", 1024, int, 64)),
         serial_window_bytes=num(ser, "window_bytes", 8192, int, 1024),
         serial_keepalive_s=num(ser, "keepalive_s", 1.0, float, 0.05), serial_dead_s=num(ser, "dead_s", 10.0, float, 0.2),
-        serial_timeout_s=num(ser, "timeout_s", 30.0, float, 0.5))
+        serial_timeout_s=num(ser, "timeout_s", 30.0, float, 0.5), serial_compress=_flag(ser, "compress", True, origin))
+
+
+def _flag(section: dict, key: str, default: bool, origin: str) -> bool:
+    v = section.get(key, default)
+    if not isinstance(v, bool):
+        raise ProfileError(f"{origin}: {key} must be true or false")
+    return v
 
 
 def _builtin():

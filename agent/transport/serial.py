@@ -175,6 +175,8 @@ class SerialEndpoint:
                          "bytes_in": ls["bytes_in"], "retransmits": ls["retransmits"] + ls["fast_retransmits"],
                          "frames_rejected": self.link.rejected_frames, "duplicates": ls["duplicates"],
                          "segment_size": self.link.segment_size, "downs": ls["downs"],
+                         "compressed": self.link.peer_zlib, "message_bytes_out": ls["message_bytes_out"],
+                         "message_wire_bytes_out": ls["message_wire_bytes_out"],
                          "down_reasons": sorted({d for k, d in self.events if k == "link_down"})}}
 
     # ------------------------------------------------------------------ glue
@@ -272,7 +274,8 @@ def link_config(profile, baud: int) -> LinkConfig:
     g = lambda k, d: getattr(profile, k, d)  # noqa: E731 - profiles from before [serial] lack these
     return LinkConfig(baud=baud, max_payload=int(g("serial_frame_bytes", 1024)), window=int(g("serial_window_bytes", 8192)),
                       keepalive_ms=int(g("serial_keepalive_s", 1.0) * 1000), dead_ms=int(g("serial_dead_s", 10.0) * 1000),
-                      max_message=int(g("serial_max_message_bytes", 17 * 1024 * 1024)))
+                      max_message=int(g("serial_max_message_bytes", 17 * 1024 * 1024)),
+                      compress=bool(g("serial_compress", True)))
 
 
 def session_settings(profile, baud: int, *, realtime: bool, secure: bool, cadence_s: float | None = None,

@@ -42,7 +42,7 @@ down are dropped; the session above is restarted and SSP re-offers what no answe
 from __future__ import annotations
 
 import struct
-from collections import deque
+import zlib
 from dataclasses import dataclass, field
 
 from firmware_bridge import framing
@@ -50,6 +50,8 @@ from firmware_bridge import framing
 VERSION = 1
 HELLO, DATA, ACK, PING = 1, 2, 3, 4
 F_UP = 1
+F_ZLIB = 2  # HELLO flag: this end takes messages compressed with zlib and ZDICT (docs/serial.md "Compression")
+COMPRESSED = 0x8000_0000  # in a message's length: its bytes are raw deflate against ZDICT
 MAX_SACK = 8  # ranges in one ACK
 MIN_SEGMENT = 32
 _HELLO = struct.Struct(">BBIIBHI")
@@ -58,6 +60,31 @@ _ACK = struct.Struct(">BHQIB")
 _RANGE = struct.Struct(">II")
 _PING = struct.Struct(">BH")
 _LEN = struct.Struct(">I")
+
+
+# The preset dictionary (zlib `zdict`): what a sync body looks like on the link (a session hello,
+# an answer's start, a body frame of one event with a watermark: CBOR member names, the COSE
+# event header, the payload's keys). Deflate finds these strings in the dictionary from the
+# first message on, so even a one-event push is compressed. Changing it changes the wire:
+# a new dictionary needs a new HELLO flag.
+ZDICT = bytes.fromhex(
+    "a361625887a6667274745f6d73f667736974655f69647820303030303030303030303030303030303030303030303030"
+    "30303030303030306b7373705f76657273696f6e016c686176655f6d61785f686c63a2676c6f676963616c006b706879"
+    "736963616c5f6d73006e7365637572655f6368616e6e656cf471737570706f7274735f7265616c74696d65f56172f561"
+    "746568656c6c6fa56162590208a6666576656e747381590101d2845828a301270371736f766d2f7373702d6576656e74"
+    "2d763104500000000000000000000000000000a46162590208a6666576656e747381590101d2845828a301270371736f"
+    "766d2f7373702d6576656e742d7631045000000000000000000000000000000000a05890a7677061796c6f6164a2646e"
+    "6f7465626e306474656d70f9000067726f775f6b6579a26373657100666465766963656464657630696f706572617469"
+    "6f6e667570736572746a7461626c655f6e616d656872656164696e67736b686c635f6c6f676963616c006c7461626c65"
+    "5f736368656d61636170706f686c635f706879736963616c5f6d731b000001a0c4506c005840bab8cded6f4547e33ed0"
+    "e86fd5af2995d1a2dfd4b70d459e6d24fa11194b7c1b0cafc6579ac02d0bbbcd23d17a78e0adb4e3ded44c98464573d8"
+    "d3a1456a9504677265636f726473806b7373705f76657273696f6e016c66726f6d5f736974655f696478203030303030"
+    "3030303030303030303030303030303030303030303030303030306c686176655f6d61785f686c63a2676c6f67696361"
+    "6c006b706879736963616c5f6d731b000001a0c4506c00726170706c6965645f77617465726d61726b7381a567736974"
+    "655f6964782030303030303030303030303030303030303030303030303030303030303030306a7461626c655f6e616d"
+    "656872656164696e67736b686c635f6c6f676963616c006c7461626c655f736368656d61636170706f686c635f706879"
+    "736963616c5f6d731b000001a0c4506c00616301616da561648101616501616780617300617800617464626f6479"
+)
 
 
 class LinkError(ValueError):
@@ -75,6 +102,7 @@ class LinkConfig:
     dead_ms: int = 10_000
     min_rto_ms: int = 200
     max_rto_ms: int = 4_000
+    compress: bool = True  # offer (HELLO flag) and use zlib with ZDICT when the peer offers it too
 
     def __post_init__(self) -> None:
         if not 64 <= self.max_payload <= 65_535:
@@ -119,6 +147,7 @@ class SerialLink:
     state: str = "connecting"  # connecting -> up -> (down: connecting again)
     peer_nonce: int = 0
     peer_max_payload: int = 0
+    peer_zlib: bool = False  # the peer takes compressed messages (its HELLO said so, and so did ours)
     events: list[tuple[str, str]] = field(default_factory=list)  # ("up", "") / ("down", reason)
     stats: dict[str, int] = field(default_factory=dict)
 
@@ -133,7 +162,9 @@ class SerialLink:
         self._srtt: float | None = None
         self.stats = {k: 0 for k in ("bytes_in", "bytes_out", "frames_in", "frames_out", "data_out", "retransmits",
                                      "fast_retransmits", "duplicates", "out_of_window", "stale", "bad_packet",
-                                     "pings", "messages_in", "messages_out", "downs", "stream_bytes_out", "data_in")}
+                                     "pings", "messages_in", "messages_out", "downs", "stream_bytes_out", "data_in",
+                                     "message_bytes_out", "message_wire_bytes_out", "compressed_out",
+                                     "message_bytes_in", "compressed_in")}
         self._reset_sequences()
 
     def _reset_sequences(self) -> None:
@@ -199,8 +230,19 @@ class SerialLink:
         cut from the stream when sent, so signed bytes inside are never altered)."""
         if len(msg) > self.cfg.max_message:
             raise LinkError(f"message of {len(msg)} bytes exceeds the link's max_message {self.cfg.max_message}")
-        self._stream += _LEN.pack(len(msg)) + msg
+        wire, n = msg, len(msg)
+        if self.peer_zlib and self.up and len(msg) >= 32:
+            # Lossless, per message, only when it saves bytes: the receiver inflates exactly the
+            # bytes that were queued, so signed bytes inside are delivered unaltered.
+            c = zlib.compressobj(6, zlib.DEFLATED, -15, zdict=ZDICT)
+            z = c.compress(msg) + c.flush()
+            if len(z) < len(msg):
+                wire, n = z, len(z) | COMPRESSED
+                self.stats["compressed_out"] += 1
+        self._stream += _LEN.pack(n) + wire
         self.stats["messages_out"] += 1
+        self.stats["message_bytes_out"] += len(msg)
+        self.stats["message_wire_bytes_out"] += len(wire)
         self._pump(now)
 
     def messages(self) -> list[bytes]:
@@ -313,6 +355,8 @@ class SerialLink:
             if self.state == "up":
                 self._down("peer_restarted", now, new_nonce=False, hello=False)
             self.peer_nonce = nonce
+        if seen == self.nonce:
+            self.peer_zlib = bool(self.cfg.compress and flags & F_ZLIB)
         if seen == self.nonce and self.state != "up":
             self.state = "up"
             self.peer_max_payload = max_payload
@@ -377,6 +421,7 @@ class SerialLink:
         self._rbuf += data
         while len(self._rbuf) >= _LEN.size:
             (n,) = _LEN.unpack_from(self._rbuf)
+            compressed, n = bool(n & COMPRESSED), n & ~COMPRESSED
             if n > self.cfg.max_message:
                 # Only a broken or hostile peer announces this (the CRC passed): end the incarnation.
                 self.stats["bad_packet"] += 1
@@ -386,9 +431,35 @@ class SerialLink:
                 return
             msg = bytes(self._rbuf[_LEN.size:_LEN.size + n])
             del self._rbuf[:_LEN.size + n]
+            if compressed:
+                msg = self._inflate(msg)
+                if msg is None:
+                    self.stats["bad_packet"] += 1
+                    self._down("bad_compressed_message", now)
+                    return
+                self.stats["compressed_in"] += 1
             self._inbox.append(msg)
-            self._held += len(msg) + _LEN.size
+            # Stream bytes, what the window and the credit count: a node that takes nothing holds
+            # at most a window of them (plus the message completing it), inflated at most to
+            # max_message each (a hostile peer could send that much raw anyway).
+            self._held += n + _LEN.size
             self.stats["messages_in"] += 1
+            self.stats["message_bytes_in"] += len(msg)
+
+    def _inflate(self, data: bytes) -> bytes | None:
+        """A compressed message, inflated to at most max_message bytes (a deflate bomb costs no
+        more than the largest message), or None: compressed without our offer, not one whole
+        deflate stream, or longer than max_message."""
+        if not self.cfg.compress:
+            return None
+        try:
+            d = zlib.decompressobj(-15, zdict=ZDICT)
+            out = d.decompress(data, self.cfg.max_message + 1)
+        except zlib.error:
+            return None
+        if not d.eof or d.unconsumed_tail or d.unused_data or len(out) > self.cfg.max_message:
+            return None
+        return out
 
     def _on_ack(self, cum: int, credit: int, ranges: list[tuple[int, int]], now: int) -> None:
         if cum > self._snd_next:
@@ -485,7 +556,7 @@ class SerialLink:
         self._emit(_PING.pack(PING, self.tag), now)
 
     def _send_hello(self, now: int) -> None:
-        flags = F_UP if self.up else 0
+        flags = (F_UP if self.up else 0) | (F_ZLIB if self.cfg.compress else 0)
         self._emit(_HELLO.pack(HELLO, VERSION, self.nonce, self.peer_nonce, flags, self.cfg.max_payload,
                                self.cfg.window), now)
         if not self.up:
@@ -496,6 +567,7 @@ class SerialLink:
         self.stats["downs"] += 1
         self.events.append(("down", reason))
         self.state = "connecting"
+        self.peer_zlib = False
         if new_nonce:
             # A new incarnation the peer can tell apart even if it never noticed the loss.
             self.nonce = (self.nonce * 1_103_515_245 + 12_345) & 0xFFFFFFFF or 1

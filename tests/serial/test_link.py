@@ -7,16 +7,32 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from agent.transport.serial_link import LinkConfig, SerialLink
+from agent.transport.serial_link import COMPRESSED, ZDICT, LinkConfig, SerialLink
 from firmware_bridge import framing
 from serial_relay import LineFaults
 
 from .sim import SimLine, pair, up
 
 
-def msgs(seed: int, n: int, big: int = 5000) -> list[bytes]:
+def body_like(seed: int, events: int) -> bytes:
+    """A sync body's shape: per event the same CBOR structure and a fresh 64-byte signature."""
     r = random.Random(seed)
-    return [r.randbytes(r.choice([0, 1, 40, 900, 1100, big])) for _ in range(n)]
+    return b"".join(ZDICT[200:520] + r.randbytes(64) for _ in range(events))
+
+
+def msgs(seed: int, n: int, big: int = 5000, compressible: bool = True) -> list[bytes]:
+    """Random bytes (incompressible: sent raw) and, one in three, body-like bytes (a random
+    signature-sized piece in repeated structure: sent compressed when both ends offer it)."""
+    r = random.Random(seed)
+    out = []
+    for _ in range(n):
+        size = r.choice([0, 1, 40, 900, 1100, big])
+        if compressible and r.random() < 1 / 3:
+            unit = ZDICT[r.randrange(0, 200):][:120] + r.randbytes(64)
+            out.append((unit * (size // len(unit) + 1))[:size])
+        else:
+            out.append(r.randbytes(size))
+    return out
 
 
 def test_clean_line_delivers_in_order_once():
@@ -82,7 +98,7 @@ def test_pulled_cable_is_detected_and_a_new_incarnation_starts_after_replug():
 def test_unacknowledged_messages_are_dropped_with_the_incarnation_never_delivered_twice():
     line = pair(dead_ms=2000, keepalive_ms=400)
     t = up(line)
-    line.links[0].send_message(b"A" * 20_000, t)
+    line.links[0].send_message(random.Random(0).randbytes(20_000), t)  # incompressible: 1.7 s of line
     t = line.run(t, t + 300)  # part of it is on the line
     line.pulled = True
     t = line.run(t, t + 10_000, lambda: all(not ln.up for ln in line.links))
@@ -122,7 +138,7 @@ def test_a_busy_receiver_is_not_overrun():
     line = pair(window=4096)
     t = up(line)
     line.take[1] = False  # the node is applying a body and takes nothing
-    for m in msgs(3, 40, big=2000):
+    for m in msgs(3, 40, big=2000, compressible=False):  # raw: the stream bytes are the message bytes
         line.links[0].send_message(m, t)
     t = line.run(t, t + 30_000)
     b = line.links[1]
@@ -131,7 +147,7 @@ def test_a_busy_receiver_is_not_overrun():
     assert line.links[0].stats["pings"] > 0  # the sender probes the closed window
     line.take[1] = True
     line.run(t, t + 120_000, lambda: len(line.received[1]) == 40)
-    assert line.received[1] == msgs(3, 40, big=2000)
+    assert line.received[1] == msgs(3, 40, big=2000, compressible=False)
 
 
 def test_crc_clean_garbage_packets_change_nothing():
@@ -146,3 +162,63 @@ def test_crc_clean_garbage_packets_change_nothing():
     line.links[0].send_message(b"still works", t)
     line.run(t, t + 10_000, lambda: line.received[1])
     assert line.received[1][-1] == b"still works"
+
+
+def test_compression_is_negotiated_in_hello_and_delivers_the_same_bytes():
+    """Both ends offer it (HELLO flag): body-like messages cross in well under half their bytes
+    and arrive byte for byte; a one-event message gains from the preset dictionary too."""
+    line = pair()
+    t = up(line)
+    assert all(ln.peer_zlib for ln in line.links)
+    sent = [body_like(1, 50), body_like(2, 1), b"\x00" * 10, random.Random(3).randbytes(4000)]
+    for m in sent:
+        line.links[0].send_message(m, t)
+    line.run(t, t + 60_000, lambda: len(line.received[1]) == len(sent) and line.links[0].idle())
+    assert line.received[1] == sent
+    s = line.links[0].stats
+    assert s["compressed_out"] == 2  # the two bodies; the tiny one and the random one go raw
+    assert s["message_wire_bytes_out"] < 0.5 * s["message_bytes_out"]
+    one = body_like(2, 1)
+    import zlib
+    c = zlib.compressobj(6, zlib.DEFLATED, -15, zdict=ZDICT)
+    assert len(c.compress(one) + c.flush()) < 0.5 * len(one)  # the dictionary carries the structure
+
+
+def test_an_end_that_does_not_offer_compression_gets_raw_bytes_both_ways():
+    c_on, c_off = LinkConfig(), LinkConfig(compress=False)
+    line = SimLine(SerialLink(c_on, 0x11), SerialLink(c_off, 0x22))
+    t = up(line)
+    assert not any(ln.peer_zlib for ln in line.links)
+    sent = [body_like(4, 20), body_like(5, 3)]
+    for i in (0, 1):
+        for m in sent:
+            line.links[i].send_message(m, t)
+    line.run(t, t + 60_000, lambda: [len(r) for r in line.received] == [2, 2])
+    assert line.received == [sent, sent]
+    assert all(ln.stats["compressed_out"] == 0 for ln in line.links)
+
+
+def _inject_message(line, t, wire_len: int, payload: bytes) -> None:
+    """A peer's bug or attack: a message in the stream exactly as given (CRC-clean)."""
+    a = line.links[0]
+    a._stream += (wire_len).to_bytes(4, "big") + payload
+    a.stats["messages_out"] += 1
+    a._pump(t)
+
+
+def test_a_compressed_message_the_receiver_did_not_offer_or_cannot_inflate_ends_the_incarnation():
+    import zlib
+    for cfg_b, payload in [
+            (LinkConfig(compress=False), zlib.compress(b"x" * 100)[2:-4]),   # not offered
+            (LinkConfig(), b"\xff" * 50),                                    # not deflate
+            (LinkConfig(max_message=10_000), None)]:                         # a deflate bomb
+        if payload is None:
+            c = zlib.compressobj(9, zlib.DEFLATED, -15, zdict=ZDICT)
+            payload = c.compress(b"\x00" * 1_000_000) + c.flush()
+            assert len(payload) < 10_000
+        line = SimLine(SerialLink(LinkConfig(), 0x31), SerialLink(cfg_b, 0x42))
+        t = up(line)
+        _inject_message(line, t, len(payload) | COMPRESSED, payload)
+        line.run(t, t + 10_000, lambda: any(e == ("down", "bad_compressed_message") for e in line.links[1].events))
+        assert ("down", "bad_compressed_message") in line.links[1].events
+        assert line.received[1] == []
