@@ -270,3 +270,59 @@ def test_end_to_end_through_the_cli_queue_gossip_mailbox(tmp_path):
     assert st["bindings"] == {"0": key} and [r["epoch"] for r in st["receipts"]] == [0]
     assert st["head"]["receipt_hash"] == receipts.receipt_hash(bytes.fromhex(sent["commits"][0]["receipt"])).hex()
     assert not st["equivocation"] and st["held"] == 0
+
+
+def test_bindings_and_gossip_signed_through_softhsm2_tokens(tmp_path):
+    """The sequencer's receipt key and the authority node's key each in its own SoftHSM2 token:
+    the binding and the head records go through the node's signing bridge like its events."""
+    from agent.node import Node
+    from agent.sequencer import service
+    from agent.store import db
+    from bridge_helpers import softhsm_token
+    from tests.sync.helpers import manifest
+    seq_conf = softhsm_token(tmp_path / "t-seq", "seq-receipts")
+    node_conf = softhsm_token(tmp_path / "t-node", "node-key")
+    service.init(tmp_path / "seq", seq_conf)
+    a, pk_a = Node.init(tmp_path / "a", manifest(), node_conf)
+    b, pk_b = Node.init(tmp_path / "b", manifest(), {"kind": "software"})
+    try:
+        assert a.bridge.keystore.describe()["kind"] == "pkcs11"
+        a.add_peer(b.site_id, pk_b, None)
+        b.add_peer(a.site_id, pk_a, None)
+        for n in (a, b):
+            n.conn.execute("INSERT OR REPLACE INTO meta VALUES ('authorities', ?)", (json.dumps([a.site_id.hex()]),))
+            n.authorities = {a.site_id}
+        with service.Sequencer(tmp_path / "seq") as seq:
+            assert seq.bridge.keystore.describe()["kind"] == "pkcs11"
+            seq.register(G, 0)
+            got = [seq.submit(encode_private_message(G, e)).receipt for e in range(2)]
+            key = seq.public_key
+        sequencing.bind(a, G, key, 0, NOW)
+        for raw in got:
+            assert sequencing.gossip(a, raw, NOW)["verdict"] == "accepted"
+        converge([a, b], [(0, 1)], NOW)
+        st = sequencing.status(b, G)["groups"][0]
+        assert [r["epoch"] for r in st["receipts"]] == [0, 1] and st["bindings"] == {"0": key.hex()}
+        assert db.get_meta(b.conn, "public_key") == pk_b
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_head_record_released_but_not_stored_is_stored_on_open(nodes):
+    """A crash between the bridge's release of a head record and its store: the journal holds
+    the bytes; the next open stores them (and relays them), it never signs a second one."""
+    n0, n1, _ = nodes
+    rs = RogueSequencer()
+    raw_receipt = rogue_chain(rs, 1)[0]
+    protected, payload, tbs = sr.head_to_be_signed(n1.site_id, n1.mesh_id, G, raw_receipt)
+    from agent.core.cose import assemble
+    released = n1.release_signed(tbs, lambda sig: assemble(protected, payload, sig), NOW)   # ... and the crash
+    assert sequencing.status(n1)["groups"] == []
+    n1b = reopen(n1)
+    nodes[1] = n1b
+    from agent.store import sequencing as seqstore
+    assert seqstore.raws(n1b.conn, G, "head") == [released]
+    # and, now held, it is compacted out of the journal like any record the store holds
+    assert released not in [raw for _i, raw in n1b.bridge.iter_released()]
+    assert sequencing.gossip(n1b, raw_receipt, NOW)["gossiped"] is False       # not signed twice
