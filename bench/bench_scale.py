@@ -81,16 +81,17 @@ def fill(node: Node, src: Source, upto: int, chunk: int = 5_000) -> float:
 
 
 def probe(node: Node, src: Source, sites: list[SimPeer], n: int, rounds: int, keys: dict) -> list[tuple]:
-    """(apply rate, raw verify rate) per round: one mailbox body of `n` fresh events each."""
+    """(apply rate, raw verify rate, CPU s per event on all threads) per round: one mailbox body of
+    `n` fresh events each. The CPU figure moves less than the rates when neighbours load the machine."""
     out = []
     for _ in range(rounds):
         evs = src.next(n)
         body = sites[0].body(evs)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         r = import_mailbox_body(node, body)
-        rate = n / (time.perf_counter() - t)
+        rate, cpu = n / (time.perf_counter() - t), (time.process_time() - c) / n
         assert r["applied"] == n, r
-        out.append((rate, raw_verify_rate(evs, keys)))
+        out.append((rate, raw_verify_rate(evs, keys), cpu))
     return out
 
 
@@ -181,9 +182,10 @@ def main() -> int:
                 node.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
                 status_cli, check_cli = timed_cli(home, "status"), timed_cli(home, "check")
                 results.append((size, n_events, fill_rate, rounds, status_in, status_cli, check_cli))
-                ratios = [a / v for a, v in rounds]
-                print(f"{n_events:>9} events in the store: apply {med_range([a for a, _ in rounds], '{:.0f}')} "
-                      f"events/s, ratio to raw verify {med_range(ratios)}; fill {fill_rate:.0f} events/s; "
+                ratios = [a / v for a, v, _ in rounds]
+                print(f"{n_events:>9} events in the store: apply {med_range([a for a, _, _ in rounds], '{:.0f}')} "
+                      f"events/s, ratio to raw verify {med_range(ratios)}, CPU "
+                      f"{med_range([c * 1e6 for _, _, c in rounds], '{:.0f}')} us/event; fill {fill_rate:.0f} events/s; "
                       f"status {status_in * 1e3:.1f} ms in-process, `status` {status_cli:.2f} s, "
                       f"`check` {check_cli:.2f} s", flush=True)
                 if size == backfill_at:
@@ -201,8 +203,8 @@ def main() -> int:
         for n, s in ev:
             print(f"eviction: {n:>8} events removed in {s:.2f} s ({s / max(1, n) * 1e6:.1f} us/event)", flush=True)
     first, last = results[0], results[-1]
-    r0 = statistics.median([a / v for a, v in first[3]])
-    r1 = statistics.median([a / v for a, v in last[3]])
+    r0 = statistics.median([a / v for a, v, _ in first[3]])
+    r1 = statistics.median([a / v for a, v, _ in last[3]])
     print(f"apply ratio at {last[1]} events / at {first[1]} events: {r1 / r0:.2f} (flat: ~1.0)")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
