@@ -96,7 +96,7 @@ def record_payload_bytes(draw) -> bytes:
     gen = _maybe(draw, st.one_of(st.sampled_from([0, 1, 2**63 - 1, 2**63, 2**64 - 1]), INTS))
     p = {"subject_site_id": _maybe(draw, st.binary(min_size=16, max_size=16)), "generation": gen,
          "previous_record_hash": _maybe(draw, st.one_of(st.none(), st.binary(min_size=32, max_size=32)))}
-    kind = draw(st.sampled_from(["role", "vouch", "retire", "truncated", "rehydrate"]))
+    kind = draw(st.sampled_from(["role", "vouch", "retire", "truncated", "rehydrate", "ack"]))
     if kind == "role":
         p["role"] = _maybe(draw, TEXT)
     elif kind == "vouch":
@@ -110,6 +110,13 @@ def record_payload_bytes(draw) -> bytes:
              "horizon": _maybe(draw, st.lists(st.one_of(HLC_P, HLC_L), min_size=2, max_size=2)),
              "row_keys": _maybe(draw, st.lists(st.dictionaries(TEXT, SCALARS, max_size=3), max_size=4)),
              "issued_at": _maybe(draw, HLC_P)}
+    elif kind == "ack":  # sovm/ssp-ack-v1: [body_hash, processed, count, rejected indices]
+        n = st.one_of(st.integers(0, 40), INTS)
+        p = {"subject_site_id": p["subject_site_id"],
+             "answers": _maybe(draw, st.lists(st.lists(st.one_of(st.binary(min_size=32, max_size=32), n,
+                                                                 st.lists(n, max_size=5)), min_size=4, max_size=4)
+                                              | st.tuples(st.binary(min_size=32, max_size=32), n, n,
+                                                          st.lists(n, max_size=5)).map(list), max_size=20))}
     else:
         p["requested_at"] = _maybe(draw, HLC_P)
     return dumps(p, canonical=draw(st.integers(0, 9)) > 0)

@@ -24,7 +24,7 @@ from agent.core.classify import UNCLASSIFIED
 from agent.core.codec import DecodeError, decode_strict
 from agent.core.events import EVENT_CONTENT_TYPE, event_from_verified
 from agent.core.messages import Handshake, ProtocolError, SyncBody, parse_message, parse_presence
-from agent.core.records import TRUNCATED, CONTENT_TYPES, RecordError, verify_record, verify_truncation
+from agent.core.records import ACK, TRUNCATED, CONTENT_TYPES, RecordError, verify_ack, verify_record, verify_truncation
 from agent.core.session import StreamMeta, decode_frame, parse_meta_text
 from agent.outcomes import STATUSES
 from firmware_bridge import serial_protocol as sp
@@ -159,12 +159,14 @@ def event_payload(data: bytes) -> None:
 
 def record_payload(data: bytes) -> None:
     """Payload bytes signed validly by a mesh authority, as every record kind (authority records,
-    truncation): the record boundaries."""
-    for ctype in list(CONTENT_TYPES.values()) + [TRUNCATED]:
+    truncation, MQTT acknowledgement): the record boundaries."""
+    for ctype in list(CONTENT_TYPES.values()) + [TRUNCATED, ACK]:
         raw = sign(data, ctype)
         try:
             if ctype == TRUNCATED:
                 verify_truncation(raw, MESH, lambda kid: (bytes(KEY.verify_key), None) if kid == KID else None)
+            elif ctype == ACK:
+                verify_ack(raw, MESH, lambda kid: (bytes(KEY.verify_key), None) if kid == KID else None)
             else:
                 verify_record(raw, MESH, {KID}, lambda kid: bytes(KEY.verify_key) if kid == KID else None)
         except RecordError as e:
