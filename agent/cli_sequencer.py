@@ -308,7 +308,9 @@ def cmd_commits_queue(args) -> int:
 def cmd_commits_status(args) -> int:
     q = _queue(args)
     try:
-        _print({"member_id": q.member_id, "commits": [e.as_json() for e in q.entries()], "events": q.events()})
+        _print({"member_id": q.member_id, "commits": [e.as_json() for e in q.entries()],
+                "heads": [{"group": g.hex(), "epoch": e, "receipt": r.hex()} for g, e, r in q.heads()],
+                "discontinuities": [{"group": g.hex(), "epoch": e} for g, e in q.gaps()], "events": q.events()})
     finally:
         q.close()
     return EXIT_OK
@@ -429,7 +431,7 @@ def cmd_sequencing_gossip(args) -> int:
         if client.queue_path(Path(args.home)).exists():
             q = client.open_queue(Path(args.home))
             try:
-                raws += [e.receipt for e in q.entries() if e.receipt is not None]
+                raws += q.receipts_held()
             finally:
                 q.close()
     node = _open(args)
@@ -489,7 +491,8 @@ def register_sequencing(sub) -> None:
     ss.required = True
     a = ss.add_parser("gossip", help="spread receipts this member holds to the mesh (receipt-head records)")
     a.add_argument("receipt", nargs="*", help="a receipt: file (raw or hex) or hex")
-    a.add_argument("--from-queue", action="store_true", help="also every receipt in HOME/commit-queue.db")
+    a.add_argument("--from-queue", action="store_true",
+                   help="also every receipt in HOME/commit-queue.db (outcomes and heads heard on the broker)")
     a.set_defaults(fn=cmd_sequencing_gossip)
     a = ss.add_parser("bind", help="(mesh authority) bind a sequencer to a group from an MLS epoch (§22.6)")
     a.add_argument("--group", required=True, help="group_id, hex")

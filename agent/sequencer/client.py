@@ -56,6 +56,9 @@ CREATE TABLE IF NOT EXISTS commits (
   state TEXT NOT NULL, reason TEXT, receipt BLOB, queued_seq INTEGER NOT NULL, submissions INTEGER NOT NULL DEFAULT 0);
 CREATE UNIQUE INDEX IF NOT EXISTS one_outstanding ON commits (group_id) WHERE state = 'queued';
 CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, detail TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS heads (
+  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, receipt BLOB NOT NULL, PRIMARY KEY (group_id, epoch, receipt));
+CREATE TABLE IF NOT EXISTS gaps (group_id BLOB NOT NULL, epoch INTEGER NOT NULL, PRIMARY KEY (group_id, epoch));
 """
 
 
@@ -179,6 +182,33 @@ class CommitQueue:
             self.conn.execute("UPDATE commits SET reason = ? WHERE commit_hash = ? AND state = 'queued'",
                               (reason, commit_hash))
 
+    # -- what the broker publishes for the member's groups -----------------------------------
+    def groups(self) -> list[bytes]:
+        """The groups this member follows: every group it ever queued a Commit for."""
+        return [bytes(g) for (g,) in self.conn.execute("SELECT DISTINCT group_id FROM commits ORDER BY group_id")]
+
+    def keep_head(self, group_id: bytes, epoch: int, receipt: bytes) -> bool:
+        with self._tx():
+            cur = self.conn.execute("INSERT OR IGNORE INTO heads VALUES (?, ?, ?)", (group_id, epoch, receipt))
+        return bool(cur.rowcount)
+
+    def keep_gap(self, group_id: bytes, epoch: int) -> bool:
+        with self._tx():
+            cur = self.conn.execute("INSERT OR IGNORE INTO gaps VALUES (?, ?)", (group_id, epoch))
+        return bool(cur.rowcount)
+
+    def heads(self) -> list[tuple[bytes, int, bytes]]:
+        return [(bytes(g), e, bytes(r)) for g, e, r in
+                self.conn.execute("SELECT group_id, epoch, receipt FROM heads ORDER BY group_id, epoch")]
+
+    def gaps(self) -> list[tuple[bytes, int]]:
+        return [(bytes(g), e) for g, e in self.conn.execute("SELECT group_id, epoch FROM gaps ORDER BY group_id, epoch")]
+
+    def receipts_held(self) -> list[bytes]:
+        """Every receipt this member holds: its Commits' outcomes and the heads it heard."""
+        out = [e.receipt for e in self.entries() if e.receipt is not None] + [r for _g, _e, r in self.heads()]
+        return list(dict.fromkeys(out))
+
     def record_event(self, kind: str, detail: dict) -> None:
         with self._tx():
             self._event(kind, detail)
@@ -281,6 +311,7 @@ class CommitClient:
         self.connected = threading.Event()
         self._generation = 0           # connections made; bumped by the network thread
         self._sent_in: dict[bytes, tuple[int, float, float]] = {}   # (connection, next resubmit, wait)
+        self._followed: dict[bytes, int] = {}                        # group -> connection it subscribed on
         c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"sovm-member-{q.member_id}", protocol=paho.MQTTv5)
         if settings.username is not None:
             c.username_pw_set(settings.username, settings.password)
@@ -317,6 +348,13 @@ class CommitClient:
         """One step: submit what this connection has not carried yet, handle the answers."""
         gen = self._generation
         if self.connected.is_set():
+            # The retained head and recorded gaps of every group this member follows (§22.5: keep
+            # receipts; §22.6 step 4: gaps are surfaced to every member alike on the broker)
+            for g in self.q.groups():
+                if self._followed.get(g) != gen:
+                    base = f"{self.s.prefix}/{g.hex()}"
+                    self.client.subscribe([(f"{base}/accepted", 1), (f"{base}/discontinuity/+", 1)])
+                    self._followed[g] = gen
             now = time.monotonic()
             for e in self.q.outstanding():
                 sent = self._sent_in.get(e.commit_hash)
@@ -354,7 +392,39 @@ class CommitClient:
         p.CorrelationData = corr
         self.client.publish(f"{self.s.prefix}/{gid.hex()}/{kind}", payload, qos=1, properties=p)
 
+    def _published(self, msg) -> None:
+        """A retained `accepted` head or `discontinuity/E` record of a followed group."""
+        from agent.core import codec
+        parts = msg.topic.split("/")
+        try:
+            gid = bytes.fromhex(parts[-2] if parts[-1] == "accepted" else parts[-3])
+            body = codec.decode_strict(bytes(msg.payload))
+            epoch = body["epoch"]
+        except (ValueError, IndexError, KeyError, TypeError, codec.DecodeError):
+            return
+        if parts[-1] != "accepted":
+            if isinstance(epoch, int) and self.q.keep_gap(gid, epoch):
+                self.q.record_event("discontinuity", {"group": gid.hex(), "epoch": epoch})
+            return
+        try:
+            r = receipts.verify_receipt(bytes(body["receipt"]), self.key)
+        except (KeyError, TypeError, receipts.ReceiptError):
+            return
+        if r.group_id != gid or r.epoch != epoch:
+            return
+        new = self.q.keep_head(gid, r.epoch, r.raw)
+        if new and self.on_receipt:
+            self.on_receipt(r.raw)
+        for e in self.q.outstanding():                 # a head at a queued Commit's epoch decides it
+            if e.group_id == gid and e.epoch == r.epoch:
+                out = receipt_outcome(e, {"receipt": r.raw.hex()}, self.key)
+                if out.state is not None:
+                    self.q.settle(e.commit_hash, out.state, out.reason, out.receipt)
+
     def _handle(self, msg) -> None:
+        if msg.topic != self.reply_to:
+            self._published(msg)
+            return
         corr = getattr(getattr(msg, "properties", None), "CorrelationData", None)
         if not corr or len(corr) != 33:
             return

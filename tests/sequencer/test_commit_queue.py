@@ -209,3 +209,38 @@ def test_a_member_killed_at_random_times_loses_no_commit_and_misreads_no_outcome
     finally:
         stop(seqp)
         broker.close()
+
+
+def test_the_member_keeps_the_heads_the_sequencer_publishes_for_its_groups(tmp_path, mosquitto_ok):
+    """`commits run` follows the groups the member queued Commits for: every head the sequencer
+    publishes there (retained `accepted`) is verified and kept — the Commits of other members
+    included — and a head at a queued Commit's epoch decides it; `sequencing gossip --from-queue`
+    then spreads them (tests/sequencer/test_gossip.py)."""
+    seq_home, x, m = tmp_path / "seq", tmp_path / "x", tmp_path / "m"
+    key = json.loads(agent(seq_home, "sequencer", "init", check=0).stdout)["sequencer_key"]
+    agent(seq_home, "sequencer", "register", "--group", G.hex(), "--epoch", "0", check=0)
+    broker = Broker(workdir=tmp_path / "broker").start()
+    seqp, _ = spawn(seq_home, "sequencer", "run", "--broker", broker.url)
+    runner = None
+    try:
+        agent(x, "commits", "queue", str(commit_file(tmp_path, "x0", 0, b"x")), "--sequencer-key", key, check=0)
+        x0 = json.loads(agent(x, "commits", "send", "--broker", broker.url, "--timeout", "60", check=0).stdout)
+        # m built a Commit for epoch 0 too; it follows G from now on
+        agent(m, "commits", "queue", str(commit_file(tmp_path, "m0", 0, b"m")), "--sequencer-key", key, check=0)
+        runner, _ = spawn(m, "commits", "run", "--broker", broker.url)
+        agent(x, "commits", "queue", str(commit_file(tmp_path, "x1", 1, b"y")), check=0)
+        x1 = json.loads(agent(x, "commits", "send", "--broker", broker.url, "--timeout", "60", check=0).stdout)
+        want = [x0["commits"][0]["receipt"], x1["commits"][1]["receipt"]]
+        end = time.monotonic() + 90
+        while True:
+            st = json.loads(agent(m, "commits", "status", check=0).stdout)
+            if len(st["heads"]) >= 2 or time.monotonic() > end:
+                break
+            time.sleep(0.3)
+        assert [h["receipt"] for h in st["heads"]] == want, st
+        assert [(c["state"], c["receipt"]) for c in st["commits"]] == [("lost", want[0])]
+    finally:
+        if runner is not None:
+            stop(runner)
+        stop(seqp)
+        broker.close()
