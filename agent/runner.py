@@ -13,8 +13,8 @@ gaps) in the `ssp-meta` user property so that an authenticated receiver can infe
   a window of bodies in flight at once. Each body is a request; the cursor advances only when
   the peer's answer arrives, by the number of events it processed to a final state
   (`cursor_after`), and only contiguously. Without `secure`, only an answer carrying the peer's
-  signed acknowledgement of that exact body counts (`sovm/ssp-ack-v1`, docs/protocol.md §5). Unanswered bodies are re-offered (the peer absorbs
-  duplicates). Every body sent is kept in `sync_state.sent_bodies` until answered, so an answer
+  signed acknowledgement of that exact body counts (`sovm/ssp-ack-v1`, docs/protocol.md §5).
+  Unanswered bodies are re-offered (the peer absorbs duplicates). Every body sent is kept in `sync_state.sent_bodies` until answered, so an answer
   that waited in the broker while this process was gone (a `sync --once` device asleep, a
   restart) still moves the cursor when the next process takes it. A range with nothing for the peer (all filtered) still goes out as an empty body,
   so the cursor moves only on an answer and the peer's stream position stays in step.
@@ -117,6 +117,7 @@ MIN_BODY_LIMIT = 1024  # never send a peer less than this per body (MqttLink.max
 # (source, reason) in each window; the rest are counted and summed up in one row when the window ends.
 REFUSALS_SURFACED_PER_WINDOW = 20
 REFUSAL_WINDOW_S = 60.0
+MAX_ACKS_LOOKED_AT = 4  # acknowledgement records checked per answer (Runner._proof)
 PRESENCE_LIMIT = 1024  # handshakes kept (Runner.caps): fictional sites' presence evicts the oldest
 
 
@@ -516,7 +517,9 @@ class Runner:
             self.stats["answers_unprovable"] += 1  # recalled from a process that kept no hash
             return None
         try:
-            raws = [r for r in parse_body(payload).records if is_ack(r)]
+            # An honest answer carries one: a few are looked at, so a forged answer stuffed with
+            # records costs at most MAX_ACKS_LOOKED_AT signature checks.
+            raws = [r for r in parse_body(payload).records if is_ack(r)][:MAX_ACKS_LOOKED_AT]
         except ProtocolError:
             return None
         keyring = self.node.keyring
