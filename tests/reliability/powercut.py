@@ -657,6 +657,16 @@ def _verify(rec: Recording, state: dict, acked: list[dict], released: list[Relea
     old = os.environ.get("SSP_AGENT_WITNESS_DIR")
     os.environ["SSP_AGENT_WITNESS_DIR"] = str(rec.witness)
     try:
+        # First a read verb (`status`: a read-only open, which recovers nothing and writes nothing,
+        # so it sees the cut as it is), then the writing open that recovers.
+        out = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            rc = cli.main(["--home", str(rec.home), "status"])
+        if rc != 0:
+            finding("read_refused", err.getvalue().strip()[-300:])
+        elif json.loads(out.getvalue())["site_id"] != rec.site_id.hex():
+            finding("read_refused", "status shows another site")
+        err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             rc = cli.dispatch(argparse.Namespace(fn=verb, home=str(rec.home)))
     except BaseException as e:  # noqa: BLE001 - what escapes the CLI boundary is a traceback
