@@ -49,6 +49,7 @@ from typing import Any, Callable
 
 from .core.messages import Handshake, ProtocolError, parse_body, parse_presence
 from .core.records import MAX_ACK_ANSWERS, AckAnswer, RecordError, is_ack, record_hash as body_hash, verify_ack
+from .core.sending import PeerLimit  # the too-large back-off (pure)
 from .core.session import parse_meta_text
 from .outcomes import counts
 from .store import sync_state as st
@@ -112,7 +113,6 @@ class _Pending:
     body_hash: bytes | None = None  # BLAKE3 of the body's exact bytes: what a signed acknowledgement names
 
 
-MIN_BODY_LIMIT = 1024  # never send a peer less than this per body (MqttLink.max_payload's floor)
 # Flood bounds (issue 11 item 4, docs/apply.md "Bounds"): refusals surfaced (and logged) per
 # (source, reason) in each window; the rest are counted and summed up in one row when the window ends.
 REFUSALS_SURFACED_PER_WINDOW = 20
@@ -120,42 +120,6 @@ REFUSAL_WINDOW_S = 60.0
 MAX_ACKS_LOOKED_AT = 4  # acknowledgement records checked per answer (Runner._proof)
 PRESENCE_LIMIT = 1024  # handshakes kept (Runner.caps): fictional sites' presence evicts the oldest
 
-
-@dataclass
-class PeerLimit:
-    """The body size this node sends one peer after `too_large` refusals (issue 11 item 5).
-
-    A refusal halves it. But an answer is not authenticated without the broker's ACLs: a client
-    that reads inbox topics sees the correlation data and can answer first, so a refusal is no
-    evidence that the peer cannot take bigger bodies. A reduction is therefore provisional: after
-    `wait` seconds without a refusal the limit doubles (a probe), until it is back at the link's
-    maximum and forgotten. A peer whose limit really is lower refuses the probe, which halves the
-    limit again and doubles the wait (up to `limit_probe_max_s`): it costs one refused, re-offered
-    body per wait at most. An answer `ok` to a body larger than the last reduction shows the peer
-    takes that size: the wait starts again from `limit_probe_s`. A forger must keep forging to
-    keep the limit down, and the limit is back within about `limit_probe_max_s` plus
-    log2(maximum / MIN_BODY_LIMIT) waits of its last forgery."""
-    limit: int
-    probe_at: float
-    wait: float
-    floor_seen: int  # the lowest limit since the last probe (an ok above it is evidence)
-
-    def refused(self, now: float, probe_max_s: float) -> None:
-        self.limit = max(MIN_BODY_LIMIT, self.limit // 2)
-        self.floor_seen = min(self.floor_seen, self.limit)
-        self.wait = min(probe_max_s, self.wait * 2)
-        self.probe_at = now + self.wait
-
-    def answered_ok(self, size: int, probe_s: float) -> None:
-        if size > self.floor_seen:
-            self.wait, self.floor_seen = probe_s, self.limit
-
-    def current(self, now: float, top: int) -> int:
-        """The limit now (doubled once per `wait` elapsed since the last refusal, up to `top`)."""
-        while now >= self.probe_at and self.limit < top:
-            self.limit *= 2
-            self.probe_at += self.wait
-        return min(self.limit, top)
 
 
 class Runner:

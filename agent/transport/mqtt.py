@@ -47,6 +47,8 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from ..core.sending import split_sizes  # noqa: F401 - body splitting is pure; re-exported for the runner, benches, tests
+
 log = logging.getLogger("ssp_agent.mqtt")
 
 DEFAULT_PREFIX = "ssp"
@@ -204,28 +206,6 @@ class Backoff:
 
     def reset(self) -> None:
         self.n = 0
-
-
-# ---------------------------------------------------------------------------- splitting
-def _cbor_head(n: int) -> int:
-    return 1 if n < 24 else 2 if n < 256 else 3 if n < 65536 else 5 if n < 2 ** 32 else 9
-
-
-def split_sizes(sizes: Sequence[int], base_size: int, limit: int, max_events: int) -> list[tuple[int, int]]:
-    """Split consecutive items (their encoded sizes) into [start, end) ranges whose body stays
-    within `limit` bytes and `max_events` items. A single item too large for any body still
-    forms a body of its own (the caller decides whether to send it)."""
-    out: list[tuple[int, int]] = []
-    start, size = 0, base_size + 8  # + the events array's length head growing
-    for i, s in enumerate(sizes):
-        cost = s + _cbor_head(s)
-        if i > start and (size + cost > limit or i - start >= max_events):
-            out.append((start, i))
-            start, size = i, base_size + 8
-        size += cost
-    if start < len(sizes):
-        out.append((start, len(sizes)))
-    return out
 
 
 # ---------------------------------------------------------------------------- the link
