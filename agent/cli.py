@@ -317,8 +317,51 @@ def version() -> str:
         return "unknown"
 
 
+class _Version(argparse.Action):
+    """`--version`, looked up only when asked for (importlib.metadata is slow to import)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        sys.stdout.write(f"ssp-agent {version()}\n")
+        parser.exit()
+
+
 # ---------------------------------------------------------------- parser
-def build_parser() -> argparse.ArgumentParser:
+# Verbs that other modules register, by module (issue 15 item 3: a verb's start-up imports what it
+# uses and not every other verb's module; `--help` and anything not recognised build the whole
+# parser). tests/core/test_cli_startup.py checks this table against what the modules register.
+VERB_MODULES = {
+    "mailbox": "agent.cli_sync", "policy": "agent.cli_sync", "record": "agent.cli_sync",
+    "authority": "agent.cli_sync", "rehydrate": "agent.cli_sync",
+    "sync": "agent.cli_mqtt", "run": "agent.cli_mqtt",
+    "keystore": "agent.cli_keystore",
+    "sequencer": "agent.cli_sequencer", "commits": "agent.cli_sequencer", "sequencing": "agent.cli_sequencer",
+    "service": "agent.cli_service",
+    "provision": "agent.cli_provision",
+    "check": "agent.cli_health", "metrics": "agent.cli_health",
+}
+CORE_VERBS = frozenset({"init", "peer", "write", "purge", "dump", "log", "evict", "events", "status", "table",
+                        "identity"})
+
+
+def _verb_of(argv: list[str]) -> str | None:
+    """The verb of a command line, if the global options before it are ones we know exactly;
+    None when unsure (then the whole parser decides)."""
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--home":
+            i += 2
+        elif a.startswith("--home=") or a in ("-v", "--verbose"):
+            i += 1
+        elif a.startswith("-"):
+            return None   # --help, --version, an abbreviation, a typo: the whole parser
+        else:
+            return a
+    return None
+
+
+def build_parser(modules: "set[str] | None" = None) -> argparse.ArgumentParser:
+    """The command's parser; `modules`: register only the verbs of these modules (None: all)."""
     p = argparse.ArgumentParser(
         prog="ssp-agent",
         description="SSP/1 sync node for field devices: signed, per-column-merged SQLite replication.",
@@ -327,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--home", default=os.environ.get("SSP_AGENT_HOME"),
                    help="the node's state directory (default: $SSP_AGENT_HOME)")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level to stderr")
-    p.add_argument("--version", action="version", version=f"ssp-agent {version()}")
+    p.add_argument("--version", action=_Version, nargs=0, help="print the installed version and exit")
     sub = p.add_subparsers(dest="verb", metavar="VERB")
     sub.required = True
 
@@ -374,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     a = ms.add_parser("import", help="apply every event of one sync body file")
     a.add_argument("file")
     a.set_defaults(fn=cmd_mailbox_import)
-    _add_later_verbs(sub, ms)
+    _add_later_verbs(sub, ms, modules)
 
     s = sub.add_parser("dump", help="print the materialized tables as JSON")
     s.set_defaults(fn=cmd_dump)
@@ -424,10 +467,12 @@ def _clock_flags(s) -> None:
                    help="wait up to SECONDS for the clock to be synchronised before refusing (exit 2, clock_untrusted)")
 
 
-def _add_later_verbs(sub, mailbox_sub) -> None:
+def _add_later_verbs(sub, mailbox_sub, modules: "set[str] | None" = None) -> None:
     """Verbs whose implementations live in other modules register themselves here."""
     for mod in ("agent.cli_sync", "agent.cli_mqtt", "agent.cli_keystore", "agent.cli_sequencer", "agent.cli_service",
                 "agent.cli_provision", "agent.cli_health"):
+        if modules is not None and mod not in modules:
+            continue
         try:
             m = __import__(mod, fromlist=["register"])
         except ImportError:
@@ -456,7 +501,8 @@ def run_forwarded(argv: list[str], node, status_extra=None) -> tuple[int, str, s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    verb = _verb_of(sys.argv[1:] if argv is None else list(argv))
+    parser = build_parser(set() if verb in CORE_VERBS else {VERB_MODULES[verb]} if verb in VERB_MODULES else None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")

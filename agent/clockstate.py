@@ -20,8 +20,6 @@ a minute, and by `run` every minute), and the highest HLC it holds (`clock.curre
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 import time
 from pathlib import Path
@@ -45,30 +43,44 @@ EVIDENCE_EVERY_MS = 60_000  # how stale the recorded evidence may get before a w
 _TRUE = ("1", "yes", "true", "on")
 
 
-class _Timex(ctypes.Structure):
-    # struct timex (linux/timex.h); only `status` is read. The trailing padding covers the
-    # reserved fields of every kernel ABI.
-    _fields_ = [("modes", ctypes.c_uint), ("offset", ctypes.c_long), ("freq", ctypes.c_long),
-                ("maxerror", ctypes.c_long), ("esterror", ctypes.c_long), ("status", ctypes.c_int),
-                ("constant", ctypes.c_long), ("precision", ctypes.c_long), ("tolerance", ctypes.c_long),
-                ("time_sec", ctypes.c_long), ("time_usec", ctypes.c_long), ("tick", ctypes.c_long),
-                ("ppsfreq", ctypes.c_long), ("jitter", ctypes.c_long), ("shift", ctypes.c_int),
-                ("stabil", ctypes.c_long), ("jitcnt", ctypes.c_long), ("calcnt", ctypes.c_long),
-                ("errcnt", ctypes.c_long), ("stbcnt", ctypes.c_long), ("tai", ctypes.c_int),
-                ("_reserved", ctypes.c_int * 11)]
-
-
 _libc = None
+_Timex = None
+
+
+def _timex():
+    """struct timex (linux/timex.h) and libc, loaded on the first kernel query (ctypes is not
+    needed by anything else a short-lived verb does)."""
+    global _libc, _Timex
+    if _Timex is None:
+        import ctypes
+
+        class Timex(ctypes.Structure):
+            # only `status` is read; the trailing padding covers the reserved fields of every kernel ABI
+            _fields_ = [("modes", ctypes.c_uint), ("offset", ctypes.c_long), ("freq", ctypes.c_long),
+                        ("maxerror", ctypes.c_long), ("esterror", ctypes.c_long), ("status", ctypes.c_int),
+                        ("constant", ctypes.c_long), ("precision", ctypes.c_long), ("tolerance", ctypes.c_long),
+                        ("time_sec", ctypes.c_long), ("time_usec", ctypes.c_long), ("tick", ctypes.c_long),
+                        ("ppsfreq", ctypes.c_long), ("jitter", ctypes.c_long), ("shift", ctypes.c_int),
+                        ("stabil", ctypes.c_long), ("jitcnt", ctypes.c_long), ("calcnt", ctypes.c_long),
+                        ("errcnt", ctypes.c_long), ("stbcnt", ctypes.c_long), ("tai", ctypes.c_int),
+                        ("_reserved", ctypes.c_int * 11)]
+        try:
+            # glibc's soname directly: ctypes.util.find_library runs `ldconfig -p` in a subprocess
+            _libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        except OSError:
+            import ctypes.util
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _Timex = Timex
+    return _libc, _Timex
 
 
 def kernel_synced() -> bool | None:
     """The kernel's NTP state: True synchronised, False not, None when it cannot be read."""
-    global _libc
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = getattr(_libc, "adjtimex", None) or getattr(_libc, "ntp_adjtime")
-        tx = _Timex()  # modes = 0: read only
+        import ctypes
+        libc, timex = _timex()
+        fn = getattr(libc, "adjtimex", None) or getattr(libc, "ntp_adjtime")
+        tx = timex()  # modes = 0: read only
         state = fn(ctypes.byref(tx))
     except (OSError, AttributeError):
         return None

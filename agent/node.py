@@ -38,6 +38,7 @@ EVENT_KEY = "events"  # the key name of the node's event-signing key in its keys
 HELD_LIMIT_PER_SIGNER = 10_000
 HELD_LIMIT_TOTAL = 100_000
 JOURNAL_COMPACT_BYTES = 4 * 2**20  # compact the signing journal when it grew this much since the last time
+JOURNAL_OPEN_COMPACT_BYTES = 64 * 2**10  # on open, compact only a journal larger than this (or after a recovery)
 
 
 class NodeError(RuntimeError):
@@ -356,7 +357,12 @@ class Node:
             sync_state.ensure_schema(self.conn)
             log.warning("storing %d control record(s) released before a crash but never stored", len(records))
             self.apply_records(records, now_ms())
-        self.compact_journal()
+        # Compaction rewrites the journal (two fsyncs: the new file, its directory). On open only
+        # after a recovery or once the journal outgrew JOURNAL_OPEN_COMPACT_BYTES: a `write` per
+        # process would otherwise pay both for the one entry the previous one left (issue 15 item
+        # 3). The entries that wait are read by every open (above), which the bound keeps cheap.
+        if missing or records or self.bridge.journal_stats()["bytes"] > JOURNAL_OPEN_COMPACT_BYTES:
+            self.compact_journal()
 
     def apply_records(self, raws, now: int) -> dict:
         """Verify and store control records, each on its own (a bad one is dropped and surfaced
@@ -494,6 +500,8 @@ class Node:
                 self._applied += new
                 db.set_meta(self.conn, "applied_count", self._applied)
             counters.bump_outcomes(self.conn, origin, (o.status for o in out))   # the metrics (issue 12 item 4)
+            due = self._write_due_meta()
+        self._due_meta_committed(due)
         if new:
             self.witness.note_applied(self._applied)
         return out
@@ -955,7 +963,7 @@ class Node:
                         raise NodeError(f"column {c} is {tbl.tdef.columns[c]}; {v!r} does not fit{hint}")
             payloads.append((tbl.tdef, key, None if delete else values, "delete" if delete else "upsert"))
         built: list = []
-        raws = self._sign_events(payloads, self._signing_now(now), built)
+        raws = self._sign_events(payloads, self._signing_now(now, defer=True), built)
         try:
             outs = self.apply_batch(raws, now, origin="local", built=self._local_checked(raws, built))
         except Exception as e:
@@ -991,13 +999,15 @@ class Node:
             self.compact_journal()  # MQTT acknowledgements are signed per answer and stored nowhere else
         return raw
 
-    def _signing_now(self, now: int) -> int:
+    def _signing_now(self, now: int, defer: bool = False) -> int:
         """The wall-clock input of the next ticks (core/clock.signing_time): bounded by the
-        evidence while the clock is not trustworthy; while it is, the reading is new evidence."""
+        evidence while the clock is not trustworthy; while it is, the reading is new evidence.
+        `defer` (local writes): the evidence is written by the write's next transaction (a due
+        ceiling's, else the apply's) instead of one of its own: one fsync fewer (issue 15 item 3)."""
         from . import clockstate
         st = clockstate.assess(self, now)
         if st["trusted"]:
-            self.record_clock_evidence(now)
+            self.record_clock_evidence(now, defer=defer)
         return clock_signing_time(now, self.clock_evidence, st["trusted"])
 
     def note_clock(self, now: int | None = None) -> dict:
@@ -1010,16 +1020,37 @@ class Node:
             self.record_clock_evidence(now)
         return st
 
-    def record_clock_evidence(self, now: int, force: bool = False) -> None:
+    def record_clock_evidence(self, now: int, force: bool = False, defer: bool = False) -> None:
         """Keep the highest wall-clock reading taken while the clock was trustworthy (meta
-        clock_evidence; only rises). Throttled to one store write a minute unless forced."""
+        clock_evidence; only rises). Throttled to one store write a minute unless forced.
+        `defer`: written by the next transaction that commits anyway (`_write_due_meta`)."""
         from .clockstate import EVIDENCE_EVERY_MS
         cur = self.clock_evidence
         if self.read_only or (cur is not None and (now <= cur or (not force and now < cur + EVIDENCE_EVERY_MS))):
             return
+        if defer:
+            self._evidence_due = max(now, self._evidence_due or 0)
+            return
         with _txn(self.conn):
             db.set_meta(self.conn, "clock_evidence", now)
         self.clock_evidence = now
+
+    _evidence_due: int | None = None
+
+    def _write_due_meta(self) -> int | None:
+        """Inside the caller's transaction: the deferred evidence reading, if any. Returns it, for
+        `_due_meta_committed` once the transaction committed."""
+        due = self._evidence_due
+        if due is not None and (self.clock_evidence is None or due > self.clock_evidence):
+            db.set_meta(self.conn, "clock_evidence", due)
+            return due
+        return None
+
+    def _due_meta_committed(self, due: int | None) -> None:
+        if due is not None:
+            self.clock_evidence = max(due, self.clock_evidence or 0)
+            if self._evidence_due is not None and self._evidence_due <= due:
+                self._evidence_due = None
 
     def require_trusted_clock(self, what: str, *, override: bool = False, wait_s: float = 0,
                               now: int | None = None, strict: bool = False) -> dict:
@@ -1036,9 +1067,12 @@ class Node:
         they sign with it through the bridge, then `_witness` it before it can leave the node."""
         need = self.clock.needs_ceiling(now)
         if need is not None:
-            # Persist the ceiling (and its witness outside the home) before issuing past it.
+            # Persist the ceiling (and its witness outside the home) before issuing past it; a
+            # deferred evidence reading rides in the same commit.
             with _txn(self.conn):
                 db.set_meta(self.conn, "clock_ceiling", need)
+                due = self._write_due_meta()
+            self._due_meta_committed(due)
             self.clock.set_ceiling(need)
         return self.clock.tick(now)
 

@@ -11,15 +11,11 @@ import json
 import os
 import stat
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
 import nacl.bindings
 import nacl.signing
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec
 
-from .ec import der_to_raw, public_key_compressed
 from .errors import KeyExists, KeyNotFound, KeystoreError, KeystoreUnavailable
 from .fsutil import fsync_dir
 from .identity import Identity
@@ -41,27 +37,39 @@ class _Key:
         self.ed = nacl.signing.SigningKey(secret) if alg == "ed25519" else None
         # libsodium's 64-byte secret (seed || public key) for crypto_sign, built once per key
         self.ed_sk = nacl.bindings.crypto_sign_seed_keypair(secret)[1] if alg == "ed25519" else None
-        self.p256 = ec.derive_private_key(int.from_bytes(secret, "big"), ec.SECP256R1()) if alg == "p256" else None
+        self.p256 = _p256_private(secret) if alg == "p256" else None
 
     def public(self) -> bytes:
         if self.ed is not None:
             return bytes(self.ed.verify_key)
         assert self.p256 is not None
+        from .ec import public_key_compressed
         return public_key_compressed(self.p256.public_key())
 
     def sign(self, data: bytes) -> bytes:
         if self.ed_sk is not None:
             return nacl.bindings.crypto_sign(data, self.ed_sk)[:64]
         assert self.p256 is not None
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        from .ec import der_to_raw
         return der_to_raw(self.p256.sign(data, ec.ECDSA(hashes.SHA256(), deterministic_signing=True)))
 
     def __repr__(self) -> str:  # never show the secret
         return f"<key {self.alg}>"
 
 
+def _p256_private(secret: bytes):
+    # cryptography only where P-256 is used (issue 15 item 3: an Ed25519-only node never loads it)
+    from cryptography.hazmat.primitives.asymmetric import ec
+    return ec.derive_private_key(int.from_bytes(secret, "big"), ec.SECP256R1())
+
+
 def new_secret(alg: str) -> bytes:
     if alg == "ed25519":
         return bytes(nacl.signing.SigningKey.generate())
+    from cryptography.hazmat.primitives.asymmetric import ec
     key = ec.generate_private_key(ec.SECP256R1())
     return key.private_numbers().private_value.to_bytes(32, "big")
 
@@ -151,7 +159,7 @@ class SoftwareKeystore(Keystore):
     def __init__(self, directory: str, *, sign_threads: Optional[int] = None) -> None:
         self._keys = KeyDir(directory)
         self._threads = max(1, min(4, os.cpu_count() or 1) if sign_threads is None else sign_threads)
-        self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool = None   # a ThreadPoolExecutor, made for the first large batch
         self._pool_lock = threading.Lock()
 
     def generate_key(self, name: str, alg: str) -> bytes:
@@ -205,9 +213,10 @@ class SoftwareKeystore(Keystore):
                 sigs.extend(part)
         return sigs, failure
 
-    def _worker_pool(self) -> ThreadPoolExecutor:
+    def _worker_pool(self):
         with self._pool_lock:
             if self._pool is None:
+                from concurrent.futures import ThreadPoolExecutor
                 self._pool = ThreadPoolExecutor(self._threads - 1, thread_name_prefix="ssp-sign")
             return self._pool
 

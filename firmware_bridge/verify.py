@@ -12,12 +12,10 @@ from functools import lru_cache
 
 import nacl.exceptions
 import nacl.signing
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
-from .ec import P256_ORDER
+# cryptography is imported on the first P-256 verification only: a node that signs and verifies
+# Ed25519 events never loads it (issue 15 item 3, start-up of `write` and `sync --once`).
+P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
 
 
 def verify_ed25519(public_key: bytes, message: bytes, signature: bytes) -> bool:
@@ -40,6 +38,10 @@ def verify_p256(public_key: bytes, message: bytes, signature: bytes) -> bool:
     s = int.from_bytes(signature[32:], "big")
     if not (1 <= r < P256_ORDER and 1 <= s < P256_ORDER):
         return False
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
     try:
         key = _p256_key(bytes(public_key))
         key.verify(encode_dss_signature(r, s), bytes(message), ec.ECDSA(hashes.SHA256()))
@@ -49,7 +51,8 @@ def verify_p256(public_key: bytes, message: bytes, signature: bytes) -> bool:
 
 
 @lru_cache(maxsize=256)
-def _p256_key(public_key: bytes) -> ec.EllipticCurvePublicKey:
+def _p256_key(public_key: bytes):
     """Decoding a point costs about a third of a verification; a sequencer's or a member's checks
     are under a handful of keys. A point that does not decode raises (never cached)."""
+    from cryptography.hazmat.primitives.asymmetric import ec
     return ec.EllipticCurvePublicKey.from_encoded_point(ec.SECP256R1(), public_key)

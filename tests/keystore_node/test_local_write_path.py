@@ -5,12 +5,17 @@ under a key that is not this node's keyring key is never stored (the apply path'
 decides), and what the log holds is byte for byte what a full apply of the same bytes gives."""
 from __future__ import annotations
 
+import json
+import shutil
+import subprocess
+
 import pytest
 
 from agent.core import cose
 from agent.node import EVENT_KEY, Node, NodeError
 from agent.simpeer import manifest_text, readings_table
 from firmware_bridge import software
+from tests.cli_cmd import agent_cmd, agent_env
 
 MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 T = "app.readings"
@@ -85,3 +90,30 @@ def test_compaction_after_write_many_reads_no_released_output_back(tmp_path, mon
     finally:
         monkeypatch.undo()
         a.close()
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="counts the calls with strace")
+def test_a_cli_write_makes_only_the_fsyncs_the_release_order_needs(tmp_path):
+    """docs/keystore.md "fsyncs of one local write": a `write` in its own process, after an earlier
+    one left its released event in the journal, makes two journal fsyncs (intent, released), one
+    witness fdatasync, and SQLite's own; the journal is not rewritten on open for that one entry
+    (it was, for every write: two fsyncs more), and the evidence reading rides in a commit the
+    write makes anyway."""
+    env = agent_env({"SSP_AGENT_CLOCK_TRUSTED": "1", "SSP_AGENT_WITNESS_DIR": str(tmp_path / "witness")})
+    man = tmp_path / "m.toml"
+    man.write_text(MANIFEST)
+    home = tmp_path / "h"
+    subprocess.run(agent_cmd() + ["--home", str(home), "init", "--manifest", str(man)], env=env, check=True,
+                   capture_output=True)
+    calls = []
+    for seq in (1, 2):
+        trace = tmp_path / f"trace{seq}"
+        subprocess.run(["strace", "-f", "-qq", "-y", "-e", "trace=fsync,fdatasync", "-o", str(trace), *agent_cmd(),
+                        "--home", str(home), "write", T, "--key", json.dumps({"device": "d", "seq": seq}),
+                        "--set", '{"temp": 1.5}'], env=env, check=True, capture_output=True)
+        calls = [line.split("<", 1)[1].split(">", 1)[0] for line in trace.read_text().splitlines() if "sync(" in line]
+    journal = str(home / "sign-journal")
+    assert calls.count(journal) == 2, calls
+    assert not any(c.endswith(".compact") for c in calls), calls
+    assert sum(1 for c in calls if "witness" in c) == 1, calls
+    assert all(c.startswith(str(home)) or "witness" in c for c in calls), calls
