@@ -52,7 +52,7 @@ from .core.records import MAX_ACK_ANSWERS, AckAnswer, RecordError, is_ack, recor
 from .core.sending import PeerLimit  # the too-large back-off (pure)
 from .core.session import parse_meta_text
 from .outcomes import counts
-from .store import sync_state as st
+from .store import db, sync_state as st
 from .sync import Offer  # noqa: F401 - defined below the runner (no import circle); re-exported
 from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_COUNT, P_END, P_KIND, P_META, P_PART, P_PROCESSED,
                              P_REJECTED_AT, decode_indices, encode_indices,
@@ -141,7 +141,11 @@ class Runner:
         self._next_evict = 0.0
         self._next_clock = 0.0
         self.clock_state: dict | None = None
-        self.sent_upto: dict[bytes, int] = {}  # per peer: highest seq offered in flight (volatile)
+        self.sent_upto: dict[bytes, int] = {}  # per peer: highest seq offered in flight
+        self._earlier: dict[bytes, dict[bytes, int]] = {}  # per peer: bodies in flight from an earlier process
+        self._silent_since: dict[bytes, float] = {}  # per peer: reachable since, with bodies unanswered
+        self._give_ups: Counter = Counter()  # per peer: give-ups since its last answer (the wait doubles)
+        self._heard: set[bytes] = set()  # peers a request came from in this process
         self.caps: dict[bytes, Handshake] = {}  # present peers' handshakes
         self.stats: Counter = Counter()
         self.rejections: deque = deque(maxlen=1000)  # (reason, detail) of refused inbound messages
@@ -157,6 +161,7 @@ class Runner:
         self._next_batch = 0.0
         self._next_flush = 0.0
         self._produced_at: float | None = None
+        self._load_in_flight()
 
     # -------------------------------------------------------------- lifecycle
     def start(self, connect_timeout: float = 10.0) -> bool:
@@ -254,6 +259,7 @@ class Runner:
         return n
 
     def _handle(self, m: Inbound) -> None:
+        self._note_link(m)
         if m.kind == "req":
             self._on_request(m)
         elif m.kind == "ans":
@@ -534,18 +540,80 @@ class Runner:
                 self.stats["presence_evicted"] += 1
 
     # -------------------------------------------------------------- sending
-    def _reset_peer(self, peer: bytes) -> None:
+    # Quiet links (issue 12 item 6, docs/mqtt.md "Quiet links"). A body sent to a peer stays in
+    # flight (it waits in the peer's broker session, or at the peer) until the peer answers it or
+    # there is evidence that it never will: the peer was reachable after the body was sent (its
+    # presence is live, or a message from it arrived) and `answer_timeout_s` passed without the
+    # answer (doubling with each such give-up, up to 64 times, until an answer comes), or, on a
+    # `sync --once` wake, a message from the peer was among what waited for this node while the
+    # answer was not. Only then is the range offered again. A peer that is away is sent one window
+    # and nothing more however many cadences or wakes pass, so what waits for it in the broker is
+    # at most one window of distinct bodies. Which bodies are in flight is durable (sent_bodies and
+    # peer_links.gave_up_id), so the next wake or a restart does not send the window again.
+    GIVE_UP_DOUBLINGS = 6
+
+    def _load_in_flight(self) -> None:
+        """Bodies an earlier process sent and nobody answered yet (not given up, not older than a
+        session lasts, not already covered by the cursor): in flight for this process too."""
+        from .sync import token_from_json
+        since = int(time.time() * 1000) - int(self.settings.session_expiry_s) * 1000
+        keyring = self.node.keyring
+        for _id, corr, peer, text in st.bodies_in_flight(self.node.conn, PATH, since):
+            if peer not in keyring:
+                continue
+            tok, _extra = token_from_json(text)
+            if tok.end > self.sync.cursor(peer) or _extra.get("bf"):
+                self._earlier.setdefault(peer, {})[corr] = tok.end
+                self.sent_upto[peer] = max(self.sent_upto.get(peer, 0), tok.end)
+
+    def _give_up(self, peer: bytes) -> None:
+        """The bodies in flight to `peer` will not be answered: offer their ranges again (the next
+        cycle), and count none of them as in flight any more (durably)."""
         for c in [c for c, p in self.pending.items() if p.peer == peer]:
             del self.pending[c]
         self.sent_upto.pop(peer, None)
+        self._earlier.pop(peer, None)
+        self._silent_since.pop(peer, None)
+        with db.transaction(self.node.conn):
+            st.give_up_sent_bodies(self.node.conn, peer, PATH)
+
+    def _reset_peer(self, peer: bytes) -> None:
+        self._give_up(peer)
+
+    def _wait(self, peer: bytes) -> float:
+        return self.cfg.answer_timeout_s * 2 ** min(self._give_ups[peer], self.GIVE_UP_DOUBLINGS)
 
     def _expire(self, now: float) -> None:
-        for peer in {p.peer for p in self.pending.values() if now - p.sent > self.cfg.answer_timeout_s}:
-            self.stats["unanswered"] += 1
-            self._reset_peer(peer)
+        for peer in {p.peer for p in self.pending.values()} | {p for p, c in self._earlier.items() if c}:
+            since = self._silent_since.get(peer)
+            if since is None:
+                if peer not in self.caps:
+                    continue  # away: its bodies wait in its session; nothing is evidence of a loss
+                since = self._silent_since[peer] = now
+            if now - since >= self._wait(peer):
+                self.stats["unanswered"] += 1
+                self._give_ups[peer] += 1
+                self._give_up(peer)
+
+    def _note_link(self, m: Inbound) -> None:
+        """What a message tells the send schedule (before it is handled): an answer to a body in
+        flight ends the peer's silence; a request from a peer shows it reachable now."""
+        if m.kind == "ans" and m.sender is not None and m.correlation is not None:
+            p = self.pending.get(m.correlation)
+            earlier = self._earlier.get(m.sender, {})
+            if (p is not None and p.peer == m.sender) or m.correlation in earlier:
+                earlier.pop(m.correlation, None)
+                self._silent_since.pop(m.sender, None)
+                self._give_ups[m.sender] = 0
+        elif m.kind == "req" and m.sender is not None and not m.dup:
+            self._heard.add(m.sender)
+            if self.in_flight(m.sender) and m.sender not in self._silent_since:
+                self._silent_since[m.sender] = time.monotonic()
+        elif m.kind == "presence" and not m.payload:
+            self._silent_since.pop(m.site, None)  # it left: what it did not answer waits in its session
 
     def in_flight(self, peer: bytes) -> int:
-        return sum(1 for p in self.pending.values() if p.peer == peer)
+        return sum(1 for p in self.pending.values() if p.peer == peer) + len(self._earlier.get(peer, ()))
 
     def backfill_in_flight(self, peer: bytes) -> bool:
         """At most one body carrying backfill rows is out per peer: the next rows are selected
@@ -711,6 +779,11 @@ class Runner:
                 idle_since = time.monotonic()
             elif time.monotonic() - idle_since >= settle_s:
                 break
+        for peer in [p for p, c in self._earlier.items() if c and p in self._heard]:
+            # The peer was online since those bodies were sent (what it sent waited for us), and
+            # their answers, which it would have sent first, were not there: lost (quiet links).
+            self.stats["unanswered"] += 1
+            self._give_up(peer)
         self.batch_cycle()
         while time.monotonic() < deadline:
             self.pump(0.05)

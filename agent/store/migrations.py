@@ -13,6 +13,8 @@ Version history:
      policy rows, truncation records (the serving side of rehydration)
   3  durable counters for the metrics (agent/store/counters.py): apply outcomes, sync runs
   4  sequencing records (agent/store/sequencing.py): receipt heads and sequencer bindings (issue 14)
+  5  per-peer link state (sync_state.peer_links): which sent bodies still count as in flight,
+     the peer's advertised body limit and the provisional reduction after refusals (issue 12 item 6)
 
 To change the layout: append a step (version LATEST + 1) below. Never edit a released step.
 The ensure_* functions stay idempotent and keep working on their own (they are also called where
@@ -60,6 +62,8 @@ def _v3_counters(conn: sqlite3.Connection) -> None:
 
 def _v4_sequencing(conn: sqlite3.Connection) -> None:
     sequencing.ensure_schema(conn)
+def _v5_peer_links(conn: sqlite3.Connection) -> None:
+    conn.execute(sync_state.PEER_LINKS_DDL)
 
 
 # (version reached, what it does): applied in order, each in one transaction.
@@ -68,6 +72,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[sqlite3.Connection], None]]] = [
     (2, "surfaced bound, held counts, sync state, truncation records", _v2_bounds_sync_state),
     (3, "counters for the metrics", _v3_counters),
     (4, "sequencing records (receipt heads, sequencer bindings)", _v4_sequencing),
+    (5, "per-peer link state: bodies in flight, learned body limits", _v5_peer_links),
 ]
 LATEST = MIGRATIONS[-1][0]
 

@@ -189,6 +189,62 @@ def sent_bodies_count(conn: sqlite3.Connection, peer: bytes, path: str) -> int:
     return conn.execute("SELECT count(*) FROM sent_bodies WHERE peer=? AND path=?", (peer, path)).fetchone()[0]
 
 
+# ---------------------------------------------------------------- per-peer link state (store layout v4)
+# Quiet links (issue 12 item 6): which of the bodies in sent_bodies still count as in flight to a
+# peer (those after `gave_up_id`: waiting in the broker or at the peer), and what this node learned
+# of the peer's body limit: the limit it advertised itself (presence, answers; transport metadata,
+# docs/mqtt.md "Size limits") and the provisional reduction after `too_large` refusals (runner
+# PeerLimit, as JSON), so neither is learned again after a restart or on the next wake.
+PEER_LINKS_DDL = ("CREATE TABLE IF NOT EXISTS peer_links ("
+                  " peer BLOB NOT NULL, path TEXT NOT NULL, gave_up_id INTEGER NOT NULL DEFAULT 0,"
+                  " advertised INTEGER, limit_state TEXT, PRIMARY KEY (peer, path)) WITHOUT ROWID")
+
+
+def _has_peer_links(conn: sqlite3.Connection) -> bool:
+    return conn.execute("SELECT 1 FROM sqlite_master WHERE name='peer_links'").fetchone() is not None
+
+
+def peer_link(conn: sqlite3.Connection, peer: bytes, path: str) -> dict:
+    """{gave_up_id, advertised, limit_state} of `peer` on `path` (defaults when nothing is known)."""
+    r = conn.execute("SELECT gave_up_id, advertised, limit_state FROM peer_links WHERE peer=? AND path=?",
+                     (peer, path)).fetchone() if _has_peer_links(conn) else None
+    if r is None:
+        return {"gave_up_id": 0, "advertised": None, "limit_state": None}
+    return {"gave_up_id": r[0], "advertised": r[1], "limit_state": json.loads(r[2]) if r[2] else None}
+
+
+def _put_link(conn: sqlite3.Connection, peer: bytes, path: str, column: str, value) -> None:
+    conn.execute("INSERT INTO peer_links (peer, path) VALUES (?, ?) ON CONFLICT (peer, path) DO NOTHING", (peer, path))
+    conn.execute(f"UPDATE peer_links SET {column}=? WHERE peer=? AND path=?", (value, peer, path))
+
+
+def give_up_sent_bodies(conn: sqlite3.Connection, peer: bytes, path: str) -> None:
+    """The bodies sent to `peer` on `path` so far no longer count as in flight (their ranges are
+    offered again). Their rows stay: a late answer still moves the cursor."""
+    top = conn.execute("SELECT coalesce(max(id), 0) FROM sent_bodies WHERE peer=? AND path=?", (peer, path)).fetchone()[0]
+    if top > peer_link(conn, peer, path)["gave_up_id"]:
+        _put_link(conn, peer, path, "gave_up_id", top)
+
+
+def bodies_in_flight(conn: sqlite3.Connection, path: str, since_ms: int) -> list[tuple[int, bytes, bytes, str]]:
+    """(id, key, peer, token) of the bodies sent on `path` since `since_ms`, not answered, not given up."""
+    if not has_schema(conn):
+        return []
+    link = "LEFT JOIN peer_links l ON l.peer = s.peer AND l.path = s.path" if _has_peer_links(conn) else ""
+    gave = "coalesce(l.gave_up_id, 0)" if link else "0"
+    return [(i, bytes(k), bytes(p), t) for i, k, p, t in conn.execute(
+        f"SELECT s.id, s.sent_key, s.peer, s.token FROM sent_bodies s {link} "
+        f"WHERE s.path=? AND s.sent_ms >= ? AND s.id > {gave} ORDER BY s.id", (path, since_ms))]
+
+
+def set_advertised_limit(conn: sqlite3.Connection, peer: bytes, path: str, limit: int | None) -> None:
+    _put_link(conn, peer, path, "advertised", limit)
+
+
+def set_limit_state(conn: sqlite3.Connection, peer: bytes, path: str, state: dict | None) -> None:
+    _put_link(conn, peer, path, "limit_state", json.dumps(state, sort_keys=True) if state else None)
+
+
 # ---------------------------------------------------------------- mailbox answers (agent/mailbox.py)
 MAILBOX_ANSWERS_KEPT = 16  # answers owed per peer (an ack carries at most 16)
 MAILBOX_ACKS_KEPT = 4  # signed answer records kept per peer (the newest is re-used while nothing changed)
