@@ -263,7 +263,10 @@ class Runner:
         if m.kind == "req":
             self._on_request(m)
         elif m.kind == "ans":
+            was = self._is_in_flight(m.sender, m.correlation)
             self._on_answer(m)
+            if was:
+                self._note_answered(m)
         else:
             self._on_presence(m)
 
@@ -578,7 +581,11 @@ class Runner:
             st.give_up_sent_bodies(self.node.conn, peer, PATH)
 
     def _reset_peer(self, peer: bytes) -> None:
-        self._give_up(peer)
+        """Offer again from the durable cursor (after a refusal, or an answer that processed only a
+        prefix): the next bodies start there. The bodies still in flight keep their slots of the
+        window until they are answered or given up, so the peer never has more than one window
+        waiting (quiet links)."""
+        self.sent_upto.pop(peer, None)
 
     def _wait(self, peer: bytes) -> float:
         return self.cfg.answer_timeout_s * 2 ** min(self._give_ups[peer], self.GIVE_UP_DOUBLINGS)
@@ -596,21 +603,41 @@ class Runner:
                 self._give_up(peer)
 
     def _note_link(self, m: Inbound) -> None:
-        """What a message tells the send schedule (before it is handled): an answer to a body in
-        flight ends the peer's silence; a request from a peer shows it reachable now."""
-        if m.kind == "ans" and m.sender is not None and m.correlation is not None:
-            p = self.pending.get(m.correlation)
-            earlier = self._earlier.get(m.sender, {})
-            if (p is not None and p.peer == m.sender) or m.correlation in earlier:
-                earlier.pop(m.correlation, None)
-                self._silent_since.pop(m.sender, None)
-                self._give_ups[m.sender] = 0
-        elif m.kind == "req" and m.sender is not None and not m.dup:
+        """What a message tells the send schedule (before it is handled): a request from a peer
+        shows it reachable now; its presence leaving ends the wait. (An answer counts once it has
+        settled a body, `_note_answered`: an unproven one, which anyone reading the topic can
+        forge, is no evidence of anything.)"""
+        if m.kind == "req" and m.sender is not None and not m.dup:
             self._heard.add(m.sender)
             if self.in_flight(m.sender) and m.sender not in self._silent_since:
                 self._silent_since[m.sender] = time.monotonic()
         elif m.kind == "presence" and not m.payload:
             self._silent_since.pop(m.site, None)  # it left: what it did not answer waits in its session
+
+    def _is_in_flight(self, peer: bytes, corr: bytes | None) -> bool:
+        p = self.pending.get(corr) if corr is not None else None
+        return (p is not None and p.peer == peer) or corr in self._earlier.get(peer, ())
+
+    def _note_answered(self, m: Inbound) -> None:
+        """After an answer was handled: a body the answer settled (taken as proven, or refused) is
+        out of flight, and the peer is not silent. An answer that was ignored (unproven, a replay)
+        settles nothing: the body keeps its slot of the window and the wait goes on."""
+        peer, corr = m.sender, m.correlation
+        if peer is None or corr is None:
+            return
+        if corr in self._earlier.get(peer, ()):
+            if self.sync.recall(corr) is not None and not self._refused(m):
+                return
+            del self._earlier[peer][corr]
+        elif corr in self.pending:
+            return
+        self._heard.add(peer)
+        self._silent_since.pop(peer, None)
+        self._give_ups[peer] = 0
+
+    @staticmethod
+    def _refused(m: Inbound) -> bool:
+        return m.props.get(P_STATUS) not in (None, "ok")
 
     def in_flight(self, peer: bytes) -> int:
         return sum(1 for p in self.pending.values() if p.peer == peer) + len(self._earlier.get(peer, ()))

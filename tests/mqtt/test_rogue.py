@@ -180,9 +180,13 @@ def test_forged_ok_answers_do_not_move_the_cursor(broker, tmp_path):
     try:
         for i in range(30):
             write(a, i, "w")
-        step_until([ra], lambda: ra.stats["answers_unproven"] >= 8 or ra.sync.cursor(b.site_id) > 0, 20)
+        # B is away: A sends its window once (quiet links, docs/mqtt.md) and an unproven answer is
+        # no evidence that B is there, so each forgery is of a body A sent once.
+        step_until([ra], lambda: ra.stats["answers_unproven"] >= 1 or ra.sync.cursor(b.site_id) > 0, 20)
+        for _ in range(50):
+            ra.step(0.01)
         assert ra.sync.cursor(b.site_id) == 0, (ra.sync.cursor(b.site_id), ra.stats)
-        assert ra.stats["answers_unproven"] >= 8 and ra.stats["events_acknowledged"] == 0
+        assert ra.stats["answers_unproven"] >= 1 and ra.stats["events_acknowledged"] == 0
         forger.active = False
         rb = runner(b, broker, cadence_s=3600, realtime=False)
         assert step_until([ra, rb], lambda: event_ids(a) <= event_ids(b), 20), (ra.stats, ra.sync.cursor(b.site_id))
