@@ -55,7 +55,8 @@ from .outcomes import counts
 from .store import db, sync_state as st
 from .sync import Offer  # noqa: F401 - defined below the runner (no import circle); re-exported
 from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_COUNT, P_END, P_KIND, P_META, P_PART, P_PROCESSED,
-                             P_REJECTED_AT, decode_indices, encode_indices,
+                             P_REJECTED_AT, ADVERTISED_FLOOR, P_BODY_LIMIT, decode_indices, encode_indices,
+                             parse_body_limit,
                              P_REASON, P_START, P_STATUS, Inbound, MqttLink, MqttSettings, encode_meta, meta_cost,
                              split_sizes)
 
@@ -146,6 +147,10 @@ class Runner:
         self._silent_since: dict[bytes, float] = {}  # per peer: reachable since, with bodies unanswered
         self._give_ups: Counter = Counter()  # per peer: give-ups since its last answer (the wait doubles)
         self._heard: set[bytes] = set()  # peers a request came from in this process
+        self.advertised: dict[bytes, int] = {}  # per keyring peer: the body limit it advertised (ssp-body-limit)
+        self._limit_told: bytes | None = None  # the peer whose refusal being handled stated its limit
+        self._links_dirty: set[bytes] = set()  # peers whose learned limits are not in the store yet
+        self._next_links_save = 0.0
         self.caps: dict[bytes, Handshake] = {}  # present peers' handshakes
         self.stats: Counter = Counter()
         self.rejections: deque = deque(maxlen=1000)  # (reason, detail) of refused inbound messages
@@ -162,6 +167,7 @@ class Runner:
         self._next_flush = 0.0
         self._produced_at: float | None = None
         self._load_in_flight()
+        self._load_limits()
 
     # -------------------------------------------------------------- lifecycle
     def start(self, connect_timeout: float = 10.0) -> bool:
@@ -169,6 +175,7 @@ class Runner:
         return self.link.wait_connected(connect_timeout)
 
     def close(self) -> None:
+        self._save_links()
         if self._owed:
             self._answer_owed(force=True)  # applied and committed: answer before going
         self.link.close()
@@ -187,6 +194,8 @@ class Runner:
             self._next_batch = now + self.cfg.cadence_s
         if self.cfg.realtime:
             self._realtime(now)
+        if self._links_dirty and now >= self._next_links_save:
+            self._save_links()
         if self.cfg.eviction_interval_s and now >= self._next_evict:
             self._next_evict = now + self.cfg.eviction_interval_s
             self.evict()
@@ -265,6 +274,7 @@ class Runner:
         elif m.kind == "ans":
             was = self._is_in_flight(m.sender, m.correlation)
             self._on_answer(m)
+            self._limit_told = None
             if was:
                 self._note_answered(m)
         else:
@@ -320,8 +330,9 @@ class Runner:
         if m.dup:
             self.stats["redelivered"] += 1
         limit = self.settings.body_limit_bytes
-        if len(m.payload) > limit:
-            return self._reject(m, "too_large", f"{len(m.payload)} bytes > body limit {limit}")
+        size = max(len(m.payload), m.oversize)  # the link keeps no payload over the limit (oversize)
+        if size > limit:
+            return self._reject(m, "too_large", f"{size} bytes > body limit {limit}")
         kind = m.props.get(P_KIND, KIND_BATCH)
         if kind not in (KIND_BATCH, KIND_REALTIME):
             return self._reject(m, "unknown_kind", kind[:40])
@@ -600,6 +611,15 @@ class Runner:
             if now - since >= self._wait(peer):
                 self.stats["unanswered"] += 1
                 self._give_ups[peer] += 1
+                # A broker drops, without a word, a PUBLISH larger than the Maximum Packet Size the
+                # peer announced (issue 11 item 4): silence from a reachable peer may mean our
+                # bodies are too large for it (a peer that does not advertise its limit). So the
+                # give-up also halves, provisionally like a refusal (PeerLimit), what it gets,
+                # down to ADVERTISED_FLOOR at most.
+                big = max((p.size for p in self.pending.values() if p.peer == peer), default=0)
+                if big > ADVERTISED_FLOOR:
+                    self._too_large(peer)
+                    self.stats["body_limit_reduced_by_silence"] += 1
                 self._give_up(peer)
 
     def _note_link(self, m: Inbound) -> None:
@@ -607,6 +627,12 @@ class Runner:
         shows it reachable now; its presence leaving ends the wait. (An answer counts once it has
         settled a body, `_note_answered`: an unproven one, which anyone reading the topic can
         forge, is no evidence of anything.)"""
+        who = m.site if m.kind == "presence" else m.sender
+        if who is not None and who in self.node.keyring and who != self.node.site_id:
+            if m.kind != "presence" or m.payload:
+                self._learn_limit(who, parse_body_limit(m.props.get(P_BODY_LIMIT)))
+            if m.kind == "ans" and m.props.get(P_REASON) == "too_large" and P_BODY_LIMIT in m.props:
+                self._limit_told = who
         if m.kind == "req" and m.sender is not None and not m.dup:
             self._heard.add(m.sender)
             if self.in_flight(m.sender) and m.sender not in self._silent_since:
@@ -647,27 +673,88 @@ class Runner:
         from the durable row cursor, which moves only when that body is answered."""
         return any(p.peer == peer and p.backfill for p in self.pending.values())
 
-    def _limit(self, peer: bytes) -> int:
-        """Bytes per body for `peer`: the link's maximum, or less after its too_large refusals
-        (PeerLimit: provisional, probed back up)."""
+    # The peer's body limit (issue 12 item 6, docs/mqtt.md "Size limits"). Every node advertises
+    # its own (`ssp-body-limit` on its retained presence, its bodies and its answers: transport
+    # metadata with no authority, wire-profile §5); a sender uses min(its link's maximum, the
+    # peer's latest advertisement) from the first body, and keeps it in the store (peer_links),
+    # so a Pi Zero behind a 1 MiB gateway refuses nothing, also after restarts and on sleepers'
+    # next wakes. Without ACLs anyone can forge an advertisement (a retained presence, a request
+    # or an answer under the peer's name): so one is never taken below ADVERTISED_FLOOR (16 KiB)
+    # nor above the link's maximum, and the peer's own next message replaces it (it advertises on
+    # every connect and in everything it sends). A forger can thus at worst make bodies to that
+    # peer 16 KiB ones (more bodies, the same events) for as long as it keeps forging.
+    def _learn_limit(self, peer: bytes, limit: int | None) -> None:
+        if limit is None or self.advertised.get(peer) == limit:
+            return
+        self.advertised[peer] = limit
+        self.stats["body_limits_learned"] += 1
+        self._links_dirty.add(peer)
+
+    def _load_limits(self) -> None:
+        now, wall = time.monotonic(), int(time.time() * 1000)
+        for peer in self.node.keyring:
+            link = st.peer_link(self.node.conn, peer, PATH)
+            if link["advertised"] is not None:
+                self.advertised[peer] = int(link["advertised"])
+            if link["limit_state"]:
+                pl = PeerLimit.from_json(link["limit_state"], now, wall)
+                if pl is not None:
+                    self.peer_limit[peer] = pl
+
+    def _save_links(self) -> None:
+        """What was learned of peers' limits, in the store: at most once a minute (a flood of forged
+        advertisements must not cost a transaction each), and when the runner closes."""
+        self._next_links_save = time.monotonic() + 60.0
+        if not self._links_dirty:
+            return
+        now, wall = time.monotonic(), int(time.time() * 1000)
+        try:
+            with db.transaction(self.node.conn):
+                for peer in self._links_dirty:
+                    st.set_advertised_limit(self.node.conn, peer, PATH, self.advertised.get(peer))
+                    pl = self.peer_limit.get(peer)
+                    st.set_limit_state(self.node.conn, peer, PATH, pl.to_json(now, wall) if pl else None)
+        except Exception as e:  # noqa: BLE001 - a full disk: learned again from the next advertisement
+            log.warning("could not keep the peers' body limits: %s", e)
+        self._links_dirty.clear()
+
+    def _top(self, peer: bytes) -> int:
+        """The largest body `peer` gets: the link's maximum, under what the peer advertised."""
         top = self.link.max_payload()
+        adv = self.advertised.get(peer)
+        if adv is not None:
+            top = min(top, max(ADVERTISED_FLOOR, adv))
+        return top
+
+    def _limit(self, peer: bytes) -> int:
+        """Bytes per body for `peer`: the link's maximum under the peer's advertised limit, or less
+        after its too_large refusals (PeerLimit: provisional, probed back up to that)."""
+        top = self._top(peer)
         pl = self.peer_limit.get(peer)
         if pl is None:
             return top
         lim = pl.current(time.monotonic(), top)
         if lim >= top:
             del self.peer_limit[peer]  # back at the maximum: the reduction is forgotten
+            self._links_dirty.add(peer)
             self.stats["body_limit_recovered"] += 1
             return top
         return lim
 
     def _too_large(self, peer: bytes) -> None:
+        if self._limit_told == peer:
+            # The refusal stated the peer's limit (`ssp-body-limit`, learned in `_note_link`): the
+            # next bodies fit it; nothing to guess by halving.
+            self._limit_told = None
+            self.stats["body_limit_told"] += 1
+            return
         now = time.monotonic()
         pl = self.peer_limit.get(peer)
         if pl is None:
-            top = self.link.max_payload()
+            top = self._top(peer)
             pl = self.peer_limit[peer] = PeerLimit(top, now, self.cfg.limit_probe_s / 2, top)
         pl.refused(now, self.cfg.limit_probe_max_s)
+        self._links_dirty.add(peer)
         self.stats["body_limit_reduced"] += 1
 
     def offer(self, peer: bytes, kind: str = KIND_BATCH, bodies: int | None = None, force: bool = False) -> int:
@@ -733,10 +820,12 @@ class Runner:
         self.stats["batch_cycles"] += 1
         n = 0
         for peer in self.sync.peers():
-            if self.in_flight(peer):
-                continue  # its window is still out; answers (or the timeout) decide
-            self.sent_upto.pop(peer, None)
-            n += self.offer(peer, KIND_BATCH)
+            out = self.in_flight(peer)
+            if out >= self.cfg.window:
+                continue  # its window is out; answers (or evidence of a loss) decide (quiet links)
+            if not out:
+                self.sent_upto.pop(peer, None)
+            n += self.offer(peer, KIND_BATCH)  # what the window has room for, after what is out
         return n
 
     def realtime_peers(self) -> list[bytes]:

@@ -66,3 +66,18 @@ class PeerLimit:
             self.limit *= 2
             self.probe_at += self.wait
         return min(self.limit, top)
+
+    def to_json(self, now: float, wall_ms: int) -> dict:
+        """What the store keeps (sync_state.peer_links.limit_state): the probe time on the wall
+        clock (`now` is the monotonic time, `wall_ms` the wall clock, both passed in)."""
+        return {"limit": self.limit, "wait": self.wait, "floor_seen": self.floor_seen,
+                "probe_at_ms": wall_ms + int((self.probe_at - now) * 1000)}
+
+    @classmethod
+    def from_json(cls, d: dict, now: float, wall_ms: int) -> "PeerLimit | None":
+        """`to_json` read back (None for anything malformed: the limit is learned again)."""
+        try:
+            return cls(max(MIN_BODY_LIMIT, int(d["limit"])), now + (int(d["probe_at_ms"]) - wall_ms) / 1000,
+                       float(d["wait"]), int(d["floor_seen"]))
+        except (KeyError, TypeError, ValueError):
+            return None

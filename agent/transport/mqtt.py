@@ -64,12 +64,22 @@ P_STATUS, P_REASON, P_PROCESSED = "ssp-status", "ssp-reason", "ssp-processed"
 # item 4); absent when none was. A sender that gets it counts every other event as processed.
 P_REJECTED_AT = "ssp-rejected-at"
 P_META = "ssp-meta"  # the frame meta (docs/protocol.md §1) as compact JSON: {s, e, d, g, x}
+# The publisher's own body limit (bytes), on its presence, its bodies and its answers: transport
+# metadata that carries no authority (wire-profile §5). A sender uses min(its link's maximum, the
+# peer's advertised limit), never below ADVERTISED_FLOOR, whoever wrote it (docs/mqtt.md "Size limits").
+P_BODY_LIMIT = "ssp-body-limit"
+ADVERTISED_FLOOR = 16 * 1024
+# In-flight memory bound (issue 11 item 4): the broker may have at most ReceiveMaximum unacknowledged
+# PUBLISHes out to this node, each at most its Maximum Packet Size (own body limit + PACKET_OVERHEAD).
+RECEIVE_BUDGET_BYTES = 16 * 1024 * 1024
+RECEIVE_MAXIMUM_MIN, RECEIVE_MAXIMUM_MAX = 16, 1000
 KIND_BATCH, KIND_REALTIME = "batch", "rt"
 
 _GENERATIONS = itertools.count(1)
 
 
 PRESENT_LIMIT = 1024  # presence payloads kept (MqttLink.present); the oldest go first
+PRESENCE_MAX_BYTES = 4096  # a presence payload is cut to this (a handshake is ~150 bytes; a cut one is refused)
 
 
 class TransportError(RuntimeError):
@@ -95,6 +105,12 @@ class MqttSettings:
     backoff_min_s: float = 0.5
     backoff_max_s: float = 60.0
     client_id: str | None = None  # default: the site_id in hex (a persistent session per device)
+    receive_maximum: int | None = None  # default: receive_maximum(body_limit_bytes) (the in-flight memory bound)
+    # Announce a Maximum Packet Size at CONNECT (body limit + PACKET_OVERHEAD) so the broker drops
+    # larger PUBLISHes. Off by default: mosquitto 2.0.11 (Debian bookworm) keeps the in-flight slot
+    # of each PUBLISH it drops for that reason, so Receive Maximum oversized messages stop every
+    # delivery to the node (docs/mqtt.md "Memory bound"). The link's own bound holds either way.
+    announce_max_packet: bool = False
 
     @classmethod
     def from_url(cls, url: str, **kw) -> "MqttSettings":
@@ -155,6 +171,26 @@ class Topics:
         if m is None or (m.group(2) == "presence") != (m.group(3) is None):
             return None
         return bytes.fromhex(m.group(1)), m.group(2), bytes.fromhex(m.group(3)) if m.group(3) else None
+
+
+def parse_body_limit(text: str | None) -> int | None:
+    """An advertised body limit (`ssp-body-limit`) read strictly: decimal digits, at most 10 of
+    them; None for anything else (ignored, as every member a node does not understand)."""
+    if not text or len(text) > 10 or not text.isdigit():
+        return None
+    return int(text)
+
+
+def max_packet_size(body_limit: int) -> int:
+    """The Maximum Packet Size this node announces at CONNECT: its body limit plus the topic and
+    properties (the sender counts `ssp-meta` inside the body limit; the rest fits PACKET_OVERHEAD)."""
+    return int(body_limit) + PACKET_OVERHEAD
+
+
+def receive_maximum(body_limit: int) -> int:
+    """Unacknowledged PUBLISHes the broker may have out to this node at once: as many of the
+    largest packets as RECEIVE_BUDGET_BYTES holds, between 16 and 1 000."""
+    return max(RECEIVE_MAXIMUM_MIN, min(RECEIVE_MAXIMUM_MAX, RECEIVE_BUDGET_BYTES // max_packet_size(body_limit)))
 
 
 def encode_meta(start: int, end: int, seqs: Sequence[int], gaps: Iterable[str] = (), extra: int = 0) -> str:
@@ -224,6 +260,7 @@ class Inbound:
     retain: bool
     generation: int  # the connection it arrived on: acks on a later connection are meaningless
     sender: bytes | None = None  # inbox: the publisher the topic names (pinned by the broker's ACL, if any)
+    oversize: int = 0  # a body over the node's body limit: its size (its payload was not kept)
     received: float = field(default_factory=time.monotonic)
 
 
@@ -308,7 +345,12 @@ class MqttLink:
     def _connect_props(self) -> Properties:
         p = Properties(PacketTypes.CONNECT)
         p.SessionExpiryInterval = int(self.s.session_expiry_s)
-        p.ReceiveMaximum = 1000
+        # Issue 11 item 4: at most ReceiveMaximum unacknowledged PUBLISHes are out to us, and the
+        # link keeps no payload over the body limit (`_on_message`): what waits in memory is at
+        # most receive_maximum x max_packet_size (16 MiB), whatever a flood sends.
+        if self.s.announce_max_packet:
+            p.MaximumPacketSize = max_packet_size(self.s.body_limit_bytes)  # the broker drops larger ones
+        p.ReceiveMaximum = int(self.s.receive_maximum or receive_maximum(self.s.body_limit_bytes))
         return p
 
     # -------------------------------------------------------------- lifecycle
@@ -449,12 +491,15 @@ class MqttLink:
                     self.presence_echo.set()
                 return
             self.present.pop(site, None)  # re-inserted: the order is the order of the last presence
-            if msg.payload:
-                self.present[site] = bytes(msg.payload)
+            # A handshake is ~150 bytes: a longer payload is cut (and then refused by the presence
+            # boundary), so 1 024 fictional sites' presence cannot hold 1 024 large payloads.
+            payload = bytes(msg.payload[:PRESENCE_MAX_BYTES])
+            if payload:
+                self.present[site] = payload
                 if len(self.present) > self.present_limit:
                     del self.present[next(iter(self.present))]
                     self.present_evicted += 1
-            self.inbound.put(Inbound("presence", site, bytes(msg.payload), {}, None, None, msg.mid, msg.qos,
+            self.inbound.put(Inbound("presence", site, payload, _user_props(props), None, None, msg.mid, msg.qos,
                                      bool(msg.dup), bool(msg.retain), self.generation))
             return
         if site != self.site_id:
@@ -462,9 +507,15 @@ class MqttLink:
             return
         corr = getattr(props, "CorrelationData", None) if props is not None else None
         rt = getattr(props, "ResponseTopic", None) if props is not None else None
-        self.inbound.put(Inbound("req" if kind == "inbox/req" else "ans", site, bytes(msg.payload),
+        payload, oversize = msg.payload, 0
+        if len(payload) > self.s.body_limit_bytes:
+            # Refused for its size alone (`too_large`): the bytes are not kept while it waits, so a
+            # flood of oversized bodies holds at most Receive Maximum small records in memory.
+            payload, oversize = b"", len(payload)
+        self.inbound.put(Inbound("req" if kind == "inbox/req" else "ans", site, bytes(payload),
                                  _user_props(props), bytes(corr) if corr is not None else None, rt,
-                                 msg.mid, msg.qos, bool(msg.dup), bool(msg.retain), self.generation, sender))
+                                 msg.mid, msg.qos, bool(msg.dup), bool(msg.retain), self.generation, sender,
+                                 oversize=oversize))
 
     def _ack_now(self, msg) -> None:
         if msg.qos > 0:
@@ -480,7 +531,12 @@ class MqttLink:
 
     def publish_presence(self) -> None:
         if self.presence_payload is not None:
-            self._client.publish(self.topics.presence(self.site_id), self.presence_payload(), qos=1, retain=True)
+            self._client.publish(self.topics.presence(self.site_id), self.presence_payload(), qos=1, retain=True,
+                                 properties=_publish_props(self._own_meta()))
+
+    def _own_meta(self) -> dict[str, str]:
+        """User properties on everything this node publishes to peers: its own body limit."""
+        return {P_BODY_LIMIT: str(int(self.s.body_limit_bytes))}
 
     def max_payload(self) -> int:
         """The largest body this link may send: the profile's body limit, under the broker's
@@ -494,7 +550,8 @@ class MqttLink:
         """Publish a body to the peer's inbox with our answer topic; returns the correlation data.
         A PUBACK proves nothing: success is the peer's answer (see the module doc)."""
         corr = correlation or os.urandom(16)
-        props = _publish_props({P_FROM: self.site_id.hex(), **user}, corr, self.topics.answers(self.site_id, peer))
+        props = _publish_props({P_FROM: self.site_id.hex(), **self._own_meta(), **user}, corr,
+                               self.topics.answers(self.site_id, peer))
         self._client.publish(self.topics.requests(peer, self.site_id), body, qos=1, properties=props)
         return corr
 
@@ -507,7 +564,7 @@ class MqttLink:
         if (where is None or where[1] != "inbox/ans" or where[2] != self.site_id or where[0] != m.sender
                 or m.correlation is None or len(m.correlation) > 64):
             return False
-        props = _publish_props({P_FROM: self.site_id.hex(), **user}, m.correlation)
+        props = _publish_props({P_FROM: self.site_id.hex(), **self._own_meta(), **user}, m.correlation)
         self._client.publish(rt, body, qos=1, properties=props)
         return True
 

@@ -6,19 +6,24 @@
   not in time.
 - What waits in the broker for an offline peer is at most one window of distinct bodies: every
   cadence and every `sync --once` wake used to send another window to every peer in the keyring.
+- A peer's body limit is learned from what it advertises, once, and kept in the store; a forged
+  advertisement is bounded (a floor, the link's maximum, replaced by the peer's own).
 """
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import time
 
+from agent.core.messages import Handshake, emit_handshake
 from agent.node import Node
 from agent.runner import RunConfig
 from agent.simpeer import SimPeer
 from agent.store import sync_state as st
-from agent.transport.mqtt import P_COUNT, P_END, P_START, MqttLink
+from agent.transport.mqtt import (ADVERTISED_FLOOR, P_BODY_LIMIT, P_COUNT, P_END, P_START, MqttLink, Topics,
+                                  _publish_props)
 
 from .helpers import MESH, T, event_ids, make_nodes, runner, settings, step_until, write
 from tests.cli_cmd import agent_cmd, agent_env
@@ -168,3 +173,167 @@ def test_wakes_of_a_sleeper_do_not_pile_bodies_for_an_offline_peer(broker, tmp_p
         if done:
             break
     assert done
+
+
+# ------------------------------------------------------------------ the peer's body limit
+def _converge(runners, a, b, timeout=40.0) -> None:
+    assert step_until(runners, lambda: event_ids(a) <= event_ids(b), timeout), [r.stats for r in runners]
+
+
+def _fitted(ra, rb) -> None:
+    """Every body A sent fitted B: none refused, none dropped by the broker for B's Maximum Packet
+    Size (which shows as silence: a give-up and a reduction), none halved."""
+    assert rb.stats["rejected:too_large"] == 0, rb.stats
+    assert ra.stats["push_rejected:too_large"] == 0, ra.stats
+    assert ra.stats["unanswered"] == 0 and ra.stats["body_limit_reduced"] == 0, ra.stats
+
+
+def test_a_peers_body_limit_is_learned_from_its_presence_and_kept_across_restarts(broker, tmp_path):
+    """Issue 12 item 6: a gateway (256 KiB bodies) talking to a Pi Zero (64 KiB) sent bodies the
+    Pi refused (`too_large`) and halved its way down, over four wakes, and forgot it on restart.
+    The Pi advertises its body limit (presence, bodies, answers: `ssp-body-limit`); the gateway
+    uses it from its first body and keeps it in the store, so the Pi refuses nothing, also after
+    the gateway restarts while the Pi is away."""
+    a, b = nodes = make_nodes(tmp_path, 2)
+    pi = {"body_limit_bytes": 65536}
+    rb = runner(b, broker, link=pi, cadence_s=3600, realtime=False)
+    ra = runner(a, broker, cadence_s=0.2, realtime=False)
+    try:
+        assert step_until([ra, rb], lambda: b.site_id in ra.caps)  # the Pi's presence
+        for i in range(600):  # ~150 KB of events: more than one Pi body
+            write(a, i, "gw")
+        _converge([ra, rb], a, b)
+        _fitted(ra, rb)
+        ra.close()
+        rb.close()
+        for i in range(600, 1200):
+            write(a, i, "gw")
+        ra = runner(a, broker, cadence_s=0.2, realtime=False)  # restarted, and the Pi is away
+        for _ in range(60):
+            ra.step(0.01)
+        rb = runner(b, broker, link=pi, cadence_s=3600, realtime=False)
+        _converge([ra, rb], a, b)
+        _fitted(ra, rb)
+        assert a.dump() == b.dump()
+    finally:
+        ra.close()
+        rb.close()
+        for n in nodes:
+            n.close()
+
+
+def _forge_presence(broker, site: bytes, limit: str) -> None:
+    """A retained presence for `site` with a valid handshake of it and `ssp-body-limit: limit`,
+    published by a client that is not `site` (no ACLs: anyone can)."""
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+    c = paho.Client(CallbackAPIVersion.VERSION2, client_id="forger-" + os.urandom(4).hex(), protocol=paho.MQTTv5)
+    c.connect(broker.host, broker.port)
+    c.loop_start()
+    try:
+        hs = emit_handshake(Handshake(site, (0, 0), False, False, None))
+        c.publish(Topics(MESH).presence(site), hs, qos=1, retain=True,
+                  properties=_publish_props({P_BODY_LIMIT: limit})).wait_for_publish(5)
+    finally:
+        c.loop_stop()
+        c.disconnect()
+
+
+def test_a_forged_advertised_limit_is_floored_capped_and_replaced_by_the_peers_own(broker, tmp_path):
+    """An advertised limit comes from the retained presence, which without ACLs anyone can forge.
+    A forged tiny limit costs at most bodies of ADVERTISED_FLOOR (16 KiB), never less; a forged huge
+    one never raises bodies above the link's own maximum; the peer's own presence replaces either
+    when it connects; events flow throughout."""
+    a, b = nodes = make_nodes(tmp_path, 2)
+    ra = runner(a, broker, cadence_s=0.2, realtime=False)
+    rb = None
+    try:
+        _forge_presence(broker, b.site_id, "1")
+        assert step_until([ra], lambda: ra._limit(b.site_id) < ra.link.max_payload(), 10)
+        assert ra._limit(b.site_id) == ADVERTISED_FLOOR
+        _forge_presence(broker, b.site_id, str(10 ** 9))
+        assert step_until([ra], lambda: ra._limit(b.site_id) == ra.link.max_payload(), 10)
+        _forge_presence(broker, b.site_id, "1")
+        assert step_until([ra], lambda: ra._limit(b.site_id) == ADVERTISED_FLOOR, 10)
+        for i in range(300):
+            write(a, i, "w")
+        rb = runner(b, broker, link={"body_limit_bytes": 65536}, cadence_s=3600, realtime=False)
+        assert step_until([ra, rb], lambda: ra._limit(b.site_id) == 65536, 10)
+        _converge([ra, rb], a, b)
+        assert rb.stats["rejected:too_large"] == 0
+    finally:
+        ra.close()
+        if rb is not None:
+            rb.close()
+        for n in nodes:
+            n.close()
+
+
+# ------------------------------------------------------------------ issue 11 item 4: the memory bound
+def _vm(pid: int, key: str) -> int:
+    """A /proc/PID/status figure in KiB (VmRSS, VmHWM: the peak)."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {key} for {pid}")
+
+
+RSS_BOUND_KB = 48 * 1024  # generous: the in-flight window is <= 16 MiB plus the interpreter's slack
+
+
+def test_a_flood_of_oversized_messages_does_not_grow_the_nodes_memory(broker, tmp_path):
+    """Issue 11 item 4: oversized messages (1 MiB; the profile's body limit is 256 KiB) flooded
+    into a node's inbox, under fictional senders and under its honest peer's name, and as presence
+    of fictional sites, were held whole in the node's memory while they waited (the presence table
+    kept 1 024 payloads of any size). Now the link keeps no payload over the body limit (the size
+    is enough to refuse it), cuts presence payloads to 4 KiB, and a Receive Maximum derived from the
+    body limit bounds what is in flight. B is a real `ssp-agent run`; its peak RSS (VmHWM from /proc)
+    after the flood stays within RSS_BOUND_KB of what it was before, and honest traffic still
+    arrives."""
+    a, b = nodes = make_nodes(tmp_path, 2)
+    hb = b.home
+    b_site = b.site_id
+    b.close()
+    proc = subprocess.Popen([*agent_cmd(), "--home", str(hb), "run", "--broker", broker.url, "--cadence", "0.5"],
+                            env=agent_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ra = runner(a, broker, cadence_s=0.2, realtime=False)
+    try:
+        write(a, 0, "warm")
+        assert step_until([ra], lambda: ra.sync.cursor(b_site) > 0, 30), ra.stats  # B runs and answers
+        before = _vm(proc.pid, "VmHWM")
+        import paho.mqtt.client as paho
+        from paho.mqtt.enums import CallbackAPIVersion
+        c = paho.Client(CallbackAPIVersion.VERSION2, client_id="rogue-" + os.urandom(4).hex(), protocol=paho.MQTTv5)
+        c.max_inflight_messages_set(100)
+        c.max_queued_messages_set(0)
+        c.connect(broker.host, broker.port)
+        c.loop_start()
+        topics = Topics(MESH)
+        big = os.urandom(1024 * 1024)
+        try:
+            infos = []
+            for i in range(240):
+                sender = a.site_id if i % 2 else os.urandom(16)
+                infos.append(c.publish(topics.requests(b_site, sender), big, qos=1,
+                                       properties=_publish_props({}, os.urandom(16), topics.answers(sender, b_site))))
+            for i in range(200):  # presence of fictional sites, each 1 MiB (a handshake is ~150 bytes)
+                infos.append(c.publish(topics.presence(os.urandom(16)), big, qos=1))
+            for info in infos:
+                info.wait_for_publish(60)
+        finally:
+            c.loop_stop()
+            c.disconnect()
+        write(a, 1, "after")  # honest traffic after the flood: B takes it once it took the flood in
+        top = a.conn.execute("SELECT max(seq) FROM events").fetchone()[0]
+        assert step_until([ra], lambda: ra.sync.cursor(b_site) == top, 60), ra.stats
+        for _ in range(100):
+            ra.step(0.01)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        grown = _vm(proc.pid, "VmHWM") - before
+        assert grown <= RSS_BOUND_KB, f"B's peak RSS grew by {grown} KiB (bound {RSS_BOUND_KB} KiB)"
+    finally:
+        ra.close()
+        proc.terminate()
+        proc.wait(30)
+        for n in nodes:
+            n.close()
