@@ -202,17 +202,18 @@ def check_disk(node) -> dict:
 def peer_lags(node) -> list[dict]:
     """Per trusted peer (not retired): events it has not confirmed (from its reported applied
     watermarks, runner.peer_lag), and how old the oldest unconfirmed own event is."""
-    from .runner import peer_lag
+    from .runner import group_counts, peer_lag
     from .store import sync_state as st
     out = []
     try:
         peers = [bytes(r[0]) for r in node.conn.execute(
             "SELECT site_id FROM keyring WHERE source != 'self' AND retired_p IS NULL ORDER BY site_id")]
+        counts = group_counts(node.conn) if peers else []   # one pass over the log for every peer
     except Exception:
         return out
     for p in peers:
         try:
-            behind = peer_lag(node.conn, p)
+            behind = peer_lag(node.conn, p, counts)
             wms = st.peer_watermarks(node.conn, p)
         except Exception:   # an older layout in a read view: nothing reported yet
             behind, wms = None, {}

@@ -1,15 +1,16 @@
 """Per-event outcomes of the apply path: values with a reason code, never exceptions (§12, §13.6)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 APPLIED, DUPLICATE, DROPPED, REJECTED, HELD = "applied", "duplicate", "dropped", "rejected", "held"
 STATUSES = (APPLIED, DUPLICATE, DROPPED, REJECTED, HELD)
 
 
-@dataclass(frozen=True)
-class Outcome:
+class Outcome(NamedTuple):
+    """One event's outcome (immutable). A NamedTuple rather than a frozen dataclass: the apply path
+    makes one per event, and a frozen dataclass's constructor costs several times more (issue 15)."""
+
     status: str
     reason: str
     event_id: bytes | None = None

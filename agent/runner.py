@@ -953,19 +953,29 @@ def _adopt_private_cursors(node) -> None:
         raise
 
 
-def peer_lag(conn, peer: bytes) -> int:
+def group_counts(conn) -> list[tuple[bytes, str, int]]:
+    """(site, table, events held) for every group: one pass over the log, shared by the peers of
+    one `check` (issue 15 item 6: the pass per peer made `check` cost peers x events)."""
+    return [(bytes(s), q, n) for s, q, n in conn.execute(
+        "SELECT site_id, qualified, count(*) FROM events GROUP BY site_id, qualified").fetchall()]
+
+
+def peer_lag(conn, peer: bytes, counts: list[tuple[bytes, str, int]] | None = None) -> int:
     """How far `peer` is behind this node, from watermarks: the events this node holds (other
     than the peer's own) that the peer's last reported applied watermarks do not cover. Reports
     are stored only from authenticated links (sync_state.peer_watermarks); with none, every such
-    event counts."""
+    event counts. `counts`: `group_counts(conn)` when the caller asks for several peers. Only the
+    events above a watermark are counted (a range of the events_group index): a peer that keeps
+    up costs little whatever the log holds."""
     wms = st.peer_watermarks(conn, peer)
     total = 0
-    for site, q, n in conn.execute("SELECT site_id, qualified, count(*) FROM events WHERE site_id != ? "
-                                   "GROUP BY site_id, qualified", (peer,)).fetchall():
-        wm = wms.get((bytes(site), q))
+    for site, q, n in (group_counts(conn) if counts is None else counts):
+        if site == peer:
+            continue
+        wm = wms.get((site, q))
         if wm is not None:
-            n -= conn.execute("SELECT count(*) FROM events WHERE site_id=? AND qualified=? AND "
-                              "(hlc_p < ? OR (hlc_p = ? AND hlc_l <= ?))", (site, q, wm[0], wm[0], wm[1])).fetchone()[0]
+            n = conn.execute("SELECT count(*) FROM events WHERE site_id=? AND qualified=? AND (hlc_p, hlc_l) > (?, ?)",
+                             (site, q, wm[0], wm[1])).fetchone()[0]
         total += n
     return total
 

@@ -176,7 +176,7 @@ def main() -> int:
             rounds.append((apply_rate, verify_rate))
             print(f"round {k + 1}: apply {apply_rate:8.0f} events/s, raw verify {verify_rate:8.0f}/s, "
                   f"ratio {apply_rate / verify_rate:.2f}; CPU {cpu_per_event * 1e6:.0f} us/event on all threads "
-                  f"(raw verify alone {1e6 / verify_rate:.0f})", flush=True)
+                  f"(one raw verify: {1e6 / verify_rate:.0f} us of wall time)", flush=True)
         sqlite_rate = raw_sqlite_rate(args.events, Path(d) / "raw.sqlite")
         rss = []
         if not args.no_rss:

@@ -3,9 +3,8 @@ map, Sig_structure = ["Signature1", protected, external_aad = mesh_id, payload].
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import cbor2
 import nacl.bindings
@@ -20,9 +19,9 @@ ALG_ES256 = -7
 HDR_ALG, HDR_CTYPE, HDR_KID = 1, 3, 4
 
 
-@dataclass(frozen=True)
-class Sign1:
-    """A strictly parsed COSE_Sign1 whose signature is not yet verified."""
+class Sign1(NamedTuple):
+    """A strictly parsed COSE_Sign1 whose signature is not yet verified (immutable; a NamedTuple:
+    one is made per received event, and a frozen dataclass's constructor costs several times more)."""
 
     protected_bytes: bytes
     alg: int

@@ -1,0 +1,40 @@
+"""`peer_lag` (what `check` and the runner report as a peer's backlog) counts the events above
+the peer's reported watermarks; with the per-group counts shared across peers (issue 15 item 6:
+`check` made one pass over the log per peer) it must give what counting every event by hand gives."""
+from __future__ import annotations
+
+from agent.runner import group_counts, peer_lag
+from agent.store import sync_state as st
+
+from tests.core.helpers import NOW, T, make_node, peers
+
+
+def _by_hand(node, peer: bytes) -> int:
+    wms = st.peer_watermarks(node.conn, peer)
+    n = 0
+    for site, q, p, l in node.conn.execute("SELECT site_id, qualified, hlc_p, hlc_l FROM events"):
+        site = bytes(site)
+        if site == peer:
+            continue
+        wm = wms.get((site, q))
+        if wm is None or (p, l) > wm:
+            n += 1
+    return n
+
+
+def test_peer_lag_counts_the_events_above_each_reported_watermark(tmp_path):
+    a, b, c = peers(3)
+    node = make_node(tmp_path / "n", [a, b, c])
+    raws = [s.event(T, {"device": "d", "seq": i}, {"temp": float(i)}, (NOW + i // 3, i % 3))
+            for i in range(90) for s in (a, b, c)]
+    node.apply_batch(raws, NOW + 100)
+    st.ensure_schema(node.conn)
+    with node.conn:
+        # b reports a's events up to the middle (an HLC with events on both sides of it, same
+        # physical time) and c's up to the end; c reports nothing
+        st.set_peer_watermarks(node.conn, b.site_id, [(a.site_id, T, (NOW + 15, 1)), (c.site_id, T, (NOW + 99, 0))])
+    counts = group_counts(node.conn)
+    for p in (a, b, c):
+        assert peer_lag(node.conn, p.site_id) == peer_lag(node.conn, p.site_id, counts) == _by_hand(node, p.site_id)
+    assert 0 < peer_lag(node.conn, b.site_id) < peer_lag(node.conn, c.site_id)
+    node.close()
