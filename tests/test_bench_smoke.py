@@ -19,6 +19,7 @@ CASES = [
     (["bench/bench_serial.py", "--events", "60", "--ber-events", "30", "--ber", "1e-4"], "ratio to line limit"),
     (["bench/bench_sequencer.py", "--quick", "--no-pkcs11"], "group commit"),
     (["bench/bench_idle.py", "--sizes", "0,200", "--seconds", "1", "--warmup", "0.5"], "ratio to the empty store"),
+    (["bench/bench_quiet.py", "--minutes", "2", "--scale", "0.01"], "per delivered event"),
     (["bench/bench_flood.py", "--events", "100", "--rate", "100", "--seconds", "2"], "slowdown ratio flood / no flood"),
 ]
 

@@ -71,7 +71,7 @@ P_BODY_LIMIT = "ssp-body-limit"
 ADVERTISED_FLOOR = 16 * 1024
 # In-flight memory bound (issue 11 item 4): the broker may have at most ReceiveMaximum unacknowledged
 # PUBLISHes out to this node, each at most its Maximum Packet Size (own body limit + PACKET_OVERHEAD).
-RECEIVE_BUDGET_BYTES = 16 * 1024 * 1024
+RECEIVE_BUDGET_BYTES = 64 * 1024 * 1024
 RECEIVE_MAXIMUM_MIN, RECEIVE_MAXIMUM_MAX = 16, 1000
 KIND_BATCH, KIND_REALTIME = "batch", "rt"
 
@@ -347,7 +347,7 @@ class MqttLink:
         p.SessionExpiryInterval = int(self.s.session_expiry_s)
         # Issue 11 item 4: at most ReceiveMaximum unacknowledged PUBLISHes are out to us, and the
         # link keeps no payload over the body limit (`_on_message`): what waits in memory is at
-        # most receive_maximum x max_packet_size (16 MiB), whatever a flood sends.
+        # most receive_maximum x max_packet_size (64 MiB), whatever a flood sends.
         if self.s.announce_max_packet:
             p.MaximumPacketSize = max_packet_size(self.s.body_limit_bytes)  # the broker drops larger ones
         p.ReceiveMaximum = int(self.s.receive_maximum or receive_maximum(self.s.body_limit_bytes))

@@ -28,7 +28,7 @@ def _wait_queued(r, n: int, timeout: float = 20.0) -> bool:
 def test_a_flood_does_not_hold_back_honest_bodies_and_costs_bounded_rows(broker, tmp_path):
     a, b = nodes = make_nodes(tmp_path, 2)
     ra = runner(a, broker, cadence_s=3600, realtime=False)
-    # A Receive Maximum of 1 000 (the default is derived from the body limit, 63 here) lets the
+    # A Receive Maximum of 1 000 (the default is derived from the body limit, 252 here) lets the
     # whole flood be in the queue at once, ahead of the honest body: the case the pump must order.
     rb = runner(b, broker, cadence_s=3600, realtime=False, link={"receive_maximum": 1000})
     rb.cfg.others_per_step = 32  # (unknown to the code before the fix: plain attributes)
