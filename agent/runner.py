@@ -156,6 +156,7 @@ class Runner:
         self.rejections: deque = deque(maxlen=1000)  # (reason, detail) of refused inbound messages
         self._refused_presence: dict[bytes, tuple] = {}  # site -> the refused payload last surfaced
         self._others: deque = deque()  # taken in, from sites not in the keyring, not yet handled (pump)
+        self._others_presence = 0  # of which presence messages (bounded by presence_limit)
         self._refusal_window: dict[tuple, list] = {}  # (source, reason) -> [window start, surfaced, not surfaced]
         self._owed: dict[bytes, list] = {}  # sender -> [(request, answer properties, AckAnswer)] not yet answered
         self._last_ack: dict[bytes, float] = {}  # sender -> when its last acknowledgement was signed
@@ -259,13 +260,30 @@ class Runner:
                 self._handle(m)
                 n += 1
             else:
+                if m.kind == "presence":
+                    # Acknowledged on arrival, so the Receive Maximum does not bound these: past
+                    # presence_limit of them waiting, the oldest waiting presence goes (counted).
+                    self._others_presence += 1
+                    if self._others_presence > self.presence_limit:
+                        self._drop_oldest_presence()
                 self._others.append(m)
         for _ in range(min(len(self._others), self.cfg.others_per_step)):
-            self._handle(self._others.popleft())
+            o = self._others.popleft()
+            if o.kind == "presence":
+                self._others_presence -= 1
+            self._handle(o)
             n += 1
         if self._owed:
             self._answer_owed()
         return n
+
+    def _drop_oldest_presence(self) -> None:
+        for i, o in enumerate(self._others):
+            if o.kind == "presence":
+                del self._others[i]
+                self._others_presence -= 1
+                self.stats["others_presence_dropped"] += 1
+                return
 
     def _handle(self, m: Inbound) -> None:
         self._note_link(m)

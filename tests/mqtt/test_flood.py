@@ -66,7 +66,8 @@ def test_a_flood_does_not_hold_back_honest_bodies_and_costs_bounded_rows(broker,
         # presence of fictional sites: bounded, oldest evicted and counted; the honest peer stays
         assert len(rb.caps) <= 50 and a.site_id in rb.caps
         assert len(rb.link.present) <= 50 and rb.link.present_evicted >= N_PRESENCE - 50
-        assert rb.stats["presence_evicted"] >= N_PRESENCE - 50
+        # (dropped while waiting to be handled, or evicted from the table once handled)
+        assert rb.stats["presence_evicted"] + rb.stats["others_presence_dropped"] >= N_PRESENCE - 50
 
         # honest exchanges both ways keep flowing
         e2, e3 = write(a, 10, "honest"), write(b, 11, "honest")

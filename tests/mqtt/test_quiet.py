@@ -337,3 +337,26 @@ def test_a_flood_of_oversized_messages_does_not_grow_the_nodes_memory(broker, tm
         proc.wait(30)
         for n in nodes:
             n.close()
+
+
+def test_presence_of_fictional_sites_waiting_in_the_runner_is_bounded(broker, tmp_path):
+    """Presence is acknowledged on arrival, so the Receive Maximum does not hold it back: a flood
+    of presence for made-up sites waited in the runner's queue of other sites' messages without a
+    count bound. Past `presence_limit` such messages waiting, the oldest is dropped (counted)."""
+    a, b = nodes = make_nodes(tmp_path, 2)
+    rb = runner(b, broker, cadence_s=3600, realtime=False)
+    rb.presence_limit = 50
+    rb.cfg.others_per_step = 0  # nothing of the flood is handled: it only waits
+    rogue = MqttLink(settings(broker), MESH, os.urandom(16)).start()
+    assert rogue.wait_connected(5)
+    try:
+        for _ in range(300):
+            s = os.urandom(16)
+            rogue.publish_raw(Topics(MESH).presence(s), emit_handshake(Handshake(s, (0, 0), True, False, None)))
+        assert step_until([rb], lambda: rb.stats["others_presence_dropped"] + len(rb._others) >= 300, 20), rb.stats
+        assert len(rb._others) <= 50 and rb.stats["others_presence_dropped"] >= 250
+    finally:
+        rogue.close()
+        rb.close()
+        for n in nodes:
+            n.close()
