@@ -106,11 +106,11 @@ def _go(args, once: bool) -> int:
     from .cli import EXIT_OK, Fault, _open, emit
     from .metrics import count_sync_run
     from .runner import RunConfig, Runner
-    from .transport.broker import Broker, BrokerError
     from .transport.mqtt import TransportError
     broker = None
     args.broker = _from(args, "broker", "SSP_MQTT_BROKER")   # flag, environment, /etc/ssp-agent/agent.toml
     if not args.broker:
+        from .transport.broker import Broker, BrokerError   # only for a private mosquitto (start-up, issue 15)
         try:
             broker = Broker().start()
         except BrokerError as e:

@@ -41,6 +41,9 @@ import time
 import cbor2
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+# --code DIR (before/after comparisons): the agent and bridge of another checkout, this harness
+if "--code" in sys.argv:
+    sys.path.insert(0, os.path.abspath(sys.argv[sys.argv.index("--code") + 1]))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fsyncshim  # noqa: E402
@@ -253,6 +256,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="rounds of the write figures (default 5; 1 with --quick)")
     ap.add_argument("--slow-flush-ms", type=float, default=1.6,
                     help="simulated flush time for the slow-disk rounds (0: skip them)")
+    ap.add_argument("--code", help="measure the agent of another checkout (before/after comparisons)")
     ap.add_argument("--write-only", action="store_true", help="only the write rounds (used for the slow-flush child)")
     args = ap.parse_args()
     s = 0.2 if args.quick else 1.0
@@ -350,7 +354,8 @@ def main() -> None:
         elif shim is not None:
             env = fsyncshim.env(shim, delay_us=int(args.slow_flush_ms * 1000))
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--write-only", "--rounds", str(rounds)]
-                               + (["--quick"] if args.quick else []), capture_output=True, text=True, env=env)
+                               + (["--quick"] if args.quick else []) + (["--code", args.code] if args.code else []),
+                               capture_output=True, text=True, env=env)
             line = [ln for ln in p.stdout.splitlines() if ln.startswith("ROUNDS ")]
             if p.returncode != 0 or not line:
                 raise SystemExit(f"slow-flush child failed: {p.stderr[-2000:]}")
