@@ -158,7 +158,7 @@ def test_crc_clean_garbage_packets_change_nothing():
     for _ in range(500):
         pkt = bytes([r.choice([0, 1, 2, 3, 4, 9])]) + r.randbytes(r.randint(0, 40))
         b.receive_bytes(framing.encode(pkt, 1024, lead=True), t)  # a buggy or hostile peer
-    assert b.messages() == [] or True
+    assert b.messages() == []  # nothing delivered, whatever the garbage said
     line.links[0].send_message(b"still works", t)
     line.run(t, t + 10_000, lambda: line.received[1])
     assert line.received[1][-1] == b"still works"
