@@ -144,6 +144,7 @@ class Runner:
         self.clock_state: dict | None = None
         self.sent_upto: dict[bytes, int] = {}  # per peer: highest seq offered in flight
         self._earlier: dict[bytes, dict[bytes, int]] = {}  # per peer: bodies in flight from an earlier process
+        self._earlier_top: dict[bytes, int] = {}  # per peer: the highest sent_bodies id among those
         self._silent_since: dict[bytes, float] = {}  # per peer: reachable since, with bodies unanswered
         self._give_ups: Counter = Counter()  # per peer: give-ups since its last answer (the wait doubles)
         self._heard: set[bytes] = set()  # peers a request came from in this process
@@ -596,6 +597,7 @@ class Runner:
             tok, _extra = token_from_json(text)
             if tok.end > self.sync.cursor(peer) or _extra.get("bf"):
                 self._earlier.setdefault(peer, {})[corr] = tok.end
+                self._earlier_top[peer] = max(self._earlier_top.get(peer, 0), _id)
                 self.sent_upto[peer] = max(self.sent_upto.get(peer, 0), tok.end)
 
     def _give_up(self, peer: bytes) -> None:
@@ -605,6 +607,7 @@ class Runner:
             del self.pending[c]
         self.sent_upto.pop(peer, None)
         self._earlier.pop(peer, None)
+        self._earlier_top.pop(peer, None)
         self._silent_since.pop(peer, None)
         with db.transaction(self.node.conn):
             st.give_up_sent_bodies(self.node.conn, peer, PATH)
@@ -675,6 +678,17 @@ class Runner:
             del self._earlier[peer][corr]
         elif corr in self.pending:
             return
+        elif self._earlier.get(peer):
+            # The peer answered a body this process sent, and every body an earlier process sent
+            # it went before that one in its session's queue, which the broker delivers in order:
+            # those still unanswered were lost (sent while it had no session, or a broker restart
+            # without persistence). Offer their ranges again now (quiet links).
+            self.stats["unanswered"] += 1
+            self._earlier.pop(peer)
+            self.sent_upto.pop(peer, None)
+            with db.transaction(self.node.conn):
+                st.give_up_sent_bodies(self.node.conn, peer, PATH, upto_id=self._earlier_top.get(peer))
+            self.offer(peer, KIND_BATCH)
         self._heard.add(peer)
         self._silent_since.pop(peer, None)
         self._give_ups[peer] = 0
@@ -913,9 +927,12 @@ class Runner:
                 idle_since = time.monotonic()
             elif time.monotonic() - idle_since >= settle_s:
                 break
-        for peer in [p for p, c in self._earlier.items() if c and p in self._heard]:
-            # The peer was online since those bodies were sent (what it sent waited for us), and
-            # their answers, which it would have sent first, were not there: lost (quiet links).
+        for peer in [p for p, c in self._earlier.items() if c and (p in self._heard or p in self.caps)]:
+            # The peer was online since those bodies were sent (what it sent waited for us, or it
+            # is online now, its retained presence there before ours), and their answers, which it
+            # sends as it takes each body, were not among what waited: lost (quiet links). (A peer
+            # that connected a moment ago and is still working through them costs one window of
+            # duplicates at most.)
             self.stats["unanswered"] += 1
             self._give_up(peer)
         self.batch_cycle()

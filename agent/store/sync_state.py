@@ -218,10 +218,12 @@ def _put_link(conn: sqlite3.Connection, peer: bytes, path: str, column: str, val
     conn.execute(f"UPDATE peer_links SET {column}=? WHERE peer=? AND path=?", (value, peer, path))
 
 
-def give_up_sent_bodies(conn: sqlite3.Connection, peer: bytes, path: str) -> None:
-    """The bodies sent to `peer` on `path` so far no longer count as in flight (their ranges are
-    offered again). Their rows stay: a late answer still moves the cursor."""
+def give_up_sent_bodies(conn: sqlite3.Connection, peer: bytes, path: str, upto_id: int | None = None) -> None:
+    """The bodies sent to `peer` on `path` so far (or up to `upto_id`) no longer count as in flight
+    (their ranges are offered again). Their rows stay: a late answer still moves the cursor."""
     top = conn.execute("SELECT coalesce(max(id), 0) FROM sent_bodies WHERE peer=? AND path=?", (peer, path)).fetchone()[0]
+    if upto_id is not None:
+        top = min(top, upto_id)
     if top > peer_link(conn, peer, path)["gave_up_id"]:
         _put_link(conn, peer, path, "gave_up_id", top)
 

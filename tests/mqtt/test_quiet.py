@@ -360,3 +360,54 @@ def test_presence_of_fictional_sites_waiting_in_the_runner_is_bounded(broker, tm
         rb.close()
         for n in nodes:
             n.close()
+
+
+def test_a_body_lost_before_the_peer_had_a_session_is_sent_again_on_the_next_wake(broker, tmp_path):
+    """A wake-sync-sleep A sends B a body while B has no broker session (the broker drops it); B
+    then runs (a real `ssp-agent run`), present, with nothing to say to A. A's next wakes held the
+    lost body "in flight" (quiet links) with no evidence of its loss: B answered nothing and sent
+    nothing, and a wake is shorter than the answer timeout, so B never got A's events
+    (tests/mqtt/test_cli.py failed intermittently on it). Now a peer that is present once a wake
+    has taken in what waited for it, without the answer, lost the body: it is sent again."""
+    a, b = nodes = make_nodes(tmp_path, 2)
+    want = {write(a, i, "a") for i in range(5)}
+    ra = runner(a, broker, cadence_s=3600, realtime=False)
+    ra.sync_once(timeout_s=2)  # B never connected: no session, the body is dropped
+    ra.close()
+    hb = b.home
+    b.close()
+    proc = subprocess.Popen([*agent_cmd(), "--home", str(hb), "run", "--broker", broker.url, "--cadence", "3600"],
+                            env=agent_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert _wait_for_presence(broker, a, b_site := nodes[1].site_id)
+        for _ in range(3):  # A wakes while B runs
+            ra = runner(a, broker, cadence_s=3600, realtime=False)
+            ra.sync_once(timeout_s=3)
+            ra.close()
+            if ra.sync.cursor(b_site) >= 5:
+                break
+        assert ra.sync.cursor(b_site) >= 5, ra.stats
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        a.close()
+    b = Node.open(hb)
+    try:
+        assert want <= event_ids(b)
+    finally:
+        b.close()
+
+
+def _wait_for_presence(broker, node, site: bytes, timeout: float = 30.0) -> bool:
+    """Whether `site`'s retained presence shows up (its `run` is connected)."""
+    link = MqttLink(settings(broker), MESH, os.urandom(16)).start()
+    try:
+        assert link.wait_connected(10)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if site in link.present:
+                return True
+            time.sleep(0.05)
+        return False
+    finally:
+        link.abort()
