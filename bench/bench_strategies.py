@@ -13,10 +13,14 @@ Strategies (`STRATEGIES`):
 - lying_watermarks  M reports applied watermarks at HLC 2^62 for every (site, table) and have_max_hlc 2^62.
 - slow_trickle      M answers every body just before the sender gives up on it (holding its window),
                     and sends a body of one new event every 0.2 s.
-- withhold_replay   M never offers its own events and re-sends old bodies of A's events (from itself) in a loop.
+- withhold_replay   M never offers its own events and re-sends old bodies of A's events (from itself) in a loop,
+                    at most 8 unanswered (about what an honest window allows).
+- replay_flood      the same with up to 200 unanswered: a member flooding bodies, ignoring any window.
 - dropping_relay    A and B never meet; M and C relay. M drops every event of A (answers as if applied).
 - signer_flood      M, a trusted signer, writes `--flood` valid events as fast as it can while A writes.
 
+Every node's loop runs in its own thread (the harness touches a node only under its lock), so one
+node's fsyncs do not stall another's loop; they still share the GIL and the machine's cores.
 Honest workload: A writes `--events` events (20 per 0.1 s). Figures for B (the honest receiver):
 convergence = time from A's first write until B holds all of A's events and B's applied watermark
 for A's stream covers A's newest HLC (the binding is run secure: anonymous broker, but every node
@@ -30,6 +34,7 @@ import os
 import resource
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -53,8 +58,9 @@ from agent.transport.mqtt import P_COUNT, P_END, P_KIND, P_META, P_PART, P_START
 MESH = bytes.fromhex("57a70000000000000000000000000042")
 MANIFEST = manifest_text(MESH, readings_table())
 T = "app.readings"
-STRATEGIES = ("never_answers", "lying_watermarks", "slow_trickle", "withhold_replay", "dropping_relay",
-              "signer_flood")
+STRATEGIES = ("never_answers", "lying_watermarks", "slow_trickle", "withhold_replay", "replay_flood",
+              "dropping_relay", "signer_flood")
+REPLAY_IN_FLIGHT = {"withhold_replay": 8, "replay_flood": 200}  # replayed bodies M keeps unanswered
 LIE = (2 ** 62, 0)
 
 
@@ -142,7 +148,7 @@ class AttackerRunner(Runner):
         super()._on_request(m)
 
     def offer(self, peer, kind=KIND_BATCH, bodies=None, force=False) -> int:
-        if self.strategy == "withhold_replay":
+        if self.strategy in REPLAY_IN_FLIGHT:
             return 0  # its own events are withheld; it only replays (step)
         return super().offer(peer, kind, bodies, force)
 
@@ -158,9 +164,9 @@ class AttackerRunner(Runner):
                 self._next_trickle = now + 0.2
                 self._i += 1
                 self.node.write(T, {"device": "trickle", "seq": self._i}, {"temp": 1.0, "note": "t"})
-        elif self.strategy == "withhold_replay" and self.old_bodies:
+        elif self.strategy in REPLAY_IN_FLIGHT and self.old_bodies:
             for peer in self.sync.peers():
-                if self.in_flight(peer) < 8:
+                while self.in_flight(peer) < REPLAY_IN_FLIGHT[self.strategy]:
                     events = self.old_bodies[self._i % len(self.old_bodies)]
                     self._i += 1
                     body = emit_body(SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events), (), ()))
@@ -174,7 +180,7 @@ class AttackerRunner(Runner):
         return self.sync.have_max()
 
     def _on_answer(self, m) -> None:
-        if self.strategy == "withhold_replay":
+        if self.strategy in REPLAY_IN_FLIGHT:
             self.link.ack(m)
             self.pending.pop(m.correlation, None)
             return
@@ -216,7 +222,7 @@ def run(strategy: str, attack: bool, root: Path, events: int = 200, attack_s: fl
                     port = Topology(nodes[k], topo[k], path="mqtt", secure=True)
                 r = AttackerRunner(nodes[k], settings, RunConfig(**cfg), port=port)
                 r.strategy = strategy if attack and strategy in (
-                    "never_answers", "slow_trickle", "withhold_replay") else "honest"
+                    "never_answers", "slow_trickle", *REPLAY_IN_FLIGHT) else "honest"
                 r.hold_s = cfg["answer_timeout_s"] * 0.9
             else:
                 r = Runner(nodes[k], settings, RunConfig(**cfg), port=Topology(nodes[k], topo[k], path="mqtt",
@@ -225,29 +231,41 @@ def run(strategy: str, attack: bool, root: Path, events: int = 200, attack_s: fl
             runners[k] = r
         rb = runners["b"]
         b_cpu = [0.0]
+        # Each node's loop in its own thread (as on its own device: one node's fsyncs do not stall
+        # another's loop); the harness touches a node only under its lock.
+        locks = {k: threading.Lock() for k in names}
+        stop = threading.Event()
 
-        def step_all():
-            for k, r in runners.items():
-                if k == "b":
+        def loop(k: str, r: Runner) -> None:
+            while not stop.is_set():
+                with locks[k]:
                     t = time.thread_time()
                     r.step(0.005)
-                    b_cpu[0] += time.thread_time() - t
-                else:
-                    r.step(0.005)
+                    if k == "b":
+                        b_cpu[0] += time.thread_time() - t
+                time.sleep(0)  # let the harness take the lock between steps
+        threads = [threading.Thread(target=loop, args=(k, r), daemon=True) for k, r in runners.items()]
+        for th in threads:
+            th.start()
+
+        def on(k: str, fn):
+            with locks[k]:
+                return fn()
 
         # Settle: presence seen, an empty exchange done.
-        t_end = time.monotonic() + 1.0
-        while time.monotonic() < t_end:
-            step_all()
-        if strategy == "withhold_replay":
-            own = m.write_many([(T, {"device": "m", "seq": i}, {"temp": 3.0, "note": "m"}, False) for i in range(20)])
-            old = [a.write(T, {"device": "old", "seq": i}, {"temp": 0.0, "note": "o"}) for i in range(20)]
+        time.sleep(1.0)
+        if strategy in REPLAY_IN_FLIGHT:
+            own = on("m", lambda: m.write_many([(T, {"device": "m", "seq": i}, {"temp": 3.0, "note": "m"}, False)
+                                                for i in range(20)]))
+            old = on("a", lambda: [a.write(T, {"device": "old", "seq": i}, {"temp": 0.0, "note": "o"})
+                                   for i in range(20)])
             deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and not set(old) <= _ids(m):
-                step_all()
-            raws = [bytes(r[0]) for r in m.conn.execute("SELECT raw FROM events WHERE site_id=?", (ids["a"],))]
+            while time.monotonic() < deadline and not set(old) <= on("m", lambda: _ids(m)):
+                time.sleep(0.01)
+            raws = on("m", lambda: [bytes(r[0]) for r in m.conn.execute("SELECT raw FROM events WHERE site_id=?",
+                                                                        (ids["a"],))])
             runners["m"].old_bodies = [raws[i:i + 10] for i in range(0, len(raws), 10)]
-        b.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the store, not the WAL's high-water mark
+        on("b", lambda: b.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)"))  # the store, not the WAL's high-water mark
         disk0, cpu0, rss0 = home_bytes(root / "b"), b_cpu[0], rss_kb()
         sent0 = runners["m"].sent_bytes
         t0 = time.monotonic()
@@ -258,22 +276,27 @@ def run(strategy: str, attack: bool, root: Path, events: int = 200, attack_s: fl
         while True:
             now = time.monotonic()
             if len(written) < events and now >= t0 + 0.1 * (len(written) // 20):
-                written += a.write_many([(T, {"device": "a", "seq": len(written) + j}, {"temp": 1.0, "note": "a"}, False)
-                                         for j in range(20)])
+                n0 = len(written)
+                written += on("a", lambda: a.write_many([(T, {"device": "a", "seq": n0 + j}, {"temp": 1.0, "note": "a"},
+                                                          False) for j in range(20)]))
             if flood_left and now < attack_until:
-                k = min(100, flood_left)
-                m.write_many([(T, {"device": "flood", "seq": flood - flood_left + j}, {"temp": 2.0, "note": "f" * 40},
-                               False) for j in range(k)])
+                k, f0 = min(100, flood_left), flood - flood_left
+                on("m", lambda: m.write_many([(T, {"device": "flood", "seq": f0 + j}, {"temp": 2.0, "note": "f" * 40},
+                                               False) for j in range(k)]))
                 flood_left -= k
-            step_all()
+            time.sleep(0.005)
             # Relayed events never advance B's watermark for A (only A's own authenticated stream does,
             # docs/protocol.md §3): in the relay topology convergence is holding the events.
-            if a_done_at is None and len(written) >= events and set(written) <= _ids(b) and (relay or _covered(b, a)):
+            if a_done_at is None and len(written) >= events and set(written) <= on("b", lambda: _ids(b)) and (
+                    relay or on("b", lambda: on("a", lambda: _covered(b, a)))):
                 a_done_at = time.monotonic()
             if a_done_at is not None and now >= attack_until:
                 break
             if now - t0 > timeout_s:
                 break
+        stop.set()
+        for th in threads:
+            th.join()
         out["converged_s"] = None if a_done_at is None else round(a_done_at - t0, 3)
         out["b_has_all_of_a"] = set(written) <= _ids(b)
         out["b_watermark_covers_a"] = _covered(b, a)
@@ -292,9 +315,11 @@ def run(strategy: str, attack: bool, root: Path, events: int = 200, attack_s: fl
         out["b_stats"] = {k: v for k, v in rb.stats.items() if v}
         out["m_lost_own"] = None
         if strategy == "lying_watermarks":
-            # M's lie makes A believe M holds everything: M loses A's events (only its own loss).
+            # A kept M's report (secure binding) and skips what it claims: whatever M then lacks is
+            # its own loss (it may have taken some of A's events before its first report arrived).
+            out["a_kept_lie"] = any(tuple(h) == LIE for h in st.peer_watermarks(a.conn, ids["m"]).values())
             out["m_lost_own"] = not set(written) <= _ids(m)
-        if strategy == "withhold_replay":
+        if strategy in REPLAY_IN_FLIGHT:
             out["m_lost_own"] = not set(own) <= _ids(b)  # attack: B lacks what M withheld (its own loss)
         if relay and attack:
             out["m_dropped"] = runners["m"].sync.dropped
@@ -351,7 +376,7 @@ def main() -> None:
         print(f"{s:18s} {b['converged_s']!s:>11s} {a['converged_s']!s:>13s} {sd:>8s} {a['attacker_bytes']:>10d} "
               f"{b['b_cpu_s']:>9.2f}/{a['b_cpu_s']:<9.2f} {b['b_disk_growth']:>10d}/{a['b_disk_growth']:<9d} "
               f"{_f(c['cpu_us_per_attacker_byte']):>9s} {_f(c['disk_bytes_per_attacker_byte']):>8s}", flush=True)
-        extra = {k: a[k] for k in ("m_lost_own", "m_dropped", "a_pending_for_m", "a_sent_bodies_for_m", "rss_growth_kb",
+        extra = {k: a[k] for k in ("m_lost_own", "a_kept_lie", "m_dropped", "a_pending_for_m", "a_sent_bodies_for_m", "rss_growth_kb",
                                    "b_clock_ahead_ms", "b_has_all_of_a", "b_watermark_covers_a")
                  if a.get(k) is not None}
         print(f"{'':18s} {extra}", flush=True)
