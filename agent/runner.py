@@ -118,6 +118,7 @@ class _Pending:
 # (source, reason) in each window; the rest are counted and summed up in one row when the window ends.
 REFUSALS_SURFACED_PER_WINDOW = 20
 REFUSAL_WINDOW_S = 60.0
+PUMP_BUDGET_S = 0.25  # a pump call returns after about this long of handling (Runner.pump)
 MAX_ACKS_LOOKED_AT = 4  # acknowledgement records checked per answer (Runner._proof)
 PRESENCE_LIMIT = 1024  # handshakes kept (Runner.caps): fictional sites' presence evicts the oldest
 
@@ -158,6 +159,7 @@ class Runner:
         self._refused_presence: dict[bytes, tuple] = {}  # site -> the refused payload last surfaced
         self._others: deque = deque()  # taken in, from sites not in the keyring, not yet handled (pump)
         self._others_presence = 0  # of which presence messages (bounded by presence_limit)
+        self._members: dict[bytes, deque] = {}  # requests from keyring sites, per sender, not yet handled (pump)
         self._refusal_window: dict[tuple, list] = {}  # (source, reason) -> [window start, surfaced, not surfaced]
         self._owed: dict[bytes, list] = {}  # sender -> [(request, answer properties, AckAnswer)] not yet answered
         self._last_ack: dict[bytes, float] = {}  # sender -> when its last acknowledgement was signed
@@ -238,36 +240,56 @@ class Runner:
             self.step()
 
     def pump(self, timeout: float = 0.0, max_items: int = 10_000) -> int:
-        """Handle what arrived. Answers and messages from sites in the keyring are handled at once,
-        in arrival order; messages from any other site (which a rogue client with broker access can
+        """Handle what arrived. Answers and presence of sites in the keyring are handled at once;
+        requests from sites in the keyring wait in one queue per sender (`_members`) and are
+        handled one per sender in turn, looking for new arrivals after each turn, so a body never
+        waits behind more than one body of each other member already here (issue 16 item 3: a
+        member keeping 200 bodies unanswered held every other member's bodies back for as long as
+        it went on). Messages from any other site (which a rogue client with broker access can
         publish at will, under fictional names) wait in `_others` and at most `others_per_step` of
         them are handled per call, so an honest body never waits behind a whole flood (issue 11
-        item 4). `_others` holds unacknowledged messages only, so it is bounded by the link's
-        Receive Maximum: past that the broker holds them back."""
+        item 4). Both hold unacknowledged messages only, so they are bounded by the link's
+        Receive Maximum: past that the broker holds them back. A call returns after about
+        PUMP_BUDGET_S of handling even while bodies keep coming (a flood kept it, and the loop's
+        expiry and cycles, busy for as long as it lasted)."""
         n = got = 0
-        wait = 0.0 if self._others else timeout
+        wait = 0.0 if (self._others or self._members) else timeout
         if self._owed:  # answers wait for their grouped acknowledgement: not longer than its interval
             wait = min(wait, max(0.0, min(self._last_ack.get(s, 0.0) for s in self._owed)
                                  + self.cfg.ack_interval_s - time.monotonic()))
         keyring = self.node.keyring
-        while got < max_items:
-            try:
-                m = self.link.inbound.get(timeout=wait) if wait > 0 else self.link.inbound.get_nowait()
-            except queue.Empty:
+        budget_end = time.monotonic() + wait + PUMP_BUDGET_S
+        while True:
+            while got < max_items:
+                try:
+                    m = self.link.inbound.get(timeout=wait) if wait > 0 else self.link.inbound.get_nowait()
+                except queue.Empty:
+                    break
+                wait = 0
+                got += 1
+                if m.kind == "req" and m.sender in keyring:
+                    self._members.setdefault(m.sender, deque()).append(m)
+                elif m.kind == "ans" or (m.kind != "req" and m.site in keyring):
+                    self._handle(m)
+                    n += 1
+                else:
+                    if m.kind == "presence":
+                        # Acknowledged on arrival, so the Receive Maximum does not bound these: past
+                        # presence_limit of them waiting, the oldest waiting presence goes (counted).
+                        self._others_presence += 1
+                        if self._others_presence > self.presence_limit:
+                            self._drop_oldest_presence()
+                    self._others.append(m)
+            if not self._members:
                 break
-            wait = 0
-            got += 1
-            if m.kind == "ans" or (m.sender if m.kind == "req" else m.site) in keyring:
-                self._handle(m)
+            for sender in list(self._members):  # one turn: a body per member sender
+                q = self._members[sender]
+                self._handle(q.popleft())
                 n += 1
-            else:
-                if m.kind == "presence":
-                    # Acknowledged on arrival, so the Receive Maximum does not bound these: past
-                    # presence_limit of them waiting, the oldest waiting presence goes (counted).
-                    self._others_presence += 1
-                    if self._others_presence > self.presence_limit:
-                        self._drop_oldest_presence()
-                self._others.append(m)
+                if not q:
+                    del self._members[sender]
+            if got >= max_items or time.monotonic() >= budget_end:
+                break  # the loop's other duties (expiry, cycles, eviction) run under any flood
         for _ in range(min(len(self._others), self.cfg.others_per_step)):
             o = self._others.popleft()
             if o.kind == "presence":

@@ -231,6 +231,25 @@ def run(strategy: str, attack: bool, root: Path, events: int = 200, attack_s: fl
             runners[k] = r
         rb = runners["b"]
         b_cpu = [0.0]
+        # How many requests B handled while a body of A waited in B's inbox (scheduling fairness):
+        # each arrival is stamped with B's count of handled requests.
+        stamp: dict[int, int] = {}
+        handled = [0]
+        ahead: list[int] = []
+        put, handle = rb.link.inbound.put, rb._handle
+
+        def stamped_put(item, *x, **kw):
+            stamp[id(item)] = handled[0]
+            return put(item, *x, **kw)
+
+        def counted_handle(msg):
+            if msg.kind == "req":
+                arrived = stamp.pop(id(msg), handled[0])
+                if msg.sender == ids["a"]:
+                    ahead.append(handled[0] - arrived)
+                handled[0] += 1
+            return handle(msg)
+        rb.link.inbound.put, rb._handle = stamped_put, counted_handle
         # Each node's loop in its own thread (as on its own device: one node's fsyncs do not stall
         # another's loop); the harness touches a node only under its lock.
         locks = {k: threading.Lock() for k in names}
@@ -313,6 +332,7 @@ def run(strategy: str, attack: bool, root: Path, events: int = 200, attack_s: fl
         # have_max_hlc is advisory (docs/protocol.md §2): a lie of 2^62 must not move B's clock.
         out["b_clock_ahead_ms"] = b.clock.physical_ms - int(time.time() * 1000)
         out["b_stats"] = {k: v for k, v in rb.stats.items() if v}
+        out["b_max_handled_ahead_of_a"] = max(ahead, default=0)
         out["m_lost_own"] = None
         if strategy == "lying_watermarks":
             # A kept M's report (secure binding) and skips what it claims: whatever M then lacks is
@@ -376,7 +396,7 @@ def main() -> None:
         print(f"{s:18s} {b['converged_s']!s:>11s} {a['converged_s']!s:>13s} {sd:>8s} {a['attacker_bytes']:>10d} "
               f"{b['b_cpu_s']:>9.2f}/{a['b_cpu_s']:<9.2f} {b['b_disk_growth']:>10d}/{a['b_disk_growth']:<9d} "
               f"{_f(c['cpu_us_per_attacker_byte']):>9s} {_f(c['disk_bytes_per_attacker_byte']):>8s}", flush=True)
-        extra = {k: a[k] for k in ("m_lost_own", "a_kept_lie", "m_dropped", "a_pending_for_m", "a_sent_bodies_for_m", "rss_growth_kb",
+        extra = {k: a[k] for k in ("b_max_handled_ahead_of_a", "m_lost_own", "a_kept_lie", "m_dropped", "a_pending_for_m", "a_sent_bodies_for_m", "rss_growth_kb",
                                    "b_clock_ahead_ms", "b_has_all_of_a", "b_watermark_covers_a")
                  if a.get(k) is not None}
         print(f"{'':18s} {extra}", flush=True)

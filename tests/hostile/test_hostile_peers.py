@@ -88,3 +88,6 @@ def test_a_member_flooding_bodies_does_not_stall_honest_bodies(tmp_path):
     r = attack("replay_flood", tmp_path)
     assert r["b_watermark_covers_a"]
     assert r["b_stats"].get("duplicate", 0) > 0, r
+    # A body of A waits behind at most one body per turn of each sender (A's own window of 4
+    # included): before, behind everything M had queued (about 200).
+    assert r["b_max_handled_ahead_of_a"] <= 2 * WINDOW + 4, r
