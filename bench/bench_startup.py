@@ -2,7 +2,8 @@
 write` and `ssp-agent sync --broker URL --once`, against `python -c pass` measured in the same
 rounds, their peak RSS, and the fsync/fdatasync calls each makes (SQLite's included).
 
-Each round, in one temporary directory with a private mosquitto: `python -c pass`; node A
+Modules run from cached bytecode, as an installed wheel's do (the bench's own PYTHONPYCACHEPREFIX,
+filled by warm-up calls). Each round, in one temporary directory with a private mosquitto: `python -c pass`; node A
 `write`s one reading; A `sync --once` offers it (B, asleep, is not present: no answer to wait
 for); B `sync --once` takes it in from its persistent session, answers, and leaves. Every call is a
 fresh process (`python -m agent.cli`, what the `ssp-agent` script runs); its CPU time and peak RSS
@@ -81,8 +82,13 @@ class Setup:
         self.d, self.use_strace = d, use_strace
         os.makedirs(d)
         self.count = os.path.join(d, "fsyncs")
+        # Bytecode cached, as on a device (pip compiles an installed wheel): without it every call
+        # compiles each module from source, which this machine's PYTHONDONTWRITEBYTECODE=1 forces
+        # and which would then dominate the figures. The cache lives in the bench's directory.
         self.base = dict(os.environ, PYTHONPATH=code, SSP_AGENT_CLOCK_TRUSTED="1",
-                         SSP_AGENT_WITNESS_DIR=os.path.join(d, "witness"))
+                         SSP_AGENT_WITNESS_DIR=os.path.join(d, "witness"),
+                         PYTHONPYCACHEPREFIX=os.path.join(d, "pycache"))
+        self.base.pop("PYTHONDONTWRITEBYTECODE", None)
         self.env = fsyncshim.env(shim, count_file=self.count, base=self.base) if shim else self.base
         self.cli = [sys.executable, "-m", "agent.cli"]
         man = os.path.join(d, "m.toml")

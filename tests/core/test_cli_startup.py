@@ -14,6 +14,7 @@ import pytest
 
 from agent import cli
 from agent.simpeer import manifest_text, readings_table
+from tests.cli_cmd import agent_cmd, agent_env, installed, installed_python
 
 MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -22,11 +23,12 @@ NEVER_FOR_WRITE = ("cryptography", "paho", "serial", "pkcs11", "importlib.metada
                    "agent.transport.mqtt")
 
 
-def _modules_after(argv: list[str], env: dict) -> tuple[int, set[str]]:
-    code = ("import json, sys\nfrom agent.cli import main\nrc = main(sys.argv[1:])\n"
+def _modules_after(argv: list[str], env: dict, cwd) -> tuple[int, set[str]]:
+    # the command's own interpreter (the installed one under SSP_AGENT_CMD), running its main
+    code = ("import json, sys\nimport agent.cli\nrc = agent.cli.main(sys.argv[1:])\n"
             "sys.stderr.write('\\nMODULES ' + json.dumps(sorted(sys.modules)) + '\\n')\nsys.exit(rc)\n")
-    p = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, cwd=ROOT,
-                       timeout=120)
+    p = subprocess.run([installed_python() or sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                       env=env, cwd=cwd, timeout=120)   # `-c` puts the cwd first on sys.path: not ROOT
     line = [ln for ln in p.stderr.splitlines() if ln.startswith("MODULES ")]
     assert line, p.stderr[-2000:]
     return p.returncode, set(json.loads(line[-1][len("MODULES "):]))
@@ -38,31 +40,33 @@ def _loaded(mods: set[str], names) -> list[str]:
 
 @pytest.fixture
 def home(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT, SSP_AGENT_CLOCK_TRUSTED="1",
-               SSP_AGENT_WITNESS_DIR=str(tmp_path / "witness"))
+    extra = {"SSP_AGENT_CLOCK_TRUSTED": "1", "SSP_AGENT_WITNESS_DIR": str(tmp_path / "witness")}
+    if not installed():
+        extra["PYTHONPATH"] = ROOT
+    env = agent_env(extra)
     man = tmp_path / "m.toml"
     man.write_text(manifest_text(MESH, readings_table()))
-    subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(tmp_path / "a"), "init", "--manifest", str(man)],
+    subprocess.run(agent_cmd() + ["--home", str(tmp_path / "a"), "init", "--manifest", str(man)],
                    env=env, check=True, capture_output=True, cwd=ROOT)
-    return tmp_path / "a", env
+    return tmp_path / "a", env, tmp_path
 
 
 def test_write_and_the_read_verbs_load_no_p256_mqtt_or_other_verbs(home):
-    h, env = home
+    h, env, cwd = home
     rc, mods = _modules_after(["--home", str(h), "write", "app.readings", "--key", '{"device": "d", "seq": 1}',
-                               "--set", '{"temp": 1.5}'], env)
+                               "--set", '{"temp": 1.5}'], env, cwd)
     assert rc == 0 and "agent.node" in mods
     assert _loaded(mods, NEVER_FOR_WRITE) == []
     for verb in (["status"], ["dump"]):
-        rc, mods = _modules_after(["--home", str(h), *verb], env)
+        rc, mods = _modules_after(["--home", str(h), *verb], env, cwd)
         assert rc == 0 and _loaded(mods, NEVER_FOR_WRITE) == []
 
 
 def test_sync_once_loads_paho_but_not_cryptography(home, tmp_path):
-    h, env = home
+    h, env, cwd = home
     # no broker there: the verb still sets up its MQTT link (and exits 1, unreachable)
     rc, mods = _modules_after(["--home", str(h), "sync", "--broker", "mqtt://127.0.0.1:9", "--once",
-                               "--connect-timeout", "0.5"], env)
+                               "--connect-timeout", "0.5"], env, cwd)
     assert rc == 1 and "paho.mqtt.client" in mods
     assert _loaded(mods, ("cryptography", "serial", "pkcs11", "agent.cli_provision", "agent.cli_sequencer")) == []
 
