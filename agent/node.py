@@ -27,7 +27,7 @@ from .core.schema import SYNCABLE, ManifestError, TableDef, parse_manifest, tabl
 from .profile import Profile, ProfileError, load_profile
 from .outcomes import to_json
 from .outcomes import APPLIED, DROPPED, DUPLICATE, HELD, REJECTED, Outcome
-from .store import counters, db, migrations, rows as rowstore
+from .store import atrest, counters, db, migrations, rows as rowstore
 
 log = logging.getLogger("ssp_agent")
 
@@ -62,10 +62,13 @@ class Node:
     IDENTITY_FILE = "identity.json"
 
     def __init__(self, home: Path, conn: sqlite3.Connection, bridge: SigningBridge | None, *,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, log_seal: atrest.LogSeal | None = None) -> None:
         self.home = home
         self.conn = conn
         self.bridge = bridge
+        self.log_seal = log_seal   # None in a read view: it reads no payload (agent/store/atrest.py)
+        if log_seal is not None:
+            atrest.install(conn, log_seal)
         self.read_only = read_only
         self._pool = None
         self.site_id: bytes = bytes(db.get_meta(conn, "site_id"))
@@ -84,6 +87,12 @@ class Node:
         self._logged: set[EventIdentity] = set()   # own events write_many logged since the last compaction
         if read_only:
             return   # a read view: the repairs below write, and are left to the next writing open
+        if log_seal is not None and atrest.pending(conn) is not None:
+            # A store written before the log was sealed, or a data-key rotation: (re)seal every
+            # row in batches, each committed with its cursor (a crash resumes here).
+            done = atrest.reseal(conn, log_seal)
+            log.warning("event log sealed at rest under data key %d (%d rows rewritten)",
+                        log_seal.sealer.current, done["rewritten"])
         stale = [t.tdef for t in self.tables.values() if not rowstore.view_is_current(conn, t.tdef)]
         if stale:  # views made before they carried "C$state" (docs/apply.md)
             with _txn(conn):
@@ -98,6 +107,13 @@ class Node:
                 self.retry_held(q)
         if bridge is not None:
             self._recover_released()
+            if log_seal is not None:
+                if atrest.journal_pending(conn):
+                    # a migrated store or a rotation: compaction re-seals the journal's outputs
+                    # under the current key, after which the older keys can go
+                    self.compact_journal()
+                    atrest.journal_resealed(conn)
+                atrest.drop_retired_keys(conn, log_seal)
             self._redeliver_if_restored()
 
     def _redeliver_if_restored(self) -> None:
@@ -247,8 +263,37 @@ class Node:
             raise
         db.ensure_reserve(home)   # a home made before it, or one whose reserve an eviction used
         ks_conf = _home_paths(home, json.loads(db.get_meta(conn, "keystore")))
-        bridge = SigningBridge(open_keystore(_with_pin(ks_conf)), str(home / "sign-journal"))
-        return cls(home, conn, bridge)
+        ks = open_keystore(_with_pin(ks_conf))
+        try:
+            # The event log, the held table and the journal's outputs are sealed at rest under the
+            # store's data key, which only this keystore unseals (docs/reliability.md "At rest").
+            log_seal = atrest.open_log(conn, ks, bytes(db.get_meta(conn, "site_id")), home, now_ms())
+            bridge = SigningBridge(ks, str(home / "sign-journal"), sealer=log_seal.sealer)
+        except BaseException:
+            ks.close()
+            conn.close()
+            raise
+        return cls(home, conn, bridge, log_seal=log_seal)
+
+    @classmethod
+    def log_view(cls, home: Path) -> tuple[sqlite3.Connection, atrest.LogSeal]:
+        """A read-only connection to a home's store that can read the sealed log (`unseal` is
+        installed; the keystore unseals the data keys and is closed again), and the LogSeal, whose
+        sealer also opens the journal's sealed outputs. Writes nothing: for tools and tests that
+        inspect a stopped node's files."""
+        home = Path(home)
+        conn = db.connect_readonly(home / cls.STORE_FILE)
+        try:
+            ks = open_keystore(_with_pin(_home_paths(home, json.loads(db.get_meta(conn, "keystore")))))
+            try:
+                seal = atrest.open_log(conn, ks, bytes(db.get_meta(conn, "site_id")), home, 0, create=False)
+            finally:
+                ks.close()
+            atrest.install(conn, seal)
+        except BaseException:
+            conn.close()
+            raise
+        return conn, seal
 
     def rebind_machine(self) -> None:
         with _txn(self.conn):
@@ -707,7 +752,8 @@ class Node:
         rk = rowstore.row_key_bytes(e.row_key)
         cur = self.conn.execute(
             "INSERT OR IGNORE INTO events (event_id, site_id, hlc_p, hlc_l, qualified, row_key, operation, raw, origin)"
-            " VALUES (?,?,?,?,?,?,?,?,?)", (eid, kid, e.hlc[0], e.hlc[1], table, rk, e.operation, raw, origin))
+            " VALUES (?,?,?,?,?,?,?,?,?)", (eid, kid, e.hlc[0], e.hlc[1], table, rk, e.operation,
+                                            self.log_seal.seal(eid, raw), origin))
         if cur.rowcount == 0:
             return Outcome(DUPLICATE, "duplicate", **base)
         # §12.5 HLC observe.
@@ -772,7 +818,7 @@ class Node:
     def _row_events(self, t: TableDef, rk: bytes) -> Iterable[tuple[tuple[int, int, bytes], str, dict | None]]:
         """Every retained event of one row: (stamp, operation, payload)."""
         for sid, p, l, op, raw in self.conn.execute(
-                "SELECT site_id, hlc_p, hlc_l, operation, raw FROM events WHERE qualified=? AND row_key=?",
+                "SELECT site_id, hlc_p, hlc_l, operation, unseal(event_id, raw) FROM events WHERE qualified=? AND row_key=?",
                 (t.qualified, rk)).fetchall():
             payload = decode_strict(cose.parse_sign1(bytes(raw)).payload_bytes)["payload"]
             yield (p, l, bytes(sid)), op, (dict(payload) if payload is not None else None)
@@ -860,7 +906,7 @@ class Node:
                                     sort_keys=True)))
         for site in grown:
             for p, l, q, raw in self.conn.execute(
-                    "SELECT hlc_p, hlc_l, qualified, raw FROM events WHERE site_id=? ORDER BY hlc_p, hlc_l",
+                    "SELECT hlc_p, hlc_l, qualified, unseal(event_id, raw) FROM events WHERE site_id=? ORDER BY hlc_p, hlc_l",
                     (site,)).fetchall():
                 tbl = self.tables.get(q)
                 if tbl is None or not self._counts((p, l, site)) or below((p, l), tbl.horizon):
@@ -883,7 +929,8 @@ class Node:
             # Retain nothing more; the sender moves past it and re-offers it later (agent/sync.py).
             return self._surface(Outcome(REJECTED, "held_limit", **base), now)
         cur = self.conn.execute("INSERT OR IGNORE INTO held (event_id, site_id, qualified, hlc_p, hlc_l, raw, received_ms)"
-                                " VALUES (?,?,?,?,?,?,?)", (e.event_id, e.site_id, e.table, e.hlc[0], e.hlc[1], e.raw, now))
+                                " VALUES (?,?,?,?,?,?,?)", (e.event_id, e.site_id, e.table, e.hlc[0], e.hlc[1],
+                                                             self.log_seal.seal(e.event_id, e.raw), now))
         if cur.rowcount == 0:
             return Outcome(HELD, "already_held", **base)
         return self._surface(Outcome(HELD, "table_missing", **base), now, kind="held")
@@ -1158,7 +1205,7 @@ class Node:
         if qualified not in self.tables:
             return []
         with _txn(self.conn):  # release and re-apply in one transaction: nothing is lost between
-            rows = self.conn.execute("SELECT seq, raw FROM held WHERE qualified=? ORDER BY seq", (qualified,)).fetchall()
+            rows = self.conn.execute("SELECT seq, unseal(event_id, raw) FROM held WHERE qualified=? ORDER BY seq", (qualified,)).fetchall()
             self.conn.execute("DELETE FROM held WHERE qualified=?", (qualified,))
             out = self._apply_in_txn([bytes(r[1]) for r in rows], now, "remote")
             counters.bump_outcomes(self.conn, "released", (o.status for o in out))   # held, now applied

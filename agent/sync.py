@@ -153,7 +153,7 @@ class SyncDriver:
         chunk = max(64, min(self.batch_limit * 2, budget))
         pos = after
         while budget > 0:
-            q = "SELECT seq, site_id, qualified, hlc_p, hlc_l, raw, origin FROM events WHERE seq > ?"
+            q = "SELECT seq, site_id, qualified, hlc_p, hlc_l, unseal(event_id, raw), origin FROM events WHERE seq > ?"
             args: list[Any] = [pos]
             if upto is not None:
                 q += " AND seq <= ?"
@@ -247,7 +247,7 @@ class SyncDriver:
             stamps = {rowstore.unpack_stamp(b) for b in r[1:] if b is not None}
             evs = []
             for p, l, sid in sorted(stamps):
-                e = self.conn.execute("SELECT seq, site_id, qualified, hlc_p, hlc_l, raw, origin FROM events"
+                e = self.conn.execute("SELECT seq, site_id, qualified, hlc_p, hlc_l, unseal(event_id, raw), origin FROM events"
                                       " WHERE site_id=? AND qualified=? AND hlc_p=? AND hlc_l=?",
                                       (sid, table, p, l)).fetchone()
                 if e is not None:

@@ -134,7 +134,7 @@ def one_run(n_events: int, max_events: int, flood: dict | None) -> dict:
     w = a.write(T, {"device": "warm", "seq": 0}, {"temp": 0.0})
     while not b.conn.execute("SELECT 1 FROM events WHERE event_id=?", (w,)).fetchone():
         step_both()
-    honest_body = SimPeer(MESH, site_id=a.site_id).body([a.conn.execute("SELECT raw FROM events").fetchone()[0]])
+    honest_body = SimPeer(MESH, site_id=a.site_id).body([a.conn.execute("SELECT unseal(event_id, raw) FROM events").fetchone()[0]])
     disk0, cpu0, rss0 = home_bytes(root / "b"), b_cpu, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     proc = None
     if flood:

@@ -180,7 +180,7 @@ def bench_node(d: str, n: int, group: int) -> tuple[float, float]:
         for i in range(0, n, group):
             a.write_many(writes[i:i + group])
         w = rate(n, time.perf_counter() - t)
-        raws = [bytes(r) for (r,) in a.conn.execute("SELECT raw FROM events ORDER BY seq")]
+        raws = [bytes(r) for (r,) in a.conn.execute("SELECT unseal(event_id, raw) FROM events ORDER BY seq")]
         t = time.perf_counter()
         for i in range(0, n, 256):
             b.apply_batch(raws[i:i + 256])

@@ -281,7 +281,7 @@ def run(strategy: str, attack: bool, root: Path, events: int = 200, attack_s: fl
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and not set(old) <= on("m", lambda: _ids(m)):
                 time.sleep(0.01)
-            raws = on("m", lambda: [bytes(r[0]) for r in m.conn.execute("SELECT raw FROM events WHERE site_id=?",
+            raws = on("m", lambda: [bytes(r[0]) for r in m.conn.execute("SELECT unseal(event_id, raw) FROM events WHERE site_id=?",
                                                                         (ids["a"],))])
             runners["m"].old_bodies = [raws[i:i + 10] for i in range(0, len(raws), 10)]
         on("b", lambda: b.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)"))  # the store, not the WAL's high-water mark

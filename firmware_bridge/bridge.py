@@ -62,12 +62,13 @@ class SigningBridge:
     """Persist-before-release around a Keystore.  Thread-safe; concurrent callers share fsyncs."""
 
     def __init__(self, keystore: Keystore, journal_path: str, *,
-                 fault_hook: Optional[Hook] = None, file_ops: Optional[FileOps] = None) -> None:
+                 fault_hook: Optional[Hook] = None, file_ops: Optional[FileOps] = None, sealer=None) -> None:
         """``fault_hook`` and ``file_ops`` are test seams (named crash points, lost-fsync shims);
-        production passes neither."""
+        production passes neither. ``sealer`` (sealing.Sealer): the journal keeps its outputs
+        sealed at rest (docs/reliability.md "At rest"); the bytes returned are the clear ones."""
         self._ks = keystore
         self._hook = fault_hook
-        self._journal = Journal(journal_path, ops=file_ops, hook=fault_hook)
+        self._journal = Journal(journal_path, ops=file_ops, hook=fault_hook, sealer=sealer)
         self._lock = threading.Lock()
         self._inflight: dict[bytes, threading.Event] = {}
         self._pub: dict[str, tuple[str, bytes]] = {}

@@ -10,6 +10,9 @@ File layout (all integers big-endian), documented in docs/keystore.md "Journal f
       type 3 FLOOR:    rest = (empty); ident is an event identity (site_id, HLC): every event
                        identity of that site at or below that HLC that the journal does not hold
                        is spent (written by compaction, see ``compact_events``)
+      type 4 SEALED:   as RELEASED, the bytes sealed (sealing.py, associated data
+                       b"ssp-journal\0" | ident): written by a journal given a sealer, so the
+                       card holds no signed event in clear (docs/reliability.md "At rest")
 
 A record is durable once the fsync that follows its write has returned.  Writers append through
 ``commit``; concurrent callers share one write+fsync (leader/follower group commit): the first
@@ -42,11 +45,14 @@ from typing import Callable, Iterable, Optional
 from .errors import JournalCorrupt, JournalError
 from .fsutil import fsync_dir
 from .identity import EventIdentity, ReceiptIdentity, decode_identity
+from .sealing import key_id_of
 
 MAGIC = b"SSPJRNL1"
 INTENT = 1
 RELEASED = 2
 FLOOR = 3
+SEALED = 4     # a RELEASED record whose output is sealed at rest (sealing.py)
+_RELEASED_TYPES = (RELEASED, SEALED)
 _HDR = struct.Struct(">II")
 _HLC = struct.Struct(">QI")
 MAX_RECORD = 1 << 24
@@ -84,6 +90,16 @@ def encode_released(ident: bytes, cose: bytes) -> bytes:
     return _HDR.pack(len(body), zlib.crc32(body)) + body
 
 
+def encode_sealed(ident: bytes, sealed: bytes) -> bytes:
+    body = bytes([SEALED]) + struct.pack(">H", len(ident)) + ident + struct.pack(">I", len(sealed)) + sealed
+    return _HDR.pack(len(body), zlib.crc32(body)) + body
+
+
+def sealed_ad(ident: bytes) -> bytes:
+    """What a sealed journal output is bound to: its identity (a record moved elsewhere does not open)."""
+    return b"ssp-journal\0" + ident
+
+
 def encode_floor(ident: bytes) -> bytes:
     body = bytes([FLOOR]) + struct.pack(">H", len(ident)) + ident
     return _HDR.pack(len(body), zlib.crc32(body)) + body
@@ -100,7 +116,7 @@ def _parse_body(body: bytes) -> tuple[int, bytes, int, int]:
         if pos + 1 + klen != len(body):
             raise ValueError("intent length mismatch")
         return rtype, ident, pos + 1, klen
-    if rtype == RELEASED:
+    if rtype in _RELEASED_TYPES:
         (clen,) = struct.unpack_from(">I", body, pos)
         if pos + 4 + clen != len(body):
             raise ValueError("released length mismatch")
@@ -146,7 +162,7 @@ def _valid_records_after(data: bytes, bad: int, size: int) -> Optional[tuple[int
         pos = q
         while got is not None:
             records += 1
-            released += got[0] == RELEASED
+            released += got[0] in _RELEASED_TYPES
             pos = got[4]
             got = _record_at(data, pos, size)
         return q, records, released
@@ -187,7 +203,7 @@ def inspect(path: str) -> dict[str, int]:
         if got is None:
             break
         records += 1
-        released += got[0] == RELEASED
+        released += got[0] in _RELEASED_TYPES
         pos = got[4]
     if pos < size:
         after = _valid_records_after(data, pos, size)
@@ -199,13 +215,18 @@ def inspect(path: str) -> dict[str, int]:
 class Journal:
     """Durable intents and released bytes, indexed in memory by identity encoding."""
 
-    def __init__(self, path: str, *, ops: Optional[FileOps] = None, hook: Optional[Hook] = None) -> None:
+    def __init__(self, path: str, *, ops: Optional[FileOps] = None, hook: Optional[Hook] = None,
+                 sealer=None) -> None:
+        """``sealer`` (sealing.Sealer): outputs are written sealed (type SEALED) and opened on
+        read; without it, clear (RELEASED), and a SEALED record cannot be read (JournalError)."""
         self.path = os.path.abspath(path)
+        self._sealer = sealer
         self._ops = ops or FileOps()
         self._hook = hook
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        # ident -> None (intent only) or (offset, length) of the released COSE bytes
+        # ident -> None (intent only) or (offset, length) of the released COSE bytes, or
+        # (offset, length, 1) of their sealed form
         self._index: dict[bytes, Optional[tuple[int, int]]] = {}
         self._max_hlc: dict[bytes, tuple[int, int]] = {}
         self._max_epoch: dict[bytes, int] = {}
@@ -267,7 +288,8 @@ class Journal:
                 break
             rtype, ident, off, ln, end = got
             try:
-                self._apply(rtype, ident, (pos + _HDR.size + off, ln) if rtype == RELEASED else None,
+                self._apply(rtype, ident, (pos + _HDR.size + off, ln) if rtype == RELEASED else
+                            (pos + _HDR.size + off, ln, 1) if rtype == SEALED else None,
                             data[pos + _HDR.size + off:pos + _HDR.size + off + ln].decode()
                             if rtype == INTENT else None)
             except (ValueError, IndexError, struct.error, UnicodeDecodeError):
@@ -325,6 +347,11 @@ class Journal:
                 if rtype == INTENT:
                     rec = encode_intent(ident, arg)  # type: ignore[arg-type]
                     plen = None
+                elif self._sealer is not None:
+                    arg = self._sealer.seal(sealed_ad(ident), arg)  # type: ignore[arg-type]
+                    rtype = SEALED
+                    rec = encode_sealed(ident, arg)
+                    plen = len(arg)
                 else:
                     rec = encode_released(ident, arg)  # type: ignore[arg-type]
                     plen = len(arg)  # type: ignore[arg-type]
@@ -351,7 +378,8 @@ class Journal:
             effects = []
             pos = self._tail
             for rtype, ident, rlen, plen, key in pending:
-                effects.append((rtype, ident, None if plen is None else (pos + rlen - plen, plen), key))
+                effects.append((rtype, ident, None if plen is None else (pos + rlen - plen, plen) if rtype == RELEASED
+                                else (pos + rlen - plen, plen, 1), key))
                 pos += rlen
         try:
             self._write(buf)
@@ -444,8 +472,12 @@ class Journal:
                 cose = os.pread(old_fd, loc[1], loc[0])
                 if len(cose) != loc[1]:
                     raise JournalError(f"journal {self.path}: short read during compaction")
-                rec = encode_released(ident, cose)
-                new_index[ident] = (len(out) + len(rec) - len(cose), len(cose))
+                if self._sealer is not None and (len(loc) == 2 or key_id_of(cose) != self._sealer.current):
+                    # a clear output of an older journal, or one sealed under a retiring data key
+                    cose = self._sealer.seal(sealed_ad(ident), self._opened(ident, loc, cose))
+                    loc = (0, 0, 1)
+                rec = encode_released(ident, cose) if len(loc) == 2 else encode_sealed(ident, cose)
+                new_index[ident] = (len(out) + len(rec) - len(cose), len(cose)) + loc[2:]
                 out += rec
             tmp = self.tmp_path
             new_fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
@@ -520,7 +552,25 @@ class Journal:
             if loc is None:
                 return None
             self._check()
-            return os.pread(self._fd, loc[1], loc[0])
+            data = os.pread(self._fd, loc[1], loc[0])
+        return self._opened(ident, loc, data)
+
+    def _opened(self, ident: bytes, loc: tuple, data: bytes) -> bytes:
+        if len(loc) == 2:
+            return data
+        if self._sealer is None:
+            raise JournalError(f"journal {self.path} holds sealed outputs and was opened without the data key; "
+                               "open it through the agent's node (its keystore unseals the key)")
+        from .sealing import SealError
+        try:
+            return self._sealer.open(sealed_ad(ident), data)
+        except SealError as exc:
+            raise JournalError(f"journal {self.path}: a sealed output does not open ({exc}); the journal "
+                               "belongs to another keystore or was damaged") from None
+
+    @property
+    def sealed(self) -> bool:
+        return self._sealer is not None
 
     def released_items(self) -> list[tuple[bytes, tuple[int, int]]]:
         """[(ident, (offset, length))] of every durable output, in journal (= persist) order.
@@ -530,6 +580,7 @@ class Journal:
         return sorted(items, key=lambda x: x[1][0])
 
     def read_at(self, loc: tuple[int, int]) -> bytes:
+        """The stored bytes at ``loc`` (sealed ones as stored: read through ``read_released``)."""
         with self._lock:
             self._check()
             return os.pread(self._fd, loc[1], loc[0])

@@ -16,6 +16,7 @@ from .errors import KeystoreError, KeystoreUnavailable, UnsupportedAlgorithm
 from .identity import Identity
 
 ALGORITHMS = ("ed25519", "p256")
+MAX_SEAL_BYTES = 1024   # seal/unseal are for keys, not data
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -78,6 +79,27 @@ class Keystore(ABC):
             except BaseException as exc:  # the caller keeps the rest as unknown outcomes
                 return sigs, exc
         return sigs, None
+
+    # -- sealing small secrets (at-rest protection of the agent's stored events) -----------------
+    # A seal key is a symmetric key generated inside the keystore that never leaves it; it seals
+    # (wraps) the agent's data keys (firmware_bridge/sealing.py). Seal keys live in their own
+    # namespace: key_names() lists signing keys only.
+    def generate_seal_key(self, name: str) -> None:
+        """Generate a seal key inside the keystore (KeyExists if there is one of that name)."""
+        raise UnsupportedAlgorithm(f"the {self.kind} keystore cannot hold a seal key")
+
+    def has_seal_key(self, name: str) -> bool:
+        raise UnsupportedAlgorithm(f"the {self.kind} keystore cannot hold a seal key")
+
+    def seal(self, name: str, plaintext: bytes, ad: bytes) -> bytes:
+        """Authenticated encryption of a small secret (at most 1024 bytes) under seal key ``name``,
+        bound to ``ad``. KeyNotFound without that key."""
+        raise UnsupportedAlgorithm(f"the {self.kind} keystore cannot seal")
+
+    def unseal(self, name: str, sealed: bytes, ad: bytes) -> bytes:
+        """Inverse of ``seal``; SealError when ``sealed`` does not open under ``name`` with ``ad``
+        (another keystore's, damaged, or bound to other data)."""
+        raise UnsupportedAlgorithm(f"the {self.kind} keystore cannot unseal")
 
     def close(self) -> None:
         """Release resources (files, worker processes, serial ports)."""

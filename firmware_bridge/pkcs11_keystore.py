@@ -19,7 +19,7 @@ import cbor2
 from . import errors
 from .errors import KeystoreError, KeystoreUnavailable
 from .identity import Identity
-from .keystore import Keystore, check_alg, check_key_name
+from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name
 
 
 SIGN_MANY_CHUNK = 64
@@ -27,6 +27,9 @@ SIGN_MANY_CHUNK = 64
 
 def _worker_error(reply: dict[str, Any]) -> KeystoreError:
     """The worker names an errors.py class; anything else becomes a plain KeystoreError."""
+    if reply["err"] == "SealError":
+        from .sealing import SealError
+        return SealError(reply["msg"])
     cls = getattr(errors, reply["err"], KeystoreError)
     if not (isinstance(cls, type) and issubclass(cls, KeystoreError)):
         cls = KeystoreError
@@ -123,6 +126,21 @@ class Pkcs11Keystore(Keystore):
             if "err" in got:
                 return sigs, _worker_error(got)
         return sigs, None
+
+    # Seal keys: a non-extractable AES-256 key on the token, CKM_AES_GCM (pkcs11_worker.py).
+    def generate_seal_key(self, name: str) -> None:
+        self._call("seal_generate", name=check_key_name(name))
+
+    def has_seal_key(self, name: str) -> bool:
+        return bool(self._call("seal_has", name=check_key_name(name)))
+
+    def seal(self, name: str, plaintext: bytes, ad: bytes) -> bytes:
+        if len(plaintext) > MAX_SEAL_BYTES:
+            raise KeystoreError(f"seal takes at most {MAX_SEAL_BYTES} bytes (keys, not data)")
+        return bytes(self._call("seal", name=check_key_name(name), plaintext=bytes(plaintext), ad=bytes(ad)))
+
+    def unseal(self, name: str, sealed: bytes, ad: bytes) -> bytes:
+        return bytes(self._call("unseal", name=check_key_name(name), sealed=bytes(sealed), ad=bytes(ad)))
 
     def close(self) -> None:
         proc, self._proc = getattr(self, "_proc", None), None

@@ -158,6 +158,78 @@ class Worker:
         return {"sigs": sigs}
 
 
+    # -- seal keys (firmware_bridge/sealing.py): an AES-256 key generated on the token, sensitive and
+    # never extractable; sealing is CKM_AES_GCM with a random 96-bit IV and the caller's associated
+    # data (one seal per data key: IV collisions are not a concern at that rate).
+    def _seal_key(self, name: str) -> Any:
+        import pkcs11
+        from pkcs11 import ObjectClass
+        key = self._keys.get("seal:" + name)
+        if key is not None:
+            return key
+        try:
+            key = self._keys["seal:" + name] = self.session.get_key(object_class=ObjectClass.SECRET_KEY, label=name)
+            return key
+        except pkcs11.NoSuchKey:
+            raise _Err("KeyNotFound", f"no seal key labelled {name!r} on the token (this home's data key was "
+                       "sealed by another token, or the key was deleted)")
+        except pkcs11.MultipleObjectsReturned:
+            raise _Err("KeystoreError", f"several secret keys labelled {name!r} on the token; remove the duplicates")
+
+    def op_seal_has(self, name: str) -> bool:
+        try:
+            self._seal_key(name)
+            return True
+        except _Err as e:
+            if e.cls == "KeyNotFound":
+                return False
+            raise
+
+    def op_seal_generate(self, name: str) -> bool:
+        from pkcs11 import Attribute, KeyType
+        if self.op_seal_has(name):
+            raise _Err("KeyExists", f"a seal key labelled {name!r} already exists on the token; keys are never overwritten")
+        self._keys["seal:" + name] = self.session.generate_key(
+            KeyType.AES, 256, label=name, store=True,
+            template={Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False, Attribute.ENCRYPT: True,
+                      Attribute.DECRYPT: True, Attribute.TOKEN: True, Attribute.PRIVATE: True,
+                      Attribute.ID: name.encode()})
+        return True
+
+    def op_seal_attributes(self, name: str) -> dict[str, bool]:
+        from pkcs11 import Attribute
+        key = self._seal_key(name)
+        return {"sensitive": bool(key[Attribute.SENSITIVE]), "extractable": bool(key[Attribute.EXTRACTABLE]),
+                "never_extractable": bool(key[Attribute.NEVER_EXTRACTABLE])}
+
+    @staticmethod
+    def _gcm(iv: bytes, ad: bytes) -> Any:
+        try:
+            from pkcs11.mechanisms import GCMParams   # python-pkcs11 >= 0.9
+            return GCMParams(iv, ad, 128)
+        except ImportError:
+            return (iv, ad, 128)
+
+    def op_seal(self, name: str, plaintext: bytes, ad: bytes) -> bytes:
+        import os
+        from pkcs11 import Mechanism
+        iv = os.urandom(12)
+        return iv + bytes(self._seal_key(name).encrypt(bytes(plaintext), mechanism=Mechanism.AES_GCM,
+                                                       mechanism_param=self._gcm(iv, bytes(ad))))
+
+    def op_unseal(self, name: str, sealed: bytes, ad: bytes) -> bytes:
+        from pkcs11 import Mechanism
+        key = self._seal_key(name)
+        if len(sealed) < 12 + 16:
+            raise _Err("SealError", "sealed data too short")
+        try:
+            return bytes(key.decrypt(bytes(sealed[12:]), mechanism=Mechanism.AES_GCM,
+                                     mechanism_param=self._gcm(bytes(sealed[:12]), bytes(ad))))
+        except Exception:  # noqa: BLE001 - a failed GCM tag check surfaces as several binding errors
+            raise _Err("SealError", "sealed data does not open under this token's seal key (another token's, "
+                       "or damaged)")
+
+
 class _Err(Exception):
     def __init__(self, cls: str, msg: str) -> None:
         super().__init__(msg)

@@ -29,7 +29,8 @@ from . import serial_protocol as sp
 from .errors import KeyExists, KeyNotFound, KeystoreError
 from .fsutil import atomic_write
 from .identity import EventIdentity, ReceiptIdentity, decode_identity
-from .software import KeyDir
+from .sealing import SealError
+from .software import KeyDir, seal_with, unseal_with
 
 FIRMWARE = "ssp-keystore-emulator/1"
 
@@ -95,6 +96,32 @@ class DeviceCore:
             name, ident_raw, data = r.str(), r.blob(), r.blob()
             r.end()
             return self._sign(name, ident_raw, data)
+        if op == sp.SEAL_GENERATE:
+            name = r.str()
+            r.end()
+            try:
+                self.keys.create_seal(name)
+            except KeyExists:
+                raise _Refuse(sp.E_KEY_EXISTS, f"seal key {name!r} exists") from None
+            except KeystoreError as exc:
+                raise _Refuse(sp.E_BAD_REQUEST, str(exc)) from None
+            return b""
+        if op in (sp.SEAL, sp.UNSEAL):
+            name, ad, data = r.str(), r.blob(), r.blob()
+            r.end()
+            try:
+                secret = self.keys.get_seal(name)
+            except KeyNotFound:
+                raise _Refuse(sp.E_KEY_NOT_FOUND, f"no seal key {name!r} on device") from None
+            except KeystoreError as exc:
+                raise _Refuse(sp.E_BAD_REQUEST, str(exc)) from None
+            try:
+                out = seal_with(secret, data, ad) if op == sp.SEAL else unseal_with(secret, data, ad)
+            except SealError:
+                raise _Refuse(sp.E_UNSEAL, "sealed data does not open") from None
+            except KeystoreError as exc:
+                raise _Refuse(sp.E_TOO_LARGE, str(exc)) from None
+            return sp.put_blob(out)
         raise _Refuse(sp.E_UNKNOWN_OP, f"unknown op 0x{op:02x}")
 
     def _key(self, name: str):  # type: ignore[no-untyped-def]
@@ -173,7 +200,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--port-link", required=True, help="path of a symlink to the host-side pty")
     ap.add_argument("--state", required=True, help="directory holding the device's keys and counters")
     ap.add_argument("--sign-delay-s", type=float, default=0.0, help="test option: delay before signing")
-    ap.add_argument("--corrupt-op", action="append", default=[], choices=["hello", "generate", "pubkey", "sign", "list"],
+    ap.add_argument("--corrupt-op", action="append", default=[], choices=["hello", "generate", "pubkey", "sign", "list",
+                                                                       "seal_generate", "seal", "unseal"],
                     help="test option: flip a bit in every reply to this op (line noise)")
     args = ap.parse_args(argv)
     core = DeviceCore(args.state, sign_delay_s=args.sign_delay_s)

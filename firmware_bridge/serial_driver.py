@@ -14,10 +14,10 @@ from typing import Any
 import serial
 
 from . import serial_protocol as sp
-from .errors import (DeviceRefused, DeviceTimeout, KeyExists, KeyNotFound, KeystoreUnavailable, ProtocolError,
-                     UnsupportedAlgorithm)
+from .errors import (DeviceRefused, DeviceTimeout, KeyExists, KeyNotFound, KeystoreError, KeystoreUnavailable,
+                     ProtocolError, UnsupportedAlgorithm)
 from .identity import Identity
-from .keystore import Keystore, check_alg, check_key_name
+from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name
 
 _REFUSAL_HINT = {
     sp.E_ALREADY_SIGNED: "the device has already signed this identity and will never sign it again "
@@ -93,6 +93,9 @@ class SerialKeystore(Keystore):
             return KeyExists(f"{msg}; keys are never overwritten on the device")
         if code == sp.E_BAD_ALG:
             return UnsupportedAlgorithm(msg)
+        if code == sp.E_UNKNOWN_OP and "0x0" in msg and any(f"0x{o:02x}" in msg for o in (sp.SEAL_GENERATE, sp.SEAL, sp.UNSEAL)):
+            return UnsupportedAlgorithm(f"the serial keystore at {self.port} ({self.firmware if hasattr(self, 'firmware') else '?'}) "
+                                        "has no SEAL/UNSEAL commands: update its firmware (docs/keystore.md)")
         hint = _REFUSAL_HINT.get(code, "")
         name = sp.ERROR_NAMES.get(code, f"error {code}")
         return DeviceRefused(f"serial keystore refused ({name}): {msg}" + (f"; {hint}" if hint else ""), code)
@@ -133,6 +136,37 @@ class SerialKeystore(Keystore):
         r = self._request(sp.SIGN, body)
         self.last_counter = r.counter
         return r.signature
+
+    # Seal keys live on the device (SEAL_GENERATE / SEAL / UNSEAL, docs/keystore.md): the agent's
+    # data key is sealed there and only the device opens it.
+    def generate_seal_key(self, name: str) -> None:
+        self._request(sp.SEAL_GENERATE, sp.put_str(check_key_name(name)))
+
+    def has_seal_key(self, name: str) -> bool:
+        try:
+            self._request(sp.UNSEAL, sp.put_str(check_key_name(name)) + sp.put_blob(b"") + sp.put_blob(b""))
+        except KeyNotFound:
+            return False
+        except DeviceRefused as exc:
+            if exc.code == sp.E_UNSEAL:
+                return True
+            raise
+        return True
+
+    def seal(self, name: str, plaintext: bytes, ad: bytes) -> bytes:
+        if len(plaintext) > MAX_SEAL_BYTES:
+            raise KeystoreError(f"seal takes at most {MAX_SEAL_BYTES} bytes (keys, not data)")
+        return self._request(sp.SEAL, sp.put_str(check_key_name(name)) + sp.put_blob(ad) + sp.put_blob(plaintext)).data
+
+    def unseal(self, name: str, sealed: bytes, ad: bytes) -> bytes:
+        try:
+            return self._request(sp.UNSEAL, sp.put_str(check_key_name(name)) + sp.put_blob(ad) + sp.put_blob(sealed)).data
+        except DeviceRefused as exc:
+            if exc.code == sp.E_UNSEAL:
+                from .sealing import SealError
+                raise SealError(f"the serial keystore at {self.port} cannot open this home's sealed data key "
+                                "(another device's, or damaged)") from None
+            raise
 
     def close(self) -> None:
         try:

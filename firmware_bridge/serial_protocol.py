@@ -27,6 +27,10 @@ GENERATE = 0x02   # body: alg u8 | name str          -> alg u8 | public key blob
 PUBKEY = 0x03     # body: name str                   -> alg u8 | public key blob
 SIGN = 0x04       # body: name str | ident blob | data blob -> counter u64 | signature blob
 LIST = 0x05       # body: -                          -> count u8 | (alg u8 | name str)*
+# seal keys (sealing.py: the agent's data keys are sealed by the device and never leave it in clear)
+SEAL_GENERATE = 0x06  # body: name str                -> -   (E_KEY_EXISTS if there is one)
+SEAL = 0x07       # body: name str | ad blob | plaintext blob (<= 1024) -> sealed blob
+UNSEAL = 0x08     # body: name str | ad blob | sealed blob -> plaintext blob (E_UNSEAL if it does not open)
 OK_BIT = 0x80
 ERROR = 0x7F
 
@@ -44,10 +48,12 @@ E_NOT_MONOTONIC = 7
 E_STORAGE = 8
 E_TOO_LARGE = 9
 E_WRONG_KEY_FOR_IDENTITY = 10
+E_UNSEAL = 11
 ERROR_NAMES = {E_BAD_REQUEST: "bad request", E_UNKNOWN_OP: "unknown op", E_KEY_NOT_FOUND: "key not found",
                E_KEY_EXISTS: "key exists", E_BAD_ALG: "bad algorithm", E_ALREADY_SIGNED: "identity already signed",
                E_NOT_MONOTONIC: "identity at or below the last signed one", E_STORAGE: "device storage failure",
-               E_TOO_LARGE: "request too large", E_WRONG_KEY_FOR_IDENTITY: "key algorithm does not fit identity"}
+               E_TOO_LARGE: "request too large", E_WRONG_KEY_FOR_IDENTITY: "key algorithm does not fit identity",
+               E_UNSEAL: "sealed data does not open under this device's seal key"}
 
 
 def encode_frame(kind: int, req_id: int, body: bytes = b"") -> bytes:
@@ -208,12 +214,17 @@ class KeyList:
 
 
 @dataclass(frozen=True)
+class Data:  # SEAL_GENERATE (empty), SEAL, UNSEAL
+    data: bytes
+
+
+@dataclass(frozen=True)
 class DeviceError:
     code: int
     message: str
 
 
-Reply = Union[Hello, KeyInfo, Signed, KeyList, DeviceError]
+Reply = Union[Hello, KeyInfo, Signed, KeyList, Data, DeviceError]
 _PUBLIC_KEY_LEN = {"ed25519": (32,), "p256": (33, 65)}  # SEC1 compressed or uncompressed point
 
 
@@ -258,6 +269,10 @@ def _parse_reply(op: int, frame: Frame) -> Reply:
             alg = ALG_NAMES.get(r.u8(), "?")
             keys.append((r.str(), alg))
         out = KeyList(tuple(keys))
+    elif op == SEAL_GENERATE:
+        out = Data(b"")
+    elif op in (SEAL, UNSEAL):
+        out = Data(r.blob())
     else:
         raise ReplyError("unknown_op", f"0x{op:02x}")
     if r.i != len(r.b):

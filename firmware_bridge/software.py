@@ -14,14 +14,16 @@ import threading
 from typing import Any, Optional, Sequence
 
 import nacl.bindings
+import nacl.exceptions
 import nacl.signing
 
 from .errors import KeyExists, KeyNotFound, KeystoreError, KeystoreUnavailable
 from .fsutil import fsync_dir
 from .identity import Identity
-from .keystore import Keystore, check_alg, check_key_name
+from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name
 
 _SUFFIX = ".key"
+_SEAL_SUFFIX = ".seal"   # seal keys (firmware_bridge/sealing.py): their own namespace, never signing keys
 
 
 # A group commit of at least this many Ed25519 signatures is split across worker threads:
@@ -151,6 +153,81 @@ class KeyDir:
             return key
 
 
+    # -- seal keys: 32 random bytes, XChaCha20-Poly1305 (sealing.py); same file rules as signing keys
+    def _seal_file(self, name: str) -> str:
+        return os.path.join(self.path, check_key_name(name) + _SEAL_SUFFIX)
+
+    def create_seal(self, name: str) -> bytes:
+        path = self._seal_file(name)
+        secret = os.urandom(32)
+        body = json.dumps({"format": "ssp-seal-key-v1", "secret": secret.hex()}).encode()
+        with self._lock:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                raise KeyExists(f"seal key {name!r} already exists in {self.path}; keys are never overwritten") from None
+            except OSError as exc:
+                raise KeystoreUnavailable(f"cannot create seal key file in {self.path}: {exc.strerror}") from None
+            try:
+                os.write(fd, body)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            fsync_dir(self.path)
+        return secret
+
+    def has_seal(self, name: str) -> bool:
+        return os.path.exists(self._seal_file(name))
+
+    def get_seal(self, name: str) -> bytes:
+        path = self._seal_file(name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise KeyNotFound(f"no seal key {name!r} in {self.path} (the key file {os.path.basename(path)} "
+                              "is missing: the keystore of this home is not this one)") from None
+        except OSError as exc:
+            raise KeystoreUnavailable(f"cannot open seal key file for {name!r}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise KeystoreError(f"seal key file {path} is accessible by group/other "
+                                    f"(mode {stat.S_IMODE(st.st_mode):o}); run: chmod 600 {path}")
+            raw = os.read(fd, 1 << 12)
+        finally:
+            os.close(fd)
+        try:
+            doc = json.loads(raw)
+            if doc.get("format") != "ssp-seal-key-v1":
+                raise ValueError
+            secret = bytes.fromhex(doc["secret"])
+            if len(secret) != 32:
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            raise KeystoreError(f"seal key file {path} is not a valid ssp-seal-key-v1 file; restore it from backup") from None
+        return secret
+
+
+def seal_with(secret: bytes, plaintext: bytes, ad: bytes) -> bytes:
+    """nonce (24) | XChaCha20-Poly1305(plaintext, ad): the software keystore's and the serial
+    device emulator's seal (a microcontroller port may use any AEAD: only the device opens it)."""
+    if len(plaintext) > MAX_SEAL_BYTES:
+        raise KeystoreError(f"seal takes at most {MAX_SEAL_BYTES} bytes (keys, not data)")
+    nonce = os.urandom(24)
+    return nonce + nacl.bindings.crypto_aead_xchacha20poly1305_ietf_encrypt(plaintext, ad, nonce, secret)
+
+
+def unseal_with(secret: bytes, sealed: bytes, ad: bytes) -> bytes:
+    from .sealing import SealError
+    if len(sealed) < 24 + 16:
+        raise SealError("sealed data too short")
+    try:
+        return nacl.bindings.crypto_aead_xchacha20poly1305_ietf_decrypt(sealed[24:], ad, sealed[:24], secret)
+    except nacl.exceptions.CryptoError:
+        raise SealError("sealed data does not open under this keystore's seal key (another keystore's, "
+                        "or damaged)") from None
+
+
 class SoftwareKeystore(Keystore):
     kind = "software"
     # in-process keys: a returned signature is trusted (saves a verify per write on the hot path)
@@ -180,6 +257,20 @@ class SoftwareKeystore(Keystore):
 
     def _sign(self, name: str, identity: Identity, data: bytes) -> bytes:
         return self._keys.get(name).sign(data)
+
+    # A seal key file beside the signing key: whoever holds the card holds both, so this seals
+    # nothing against a stolen card (docs/reliability.md "At rest"); only the hardware kinds do.
+    def generate_seal_key(self, name: str) -> None:
+        self._keys.create_seal(name)
+
+    def has_seal_key(self, name: str) -> bool:
+        return self._keys.has_seal(name)
+
+    def seal(self, name: str, plaintext: bytes, ad: bytes) -> bytes:
+        return seal_with(self._keys.get_seal(name), plaintext, ad)
+
+    def unseal(self, name: str, sealed: bytes, ad: bytes) -> bytes:
+        return unseal_with(self._keys.get_seal(name), sealed, ad)
 
     def _sign_many(self, requests: Sequence[tuple[str, Identity, bytes]]) -> tuple[list[bytes], Optional[BaseException]]:
         """Deterministic Ed25519 gives the same bytes in any order, so a large batch of Ed25519

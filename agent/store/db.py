@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import sqlite3
+import threading
 import urllib.parse
 from pathlib import Path
 
@@ -131,6 +132,15 @@ _BUSY, _LOCKED, _READONLY, _IOERR, _CORRUPT, _FULL, _CANTOPEN, _NOTADB = 5, 6, 8
 LOW_SPACE_BYTES = 1 << 20   # below this much free space an I/O error is reported as a full disk
 
 
+# The `unseal` SQL function (agent/store/atrest.py) cannot carry its exception through SQLite (the
+# caller sees "user-defined function raised exception"): it leaves its message here for storage_fault.
+_unseal_failure = threading.local()
+
+
+def note_unseal_failure(msg: str) -> None:
+    _unseal_failure.msg = msg
+
+
 def free_bytes(path: Path) -> int | None:
     try:
         st = os.statvfs(str(path))
@@ -219,6 +229,11 @@ def storage_fault(exc: BaseException, store: Path) -> StoreError | None:
     if isinstance(exc, OSError) and exc.errno in (errno.EIO, errno.EROFS):
         return StoreError(f"{exc.filename or home}: {exc.strerror}; the medium is failing or read-only: check it "
                           "(dmesg), keep a copy of the home, then retry")
+    if isinstance(exc, sqlite3.OperationalError) and "user-defined function raised exception" in str(exc):
+        msg = getattr(_unseal_failure, "msg", None)   # a sealed log value that did not open (atrest.py)
+        _unseal_failure.msg = None
+        if msg:
+            return StoreError(msg)
     if not isinstance(exc, sqlite3.Error) or getattr(exc, "sqlite_errorcode", None) is None:
         return None
     code, name = exc.sqlite_errorcode & 0xFF, exc.sqlite_errorname

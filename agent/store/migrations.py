@@ -15,6 +15,9 @@ Version history:
   4  sequencing records (agent/store/sequencing.py): receipt heads and sequencer bindings (issue 14)
   5  per-peer link state (sync_state.peer_links): which sent bodies still count as in flight,
      the peer's advertised body limit and the provisional reduction after refusals (issue 12 item 6)
+  6  at-rest sealing of the event log (agent/store/atrest.py): the data-key table; a store that
+     holds events gets a re-seal job (meta atrest_job), which the next writing open runs in
+     batches with the keystore (this step has none), resuming where it stopped
 
 To change the layout: append a step (version LATEST + 1) below. Never edit a released step.
 The ensure_* functions stay idempotent and keep working on their own (they are also called where
@@ -25,7 +28,7 @@ import sqlite3
 from pathlib import Path
 from typing import Callable
 
-from . import counters, db, sequencing, sync_state
+from . import atrest, counters, db, sequencing, sync_state
 
 
 def statements(script: str) -> list[str]:
@@ -62,8 +65,14 @@ def _v3_counters(conn: sqlite3.Connection) -> None:
 
 def _v4_sequencing(conn: sqlite3.Connection) -> None:
     sequencing.ensure_schema(conn)
+
+
 def _v5_peer_links(conn: sqlite3.Connection) -> None:
     conn.execute(sync_state.PEER_LINKS_DDL)
+
+
+def _v6_atrest(conn: sqlite3.Connection) -> None:
+    atrest.create_schema(conn)
 
 
 # (version reached, what it does): applied in order, each in one transaction.
@@ -73,6 +82,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[sqlite3.Connection], None]]] = [
     (3, "counters for the metrics", _v3_counters),
     (4, "sequencing records (receipt heads, sequencer bindings)", _v4_sequencing),
     (5, "per-peer link state: bodies in flight, learned body limits", _v5_peer_links),
+    (6, "at-rest sealing of the event log", _v6_atrest),
 ]
 LATEST = MIGRATIONS[-1][0]
 

@@ -461,7 +461,7 @@ def reoffer_due(conn: sqlite3.Connection, peer: bytes, path: str, now_ms: int, l
     `limit` in all; and the rescans taken as (site_id, last seq taken or -1 when none is left).
     Entries whose event left the log (evicted) are dropped: the peer counts them applied below
     its horizon anyway."""
-    rows = conn.execute("SELECT r.seq, e.site_id, e.qualified, e.raw FROM reoffer r LEFT JOIN events e ON e.seq = r.seq"
+    rows = conn.execute("SELECT r.seq, e.site_id, e.qualified, unseal(e.event_id, e.raw) FROM reoffer r LEFT JOIN events e ON e.seq = r.seq"
                         " WHERE r.peer=? AND r.path=? AND r.due_ms <= ? ORDER BY r.due_ms, r.seq LIMIT ?",
                         (peer, path, now_ms, limit)).fetchall()
     gone = [(peer, path, seq) for seq, sid, _q, _raw in rows if sid is None]
@@ -474,7 +474,7 @@ def reoffer_due(conn: sqlite3.Connection, peer: bytes, path: str, now_ms: int, l
         room = limit - len(out)
         if room <= 0:
             break
-        got = conn.execute("SELECT seq, site_id, qualified, raw FROM events WHERE site_id=? AND seq >= ? AND seq <= ?"
+        got = conn.execute("SELECT seq, site_id, qualified, unseal(event_id, raw) FROM events WHERE site_id=? AND seq >= ? AND seq <= ?"
                            " ORDER BY seq LIMIT ?", (site, from_seq, cursor, room)).fetchall()
         out += [(q, bytes(sid), t, bytes(raw)) for q, sid, t, raw in got]
         scans.append((bytes(site), got[-1][0] if len(got) == room else -1))

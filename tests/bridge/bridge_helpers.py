@@ -50,7 +50,8 @@ def cose_parts(cose: bytes) -> tuple[bytes, bytes, bytes]:
 
 def parse_journal(path: str) -> list[tuple[int, bytes, bytes]]:
     """[(type, ident, key_name-or-cose-or-b"")] of every complete, CRC-valid record (docs/keystore.md):
-    type 1 INTENT, 2 RELEASED, 3 FLOOR."""
+    type 1 INTENT, 2 RELEASED, 3 FLOOR, 4 SEALED (a released output sealed at rest: the agent's
+    node journals, docs/keystore.md; open it with the home's data key)."""
     with open(path, "rb") as f:
         data = f.read()
     assert data[:8] == b"SSPJRNL1", "bad journal magic"
@@ -70,7 +71,7 @@ def parse_journal(path: str) -> list[tuple[int, bytes, bytes]]:
             out.append((3, ident, b""))
         else:
             (clen,) = struct.unpack_from(">I", rest, 0)
-            out.append((2, ident, rest[4:4 + clen]))
+            out.append((4 if rtype == 4 else 2, ident, rest[4:4 + clen]))
         pos += 8 + blen
     return out
 

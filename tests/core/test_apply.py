@@ -230,7 +230,7 @@ def test_bad_payload_shapes_dropped(env, over, reason):
 def test_self_echo_dropped(env):
     node, a, _ = env
     eid = node.write(T, {"device": "d", "seq": 9}, {"temp": 3.0}, now=NOW)
-    raw = [bytes(r[0]) for r in node.conn.execute("SELECT raw FROM events WHERE event_id=?", (eid,))][0]
+    raw = [bytes(r[0]) for r in node.conn.execute("SELECT unseal(event_id, raw) FROM events WHERE event_id=?", (eid,))][0]
     o = one(node, raw)
     assert (o.status, o.reason) == (DROPPED, "self_echo")
 

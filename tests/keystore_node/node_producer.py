@@ -44,7 +44,7 @@ def main() -> None:
         ids = node.write_many(writes) if n > 1 else [node.write(*writes[0][:3])]
         lines = []
         for eid in ids:
-            p, l, raw = node.conn.execute("SELECT hlc_p, hlc_l, raw FROM events WHERE event_id=?", (eid,)).fetchone()
+            p, l, raw = node.conn.execute("SELECT hlc_p, hlc_l, unseal(event_id, raw) FROM events WHERE event_id=?", (eid,)).fetchone()
             lines.append(f"ACK {eid.hex()} {p} {l} {bytes(raw).hex()}\n")
         sys.stdout.write("".join(lines))
         sys.stdout.flush()

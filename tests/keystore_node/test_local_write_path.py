@@ -49,7 +49,7 @@ def test_local_events_equal_a_full_apply_of_the_same_bytes(tmp_path):
         b.add_peer(a.site_id, pk, None)
         a.write_many(_writes(150))
         a.write(T, {"device": "d1", "seq": 1}, None, delete=True)
-        raws = [bytes(r) for (r,) in a.conn.execute("SELECT raw FROM events ORDER BY seq")]
+        raws = [bytes(r) for (r,) in a.conn.execute("SELECT unseal(event_id, raw) FROM events ORDER BY seq")]
         out = b.apply_batch(raws)
         assert {o.reason for o in out} == {"applied"}
         assert a.dump() == b.dump()

@@ -61,9 +61,10 @@ class Checker:
             self.acked[eid] = raw
 
     def _log(self) -> dict[bytes, tuple]:
-        conn = sqlite3.connect(f"file:{os.path.join(self.home, 'store.sqlite')}?mode=ro", uri=True)
+        from agent.node import Node
+        conn, self.seal = Node.log_view(self.home)   # the log is sealed at rest: the keystore opens it
         try:
-            rows = conn.execute("SELECT event_id, hlc_p, hlc_l, raw, origin FROM events WHERE site_id=?",
+            rows = conn.execute("SELECT event_id, hlc_p, hlc_l, unseal(event_id, raw), origin FROM events WHERE site_id=?",
                                 (self.site,)).fetchall()
         finally:
             conn.close()
@@ -74,7 +75,10 @@ class Checker:
         log = self._log()
         self._check_log(log)
         recs = parse_journal(os.path.join(self.home, "sign-journal"))
-        released = {ident: out for t, ident, out in recs if t == 2}
+        from firmware_bridge.journal import sealed_ad
+        released = {ident: out if t == 2 else self.seal.sealer.open(sealed_ad(ident), out)
+                    for t, ident, out in recs if t in (2, 4)}
+        assert all(t != 2 for t, _i, _o in recs), "a node journal holds an output in clear"
         for ident, out in released.items():
             eid = blake3.blake3(out).digest()
             self._hlc_once(decode_identity(ident).hlc, eid, "journal")

@@ -32,7 +32,7 @@ def _round_trip(tmp_path, ks_conf):
         ids.append(a.write(T, {"device": "d1", "seq": 3}, None, delete=True))
         ids.append(a.write(T, {"device": "d2", "seq": 0}, {"temp": -4.5}))
         # every event went through the bridge: its journal holds the exact bytes the log holds
-        logged = {bytes(e): bytes(r) for e, r in a.conn.execute("SELECT event_id, raw FROM events")}
+        logged = {bytes(e): bytes(r) for e, r in a.conn.execute("SELECT event_id, unseal(event_id, raw) FROM events")}
         assert set(logged) == set(ids)
         for raw in logged.values():
             s1 = cose.parse_sign1(raw)
@@ -43,7 +43,7 @@ def _round_trip(tmp_path, ks_conf):
         assert res.get("applied") == len(ids), res
         assert b.dump()[T] == a.dump()[T]
         assert {bytes(e): bytes(r) for e, r in b.conn.execute(
-            "SELECT event_id, raw FROM events WHERE site_id=?", (a.site_id,))} == logged
+            "SELECT event_id, unseal(event_id, raw) FROM events WHERE site_id=?", (a.site_id,))} == logged
         # compaction: the log holds them all, so the journal drops them and keeps a floor
         stats = a.compact_journal()
         assert stats["entries_kept"] == 0 and a.bridge.journal_stats()["entries"] == 0
@@ -140,7 +140,7 @@ def test_released_but_unapplied_events_are_applied_on_open(tmp_path, monkeypatch
     a.close()
     a = Node.open(tmp_path / "a")
     try:
-        rows = a.conn.execute("SELECT raw, origin FROM events ORDER BY seq").fetchall()
+        rows = a.conn.execute("SELECT unseal(event_id, raw), origin FROM events ORDER BY seq").fetchall()
         assert [bytes(r[0]) for r in rows[1:]] == released and {r[1] for r in rows} == {"local"}
         assert len(a.dump()[T]) == 6
         assert a.bridge.journal_stats()["entries"] == 0        # compacted after recovery

@@ -18,7 +18,7 @@ def deny(node, peer, table="notes"):
 
 
 def raws(node, table=None):
-    return {bytes(e): bytes(r) for e, r, q in node.conn.execute("SELECT event_id, raw, qualified FROM events")
+    return {bytes(e): bytes(r) for e, r, q in node.conn.execute("SELECT event_id, unseal(event_id, raw), qualified FROM events")
             if table is None or q == table}
 
 

@@ -58,6 +58,8 @@ def make_v1_home(tmp: Path) -> Path:
         p = cli(tmp, home, "write", "app.readings", "--key", json.dumps({"device": "d1", "seq": seq}),
                 "--set", json.dumps({"temp": 20.0 + seq}))
         assert p.returncode == 0, p.stderr
+    from tests.atrest_helpers import downgrade_to_clear
+    downgrade_to_clear(home)   # the first release stored its log and journal outputs in clear
     v1 = _v1_layout()
     conn = sqlite3.connect(home / "store.sqlite", isolation_level=None)
     conn.execute("BEGIN")

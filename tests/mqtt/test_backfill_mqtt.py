@@ -21,7 +21,7 @@ def deny(peer, table="notes"):
 
 
 def raws(node, table):
-    return {bytes(e): bytes(r) for e, r in node.conn.execute("SELECT event_id, raw FROM events WHERE qualified=?",
+    return {bytes(e): bytes(r) for e, r in node.conn.execute("SELECT event_id, unseal(event_id, raw) FROM events WHERE qualified=?",
                                                              (table,))}
 
 

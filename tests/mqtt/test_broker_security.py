@@ -160,7 +160,7 @@ def test_docs_acl_config_enforced_over_tls_with_passwords(tmp_path):
             time.sleep(0.02)
         # c publishes as a: into b's inbox, and into its own inbox
         honest = write(a, 0, "a")
-        body = ra.sync.body([bytes(a.conn.execute("SELECT raw FROM events").fetchone()[0])])
+        body = ra.sync.body([bytes(a.conn.execute("SELECT unseal(event_id, raw) FROM events").fetchone()[0])])
         rogue.publish(topics.requests(b.site_id, a.site_id), body,
                       _publish_props({}, b"x" * 16, topics.answers(a.site_id, b.site_id)))
         rogue.publish(topics.requests(c.site_id, a.site_id), body, _publish_props({}, b"y" * 16, None))
@@ -212,7 +212,7 @@ def test_mutual_tls_client_certificates_as_identity(tmp_path):
         stranger = RawClient(br.port, "stranger", pki["ca"], cert=pki["stranger"])
         try:
             write(a, 0, "a")
-            body = ra.sync.body([bytes(a.conn.execute("SELECT raw FROM events").fetchone()[0])])
+            body = ra.sync.body([bytes(a.conn.execute("SELECT unseal(event_id, raw) FROM events").fetchone()[0])])
             stranger.publish(Topics(MESH).requests(b.site_id, a.site_id), body)
             t_end = time.monotonic() + 0.5
             while time.monotonic() < t_end:

@@ -36,7 +36,7 @@ def test_rogue_inbox_traffic(broker, tmp_path):
         e1 = write(a, 1, "honest")
         ra.batch_cycle()
         assert step_until([ra, rb], lambda: e1 in event_ids(b), 10)
-        honest_body = SimPeer(MESH, site_id=a.site_id).body([a.conn.execute("SELECT raw FROM events").fetchone()[0]])
+        honest_body = SimPeer(MESH, site_id=a.site_id).body([a.conn.execute("SELECT unseal(event_id, raw) FROM events").fetchone()[0]])
 
         send(b"\xff\x00garbage")  # not CBOR
         send(encode([1, 2, 3]))  # CBOR, not a map

@@ -119,8 +119,9 @@ def _apply(buf: bytearray, op: tuple) -> None:
 class Model:
     """What is on the disk (durable) and in the page cache (pending), per file and directory."""
 
-    def __init__(self, roots: list[Path]) -> None:
+    def __init__(self, roots: list[Path], sealer=None) -> None:
         self.roots = [str(Path(r)) for r in roots]
+        self._sealer = sealer   # the home's data keys: its journal keeps outputs sealed at rest (type SEALED)
         self.inodes: dict[int, _Inode] = {}
         self.cur: dict[str, int] = {}        # the namespace as processes see it
         self.durable_ns: dict[str, int] = {}  # the namespace on disk
@@ -224,7 +225,7 @@ class Model:
         """A journal fsync (performed, or skipped by the negative control) returned: every RELEASED
         record it covers may now leave the bridge (firmware_bridge/journal.py format)."""
         from firmware_bridge.identity import EventIdentity, decode_identity
-        from firmware_bridge.journal import MAGIC, RELEASED, _HDR as JHDR, _record_at
+        from firmware_bridge.journal import MAGIC, RELEASED, SEALED, _HDR as JHDR, _record_at, sealed_ad
         buf = bytearray(ino.durable)
         for op in ino.pending:
             _apply(buf, op)
@@ -237,11 +238,13 @@ class Model:
             if got is None:
                 break
             rtype, ident, off, ln, end = got
-            if rtype == RELEASED and ident not in self._seen:
+            if rtype in (RELEASED, SEALED) and ident not in self._seen:
                 self._seen.add(ident)
                 idn = decode_identity(ident)
                 if isinstance(idn, EventIdentity):
                     raw = data[pos + JHDR.size + off:pos + JHDR.size + off + ln]
+                    if rtype == SEALED:
+                        raw = self._sealer.open(sealed_ad(ident), raw)
                     self.released.append(Released(at, ident, idn.hlc, raw))
             pos = end
         self._parsed[ino.id] = pos
@@ -385,13 +388,14 @@ class Recording:
         return [self.home, self.witness]
 
     def model(self) -> Model:
-        return Model(self.roots) if self._base_state is None else self._from_base()
+        return Model(self.roots, self.sealer) if self._base_state is None else self._from_base()
 
     _base_state: dict | None = None
+    sealer: object = None        # the home's data keys (made by init; the workload never rotates them)
 
     def _from_base(self) -> Model:
         write_tree(self.roots, self._base_state)
-        return Model(self.roots)
+        return Model(self.roots, self.sealer)
 
 
 def record(work: Path, *, events: int = 200, seed: int = 1, drop_sync: str | None = None,
@@ -417,6 +421,7 @@ def record(work: Path, *, events: int = 200, seed: int = 1, drop_sync: str | Non
         node, _ = Node.init(home, manifest_text(mesh, readings_table(retention="telemetry"), [peer]),
                             {"kind": "software"})
         site_id = node.site_id
+        sealer = node.log_seal.sealer
         node.close()
     finally:
         if old is None:
@@ -445,6 +450,7 @@ def record(work: Path, *, events: int = 200, seed: int = 1, drop_sync: str | Non
     write_tree([home, witness], base_state)
     rec = Recording(work, home, witness, ops, None, site_id, start, drop_sync)  # type: ignore[arg-type]
     rec._base_state = base_state
+    rec.sealer = sealer
     # The shim saw everything: replaying every operation gives the files the run left.
     m = rec.model()
     for o in ops:

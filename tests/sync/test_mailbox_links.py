@@ -268,13 +268,10 @@ def test_an_answer_released_before_a_crash_is_stored_on_open_and_leaves_the_jour
 
 
 def _journal(home):
-    """The signing journal's released outputs, read without opening the node (opening compacts)."""
-    from firmware_bridge.journal import Journal
-    j = Journal(str(home / "sign-journal"))
-    try:
-        return [(i, j.read_released(i)) for i, _loc in j.released_items()]
-    finally:
-        j.close()
+    """The signing journal's released outputs, read without opening the node (opening compacts);
+    sealed at rest, opened with the home's data keys."""
+    from tests.atrest_helpers import journal_outputs
+    return journal_outputs(home)
 
 
 def test_answers_do_not_pile_up_in_the_signing_journal(tmp_path, monkeypatch):

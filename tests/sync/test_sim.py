@@ -219,7 +219,7 @@ def test_self_echo_never_sent_and_dropped_if_received(tmp_path):
     sel, *_ = db_.select_for(a.site_id, "another-path")  # a fresh cursor walks all of b's log
     assert sel.events == [] and sel.skipped.get("self_echo") == 3
     # a misbehaving relay that sends a its own events back: dropped as self-echo, nothing re-ingested
-    raws = [bytes(r[0]) for r in b.conn.execute("SELECT raw FROM events")]
+    raws = [bytes(r[0]) for r in b.conn.execute("SELECT unseal(event_id, raw) FROM events")]
     before = a.conn.execute("SELECT count(*) FROM events").fetchone()[0]
     outs = a.apply_batch(raws, NOW)
     assert {o.reason for o in outs} == {"self_echo"}
