@@ -189,7 +189,7 @@ def sent_bodies_count(conn: sqlite3.Connection, peer: bytes, path: str) -> int:
     return conn.execute("SELECT count(*) FROM sent_bodies WHERE peer=? AND path=?", (peer, path)).fetchone()[0]
 
 
-# ---------------------------------------------------------------- per-peer link state (store layout v4)
+# ---------------------------------------------------------------- per-peer link state (store layout v5)
 # Quiet links (issue 12 item 6): which of the bodies in sent_bodies still count as in flight to a
 # peer (those after `gave_up_id`: waiting in the broker or at the peer), and what this node learned
 # of the peer's body limit: the limit it advertised itself (presence, answers; transport metadata,
