@@ -243,3 +243,28 @@ def test_rotation_reseals_every_row_and_the_journal_and_drops_the_old_key(tmp_pa
             assert key_id_of(body) == new
         pos = got[4]
     assert json.loads(json.dumps(atrest.status(sqlite3.connect(home / "store.sqlite"))))["current"] == new
+
+
+def test_keystore_verbs_show_the_sealing_and_rotate_the_data_key(tmp_path):
+    a, _peer = _software_node(tmp_path)
+    a.write_many([(T, {"device": "d", "seq": i}, {"temp": float(i)}, False) for i in range(5)])
+    a.close()
+    run = lambda *v: subprocess.run([*agent_cmd(), "--home", str(tmp_path / "a"), *v], capture_output=True,  # noqa: E731
+                                    text=True, env=agent_env(), timeout=120)
+    p = run("keystore", "show")
+    assert p.returncode == 0, p.stderr
+    st = json.loads(p.stdout)["at_rest"]
+    assert st["sealed"] and st["current"] == 1 and st["job"] is None
+    assert "wrapped" not in p.stdout and "secret" not in p.stdout
+    p = run("keystore", "rotate-data-key")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["data_key"] == 2 and out["at_rest"]["job"] is None
+    assert [k["key_id"] for k in out["at_rest"]["data_keys"]] == [2]
+    a = Node.open(tmp_path / "a")
+    try:
+        from firmware_bridge.sealing import key_id_of
+        assert {key_id_of(bytes(r)) for (r,) in a.conn.execute("SELECT raw FROM events")} == {2}
+        assert a.conn.execute("SELECT count(*) FROM events").fetchone()[0] == 5
+    finally:
+        a.close()
