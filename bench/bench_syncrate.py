@@ -103,6 +103,24 @@ def drive(ra: Runner, peer: bytes, last: int, timeout: float = float(os.environ.
     return time.perf_counter() - t0
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / TICK
+
+
+def cpu_drive(ra: Runner, peer: bytes, last: int, receiver: subprocess.Popen, broker: Broker) -> dict:
+    """`drive`, with the CPU seconds each party spent meanwhile: the sender (this process: its
+    runner, paho thread, acknowledgement checks), the receiver process, and mosquitto."""
+    c_a, c_b, c_m = time.process_time(), proc_cpu_s(receiver.pid), proc_cpu_s(broker.proc.pid)
+    secs = drive(ra, peer, last)
+    return {"s": secs, "cpu_a": time.process_time() - c_a, "cpu_b": proc_cpu_s(receiver.pid) - c_b,
+            "cpu_broker": proc_cpu_s(broker.proc.pid) - c_m}
+
+
 def held(home: Path) -> int:
     n = Node.open(home, read_only=True)
     try:
@@ -120,9 +138,10 @@ def one_round(k: int, root: Path, evs: list[bytes], sims: list[SimPeer], args, e
     # 1. apply-only: one mailbox body into a fresh node
     ref = Node.init(d / "ref", man, profile=prof)[0]
     body = sims[0].body(evs)
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     r = import_mailbox_body(ref, body)
     t_apply = time.perf_counter() - t
+    cpu_apply = time.process_time() - c
     assert r["applied"] == n, r
     ref.close()
     del body
@@ -140,7 +159,7 @@ def one_round(k: int, root: Path, evs: list[bytes], sims: list[SimPeer], args, e
         recv[name] = x.site_id
         x.close()
     last = a.conn.execute("SELECT max(seq) FROM events").fetchone()[0]
-    out = {"apply_s": t_apply}
+    out = {"apply_s": t_apply, "cpu_apply": cpu_apply}
     with Broker(workdir=d / "broker") as br:
         settings = MqttSettings.from_url(br.url)
         settings.body_limit_bytes = int(prof.body_limit_bytes)
@@ -155,7 +174,9 @@ def one_round(k: int, root: Path, evs: list[bytes], sims: list[SimPeer], args, e
             try:
                 ra.sync.peers = lambda: [recv["b"]]
                 wait_presence(ra, recv["b"])
-                out["sync_s"] = drive(ra, recv["b"], last)
+                d2 = cpu_drive(ra, recv["b"], last, pb, br)
+                out["sync_s"] = d2.pop("s")
+                out.update({f"sync_{k}": v for k, v in d2.items()})
                 out["sync_bodies"] = ra.stats["bodies_pushed"]
                 out["sync_unanswered"] = ra.stats["unanswered"]
             finally:
@@ -177,7 +198,9 @@ def one_round(k: int, root: Path, evs: list[bytes], sims: list[SimPeer], args, e
                     if time.monotonic() - t > 60:
                         raise SystemExit("the rehydrate record never reached A")
                 b0 = ra.stats["bodies_pushed"]
-                out["rehydrate_s"] = drive(ra, recv["c"], last)
+                d3 = cpu_drive(ra, recv["c"], last, pc, br)
+                out["rehydrate_s"] = d3.pop("s")
+                out.update({f"rehydrate_{k}": v for k, v in d3.items()})
                 out["rehydrate_bodies"] = ra.stats["bodies_pushed"] - b0
             finally:
                 stop(pc)
@@ -257,6 +280,14 @@ def main() -> int:
           f"   (target >= 0.8)")
     print(f"ratio rehydration / apply-only:     "
           f"{med_range([r['apply_s'] / r['rehydrate_s'] for r in rounds], '{:.2f}')}   (target >= 0.8)")
+    us = lambda key: [r[key] / n * 1e6 for r in rounds]  # noqa: E731
+    print(f"CPU per event (us, all threads): apply-only {med_range(us('cpu_apply'))}; sync: receiver "
+          f"{med_range(us('sync_cpu_b'))}, sender {med_range(us('sync_cpu_a'))}, mosquitto "
+          f"{med_range(us('sync_cpu_broker'))}; rehydration: receiver {med_range(us('rehydrate_cpu_b'))}, "
+          f"sender {med_range(us('rehydrate_cpu_a'))}, mosquitto {med_range(us('rehydrate_cpu_broker'))}")
+    total = [(r["sync_cpu_a"] + r["sync_cpu_b"] + r["sync_cpu_broker"]) / r["sync_s"] for r in rounds]
+    print(f"cores busy during sync (sender + receiver + mosquitto): {med_range(total, '{:.2f}')} of "
+          f"{os.cpu_count()}")
     if serial:
         print(f"serial 115 200 baud ({args.serial_events} events of {serial[0]['mean_event_bytes']} bytes): "
               f"{med_range([s['events_per_s'] for s in serial], '{:.1f}')} events/s, line's raw event rate "

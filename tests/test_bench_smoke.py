@@ -23,6 +23,7 @@ CASES = [
     (["bench/bench_quiet.py", "--minutes", "2", "--scale", "0.01"], "per delivered event"),
     (["bench/bench_syncrate.py", "--events", "300", "--rounds", "1", "--serial-events", "30"],
      "ratio serial sync / line limit"),
+    (["bench/bench_fleet.py", "--smoke"], "heal conv s"),
     (["bench/bench_flood.py", "--events", "100", "--rate", "100", "--seconds", "2"], "slowdown ratio flood / no flood"),
     (["bench/bench_atrest.py", "--events", "300", "--rounds", "1"], "at-rest overhead ratio (apply, offer)"),
 ]
