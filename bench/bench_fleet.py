@@ -155,13 +155,23 @@ class Fleet:
         settings.session_expiry_s = int(self.prof.session_expiry_s)
         t = time.perf_counter()
         self.runners = []
-        for node in self.nodes:
-            r = Runner(node, settings, self.cfg)
-            r.link.start()
-            self.runners.append(r)
-        for r in self.runners:
-            if not r.link.wait_connected(120):
-                raise SystemExit(f"a device did not connect: {r.link.last_error}")
+        # In waves: all devices' paho threads share this process's GIL, and a wave of 100 at once
+        # starved some network threads past the link's 10 s CONNACK timeout, which then
+        # reconnected in a loop (an artefact of one process, not of a fleet of boards).
+        wave = max(1, self.args.connect_wave)
+        for i in range(0, len(self.nodes), wave):
+            new = []
+            for node in self.nodes[i:i + wave]:
+                r = Runner(node, settings, self.cfg)
+                r.link.start()
+                new.append(r)
+            while not all(r.link.connected.is_set() for r in new):
+                time.sleep(0.01)
+                if time.perf_counter() - t > self.args.timeout:
+                    late = [r for r in new if not r.link.connected.is_set()]
+                    raise SystemExit(f"{len(late)} devices did not connect: {late[0].link.last_error}")
+            self.runners.extend(new)
+            self.step_all()   # take in what arrived (presence, queued bodies) between waves
         return time.perf_counter() - t
 
     def partition(self) -> None:
@@ -231,6 +241,10 @@ class Fleet:
             node.close()
 
 
+def phase(n: int, what: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {n} devices: {what}", file=sys.stderr, flush=True)
+
+
 def one_size(n: int, args, base: Path) -> dict:
     root = base / f"fleet{n}"
     root.mkdir()
@@ -243,14 +257,18 @@ def one_size(n: int, args, base: Path) -> dict:
         try:
             fleet.start_gateway(br.url)
             pid = fleet.gw.pid
+            phase(n, "connecting")
             out["connect_s"] = round(fleet.connect(br.url), 2)
+            phase(n, "first convergence")
             # 1. first convergence
             fleet.write_devices(args.events)
             fleet.gw_write()
             c0 = proc_cpu_s(pid)
             out["first_converge_s"] = round(fleet.until_converged(args.timeout), 2)
             out["first_converge_gw_cpu_s"] = round(proc_cpu_s(pid) - c0, 2)
-            # 2. idle
+            phase(n, "idle")
+            # 2. idle (after a settle: the answers and acknowledgements of the first exchange)
+            fleet.spin(args.idle_s / 2)
             c0, t0 = proc_cpu_s(pid), time.monotonic()
             fleet.spin(args.idle_s)
             idle = (proc_cpu_s(pid) - c0) / (time.monotonic() - t0)
@@ -258,6 +276,7 @@ def one_size(n: int, args, base: Path) -> dict:
             out["gw_rss_mb"] = round(proc_rss_mb(pid), 1)
             out["broker_rss_mb_online"] = round(proc_rss_mb(br.proc.pid), 1)
             out["broker_store_online"] = sysc.read()
+            phase(n, "partition")
             # 3. partition: the queue is counted from just after every device dropped off (their
             # wills have cleared their retained presence) to the partition's end
             fleet.partition()
@@ -276,6 +295,7 @@ def one_size(n: int, args, base: Path) -> dict:
             byts = after.get("bytes", 0) - before.get("bytes", 0)
             out["queue_msgs_per_offline_device"] = round(msgs / n, 2)
             out["queue_bytes_per_offline_device"] = round(byts / n)
+            phase(n, "heal")
             # 4. heal
             c0 = proc_cpu_s(pid)
             t = time.perf_counter()
@@ -287,7 +307,8 @@ def one_size(n: int, args, base: Path) -> dict:
         finally:
             sysc.close()
             fleet.close()
-    shutil.rmtree(root, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
     return out
 
 
@@ -301,20 +322,32 @@ def main() -> int:
     ap.add_argument("--idle-s", type=float, default=10.0)
     ap.add_argument("--device-cadence", type=float, default=None, help="devices' batch cadence (default: pi-3-4's)")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--connect-wave", type=int, default=25, help="devices (re)connecting at once")
+    ap.add_argument("--keep", action="store_true", help="keep each size's homes and logs (a failed size always keeps them)")
     ap.add_argument("--smoke", action="store_true", help="4 devices, short phases")
     args = ap.parse_args()
+    import logging
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    if os.environ.get("BENCH_FLEET_DEBUG"):
+        logging.getLogger("ssp_agent.mqtt").setLevel(logging.INFO)
     if args.smoke:
         args.sizes, args.events, args.config_writes, args.partition_s, args.idle_s = "4", 3, 1, 2.0, 1.0
     sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     shm = Path("/dev/shm")
     rows = []
-    with tempfile.TemporaryDirectory(dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None) as d:
+    d = tempfile.mkdtemp(prefix="ssp-fleet-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None)
+    print(f"homes and logs under {d}", file=sys.stderr)
+    try:
         os.environ.setdefault("SSP_AGENT_WITNESS_DIR", os.path.join(d, "witness"))
         for n in sizes:
             r = one_size(n, args, Path(d))
             rows.append(r)
             print(json.dumps(r), flush=True)
+    except BaseException:
+        print(f"failed: homes, gateway and broker logs kept in {d}", file=sys.stderr)
+        raise
+    shutil.rmtree(d, ignore_errors=True)
     print()
     print(f"{'devices':>7} {'first conv s':>12} {'gw idle %cpu':>12} {'/device':>8} {'gw RSS MB':>9} "
           f"{'queue msgs/dev':>14} {'queue B/dev':>11} {'heal conv s':>11} {'heal gw cpu s/dev':>17}")
