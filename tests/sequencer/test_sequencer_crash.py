@@ -78,7 +78,11 @@ class Checker:
 
     def check_durable(self) -> None:
         journal: dict = {}
-        for t, ident, data in parse_journal(os.path.join(self.home, "sign-journal")):
+        path = os.path.join(self.home, "sign-journal")
+        # A kill early in the first run can come before the bridge created its journal: then
+        # nothing was released (checked below against the released set) and there is nothing to parse.
+        records = parse_journal(path) if os.path.exists(path) and os.path.getsize(path) >= 8 else []
+        for t, ident, data in records:
             if t == 2:
                 idy = decode_identity(ident)
                 key = (idy.group_id, idy.epoch)
