@@ -245,7 +245,11 @@ class Node:
             except BaseException:
                 conn.close()
                 raise
-            return cls(home, conn, None, read_only=True)
+            try:
+                return cls(home, conn, None, read_only=True)
+            except BaseException:
+                conn.close()
+                raise
         if check_machine:
             site = bytes(db.get_meta(conn, "site_id"))
             other = ident.claim_home(site, home)
@@ -273,7 +277,16 @@ class Node:
             ks.close()
             conn.close()
             raise
-        return cls(home, conn, bridge, log_seal=log_seal)
+        try:
+            return cls(home, conn, bridge, log_seal=log_seal)
+        except BaseException:
+            # A failed set-up closes what it opened: a leaked bridge keeps the journal's lock, so the
+            # next open in this process (a service retrying) was refused as "in use", and leaked fds
+            # pile up (found by tests/reliability: thousands of damaged reopens ended in EMFILE).
+            bridge.close()
+            ks.close()
+            conn.close()
+            raise
 
     @classmethod
     def log_view(cls, home: Path) -> tuple[sqlite3.Connection, atrest.LogSeal]:

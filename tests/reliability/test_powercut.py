@@ -58,3 +58,30 @@ def test_negative_control_a_skipped_fsync_is_caught(tmp_path, shim, drop, expect
     rep = pc.check(rec, pc.cut_points(rec, sample_syncs=40, random_points=10, seed=5))
     assert expect in rep.kinds(), rep.summary()
     assert "traceback" not in rep.kinds(), rep.summary()
+
+
+def test_a_failed_open_releases_the_journal_and_the_store(tmp_path, monkeypatch):
+    """Found by the full harness run (tools/powercut.sh): its negative controls reopen thousands of
+    damaged reconstructions in one process, and after a few thousand refused opens every open
+    failed with a traceback (EMFILE). `Node.open` leaked the signing bridge (the journal's fd and
+    its lock) and the store connection when the node's set-up failed after they were opened; the
+    next open of that home in the same process (a long-running service retrying) was refused as
+    "in use by another process". Now a failed open closes what it opened."""
+    import sqlite3
+
+    from agent.node import Node
+    from agent.simpeer import manifest_text, readings_table
+    monkeypatch.setenv("SSP_AGENT_WITNESS_DIR", str(tmp_path / "w"))
+    home = tmp_path / "h"
+    node, _ = Node.init(home, manifest_text(bytes(16), readings_table()), {"kind": "software"})
+    node.write(pc.T, {"device": "d", "seq": 1}, {"temp": 0.5})
+    node.close()
+    with sqlite3.connect(home / "store.sqlite") as c:   # damage that only the node's set-up reads
+        good = c.execute("SELECT key_json FROM tables").fetchone()[0]
+        c.execute("UPDATE tables SET key_json = '{not json'")
+    with pytest.raises(ValueError):
+        Node.open(home)
+    with sqlite3.connect(home / "store.sqlite") as c:
+        c.execute("UPDATE tables SET key_json = ?", (good,))
+    with Node.open(home) as again:               # before: JournalError, the journal "in use"
+        assert again.conn.execute("SELECT count(*) FROM events").fetchone()[0] == 1
