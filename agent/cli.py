@@ -473,10 +473,9 @@ def _add_later_verbs(sub, mailbox_sub, modules: "set[str] | None" = None) -> Non
                 "agent.cli_provision", "agent.cli_health"):
         if modules is not None and mod not in modules:
             continue
-        try:
-            m = __import__(mod, fromlist=["register"])
-        except ImportError:
-            continue
+        # Every one ships in the package: an import error is a broken install, said loudly, never
+        # a verb that silently disappears.
+        m = __import__(mod, fromlist=["register"])
         m.register(sub, mailbox_sub)
 
 

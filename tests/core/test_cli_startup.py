@@ -96,3 +96,17 @@ def test_the_verb_table_names_the_module_that_registers_each_verb():
     (["-v", "dump"], "dump"), (["--help"], None), (["--version"], None), (["--ho", "h", "write"], None), ([], None)])
 def test_the_verb_is_read_only_past_global_options_known_exactly(argv, verb):
     assert cli._verb_of(argv) == verb
+
+
+def test_a_verb_module_that_fails_to_import_is_not_dropped_silently(monkeypatch):
+    """A verb module that cannot be imported used to vanish from the CLI without a word (its verbs
+    then answered "invalid choice"): the import error must surface."""
+    import sys
+
+    from agent import cli
+    monkeypatch.setitem(sys.modules, "agent.cli_health", None)  # import of it raises ImportError
+    try:
+        cli.build_parser()
+    except ImportError:
+        return
+    raise AssertionError("build_parser dropped agent.cli_health without a word")
