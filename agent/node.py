@@ -1380,7 +1380,7 @@ class Node:
     def _reclaim(self) -> None:
         # auto_vacuum=INCREMENTAL (set at creation) returns freed pages to the filesystem.
         self.conn.execute("PRAGMA incremental_vacuum")
-        self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
     def store_bytes(self) -> int:
         page = self.conn.execute("PRAGMA page_size").fetchone()[0]

@@ -284,7 +284,7 @@ def run(strategy: str, attack: bool, root: Path, events: int = 200, attack_s: fl
             raws = on("m", lambda: [bytes(r[0]) for r in m.conn.execute("SELECT unseal(event_id, raw) FROM events WHERE site_id=?",
                                                                         (ids["a"],))])
             runners["m"].old_bodies = [raws[i:i + 10] for i in range(0, len(raws), 10)]
-        on("b", lambda: b.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)"))  # the store, not the WAL's high-water mark
+        on("b", lambda: b.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall())  # the store, not the WAL's high-water mark
         disk0, cpu0, rss0 = home_bytes(root / "b"), b_cpu[0], rss_kb()
         sent0 = runners["m"].sent_bytes
         t0 = time.monotonic()
@@ -320,7 +320,7 @@ def run(strategy: str, attack: bool, root: Path, events: int = 200, attack_s: fl
         out["b_has_all_of_a"] = set(written) <= _ids(b)
         out["b_watermark_covers_a"] = _covered(b, a)
         out["b_cpu_s"] = round(b_cpu[0] - cpu0, 3)
-        b.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        b.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         out["b_disk_growth"] = home_bytes(root / "b") - disk0
         out["rss_growth_kb"] = rss_kb() - rss0
         out["attacker_bytes"] = runners["m"].sent_bytes - sent0

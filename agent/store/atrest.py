@@ -211,7 +211,7 @@ def reseal(conn: sqlite3.Connection, log: LogSeal, batch: int = RESEAL_BATCH, ma
         log.clear_ok = False
     finally:
         conn.execute(f"PRAGMA secure_delete={int(prev)}")
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
     return out
 
 
