@@ -146,7 +146,9 @@ class Fleet:
 
     def start_gateway(self, url: str) -> None:
         self.cli("policy", "deny", "--peer", "*", "--table", "app.readings", "--layer", "system")
-        self.gw = subprocess.Popen([sys.executable, "-m", "agent.cli", "--home", str(self.gw_home), "run",
+        prof = os.environ.get("BENCH_FLEET_PROFILE")   # a file: the gateway runs under cProfile (diagnosis)
+        wrap = ["-m", "cProfile", "-o", f"{prof}.{self.n}"] if prof else []
+        self.gw = subprocess.Popen([sys.executable, *wrap, "-m", "agent.cli", "--home", str(self.gw_home), "run",
                                     "--broker", url], stdout=subprocess.DEVNULL,
                                    stderr=open(self.root / "gateway.log", "ab"), env=self.env, cwd=str(ROOT))
         t = time.monotonic()
