@@ -46,7 +46,7 @@ class Histories(RuleBasedStateMachine):
         self.t = int(time.time() * 1000)  # simulated time never behind the real clock (CLI writes read it)
         self.offset = [0] * n  # each node's wall-clock error, inside the skew bound
         self.horizon = None
-        self.snapshots: dict[int, tuple[Path, int]] = {}
+        self.snapshots: dict[int, tuple[Path, set[str]]] = {}
         self.catalogue: dict[str, tuple[bytes, str, str, tuple[int, int]]] = {}  # event_id -> site, table, row, hlc
         self.outsider = SimPeer(MESH)
         self.vouched = False
@@ -60,9 +60,22 @@ class Histories(RuleBasedStateMachine):
                                                       json.dumps(e["row_key"], sort_keys=True),
                                                       tuple(map(int, e["hlc"].split(".")))))
 
-    def _own_count(self, i) -> int:
-        node = self.nodes[i]
-        return node.conn.execute("SELECT count(*) FROM events WHERE site_id=?", (node.site_id,)).fetchone()[0]
+    def _own_signed(self, i) -> set[str]:
+        """Every event node i's site has signed so far (held or since evicted): the catalogue notes
+        each local write as it happens."""
+        site = self.nodes[i].site_id
+        return {eid for eid, (s, _q, _rk, _h) in self.catalogue.items() if s == site}
+
+    def _lost_by_restore(self, i, signed_at_copy: set[str]) -> bool:
+        """Whether restoring node i's copy loses an own event that still counts: one signed after
+        the copy, unless eviction everywhere has put it below the horizon (its row is then out of the
+        comparison, §13.5). Counting the own events held is not enough: eviction since the copy can
+        remove as many old ones as were written after it."""
+        for eid in self._own_signed(i) - signed_at_copy:
+            _s, q, _rk, hlc = self.catalogue[eid]
+            if not (self.horizon is not None and q == T and hlc < self.horizon):
+                return True
+        return False
 
     def _reopen(self, i) -> None:
         self.nodes[i] = reopen(self.nodes[i])
@@ -162,7 +175,7 @@ class Histories(RuleBasedStateMachine):
         shutil.copytree(home, snap, ignore=shutil.ignore_patterns("*-shm"))  # an index SQLite rebuilds
         self.nodes[i] = reopen_home(home)
         self.drivers[i] = SyncDriver(self.nodes[i], batch_limit=self.limit)
-        self.snapshots[i] = (snap, self._own_count(i))
+        self.snapshots[i] = (snap, self._own_signed(i))
 
     @precondition(lambda self: bool(getattr(self, "snapshots", None)))
     @rule(k=st.integers(0, 4))
@@ -172,8 +185,8 @@ class Histories(RuleBasedStateMachine):
         so such a node is left out of the final agreement (its peers keep those events and must
         still agree among themselves); it must still never issue an HLC twice."""
         i = sorted(self.snapshots)[k % len(self.snapshots)]
-        snap, own = self.snapshots[i]
-        if self._own_count(i) != own:
+        snap, signed = self.snapshots[i]
+        if self._lost_by_restore(i, signed):
             self.lost_own.add(i)
         home = self.nodes[i].home
         self.nodes[i].close()
