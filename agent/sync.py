@@ -153,7 +153,9 @@ class SyncDriver:
         chunk = max(64, min(self.batch_limit * 2, budget))
         pos = after
         while budget > 0:
-            q = "SELECT seq, site_id, qualified, hlc_p, hlc_l, unseal(event_id, raw), origin FROM events WHERE seq > ?"
+            # The payload is not read here: most rows examined are filtered (policy, self-echo,
+            # watermarks), and each payload is sealed at rest; `_open_selected` opens the offered ones.
+            q = "SELECT seq, site_id, qualified, hlc_p, hlc_l, NULL, origin FROM events WHERE seq > ?"
             args: list[Any] = [pos]
             if upto is not None:
                 q += " AND seq <= ?"
@@ -162,9 +164,19 @@ class SyncDriver:
             if not rows:
                 return
             for seq, s, t, p, l, raw, origin in rows:
-                yield delivery.LogRow(seq, bytes(s), t, (p, l), bytes(raw), origin)
+                yield delivery.LogRow(seq, bytes(s), t, (p, l), b"", origin)
             pos = rows[-1][0]
             budget -= len(rows)
+
+    def _open_selected(self, seqs: list[int]) -> list[bytes]:
+        """The signed bytes of the selected log rows, in `seqs` order: only what is offered is
+        read and unsealed (a gateway's policy may filter nearly everything it examines)."""
+        raws: dict[int, bytes] = {}
+        for i in range(0, len(seqs), 500):
+            part = seqs[i:i + 500]
+            q = f"SELECT seq, unseal(event_id, raw) FROM events WHERE seq IN ({','.join('?' * len(part))})"
+            raws.update((seq, bytes(raw)) for seq, raw in self.conn.execute(q, part))
+        return [raws[seq] for seq in seqs]
 
     def select_for(self, peer: bytes, path: str, mode: str = "batch", *, start: int | None = None,
                    limit: int | None = None, backfill: bool = True, now: int | None = None
@@ -184,6 +196,7 @@ class SyncDriver:
         ro, scans = self._due_reoffers(peer, path, allowed, limit, now) if mode != "push" else ([], ())
         sel = delivery.select(self._rows_for(peer, start), start, peer, self.node.site_id, allowed, pwm,
                               limit - len(ro), lambda r: counts((r.hlc[0], r.hlc[1], r.site_id)))
+        sel.events = self._open_selected(sel.seqs)
         # Our own history we no longer hold (evicted, lost to a restore) travels with the stream as
         # floors, so no receiver infers a watermark across it (§14.2; docs/protocol.md §4).
         sel.gaps |= {delivery.floor_entry(q, h) for q, h in self.node.own_history_floors().items()}

@@ -24,7 +24,9 @@ were never covered by a completed fsync, hence never acted upon (no signature wa
 intent that was not durable, no bytes released before their record was durable); it is
 truncated.  A bad record with valid records after it is not a torn tail (later writes completed
 after it, so it was durable once): the journal raises ``JournalCorrupt`` and changes nothing.  After an fsync failure the journal is poisoned and refuses all further work
-("fsyncgate": the page cache state after a failed fsync is unknown).
+("fsyncgate": the page cache state after a failed fsync is unknown).  An append that write()
+refuses for want of space (ENOSPC, EDQUOT) is different: no fsync covered its bytes, so they are
+cut off (ftruncate to the last durable tail), that batch's callers fail, and the journal goes on.
 
 Compaction (``compact_events``) rewrites the file atomically (new file, fsync, rename, fsync of
 the directory): receipts are kept in full; events are kept only when their output is not yet
@@ -34,6 +36,7 @@ answer every question the same way for every identity the caller still needs.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import struct
@@ -239,6 +242,8 @@ class Journal:
         self._durable = 0      # last sequence number covered by a completed fsync
         self._flushing = False  # a leader (or a compaction) owns the file
         self._failed: Optional[BaseException] = None
+        self._taken = 0        # last sequence number a leader took into a batch
+        self._refused: list[tuple[int, int]] = []  # (after, upto] sequence ranges refused for want of space
         self.truncated_bytes = 0
         self.fsyncs = 0
         self.compactions = 0
@@ -361,6 +366,8 @@ class Journal:
             my_seq = self._seq
             while True:
                 self._check()
+                if any(lo < my_seq <= hi for lo, hi in self._refused):
+                    raise JournalError(f"journal {self.path}: no space for the records; nothing was released")
                 if self._durable >= my_seq:
                     return
                 if not self._flushing:
@@ -371,6 +378,7 @@ class Journal:
             buf = bytes(self._pending)
             pending = self._pending_effects
             upto = self._seq
+            taken, self._taken = self._taken, upto   # this batch: the commits (taken, upto]
             self._pending = bytearray()
             self._pending_effects = []
             # offsets are fixed here, by the leader, against the file it is about to append to
@@ -382,10 +390,26 @@ class Journal:
                                 else (pos + rlen - plen, plen, 1), key))
                 pos += rlen
         try:
-            self._write(buf)
+            try:
+                self._write(buf)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT) and self._cut_back(self._tail):
+                    # No space for this batch (write() refused, no fsync failed): its partial bytes
+                    # are cut off, its callers fail, the journal goes on (issue 16 item 2: `run`
+                    # signs again once eviction or the operator freed space).
+                    with self._cond:
+                        self._refused.append((taken, upto))
+                        del self._refused[:-16]
+                        self._flushing = False
+                        self._cond.notify_all()
+                    raise JournalError(f"journal {self.path}: no space for the records ({exc.strerror}); "
+                                       "nothing was released") from exc
+                raise
             if self._hook:
                 self._hook("journal_before_fsync")
             self._ops.fsync(self._fd)
+        except JournalError:
+            raise
         except BaseException as exc:
             with self._cond:
                 self._failed = exc
@@ -415,6 +439,15 @@ class Journal:
             self._ops.write(self._fd, buf[half:])
         else:
             self._ops.write(self._fd, buf)
+
+    def _cut_back(self, tail: int) -> bool:
+        """Cut a refused append's partial bytes off (the file is O_APPEND: the next append goes
+        after `tail` again). False if that fails too: then the journal is poisoned."""
+        try:
+            os.ftruncate(self._fd, tail)
+            return True
+        except OSError:
+            return False
 
     def _check(self) -> None:
         if self._failed is not None:

@@ -336,3 +336,43 @@ def test_parallel_signing_failure_keeps_a_prefix(tmp_path):
         ks.close()
     assert calls == [50, 50]
     assert states == [Status.RELEASED] * 50 + [Status.OUTCOME_UNKNOWN] * 50
+
+
+class FullDiskOnce(FileOps):
+    """write() refused with ENOSPC once, after writing part of the buffer (a filesystem filling up
+    in the middle of a record): nothing reached the platter that an fsync covered."""
+
+    def __init__(self):
+        self.armed = False
+
+    def write(self, fd, data):
+        if self.armed:
+            self.armed = False
+            os.write(fd, data[: len(data) // 2])
+            raise OSError(28, "No space left on device")
+        super().write(fd, data)
+
+
+def test_a_full_disk_on_append_fails_that_release_only(tmp_path):
+    """A journal append refused for want of space (ENOSPC from write(), not a failed fsync) used to
+    poison the journal for the life of the process: `run` could not sign again after the disk was
+    freed, nor compact its journal in the eviction that frees it. The partial record is cut off and
+    that release fails; the journal goes on, and a reopen finds no torn tail."""
+    ks = open_keystore({"kind": "software", "dir": str(tmp_path / "keys")})
+    ks.generate_key("site", "ed25519")
+    ops = FullDiskOnce()
+    bridge = SigningBridge(ks, str(tmp_path / "j"), file_ops=ops)
+    first = bridge.release(*ev_item(1, 0))
+    ops.armed = True
+    with pytest.raises(KeystoreError) as e:
+        bridge.release(*ev_item(2, 0))
+    cause = e.value.__cause__
+    assert isinstance(cause, OSError) and cause.errno == 28
+    after = bridge.release(*ev_item(3, 0))      # not poisoned
+    bridge.compact_events(lambda ident: False)  # nor is the eviction's compaction
+    bridge.close()
+    reopened = SigningBridge(ks, str(tmp_path / "j"))
+    assert reopened._journal.truncated_bytes == 0
+    assert reopened.released(EventIdentity(SITE, 1, 0)) == first
+    assert reopened.released(EventIdentity(SITE, 3, 0)) == after
+    reopened.close()
