@@ -104,19 +104,9 @@ class KeyDir:
         secret = new_secret(alg)
         body = json.dumps({"format": "ssp-key-v1", "alg": alg, "secret": secret.hex()}).encode()
         with self._lock:
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
-                raise KeyExists(f"key {name!r} already exists in {self.path}; keys are never overwritten "
-                                "— choose another name or remove the file deliberately") from None
-            except OSError as exc:
-                raise KeystoreUnavailable(f"cannot create key file in {self.path}: {exc.strerror}") from None
-            try:
-                os.write(fd, body)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            fsync_dir(self.path)
+            self._write_new(path, body, "key file",
+                            f"key {name!r} already exists in {self.path}; keys are never overwritten "
+                            "— choose another name or remove the file deliberately")
             key = _Key(alg, secret)
             self._cache[name] = key
             return key
@@ -127,21 +117,9 @@ class KeyDir:
             return key
         path = self._file(name)
         with self._lock:
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            except FileNotFoundError:
-                raise KeyNotFound(f"no key {name!r} in {self.path}; generate it first "
-                                  f"(known keys: {', '.join(self.names()) or 'none'})") from None
-            except OSError as exc:
-                raise KeystoreUnavailable(f"cannot open key file for {name!r}: {exc.strerror}") from None
-            try:
-                st = os.fstat(fd)
-                if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-                    raise KeystoreError(f"key file {path} is accessible by group/other "
-                                        f"(mode {stat.S_IMODE(st.st_mode):o}); run: chmod 600 {path}")
-                raw = os.read(fd, 1 << 16)
-            finally:
-                os.close(fd)
+            raw = _read_private(path, "key file", name, 1 << 16,
+                                lambda: f"no key {name!r} in {self.path}; generate it first "
+                                        f"(known keys: {', '.join(self.names()) or 'none'})")
             try:
                 doc = json.loads(raw)
                 if doc.get("format") != "ssp-key-v1":
@@ -162,40 +140,33 @@ class KeyDir:
         secret = os.urandom(32)
         body = json.dumps({"format": "ssp-seal-key-v1", "secret": secret.hex()}).encode()
         with self._lock:
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
-                raise KeyExists(f"seal key {name!r} already exists in {self.path}; keys are never overwritten") from None
-            except OSError as exc:
-                raise KeystoreUnavailable(f"cannot create seal key file in {self.path}: {exc.strerror}") from None
-            try:
-                os.write(fd, body)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            fsync_dir(self.path)
+            self._write_new(path, body, "seal key file",
+                            f"seal key {name!r} already exists in {self.path}; keys are never overwritten")
         return secret
+
+    def _write_new(self, path: str, body: bytes, what: str, exists: str) -> None:
+        """Create a key file (0600, never over an existing one) and make it and its name durable."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise KeyExists(exists) from None
+        except OSError as exc:
+            raise KeystoreUnavailable(f"cannot create {what} in {self.path}: {exc.strerror}") from None
+        try:
+            os.write(fd, body)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.path)
 
     def has_seal(self, name: str) -> bool:
         return os.path.exists(self._seal_file(name))
 
     def get_seal(self, name: str) -> bytes:
         path = self._seal_file(name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise KeyNotFound(f"no seal key {name!r} in {self.path} (the key file {os.path.basename(path)} "
-                              "is missing: the keystore of this home is not this one)") from None
-        except OSError as exc:
-            raise KeystoreUnavailable(f"cannot open seal key file for {name!r}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-                raise KeystoreError(f"seal key file {path} is accessible by group/other "
-                                    f"(mode {stat.S_IMODE(st.st_mode):o}); run: chmod 600 {path}")
-            raw = os.read(fd, 1 << 12)
-        finally:
-            os.close(fd)
+        raw = _read_private(path, "seal key file", name, 1 << 12,
+                            lambda: f"no seal key {name!r} in {self.path} (the key file {os.path.basename(path)} "
+                                    "is missing: the keystore of this home is not this one)")
         try:
             doc = json.loads(raw)
             if doc.get("format") != "ssp-seal-key-v1":
@@ -206,6 +177,25 @@ class KeyDir:
         except (ValueError, KeyError, TypeError):
             raise KeystoreError(f"seal key file {path} is not a valid ssp-seal-key-v1 file; restore it from backup") from None
         return secret
+
+
+def _read_private(path: str, what: str, name: str, limit: int, missing) -> bytes:
+    """A key file's bytes: never through a symlink, refused when group or others can reach it
+    (the file is the key); `missing()` says what to do when it is absent."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise KeyNotFound(missing()) from None
+    except OSError as exc:
+        raise KeystoreUnavailable(f"cannot open {what} for {name!r}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise KeystoreError(f"{what} {path} is accessible by group/other "
+                                f"(mode {stat.S_IMODE(st.st_mode):o}); run: chmod 600 {path}")
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
 
 
 def seal_with(secret: bytes, plaintext: bytes, ad: bytes) -> bytes:
