@@ -107,13 +107,11 @@ def _parse(raw) -> tuple[bytes, Any]:
 
 
 @classified(RecordError)
-def verify_record(raw: bytes, mesh_id: bytes, authorities: Iterable[bytes],
-                  key_of: Callable[[bytes], bytes | None]) -> Record:
-    """The authority record boundary. Verify one record on its own. Raises RecordError (dropped and surfaced) otherwise.
-    `key_of(issuer)` gives the issuer's Ed25519 key from the trusted keyring (or None)."""
-    raw, s = _parse(raw)
-    if s.content_type not in _MEMBERS:
-        raise RecordError("unknown_record_type", s.content_type)
+def authority_payload(s, mesh_id: bytes, authorities: Iterable[bytes], key_of: Callable[[bytes], bytes | None],
+                      members: frozenset | set) -> dict:
+    """The payload map of a parsed record that a mesh authority issued, checked in this order:
+    issuer is an authority, its key is known, the signature holds, the payload is strict CBOR
+    with exactly `members`. Raises RecordError."""
     if s.kid not in set(authorities):
         raise RecordError("unauthorized_issuer", f"{s.kid.hex()} is not a mesh authority")
     key = key_of(s.kid)
@@ -125,8 +123,19 @@ def verify_record(raw: bytes, mesh_id: bytes, authorities: Iterable[bytes],
         p = decode_strict(s.payload_bytes)
     except DecodeError as e:
         raise RecordError(e.reason, "record payload") from None
-    if not isinstance(p, dict) or set(p) != _MEMBERS[s.content_type]:
+    if not isinstance(p, dict) or set(p) != members:
         raise RecordError("bad_record_members")
+    return p
+
+
+def verify_record(raw: bytes, mesh_id: bytes, authorities: Iterable[bytes],
+                  key_of: Callable[[bytes], bytes | None]) -> Record:
+    """The authority record boundary. Verify one record on its own. Raises RecordError (dropped and surfaced) otherwise.
+    `key_of(issuer)` gives the issuer's Ed25519 key from the trusted keyring (or None)."""
+    raw, s = _parse(raw)
+    if s.content_type not in _MEMBERS:
+        raise RecordError("unknown_record_type", s.content_type)
+    p = authority_payload(s, mesh_id, authorities, key_of, _MEMBERS[s.content_type])
     if not _bstr(p["subject_site_id"], 16):
         raise RecordError("bad_subject")
     gen, prev = p["generation"], p["previous_record_hash"]

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from .classify import classified
-from .codec import DecodeError, decode_strict, encode
-from .cose import ALG_EDDSA, protected_header, sig_structure, verify_ed25519
-from .records import STORE_UINT_MAX, RecordError, _parse, record_hash, verify_signed_by_site
+from .codec import encode
+from .cose import ALG_EDDSA, protected_header, sig_structure
+from .records import STORE_UINT_MAX, RecordError, _parse, authority_payload, record_hash, verify_signed_by_site
 
 RECEIPT_HEAD = "sovm/ssp-receipt-head-v1"
 BINDING = "sovm/ssp-sequencer-binding-v1"
@@ -109,19 +109,7 @@ def verify_binding(raw: bytes, mesh_id: bytes, authorities: Iterable[bytes],
     raw, s = _parse(raw)
     if s.content_type != BINDING:
         raise RecordError("not_a_binding_record", s.content_type)
-    if s.kid not in set(authorities):
-        raise RecordError("unauthorized_issuer", f"{s.kid.hex()} is not a mesh authority")
-    key = key_of(s.kid)
-    if key is None:
-        raise RecordError("unknown_issuer_key", s.kid.hex())
-    if not verify_ed25519(key, s.sig_structure(mesh_id), s.signature):
-        raise RecordError("bad_signature")
-    try:
-        p = decode_strict(s.payload_bytes)
-    except DecodeError as e:
-        raise RecordError(e.reason, "record payload") from None
-    if not isinstance(p, dict) or set(p) != BINDING_MEMBERS:
-        raise RecordError("bad_record_members")
+    p = authority_payload(s, mesh_id, authorities, key_of, BINDING_MEMBERS)
     gid, sk, gen, prev = p["group_id"], p["sequencer_key"], p["generation"], p["previous_record_hash"]
     if not _group_ok(gid):
         raise RecordError("bad_group_id")
