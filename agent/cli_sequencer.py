@@ -193,17 +193,7 @@ def cmd_adopt(args) -> int:
 def cmd_run(args) -> int:
     import signal
     from .sequencer import serve, service
-    password = None
-    if args.password_file:
-        try:
-            password = Path(args.password_file).read_text().strip()
-        except OSError as e:
-            raise Refused(f"cannot read --password-file {args.password_file}: {e.strerror}") from None
-    try:
-        settings = serve.BrokerSettings.from_url(args.broker, ca_file=args.ca_file, username=args.username,
-                                                 password=password, prefix=args.prefix)
-    except ValueError as e:
-        raise Refused(str(e)) from None
+    settings = _broker_settings(args)
     seq = _open(args, serve=True)
     server = serve.Server(seq, settings)
     try:
@@ -316,8 +306,9 @@ def cmd_commits_status(args) -> int:
     return EXIT_OK
 
 
-def _client(args, q):
-    from .sequencer import client, serve
+def _broker_settings(args):
+    """The broker of `sequencer run` and of a member's `commits` verbs, from the same flags."""
+    from .sequencer import serve
     password = None
     if args.password_file:
         try:
@@ -325,11 +316,15 @@ def _client(args, q):
         except OSError as e:
             raise Refused(f"cannot read --password-file {args.password_file}: {e.strerror}") from None
     try:
-        settings = serve.BrokerSettings.from_url(args.broker, ca_file=args.ca_file, username=args.username,
-                                                 password=password, prefix=args.prefix)
+        return serve.BrokerSettings.from_url(args.broker, ca_file=args.ca_file, username=args.username,
+                                             password=password, prefix=args.prefix)
     except ValueError as e:
         raise Refused(str(e)) from None
-    return client.CommitClient(q, settings)
+
+
+def _client(args, q):
+    from .sequencer import client
+    return client.CommitClient(q, _broker_settings(args))
 
 
 def cmd_commits_send(args) -> int:
