@@ -975,15 +975,16 @@ class Node:
                               (now_ms(), "clock", reason, json.dumps(detail, sort_keys=True)))
 
     def surface_refused(self, source: str, reason: str, detail: str = "", claimed_sender: bytes | None = None,
-                        now: int | None = None) -> None:
+                        now: int | None = None, kind: str = "refused") -> None:
         """Surface a message from outside that its boundary parser refused (an MQTT body, a
         presence payload, a frame meta, a mailbox file: `source`) where `ssp-agent events` lists it
         (kind `refused`, its reason code), in a transaction of its own. `claimed_sender` is who the
-        transport says sent it (a topic segment: not authenticated, so kept in the detail)."""
+        transport says sent it (a topic segment: not authenticated, so kept in the detail). A serial
+        link incarnation that ended comes the same way with kind `link_lost` (docs/serial.md)."""
         now = now_ms() if now is None else now
         with _txn(self.conn):
             self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
-                              (now, "refused", reason, json.dumps(
+                              (now, kind, reason, json.dumps(
                                   {"source": source, "detail": detail[:200],
                                    "claimed_sender": claimed_sender.hex() if claimed_sender else None},
                                   sort_keys=True)))

@@ -57,6 +57,9 @@ MQTT_CODES = MESSAGE_CODES | {R.TOO_LARGE, R.SENDER_MISMATCH, R.REALTIME_NOT_EST
                               R.UNKNOWN_KIND, R.HANDSHAKE_SITE_MISMATCH, R.NOT_A_HANDSHAKE}
 # Mailbox files: refused on stderr with exit 2 and nothing stored (cli-contract.md "mailbox import").
 MAILBOX_CODES = MESSAGE_CODES | {R.TOO_LARGE}
+# A serial link incarnation that ends (docs/serial.md "State machine"): kind `link_lost`, not a
+# refused message; the session on it is dropped and the next incarnation starts a new one.
+LINK_CODES = frozenset({R.PEER_SILENT, R.PEER_RESTARTED, R.MESSAGE_TOO_LARGE, R.BAD_COMPRESSED_MESSAGE})
 # Reached through no transport: `not_bytes` (every transport delivers bytes), `bad_topic` (the
 # MQTT link subscribes only to inbox topics that name a sender), `unclassified` (a parser bug).
 UNREACHABLE = frozenset({R.NOT_BYTES, R.BAD_TOPIC, R.UNCLASSIFIED})

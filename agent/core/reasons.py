@@ -39,6 +39,12 @@ BAD_FRAME = "bad_frame"                     # a session frame (agent/core/sessio
 BAD_FRAME_META = "bad_frame_meta"           # stream positions that do not describe the body
 UNKNOWN_KIND = "unknown_kind"               # MQTT `ssp-kind` neither batch nor realtime
 BAD_TOPIC = "bad_topic"                     # an MQTT inbox topic without its sender
+# -- a serial link incarnation ends (agent/transport/serial_link.py, docs/serial.md "State machine").
+# Not a refused message: `ssp-agent events` lists them as kind `link_lost` (source `link:serial`).
+PEER_SILENT = "peer_silent"                 # no frame for dead_s: a pulled cable, a peer powered off
+PEER_RESTARTED = "peer_restarted"           # a HELLO with a new nonce: the other process restarted
+MESSAGE_TOO_LARGE = "message_too_large"     # a CRC-clean length over the link's max_message: a broken peer
+BAD_COMPRESSED_MESSAGE = "bad_compressed_message"  # compressed without our offer, or not one deflate stream
 # -- any other exception a boundary parser raised (agent/core/classify.py)
 UNCLASSIFIED = "unclassified"
 

@@ -26,6 +26,8 @@ from ..outcomes import STATUSES
 from .serial_link import LinkConfig, LinkError, SerialLink
 
 PATH = "serial"
+LOSS_WINDOW_MS = 60_000
+LOSSES_SURFACED_PER_WINDOW = 20  # per reason (SerialEndpoint._surface_loss)
 
 
 class SerialError(Exception):
@@ -99,6 +101,8 @@ class SerialEndpoint:
         self._moved_mark = 0
         self.empty_exchanges = 0  # completed exchanges that moved no event either way
         self.events: list[tuple[str, str]] = []  # link and session events, for the caller
+        self.name = ""  # the port, in surfaced rows
+        self._loss_window: dict[str, list[int]] = {}  # reason -> [window start, surfaced, not surfaced]
 
     # ------------------------------------------------------------------ inputs
     def start(self, mono: int) -> None:
@@ -229,6 +233,30 @@ class SerialEndpoint:
         s.events.clear()
         return chain
 
+    def _surface_loss(self, reason: str, wall: int) -> None:
+        """An incarnation ended: shown by `ssp-agent events` (kind `link_lost`, its code from
+        agent/core/reasons.py, source `link:serial`), not only in the summary. At most
+        LOSSES_SURFACED_PER_WINDOW per reason in each LOSS_WINDOW_MS (each row is a transaction,
+        an fsync, and a peer can end incarnations at will: new nonces, bad compressed messages);
+        the rest are counted and surfaced as one row when the next window starts."""
+        peer = self.session.peer if self.session is not None else None
+        w = self._loss_window.get(reason)
+        rows: list[str] = []
+        if w is None or wall - w[0] >= LOSS_WINDOW_MS:
+            if w is not None and w[2]:
+                rows.append(f"{w[2]} more not surfaced within {LOSS_WINDOW_MS // 1000} s (flood bound)")
+            w = self._loss_window[reason] = [wall, 0, 0]
+        if w[1] >= LOSSES_SURFACED_PER_WINDOW:
+            w[2] += 1
+        else:
+            w[1] += 1
+            rows.append(f"{self.name or 'serial line'}: incarnation {self.sessions} ended")
+        for detail in rows:
+            try:
+                self.driver.node.surface_refused(f"link:{PATH}", reason, detail, peer, wall, kind="link_lost")
+            except Exception as e:  # noqa: BLE001 - a row not written must never stop the line's loop
+                self.events.append(("warning", f"could not surface {reason}: {e}"))
+
     def _flush(self) -> None:
         data = self.link.data_to_send()
         if data:
@@ -240,6 +268,7 @@ class SerialEndpoint:
             if ev[0] == "up":
                 self._new_session(wall)
             elif ev[0] == "down":
+                self._surface_loss(ev[1], wall)
                 self._retire_session()  # SSP re-offers what no answer confirmed
         self.link.events.clear()
         self._flush()  # acknowledgements first: the peer keeps sending while this node applies
@@ -308,6 +337,7 @@ class SerialPort:
         self._ser = None
         self._pending = bytearray()
         self.endpoint = SerialEndpoint(self.driver, link, self._write, self.settings)
+        self.endpoint.name = port
         self.timeout_s = float(getattr(prof, "serial_timeout_s", 30.0))
         self._open()
         self.endpoint.start(_mono())

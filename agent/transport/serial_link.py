@@ -5,8 +5,9 @@ between the two ends of a cable, in order, each delivered at most once per link 
 the session, it never reads a clock, a port or the randomness source: bytes come in through
 `receive_bytes(data, now)`, bytes to write come out of `data_to_send()`, the next deadline is
 `timer()` and the caller calls `handle_timer(now)` when it passes (aioquic's shape). The only
-imports are the standard library and the shared framing (firmware_bridge/framing.py); the
-layout test keeps it that way.
+imports are the standard library, the shared framing (firmware_bridge/framing.py) and the one
+list of reason codes (agent/core/reasons.py: why an incarnation ended); the layout test keeps
+it that way.
 
 Packets (the payload of one COBS + CRC-32 frame, sent with a leading delimiter; docs/serial.md):
 
@@ -52,6 +53,8 @@ import zlib
 from dataclasses import dataclass, field
 
 from firmware_bridge import framing
+
+from agent.core import reasons as R
 
 VERSION = 1
 HELLO, DATA, ACK, PING = 1, 2, 3, 4
@@ -302,7 +305,7 @@ class SerialLink:
             return
         assert self._last_heard is not None
         if now - self._last_heard >= self.cfg.dead_ms:
-            self._down("peer_silent", now)  # a pulled cable, a powered-off peer, a half-open line
+            self._down(R.PEER_SILENT, now)  # a pulled cable, a powered-off peer, a half-open line
             return
         expired = [g for g in self._segs if now >= g.due]
         if expired and self._peer_credit == 0:
@@ -369,7 +372,7 @@ class SerialLink:
             return
         if nonce != self.peer_nonce:
             if self.state == "up":
-                self._down("peer_restarted", now, new_nonce=False, hello=False)
+                self._down(R.PEER_RESTARTED, now, new_nonce=False, hello=False)
             self.peer_nonce = nonce
         if seen == self.nonce:
             self.peer_zlib = bool(self.cfg.compress and flags & F_ZLIB)
@@ -441,7 +444,7 @@ class SerialLink:
             if n > self.cfg.max_message:
                 # Only a broken or hostile peer announces this (the CRC passed): end the incarnation.
                 self.stats["bad_packet"] += 1
-                self._down("message_too_large", now)
+                self._down(R.MESSAGE_TOO_LARGE, now)
                 return
             if len(self._rbuf) < _LEN.size + n:
                 return
@@ -451,7 +454,7 @@ class SerialLink:
                 msg = self._inflate(msg)
                 if msg is None:
                     self.stats["bad_packet"] += 1
-                    self._down("bad_compressed_message", now)
+                    self._down(R.BAD_COMPRESSED_MESSAGE, now)
                     return
                 self.stats["compressed_in"] += 1
             self._inbox.append(msg)

@@ -10,7 +10,7 @@ from agent.core import reasons
 ROOT = Path(__file__).resolve().parents[2]
 
 # Calls whose reason-code argument is a literal: (callee name, index of the code argument).
-REFUSING_CALLS = {"ProtocolError": 0, "_reject": 1, "_expect": 2}
+REFUSING_CALLS = {"ProtocolError": 0, "_reject": 1, "_expect": 2, "_down": 0}
 
 
 def _codes_used():

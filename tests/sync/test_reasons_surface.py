@@ -16,7 +16,7 @@ from agent.transport.serial import SerialEndpoint, SessionSettings
 from agent.transport.serial_link import LinkConfig, SerialLink
 
 from ..cli_cmd import agent_cmd, agent_env
-from ..reasons_catalogue import (MAILBOX_CODES, MQTT_CODES, SERIAL_CODES, SESSION_CODES, UNREACHABLE, bad_messages,
+from ..reasons_catalogue import (LINK_CODES, MAILBOX_CODES, MQTT_CODES, SERIAL_CODES, SESSION_CODES, UNREACHABLE, bad_messages,
                                  body, handshake)
 from .helpers import NOW, mesh
 
@@ -55,7 +55,7 @@ def events_reasons(home) -> dict[str, set[str]]:
 
 
 def test_the_transports_together_reach_every_code():
-    assert SESSION_CODES | SERIAL_CODES | MQTT_CODES | MAILBOX_CODES | UNREACHABLE == R.ALL
+    assert SESSION_CODES | SERIAL_CODES | MQTT_CODES | MAILBOX_CODES | LINK_CODES | UNREACHABLE == R.ALL
     assert not (SESSION_CODES | MQTT_CODES | MAILBOX_CODES) & UNREACHABLE
 
 
@@ -84,16 +84,22 @@ class RogueLine:
     """A bare serial link (the rogue end: it sends whatever session frames it likes) and the
     shipped SerialEndpoint of a real node, byte pipes between them, time simulated."""
 
-    def __init__(self, driver):
+    def __init__(self, driver, ep_cfg: LinkConfig | None = None):
         self.t = 0
         self.rogue = SerialLink(LinkConfig(), 0x1234)
         self.to_rogue: list[bytes] = []
-        self.ep = SerialEndpoint(driver, SerialLink(LinkConfig(), 0x5678), self.to_rogue.append,
+        self.silent = False  # the rogue's end of the cable hears and says nothing (pulled)
+        self.ep = SerialEndpoint(driver, SerialLink(ep_cfg or LinkConfig(), 0x5678), self.to_rogue.append,
                                  SessionSettings(realtime=True, cycle_ms=3_600_000))
 
     def run(self, ms: int) -> None:
         end = self.t + ms
         while self.t < end:
+            if self.silent:
+                self.to_rogue.clear()
+                self.ep.handle_timer(self.t, NOW + self.t)
+                self.t += 5
+                continue
             data = self.rogue.data_to_send()
             if data:
                 self.ep.receive_bytes(data, self.t, NOW + self.t)
@@ -126,6 +132,77 @@ def test_every_serial_code_shows_in_events(tmp_path):
     seen = events_reasons(home)
     assert set(codes) == SERIAL_CODES
     assert {c: seen.get(c) for c in codes} == {c: {"session:serial"} for c in codes}
+
+
+def test_every_link_loss_shows_in_events(tmp_path):
+    """A serial link incarnation that ends (docs/serial.md "State machine") shows in `ssp-agent
+    events` with its reason code from the one list (kind `link_lost`, source `link:serial`), not
+    only in the sync summary: a compressed message this end never offered, a message over the
+    link's bound, a peer that restarted, and a peer gone silent (a pulled cable)."""
+    a, b, _stranger = mesh(tmp_path, 3)
+    line = RogueLine(SyncDriver(b), LinkConfig(compress=False, max_message=4096))
+    line.rogue.start(0)
+    line.ep.start(0)
+    line.run(2_000)
+    assert line.rogue.up and line.ep.link.up
+    line.rogue.peer_zlib = True  # it compresses although this end's HELLO did not offer it
+    line.rogue.send_message(b"a" * 600, line.t)
+    line.run(2_000)
+    assert line.rogue.up and line.ep.link.up  # a new incarnation
+    line.rogue.send_message(b"\x00" * 5000, line.t)  # over the endpoint's max_message
+    line.run(2_000)
+    assert line.ep.link.up
+    line.rogue = SerialLink(LinkConfig(), 0x9999)  # the other process restarted: a new nonce
+    line.rogue.start(line.t)
+    line.run(2_000)
+    assert line.ep.link.up
+    line.silent = True
+    line.run(LinkConfig().dead_ms + 1_000)
+    assert not line.ep.link.up
+    codes = ["bad_compressed_message", "message_too_large", "peer_restarted", "peer_silent"]
+    assert [d for k, d in line.ep.events if k == "link_down"] == codes
+    home = b.home
+    for n in (a, b, _stranger):
+        n.close()
+    p = subprocess.run([*agent_cmd(), "--home", str(home), "events"], capture_output=True, text=True,
+                       env=agent_env(), timeout=120)
+    assert p.returncode == 0, p.stderr
+    lost = [json.loads(x) for x in p.stdout.splitlines() if json.loads(x)["kind"] == "link_lost"]
+    assert [e["reason"] for e in lost] == codes
+    assert {e["detail"]["source"] for e in lost} == {"link:serial"}
+    assert set(codes) == LINK_CODES
+
+
+def test_link_losses_a_peer_provokes_are_bounded_in_events(tmp_path):
+    """A peer restarting its link again and again (new nonces) surfaces at most
+    LOSSES_SURFACED_PER_WINDOW rows per reason and window (each row is an fsync); the rest are
+    counted in one row when the next window starts."""
+    from agent.transport.serial import LOSS_WINDOW_MS, LOSSES_SURFACED_PER_WINDOW
+    a, b = mesh(tmp_path, 2)
+    line = RogueLine(SyncDriver(b))
+    line.rogue.start(0)
+    line.ep.start(0)
+    line.run(1_000)
+    extra = 5
+    for i in range(LOSSES_SURFACED_PER_WINDOW + extra):
+        line.rogue = SerialLink(LinkConfig(), 0x2000 + i)
+        line.rogue.start(line.t)
+        line.run(300)
+        assert line.ep.link.up
+    line.run(LOSS_WINDOW_MS)
+    line.rogue = SerialLink(LinkConfig(), 0x3000)
+    line.rogue.start(line.t)
+    line.run(300)
+    n = LOSSES_SURFACED_PER_WINDOW + extra + 1
+    assert [d for k, d in line.ep.events if k == "link_down"] == [R.PEER_RESTARTED] * n
+    home = b.home
+    a.close()
+    b.close()
+    p = subprocess.run([*agent_cmd(), "--home", str(home), "events"], capture_output=True, text=True,
+                       env=agent_env(), timeout=120)
+    lost = [json.loads(x) for x in p.stdout.splitlines() if json.loads(x)["kind"] == "link_lost"]
+    assert len(lost) == LOSSES_SURFACED_PER_WINDOW + 2
+    assert f"{extra} more not surfaced" in lost[-2]["detail"]["detail"]
 
 
 def store_dump(home) -> list[str]:
