@@ -247,13 +247,8 @@ def note_counts(conn: sqlite3.Connection, sender: bytes, received: int, applied:
         # A body from the source with nothing new after it has sent something: caught up
         # (as far as this node can know; the source's own status shows what remains there).
         s["caught_up"] = s["bodies_from_source"] > 1 and applied == 0
-    conn.execute("BEGIN IMMEDIATE")
-    try:
+    with db.transaction(conn):
         _set_state(conn, s)
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
 
 
 def _row_counts(node) -> dict[str, int]:

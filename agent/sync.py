@@ -607,13 +607,28 @@ class SyncDriver:
         making a driver)."""
         body = parse_body_streamed(data) if body is None else body
         now = now_ms() if now is None else now
+        # The import is several transactions (records, answer records, one per window of events,
+        # the answer owed, rehydration counts): a full disk in a later one must not be reported as
+        # "nothing was changed" (issue 16 item 2), so the steps that committed are tracked.
+        done: dict[str, Any] = {"applied": 0, "processed": 0, "step": "records", "committed": False}
+        try:
+            return self._import_mailbox(data, now, body, done)
+        except Exception as e:
+            if not done["committed"] or not db.disk_full(e, self.node.home / self.node.STORE_FILE):
+                raise       # nothing committed yet: the generic full-disk line is true
+            raise db.StoreError(_partial_import_line(self.node.home, len(body.events), done)) from e
+
+    def _import_mailbox(self, data: bytes, now: int, body: SyncBody, done: dict) -> dict:
         sender = body.from_site_id
         acks = [r for r in body.records if mailbox.is_ack(r)]
         others = [r for r in body.records if not mailbox.is_ack(r)]
         recs = self.apply_records(others, now) if others else None
         if others:
+            done["step"], done["committed"] = "records_noted", True
             self.note_records_received(sender, MAILBOX_PATH, others)
+        done["step"] = "acks"
         acked = self._take_mailbox_acks(sender, acks, now)  # after the records: a vouch admits its issuer
+        done["step"], done["committed"] = "events", done["committed"] or bool(acks)
         # The events go through the one apply path a window at a time (issue 15 item 2): a body
         # parsed by `parse_body_streamed` yields them from its bytes, so at most one window of
         # events and of their outcomes is in memory; each window is a batch (one transaction),
@@ -641,13 +656,16 @@ class SyncDriver:
                 elif o.status == "applied":
                     tally["applied"] += 1
             tally["received"] += len(outcomes)
+            done["applied"], done["processed"], done["committed"] = tally["applied"], tally["received"], True
             del outcomes
         k = tally["received"] if k is None else k
         if sender != self.node.site_id and sender in self.node.keyring:
             # Owed only to a site this node trusts: a file naming any other sender (a stranger,
             # another mesh) must not make this node sign and carry answers to it in every file.
+            done["step"] = "answer"
             with _txn(self.conn):
                 st.owe_mailbox_answer(self.conn, sender, mailbox.body_hash(data), k, now)
+        done["step"] = "counts"
         rehydrate.note_counts(self.conn, sender, tally["received"], tally["applied"], tally["below_horizon"],
                               tally["duplicate"])
         result["from_site_id"] = sender.hex()
@@ -656,6 +674,26 @@ class SyncDriver:
             result["records"] = recs
         result["acknowledged"] = acked
         return result
+
+
+def _partial_import_line(home: Path, total: int, done: dict) -> str:
+    """The full-disk line of an import that committed some of its steps: what is kept, what is
+    not, and that importing the file again is safe (its applied events are then duplicates, its
+    records already held, and the answer is owed once it commits)."""
+    free = db.free_bytes(home)
+    failed = {
+        "records_noted": "the note of its records for their sender was not recorded",
+        "acks": "the answers it carries from peers were not taken",
+        "events": f"the other {total - done['processed']} event(s) were not processed",
+        "answer": "the answer owed to its sender was not recorded (the sender offers the events again until "
+                  "it has one)",
+        "counts": "the rehydration's progress counts were not recorded (its answer was)",
+    }[done["step"]]
+    return (f"the filesystem holding {home} is full ({free if free is not None else '?'} bytes free) during the "
+            f"import: {done['applied']} of {total} event(s) of the file were applied and are kept "
+            f"({done['processed']} processed), but {failed}. Importing the same file again "
+            "once there is space is safe (what was applied counts as duplicates) and completes it. Free space "
+            "there, or run `ssp-agent evict --auto` (it uses the space the home reserves for it)")
 
 
 # The mailbox verbs (agent/mailbox.py holds the file and answer-record pieces below this layer).

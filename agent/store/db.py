@@ -307,4 +307,21 @@ class transaction:
         return self.conn
 
     def __exit__(self, et, e, tb) -> None:
-        self.conn.execute("COMMIT" if et is None else "ROLLBACK")
+        if et is not None:
+            _rollback(self.conn)
+            return
+        try:
+            self.conn.execute("COMMIT")
+        except BaseException:
+            # A COMMIT that fails (SQLITE_FULL, an I/O error) may or may not have been rolled back
+            # by SQLite itself: never leave the connection inside the transaction.
+            _rollback(self.conn)
+            raise
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """ROLLBACK if a transaction is still open: SQLite rolls back by itself after some failures
+    (a full disk, an I/O error), and a ROLLBACK then would fail with "no transaction is active"
+    and replace the error that says what happened."""
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import time
+from pathlib import Path
 
 import nacl.signing
 import pytest
@@ -160,3 +161,137 @@ def test_a_write_signed_but_not_applied_on_a_full_disk_says_so(mid_fs, tmp_path,
     with Node.open(home) as again:             # the next writing open applies it, once
         seqs = [e["row_key"]["seq"] for e in again.log_entries()]
     assert seqs == [0, 1], (seqs, released)
+
+
+def _peer_events_and_owed(home, peer: SimPeer) -> tuple[int, int]:
+    """(the peer's events in the log, answers owed to the peer), read with space back."""
+    import sqlite3
+    conn = sqlite3.connect(str(home / "store.sqlite"))
+    try:
+        n = conn.execute("SELECT count(*) FROM events WHERE site_id=?", (peer.site_id,)).fetchone()[0]
+        has = conn.execute("SELECT count(*) FROM sqlite_master WHERE name='mailbox_owed'").fetchone()[0]
+        owed = conn.execute("SELECT count(*) FROM mailbox_owed WHERE peer=?", (peer.site_id,)).fetchone()[0] if has else 0
+        return n, owed
+    finally:
+        conn.close()
+
+
+def _import_with_free(fs, home, snapshot, body_file, free: int, capsys) -> tuple[int, str, int, int]:
+    """Restore the home from `snapshot`, fill the filesystem but `free` bytes, import `body_file`
+    through the CLI (in this process), free the space again: (rc, stderr, peer events, owed)."""
+    import shutil
+    from agent import cli as agent_cli
+    (fs / "filler").unlink(missing_ok=True)
+    witness = Path(os.environ["SSP_AGENT_WITNESS_DIR"])   # a copy of both: not a restored home
+    for src, dst in ((snapshot / "home", home), (snapshot / "witness", witness)):
+        shutil.rmtree(dst)
+        shutil.copytree(src, dst)
+    filler = fill(fs)
+    os.truncate(filler, filler.stat().st_size - free)
+    capsys.readouterr()
+    rc = agent_cli.main(["--home", str(home), "mailbox", "import", str(body_file)])
+    err = capsys.readouterr().err
+    filler.unlink()
+    return (rc, err, *_peer_events_and_owed(home, _peer()))
+
+
+def _smallest_free_that_applies(fs, home, snapshot, body_file, capsys, done=lambda res: res[2] > 0):
+    """The least free space (in 4 KiB pages) with which the import commits any of the peer's
+    events (or what `done` asks): just enough for those commits, so the import's next transaction
+    finds the disk full. This separates the import's transactions on a real filesystem without
+    any hook (a bisection: what commits with some free space commits with more)."""
+    lo, hi = 0, os.statvfs(fs).f_bavail    # lo: nothing applied; hi: assumed enough
+    res_hi = _import_with_free(fs, home, snapshot, body_file, hi * 4096, capsys)
+    assert done(res_hi), res_hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        res = _import_with_free(fs, home, snapshot, body_file, mid * 4096, capsys)
+        if done(res):
+            hi, res_hi = mid, res
+        else:
+            lo = mid
+    return hi * 4096, res_hi
+
+
+def _partial_import_setup(mid_fs, tmp_path, n_events: int, rehydrating: bool = False):
+    import shutil
+    peer = _peer()
+    home = mid_fs / "h"
+    mf = tmp_path / "m.toml"
+    mf.write_text(manifest_text(MESH, readings_table(retention="telemetry"), [peer]))
+    assert cli(home, "init", "--manifest", str(mf)).returncode == 0
+    acked = [_write(home, i).stdout.strip() for i in range(3)]
+    if rehydrating:
+        assert cli(home, "rehydrate", "--from", peer.site_id.hex()).returncode == 0
+    body = tmp_path / "fresh.ssp"
+    body.write_bytes(_body(peer, range(n_events), 1000))
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(home, snapshot / "home")
+    shutil.copytree(os.environ["SSP_AGENT_WITNESS_DIR"], snapshot / "witness")
+    return home, body, snapshot, acked
+
+
+def _line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_an_import_whose_answer_hits_the_full_disk_says_what_was_applied(mid_fs, tmp_path, capsys):
+    """The events of a file commit, then the answer owed to its sender (a second transaction)
+    finds the disk full: the line must not say "nothing was changed" (the events are there), must
+    say what failed and that importing the file again is safe; exit 1. With space back, the
+    re-import applies nothing twice and records the answer."""
+    home, body, snapshot, acked = _partial_import_setup(mid_fs, tmp_path, 5)
+    free, (rc, err, applied, owed) = _smallest_free_that_applies(mid_fs, home, snapshot, body, capsys)
+    assert (applied, owed) == (5, 0), (free, rc, err)   # the events committed, the answer did not
+    line = _line(err)
+    assert rc == 1, (rc, line)
+    assert "is full" in line and "nothing was changed" not in line, line
+    assert "5 of 5" in line and "answer" in line and "again" in line and "safe" in line, line
+    # nothing acknowledged is lost, and the re-import is safe: duplicates, the answer now owed
+    p = cli(home, "mailbox", "import", str(body))
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["applied"] == 0 and r["duplicate"] == 5, r
+    assert _peer_events_and_owed(home, _peer()) == (5, 1)
+    log = [json.loads(x) for x in cli(home, "log").stdout.splitlines()]
+    assert {e["event_id"] for e in log} >= set(acked)
+
+
+def test_an_import_stopped_by_the_full_disk_between_windows_says_what_was_applied(mid_fs, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """A file applied a window at a time (one transaction each, issue 15 item 2) whose second
+    window finds the disk full: the first window's events are kept, and the line says so (before:
+    "nothing was changed"); importing the file again applies the rest."""
+    from agent import sync
+    monkeypatch.setattr(sync, "MAILBOX_WINDOW_BYTES", 1)    # one event per window
+    home, body, snapshot, acked = _partial_import_setup(mid_fs, tmp_path, 5)
+    free, (rc, err, applied, owed) = _smallest_free_that_applies(mid_fs, home, snapshot, body, capsys)
+    assert 0 < applied < 5 and owed == 0, (free, rc, err, applied)
+    line = _line(err)
+    assert rc == 1, (rc, line)
+    assert "is full" in line and "nothing was changed" not in line, line
+    assert f"{applied} of 5" in line and "again" in line and "safe" in line, line
+    p = cli(home, "mailbox", "import", str(body))
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["applied"] == 5 - applied and r["duplicate"] == applied, r
+    assert _peer_events_and_owed(home, _peer()) == (5, 1)
+
+
+def test_an_import_during_a_rehydration_whose_last_commit_hits_the_full_disk(mid_fs, tmp_path, capsys):
+    """During a rehydration from the file's sender, the import's last transaction (the
+    rehydration's counts, after the events and the answer) finds the disk full. Before: SQLite had
+    rolled the failed COMMIT back itself, the helper's ROLLBACK then failed ("no transaction is
+    active") and replaced the full-disk error, so the CLI printed a traceback."""
+    home, body, snapshot, acked = _partial_import_setup(mid_fs, tmp_path, 5, rehydrating=True)
+    free, (rc, err, applied, owed) = _smallest_free_that_applies(mid_fs, home, snapshot, body, capsys,
+                                                                 done=lambda res: res[3] > 0)
+    assert (applied, owed) == (5, 1), (free, rc, err)
+    line = _line(err)
+    assert rc == 1, (rc, line)
+    assert "is full" in line and "nothing was changed" not in line and "5 of 5" in line, line
+    p = cli(home, "mailbox", "import", str(body))
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["duplicate"] == 5
