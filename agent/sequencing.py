@@ -4,6 +4,9 @@
 - **Receipt heads.** A member gossips each sequencing receipt it holds as a receipt-head record
   (`gossip`); records travel to every peer and are relayed on, so a member that never talks to the
   sequencer or its broker learns the chain, and one holding a contradicting receipt sees it.
+- **Discontinuities.** A member relays the sequencer's signed statement of a gap (§22.6 "epoch
+  advanced, receipt absent", step 4) as a discontinuity record, so every member sees the same
+  statement, and one holding a receipt for that epoch flags it (equivocation evidence).
 - **Bindings.** A mesh authority records which sequencer is bound to a group from which MLS epoch
   (`bind`): the distributed binding record. Every node resolves the same binding chain from the
   records it holds.
@@ -22,7 +25,8 @@ import logging
 from typing import Optional
 
 from .core import seqrecords as sr
-from .core.cose import assemble, content_type
+from .core.codec import DecodeError
+from .core.cose import ALG_ES256, assemble, content_type, parse_sign1
 from .core.records import RecordError, record_hash
 from .records_in import issuer_key, surface
 from .sequencer import member as validator
@@ -31,7 +35,7 @@ from .store import db, sequencing as store
 from .store.sync_state import RecordBudget
 
 log = logging.getLogger("ssp_agent.sequencing")
-CONTENT_TYPES = (sr.RECEIPT_HEAD, sr.BINDING)
+CONTENT_TYPES = (sr.RECEIPT_HEAD, sr.DISCONTINUITY, sr.BINDING)
 
 
 class SequencingRefused(Exception):
@@ -75,6 +79,15 @@ def store_records(node, raws: list, now: int) -> dict:
                 if r.group_id != rec.group_id:
                     raise RecordError("bad_receipt", "the receipt is for another group")
                 kind, gid = "receipt_head", rec.group_id
+            elif content_type(raw) == sr.DISCONTINUITY:
+                rec = sr.verify_discontinuity(raw, node.mesh_id, entry_of)
+                try:
+                    st = rc.verify_statement(rec.statement)     # the sequencer's ES256 signature
+                except rc.ReceiptError as e:
+                    raise RecordError("bad_statement", e.reason) from None
+                if st.group_id != rec.group_id:
+                    raise RecordError("bad_statement", "the statement is for another group")
+                kind, gid = "discontinuity", rec.group_id
             else:
                 rec = sr.verify_binding(raw, node.mesh_id, node.authorities,
                                         lambda issuer: issuer_key(conn, node.site_id, issuer))
@@ -88,8 +101,12 @@ def store_records(node, raws: list, now: int) -> dict:
             continue
         if gid not in before:
             before[gid] = chain(node, gid)
-        stored = store.put_head(conn, rec, rc.receipt_hash(rec.receipt)) if kind == "receipt_head" \
-            else store.put_binding(conn, rec)
+        if kind == "receipt_head":
+            stored = store.put_head(conn, rec, rc.receipt_hash(rec.receipt))
+        elif kind == "discontinuity":
+            stored = store.put_discontinuity(conn, rec, rc.receipt_hash(rec.statement))
+        else:
+            stored = store.put_binding(conn, rec)
         if stored:
             out["stored"] += 1
             touched.add(gid)
@@ -141,21 +158,39 @@ def chain(node, gid: bytes) -> validator.ReceiptChain:
             heads.append(sr.verify_receipt_head(raw, node.mesh_id, _entry_of(node)).receipt)
         except RecordError:
             continue
+    stated = []
+    for raw in store.raws(node.conn, gid, "discontinuity"):
+        try:
+            stated.append(sr.verify_discontinuity(raw, node.mesh_id, _entry_of(node)).statement)
+        except RecordError:
+            continue
     got = []
     for raw in set(heads):
         try:
-            got.append(rc.parse_receipt(raw))
+            got.append((rc.parse_receipt(raw).epoch, 1, raw))
         except rc.ReceiptError:
             continue
-    for r in sorted(got, key=lambda r: (r.epoch, r.raw)):
-        ch.add(r.raw)
+    for raw in set(stated):
+        try:
+            got.append((rc.parse_statement(raw).epoch, 0, raw))
+        except rc.ReceiptError:
+            continue
+    # epoch order, a statement before a receipt at one epoch, then bytes: a pure function of the set
+    for _e, is_receipt, raw in sorted(got):
+        if is_receipt:
+            ch.add(raw)
+        else:
+            ch.add_statement(raw)
     return ch
 
 
 def gossip(node, receipt: bytes, now: int) -> dict:
     """Spread one receipt this member holds (from the sequencer, its queue or the broker) as a
-    receipt-head record. Not issued again for receipt bytes a head record already carries (from
+    receipt-head record, or one signed discontinuity statement as a discontinuity record (told
+    apart by their COSE content type). Not issued again for bytes a record already carries (from
     anyone): the record that carries it is relayed to every peer anyway."""
+    if is_statement(bytes(receipt)):
+        return _gossip_statement(node, bytes(receipt), now)
     try:
         r = rc.verify_receipt(bytes(receipt))
     except rc.ReceiptError as e:
@@ -171,6 +206,44 @@ def gossip(node, receipt: bytes, now: int) -> dict:
     return {"group": r.group_id.hex(), "epoch": r.epoch, "gossiped": True,
             "record_hash": record_hash(raw).hex(), "stored": res.get("sequencing", {}).get("stored", 0),
             "verdict": _verdict(after, r)}
+
+
+def is_statement(raw: bytes) -> bool:
+    """A sequencer's discontinuity statement (by its COSE content type), not a receipt."""
+    try:
+        return parse_sign1(raw, expect_alg=ALG_ES256, kid_len=rc.KID_LEN, sig_len=64).content_type == \
+            rc.DISCONTINUITY_CONTENT_TYPE
+    except (DecodeError, TypeError, ValueError):
+        return False
+
+
+def _gossip_statement(node, raw: bytes, now: int) -> dict:
+    try:
+        st = rc.verify_statement(raw)
+    except rc.ReceiptError as e:
+        raise SequencingRefused(f"not a valid discontinuity statement: {e}") from None
+    out = {"group": st.group_id.hex(), "epoch": st.epoch, "discontinuity": True}
+    if store.has_receipt(node.conn, rc.receipt_hash(raw), "discontinuity"):
+        return dict(out, gossiped=False, verdict=_statement_verdict(chain(node, st.group_id), st))
+    protected, payload, tbs = sr.discontinuity_to_be_signed(node.site_id, node.mesh_id, st.group_id, raw)
+    rec = node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now)
+    res = node.apply_records([rec], now)
+    return dict(out, gossiped=True, record_hash=record_hash(rec).hex(),
+                stored=res.get("sequencing", {}).get("stored", 0),
+                verdict=_statement_verdict(chain(node, st.group_id), st))
+
+
+def _statement_verdict(ch: validator.ReceiptChain, st: rc.Statement) -> str:
+    if any(st.raw in e.receipts for e in ch.evidence):
+        return validator.EQUIVOCATION
+    if any(raw == st.raw for _k, raw in ch.attributed):
+        return validator.REJECTED
+    if st.raw in ch.held_statements:
+        return validator.HELD
+    known = ch.statements.get(st.epoch)
+    if known is not None and known.raw != st.raw and known.payload_key == st.payload_key:
+        return validator.DUPLICATE
+    return validator.ACCEPTED if st.epoch in ch.discontinuities else validator.REJECTED
 
 
 def _verdict(ch: validator.ReceiptChain, r: rc.Receipt) -> str:
@@ -242,7 +315,9 @@ def status(node, gid: Optional[bytes] = None) -> dict:
             "receipts": [{"epoch": e, "receipt_hash": r.receipt_hash.hex(), "commit_hash": r.commit_hash.hex(),
                           "signer": r.kid.hex()} for e, r in sorted(ch.receipts.items())],
             "head": None if head is None else {"epoch": head.epoch, "receipt_hash": head.receipt_hash.hex()},
-            "held": len(ch.held),
+            "discontinuities": [{"epoch": e, "statement_hash": rc.receipt_hash(st.raw).hex(), "signer": st.kid.hex()}
+                                for e, st in sorted(ch.statements.items()) if e in ch.discontinuities],
+            "held": len(ch.held) + len(ch.held_statements),
             "attributed": [{"signer": k.hex(), "receipt": raw.hex()} for k, raw in ch.attributed],
             "equivocation": [{"kind": e.kind, "epoch": e.epoch, "receipts": [r.hex() for r in e.receipts]}
                              for e in ch.evidence],

@@ -25,7 +25,7 @@ import threading
 from typing import Callable, Iterator, Optional, Sequence
 
 from .errors import KeystoreError, OutcomeUnknown, UnsupportedAlgorithm
-from .identity import EventIdentity, Identity, ReceiptIdentity, decode_identity
+from .identity import DiscontinuityIdentity, EventIdentity, Identity, ReceiptIdentity, decode_identity
 from .journal import INTENT, RELEASED, FileOps, Journal
 from .keystore import Keystore
 from .verify import verify_ed25519, verify_p256
@@ -48,6 +48,9 @@ def _unknown_message(identity: Identity) -> str:
                 "between intent and persist). Under SOVM §22.5 clause 2 this pair counts as already signed and "
                 "will never be re-signed: the sequencer must take the §22.6 'epoch advanced, receipt absent' "
                 "path (record and surface a receipt-chain discontinuity, chain forward).")
+    if isinstance(identity, DiscontinuityIdentity):
+        return (f"{identity}: a signing intent was recorded but no statement was persisted; it was never "
+                "released and is never signed again: the sequencer signs the same statement under the next attempt.")
     return (f"{identity}: a signing intent was recorded but no event was persisted, or the journal was compacted "
             "past it (then its output, if any, was recorded by the agent). This HLC is spent: tick "
             "the HLC above bridge.max_event_hlc(site_id) and sign a new event (wire-profile.md §2); "
@@ -151,8 +154,8 @@ class SigningBridge:
     # -- the one path every signature takes ----------------------------------------------------
     @staticmethod
     def _ident(identity: Identity) -> bytes:
-        if not isinstance(identity, (EventIdentity, ReceiptIdentity)):
-            raise TypeError("identity must be an EventIdentity or a ReceiptIdentity")
+        if not isinstance(identity, (EventIdentity, ReceiptIdentity, DiscontinuityIdentity)):
+            raise TypeError("identity must be an EventIdentity, a ReceiptIdentity or a DiscontinuityIdentity")
         return identity.encode()
 
     def _public(self, key_name: str) -> tuple[str, bytes]:

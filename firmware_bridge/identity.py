@@ -7,6 +7,7 @@ journal key and on the serial line, so the device can enforce its own refusal (ย
 Encoding (big-endian):
   event:   b"E" | site_id (16) | physical_ms (u64) | logical (u32)          = 29 bytes
   receipt: b"R" | len(group_id) (u16) | group_id | epoch (u64)
+  discontinuity statement: b"D" | len(group_id) (u16) | group_id | epoch (u64) | attempt (u32)
 """
 from __future__ import annotations
 
@@ -65,7 +66,37 @@ class ReceiptIdentity:
         return f"receipt group_id={self.group_id.hex()} epoch={self.epoch}"
 
 
-Identity = Union[EventIdentity, ReceiptIdentity]
+@dataclass(frozen=True, order=True)
+class DiscontinuityIdentity:
+    """A sequencer's signed statement that (group_id, epoch)'s receipt is absent (SOVM ยง22.6
+    "epoch advanced, receipt absent", step 4). Its own identity, never a receipt's: a statement
+    must not spend (or be refused by) the receipt identity it speaks about. ``attempt`` numbers
+    the signings of the one statement whose earlier attempts have an intent and no output (they
+    were never released, so nobody saw them); the sequencer signs attempt n only with the same
+    payload and only when every attempt below n is such an unknown outcome
+    (agent/sequencer/service.py), so at most one statement per (group_id, epoch) is ever released."""
+
+    group_id: bytes
+    epoch: int
+    attempt: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.group_id, bytes) or not 1 <= len(self.group_id) <= 255:
+            raise ValueError("DiscontinuityIdentity.group_id must be 1..255 bytes")
+        if not (isinstance(self.epoch, int) and 0 <= self.epoch <= _U64):
+            raise ValueError("DiscontinuityIdentity.epoch must be a uint64")
+        if not (isinstance(self.attempt, int) and 0 <= self.attempt <= _U32):
+            raise ValueError("DiscontinuityIdentity.attempt must be a uint32")
+
+    def encode(self) -> bytes:
+        return (b"D" + struct.pack(">H", len(self.group_id)) + self.group_id
+                + struct.pack(">QI", self.epoch, self.attempt))
+
+    def __str__(self) -> str:
+        return f"discontinuity group_id={self.group_id.hex()} epoch={self.epoch} attempt={self.attempt}"
+
+
+Identity = Union[EventIdentity, ReceiptIdentity, DiscontinuityIdentity]
 
 
 def decode_identity(data: bytes) -> Identity:
@@ -78,4 +109,9 @@ def decode_identity(data: bytes) -> Identity:
         if len(data) == 3 + n + 8:
             (epoch,) = struct.unpack(">Q", data[3 + n:])
             return ReceiptIdentity(bytes(data[3:3 + n]), epoch)
+    if len(data) >= 3 and data[:1] == b"D":
+        (n,) = struct.unpack(">H", data[1:3])
+        if len(data) == 3 + n + 12:
+            epoch, attempt = struct.unpack(">QI", data[3 + n:])
+            return DiscontinuityIdentity(bytes(data[3:3 + n]), epoch, attempt)
     raise ValueError("malformed identity encoding")

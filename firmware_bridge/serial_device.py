@@ -28,7 +28,7 @@ from typing import Optional
 from . import serial_protocol as sp
 from .errors import KeyExists, KeyNotFound, KeystoreError
 from .fsutil import atomic_write
-from .identity import EventIdentity, ReceiptIdentity, decode_identity
+from .identity import DiscontinuityIdentity, EventIdentity, ReceiptIdentity, decode_identity
 from .sealing import SealError
 from .software import KeyDir, seal_with, unseal_with
 
@@ -156,6 +156,15 @@ class DeviceCore:
                 code = sp.E_ALREADY_SIGNED if last_e == identity.epoch else sp.E_NOT_MONOTONIC
                 raise _Refuse(code, f"{identity}: last signed epoch is {last_e}")
             ks["receipts"][identity.group_id.hex()] = identity.epoch
+        elif isinstance(identity, DiscontinuityIdentity):
+            # a statement of absence (§22.6): its own counter per group, on (epoch, attempt)
+            table = ks.setdefault("discontinuities", {})
+            last_d = table.get(identity.group_id.hex())
+            here = [identity.epoch, identity.attempt]
+            if last_d is not None and list(last_d) >= here:
+                code = sp.E_ALREADY_SIGNED if list(last_d) == here else sp.E_NOT_MONOTONIC
+                raise _Refuse(code, f"{identity}: last signed statement is {last_d[0]}.{last_d[1]}")
+            table[identity.group_id.hex()] = here
         ks["counter"] += 1
         try:  # durable before the signature leaves the device
             atomic_write(self.state_path, json.dumps(self.state, sort_keys=True).encode())

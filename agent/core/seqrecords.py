@@ -16,6 +16,17 @@ in force, and sees a head that contradicts its own:
   budget counts it against its issuer). Not chained: each one is a fact, not a state; two
   members gossiping one receipt are two records about the same bytes.
 
+``sovm/ssp-discontinuity-v1`` — a member's relay of the sequencer's signed discontinuity statement
+(§22.6 "epoch advanced, receipt absent", step 4: "surface it to the fleet ... Surfacing it to some
+members and not others does not satisfy this clause"):
+
+    {"group_id": bstr 1..255, "statement": bstr (the exact COSE_Sign1 ES256 statement bytes,
+                                                 agent/sequencer/receipts.py)}
+
+  Like a receipt head in every respect (issuer, signature, budget, not chained): the statement
+  inside is self-verifying, so the relaying member repeats the sequencer's signed claim, not its
+  own; a member holding a receipt for that epoch holds proof against it (equivocation evidence).
+
 ``sovm/ssp-sequencer-binding-v1`` — the control-plane binding of a sequencer to a group (§22.6
 singularity: "MUST record the generation — the MLS epoch — from which the binding takes effect"):
 
@@ -44,7 +55,9 @@ from .records import STORE_UINT_MAX, RecordError, _parse, authority_payload, rec
 
 RECEIPT_HEAD = "sovm/ssp-receipt-head-v1"
 BINDING = "sovm/ssp-sequencer-binding-v1"
+DISCONTINUITY = "sovm/ssp-discontinuity-v1"
 HEAD_MEMBERS = frozenset({"group_id", "receipt"})
+DISCONTINUITY_MEMBERS = frozenset({"group_id", "statement"})
 BINDING_MEMBERS = frozenset({"group_id", "sequencer_key", "generation", "previous_record_hash"})
 MAX_RECEIPT_BYTES = 1024          # a receipt is ~200 bytes (group_id up to 255); anything larger is not one
 
@@ -56,6 +69,15 @@ class ReceiptHead:
     issuer: bytes
     group_id: bytes
     receipt: bytes
+
+
+@dataclass(frozen=True)
+class DiscontinuityRecord:
+    record_hash: bytes
+    raw: bytes
+    issuer: bytes
+    group_id: bytes
+    statement: bytes
 
 
 @dataclass(frozen=True)
@@ -79,6 +101,13 @@ def head_to_be_signed(issuer: bytes, mesh_id: bytes, group_id: bytes, receipt: b
     return protected, payload, sig_structure(protected, mesh_id, payload)
 
 
+def discontinuity_to_be_signed(issuer: bytes, mesh_id: bytes, group_id: bytes,
+                               statement: bytes) -> tuple[bytes, bytes, bytes]:
+    protected = protected_header(ALG_EDDSA, DISCONTINUITY, issuer)
+    payload = encode({"group_id": bytes(group_id), "statement": bytes(statement)})
+    return protected, payload, sig_structure(protected, mesh_id, payload)
+
+
 def binding_to_be_signed(issuer: bytes, mesh_id: bytes, group_id: bytes, sequencer_key: bytes, generation: int,
                          previous: Optional[bytes]) -> tuple[bytes, bytes, bytes]:
     protected = protected_header(ALG_EDDSA, BINDING, issuer)
@@ -99,6 +128,19 @@ def verify_receipt_head(raw: bytes, mesh_id: bytes,
     if not isinstance(rc, bytes) or not 0 < len(rc) <= MAX_RECEIPT_BYTES:
         raise RecordError("bad_receipt")
     return ReceiptHead(record_hash(raw), raw, s.kid, p["group_id"], rc)
+
+
+@classified(RecordError)
+def verify_discontinuity(raw: bytes, mesh_id: bytes,
+                         entry_of: Callable[[bytes], tuple[bytes, Any] | None]) -> DiscontinuityRecord:
+    """The discontinuity-record boundary, as the receipt head's. Raises RecordError."""
+    raw, s, p = verify_signed_by_site(raw, mesh_id, DISCONTINUITY, "discontinuity", DISCONTINUITY_MEMBERS, entry_of)
+    if not _group_ok(p["group_id"]):
+        raise RecordError("bad_group_id")
+    st = p["statement"]
+    if not isinstance(st, bytes) or not 0 < len(st) <= MAX_RECEIPT_BYTES:
+        raise RecordError("bad_statement")
+    return DiscontinuityRecord(record_hash(raw), raw, s.kid, p["group_id"], st)
 
 
 @classified(RecordError)

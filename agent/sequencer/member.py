@@ -11,6 +11,10 @@ caller's), and collects **equivocation evidence**:
 - a discontinuity claimed for an epoch the member holds a valid receipt for (§22.6: the claim is
   falsified by that receipt; accepting it would accept an assertion over cryptographic proof).
 
+A discontinuity arrives as the sequencer's signed statement (``add_statement``; receipts.py), from
+the sequencer, the broker or relayed by any member over the mesh: it is checked like a receipt
+(signature, the sequencer bound at its epoch) before it counts as recorded by the sequencer.
+
 A recorded discontinuity is accepted as a durability gap only where the sequencer recorded it and
 the chain is continuous on both sides: the first receipt after the gap names the last receipt
 before it. A receipt signed by a key other than the bound sequencer's is not applied; it is
@@ -21,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from agent.sequencer.receipts import Receipt, ReceiptError, receipt_hash, verify_receipt
+from agent.sequencer.receipts import Receipt, ReceiptError, Statement, receipt_hash, verify_receipt, verify_statement
 
 ACCEPTED, DUPLICATE, EQUIVOCATION, REJECTED, HELD = "accepted", "duplicate", "equivocation", "rejected", "held"
 
@@ -50,6 +54,8 @@ class ReceiptChain:
     # sequencer's 33-byte compressed key
     bindings: dict[int, bytes] = field(default_factory=dict)
     binding_forks: list[tuple[int, bytes, bytes]] = field(default_factory=list)
+    statements: dict[int, Statement] = field(default_factory=dict)   # signed discontinuity statements
+    held_statements: list[bytes] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.sequencer_key is not None and 0 not in self.bindings:
@@ -65,6 +71,9 @@ class ReceiptChain:
             return
         self.bindings[from_epoch] = bytes(key)
         waiting, self.held = self.held, []
+        stated, self.held_statements = self.held_statements, []
+        for raw in stated:
+            self.add_statement(raw)
         for raw in waiting:
             self.add(raw)
 
@@ -107,7 +116,8 @@ class ReceiptChain:
                            "two valid receipts for one (group_id, epoch)")
             return EQUIVOCATION
         if r.epoch in self.discontinuities:
-            self._evidence("discontinuity_contradicted", r.epoch, (r.raw,),
+            st = self.statements.get(r.epoch)
+            self._evidence("discontinuity_contradicted", r.epoch, (r.raw,) + (() if st is None else (st.raw,)),
                            "a valid receipt for an epoch the sequencer declared a discontinuity")
             return EQUIVOCATION
         verdict = self._check_links(r)
@@ -119,13 +129,55 @@ class ReceiptChain:
         """A receipt head gossiped by another member: contradicts ours, or is simply kept."""
         return self.add(raw)
 
-    def claim_discontinuity(self, epoch: int) -> str:
-        """The sequencer's stated gap at ``epoch`` (surfaced to every member alike, §22.6 step 4)."""
+    def add_statement(self, raw: bytes) -> str:
+        """The sequencer's signed statement of a gap (§22.6 step 4), from anyone who relays it:
+        checked as a receipt is (signature; the sequencer bound at its epoch: else held, or
+        rejected and attributed), then claimed. Two statements saying the same (a token's
+        randomised signature) are one; two that differ are the sequencer contradicting itself."""
+        try:
+            st = verify_statement(raw)
+        except ReceiptError:
+            return REJECTED
+        if st.group_id != self.group_id:
+            return REJECTED
+        bound = self.bound_key(st.epoch)
+        if bound is None:
+            self.held_statements.append(st.raw)
+            return HELD
+        if st.kid != bound:
+            self.attributed.append((st.kid, st.raw))
+            return REJECTED
+        known = self.statements.get(st.epoch)
+        if known is not None:
+            if known.payload_key == st.payload_key:
+                return DUPLICATE
+            self._evidence("double_statement", st.epoch, (known.raw, st.raw),
+                           "two different discontinuity statements for one (group_id, epoch)")
+            return EQUIVOCATION
+        self.statements[st.epoch] = st
+        return self.claim_discontinuity(st.epoch, st)
+
+    def claim_discontinuity(self, epoch: int, statement: Optional[Statement] = None) -> str:
+        """The sequencer's stated gap at ``epoch`` (surfaced to every member alike, §22.6 step 4).
+        A member holding a valid receipt for that epoch does not accept it: the claim is
+        falsified by the receipt, equivocation evidence (with both byte strings when signed)."""
         held = self.receipts.get(epoch)
         if held is not None:
-            self._evidence("discontinuity_contradicted", epoch, (held.raw,),
+            self._evidence("discontinuity_contradicted", epoch,
+                           (held.raw,) + (() if statement is None else (statement.raw,)),
                            "the sequencer declared a discontinuity for an epoch this member holds a receipt for")
             return EQUIVOCATION
+        if statement is not None and statement.previous_receipt_hash is not None:
+            # the statement names the last receipt before the gap: it must be the one this member
+            # holds there (every epoch between a recorded gap), or the chains diverge
+            below = [e for e in self.receipts if e < epoch]
+            if below:
+                p = max(below)
+                if all(e in self.discontinuities for e in range(p + 1, epoch)) and \
+                        self.receipts[p].receipt_hash != statement.previous_receipt_hash:
+                    self._evidence("divergent_chain", epoch, (self.receipts[p].raw, statement.raw),
+                                   f"the statement of the gap does not name the receipt for epoch {p}")
+                    return EQUIVOCATION
         self.discontinuities.add(epoch)
         # a receipt already kept after the gap must chain across it to the last one before it
         later = [e for e in self.receipts if e > epoch]

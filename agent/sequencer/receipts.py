@@ -158,3 +158,85 @@ def verify_receipt(raw: bytes, sequencer_key: Optional[bytes] = None) -> Receipt
     if not signature_valid(r.kid, s1.sig_structure(EXTERNAL_AAD), s1.signature):
         raise ReceiptError("bad_signature", "the ES256 signature does not verify under the receipt's kid")
     return r
+
+
+# -- discontinuity statements (§22.6 "epoch advanced, receipt absent", step 4) ----------------
+#
+#    18([ protected   = bstr .cbor {1: -7, 3: "sovm/sequencing-discontinuity-v1", 4: kid (33 bytes)},
+#         unprotected = {},
+#         payload     = bstr .cbor {"group_id": bstr, "epoch": uint,
+#                                   "commit_hash": bstr32 / null   (the Commit accepted for the epoch, when known),
+#                                   "previous_receipt_hash": bstr32 / null (the last receipt before the gap)},
+#         signature   = bstr .size 64 ])
+#
+# §22.6 leaves the form of the discontinuity record to the control-plane profile; a signed one
+# lets members relay it over the mesh (the same statement in front of every member, not a
+# selective disclosure) and makes a statement contradicted by a member's receipt attributable
+# to the sequencer that signed both. Its own content type: a statement is never a receipt.
+DISCONTINUITY_CONTENT_TYPE = "sovm/sequencing-discontinuity-v1"
+
+
+@dataclass(frozen=True)
+class Statement:
+    group_id: bytes
+    epoch: int
+    commit_hash: Optional[bytes]
+    previous_receipt_hash: Optional[bytes]
+    kid: bytes
+    raw: bytes
+
+    @property
+    def payload_key(self) -> tuple:
+        """What the statement says (two signings of it say the same)."""
+        return (self.group_id, self.epoch, self.commit_hash, self.previous_receipt_hash, self.kid)
+
+
+def statement_payload(group_id: bytes, epoch: int, commit_hash_: Optional[bytes], previous: Optional[bytes]) -> bytes:
+    return codec.encode({"group_id": bytes(group_id), "epoch": int(epoch),
+                         "commit_hash": None if commit_hash_ is None else bytes(commit_hash_),
+                         "previous_receipt_hash": None if previous is None else bytes(previous)})
+
+
+def statement_protected(kid: bytes) -> bytes:
+    if len(kid) != KID_LEN:
+        raise ValueError("kid must be the 33-byte compressed SEC1 P-256 public key (wire-profile §6)")
+    return cose.protected_header(cose.ALG_ES256, DISCONTINUITY_CONTENT_TYPE, bytes(kid))
+
+
+def parse_statement(raw: bytes) -> Statement:
+    """Strict structural parse of a discontinuity statement, signature not checked."""
+    try:
+        s1 = cose.parse_sign1(bytes(raw), expect_alg=cose.ALG_ES256, kid_len=KID_LEN, sig_len=64)
+        if s1.content_type != DISCONTINUITY_CONTENT_TYPE:
+            raise ReceiptError("bad_content_type", f"content type {s1.content_type!r}")
+        p = codec.decode_strict(s1.payload_bytes)
+    except codec.DecodeError as e:
+        raise ReceiptError(e.reason, e.detail) from None
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ReceiptError):
+            raise
+        raise ReceiptError("malformed", str(e)) from None
+    if not isinstance(p, dict) or set(p) != _FIELDS:
+        raise ReceiptError("bad_payload", "payload must hold exactly group_id, epoch, commit_hash, "
+                                          "previous_receipt_hash")
+    gid, epoch, ch, prev = p["group_id"], p["epoch"], p["commit_hash"], p["previous_receipt_hash"]
+    if type(gid) is not bytes or not 1 <= len(gid) <= 255:
+        raise ReceiptError("bad_payload", "group_id must be 1..255 bytes")
+    if type(epoch) is not int or not 0 <= epoch < 2**64:
+        raise ReceiptError("bad_payload", "epoch must be a uint64")
+    for name, v in (("commit_hash", ch), ("previous_receipt_hash", prev)):
+        if v is not None and (type(v) is not bytes or len(v) != 32):
+            raise ReceiptError("bad_payload", f"{name} must be 32 bytes or null")
+    return Statement(gid, epoch, ch, prev, s1.kid, bytes(raw))
+
+
+def verify_statement(raw: bytes, sequencer_key: Optional[bytes] = None) -> Statement:
+    """Parse strictly and check the ES256 signature under its kid (and that the kid is
+    ``sequencer_key`` when given) through the one ES256 check. Raises ReceiptError."""
+    st = parse_statement(raw)
+    if sequencer_key is not None and bytes(sequencer_key) != st.kid:
+        raise ReceiptError("wrong_sequencer", f"signed by {st.kid.hex()}, expected {bytes(sequencer_key).hex()}")
+    s1 = cose.parse_sign1(st.raw, expect_alg=cose.ALG_ES256, kid_len=KID_LEN, sig_len=64)
+    if not signature_valid(st.kid, s1.sig_structure(EXTERNAL_AAD), s1.signature):
+        raise ReceiptError("bad_signature", "the ES256 signature does not verify under the statement's kid")
+    return st

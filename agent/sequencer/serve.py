@@ -8,8 +8,10 @@ Topics (PREFIX defaults to "sovm-seq"; GROUP is the group_id in lowercase hex):
   PREFIX/GROUP/receipt     request:  an epoch as decimal text
   PREFIX/GROUP/accepted    published, retained, QoS 1, after the receipt is durable: deterministic
                            CBOR {"epoch": E, "commit": the canonical Commit, "receipt": its receipt}
-  PREFIX/GROUP/discontinuity/E   published, retained, QoS 1: CBOR {"epoch": E, "commit": bytes/null}
-                           (§22.6 step 4: surfaced to every member alike, by the broker)
+  PREFIX/GROUP/discontinuity/E   published, retained, QoS 1: CBOR {"epoch": E, "commit": bytes/null,
+                           "statement": the signed discontinuity statement's bytes / null}
+                           (§22.6 step 4: surfaced to every member alike, by the broker; members
+                           relay the statement over the mesh)
 
 A request carries an MQTT 5 response topic and correlation data; the answer is the JSON the CLI
 prints for the same verb (cli-contract.md). Requests are acknowledged to the broker only after
@@ -256,10 +258,16 @@ class Server:
 
     def _publish_discontinuities(self) -> None:
         """§22.6 step 4: every recorded gap, retained on the broker for every member alike."""
+        stated = None
         for g, e, m in self.seq.store.discontinuities():
             key = (bytes(g), e)
             if key in self._published_gaps:
                 continue
-            body = codec.encode({"epoch": e, "commit": None if m is None else bytes(m)})
+            if stated is None:
+                stated = self.seq.store.statements()
+            st = stated.get(key)
+            if st is None and self.seq.store.is_signable_gap(key[0], e):
+                continue            # published once its statement is signed (the next round)
+            body = codec.encode({"epoch": e, "commit": None if m is None else bytes(m), "statement": st})
             self.client.publish(f"{self.s.prefix}/{bytes(g).hex()}/discontinuity/{e}", body, qos=1, retain=True)
             self._published_gaps.add(key)

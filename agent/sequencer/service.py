@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import fcntl
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
 
-from firmware_bridge import KeystoreError, KeystoreUnavailable, ReceiptIdentity, SigningBridge, open_keystore, with_pin
+from firmware_bridge import (DiscontinuityIdentity, KeystoreError, KeystoreUnavailable, ReceiptIdentity, SigningBridge,
+                             open_keystore, with_pin)
 from firmware_bridge.bridge import Status
 
 from agent.sequencer import core, receipts
@@ -76,6 +77,7 @@ class Rejected:
 class Absent:
     """§22.6: a stated absence, never a new signature."""
     discontinuity: bool
+    statement: Optional[bytes] = field(default=None, compare=False)   # the signed statement, when there is one
 
 
 Answer = Union[Accepted, Rejected]
@@ -162,6 +164,7 @@ class Sequencer:
         if not (self.home / DB_NAME).exists():
             raise SequencerRefused(f"{self.home} holds no sequencer (run `sequencer init` first)")
         self._hook = fault_hook
+        self._unsigned = False          # a gap recorded whose statement is not signed yet
         self._lock_fd = None
         self._run_fd = _lock(self.home, RUN_LOCK_NAME, fcntl.LOCK_EX if serve else fcntl.LOCK_SH | fcntl.LOCK_NB)
         self._lock_fd = _lock(self.home)
@@ -222,6 +225,8 @@ class Sequencer:
         one pending transaction, one bridge call (two journal fsyncs for all its receipts) and one
         state transaction. A round takes at most one message per group, in arrival order, so
         first-Commit-wins is exactly the order of ``messages``."""
+        if self._unsigned:
+            self._sign_statements()
         answers: list[Optional[Answer]] = [None] * len(messages)
         queue = []
         for i, m in enumerate(messages):
@@ -239,6 +244,8 @@ class Sequencer:
                 seen.add(item[1].group_id)
             self._round(this_round, answers)
             queue = later
+        if self._unsigned:
+            self._sign_statements()
         return answers  # type: ignore[return-value]
 
     def _round(self, items: list, answers: list) -> None:
@@ -294,7 +301,7 @@ class Sequencer:
         raw = self.store.receipt(group_id, epoch)
         if raw is not None:
             return raw
-        return Absent(self.store.is_discontinuity(group_id, epoch))
+        return Absent(self.store.is_discontinuity(group_id, epoch), self.store.statement(group_id, epoch))
 
     def commit(self, group_id: bytes, epoch: int) -> Optional[bytes]:
         """The canonical Commit for (group, epoch), for a sender told to rebuild."""
@@ -353,7 +360,10 @@ class Sequencer:
         head = None if state.head is None else self.store.receipt(group_id, state.head.epoch)
         package = {"format": HANDOFF_FORMAT, "group": group_id.hex(), "current_epoch": state.current_epoch,
                    "generation": state.current_epoch, "head": None if head is None else head.hex(),
-                   "discontinuities": list(state.discontinuities), "from_key": self.public_key.hex()}
+                   "discontinuities": list(state.discontinuities), "from_key": self.public_key.hex(),
+                   # the signed statements of the gaps (§22.6 step 4: they transfer on migration)
+                   "statements": {str(e): raw.hex() for (g, e), raw in sorted(self.store.statements().items())
+                                  if g == group_id}}
         self.store.mark_migrated(group_id, {"group": group_id.hex(), "generation": state.current_epoch})
         return package
 
@@ -368,8 +378,16 @@ class Sequencer:
             gaps = tuple(sorted(int(e) for e in package.get("discontinuities", [])))
             from_key = bytes.fromhex(package["from_key"])
             head_raw = None if package.get("head") is None else bytes.fromhex(package["head"])
+            stated = {int(e): bytes.fromhex(h) for e, h in (package.get("statements") or {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise SequencerRefused(f"not a hand-off package: {e}") from None
+        for e, raw in stated.items():
+            try:
+                st = receipts.verify_statement(raw, from_key)
+            except receipts.ReceiptError as ex:
+                raise SequencerRefused(f"a hand-off statement does not verify under the old sequencer's key: {ex}") from None
+            if st.group_id != gid or st.epoch != e or e not in gaps:
+                raise SequencerRefused(f"the hand-off statement for epoch {e} is not one of the group's recorded gaps")
         if self.store.group(gid) is not None:
             raise SequencerRefused(f"group {gid.hex()} already has state here")
         head = None
@@ -386,7 +404,8 @@ class Sequencer:
             chain = []
         new = core.GroupState(gid, epoch, head, "migrated", gaps)
         self.store.restore_group(new, chain, list(gaps), {"group": gid.hex(), "generation": epoch,
-                                                           "from_key": from_key.hex()}, kind="migrated_in")
+                                                           "from_key": from_key.hex()}, kind="migrated_in",
+                                 statements=stated)
         return new
 
     # -- helpers ---------------------------------------------------------------------------
@@ -426,6 +445,7 @@ class Sequencer:
             if state is None:
                 state = core.GroupState(gid, epoch, None, "bootstrap")
             self.store.commit_discontinuity(core.receipt_absent(state, epoch), epoch, ch, message, cause)
+            self._unsigned = True
         else:
             self.store.drop_pending(gid, epoch)         # never signed: nobody got an answer
 
@@ -441,16 +461,51 @@ class Sequencer:
             self.store.record_event("rollback", {"group": gid.hex(), "store_epoch": current, "journal_epoch": top})
             for e in range(current, top + 1):
                 self._settle(gid, e, cause="rollback")
+        self._sign_statements()
+
+    def _sign_statements(self) -> None:
+        """§22.6 step 4: every gap this sequencer recorded gets one signed statement of absence,
+        through the bridge like a receipt (durable intent, sign, durable bytes, only then stored
+        and released), so members can relay it over the mesh and a member holding a receipt for
+        that epoch holds proof against it. Never signed differently: a statement the journal
+        holds is adopted byte for byte; attempt n is signed (the same payload) only when every
+        attempt below it has an intent and no output — never released, so never seen."""
+        protected = receipts.statement_protected(self.public_key)
+        for gid, epoch, ch, prev in self.store.unsigned_gaps():
+            attempt = 0
+            while True:
+                ident = DiscontinuityIdentity(gid, epoch, attempt)
+                st = self.bridge.status(ident)
+                if st is Status.RELEASED:
+                    raw = self.bridge.released(ident)
+                    break
+                if st is Status.ABSENT:
+                    payload = receipts.statement_payload(gid, epoch, ch, prev)
+                    try:
+                        raw = self.bridge.release(ident, RECEIPT_KEY, receipts.sig_structure(protected, payload),
+                                                  lambda sig, pa=payload: receipts.assemble(protected, pa, sig))
+                    except KeystoreError as e:
+                        # the gap stays recorded and published unsigned; the next round tries again
+                        self.store.record_event("statement_unsigned", {"group": gid.hex(), "epoch": epoch,
+                                                                       "error": str(e)})
+                        return
+                    break
+                attempt += 1            # OUTCOME_UNKNOWN: never released; the next attempt
+            self.store.put_statement(gid, epoch, raw)
+        self._unsigned = False
 
 
 def _status(store: Store) -> dict:
     groups = []
+    stated = store.statements()
     for gid in store.group_ids():
         s = store.group(gid)
         groups.append({"group": gid.hex(), "current_epoch": s.current_epoch, "origin": s.origin,
                        "head": None if s.head is None else {"epoch": s.head.epoch,
                                                             "receipt_hash": s.head.receipt_hash.hex()},
-                       "discontinuities": list(s.discontinuities), "failed_closed": s.failed_closed,
+                       "discontinuities": list(s.discontinuities),
+                       "statements": {str(e): stated[(gid, e)].hex() for e in s.discontinuities if (gid, e) in stated},
+                       "failed_closed": s.failed_closed,
                        "migrated": s.migrated})
     return {"sequencer_key": store.get_meta("receipt_key")["public_key"], "groups": groups,
             "events": store.events()}
@@ -465,7 +520,9 @@ class Reader:
 
     def receipt(self, group_id: bytes, epoch: int) -> Union[bytes, Absent]:
         raw = self.store.receipt(group_id, epoch)
-        return raw if raw is not None else Absent(self.store.is_discontinuity(group_id, epoch))
+        if raw is not None:
+            return raw
+        return Absent(self.store.is_discontinuity(group_id, epoch), self.store.statement(group_id, epoch))
 
     def status(self) -> dict:
         conf = self.store.get_meta("keystore") or {}

@@ -8,6 +8,8 @@ Tables:
                    the sequencer knows which Commit an intent was for (§22.6: "finds stored MLS bytes")
   receipts         (group_id, epoch) -> the exact receipt bytes, their hash, the Commit and its hash
   discontinuities  (group_id, epoch) accepted whose receipt is absent (§22.6), stated, never inferred
+  statements       (group_id, epoch) -> the exact bytes of this sequencer's signed discontinuity
+                   statement (receipts.py; persisted by the bridge before release, §22.6 step 4)
   events           what the sequencer surfaced: rollbacks detected, discontinuities recorded
 
 §22.5 clause 3: ``current_epoch`` only ever moves in the transaction that inserts the receipt
@@ -38,6 +40,8 @@ CREATE TABLE IF NOT EXISTS receipts (
 CREATE TABLE IF NOT EXISTS discontinuities (
   group_id BLOB NOT NULL, epoch INTEGER NOT NULL, commit_hash BLOB, message BLOB, cause TEXT NOT NULL,
   PRIMARY KEY (group_id, epoch));
+CREATE TABLE IF NOT EXISTS statements (
+  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, statement BLOB NOT NULL, PRIMARY KEY (group_id, epoch));
 CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, detail TEXT NOT NULL);
 """
 
@@ -116,6 +120,41 @@ class Store:
         return [(bytes(g), e, None if m is None else bytes(m)) for g, e, m in self.conn.execute(
             "SELECT group_id, epoch, message FROM discontinuities ORDER BY group_id, epoch")]
 
+    def statement(self, group_id: bytes, epoch: int) -> Optional[bytes]:
+        try:
+            row = self.conn.execute("SELECT statement FROM statements WHERE group_id = ? AND epoch = ?",
+                                    (group_id, epoch)).fetchone()
+        except sqlite3.OperationalError:      # a home from before statements, read-only
+            return None
+        return None if row is None else bytes(row[0])
+
+    def statements(self) -> dict[tuple[bytes, int], bytes]:
+        try:
+            return {(bytes(g), e): bytes(r) for g, e, r in self.conn.execute(
+                "SELECT group_id, epoch, statement FROM statements")}
+        except sqlite3.OperationalError:
+            return {}
+
+    def unsigned_gaps(self) -> list[tuple[bytes, int, Optional[bytes], Optional[bytes]]]:
+        """This sequencer's recorded gaps without a signed statement yet: (group, epoch, commit
+        hash, the last receipt's hash before the gap). Gaps that came with a recovery or a hand-off
+        were another sequencer's to state (bound at their generation, §22.6)."""
+        rows = self.conn.execute(
+            "SELECT d.group_id, d.epoch, d.commit_hash, (SELECT r.receipt_hash FROM receipts r WHERE "
+            "r.group_id = d.group_id AND r.epoch < d.epoch ORDER BY r.epoch DESC LIMIT 1) FROM discontinuities d "
+            "WHERE d.cause != 'recovered' AND NOT EXISTS (SELECT 1 FROM statements s WHERE "
+            "s.group_id = d.group_id AND s.epoch = d.epoch) ORDER BY d.group_id, d.epoch").fetchall()
+        return [(bytes(g), e, None if h is None else bytes(h), None if p is None else bytes(p)) for g, e, h, p in rows]
+
+    def is_signable_gap(self, group_id: bytes, epoch: int) -> bool:
+        """A gap this sequencer recorded (it signs its statement), not one recovered or handed over."""
+        return self.conn.execute("SELECT 1 FROM discontinuities WHERE group_id = ? AND epoch = ? AND cause != 'recovered'",
+                                 (group_id, epoch)).fetchone() is not None
+
+    def put_statement(self, group_id: bytes, epoch: int, raw: bytes) -> None:
+        with self._tx():
+            self.conn.execute("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)", (group_id, epoch, raw))
+
     def pending(self) -> list[tuple[bytes, int, bytes, bytes, bool]]:
         return [(bytes(g), e, bytes(h), bytes(m), bool(b)) for g, e, h, m, b in self.conn.execute(
             "SELECT group_id, epoch, commit_hash, message, bootstrap FROM pending ORDER BY group_id, epoch")]
@@ -172,7 +211,8 @@ class Store:
             self._event("discontinuity", {"group": new.group_id.hex(), "epoch": epoch, "cause": cause})
 
     def restore_group(self, state: GroupState, chain: list[tuple[int, bytes, bytes, bytes]],
-                      gaps: list[int], detail: dict, kind: str = "recovered") -> None:
+                      gaps: list[int], detail: dict, kind: str = "recovered",
+                      statements: Optional[dict[int, bytes]] = None) -> None:
         """§22.6 step 3: a group recovered from members' receipts, in one transaction: the verified
         chain (epoch, commit_hash, receipt, receipt_hash), its recorded gaps, the state."""
         with self._tx():
@@ -182,6 +222,8 @@ class Store:
             for epoch in gaps:
                 self.conn.execute("INSERT OR IGNORE INTO discontinuities VALUES (?, ?, NULL, NULL, 'recovered')",
                                   (state.group_id, epoch))
+            for epoch, raw in (statements or {}).items():
+                self.conn.execute("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)", (state.group_id, epoch, raw))
             self._put_group(state, -1)
             self._event(kind, detail)
 

@@ -1,12 +1,12 @@
 """Sequencing records a node holds (agent/core/seqrecords.py; docs/protocol.md §12): receipt heads
-gossiped by members and sequencer bindings issued by authorities. Stored without expiry, counted
+and discontinuity statements gossiped by members, and sequencer bindings issued by authorities. Stored without expiry, counted
 in the record bound against their issuer (agent/store/sync_state.py `record_usage`), relayed to
 every peer like the authority records."""
 from __future__ import annotations
 
 import sqlite3
 
-from ..core.seqrecords import Binding, ReceiptHead
+from ..core.seqrecords import Binding, DiscontinuityRecord, ReceiptHead
 
 DDL = """
 CREATE TABLE IF NOT EXISTS sequencing_records (
@@ -32,15 +32,22 @@ def has(conn: sqlite3.Connection, record_hash: bytes) -> bool:
                                              (record_hash,)).fetchone() is not None
 
 
-def has_receipt(conn: sqlite3.Connection, receipt_hash: bytes) -> bool:
-    """A head record for these exact receipt bytes is held (from anyone): no need to gossip it again."""
+def has_receipt(conn: sqlite3.Connection, receipt_hash: bytes, kind: str = "head") -> bool:
+    """A head (or discontinuity) record for these exact receipt (statement) bytes is held (from
+    anyone): no need to gossip it again."""
     return has_schema(conn) and conn.execute(
-        "SELECT 1 FROM sequencing_records WHERE kind='head' AND receipt_hash=? LIMIT 1", (receipt_hash,)).fetchone() is not None
+        "SELECT 1 FROM sequencing_records WHERE kind=? AND receipt_hash=? LIMIT 1", (kind, receipt_hash)).fetchone() is not None
 
 
 def put_head(conn: sqlite3.Connection, h: ReceiptHead, receipt_hash: bytes) -> bool:
     cur = conn.execute("INSERT OR IGNORE INTO sequencing_records VALUES (?, 'head', ?, ?, ?, NULL, ?)",
                        (h.record_hash, h.issuer, h.group_id, receipt_hash, h.raw))
+    return cur.rowcount == 1
+
+
+def put_discontinuity(conn: sqlite3.Connection, d: DiscontinuityRecord, statement_hash: bytes) -> bool:
+    cur = conn.execute("INSERT OR IGNORE INTO sequencing_records VALUES (?, 'discontinuity', ?, ?, ?, NULL, ?)",
+                       (d.record_hash, d.issuer, d.group_id, statement_hash, d.raw))
     return cur.rowcount == 1
 
 

@@ -103,6 +103,79 @@ def test_a_double_signing_sequencer_is_flagged_by_both_member_sets_and_bystander
         assert [(s["reason"], s["epoch"]) for s in loud] == [("double_receipt", 2)]
 
 
+def test_a_malicious_sequencer_double_signs_then_declares_a_discontinuity_flagged_through_gossip(nodes):
+    """§22.6: receipt A for epoch 3 to member set {n1}, B to {n2}; then the sequencer declares
+    epoch 3 a discontinuity (a signed statement) and chains epoch 4 across it. The bystander n0
+    (the authority) hears only the statement and the later receipt from the sequencer: it cannot
+    check the claim and accepts the gap. Relayed over the mesh, the statement reaches n1, which
+    holds A: the claim is falsified by A (equivocation, with both signed byte strings), before n1
+    ever sees B; then n2, which holds B, the same."""
+    n0, n1, n2 = nodes
+    rs = RogueSequencer()
+    sequencing.bind(n0, G, rs.kid, 0, NOW)
+    common = rogue_chain(rs, 3)
+    prev = receipts.receipt_hash(common[2])
+    a = rs.sign(3, b"commit-for-set-A", prev, G)
+    b = rs.sign(3, b"commit-for-set-B", prev, G)
+    stmt = rs.statement(3, prev, G)
+    after = rs.sign(4, b"commit-4", prev, G)
+    converge(nodes, [(0, 1), (0, 2)], NOW)              # everyone holds the binding
+    for raw in common + [stmt, after]:
+        sequencing.gossip(n0, raw, NOW)
+    st0 = sequencing.status(n0, G)["groups"][0]
+    assert not st0["equivocation"] and [d["epoch"] for d in st0["discontinuities"]] == [3]
+    assert st0["head"]["receipt_hash"] == receipts.receipt_hash(after).hex()
+    for raw in common + [a]:
+        sequencing.gossip(n1, raw, NOW)
+    for raw in common + [b]:
+        sequencing.gossip(n2, raw, NOW)
+    t = converge([n0, n1], [(0, 1)], NOW + 1000)        # n2 not yet: n1 has never seen B
+    ev = sequencing.status(n1, G)["groups"][0]["equivocation"]
+    assert [(e["kind"], e["epoch"], set(e["receipts"])) for e in ev] == \
+        [("discontinuity_contradicted", 3, {a.hex(), stmt.hex()})], ev
+    assert [s["reason"] for s in surfaced(n1, "sequencer_equivocation")] == ["discontinuity_contradicted"]
+    converge(nodes, [(0, 1), (0, 2)], t + 1000)
+    for n in nodes:
+        ev = sequencing.status(n, G)["groups"][0]["equivocation"]
+        got = {(e["kind"], e["epoch"], frozenset(e["receipts"])) for e in ev}
+        assert {("discontinuity_contradicted", 3, frozenset({a.hex(), stmt.hex()})),
+                ("discontinuity_contradicted", 3, frozenset({b.hex(), stmt.hex()}))} <= got, ev
+        assert surfaced(n, "sequencer_equivocation")
+
+
+def test_an_honest_gap_statement_relayed_over_the_mesh_lets_every_member_continue(nodes, seq):
+    """A real sequencer's recorded gap (intent without receipt) and its signed statement: n1
+    relays the statement and the receipts; n2, which never talks to the sequencer, accepts the
+    gap as a durability gap (continuous on both sides) and holds nothing."""
+    from firmware_bridge import ReceiptIdentity
+    from firmware_bridge.journal import INTENT
+    from agent.sequencer import service
+    n0, n1, n2 = nodes
+    seq.register(G, 0)
+    r0 = seq.submit(encode_private_message(G, 0)).receipt
+    m1 = encode_private_message(G, 1)
+    seq.store.put_pending(G, 1, receipts.commit_hash(m1), m1, False)
+    seq.bridge._journal.commit([(INTENT, ReceiptIdentity(G, 1).encode(), service.RECEIPT_KEY)])
+    home = seq.home
+    seq.close()
+    with service.Sequencer(home) as s:               # resume: the gap, and its statement signed
+        stmt = s.receipt(G, 1).statement
+        r2 = s.submit(encode_private_message(G, 2)).receipt
+        key = s.public_key
+    sequencing.bind(n0, G, key, 0, NOW)
+    for raw in (r0, r2):
+        sequencing.gossip(n1, raw, NOW)
+    out = sequencing.gossip(n1, stmt, NOW)
+    assert out["gossiped"] and out["discontinuity"] and out["epoch"] == 1
+    assert sequencing.gossip(n1, stmt, NOW)["gossiped"] is False
+    converge(nodes, [(0, 1), (0, 2)], NOW)
+    for n in nodes:
+        st = sequencing.status(n, G)["groups"][0]
+        assert [r["epoch"] for r in st["receipts"]] == [0, 2] and st["held"] == 0 and not st["equivocation"]
+        assert st["discontinuities"] == [{"epoch": 1, "statement_hash": receipts.receipt_hash(stmt).hex(),
+                                          "signer": key.hex()}]
+
+
 def test_a_rotated_out_sequencer_that_keeps_signing_is_rejected_and_attributed_everywhere(nodes):
     n0, n1, n2 = nodes
     old, new = RogueSequencer(), RogueSequencer()

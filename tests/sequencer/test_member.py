@@ -25,6 +25,13 @@ class RogueSequencer:
         protected, tbs = receipts.to_be_signed(self.kid, payload)
         return receipts.assemble(protected, payload, der_to_raw(self.sk.sign(tbs, ec.ECDSA(hashes.SHA256()))))
 
+    def statement(self, epoch: int, prev: bytes | None, gid: bytes = G, commit: bytes | None = None) -> bytes:
+        """A signed discontinuity statement (receipts.py) for ``epoch``."""
+        payload = receipts.statement_payload(gid, epoch, None if commit is None else receipts.commit_hash(commit), prev)
+        protected = receipts.statement_protected(self.kid)
+        tbs = receipts.sig_structure(protected, payload)
+        return receipts.assemble(protected, payload, der_to_raw(self.sk.sign(tbs, ec.ECDSA(hashes.SHA256()))))
+
     def chain(self, n: int) -> list[bytes]:
         out, prev = [], None
         for e in range(n):
@@ -125,6 +132,41 @@ def test_malicious_sequencer_double_signs_then_declares_a_discontinuity():
     assert not bystander.equivocation and bystander.head().raw == after
     # gossip of heads: the bystander later hears B from a member of set_b
     assert bystander.observe_head(b) == member.EQUIVOCATION
+
+
+def test_signed_statements_double_signing_then_a_declared_discontinuity():
+    """The same attack with the sequencer's signed statement of the gap (add_statement): the
+    evidence carries both the member's receipt and the statement, each signed by the bound
+    sequencer: proof, not a member's word. A statement from an unbound signer is attributed, one
+    whose binding is unknown is held, one naming another predecessor is a divergent chain."""
+    rs = RogueSequencer()
+    base = rs.chain(3)
+    a = rs.sign(3, b"commit A", receipts.receipt_hash(base[2]))
+    st = rs.statement(3, receipts.receipt_hash(base[2]))
+    after = rs.sign(4, b"commit 4", receipts.receipt_hash(base[2]))
+    holder, bystander = chain_of(rs), chain_of(rs)
+    for c in (holder, bystander):
+        for raw in base:
+            c.add(raw)
+    holder.add(a)
+    assert holder.add_statement(st) == member.EQUIVOCATION
+    assert [(e.kind, e.receipts) for e in holder.evidence] == [("discontinuity_contradicted", (a, st))]
+    assert bystander.add_statement(st) == member.ACCEPTED and bystander.add(after) == member.ACCEPTED
+    assert bystander.add_statement(st) == member.DUPLICATE and not bystander.equivocation
+    assert bystander.add(a) == member.EQUIVOCATION          # a receipt for the stated gap, heard later
+    assert bystander.evidence[0].receipts == (a, st)
+    other = RogueSequencer()
+    c = chain_of(rs)
+    assert c.add_statement(other.statement(3, None)) == member.REJECTED and c.attributed
+    unbound = member.ReceiptChain(G)
+    assert unbound.add_statement(st) == member.HELD
+    unbound.bind(0, rs.kid)
+    assert 3 in unbound.discontinuities and not unbound.held_statements
+    c = chain_of(rs)
+    for raw in base:
+        c.add(raw)
+    assert c.add_statement(rs.statement(3, receipts.receipt_hash(base[1]))) == member.EQUIVOCATION
+    assert c.evidence[0].kind == "divergent_chain"
 
 
 @pytest.mark.parametrize("variant", ["from_a", "from_b"])

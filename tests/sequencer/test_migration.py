@@ -86,17 +86,23 @@ def test_handoff_carries_discontinuities_and_adopt_checks_the_head(tmp_path):
         s.store.put_pending(G, 1, receipts.commit_hash(msg(1)), msg(1), False)
         s.bridge._journal.commit([(INTENT, ReceiptIdentity(G, 1).encode(), service.RECEIPT_KEY)])
     with service.Sequencer(old_home) as s:                 # resume: epoch 1 is a recorded gap
+        statement = s.receipt(G, 1).statement
         package = s.handoff(G)
     assert package["discontinuities"] == [1] and package["current_epoch"] == 2 and package["head"] == r0.hex()
+    # §22.6 step 4: the old sequencer's signed statement of the gap transfers with it
+    assert package["statements"] == {"1": statement.hex()}
     tampered = dict(package, head=r0[:-1].hex() + "00")
+    forged = dict(package, statements={"1": statement[:-1].hex() + "00"})
     with service.Sequencer(new_home) as s:
-        try:
-            s.adopt(tampered)
-            raise AssertionError("a head that does not verify was adopted")
-        except service.SequencerRefused:
-            pass
+        for bad in (tampered, forged):
+            try:
+                s.adopt(bad)
+                raise AssertionError("a head or statement that does not verify was adopted")
+            except service.SequencerRefused:
+                pass
         st = s.adopt(package)
         assert st.discontinuities == (1,) and st.current_epoch == 2
         assert s.receipt(G, 1) == service.Absent(discontinuity=True)
+        assert s.receipt(G, 1).statement == statement       # the old one's bytes, not re-signed here
         nxt = s.submit(msg(2)).receipt
         assert receipts.parse_receipt(nxt).previous_receipt_hash == receipts.receipt_hash(r0)

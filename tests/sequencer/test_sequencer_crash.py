@@ -30,9 +30,9 @@ import cbor2
 
 from bridge_helpers import cose_parts, parse_journal
 from firmware_bridge import verify_p256
-from firmware_bridge.identity import decode_identity
+from firmware_bridge.identity import DiscontinuityIdentity, decode_identity
 
-from agent.sequencer import service
+from agent.sequencer import receipts, service
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -82,10 +82,16 @@ class Checker:
         # A kill early in the first run can come before the bridge created its journal: then
         # nothing was released (checked below against the released set) and there is nothing to parse.
         records = parse_journal(path) if os.path.exists(path) and os.path.getsize(path) >= 8 else []
+        statements: dict = {}
         for t, ident, data in records:
             if t == 2:
                 idy = decode_identity(ident)
                 key = (idy.group_id, idy.epoch)
+                if isinstance(idy, DiscontinuityIdentity):
+                    # §22.6 step 4: at most one statement of absence ever persisted per gap
+                    assert key not in statements, f"two persisted statements for {key}"
+                    statements[key] = data
+                    continue
                 assert key not in journal, f"two persisted receipts for {key}"
                 journal[key] = data
         conn = sqlite3.connect(os.path.join(self.home, "sequencer.db"))
@@ -93,6 +99,7 @@ class Checker:
             store = {(bytes(g), e): bytes(r) for g, e, r in conn.execute("SELECT group_id, epoch, receipt FROM receipts")}
             gaps = {(bytes(g), e) for g, e in conn.execute("SELECT group_id, epoch FROM discontinuities")}
             groups = {bytes(g): e for g, e in conn.execute("SELECT group_id, current_epoch FROM groups")}
+            stated = {(bytes(g), e): bytes(r) for g, e, r in conn.execute("SELECT group_id, epoch, statement FROM statements")}
         finally:
             conn.close()
         for ident, raw in self.released.items():
@@ -102,6 +109,9 @@ class Checker:
             assert journal.get(ident) == raw, f"state receipt {ident} differs from the journal's"
         assert not (gaps & set(store)), "an epoch with both a receipt and a discontinuity"
         assert self.absent <= gaps
+        assert set(statements) <= gaps, "a statement of absence for an epoch that is no recorded gap"
+        for ident, raw in stated.items():
+            assert statements.get(ident) == raw, f"stored statement {ident} differs from the journal's"
         for gid, current in groups.items():
             prev = None
             for e in range(START[gid], current):
@@ -176,6 +186,9 @@ def drive(home: str, schedule: list, *, target: int, seed: int, unsafe: str = ""
             assert s.receipt(g, e) == raw
         for g, e in checker.absent:
             assert s.receipt(g, e) == service.Absent(discontinuity=True)
+        for g, e, _m in s.store.discontinuities():     # every gap stated, signed by this sequencer
+            st = receipts.verify_statement(s.receipt(g, e).statement, s.public_key)
+            assert (st.group_id, st.epoch) == (g, e)
         for gid, start in START.items():
             assert s.store.group(gid).current_epoch - start >= target
     return checker, kills

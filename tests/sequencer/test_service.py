@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 
+from firmware_bridge.identity import decode_identity
 from agent.sequencer import receipts, service
 from agent.sequencer.framing import CT_PROPOSAL, encode_private_message
 from bridge_helpers import parse_journal
@@ -153,5 +154,63 @@ def test_rollback_over_an_intent_without_receipt_takes_the_discontinuity_path(tm
         assert receipts.parse_receipt(nxt).previous_receipt_hash == receipts.receipt_hash(released[1])
         kinds = [e["kind"] for e in s.store.events()]
         assert "rollback" in kinds and "discontinuity" in kinds
-    outputs = [rec for rec in parse_journal(str(home / "sign-journal")) if rec[0] == 2]
+    outputs = [rec for rec in parse_journal(str(home / "sign-journal")) if rec[0] == 2 and rec[1][:1] == b"R"]
     assert len(outputs) == len({rec[1] for rec in outputs}) == 4     # 0, 1, 2, 4: epoch 3 never signed
+
+
+def test_a_recorded_gap_gets_one_signed_statement_persisted_before_release_and_never_resigned(tmp_path):
+    """§22.6 step 4: the gap is stated in a statement signed by the sequencer (through the bridge:
+    durable intent, sign, durable bytes) so members can relay it; re-served byte for byte after a
+    restart, never signed again; a statement whose first signing has an intent and no output is
+    signed under the next attempt with the same payload, and only one is ever released."""
+    from firmware_bridge import DiscontinuityIdentity, ReceiptIdentity
+    from firmware_bridge.journal import INTENT
+    home = tmp_path / "s"
+    service.init(home)
+    with service.Sequencer(home) as s:
+        s.register(G, 0)
+        r0 = s.submit(msg(0)).receipt
+        for e in (1, 2):
+            s.store.put_pending(G, e, receipts.commit_hash(msg(e)), msg(e), False)
+        s.bridge._journal.commit([(INTENT, ReceiptIdentity(G, 1).encode(), service.RECEIPT_KEY),
+                                  (INTENT, ReceiptIdentity(G, 2).encode(), service.RECEIPT_KEY),
+                                  # the statement for epoch 2 was intended and never persisted
+                                  (INTENT, DiscontinuityIdentity(G, 2, 0).encode(), service.RECEIPT_KEY)])
+        key = s.public_key
+    with service.Sequencer(home) as s:
+        assert s.store.group(G).discontinuities == (1, 2)
+        got = {e: s.receipt(G, e).statement for e in (1, 2)}
+        for e, raw in got.items():
+            st = receipts.verify_statement(raw, key)
+            assert (st.group_id, st.epoch, st.commit_hash) == (G, e, receipts.commit_hash(msg(e)))
+            assert st.previous_receipt_hash == receipts.receipt_hash(r0)    # the last receipt before the gap
+        assert s.status()["groups"][0]["statements"] == {"1": got[1].hex(), "2": got[2].hex()}
+        with pytest.raises(receipts.ReceiptError):
+            receipts.verify_receipt(got[1])        # a statement is never taken for a receipt
+    with service.Sequencer(home) as s:             # re-served byte for byte, nothing signed again
+        assert {e: s.receipt(G, e).statement for e in (1, 2)} == got
+    outputs = [(decode_identity(rec[1]), rec[2]) for rec in parse_journal(str(home / "sign-journal")) if rec[0] == 2]
+    stated = [(i, raw) for i, raw in outputs if isinstance(i, DiscontinuityIdentity)]
+    assert sorted((i.epoch, i.attempt) for i, _ in stated) == [(1, 0), (2, 1)]
+    assert {i.epoch: raw for i, raw in stated} == got
+
+
+def test_a_statement_released_but_not_stored_is_adopted_from_the_journal(tmp_path):
+    """A crash after the bridge persisted the statement and before the state stored it: the
+    journal's bytes are adopted, never a second signature (randomised on a token)."""
+    from firmware_bridge import DiscontinuityIdentity, ReceiptIdentity
+    from firmware_bridge.journal import INTENT
+    home = tmp_path / "s"
+    service.init(home)
+    with service.Sequencer(home) as s:
+        s.register(G, 0)
+        s.submit(msg(0))
+        s.store.put_pending(G, 1, receipts.commit_hash(msg(1)), msg(1), False)
+        s.bridge._journal.commit([(INTENT, ReceiptIdentity(G, 1).encode(), service.RECEIPT_KEY)])
+    with service.Sequencer(home) as s:
+        first = s.receipt(G, 1).statement
+        s.store.conn.execute("DELETE FROM statements")        # the state write that never happened
+    with service.Sequencer(home) as s:
+        assert s.receipt(G, 1).statement == first
+    outputs = [rec for rec in parse_journal(str(home / "sign-journal")) if rec[0] == 2 and rec[1][:1] == b"D"]
+    assert [decode_identity(rec[1]) for rec in outputs] == [DiscontinuityIdentity(G, 1, 0)]
