@@ -16,8 +16,9 @@ from pathlib import Path
 
 
 def _add_common(s) -> None:
-    s.add_argument("--serial", metavar="PORT",
-                   help="sync over this serial line instead of a broker (e.g. /dev/ttyUSB0; docs/serial.md)")
+    s.add_argument("--serial", metavar="PORT", action="append",
+                   help="sync over this serial line instead of a broker (e.g. /dev/ttyUSB0; docs/serial.md); "
+                        "run: repeat it to serve several lines, and give --broker to serve MQTT too (a gateway)")
     s.add_argument("--baud", type=int, default=None,
                    help="--serial: line rate in bits per second (default: the device profile's [serial] baud)")
     s.add_argument("--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT (default: a private mosquitto "
@@ -101,12 +102,9 @@ def _settings(args):
 
 def _go(args, once: bool) -> int:
     if args.serial:
-        from .cli_serial import go
-        return go(args, once)
+        return _go_serial(args, once)
     from .cli import EXIT_OK, Fault, _open, emit
     from .metrics import count_sync_run
-    from .runner import RunConfig, Runner
-    from .transport.mqtt import TransportError
     broker = None
     args.broker = _from(args, "broker", "SSP_MQTT_BROKER")   # flag, environment, /etc/ssp-agent/agent.toml
     if not args.broker:
@@ -119,35 +117,7 @@ def _go(args, once: bool) -> int:
         print(f"ssp-agent: no --broker given; started a private mosquitto at {broker.url}", file=sys.stderr)
     node = _open(args)
     try:
-        prof = node.profile
-        secure = args.secure_binding if args.secure_binding is not None else \
-            os.environ.get("SSP_MQTT_SECURE_BINDING", "").lower() in ("1", "true", "yes") \
-            if "SSP_MQTT_SECURE_BINDING" in os.environ else bool(_config(args).get("secure_binding", False))
-        cfg = RunConfig.from_profile(prof, cadence_s=args.cadence, realtime=not args.no_realtime,
-                                     flush_cadence_s=args.flush_cadence, secure=secure)
-        if once:
-            cfg.eviction_interval_s = None  # a wake-sync-sleep device runs `evict --auto` on its own timer
-        else:
-            logging.getLogger("ssp_agent.runner").setLevel(logging.INFO)  # eviction reports, refused bodies
-        settings = _settings(args)
-        settings.body_limit_bytes = int(prof.body_limit_bytes)
-        settings.session_expiry_s = int(prof.session_expiry_s)
-        settings.max_events = int(prof.batch_limit)
-        try:
-            r = Runner(node, settings, cfg)
-        except TransportError as e:
-            raise Fault(str(e)) from None
-        if not r.start(args.connect_timeout):
-            err = r.link.last_error or f"no answer from {args.broker} within {args.connect_timeout}s"
-            # `run` on a device that booted before its gateway keeps trying (the link's backoff) and
-            # serves its control socket meanwhile; systemd restarts are a backstop, not the plan.
-            # A broker that refuses us (credentials, ACL) needs a human: exit 1, as `--once` always does.
-            if once or err.startswith("broker refused"):
-                r.link.close(clear_presence=False)
-                if once:
-                    count_sync_run(node, "unreachable", args)
-                raise Fault(f"broker unreachable: {err}")
-            print(f"ssp-agent: broker unreachable ({err}); run keeps retrying", file=sys.stderr)
+        r = open_runner(args, node, once)
         try:
             if once:
                 try:
@@ -158,15 +128,7 @@ def _go(args, once: bool) -> int:
                 count_sync_run(node, "ok", args)
                 emit(summary)
                 return EXIT_OK
-            stop = {"v": False}
-
-            def _stop(*_a):
-                stop["v"] = True
-            signal.signal(signal.SIGTERM, _stop)
-            signal.signal(signal.SIGINT, _stop)
-            _serve_and_run(r, node, args.broker, lambda: stop["v"], args.metrics_file, args.metrics_interval)
-            emit(r.summary())
-            return EXIT_OK
+            return run_runtime(args, node, runner=r)
         finally:
             r.close()
     finally:
@@ -175,43 +137,94 @@ def _go(args, once: bool) -> int:
             broker.close()
 
 
-def _serve_and_run(r, node, broker_url: str, should_stop, metrics_file=None, metrics_interval=15.0) -> None:
-    """`run`'s loop: the runner's steps, and between them the verbs other commands forward
-    through the control socket (agent/control.py), run here on the loop thread that owns the
-    node, so the node keeps one writer."""
-    from .cli import run_forwarded
-    from .control import ControlServer
-    from .metrics import write_metrics_file
-
-    def status_extra() -> dict:
-        return {"pid": os.getpid(), "broker": broker_url, **r.summary()}
-
-    def execute(argv: list[str]) -> tuple[int, str, str]:
-        res = run_forwarded(argv, node, status_extra)
-        if res[0] == 0 and "write" in argv:
-            r.notify_produced()  # a forwarded write: realtime peers get it at once
-        return res
-
-    from . import sdnotify
-    server = ControlServer(node.home, execute)
-    watchdog = sdnotify.Watchdog()
-    # Type=notify: ready once the control socket serves and the runner is started (connected, or
-    # retrying a broker that is down: the service is up either way).
-    sdnotify.notify(f"READY=1\nSTATUS=syncing through {broker_url}\nMAINPID={os.getpid()}")
-    import time
-    next_metrics = 0.0
+def _go_serial(args, once: bool) -> int:
+    """`sync --serial PORT --once`, or `run --serial PORT [--serial PORT ...] [--broker URL]`:
+    the lines, and MQTT beside them only when --broker is given on the command line (a device
+    whose configuration file names a broker and that is told to sync over a cable syncs over the
+    cable)."""
+    from . import cli_serial
+    if once:
+        return cli_serial.sync_once(args)
+    from .cli import _open
+    cli_serial.check(args, once=False)
+    node = _open(args)
     try:
-        while not should_stop():
-            watchdog.ping()   # from the loop itself, so a loop stuck in a step is what the watchdog sees
-            r.step()
-            server.serve()
-            if metrics_file and time.monotonic() >= next_metrics:
-                write_metrics_file(node, metrics_file, r.stats)
-                next_metrics = time.monotonic() + metrics_interval
+        ports = cli_serial.open_ports(args, node, once=False)
+        try:
+            logging.getLogger("ssp_agent.serial").setLevel(logging.INFO)  # ports lost and back
+            runner = open_runner(args, node, once=False) if args.broker else None
+            try:
+                return run_runtime(args, node, runner=runner, ports=ports)
+            finally:
+                if runner is not None:
+                    runner.close()
+        finally:
+            for p in ports:
+                p.close()
     finally:
-        sdnotify.notify("STOPPING=1")
-        server.close()
-        write_metrics_file(node, metrics_file, r.stats)
+        node.close()
+
+
+def open_runner(args, node, once: bool):
+    """The MQTT Runner for `sync --once` or `run` (alone or beside serial ports), started: connected,
+    or for `run` retrying a broker that is down. Fault (exit 1) when the broker refuses us, or
+    for `--once` when it does not answer."""
+    from .cli import Fault
+    from .metrics import count_sync_run
+    from .runner import RunConfig, Runner
+    from .transport.mqtt import TransportError
+    prof = node.profile
+    secure = args.secure_binding if args.secure_binding is not None else \
+        os.environ.get("SSP_MQTT_SECURE_BINDING", "").lower() in ("1", "true", "yes") \
+        if "SSP_MQTT_SECURE_BINDING" in os.environ else bool(_config(args).get("secure_binding", False))
+    cfg = RunConfig.from_profile(prof, cadence_s=args.cadence, realtime=not args.no_realtime,
+                                 flush_cadence_s=args.flush_cadence, secure=secure)
+    # `--once`: a wake-sync-sleep device runs `evict --auto` on its own timer; `run`: the runtime
+    # loop runs the profile's eviction job for every transport (agent/runtime.py).
+    cfg.eviction_interval_s = None
+    if not once:
+        logging.getLogger("ssp_agent.runner").setLevel(logging.INFO)  # eviction reports, refused bodies
+    settings = _settings(args)
+    settings.body_limit_bytes = int(prof.body_limit_bytes)
+    settings.session_expiry_s = int(prof.session_expiry_s)
+    settings.max_events = int(prof.batch_limit)
+    try:
+        r = Runner(node, settings, cfg)
+    except TransportError as e:
+        raise Fault(str(e)) from None
+    if not r.start(args.connect_timeout):
+        err = r.link.last_error or f"no answer from {args.broker} within {args.connect_timeout}s"
+        # `run` on a device that booted before its gateway keeps trying (the link's backoff) and
+        # serves its control socket meanwhile; systemd restarts are a backstop, not the plan.
+        # A broker that refuses us (credentials, ACL) needs a human: exit 1, as `--once` always does.
+        if once or err.startswith("broker refused"):
+            r.link.close(clear_presence=False)
+            if once:
+                count_sync_run(node, "unreachable", args)
+            raise Fault(f"broker unreachable: {err}")
+        print(f"ssp-agent: broker unreachable ({err}); run keeps retrying", file=sys.stderr)
+    return r
+
+
+def run_runtime(args, node, runner=None, ports=()) -> int:
+    """`run`: the one runtime loop (agent/runtime.py) over the runner and the serial ports until
+    SIGTERM/SIGINT; prints the summary."""
+    from .cli import EXIT_OK, emit, run_forwarded
+    from .runtime import Runtime
+    stop = {"v": False}
+
+    def _stop(*_a):
+        stop["v"] = True
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    interval = float(getattr(node.profile, "eviction_interval_s", 0) or 0) or None
+    rt = Runtime(node, runner=runner, ports=ports, broker_url=args.broker if runner is not None else None,
+                 forward=run_forwarded, eviction_interval_s=interval, metrics_file=args.metrics_file,
+                 metrics_interval_s=args.metrics_interval)
+    for p in ports:
+        print(f"ssp-agent: syncing over {p.port} at {p.baud} baud", file=sys.stderr)
+    emit(rt.run(lambda: stop["v"]))
+    return EXIT_OK
 
 
 def cmd_sync(args) -> int:

@@ -1,95 +1,69 @@
-"""`ssp-agent sync --serial PORT [--baud N] [--once]` and `ssp-agent run --serial PORT`
-(cli-contract.md "sync over a serial line"; docs/serial.md). The parser is cli_mqtt's (`sync`
-and `run` take either --broker or --serial); this module runs the serial form."""
+"""`ssp-agent sync --serial PORT [--baud N] [--once]` and the serial ports of `ssp-agent run
+--serial PORT [--serial PORT ...] [--broker URL ...]` (cli-contract.md "sync over a serial line";
+docs/serial.md). The parser and `run` are cli_mqtt's (`sync` and `run` take --broker and
+--serial; `run` goes through the one runtime loop, agent/runtime.py, whatever it serves: one
+line, several (a gateway), and MQTT beside them when --broker is given); this module checks the
+serial flags, opens the ports and runs `sync --serial --once`."""
 from __future__ import annotations
-
-import os
-import signal
-import sys
 
 _MQTT_ONLY = ("broker", "ca_file", "cert_file", "key_file", "username", "password_file", "flush_cadence")
 
 
-def go(args, once: bool) -> int:
-    from .cli import EXIT_OK, Fault, Refused, _open, emit
-    from .transport.serial import SerialError, SerialPort
+def check(args, once: bool) -> None:
+    """Refused (exit 2) before anything opens: flags that do not go with --serial."""
+    from .cli import Refused
+    names = list(args.serial)
     given = [f"--{k.replace('_', '-')}" for k in _MQTT_ONLY if getattr(args, k, None)]
-    if given:
-        raise Refused(f"{', '.join(given)} apply to MQTT; --serial syncs over the line alone")
+    if once:
+        if given:
+            raise Refused(f"{', '.join(given)} apply to MQTT; sync --serial syncs over the line alone")
+        if len(names) > 1:
+            raise Refused("sync --serial takes one port; `run` serves several (a gateway)")
+    else:
+        if given and not args.broker:
+            raise Refused(f"{', '.join(given)} apply to MQTT: give --broker too to serve MQTT beside the serial lines")
+        if len(set(names)) != len(names):
+            raise Refused("a serial port is named twice")
     if args.baud is not None and args.baud <= 0:
         raise Refused("--baud must be a positive number of bits per second (e.g. 115200)")
+
+
+def open_ports(args, node, once: bool) -> list:
+    """A SerialPort per --serial, opened; Fault (exit 1) naming the first that cannot be."""
+    from .cli import Fault
+    from .transport.serial import SerialError, SerialPort
+    baud = args.baud or int(node.profile.serial_baud)
+    ports: list = []
+    try:
+        for name in args.serial:
+            ports.append(SerialPort(node, name, baud, realtime=not args.no_realtime,
+                                    secure=bool(args.secure_binding), cadence_s=args.cadence, once=once))
+    except SerialError as e:
+        for p in ports:
+            p.close()
+        raise Fault(str(e)) from None
+    return ports
+
+
+def sync_once(args) -> int:
+    """`sync --serial PORT --once`: one full exchange in both directions, its summary printed."""
+    from .cli import EXIT_OK, Fault, _open, emit
+    from .metrics import count_sync_run
+    from .transport.serial import SerialError
+    check(args, once=True)
     node = _open(args)
     try:
-        baud = args.baud or int(node.profile.serial_baud)
-        secure = bool(args.secure_binding)
+        (port,) = open_ports(args, node, once=True)
         try:
-            port = SerialPort(node, args.serial, baud, realtime=not args.no_realtime, secure=secure,
-                              cadence_s=args.cadence, once=once)
-        except SerialError as e:
-            raise Fault(str(e)) from None
-        try:
-            if once:
-                from .metrics import count_sync_run
-                try:
-                    summary = port.sync_once(timeout_s=args.timeout)
-                except SerialError as e:
-                    count_sync_run(node, "failed", args)
-                    raise Fault(str(e)) from None
-                count_sync_run(node, "ok", args)
-                emit(summary)
-                return EXIT_OK
-            return _run(port, node, args.serial, args)
+            try:
+                summary = port.sync_once(timeout_s=args.timeout)
+            except SerialError as e:
+                count_sync_run(node, "failed", args)
+                raise Fault(str(e)) from None
+            count_sync_run(node, "ok", args)
+            emit(summary)
+            return EXIT_OK
         finally:
             port.close()
     finally:
         node.close()
-
-
-def _run(port, node, name: str, args=None) -> int:
-    """`run --serial`: the loop, and between its steps the verbs other commands forward through
-    the control socket (agent/control.py), run on this thread that owns the node."""
-    from .cli import EXIT_OK, emit
-    from .cli import run_forwarded
-    from .control import ControlServer
-    from .transport.serial import _mono, _wall
-    stop = {"v": False}
-
-    def _stop(*_a):
-        stop["v"] = True
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-
-    def status_extra() -> dict:
-        return {"pid": os.getpid(), "serial": name, **port.endpoint.summary()}
-
-    def execute(argv: list[str]) -> tuple[int, str, str]:
-        res = run_forwarded(argv, node, status_extra)
-        if res[0] == 0 and "write" in argv:
-            port.endpoint.local_events(_mono(), _wall())  # realtime: the peer gets it at once (§33)
-        return res
-
-    from . import sdnotify
-    from .metrics import write_metrics_file
-    import time
-    server = ControlServer(node.home, execute)
-    watchdog = sdnotify.Watchdog()
-    metrics_file = getattr(args, "metrics_file", None)
-    interval = getattr(args, "metrics_interval", 15.0)
-    nxt = {"t": 0.0}
-
-    def serve() -> None:   # each turn of the line's loop: the watchdog, forwarded verbs, the metrics file
-        watchdog.ping()
-        server.serve()
-        if metrics_file and time.monotonic() >= nxt["t"]:
-            write_metrics_file(node, metrics_file, None)
-            nxt["t"] = time.monotonic() + interval
-    print(f"ssp-agent: syncing over {name} at {port.baud} baud", file=sys.stderr)
-    sdnotify.notify(f"READY=1\nSTATUS=syncing over {name}\nMAINPID={os.getpid()}")   # systemd Type=notify
-    try:
-        summary = port.run(lambda: stop["v"], serve)
-    finally:
-        sdnotify.notify("STOPPING=1")
-        server.close()
-        write_metrics_file(node, metrics_file, None)
-    emit(summary)
-    return EXIT_OK

@@ -212,27 +212,11 @@ class Runner:
                 log.warning("clock check failed: %s", e)
 
     def evict(self) -> dict | None:
-        """The profile's eviction job (node.run_eviction), its report logged."""
-        from .node import ClockUntrusted
-        try:
-            rep = self.node.run_eviction()
-        except ClockUntrusted as e:
-            # Deferred, not failed: the next interval tries again (docs/apply.md "Clocks without an RTC").
-            self.stats["evictions_deferred"] = self.stats.get("evictions_deferred", 0) + 1
-            if self.stats["evictions_deferred"] == 1:
-                log.warning("eviction deferred: %s", e)
-                self.node.surface_clock("clock_untrusted", {"deferred": "eviction", "message": str(e)})
-            return None
-        except Exception as e:  # noqa: BLE001 - eviction must never stop the sync loop
-            self.stats["eviction_failures"] += 1
-            log.warning("eviction failed: %s", e)
-            return None
-        self.stats["evictions"] += 1
-        self.last_eviction = rep
-        deleted = sum(t.get("events_deleted", 0) for t in rep.get("tables", {}).values())
-        log.info("eviction: %d events deleted, store %d -> %d bytes, budget %s: %s", deleted,
-                 rep.get("bytes_before", 0), rep.get("bytes_after", 0), (rep.get("budget") or {}).get("state", "?"),
-                 json.dumps(rep, sort_keys=True))
+        """The profile's eviction job (agent/jobs.py, shared with the runtime loop), its report kept."""
+        from .jobs import evict
+        rep = evict(self.node, self.stats)
+        if rep is not None:
+            self.last_eviction = rep
         return rep
 
     def run(self, should_stop: Callable[[], bool] = lambda: False) -> None:

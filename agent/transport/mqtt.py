@@ -299,6 +299,9 @@ class MqttLink:
         self.topics = Topics(mesh_id, settings.prefix)
         self.presence_payload = presence_payload
         self.inbound: "queue.Queue[Inbound]" = queue.Queue()
+        # Called (on the network thread) after each message put in `inbound`: the one runtime loop
+        # (agent/runtime.py) that also waits on serial ports is woken by it, not by a poll.
+        self.wake: Callable[[], None] = lambda: None
         self.present: dict[bytes, bytes] = {}  # peer site -> its retained presence payload (handshake bytes)
         # Bounded: anyone with broker access can publish presence for made-up sites (issue 11 item 4).
         self.present_limit = PRESENT_LIMIT
@@ -501,6 +504,7 @@ class MqttLink:
                     self.present_evicted += 1
             self.inbound.put(Inbound("presence", site, payload, _user_props(props), None, None, msg.mid, msg.qos,
                                      bool(msg.dup), bool(msg.retain), self.generation))
+            self.wake()
             return
         if site != self.site_id:
             self._ack_now(msg)  # not ours (a wildcard we did not ask for): nothing to keep
@@ -516,6 +520,7 @@ class MqttLink:
                                  _user_props(props), bytes(corr) if corr is not None else None, rt,
                                  msg.mid, msg.qos, bool(msg.dup), bool(msg.retain), self.generation, sender,
                                  oversize=oversize))
+        self.wake()
 
     def _ack_now(self, msg) -> None:
         if msg.qos > 0:

@@ -7,8 +7,10 @@ Two parts:
   what no answer confirmed is offered again by the next one (cursors move only on answers,
   §14.1: at-least-once, idempotent apply absorbs the duplicates). The tests drive it over a
   simulated line; `SerialPort` drives it over a real one.
-- `SerialPort`: the loop over a pyserial port (non-blocking reads and writes, select on its
-  descriptor), `sync_once` and `run`. A port that disappears (a USB adapter pulled) is reopened.
+- `SerialPort`: one pyserial port (non-blocking reads and writes) driving its endpoint: `service`
+  after a wait, as `ssp-agent run`'s one loop (agent/runtime.py) calls it for every port it
+  serves, or `step` and `sync_once` on its own. A port that disappears (a USB adapter pulled,
+  end of file on the tty) is closed and opened again by its name every REOPEN_S.
 
 Two clocks: the link's timers run on a monotonic clock (a clock step must not end a link); the
 session and the apply path get wall-clock milliseconds (HLCs, the skew bound).
@@ -16,6 +18,7 @@ session and the apply path get wall-clock milliseconds (HLCs, the skew bound).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import select
 import time
@@ -25,7 +28,10 @@ from typing import Any, Callable
 from ..outcomes import STATUSES
 from .serial_link import LinkConfig, LinkError, SerialLink
 
+log = logging.getLogger("ssp_agent.serial")
+
 PATH = "serial"
+REOPEN_S = 0.5  # a port that went away is opened again this often
 LOSS_WINDOW_MS = 60_000
 LOSSES_SURFACED_PER_WINDOW = 20  # per reason (SerialEndpoint._surface_loss)
 
@@ -336,6 +342,7 @@ class SerialPort:
         self._fd: int | None = None
         self._ser = None
         self._pending = bytearray()
+        self._reopen_at = 0.0
         self.endpoint = SerialEndpoint(self.driver, link, self._write, self.settings)
         self.endpoint.name = port
         self.timeout_s = float(getattr(prof, "serial_timeout_s", 30.0))
@@ -366,6 +373,8 @@ class SerialPort:
         self._close_port()
 
     def _write(self, data: bytes) -> None:
+        if self._fd is None:
+            return  # the adapter is gone: what would cross a pulled cable is lost (the link resends)
         self._pending += data
         self._drain_writes()
 
@@ -374,50 +383,94 @@ class SerialPort:
             try:
                 n = os.write(self._fd, self._pending)
             except BlockingIOError:
-                return  # the line is slower than us; select waits for room
+                return  # the line is slower than us; the loop waits for room
             except OSError as e:
                 self._lost_port(e)
                 return
             del self._pending[:n]
 
     def _lost_port(self, e: OSError) -> None:
-        # The adapter went away (USB pulled): the link's dead timer ends the incarnation; we
-        # keep trying to reopen the port meanwhile.
+        # The adapter went away (USB pulled): the link's dead timer ends the incarnation; the port
+        # is reopened every REOPEN_S meanwhile, by its name (a /dev/serial/by-id/ link comes back).
         self._close_port()
         self._pending.clear()
+        self._reopen_at = time.monotonic() + REOPEN_S
         self.endpoint.events.append(("port_lost", f"{e.strerror or e}"))
+        log.warning("serial port %s lost (%s); reopening it every %g s", self.port, e.strerror or e, REOPEN_S)
+
+    def _reopen(self) -> None:
+        try:
+            self._open()
+        except SerialError:
+            self._reopen_at = time.monotonic() + REOPEN_S
+            return
+        self.endpoint.events.append(("port_reopened", self.port))
+        log.warning("serial port %s is back", self.port)
 
     # ------------------------------------------------------------------ loop
-    def step(self, max_wait_s: float = 0.2) -> None:
+    # The one runtime loop (agent/runtime.py) waits on many ports at once: it asks each for its
+    # descriptor, whether it has bytes to write and how long it may wait, and calls `service`
+    # after poll(); `step` is the same for one port alone (`sync --once`).
+    def fileno(self) -> int | None:
+        """The open port's descriptor; None while the adapter is gone."""
+        return self._fd
+
+    @property
+    def wants_write(self) -> bool:
+        return bool(self._pending) and self._fd is not None
+
+    def wait_s(self, cap: float) -> float:
+        """Seconds until this port needs its loop: the link's or the session's next timer, or the
+        next attempt to reopen a port that went away; at most `cap`."""
         mono = _mono()
-        if self._fd is None:
-            try:
-                self._open()
-            except SerialError:
-                time.sleep(min(max_wait_s, 0.5))
-                self.endpoint.handle_timer(_mono(), _wall())
-                return
+        ts = [cap]
         t = self.endpoint.timer(mono, _wall())
-        wait = max_wait_s if t is None else max(0.0, min(max_wait_s, (t - mono) / 1000))
+        if t is not None:
+            ts.append((t - mono) / 1000)
+        if self._fd is None:
+            ts.append(self._reopen_at - time.monotonic())
+        return max(0.0, min(ts))
+
+    def service(self, readable: bool, writable: bool) -> int:
+        """One turn after the wait: reopen the port if it is gone and due, read what arrived,
+        write what the line takes, run the timers that are due. Returns the bytes read."""
+        n = 0
+        if self._fd is None:
+            if time.monotonic() >= self._reopen_at:
+                self._reopen()
+        elif readable:
+            try:
+                data = os.read(self._fd, 65536)
+            except BlockingIOError:
+                data = None
+            except OSError as e:
+                self._lost_port(e)
+                data = None
+            if data == b"":
+                # End of file on a tty: the device behind it is gone (a pty whose other side
+                # closed; some USB drivers on unplug). Reading on would spin the loop.
+                self._lost_port(OSError(errno.EIO, "hang-up"))
+            elif data:
+                n = len(data)
+                self.endpoint.receive_bytes(data, _mono(), _wall())
+        if self._pending:
+            self._drain_writes()
+        self.endpoint.handle_timer(_mono(), _wall())
+        return n
+
+    def step(self, max_wait_s: float = 0.2) -> None:
+        wait = self.wait_s(max_wait_s)
         fd = self._fd
+        if fd is None:
+            time.sleep(wait)
+            self.service(False, False)
+            return
         try:
             r, w, _ = select.select([fd], [fd] if self._pending else [], [], wait)
         except (OSError, ValueError) as e:
             self._lost_port(OSError(errno.EIO, str(e)))
             return
-        if r:
-            try:
-                data = os.read(fd, 65536)
-            except BlockingIOError:
-                data = b""
-            except OSError as e:
-                self._lost_port(e)
-                return
-            if data:
-                self.endpoint.receive_bytes(data, _mono(), _wall())
-        if self._pending:
-            self._drain_writes()
-        self.endpoint.handle_timer(_mono(), _wall())
+        self.service(bool(r), bool(w))
 
     def sync_once(self, timeout_s: float | None = None, linger_s: float = 0.3) -> dict:
         """One full exchange in both directions (cli-contract.md "sync over a serial line"):
@@ -465,10 +518,3 @@ class SerialPort:
                                       f"{ep.link.state}); check the cable")
             self.step(0.05)
         return ep.summary()
-
-    def run(self, should_stop: Callable[[], bool], serve: Callable[[], None] | None = None) -> dict:
-        while not should_stop():
-            self.step(0.05)
-            if serve is not None:
-                serve()
-        return self.endpoint.summary()
