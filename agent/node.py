@@ -3,6 +3,7 @@ materialization (§13) and the operator's views. Transports, the mailbox and the
 call `Node.apply_batch`; nothing else writes rows."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -12,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from firmware_bridge import (EventIdentity, KeystoreUnavailable, OutcomeUnknown, SigningBridge, open_keystore,
-                             with_pin)
+from firmware_bridge import (EventIdentity, KeystoreError, KeystoreUnavailable, OutcomeUnknown, SigningBridge,
+                             open_keystore, with_pin)
 from firmware_bridge.journal import inspect as journal_inspect
 
 from . import identity as ident
@@ -208,6 +209,9 @@ class Node:
         db.ensure_reserve(home)   # the space eviction may use on a full disk (agent/store/db.py)
         ident.claim_home(site_id, home)
         ks.close() if hasattr(ks, "close") else None
+        # Closed here, not left to the garbage collector: an open connection keeps the WAL (and every
+        # page version in it) on the card after the node's own close.
+        conn.close()
         return cls.open(home), public_key
 
     @classmethod
@@ -270,8 +274,10 @@ class Node:
         ks = open_keystore(_with_pin(ks_conf))
         try:
             # The event log, the held table and the journal's outputs are sealed at rest under the
-            # store's data key, which only this keystore unseals (docs/reliability.md "At rest").
-            log_seal = atrest.open_log(conn, ks, bytes(db.get_meta(conn, "site_id")), home, now_ms())
+            # store's data key, which only this keystore (or the one `keystore rewrap` moved the
+            # data key to) unseals (docs/reliability.md "At rest").
+            with seal_keystore(home, conn, ks) as sks:
+                log_seal = atrest.open_log(conn, sks, bytes(db.get_meta(conn, "site_id")), home, now_ms())
             bridge = SigningBridge(ks, str(home / "sign-journal"), sealer=log_seal.sealer)
         except BaseException:
             ks.close()
@@ -297,7 +303,8 @@ class Node:
         home = Path(home)
         conn = db.connect_readonly(home / cls.STORE_FILE)
         try:
-            ks = open_keystore(_with_pin(_home_paths(home, json.loads(db.get_meta(conn, "keystore")))))
+            conf = atrest.seal_keystore_conf(conn) or json.loads(db.get_meta(conn, "keystore"))
+            ks = open_keystore(_with_pin(_home_paths(home, conf)))
             try:
                 seal = atrest.open_log(conn, ks, bytes(db.get_meta(conn, "site_id")), home, 0, create=False)
             finally:
@@ -1617,6 +1624,25 @@ def _keep_pin_out_of_store(home: Path, conf: dict) -> dict:
             os.fsync(f.fileno())
         conf["pin_file"] = str(pin_path)
     return conf
+
+
+@contextlib.contextmanager
+def seal_keystore(home: Path, conn: sqlite3.Connection, ks):
+    """The keystore whose seal key wraps the log's data keys: `ks` (the home's own), or the one
+    `keystore rewrap` moved them to (meta atrest_keystore), opened for the duration and closed.
+    One that cannot be opened is the at-rest fault: one line, what to do."""
+    conf = atrest.seal_keystore_conf(conn)
+    if conf is None:
+        yield ks
+        return
+    try:
+        other = open_keystore(_with_pin(_home_paths(home, conf)))
+    except (KeystoreError, NodeError) as e:
+        raise atrest.unavailable(home, conf.get("kind", "?"), f"is not available ({e})") from None
+    try:
+        yield other
+    finally:
+        other.close()
 
 
 def _with_pin(conf: dict) -> dict:

@@ -101,6 +101,12 @@ class Keystore(ABC):
         (another keystore's, damaged, or bound to other data)."""
         raise UnsupportedAlgorithm(f"the {self.kind} keystore cannot unseal")
 
+    def delete_seal_key(self, name: str) -> bool:
+        """Destroy seal key ``name`` once nothing is sealed under it any more (a re-wrap moved the
+        data keys to another keystore). False where the keystore keeps it (hardware kinds: it is
+        useless without the token or device, and stays there)."""
+        return False
+
     def close(self) -> None:
         """Release resources (files, worker processes, serial ports)."""
 

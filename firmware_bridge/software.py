@@ -162,6 +162,25 @@ class KeyDir:
     def has_seal(self, name: str) -> bool:
         return os.path.exists(self._seal_file(name))
 
+    def delete_seal(self, name: str) -> bool:
+        """Overwrite the seal key file with zeros (durably), then remove it and make that durable:
+        the key is in no file afterwards (a flash card's wear levelling may still keep old blocks).
+        False when there is no such file."""
+        path = self._seal_file(name)
+        with self._lock:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                return False
+            try:
+                os.write(fd, bytes(os.fstat(fd).st_size))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.unlink(path)
+            fsync_dir(self.path)
+        return True
+
     def get_seal(self, name: str) -> bytes:
         path = self._seal_file(name)
         raw = _read_private(path, "seal key file", name, 1 << 12,
@@ -261,6 +280,9 @@ class SoftwareKeystore(Keystore):
 
     def unseal(self, name: str, sealed: bytes, ad: bytes) -> bytes:
         return unseal_with(self._keys.get_seal(name), sealed, ad)
+
+    def delete_seal_key(self, name: str) -> bool:
+        return self._keys.delete_seal(name)
 
     def _sign_many(self, requests: Sequence[tuple[str, Identity, bytes]]) -> tuple[list[bytes], Optional[BaseException]]:
         """Deterministic Ed25519 gives the same bytes in any order, so a large batch of Ed25519

@@ -90,7 +90,7 @@ def install(conn: sqlite3.Connection, log: LogSeal) -> None:
     conn.create_function("unseal", 2, unseal, deterministic=True)
 
 
-def _unavailable(home, conf_kind: str, why: str) -> db.StoreError:
+def unavailable(home, conf_kind: str, why: str) -> db.StoreError:
     return db.StoreError(
         f"the event log of {home} is sealed by its {conf_kind} keystore, which {why}: it cannot be opened "
         "without that keystore (by design). Attach or restore the keystore; if it is lost, initialise a new node "
@@ -117,13 +117,13 @@ def open_log(conn: sqlite3.Connection, keystore, site_id: bytes, home, now_ms: i
             rows = conn.execute("SELECT key_id, wrapped, seal_key FROM atrest_keys ORDER BY key_id").fetchall()
         keys = {kid: keystore.unseal(name, bytes(w), _wrap_ad(site_id, kid)) for kid, w, name in rows}
     except KeyNotFound as e:
-        raise _unavailable(home, kind, f"does not hold the seal key ({e})") from None
+        raise unavailable(home, kind, f"does not hold the seal key ({e})") from None
     except SealError:
-        raise _unavailable(home, kind, "is not the one that sealed its data key") from None
+        raise unavailable(home, kind, "is not the one that sealed its data key") from None
     except UnsupportedAlgorithm as e:
         raise db.StoreError(f"the keystore of {home} cannot seal the event log at rest: {e}") from None
     except KeystoreError as e:
-        raise _unavailable(home, kind, f"is not available ({e})") from None
+        raise unavailable(home, kind, f"is not available ({e})") from None
     current = int(db.get_meta(conn, "atrest_current", rows[-1][0]))
     return LogSeal(Sealer(keys, current), bool(db.get_meta(conn, "atrest_clear_rows", 0)))
 
@@ -150,17 +150,77 @@ def rotate(conn: sqlite3.Connection, keystore, site_id: bytes, now_ms: int) -> i
     return kid
 
 
-def rewrap(conn: sqlite3.Connection, old_keystore, new_keystore, site_id: bytes) -> int:
+# meta: the config of the keystore whose seal key wraps the data keys, when `keystore rewrap` moved
+# them away from the home's own keystore (no PIN: a `pin_file` in the home or a `pin_env`); absent,
+# the home's keystore seals them.
+SEAL_KEYSTORE_META = "atrest_keystore"
+# meta: what a committed re-wrap still has to do: destroy the previous keystore's seal key.
+REWRAP_META = "atrest_rewrap"
+_KEEP = object()
+
+
+def seal_keystore_conf(conn: sqlite3.Connection) -> dict | None:
+    raw = db.get_meta(conn, SEAL_KEYSTORE_META)
+    return json.loads(raw) if raw else None
+
+
+def rewrap(conn: sqlite3.Connection, old_keystore, new_keystore, site_id: bytes, *, new_conf=_KEEP,
+           retire: dict | None = None) -> int:
     """Seal every data key again under `new_keystore`'s seal key (a new token or device taking over
-    from one still present): no row is rewritten. Returns the keys re-wrapped."""
+    from one still present): no event row is rewritten, key ids and sealed values are unchanged.
+    `new_conf`: the seal keystore's config to record with it (None: the home's own keystore);
+    `retire`: the previous seal keystore's config, recorded as pending until its seal key is
+    destroyed (`rewrap_pending`, `rewrap_done`). One commit: a crash before it leaves the home
+    sealed as it was (the new keystore merely holds an unused seal key), after it sealed by the new
+    one. secure_delete is on for that commit and the WAL is truncated after it, so the previous
+    wrapped values are in no file of the home. Returns the keys re-wrapped."""
     rows = conn.execute("SELECT key_id, wrapped, seal_key FROM atrest_keys").fetchall()
     if not new_keystore.has_seal_key(SEAL_KEY):
         new_keystore.generate_seal_key(SEAL_KEY)
-    out = [(new_keystore.seal(SEAL_KEY, old_keystore.unseal(name, bytes(w), _wrap_ad(site_id, kid)),
-                              _wrap_ad(site_id, kid)), SEAL_KEY, kid) for kid, w, name in rows]
-    with db.transaction(conn):
-        conn.executemany("UPDATE atrest_keys SET wrapped=?, seal_key=? WHERE key_id=?", out)
+    out = []
+    for kid, w, name in rows:
+        key = old_keystore.unseal(name, bytes(w), _wrap_ad(site_id, kid))
+        wrapped = new_keystore.seal(SEAL_KEY, key, _wrap_ad(site_id, kid))
+        if new_keystore.unseal(SEAL_KEY, wrapped, _wrap_ad(site_id, kid)) != key:   # before the old one goes
+            raise SealError("the new keystore does not open what it sealed")
+        out.append((wrapped, SEAL_KEY, kid))
+    _crash_point("rewrap-wrapped")
+    prev = conn.execute("PRAGMA secure_delete").fetchone()[0]
+    conn.execute("PRAGMA secure_delete=ON")
+    try:
+        with db.transaction(conn):
+            conn.executemany("UPDATE atrest_keys SET wrapped=?, seal_key=? WHERE key_id=?", out)
+            if new_conf is None:
+                conn.execute("DELETE FROM meta WHERE key=?", (SEAL_KEYSTORE_META,))
+            elif new_conf is not _KEEP:
+                db.set_meta(conn, SEAL_KEYSTORE_META, json.dumps(new_conf, sort_keys=True))
+            if retire is not None:
+                db.set_meta(conn, REWRAP_META, json.dumps(retire, sort_keys=True))
+    finally:
+        conn.execute(f"PRAGMA secure_delete={int(prev)}")
+    _crash_point("rewrap-committed")
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
     return len(out)
+
+
+def rewrap_pending(conn: sqlite3.Connection) -> dict | None:
+    """The previous seal keystore whose seal key a committed re-wrap has not yet destroyed."""
+    raw = db.get_meta(conn, REWRAP_META)
+    return json.loads(raw) if raw else None
+
+
+def rewrap_done(conn: sqlite3.Connection) -> None:
+    with db.transaction(conn):
+        conn.execute("DELETE FROM meta WHERE key=?", (REWRAP_META,))
+
+
+def _crash_point(name: str) -> None:
+    """Tests name a point here to SIGKILL a real process at it (tests/crashpoint.py)."""
+    if _CRASH_HOOK is not None:
+        _CRASH_HOOK(name)
+
+
+_CRASH_HOOK = None
 
 
 def pending(conn: sqlite3.Connection) -> dict | None:
@@ -243,5 +303,14 @@ def status(conn: sqlite3.Connection) -> dict:
     """What `keystore show` / `status` report: never a key."""
     keys = conn.execute("SELECT key_id, seal_key, created_ms FROM atrest_keys ORDER BY key_id").fetchall() \
         if conn.execute("SELECT 1 FROM sqlite_master WHERE name='atrest_keys'").fetchone() else []
+    conf = seal_keystore_conf(conn)
     return {"sealed": bool(keys), "data_keys": [{"key_id": k, "seal_key": s, "created_ms": c} for k, s, c in keys],
-            "current": db.get_meta(conn, "atrest_current"), "job": pending(conn)}
+            "current": db.get_meta(conn, "atrest_current"), "job": pending(conn),
+            # None: the home's own keystore seals the data keys
+            "seal_keystore": None if conf is None else keystore_summary(conf),
+            "rewrap": None if rewrap_pending(conn) is None else {"old_seal_key": "not yet destroyed"}}
+
+
+def keystore_summary(conf: dict) -> dict:
+    """What names a keystore, never a PIN."""
+    return {k: v for k, v in conf.items() if k in ("kind", "dir", "module", "token_label", "port")}

@@ -25,3 +25,30 @@ def test_failed_pkcs11_init_leaves_no_pin(tmp_path, softhsm_conf):
     p = run_cli("--home", h, "init", "--manifest", mf, "--keystore", json.dumps(base), env=env)
     assert p.returncode == 0, p.stderr
     assert (h / "keystore.pin").exists()
+
+
+def _open_store_files(home) -> list[str]:
+    import os
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(home / "store.sqlite")):
+            out.append(target)
+    return out
+
+
+def test_init_closes_its_own_store_connection(tmp_path):
+    """Node.init made the store on a connection it never closed (held by the process until a
+    garbage collection): after the node's close the process still had the store and its WAL open,
+    so no other process's close was the last one and the WAL, with every page version in it, stayed
+    on the card (found by the re-wrap test: an old wrapped data key lingered in store.sqlite-wal)."""
+    import pytest
+    if not __import__("os").path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc")
+    from agent.node import Node
+    node, _ = Node.init(tmp_path / "h", manifest_text(MESH, readings_table()), {"kind": "software"})
+    node.close()
+    assert _open_store_files(tmp_path / "h") == []
