@@ -47,9 +47,12 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .core.messages import Handshake, ProtocolError, parse_body, parse_presence
-from .core.records import MAX_ACK_ANSWERS, AckAnswer, RecordError, is_ack, record_hash as body_hash, verify_ack
-from .core.sending import PeerLimit  # the too-large back-off (pure)
+from .core.exchange import MAX_ACKS_LOOKED_AT  # noqa: F401 - re-exported (tests, benches)
+from .core.exchange import (GIVE_UP_DOUBLINGS, PRESENCE_LIMIT, BodyLimits, Exchange, ExchangeConfig, InFlight,
+                            Presence, answer_proof)
+from .core.messages import ProtocolError, parse_presence
+from .core.records import MAX_ACK_ANSWERS, AckAnswer, record_hash as body_hash
+from .core.sending import PeerLimit  # noqa: F401 - the too-large back-off (pure); re-exported
 from .core.session import parse_meta_text
 from .outcomes import counts
 from .store import db, sync_state as st
@@ -70,18 +73,15 @@ log = logging.getLogger("ssp_agent.runner")
 
 
 @dataclass
-class RunConfig:
+class RunConfig(ExchangeConfig):
+    """The loop's settings; those of the exchange itself (window, answer_timeout_s, secure,
+    limit_probe_s, limit_probe_max_s) are `core.exchange.ExchangeConfig`'s, read live by it."""
     cadence_s: float = 30.0  # batch cycle
-    answer_timeout_s: float = 15.0  # an unanswered body is given up on (re-offered) after this
-    window: int = 4  # bodies in flight per peer
     realtime: bool = True  # advertise and use realtime mode (§33)
     coalesce_s: float = 0.05  # realtime: gather what is produced within this interval into one push
     flush_cadence_s: float | None = None  # realtime on a fixed cadence instead of at production (§33.3)
     max_events: int | None = None  # events per body (default: the link settings' max_events)
-    secure: bool = False  # the broker authenticates devices and pins topics to them (see module doc)
     eviction_interval_s: float | None = None  # run node.run_eviction() this often (None: never)
-    limit_probe_s: float = 60.0  # after a too_large refusal, try twice the reduced body limit this much later
-    limit_probe_max_s: float = 3600.0  # the wait before a probe doubles with each refusal, up to this
     others_per_step: int = 256  # inbound messages per step from sites not in the keyring (flood bound, pump)
     # Signed acknowledgements (docs/protocol.md §5): the answers taken in one pump are grouped per
     # sender; a slow keystore groups more by itself (bodies queue while it signs). Above 0: at most
@@ -99,19 +99,7 @@ class RunConfig:
         return cls(**base)
 
 
-@dataclass
-class _Pending:
-    peer: bytes
-    kind: str
-    start: int
-    end: int
-    seqs: list[int]
-    sent: float
-    n_backfill: int = 0  # backfill events after the live ones (widening backfill, scope §2)
-    backfill: bool = False  # the body carries a share of a backfill job (possibly no events: the walk's end)
-    token: Any = None  # the sync layer's confirmation token (live range and backfill rows)
-    size: int = 0  # bytes of the body (0: unknown, a body recalled from an earlier process)
-    body_hash: bytes | None = None  # BLAKE3 of the body's exact bytes: what a signed acknowledgement names
+_Pending = InFlight  # a body in flight (agent/core/exchange.py); the old name, for benches and tests
 
 
 # Flood bounds (issue 11 item 4, docs/apply.md "Bounds"): refusals surfaced (and logged) per
@@ -119,8 +107,6 @@ class _Pending:
 REFUSALS_SURFACED_PER_WINDOW = 20
 REFUSAL_WINDOW_S = 60.0
 PUMP_BUDGET_S = 0.25  # a pump call returns after about this long of handling (Runner.pump)
-MAX_ACKS_LOOKED_AT = 4  # acknowledgement records checked per answer (Runner._proof)
-PRESENCE_LIMIT = 1024  # handshakes kept (Runner.caps): fictional sites' presence evicts the oldest
 
 
 
@@ -136,25 +122,18 @@ class Runner:
         _adopt_private_cursors(node)
         self.link = MqttLink(settings, node.mesh_id, node.site_id,
                              presence_payload=lambda: self.sync.handshake(self.cfg.realtime))
-        self.pending: dict[bytes, _Pending] = {}
         self._unsaved: list = []  # bodies published, not yet in sync_state.sent_bodies
-        self.peer_limit: dict[bytes, PeerLimit] = {}  # per peer, after too_large refusals (provisional)
         self.last_eviction: dict | None = None
         self._next_evict = 0.0
         self._next_clock = 0.0
         self.clock_state: dict | None = None
-        self.sent_upto: dict[bytes, int] = {}  # per peer: highest seq offered in flight
-        self._earlier: dict[bytes, dict[bytes, int]] = {}  # per peer: bodies in flight from an earlier process
-        self._earlier_top: dict[bytes, int] = {}  # per peer: the highest sent_bodies id among those
-        self._silent_since: dict[bytes, float] = {}  # per peer: reachable since, with bodies unanswered
-        self._give_ups: Counter = Counter()  # per peer: give-ups since its last answer (the wait doubles)
-        self._heard: set[bytes] = set()  # peers a request came from in this process
-        self.advertised: dict[bytes, int] = {}  # per keyring peer: the body limit it advertised (ssp-body-limit)
-        self._limit_told: bytes | None = None  # the peer whose refusal being handled stated its limit
-        self._links_dirty: set[bytes] = set()  # peers whose learned limits are not in the store yet
         self._next_links_save = 0.0
-        self.caps: dict[bytes, Handshake] = {}  # present peers' handshakes
         self.stats: Counter = Counter()
+        # The protocol decisions (window in flight, answers, give-ups, body limits, presence) are
+        # the pure exchange state machine's (agent/core/exchange.py); this class moves messages,
+        # time and rows in and out. It counts into the runner's stats.
+        self.ex = Exchange(self.cfg, BodyLimits(ADVERTISED_FLOOR, self.cfg, self.stats),
+                           Presence(PRESENCE_LIMIT, self.stats), self.stats)
         self.rejections: deque = deque(maxlen=1000)  # (reason, detail) of refused inbound messages
         self._refused_presence: dict[bytes, tuple] = {}  # site -> the refused payload last surfaced
         self._others: deque = deque()  # taken in, from sites not in the keyring, not yet handled (pump)
@@ -163,7 +142,6 @@ class Runner:
         self._refusal_window: dict[tuple, list] = {}  # (source, reason) -> [window start, surfaced, not surfaced]
         self._owed: dict[bytes, list] = {}  # sender -> [(request, answer properties, AckAnswer)] not yet answered
         self._last_ack: dict[bytes, float] = {}  # sender -> when its last acknowledgement was signed
-        self.presence_limit = PRESENCE_LIMIT
         # Writes before this runner started are the batch cycle's; realtime pushes follow new ones.
         self._scanned = self._local_top = self._last_local = \
             node.conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
@@ -172,6 +150,35 @@ class Runner:
         self._produced_at: float | None = None
         self._load_in_flight()
         self._load_limits()
+
+    # The exchange's state under the names the benches and tests (and operators' scripts) use.
+    @property
+    def pending(self) -> dict[bytes, InFlight]:
+        return self.ex.pending
+
+    @property
+    def sent_upto(self) -> dict[bytes, int]:
+        return self.ex.sent_upto
+
+    @property
+    def caps(self) -> dict:
+        return self.ex.presence.caps
+
+    @property
+    def presence_limit(self) -> int:
+        return self.ex.presence.limit
+
+    @presence_limit.setter
+    def presence_limit(self, n: int) -> None:
+        self.ex.presence.limit = n
+
+    @property
+    def peer_limit(self) -> dict[bytes, PeerLimit]:
+        return self.ex.limits.peer_limit
+
+    @property
+    def advertised(self) -> dict[bytes, int]:
+        return self.ex.limits.advertised
 
     # -------------------------------------------------------------- lifecycle
     def start(self, connect_timeout: float = 10.0) -> bool:
@@ -198,7 +205,7 @@ class Runner:
             self._next_batch = now + self.cfg.cadence_s
         if self.cfg.realtime:
             self._realtime(now)
-        if self._links_dirty and now >= self._next_links_save:
+        if self.ex.limits.dirty and now >= self._next_links_save:
             self._save_links()
         if self.cfg.eviction_interval_s and now >= self._next_evict:
             self._next_evict = now + self.cfg.eviction_interval_s
@@ -297,9 +304,9 @@ class Runner:
         if m.kind == "req":
             self._on_request(m)
         elif m.kind == "ans":
-            was = self._is_in_flight(m.sender, m.correlation)
+            was = self.ex.is_in_flight(m.sender, m.correlation)
             self._on_answer(m)
-            self._limit_told = None
+            self.ex.limits.told = None
             if was:
                 self._note_answered(m)
         else:
@@ -364,8 +371,7 @@ class Runner:
         if m.sender is None:
             return self._reject(m, "bad_topic", "an inbox topic must name its sender")
         if kind == KIND_REALTIME:
-            hs = self.caps.get(m.sender)
-            if not (self.cfg.realtime and hs is not None and hs.supports_realtime):
+            if not (self.cfg.realtime and self.ex.presence.realtime(m.sender)):
                 # §33: reject, not drop, an unsolicited body without mutual realtime mode.
                 return self._reject(m, "realtime_not_established", m.sender.hex())
         try:
@@ -436,115 +442,38 @@ class Runner:
                     self.link.ack(m)
 
     def _on_answer(self, m: Inbound) -> None:
+        """An answer: acked to the broker, then what it proves is the exchange's to decide
+        (`Exchange.answer`); here only the store moves (the cursor, the body's records, the
+        durable record of the body) and the window is offered again."""
         self.link.ack(m)
         corr = m.correlation
-        p = self.pending.get(corr) if corr else None
-        earlier = False  # a body this process does not track: sent by an earlier wake, or given up on
+        p, earlier = self.ex.lookup(corr)
         if p is None and corr:
-            d = self.sync.recall(corr)  # the durable record of the bodies sent (sync_state.sent_bodies)
-            if d is not None:
-                p = _Pending(d["peer"], d["kind"], d["start"], d["end"], d["seqs"], 0.0, d["n_backfill"],
-                             d["backfill"], d["token"], 0, d.get("body_hash"))
-                earlier = True
-        if p is None:
-            self.stats["unknown_answers"] += 1  # replayed, forged, or forgotten long ago: ignored
+            # the durable record of the bodies sent (sync_state.sent_bodies): an earlier wake's body
+            p, earlier = self.ex.lookup(corr, self.sync.recall(corr))
+        rejected = None
+        if p is not None and P_REJECTED_AT in m.props:
+            rejected = decode_indices(m.props[P_REJECTED_AT], p.total)
+        d = self.ex.answer(corr, m.sender, p, earlier, status=m.props.get(P_STATUS), reason=m.props.get(P_REASON),
+                           processed_text=m.props.get(P_PROCESSED), rejected=rejected,
+                           proof=lambda body: self._proof(body, m.payload), now=time.monotonic(),
+                           link_max=self.link.max_payload())
+        if d.forget:
+            self.sync.forget(corr)
+        if not d.advances:
             return
-        if m.sender != p.peer:
-            self.stats["answers_from_wrong_sender"] += 1  # not the addressee's answer topic: ignored
-            return
-        ok = m.props.get(P_STATUS) == "ok"
-        proof = None
-        if ok and not self.cfg.secure:
-            # Without the broker's ACLs an answer is evidence only with the peer's signed
-            # acknowledgement of this exact body (docs/protocol.md §5 "Acknowledgements on MQTT"):
-            # anything else may be a reader of the topic answering first. It is counted and
-            # ignored; the body stays pending, so the peer's own answer still moves the cursor,
-            # and it is re-offered after the answer timeout.
-            proof = self._proof(p, m.payload)
-            if proof is None:
-                self.stats["answers_unproven"] += 1
-                return
-        if not earlier:
-            del self.pending[corr]
-        else:
-            self.stats["earlier_answers"] += 1
-        self.stats["answers"] += 1
-        if not ok:
-            reason = m.props.get(P_REASON, "?")
-            self.stats[f"push_rejected:{reason}"] += 1
-            if self.cfg.secure:
-                # Unauthenticated otherwise: a forged refusal must not make the peer's real answer
-                # (which may follow) unknown. The durable record stays, so that answer, signed,
-                # is still taken (as an earlier one); the range is re-offered meanwhile.
-                self.sync.forget(corr)
-            if reason == "too_large":  # the peer's body limit may be below ours: halve what we send it
-                self._too_large(p.peer)
-            if not earlier:
-                self._reset_peer(p.peer)
-            return
-        total = len(p.seqs) + p.n_backfill
-        if proof is not None:
-            # What the peer signed, not the (unauthenticated) properties.
-            processed = min(total, proof.processed)
-            rejected = [i for i in proof.rejected if i < total] or None
-        else:
-            try:
-                processed = max(0, min(total, int(m.props.get(P_PROCESSED, "0"))))
-            except ValueError:
-                processed = 0
-            rejected = decode_indices(m.props[P_REJECTED_AT], total) if P_REJECTED_AT in m.props else None
-        # Every event but the rejected ones reached a final state (issue 10 item 4): the cursor moves
-        # past those, which are re-offered later; without the list, `processed` is a prefix.
-        if rejected is not None:
-            processed = total
-        self.stats["events_acknowledged"] += processed - len(rejected or ())
-        pl = self.peer_limit.get(p.peer)
-        if pl is not None:
-            pl.answered_ok(p.size, self.cfg.limit_probe_s)
+        p = d.body
         # through the body's token: live range and backfill rows commit together, and an answer to a
         # body selected before the peer asked for its history again moves nothing (SyncDriver.confirm)
-        self.sync.advance(p.peer, p.start, p.seqs, p.end, processed, token=p.token, rejected=rejected)
+        self.sync.advance(p.peer, p.start, p.seqs, p.end, d.processed, token=p.token, rejected=d.rejected)
         self.sync.note_answer(p.peer, m.payload, p.token)  # the body's records are delivered now
-        if earlier:
-            # The cursor moved (§14.1); the next batch cycle (at once after the settle of a
-            # `sync --once` wake) sends the window after it. Offering here, once per earlier answer,
-            # would re-send ranges whose answers are still in the queue behind this one.
-            return
-        if processed < total:
-            self._reset_peer(p.peer)  # re-offer from the cursor next cycle
-        else:
-            self.offer(p.peer, KIND_BATCH)  # keep the window full while there is more (catch-up)
+        if d.then == "offer":
+            self.offer(p.peer, KIND_BATCH)
 
-    def _proof(self, p: _Pending, payload: bytes):
-        """The peer's signed answer for body `p` in an answer's `records` (an AckAnswer), or None:
-        a `sovm/ssp-ack-v1` record that verifies under the peer's key in the keyring (not
-        retired), is addressed to this node and names the BLAKE3 of the exact body sent, with as
-        many events as it held. A replay of a genuine acknowledgement is the truth about these
-        very bytes, so it is harmless; a record for another body, by another signer or for
-        another node moves nothing."""
-        if p.body_hash is None:
-            self.stats["answers_unprovable"] += 1  # recalled from a process that kept no hash
-            return None
-        try:
-            # An honest answer carries one: a few are looked at, so a forged answer stuffed with
-            # records costs at most MAX_ACKS_LOOKED_AT signature checks.
-            raws = [r for r in parse_body(payload).records if is_ack(r)][:MAX_ACKS_LOOKED_AT]
-        except ProtocolError:
-            return None
+    def _proof(self, p: InFlight, payload: bytes):
+        """The peer's signed acknowledgement of body `p` in an answer (`exchange.answer_proof`)."""
         keyring = self.node.keyring
-        for raw in raws:
-            try:
-                ack = verify_ack(raw, self.node.mesh_id, keyring.get)
-            except RecordError as e:
-                self.stats[f"ack_refused:{e.reason}"] += 1
-                continue
-            if ack.issuer != p.peer or ack.subject != self.node.site_id:
-                self.stats["ack_misaddressed"] += 1
-                continue
-            a = ack.answer_for(p.body_hash)
-            if a is not None and a.count == len(p.seqs) + p.n_backfill:
-                return a
-        return None
+        return answer_proof(p, payload, self.node.mesh_id, self.node.site_id, keyring.get, self.stats)
 
     def _on_presence(self, m: Inbound) -> None:
         """A retained presence reaches every node at every start: a payload its boundary refuses is
@@ -553,7 +482,7 @@ class Runner:
         try:
             hs = parse_presence(m.payload, m.site)
         except ProtocolError as e:
-            self.caps.pop(m.site, None)
+            self.ex.presence.left(m.site)
             self.stats["refused_presence"] += 1
             key = (m.site, hash(m.payload))
             if self._refused_presence.get(m.site) != key:
@@ -563,20 +492,9 @@ class Runner:
                 self._surface_refusal("presence", e.reason, e.detail, m.site)
             return
         if hs is None:
-            self.caps.pop(m.site, None)
-            return
-        if not hs.understood:
-            hs = Handshake(hs.site_id, hs.have_max_hlc, False, hs.secure_channel, hs.rtt_ms, False)
-        self.caps.pop(m.site, None)  # re-inserted: the order is the order of the last presence
-        self.caps[m.site] = hs
-        if len(self.caps) > self.presence_limit:
-            # Presence of fictional sites (anyone with broker access can publish one per made-up
-            # site): bounded, the oldest of the sites not in the keyring goes, counted.
-            keyring = self.node.keyring
-            old = next((s for s in self.caps if s not in keyring), None)
-            if old is not None:
-                del self.caps[old]
-                self.stats["presence_evicted"] += 1
+            self.ex.presence.left(m.site)
+        else:
+            self.ex.presence.arrived(m.site, hs, self.node.keyring.__contains__)
 
     # -------------------------------------------------------------- sending
     # Quiet links (issue 12 item 6, docs/mqtt.md "Quiet links"). A body sent to a peer stays in
@@ -589,11 +507,11 @@ class Runner:
     # and nothing more however many cadences or wakes pass, so what waits for it in the broker is
     # at most one window of distinct bodies. Which bodies are in flight is durable (sent_bodies and
     # peer_links.gave_up_id), so the next wake or a restart does not send the window again.
-    GIVE_UP_DOUBLINGS = 6
+    GIVE_UP_DOUBLINGS = GIVE_UP_DOUBLINGS
 
     def _load_in_flight(self) -> None:
         """Bodies an earlier process sent and nobody answered yet (not given up, not older than a
-        session lasts, not already covered by the cursor): in flight for this process too."""
+        session lasts): the exchange decides which are in flight for this process too."""
         from .sync import token_from_json
         since = int(time.time() * 1000) - int(self.settings.session_expiry_s) * 1000
         keyring = self.node.keyring
@@ -601,218 +519,110 @@ class Runner:
             if peer not in keyring:
                 continue
             tok, _extra = token_from_json(text)
-            if tok.end > self.sync.cursor(peer) or _extra.get("bf"):
-                self._earlier.setdefault(peer, {})[corr] = tok.end
-                self._earlier_top[peer] = max(self._earlier_top.get(peer, 0), _id)
-                self.sent_upto[peer] = max(self.sent_upto.get(peer, 0), tok.end)
+            self.ex.restore(_id, corr, peer, tok.end, self.sync.cursor(peer), bool(_extra.get("bf")))
 
     def _give_up(self, peer: bytes) -> None:
         """The bodies in flight to `peer` will not be answered: offer their ranges again (the next
         cycle), and count none of them as in flight any more (durably)."""
-        for c in [c for c, p in self.pending.items() if p.peer == peer]:
-            del self.pending[c]
-        self.sent_upto.pop(peer, None)
-        self._earlier.pop(peer, None)
-        self._earlier_top.pop(peer, None)
-        self._silent_since.pop(peer, None)
+        self.ex.give_up(peer)
+        self._gave_up(peer)
+
+    def _gave_up(self, peer: bytes, upto_id: int | None = None) -> None:
         with db.transaction(self.node.conn):
-            st.give_up_sent_bodies(self.node.conn, peer, PATH)
+            st.give_up_sent_bodies(self.node.conn, peer, PATH, upto_id=upto_id)
 
     def _reset_peer(self, peer: bytes) -> None:
-        """Offer again from the durable cursor (after a refusal, or an answer that processed only a
-        prefix): the next bodies start there. The bodies still in flight keep their slots of the
-        window until they are answered or given up, so the peer never has more than one window
-        waiting (quiet links)."""
-        self.sent_upto.pop(peer, None)
+        self.ex.reset(peer)
 
     def _wait(self, peer: bytes) -> float:
-        return self.cfg.answer_timeout_s * 2 ** min(self._give_ups[peer], self.GIVE_UP_DOUBLINGS)
+        return self.ex.wait_s(peer)
 
     def _expire(self, now: float) -> None:
-        for peer in {p.peer for p in self.pending.values()} | {p for p, c in self._earlier.items() if c}:
-            since = self._silent_since.get(peer)
-            if since is None:
-                if peer not in self.caps:
-                    continue  # away: its bodies wait in its session; nothing is evidence of a loss
-                since = self._silent_since[peer] = now
-            if now - since >= self._wait(peer):
-                self.stats["unanswered"] += 1
-                self._give_ups[peer] += 1
-                # A broker drops, without a word, a PUBLISH larger than the Maximum Packet Size the
-                # peer announced (issue 11 item 4): silence from a reachable peer may mean our
-                # bodies are too large for it (a peer that does not advertise its limit). So the
-                # give-up also halves, provisionally like a refusal (PeerLimit), what it gets,
-                # down to ADVERTISED_FLOOR at most.
-                big = max((p.size for p in self.pending.values() if p.peer == peer), default=0)
-                if big > ADVERTISED_FLOOR:
-                    self._too_large(peer)
-                    self.stats["body_limit_reduced_by_silence"] += 1
-                self._give_up(peer)
+        for peer in self.ex.expire(now, self.link.max_payload()):
+            self._gave_up(peer)
 
     def _note_link(self, m: Inbound) -> None:
-        """What a message tells the send schedule (before it is handled): a request from a peer
-        shows it reachable now; its presence leaving ends the wait. (An answer counts once it has
-        settled a body, `_note_answered`: an unproven one, which anyone reading the topic can
-        forge, is no evidence of anything.)"""
+        """What a message tells the send schedule (before it is handled): `Exchange.note_message`."""
         who = m.site if m.kind == "presence" else m.sender
-        if who is not None and who in self.node.keyring and who != self.node.site_id:
-            if m.kind != "presence" or m.payload:
-                self._learn_limit(who, parse_body_limit(m.props.get(P_BODY_LIMIT)))
-            if m.kind == "ans" and m.props.get(P_REASON) == "too_large" and P_BODY_LIMIT in m.props:
-                self._limit_told = who
-        if m.kind == "req" and m.sender is not None and not m.dup:
-            self._heard.add(m.sender)
-            if self.in_flight(m.sender) and m.sender not in self._silent_since:
-                self._silent_since[m.sender] = time.monotonic()
-        elif m.kind == "presence" and not m.payload:
-            self._silent_since.pop(m.site, None)  # it left: what it did not answer waits in its session
-
-    def _is_in_flight(self, peer: bytes, corr: bytes | None) -> bool:
-        p = self.pending.get(corr) if corr is not None else None
-        return (p is not None and p.peer == peer) or corr in self._earlier.get(peer, ())
+        member = who is not None and who in self.node.keyring and who != self.node.site_id
+        self.ex.note_message(m.kind, who, time.monotonic(), member=member, empty=not m.payload, dup=m.dup,
+                             advertised=parse_body_limit(m.props.get(P_BODY_LIMIT)) if member else None,
+                             told_too_large=m.props.get(P_REASON) == "too_large" and P_BODY_LIMIT in m.props)
 
     def _note_answered(self, m: Inbound) -> None:
-        """After an answer was handled: a body the answer settled (taken as proven, or refused) is
-        out of flight, and the peer is not silent. An answer that was ignored (unproven, a replay)
-        settles nothing: the body keeps its slot of the window and the wait goes on."""
+        """After an answer to a body in flight was handled (`Exchange.answered`); when it shows the
+        bodies an earlier process sent lost, they are given up on durably and the window goes again."""
         peer, corr = m.sender, m.correlation
         if peer is None or corr is None:
             return
-        if corr in self._earlier.get(peer, ()):
-            if self.sync.recall(corr) is not None and not self._refused(m):
-                return
-            del self._earlier[peer][corr]
-        elif corr in self.pending:
-            return
-        elif self._earlier.get(peer):
-            # The peer answered a body this process sent, and every body an earlier process sent
-            # it went before that one in its session's queue, which the broker delivers in order:
-            # those still unanswered were lost (sent while it had no session, or a broker restart
-            # without persistence). Offer their ranges again now (quiet links).
-            self.stats["unanswered"] += 1
-            self._earlier.pop(peer)
-            self.sent_upto.pop(peer, None)
-            with db.transaction(self.node.conn):
-                st.give_up_sent_bodies(self.node.conn, peer, PATH, upto_id=self._earlier_top.get(peer))
+        still = corr in self.ex.earlier.get(peer, ()) and self.sync.recall(corr) is not None
+        upto = self.ex.answered(peer, corr, still_recorded=still, refused=self._refused(m))
+        if upto is not None:
+            self._gave_up(peer, upto)
             self.offer(peer, KIND_BATCH)
-        self._heard.add(peer)
-        self._silent_since.pop(peer, None)
-        self._give_ups[peer] = 0
 
     @staticmethod
     def _refused(m: Inbound) -> bool:
         return m.props.get(P_STATUS) not in (None, "ok")
 
     def in_flight(self, peer: bytes) -> int:
-        return sum(1 for p in self.pending.values() if p.peer == peer) + len(self._earlier.get(peer, ()))
+        return self.ex.in_flight(peer)
 
     def backfill_in_flight(self, peer: bytes) -> bool:
-        """At most one body carrying backfill rows is out per peer: the next rows are selected
-        from the durable row cursor, which moves only when that body is answered."""
-        return any(p.peer == peer and p.backfill for p in self.pending.values())
+        return self.ex.backfill_in_flight(peer)
 
-    # The peer's body limit (issue 12 item 6, docs/mqtt.md "Size limits"). Every node advertises
-    # its own (`ssp-body-limit` on its retained presence, its bodies and its answers: transport
-    # metadata with no authority, wire-profile §5); a sender uses min(its link's maximum, the
-    # peer's latest advertisement) from the first body, and keeps it in the store (peer_links),
-    # so a Pi Zero behind a 1 MiB gateway refuses nothing, also after restarts and on sleepers'
-    # next wakes. Without ACLs anyone can forge an advertisement (a retained presence, a request
-    # or an answer under the peer's name): so one is never taken below ADVERTISED_FLOOR (16 KiB)
-    # nor above the link's maximum, and the peer's own next message replaces it (it advertises on
-    # every connect and in everything it sends). A forger can thus at worst make bodies to that
-    # peer 16 KiB ones (more bodies, the same events) for as long as it keeps forging.
-    def _learn_limit(self, peer: bytes, limit: int | None) -> None:
-        if limit is None or self.advertised.get(peer) == limit:
-            return
-        self.advertised[peer] = limit
-        self.stats["body_limits_learned"] += 1
-        self._links_dirty.add(peer)
-
+    # The peer's body limit (issue 12 item 6, docs/mqtt.md "Size limits"): `exchange.BodyLimits`
+    # decides; the store keeps what it learned (peer_links), so restarts and sleepers' next wakes
+    # start from it.
     def _load_limits(self) -> None:
         now, wall = time.monotonic(), int(time.time() * 1000)
         for peer in self.node.keyring:
             link = st.peer_link(self.node.conn, peer, PATH)
-            if link["advertised"] is not None:
-                self.advertised[peer] = int(link["advertised"])
-            if link["limit_state"]:
-                pl = PeerLimit.from_json(link["limit_state"], now, wall)
-                if pl is not None:
-                    self.peer_limit[peer] = pl
+            self.ex.limits.restore(peer, link["advertised"], link["limit_state"], now, wall)
 
     def _save_links(self) -> None:
         """What was learned of peers' limits, in the store: at most once a minute (a flood of forged
         advertisements must not cost a transaction each), and when the runner closes."""
         self._next_links_save = time.monotonic() + 60.0
-        if not self._links_dirty:
+        if not self.ex.limits.dirty:
             return
-        now, wall = time.monotonic(), int(time.time() * 1000)
+        rows = self.ex.limits.take_dirty(time.monotonic(), int(time.time() * 1000))
         try:
             with db.transaction(self.node.conn):
-                for peer in self._links_dirty:
-                    st.set_advertised_limit(self.node.conn, peer, PATH, self.advertised.get(peer))
-                    pl = self.peer_limit.get(peer)
-                    st.set_limit_state(self.node.conn, peer, PATH, pl.to_json(now, wall) if pl else None)
+                for peer, adv, state in rows:
+                    st.set_advertised_limit(self.node.conn, peer, PATH, adv)
+                    st.set_limit_state(self.node.conn, peer, PATH, state)
         except Exception as e:  # noqa: BLE001 - a full disk: learned again from the next advertisement
             log.warning("could not keep the peers' body limits: %s", e)
-        self._links_dirty.clear()
 
     def _top(self, peer: bytes) -> int:
-        """The largest body `peer` gets: the link's maximum, under what the peer advertised."""
-        top = self.link.max_payload()
-        adv = self.advertised.get(peer)
-        if adv is not None:
-            top = min(top, max(ADVERTISED_FLOOR, adv))
-        return top
+        return self.ex.limits.top(peer, self.link.max_payload())
 
     def _limit(self, peer: bytes) -> int:
-        """Bytes per body for `peer`: the link's maximum under the peer's advertised limit, or less
-        after its too_large refusals (PeerLimit: provisional, probed back up to that)."""
-        top = self._top(peer)
-        pl = self.peer_limit.get(peer)
-        if pl is None:
-            return top
-        lim = pl.current(time.monotonic(), top)
-        if lim >= top:
-            del self.peer_limit[peer]  # back at the maximum: the reduction is forgotten
-            self._links_dirty.add(peer)
-            self.stats["body_limit_recovered"] += 1
-            return top
-        return lim
+        """Bytes per body for `peer` now (`BodyLimits.limit`)."""
+        return self.ex.limits.limit(peer, time.monotonic(), self.link.max_payload())
 
     def _too_large(self, peer: bytes) -> None:
-        if self._limit_told == peer:
-            # The refusal stated the peer's limit (`ssp-body-limit`, learned in `_note_link`): the
-            # next bodies fit it; nothing to guess by halving.
-            self._limit_told = None
-            self.stats["body_limit_told"] += 1
-            return
-        now = time.monotonic()
-        pl = self.peer_limit.get(peer)
-        if pl is None:
-            top = self._top(peer)
-            pl = self.peer_limit[peer] = PeerLimit(top, now, self.cfg.limit_probe_s / 2, top)
-        pl.refused(now, self.cfg.limit_probe_max_s)
-        self._links_dirty.add(peer)
-        self.stats["body_limit_reduced"] += 1
+        self.ex.limits.too_large(peer, time.monotonic(), self.link.max_payload())
 
     def offer(self, peer: bytes, kind: str = KIND_BATCH, bodies: int | None = None, force: bool = False) -> int:
         """Send up to `bodies` bodies to `peer` from where the in-flight window ends (or the
         durable cursor), as the sync layer selects them. Returns events sent. A range with
         nothing for the peer goes out as an empty body: the cursor moves only on an answer.
         `force` sends one body even when nothing is new (the fixed-cadence flush)."""
-        bodies = self.cfg.window - self.in_flight(peer) if bodies is None else bodies
+        bodies = self.ex.room(peer) if bodies is None else bodies
         sent = 0
-        start = max(self.sync.cursor(peer), self.sent_upto.get(peer, 0))
+        start = self.ex.start_at(peer, self.sync.cursor(peer))
         limit = self._limit(peer)
         # Records the peer has not answered for (never delivered to it on this path) are worth a
         # body of their own; at most a quarter of the peer's limit of them per body, the rest
         # follow in the next bodies (each answer marks what its body carried as delivered).
         rbudget = max(256, limit // 4)
-        force = force or (not self.in_flight(peer) and self.sync.records_pending(peer))
+        force = force or (not self.ex.in_flight(peer) and self.sync.records_pending(peer))
         for _ in range(max(bodies, 0)):
             # Widening backfill rides batch bodies only, after the live tail (live first), one such
             # body in flight per peer.
-            bf = kind == KIND_BATCH and not self.backfill_in_flight(peer)
+            bf = kind == KIND_BATCH and not self.ex.backfill_in_flight(peer)
             off = self.sync.select(peer, start, self.max_events, backfill=bf, record_budget=rbudget)
             if off.end <= start and not off.backfill and not force:
                 break
@@ -828,7 +638,6 @@ class Runner:
             self._send(peer, kind, off)
             sent += len(off.events)
             start = off.end
-            self.sent_upto[peer] = off.end
         if self._unsaved:
             # Durable (one transaction for the window): an answer that arrives after this process
             # has gone still moves the cursor on the next wake. A crash before this commit loses
@@ -846,8 +655,8 @@ class Runner:
         off.body_hash = body_hash(body)
         corr = self.link.push(peer, body, user)
         off.token = self.sync.keyed(off.token, corr)  # its answer confirms it, in this process or a later one
-        self.pending[corr] = _Pending(peer, kind, off.start, off.end, off.seqs, time.monotonic(),
-                                      off.n_backfill, off.backfill, off.token, len(body), off.body_hash)
+        self.ex.sent(corr, InFlight(peer, kind, off.start, off.end, off.seqs, time.monotonic(),
+                                    off.n_backfill, off.backfill, off.token, len(body), off.body_hash))
         self.stats["backfill_events_pushed"] += off.n_backfill
         self.stats["bodies_pushed"] += 1
         self.stats["events_pushed"] += len(off.events)
@@ -858,18 +667,16 @@ class Runner:
         self.stats["batch_cycles"] += 1
         n = 0
         for peer in self.sync.peers():
-            out = self.in_flight(peer)
-            if out >= self.cfg.window:
-                continue  # its window is out; answers (or evidence of a loss) decide (quiet links)
-            if not out:
-                self.sent_upto.pop(peer, None)
-            n += self.offer(peer, KIND_BATCH)  # what the window has room for, after what is out
+            room = self.ex.batch_room(peer)  # a full window waits for answers or evidence of a loss
+            if room:
+                n += self.offer(peer, KIND_BATCH, bodies=room)
         return n
 
     def realtime_peers(self) -> list[bytes]:
         if not self.cfg.realtime:
             return []
-        return [p for p, hs in self.caps.items() if hs.supports_realtime and p in self.node.keyring]
+        keyring = self.node.keyring
+        return [p for p, hs in self.ex.presence.caps.items() if hs.supports_realtime and p in keyring]
 
     def _local_max(self) -> int:
         """The seq of the node's newest own write, found without reading the log (issue 12 item 6):
@@ -890,7 +697,7 @@ class Runner:
             if now >= self._next_flush:
                 self._next_flush = now + self.cfg.flush_cadence_s
                 for p in self.realtime_peers():
-                    if self.in_flight(p) < self.cfg.window:
+                    if self.ex.room(p) > 0:
                         self.offer(p, KIND_REALTIME, bodies=1, force=True)
             return
         cur = self._local_max()
@@ -900,7 +707,7 @@ class Runner:
             self._produced_at = None
             self._last_local = self._local_max()
             for p in self.realtime_peers():
-                if self.in_flight(p) < self.cfg.window:
+                if self.ex.room(p) > 0:
                     self.offer(p, KIND_REALTIME, bodies=1)
                     self.stats["realtime_pushes"] += 1
 
@@ -933,20 +740,13 @@ class Runner:
                 idle_since = time.monotonic()
             elif time.monotonic() - idle_since >= settle_s:
                 break
-        for peer in [p for p, c in self._earlier.items() if c and (p in self._heard or p in self.caps)]:
-            # The peer was online since those bodies were sent (what it sent waited for us, or it
-            # is online now, its retained presence there before ours), and their answers, which it
-            # sends as it takes each body, were not among what waited: lost (quiet links). (A peer
-            # that connected a moment ago and is still working through them costs one window of
-            # duplicates at most.)
-            self.stats["unanswered"] += 1
-            self._give_up(peer)
+        for peer in self.ex.lost_while_away():  # (quiet links) made durable here
+            self._gave_up(peer)
         self.batch_cycle()
         while time.monotonic() < deadline:
             self.pump(0.05)
             self._expire(time.monotonic())
-            waiting = [p for p in {q.peer for q in self.pending.values()} if p in self.caps]
-            if not waiting:
+            if not self.ex.waiting_on():
                 break
         self.pump(0)   # a last look at what is already here, without waiting
         return self.summary()
@@ -958,14 +758,14 @@ class Runner:
         s = self.stats
         peers = {}
         for p in self.sync.peers():
-            peers[p.hex()] = {"present": p in self.caps, "cursor": self.sync.cursor(p),
+            peers[p.hex()] = {"present": p in self.ex.presence, "cursor": self.sync.cursor(p),
                               "behind": peer_lag(self.node.conn, p) if self.cfg.secure else None,
                               "unanswered": self.sync.backlog(p),
-                              "realtime": bool(self.caps.get(p) and self.caps[p].supports_realtime)}
+                              "realtime": self.ex.presence.realtime(p)}
         return {"pushed": s["events_acknowledged"], "offered": s["events_pushed"], "applied": s["applied"],
                 "duplicate": s["duplicate"], "dropped": s["dropped"], "rejected": s["rejected"],
                 "bodies_pushed": s["bodies_pushed"], "bodies_received": s["bodies_received"],
-                "answers": s["answers"], "unanswered": len(self.pending),
+                "answers": s["answers"], "unanswered": len(self.ex.pending),
                 "refused_bodies": s["rejected_bodies"], "secure_binding": self.cfg.secure,
                 "evictions": s["evictions"], "peers": peers,
                 "config": {"cadence_s": self.cfg.cadence_s, "max_events": self.max_events,

@@ -1,0 +1,281 @@
+"""agent/core/exchange.py, the MQTT binding's exchange state machine, driven without a broker, a
+store or a clock: the window in flight, answers and what they prove, giving up on a silent peer,
+the body limits and presence. (The same code runs behind agent/runner.py in tests/mqtt against a
+real mosquitto; here every decision is pinned with time passed in.)"""
+from __future__ import annotations
+
+from collections import Counter
+
+from nacl.signing import SigningKey
+
+from agent.core.cose import assemble
+from agent.core.exchange import (GIVE_UP_DOUBLINGS, MAX_ACKS_LOOKED_AT, BodyLimits, Exchange, ExchangeConfig,
+                                 InFlight, Presence, answer_proof, answered_progress)
+from agent.core.messages import Handshake, SyncBody, emit_body
+from agent.core.records import AckAnswer, ack_to_be_signed, record_hash
+from agent.core.sending import MIN_BODY_LIMIT
+
+MESH = bytes(range(16))
+ME, PEER, OTHER = b"\x01" * 16, b"\x02" * 16, b"\x03" * 16
+FLOOR, LINK = 16 * 1024, 256 * 1024
+
+
+def ex(window: int = 2, secure: bool = True, timeout: float = 10.0) -> Exchange:
+    stats: Counter = Counter()
+    cfg = ExchangeConfig(window, timeout, secure, 60.0, 3600.0)
+    return Exchange(cfg, BodyLimits(FLOOR, cfg, stats), Presence(8, stats), stats)
+
+
+def body(peer: bytes = PEER, start: int = 0, end: int = 3, seqs=(1, 2, 3), size: int = 100, **kw) -> InFlight:
+    return InFlight(peer, "batch", start, end, list(seqs), 0.0, size=size, **kw)
+
+
+def present(x: Exchange, site: bytes = PEER, realtime: bool = False) -> None:
+    x.presence.arrived(site, Handshake(site, (0, 0), realtime, None, None), lambda s: s in (PEER, OTHER))
+
+
+def answer(x: Exchange, corr: bytes, sender: bytes = PEER, status: str = "ok", processed: str | None = "3",
+           rejected=None, proof=lambda b: None, reason=None, recalled=None, now: float = 0.0):
+    p, earlier = x.lookup(corr, recalled)
+    return x.answer(corr, sender, p, earlier, status=status, reason=reason, processed_text=processed,
+                    rejected=rejected, proof=proof, now=now, link_max=LINK)
+
+
+# ------------------------------------------------------------------ the window
+def test_the_window_bounds_bodies_in_flight_and_the_next_body_starts_after_them():
+    x = ex(window=2)
+    assert x.batch_room(PEER) == 2 and x.start_at(PEER, cursor=5) == 5
+    x.sent(b"c1", body(start=5, end=8, seqs=(6, 7, 8)))
+    assert x.in_flight(PEER) == 1 and x.room(PEER) == 1 and x.start_at(PEER, cursor=5) == 8
+    x.sent(b"c2", body(start=8, end=9, seqs=(9,)))
+    assert x.batch_room(PEER) == 0, "a full window waits, however many cycles pass (quiet links)"
+    assert x.in_flight(OTHER) == 0 and x.batch_room(OTHER) == 2
+
+
+def test_one_backfill_body_in_flight_per_peer():
+    x = ex()
+    x.sent(b"c1", body())
+    assert not x.backfill_in_flight(PEER)
+    x.sent(b"c2", body(start=3, end=3, seqs=(), n_backfill=2, backfill=True))
+    assert x.backfill_in_flight(PEER) and not x.backfill_in_flight(OTHER)
+
+
+def test_an_ok_answer_settles_its_body_and_keeps_the_window_full():
+    x = ex()
+    x.sent(b"c1", body())
+    d = answer(x, b"c1", processed="3")
+    assert d.advances and (d.processed, d.rejected, d.then) == (3, None, "offer")
+    assert x.in_flight(PEER) == 0 and x.stats["answers"] == 1 and x.stats["events_acknowledged"] == 3
+
+
+def test_a_prefix_answer_re_offers_from_the_cursor():
+    x = ex()
+    x.sent(b"c1", body(start=0, end=3))
+    x.sent(b"c2", body(start=3, end=6, seqs=(4, 5, 6)))
+    assert x.start_at(PEER, 0) == 6
+    d = answer(x, b"c1", processed="1")
+    assert (d.processed, d.then) == (1, "reset")
+    assert x.start_at(PEER, cursor=1) == 1, "the next body starts at the durable cursor again"
+    assert x.in_flight(PEER) == 1, "the other body keeps its slot until answered or given up"
+
+
+def test_rejected_indices_count_everything_else_as_processed():
+    assert answered_progress(5, None, "1", [1, 3]) == (5, [1, 3])
+    assert answered_progress(5, None, "9", None) == (5, None)
+    assert answered_progress(5, None, "x", None) == (0, None)
+    signed = AckAnswer(b"h" * 32, 2, 5, (4,))
+    assert answered_progress(5, signed, "5", None) == (5, [4]), "the signed answer wins over the properties"
+
+
+def test_unknown_and_misdirected_answers_move_nothing():
+    x = ex()
+    x.sent(b"c1", body())
+    assert answer(x, b"nope").ignored == "unknown_answers"
+    assert answer(x, b"c1", sender=OTHER).ignored == "answers_from_wrong_sender"
+    assert x.in_flight(PEER) == 1 and x.stats["answers"] == 0
+
+
+def test_without_the_acls_only_a_proven_answer_settles_a_body():
+    x = ex(secure=False)
+    x.sent(b"c1", body())
+    d = answer(x, b"c1", proof=lambda b: None)
+    assert d.ignored == "answers_unproven" and x.in_flight(PEER) == 1, "the peer's own answer may still come"
+    d = answer(x, b"c1", processed="0", proof=lambda b: AckAnswer(b"h" * 32, 3, 3, ()))
+    assert d.advances and d.processed == 3, "what the peer signed, not the properties"
+
+
+def test_a_refusal_settles_the_body_and_only_the_secure_binding_forgets_it():
+    for secure in (True, False):
+        x = ex(secure=secure)
+        x.sent(b"c1", body())
+        d = answer(x, b"c1", status="rejected", reason="bad_frame_meta", processed="0")
+        assert d.refused == "bad_frame_meta" and d.forget is secure and not d.advances
+        assert x.in_flight(PEER) == 0 and x.stats["push_rejected:bad_frame_meta"] == 1
+
+
+def test_a_too_large_refusal_halves_the_limit_unless_it_states_the_limit():
+    x = ex()
+    x.sent(b"c1", body(size=200_000))
+    answer(x, b"c1", status="rejected", reason="too_large", now=0.0)
+    assert x.limits.limit(PEER, 0.0, LINK) == LINK // 2
+    x.sent(b"c2", body(size=100_000))
+    x.note_message("ans", PEER, 1.0, member=True, advertised=64 * 1024, told_too_large=True)
+    answer(x, b"c2", status="rejected", reason="too_large", now=1.0)
+    assert x.stats["body_limit_told"] == 1
+    assert x.limits.limit(PEER, 1.0, LINK) == 64 * 1024, "the advertised limit, not a second halving"
+
+
+def test_an_earlier_process_body_is_restored_answered_and_not_offered_after():
+    x = ex()
+    x.restore(7, b"e1", PEER, end=10, cursor=4, backfill=False)
+    x.restore(8, b"e2", PEER, end=3, cursor=4, backfill=False)  # the cursor covers it: not in flight
+    assert x.in_flight(PEER) == 1 and x.start_at(PEER, 4) == 10
+    rec = {"peer": PEER, "kind": "batch", "start": 4, "end": 10, "seqs": [5, 10], "n_backfill": 0,
+           "backfill": False, "token": None}
+    d = answer(x, b"e1", processed="2", recalled=rec)
+    assert d.earlier and d.advances and d.then is None, "the next batch cycle sends the window after it"
+    assert x.answered(PEER, b"e1", still_recorded=False, refused=False) is None
+    assert x.in_flight(PEER) == 0
+
+
+def test_an_answer_to_a_newer_body_gives_up_the_earlier_ones_it_overtook():
+    x = ex()
+    x.restore(7, b"e1", PEER, end=10, cursor=0, backfill=False)
+    x.restore(9, b"e2", PEER, end=12, cursor=0, backfill=False)
+    x.sent(b"c1", body(start=12, end=13, seqs=(13,)))
+    answer(x, b"c1", processed="1")
+    assert x.answered(PEER, b"c1", still_recorded=False, refused=False) == 9
+    assert x.in_flight(PEER) == 0 and x.start_at(PEER, 0) == 0 and x.stats["unanswered"] == 1
+
+
+def test_an_ignored_answer_to_an_earlier_body_keeps_it_in_flight():
+    x = ex()
+    x.restore(7, b"e1", PEER, end=10, cursor=0, backfill=False)
+    assert x.answered(PEER, b"e1", still_recorded=True, refused=False) is None
+    assert x.in_flight(PEER) == 1
+
+
+# ------------------------------------------------------------------ giving up (quiet links)
+def test_an_absent_peer_is_never_given_up_on():
+    x = ex()
+    x.sent(b"c1", body())
+    assert x.expire(10**9, LINK) == [] and x.in_flight(PEER) == 1
+
+
+def test_a_present_silent_peer_is_given_up_on_after_a_doubling_wait():
+    x = ex(timeout=10.0)
+    present(x)
+    x.sent(b"c1", body())
+    assert x.expire(100.0, LINK) == []            # the silence starts now
+    assert x.expire(109.0, LINK) == []
+    assert x.expire(110.0, LINK) == [PEER] and x.in_flight(PEER) == 0
+    x.sent(b"c2", body())
+    assert x.expire(200.0, LINK) == [] and x.expire(219.0, LINK) == [] and x.expire(220.0, LINK) == [PEER]
+    assert x.wait_s(PEER) == 40.0
+    x.give_ups[PEER] = 100
+    assert x.wait_s(PEER) == 10.0 * 2 ** GIVE_UP_DOUBLINGS
+
+
+def test_silence_with_large_bodies_halves_the_limit_provisionally():
+    x = ex(timeout=1.0)
+    present(x)
+    x.sent(b"c1", body(size=FLOOR + 1))
+    x.expire(0.0, LINK)
+    x.expire(1.0, LINK)
+    assert x.stats["body_limit_reduced_by_silence"] == 1 and x.limits.limit(PEER, 1.0, LINK) == LINK // 2
+    assert x.limits.limit(PEER, 10**6, LINK) == LINK, "probed back up to the link's maximum"
+
+
+def test_a_request_starts_the_wait_and_leaving_ends_it():
+    x = ex(timeout=5.0)
+    x.sent(b"c1", body())
+    x.note_message("req", PEER, 50.0, member=True)
+    assert x.silent_since[PEER] == 50.0 and PEER in x.heard
+    x.note_message("presence", PEER, 52.0, member=True, empty=True)
+    assert x.expire(60.0, LINK) == [], "it left: what it did not answer waits in its session"
+    x.note_message("req", PEER, 61.0, member=True, dup=True)
+    assert PEER not in x.silent_since, "a redelivered request is no evidence of the peer now"
+
+
+def test_a_wake_gives_up_on_earlier_bodies_of_a_peer_it_heard_from():
+    x = ex()
+    x.restore(1, b"e1", PEER, end=5, cursor=0, backfill=False)
+    x.restore(2, b"e2", OTHER, end=5, cursor=0, backfill=False)
+    x.note_message("req", PEER, 0.0, member=True)
+    assert x.lost_while_away() == [PEER]
+    assert x.in_flight(PEER) == 0 and x.in_flight(OTHER) == 1
+
+
+# ------------------------------------------------------------------ limits and presence
+def test_an_advertised_limit_is_never_taken_below_the_floor_nor_above_the_link():
+    lim = BodyLimits(FLOOR)
+    lim.learn(PEER, 1000)
+    assert lim.top(PEER, LINK) == FLOOR and lim.dirty == {PEER}
+    lim.learn(PEER, 10**9)
+    assert lim.top(PEER, LINK) == LINK
+    rows = lim.take_dirty(0.0, 0)
+    assert rows == [(PEER, 10**9, None)] and not lim.dirty
+
+
+def test_body_limits_survive_the_store_round_trip():
+    lim = BodyLimits(FLOOR)
+    lim.too_large(PEER, 100.0, LINK)
+    (_, adv, state), = lim.take_dirty(100.0, 1_000_000)
+    back = BodyLimits(FLOOR)
+    back.restore(PEER, adv, state, 5.0, 1_000_000)  # another process: another monotonic clock
+    assert back.limit(PEER, 5.0, LINK) == LINK // 2
+    back.restore(OTHER, None, {"limit": "junk"}, 5.0, 0)
+    assert OTHER not in back.peer_limit and back.limit(OTHER, 5.0, LINK) == LINK
+    assert MIN_BODY_LIMIT <= back.peer_limit[PEER].limit
+
+
+def test_presence_is_bounded_and_keeps_keyring_sites():
+    p = Presence(limit=3)
+    member = {PEER}.__contains__
+    p.arrived(PEER, Handshake(PEER, (0, 0), True, None, None), member)
+    for i in range(10):
+        s = bytes([0x80 + i]) * 16
+        p.arrived(s, Handshake(s, (0, 0), False, None, None), member)
+    assert len(p.caps) == 3 and PEER in p and p.realtime(PEER) and p.stats["presence_evicted"] == 8
+    p.left(PEER)
+    assert PEER not in p and not p.realtime(PEER)
+
+
+def test_a_handshake_not_understood_is_no_realtime_partner():
+    p = Presence()
+    p.arrived(PEER, Handshake(PEER, (0, 0), True, None, None, False), lambda s: True)
+    assert PEER in p and not p.realtime(PEER)
+
+
+# ------------------------------------------------------------------ answer proof (docs/protocol.md §5)
+def _signed_ack(key: SigningKey, issuer: bytes, subject: bytes, answers) -> bytes:
+    protected, payload, tbs = ack_to_be_signed(issuer, MESH, subject, list(answers))
+    return assemble(protected, payload, key.sign(tbs).signature)
+
+
+def test_answer_proof_takes_only_the_peers_signature_over_this_exact_body():
+    kp, ko = SigningKey.generate(), SigningKey.generate()
+    keyring = {PEER: (bytes(kp.verify_key), None), OTHER: (bytes(ko.verify_key), None)}
+    sent = b"the exact body sent"
+    p = body(seqs=(1, 2), end=2, body_hash=record_hash(sent))
+
+    def answer_with(*records) -> bytes:
+        return emit_body(SyncBody(PEER, (0, 0), (), tuple(records), ()))
+
+    good = _signed_ack(kp, PEER, ME, [AckAnswer(record_hash(sent), 2, 2, ())])
+    stats: Counter = Counter()
+    assert answer_proof(p, answer_with(good), MESH, ME, keyring.get, stats) == AckAnswer(record_hash(sent), 2, 2, ())
+    other_body = _signed_ack(kp, PEER, ME, [AckAnswer(record_hash(b"another body"), 2, 2, ())])
+    by_other = _signed_ack(ko, OTHER, ME, [AckAnswer(record_hash(sent), 2, 2, ())])
+    to_other = _signed_ack(kp, PEER, OTHER, [AckAnswer(record_hash(sent), 2, 2, ())])
+    wrong_count = _signed_ack(kp, PEER, ME, [AckAnswer(record_hash(sent), 1, 1, ())])
+    for rec in (other_body, by_other, to_other, wrong_count):
+        assert answer_proof(p, answer_with(rec), MESH, ME, keyring.get, stats) is None
+    assert stats["ack_misaddressed"] == 2
+    forged = _signed_ack(ko, PEER, ME, [AckAnswer(record_hash(sent), 2, 2, ())])  # another key under PEER's name
+    assert answer_proof(p, answer_with(*[forged] * 50), MESH, ME, keyring.get, stats) is None
+    assert stats["ack_refused:bad_signature"] == MAX_ACKS_LOOKED_AT, "a stuffed answer costs a few checks"
+    assert answer_proof(p, b"not a body", MESH, ME, keyring.get, stats) is None
+    unhashed = body(seqs=(1, 2), end=2)
+    assert answer_proof(unhashed, answer_with(good), MESH, ME, keyring.get, stats) is None
+    assert stats["answers_unprovable"] == 1
