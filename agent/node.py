@@ -10,6 +10,7 @@ import os
 import sqlite3
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -85,7 +86,7 @@ class Node:
         ev_ms = db.get_meta(conn, "clock_evidence")
         self.clock_evidence: int | None = int(ev_ms) if ev_ms is not None else None
         self._applied = int(db.get_meta(conn, "applied_count", 0))
-        self._logged: set[EventIdentity] = set()   # own events write_many logged since the last compaction
+        self._logged: set[tuple[int, int]] = set()   # HLCs of own events write_many logged since the last compaction
         if read_only:
             return   # a read view: the repairs below write, and are left to the next writing open
         if log_seal is not None and atrest.pending(conn) is not None:
@@ -511,10 +512,10 @@ class Node:
         site = self.site_id
 
         def recorded(identity) -> bool:
-            if identity in logged:
-                return True
             if not isinstance(identity, EventIdentity) or identity.site_id != site:
                 return False
+            if identity.hlc in logged:
+                return True
             raw = self.bridge.released(identity)
             return raw is not None and (
                 self._record_held(raw) if not _is_event(raw) else
@@ -585,11 +586,31 @@ class Node:
         INSERT OR IGNORE still answers a duplicate); parsed, verified and decoded by construction."""
         since: dict[bytes, str] = {}
         out = []
-        for raw, checked in zip(raws, built):
-            o = self._apply_one(raw, now, origin, checked, since if checked is not None else None)
-            if o.status == APPLIED and o.reason == "applied":
-                since[o.event_id] = "log"
-            out.append(o)
+        # As `_apply_in_txn`: the batch's rows held in memory and written once each; their
+        # current state read up front in one query (the batch names its rows before applying).
+        touched = {}
+        for checked in built:
+            if checked is not None:
+                e = checked[3]
+                touched.setdefault(e.table, []).append(rowstore.row_key_bytes(e.row_key))
+        stores = [t.rows for t in self.tables.values()]
+        for rs in stores:
+            rs.defer()
+        try:
+            for table, rks in touched.items():
+                tbl = self.tables.get(table)
+                if tbl is not None:
+                    tbl.rows.prefetch(rks)
+            for raw, checked in zip(raws, built):
+                o = self._apply_one(raw, now, origin, checked, since if checked is not None else None)
+                if o.status == APPLIED and o.reason == "applied":
+                    since[o.event_id] = "log"
+                out.append(o)
+            for rs in stores:
+                rs.flush(keep=False)
+        finally:
+            for rs in stores:
+                rs.discard()   # after a fault the transaction rolls back: nothing held survives it
         return out
 
     def _apply_in_txn(self, raws: Iterable[bytes], now: int, origin: str) -> list[Outcome]:
@@ -1006,14 +1027,20 @@ class Node:
         through the bridge (one group commit), then apply through the one apply path."""
         now = now_ms() if now is None else now
         payloads = []
+        tables = self.tables
         for table, key, values, delete in writes:
-            tbl = self.tables.get(table)
+            tbl = tables.get(table)
+            if tbl is not None and tbl.tdef.category == SYNCABLE and isinstance(key, dict) and \
+                    (delete or type(values) is dict) and tbl.tdef.fits_exactly(key, None if delete else values):
+                # the common case, checked in one pass; anything else is looked at closely below
+                payloads.append((tbl.tdef, key, None if delete else values, "delete" if delete else "upsert"))
+                continue
             if tbl is None:
                 raise NodeError(f"no table {table!r} on this node (known: {', '.join(sorted(self.tables)) or 'none'})")
             if tbl.tdef.category != SYNCABLE:
                 # §1.1: a producer emitting out-of-floor data has a bug that silence would hide.
                 raise NodeError(f"{table} is {tbl.tdef.category}: it never leaves this node and takes no events")
-            bad = tbl.tdef.key_fits(key)
+            bad = tbl.tdef.key_fits(key) if isinstance(key, dict) else "row_key_columns"
             if bad:
                 raise NodeError(f"--key must give exactly the key columns {list(tbl.tdef.key)} with fitting types ({bad})")
             if not delete:
@@ -1051,7 +1078,7 @@ class Node:
                 # A local write either lands in the log or fails (issue 10 item 6): never an id
                 # for an event stored and sent nowhere (e.g. below an eviction horizon).
                 raise NodeError(f"local event was not stored: {o.status} ({o.reason})")
-        self._logged.update(EventIdentity(self.site_id, *b[6]) for b in built)
+        self._logged.update(b[6] for b in built)
         if self.bridge.journal_stats()["bytes"] > getattr(self, "_journal_base", 0) + JOURNAL_COMPACT_BYTES:
             self.compact_journal()
         return [o.event_id for o in outs]
@@ -1158,15 +1185,16 @@ class Node:
         assert self.bridge is not None, "node opened without a keystore bridge"
         site, mesh = self.site_id, self.mesh_id
         protected = cose.protected_header(cose.ALG_EDDSA, ev.EVENT_CONTENT_TYPE, site)
+        payload_bytes, sig_structure, assemble, tick = ev.payload_bytes, cose.sig_structure, cose.assemble, self._tick
         for _attempt in range(8):
             items = []
             parts = []
             for t, key, values, op in payloads:
-                hlc = self._tick(now)
-                pb = ev.payload_bytes(t.schema, t.name, key, op, values, hlc)
-                tbs = cose.sig_structure(protected, mesh, pb)
-                items.append((EventIdentity(site, hlc[0], hlc[1]), EVENT_KEY, tbs,
-                              lambda sig, pl=pb: cose.assemble(protected, pl, sig)))
+                hlc = tick(now)
+                # write_many checked the key and values against the table (the shape check's questions)
+                pb = payload_bytes(t.schema, t.name, key, op, values, hlc, shape_checked=True)
+                items.append((EventIdentity(site, hlc[0], hlc[1]), EVENT_KEY, sig_structure(protected, mesh, pb),
+                              partial(assemble, protected, pb)))
                 parts.append((protected, pb, t, key, values, op, hlc))
             try:
                 raws = self.bridge.release_many(items)

@@ -167,14 +167,17 @@ class SigningBridge:
 
     def _release(self, items: list[Item]) -> list[bytes]:
         idents: list[bytes] = []
+        fits: set[tuple[str, type]] = set()   # (key name, identity kind) pairs checked in this call
         for identity, key_name, tbs, assemble in items:
             ident = self._ident(identity)
             if not isinstance(tbs, (bytes, bytearray)) or not callable(assemble):
                 raise TypeError("tbs must be bytes and assemble a callable(signature) -> bytes")
-            alg, _ = self._public(key_name)  # checked before any intent: nothing is burnt by a typo
-            if alg != _expected_alg(identity):
-                raise UnsupportedAlgorithm(f"key {key_name!r} is {alg}; {type(identity).__name__} needs "
-                                           f"{_expected_alg(identity)} (events: ed25519, receipts: p256)")
+            if (key_name, type(identity)) not in fits:
+                alg, _ = self._public(key_name)  # checked before any intent: nothing is burnt by a typo
+                if alg != _expected_alg(identity):
+                    raise UnsupportedAlgorithm(f"key {key_name!r} is {alg}; {type(identity).__name__} needs "
+                                               f"{_expected_alg(identity)} (events: ed25519, receipts: p256)")
+                fits.add((key_name, type(identity)))
             idents.append(ident)
         if len(set(idents)) != len(idents):
             raise ValueError("release_many: the same identity appears twice in one batch")
@@ -188,8 +191,7 @@ class SigningBridge:
                 with self._lock:
                     busy = [self._inflight[i] for i in idents if i in self._inflight]
                     if not busy:
-                        for k, ident in enumerate(idents):
-                            state = self._journal.state(ident)
+                        for k, state in enumerate(self._journal.states(idents)):
                             if state in ("intent", "spent"):
                                 raise OutcomeUnknown(_unknown_message(items[k][0]), items[k][0])
                             if state == "absent":
@@ -230,18 +232,26 @@ class SigningBridge:
         requests = [(items[k][1], items[k][0], bytes(items[k][2])) for k in order]
         sigs, failure = self._ks._sign_many(requests)
         done: list[tuple[bytes, bytes]] = []
+        check = self._verify   # else only the signature's form is checked (an in-process keystore)
+        hook = self._hook
         for k, (key_name, _identity, tbs), sig in zip(order, requests, sigs):
             assemble = items[k][3]
             try:
-                self._check_signature(key_name, tbs, sig)
+                if check or type(sig) is not bytes or len(sig) != 64:
+                    self._check_signature(key_name, tbs, sig)
                 out = assemble(sig)
-                if not isinstance(out, (bytes, bytearray)) or not out:
+                if type(out) is not bytes:
+                    if not isinstance(out, bytearray):
+                        raise TypeError("assemble(signature) must return the encoded COSE_Sign1 bytes")
+                    out = bytes(out)
+                if not out:
                     raise TypeError("assemble(signature) must return the encoded COSE_Sign1 bytes")
             except BaseException as exc:  # the rest of the batch stays OutcomeUnknown
                 failure = exc
                 break
-            done.append((idents[k], bytes(out)))
-            self._fire("after_sign")
+            done.append((idents[k], out))
+            if hook is not None:
+                hook("after_sign")
         self._fire("before_persist")
         # (c) persist every output we have, one durable commit; (d) only then return them
         if done:

@@ -57,6 +57,8 @@ FLOOR = 3
 SEALED = 4     # a RELEASED record whose output is sealed at rest (sealing.py)
 _RELEASED_TYPES = (RELEASED, SEALED)
 _HDR = struct.Struct(">II")
+_BH = struct.Struct(">BH")
+_I = struct.Struct(">I")
 _HLC = struct.Struct(">QI")
 MAX_RECORD = 1 << 24
 
@@ -84,18 +86,22 @@ class FileOps:
 
 def encode_intent(ident: bytes, key_name: str) -> bytes:
     kn = key_name.encode()
-    body = bytes([INTENT]) + struct.pack(">H", len(ident)) + ident + bytes([len(kn)]) + kn
+    body = b"".join((_BH.pack(INTENT, len(ident)), ident, bytes((len(kn),)), kn))
+    return _HDR.pack(len(body), zlib.crc32(body)) + body
+
+
+def encode_output(rtype: int, ident: bytes, data: bytes) -> bytes:
+    """A RELEASED (clear COSE bytes) or SEALED (their sealed form) record."""
+    body = b"".join((_BH.pack(rtype, len(ident)), ident, _I.pack(len(data)), data))
     return _HDR.pack(len(body), zlib.crc32(body)) + body
 
 
 def encode_released(ident: bytes, cose: bytes) -> bytes:
-    body = bytes([RELEASED]) + struct.pack(">H", len(ident)) + ident + struct.pack(">I", len(cose)) + cose
-    return _HDR.pack(len(body), zlib.crc32(body)) + body
+    return encode_output(RELEASED, ident, cose)
 
 
 def encode_sealed(ident: bytes, sealed: bytes) -> bytes:
-    body = bytes([SEALED]) + struct.pack(">H", len(ident)) + ident + struct.pack(">I", len(sealed)) + sealed
-    return _HDR.pack(len(body), zlib.crc32(body)) + body
+    return encode_output(SEALED, ident, sealed)
 
 
 def sealed_ad(ident: bytes) -> bytes:
@@ -346,22 +352,28 @@ class Journal:
     # -- group commit -----------------------------------------------------------------------
     def commit(self, records: Iterable[tuple[int, bytes, object]]) -> None:
         """Durably append records [(type, ident, key_name | cose)]; return once fsynced."""
+        records = list(records)
+        if self._sealer is not None:
+            # Sealed before the lock is taken (pure, and the costliest part of a release's records:
+            # other threads' commits need not wait for it), the batch's outputs in one call.
+            released = [(k, r[1], r[2]) for k, r in enumerate(records) if r[0] == RELEASED]
+            if released:
+                blobs = self._sealer.seal_many([sealed_ad(i) for _, i, _ in released], [o for _, _, o in released])
+                for (k, ident, _), blob in zip(released, blobs):
+                    records[k] = (SEALED, ident, blob)
+        encoded = []
+        for rtype, ident, arg in records:
+            if rtype == INTENT:
+                rec = encode_intent(ident, arg)  # type: ignore[arg-type]
+                encoded.append((rec, (rtype, ident, len(rec), None, arg)))
+            else:
+                rec = encode_output(rtype, ident, arg)  # type: ignore[arg-type]
+                encoded.append((rec, (rtype, ident, len(rec), len(arg), None)))  # type: ignore[arg-type]
         with self._cond:
             self._check()
-            for rtype, ident, arg in records:
-                if rtype == INTENT:
-                    rec = encode_intent(ident, arg)  # type: ignore[arg-type]
-                    plen = None
-                elif self._sealer is not None:
-                    arg = self._sealer.seal(sealed_ad(ident), arg)  # type: ignore[arg-type]
-                    rtype = SEALED
-                    rec = encode_sealed(ident, arg)
-                    plen = len(arg)
-                else:
-                    rec = encode_released(ident, arg)  # type: ignore[arg-type]
-                    plen = len(arg)  # type: ignore[arg-type]
+            for rec, effect in encoded:
                 self._pending += rec
-                self._pending_effects.append((rtype, ident, len(rec), plen, arg if rtype == INTENT else None))
+                self._pending_effects.append(effect)
             self._seq += 1
             my_seq = self._seq
             while True:
@@ -578,6 +590,11 @@ class Journal:
         recorded by the caller, or an unknown outcome; never to be signed)."""
         with self._lock:
             return self._state_locked(ident)
+
+    def states(self, idents: list[bytes]) -> list[str]:
+        """`state` of each identity, under one acquisition of the lock (a group commit's look-up)."""
+        with self._lock:
+            return [self._state_locked(i) for i in idents]
 
     def read_released(self, ident: bytes) -> Optional[bytes]:
         with self._lock:

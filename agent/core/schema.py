@@ -2,12 +2,14 @@
 the floor of scope excerpt §1.1. Pure: parses text, touches no file."""
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from .codec import INT64_MAX, INT64_MIN
 from .events import is_scalar
 from .ids import IdFormatError, parse_hlc, parse_mesh_id, parse_public_key, parse_site_id
 
@@ -42,6 +44,19 @@ def value_fits(col_type: str, v: Any) -> bool:
     return False
 
 
+_PY_TYPES = {"integer": int, "real": float, "text": str, "blob": bytes}
+
+
+def _fits(py: type | None, v: Any) -> bool:
+    """`value_fits` for a non-null value of a column whose Python type is `py` (exact types)."""
+    t = type(v)
+    if t is not py:
+        return False
+    if t is int:
+        return INT64_MIN <= v <= INT64_MAX
+    return t is not float or math.isfinite(v)
+
+
 @dataclass(frozen=True)
 class TableDef:
     schema: str
@@ -66,6 +81,29 @@ class TableDef:
     @cached_property
     def key_set(self) -> frozenset[str]:
         return frozenset(self.key)
+
+    @cached_property  # Node.write_many's check of every local write (issue 15 item 4)
+    def python_types(self) -> dict[str, type]:
+        """Column -> the one Python type its values take (wire-profile §2 Types, no coercion)."""
+        return {c: _PY_TYPES[t] for c, t in self.columns.items() if t in _PY_TYPES}
+
+    def fits_exactly(self, row_key: dict[str, Any], values: dict[str, Any] | None) -> bool:
+        """True when `row_key` gives exactly the key columns and `values` (None: a delete) only
+        value columns, every value of its column's type (a null only in a value column): what
+        `key_fits` and `value_fits` accept, checked in one pass. False means "look closer" (the
+        caller runs those for the reason), never a different answer."""
+        if row_key.keys() != self.key_set:
+            return False
+        types = self.python_types
+        for c, v in row_key.items():
+            if not _fits(types.get(c), v):
+                return False
+        if values is not None:
+            value_set = self.value_column_set
+            for c, v in values.items():
+                if c not in value_set or (v is not None and not _fits(types.get(c), v)):
+                    return False
+        return True
 
     def key_fits(self, row_key: dict[str, Any]) -> str | None:
         """wire-profile.md §2 Addressing: exactly the key columns, each of a fitting non-null type."""

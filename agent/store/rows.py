@@ -11,7 +11,7 @@ import sqlite3
 import struct
 from typing import Any, Iterable
 
-from ..core.codec import encode_trusted
+from ..core.events import text_map
 from ..core.merge import RowState, Stamp
 from ..core.schema import TableDef
 
@@ -38,8 +38,10 @@ def base_name(t: TableDef) -> str:
 
 
 def row_key_bytes(row_key: dict[str, Any]) -> bytes:
-    """The canonical address of a row: deterministic CBOR of its key map."""
-    return encode_trusted(row_key)  # keys are text (checked by the EventPayload shape)
+    """The canonical address of a row: deterministic CBOR of its key map (text keys and scalar
+    values, checked by the EventPayload shape: the events encoder's map form, equal to
+    `encode_trusted(row_key)`, tests/core/test_events_encoding.py)."""
+    return text_map(row_key)
 
 
 def create_table(conn: sqlite3.Connection, t: TableDef) -> None:
@@ -93,6 +95,8 @@ class RowStore:
         # row touched by many events of one batch is read once and written once (issue 15: the
         # profile had a SELECT and an upsert per event). rk -> (row_key, state, column writes).
         self._pending: dict[bytes, tuple[dict[str, Any], RowState, dict[str, Any]]] | None = None
+        # Rows read ahead by `prefetch` while deferred (rk -> state, None: no row), until written.
+        self._read: dict[bytes, RowState | None] = {}
 
     def defer(self) -> None:
         """Hold writes in memory until `flush` (inside the caller's transaction); `load` answers
@@ -107,6 +111,8 @@ class RowStore:
         """Write the held rows, one prepared statement per column set (`executemany`). With
         `keep=False` deferral ends; `discard` drops them instead (the transaction rolls back)."""
         held, self._pending = self._pending, ({} if keep and self._pending is not None else None)
+        if self._pending is None:
+            self._read = {}
         if not held:
             return
         groups: dict[tuple[str, ...], list[list[Any]]] = {}
@@ -118,15 +124,33 @@ class RowStore:
 
     def discard(self) -> None:
         self._pending = None
+        self._read = {}
+
+    def prefetch(self, rks: Iterable[bytes]) -> None:
+        """While deferred: read the rows at `rks` that are not held, in one query per 500 (a
+        batch of local writes knows its rows before applying them), so `load` answers from memory."""
+        if self._pending is None:
+            return
+        want = [rk for rk in dict.fromkeys(rks) if rk not in self._pending and rk not in self._read]
+        for i in range(0, len(want), 500):
+            chunk = want[i:i + 500]
+            found = {bytes(r[0]): self._state(r[1:]) for r in self.conn.execute(
+                self._select.replace("SELECT ", "SELECT _rk, ", 1).replace("_rk = ?", f"_rk IN ({', '.join('?' * len(chunk))})"),
+                chunk)}
+            for rk in chunk:
+                self._read[rk] = found.get(rk)
 
     def load(self, rk: bytes) -> RowState | None:
-        if self._pending:
+        if self._pending is not None:
             held = self._pending.get(rk)
             if held is not None:
                 return held[1]
+            if rk in self._read:
+                return self._read[rk]
         r = self.conn.execute(self._select, (rk,)).fetchone()
-        if r is None:
-            return None
+        return None if r is None else self._state(r)
+
+    def _state(self, r) -> RowState:
         cells = {c: unpack_stamp(r[3 + i]) for i, c in enumerate(self.vcols) if r[3 + i] is not None}
         return RowState(bool(r[0]), unpack_stamp(r[1]), unpack_stamp(r[2]), cells)
 
@@ -151,6 +175,7 @@ class RowStore:
         Deferred: the row's newest clocks replace the held ones and its column writes add up
         (a later write of a column is the newer applied effect), so the flush writes the same row."""
         if self._pending is not None:
+            self._read.pop(rk, None)   # the held row answers `load` from now on
             held = self._pending.get(rk)
             if held is None:
                 self._pending[rk] = (row_key, state, dict(writes))
@@ -189,6 +214,7 @@ class RowStore:
         """Forget a row that no counted event touches any more (it has no clock left)."""
         if self._pending:   # a reader of the table itself sees the held writes
             self.flush()
+        self._read.pop(rk, None)
         self.conn.execute(f"DELETE FROM {q(base_name(self.t))} WHERE _rk = ?", (rk,))
 
     def rows_with_clock_of(self, sites: Iterable[bytes]) -> list[tuple[bytes, dict[str, Any]]]:

@@ -97,3 +97,17 @@ def test_journal_keeps_outputs_sealed_and_reads_them_back(tmp_path):
             j.read_released(EventIdentity(site, 1000, 0).encode())
     finally:
         j.close()
+
+
+def test_a_batch_seals_like_one_at_a_time():
+    """`Sealer.seal_many` (the journal's group commit seals its outputs in one call): each blob
+    opens under its own associated data only, and no two share a nonce."""
+    s = Sealer({3: new_data_key()}, 3)
+    ads = [b"ad-%d" % i for i in range(40)]
+    pts = [os.urandom(i * 9) for i in range(40)]
+    blobs = s.seal_many(ads, pts)
+    assert [s.open(a, b) for a, b in zip(ads, blobs)] == pts
+    assert len({b[3:27] for b in blobs}) == 40
+    assert all(b[:3] == s.seal(b"x", b"")[:3] for b in blobs)   # format byte and key id
+    with pytest.raises(SealError):
+        s.open(ads[1], blobs[0])

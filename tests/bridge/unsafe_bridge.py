@@ -48,6 +48,7 @@ class ResigningBridge(SigningBridge):
         super().__init__(*a, **kw)
         real = self._journal.state
         self._journal.state = lambda ident: "absent" if real(ident) == "intent" else real(ident)
+        self._journal.states = lambda idents: [self._journal.state(i) for i in idents]   # the group look-up
 
 
 class CompactAllBridge(SigningBridge):

@@ -37,3 +37,32 @@ def test_payload_bytes_with_24_and_more_columns():
         obj = {"table_schema": "s", "table_name": "t", "row_key": {"k": 1}, "operation": "upsert",
                "payload": payload, "hlc_physical_ms": 1, "hlc_logical": 0}
         assert ev.payload_bytes("s", "t", {"k": 1}, "upsert", payload, (1, 0)) == encode(obj)
+
+
+@settings(max_examples=300, deadline=None)
+@given(row_key=st.dictionaries(keys, scalars, min_size=1, max_size=6))
+def test_row_addresses_equal_the_deterministic_encoding(row_key):
+    """agent/store/rows.py `row_key_bytes` (a row's address, and the log's `row_key` column) is
+    built by the events encoder's map form: it must stay the bytes it was (`codec.encode`)."""
+    from agent.store.rows import row_key_bytes
+    assert row_key_bytes(row_key) == encode(row_key)
+
+
+columns = st.dictionaries(keys, st.sampled_from(["integer", "real", "text", "blob"]), min_size=2, max_size=6)
+anything = st.one_of(st.none(), st.booleans(), scalars, st.lists(st.integers(), max_size=2),
+                     st.integers(2**63, 2**70), st.just(float("nan")), st.just(float("inf")))
+
+
+@settings(max_examples=400, deadline=None)
+@given(cols=columns, data=st.data())
+def test_one_pass_check_of_a_local_write_agrees_with_the_column_checks(cols, data):
+    """`TableDef.fits_exactly` (Node.write_many's one-pass check, issue 15 item 4) is true exactly
+    when `key_fits` and `value_fits` accept the key and every value column."""
+    from agent.core.schema import TableDef, value_fits
+    names = sorted(cols)
+    t = TableDef("s", "t", "syncable", tuple(names[:1]), cols)
+    row_key = data.draw(st.dictionaries(st.sampled_from(names + ["zz"]), anything, min_size=1, max_size=3))
+    values = data.draw(st.one_of(st.none(), st.dictionaries(st.sampled_from(names + ["zz"]), anything, max_size=4)))
+    expect = t.key_fits(row_key) is None and (values is None or all(
+        c in t.value_columns and value_fits(cols[c], v) for c, v in values.items()))
+    assert t.fits_exactly(row_key, values) == expect

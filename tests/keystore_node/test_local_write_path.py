@@ -117,3 +117,28 @@ def test_a_cli_write_makes_only_the_fsyncs_the_release_order_needs(tmp_path):
     assert not any(c.endswith(".compact") for c in calls), calls
     assert sum(1 for c in calls if "witness" in c) == 1, calls
     assert all(c.startswith(str(home)) or "witness" in c for c in calls), calls
+
+
+def test_a_batch_over_existing_rows_equals_one_write_at_a_time(tmp_path):
+    """`write_many` reads its rows ahead in one query and writes each once (agent/store/rows.py
+    `prefetch`, `defer`): updates of rows written before, rows written twice in one batch,
+    deletes and a resurrection give the rows that one `write` per event gives."""
+    a, _ = Node.init(tmp_path / "a", MANIFEST, {"kind": "software"})
+    b, _ = Node.init(tmp_path / "b", MANIFEST, {"kind": "software"})
+    try:
+        first = _writes(30)
+        batch = _writes(40, 10) + [(T, {"device": "d1", "seq": 15}, None, True),
+                                   (T, {"device": "d1", "seq": 15}, {"temp": 1.5}, False),
+                                   (T, {"device": "d2", "seq": 16}, {"note": None}, False),
+                                   (T, {"device": "d3", "seq": 17}, None, True)]
+        a.write_many(first)
+        a.write_many(batch)
+        for w in first + batch:
+            b.write(w[0], w[1], w[2], delete=w[3])
+        assert a.dump() == b.dump()
+        keys = {(r["key"]["device"], r["key"]["seq"]) for r in a.dump()[T]}
+        assert ("d3", 17) not in keys and ("d0", 17) in keys and len(keys) == 30 + 40 - 1
+        assert [r["values"] for r in a.dump()[T] if r["key"] == {"device": "d1", "seq": 15}] == [{"temp": 1.5, "note": None}]
+    finally:
+        a.close()
+        b.close()
