@@ -4,8 +4,11 @@
 
 creates two pty pairs, prints `READY <port A> <port B>` and relays bytes between them: each end
 opens its port with pyserial as it would a USB-serial adapter. In-process, `Relay` does the same
-in a thread with `pull()` / `plug()` (a pulled cable: everything sent meanwhile is lost) and
-`stall(ms)` (nothing delivered for a while, then all of it).
+in a thread with `pull()` / `plug()` (a pulled cable: everything sent meanwhile is lost),
+`stall(ms)` (nothing delivered for a while, then all of it), and `unplug(i)` / `replug(i)` (the
+USB adapter at one end pulled from its computer: that end's pty is closed, so the program holding
+it reads end of file, and its name is gone until a new pty comes back under it; with `names`,
+the ports are symlinks, as /dev/serial/by-id/ names are).
 
 `LineFaults` is the fault model, also used on its own by the simulated line of the sans-I/O
 tests: it cuts the byte stream into frames at 0x00 delimiters (what a frame is on this line:
@@ -119,13 +122,15 @@ class Relay:
     (10 bits a byte: 8N1), in a thread."""
 
     def __init__(self, faults_ab: LineFaults | None = None, faults_ba: LineFaults | None = None,
-                 baud: int | None = None) -> None:
+                 baud: int | None = None, names: tuple[str | None, str | None] = (None, None)) -> None:
         self.faults = (faults_ab or LineFaults(), faults_ba or LineFaults(seed=1))
         self.baud = baud
         a, b = _pty(), _pty()
-        self._masters = (a[0], b[0])
-        self._slaves = (a[1], b[1])  # kept open: a master never sees EIO between opens
-        self.ports = (a[2], b[2])
+        self._masters: list[int | None] = [a[0], b[0]]
+        self._slaves: list[int | None] = [a[1], b[1]]  # kept open: a master never sees EIO between opens
+        self._names = names
+        self.ports = (self._name(0, a[2]), self._name(1, b[2]))
+        self._plug_requests: deque = deque()  # (end, plugged?, done event): handled by the relay thread
         self._q: tuple[deque, deque] = (deque(), deque())  # bytes due at the far end: (due, data)
         self._free_at = [0.0, 0.0]
         self.sent = [0, 0]  # bytes written by each end (before faults)
@@ -152,6 +157,50 @@ class Relay:
         with self._lock:
             self._pulled = False
 
+    def _name(self, i: int, tty_name: str) -> str:
+        """End i's port name: the pty's own, or the symlink `names[i]` pointed at it (atomically)."""
+        link = self._names[i]
+        if link is None:
+            return tty_name
+        tmp = f"{link}.new"
+        os.symlink(tty_name, tmp)
+        os.replace(tmp, link)
+        return link
+
+    def unplug(self, i: int) -> None:
+        """End i's adapter leaves its computer: its pty closes (the holder reads end of file) and
+        its name disappears (with `names`; a bare pty's name goes with it)."""
+        self._plug_request(i, False)
+
+    def replug(self, i: int) -> None:
+        """End i's adapter is back: a new pty under the same name (`names` required)."""
+        assert self._names[i] is not None, "replug needs a stable name (names=...)"
+        self._plug_request(i, True)
+
+    def _plug_request(self, i: int, plugged: bool) -> None:
+        done = threading.Event()
+        self._plug_requests.append((i, plugged, done))
+        assert done.wait(10), "the relay thread did not handle the request"
+
+    def _handle_plug_requests(self, pending: list[bytearray]) -> None:
+        # On the relay thread: an fd is never closed while it is in that thread's select().
+        while self._plug_requests:
+            i, plugged, done = self._plug_requests.popleft()
+            with self._lock:
+                if not plugged and self._masters[i] is not None:
+                    for fd in (self._masters[i], self._slaves[i]):
+                        os.close(fd)
+                    self._masters[i] = self._slaves[i] = None
+                    if self._names[i] is not None:
+                        os.unlink(self._names[i])
+                    self._q[1 - i].clear()
+                    pending[i].clear()
+                elif plugged and self._masters[i] is None:
+                    m, sl, name = _pty()
+                    self._masters[i], self._slaves[i] = m, sl
+                    self._name(i, name)
+            done.set()
+
     def stall(self, ms: float) -> None:
         with self._lock:
             self._stall_until = time.monotonic() + ms / 1000
@@ -160,6 +209,8 @@ class Relay:
         self._stop.set()
         self._thread.join(5)
         for fd in self._masters + self._slaves:
+            if fd is None:
+                continue
             try:
                 os.close(fd)
             except OSError:
@@ -168,6 +219,7 @@ class Relay:
     def _run(self) -> None:
         pending: list[bytearray] = [bytearray(), bytearray()]  # accepted by the line, not yet by the pty
         while not self._stop.is_set():
+            self._handle_plug_requests(pending)
             now = time.monotonic()
             waits = [0.05]
             for q in self._q:
@@ -175,10 +227,10 @@ class Relay:
                     waits.append(max(0.0, q[0][0] - now))
             if any(pending):
                 waits.append(0.002)
-            r, _, _ = select.select(list(self._masters), [], [], min(waits))
+            r, _, _ = select.select([fd for fd in self._masters if fd is not None], [], [], min(waits))
             now = time.monotonic()
             for i, fd in enumerate(self._masters):
-                if fd not in r:
+                if fd is None or fd not in r:
                     continue
                 try:
                     data = os.read(fd, 65536)
@@ -203,6 +255,9 @@ class Relay:
                     while q and q[0][0] <= now and not stalled:
                         pending[1 - i] += q.popleft()[1]
             for j, fd in enumerate(self._masters):
+                if fd is None:
+                    pending[j].clear()  # unplugged: nothing reaches that end
+                    continue
                 if pending[j]:
                     try:
                         n = os.write(fd, pending[j])

@@ -180,6 +180,9 @@ class SerialEndpoint:
                 "timeouts": sum(1 for k, _ in self.events if k == "timeout"),
                 "protocol_errors": sum(1 for k, _ in self.events if k in ("protocol_error", "peer_error")),
                 "peer": self.session.peer.hex() if self.session is not None and self.session.peer else None,
+                # events after the durable cursor on this path for the current peer (offered or not,
+                # never answered for), as `run` over MQTT reports per peer
+                "unanswered": self._unanswered(),
                 "realtime": bool(self.session is not None and self.session.realtime),
                 "link": {"state": self.link.state, "incarnations": self.sessions, "bytes_out": ls["bytes_out"],
                          "bytes_in": ls["bytes_in"], "retransmits": ls["retransmits"] + ls["fast_retransmits"],
@@ -188,6 +191,15 @@ class SerialEndpoint:
                          "compressed": self.link.peer_zlib, "message_bytes_out": ls["message_bytes_out"],
                          "message_wire_bytes_out": ls["message_wire_bytes_out"],
                          "down_reasons": sorted({d for k, d in self.events if k == "link_down"})}}
+
+    def _unanswered(self) -> int | None:
+        from ..store import sync_state as st
+        peer = self.session.peer if self.session is not None else None
+        if peer is None:
+            return None
+        live = st.cursor(self.driver.conn, peer, PATH)[0]
+        return self.driver.conn.execute("SELECT count(*) FROM events WHERE seq > ? AND site_id != ?",
+                                        (live, peer)).fetchone()[0]
 
     # ------------------------------------------------------------------ glue
     def _new_session(self, wall: int) -> None:
