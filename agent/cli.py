@@ -518,7 +518,11 @@ def main(argv: list[str] | None = None) -> int:
     from . import control
     if args.verb in control.FORWARDED:
         # `run` holds this home: the verb runs inside it, on its node (one writer; docs/operations.md)
-        res = control.forward(Path(args.home), sys.argv[1:] if argv is None else list(argv))
+        # a verb naming files gives its own command line, with their contents or absolute paths
+        # (the agent's working directory is not this one's): `forward_argv`
+        fwd = getattr(args, "forward_argv", None)
+        res = control.forward(Path(args.home), fwd(args) if fwd is not None
+                              else sys.argv[1:] if argv is None else list(argv))
         if res is not None:
             rc, out, err = res
             sys.stdout.write(out)

@@ -327,6 +327,64 @@ def _client(args, q):
     return client.CommitClient(q, _broker_settings(args))
 
 
+class GossipFeeder:
+    """Hands every receipt (and signed discontinuity statement) the member's queue gets to its
+    node's gossip — receipt-head and discontinuity records in `records` (agent/sequencing.py) —
+    with no CLI step between (§22.5: "clients retain receipts ... and gossip current receipt
+    heads"). While `ssp-agent run` holds the home, through its control socket (the verb runs on
+    the agent's node, one writer); otherwise the node is opened here for the moment it takes.
+    What was handed over is marked in the queue file, so a crash in between hands it over again
+    (a receipt some record already carries is not wrapped twice). A home with no node (a
+    sequencer-only member) has nothing to feed. A failure is retried, backing off to 30 s."""
+
+    FIRST_S, MAX_S = 1.0, 30.0
+
+    def __init__(self, home: Path, q) -> None:
+        from .node import Node
+        self.home, self.q = Path(home).resolve(), q
+        self.store = self.home / Node.STORE_FILE
+        self.next_at, self.wait = 0.0, self.FIRST_S
+
+    def flush(self) -> None:
+        import time
+        if time.monotonic() < self.next_at or not self.store.exists():
+            return
+        raws = self.q.ungossiped()
+        if not raws:
+            return
+        ok, how = self._deliver(raws)
+        if ok:
+            self.q.mark_gossiped(raws)
+            self.q.record_event("gossiped", {"receipts": len(raws), "via": how})
+            self.wait = self.FIRST_S
+            return
+        if self.wait == self.FIRST_S:
+            self.q.record_event("gossip_deferred", {"receipts": len(raws), "why": how[-500:]})
+        self.next_at = time.monotonic() + self.wait
+        self.wait = min(2 * self.wait, self.MAX_S)
+
+    def _deliver(self, raws: list[bytes]) -> tuple[bool, str]:
+        from . import control, sequencing
+        from .node import Node, now_ms
+        res = control.forward(self.home, ["--home", str(self.home), "sequencing", "gossip", *[r.hex() for r in raws]])
+        if res is not None:
+            rc, _out, err = res
+            return rc == 0, "agent" if rc == 0 else err.strip()
+        try:
+            node = Node.open(self.home)
+        except Exception as e:  # noqa: BLE001 - busy (an agent starting), unusable: try again later
+            return False, str(e)
+        try:
+            for raw in raws:
+                try:
+                    sequencing.gossip(node, raw, now_ms())
+                except sequencing.SequencingRefused:
+                    continue            # verified by the queue; nothing to spread if the node says no
+        finally:
+            node.close()
+        return True, "node"
+
+
 def cmd_commits_send(args) -> int:
     """Submit every queued Commit and wait up to --timeout for the outcomes; what is left stays
     queued (exit 1: the sequencer or its broker is unreachable; run it again, or `commits run`)."""
@@ -335,11 +393,13 @@ def cmd_commits_send(args) -> int:
     q = _queue(args)
     try:
         c = _client(args, q)
+        feeder = GossipFeeder(Path(args.home), q)
         c.start()
         try:
             c.run(threading.Event(), until_settled=True, deadline=time.monotonic() + args.timeout)
         finally:
             c.close()
+        feeder.flush()
         left = q.outstanding()
         _print({"commits": [e.as_json() for e in q.entries()], "outstanding": len(left)})
     finally:
@@ -359,13 +419,14 @@ def cmd_commits_run(args) -> int:
     stop = threading.Event()
     try:
         c = _client(args, q)
+        feeder = GossipFeeder(Path(args.home), q)
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         c.start()
         _print({"member_id": q.member_id, "broker": args.broker})
         sys.stdout.flush()
         try:
-            c.run(stop)
+            c.run(stop, after=feeder.flush)
         finally:
             c.close()
     finally:
@@ -404,7 +465,11 @@ def register_commits(sub) -> None:
 def _receipt_bytes(text: str) -> bytes:
     """A receipt given as a file of raw bytes, a file of hex, or hex on the command line."""
     p = Path(text)
-    if p.is_file():
+    try:
+        is_file = p.is_file()
+    except OSError:          # hex longer than a file name may be (ENAMETOOLONG): not a file
+        is_file = False
+    if is_file:
         data = p.read_bytes()
         try:
             return bytes.fromhex(data.decode("ascii").strip())
@@ -416,10 +481,7 @@ def _receipt_bytes(text: str) -> bytes:
         raise Refused(f"{text!r} is neither a file nor hex") from None
 
 
-def cmd_sequencing_gossip(args) -> int:
-    from . import sequencing
-    from .cli import _open
-    from .node import now_ms
+def _gossip_raws(args) -> list[bytes]:
     raws = [_receipt_bytes(t) for t in args.receipt]
     if args.from_queue:
         from .sequencer import client
@@ -429,6 +491,25 @@ def cmd_sequencing_gossip(args) -> int:
                 raws += q.receipts_held()
             finally:
                 q.close()
+    return raws
+
+
+def _gossip_argv(args) -> list[str]:
+    """`sequencing gossip` forwarded to a running agent: the receipts as hex (read here)."""
+    return ["--home", str(Path(args.home).resolve()), "sequencing", "gossip", *[r.hex() for r in _gossip_raws(args)]]
+
+
+def _bind_argv(args) -> list[str]:
+    out = ["--home", str(Path(args.home).resolve()), "sequencing", "bind", "--group", args.group,
+           "--sequencer-key", args.sequencer_key, "--generation", str(args.generation)]
+    return out + (["--authority-key", str(Path(args.authority_key).resolve())] if args.authority_key else [])
+
+
+def cmd_sequencing_gossip(args) -> int:
+    from . import sequencing
+    from .cli import _open
+    from .node import now_ms
+    raws = _gossip_raws(args)
     node = _open(args)
     try:
         out = []
@@ -488,13 +569,13 @@ def register_sequencing(sub) -> None:
     a.add_argument("receipt", nargs="*", help="a receipt: file (raw or hex) or hex")
     a.add_argument("--from-queue", action="store_true",
                    help="also every receipt in HOME/commit-queue.db (outcomes and heads heard on the broker)")
-    a.set_defaults(fn=cmd_sequencing_gossip)
+    a.set_defaults(fn=cmd_sequencing_gossip, forward_argv=_gossip_argv)
     a = ss.add_parser("bind", help="(mesh authority) bind a sequencer to a group from an MLS epoch (§22.6)")
     a.add_argument("--group", required=True, help="group_id, hex")
     a.add_argument("--sequencer-key", required=True, help="the sequencer's key (66 hex: compressed P-256)")
     a.add_argument("--generation", required=True, type=int, help="the MLS epoch from which the binding takes effect")
     a.add_argument("--authority-key", help="a standalone authority's directory (`authority create`)")
-    a.set_defaults(fn=cmd_sequencing_bind)
+    a.set_defaults(fn=cmd_sequencing_bind, forward_argv=_bind_argv)
     a = ss.add_parser("status", help="per group: bindings, receipts held, head, held, attributed, equivocation")
     a.add_argument("--group", help="only this group (hex)")
     a.set_defaults(fn=cmd_sequencing_status)

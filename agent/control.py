@@ -1,5 +1,5 @@
 """The running agent's control socket (issue 12 item 2): while `ssp-agent run` holds a home, the
-verbs `status`, `dump`, `events`, `log` and `write` given for that home are forwarded to it and
+verbs `status`, `dump`, `events`, `log`, `write` and `sequencing` given for that home are forwarded to it and
 executed on its own node, by the loop thread that owns the node's SQLite connection and signing
 bridge. So a sensor script can write while the service syncs and an operator can inspect it, and
 there is still one writer: every forwarded write goes through the same bridge (persist before
@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Callable
 
 SOCKET_NAME = "control.sock"
-FORWARDED = ("status", "dump", "events", "log", "write")  # the verbs a running agent serves
+# the verbs a running agent serves; `sequencing` so a member's `commits run` can hand the receipts
+# it gets to the node's gossip while the agent holds the home (docs/sequencer.md)
+FORWARDED = ("status", "dump", "events", "log", "write", "sequencing")
 MAX_REQUEST = 1 << 20  # a command line, not data: a megabyte is plenty
 CLIENT_TIMEOUT_S = 120.0  # a forwarded verb waits at most this long for the loop to run it
 MAX_CLIENTS = 16  # connections served at once; more wait in the listen backlog

@@ -59,6 +59,9 @@ CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind T
 CREATE TABLE IF NOT EXISTS heads (
   group_id BLOB NOT NULL, epoch INTEGER NOT NULL, receipt BLOB NOT NULL, PRIMARY KEY (group_id, epoch, receipt));
 CREATE TABLE IF NOT EXISTS gaps (group_id BLOB NOT NULL, epoch INTEGER NOT NULL, PRIMARY KEY (group_id, epoch));
+CREATE TABLE IF NOT EXISTS statements (
+  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, statement BLOB NOT NULL, PRIMARY KEY (group_id, epoch, statement));
+CREATE TABLE IF NOT EXISTS gossiped (hash BLOB PRIMARY KEY);
 """
 
 
@@ -197,6 +200,15 @@ class CommitQueue:
             cur = self.conn.execute("INSERT OR IGNORE INTO gaps VALUES (?, ?)", (group_id, epoch))
         return bool(cur.rowcount)
 
+    def keep_statement(self, group_id: bytes, epoch: int, statement: bytes) -> bool:
+        with self._tx():
+            cur = self.conn.execute("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)", (group_id, epoch, statement))
+        return bool(cur.rowcount)
+
+    def statements(self) -> list[tuple[bytes, int, bytes]]:
+        return [(bytes(g), e, bytes(r)) for g, e, r in
+                self.conn.execute("SELECT group_id, epoch, statement FROM statements ORDER BY group_id, epoch")]
+
     def heads(self) -> list[tuple[bytes, int, bytes]]:
         return [(bytes(g), e, bytes(r)) for g, e, r in
                 self.conn.execute("SELECT group_id, epoch, receipt FROM heads ORDER BY group_id, epoch")]
@@ -205,9 +217,21 @@ class CommitQueue:
         return [(bytes(g), e) for g, e in self.conn.execute("SELECT group_id, epoch FROM gaps ORDER BY group_id, epoch")]
 
     def receipts_held(self) -> list[bytes]:
-        """Every receipt this member holds: its Commits' outcomes and the heads it heard."""
+        """Every receipt this member holds: its Commits' outcomes and the heads it heard, then the
+        sequencer's signed discontinuity statements it heard (§22.6 step 4)."""
         out = [e.receipt for e in self.entries() if e.receipt is not None] + [r for _g, _e, r in self.heads()]
+        out += [r for _g, _e, r in self.statements()]
         return list(dict.fromkeys(out))
+
+    def ungossiped(self) -> list[bytes]:
+        """What the member holds and has not yet handed to its node's gossip (in that order)."""
+        done = {bytes(h) for (h,) in self.conn.execute("SELECT hash FROM gossiped")}
+        return [r for r in self.receipts_held() if receipts.receipt_hash(r) not in done]
+
+    def mark_gossiped(self, raws: list[bytes]) -> None:
+        with self._tx():
+            self.conn.executemany("INSERT OR IGNORE INTO gossiped VALUES (?)",
+                                  [(receipts.receipt_hash(r),) for r in raws])
 
     def record_event(self, kind: str, detail: dict) -> None:
         with self._tx():
@@ -373,15 +397,19 @@ class CommitClient:
             return
         self._handle(msg)
 
-    def run(self, stop: threading.Event, until_settled: bool = False, deadline: Optional[float] = None) -> bool:
-        """Serve until ``stop`` (or, ``until_settled``, until nothing is queued). Returns True when
-        nothing is left queued."""
+    def run(self, stop: threading.Event, until_settled: bool = False, deadline: Optional[float] = None,
+            after: Optional[Callable[[], None]] = None) -> bool:
+        """Serve until ``stop`` (or, ``until_settled``, until nothing is queued). ``after`` runs
+        after every step (the CLI hands new receipts to the node's gossip there). Returns True
+        when nothing is left queued."""
         while not stop.is_set():
             if until_settled and not self.q.outstanding():
                 return True
             if deadline is not None and time.monotonic() > deadline:
                 break
             self.pump()
+            if after is not None:
+                after()
         return not self.q.outstanding()
 
     def _publish(self, kind: str, gid: bytes, payload: bytes, corr: bytes) -> None:
@@ -405,6 +433,17 @@ class CommitClient:
         if parts[-1] != "accepted":
             if isinstance(epoch, int) and self.q.keep_gap(gid, epoch):
                 self.q.record_event("discontinuity", {"group": gid.hex(), "epoch": epoch})
+            raw = body.get("statement") if isinstance(body, dict) else None
+            if isinstance(raw, bytes):
+                # the sequencer's signed statement of the gap: kept and handed to the mesh, where a
+                # member holding a receipt for that epoch holds proof against it (§22.6 step 4)
+                try:
+                    st = receipts.verify_statement(raw, self.key)
+                except receipts.ReceiptError:
+                    return
+                if st.group_id == gid and st.epoch == epoch and self.q.keep_statement(gid, epoch, st.raw) \
+                        and self.on_receipt:
+                    self.on_receipt(st.raw)
             return
         try:
             r = receipts.verify_receipt(bytes(body["receipt"]), self.key)

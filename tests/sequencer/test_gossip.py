@@ -270,7 +270,7 @@ def test_records_from_outside_the_mesh_or_with_bad_receipts_are_dropped(nodes):
 def test_end_to_end_through_the_cli_queue_gossip_mailbox(tmp_path):
     """Real processes only: a standalone authority binds the sequencer to the group; member b
     queues its Commit, gets it sequenced through `sequencer run` on a real mosquitto, gossips the
-    receipt from its queue; b's file reaches the gateway, the gateway's reaches c, which never
+    receipt from its queue (by itself: `commits send` feeds the node's gossip); b's file reaches the gateway, the gateway's reaches c, which never
     talked to the sequencer nor its broker and now holds the receipt under the binding."""
     import subprocess
     from agent.transport.broker import Broker
@@ -335,8 +335,9 @@ def test_end_to_end_through_the_cli_queue_gossip_mailbox(tmp_path):
     finally:
         stop(seqp)
         broker.close()
+    # `commits send` handed the receipt to b's gossip itself; the CLI step finds it there already
     gossip = j(b, "sequencing", "gossip", "--from-queue")["gossip"]
-    assert [(g["epoch"], g["gossiped"], g["verdict"]) for g in gossip] == [(0, True, "accepted")]
+    assert [(g["epoch"], g["gossiped"], g["verdict"]) for g in gossip] == [(0, False, "duplicate")]
     carry(b, gw)
     carry(gw, c)
     st = j(c, "sequencing", "status", "--group", G.hex())["groups"][0]
@@ -399,3 +400,80 @@ def test_a_head_record_released_but_not_stored_is_stored_on_open(nodes):
     # and, now held, it is compacted out of the journal like any record the store holds
     assert released not in [raw for _i, raw in n1b.bridge.iter_released()]
     assert sequencing.gossip(n1b, raw_receipt, NOW)["gossiped"] is False       # not signed twice
+
+
+def test_commits_run_feeds_every_receipt_into_the_nodes_gossip_without_a_cli_step(tmp_path):
+    """Issue 14: the member's `commits run` hands each receipt it gets to its node's gossip
+    records by itself — opening the node while no agent holds the home, and through the running
+    agent's control socket while `ssp-agent run` holds it. No `sequencing gossip` is called; the
+    node's `sequencing status` shows the receipts under the binding."""
+    import signal
+    import subprocess
+    import time
+    from agent.transport.broker import Broker
+    from tests.cli_cmd import agent_cmd, agent_env
+    from tests.sequencer.test_commit_queue import spawn, stop
+    from tests.sync.helpers import MESH, TABLES
+    env = agent_env(dict(os.environ, SSP_AGENT_WITNESS_DIR=str(tmp_path / "w")))
+
+    def j(home, *args):
+        p = subprocess.run([*agent_cmd(), "--home", str(home), *map(str, args)], capture_output=True, text=True,
+                           env=env)
+        assert p.returncode == 0, (args, p.stdout, p.stderr)
+        return json.loads(p.stdout.splitlines()[-1]) if p.stdout.strip() else None
+
+    def held(home, n, limit=90.0):
+        end = time.monotonic() + limit
+        while True:
+            gs = j(home, "sequencing", "status", "--group", G.hex())["groups"]
+            if (gs and len(gs[0]["receipts"]) >= n) or time.monotonic() > end:
+                return gs[0] if gs else None
+            time.sleep(0.3)
+
+    auth_dir = tmp_path / "authority"
+    auth = j(tmp_path / "unused", "authority", "create", "--out", auth_dir)
+    man = tmp_path / "mesh.toml"
+    man.write_text(f'mesh_id = "{MESH.hex()}"\nauthorities = ["{auth["site_id"]}"]\n'
+                   f'[[peers]]\nsite_id = "{auth["site_id"]}"\npublic_key = "{auth["public_key"]}"\n' + TABLES)
+    b = tmp_path / "b"
+    j(b, "init", "--manifest", man)
+    seq_home = tmp_path / "seq"
+    key = j(seq_home, "sequencer", "init")["sequencer_key"]
+    j(seq_home, "sequencer", "register", "--group", G.hex(), "--epoch", "0")
+    j(b, "sequencing", "bind", "--group", G.hex(), "--sequencer-key", key, "--generation", "0",
+      "--authority-key", auth_dir)
+    broker = Broker(workdir=tmp_path / "broker").start()
+    seqp, _ = spawn(seq_home, "sequencer", "run", "--broker", broker.url)
+    member = agentp = None
+    try:
+        c0 = tmp_path / "c0.mls"
+        c0.write_bytes(encode_private_message(G, 0, ciphertext=b"b" * 16))
+        j(b, "commits", "queue", c0, "--sequencer-key", key)
+        member, _ = spawn(b, "commits", "run", "--broker", broker.url)
+        st = held(b, 1)                                   # no agent holds b: the node is opened
+        assert st is not None and [r["epoch"] for r in st["receipts"]] == [0], st
+        assert not st["equivocation"] and st["held"] == 0
+        # now the agent holds b's home; the next receipt goes through its control socket
+        agentp = subprocess.Popen([*agent_cmd(), "--home", str(b), "run", "--broker", broker.url, "--cadence", "0.3"],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        end = time.monotonic() + 60
+        while not (b / "control.sock").exists() and time.monotonic() < end:
+            assert agentp.poll() is None, agentp.communicate()[1][-2000:]
+            time.sleep(0.1)
+        c1 = tmp_path / "c1.mls"
+        c1.write_bytes(encode_private_message(G, 1, ciphertext=b"c" * 16))
+        j(b, "commits", "queue", c1)
+        st = held(b, 2)
+        q = j(b, "commits", "status")
+        assert [r["epoch"] for r in st["receipts"]] == [0, 1], (st, q)
+        assert [c["state"] for c in q["commits"]] == ["accepted", "accepted"]
+        assert st["head"]["receipt_hash"] == receipts.receipt_hash(bytes.fromhex(q["commits"][1]["receipt"])).hex()
+        assert [e["via"] for e in q["events"] if e["kind"] == "gossiped"] == ["node", "agent"]
+    finally:
+        if member is not None:
+            stop(member)
+        if agentp is not None:
+            agentp.send_signal(signal.SIGTERM)
+            agentp.communicate(timeout=30)
+        stop(seqp)
+        broker.close()
