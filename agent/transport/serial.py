@@ -33,7 +33,7 @@ log = logging.getLogger("ssp_agent.serial")
 PATH = "serial"
 REOPEN_S = 0.5  # a port that went away is opened again this often
 LOSS_WINDOW_MS = 60_000
-LOSSES_SURFACED_PER_WINDOW = 20  # per reason (SerialEndpoint._surface_loss)
+LOSSES_SURFACED_PER_WINDOW = 20  # surfaced rows per kind and reason and window (SerialEndpoint._admit)
 
 
 class SerialError(Exception):
@@ -45,8 +45,9 @@ class _Counting:
     """The session's Provider (sync.LinkProvider), passed through, remembering how full the last
     body or answer sent was (a full one means more is waiting) and counting completed exchanges."""
 
-    def __init__(self, inner, batch_limit: int) -> None:
+    def __init__(self, inner, batch_limit: int, admit: Callable[[str, str, int], list[str]] | None = None) -> None:
         self.inner, self.batch_limit = inner, batch_limit
+        self.admit = admit  # the endpoint's flood bound on surfaced rows (SerialEndpoint._admit)
         self.offered = 0
         self.received = 0  # events in bodies, answers and pushes received
         self.confirms = 0  # exchanges completed, either role (our body answered, our answer acknowledged)
@@ -67,8 +68,11 @@ class _Counting:
         self.confirms += 1
         return self.inner.confirm(*args)
 
-    def protocol_error(self, *args):
-        return self.inner.protocol_error(*args)
+    def protocol_error(self, peer, reason, detail, now):
+        if self.admit is None:
+            return self.inner.protocol_error(peer, reason, detail, now)
+        for d in self.admit("refused", reason, now, detail):
+            self.inner.protocol_error(peer, reason, d, now)
 
 
 @dataclass
@@ -108,7 +112,7 @@ class SerialEndpoint:
         self.empty_exchanges = 0  # completed exchanges that moved no event either way
         self.events: list[tuple[str, str]] = []  # link and session events, for the caller
         self.name = ""  # the port, in surfaced rows
-        self._loss_window: dict[str, list[int]] = {}  # reason -> [window start, surfaced, not surfaced]
+        self._loss_window: dict[tuple[str, str], list[int]] = {}  # (kind, reason) -> [window start, surfaced, not]
 
     # ------------------------------------------------------------------ inputs
     def start(self, mono: int) -> None:
@@ -208,7 +212,7 @@ class SerialEndpoint:
         s = self.driver.session(PATH, None, secure=st.secure, binding_unsolicited=True,
                                 realtime_capable=st.realtime, cycle_ms=st.cycle_ms,
                                 answer_timeout_ms=st.answer_timeout_ms)
-        self.provider = _Counting(s.provider, st.batch_limit)
+        self.provider = _Counting(s.provider, st.batch_limit, self._admit)
         s.provider = self.provider
         self.session = s
         self.sessions += 1
@@ -251,25 +255,31 @@ class SerialEndpoint:
         s.events.clear()
         return chain
 
-    def _surface_loss(self, reason: str, wall: int) -> None:
-        """An incarnation ended: shown by `ssp-agent events` (kind `link_lost`, its code from
-        agent/core/reasons.py, source `link:serial`), not only in the summary. At most
-        LOSSES_SURFACED_PER_WINDOW per reason in each LOSS_WINDOW_MS (each row is a transaction,
-        an fsync, and a peer can end incarnations at will: new nonces, bad compressed messages);
-        the rest are counted and surfaced as one row when the next window starts."""
-        peer = self.session.peer if self.session is not None else None
-        w = self._loss_window.get(reason)
+    def _admit(self, kind: str, reason: str, wall: int, detail: str) -> list[str]:
+        """The rows to surface for one more (kind, reason): at most LOSSES_SURFACED_PER_WINDOW per
+        LOSS_WINDOW_MS (each row is a transaction, an fsync, on the loop that serves every other
+        link too, and a peer can end incarnations or send refused frames at will); the rest are
+        counted and told in one row when the next window starts (as the MQTT runner bounds its
+        refusals)."""
+        key = (kind, reason)
+        w = self._loss_window.get(key)
         rows: list[str] = []
         if w is None or wall - w[0] >= LOSS_WINDOW_MS:
             if w is not None and w[2]:
                 rows.append(f"{w[2]} more not surfaced within {LOSS_WINDOW_MS // 1000} s (flood bound)")
-            w = self._loss_window[reason] = [wall, 0, 0]
+            w = self._loss_window[key] = [wall, 0, 0]
         if w[1] >= LOSSES_SURFACED_PER_WINDOW:
             w[2] += 1
         else:
             w[1] += 1
-            rows.append(f"{self.name or 'serial line'}: incarnation {self.sessions} ended")
-        for detail in rows:
+            rows.append(detail)
+        return rows
+
+    def _surface_loss(self, reason: str, wall: int) -> None:
+        """An incarnation ended: shown by `ssp-agent events` (kind `link_lost`, its code from
+        agent/core/reasons.py, source `link:serial`), not only in the summary; bounded (`_admit`)."""
+        peer = self.session.peer if self.session is not None else None
+        for detail in self._admit("link_lost", reason, wall, f"{self.name or 'serial line'}: incarnation {self.sessions} ended"):
             try:
                 self.driver.node.surface_refused(f"link:{PATH}", reason, detail, peer, wall, kind="link_lost")
             except Exception as e:  # noqa: BLE001 - a row not written must never stop the line's loop

@@ -118,6 +118,16 @@ def test_a_port_that_does_not_exist_exits_1_and_mqtt_flags_are_refused(tmp_path)
     assert p.returncode == 2 and "--broker" in p.stderr
     p = cli(ha, "sync", "--serial", str(tmp_path / "ttyNONE"), "--baud", "0", "--once")
     assert p.returncode == 2
+    # `run` serves several ports (a gateway); `sync --once` takes one; a port named twice is a mistake
+    p = cli(ha, "sync", "--serial", str(tmp_path / "tty1"), "--serial", str(tmp_path / "tty2"), "--once")
+    assert p.returncode == 2 and "one port" in p.stderr, p.stderr
+    p = cli(ha, "run", "--serial", str(tmp_path / "tty1"), "--serial", str(tmp_path / "tty1"))
+    assert p.returncode == 2 and "twice" in p.stderr, p.stderr
+    # MQTT flags beside --serial need --broker (then MQTT is served too)
+    p = cli(ha, "run", "--serial", str(tmp_path / "tty1"), "--username", "u")
+    assert p.returncode == 2 and "--broker" in p.stderr, p.stderr
+    p = cli(ha, "run", "--serial", str(tmp_path / "ttyNONE"), "--broker", "mqtt://127.0.0.1:1")
+    assert p.returncode == 1 and "cannot open serial port" in p.stderr, p.stderr
 
 
 def _wait(cond, timeout):

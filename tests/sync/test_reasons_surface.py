@@ -205,6 +205,38 @@ def test_link_losses_a_peer_provokes_are_bounded_in_events(tmp_path):
     assert f"{extra} more not surfaced" in lost[-2]["detail"]["detail"]
 
 
+def test_session_refusals_over_a_cable_are_bounded_in_events(tmp_path):
+    """A rogue on a gateway's cable sending frame after refused frame costs at most
+    LOSSES_SURFACED_PER_WINDOW surfaced rows (each a transaction: an fsync on the loop that serves
+    every other link too) per reason and window; the rest are counted in one row when the next
+    window starts (as the MQTT runner bounds its refusals)."""
+    from agent.transport.serial import LOSS_WINDOW_MS, LOSSES_SURFACED_PER_WINDOW
+    a, b = mesh(tmp_path, 2)
+    line = RogueLine(SyncDriver(b))
+    line.rogue.start(0)
+    line.ep.start(0)
+    line.run(1_000)
+    line.rogue.send_message(encode_frame("hello", b=handshake(a.site_id, realtime=False), r=False), line.t)
+    line.run(500)
+    extra = 7
+    for i in range(LOSSES_SURFACED_PER_WINDOW + extra):
+        line.rogue.send_message(encode_frame("nope", c=100 + i), line.t)
+    line.run(2_000)
+    line.run(LOSS_WINDOW_MS)
+    line.rogue.send_message(encode_frame("nope", c=999), line.t)
+    line.run(500)
+    assert [d for k, d in line.ep.events if k == "protocol_error"] == [R.BAD_FRAME] * (LOSSES_SURFACED_PER_WINDOW + extra + 1)
+    assert line.ep.sessions == 1
+    home = b.home
+    a.close()
+    b.close()
+    p = subprocess.run([*agent_cmd(), "--home", str(home), "events"], capture_output=True, text=True,
+                       env=agent_env(), timeout=120)
+    refused = [json.loads(x) for x in p.stdout.splitlines() if json.loads(x)["kind"] == "refused"]
+    assert [e["reason"] for e in refused] == [R.BAD_FRAME] * (LOSSES_SURFACED_PER_WINDOW + 2)
+    assert f"{extra} more not surfaced" in refused[-2]["detail"]["detail"]
+
+
 def store_dump(home) -> list[str]:
     conn = sqlite3.connect(str(home / "store.sqlite"))
     try:
