@@ -88,8 +88,7 @@ class Runtime:
             return {"pid": os.getpid(), "broker": self.broker_url, **self.runner.summary()}
         if self.runner is None and len(self.ports) == 1:
             return {"pid": os.getpid(), "serial": self.ports[0].port, **self.summary()}
-        return {"pid": os.getpid(), "broker": self.broker_url, "serial": [p.port for p in self.ports],
-                **self.summary()}
+        return {"pid": os.getpid(), "broker": self.broker_url, **self.summary()}
 
     def describe(self) -> str:
         links = [f"over {p.port}" for p in self.ports]

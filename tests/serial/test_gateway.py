@@ -213,3 +213,44 @@ def test_run_serial_reopens_its_port_when_the_adapter_comes_back(tmp_path):
             p.communicate()
         cable.close()
     assert sa["rejected"] == 0 and sa["link"]["state"] == "up"
+
+
+def test_the_gateway_relays_at_once_across_its_links(tmp_path, broker):
+    """Realtime across links (agent/runtime.py): with batch cycles an hour apart everywhere, a
+    write on the device on cable 1 reaches the device on cable 2 and the MQTT node, and a write on
+    the MQTT node reaches both cables, only because the gateway pushes what arrived over one link
+    on the others as soon as it arrives (before, each link waited for its own next cycle)."""
+    homes, ids = provision(tmp_path, ["g", "a", "b", "c"])
+    g, a, b, c = (homes[n] for n in "gabc")
+    cable1, cable2 = Relay().start(), Relay().start()
+    hour = ("--cadence", "3600")
+    procs = {}
+    try:
+        procs["g"] = spawn(g, "--serial", cable1.ports[0], "--serial", cable2.ports[0], "--broker", broker.url, *hour)
+        procs["a"] = spawn(a, "--serial", cable1.ports[1], *hour)
+        procs["b"] = spawn(b, "--broker", broker.url, *hour)
+        procs["c"] = spawn(c, "--serial", cable2.ports[1], *hour)
+        for n in "gabc":
+            wait_serving(homes[n], procs[n])
+        deadline = time.monotonic() + WAIT_S
+        st = {}
+        while time.monotonic() < deadline:  # every link up and in realtime mode
+            st = json.loads(run_cli("--home", g, "status").stdout)["run"]
+            cables = [st["serial"][cable.ports[0]] for cable in (cable1, cable2)]
+            if all(x["realtime"] and x["peer"] for x in cables) and st["mqtt"]["peers"][ids["b"]]["realtime"]:
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError(st)
+        write(a, "a", 0)
+        wait_rows([g, a, b, c], {("a", 0)}, procs.values())
+        write(b, "b", 0)
+        wait_rows([g, a, b, c], {("a", 0), ("b", 0)}, procs.values())
+        for n in list(procs):
+            stop(procs.pop(n))
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.communicate()
+        cable1.close()
+        cable2.close()
