@@ -213,6 +213,7 @@ def test_run_serial_reopens_its_port_when_the_adapter_comes_back(tmp_path):
             p.communicate()
         cable.close()
     assert sa["rejected"] == 0 and sa["link"]["state"] == "up"
+    assert sa["evictions"] >= 1  # the profile's eviction job runs over a serial line too (it did not before)
 
 
 def test_the_gateway_relays_at_once_across_its_links(tmp_path, broker):
