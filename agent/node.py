@@ -10,7 +10,6 @@ import os
 import sqlite3
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -1181,11 +1180,13 @@ class Node:
     def _sign_events(self, payloads: list[tuple[TableDef, dict, dict | None, str]], now: int,
                      built: list | None = None) -> list[bytes]:
         """Sign and persist one group (one `release_many`). `built`, when given, receives what
-        each event was built from: (protected, payload bytes, table, key, values, operation, hlc)."""
+        each event was built from: (protected, payload bytes, table, key, values, operation, hlc,
+        the COSE_Sign1's bytes before its signature)."""
         assert self.bridge is not None, "node opened without a keystore bridge"
         site, mesh = self.site_id, self.mesh_id
         protected = cose.protected_header(cose.ALG_EDDSA, ev.EVENT_CONTENT_TYPE, site)
-        payload_bytes, sig_structure, assemble, tick = ev.payload_bytes, cose.sig_structure, cose.assemble, self._tick
+        payload_bytes, sig_structure, prefix_of, tick = ev.payload_bytes, cose.sig_structure, cose.assemble_prefix, \
+            self._tick
         for _attempt in range(8):
             items = []
             parts = []
@@ -1193,9 +1194,10 @@ class Node:
                 hlc = tick(now)
                 # write_many checked the key and values against the table (the shape check's questions)
                 pb = payload_bytes(t.schema, t.name, key, op, values, hlc, shape_checked=True)
+                prefix = prefix_of(protected, pb)   # the COSE_Sign1 up to its signature: assemble = prefix + sig
                 items.append((EventIdentity(site, hlc[0], hlc[1]), EVENT_KEY, sig_structure(protected, mesh, pb),
-                              partial(assemble, protected, pb)))
-                parts.append((protected, pb, t, key, values, op, hlc))
+                              prefix.__add__))
+                parts.append((protected, pb, t, key, values, op, hlc, prefix))
             try:
                 raws = self.bridge.release_many(items)
                 self._witness(max((i[0].physical_ms, i[0].logical) for i in items))
@@ -1214,7 +1216,7 @@ class Node:
         `checked` of `_apply_one`: envelope, keyring entry, signature valid, decoded event, event_id),
         taken from what we built it from instead of parsing, verifying and decoding it again
         (issue 15 item 4: a local write is not verified twice). It holds because the bytes are
-        exactly `assemble(protected, payload, signature)` of our own encoding (compared here;
+        exactly `assemble(protected, payload, signature)` of our own encoding (its prefix compared here;
         otherwise None: the full path), and the signature is valid under our keyring key: the
         bridge releases only signatures that verify under the keystore's public key (it checks
         those of keystores outside the process), and that key is compared with ours once."""
@@ -1223,14 +1225,14 @@ class Node:
             return [None] * len(raws)
         site = self.site_id
         out = []
-        for raw, (protected, pb, t, key, values, op, hlc) in zip(raws, built):
-            sig = raw[-64:]
-            if cose.assemble(protected, pb, sig) != raw:
+        Sign1, Event, event_id, alg, ctype = cose.Sign1, ev.Event, ev.event_id, cose.ALG_EDDSA, ev.EVENT_CONTENT_TYPE
+        for raw, (protected, pb, t, key, values, op, hlc, prefix) in zip(raws, built):
+            if len(raw) != len(prefix) + 64 or not raw.startswith(prefix):   # not exactly prefix + signature
                 out.append(None)
                 continue
-            sign1 = cose.Sign1(protected, cose.ALG_EDDSA, ev.EVENT_CONTENT_TYPE, site, pb, sig)
-            e = ev.Event(ev.event_id(raw), raw, site, t.schema, t.name, dict(key), op,
-                         None if values is None else dict(values), hlc)
+            sign1 = Sign1(protected, alg, ctype, site, pb, raw[-64:])
+            e = Event(event_id(raw), raw, site, t.schema, t.name, dict(key), op,
+                      None if values is None else dict(values), hlc)
             out.append((sign1, entry, True, e, e.event_id))   # the `checked` tuple of `_apply_one`
         return out
 

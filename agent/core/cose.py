@@ -72,6 +72,12 @@ def assemble(protected_bytes: bytes, payload_bytes: bytes, signature: bytes) -> 
     return b"".join((_SIGN1_HEAD, _bstr(protected_bytes), b"\xa0", _bstr(payload_bytes), _bstr(signature)))
 
 
+def assemble_prefix(protected_bytes: bytes, payload_bytes: bytes) -> bytes:
+    """`assemble(protected, payload, signature)` without its last 64 bytes, for a 64-byte
+    signature (Ed25519, ES256): the COSE_Sign1 is this prefix followed by the signature."""
+    return b"".join((_SIGN1_HEAD, _bstr(protected_bytes), b"\xa0", _bstr(payload_bytes), b"\x58\x40"))
+
+
 def _bstr_at(data: bytes, i: int) -> tuple[int, int] | None:
     """(start, end) of the byte string whose head is at `i`, or None when there is none there."""
     n = len(data)

@@ -17,6 +17,8 @@ def test_sig_structure_and_assemble_equal_the_deterministic_encoding(p, a, y, s,
     assert cose.sig_structure(prot, aad, pay) == encode(["Signature1", prot, aad, pay])
     assert cose.sig_structure(prot, aad, pay) == cbor2.dumps(["Signature1", prot, aad, pay], canonical=True)
     assert cose.assemble(prot, pay, sig) == encode(cbor2.CBORTag(18, [prot, {}, pay, sig]))
+    sig64 = bytes([seed]) * 64   # Node.write_many assembles its events as prefix + signature
+    assert cose.assemble_prefix(prot, pay) + sig64 == cose.assemble(prot, pay, sig64)
 
 
 def test_assembled_event_parses_back():
