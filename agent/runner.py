@@ -49,7 +49,8 @@ from typing import Any, Callable
 
 from .core.exchange import MAX_ACKS_LOOKED_AT  # noqa: F401 - re-exported (tests, benches)
 from .core.exchange import (GIVE_UP_DOUBLINGS, PRESENCE_LIMIT, BodyLimits, Exchange, ExchangeConfig, InFlight,
-                            Presence, answer_proof)
+                            Presence, Schedule, ack_due, ack_wait, answer_proof, request_refusal)
+from .core.sending import first_body
 from .core.messages import ProtocolError, parse_presence
 from .core.records import MAX_ACK_ANSWERS, AckAnswer, record_hash as body_hash
 from .core.sending import PeerLimit  # noqa: F401 - the too-large back-off (pure); re-exported
@@ -60,8 +61,7 @@ from .sync import Offer  # noqa: F401 - defined below the runner (no import circ
 from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_COUNT, P_END, P_KIND, P_META, P_PART, P_PROCESSED,
                              P_REJECTED_AT, ADVERTISED_FLOOR, P_BODY_LIMIT, decode_indices, encode_indices,
                              parse_body_limit,
-                             P_REASON, P_START, P_STATUS, Inbound, MqttLink, MqttSettings, encode_meta, meta_cost,
-                             split_sizes)
+                             P_REASON, P_START, P_STATUS, Inbound, MqttLink, MqttSettings, encode_meta, meta_cost)
 
 PATH = "mqtt"  # the transport path: one durable cursor per (peer, path) in sync_state
 # A request property (transport metadata, no authority): "1" asks the receiver for a signed
@@ -74,12 +74,9 @@ log = logging.getLogger("ssp_agent.runner")
 
 @dataclass
 class RunConfig(ExchangeConfig):
-    """The loop's settings; those of the exchange itself (window, answer_timeout_s, secure,
-    limit_probe_s, limit_probe_max_s) are `core.exchange.ExchangeConfig`'s, read live by it."""
-    cadence_s: float = 30.0  # batch cycle
-    realtime: bool = True  # advertise and use realtime mode (§33)
-    coalesce_s: float = 0.05  # realtime: gather what is produced within this interval into one push
-    flush_cadence_s: float | None = None  # realtime on a fixed cadence instead of at production (§33.3)
+    """The loop's settings; those of the exchange itself (cadence_s, realtime, coalesce_s,
+    flush_cadence_s, window, answer_timeout_s, secure, limit_probe_s, limit_probe_max_s) are
+    `core.exchange.ExchangeConfig`'s, read live by it."""
     max_events: int | None = None  # events per body (default: the link settings' max_events)
     eviction_interval_s: float | None = None  # run node.run_eviction() this often (None: never)
     others_per_step: int = 256  # inbound messages per step from sites not in the keyring (flood bound, pump)
@@ -143,11 +140,8 @@ class Runner:
         self._owed: dict[bytes, list] = {}  # sender -> [(request, answer properties, AckAnswer)] not yet answered
         self._last_ack: dict[bytes, float] = {}  # sender -> when its last acknowledgement was signed
         # Writes before this runner started are the batch cycle's; realtime pushes follow new ones.
-        self._scanned = self._local_top = self._last_local = \
-            node.conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
-        self._next_batch = 0.0
-        self._next_flush = 0.0
-        self._produced_at: float | None = None
+        self._scanned = self._local_top = node.conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        self.schedule = Schedule(self.cfg, self._local_top)
         self._load_in_flight()
         self._load_limits()
 
@@ -200,9 +194,8 @@ class Runner:
         self.pump(timeout)
         now = time.monotonic()
         self._expire(now)
-        if now >= self._next_batch and self.link.connected.is_set():
+        if self.schedule.batch_due(now, self.link.connected.is_set()):
             self.batch_cycle()
-            self._next_batch = now + self.cfg.cadence_s
         if self.cfg.realtime:
             self._realtime(now)
         if self.ex.limits.dirty and now >= self._next_links_save:
@@ -246,8 +239,8 @@ class Runner:
         n = got = 0
         wait = 0.0 if (self._others or self._members) else timeout
         if self._owed:  # answers wait for their grouped acknowledgement: not longer than its interval
-            wait = min(wait, max(0.0, min(self._last_ack.get(s, 0.0) for s in self._owed)
-                                 + self.cfg.ack_interval_s - time.monotonic()))
+            wait = min(wait, ack_wait((self._last_ack.get(s, 0.0) for s in self._owed), time.monotonic(),
+                                      self.cfg.ack_interval_s))
         keyring = self.node.keyring
         budget_end = time.monotonic() + wait + PUMP_BUDGET_S
         while True:
@@ -361,19 +354,11 @@ class Runner:
         self.stats["bodies_received"] += 1
         if m.dup:
             self.stats["redelivered"] += 1
-        limit = self.settings.body_limit_bytes
         size = max(len(m.payload), m.oversize)  # the link keeps no payload over the limit (oversize)
-        if size > limit:
-            return self._reject(m, "too_large", f"{size} bytes > body limit {limit}")
-        kind = m.props.get(P_KIND, KIND_BATCH)
-        if kind not in (KIND_BATCH, KIND_REALTIME):
-            return self._reject(m, "unknown_kind", kind[:40])
-        if m.sender is None:
-            return self._reject(m, "bad_topic", "an inbox topic must name its sender")
-        if kind == KIND_REALTIME:
-            if not (self.cfg.realtime and self.ex.presence.realtime(m.sender)):
-                # §33: reject, not drop, an unsolicited body without mutual realtime mode.
-                return self._reject(m, "realtime_not_established", m.sender.hex())
+        refusal = request_refusal(size, self.settings.body_limit_bytes, m.props.get(P_KIND, KIND_BATCH), m.sender,
+                                  self.cfg.realtime and self.ex.presence.realtime(m.sender))
+        if refusal is not None:
+            return self._reject(m, *refusal)
         try:
             # Every byte from outside goes through its boundary parser, which refuses with a
             # ProtocolError and nothing else (agent/core/classify.py): the meta, then the body.
@@ -420,7 +405,7 @@ class Runner:
         now = time.monotonic()
         for sender in list(self._owed):
             items = self._owed[sender]
-            if not force and len(items) < MAX_ACK_ANSWERS and now - self._last_ack.get(sender, 0.0) < self.cfg.ack_interval_s:
+            if not ack_due(len(items), self._last_ack.get(sender, 0.0), now, self.cfg.ack_interval_s, force):
                 continue  # grouped with what arrives before the interval ends
             del self._owed[sender]
             self._last_ack[sender] = now
@@ -610,34 +595,25 @@ class Runner:
         durable cursor), as the sync layer selects them. Returns events sent. A range with
         nothing for the peer goes out as an empty body: the cursor moves only on an answer.
         `force` sends one body even when nothing is new (the fixed-cadence flush)."""
-        bodies = self.ex.room(peer) if bodies is None else bodies
+        plan = self.ex.plan_offer(peer, kind, self.sync.cursor(peer), self._limit(peer), bodies, force,
+                                  lambda: self.sync.records_pending(peer))
         sent = 0
-        start = self.ex.start_at(peer, self.sync.cursor(peer))
-        limit = self._limit(peer)
-        # Records the peer has not answered for (never delivered to it on this path) are worth a
-        # body of their own; at most a quarter of the peer's limit of them per body, the rest
-        # follow in the next bodies (each answer marks what its body carried as delivered).
-        rbudget = max(256, limit // 4)
-        force = force or (not self.ex.in_flight(peer) and self.sync.records_pending(peer))
-        for _ in range(max(bodies, 0)):
-            # Widening backfill rides batch bodies only, after the live tail (live first), one such
-            # body in flight per peer.
-            bf = kind == KIND_BATCH and not self.ex.backfill_in_flight(peer)
-            off = self.sync.select(peer, start, self.max_events, backfill=bf, record_budget=rbudget)
-            if off.end <= start and not off.backfill and not force:
+        for _ in range(plan.bodies):
+            bf = self.ex.may_carry_backfill(peer, kind)
+            off = self.sync.select(peer, plan.start, self.max_events, backfill=bf, record_budget=plan.record_budget)
+            if not plan.worth_sending(off.end, off.backfill):
                 break
-            force = False
             if off.events:
                 # The records this body carries and the watermarks; the meta rides along.
                 base = len(self.sync.body((), peer, off.token)) + 96
-                cost = meta_cost(start, off.seqs) + [0] * off.n_backfill
+                cost = meta_cost(plan.start, off.seqs) + [0] * off.n_backfill
                 sizes = [len(e) + c for e, c in zip(off.events, cost)]
-                parts = split_sizes(sizes, base + sum(len(g) + 3 for g in off.gaps), limit, self.max_events)
-                if len(parts) > 1:  # the first part that fits; the rest goes in the next body
-                    off = self.sync.select(peer, start, parts[0][1], backfill=bf, record_budget=rbudget)
+                n = first_body(sizes, base + sum(len(g) + 3 for g in off.gaps), plan.limit, self.max_events)
+                if n is not None:  # the first part that fits; the rest goes in the next body
+                    off = self.sync.select(peer, plan.start, n, backfill=bf, record_budget=plan.record_budget)
             self._send(peer, kind, off)
             sent += len(off.events)
-            start = off.end
+            plan.sent(off.end)
         if self._unsaved:
             # Durable (one transaction for the window): an answer that arrives after this process
             # has gone still moves the cursor on the next wake. A crash before this commit loses
@@ -693,28 +669,20 @@ class Runner:
         return self._local_top
 
     def _realtime(self, now: float) -> None:
-        if self.cfg.flush_cadence_s:
-            if now >= self._next_flush:
-                self._next_flush = now + self.cfg.flush_cadence_s
-                for p in self.realtime_peers():
-                    if self.ex.room(p) > 0:
-                        self.offer(p, KIND_REALTIME, bodies=1, force=True)
+        """A realtime body (one, to each present realtime peer with room in its window) when the
+        schedule says one is due (`Schedule.realtime_due`)."""
+        due = self.schedule.realtime_due(now, 0 if self.cfg.flush_cadence_s else self._local_max())
+        if due is None:
             return
-        cur = self._local_max()
-        if cur > self._last_local and self._produced_at is None:
-            self._produced_at = now
-        if self._produced_at is not None and now - self._produced_at >= self.cfg.coalesce_s:
-            self._produced_at = None
-            self._last_local = self._local_max()
-            for p in self.realtime_peers():
-                if self.ex.room(p) > 0:
-                    self.offer(p, KIND_REALTIME, bodies=1)
+        for p in self.realtime_peers():
+            if self.ex.room(p) > 0:
+                self.offer(p, KIND_REALTIME, bodies=1, force=due == "flush")
+                if due == "push":
                     self.stats["realtime_pushes"] += 1
 
     def notify_produced(self) -> None:
         """In-process writers may call this; polling the log finds other processes' writes too."""
-        if self._produced_at is None:
-            self._produced_at = time.monotonic()
+        self.schedule.produced(time.monotonic())
 
     # -------------------------------------------------------------- one-shot
     def sync_once(self, settle_s: float = 0.5, timeout_s: float = 20.0) -> dict:

@@ -389,8 +389,9 @@ class SyncDriver:
         rows are committed on their own (`advance_backfill` only moves from the row the body was
         selected from). Returns whether the live cursor moved."""
         now = now_ms() if now is None else now
-        n_live, n_ro = len(tok.seqs), len(tok.reoffer_seqs)
-        total = n_live + n_ro + sum(sum(p.counts) for p in tok.bf_parts)
+        # What the answer proves is pure (core.delivery.answer_moves); here the store follows it.
+        mv = delivery.answer_moves(tok.start, tok.seqs, tok.end, tok.reoffer_seqs,
+                                   [(p.counts[:len(p.row_keys)], p.done) for p in tok.bf_parts], processed, rejected)
         moved = False
         with _txn(self.conn):
             if tok.sent_key is not None:
@@ -399,43 +400,20 @@ class SyncDriver:
                 return False  # the peer asked for its history again meanwhile: its cursors restart at genesis
             if tok.records:  # it answered (or the file is written): it holds the body's records
                 st.mark_records_delivered(self.conn, peer, tok.path, tok.records)
-            if rejected is None:
-                rej = set(range(min(processed, total), total))  # all after the prefix: not known
-                live_to, new_reoffers = min(processed, n_live), []
-            else:
-                rej = {i for i in rejected if 0 <= i < total}
-                live_to, new_reoffers = n_live, [tok.seqs[i] for i in sorted(rej) if i < n_live]
-            live = delivery.cursor_after(tok.start, list(tok.seqs), tok.end, live_to)
             cur = st.cursor(self.conn, peer, tok.path)[0]
-            if live > cur and not (contiguous and tok.start > cur):
-                st.advance_cursor(self.conn, peer, tok.path, live)
+            if mv.live > cur and not (contiguous and tok.start > cur):
+                st.advance_cursor(self.conn, peer, tok.path, mv.live)
                 moved = True
-                st.reoffer_put(self.conn, peer, tok.path, new_reoffers, now)
-            ro_rej = [seq for i, seq in enumerate(tok.reoffer_seqs) if n_live + i in rej]
-            st.reoffer_done(self.conn, peer, tok.path, [s for s in tok.reoffer_seqs if s not in ro_rej])
-            if rejected is not None or not ro_rej:
+                st.reoffer_put(self.conn, peer, tok.path, list(mv.new_reoffers), now)
+            st.reoffer_done(self.conn, peer, tok.path, list(mv.reoffers_done))
+            if mv.rescans_done:
                 for site, upto in tok.rescans:  # the walk moves on; its rejections go back below
                     st.rescan_done(self.conn, peer, tok.path, site, upto, now)
-            if ro_rej and rejected is not None:
-                st.reoffer_put(self.conn, peer, tok.path, ro_rej, now)  # later, less often
-            if rejected is None:
-                left = processed - n_live - n_ro  # negative: the prefix ended before the backfill
-            else:
-                left = min((i for i in rej if i >= n_live + n_ro), default=total) - n_live - n_ro
-            for part in tok.bf_parts:
-                if left < 0:
-                    break
-                last, nrows, nev, whole = None, 0, 0, True
-                for rk, c in zip(part.row_keys, part.counts):
-                    if c > left:
-                        whole = False
-                        break
-                    left -= c
-                    last, nrows, nev = rk, nrows + 1, nev + c
-                st.advance_backfill(self.conn, peer, part.table, part.expect_from, last, nrows, nev,
-                                    whole and part.done)
-                if not whole:
-                    break
+            if mv.reoffers_again:
+                st.reoffer_put(self.conn, peer, tok.path, list(mv.reoffers_again), now)  # later, less often
+            for part, (nrows, nev, last, done) in zip(tok.bf_parts, mv.backfill):
+                st.advance_backfill(self.conn, peer, part.table, part.expect_from,
+                                    part.row_keys[last] if last >= 0 else None, nrows, nev, done)
         return moved
 
     # ------------------------------------------------------------------ receiving

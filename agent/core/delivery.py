@@ -131,6 +131,62 @@ def cursor_after(start: int, seqs: list[int], end: int, processed: int) -> int:
     return max(start, seqs[processed] - 1)
 
 
+@dataclass(frozen=True)
+class AnswerMoves:
+    """What a peer's answer to one body moves (`answer_moves`), for the store to apply."""
+    live: int  # the live cursor the answer proves (moved only past where it is, and only contiguously)
+    new_reoffers: tuple[int, ...]  # live events it rejected: re-offered later (§13.6)
+    reoffers_done: tuple[int, ...]  # re-offered events that reached a final state
+    reoffers_again: tuple[int, ...]  # re-offered events rejected again: later, less often
+    rescans_done: bool  # the re-offer walk moves on
+    backfill: tuple[tuple[int, int, int, bool], ...]  # per backfill part: (whole rows, their events, last row index, job done)
+
+
+def answer_moves(start: int, seqs: list[int] | tuple[int, ...], end: int, reoffer_seqs: tuple[int, ...],
+                 bf_counts: list[tuple[tuple[int, ...], bool]], processed: int,
+                 rejected: list[int] | None) -> AnswerMoves:
+    """Which movement an answer proves (§14.1), the same whatever the link (the in-memory and
+    serial sessions through `SyncDriver.confirm`, MQTT through `PortAdapter.advance`). A body is
+    its live events `seqs` (a range start..end), then re-offered events, then backfill parts
+    (`bf_counts`: each part's events per row and whether the walk reached the table's end).
+    `processed`: events it processed to a final state before the first rejected one.
+    `rejected` (peers that report it): the indices of every event it rejected; then everything
+    else counts as processed, the live cursor moves past the rejected events and they are
+    re-offered (issue 10 item 4: one rejected event cannot pin the stream behind it). Backfill
+    rows commit whole only, up to the first one not fully processed."""
+    n_live, n_ro = len(seqs), len(reoffer_seqs)
+    total = n_live + n_ro + sum(sum(c) for c, _done in bf_counts)
+    if rejected is None:
+        rej = set(range(min(processed, total), total))  # all after the prefix: not known
+        live_to, new_reoffers = min(processed, n_live), []
+    else:
+        rej = {i for i in rejected if 0 <= i < total}
+        live_to, new_reoffers = n_live, [seqs[i] for i in sorted(rej) if i < n_live]
+    live = cursor_after(start, list(seqs), end, live_to)
+    ro_rej = [seq for i, seq in enumerate(reoffer_seqs) if n_live + i in rej]
+    ro_done = [s for s in reoffer_seqs if s not in ro_rej]
+    if rejected is None:
+        left = processed - n_live - n_ro  # negative: the prefix ended before the backfill
+    else:
+        left = min((i for i in rej if i >= n_live + n_ro), default=total) - n_live - n_ro
+    bf = []
+    for counts, done in bf_counts:
+        if left < 0:
+            break
+        last, nrows, nev, whole = -1, 0, 0, True
+        for i, c in enumerate(counts):
+            if c > left:
+                whole = False
+                break
+            left -= c
+            last, nrows, nev = i, nrows + 1, nev + c
+        bf.append((nrows, nev, last, whole and done))
+        if not whole:
+            break
+    return AnswerMoves(live, tuple(new_reoffers), tuple(ro_done), tuple(ro_rej if rejected is not None else ()),
+                       rejected is not None or not ro_rej, tuple(bf))
+
+
 def continues(start: int, completed: int | None) -> bool:
     """A body continues the stream a receiver has completed from that sender on that path."""
     return completed is not None and start <= completed

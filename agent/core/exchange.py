@@ -32,13 +32,21 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from . import reasons
 from .messages import Handshake, ProtocolError, parse_body
-from .records import AckAnswer, RecordError, is_ack, verify_ack
+from .records import MAX_ACK_ANSWERS, AckAnswer, RecordError, is_ack, verify_ack
 from .sending import MIN_BODY_LIMIT, PeerLimit
+
+KIND_BATCH, KIND_REALTIME = "batch", "rt"  # a request's `ssp-kind` (docs/mqtt.md)
+
 
 @dataclass
 class ExchangeConfig:
     """The exchange's settings, read live (agent/runner.py's RunConfig extends it)."""
+    cadence_s: float = 30.0  # batch cycle (§32; kept running under realtime, §33.1)
+    realtime: bool = True  # advertise and use realtime mode (§33)
+    coalesce_s: float = 0.05  # realtime: gather what is produced within this interval into one push (§33.2)
+    flush_cadence_s: float | None = None  # realtime on a fixed cadence instead of at production (§33.3)
     window: int = 4  # bodies in flight per peer
     answer_timeout_s: float = 15.0  # a reachable peer silent this long (doubling) has lost its bodies
     secure: bool = False  # the broker authenticates devices and pins topics (answers are evidence)
@@ -269,6 +277,107 @@ class Presence:
         return bool(hs is not None and hs.supports_realtime)
 
 
+# ---------------------------------------------------------------------- receiving
+def request_refusal(size: int, body_limit: int, kind: str, sender: bytes | None,
+                    realtime_established: bool) -> tuple[str, str] | None:
+    """(reason, detail) when a request is refused before its bytes are parsed, else None: larger
+    than this node's body limit, an unknown kind, an inbox topic naming no sender, or a realtime
+    body without mutual realtime mode (§33: rejected, not dropped, so it surfaces as a protocol
+    error). The reason codes are agent/core/reasons.py's."""
+    if size > body_limit:
+        return reasons.TOO_LARGE, f"{size} bytes > body limit {body_limit}"
+    if kind not in (KIND_BATCH, KIND_REALTIME):
+        return reasons.UNKNOWN_KIND, kind[:40]
+    if sender is None:
+        return reasons.BAD_TOPIC, "an inbox topic must name its sender"
+    if kind == KIND_REALTIME and not realtime_established:
+        return reasons.REALTIME_NOT_ESTABLISHED, sender.hex()
+    return None
+
+
+def ack_due(owed: int, last_signed: float, now: float, interval_s: float, force: bool = False) -> bool:
+    """Whether the signed acknowledgement owed to one sender (docs/protocol.md §5) is signed now:
+    when a record is full (MAX_ACK_ANSWERS bodies), when `interval_s` passed since its last one
+    (0: every pump), or when forced (closing: the bodies are applied and committed)."""
+    return force or owed >= MAX_ACK_ANSWERS or now - last_signed >= interval_s
+
+
+def ack_wait(last_signed: Iterable[float], now: float, interval_s: float) -> float:
+    """How long the loop may wait for messages while acknowledgements are owed: not past the
+    earliest one's interval."""
+    return max(0.0, min(last_signed) + interval_s - now)
+
+
+# ---------------------------------------------------------------------- when to send
+class Schedule:
+    """When the loop's sends are due: the batch cycle every `cadence_s` while connected (§32), and
+    realtime (§33) either a push `coalesce_s` after the node produced events (what is produced
+    meanwhile travels in the same push, §33.2) or a flush every `flush_cadence_s` (§33.3)."""
+
+    def __init__(self, cfg: ExchangeConfig, local_top: int = 0) -> None:
+        self.cfg = cfg
+        self.next_batch = 0.0
+        self.next_flush = 0.0
+        self.produced_at: float | None = None
+        self.last_local = local_top  # writes up to here are the batch cycle's
+
+    def batch_due(self, now: float, connected: bool) -> bool:
+        if now >= self.next_batch and connected:
+            self.next_batch = now + self.cfg.cadence_s
+            return True
+        return False
+
+    def produced(self, now: float) -> None:
+        """The node produced events (an in-process writer says so)."""
+        if self.produced_at is None:
+            self.produced_at = now
+
+    def realtime_due(self, now: float, local_top: int) -> str | None:
+        """"flush" (a fixed-cadence body to every realtime peer, even empty), "push" (what was
+        produced, coalesced) or None. `local_top`: the seq of the node's newest own write."""
+        if not self.cfg.realtime:
+            return None
+        if self.cfg.flush_cadence_s:
+            if now >= self.next_flush:
+                self.next_flush = now + self.cfg.flush_cadence_s
+                return "flush"
+            return None
+        if local_top > self.last_local and self.produced_at is None:
+            self.produced_at = now
+        if self.produced_at is not None and now - self.produced_at >= self.cfg.coalesce_s:
+            self.produced_at = None
+            self.last_local = max(self.last_local, local_top)
+            return "push"
+        return None
+
+
+@dataclass
+class OfferPlan:
+    """One offer to one peer (`Exchange.plan_offer`): where the bodies start, how many may go,
+    the records budget per body, and whether one goes even with nothing new. The caller selects
+    each body (agent/sync.py) and asks `worth_sending`; `sent` moves the start."""
+    peer: bytes
+    kind: str
+    start: int
+    bodies: int
+    limit: int  # bytes per body for this peer now
+    record_budget: int
+    force: bool
+
+    def worth_sending(self, end: int, backfill: bool) -> bool:
+        """A selection ending at `end` goes out if it reaches past the start (even with nothing for
+        the peer: an empty body, so the cursor moves only on an answer), carries backfill rows (or
+        the walk's end), or is forced (records the peer lacks; the fixed-cadence flush). Forcing
+        sends one body."""
+        if end <= self.start and not backfill and not self.force:
+            return False
+        self.force = False
+        return True
+
+    def sent(self, end: int) -> None:
+        self.start = end
+
+
 # ---------------------------------------------------------------------- the window
 @dataclass
 class Exchange:
@@ -301,6 +410,22 @@ class Exchange:
 
     def room(self, peer: bytes) -> int:
         return self.cfg.window - self.in_flight(peer)
+
+    def plan_offer(self, peer: bytes, kind: str, cursor: int, limit: int, bodies: int | None = None,
+                   force: bool = False, records_pending: Callable[[], bool] = lambda: False) -> OfferPlan:
+        """Up to `bodies` (default: the window's room) bodies to `peer`, from where the window in
+        flight ends (or the durable `cursor`). Records the peer has not answered for (never
+        delivered to it on this path) are worth a body of their own, when nothing is in flight;
+        at most a quarter of the peer's body limit of them per body, the rest follow in the next
+        bodies (each answer marks what its body carried as delivered)."""
+        n = self.room(peer) if bodies is None else bodies
+        force = force or (not self.in_flight(peer) and records_pending())
+        return OfferPlan(peer, kind, self.start_at(peer, cursor), max(n, 0), limit, max(256, limit // 4), force)
+
+    def may_carry_backfill(self, peer: bytes, kind: str) -> bool:
+        """Widening backfill rides batch bodies only, after the live tail (live first), one such
+        body in flight per peer."""
+        return kind == KIND_BATCH and not self.backfill_in_flight(peer)
 
     def start_at(self, peer: bytes, cursor: int) -> int:
         """Where the next body to `peer` starts: after the window in flight, or the durable cursor."""
@@ -508,5 +633,6 @@ class Exchange:
         return sorted({q.peer for q in self.pending.values()} & set(self.presence.caps if present is None else present))
 
 
-__all__ = ["Exchange", "ExchangeConfig", "InFlight", "Settled", "BodyLimits", "Presence", "answer_proof", "answered_progress",
+__all__ = ["Exchange", "ExchangeConfig", "Schedule", "OfferPlan", "request_refusal", "ack_due", "ack_wait",
+           "KIND_BATCH", "KIND_REALTIME", "InFlight", "Settled", "BodyLimits", "Presence", "answer_proof", "answered_progress",
            "MAX_ACKS_LOOKED_AT", "PRESENCE_LIMIT", "GIVE_UP_DOUBLINGS", "MIN_BODY_LIMIT"]

@@ -1,7 +1,7 @@
 """What the sender side of a sync link decides without I/O (issue 13 item 1: the runner's own
 state moving beside agent/core/session.py): how a selection is split into bodies that fit the
 peer's limit, and the per-peer body limit after `too_large` refusals. Pure: time is passed in.
-agent/runner.py (MQTT) uses both; the window of bodies in flight is still the runner's."""
+agent/core/exchange.py (the MQTT binding's exchange state machine) uses both."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,6 +29,13 @@ def split_sizes(sizes: Sequence[int], base_size: int, limit: int, max_events: in
     if start < len(sizes):
         out.append((start, len(sizes)))
     return out
+
+
+def first_body(sizes: Sequence[int], base_size: int, limit: int, max_events: int) -> int | None:
+    """How many of the selected items the first body takes when they do not all fit one body
+    (`split_sizes`); None when they do. The rest goes in the next body."""
+    parts = split_sizes(sizes, base_size, limit, max_events)
+    return parts[0][1] if len(parts) > 1 else None
 
 
 @dataclass

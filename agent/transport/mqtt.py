@@ -47,6 +47,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from ..core.exchange import KIND_BATCH, KIND_REALTIME  # noqa: F401 - a request's kinds (the exchange decides on them)
 from ..core.sending import split_sizes  # noqa: F401 - body splitting is pure; re-exported for the runner, benches, tests
 
 log = logging.getLogger("ssp_agent.mqtt")
@@ -73,7 +74,6 @@ ADVERTISED_FLOOR = 16 * 1024
 # PUBLISHes out to this node, each at most its Maximum Packet Size (own body limit + PACKET_OVERHEAD).
 RECEIVE_BUDGET_BYTES = 64 * 1024 * 1024
 RECEIVE_MAXIMUM_MIN, RECEIVE_MAXIMUM_MAX = 16, 1000
-KIND_BATCH, KIND_REALTIME = "batch", "rt"
 
 _GENERATIONS = itertools.count(1)
 

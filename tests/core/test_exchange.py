@@ -9,11 +9,13 @@ from collections import Counter
 from nacl.signing import SigningKey
 
 from agent.core.cose import assemble
-from agent.core.exchange import (GIVE_UP_DOUBLINGS, MAX_ACKS_LOOKED_AT, BodyLimits, Exchange, ExchangeConfig,
-                                 InFlight, Presence, answer_proof, answered_progress)
+from agent.core.delivery import answer_moves
+from agent.core.exchange import (GIVE_UP_DOUBLINGS, KIND_BATCH, KIND_REALTIME, MAX_ACKS_LOOKED_AT, BodyLimits,
+                                 Exchange, ExchangeConfig, InFlight, Presence, Schedule, ack_due, ack_wait,
+                                 answer_proof, answered_progress, request_refusal)
 from agent.core.messages import Handshake, SyncBody, emit_body
-from agent.core.records import AckAnswer, ack_to_be_signed, record_hash
-from agent.core.sending import MIN_BODY_LIMIT
+from agent.core.records import MAX_ACK_ANSWERS, AckAnswer, ack_to_be_signed, record_hash
+from agent.core.sending import MIN_BODY_LIMIT, first_body
 
 MESH = bytes(range(16))
 ME, PEER, OTHER = b"\x01" * 16, b"\x02" * 16, b"\x03" * 16
@@ -22,7 +24,7 @@ FLOOR, LINK = 16 * 1024, 256 * 1024
 
 def ex(window: int = 2, secure: bool = True, timeout: float = 10.0) -> Exchange:
     stats: Counter = Counter()
-    cfg = ExchangeConfig(window, timeout, secure, 60.0, 3600.0)
+    cfg = ExchangeConfig(window=window, answer_timeout_s=timeout, secure=secure)
     return Exchange(cfg, BodyLimits(FLOOR, cfg, stats), Presence(8, stats), stats)
 
 
@@ -279,3 +281,108 @@ def test_answer_proof_takes_only_the_peers_signature_over_this_exact_body():
     unhashed = body(seqs=(1, 2), end=2)
     assert answer_proof(unhashed, answer_with(good), MESH, ME, keyring.get, stats) is None
     assert stats["answers_unprovable"] == 1
+
+
+# ------------------------------------------------------------------ what to send, and when
+def test_an_offer_starts_after_the_window_and_forces_a_body_for_records_only_when_idle():
+    x = ex(window=3)
+    asked = []
+
+    def pending() -> bool:
+        asked.append(1)
+        return True
+    plan = x.plan_offer(PEER, KIND_BATCH, cursor=4, limit=64 * 1024, records_pending=pending)
+    assert (plan.start, plan.bodies, plan.record_budget, plan.force) == (4, 3, 16 * 1024, True)
+    assert plan.worth_sending(end=4, backfill=False), "records the peer lacks: one body even with no events"
+    assert not plan.worth_sending(end=4, backfill=False), "forcing sends one body"
+    assert plan.worth_sending(end=4, backfill=True), "the backfill walk's end still goes"
+    x.sent(b"c1", body(start=4, end=9, seqs=(9,)))
+    asked.clear()
+    plan = x.plan_offer(PEER, KIND_BATCH, cursor=4, limit=1000, records_pending=pending)
+    assert (plan.start, plan.bodies, plan.record_budget, plan.force) == (9, 2, 256, False) and not asked
+    plan.sent(12)
+    assert plan.start == 12
+
+
+def test_backfill_rides_batch_bodies_only_one_in_flight():
+    x = ex()
+    assert x.may_carry_backfill(PEER, KIND_BATCH) and not x.may_carry_backfill(PEER, KIND_REALTIME)
+    x.sent(b"c1", body(backfill=True))
+    assert not x.may_carry_backfill(PEER, KIND_BATCH)
+
+
+def test_first_body_cuts_a_selection_that_does_not_fit():
+    assert first_body([100] * 10, 50, 10**6, 100) is None
+    n = first_body([300] * 40, 200, 4096, 1000)
+    assert n is not None and 200 + 8 + n * 303 <= 4096 < 200 + 8 + (n + 1) * 303
+    assert first_body([10] * 10, 0, 10**6, 4) == 4
+
+
+def test_requests_are_refused_with_the_one_list_of_reason_codes():
+    from agent.core.reasons import ALL as REASONS
+    assert request_refusal(10, 100, KIND_BATCH, PEER, False) is None
+    assert request_refusal(10, 100, KIND_REALTIME, PEER, True) is None
+    cases = [(101, KIND_BATCH, PEER, True, "too_large"), (10, "push", PEER, True, "unknown_kind"),
+             (10, KIND_BATCH, None, True, "bad_topic"), (10, KIND_REALTIME, PEER, False, "realtime_not_established")]
+    for size, kind, sender, rt, reason in cases:
+        got = request_refusal(size, 100, kind, sender, rt)
+        assert got is not None and got[0] == reason and reason in REASONS
+
+
+def test_signed_acknowledgements_are_grouped_until_full_or_the_interval():
+    assert ack_due(1, last_signed=0.0, now=5.0, interval_s=0.0)
+    assert not ack_due(3, last_signed=4.9, now=5.0, interval_s=1.0)
+    assert ack_due(MAX_ACK_ANSWERS, last_signed=4.9, now=5.0, interval_s=1.0)
+    assert ack_due(1, last_signed=4.9, now=5.0, interval_s=1.0, force=True)
+    assert ack_wait([4.5, 4.9], now=5.0, interval_s=1.0) == 0.5
+    assert ack_wait([1.0], now=5.0, interval_s=1.0) == 0.0
+
+
+def test_the_batch_cycle_runs_every_cadence_while_connected():
+    s = Schedule(ExchangeConfig(cadence_s=30.0))
+    assert not s.batch_due(0.0, connected=False)
+    assert s.batch_due(0.0, connected=True) and not s.batch_due(29.9, True) and s.batch_due(30.0, True)
+
+
+def test_realtime_pushes_are_coalesced_after_production():
+    s = Schedule(ExchangeConfig(coalesce_s=0.05), local_top=10)
+    assert s.realtime_due(1.0, local_top=10) is None, "writes before the start are the batch cycle's"
+    assert s.realtime_due(1.0, local_top=11) is None          # produced: the push waits coalesce_s
+    assert s.realtime_due(1.04, local_top=12) is None
+    assert s.realtime_due(1.05, local_top=12) == "push"
+    assert s.realtime_due(2.0, local_top=12) is None, "nothing new"
+    s.produced(3.0)                                           # an in-process writer says so
+    assert s.realtime_due(3.1, local_top=12) == "push"
+    assert Schedule(ExchangeConfig(realtime=False)).realtime_due(1.0, 99) is None
+
+
+def test_a_fixed_cadence_flush_goes_whatever_was_produced():
+    s = Schedule(ExchangeConfig(flush_cadence_s=2.0))
+    assert s.realtime_due(0.0, 0) == "flush" and s.realtime_due(1.9, 50) is None and s.realtime_due(2.0, 0) == "flush"
+
+
+# ------------------------------------------------------------------ the cursor movement an answer proves (every link)
+def test_a_prefix_answer_moves_the_live_cursor_to_before_the_first_unprocessed_event():
+    mv = answer_moves(10, (12, 15, 20), 25, (), [], processed=2, rejected=None)
+    assert mv.live == 19 and mv.new_reoffers == () and mv.backfill == ()
+    assert answer_moves(10, (12, 15, 20), 25, (), [], 3, None).live == 25, "all processed: the range's end"
+    assert answer_moves(10, (12, 15, 20), 25, (), [], 0, None).live == 11
+
+
+def test_rejected_events_are_passed_and_re_offered_not_pinning_the_stream():
+    mv = answer_moves(10, (12, 15, 20), 25, (), [], processed=3, rejected=[1])
+    assert mv.live == 25 and mv.new_reoffers == (15,)
+
+
+def test_re_offers_and_backfill_rows_commit_only_what_reached_a_final_state():
+    # 2 live, 2 re-offered, then a backfill part of rows with 2, 1 and 3 events (walk at the end)
+    body = dict(start=0, seqs=(1, 2), end=2, reoffer_seqs=(7, 8), bf_counts=[((2, 1, 3), True)])
+    mv = answer_moves(**body, processed=7, rejected=None)  # the prefix ends inside the third row
+    assert mv.reoffers_done == (7, 8) and mv.rescans_done and mv.backfill == ((2, 3, 1, False),)
+    mv = answer_moves(**body, processed=10, rejected=[])
+    assert mv.backfill == ((3, 6, 2, True),), "every row whole: the job is done"
+    mv = answer_moves(**body, processed=10, rejected=[3, 5])  # a re-offer and the first backfill row's 2nd event
+    assert mv.reoffers_done == (7,) and mv.reoffers_again == (8,) and mv.rescans_done
+    assert mv.backfill == ((0, 0, -1, False),), "the row holding a rejected event does not commit"
+    mv = answer_moves(**body, processed=3, rejected=None)  # stopped in the re-offers
+    assert mv.reoffers_done == (7,) and mv.reoffers_again == () and not mv.rescans_done and mv.backfill == ()
