@@ -22,6 +22,7 @@ import logging
 import os
 import select
 import time
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,6 +33,7 @@ log = logging.getLogger("ssp_agent.serial")
 
 PATH = "serial"
 REOPEN_S = 0.5  # a port that went away is opened again this often
+EVENTS_KEPT = 1000  # an endpoint's latest link and session events kept (SerialEndpoint.events)
 LOSS_WINDOW_MS = 60_000
 LOSSES_SURFACED_PER_WINDOW = 20  # surfaced rows per kind and reason and window (SerialEndpoint._admit)
 
@@ -75,6 +77,22 @@ class _Counting:
             self.inner.protocol_error(peer, reason, d, now)
 
 
+class _Recent(deque):
+    """An endpoint's link and session events: the latest EVENTS_KEPT (a `run` that lasts months
+    would otherwise keep one per exchange, every cadence, for ever), and counts of every kind."""
+
+    def __init__(self) -> None:
+        super().__init__(maxlen=EVENTS_KEPT)
+        self.counts: Counter = Counter()
+        self.down_reasons: set[str] = set()
+
+    def append(self, item: tuple[str, str]) -> None:
+        super().append(item)
+        self.counts[item[0]] += 1
+        if item[0] == "link_down":
+            self.down_reasons.add(item[1])
+
+
 @dataclass
 class SessionSettings:
     realtime: bool = True
@@ -110,7 +128,7 @@ class SerialEndpoint:
         self._seen_confirms = 0
         self._moved_mark = 0
         self.empty_exchanges = 0  # completed exchanges that moved no event either way
-        self.events: list[tuple[str, str]] = []  # link and session events, for the caller
+        self.events = _Recent()  # link and session events, for the caller: the latest, and counts of all
         self.name = ""  # the port, in surfaced rows
         self._loss_window: dict[tuple[str, str], list[int]] = {}  # (kind, reason) -> [window start, surfaced, not]
 
@@ -181,8 +199,8 @@ class SerialEndpoint:
         ls = self.link.stats
         return {"pushed": offered, "applied": c["applied"], "duplicate": c["duplicate"], "dropped": c["dropped"],
                 "rejected": c["rejected"], "held": c["held"], "exchanges": self.completed,
-                "timeouts": sum(1 for k, _ in self.events if k == "timeout"),
-                "protocol_errors": sum(1 for k, _ in self.events if k in ("protocol_error", "peer_error")),
+                "timeouts": self.events.counts["timeout"],
+                "protocol_errors": self.events.counts["protocol_error"] + self.events.counts["peer_error"],
                 "peer": self.session.peer.hex() if self.session is not None and self.session.peer else None,
                 # events after the durable cursor on this path for the current peer (offered or not,
                 # never answered for), as `run` over MQTT reports per peer
@@ -194,7 +212,7 @@ class SerialEndpoint:
                          "segment_size": self.link.segment_size, "downs": ls["downs"],
                          "compressed": self.link.peer_zlib, "message_bytes_out": ls["message_bytes_out"],
                          "message_wire_bytes_out": ls["message_wire_bytes_out"],
-                         "down_reasons": sorted({d for k, d in self.events if k == "link_down"})}}
+                         "down_reasons": sorted(self.events.down_reasons)}}
 
     def _unanswered(self) -> int | None:
         from ..store import sync_state as st

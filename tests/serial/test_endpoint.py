@@ -133,3 +133,19 @@ def test_an_evicted_node_rehydrates_from_a_gateway_over_a_faulty_serial_line(tmp
     assert pi.dump() == gw.dump()
     assert rehydrate.status(pi)["rehydrating"]["events_applied"] == 40
     assert rehydrate.status(gw)["serving"][0]["remaining_events_by_path"]["serial"] == 0
+
+
+def test_a_long_run_keeps_a_bounded_event_list_and_counts_everything(tmp_path):
+    """`run` keeps an endpoint for months: one event per exchange, every cadence. Only the latest
+    EVENTS_KEPT are kept; the summary's counts cover all of them."""
+    from agent.transport.serial import EVENTS_KEPT
+    a, b = mesh(tmp_path, 2)
+    line = EndpointLine([SyncDriver(a), SyncDriver(b)], [LineFaults(seed=1), LineFaults(seed=2)])
+    ep = line.eps[0]
+    for i in range(EVENTS_KEPT + 500):
+        ep.events.append(("timeout", ""))
+        ep.events.append(("link_down", "peer_silent" if i % 2 else "peer_restarted"))
+    s = ep.summary()
+    assert len(ep.events) == EVENTS_KEPT
+    assert s["timeouts"] == EVENTS_KEPT + 500
+    assert s["link"]["down_reasons"] == ["peer_restarted", "peer_silent"]
