@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from .store import counters
+from .store import counters, db
 
 
 def _esc(v: str) -> str:
@@ -40,9 +40,9 @@ def render(node, run_stats: dict | None = None, now_s: float | None = None) -> s
              "table appeared) and outcome (applied, duplicate, dropped, rejected, held).",
              [({"origin": k.split(":", 1)[0], "outcome": k.split(":", 1)[1]}, n) for k, n in sorted(ev.items())])
     o.metric("ssp_events_retained", "gauge", "Events in the retained log.",
-             [({}, node.conn.execute("SELECT count(*) FROM events").fetchone()[0])])
+             [({}, db.log_count(node.conn))])
     o.metric("ssp_events_held", "gauge", "Events held for a table this node does not have (§13.6 row 1).",
-             [({}, node.conn.execute("SELECT count(*) FROM held").fetchone()[0])])
+             [({}, db.held_total(node.conn))])
     o.metric("ssp_ignored_columns_total", "counter",
              "Events whose payload carried a column this node's schema does not have, per table and column "
              "(the §13.6 meter).",

@@ -71,7 +71,8 @@ class Node:
         if log_seal is not None:
             atrest.install(conn, log_seal)
         self.read_only = read_only
-        self._pool = None
+        self._pool = None   # the apply workers: None not started yet, False none (agent/applyworker.py)
+        self._batched = 0   # events of batches of 64 or more applied while none was started
         self.site_id: bytes = bytes(db.get_meta(conn, "site_id"))
         self.mesh_id: bytes = bytes(db.get_meta(conn, "mesh_id"))
         self.authorities: set[bytes] = {bytes.fromhex(a) for a in json.loads(db.get_meta(conn, "authorities", "[]"))}
@@ -326,9 +327,9 @@ class Node:
         self.close()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        if self._pool:
+            self._pool.close()
+        self._pool = None
         if self.bridge is not None:
             self.bridge.close()
             self.bridge = None
@@ -651,49 +652,81 @@ class Node:
 
     _CHUNK = 256
     _CHUNK_BYTES = 256 * 1024
+    _AHEAD = 3   # chunks prepared ahead of the one applying
+    # Batches of 64 or more adding up to this many events start the worker processes (their
+    # start-up, ~0.1 s of CPU, is repaid after a few thousand events): at once for a large mailbox
+    # body, after a few bodies for a long-running `run` (bodies of 1 000), never for a one-shot
+    # command that applies one small body. Once started, every batch of 64 or more uses them.
+    WORKER_MIN_BATCH = 2048
+
+    def _worker(self, n: int):
+        """The apply worker processes (agent/applyworker.py), or None: on one core (a second process
+        only adds the pipe's cost to the same core), until batches of WORKER_MIN_BATCH events in
+        all came, or after they failed (SSP_AGENT_APPLY_WORKERS=0 turns them off)."""
+        if self._pool is not None:
+            return self._pool or None
+        self._batched += n
+        if self._batched < self.WORKER_MIN_BATCH:
+            return None
+        if os.environ.get("SSP_AGENT_APPLY_WORKERS") == "0" or len(os.sched_getaffinity(0)) < 2:
+            self._pool = False
+            return None
+        from .applyworker import ApplyWorkers
+        try:
+            self._pool = ApplyWorkers(self._worker_count())
+        except OSError as e:
+            log.warning("apply worker not started (%s): verifying on this thread", e)
+            self._pool = False
+        return self._pool or None
+
+    @staticmethod
+    def _worker_count() -> int:
+        """SSP_AGENT_APPLY_WORKERS, else one per core beyond the applying thread's, at most 3."""
+        env = os.environ.get("SSP_AGENT_APPLY_WORKERS", "")
+        if env.isdigit():
+            return max(1, int(env))
+        return max(1, min(3, len(os.sched_getaffinity(0)) - 1))
+
+    def _worker_failed(self, e: Exception) -> None:
+        log.warning("apply worker failed (%s): verifying on this thread from now on", e)
+        try:
+            self._pool.close()
+        except Exception:  # noqa: BLE001 - it is gone either way
+            pass
+        self._pool = False
 
     def _verified_ahead(self, raws):
-        """Verify signatures on worker threads a few chunks ahead of the thread that writes
-        SQLite. This thread parses each chunk (Python work that holds the GIL) and hands the
-        workers only libsodium calls, which release it, so verification truly overlaps the
-        writes instead of contending for the GIL. Pure: the same check §12.1 runs, done early;
-        the apply path still takes each event's result in order, and re-verifies if the
-        keyring entry changed since."""
-        from concurrent.futures import ThreadPoolExecutor
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="verify")
+        """Each event with what the apply path needs to know of it before touching the store:
+        its envelope, keyring entry, signature verdict, decoded payload (agent/core/prepare.py),
+        computed a few chunks ahead by the worker process while this thread applies the events
+        before them (on one core, or without a worker: here, chunk by chunk). Pure: the same
+        checks §12.1 runs, done early; `_apply_one` still takes each result in order and
+        re-verifies if the keyring entry changed since. Yields (raw, checked or None)."""
+        from .core.prepare import checked_from, prepare
         keyring, mesh = dict(self.keyring), self.mesh_id
+        worker = self._worker(len(raws))
 
-        def parse(chunk):  # on this thread: Python work that needs the GIL
-            out = []
+        def look_up(chunk):
             # Events this node already holds are answered by the apply path's duplicate look-up
-            # before any verification (§12.4 early): verifying them ahead would be wasted work.
+            # before any verification (§12.4 early): preparing them would be wasted work.
             # (The log and the held table only grow during a batch, so "known" stays true.)
             ids = [ev.event_id(bytes(r)) if isinstance(r, (bytes, bytearray)) else None for r in chunk]
             known = self._known_among([i for i in ids if i is not None])
-            for raw, eid in zip(chunk, ids):
-                if eid is None or eid in known:
-                    out.append(None)
-                    continue
+            todo = [bytes(r) for r, i in zip(chunk, ids) if i is not None and i not in known]
+            return ids, known, todo
+
+        def submit(chunk):
+            ids, known, todo = look_up(chunk)
+            ticket = None
+            if worker is not None and self._pool:
                 try:
-                    s1 = cose.parse_sign1(bytes(raw))
-                except (DecodeError, TypeError):
-                    out.append(None)  # the apply path parses again and reports the reason
-                    continue
-                entry = keyring.get(s1.kid)
-                out.append((s1, entry, None if entry is None else s1.sig_structure(mesh), eid))
-            return out
+                    ticket = worker.submit(keyring, mesh, todo)
+                except Exception as e:  # noqa: BLE001 - any failure of the worker: prepare here
+                    self._worker_failed(e)
+            return ids, known, todo, ticket
 
-        def verify(parsed):  # on a worker: libsodium, without the GIL
-            return [None if p is None else (p[0], p[1], p[1] is not None and
-                                            cose.verify_ed25519(p[1][0], p[2], p[0].signature), None, p[3])
-                    for p in parsed]
-
-        def check(chunk):
-            return self._pool.submit(verify, parse(chunk))
-
-        # Chunks of at most _CHUNK events and _CHUNK_BYTES bytes, three ahead of the one being
-        # applied: the verify-ahead window is bounded in bytes as well as in events (issue 15).
+        # Chunks of at most _CHUNK events and _CHUNK_BYTES bytes, _AHEAD ahead of the one being
+        # applied: the prepare-ahead window is bounded in bytes as well as in events (issue 15).
         chunks, cur, size = [], [], 0
         for r in raws:
             n = len(r) if isinstance(r, (bytes, bytearray)) else 0
@@ -704,13 +737,37 @@ class Node:
             size += n
         if cur:
             chunks.append(cur)
-        ahead = [check(c) for c in chunks[:3]]
-        for i, chunk in enumerate(chunks):
-            results = ahead[i].result()
-            ahead[i] = None  # release the chunk's parsed envelopes as we go
-            if i + 3 < len(chunks):
-                ahead.append(check(chunks[i + 3]))
-            yield from zip(chunk, results)
+        ahead = [submit(c) for c in chunks[:self._AHEAD]] if worker is not None else []
+        try:
+            for i, chunk in enumerate(chunks):
+                if worker is not None:
+                    ids, known, todo, ticket = ahead[i]
+                    ahead[i] = None   # release the chunk's results as we go
+                    if i + self._AHEAD < len(chunks):
+                        ahead.append(submit(chunks[i + self._AHEAD]))
+                else:
+                    (ids, known, todo), ticket = look_up(chunk), None
+                results = None
+                if ticket is not None and self._pool:
+                    try:
+                        results = worker.result(ticket)
+                    except Exception as e:  # noqa: BLE001 - any failure of the worker: prepare here
+                        self._worker_failed(e)
+                if results is None:
+                    results = prepare(todo, keyring, mesh)
+                it = iter(results)
+                for raw, eid in zip(chunk, ids):
+                    if eid is None or eid in known:
+                        yield raw, None
+                        continue
+                    r = next(it)
+                    yield raw, (None if r is None else checked_from(r, bytes(raw), eid, self.keyring.get(r[0])))
+        finally:
+            if worker is not None and self._pool:
+                try:
+                    worker.drain()   # a batch that stopped early (a fault): its answers in flight
+                except Exception as e:  # noqa: BLE001
+                    self._worker_failed(e)
 
     def _apply_one(self, raw: bytes, now: int, origin: str, checked=None, since: dict | None = None) -> Outcome:
         """The one apply path: §12 steps in the spec's order, then §13 materialization.
@@ -755,6 +812,8 @@ class Node:
         if checked is not None and checked[1] == entry:
             sig_ok = checked[2]
         else:
+            if checked is not None:   # prepared against another keyring entry: start over from the bytes
+                sign1, checked = cose.parse_sign1(raw), None
             sig_ok = cose.verify_ed25519(entry[0], sign1.sig_structure(self.mesh_id), sign1.signature)
         if not sig_ok:
             return self._surface(Outcome(DROPPED, "bad_signature", eid, kid), now)
@@ -789,7 +848,8 @@ class Node:
         if below(e.hlc, tbl.horizon):
             return Outcome(APPLIED, "below_horizon", **base)
         # §12.4 idempotent insert keyed on event_id.
-        rk = rowstore.row_key_bytes(e.row_key)
+        rk = checked[5] if checked is not None and len(checked) > 5 and checked[5] is not None else \
+            rowstore.row_key_bytes(e.row_key)
         cur = self.conn.execute(
             "INSERT OR IGNORE INTO events (event_id, site_id, hlc_p, hlc_l, qualified, row_key, operation, raw, origin)"
             " VALUES (?,?,?,?,?,?,?,?,?)", (eid, kid, e.hlc[0], e.hlc[1], table, rk, e.operation,
@@ -1525,8 +1585,8 @@ class Node:
                 "store_schema": {"version": migrations.store_version(self.conn), "agent": migrations.LATEST},
                 "public_key": bytes(db.get_meta(self.conn, "public_key")).hex(),
                 "keystore": self.bridge.describe() if self.bridge else self._keystore_card(),
-                "events": self.conn.execute("SELECT count(*) FROM events").fetchone()[0],
-                "held": self.conn.execute("SELECT count(*) FROM held").fetchone()[0],
+                "events": db.log_count(self.conn),     # maintained counts: O(1) however large the log
+                "held": db.held_total(self.conn),
                 "bounds": self._bounds(),
                 "clock": self._clock_status(),
                 "tables": {q: {"category": t.tdef.category, "retention": t.tdef.retention,

@@ -121,6 +121,44 @@ def held_count(conn: sqlite3.Connection, site_id: bytes) -> tuple[int, int]:
     return r.get(site_id, 0), r.get(b"", 0)
 
 
+# The number of events in the log, kept by triggers (issue 15 item 6): `status` and the metrics
+# read one row instead of counting a log of a million events (166 ms). Triggers, so the count is
+# exact through every path that adds or removes log rows (the apply path, eviction, rehydration,
+# whatever comes later) in the same transaction; they cost one row update per event applied.
+_LOG_COUNT = (
+    "CREATE TABLE IF NOT EXISTS log_count (k INTEGER PRIMARY KEY CHECK (k = 0), n INTEGER NOT NULL)",
+    "CREATE TRIGGER IF NOT EXISTS log_count_ins AFTER INSERT ON events BEGIN "
+    "UPDATE log_count SET n = n + 1 WHERE k = 0; END",
+    "CREATE TRIGGER IF NOT EXISTS log_count_del AFTER DELETE ON events BEGIN "
+    "UPDATE log_count SET n = n - 1 WHERE k = 0; END",
+)
+
+
+def create_log_count(conn: sqlite3.Connection) -> None:
+    """The count and its triggers, counting what the log holds (inside the caller's transaction)."""
+    for stmt in _LOG_COUNT:
+        conn.execute(stmt)
+    conn.execute("INSERT OR REPLACE INTO log_count VALUES (0, (SELECT count(*) FROM events))")
+
+
+def log_count(conn: sqlite3.Connection) -> int:
+    """Events in the log: one row read; a read view of a store older than the count counts."""
+    try:
+        r = conn.execute("SELECT n FROM log_count WHERE k = 0").fetchone()
+    except sqlite3.OperationalError:   # no such table: a layout before version 7, read as it is
+        r = None
+    return r[0] if r is not None else conn.execute("SELECT count(*) FROM events").fetchone()[0]
+
+
+def held_total(conn: sqlite3.Connection) -> int:
+    """Events held in total: the held counts' total row; a store older than them counts."""
+    try:
+        r = conn.execute("SELECT n FROM held_counts WHERE site_id = X''").fetchone()
+    except sqlite3.OperationalError:
+        return conn.execute("SELECT count(*) FROM held").fetchone()[0]
+    return 0 if r is None else r[0]
+
+
 class StoreError(RuntimeError):
     """A local storage fault (never a protocol error): the CLI prints its one-line message, which
     says what is wrong and what to do, and exits 1."""

@@ -18,6 +18,8 @@ Version history:
   6  at-rest sealing of the event log (agent/store/atrest.py): the data-key table; a store that
      holds events gets a re-seal job (meta atrest_job), which the next writing open runs in
      batches with the keystore (this step has none), resuming where it stopped
+  7  the log's event count (db.log_count), kept by triggers, counted from the log once here:
+     `status` reads one row instead of counting the log (issue 15 item 6)
 
 To change the layout: append a step (version LATEST + 1) below. Never edit a released step.
 The ensure_* functions stay idempotent and keep working on their own (they are also called where
@@ -75,6 +77,10 @@ def _v6_atrest(conn: sqlite3.Connection) -> None:
     atrest.create_schema(conn)
 
 
+def _v7_log_count(conn: sqlite3.Connection) -> None:
+    db.create_log_count(conn)
+
+
 # (version reached, what it does): applied in order, each in one transaction.
 MIGRATIONS: list[tuple[int, str, Callable[[sqlite3.Connection], None]]] = [
     (1, "base layout", _v1_base),
@@ -83,6 +89,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[sqlite3.Connection], None]]] = [
     (4, "sequencing records (receipt heads, sequencer bindings)", _v4_sequencing),
     (5, "per-peer link state: bodies in flight, learned body limits", _v5_peer_links),
     (6, "at-rest sealing of the event log", _v6_atrest),
+    (7, "the log's event count", _v7_log_count),
 ]
 LATEST = MIGRATIONS[-1][0]
 

@@ -1,6 +1,8 @@
 """§12 steps in order and every §13.6 row, each with a hostile input."""
 from __future__ import annotations
 
+import os
+
 import cbor2
 import pytest
 
@@ -266,27 +268,115 @@ def test_surfaced_record_is_bounded_against_a_flood(env):
     assert one(node, a.event(T, {"device": "d", "seq": 1}, {"temp": 1.0}, (NOW, 0))).status == APPLIED
 
 
-def test_large_batches_verified_ahead_give_the_same_outcomes(tmp_path):
-    """The pipelined path (signatures verified on worker threads) is the same apply path:
-    identical outcomes and state to one-by-one application, hostile inputs included."""
-    a, b = peers(2)
+def _mixed_events(a, b, n=40, base=0):
     mixed = []
-    for i in range(40):
+    for i in range(base, base + n):
         good = a.event(T, {"device": "d", "seq": i % 7}, {"temp": float(i)}, (NOW, i))
         mixed += [good, good,  # duplicate inside the batch
                   b.sign_payload(encode(payload(hlc_logical=i)), kid=a.site_id),  # forged
                   b.event("app.later", {"id": str(i)}, {"v": i}, (NOW, i)),  # held
                   b.event(T, {"device": "e", "seq": i}, {"temp": 1.0}, (4_000_000_000_000, i)),  # skew
-                  a.sign_payload(encode(payload(row_key={"device": "d"}, hlc_logical=1000 + i)))]  # bad key
+                  a.sign_payload(encode(payload(row_key={"device": "d"}, hlc_logical=1000 + i))),  # bad key
+                  a.sign_payload(encode(payload(operation="merge", hlc_logical=2000 + i))),  # bad shape
+                  b"\xd2" + good[1:-1] + bytes([good[-1] ^ 1]),  # damaged signature byte
+                  SimPeer(MESH).event(T, {"device": "u", "seq": i}, {"temp": 1.0}, (NOW, i)),  # unknown kid
+                  good[:-3]]  # truncated envelope
+    return mixed
+
+
+needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the apply worker needs 2 cores")
+
+
+@pytest.mark.parametrize("workers,share", [(0, None), (1, 0.0), (1, 1.0), (1, None), (2, None)])
+def test_large_batches_verified_ahead_give_the_same_outcomes(tmp_path, monkeypatch, workers, share):
+    """The pipelined path (envelope, signature and payload prepared ahead: on this thread, or in
+    worker processes that decode the payloads of no chunk, of every chunk, or of the share that
+    balances them with the applying thread) is the same apply path: identical outcomes and state
+    to one-by-one application, hostile inputs included."""
+    if workers and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the apply worker needs 2 cores")
+    monkeypatch.setattr(Node, "WORKER_MIN_BATCH", 64 if workers else 10**9)
+    monkeypatch.setenv("SSP_AGENT_APPLY_WORKERS", str(max(1, workers)))
+    if share is not None:
+        from agent.applyworker import ApplyWorkers
+        monkeypatch.setattr(ApplyWorkers, "FIRST_SHARE", share)
+        monkeypatch.setattr(ApplyWorkers, "STEP", 0.0)
+    a, b = peers(2)
+    mixed = _mixed_events(a, b)
     big = make_node(tmp_path / "big", [a, b])
     small = make_node(tmp_path / "small", [a, b])
     outs_big = big.apply_batch(mixed, NOW)
+    if workers:
+        assert big._pool and len(big._pool.workers) == workers   # the worker did prepare them
+    else:
+        assert not big._pool
     outs_small = [small.apply_batch([r], NOW)[0] for r in mixed]
     assert [(o.status, o.reason) for o in outs_big] == [(o.status, o.reason) for o in outs_small]
+    assert {o.reason for o in outs_big} >= {"applied", "duplicate", "bad_signature", "table_missing",
+                                            "clock_skew", "row_key_columns", "unknown_kid"}
     assert big.dump() == small.dump()
     assert len(outs_big) > 64
     big.close()
     small.close()
+
+
+@needs_two_cores
+def test_a_dead_apply_worker_leaves_the_apply_path_to_this_thread(tmp_path, monkeypatch):
+    """A worker process that dies (killed, out of memory) costs speed, never outcomes: the batch
+    that finds it gone prepares its events on the applying thread, with the same results."""
+    import signal
+    monkeypatch.setattr(Node, "WORKER_MIN_BATCH", 64)
+    monkeypatch.setenv("SSP_AGENT_APPLY_WORKERS", "1")
+    a, b = peers(2)
+    big = make_node(tmp_path / "big", [a, b])
+    small = make_node(tmp_path / "small", [a, b])
+    first, second = _mixed_events(a, b, 20), _mixed_events(a, b, 40, base=100)
+    big.apply_batch(first, NOW)
+    for r in first:
+        small.apply_batch([r], NOW)
+    proc = big._pool.workers[0].proc
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    outs_big = big.apply_batch(second, NOW)
+    assert big._pool is False   # given up: this thread prepares from now on
+    outs_small = [small.apply_batch([r], NOW)[0] for r in second]
+    assert [(o.status, o.reason) for o in outs_big] == [(o.status, o.reason) for o in outs_small]
+    assert big.dump() == small.dump()
+    big.close()
+    small.close()
+
+
+@needs_two_cores
+def test_the_apply_worker_starts_once_enough_events_came_in_batches(tmp_path, monkeypatch):
+    """Not for a one-shot command applying one small body (its start-up would cost more than it
+    saves), but for a long-running one once its bodies add up to WORKER_MIN_BATCH events."""
+    monkeypatch.setattr(Node, "WORKER_MIN_BATCH", 250)
+    monkeypatch.delenv("SSP_AGENT_APPLY_WORKERS", raising=False)
+    a, b = peers(2)
+    node = make_node(tmp_path / "n", [a, b])
+    node.apply_batch(_mixed_events(a, b, 10), NOW)   # 100 events
+    node.apply_batch([a.event(T, {"device": "s", "seq": i}, {"temp": 1.0}, (NOW, i)) for i in range(63)], NOW)
+    assert node._pool is None                        # batches under 64 do not count
+    node.apply_batch(_mixed_events(a, b, 10, base=50), NOW)
+    assert node._pool is None                        # 200
+    node.apply_batch(_mixed_events(a, b, 10, base=100), NOW)
+    assert node._pool                                # 300: started, and kept
+    node.apply_batch(_mixed_events(a, b, 10, base=150), NOW)
+    assert node._pool
+    node.close()
+    assert node._pool is None
+
+
+def test_the_apply_worker_is_not_started_on_one_core_or_for_small_batches(tmp_path, monkeypatch):
+    a, b = peers(2)
+    node = make_node(tmp_path / "n", [a, b])
+    node.apply_batch(_mixed_events(a, b, 10), NOW)   # 100 events: below WORKER_MIN_BATCH
+    assert node._pool is None
+    monkeypatch.setattr(Node, "WORKER_MIN_BATCH", 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    node.apply_batch(_mixed_events(a, b, 10, base=50), NOW)
+    assert node._pool is False
+    node.close()
 
 
 @pytest.mark.parametrize("row_flush", [1, 4096])

@@ -106,6 +106,9 @@ def test_a_previous_release_home_migrates_on_the_first_writing_open(tmp_path):
     st = cli(tmp_path, home, "status")
     assert st.returncode == 0, st.stderr
     assert json.loads(st.stdout)["store_schema"] == {"version": migrations.LATEST, "agent": migrations.LATEST}
+    # The log's count (layout 7) counted the two events the old home held, then the write's.
+    assert json.loads(st.stdout)["events"] == 3
+    assert "log_count" in layout
 
 
 def test_a_read_view_of_a_previous_release_home_writes_nothing(tmp_path):

@@ -1,0 +1,223 @@
+"""A worker process that runs the verify-ahead part of the apply path (agent/core/prepare.py:
+envelope parse, Ed25519 verification, strict payload decode) on another core, while the thread
+that holds SQLite applies the events before them (issue 15 item 1, docs/apply.md "Speed").
+
+Why a process and not threads: the verification releases the GIL, but everything around it does
+not, and the thread holding SQLite releases and re-takes the GIL at every SQLite and libsodium
+call; measured on 2 cores, two verify threads made the import no faster than verifying on the
+apply thread itself (the threads and the apply thread queue for the GIL and for the cores).
+
+The protocol is private to this module: frames of an 8-byte length and a pickle, over the
+worker's stdin and stdout. A request is (keyring, mesh_id, raws, decode); its answer is the list
+`prepare` returns. Requests are answered in order. The worker reads requests on a thread of its
+own, so its blocked write of an answer never stops it from taking the next request: the parent
+may send several chunks ahead and read their answers later without a deadlock. The parent
+bounds how many chunks are in flight, so this costs a few chunks of memory at most.
+
+Only public data crosses: signed event bytes and public keys (no data key, no signing key).
+If the worker fails or dies, the parent falls back to preparing on its own thread: the results
+are the same, only later."""
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import sys
+
+_LEN = struct.Struct(">Q")
+
+
+def _read_exact(f, n: int) -> bytes | None:
+    data = f.read(n)
+    return data if data is not None and len(data) == n else None
+
+
+def _read_frame(f) -> bytes | None:
+    head = _read_exact(f, _LEN.size)
+    if head is None:
+        return None
+    return _read_exact(f, _LEN.unpack(head)[0])
+
+
+def _write_frame(f, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    f.write(_LEN.pack(len(data)))
+    f.write(data)
+    f.flush()
+
+
+def main() -> int:
+    """The worker: answer requests until stdin closes."""
+    import queue
+    import threading
+
+    from .core.prepare import prepare
+
+    # The answers go to a copy of fd 1; fd 1 itself now points at stderr, so that nothing printed
+    # by accident (a warning) can corrupt a frame.
+    out = os.fdopen(os.dup(1), "wb", buffering=1 << 16)
+    os.dup2(2, 1)
+    inp = os.fdopen(0, "rb", buffering=1 << 16)
+    q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def reader() -> None:
+        while True:
+            frame = _read_frame(inp)
+            q.put(frame)
+            if frame is None:
+                return
+
+    threading.Thread(target=reader, daemon=True).start()
+    while True:
+        frame = q.get()
+        if frame is None:
+            return 0
+        keyring, mesh_id, raws, decode = pickle.loads(frame)
+        try:
+            _write_frame(out, prepare(raws, keyring, mesh_id, decode))
+        except BrokenPipeError:
+            return 0
+
+
+class WorkerGone(RuntimeError):
+    """The worker process failed or exited: the caller prepares on its own thread instead."""
+
+
+class ApplyWorker:
+    """The parent's side: one worker process, requests answered in order."""
+
+    def __init__(self) -> None:
+        # Imported here, not at the top: the worker process imports this module too, and every
+        # module it loads is resident memory (issue 15 item 2).
+        import json
+        import subprocess
+        from pathlib import Path
+        # `-S`: no site initialisation (about 5 MB less resident, issue 15 item 2); the worker gets
+        # this process's module path instead, this package's own tree first, so both run the same code.
+        paths = [str(Path(__file__).resolve().parents[1])] + [p for p in sys.path if p]
+        self.proc = subprocess.Popen([sys.executable, "-S", "-c", "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "
+                                      "from agent import applyworker; sys.exit(applyworker.main())", json.dumps(paths)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, bufsize=1 << 16)
+        self._in, self._out = self.proc.stdin, self.proc.stdout
+        self.sent = self.answered = 0
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def submit(self, keyring: dict, mesh_id: bytes, raws: list[bytes], decode: bool = True) -> int:
+        """Send one request; returns its number (answers come in this order)."""
+        try:
+            _write_frame(self._in, (keyring, mesh_id, raws, decode))
+        except (BrokenPipeError, OSError, ValueError) as e:
+            raise WorkerGone(f"apply worker: {e}") from None
+        self.sent += 1
+        return self.sent
+
+    def result(self, n: int) -> list:
+        """The answer to request `n`, which must be the oldest one not yet read."""
+        if n != self.answered + 1:
+            raise RuntimeError("apply worker answers are read in request order")
+        frame = _read_frame(self._out)
+        if frame is None:
+            raise WorkerGone(f"apply worker exited (code {self.proc.poll()})")
+        self.answered += 1
+        return pickle.loads(frame)
+
+    def drain(self) -> None:
+        """Read and drop the answers still in flight (a batch that stopped early)."""
+        while self.answered < self.sent:
+            self.result(self.answered + 1)
+
+    def peak_rss_kb(self) -> int | None:
+        """The worker's peak resident set (VmHWM), for the benchmarks' process-tree figure."""
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1])
+        except OSError:
+            return None
+        return None
+
+    def cpu_seconds(self) -> float | None:
+        """The worker's CPU time so far (user + system), for the benchmarks."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def close(self) -> None:
+        try:
+            self._in.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: it did not exit
+            self.proc.kill()
+            self.proc.wait()
+        self._out.close()
+
+
+class ApplyWorkers:
+    """Several workers, chunks dealt round-robin; answers read in the order requested."""
+
+    def __init__(self, n: int) -> None:
+        self.workers: list[ApplyWorker] = []
+        try:
+            for _ in range(max(1, n)):
+                self.workers.append(ApplyWorker())
+        except BaseException:
+            self.close()
+            raise
+        self._next = 0
+        # Which side decodes the payloads (~18 us an event on the build machine, against ~48 for
+        # a verification and ~48 for the rest of the applying thread's work): the share of chunks
+        # the workers decode follows whether the applying thread had to wait for an answer. With
+        # one worker beside it (two cores) it settles where the two are even; with more workers
+        # the applying thread is the slower side, and they decode everything.
+        self.share = self.FIRST_SHARE if self.FIRST_SHARE is not None else 1.0 if len(self.workers) > 1 else 0.5
+        self._acc = 0.0
+
+    FIRST_SHARE: float | None = None   # tests pin it (with STEP 0)
+    WAITED_S = 0.0002   # an answer that kept the applying thread waiting longer: the workers are behind
+    STEP = 0.125
+
+    def submit(self, keyring: dict, mesh_id: bytes, raws: list[bytes]) -> tuple:
+        w = self.workers[self._next % len(self.workers)]
+        self._next += 1
+        self._acc += self.share
+        decode = self._acc >= 1.0
+        if decode:
+            self._acc -= 1.0
+        return w, w.submit(keyring, mesh_id, raws, decode)
+
+    def result(self, ticket: tuple) -> list:
+        import time
+        w, n = ticket
+        t = time.perf_counter()
+        out = w.result(n)
+        if time.perf_counter() - t > self.WAITED_S:
+            self.share = max(0.0, self.share - self.STEP)
+        else:
+            self.share = min(1.0, self.share + self.STEP)
+        return out
+
+    def drain(self) -> None:
+        for w in self.workers:
+            w.drain()
+
+    def peak_rss_kb(self) -> int | None:
+        peaks = [w.peak_rss_kb() for w in self.workers]
+        return None if None in peaks else sum(peaks)
+
+    def cpu_seconds(self) -> float | None:
+        cpu = [w.cpu_seconds() for w in self.workers]
+        return None if None in cpu else sum(cpu)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
