@@ -299,6 +299,7 @@ def cmd_commits_status(args) -> int:
     q = _queue(args)
     try:
         _print({"member_id": q.member_id, "commits": [e.as_json() for e in q.entries()],
+                "unsettled": [{"verdict": v, "receipt": r.hex()} for r, v in q.unsettled()],
                 "heads": [{"group": g.hex(), "epoch": e, "receipt": r.hex()} for g, e, r in q.heads()],
                 "discontinuities": [{"group": g.hex(), "epoch": e} for g, e in q.gaps()], "events": q.events()})
     finally:
@@ -324,7 +325,29 @@ def _broker_settings(args):
 
 def _client(args, q):
     from .sequencer import client
-    return client.CommitClient(q, _broker_settings(args))
+    return client.CommitClient(q, _broker_settings(args), signer_for=_signer_for(Path(args.home), q.sequencer_key))
+
+
+def _signer_for(home: Path, fallback):
+    """§22.6: the queue checks a receipt against the sequencer bound to the group at the receipt's
+    generation, from the member node's binding records (agent/sequencing.py). ``--sequencer-key``
+    (``fallback``) counts only for a group no binding record names at all — a member without a
+    node, or a group whose binding has not been issued yet; without either, any valid signature
+    is taken (the broker's ACLs decide who may answer, docs/mqtt.md)."""
+    from . import sequencing
+    from .node import Node
+    from .sequencer import client
+    path = Path(home) / Node.STORE_FILE
+
+    def signer_for(gid: bytes, epoch: int):
+        try:
+            has, key = sequencing.bound_signer(path, gid, epoch)
+        except Exception:  # noqa: BLE001 - the node store unreadable right now: decide nothing, hold
+            return client.Signer(None, unresolved=True)
+        if not has:
+            return client.Signer(fallback)
+        return client.Signer(key, unresolved=key is None)
+    return signer_for
 
 
 class GossipFeeder:
@@ -448,7 +471,8 @@ def register_commits(sub) -> None:
     ss.required = True
     a = ss.add_parser("queue", help="queue one Commit (an MLSMessage file); one outstanding per group")
     a.add_argument("file")
-    a.add_argument("--sequencer-key", help="the sequencer's key (66 hex): receipts must be signed by it")
+    a.add_argument("--sequencer-key", help="the sequencer's key (66 hex): receipts must be signed by it where the "
+                   "node holds no binding record for the group (the binding records decide otherwise)")
     a.set_defaults(fn=cmd_commits_queue)
     a = ss.add_parser("send", help="submit the queued Commits once and wait for their outcomes")
     _broker_args(a)

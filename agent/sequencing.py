@@ -21,6 +21,7 @@ through `node.release_signed` (persist-before-release, like every record the nod
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Optional
 
@@ -144,6 +145,38 @@ def bindings(node, gid: bytes) -> sr.BindingChain:
         except RecordError:
             continue        # an authority removed since: its bindings count no more
     return sr.resolve_bindings(recs)
+
+
+class _View:
+    """What `bindings` reads of a node, from a read-only connection to its store."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.site_id = bytes(db.get_meta(conn, "site_id"))
+        self.mesh_id = bytes(db.get_meta(conn, "mesh_id"))
+        self.authorities = {bytes.fromhex(a) for a in json.loads(db.get_meta(conn, "authorities", "[]"))}
+
+
+def bound_signer(path, gid: bytes, epoch: int) -> tuple[bool, Optional[bytes]]:
+    """The sequencer bound to ``gid`` at generation ``epoch`` according to the binding records the
+    member node whose store is ``path`` holds (§22.6), read beside whatever holds the home (a read-only
+    connection for this one look-up: it never blocks the node's writer). Returns (False, None)
+    when the node holds no binding record for the group at all (or there is no node), (True,
+    key) when one resolves, (True, None) when records exist and none resolves at that generation
+    (a fork, a chain whose genesis has not arrived, a binding only from a later generation):
+    the caller holds the link."""
+    if not path.exists():
+        return False, None
+    conn = db.connect_readonly(path)
+    try:
+        if not store.raws(conn, gid, "binding"):
+            return False, None
+        view = _View(conn)
+        b = bindings(view, gid)
+        ch = validator.ReceiptChain(gid, bindings=dict(b.bindings), binding_forks=list(b.forks))
+        return True, ch.bound_key(epoch)
+    finally:
+        conn.close()
 
 
 def chain(node, gid: bytes) -> validator.ReceiptChain:

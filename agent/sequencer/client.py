@@ -24,8 +24,13 @@ reached the member (crash, disconnect) is resubmitted; the sequencer answers ``s
 if the head is later, the receipt *for this Commit's epoch* is asked for and compared. Only a
 receipt naming another Commit makes it ``lost``.
 
-Every receipt is verified (signature, group, epoch, commit hash; the sequencer key when the member
-was given it) before it decides anything; one that does not verify decides nothing (surfaced).
+Every receipt is verified (signature, group, epoch, commit hash) before it decides anything; one
+that does not verify decides nothing (surfaced). Who may sign it (§22.6 singularity) is the
+caller's ``signer_for(group_id, epoch)``: the CLI resolves the sequencer bound at that generation
+from the member node's binding records, falling back to ``--sequencer-key`` only for a group with
+no binding record at all. A receipt signed by another key is rejected and retained for
+attribution; one whose binding does not resolve is held. Both stay in ``unsettled`` and are looked
+at again (a binding that arrives later decides them); neither decides the Commit meanwhile.
 """
 from __future__ import annotations
 
@@ -62,6 +67,8 @@ CREATE TABLE IF NOT EXISTS gaps (group_id BLOB NOT NULL, epoch INTEGER NOT NULL,
 CREATE TABLE IF NOT EXISTS statements (
   group_id BLOB NOT NULL, epoch INTEGER NOT NULL, statement BLOB NOT NULL, PRIMARY KEY (group_id, epoch, statement));
 CREATE TABLE IF NOT EXISTS gossiped (hash BLOB PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS unsettled (
+  receipt BLOB PRIMARY KEY, group_id BLOB NOT NULL, epoch INTEGER NOT NULL, verdict TEXT NOT NULL, signer BLOB NOT NULL);
 """
 
 
@@ -233,6 +240,26 @@ class CommitQueue:
             self.conn.executemany("INSERT OR IGNORE INTO gossiped VALUES (?)",
                                   [(receipts.receipt_hash(r),) for r in raws])
 
+    def keep_unsettled(self, r: receipts.Receipt, verdict: str) -> bool:
+        """A receipt held (binding unresolved) or attributed (signer not bound): retained, surfaced
+        once per verdict (§22.6: rejected and retained for attribution / held)."""
+        with self._tx():
+            row = self.conn.execute("SELECT verdict FROM unsettled WHERE receipt = ?", (r.raw,)).fetchone()
+            if row is not None and row[0] == verdict:
+                return False
+            self.conn.execute("INSERT OR REPLACE INTO unsettled VALUES (?, ?, ?, ?, ?)",
+                              (r.raw, r.group_id, r.epoch, verdict, r.kid))
+            self._event("receipt_" + verdict, {"group": r.group_id.hex(), "epoch": r.epoch, "signer": r.kid.hex(),
+                                               "receipt": r.raw.hex()})
+        return True
+
+    def unsettled(self) -> list[tuple[bytes, str]]:
+        return [(bytes(r), v) for r, v in self.conn.execute("SELECT receipt, verdict FROM unsettled ORDER BY group_id, epoch")]
+
+    def drop_unsettled(self, raw: bytes) -> None:
+        with self._tx():
+            self.conn.execute("DELETE FROM unsettled WHERE receipt = ?", (raw,))
+
     def record_event(self, kind: str, detail: dict) -> None:
         with self._tx():
             self._event(kind, detail)
@@ -257,7 +284,41 @@ class _Tx:
         self.conn.execute("ROLLBACK" if exc_type is not None else "COMMIT")
 
 
-# -- outcomes (pure) -------------------------------------------------------------------------
+# -- who may sign (§22.6 singularity) --------------------------------------------------------
+HELD, ATTRIBUTED = "held", "attributed"
+
+
+@dataclass(frozen=True)
+class Signer:
+    """Who may sign a group's link at one generation (MLS epoch)."""
+    key: Optional[bytes]                # the bound sequencer's key; None: any valid signature
+    unresolved: bool = False            # a binding exists and does not resolve here: hold the link
+
+
+SignerFor = Callable[[bytes, int], Signer]
+
+
+def fixed_signer(key: Optional[bytes]) -> SignerFor:
+    """One key for every group and epoch (``--sequencer-key``), or any valid signature (None)."""
+    return lambda _g, _e: Signer(key)
+
+
+def check_receipt(raw: bytes, signer_for: SignerFor) -> tuple[Optional[receipts.Receipt], str]:
+    """(receipt, "") when valid and signed by the sequencer allowed at its epoch; else (receipt or
+    None, why): HELD (binding unresolved), ATTRIBUTED (another signer), or a problem."""
+    try:
+        r = receipts.verify_receipt(raw)
+    except receipts.ReceiptError as ex:
+        return None, f"receipt does not verify: {ex}"
+    s = signer_for(r.group_id, r.epoch)
+    if s.unresolved:
+        return r, HELD
+    if s.key is not None and r.kid != s.key:
+        return r, ATTRIBUTED
+    return r, ""
+
+
+# -- outcomes (pure but for ``signer_for``) -----------------------------------------------------
 @dataclass(frozen=True)
 class Outcome:
     state: Optional[str]                # a final state, or None: still queued
@@ -265,33 +326,43 @@ class Outcome:
     receipt: Optional[bytes] = None
     ask_receipt: bool = False           # ask the sequencer for the receipt of the Commit's epoch
     problem: Optional[str] = None       # an answer that decided nothing, and why (surfaced)
+    unsettled: Optional[tuple[receipts.Receipt, str]] = None   # held or attributed: retained, decides nothing
 
 
-def _verified(raw_hex: Optional[str], e: Entry, key: Optional[bytes]) -> tuple[Optional[receipts.Receipt], str]:
+def _verified(raw_hex: Optional[str], e: Entry, signer_for: SignerFor) -> tuple[Optional[receipts.Receipt], str]:
     if not raw_hex:
         return None, "no receipt"
     try:
-        r = receipts.verify_receipt(bytes.fromhex(raw_hex), key)
-    except (ValueError, receipts.ReceiptError) as ex:
+        raw = bytes.fromhex(raw_hex)
+    except ValueError as ex:
         return None, f"receipt does not verify: {ex}"
-    if r.group_id != e.group_id:
+    r, why = check_receipt(raw, signer_for)
+    if r is not None and r.group_id != e.group_id:
         return None, "receipt for another group"
-    return r, ""
+    return r, why
 
 
-def submit_outcome(e: Entry, answer: dict, key: Optional[bytes]) -> Outcome:
+def _unsettled(r: receipts.Receipt, why: str) -> Outcome:
+    return Outcome(None, "binding_unresolved" if why == HELD else "signer_not_bound", unsettled=(r, why))
+
+
+def submit_outcome(e: Entry, answer: dict, signer_for: SignerFor) -> Outcome:
     """What a `submit` answer (the JSON of cli-contract.md) means for queued Commit ``e``."""
     if "error" in answer:
         return Outcome(None, problem=f"the sequencer answered an error: {answer['error']}")
     if answer.get("accepted") is True:
-        r, why = _verified(answer.get("receipt"), e, key)
-        if r is None or r.epoch != e.epoch or r.commit_hash != e.commit_hash:
+        r, why = _verified(answer.get("receipt"), e, signer_for)
+        if r is not None and why in (HELD, ATTRIBUTED):
+            return _unsettled(r, why)
+        if r is None or why or r.epoch != e.epoch or r.commit_hash != e.commit_hash:
             return Outcome(None, problem=why or "an acceptance whose receipt does not name this Commit at its epoch")
         return Outcome(ACCEPTED, None, r.raw)
     reason = answer.get("reason")
     if reason == "stale_epoch":
-        head, why = _verified(answer.get("head"), e, key)
-        if head is not None and head.epoch == e.epoch:
+        head, why = _verified(answer.get("head"), e, signer_for)
+        if head is not None and head.epoch == e.epoch and why in (HELD, ATTRIBUTED):
+            return _unsettled(head, why)
+        if head is not None and not why and head.epoch == e.epoch:
             # the head is this epoch's receipt: ours (an answer lost, then resubmitted) or the winner's
             return Outcome(ACCEPTED if head.commit_hash == e.commit_hash else LOST, "stale_epoch", head.raw)
         return Outcome(None, "stale_epoch", ask_receipt=True)     # the head moved on: look up our epoch
@@ -300,13 +371,15 @@ def submit_outcome(e: Entry, answer: dict, key: Optional[bytes]) -> Outcome:
     return Outcome(None, str(reason))                                # migrated, failed_closed, ...: wait
 
 
-def receipt_outcome(e: Entry, answer: dict, key: Optional[bytes]) -> Outcome:
+def receipt_outcome(e: Entry, answer: dict, signer_for: SignerFor) -> Outcome:
     """What a `receipt` answer for the Commit's own epoch means, after a stale answer."""
     if "error" in answer:
         return Outcome(None, problem=f"the sequencer answered an error: {answer['error']}")
     if answer.get("receipt"):
-        r, why = _verified(answer["receipt"], e, key)
-        if r is None or r.epoch != e.epoch:
+        r, why = _verified(answer["receipt"], e, signer_for)
+        if r is not None and r.epoch == e.epoch and why in (HELD, ATTRIBUTED):
+            return _unsettled(r, why)
+        if r is None or why or r.epoch != e.epoch:
             return Outcome(None, problem=why or "a receipt for another epoch")
         return Outcome(ACCEPTED if r.commit_hash == e.commit_hash else LOST, "stale_epoch", r.raw)
     if answer.get("absent") and answer.get("discontinuity"):
@@ -324,11 +397,16 @@ class CommitClient:
     is submitted again, byte for byte; Commits enqueued meanwhile (by another process) are picked
     up from the queue file."""
 
-    def __init__(self, q: CommitQueue, settings, on_receipt: Optional[Callable[[bytes], None]] = None) -> None:
+    RECHECK_S = 2.0                    # held and attributed receipts are looked at again this often
+
+    def __init__(self, q: CommitQueue, settings, on_receipt: Optional[Callable[[bytes], None]] = None,
+                 signer_for: Optional[SignerFor] = None) -> None:
         import paho.mqtt.client as paho
         from paho.mqtt.enums import CallbackAPIVersion
         self.q, self.s = q, settings
         self.key = q.sequencer_key
+        self.signer_for = signer_for or fixed_signer(self.key)
+        self._recheck_at = 0.0
         self.on_receipt = on_receipt
         self.reply_to = f"{ANSWER_ROOT}/{q.member_id}/answers"
         self.inbound: "queue.Queue" = queue.Queue()
@@ -391,6 +469,9 @@ class CommitClient:
                     self.q.note_submitted(e.commit_hash)
                     wait = RESUBMIT_FIRST_S if sent is None or sent[0] != gen else min(2 * sent[2], RESUBMIT_MAX_S)
                     self._sent_in[e.commit_hash] = (gen, now + wait, wait)
+        if time.monotonic() >= self._recheck_at:
+            self._recheck_at = time.monotonic() + self.RECHECK_S
+            self.recheck()
         try:
             msg = self.inbound.get(timeout=wait)
         except queue.Empty:
@@ -438,27 +519,55 @@ class CommitClient:
                 # the sequencer's signed statement of the gap: kept and handed to the mesh, where a
                 # member holding a receipt for that epoch holds proof against it (§22.6 step 4)
                 try:
-                    st = receipts.verify_statement(raw, self.key)
+                    st = receipts.verify_statement(raw)
                 except receipts.ReceiptError:
                     return
+                signer = self.signer_for(st.group_id, st.epoch)
+                if signer.key is not None and st.kid != signer.key:
+                    return          # not the bound sequencer's statement: the mesh attributes it
                 if st.group_id == gid and st.epoch == epoch and self.q.keep_statement(gid, epoch, st.raw) \
                         and self.on_receipt:
                     self.on_receipt(st.raw)
             return
         try:
-            r = receipts.verify_receipt(bytes(body["receipt"]), self.key)
-        except (KeyError, TypeError, receipts.ReceiptError):
+            r, why = check_receipt(bytes(body["receipt"]), self.signer_for)
+        except (KeyError, TypeError):
             return
-        if r.group_id != gid or r.epoch != epoch:
+        if r is None or r.group_id != gid or r.epoch != epoch:
             return
-        new = self.q.keep_head(gid, r.epoch, r.raw)
+        if why in (HELD, ATTRIBUTED):
+            self.q.keep_unsettled(r, why)
+            return
+        if why:
+            return
+        self._head(r)
+
+    def _head(self, r: receipts.Receipt) -> None:
+        """A receipt signed by the sequencer allowed at its epoch: kept, and it decides a queued
+        Commit at its epoch as a receipt answer would."""
+        new = self.q.keep_head(r.group_id, r.epoch, r.raw)
         if new and self.on_receipt:
             self.on_receipt(r.raw)
         for e in self.q.outstanding():                 # a head at a queued Commit's epoch decides it
-            if e.group_id == gid and e.epoch == r.epoch:
-                out = receipt_outcome(e, {"receipt": r.raw.hex()}, self.key)
+            if e.group_id == r.group_id and e.epoch == r.epoch:
+                out = receipt_outcome(e, {"receipt": r.raw.hex()}, self.signer_for)
                 if out.state is not None:
                     self.q.settle(e.commit_hash, out.state, out.reason, out.receipt)
+
+    def recheck(self) -> None:
+        """Held and attributed receipts again: a binding that arrived since decides them."""
+        for raw, verdict in self.q.unsettled():
+            r, why = check_receipt(raw, self.signer_for)
+            if r is None:
+                continue
+            if why in (HELD, ATTRIBUTED):
+                if why != verdict:
+                    self.q.keep_unsettled(r, why)
+                continue
+            self.q.drop_unsettled(raw)
+            self.q.record_event("receipt_settled", {"group": r.group_id.hex(), "epoch": r.epoch,
+                                                    "was": verdict})
+            self._head(r)
 
     def _handle(self, msg) -> None:
         if msg.topic != self.reply_to:
@@ -476,7 +585,14 @@ class CommitClient:
             return
         if not isinstance(answer, dict):
             return
-        out = submit_outcome(e, answer, self.key) if corr[:1] == b"c" else receipt_outcome(e, answer, self.key)
+        out = submit_outcome(e, answer, self.signer_for) if corr[:1] == b"c" \
+            else receipt_outcome(e, answer, self.signer_for)
+        if out.unsettled is not None:
+            # §22.6: signed by a sequencer not bound at that generation (rejected, retained for
+            # attribution), or no binding resolves there (held): the Commit stays queued
+            self.q.keep_unsettled(*out.unsettled)
+            self.q.note_reason(e.commit_hash, out.reason or "")
+            return
         if out.problem:
             self.q.record_event("bad_answer", {"commit_hash": e.commit_hash.hex(), "problem": out.problem})
             return

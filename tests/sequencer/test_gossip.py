@@ -477,3 +477,84 @@ def test_commits_run_feeds_every_receipt_into_the_nodes_gossip_without_a_cli_ste
             agentp.communicate(timeout=30)
         stop(seqp)
         broker.close()
+
+
+def test_the_queue_checks_receipts_against_the_sequencer_bound_at_their_generation(tmp_path):
+    """Issue 14 / §22.6 singularity, through the member's Commit queue with real processes: the
+    node's binding records bind S1 to G from epoch 0 and S2 from epoch 1 (a hand-off). A copy of
+    S1 restored from before the hand-off keeps serving G on the broker: its receipt for epoch 1 is
+    rejected and retained for attribution, and the Commit stays queued (before, the queue took any
+    valid signature and settled it as accepted on the rotated-out sequencer's word). S2's receipt
+    then settles it. Group H is bound only from generation 5: a receipt for epoch 0 is held."""
+    import shutil
+    import subprocess
+    from agent.transport.broker import Broker
+    from tests.cli_cmd import agent_cmd, agent_env
+    from tests.sequencer.test_commit_queue import spawn, stop
+    from tests.sync.helpers import MESH, TABLES
+    env = agent_env(dict(os.environ, SSP_AGENT_WITNESS_DIR=str(tmp_path / "w")))
+    H = bytes.fromhex("e5" * 16)
+
+    def run(home, *args):
+        return subprocess.run([*agent_cmd(), "--home", str(home), *map(str, args)], capture_output=True, text=True,
+                              env=env)
+
+    def j(home, *args):
+        p = run(home, *args)
+        assert p.returncode == 0, (args, p.stdout, p.stderr)
+        return json.loads(p.stdout.splitlines()[-1]) if p.stdout.strip() else None
+
+    def mls(name, gid, epoch):
+        f = tmp_path / name
+        f.write_bytes(encode_private_message(gid, epoch, ciphertext=name.encode() * 4))
+        return f
+
+    auth_dir = tmp_path / "authority"
+    auth = j(tmp_path / "unused", "authority", "create", "--out", auth_dir)
+    man = tmp_path / "mesh.toml"
+    man.write_text(f'mesh_id = "{MESH.hex()}"\nauthorities = ["{auth["site_id"]}"]\n'
+                   f'[[peers]]\nsite_id = "{auth["site_id"]}"\npublic_key = "{auth["public_key"]}"\n' + TABLES)
+    b, s1, s2, rogue = (tmp_path / x for x in ("b", "s1", "s2", "rogue"))
+    j(b, "init", "--manifest", man)
+    k1 = j(s1, "sequencer", "init")["sequencer_key"]
+    k2 = j(s2, "sequencer", "init")["sequencer_key"]
+    j(s1, "sequencer", "register", "--group", G.hex(), "--epoch", "0")
+    j(s1, "sequencer", "submit", mls("g0", G, 0))
+    shutil.copytree(s1, rogue)                                   # S1 as it was before the hand-off
+    j(s1, "sequencer", "migrate", "--group", G.hex(), "--out", tmp_path / "handoff.json")
+    assert j(s2, "sequencer", "adopt", tmp_path / "handoff.json")["generation"] == 1
+    j(s2, "sequencer", "register", "--group", H.hex(), "--epoch", "0")
+    for args in ((G, k1, 0), (G, k2, 1), (H, k2, 5)):
+        j(b, "sequencing", "bind", "--group", args[0].hex(), "--sequencer-key", args[1], "--generation", args[2],
+          "--authority-key", auth_dir)
+    # b's queue is given no --sequencer-key: the binding records decide
+    j(b, "commits", "queue", mls("g1", G, 1))
+    j(b, "commits", "queue", mls("h0", H, 0))
+    broker = Broker(workdir=tmp_path / "broker").start()
+    rogue_p, _ = spawn(rogue, "sequencer", "run", "--broker", broker.url)
+    try:
+        sent = run(b, "commits", "send", "--broker", broker.url, "--timeout", "8")
+        assert sent.returncode == 1, (sent.stdout, sent.stderr)      # nothing settled on the rogue's word
+        q = j(b, "commits", "status")
+        assert [c["state"] for c in q["commits"]] == ["queued", "queued"]
+        stray = [u for u in q["unsettled"] if u["verdict"] == "attributed"]
+        assert len(stray) == 1 and receipts.parse_receipt(bytes.fromhex(stray[0]["receipt"])).kid.hex() == k1
+        assert [e["signer"] for e in q["events"] if e["kind"] == "receipt_attributed"] == [k1]
+    finally:
+        stop(rogue_p)
+    s2_p, _ = spawn(s2, "sequencer", "run", "--broker", broker.url)
+    try:
+        run(b, "commits", "send", "--broker", broker.url, "--timeout", "8")
+        q = j(b, "commits", "status")
+        g1, h0 = q["commits"]
+        assert g1["state"] == "accepted" and receipts.parse_receipt(bytes.fromhex(g1["receipt"])).kid.hex() == k2
+        # H: S2's valid receipt for epoch 0, but H is bound only from generation 5: held, undecided
+        assert h0["state"] == "queued" and h0["reason"] == "binding_unresolved"
+        # (the rogue bootstrapped H on first sight and signed one too: held as well, not attributed —
+        # with no binding resolvable there is nobody to compare its signer with)
+        held = [receipts.parse_receipt(bytes.fromhex(u["receipt"])) for u in q["unsettled"] if u["verdict"] == "held"]
+        assert {r.group_id for r in held} == {H} and {r.kid.hex() for r in held} == {k1, k2}
+        assert [u["verdict"] for u in q["unsettled"]].count("attributed") == 1     # still retained
+    finally:
+        stop(s2_p)
+        broker.close()
