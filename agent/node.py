@@ -79,6 +79,7 @@ class Node:
         self.profile = Profile.from_dict(json.loads(db.get_meta(conn, "profile", "null") or "null")
                                          or load_profile(None).as_dict())
         if not read_only:   # a read view writes nothing (an older layout is read as it is)
+            db.scrub_superseded(conn, self.profile.secure_delete)
             db.ensure_held_counts(conn)
         self._load_caches()
         self.witness = ident.ClockWitness(self.site_id)

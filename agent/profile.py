@@ -11,6 +11,7 @@ from importlib import resources
 from pathlib import Path
 
 DEFAULT_PROFILE = "pi-3-4"
+SECURE_DELETE_MODES = ("on", "fast", "off")
 _DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d|w)\s*$")
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
 
@@ -44,6 +45,11 @@ class Profile:
     records_limit: int = 10_000         # control records stored from others, in total
     records_limit_bytes: int = 16 * 2**20
     keep_full: tuple[str, ...] = ()  # retention classes listed as "forever": known, never evicted
+    # [store] secure_delete: what SQLite does with a value the node overwrites or deletes (a
+    # materialized row's superseded value, an evicted event): "on" zeroes it and every freed page,
+    # "fast" zeroes it where that costs no extra write, "off" leaves it in free space (SQLite's own
+    # default; docs/reliability.md "Superseded values")
+    secure_delete: str = "on"
     # [serial]: the serial link (docs/serial.md "Settings")
     serial_baud: int = 115_200
     serial_batch_limit: int = 1000      # events per body over a serial line
@@ -70,7 +76,8 @@ class Profile:
                 "backfill_rows_per_cycle": self.backfill_rows_per_cycle, "session_expiry_s": self.session_expiry_s,
                 "keystore": dict(self.keystore), "surfaced_limit": self.surfaced_limit,
                 "records_limit": self.records_limit, "records_limit_bytes": self.records_limit_bytes,
-                "keep_full": list(self.keep_full), "serial_baud": self.serial_baud,
+                "keep_full": list(self.keep_full), "secure_delete": self.secure_delete,
+                "serial_baud": self.serial_baud,
                 "serial_batch_limit": self.serial_batch_limit, "serial_frame_bytes": self.serial_frame_bytes,
                 "serial_window_bytes": self.serial_window_bytes, "serial_keepalive_s": self.serial_keepalive_s,
                 "serial_dead_s": self.serial_dead_s, "serial_timeout_s": self.serial_timeout_s,
@@ -111,6 +118,9 @@ def parse_profile(text: str, origin: str = "profile") -> Profile:
     warn = num(store, "warn_fraction", 0.8, float)
     if not 0 < warn <= 1:
         raise ProfileError(f"{origin}: store.warn_fraction must be in (0, 1]")
+    secure_delete = store.get("secure_delete", "on")
+    if secure_delete not in SECURE_DELETE_MODES:
+        raise ProfileError(f"{origin}: store.secure_delete must be one of {', '.join(SECURE_DELETE_MODES)}")
     name = doc.get("name")
     if not isinstance(name, str) or not name:
         raise ProfileError(f"{origin}: name is required")
@@ -125,6 +135,7 @@ def parse_profile(text: str, origin: str = "profile") -> Profile:
         surfaced_limit=num(store, "surfaced_limit", 100_000, int, 1),
         records_limit=num(store, "records_limit", 10_000, int, 1),
         records_limit_bytes=int(num(store, "records_limit_mb", 16, float, 0.001) * 2**20), keep_full=keep_full,
+        secure_delete=secure_delete,
         serial_baud=num(ser, "baud", 115_200, int, 50), serial_batch_limit=num(ser, "batch_limit", 1000, int, 1),
         serial_frame_bytes=min(65_535, num(ser, "frame_bytes", 1024, int, 64)),
         serial_window_bytes=num(ser, "window_bytes", 8192, int, 1024),

@@ -26,6 +26,10 @@ CASES = [
     (["bench/bench_fleet.py", "--smoke"], "heal conv s"),
     (["bench/bench_flood.py", "--events", "100", "--rate", "100", "--seconds", "2"], "slowdown ratio flood / no flood"),
     (["bench/bench_atrest.py", "--events", "300", "--rounds", "1"], "at-rest overhead ratio (apply, offer)"),
+    (["bench/bench_secure_delete.py", "--events", "300", "--writes", "200", "--rounds", "1"],
+     "secure_delete cost ratios to off"),
+    (["bench/bench_strategies.py", "never_answers", "--rounds", "1", "--events", "40", "--attack-s", "1"],
+     "per attacker byte (median)"),
 ]
 
 

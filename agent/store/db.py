@@ -301,6 +301,19 @@ def connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
+_SECURE_DELETE = {"on": "ON", "fast": "FAST", "off": "OFF"}   # names: "=2" reads as a boolean (on)
+
+
+def scrub_superseded(conn: sqlite3.Connection, mode: str) -> None:
+    """What the node's connection does with values it overwrites or deletes (the profile's
+    `[store] secure_delete`; docs/reliability.md "Superseded values"). Set explicitly: the
+    compile-time default differs between builds (SQLite's own is off; Debian's is on). Unless off,
+    the WAL is also truncated when it restarts after a complete checkpoint (journal_size_limit 0),
+    so the frames holding old page images do not outlive the checkpoints SQLite runs by itself."""
+    conn.execute(f"PRAGMA secure_delete={_SECURE_DELETE[mode]}")
+    conn.execute(f"PRAGMA journal_size_limit={-1 if mode == 'off' else 0}").fetchall()
+
+
 def connect_readonly(path: Path) -> sqlite3.Connection:
     """A connection for the read verbs (status, dump, log, events) that writes nothing, so they
     work on a full disk. A read-only WAL reader still needs the -shm index file; on a full disk
