@@ -30,8 +30,10 @@ runs share one process: RSS is the whole process's peak growth (all nodes), stat
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import resource
+import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -50,7 +52,7 @@ from agent.node import Node  # noqa: E402
 from agent.outcomes import Outcome  # noqa: E402
 from agent.runner import KIND_BATCH, RunConfig, Runner  # noqa: E402
 from agent.simpeer import manifest_text, readings_table  # noqa: E402
-from agent.store import sync_state as st  # noqa: E402
+from agent.store import db, sync_state as st  # noqa: E402
 from agent.sync import PortAdapter  # noqa: E402
 from agent.transport.broker import Broker  # noqa: E402
 from agent.transport.mqtt import P_COUNT, P_END, P_KIND, P_META, P_PART, P_START, MqttSettings  # noqa: E402
@@ -66,10 +68,6 @@ LIE = (2 ** 62, 0)
 
 def home_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-
-
-def rss_kb() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 # ------------------------------------------------------------------ ports and runners of the attacker
@@ -197,209 +195,340 @@ def _nodes(root: Path, names: list[str]) -> dict[str, Node]:
     return nodes
 
 
+class NodeProc:
+    """The honest receiver B in its own process (bench/strategy_node.py): its CPU and memory are
+    its own, not the harness's (A, M and C share this process)."""
+
+    def __init__(self, home: Path, url: str, cfg: dict, allowed: set[bytes] | None, watch: bytes) -> None:
+        conf = {"run": cfg, "allowed": None if allowed is None else sorted(x.hex() for x in allowed),
+                "watch": watch.hex(), "table": T}
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "strategy_node.py"), str(home), url,
+                                      json.dumps(conf)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        first = self._line()
+        if not first.get("ready"):
+            raise RuntimeError(f"B did not start: {first}")
+        self.peak_rss_kb = 0
+
+    def _line(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"B exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def ask(self, cmd: str) -> dict:
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        out = self._line()
+        if "rss_kb" in out:
+            self.peak_rss_kb = max(self.peak_rss_kb, out["rss_kb"])
+        return out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.ask("stop")
+            finally:
+                self.proc.wait(30)
+
+
+BINDINGS = ("secure", "signed-ack")   # RunConfig.secure True / False (the default: answers carry signed acks)
+
+
 def run(strategy: str, attack: bool, root: Path, events: int = 200, attack_s: float = 6.0, flood: int = 3000,
-        timeout_s: float = 120.0) -> dict:
-    """One run of `strategy` (attack=False: M honest). Returns the figures for B."""
+        timeout_s: float = 120.0, binding: str = "secure", poll_s: float = 0.02) -> dict:
+    """One run of `strategy` (attack=False: M honest) on `binding`. Returns the figures for B.
+
+    Times from A's first write (t0): `held_s` B holds every event of A; `watermark_s` B's own
+    applied watermark for A's stream covers A's newest (secure binding only: elsewhere nothing
+    moves it); `acked_s` A's cursor for B covers A's newest (A has B's answers for all of it: on
+    the default binding signed acknowledgements). `converged_s`: held and, where A's stream reaches
+    B directly, watermark (secure) or acked (default binding)."""
+    secure = binding == "secure"
     relay = strategy == "dropping_relay"
     names = ["a", "b", "m"] + (["c"] if relay else [])
     nodes = _nodes(root, names)
-    a, b, m = nodes["a"], nodes["b"], nodes["m"]
+    a, m = nodes["a"], nodes["m"]
     ids = {k: n.site_id for k, n in nodes.items()}
+    b_home = nodes["b"].home
+    nodes.pop("b").close()   # B runs in its own process
     topo = ({"a": {ids["m"], ids["c"]}, "b": {ids["m"], ids["c"]}, "m": {ids["a"], ids["b"]},
              "c": {ids["a"], ids["b"]}} if relay else {k: None for k in names})
-    out: dict = {"strategy": strategy, "attack": attack}
+    out: dict = {"strategy": strategy, "attack": attack, "binding": binding}
     with Broker(workdir=root / "broker") as br:
         settings = MqttSettings.from_url(br.url, backoff_min_s=0.05, backoff_max_s=0.5)
-        cfg = dict(cadence_s=0.5, answer_timeout_s=3.0, secure=True, realtime=not relay)
+        cfg = dict(cadence_s=0.5, answer_timeout_s=3.0, secure=secure, realtime=not relay)
         runners = {}
         for k in names:
+            if k == "b":
+                continue
             if k == "m":
                 if attack and strategy == "lying_watermarks":
-                    port = LyingPort(nodes[k], topo[k], path="mqtt", secure=True)
+                    port = LyingPort(nodes[k], topo[k], path="mqtt", secure=secure)
                 elif attack and relay:
-                    port = DroppingPort(nodes[k], topo[k], ids["a"], path="mqtt", secure=True)
+                    port = DroppingPort(nodes[k], topo[k], ids["a"], path="mqtt", secure=secure)
                 else:
-                    port = Topology(nodes[k], topo[k], path="mqtt", secure=True)
+                    port = Topology(nodes[k], topo[k], path="mqtt", secure=secure)
                 r = AttackerRunner(nodes[k], settings, RunConfig(**cfg), port=port)
                 r.strategy = strategy if attack and strategy in (
                     "never_answers", "slow_trickle", *REPLAY_IN_FLIGHT) else "honest"
                 r.hold_s = cfg["answer_timeout_s"] * 0.9
             else:
                 r = Runner(nodes[k], settings, RunConfig(**cfg), port=Topology(nodes[k], topo[k], path="mqtt",
-                                                                                 secure=True))
+                                                                                 secure=secure))
             assert r.start(10), r.link.last_error
             runners[k] = r
-        rb = runners["b"]
-        b_cpu = [0.0]
-        # How many requests B handled while a body of A waited in B's inbox (scheduling fairness):
-        # each arrival is stamped with B's count of handled requests.
-        stamp: dict[int, int] = {}
-        handled = [0]
-        ahead: list[int] = []
-        put, handle = rb.link.inbound.put, rb._handle
+        bp = NodeProc(b_home, br.url, cfg, topo["b"], ids["a"])
+        try:
+            out.update(_drive(strategy, attack, root, nodes, runners, bp, ids, events, attack_s, flood, timeout_s,
+                              secure, relay, poll_s))
+        finally:
+            for r in runners.values():
+                r.close()
+            bp.stop()
+    # B's final state, read from its store once its process has closed it.
+    conn = db.connect_readonly(b_home / Node.STORE_FILE)
+    try:
+        b_ids = _ids_of(conn)
+        out["b_has_all_of_a"] = set(out.pop("_written")) <= b_ids
+        out["b_watermark_covers_a"] = _covered_by(conn, a)
+        out["b_events"] = len(b_ids)
+        if "_own" in out:
+            out["m_lost_own"] = not set(out.pop("_own")) <= b_ids  # attack: B lacks what M withheld
+    finally:
+        conn.close()
+    out["b_disk_growth"] = home_bytes(b_home) - out.pop("_disk0")
+    for n in nodes.values():
+        n.close()
+    return out
 
-        def stamped_put(item, *x, **kw):
-            stamp[id(item)] = handled[0]
-            return put(item, *x, **kw)
 
-        def counted_handle(msg):
-            if msg.kind == "req":
-                arrived = stamp.pop(id(msg), handled[0])
-                if msg.sender == ids["a"]:
-                    ahead.append(handled[0] - arrived)
-                handled[0] += 1
-            return handle(msg)
-        rb.link.inbound.put, rb._handle = stamped_put, counted_handle
-        # Each node's loop in its own thread (as on its own device: one node's fsyncs do not stall
-        # another's loop); the harness touches a node only under its lock.
-        locks = {k: threading.Lock() for k in names}
-        stop = threading.Event()
+def _drive(strategy, attack, root, nodes, runners, bp: NodeProc, ids, events, attack_s, flood, timeout_s, secure,
+           relay, poll_s) -> dict:
+    a, m = nodes["a"], nodes["m"]
+    out: dict = {}
+    # Each node's loop in its own thread (as on its own device: one node's fsyncs do not stall
+    # another's loop); the harness touches a node only under its lock.
+    locks = {k: threading.Lock() for k in runners}
+    stop = threading.Event()
 
-        def loop(k: str, r: Runner) -> None:
-            while not stop.is_set():
-                with locks[k]:
-                    t = time.thread_time()
-                    r.step(0.005)
-                    if k == "b":
-                        b_cpu[0] += time.thread_time() - t
-                time.sleep(0)  # let the harness take the lock between steps
-        threads = [threading.Thread(target=loop, args=(k, r), daemon=True) for k, r in runners.items()]
-        for th in threads:
-            th.start()
-
-        def on(k: str, fn):
+    def loop(k: str, r: Runner) -> None:
+        while not stop.is_set():
             with locks[k]:
-                return fn()
+                r.step(0.005)
+            time.sleep(0)  # let the harness take the lock between steps
+    threads = [threading.Thread(target=loop, args=(k, r), daemon=True) for k, r in runners.items()]
+    for th in threads:
+        th.start()
 
+    def on(k: str, fn):
+        with locks[k]:
+            return fn()
+    try:
         # Settle: presence seen, an empty exchange done.
         time.sleep(1.0)
         if strategy in REPLAY_IN_FLIGHT:
-            own = on("m", lambda: m.write_many([(T, {"device": "m", "seq": i}, {"temp": 3.0, "note": "m"}, False)
-                                                for i in range(20)]))
+            out["_own"] = on("m", lambda: m.write_many([(T, {"device": "m", "seq": i}, {"temp": 3.0, "note": "m"},
+                                                         False) for i in range(20)]))
             old = on("a", lambda: [a.write(T, {"device": "old", "seq": i}, {"temp": 0.0, "note": "o"})
                                    for i in range(20)])
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and not set(old) <= on("m", lambda: _ids(m)):
                 time.sleep(0.01)
-            raws = on("m", lambda: [bytes(r[0]) for r in m.conn.execute("SELECT unseal(event_id, raw) FROM events WHERE site_id=?",
-                                                                        (ids["a"],))])
+            raws = on("m", lambda: [bytes(r[0]) for r in m.conn.execute(
+                "SELECT unseal(event_id, raw) FROM events WHERE site_id=?", (ids["a"],))])
             runners["m"].old_bodies = [raws[i:i + 10] for i in range(0, len(raws), 10)]
-        on("b", lambda: b.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall())  # the store, not the WAL's high-water mark
-        disk0, cpu0, rss0 = home_bytes(root / "b"), b_cpu[0], rss_kb()
+        bp.ask("checkpoint")   # the store, not the WAL's high-water mark
+        out["_disk0"] = home_bytes(nodes["a"].home.parent / "b")
+        s0 = bp.ask("status")
+        cpu0, rss0 = s0["cpu_s"], s0["rss_kb"]
+        bp.peak_rss_kb = rss0
         sent0 = runners["m"].sent_bytes
         t0 = time.monotonic()
         flood_left = flood if (attack and strategy == "signer_flood") else 0
         written: list[bytes] = []
-        a_done_at = None
+        held = wm = acked = None
         attack_until = t0 + attack_s
+        next_poll = t0
+        st_b = s0
         while True:
             now = time.monotonic()
             if len(written) < events and now >= t0 + 0.1 * (len(written) // 20):
                 n0 = len(written)
-                written += on("a", lambda: a.write_many([(T, {"device": "a", "seq": n0 + j}, {"temp": 1.0, "note": "a"},
-                                                          False) for j in range(20)]))
+                written += on("a", lambda: a.write_many([(T, {"device": "a", "seq": n0 + j},
+                                                          {"temp": 1.0, "note": "a"}, False) for j in range(20)]))
             if flood_left and now < attack_until:
                 k, f0 = min(100, flood_left), flood - flood_left
                 on("m", lambda: m.write_many([(T, {"device": "flood", "seq": f0 + j}, {"temp": 2.0, "note": "f" * 40},
                                                False) for j in range(k)]))
                 flood_left -= k
             time.sleep(0.005)
-            # Relayed events never advance B's watermark for A (only A's own authenticated stream does,
-            # docs/protocol.md §3): in the relay topology convergence is holding the events.
-            if a_done_at is None and len(written) >= events and set(written) <= on("b", lambda: _ids(b)) and (
-                    relay or on("b", lambda: on("a", lambda: _covered(b, a)))):
-                a_done_at = time.monotonic()
-            if a_done_at is not None and now >= attack_until:
+            if len(written) >= events and now >= next_poll:
+                next_poll = now + poll_s
+                st_b = bp.ask("status")
+                n_a, top, top_seq = on("a", lambda: _own_top(a))
+                t = time.monotonic() - t0
+                if held is None and st_b["watch_events"] >= n_a:
+                    held = t
+                if secure and wm is None and st_b["watermark"] is not None and tuple(st_b["watermark"]) >= top:
+                    wm = t
+                if not relay and acked is None and on("a", lambda: st.cursor(a.conn, ids["b"], "mqtt")[0]) >= top_seq:
+                    acked = t
+            progress = None if relay else (wm if secure else acked)
+            done = held is not None and (relay or progress is not None)
+            if done and now >= attack_until:
                 break
             if now - t0 > timeout_s:
                 break
-        stop.set()
-        for th in threads:
-            th.join()
-        out["converged_s"] = None if a_done_at is None else round(a_done_at - t0, 3)
-        out["b_has_all_of_a"] = set(written) <= _ids(b)
-        out["b_watermark_covers_a"] = _covered(b, a)
-        out["b_cpu_s"] = round(b_cpu[0] - cpu0, 3)
-        b.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-        out["b_disk_growth"] = home_bytes(root / "b") - disk0
-        out["rss_growth_kb"] = rss_kb() - rss0
+        end = bp.ask("status")
+        out["held_s"], out["watermark_s"], out["acked_s"] = _r(held), _r(wm), _r(acked)
+        out["converged_s"] = _r(max(held, progress)) if done and not relay else _r(held) if done else None
+        out["_written"] = written
+        out["b_cpu_s"] = round(end["cpu_s"] - cpu0, 3)
+        out["b_rss_growth_kb"] = bp.peak_rss_kb - rss0
+        out["b_rss_kb"] = end["rss_kb"]
         out["attacker_bytes"] = runners["m"].sent_bytes - sent0
         out["elapsed_s"] = round(time.monotonic() - t0, 3)
-        out["a_pending_for_m"] = runners["a"].in_flight(ids["m"]) if "a" in runners else 0
-        out["a_sent_bodies_for_m"] = a.conn.execute("SELECT count(*) FROM sent_bodies WHERE peer=?",
-                                                    (ids["m"],)).fetchone()[0]
-        out["b_events"] = b.conn.execute("SELECT count(*) FROM events").fetchone()[0]
+        out["a_pending_for_m"] = on("a", lambda: runners["a"].in_flight(ids["m"]))
+        out["a_sent_bodies_for_m"] = on("a", lambda: a.conn.execute("SELECT count(*) FROM sent_bodies WHERE peer=?",
+                                                                   (ids["m"],)).fetchone()[0])
         # have_max_hlc is advisory (docs/protocol.md §2): a lie of 2^62 must not move B's clock.
-        out["b_clock_ahead_ms"] = b.clock.physical_ms - int(time.time() * 1000)
-        out["b_stats"] = {k: v for k, v in rb.stats.items() if v}
-        out["b_max_handled_ahead_of_a"] = max(ahead, default=0)
+        out["b_clock_ahead_ms"] = end["clock_ms"] - int(time.time() * 1000)
+        out["b_stats"] = end["stats"]
+        out["b_max_handled_ahead_of_a"] = end["max_handled_ahead"]
         out["m_lost_own"] = None
         if strategy == "lying_watermarks":
             # A kept M's report (secure binding) and skips what it claims: whatever M then lacks is
             # its own loss (it may have taken some of A's events before its first report arrived).
-            out["a_kept_lie"] = any(tuple(h) == LIE for h in st.peer_watermarks(a.conn, ids["m"]).values())
-            out["m_lost_own"] = not set(written) <= _ids(m)
-        if strategy in REPLAY_IN_FLIGHT:
-            out["m_lost_own"] = not set(own) <= _ids(b)  # attack: B lacks what M withheld (its own loss)
-        if relay and attack:
+            out["a_kept_lie"] = on("a", lambda: any(tuple(h) == LIE for h in st.peer_watermarks(a.conn, ids["m"]).values()))
+            out["m_lost_own"] = not set(written) <= on("m", lambda: _ids(m))
+        if strategy == "dropping_relay" and attack:
             out["m_dropped"] = runners["m"].sync.dropped
-        for r in runners.values():
-            r.close()
-    for n in nodes.values():
-        n.close()
+    finally:
+        stop.set()
+        for th in threads:
+            th.join()
     return out
 
 
+def _r(x):
+    return None if x is None else round(x, 3)
+
+
+def _own_top(a: Node) -> tuple[int, tuple[int, int], int]:
+    """A's own events: how many, the newest HLC, the newest seq in A's log."""
+    n, p, lg, sq = a.conn.execute(
+        "SELECT count(*), max(hlc_p), 0, max(seq) FROM events WHERE site_id=?", (a.site_id,)).fetchone()
+    top = a.conn.execute("SELECT hlc_p, hlc_l FROM events WHERE site_id=? ORDER BY hlc_p DESC, hlc_l DESC LIMIT 1",
+                         (a.site_id,)).fetchone()
+    return n, (tuple(top) if top else (0, 0)), sq or 0
+
+
 def _ids(node: Node) -> set[bytes]:
-    return {bytes(r[0]) for r in node.conn.execute("SELECT event_id FROM events")}
+    return _ids_of(node.conn)
 
 
-def _covered(b: Node, a: Node) -> bool:
+def _ids_of(conn) -> set[bytes]:
+    return {bytes(r[0]) for r in conn.execute("SELECT event_id FROM events")}
+
+
+def _covered_by(conn, a: Node) -> bool:
     """B's own applied watermark for A's stream covers A's newest event (secure binding, §3)."""
     top = a.conn.execute("SELECT hlc_p, hlc_l FROM events WHERE site_id=? ORDER BY hlc_p DESC, hlc_l DESC LIMIT 1",
                          (a.site_id,)).fetchone()
     if top is None:
         return True
-    wm = st.own_watermarks(b.conn).get((a.site_id, T))
+    wm = st.own_watermarks(conn).get((a.site_id, T))
     return wm is not None and tuple(wm) >= tuple(top)
 
 
-def compare(strategy: str, root: Path, **kw) -> dict:
-    base = run(strategy, False, root / f"{strategy}-base", **kw)
-    att = run(strategy, True, root / f"{strategy}-attack", **kw)
+def compare(strategy: str, root: Path, rounds: int = 1, binding: str = "secure", **kw) -> dict:
+    """`rounds` pairs of runs (honest M, attacking M; the order alternates per round) on `binding`:
+    per-round figures and their medians and ranges."""
+    pairs = []
+    for k in range(rounds):
+        order = (False, True) if k % 2 == 0 else (True, False)
+        got = {att: run(strategy, att, root / f"{strategy}-{binding}-{k}-{'attack' if att else 'base'}", binding=binding,
+                        **kw) for att in order}
+        pairs.append((got[False], got[True]))
+    return {"strategy": strategy, "binding": binding, "rounds": [summarize(b, a) for b, a in pairs]}
+
+
+def summarize(base: dict, att: dict) -> dict:
+    """One round: the honest run against the attacked one. Per attacker byte only where M sent
+    more than 1 KiB (the difference of B's figures between the two runs)."""
     ab = att["attacker_bytes"]
-    per = ab >= 1024  # per-byte figures only where the attacker sent something to speak of
-    return {"strategy": strategy, "base": base, "attack": att,
+    per = ab >= 1024
+    return {"base": base, "attack": att,
             "slowdown": (att["converged_s"] / base["converged_s"]) if att["converged_s"] and base["converged_s"] else None,
             "cpu_us_per_attacker_byte": 1e6 * (att["b_cpu_s"] - base["b_cpu_s"]) / ab if per else None,
-            "disk_bytes_per_attacker_byte": (att["b_disk_growth"] - base["b_disk_growth"]) / ab if per else None}
+            "disk_bytes_per_attacker_byte": (att["b_disk_growth"] - base["b_disk_growth"]) / ab if per else None,
+            "rss_bytes_per_attacker_byte": 1024 * (att["b_rss_growth_kb"] - base["b_rss_growth_kb"]) / ab if per else None}
+
+
+def spread(xs) -> str:
+    """median [min-max] of the values that exist; "never" for runs that did not converge."""
+    vals = [x for x in xs if x is not None]
+    miss = len(xs) - len(vals)
+    if not vals:
+        return "never" if xs else "-"
+    med = statistics.median(vals)
+    txt = f"{med:.2f} [{min(vals):.2f}-{max(vals):.2f}]"
+    return txt + (f" ({miss} never)" if miss else "")
 
 
 def _f(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def report(c: dict) -> str:
+    rs = c["rounds"]
+    col = lambda side, key: [r[side][key] for r in rs]  # noqa: E731
+    def med(key):
+        vals = [r[key] for r in rs if r[key] is not None]
+        return statistics.median(vals) if vals else None
+    progress = "watermark_s" if c["binding"] == "secure" else "acked_s"
+    lines = [f"{c['strategy']:17s} {c['binding']:10s} conv {spread(col('base', 'converged_s')):>22s} / "
+             f"{spread(col('attack', 'converged_s')):<26s} {progress[:-2]} {spread(col('base', progress)):>22s} / "
+             f"{spread(col('attack', progress)):<26s}",
+             f"{'':28s} attacker B {statistics.median(col('attack', 'attacker_bytes')):>9.0f}  "
+             f"B cpu s {spread(col('base', 'b_cpu_s'))} / {spread(col('attack', 'b_cpu_s'))}  "
+             f"B rss growth KiB {spread(col('base', 'b_rss_growth_kb'))} / {spread(col('attack', 'b_rss_growth_kb'))}  "
+             f"B disk KiB {statistics.median(col('base', 'b_disk_growth')) / 1024:.0f} / "
+             f"{statistics.median(col('attack', 'b_disk_growth')) / 1024:.0f}",
+             f"{'':28s} per attacker byte (median): cpu {_f(med('cpu_us_per_attacker_byte'))} us, disk "
+             f"{_f(med('disk_bytes_per_attacker_byte'))} B, rss {_f(med('rss_bytes_per_attacker_byte'))} B"]
+    a = rs[-1]["attack"]
+    extra = {k: a[k] for k in ("b_max_handled_ahead_of_a", "m_lost_own", "a_kept_lie", "m_dropped", "a_pending_for_m",
+                               "a_sent_bodies_for_m", "b_clock_ahead_ms", "b_has_all_of_a", "b_watermark_covers_a")
+             if a.get(k) is not None}
+    lines.append(f"{'':28s} last attack run: {extra}")
+    return "\n".join(lines)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("strategies", nargs="*", default=list(STRATEGIES))
     ap.add_argument("--events", type=int, default=200)
     ap.add_argument("--attack-s", type=float, default=6.0)
     ap.add_argument("--flood", type=int, default=3000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--binding", choices=(*BINDINGS, "both"), default="both")
+    ap.add_argument("--json", help="write every run's figures here")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="ssp-bench-strategies-"))
-    print(f"{'strategy':18s} {'conv base s':>11s} {'conv attack s':>13s} {'slowdown':>8s} {'attacker B':>10s} "
-          f"{'B cpu s (base/att)':>19s} {'B disk (base/att)':>20s} {'cpu us/B':>9s} {'disk B/B':>8s}")
+    bindings = BINDINGS if args.binding == "both" else (args.binding,)
+    print(f"{args.events} honest events, attack {args.attack_s} s, {args.rounds} rounds; times from A's first write: "
+          "median [min-max] over the rounds, honest M / attacking M; B in its own process", flush=True)
+    results = []
     for s in args.strategies:
-        c = compare(s, root, events=args.events, attack_s=args.attack_s, flood=args.flood)
-        b, a = c["base"], c["attack"]
-        sd = f"{c['slowdown']:.2f}" if c["slowdown"] else "never"
-        print(f"{s:18s} {b['converged_s']!s:>11s} {a['converged_s']!s:>13s} {sd:>8s} {a['attacker_bytes']:>10d} "
-              f"{b['b_cpu_s']:>9.2f}/{a['b_cpu_s']:<9.2f} {b['b_disk_growth']:>10d}/{a['b_disk_growth']:<9d} "
-              f"{_f(c['cpu_us_per_attacker_byte']):>9s} {_f(c['disk_bytes_per_attacker_byte']):>8s}", flush=True)
-        extra = {k: a[k] for k in ("b_max_handled_ahead_of_a", "m_lost_own", "a_kept_lie", "m_dropped", "a_pending_for_m", "a_sent_bodies_for_m", "rss_growth_kb",
-                                   "b_clock_ahead_ms", "b_has_all_of_a", "b_watermark_covers_a")
-                 if a.get(k) is not None}
-        print(f"{'':18s} {extra}", flush=True)
+        for bnd in bindings:
+            c = compare(s, root, rounds=args.rounds, binding=bnd, events=args.events, attack_s=args.attack_s,
+                        flood=args.flood)
+            results.append(c)
+            print(report(c), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Hostile-peer strategies (issue 16 item 3), each against a real mosquitto with real nodes:
 a mesh member that misbehaves on purpose (bench/bench_strategies.py holds the strategies and
-the measured comparison with an honest run; docs/reliability.md has the figures). Here, small
-runs with the attacker only, asserting what must hold whatever the timing: the honest receiver B
-gets every event of the honest writer A (and its applied watermark for A's stream covers them
-where A's stream reaches it directly), the honest nodes' resources for the attacker stay within
-their bounds, and a liar loses only its own data."""
+the measured comparison with an honest run, several rounds on both bindings; docs/reliability.md
+has the figures). Here, small runs with the attacker only, asserting what must hold whatever the
+timing: the honest receiver B (in its own process) gets every event of the honest writer A, and
+A's progress shows it where A's stream reaches B directly (secure binding: B's applied watermark
+for A; the default binding: A's cursor for B, moved only by B's signed acknowledgements), the
+honest nodes' resources for the attacker stay within their bounds, and a liar loses only its own
+data. The default binding is run for the strategies whose outcome depends on it."""
 from __future__ import annotations
 
 import sys
@@ -29,39 +31,49 @@ def _env(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("SSP_AGENT_CLOCK_TRUSTED", "1")
 
 
-def attack(strategy, tmp_path, **kw):
+def attack(strategy, tmp_path, binding="secure", **kw):
     r = run(strategy, True, tmp_path, events=kw.pop("events", 60), attack_s=kw.pop("attack_s", 2.0),
-            timeout_s=60, **kw)
+            timeout_s=60, binding=binding, **kw)
     assert r["b_has_all_of_a"], r
     assert r["converged_s"] is not None, r
     return r
 
 
-def test_a_peer_that_never_answers_holds_one_window(tmp_path):
-    r = attack("never_answers", tmp_path)
-    assert r["b_watermark_covers_a"]
+def progressed(r) -> bool:
+    """A's stream reached B and A knows it: B's watermark (secure) or A's acknowledged cursor."""
+    return r["b_watermark_covers_a"] if r["binding"] == "secure" else r["acked_s"] is not None
+
+
+@pytest.mark.parametrize("binding", ["secure", "signed-ack"])
+def test_a_peer_that_never_answers_holds_one_window(tmp_path, binding):
+    r = attack("never_answers", tmp_path, binding)
+    assert progressed(r), r
     assert r["a_pending_for_m"] <= WINDOW and r["a_sent_bodies_for_m"] <= SENT_BODIES_KEPT, r
 
 
-def test_lying_watermarks_and_have_max_cost_only_the_liar(tmp_path):
-    r = attack("lying_watermarks", tmp_path)
-    assert r["b_watermark_covers_a"]
+@pytest.mark.parametrize("binding", ["secure", "signed-ack"])
+def test_lying_watermarks_and_have_max_cost_only_the_liar(tmp_path, binding):
+    r = attack("lying_watermarks", tmp_path, binding)
+    assert progressed(r), r
     # have_max_hlc 2^62 is advisory (docs/protocol.md §2): B's clock is not dragged ahead.
     assert r["b_clock_ahead_ms"] < 60_000, r
-    # wire-profile.md §5: a peer advertising a false watermark loses only its own data. A kept
-    # the lie (and skips what it claims for M) while B converged untouched.
-    assert r["a_kept_lie"] is True, r
+    # wire-profile.md §5: a peer advertising a false watermark loses only its own data. On the
+    # secure binding A kept the lie (and skips what it claims for M) while B converged untouched;
+    # on the default binding reports are not authenticated and are ignored altogether.
+    assert r["a_kept_lie"] is (binding == "secure"), r
+    if binding != "secure":
+        assert r["m_lost_own"] is False, r
 
 
 def test_a_slow_trickle_holds_at_most_a_window(tmp_path):
     r = attack("slow_trickle", tmp_path)
-    assert r["b_watermark_covers_a"]
+    assert progressed(r), r
     assert r["a_pending_for_m"] <= WINDOW and r["a_sent_bodies_for_m"] <= SENT_BODIES_KEPT, r
 
 
 def test_withheld_and_replayed_bodies_are_absorbed(tmp_path):
     r = attack("withhold_replay", tmp_path)
-    assert r["b_watermark_covers_a"]
+    assert progressed(r), r
     assert r["attacker_bytes"] > 50_000, r  # the replays went out
     assert r["b_stats"].get("duplicate", 0) > 0, r
     # Duplicates add nothing to the store: growth per replayed byte well below one (pages, not rows).
@@ -76,18 +88,24 @@ def test_a_relay_that_drops_a_site_does_not_stop_it_on_another_path(tmp_path):
 
 def test_a_trusted_signer_flood_delays_but_does_not_stop_honest_events(tmp_path):
     r = attack("signer_flood", tmp_path, flood=600)
-    assert r["b_watermark_covers_a"]
+    assert progressed(r), r
     assert r["b_events"] >= 60 + 600, r  # the flood is valid data: stored (eviction bounds it, docs/reliability.md)
 
 
-def test_a_member_flooding_bodies_does_not_stall_honest_bodies(tmp_path):
+@pytest.mark.parametrize("binding", ["secure", "signed-ack"])
+def test_a_member_flooding_bodies_does_not_stall_honest_bodies(tmp_path, binding):
     """M keeps 200 replayed bodies unanswered at all times (no window). B took its inbox in arrival
     order, so every body of A queued behind up to 200 of M's: A's bodies timed out, were re-offered
     behind the next 200, and A's events did not reach B for as long as the flood lasted (issue 16
     item 3; the harness gave up after 120 s). Now B serves the senders in its inbox in turn."""
-    r = attack("replay_flood", tmp_path)
-    assert r["b_watermark_covers_a"]
+    r = attack("replay_flood", tmp_path, binding)
+    assert progressed(r), r
     assert r["b_stats"].get("duplicate", 0) > 0, r
     # A body of A waits behind at most one body per turn of each sender (A's own window of 4
     # included): before, behind everything M had queued (about 200).
     assert r["b_max_handled_ahead_of_a"] <= 2 * WINDOW + 4, r
+    # B's memory (its own process: bench/strategy_node.py) does not grow with the flood: bodies
+    # are absorbed as duplicates one at a time (docs/reliability.md: about 1 MiB of RSS growth for
+    # 2-5 MB of replays, as much as without the attacker; kept bodies would be 1 byte per byte).
+    assert r["attacker_bytes"] > 1_000_000, r
+    assert r["b_rss_growth_kb"] * 1024 <= min(0.25 * r["attacker_bytes"] + (4 << 20), 16 << 20), r
