@@ -143,6 +143,11 @@ def cmd_keystore_rewrap(args) -> int:
         home, conn = node.home, node.conn
         home_conf = json.loads(db.get_meta(conn, "keystore"))
         stored_cur = atrest.seal_keystore_conf(conn)
+        pending = atrest.rewrap_pending(conn)
+        if pending is not None and _identity(_home_paths(home, stored_cur or home_conf)) != _identity(target):
+            # an earlier re-wrap, interrupted after its commit: destroy its predecessor's seal key
+            # first (this one records only its own predecessor)
+            _retire(home, conn, pending, stored_cur)
         current = stored_cur or home_conf
         n = 0
         if _identity(_home_paths(home, current)) == _identity(target):

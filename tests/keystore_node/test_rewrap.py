@@ -155,3 +155,23 @@ def test_an_interrupted_rewrap_is_harmless_and_completes_when_run_again(tmp_path
     assert json.loads(p.stdout)["old_seal_key"] == "deleted"
     _assert_moved(home, old_wrapped, softhsm_conf)
     assert _opens_and_reads(home) == n + 1
+
+
+def test_a_rewrap_to_another_keystore_first_finishes_an_interrupted_one(tmp_path, softhsm_conf):
+    """Killed after its commit, a re-wrap leaves the previous keystore's seal key to destroy; a
+    re-wrap to yet another keystore must not forget that (it recorded only its own predecessor, so
+    the software seal key file stayed on the card for good)."""
+    home, old_wrapped = _software_home(tmp_path)
+    env = agent_env({"PYTHONPATH": str(ROOT), "SSP_CRASH": "rewrap-committed:1"})
+    p = subprocess.run([sys.executable, str(PRODUCER), "--home", str(home), "keystore", "rewrap", "--to",
+                        _token_json(softhsm_conf)], capture_output=True, text=True, env=env, cwd=str(ROOT),
+                       timeout=120)
+    assert p.returncode == -9, (p.returncode, p.stderr)
+    elsewhere = tmp_path / "other-keystore"
+    p = _cli(home, "keystore", "rewrap", "--to", json.dumps({"kind": "software", "dir": str(elsewhere)}))
+    assert p.returncode == 0, p.stderr
+    assert not _seal_key_file(home).exists()              # the first re-wrap's predecessor: destroyed
+    assert (elsewhere / "store-seal.seal").exists()
+    st = json.loads(_cli(home, "keystore", "show").stdout)["at_rest"]
+    assert st["seal_keystore"] == {"kind": "software", "dir": str(elsewhere)} and st["rewrap"] is None, st
+    _opens_and_reads(home)
