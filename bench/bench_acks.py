@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("SSP_AGENT_WITNESS_DIR", tempfile.mkdtemp(prefix="ssp-bench-witness-"))
+from _harness import bench_env, catch_up as timed_catch_up, introduce  # noqa: E402  (bench/: the shared set-up)
 
+bench_env()
 from agent import runner as runner_mod  # noqa: E402
 from agent.core.records import AckAnswer  # noqa: E402
 from agent.node import Node  # noqa: E402
@@ -45,8 +43,7 @@ MANIFEST = manifest_text(MESH, readings_table())
 def pair(root: Path, name: str, n: int) -> tuple[Node, Node]:
     a = Node.init(root / f"{name}-a", MANIFEST)[0]
     b = Node.init(root / f"{name}-b", MANIFEST)[0]
-    a.add_peer(b.site_id, b.keyring[b.site_id][0], None)
-    b.add_peer(a.site_id, a.keyring[a.site_id][0], None)
+    introduce(a, b)
     for i in range(0, n, 500):
         a.write_many([("app.readings", {"device": "d", "seq": j}, {"temp": float(j), "note": "x"}, False)
                       for j in range(i, min(n, i + 500))])
@@ -84,22 +81,7 @@ def catch_up(url: str, a: Node, b: Node, secure: bool, max_events: int, window: 
     ra = cls(a, MqttSettings.from_url(url), RunConfig(**cfg))
     rb = cls(b, MqttSettings.from_url(url), RunConfig(**cfg))
     assert ra.start(10) and rb.start(10)
-    stop = threading.Event()
-
-    def serve_b():
-        while not stop.is_set():
-            rb.pump(0.05)
-    th = threading.Thread(target=serve_b, daemon=True)  # B in its own thread, as in its own process
-    th.start()
-    last = a.conn.execute("SELECT max(seq) FROM events").fetchone()[0]
-    t0 = time.perf_counter()
-    ra.batch_cycle()
-    while ra.sync.cursor(b.site_id) < last:
-        ra.pump(0.05)
-        if time.perf_counter() - t0 > 600:
-            raise SystemExit("timed out")
-    dt = time.perf_counter() - t0
-    stop.set(), th.join()
+    dt = timed_catch_up(ra, rb, a, b)
     out = {"seconds": dt, "answers": ra.stats["answers"], "answers_per_s": ra.stats["answers"] / dt,
            "signed": rb.stats["acks_signed"], "unproven": ra.stats["answers_unproven"]}
     ra.close(), rb.close()
@@ -121,7 +103,6 @@ def release_rate(root: Path, n: int) -> float:
 
 
 def main() -> None:
-    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=2000)
     ap.add_argument("--max-events", type=int, default=5)

@@ -20,8 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+import _harness  # noqa: E402,F401  (bench/: the shared set-up; puts this checkout on sys.path)
 from agent.node import Node  # noqa: E402
 from agent.simpeer import SimPeer, manifest_text, readings_table  # noqa: E402
 from agent.store import atrest  # noqa: E402

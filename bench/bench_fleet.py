@@ -42,12 +42,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _harness import ROOT, bench_env, child_env, cli, load_average, proc_cpu_s, proc_mem_mb  # noqa: E402  (bench/)
 
 import paho.mqtt.client as paho  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
@@ -63,19 +61,6 @@ TABLES = ('\n[[tables]]\nschema = "app"\nname = "readings"\ncategory = "syncable
           'columns = { device = "text", seq = "integer", temp = "real" }\n'
           '\n[[tables]]\nschema = "app"\nname = "config"\ncategory = "syncable"\nkey = ["k"]\n'
           'columns = { k = "text", v = "text" }\n')
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_s(pid: int) -> float:
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / TICK   # utime, stime
-
-
-def proc_rss_mb(pid: int, key: str = "VmRSS") -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 class SysStore:
@@ -138,7 +123,7 @@ class Fleet:
         self.config_rows = 0
 
     def cli(self, *argv: str) -> subprocess.CompletedProcess:
-        p = subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(self.gw_home), *argv], env=self.env,
+        p = subprocess.run(cli(self.gw_home, *argv), env=self.env,
                            capture_output=True, text=True, cwd=str(ROOT), timeout=120)
         if p.returncode:
             raise SystemExit(f"ssp-agent {' '.join(argv)}: {p.stderr}")
@@ -262,7 +247,7 @@ def phase(n: int, what: str) -> None:
 def one_size(n: int, args, base: Path) -> dict:
     root = base / f"fleet{n}"
     root.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     out: dict = {"devices": n}
     with Broker(workdir=root / "broker", extra_conf="sys_interval 1") as br:
         fleet = Fleet(root, n, args, env)
@@ -287,8 +272,8 @@ def one_size(n: int, args, base: Path) -> dict:
             fleet.spin(args.idle_s)
             idle = (proc_cpu_s(pid) - c0) / (time.monotonic() - t0)
             out["gw_idle_cpu_pct"] = round(100 * idle, 2)
-            out["gw_rss_mb"] = round(proc_rss_mb(pid), 1)
-            out["broker_rss_mb_online"] = round(proc_rss_mb(br.proc.pid), 1)
+            out["gw_rss_mb"] = round(proc_mem_mb(pid), 1)
+            out["broker_rss_mb_online"] = round(proc_mem_mb(br.proc.pid), 1)
             out["broker_store_online"] = sysc.read()
             phase(n, "partition")
             # 3. partition: the queue is counted from just after every device dropped off (their
@@ -304,7 +289,7 @@ def one_size(n: int, args, base: Path) -> dict:
             out["gw_partition_cpu_pct"] = round(100 * (proc_cpu_s(pid) - c0) / max(1e-9, args.partition_s), 2)
             after = sysc.read()
             out["broker_store_partitioned"] = after
-            out["broker_rss_mb_partitioned"] = round(proc_rss_mb(br.proc.pid), 1)
+            out["broker_rss_mb_partitioned"] = round(proc_mem_mb(br.proc.pid), 1)
             msgs = after.get("count", 0) - before.get("count", 0)
             byts = after.get("bytes", 0) - before.get("bytes", 0)
             out["queue_msgs_per_offline_device"] = round(msgs / n, 2)
@@ -317,7 +302,7 @@ def one_size(n: int, args, base: Path) -> dict:
             out["heal_reconnect_s"] = round(time.perf_counter() - t, 2)
             out["heal_converge_s"] = round(out["heal_reconnect_s"] + fleet.until_converged(args.timeout), 2)
             out["heal_gw_cpu_s"] = round(proc_cpu_s(pid) - c0, 2)
-            out["gw_peak_rss_mb"] = round(proc_rss_mb(pid, "VmHWM"), 1)
+            out["gw_peak_rss_mb"] = round(proc_mem_mb(pid, "VmHWM"), 1)
         finally:
             sysc.close()
             fleet.close()
@@ -327,7 +312,6 @@ def one_size(n: int, args, base: Path) -> dict:
 
 
 def main() -> int:
-    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="25,50,100,200")
     ap.add_argument("--events", type=int, default=20, help="rows each device writes before, and again during, the partition")
@@ -347,13 +331,13 @@ def main() -> int:
     if args.smoke:
         args.sizes, args.events, args.config_writes, args.partition_s, args.idle_s = "4", 3, 1, 2.0, 1.0
     sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print(f"load average before: {load_average()}", flush=True)
     shm = Path("/dev/shm")
     rows = []
     d = tempfile.mkdtemp(prefix="ssp-fleet-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None)
     print(f"homes and logs under {d}", file=sys.stderr)
     try:
-        os.environ.setdefault("SSP_AGENT_WITNESS_DIR", os.path.join(d, "witness"))
+        bench_env(os.path.join(d, "witness"))
         for n in sizes:
             r = one_size(n, args, Path(d))
             rows.append(r)
@@ -378,7 +362,7 @@ def main() -> int:
               f"idle CPU x{b['gw_idle_cpu_pct'] / max(1e-9, a['gw_idle_cpu_pct']):.1f}, heal convergence "
               f"x{b['heal_converge_s'] / max(1e-9, a['heal_converge_s']):.1f}, queue per offline device "
               f"x{b['queue_bytes_per_offline_device'] / max(1, a['queue_bytes_per_offline_device']):.2f}")
-    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average after: {load_average()}")
     return 0
 
 

@@ -18,17 +18,14 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import resource
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("SSP_AGENT_WITNESS_DIR", tempfile.mkdtemp(prefix="ssp-bench-witness-"))
-os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
+from _harness import ROOT, bench_env, home_bytes, introduce, peak_rss_kb  # noqa: E402  (bench/: the shared set-up)
 
+bench_env()
 from agent.core.codec import encode  # noqa: E402
 from agent.node import Node  # noqa: E402
 from agent.runner import RunConfig, Runner  # noqa: E402
@@ -106,17 +103,12 @@ def rogue(url: str, b_site: str, a_site: str, honest_body: bytes, body_limit: in
     out.send((n, nbytes))
 
 
-def home_bytes(p: Path) -> int:
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-
-
 def one_run(n_events: int, max_events: int, flood: dict | None) -> dict:
     root = Path(tempfile.mkdtemp(prefix="ssp-bench-flood-"))
     broker = Broker(workdir=root / "broker").start()
     a = Node.init(root / "a", MANIFEST)[0]
     b = Node.init(root / "b", MANIFEST)[0]
-    a.add_peer(b.site_id, b.keyring[b.site_id][0], None)
-    b.add_peer(a.site_id, a.keyring[a.site_id][0], None)
+    introduce(a, b)
     s = MqttSettings.from_url(broker.url, backoff_min_s=0.05, backoff_max_s=0.5)
     cfg = dict(cadence_s=0.5, answer_timeout_s=5.0, realtime=False, max_events=max_events)
     ra, rb = Runner(a, s, RunConfig(**cfg)), Runner(b, s, RunConfig(**cfg))
@@ -135,7 +127,7 @@ def one_run(n_events: int, max_events: int, flood: dict | None) -> dict:
     while not b.conn.execute("SELECT 1 FROM events WHERE event_id=?", (w,)).fetchone():
         step_both()
     honest_body = SimPeer(MESH, site_id=a.site_id).body([a.conn.execute("SELECT unseal(event_id, raw) FROM events").fetchone()[0]])
-    disk0, cpu0, rss0 = home_bytes(root / "b"), b_cpu, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    disk0, cpu0, rss0 = home_bytes(root / "b"), b_cpu, peak_rss_kb()
     proc = None
     if flood:
         rx, tx = mp.Pipe(duplex=False)
@@ -168,7 +160,7 @@ def one_run(n_events: int, max_events: int, flood: dict | None) -> dict:
         t_end = time.monotonic() + 1.0
         while time.monotonic() < t_end:
             step_both()
-    out.update(b_cpu_s=b_cpu - cpu0, rss_kb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0,
+    out.update(b_cpu_s=b_cpu - cpu0, rss_kb=peak_rss_kb() - rss0,
                disk_bytes=home_bytes(root / "b") - disk0, stats=dict(rb.stats), present=len(rb.link.present),
                caps=len(rb.caps), surfaced=b.conn.execute("SELECT count(*) FROM surfaced").fetchone()[0])
     ra.close(); rb.close(); a.close(); b.close(); broker.close()

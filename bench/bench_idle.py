@@ -11,18 +11,14 @@ does no work that grows with the store."""
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("SSP_AGENT_WITNESS_DIR", tempfile.mkdtemp(prefix="ssp-bench-witness-"))
-os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
+from _harness import bench_env, child_env, cli, proc_cpu_s, trust  # noqa: E402  (bench/: the shared set-up)
 
+bench_env()
 from agent.node import Node  # noqa: E402
 from agent.simpeer import SimPeer, manifest_text, readings_table  # noqa: E402
 from agent.store import sync_state as st  # noqa: E402
@@ -31,13 +27,6 @@ from agent.transport.broker import Broker  # noqa: E402
 MESH = bytes.fromhex("1d1e0000000000000000000000000042")
 MANIFEST = manifest_text(MESH, readings_table())
 T = "app.readings"
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """utime + stime of the process (all its threads), seconds."""
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / TICK
 
 
 def grow(node: Node, producer: SimPeer, upto: int) -> None:
@@ -58,9 +47,8 @@ def grow(node: Node, producer: SimPeer, upto: int) -> None:
 
 
 def measure(home: Path, url: str, seconds: float, warmup: float) -> float:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen([sys.executable, "-m", "agent.cli", "--home", str(home), "run", "--broker", url],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    p = subprocess.Popen(cli(home, "run", "--broker", url), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         env=child_env())
     try:
         sock = home / "control.sock"
         t0 = time.monotonic()
@@ -69,9 +57,9 @@ def measure(home: Path, url: str, seconds: float, warmup: float) -> float:
                 raise SystemExit(f"run did not start: {p.stderr.read().decode()[-2000:]}")
             time.sleep(0.1)
         time.sleep(warmup)  # start-up, the first batch cycle, the first eviction run
-        c0, w0 = cpu_s(p.pid), time.monotonic()
+        c0, w0 = proc_cpu_s(p.pid), time.monotonic()
         time.sleep(seconds)
-        c1, w1 = cpu_s(p.pid), time.monotonic()
+        c1, w1 = proc_cpu_s(p.pid), time.monotonic()
         return (c1 - c0) / (w1 - w0)
     finally:
         p.terminate()
@@ -89,8 +77,7 @@ def main() -> None:
     broker = Broker(workdir=root / "broker").start()
     node = Node.init(root / "home", MANIFEST, profile=args.profile)[0]
     peer, producer = SimPeer(MESH), SimPeer(MESH)
-    node.add_peer(peer.site_id, peer.public_key, None)
-    node.add_peer(producer.site_id, producer.public_key, None)
+    trust(node, [peer, producer])
     home = node.home
     node.close()
     rows = []

@@ -25,26 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from _harness import introduce, peak_rss_kb, proc_mem_mb, trusted_clock  # noqa: E402  (bench/: the shared set-up)
 from agent.simpeer import readings_table  # noqa: E402
 
 MESH = bytes.fromhex("be4c0000000000000000000000000006")
 T0 = 1_790_000_000_000
 DAY = 86_400_000
 TABLE = readings_table("telemetry")
-
-
-def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def peak_mb() -> float:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def stream_run(evict: bool, days: int, sensors: int, period_s: int, out: str) -> None:
@@ -83,15 +70,15 @@ def stream_run(evict: bool, days: int, sensors: int, period_s: int, out: str) ->
                 next_evict = t + interval
             if t >= next_sample:
                 samples.append({"day": round((t - T0) / DAY, 2), "store_mb": round(node.store_bytes() / 2**20, 2),
-                                "rss_mb": round(rss_mb(), 1), "events_in_log": node.conn.execute(
+                                "rss_mb": round(proc_mem_mb(), 1), "events_in_log": node.conn.execute(
                                     "SELECT count(*) FROM events").fetchone()[0]})
                 next_sample += sample_every
         if evict:
             node.run_eviction(now=t)
-        samples.append({"day": days, "store_mb": round(node.store_bytes() / 2**20, 2), "rss_mb": round(rss_mb(), 1),
+        samples.append({"day": days, "store_mb": round(node.store_bytes() / 2**20, 2), "rss_mb": round(proc_mem_mb(), 1),
                         "events_in_log": node.conn.execute("SELECT count(*) FROM events").fetchone()[0]})
         res = {"evict": evict, "events": n_events, "apply_s": round(t_apply, 1),
-               "wall_s": round(time.perf_counter() - wall, 1), "peak_rss_mb": round(peak_mb(), 1),
+               "wall_s": round(time.perf_counter() - wall, 1), "peak_rss_mb": round(peak_rss_kb() / 1024, 1),
                "budget_mb": node.profile.disk_budget_bytes / 2**20, "samples": samples}
         node.close()
     Path(out).write_text(json.dumps(res))
@@ -101,7 +88,6 @@ def rehydration(n_events: int) -> dict:
     from agent.sync import import_mailbox_body as import_body
     from agent.node import Node
     from agent.simpeer import SimPeer
-    from agent.store import db
     from agent.sync import SyncDriver
     from agent.transport.memory import MemoryLink, Pair
     from agent import rehydrate
@@ -121,8 +107,7 @@ def rehydration(n_events: int) -> dict:
         gw, _ = Node.init(Path(d) / "gw", man, profile="gateway")
         gw.apply_batch(events, now)
         new, _ = Node.init(Path(d) / "new", man, profile="pi-zero-2w")
-        for x, y in ((gw, new), (new, gw)):
-            x.add_peer(y.site_id, bytes(db.get_meta(y.conn, "public_key")), None)
+        introduce(gw, new)
         dg, dn = SyncDriver(gw, batch_limit=gw.profile.batch_limit), SyncDriver(new, batch_limit=2000)
         rehydrate.start(new, gw.site_id, now=now)
         a = time.perf_counter()
@@ -142,8 +127,7 @@ def rehydration(n_events: int) -> dict:
 
 
 def main() -> int:
-    # docs/apply.md "Clocks without an RTC": simulated or back-dated clocks, on machines that may run no time sync; declare the wall clock trustworthy
-    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
+    trusted_clock()
     ap = argparse.ArgumentParser()
     ap.add_argument("--days", type=int, default=30)
     ap.add_argument("--sensors", type=int, default=2)

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("SSP_AGENT_WITNESS_DIR", tempfile.mkdtemp(prefix="ssp-bench-witness-"))
+from _harness import bench_env, catch_up, introduce, readings_events, trust  # noqa: E402  (bench/: the shared set-up)
 
+bench_env()
 from agent.core.messages import SyncBody, emit_body  # noqa: E402
 from agent.node import Node  # noqa: E402
 from agent.runner import RunConfig, Runner  # noqa: E402
@@ -29,17 +28,9 @@ MESH = bytes.fromhex("be4c0000000000000000000000000042")
 MANIFEST = manifest_text(MESH, readings_table())
 
 
-def events(n: int, sites: list[SimPeer]) -> list[bytes]:
-    base = time.time_ns() // 1_000_000 - 3_600_000
-    return [sites[i % len(sites)].event("app.readings", {"device": f"dev{i % 50}", "seq": i % 2000},
-                                        {"temp": float(i % 400) / 10, "note": f"n{i % 97}"}, (base + i // 4, i % 4))
-            for i in range(n)]
-
-
 def node(root: Path, name: str, sims: list[SimPeer]) -> Node:
     n = Node.init(root / name, MANIFEST)[0]
-    for s in sims:
-        n.add_peer(s.site_id, s.public_key, None)
+    trust(n, sims)
     return n
 
 
@@ -66,8 +57,6 @@ def raw_paho_rate(url: str, bodies: list[bytes]) -> float:
 
 
 def main() -> None:
-    # docs/apply.md "Clocks without an RTC": simulated or back-dated clocks, on machines that may run no time sync; declare the wall clock trustworthy
-    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=50_000)
     ap.add_argument("--max-events", type=int, default=1000)
@@ -77,7 +66,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="ssp-bench-mqtt-"))
     sims = [SimPeer(MESH) for _ in range(5)]
     print(f"generating {n} signed events from {len(sims)} producers ...", flush=True)
-    evs = events(n, sims)
+    evs = readings_events(n, sims)
     nbytes = sum(len(e) for e in evs)
 
     # 1. apply-only: the same events through the one apply path, in bodies of max-events
@@ -90,8 +79,7 @@ def main() -> None:
 
     # 2. end to end: A holds them, B catches up through mosquitto
     a, b = node(root, "a", sims), node(root, "b", sims)
-    a.add_peer(b.site_id, b.keyring[b.site_id][0], None)
-    b.add_peer(a.site_id, a.keyring[a.site_id][0], None)
+    introduce(a, b)
     for i in range(0, n, 5000):
         a.apply_batch(evs[i:i + 5000])
     with Broker(workdir=root / "broker") as br:
@@ -99,22 +87,7 @@ def main() -> None:
         ra = Runner(a, MqttSettings.from_url(br.url), cfg)
         rb = Runner(b, MqttSettings.from_url(br.url), cfg)
         assert ra.start(10) and rb.start(10)
-        stop = threading.Event()
-
-        def serve_b():
-            while not stop.is_set():
-                rb.pump(0.05)
-        th = threading.Thread(target=serve_b, daemon=True)  # B in its own thread, as in its own process
-        th.start()
-        last = a.conn.execute("SELECT max(seq) FROM events").fetchone()[0]
-        t0 = time.perf_counter()
-        ra.batch_cycle()
-        while ra.sync.cursor(b.site_id) < last:
-            ra.pump(0.05)
-            if time.perf_counter() - t0 > 600:
-                raise SystemExit("timed out")
-        t_e2e = time.perf_counter() - t0
-        stop.set(), th.join()
+        t_e2e = catch_up(ra, rb, a, b)
         held = b.conn.execute("SELECT count(*) FROM events").fetchone()[0]
         assert held == n, held
         bodies_sent = ra.stats["bodies_pushed"]

@@ -15,7 +15,6 @@ checkout of the agent (the code before the fix: `git worktree add /tmp/before <c
 from __future__ import annotations
 
 import argparse
-import os
 import queue
 import sys
 import tempfile
@@ -27,9 +26,10 @@ ap.add_argument("--minutes", type=float, default=60.0, help="simulated minutes C
 ap.add_argument("--scale", type=float, default=0.02, help="wall seconds per simulated second")
 ap.add_argument("--root", default=str(Path(__file__).resolve().parents[1]), help="the agent checkout to run")
 args = ap.parse_args()
-sys.path.insert(0, args.root)
-os.environ.setdefault("SSP_AGENT_WITNESS_DIR", tempfile.mkdtemp(prefix="ssp-bench-witness-"))
-os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
+from _harness import bench_env, introduce  # noqa: E402  (bench/: the shared set-up; imports no agent module)
+
+sys.path.insert(0, args.root)   # after the harness, which puts this checkout on the path: --root goes first
+bench_env()
 
 from agent.node import Node  # noqa: E402
 from agent.runner import RunConfig, Runner  # noqa: E402
@@ -99,10 +99,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="ssp-bench-quiet-"))
     broker = Broker(workdir=root / "broker").start()
     a, b, c = nodes = [Node.init(root / n, MANIFEST, profile="pi-zero-2w")[0] for n in "abc"]
-    for x in nodes:
-        for y in nodes:
-            if x is not y:
-                x.add_peer(y.site_id, y.keyring[y.site_id][0], None)
+    introduce(*nodes)
     rc = runner(c, broker.url, args.scale)
     rc.close()  # C's persistent session exists; C is gone
     ra, rb = runner(a, broker.url, args.scale), runner(b, broker.url, args.scale)

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import trusted_clock  # noqa: E402  (bench/: the shared set-up)
+
 # This VM runs no time sync; the eviction job needs a trusted clock (docs/apply.md "Clocks without an RTC").
-os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
+trusted_clock()
 
 from agent.node import Node  # noqa: E402
 from agent.profile import SECURE_DELETE_MODES, load_profile  # noqa: E402

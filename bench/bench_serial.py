@@ -26,8 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _harness import ROOT, bench_env, child_env, cli, introduce  # noqa: E402  (bench/: the shared set-up)
+
 sys.path.insert(0, str(ROOT / "tools"))
 
 from agent.node import Node  # noqa: E402
@@ -43,8 +43,7 @@ def homes(d: Path, n: int, compress: bool) -> tuple[Path, Path]:
     prof = dataclasses.replace(load_profile("pi-3-4"), serial_timeout_s=60.0, serial_compress=compress)
     a, _ = Node.init(d / "a", manifest_text(MESH, readings_table()), profile=prof)
     b, _ = Node.init(d / "b", manifest_text(MESH, readings_table()), profile=prof)
-    a.add_peer(b.site_id, b.keyring[b.site_id][0], None)
-    b.add_peer(a.site_id, a.keyring[a.site_id][0], None)
+    introduce(a, b)
     for i in range(0, n, 500):
         a.write_many([(T, {"device": f"dev{k % 50}", "seq": k}, {"temp": float(k % 400) / 10, "note": f"n{k % 97}"},
                        False) for k in range(i, min(n, i + 500))])
@@ -57,10 +56,9 @@ def one(d: Path, n: int, ber: float, baud: int, seed: int, compress: bool) -> di
     ha, hb = homes(d, n, compress)
     f = dict(ber=ber)
     relay = Relay(LineFaults(seed=seed, **f), LineFaults(seed=seed + 1, **f), baud=baud).start()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "agent.cli"]
+    env = child_env()
     try:
-        procs = [subprocess.Popen([*cmd, "--home", str(h), "sync", "--serial", port, "--baud", str(baud), "--once"],
+        procs = [subprocess.Popen(cli(h, "sync", "--serial", port, "--baud", str(baud), "--once"),
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
                  for h, port in ((ha, relay.ports[0]), (hb, relay.ports[1]))]
         outs = [p.communicate(timeout=1800) for p in procs]
@@ -98,8 +96,6 @@ def one(d: Path, n: int, ber: float, baud: int, seed: int, compress: bool) -> di
 
 
 def main() -> int:
-    # docs/apply.md "Clocks without an RTC": simulated or back-dated clocks, on machines that may run no time sync; declare the wall clock trustworthy
-    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=1500)
     ap.add_argument("--ber-events", type=int, default=300)
@@ -113,7 +109,7 @@ def main() -> int:
     rows = []
     for (ber, n), compress in [(r, c) for r in runs for c in modes]:
         with tempfile.TemporaryDirectory() as d:
-            os.environ.setdefault("SSP_AGENT_WITNESS_DIR", os.path.join(d, "witness"))
+            bench_env(os.path.join(d, "witness"))
             t0 = time.perf_counter()
             r = one(Path(d), n, ber, args.baud, args.seed, compress)
             r["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -23,13 +23,11 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-# --code DIR (before/after comparisons): run the CLI of another checkout
-CODE = os.path.abspath(sys.argv[sys.argv.index("--code") + 1]) if "--code" in sys.argv else ROOT
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fsyncshim  # noqa: E402  (bench/)
+from _harness import ROOT, median  # noqa: E402  (bench/: the shared set-up)
 
-import fsyncshim  # noqa: E402
+# --code DIR (before/after comparisons): run the CLI of another checkout
+CODE = os.path.abspath(sys.argv[sys.argv.index("--code") + 1]) if "--code" in sys.argv else str(ROOT)
 from agent.simpeer import manifest_text, readings_table  # noqa: E402
 from agent.transport.broker import Broker, find_mosquitto  # noqa: E402
 
@@ -67,12 +65,6 @@ def run(argv: list[str], env: dict, count: str | None, strace: bool, cwd: str | 
     elif count is not None:
         fsyncs = sum(a + b for _pid, a, b in fsyncshim.read_counts(count))
     return Call(wall, ru.ru_utime + ru.ru_stime, ru.ru_maxrss, fsyncs, out.decode())
-
-
-def median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    k = len(xs) // 2
-    return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
 
 
 class Setup:

@@ -14,11 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from _harness import bench_env, introduce, readings_events  # noqa: E402  (bench/: the shared set-up)
 from agent.node import Node  # noqa: E402
 from agent.simpeer import SimPeer, readings_table  # noqa: E402
-from agent.store import db  # noqa: E402
 from agent.sync import SyncDriver  # noqa: E402
 from agent.transport.memory import MemoryLink, Pair  # noqa: E402
 
@@ -27,8 +25,6 @@ TABLES = readings_table()
 
 
 def main() -> int:
-    # docs/apply.md "Clocks without an RTC": simulated or back-dated clocks, on machines that may run no time sync; declare the wall clock trustworthy
-    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=50_000)
     ap.add_argument("--batch", type=int, default=500)
@@ -38,17 +34,14 @@ def main() -> int:
     now = time.time_ns() // 1_000_000
     base = now - 3_600_000
     print(f"generating {args.events} signed events over {args.sites} sites ...", flush=True)
-    events = [sites[i % len(sites)].event("app.readings", {"device": f"dev{i % 50}", "seq": i % 2000},
-                                          {"temp": float(i % 400) / 10, "note": f"n{i % 97}"}, (base + i // 4, i % 4))
-              for i in range(args.events)]
+    events = readings_events(args.events, sites, base)
     raw_bytes = sum(len(e) for e in events)
     with tempfile.TemporaryDirectory() as d:
-        os.environ.setdefault("SSP_AGENT_WITNESS_DIR", os.path.join(d, "witness"))
+        bench_env(os.path.join(d, "witness"))
         man = f'mesh_id = "{MESH.hex()}"\n' + "".join(s.manifest_peer() for s in sites) + TABLES
         a, _ = Node.init(Path(d) / "a", man)
         b, _ = Node.init(Path(d) / "b", man)
-        a.add_peer(b.site_id, bytes(db.get_meta(b.conn, "public_key")), None)
-        b.add_peer(a.site_id, bytes(db.get_meta(a.conn, "public_key")), None)
+        introduce(a, b)
 
         # apply-only: node a takes the events through the one apply path, batch by batch
         t0 = time.perf_counter()

@@ -31,17 +31,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
+from _harness import (ROOT, bench_env, child_env, cli, load_average, med_range, proc_cpu_s,  # noqa: E402
+                      readings_events, stop)  # (bench/: the shared set-up)
 from agent.node import Node  # noqa: E402
 from agent.profile import load_profile  # noqa: E402
 from agent.runner import RunConfig, Runner  # noqa: E402
@@ -54,30 +51,10 @@ MESH = bytes.fromhex("be4c0000000000000000000000000515")
 PROFILE = "pi-3-4"
 
 
-def make_events(n: int, sites: list[SimPeer]) -> list[bytes]:
-    base = time.time_ns() // 1_000_000 - 3_600_000
-    return [sites[i % len(sites)].event("app.readings", {"device": f"dev{i % 50}", "seq": i % 2000},
-                                        {"temp": float(i % 400) / 10, "note": f"n{i % 97}"}, (base + i // 4, i % 4))
-            for i in range(n)]
-
-
-def cli(home: Path, *argv: str, env: dict) -> list[str]:
-    return [sys.executable, "-m", "agent.cli", "--home", str(home), *argv]
-
-
 def start_receiver(home: Path, url: str, env: dict, log: Path) -> subprocess.Popen:
     """A real `ssp-agent run` (its own process, as a device) on `home`."""
-    return subprocess.Popen(cli(home, "run", "--broker", url, "--cadence", "3600", "--no-realtime", env=env),
+    return subprocess.Popen(cli(home, "run", "--broker", url, "--cadence", "3600", "--no-realtime"),
                             stdout=subprocess.DEVNULL, stderr=open(log, "ab"), env=env, cwd=str(ROOT))
-
-
-def stop(p: subprocess.Popen) -> None:
-    p.terminate()
-    try:
-        p.wait(30)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
 
 
 def wait_presence(ra: Runner, site: bytes, timeout: float = 60.0) -> None:
@@ -101,15 +78,6 @@ def drive(ra: Runner, peer: bytes, last: int, timeout: float = float(os.environ.
         if time.perf_counter() - t0 > timeout:
             raise SystemExit(f"timed out: cursor {ra.sync.cursor(peer)} of {last}; {dict(ra.stats)}")
     return time.perf_counter() - t0
-
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads), from /proc."""
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / TICK
 
 
 def cpu_drive(ra: Runner, peer: bytes, last: int, receiver: subprocess.Popen, broker: Broker) -> dict:
@@ -182,7 +150,7 @@ def one_round(k: int, root: Path, evs: list[bytes], sims: list[SimPeer], args, e
             finally:
                 stop(pb)
             # 3. rehydration of a fresh C from A
-            p = subprocess.run(cli(d / "c", "rehydrate", "--from", a.site_id.hex(), env=env), env=env,
+            p = subprocess.run(cli(d / "c", "rehydrate", "--from", a.site_id.hex()), env=env,
                                capture_output=True, text=True, cwd=str(ROOT))
             if p.returncode:
                 raise SystemExit(f"rehydrate: {p.stderr}")
@@ -224,13 +192,12 @@ class _Kept:
         pass
 
 
-def med_range(xs: list[float], fmt: str = "{:.0f}") -> str:
-    xs = sorted(xs)
-    return f"{fmt.format(statistics.median(xs))} ({fmt.format(xs[0])}-{fmt.format(xs[-1])})"
+def med0(xs: list[float]) -> str:
+    """Median (range) in whole units: events/s, microseconds."""
+    return med_range(xs, "{:.0f}")
 
 
 def main() -> int:
-    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=20_000)
     ap.add_argument("--rounds", type=int, default=3)
@@ -240,17 +207,17 @@ def main() -> int:
     ap.add_argument("--serial-events", type=int, default=600)
     ap.add_argument("--no-serial", action="store_true")
     args = ap.parse_args()
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print(f"load average before: {load_average()}", flush=True)
     sims = [SimPeer(MESH) for _ in range(5)]
     print(f"generating {args.events} signed events from {len(sims)} producers ...", flush=True)
-    evs = make_events(args.events, sims)
+    evs = readings_events(args.events, sims)
     n, mean = len(evs), sum(len(e) for e in evs) / len(evs)
     rounds, serial = [], []
     keep = os.environ.get("BENCH_SYNCRATE_KEEP")   # a directory to keep the homes and logs in (debugging)
     with (tempfile.TemporaryDirectory() if not keep else _Kept(keep)) as d:
         root = Path(d)
-        os.environ.setdefault("SSP_AGENT_WITNESS_DIR", str(root / "witness"))
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        bench_env(root / "witness")
+        env = child_env()
         for k in range(max(1, args.rounds)):
             r = one_round(k, root, evs, sims, args, env)
             rounds.append(r)
@@ -273,18 +240,18 @@ def main() -> int:
     print(f"events: {n} ({mean:.0f} bytes each); MQTT bodies of <= {args.max_events or load_profile(PROFILE).batch_limit} "
           f"events, window {args.window}, {'secure binding' if args.secure else 'signed acknowledgements'}; "
           f"{len(rounds)} rounds, median (range)")
-    print(f"apply-only (mailbox import):        {med_range(apply_r)} events/s")
-    print(f"MQTT sync A->B (answered):          {med_range(sync_r)} events/s")
-    print(f"MQTT rehydration of a fresh node:   {med_range(reh_r)} events/s")
+    print(f"apply-only (mailbox import):        {med0(apply_r)} events/s")
+    print(f"MQTT sync A->B (answered):          {med0(sync_r)} events/s")
+    print(f"MQTT rehydration of a fresh node:   {med0(reh_r)} events/s")
     print(f"ratio sync / apply-only:            {med_range([r['apply_s'] / r['sync_s'] for r in rounds], '{:.2f}')}"
           f"   (target >= 0.8)")
     print(f"ratio rehydration / apply-only:     "
           f"{med_range([r['apply_s'] / r['rehydrate_s'] for r in rounds], '{:.2f}')}   (target >= 0.8)")
     us = lambda key: [r[key] / n * 1e6 for r in rounds]  # noqa: E731
-    print(f"CPU per event (us, all threads): apply-only {med_range(us('cpu_apply'))}; sync: receiver "
-          f"{med_range(us('sync_cpu_b'))}, sender {med_range(us('sync_cpu_a'))}, mosquitto "
-          f"{med_range(us('sync_cpu_broker'))}; rehydration: receiver {med_range(us('rehydrate_cpu_b'))}, "
-          f"sender {med_range(us('rehydrate_cpu_a'))}, mosquitto {med_range(us('rehydrate_cpu_broker'))}")
+    print(f"CPU per event (us, all threads): apply-only {med0(us('cpu_apply'))}; sync: receiver "
+          f"{med0(us('sync_cpu_b'))}, sender {med0(us('sync_cpu_a'))}, mosquitto "
+          f"{med0(us('sync_cpu_broker'))}; rehydration: receiver {med0(us('rehydrate_cpu_b'))}, "
+          f"sender {med0(us('rehydrate_cpu_a'))}, mosquitto {med0(us('rehydrate_cpu_broker'))}")
     total = [(r["sync_cpu_a"] + r["sync_cpu_b"] + r["sync_cpu_broker"]) / r["sync_s"] for r in rounds]
     print(f"cores busy during sync (sender + receiver + mosquitto): {med_range(total, '{:.2f}')} of "
           f"{os.cpu_count()}")
@@ -294,7 +261,7 @@ def main() -> int:
               f"{med_range([s['line_limit_events_per_s'] for s in serial], '{:.1f}')}/s")
         print(f"ratio serial sync / line limit:     "
               f"{med_range([s['ratio_to_line_limit'] for s in serial], '{:.3f}')}   (target >= 0.8)")
-    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average after: {load_average()}")
     print(json.dumps({"rounds": rounds, "serial": serial}))
     return 0
 

@@ -14,6 +14,7 @@ CASES = [
     (["bench/bench_scale.py", "--quick"], "eviction:"),
     (["bench/bench_sync.py", "--events", "600"], "overhead ratio"),
     (["bench/bench_mqtt.py", "--events", "600"], "raw paho QoS1"),
+    (["bench/bench_acks.py", "--events", "40", "--repeat", "1", "--signatures", "10"], "bridge alone"),
     (["bench/bench_keystore.py", "--quick"], "Node.write_many (256) / raw two-core batch sign"),
     (["bench/bench_startup.py", "--quick"], "wall / python -c pass"),
     (["bench/bench_lifecycle.py", "--days", "1", "--rehydrate-events", "600"], "rehydrate_events_per_s"),
