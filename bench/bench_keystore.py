@@ -164,6 +164,7 @@ def bench_bridge(ks, journal: str, n: int, group: int, base: int, threads: int =
 
 
 NODE_MANIFEST = manifest_text(MESH, readings_table())
+LAST_CPU: dict[str, float] = {}
 
 
 def bench_node(d: str, n: int, group: int) -> tuple[float, float]:
@@ -176,10 +177,13 @@ def bench_node(d: str, n: int, group: int) -> tuple[float, float]:
         b.add_peer(a.site_id, pk, None)
         writes = [("app.readings", {"device": f"s-{i % 97:04d}", "seq": i}, {"temp": 20.5 + i % 10, "note": "x" * 120},
                    False) for i in range(n)]
-        t = time.perf_counter()
+        t, ct, pt = time.perf_counter(), time.thread_time(), time.process_time()
         for i in range(0, n, group):
             a.write_many(writes[i:i + group])
         w = rate(n, time.perf_counter() - t)
+        # CPU per write: the calling thread's (it holds the GIL for all but signing, fsync and
+        # SQLite's own work) and the whole process's (the signing threads too)
+        LAST_CPU.update(thread_us=(time.thread_time() - ct) / n * 1e6, process_us=(time.process_time() - pt) / n * 1e6)
         raws = [bytes(r) for (r,) in a.conn.execute("SELECT unseal(event_id, raw) FROM events ORDER BY seq")]
         t = time.perf_counter()
         for i in range(0, n, 256):
@@ -205,6 +209,7 @@ def write_rounds(d: str, rounds: int, n: int) -> list[dict[str, float]]:
         fig = {"raw_sign_batch256": bench_raw_sign_batch(ks, "site", n, 256)}
         fig["bridge_group256"] = bench_bridge(ks, os.path.join(rd, "j"), n, 256, 50_000_000 + r * n)
         fig["write_many_256"], fig["core_apply"] = bench_node(rd, n, 256)
+        fig["write_many_thread_cpu_us"], fig["write_many_process_cpu_us"] = LAST_CPU["thread_us"], LAST_CPU["process_us"]
         ks.close()
         out.append(fig)
     return out
@@ -223,6 +228,10 @@ def summarize_rounds(title: str, rows: list[dict[str, float]]) -> dict[str, floa
     for k in ("raw_sign_batch256", "bridge_group256", "write_many_256", "core_apply"):
         v = [r[k] for r in rows]
         print(f"  {k:24s} median {_median(v):9.0f}/s  range {min(v):.0f}-{max(v):.0f}")
+    for k in ("write_many_thread_cpu_us", "write_many_process_cpu_us"):
+        v = [r[k] for r in rows if k in r]
+        if v:
+            print(f"  {k:24s} median {_median(v):9.1f} us/write  range {min(v):.1f}-{max(v):.1f}")
     print(f"  Node.write_many (256) / raw two-core batch sign = median {_median(ratio):.3f} "
           f"(range {min(ratio):.3f}-{max(ratio):.3f})  (issue 15 target: >= 0.8)")
     print(f"  bridge group 256 / raw two-core batch sign      = median {_median(bridge):.3f} "
@@ -247,6 +256,68 @@ def softhsm_config(d: str):
     return {"kind": "pkcs11", "module": mods[0], "token_label": "bench", "pin": "1234", "env": {"SOFTHSM2_CONF": conf}}
 
 
+class _RoundsOnly(Exception):
+    """--rounds-only: skip the single figures."""
+
+
+def _print_figures(fig: dict[str, float]) -> None:
+    base = fig["one_fsync_per_write"]
+    print(f"{'figure':42s} {'per second':>12s} {'x one-fsync/write':>18s}")
+    for k, v in fig.items():
+        print(f"{k:42s} {v:12.0f} {v / base:18.2f}")
+    g = fig["bridge_software_group256"]
+    print()
+    print(f"software group commit (256) / one-fsync-per-write = {g / base:.1f}x  (issue target: >= 20x)")
+    print(f"software group commit (256) / raw Ed25519 sign    = {g / fig['raw_sign_ed25519_software']:.2f}"
+          "  (one signature at a time, one core)")
+    print(f"software group commit (256) / bridge one write per call = "
+          f"{g / fig['bridge_software_one_per_call']:.1f}x  (the same bridge without group commit: 2 fsyncs a write)")
+    ceiling = max(fig["raw_sign_ed25519_software"], fig["raw_sign_ed25519_software_batch256"])
+    print(f"raw Ed25519 batch sign / one-fsync-per-write      = {ceiling / base:.1f}x"
+          f"  (upper bound on the achievable ratio on this disk with {os.cpu_count()} cores)")
+    nw, na = fig["node_write_many_256"], fig["node_core_apply"]
+    print(f"Node.write_many (256, software) / core apply rate = {nw / na:.2f}  (issue 5 target: >= 0.5)")
+    print(f"Node.write_many (256, software) / raw two-core batch sign = "
+          f"{nw / fig['raw_sign_ed25519_software_batch256']:.3f}  (issue 15 target: >= 0.8; rounds below)")
+    print(f"Node.write_many (256, software) / one-fsync-per-write = {nw / base:.1f}x")
+    if "raw_sign_ed25519_serial_emulator" in fig:
+        print("serial emulator runs over a pty, which ignores baud: on a real 115200-baud line a SIGN "
+              "(a ~380-byte request with a 300-byte event, an ~84-byte reply) is ~41 ms of line time, "
+              "i.e. ~24 signatures/s")
+
+
+def _child_round(args, code: str | None, env: dict | None) -> dict[str, float]:
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--write-only", "--rounds", "1"]
+                       + (["--quick"] if args.quick else []) + (["--code", code] if code else []),
+                       capture_output=True, text=True, env=env)
+    line = [ln for ln in p.stdout.splitlines() if ln.startswith("ROUNDS ")]
+    if p.returncode != 0 or not line:
+        raise SystemExit(f"write round failed ({code or 'this checkout'}): {p.stderr[-2000:]}")
+    return json.loads(line[0][len("ROUNDS "):])[0]
+
+
+def _against(d: str, args, rounds: int) -> None:
+    """--against DIR: per round, this checkout then DIR, on this disk, then both with every fsync
+    delayed by --slow-flush-ms (the shim); medians and ranges of each, in one run."""
+    shim = fsyncshim.build(d) if args.slow_flush_ms > 0 else None
+    slow = fsyncshim.env(shim, delay_us=int(args.slow_flush_ms * 1000)) if shim else None
+    rows: dict[str, list] = {"after": [], "before": [], "after_slow": [], "before_slow": []}
+    for _ in range(rounds):
+        rows["after"].append(_child_round(args, None, None))
+        rows["before"].append(_child_round(args, args.against, None))
+        if slow is not None:
+            rows["after_slow"].append(_child_round(args, None, slow))
+            rows["before_slow"].append(_child_round(args, args.against, slow))
+    out = {}
+    for name, rs in rows.items():
+        if rs:
+            label = f"{'this checkout' if name.startswith('after') else args.against}" + \
+                (f", every fsync + {args.slow_flush_ms} ms" if name.endswith("slow") else ", this disk's flush")
+            out.update({f"{name}_{k}": v for k, v in summarize_rounds(label, rs).items()})
+    if args.json:
+        print(json.dumps({k: round(v, 3) for k, v in out.items()}))
+
+
 def main() -> None:
     # docs/apply.md "Clocks without an RTC": simulated or back-dated clocks, on machines that may run no time sync; declare the wall clock trustworthy
     os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
@@ -258,11 +329,23 @@ def main() -> None:
                     help="simulated flush time for the slow-disk rounds (0: skip them)")
     ap.add_argument("--code", help="measure the agent of another checkout (before/after comparisons)")
     ap.add_argument("--write-only", action="store_true", help="only the write rounds (used for the slow-flush child)")
+    ap.add_argument("--against", metavar="DIR",
+                    help="the write rounds of this checkout and of DIR's (the code before a change) alternately, "
+                         "each round in child processes, on this disk and with the slow flush: before/after ratios "
+                         "measured in the same run")
+    ap.add_argument("--rounds-only", action="store_true",
+                    help="only the issue 15 item 4 rounds (this disk's flush, then the simulated slow flush)")
     args = ap.parse_args()
     s = 0.2 if args.quick else 1.0
     N = lambda k: max(50, int(k * s))  # noqa: E731
     rounds = args.rounds or (1 if args.quick else 5)
     d = tempfile.mkdtemp(prefix="bench-keystore-")
+    if args.against:
+        try:
+            _against(d, args, rounds)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        return
     if args.write_only:
         try:
             rows = write_rounds(d, rounds, N(20000))
@@ -272,6 +355,8 @@ def main() -> None:
         return
     fig: dict[str, float] = {}
     try:
+        if args.rounds_only:
+            raise _RoundsOnly
         sw = open_keystore({"kind": "software", "dir": os.path.join(d, "keys")})
         sw.generate_key("site", "ed25519")
         sw.generate_key("seq", "p256")
@@ -317,32 +402,13 @@ def main() -> None:
         finally:
             proc.kill()
             proc.wait()
+    except _RoundsOnly:
+        pass
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
-    base = fig["one_fsync_per_write"]
-    print(f"{'figure':42s} {'per second':>12s} {'x one-fsync/write':>18s}")
-    for k, v in fig.items():
-        print(f"{k:42s} {v:12.0f} {v / base:18.2f}")
-    g = fig["bridge_software_group256"]
-    print()
-    print(f"software group commit (256) / one-fsync-per-write = {g / base:.1f}x  (issue target: >= 20x)")
-    print(f"software group commit (256) / raw Ed25519 sign    = {g / fig['raw_sign_ed25519_software']:.2f}"
-          "  (one signature at a time, one core)")
-    print(f"software group commit (256) / bridge one write per call = "
-          f"{g / fig['bridge_software_one_per_call']:.1f}x  (the same bridge without group commit: 2 fsyncs a write)")
-    ceiling = max(fig["raw_sign_ed25519_software"], fig["raw_sign_ed25519_software_batch256"])
-    print(f"raw Ed25519 batch sign / one-fsync-per-write      = {ceiling / base:.1f}x"
-          f"  (upper bound on the achievable ratio on this disk with {os.cpu_count()} cores)")
-    nw, na = fig["node_write_many_256"], fig["node_core_apply"]
-    print(f"Node.write_many (256, software) / core apply rate = {nw / na:.2f}  (issue 5 target: >= 0.5)")
-    print(f"Node.write_many (256, software) / raw two-core batch sign = "
-          f"{nw / fig['raw_sign_ed25519_software_batch256']:.3f}  (issue 15 target: >= 0.8; rounds below)")
-    print(f"Node.write_many (256, software) / one-fsync-per-write = {nw / base:.1f}x")
-    if "raw_sign_ed25519_serial_emulator" in fig:
-        print("serial emulator runs over a pty, which ignores baud: on a real 115200-baud line a SIGN "
-              "(a ~380-byte request with a 300-byte event, an ~84-byte reply) is ~41 ms of line time, "
-              "i.e. ~24 signatures/s")
+    if fig:
+        _print_figures(fig)
     print()
     w = tempfile.mkdtemp(prefix="bench-keystore-w-")
     try:
