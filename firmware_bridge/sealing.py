@@ -95,16 +95,18 @@ class Sealer:
         if _lib is None:
             nonce = os.urandom(NONCE_BYTES)
             return self._head + nonce + _encrypt(plaintext, ad, nonce, key)
+        # Built in one bytearray (header, random nonce, then the cipher writes ciphertext and tag
+        # in place): on every applied event and journal output, so no cffi allocation per call.
         h = HEADER.size
-        n = len(plaintext)
-        out = _ffi.new("unsigned char[]", h + NONCE_BYTES + n + TAG_BYTES)
-        _lib.randombytes(out + h, NONCE_BYTES)
-        clen = _ffi.new("unsigned long long *")
-        if _lib.crypto_aead_xchacha20poly1305_ietf_encrypt(out + h + NONCE_BYTES, clen, plaintext, n, ad, len(ad),
-                                                           _ffi.NULL, out + h, key) != 0:
+        start = h + NONCE_BYTES
+        buf = bytearray(start + len(plaintext) + TAG_BYTES)
+        buf[0:h] = self._head
+        buf[h:start] = os.urandom(NONCE_BYTES)
+        c = _ffi.from_buffer(buf)
+        if _lib.crypto_aead_xchacha20poly1305_ietf_encrypt(c + start, _ffi.NULL, plaintext, len(plaintext), ad, len(ad),
+                                                           _ffi.NULL, c + h, key) != 0:
             raise SealError("sealing failed")
-        out[0:h] = self._head
-        return _ffi.buffer(out)[:]
+        return bytes(buf)
 
     def seal_many(self, ads: list[bytes], plaintexts: list[bytes]) -> list[bytes]:
         """`seal` of each (ad, plaintext) pair: a group commit's outputs, the nonces of the batch
