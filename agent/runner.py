@@ -1,5 +1,12 @@
 """The node's MQTT loop: `ssp-agent run` (always on) and `ssp-agent sync --once` (wake, sync, sleep).
 
+A thin adapter (issue 13 item 1): the protocol decisions described below (the window of bodies
+in flight, what an answer proves, giving up, body limits, presence, when and what to send, the
+order of intake, refusals before parsing) are the pure exchange state machine's,
+`agent/core/exchange.py` (with `core.sending` and `core.delivery.answer_moves`); this module
+moves messages (MqttLink), time (`time.monotonic`, passed in) and rows (sync_state, through
+`agent.sync.PortAdapter`) in and out of it. `agent/runtime.py` drives it through `step`.
+
 One thread owns the node (SQLite); the MQTT link's network thread only enqueues what arrives.
 Everything sent and received goes through the sync layer (`agent.sync.PortAdapter` on the
 transport path `mqtt`): durable per-(peer, path) cursors in sync_state, selection filtered by
@@ -49,7 +56,7 @@ from typing import Any, Callable
 
 from .core.exchange import MAX_ACKS_LOOKED_AT  # noqa: F401 - re-exported (tests, benches)
 from .core.exchange import (GIVE_UP_DOUBLINGS, PRESENCE_LIMIT, BodyLimits, Exchange, ExchangeConfig, InFlight,
-                            Presence, Schedule, ack_due, ack_wait, answer_proof, request_refusal)
+                            Intake, Presence, Schedule, SurfaceBudget, ack_due, ack_wait, answer_proof, request_refusal)
 from .core.sending import first_body
 from .core.messages import ProtocolError, parse_presence
 from .core.records import MAX_ACK_ANSWERS, AckAnswer, record_hash as body_hash
@@ -133,10 +140,8 @@ class Runner:
                            Presence(PRESENCE_LIMIT, self.stats), self.stats)
         self.rejections: deque = deque(maxlen=1000)  # (reason, detail) of refused inbound messages
         self._refused_presence: dict[bytes, tuple] = {}  # site -> the refused payload last surfaced
-        self._others: deque = deque()  # taken in, from sites not in the keyring, not yet handled (pump)
-        self._others_presence = 0  # of which presence messages (bounded by presence_limit)
-        self._members: dict[bytes, deque] = {}  # requests from keyring sites, per sender, not yet handled (pump)
-        self._refusal_window: dict[tuple, list] = {}  # (source, reason) -> [window start, surfaced, not surfaced]
+        self.intake = Intake(PRESENCE_LIMIT, self.stats)  # the order what arrived is handled in (pump)
+        self.refusal_budget = SurfaceBudget(REFUSALS_SURFACED_PER_WINDOW, REFUSAL_WINDOW_S)  # (source, reason)
         self._owed: dict[bytes, list] = {}  # sender -> [(request, answer properties, AckAnswer)] not yet answered
         self._last_ack: dict[bytes, float] = {}  # sender -> when its last acknowledgement was signed
         # Writes before this runner started are the batch cycle's; realtime pushes follow new ones.
@@ -164,7 +169,7 @@ class Runner:
 
     @presence_limit.setter
     def presence_limit(self, n: int) -> None:
-        self.ex.presence.limit = n
+        self.ex.presence.limit = self.intake.presence_limit = n
 
     @property
     def peer_limit(self) -> dict[bytes, PeerLimit]:
@@ -184,9 +189,8 @@ class Runner:
         if self._owed:
             self._answer_owed(force=True)  # applied and committed: answer before going
         self.link.close()
-        for (source, reason), w in self._refusal_window.items():
-            self._surface_suppressed(source, reason, w)
-        self._refusal_window.clear()
+        for (source, reason), n in self.refusal_budget.drain():
+            self._surface_suppressed(source, reason, n)
 
     # -------------------------------------------------------------- the loop
     def step(self, timeout: float = 0.05) -> None:
@@ -224,20 +228,14 @@ class Runner:
             self.step()
 
     def pump(self, timeout: float = 0.0, max_items: int = 10_000) -> int:
-        """Handle what arrived. Answers and presence of sites in the keyring are handled at once;
-        requests from sites in the keyring wait in one queue per sender (`_members`) and are
-        handled one per sender in turn, looking for new arrivals after each turn, so a body never
-        waits behind more than one body of each other member already here (issue 16 item 3: a
-        member keeping 200 bodies unanswered held every other member's bodies back for as long as
-        it went on). Messages from any other site (which a rogue client with broker access can
-        publish at will, under fictional names) wait in `_others` and at most `others_per_step` of
-        them are handled per call, so an honest body never waits behind a whole flood (issue 11
-        item 4). Both hold unacknowledged messages only, so they are bounded by the link's
-        Receive Maximum: past that the broker holds them back. A call returns after about
-        PUMP_BUDGET_S of handling even while bodies keep coming (a flood kept it, and the loop's
-        expiry and cycles, busy for as long as it lasted)."""
+        """Handle what arrived, in the order `exchange.Intake` decides (members' requests one per
+        sender in turn, others bounded per call). Both queues hold unacknowledged messages only, so
+        they are bounded by the link's Receive Maximum: past that the broker holds them back. A call
+        returns after about PUMP_BUDGET_S of handling even while bodies keep coming (a flood kept
+        it, and the loop's expiry and cycles, busy for as long as it lasted)."""
         n = got = 0
-        wait = 0.0 if (self._others or self._members) else timeout
+        intake = self.intake
+        wait = 0.0 if intake.waiting() else timeout
         if self._owed:  # answers wait for their grouped acknowledgement: not longer than its interval
             wait = min(wait, ack_wait((self._last_ack.get(s, 0.0) for s in self._owed), time.monotonic(),
                                       self.cfg.ack_interval_s))
@@ -251,46 +249,27 @@ class Runner:
                     break
                 wait = 0
                 got += 1
-                if m.kind == "req" and m.sender in keyring:
-                    self._members.setdefault(m.sender, deque()).append(m)
-                elif m.kind == "ans" or (m.kind != "req" and m.site in keyring):
+                who = m.sender if m.kind == "req" else m.site
+                if intake.take(m, m.kind, who, from_member=who in keyring):
                     self._handle(m)
                     n += 1
-                else:
-                    if m.kind == "presence":
-                        # Acknowledged on arrival, so the Receive Maximum does not bound these: past
-                        # presence_limit of them waiting, the oldest waiting presence goes (counted).
-                        self._others_presence += 1
-                        if self._others_presence > self.presence_limit:
-                            self._drop_oldest_presence()
-                    self._others.append(m)
-            if not self._members:
+            if not intake.members:
                 break
-            for sender in list(self._members):  # one turn: a body per member sender
-                q = self._members[sender]
-                self._handle(q.popleft())
+            for m in intake.turn():
+                self._handle(m)
                 n += 1
-                if not q:
-                    del self._members[sender]
             if got >= max_items or time.monotonic() >= budget_end:
                 break  # the loop's other duties (expiry, cycles, eviction) run under any flood
-        for _ in range(min(len(self._others), self.cfg.others_per_step)):
-            o = self._others.popleft()
-            if o.kind == "presence":
-                self._others_presence -= 1
+        for o in intake.others_due(self.cfg.others_per_step):
             self._handle(o)
             n += 1
         if self._owed:
             self._answer_owed()
         return n
 
-    def _drop_oldest_presence(self) -> None:
-        for i, o in enumerate(self._others):
-            if o.kind == "presence":
-                del self._others[i]
-                self._others_presence -= 1
-                self.stats["others_presence_dropped"] += 1
-                return
+    @property
+    def _others(self) -> deque:
+        return self.intake.others
 
     def _handle(self, m: Inbound) -> None:
         self._note_link(m)
@@ -324,31 +303,23 @@ class Runner:
         each REFUSAL_WINDOW_S: each surfaced row is a transaction of its own (an fsync), which made
         a flood cost one fsync per hostile message and held honest bodies back. The rest are
         counted (`refusals_not_surfaced`) and surfaced as one row when the window ends."""
-        now = time.monotonic()
-        key = (source, reason)
-        w = self._refusal_window.get(key)
-        if w is None or now - w[0] >= REFUSAL_WINDOW_S:
-            if w is not None:
-                self._surface_suppressed(source, reason, w)
-            w = self._refusal_window[key] = [now, 0, 0]
-        if w[1] >= REFUSALS_SURFACED_PER_WINDOW:
-            w[2] += 1
+        surface, told = self.refusal_budget.admit((source, reason), time.monotonic())
+        if told:
+            self._surface_suppressed(source, reason, told)
+        if not surface:
             self.stats["refusals_not_surfaced"] += 1
             return
-        w[1] += 1
         log.warning("refused %s (%s%s)", "a body in our inbox" if source == "mqtt_request" else source,
                     reason, f": {detail}" if detail else "")
         self.node.surface_refused(source, reason, detail, sender)
 
-    def _surface_suppressed(self, source: str, reason: str, w: list) -> None:
-        if w[2]:
-            msg = f"{w[2]} more refusals not surfaced within {REFUSAL_WINDOW_S:g} s (flood bound)"
-            log.warning("refused %s (%s): %s", source, reason, msg)
-            try:
-                self.node.surface_refused(source, reason, msg, None)
-            except Exception as e:  # noqa: BLE001 - a summary row must never stop the loop (or close)
-                log.warning("could not surface the refusal summary: %s", e)
-            w[2] = 0
+    def _surface_suppressed(self, source: str, reason: str, n: int) -> None:
+        msg = f"{n} more refusals not surfaced within {REFUSAL_WINDOW_S:g} s (flood bound)"
+        log.warning("refused %s (%s): %s", source, reason, msg)
+        try:
+            self.node.surface_refused(source, reason, msg, None)
+        except Exception as e:  # noqa: BLE001 - a summary row must never stop the loop (or close)
+            log.warning("could not surface the refusal summary: %s", e)
 
     def _on_request(self, m: Inbound) -> None:
         self.stats["bodies_received"] += 1

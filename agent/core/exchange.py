@@ -28,7 +28,7 @@ like any other (docs/mqtt.md), so both kinds go through this window.
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -306,6 +306,104 @@ def ack_wait(last_signed: Iterable[float], now: float, interval_s: float) -> flo
     """How long the loop may wait for messages while acknowledgements are owed: not past the
     earliest one's interval."""
     return max(0.0, min(last_signed) + interval_s - now)
+
+
+class Intake:
+    """The order in which what arrived is handled (issue 11 item 4, issue 16 item 3, docs/apply.md
+    "Bounds"). Answers, and presence of keyring sites, are handled at once. Requests from keyring
+    sites wait in one queue per sender and are handled one per sender in turn (`turn`), so a body
+    never waits behind more than one body of each other member already here (a member keeping 200
+    bodies unanswered held every other member's bodies back). Messages from any other site (which a
+    rogue client with broker access can publish at will, under fictional names) wait in `others`,
+    and at most `others_per_step` of them are handled per pump (`others_due`), so an honest body
+    never waits behind a whole flood. Presence among those is acknowledged on arrival (the
+    broker's Receive Maximum does not bound it): past `presence_limit` waiting, the oldest waiting
+    presence goes (counted). Items are the caller's; only their `kind` (req | ans | presence) is
+    read."""
+
+    def __init__(self, presence_limit: int = PRESENCE_LIMIT, stats: Counter | None = None) -> None:
+        self.presence_limit = presence_limit
+        self.stats = Counter() if stats is None else stats
+        self.members: dict[bytes, deque] = {}  # requests from keyring sites, per sender, not yet handled
+        self.others: deque = deque()  # from sites not in the keyring, not yet handled
+        self.others_presence = 0  # of which presence messages
+
+    def waiting(self) -> bool:
+        return bool(self.members or self.others)
+
+    def take(self, item: Any, kind: str, sender: bytes | None, *, from_member: bool) -> bool:
+        """Queue `item`, or return True: handle it now. `from_member`: the request's sender (the
+        presence's site) is in the keyring."""
+        if kind == "req" and from_member:
+            self.members.setdefault(sender, deque()).append(item)
+            return False
+        if kind == "ans" or (kind != "req" and from_member):
+            return True
+        if kind == "presence":
+            self.others_presence += 1
+            if self.others_presence > self.presence_limit:
+                self._drop_oldest_presence()
+        self.others.append(item)
+        return False
+
+    def turn(self) -> list:
+        """One turn: the oldest waiting request of each member sender."""
+        out = []
+        for sender in list(self.members):
+            q = self.members[sender]
+            out.append(q.popleft())
+            if not q:
+                del self.members[sender]
+        return out
+
+    def others_due(self, per_step: int) -> list:
+        out = []
+        for _ in range(min(len(self.others), per_step)):
+            o = self.others.popleft()
+            if o.kind == "presence":
+                self.others_presence -= 1
+            out.append(o)
+        return out
+
+    def _drop_oldest_presence(self) -> None:
+        for i, o in enumerate(self.others):
+            if o.kind == "presence":
+                del self.others[i]
+                self.others_presence -= 1
+                self.stats["others_presence_dropped"] += 1
+                return
+
+
+class SurfaceBudget:
+    """A flood bound on surfaced rows (issue 11 item 4, docs/apply.md "Bounds"): at most
+    `per_window` per key (source, reason) in each `window` (in the caller's time unit); each
+    surfaced row is a transaction of its own (an fsync), and a hostile sender can provoke
+    refusals at will. The rest are counted and told in one row when the key's next window starts
+    (`admit`) or the caller stops (`drain`)."""
+
+    def __init__(self, per_window: int, window: float) -> None:
+        self.per_window, self.window = per_window, window
+        self.windows: dict[Any, list] = {}  # key -> [window start, surfaced, not surfaced]
+
+    def admit(self, key: Any, now: float) -> tuple[bool, int]:
+        """(surface this one, refusals not surfaced in the key's window that just ended: 0 or
+        the count to tell in one row now)."""
+        w = self.windows.get(key)
+        told = 0
+        if w is None or now - w[0] >= self.window:
+            if w is not None:
+                told = w[2]
+            w = self.windows[key] = [now, 0, 0]
+        if w[1] >= self.per_window:
+            w[2] += 1
+            return False, told
+        w[1] += 1
+        return True, told
+
+    def drain(self) -> list[tuple[Any, int]]:
+        out = [(k, w[2]) for k, w in self.windows.items() if w[2]]
+        self.windows.clear()
+        return out
 
 
 # ---------------------------------------------------------------------- when to send
@@ -633,6 +731,6 @@ class Exchange:
         return sorted({q.peer for q in self.pending.values()} & set(self.presence.caps if present is None else present))
 
 
-__all__ = ["Exchange", "ExchangeConfig", "Schedule", "OfferPlan", "request_refusal", "ack_due", "ack_wait",
+__all__ = ["Exchange", "ExchangeConfig", "Intake", "Schedule", "SurfaceBudget", "OfferPlan", "request_refusal", "ack_due", "ack_wait",
            "KIND_BATCH", "KIND_REALTIME", "InFlight", "Settled", "BodyLimits", "Presence", "answer_proof", "answered_progress",
            "MAX_ACKS_LOOKED_AT", "PRESENCE_LIMIT", "GIVE_UP_DOUBLINGS", "MIN_BODY_LIMIT"]

@@ -11,7 +11,8 @@ from nacl.signing import SigningKey
 from agent.core.cose import assemble
 from agent.core.delivery import answer_moves
 from agent.core.exchange import (GIVE_UP_DOUBLINGS, KIND_BATCH, KIND_REALTIME, MAX_ACKS_LOOKED_AT, BodyLimits,
-                                 Exchange, ExchangeConfig, InFlight, Presence, Schedule, ack_due, ack_wait,
+                                 Exchange, ExchangeConfig, InFlight, Intake, Presence, Schedule, SurfaceBudget,
+                                 ack_due, ack_wait,
                                  answer_proof, answered_progress, request_refusal)
 from agent.core.messages import Handshake, SyncBody, emit_body
 from agent.core.records import MAX_ACK_ANSWERS, AckAnswer, ack_to_be_signed, record_hash
@@ -386,3 +387,45 @@ def test_re_offers_and_backfill_rows_commit_only_what_reached_a_final_state():
     assert mv.backfill == ((0, 0, -1, False),), "the row holding a rejected event does not commit"
     mv = answer_moves(**body, processed=3, rejected=None)  # stopped in the re-offers
     assert mv.reoffers_done == (7,) and mv.reoffers_again == () and not mv.rescans_done and mv.backfill == ()
+
+
+# ------------------------------------------------------------------ the order what arrived is handled in
+class _M:
+    def __init__(self, kind: str, who: bytes | None, i: int = 0) -> None:
+        self.kind, self.who, self.i = kind, who, i
+
+
+def test_members_requests_are_taken_one_per_sender_in_turn():
+    it = Intake()
+    for i in range(5):
+        assert not it.take(_M("req", PEER, i), "req", PEER, from_member=True)
+    assert not it.take(_M("req", OTHER, 9), "req", OTHER, from_member=True)
+    first = it.turn()
+    assert [(m.who, m.i) for m in first] == [(PEER, 0), (OTHER, 9)], "a flooding member holds no one back"
+    assert [m.i for m in it.turn()] == [1] and it.waiting()
+
+
+def test_answers_and_members_presence_are_handled_at_once_strangers_wait_bounded():
+    it = Intake(presence_limit=3)
+    assert it.take(_M("ans", None), "ans", None, from_member=False)
+    assert it.take(_M("presence", PEER), "presence", PEER, from_member=True)
+    stranger = bytes([0x90]) * 16
+    assert not it.take(_M("req", stranger), "req", stranger, from_member=False)
+    for i in range(10):
+        it.take(_M("presence", stranger, i), "presence", stranger, from_member=False)
+    assert it.others_presence == 3 and it.stats["others_presence_dropped"] == 7
+    assert [m.kind for m in it.others] == ["req", "presence", "presence", "presence"]
+    assert [m.i for m in it.others if m.kind == "presence"] == [7, 8, 9], "the oldest waiting presence goes"
+    due = it.others_due(2)
+    assert len(due) == 2 and it.others_presence == 2 and len(it.others) == 2
+
+
+def test_surfaced_rows_are_bounded_per_reason_and_window_and_the_rest_told_once():
+    b = SurfaceBudget(per_window=2, window=60.0)
+    assert [b.admit(("mqtt_request", "too_large"), t) for t in (0.0, 1.0, 2.0, 3.0)] == \
+        [(True, 0), (True, 0), (False, 0), (False, 0)]
+    assert b.admit(("mqtt_request", "bad_topic"), 4.0) == (True, 0), "each reason has its own budget"
+    assert b.admit(("mqtt_request", "too_large"), 60.0) == (True, 2), "the next window tells the 2 held back"
+    b.admit(("mqtt_request", "too_large"), 61.0)
+    b.admit(("mqtt_request", "too_large"), 62.0)
+    assert b.drain() == [(("mqtt_request", "too_large"), 1)] and b.drain() == []
