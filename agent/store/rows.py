@@ -88,8 +88,9 @@ class RowStore:
         self.conn, self.t = conn, t
         self.vcols = t.value_columns
         clock_cols = ", ".join(q("_c_" + c) for c in self.vcols)
-        self._select = (f"SELECT _ex, _ex_c, _tomb_c{', ' + clock_cols if clock_cols else ''} "
-                        f"FROM {q(base_name(t))} WHERE _rk = ?")
+        cols = f"_ex, _ex_c, _tomb_c{', ' + clock_cols if clock_cols else ''}"
+        self._select = f"SELECT {cols} FROM {q(base_name(t))} WHERE _rk = ?"
+        self._select_in = f"SELECT _rk, {cols} FROM {q(base_name(t))} WHERE _rk IN "   # + (?, ?, ...)
         self._upserts: dict[tuple[str, ...], str] = {}
         # Write-behind (`defer`/`flush`): a batch's rows held in memory between its writes, so a
         # row touched by many events of one batch is read once and written once (issue 15: the
@@ -135,8 +136,7 @@ class RowStore:
         for i in range(0, len(want), 500):
             chunk = want[i:i + 500]
             found = {bytes(r[0]): self._state(r[1:]) for r in self.conn.execute(
-                self._select.replace("SELECT ", "SELECT _rk, ", 1).replace("_rk = ?", f"_rk IN ({', '.join('?' * len(chunk))})"),
-                chunk)}
+                self._select_in + f"({', '.join('?' * len(chunk))})", chunk)}
             for rk in chunk:
                 self._read[rk] = found.get(rk)
 
