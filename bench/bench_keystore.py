@@ -47,6 +47,7 @@ if "--code" in sys.argv:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fsyncshim  # noqa: E402
+from _harness import median as _median  # noqa: E402  (bench/: the shared set-up)
 
 from firmware_bridge import EventIdentity, ReceiptIdentity, SigningBridge, open_keystore  # noqa: E402
 from firmware_bridge.journal import encode_released  # noqa: E402
@@ -213,12 +214,6 @@ def write_rounds(d: str, rounds: int, n: int) -> list[dict[str, float]]:
         ks.close()
         out.append(fig)
     return out
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    k = len(xs) // 2
-    return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
 
 
 def summarize_rounds(title: str, rows: list[dict[str, float]]) -> dict[str, float]:

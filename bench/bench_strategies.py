@@ -41,11 +41,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("SSP_AGENT_WITNESS_DIR", tempfile.mkdtemp(prefix="ssp-bench-witness-"))
-os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
+from _harness import ROOT, bench_env, home_bytes  # noqa: E402  (bench/: the shared set-up)
 
+bench_env()
 from agent.core.cose import parse_sign1  # noqa: E402
 from agent.core.messages import SyncBody, Watermark, emit_body, parse_body  # noqa: E402
 from agent.node import Node  # noqa: E402
@@ -64,10 +62,6 @@ STRATEGIES = ("never_answers", "lying_watermarks", "slow_trickle", "withhold_rep
               "dropping_relay", "signer_flood")
 REPLAY_IN_FLIGHT = {"withhold_replay": 8, "replay_flood": 200}  # replayed bodies M keeps unanswered
 LIE = (2 ** 62, 0)
-
-
-def home_bytes(p: Path) -> int:
-    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
 # ------------------------------------------------------------------ ports and runners of the attacker
