@@ -173,6 +173,7 @@ class Sequencer:
             self.store = Store(self.home / DB_NAME)
             meta = self.store.get_meta("receipt_key")
             self.public_key = bytes.fromhex(meta["public_key"])
+            self._signing = receipts.Signing(receipts.protected_header(self.public_key))
             ks = open_keystore(_with_pin(self.store.get_meta("keystore")))
             if ks.public_key(RECEIPT_KEY) != self.public_key:
                 ks.close()
@@ -275,12 +276,10 @@ class Sequencer:
         self.store.put_pending_many([(d.group_id, d.epoch, ch, m, d.bootstrap) for _i, m, ch, _s, d in accepts])
         self._fire("accepted")
         requests = []
-        protected = receipts.protected_header(self.public_key)     # one per sequencer key
+        parts = self._signing.parts                 # the header parts, once per sequencer key
         for _i, _m, ch, _s, d in accepts:
-            payload = receipts.payload_bytes(d.group_id, d.epoch, ch, d.previous_receipt_hash)
-            requests.append((ReceiptIdentity(d.group_id, d.epoch), RECEIPT_KEY,
-                             receipts.sig_structure(protected, payload),
-                             (lambda pa: lambda sig: receipts.assemble(protected, pa, sig))(payload)))
+            tbs, assemble = parts(receipts.payload_bytes(d.group_id, d.epoch, ch, d.previous_receipt_hash))
+            requests.append((ReceiptIdentity(d.group_id, d.epoch), RECEIPT_KEY, tbs, assemble))
         try:
             raws = self.bridge.release_many(requests)
         except KeystoreError:

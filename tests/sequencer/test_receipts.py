@@ -89,3 +89,15 @@ def test_payload_built_directly_equals_the_deterministic_encoder(gid, epoch, ch,
     from agent.core import codec
     assert receipts.payload_bytes(gid, epoch, ch, prev) == codec.encode(
         {"group_id": gid, "epoch": epoch, "commit_hash": ch, "previous_receipt_hash": prev})
+
+
+@given(st.binary(min_size=1, max_size=255), st.integers(0, 2**64 - 1), st.binary(min_size=32, max_size=32),
+       st.none() | st.binary(min_size=32, max_size=32), st.binary(min_size=64, max_size=64))
+def test_signing_parts_equal_the_sig_structure_and_the_assembled_receipt(gid, epoch, ch, prev, sig):
+    # receipts.Signing precomputes the header parts of every receipt under one key (hot path)
+    kid = b"\x02" + bytes(range(32))
+    protected = receipts.protected_header(kid)
+    payload = receipts.payload_bytes(gid, epoch, ch, prev)
+    tbs, assemble = receipts.Signing(protected).parts(payload)
+    assert tbs == receipts.sig_structure(protected, payload)
+    assert assemble(sig) == receipts.assemble(protected, payload, sig)
