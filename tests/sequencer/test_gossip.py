@@ -469,6 +469,28 @@ def test_commits_run_feeds_every_receipt_into_the_nodes_gossip_without_a_cli_ste
         assert [c["state"] for c in q["commits"]] == ["accepted", "accepted"]
         assert st["head"]["receipt_hash"] == receipts.receipt_hash(bytes.fromhex(q["commits"][1]["receipt"])).hex()
         assert [e["via"] for e in q["events"] if e["kind"] == "gossiped"] == ["node", "agent"]
+        # a gap: the sequencer stopped after an intent for epoch 2 and no receipt; on resume it
+        # records the gap, signs its statement and publishes it (retained) for every member; b's
+        # queue keeps it and hands it to the mesh too (§22.6 step 4)
+        stop(seqp)
+        from firmware_bridge import ReceiptIdentity
+        from firmware_bridge.journal import INTENT
+        from agent.sequencer import service
+        m2 = encode_private_message(G, 2, ciphertext=b"d" * 16)
+        with service.Sequencer(seq_home) as s:
+            s.store.put_pending(G, 2, receipts.commit_hash(m2), m2, False)
+            s.bridge._journal.commit([(INTENT, ReceiptIdentity(G, 2).encode(), service.RECEIPT_KEY)])
+        seqp, _ = spawn(seq_home, "sequencer", "run", "--broker", broker.url)
+        end = time.monotonic() + 90
+        while True:
+            st = j(b, "sequencing", "status", "--group", G.hex())["groups"][0]
+            if st["discontinuities"] or time.monotonic() > end:
+                break
+            time.sleep(0.3)
+        assert [(d["epoch"], d["signer"]) for d in st["discontinuities"]] == [(2, key)], st
+        assert not st["equivocation"]
+        q = j(b, "commits", "status")
+        assert [(d["group"], d["epoch"]) for d in q["discontinuities"]] == [(G.hex(), 2)]
     finally:
         if member is not None:
             stop(member)

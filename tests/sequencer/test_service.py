@@ -214,3 +214,28 @@ def test_a_statement_released_but_not_stored_is_adopted_from_the_journal(tmp_pat
         assert s.receipt(G, 1).statement == first
     outputs = [rec for rec in parse_journal(str(home / "sign-journal")) if rec[0] == 2 and rec[1][:1] == b"D"]
     assert [decode_identity(rec[1]) for rec in outputs] == [DiscontinuityIdentity(G, 1, 0)]
+
+
+@pytest.mark.parametrize("kind", ["softhsm", "serial"])
+def test_gap_statements_are_signed_inside_a_token_or_the_serial_device(tmp_path, request, kind):
+    """The statement of a gap goes through the keystore like a receipt: a SoftHSM2 token
+    (randomised ECDSA: the journal's bytes are what is re-served) or the serial device, which
+    counts statements under their own identity (never refused as a receipt it already signed)."""
+    from firmware_bridge import ReceiptIdentity
+    from firmware_bridge.journal import INTENT
+    conf = request.getfixturevalue("softhsm_conf" if kind == "softhsm" else "serial_conf")
+    home = tmp_path / "s"
+    key = service.init(home, conf)
+    with service.Sequencer(home) as s:
+        s.register(G, 0)
+        r0 = s.submit(msg(0)).receipt
+        s.store.put_pending(G, 1, receipts.commit_hash(msg(1)), msg(1), False)
+        s.bridge._journal.commit([(INTENT, ReceiptIdentity(G, 1).encode(), service.RECEIPT_KEY)])
+    with service.Sequencer(home) as s:
+        stmt = s.receipt(G, 1).statement
+        st = receipts.verify_statement(stmt, key)
+        assert (st.epoch, st.previous_receipt_hash) == (1, receipts.receipt_hash(r0))
+        r2 = s.submit(msg(2)).receipt                      # the device goes on signing receipts
+        assert receipts.parse_receipt(r2).previous_receipt_hash == receipts.receipt_hash(r0)
+    with service.Sequencer(home) as s:
+        assert s.receipt(G, 1).statement == stmt
