@@ -8,7 +8,7 @@ call; measured on 2 cores, two verify threads made the import no faster than ver
 apply thread itself (the threads and the apply thread queue for the GIL and for the cores).
 
 The protocol is private to this module: frames of an 8-byte length and a pickle, over the
-worker's stdin and stdout. A request is (keyring, mesh_id, raws, decode); its answer is the list
+worker's stdin and stdout. A request is (keyring or None when unchanged, mesh_id, raws, decode); its answer is the list
 `prepare` returns. Requests are answered in order. The worker reads requests on a thread of its
 own, so its blocked write of an answer never stops it from taking the next request: the parent
 may send several chunks ahead and read their answers later without a deadlock. The parent
@@ -50,9 +50,14 @@ def _write_frame(f, obj) -> None:
 def main() -> int:
     """The worker: answer requests until stdin closes."""
     import queue
+    import signal
     import threading
 
     from .core.prepare import prepare
+
+    # Ctrl-C reaches the whole process group: the node handles it, and this worker ends when the
+    # node closes the pipe (or exits), not with a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     # The answers go to a copy of fd 1; fd 1 itself now points at stderr, so that nothing printed
     # by accident (a warning) can corrupt a frame.
@@ -69,11 +74,14 @@ def main() -> int:
                 return
 
     threading.Thread(target=reader, daemon=True).start()
+    keyring: dict = {}
     while True:
         frame = q.get()
         if frame is None:
             return 0
-        keyring, mesh_id, raws, decode = pickle.loads(frame)
+        sent_keyring, mesh_id, raws, decode = pickle.loads(frame)
+        if sent_keyring is not None:
+            keyring = sent_keyring
         try:
             _write_frame(out, prepare(raws, keyring, mesh_id, decode))
         except BrokenPipeError:
@@ -111,6 +119,7 @@ class ApplyWorker:
             except OSError:
                 pass   # not Linux, or above /proc/sys/fs/pipe-max-size: the default works, slower
         self.sent = self.answered = 0
+        self._keyring: dict | None = None   # the keyring the worker holds
 
     @property
     def pid(self) -> int:
@@ -118,10 +127,13 @@ class ApplyWorker:
 
     def submit(self, keyring: dict, mesh_id: bytes, raws: list[bytes], decode: bool = True) -> int:
         """Send one request; returns its number (answers come in this order)."""
+        # The keyring travels only when it changed (a gateway's keyring has an entry per device).
+        sent = None if keyring == self._keyring else keyring
         try:
-            _write_frame(self._in, (keyring, mesh_id, raws, decode))
+            _write_frame(self._in, (sent, mesh_id, raws, decode))
         except (BrokenPipeError, OSError, ValueError) as e:
             raise WorkerGone(f"apply worker: {e}") from None
+        self._keyring = keyring
         self.sent += 1
         return self.sent
 

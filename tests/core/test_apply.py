@@ -367,6 +367,49 @@ def test_the_apply_worker_starts_once_enough_events_came_in_batches(tmp_path, mo
     assert node._pool is None
 
 
+@needs_two_cores
+def test_the_apply_worker_prepares_against_the_current_keyring(tmp_path, monkeypatch):
+    """The worker holds the keyring it was last sent (it travels only when it changed): a key
+    vouched or retired between batches must reach it, else the applying thread finds the entry
+    changed and verifies every such event itself (correct, and slow). One-by-one application on
+    a node without a worker is the reference."""
+    monkeypatch.setattr(Node, "WORKER_MIN_BATCH", 64)
+    monkeypatch.setenv("SSP_AGENT_APPLY_WORKERS", "1")
+    a, b, c = peers(3)
+    big = make_node(tmp_path / "big", [a, b])
+    small = make_node(tmp_path / "small", [a, b])
+
+    from agent.core import cose
+    real_verify, here = cose.verify_ed25519, []
+
+    def counted(*args):
+        here.append(1)
+        return real_verify(*args)
+
+    def both(raws):
+        monkeypatch.setattr(cose, "verify_ed25519", counted)
+        here.clear()
+        outs_big = big.apply_batch(raws, NOW)
+        monkeypatch.setattr(cose, "verify_ed25519", real_verify)
+        assert big._pool
+        assert here == []   # every signature was verified by the worker, against the node's entry
+        outs_small = [small.apply_batch([r], NOW)[0] for r in raws]
+        assert [(o.status, o.reason) for o in outs_big] == [(o.status, o.reason) for o in outs_small]
+        return {o.reason for o in outs_big}
+
+    def batch(signer, base, n=80):
+        return [signer.event(T, {"device": "k", "seq": i % 9}, {"temp": float(i)}, (NOW, base + i)) for i in range(n)]
+
+    assert both(batch(a, 0) + batch(c, 0)) == {"applied", "unknown_kid"}
+    for n in (big, small):
+        n.add_peer(c.site_id, c.public_key, None)          # c becomes known
+        n.add_peer(a.site_id, a.public_key, (NOW, 150))    # a retired above (NOW, 150)
+    assert both(batch(a, 100) + batch(c, 100)) == {"applied", "retired_signer"}
+    assert big.dump() == small.dump()
+    big.close()
+    small.close()
+
+
 def test_the_apply_worker_is_not_started_on_one_core_or_for_small_batches(tmp_path, monkeypatch):
     a, b = peers(2)
     node = make_node(tmp_path / "n", [a, b])
