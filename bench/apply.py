@@ -26,9 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from agent.core import cose  # noqa: E402
+from _harness import bench_env, load_average, raw_verify  # noqa: E402  (bench/: the shared set-up)
 from agent.sync import import_mailbox_body as import_body  # noqa: E402
 from agent.node import Node  # noqa: E402
 from agent.simpeer import SimPeer, manifest_text, readings_table  # noqa: E402
@@ -125,25 +123,6 @@ def rss_import(home: Path, body: bytes, path: Path, cpus: set[int] | None) -> di
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def raw_verify_rate(events: list[bytes], keys: dict[bytes, bytes]) -> float:
-    """Verifies/s of the same events; only the verify calls are timed. Prepared 1 000 at a time,
-    so the measurement does not leave a large heap behind for the next round's import."""
-    spent = cpu = 0.0
-    for i in range(0, len(events), 1000):
-        parsed = [cose.parse_sign1(e) for e in events[i:i + 1000]]
-        tbs = [(keys[p.kid], p.sig_structure(MESH), p.signature) for p in parsed]
-        t, c = time.perf_counter(), time.thread_time()
-        for pk, m, sig in tbs:
-            assert cose.verify_ed25519(pk, m, sig)
-        spent += time.perf_counter() - t
-        cpu += time.thread_time() - c
-    RAW_VERIFY_CPU.append(cpu / len(events))
-    return len(events) / spent
-
-
-RAW_VERIFY_CPU: list[float] = []   # CPU seconds of one raw verify, per measurement
-
-
 def raw_sqlite_rate(n: int, path: Path) -> float:
     conn = sqlite3.connect(str(path), isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
@@ -162,8 +141,6 @@ def raw_sqlite_rate(n: int, path: Path) -> float:
 
 
 def main() -> int:
-    # docs/apply.md "Clocks without an RTC": simulated or back-dated clocks, on machines that may run no time sync; declare the wall clock trustworthy
-    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
     ap = argparse.ArgumentParser()
     ap.add_argument("--events", type=int, default=50_000)
     ap.add_argument("--sites", type=int, default=5)
@@ -181,7 +158,7 @@ def main() -> int:
         cpus = set(sorted(os.sched_getaffinity(0))[:args.cpus])
         os.sched_setaffinity(0, cpus)
     print(f"cores: {len(os.sched_getaffinity(0))} of {os.cpu_count()}; load average before: "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+          f"{load_average()}", flush=True)
     sites = [SimPeer(MESH) for _ in range(args.sites)]
     print(f"generating {args.events} signed events over {args.sites} sites and {args.rows} rows ...", flush=True)
     events = make_events(args.events, sites, args.rows)
@@ -190,7 +167,7 @@ def main() -> int:
     keys = {s.site_id: s.public_key for s in sites}
     rounds, cpu_bounds = [], []
     with tempfile.TemporaryDirectory() as d:
-        os.environ.setdefault("SSP_AGENT_WITNESS_DIR", os.path.join(d, "witness"))
+        bench_env(os.path.join(d, "witness"))
         manifest = manifest_text(MESH, readings_table(), sites)
         for k in range(max(1, args.rounds)):
             node, _ = Node.init(Path(d) / f"node{k}", manifest)
@@ -213,9 +190,8 @@ def main() -> int:
                 assert dup["duplicate"] == args.events
                 peak, before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, rss0 / 1024
             node.close()
-            verify_rate = raw_verify_rate(events, keys)   # after the import: round 1 measures its RSS alone
+            verify_rate, v_cpu = raw_verify(events, keys, MESH)   # after the import: round 1 measures its RSS alone
             rounds.append((apply_rate, verify_rate))
-            v_cpu = RAW_VERIFY_CPU[-1]
             # What the ratio would be with the cores to ourselves: the applying thread and the
             # workers run side by side, so the slower of the two (CPU per event) sets the rate.
             bound = v_cpu / max(thread_cpu, worker_cpu / args.events) if node_had_workers else \
@@ -263,7 +239,7 @@ def main() -> int:
               f"two peaks, shared pages counted twice); sampled every 20 ms, the tree's peak is "
               f"{r['tree_peak_kb'] / 1024:.1f} MB (the node's resident set + the worker's private pages); {r['before_kb'] / 1024:.1f} MB before the import; {r['applied']} applied in "
               f"{r['seconds']:.1f} s; target <= 64 MB)")
-    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average after: {load_average()}")
     return 0
 
 

@@ -27,10 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from agent.core import cose  # noqa: E402
+from _harness import ROOT, bench_env, child_env, cli, load_average, med_range, raw_verify_rate  # noqa: E402  (bench/)
 from agent.node import Node  # noqa: E402
 from agent.simpeer import SimPeer, manifest_text, readings_table  # noqa: E402
 from agent.store import sync_state as st  # noqa: E402
@@ -57,15 +54,6 @@ class Source:
                                {"temp": float(i % 1000), "note": f"n{i % 97}"}, (self.base + i // 8, i % 8)))
             self.i += 1
         return out
-
-
-def raw_verify_rate(events: list[bytes], keys: dict[bytes, bytes]) -> float:
-    parsed = [cose.parse_sign1(e) for e in events]
-    tbs = [(keys[p.kid], p.sig_structure(MESH), p.signature) for p in parsed]
-    t = time.perf_counter()
-    for pk, m, sig in tbs:
-        assert cose.verify_ed25519(pk, m, sig)
-    return len(events) / (time.perf_counter() - t)
 
 
 def fill(node: Node, src: Source, upto: int, chunk: int = 5_000) -> float:
@@ -95,14 +83,14 @@ def probe(node: Node, src: Source, sites: list[SimPeer], n: int, rounds: int, ke
         r = import_mailbox_body(node, body)
         rate, cpu = n / (time.perf_counter() - t), (cpu_now() - c) / n
         assert r["applied"] == n, r
-        out.append((rate, raw_verify_rate(evs, keys), cpu))
+        out.append((rate, raw_verify_rate(evs, keys, MESH), cpu))
     return out
 
 
 def timed_cli(home: Path, *verb: str) -> float:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "agent.cli", "--home", str(home), *verb], env=env, cwd=str(ROOT),
+    subprocess.run(cli(home, *verb), env=env, cwd=str(ROOT),
                    capture_output=True, timeout=600)
     return time.perf_counter() - t
 
@@ -146,13 +134,7 @@ def evictions(home: Path, copy: Path, base_ms: int, steps: list[int]) -> list[tu
     return out
 
 
-def med_range(xs: list[float], fmt: str = "{:.2f}") -> str:
-    xs = sorted(xs)
-    return f"{fmt.format(statistics.median(xs))} ({fmt.format(xs[0])}-{fmt.format(xs[-1])})"
-
-
 def main() -> int:
-    os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
     ap = argparse.ArgumentParser()
     ap.add_argument("--million", action="store_true", help="also fill to 1 000 000 events (minutes)")
     ap.add_argument("--probe", type=int, default=5_000, help="events per probe body")
@@ -163,7 +145,7 @@ def main() -> int:
     backfill_at = 100_000
     if args.quick:
         sizes, backfill_at, args.probe, args.rounds = [500, 2_000], 2_000, 200, 1
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    print(f"load average before: {load_average()}", flush=True)
     sites = [SimPeer(MESH) for _ in range(5)]
     newcomer = SimPeer(MESH)   # the peer a widening backfills
     keys = {s.site_id: s.public_key for s in sites}
@@ -171,7 +153,7 @@ def main() -> int:
     src = Source(sites, base)
     results = []
     with tempfile.TemporaryDirectory() as d:
-        os.environ.setdefault("SSP_AGENT_WITNESS_DIR", os.path.join(d, "witness"))
+        bench_env(os.path.join(d, "witness"))
         home = Path(d) / "node"
         node, _ = Node.init(home, manifest_text(MESH, readings_table("telemetry"), sites + [newcomer]))
         bf = None
@@ -210,7 +192,7 @@ def main() -> int:
     r0 = statistics.median([a / v for a, v, _ in first[3]])
     r1 = statistics.median([a / v for a, v, _ in last[3]])
     print(f"apply ratio at {last[1]} events / at {first[1]} events: {r1 / r0:.2f} (flat: ~1.0)")
-    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average after: {load_average()}")
     return 0
 
 
