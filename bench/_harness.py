@@ -100,6 +100,11 @@ def home_bytes(p: Path) -> int:
 
 # -- rounds ------------------------------------------------------------------------------------
 
+def rate(n: int, seconds: float) -> float:
+    """`n` per second (infinite when no time was measurable)."""
+    return n / seconds if seconds > 0 else float("inf")
+
+
 def median(xs) -> float:
     return statistics.median(list(xs))
 

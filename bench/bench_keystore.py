@@ -47,7 +47,7 @@ if "--code" in sys.argv:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fsyncshim  # noqa: E402
-from _harness import median as _median  # noqa: E402  (bench/: the shared set-up)
+from _harness import median as _median, rate  # noqa: E402  (bench/: the shared set-up)
 
 from firmware_bridge import EventIdentity, ReceiptIdentity, SigningBridge, open_keystore  # noqa: E402
 from firmware_bridge.journal import encode_released  # noqa: E402
@@ -79,10 +79,6 @@ class Workload:
         for i in range(base, base + n):
             pay = payload(i)
             self.items.append((EventIdentity(SITE, 1_764_669_600_000 + i, 0), "site", tbs(pay), assembler(pay)))
-
-
-def rate(n: int, seconds: float) -> float:
-    return n / seconds if seconds > 0 else float("inf")
 
 
 def bench_raw_fsync(d: str, n: int) -> float:

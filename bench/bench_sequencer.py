@@ -34,11 +34,8 @@ from agent.sequencer import receipts, service  # noqa: E402
 from agent.sequencer.framing import encode_private_message  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import rate  # noqa: E402  (bench/: the shared set-up)
 from bench_keystore import softhsm_config  # noqa: E402
-
-
-def rate(n: int, dt: float) -> float:
-    return n / dt if dt > 0 else float("inf")
 
 
 def raw_es256(seq: service.Sequencer, n: int, batch: int) -> float:
