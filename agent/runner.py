@@ -56,7 +56,8 @@ from typing import Any, Callable
 
 from .core.exchange import MAX_ACKS_LOOKED_AT  # noqa: F401 - re-exported (tests, benches)
 from .core.exchange import (GIVE_UP_DOUBLINGS, PRESENCE_LIMIT, BodyLimits, Exchange, ExchangeConfig, InFlight,
-                            Intake, Presence, Schedule, SurfaceBudget, ack_due, ack_wait, answer_proof, request_refusal)
+                            Intake, Presence, Schedule, SurfaceBudget, ack_due, ack_wait, answer_proof, request_refusal,
+                            signed_ack_owed)
 from .core.sending import first_body
 from .core.messages import ProtocolError, parse_presence
 from .core.records import MAX_ACK_ANSWERS, AckAnswer, record_hash as body_hash
@@ -353,11 +354,9 @@ class Runner:
         rejected = [i for i, o in enumerate(outs) if o.status == "rejected"]
         if rejected:
             user[P_REJECTED_AT] = encode_indices(rejected)
-        if m.props.get(P_ACK) == "1" and m.sender in self.node.keyring and m.sender != self.node.site_id:
-            # The sender's binding does not authenticate answers: it moves its cursor only on a
-            # signed acknowledgement (docs/protocol.md §5). Signing persists through the bridge,
-            # so the answers of this pump are grouped, one record per sender (`_answer_owed`).
-            # Owed to a site this node trusts only: a body under any other name signs nothing.
+        if signed_ack_owed(m.props.get(P_ACK) == "1", m.sender, m.sender in self.node.keyring, self.node.site_id):
+            # Signing persists through the bridge, so the answers of this pump are grouped, one
+            # record per sender (`_answer_owed`).
             self._owed.setdefault(m.sender, []).append(
                 (m, user, AckAnswer(body_hash(m.payload), processed, len(outs), tuple(rejected))))
             return
@@ -620,10 +619,7 @@ class Runner:
         return n
 
     def realtime_peers(self) -> list[bytes]:
-        if not self.cfg.realtime:
-            return []
-        keyring = self.node.keyring
-        return [p for p, hs in self.ex.presence.caps.items() if hs.supports_realtime and p in keyring]
+        return self.ex.realtime_peers(self.node.keyring.__contains__)
 
     def _local_max(self) -> int:
         """The seq of the node's newest own write, found without reading the log (issue 12 item 6):
@@ -645,11 +641,10 @@ class Runner:
         due = self.schedule.realtime_due(now, 0 if self.cfg.flush_cadence_s else self._local_max())
         if due is None:
             return
-        for p in self.realtime_peers():
-            if self.ex.room(p) > 0:
-                self.offer(p, KIND_REALTIME, bodies=1, force=due == "flush")
-                if due == "push":
-                    self.stats["realtime_pushes"] += 1
+        for p in self.ex.push_targets(self.node.keyring.__contains__):
+            self.offer(p, KIND_REALTIME, bodies=1, force=due == "flush")
+            if due == "push":
+                self.stats["realtime_pushes"] += 1
 
     def notify_produced(self) -> None:
         """In-process writers may call this; polling the log finds other processes' writes too."""

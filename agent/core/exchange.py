@@ -22,9 +22,13 @@ sight: agent/runner.py moves messages, time (`now`, monotonic seconds, passed in
 - **Presence** (`Presence`, §31 on MQTT): the present peers' handshakes, bounded against fictional
   sites.
 
-The in-memory and serial links run `agent/core/session.py` (a push there is unanswered, §33.1:
-the batch cycle is the backstop); on MQTT a realtime push is a window body sent early, answered
-like any other (docs/mqtt.md), so both kinds go through this window.
+Pushes and the cursor, on every link (§33: "a sender advances its durable cursor only on a
+successful push, solicited or not; a push whose outcome the sender never observes is re-offered
+by the batch path"). The in-memory and serial links run `agent/core/session.py`, whose push frame
+is one-way: its outcome is never observed, so it moves no cursor and the batch cycle re-offers it.
+On MQTT a realtime push is a window body sent early and answered like any other, so its answer
+moves the cursor exactly as a batch body's does. Either way the movement an answer proves is one
+pure function, `core.delivery.answer_moves`, through `SyncDriver.confirm`.
 """
 from __future__ import annotations
 
@@ -295,6 +299,14 @@ def request_refusal(size: int, body_limit: int, kind: str, sender: bytes | None,
     return None
 
 
+def signed_ack_owed(asked: bool, sender: bytes | None, member: bool, self_site: bytes) -> bool:
+    """Whether an `ok` answer waits for this node's signed acknowledgement (docs/protocol.md §5):
+    the sender asked (`ssp-ack: 1`: its binding does not authenticate answers, so it moves its
+    cursor only on one), and it is a site this node trusts, other than itself (a body under any
+    other name signs nothing)."""
+    return asked and member and sender is not None and sender != self_site
+
+
 def ack_due(owed: int, last_signed: float, now: float, interval_s: float, force: bool = False) -> bool:
     """Whether the signed acknowledgement owed to one sender (docs/protocol.md §5) is signed now:
     when a record is full (MAX_ACK_ANSWERS bodies), when `interval_s` passed since its last one
@@ -525,6 +537,18 @@ class Exchange:
         body in flight per peer."""
         return kind == KIND_BATCH and not self.backfill_in_flight(peer)
 
+    def realtime_peers(self, member: Callable[[bytes], bool]) -> list[bytes]:
+        """Keyring peers present with realtime mode (§33: both advertised it), in presence order."""
+        if not self.cfg.realtime:
+            return []
+        return [p for p, hs in self.presence.caps.items() if hs.supports_realtime and member(p)]
+
+    def push_targets(self, member: Callable[[bytes], bool]) -> list[bytes]:
+        """Who gets a realtime body now: the realtime peers with room in their window. On this
+        binding a push is a window body sent early (same selection and meta, answered), so it
+        moves the cursor like a batch body; the batch cycle keeps running underneath (§33.1)."""
+        return [p for p in self.realtime_peers(member) if self.room(p) > 0]
+
     def start_at(self, peer: bytes, cursor: int) -> int:
         """Where the next body to `peer` starts: after the window in flight, or the durable cursor."""
         return max(cursor, self.sent_upto.get(peer, 0))
@@ -731,6 +755,6 @@ class Exchange:
         return sorted({q.peer for q in self.pending.values()} & set(self.presence.caps if present is None else present))
 
 
-__all__ = ["Exchange", "ExchangeConfig", "Intake", "Schedule", "SurfaceBudget", "OfferPlan", "request_refusal", "ack_due", "ack_wait",
+__all__ = ["Exchange", "ExchangeConfig", "Intake", "Schedule", "SurfaceBudget", "OfferPlan", "request_refusal", "signed_ack_owed", "ack_due", "ack_wait",
            "KIND_BATCH", "KIND_REALTIME", "InFlight", "Settled", "BodyLimits", "Presence", "answer_proof", "answered_progress",
            "MAX_ACKS_LOOKED_AT", "PRESENCE_LIMIT", "GIVE_UP_DOUBLINGS", "MIN_BODY_LIMIT"]

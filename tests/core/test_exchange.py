@@ -12,7 +12,7 @@ from agent.core.cose import assemble
 from agent.core.delivery import answer_moves
 from agent.core.exchange import (GIVE_UP_DOUBLINGS, KIND_BATCH, KIND_REALTIME, MAX_ACKS_LOOKED_AT, BodyLimits,
                                  Exchange, ExchangeConfig, InFlight, Intake, Presence, Schedule, SurfaceBudget,
-                                 ack_due, ack_wait,
+                                 ack_due, ack_wait, signed_ack_owed,
                                  answer_proof, answered_progress, request_refusal)
 from agent.core.messages import Handshake, SyncBody, emit_body
 from agent.core.records import MAX_ACK_ANSWERS, AckAnswer, ack_to_be_signed, record_hash
@@ -429,3 +429,24 @@ def test_surfaced_rows_are_bounded_per_reason_and_window_and_the_rest_told_once(
     b.admit(("mqtt_request", "too_large"), 61.0)
     b.admit(("mqtt_request", "too_large"), 62.0)
     assert b.drain() == [(("mqtt_request", "too_large"), 1)] and b.drain() == []
+
+
+def test_realtime_bodies_go_to_present_realtime_members_with_room():
+    x = ex(window=1)
+    member = {PEER, OTHER}.__contains__
+    present(x, PEER, realtime=True)
+    present(x, OTHER, realtime=False)
+    stranger = bytes([0x91]) * 16
+    x.presence.arrived(stranger, Handshake(stranger, (0, 0), True, None, None), member)
+    assert x.realtime_peers(member) == [PEER] and x.push_targets(member) == [PEER]
+    x.sent(b"c1", body())
+    assert x.push_targets(member) == [], "its window is out: the answers decide"
+    x.cfg.realtime = False
+    assert x.realtime_peers(member) == []
+
+
+def test_a_signed_acknowledgement_is_owed_only_to_a_trusted_sender_that_asked():
+    assert signed_ack_owed(True, PEER, True, ME)
+    assert not signed_ack_owed(False, PEER, True, ME)
+    assert not signed_ack_owed(True, PEER, False, ME), "a body under an unknown name signs nothing"
+    assert not signed_ack_owed(True, ME, True, ME) and not signed_ack_owed(True, None, True, ME)
