@@ -18,6 +18,7 @@ from agent.store.sync_state import SENT_BODIES_KEPT
 from agent.transport.broker import find_mosquitto
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # bench modules import bench/_harness.py
 from bench.bench_strategies import run  # noqa: E402
 
 WINDOW = 4  # RunConfig.window
