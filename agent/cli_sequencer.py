@@ -130,10 +130,11 @@ def cmd_recover(args) -> int:
             doc = json.loads(Path(path).read_text())
             evidence.append(recovery.MemberEvidence(str(doc["member"]), tuple(bytes.fromhex(r) for r in doc["receipts"]),
                                                     int(doc["attested_epoch"]),
-                                                    tuple(int(e) for e in doc.get("discontinuities", []))))
+                                                    tuple(int(e) for e in doc.get("discontinuities", [])),
+                                                    tuple(bytes.fromhex(h) for h in doc.get("statements", []))))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise Refused(f"evidence file {path}: {e}; expected JSON {{\"member\", \"receipts\": [hex], "
-                          "\"attested_epoch\", \"discontinuities\": [epochs]}") from None
+                          "\"attested_epoch\", \"discontinuities\": [epochs], \"statements\": [hex]}") from None
     with _open(args) as s:
         try:
             out = s.recover(gid, evidence, bindings)
@@ -145,7 +146,7 @@ def cmd_recover(args) -> int:
     if isinstance(out, recovery.Resume):
         _print({"outcome": "resume", "group": gid.hex(), "current_epoch": out.current_epoch,
                 "head": out.head.raw.hex(), "discontinuities": list(out.discontinuities),
-                "unusable": list(out.unusable)})
+                "statements": sorted(out.statements), "unusable": list(out.unusable)})
         return EXIT_OK
     if isinstance(out, recovery.FailClosed):
         _print({"outcome": "fail_closed", "group": gid.hex(),

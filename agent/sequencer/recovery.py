@@ -22,7 +22,7 @@ statement) is the caller's to check before evidence reaches ``assess``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 from agent.sequencer.member import Evidence, ReceiptChain
@@ -35,6 +35,7 @@ class MemberEvidence:
     receipts: tuple[bytes, ...]
     attested_epoch: int                     # the member's current MLS epoch
     discontinuities: tuple[int, ...] = ()   # gaps the sequencer recorded and surfaced
+    statements: tuple[bytes, ...] = ()      # the sequencer's signed statements of those gaps (§22.6 step 4)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Resume:
     receipts: tuple[Receipt, ...]           # the verified chain, ascending
     discontinuities: tuple[int, ...]
     unusable: tuple[str, ...] = ()          # members whose evidence was not usable, and why
+    statements: dict = field(default_factory=dict)   # gap epoch -> the bound sequencer's signed statement
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,12 @@ def assess(group_id: bytes, evidence: list[MemberEvidence], bindings: dict[int, 
         for raw in ev.receipts:
             own.add(raw)
             union.add(raw)
+        for raw in ev.statements:
+            # checked as a member checks a relayed statement: signature, the sequencer bound at its
+            # epoch (a stranger's is not adopted), one statement per gap, the receipt it names
+            # (after the receipts: it must name the last one before the gap)
+            own.add_statement(raw)
+            union.add_statement(raw)
         if union.equivocation or own.equivocation:
             return FailClosed(tuple(union.evidence) + tuple(own.evidence))
         if not own.receipts:
@@ -101,4 +109,6 @@ def assess(group_id: bytes, evidence: list[MemberEvidence], bindings: dict[int, 
     if top.epoch not in heads:
         return NotConverged(f"no member attests the highest receipt (epoch {top.epoch})", tuple(unusable))
     chain = tuple(union.receipts[e] for e in sorted(union.receipts))
-    return Resume(top, top.epoch + 1, chain, tuple(sorted(union.discontinuities)), tuple(unusable))
+    gaps = tuple(sorted(union.discontinuities))
+    stated = {e: union.statements[e].raw for e in gaps if e in union.statements}
+    return Resume(top, top.epoch + 1, chain, gaps, tuple(unusable), stated)

@@ -329,7 +329,10 @@ class Sequencer:
             self.store.restore_group(new, [(r.epoch, r.commit_hash, r.raw, r.receipt_hash) for r in out.receipts],
                                      list(out.discontinuities),
                                      {"group": group_id.hex(), "head_epoch": head.epoch,
-                                      "members": len(evidence), "unusable": list(out.unusable)})
+                                      "members": len(evidence), "unusable": list(out.unusable)},
+                                     # the gaps' signed statements the members held (§22.6 step 4):
+                                     # served and handed on as this sequencer's own gaps' are
+                                     statements=dict(out.statements))
         elif isinstance(out, recovery.FailClosed):
             top = max((ev.epoch for ev in out.evidence), default=0)
             self.store.fail_closed(group_id, top + 1, {

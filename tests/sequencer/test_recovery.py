@@ -25,7 +25,9 @@ def history(tmp_path, n=6):
         return home, s.public_key, rx
 
 
-def ev(name, rx, attested, gaps=()):
+def ev(name, rx, attested, gaps=(), statements=()):
+    if statements:
+        return recovery.MemberEvidence(name, tuple(rx), attested, tuple(gaps), tuple(statements))
     return recovery.MemberEvidence(name, tuple(rx), attested, tuple(gaps))
 
 
@@ -90,6 +92,32 @@ def test_recorded_gap_continuous_on_both_sides_resumes():
     r3 = rs.sign(3, b"c3", receipts.receipt_hash(r1))        # epoch 2: receipt absent, recorded
     out = recovery.assess(G, [ev("a", [r0, r1, r3], 4, gaps=[2]), ev("b", [r1, r3], 4, gaps=[2])], {0: rs.kid})
     assert isinstance(out, recovery.Resume) and out.current_epoch == 4 and out.discontinuities == (2,)
+
+
+def test_a_recovered_gap_keeps_the_old_sequencers_signed_statement(tmp_path):
+    """§22.6 step 4: a gap recovered from members' evidence is served and handed on with the signed
+    statement the members hold (verified under the sequencer bound at its epoch, as the member
+    library does), exactly as a gap this sequencer recorded itself; one signed by a stranger is
+    not adopted, and a statement contradicting a member's chain fails closed."""
+    rs, stranger = RogueSequencer(), RogueSequencer()
+    r0 = rs.sign(0, b"c0", None)
+    r1 = rs.sign(1, b"c1", receipts.receipt_hash(r0))
+    gap = rs.statement(2, receipts.receipt_hash(r1), commit=b"c2")
+    r3 = rs.sign(3, b"c3", receipts.receipt_hash(r1))
+    home = tmp_path / "new"
+    new_key = service.init(home)
+    with service.Sequencer(home) as s:
+        out = s.recover(G, [ev("a", [r0, r1, r3], 4, gaps=[2], statements=[gap]),
+                            ev("b", [r1, r3], 4, gaps=[2], statements=[stranger.statement(2, None)])],
+                        {0: rs.kid, 4: new_key})
+        assert isinstance(out, recovery.Resume) and out.statements == {2: gap}
+        assert s.receipt(G, 2) == service.Absent(discontinuity=True) and s.receipt(G, 2).statement == gap
+        assert [g["statements"] for g in s.status()["groups"] if g["group"] == G.hex()] == [{"2": gap.hex()}]
+        package = s.handoff(G)                              # and it transfers on migration
+    assert package["statements"] == {"2": gap.hex()}
+    wrong = rs.statement(2, receipts.receipt_hash(r0))      # names another receipt than epoch 1's
+    out = recovery.assess(G, [ev("a", [r0, r1, r3], 4, gaps=[2], statements=[wrong])], {0: rs.kid})
+    assert isinstance(out, recovery.FailClosed) and out.evidence[0].kind == "divergent_chain"
 
 
 def test_no_usable_evidence_goes_to_genesis_reset_never_a_naked_epoch(tmp_path):
