@@ -162,3 +162,25 @@ def test_recover_verb(tmp_path):
     out = json.loads(p.stdout)
     assert out["outcome"] == "resume" and out["current_epoch"] == 4 and out["head"] == rx[3].hex()
     assert json.loads(cli("status").stdout)["groups"][0]["origin"] == "recovered"
+
+
+def test_recover_verb_takes_the_members_statements(tmp_path):
+    import json
+    import subprocess
+    rs = RogueSequencer()
+    r0 = rs.sign(0, b"c0", None)
+    gap = rs.statement(1, receipts.receipt_hash(r0))
+    r2 = rs.sign(2, b"c2", receipts.receipt_hash(r0))
+    home = tmp_path / "new"
+
+    def cli(*args):
+        return subprocess.run([*agent_cmd(), "--home", str(home), "sequencer", *args],
+                              capture_output=True, text=True, env=agent_env())
+    assert cli("init").returncode == 0
+    f = tmp_path / "alice.json"
+    f.write_text(json.dumps({"member": "alice", "receipts": [r0.hex(), r2.hex()], "attested_epoch": 3,
+                             "discontinuities": [1], "statements": [gap.hex()]}))
+    p = cli("recover", "--group", G.hex(), "--binding", f"0:{rs.kid.hex()}", str(f))
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["statements"] == [1]
+    assert json.loads(cli("status").stdout)["groups"][0]["statements"] == {"1": gap.hex()}
