@@ -185,13 +185,39 @@ class ApplyWorker:
         self._out.close()
 
 
+class NoneAvailable(RuntimeError):
+    """The process already runs as many workers as it may: this node prepares on its own thread."""
+
+
+# Workers alive in this process, over all its nodes: at most `limit` (one node per process is the
+# agent's case; a process that runs many nodes, as the fleet benchmark does with hundreds, must
+# not start a worker per node). Nodes may live on different threads: counted under a lock.
+_live = 0
+_live_lock = None
+
+
+def _lock():
+    global _live_lock
+    if _live_lock is None:
+        import threading
+        _live_lock = threading.Lock()
+    return _live_lock
+
+
 class ApplyWorkers:
     """Several workers, chunks dealt round-robin; answers read in the order requested."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, limit: int | None = None) -> None:
+        global _live
         self.workers: list[ApplyWorker] = []
+        with _lock():
+            n = max(1, n) if limit is None else min(max(1, n), limit - _live)
+            if n <= 0:
+                raise NoneAvailable(f"{_live} apply workers already run in this process")
+            _live += n
+        self._reserved = n
         try:
-            for _ in range(max(1, n)):
+            for _ in range(n):
                 self.workers.append(ApplyWorker())
         except BaseException:
             self.close()
@@ -242,5 +268,10 @@ class ApplyWorkers:
         return None if None in cpu else sum(cpu)
 
     def close(self) -> None:
+        global _live
         for w in self.workers:
             w.close()
+        self.workers = []
+        with _lock():
+            _live -= self._reserved
+            self._reserved = 0

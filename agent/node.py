@@ -672,9 +672,11 @@ class Node:
         if os.environ.get("SSP_AGENT_APPLY_WORKERS") == "0" or len(os.sched_getaffinity(0)) < 2:
             self._pool = False
             return None
-        from .applyworker import ApplyWorkers
+        from .applyworker import ApplyWorkers, NoneAvailable
         try:
-            self._pool = ApplyWorkers(self._worker_count())
+            self._pool = ApplyWorkers(self._worker_count(), limit=self._worker_count())
+        except NoneAvailable:
+            return None   # other nodes of this process hold them: this batch prepares here
         except OSError as e:
             log.warning("apply worker not started (%s): verifying on this thread", e)
             self._pool = False

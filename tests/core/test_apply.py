@@ -410,6 +410,26 @@ def test_the_apply_worker_prepares_against_the_current_keyring(tmp_path, monkeyp
     small.close()
 
 
+@needs_two_cores
+def test_nodes_of_one_process_share_its_worker_allowance(tmp_path, monkeypatch):
+    """A process running many nodes (the fleet benchmark runs hundreds) starts at most as many
+    workers as one node would: the others prepare on their own thread until workers are free."""
+    monkeypatch.setattr(Node, "WORKER_MIN_BATCH", 64)
+    monkeypatch.setenv("SSP_AGENT_APPLY_WORKERS", "1")
+    a, b = peers(2)
+    first, second, ref = (make_node(tmp_path / n, [a, b]) for n in ("first", "second", "ref"))
+    raws = _mixed_events(a, b, 10)
+    first.apply_batch(raws, NOW)
+    outs = second.apply_batch(raws, NOW)
+    assert first._pool and second._pool is None        # one worker in the process, the first node's
+    assert [(o.status, o.reason) for o in outs] == [(o.status, o.reason) for o in (ref.apply_batch([r], NOW)[0] for r in raws)]
+    first.close()
+    second.apply_batch(_mixed_events(a, b, 10, base=50), NOW)
+    assert second._pool                                  # freed by the first node's close
+    second.close()
+    ref.close()
+
+
 def test_the_apply_worker_is_not_started_on_one_core_or_for_small_batches(tmp_path, monkeypatch):
     a, b = peers(2)
     node = make_node(tmp_path / "n", [a, b])
