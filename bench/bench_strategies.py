@@ -48,7 +48,7 @@ from agent.core.cose import parse_sign1  # noqa: E402
 from agent.core.messages import SyncBody, Watermark, emit_body, parse_body  # noqa: E402
 from agent.node import Node  # noqa: E402
 from agent.outcomes import Outcome  # noqa: E402
-from agent.runner import KIND_BATCH, RunConfig, Runner  # noqa: E402
+from agent.runner import KIND_BATCH, P_ACK, RunConfig, Runner  # noqa: E402
 from agent.simpeer import manifest_text, readings_table  # noqa: E402
 from agent.store import db, sync_state as st  # noqa: E402
 from agent.sync import PortAdapter  # noqa: E402
@@ -164,6 +164,8 @@ class AttackerRunner(Runner):
                     body = emit_body(SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events), (), ()))
                     n = len(events)
                     user = {P_KIND: KIND_BATCH, P_START: "0", P_END: "0", P_COUNT: str(n), P_PART: "1/1"}
+                    if not self.cfg.secure:
+                        user[P_ACK] = "1"  # as an honest sender asks there: B signs for its replays too
                     corr = self.link.push(peer, body, user)
                     from agent.runner import _Pending
                     self.pending[corr] = _Pending(peer, KIND_BATCH, 0, 0, [], now, 0, False, None, len(body))
