@@ -59,7 +59,7 @@ from .core.exchange import (GIVE_UP_DOUBLINGS, PRESENCE_LIMIT, BodyLimits, Excha
                             Intake, Presence, Schedule, SurfaceBudget, ack_due, ack_wait, answer_proof, request_refusal,
                             signed_ack_owed)
 from .core.sending import first_body
-from .core.messages import ProtocolError, parse_presence
+from .core.messages import ProtocolError
 from .core.records import MAX_ACK_ANSWERS, AckAnswer, record_hash as body_hash
 from .core.sending import PeerLimit  # noqa: F401 - the too-large back-off (pure); re-exported
 from .core.session import parse_meta_text
@@ -140,7 +140,6 @@ class Runner:
         self.ex = Exchange(self.cfg, BodyLimits(ADVERTISED_FLOOR, self.cfg, self.stats),
                            Presence(PRESENCE_LIMIT, self.stats), self.stats)
         self.rejections: deque = deque(maxlen=1000)  # (reason, detail) of refused inbound messages
-        self._refused_presence: dict[bytes, tuple] = {}  # site -> the refused payload last surfaced
         self.intake = Intake(PRESENCE_LIMIT, self.stats)  # the order what arrived is handled in (pump)
         self.refusal_budget = SurfaceBudget(REFUSALS_SURFACED_PER_WINDOW, REFUSAL_WINDOW_S)  # (source, reason)
         self._owed: dict[bytes, list] = {}  # sender -> [(request, answer properties, AckAnswer)] not yet answered
@@ -434,22 +433,9 @@ class Runner:
         """A retained presence reaches every node at every start: a payload its boundary refuses is
         surfaced (once per site and payload in this process) and the site counts as absent. The
         link acknowledged it on arrival (presence is never redelivered by a nack)."""
-        try:
-            hs = parse_presence(m.payload, m.site)
-        except ProtocolError as e:
-            self.ex.presence.left(m.site)
-            self.stats["refused_presence"] += 1
-            key = (m.site, hash(m.payload))
-            if self._refused_presence.get(m.site) != key:
-                if len(self._refused_presence) >= 1024:  # presence topics of fictional sites: bounded
-                    self._refused_presence.clear()
-                self._refused_presence[m.site] = key
-                self._surface_refusal("presence", e.reason, e.detail, m.site)
-            return
-        if hs is None:
-            self.ex.presence.left(m.site)
-        else:
-            self.ex.presence.arrived(m.site, hs, self.node.keyring.__contains__)
+        e = self.ex.presence.received(m.site, m.payload, self.node.keyring.__contains__)
+        if e is not None:
+            self._surface_refusal("presence", e.reason, e.detail, m.site)
 
     # -------------------------------------------------------------- sending
     # Quiet links (issue 12 item 6, docs/mqtt.md "Quiet links"). A body sent to a peer stays in

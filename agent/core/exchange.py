@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from . import reasons
-from .messages import Handshake, ProtocolError, parse_body
+from .messages import Handshake, ProtocolError, parse_body, parse_presence
 from .records import MAX_ACK_ANSWERS, AckAnswer, RecordError, is_ack, verify_ack
 from .sending import MIN_BODY_LIMIT, PeerLimit
 
@@ -256,6 +256,30 @@ class Presence:
         self.limit = limit
         self.caps: dict[bytes, Handshake] = {}
         self.stats = Counter() if stats is None else stats
+        self.refused_last: dict[bytes, int] = {}  # site -> hash of the refused payload last surfaced
+
+    def received(self, site: bytes, payload: bytes, member: Callable[[bytes], bool]) -> ProtocolError | None:
+        """A retained presence (it reaches every node at every start): the site's handshake, or it
+        left (an empty payload), or its boundary refuses it and the site counts as absent. Returns
+        the refusal to surface: once per site and payload (a retained one comes back at every
+        reconnect), the memory of them bounded (presence topics of fictional sites)."""
+        try:
+            hs = parse_presence(payload, site)
+        except ProtocolError as e:
+            self.left(site)
+            self.stats["refused_presence"] += 1
+            key = hash(payload)
+            if self.refused_last.get(site) == key:
+                return None
+            if len(self.refused_last) >= 1024:
+                self.refused_last.clear()
+            self.refused_last[site] = key
+            return e
+        if hs is None:
+            self.left(site)
+        else:
+            self.arrived(site, hs, member)
+        return None
 
     def __contains__(self, site: bytes) -> bool:
         return site in self.caps

@@ -450,3 +450,20 @@ def test_a_signed_acknowledgement_is_owed_only_to_a_trusted_sender_that_asked():
     assert not signed_ack_owed(False, PEER, True, ME)
     assert not signed_ack_owed(True, PEER, False, ME), "a body under an unknown name signs nothing"
     assert not signed_ack_owed(True, ME, True, ME) and not signed_ack_owed(True, None, True, ME)
+
+
+def test_a_refused_presence_makes_the_site_absent_and_is_surfaced_once_per_payload():
+    from agent.core.messages import emit_handshake
+    p = Presence()
+    member = {PEER}.__contains__
+    assert p.received(PEER, emit_handshake(Handshake(PEER, (0, 0), True, None, None)), member) is None
+    assert p.realtime(PEER)
+    e = p.received(PEER, b"\xa1junk", member)
+    assert e is not None and PEER not in p, "refused: absent"
+    assert p.received(PEER, b"\xa1junk", member) is None, "the same retained payload again: surfaced once"
+    assert p.received(PEER, b"\xa1more junk", member) is not None and p.stats["refused_presence"] == 3
+    other = emit_handshake(Handshake(OTHER, (0, 0), False, None, None))
+    assert p.received(PEER, other, member).reason == "handshake_site_mismatch", "one site cannot speak for another"
+    p.received(PEER, emit_handshake(Handshake(PEER, (0, 0), False, None, None)), member)
+    assert PEER in p
+    assert p.received(PEER, b"", member) is None and PEER not in p, "an empty presence: it left"
