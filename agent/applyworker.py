@@ -8,8 +8,8 @@ call; measured on 2 cores, two verify threads made the import no faster than ver
 apply thread itself (the threads and the apply thread queue for the GIL and for the cores).
 
 The protocol is private to this module: frames of an 8-byte length and a pickle, over the
-worker's stdin and stdout. A request is (keyring or None when unchanged, mesh_id, raws, decode); its answer is the list
-`prepare` returns. Requests are answered in order. The worker reads requests on a thread of its
+worker's stdin and stdout. A request is (keyring or None when unchanged, mesh_id, raws, decode); its answer is
+(the list `prepare` returns, how many events, the worker's CPU seconds for them). Requests are answered in order. The worker reads requests on a thread of its
 own, so its blocked write of an answer never stops it from taking the next request: the parent
 may send several chunks ahead and read their answers later without a deadlock. The parent
 bounds how many chunks are in flight, so this costs a few chunks of memory at most.
@@ -52,6 +52,7 @@ def main() -> int:
     import queue
     import signal
     import threading
+    import time
 
     from .core.prepare import prepare
 
@@ -83,7 +84,9 @@ def main() -> int:
         if sent_keyring is not None:
             keyring = sent_keyring
         try:
-            _write_frame(out, prepare(raws, keyring, mesh_id, decode))
+            t = time.thread_time()
+            results = prepare(raws, keyring, mesh_id, decode)
+            _write_frame(out, (results, len(raws), time.thread_time() - t))
         except BrokenPipeError:
             return 0
 
@@ -119,6 +122,7 @@ class ApplyWorker:
             except OSError:
                 pass   # not Linux, or above /proc/sys/fs/pipe-max-size: the default works, slower
         self.sent = self.answered = 0
+        self.last_n, self.last_cpu = 0, 0.0   # the last answer's events and the worker's CPU for them
         self._keyring: dict | None = None   # the keyring the worker holds
 
     @property
@@ -145,7 +149,8 @@ class ApplyWorker:
         if frame is None:
             raise WorkerGone(f"apply worker exited (code {self.proc.poll()})")
         self.answered += 1
-        return pickle.loads(frame)
+        results, self.last_n, self.last_cpu = pickle.loads(frame)
+        return results
 
     def drain(self) -> None:
         """Read and drop the answers still in flight (a batch that stopped early)."""
@@ -223,16 +228,20 @@ class ApplyWorkers:
             self.close()
             raise
         self._next = 0
-        # Which side decodes the payloads (~18 us an event on the build machine, against ~48 for
-        # a verification and ~48 for the rest of the applying thread's work): the share of chunks
-        # the workers decode follows whether the applying thread had to wait for an answer. With
-        # one worker beside it (two cores) it settles where the two are even; with more workers
-        # the applying thread is the slower side, and they decode everything.
+        # Which side decodes the payloads (~18 us an event on the build machine, against ~50 for
+        # a verification and ~65 for the rest of the applying thread's work): the share of chunks
+        # the workers decode moves toward the side with less CPU an event, the applying thread's
+        # (measured between two answers: the chunk it applied) against the workers' (each answer
+        # carries its CPU time; the workers run side by side). CPU, not waiting: a worker that
+        # waits for a core it shares with a neighbour would otherwise look slow. With one worker
+        # beside it (two cores) it settles where the two are even; with more workers the applying
+        # thread is the slower side, and they decode everything.
         self.share = self.FIRST_SHARE if self.FIRST_SHARE is not None else 1.0 if len(self.workers) > 1 else 0.5
         self._acc = 0.0
+        self._mark: float | None = None   # the applying thread's CPU clock at the last answer
+        self._mark_n = 0                   # events of that answer (the chunk applied since)
 
     FIRST_SHARE: float | None = None   # tests pin it (with STEP 0)
-    WAITED_S = 0.0002   # an answer that kept the applying thread waiting longer: the workers are behind
     STEP = 0.125
 
     def submit(self, keyring: dict, mesh_id: bytes, raws: list[bytes]) -> tuple:
@@ -247,12 +256,13 @@ class ApplyWorkers:
     def result(self, ticket: tuple) -> list:
         import time
         w, n = ticket
-        t = time.perf_counter()
         out = w.result(n)
-        if time.perf_counter() - t > self.WAITED_S:
-            self.share = max(0.0, self.share - self.STEP)
-        else:
-            self.share = min(1.0, self.share + self.STEP)
+        now = time.thread_time()
+        if self._mark is not None and self._mark_n and w.last_n:
+            mine = (now - self._mark) / self._mark_n
+            theirs = w.last_cpu / w.last_n / len(self.workers)
+            self.share = min(1.0, self.share + self.STEP) if mine > theirs else max(0.0, self.share - self.STEP)
+        self._mark, self._mark_n = now, w.last_n
         return out
 
     def drain(self) -> None:
