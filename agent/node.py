@@ -1479,9 +1479,9 @@ class Node:
         return cur.rowcount
 
     def _reclaim(self) -> None:
-        # auto_vacuum=INCREMENTAL (set at creation) returns freed pages to the filesystem.
-        self.conn.execute("PRAGMA incremental_vacuum")
-        self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        # auto_vacuum=INCREMENTAL returns freed pages to the filesystem (an older store is converted once).
+        if db.reclaim_free_pages(self.conn):
+            log.info("the store was converted to return freed pages to the filesystem (one VACUUM)")
 
     def store_bytes(self) -> int:
         page = self.conn.execute("PRAGMA page_size").fetchone()[0]

@@ -294,11 +294,37 @@ def storage_fault(exc: BaseException, store: Path) -> StoreError | None:
 
 def connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+    # Before WAL: switching to WAL writes the file header, after which auto_vacuum no longer takes
+    # and eviction's freed pages would never go back to the filesystem (an existing store is
+    # converted by eviction: convert_to_incremental_vacuum).
+    conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=FULL")  # this connection records released outputs
     conn.execute("PRAGMA foreign_keys=ON")
     conn.execute("PRAGMA busy_timeout=10000")
     return conn
+
+
+def reclaim_free_pages(conn: sqlite3.Connection) -> bool:
+    """Return the store's free pages to the filesystem (eviction, scope §3). A store created
+    before auto_vacuum was chosen ahead of WAL has it off: the first reclaim converts it with one
+    VACUUM (a one-off rewrite needing about the store's size free; on a full disk it is left for
+    the next eviction, and the freed pages are still reused by later writes). Returns whether
+    the store was converted."""
+    converted = False
+    if conn.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:
+        conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
+        try:
+            conn.execute("VACUUM")
+            converted = True
+        except sqlite3.OperationalError as e:
+            if (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF != _FULL:
+                raise
+    # executescript steps the pragma to completion: the sqlite3 module's execute() stops after the
+    # first step of a statement without result columns, and each step frees one page.
+    conn.executescript("PRAGMA incremental_vacuum;")
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    return converted
 
 
 _SECURE_DELETE = {"on": "ON", "fast": "FAST", "off": "OFF"}   # names: "=2" reads as a boolean (on)

@@ -12,6 +12,7 @@ from typing import Iterable
 from ..core.records import Record, Trust, resolve_trust
 from ..core.scope import WILDCARD, PolicyRow
 from ..core.schema import SYNCABLE
+from .db import transaction
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS sync_cursors (
@@ -110,13 +111,8 @@ def ensure_schema(conn: sqlite3.Connection) -> None:
     if has_schema(conn) and _has_lifecycle_tables(conn) and \
             conn.execute("SELECT 1 FROM meta WHERE key='policy_defaults'").fetchone():
         return
-    conn.execute("BEGIN IMMEDIATE")
-    try:
+    with transaction(conn):   # rolls back only an open transaction: a full disk's error survives
         create_schema(conn)
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
 
 
 def create_schema(conn: sqlite3.Connection, *, policy_defaults: bool = True) -> None:

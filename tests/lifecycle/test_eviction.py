@@ -115,6 +115,7 @@ def test_eviction_emits_nothing_and_the_store_shrinks(tmp_path):
     max_seq = n.conn.execute("SELECT max(seq) FROM events").fetchone()[0]
     clock = n.clock.current()
     dump = n.dump()
+    n.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()   # measure the pages, not the WAL
     size_before = n.store_bytes()
     n.profile = n.profile.__class__.from_dict({**n.profile.as_dict(), "horizons_ms": {"telemetry": DAY}})
     report = n.run_eviction(now=T0 + 2 * DAY + 10)
@@ -130,3 +131,39 @@ def test_eviction_emits_nothing_and_the_store_shrinks(tmp_path):
     assert bf is None and {event_id(r).hex() for r in sel.events} <= set(log_after)
     assert report["bytes_after"] < size_before * 0.7, (size_before, report["bytes_after"])
     assert n.store_bytes() == report["bytes_after"]
+    assert n.conn.execute("PRAGMA freelist_count").fetchone()[0] == 0   # every freed page went back
+
+
+def test_a_new_store_returns_freed_pages_to_the_filesystem(tmp_path):
+    """auto_vacuum=INCREMENTAL only takes when it is chosen before the file's header is written;
+    switching to WAL writes it, so a store opened WAL-first never shrank (freed pages stayed)."""
+    n = node(tmp_path, "n", [])
+    assert n.conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2   # incremental
+
+
+def _old_store_without_auto_vacuum(tmp_path):
+    """A home made before the fix: the same store, rewritten with auto_vacuum off."""
+    a = Signer()
+    n = node(tmp_path, "old", [a])
+    n.conn.execute("PRAGMA auto_vacuum=NONE")
+    n.conn.execute("VACUUM")
+    assert n.conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 0
+    home = n.home
+    n.close()
+    n = Node.open(home)
+    big = "x" * 400
+    n.apply_batch([a.event(R, {"device": "d", "seq": s}, {"temp": float(s), "note": big}, (T0 + s, 0))
+                   for s in range(2000)], T0 + DAY)
+    return n
+
+
+def test_eviction_converts_an_older_store_and_then_shrinks_it(tmp_path):
+    n = _old_store_without_auto_vacuum(tmp_path)
+    n.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    before = n.store_bytes()
+    n.profile = n.profile.__class__.from_dict({**n.profile.as_dict(), "horizons_ms": {"telemetry": DAY}})
+    report = n.run_eviction(now=T0 + 2 * DAY + 10)
+    assert report["tables"][R]["events_deleted"] == 2000
+    assert n.conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2
+    assert n.conn.execute("PRAGMA freelist_count").fetchone()[0] == 0
+    assert report["bytes_after"] < before * 0.8, (before, report["bytes_after"])
