@@ -701,17 +701,14 @@ def _adopt_private_cursors(node) -> None:
     rows = node.conn.execute("SELECT key, value FROM meta WHERE key LIKE 'cursor:mqtt:%'").fetchall()
     if not rows:
         return
-    node.conn.execute("BEGIN IMMEDIATE")
-    try:
+    # db.transaction rolls back only an open transaction: after a COMMIT (or a statement) that
+    # SQLite already rolled back, a ROLLBACK would replace the real error (a full disk).
+    with db.transaction(node.conn):
         for key, value in rows:
             peer = key.rsplit(":", 1)[1]
             if len(peer) == 32:
                 st.advance_cursor(node.conn, bytes.fromhex(peer), PATH, int(value))
             node.conn.execute("DELETE FROM meta WHERE key=?", (key,))
-        node.conn.execute("COMMIT")
-    except BaseException:
-        node.conn.execute("ROLLBACK")
-        raise
 
 
 def group_counts(conn) -> list[tuple[bytes, str, int]]:

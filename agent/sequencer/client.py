@@ -281,7 +281,18 @@ class _Tx:
         self.conn.execute("BEGIN IMMEDIATE")
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.conn.execute("ROLLBACK" if exc_type is not None else "COMMIT")
+        # ROLLBACK only an open transaction: after a failure SQLite already rolled back (a full
+        # disk, an I/O error, also at COMMIT) it would replace the real error (as agent/store/db.py).
+        if exc_type is None:
+            try:
+                self.conn.execute("COMMIT")
+                return
+            except BaseException:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                raise
+        if self.conn.in_transaction:
+            self.conn.execute("ROLLBACK")
 
 
 # -- who may sign (§22.6 singularity) --------------------------------------------------------

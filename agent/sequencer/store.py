@@ -277,6 +277,14 @@ def _group_row(new: GroupState) -> tuple:
             None if head is None else head.receipt_hash, new.origin, int(new.failed_closed))
 
 
+def _rollback(conn: sqlite3.Connection) -> None:
+    """ROLLBACK only an open transaction: SQLite rolls back by itself after some failures (a full
+    disk, an I/O error), and a ROLLBACK then fails with "no transaction is active", replacing the
+    error that says what happened (as agent/store/db.py `transaction`)."""
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
+
+
 class _Tx:
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -288,10 +296,15 @@ class _Tx:
     def __exit__(self, exc_type, exc, tb) -> None:
         st = self.store
         if exc_type is not None:
-            st.conn.execute("ROLLBACK")
+            _rollback(st.conn)
             st._dirty = {}
             return
-        st.conn.execute("COMMIT")
+        try:
+            st.conn.execute("COMMIT")
+        except BaseException:
+            _rollback(st.conn)
+            st._dirty = {}
+            raise
         if st._cache is not None:
             for gid, state in st._dirty.items():
                 if state is None:

@@ -1,0 +1,57 @@
+"""A transaction SQLite already rolled back (a COMMIT or a statement on a full disk, an I/O
+error) must surface its own error: a hand-written `except: ROLLBACK` then raised "cannot rollback -
+no transaction is active" instead, which hid what happened (issue 13 loose end; the same flaw
+agent/store/db.py `transaction` was fixed for). The rolled-back state is made by SQLite itself: a
+temporary trigger whose `RAISE(ROLLBACK, ...)` ends the whole transaction and fails the statement,
+as a full disk does."""
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from agent.runner import _adopt_private_cursors
+from agent.sequencer.client import CommitQueue
+from agent.sequencer.store import Store
+
+from tests.mqtt.helpers import make_nodes
+
+
+def _roll_back_on(conn: sqlite3.Connection, table: str, op: str) -> None:
+    conn.execute(f"CREATE TEMP TRIGGER gone BEFORE {op} ON main.{table} "
+                 "BEGIN SELECT RAISE(ROLLBACK, 'database or disk is full'); END")
+
+
+def test_adopting_private_cursors_reports_the_real_error(tmp_path):
+    a, b = make_nodes(tmp_path, 2)
+    try:
+        a.conn.execute("INSERT INTO meta VALUES (?, '7')", (f"cursor:mqtt:{b.site_id.hex()}",))
+        _roll_back_on(a.conn, "meta", "DELETE")
+        with pytest.raises(sqlite3.Error, match="disk is full"):
+            _adopt_private_cursors(a)
+        assert not a.conn.in_transaction
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_sequencer_store_reports_the_real_error(tmp_path):
+    s = Store(tmp_path / "seq.db")
+    try:
+        _roll_back_on(s.conn, "events", "INSERT")
+        with pytest.raises(sqlite3.Error, match="disk is full"):
+            s.record_event("x", {})
+        assert not s.conn.in_transaction
+    finally:
+        s.close()
+
+
+def test_the_commit_queue_reports_the_real_error(tmp_path):
+    q = CommitQueue(tmp_path / "q.db")
+    try:
+        _roll_back_on(q.conn, "events", "INSERT")
+        with pytest.raises(sqlite3.Error, match="disk is full"):
+            q.record_event("x", {})
+        assert not q.conn.in_transaction
+    finally:
+        q.close()
