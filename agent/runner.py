@@ -63,6 +63,7 @@ from .core.messages import ProtocolError
 from .core.records import MAX_ACK_ANSWERS, AckAnswer, record_hash as body_hash
 from .core.sending import PeerLimit  # noqa: F401 - the too-large back-off (pure); re-exported
 from .core.session import parse_meta_text
+from .core.reasons import BROKER_LOST
 from .outcomes import counts
 from .store import db, sync_state as st
 from .sync import Offer  # noqa: F401 - defined below the runner (no import circle); re-exported
@@ -111,6 +112,10 @@ _Pending = InFlight  # a body in flight (agent/core/exchange.py); the old name, 
 # (source, reason) in each window; the rest are counted and summed up in one row when the window ends.
 REFUSALS_SURFACED_PER_WINDOW = 20
 REFUSAL_WINDOW_S = 60.0
+# Broker connections lost (kind `link_lost`, source `link:mqtt`): bounded as a serial link's
+# losses are (agent/transport/serial.py LOSSES_SURFACED_PER_WINDOW), with the same pure budget.
+LOSSES_SURFACED_PER_WINDOW = 20
+LOSS_WINDOW_S = 60.0
 PUMP_BUDGET_S = 0.25  # a pump call returns after about this long of handling (Runner.pump)
 
 
@@ -142,6 +147,7 @@ class Runner:
         self.rejections: deque = deque(maxlen=1000)  # (reason, detail) of refused inbound messages
         self.intake = Intake(PRESENCE_LIMIT, self.stats)  # the order what arrived is handled in (pump)
         self.refusal_budget = SurfaceBudget(REFUSALS_SURFACED_PER_WINDOW, REFUSAL_WINDOW_S)  # (source, reason)
+        self.loss_budget = SurfaceBudget(LOSSES_SURFACED_PER_WINDOW, LOSS_WINDOW_S)  # the broker connection's losses
         self._owed: dict[bytes, list] = {}  # sender -> [(request, answer properties, AckAnswer)] not yet answered
         self._last_ack: dict[bytes, float] = {}  # sender -> when its last acknowledgement was signed
         # Writes before this runner started are the batch cycle's; realtime pushes follow new ones.
@@ -189,14 +195,19 @@ class Runner:
         if self._owed:
             self._answer_owed(force=True)  # applied and committed: answer before going
         self.link.close()
+        self._surface_losses()
         for (source, reason), n in self.refusal_budget.drain():
             self._surface_suppressed(source, reason, n)
+        for _key, n in self.loss_budget.drain():
+            self._surface_loss(f"{n} more not surfaced within {LOSS_WINDOW_S:g} s (flood bound)", None)
 
     # -------------------------------------------------------------- the loop
     def step(self, timeout: float = 0.05) -> None:
         """One turn: take in what arrived, expire unanswered bodies, run due cycles and pushes."""
         self.pump(timeout)
         now = time.monotonic()
+        if self.link.losses:
+            self._surface_losses()
         self._expire(now)
         if self.schedule.batch_due(now, self.link.connected.is_set()):
             self.batch_cycle()
@@ -320,6 +331,26 @@ class Runner:
             self.node.surface_refused(source, reason, msg, None)
         except Exception as e:  # noqa: BLE001 - a summary row must never stop the loop (or close)
             log.warning("could not surface the refusal summary: %s", e)
+
+    def _surface_losses(self) -> None:
+        """The broker connection's losses and failed reconnects the link noted (`MqttLink.losses`)
+        in `ssp-agent events`: kind `link_lost`, reason `broker_lost`, source `link:mqtt`, as a
+        serial link's losses (agent/transport/serial.py), bounded by the same pure budget."""
+        losses = self.link.losses
+        while losses:
+            wall, detail = losses.popleft()
+            self.stats["broker_lost"] += 1
+            surface, told = self.loss_budget.admit(BROKER_LOST, time.monotonic())
+            if told:
+                self._surface_loss(f"{told} more not surfaced within {LOSS_WINDOW_S:g} s (flood bound)", wall)
+            if surface:
+                self._surface_loss(detail, wall)
+
+    def _surface_loss(self, detail: str, wall: int | None) -> None:
+        try:
+            self.node.surface_refused(f"link:{PATH}", BROKER_LOST, detail, None, wall, kind="link_lost")
+        except Exception as e:  # noqa: BLE001 - a row not written (a full disk) must never stop the loop
+            log.warning("could not surface a broker loss: %s", e)
 
     def _on_request(self, m: Inbound) -> None:
         self.stats["bodies_received"] += 1

@@ -60,6 +60,9 @@ MAILBOX_CODES = MESSAGE_CODES | {R.TOO_LARGE}
 # A serial link incarnation that ends (docs/serial.md "State machine"): kind `link_lost`, not a
 # refused message; the session on it is dropped and the next incarnation starts a new one.
 LINK_CODES = frozenset({R.PEER_SILENT, R.PEER_RESTARTED, R.MESSAGE_TOO_LARGE, R.BAD_COMPRESSED_MESSAGE})
+# The MQTT link's broker connection lost (or a reconnect failing): kind `link_lost`, source `link:mqtt`
+# (tests/mqtt/test_broker_lost.py).
+MQTT_LINK_CODES = frozenset({R.BROKER_LOST})
 # Reached through no transport: `not_bytes` (every transport delivers bytes), `bad_topic` (the
 # MQTT link subscribes only to inbox topics that name a sender), `unclassified` (a parser bug).
 UNREACHABLE = frozenset({R.NOT_BYTES, R.BAD_TOPIC, R.UNCLASSIFIED})

@@ -45,6 +45,10 @@ PEER_SILENT = "peer_silent"                 # no frame for dead_s: a pulled cabl
 PEER_RESTARTED = "peer_restarted"           # a HELLO with a new nonce: the other process restarted
 MESSAGE_TOO_LARGE = "message_too_large"     # a CRC-clean length over the link's max_message: a broken peer
 BAD_COMPRESSED_MESSAGE = "bad_compressed_message"  # compressed without our offer, or not one deflate stream
+# -- the MQTT link's broker connection is lost (agent/transport/mqtt.py, docs/mqtt.md): kind
+# `link_lost` (source `link:mqtt`) as a serial loss; paho's reason, or why a reconnect failed, in
+# the detail. The link reconnects by itself and sync resumes from the durable cursors.
+BROKER_LOST = "broker_lost"
 # -- any other exception a boundary parser raised (agent/core/classify.py)
 UNCLASSIFIED = "unclassified"
 

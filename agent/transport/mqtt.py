@@ -38,6 +38,7 @@ import re
 import ssl
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 from urllib.parse import unquote, urlparse
@@ -316,6 +317,12 @@ class MqttLink:
         self.session_present = False
         self.last_error: str | None = None
         self.connects = 0
+        # What the Runner surfaces in `ssp-agent events` (kind `link_lost`, reason `broker_lost`):
+        # (wall ms, detail) per connection lost, and per outage each different reason a connection
+        # attempt failed (a broker down for a day is one row per new reason, not one per retry).
+        # Appended on the network thread, taken on the loop's (deque: both ends atomic).
+        self.losses: deque = deque(maxlen=1000)
+        self._outage_told: str | None = None  # the connect failure last put in `losses` this outage
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -410,9 +417,10 @@ class MqttLink:
                     self._connecting = True
                     self._connect_started = time.monotonic()
                 except (OSError, ssl.SSLError, ValueError) as e:
-                    self.last_error = f"cannot reach broker {self.s.host}:{self.s.port}: {e}"
+                    self._connect_failed(f"cannot reach broker {self.s.host}:{self.s.port}: {e}")
                     self._sleep(self._backoff.next())
                     continue
+            attempting = self._connecting  # no CONNACK yet: a failure now is the attempt's, not a loss
             rc = self._client.loop(timeout=0.05)
             if self._connecting and time.monotonic() - self._connect_started > 10:
                 rc = MQTTErrorCode.MQTT_ERR_CONN_LOST  # no CONNACK: start over
@@ -425,10 +433,10 @@ class MqttLink:
                 name = rc.name if hasattr(rc, "name") else rc
                 if self.connected.is_set():
                     self._lost(f"connection lost ({name})")
-                elif not (self.last_error or "").startswith("broker refused"):
+                elif attempting and not (self.last_error or "").startswith("broker refused"):
                     # e.g. TLS 1.3: the broker checks a client certificate after the handshake
-                    self.last_error = (f"the broker at {self.s.host}:{self.s.port} closed the connection before "
-                                       f"accepting it ({name}): TLS settings, client certificate or network")
+                    self._connect_failed(f"the broker at {self.s.host}:{self.s.port} closed the connection before "
+                                         f"accepting it ({name}): TLS settings, client certificate or network")
                 if not self._stop.is_set():
                     self._sleep(self._backoff.next())
         self.connected.clear()
@@ -442,15 +450,31 @@ class MqttLink:
     def _lost(self, why: str) -> None:
         self.connected.clear()
         self.last_error = why
+        self._outage_told = None
+        self._note_loss(why)
         log.info("mqtt %s: %s", self.site_id.hex()[:8], why)
+
+    def _connect_failed(self, why: str) -> None:
+        """A connection attempt failed: told once per outage and reason (`losses`)."""
+        self.last_error = why
+        if why != self._outage_told:
+            self._outage_told = why
+            self._note_loss(why)
+
+    def _note_loss(self, detail: str) -> None:
+        if self._stop.is_set():
+            return  # our own close (`close`, `abort`): not a loss
+        self.losses.append((int(time.time() * 1000), detail))
+        self.wake()
 
     # -------------------------------------------------------------- paho callbacks (network thread)
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         self._connecting = False
         if reason_code.is_failure:
-            self.last_error = f"broker refused the connection: {reason_code}"
+            self._connect_failed(f"broker refused the connection: {reason_code}")
             log.warning("mqtt %s: %s", self.site_id.hex()[:8], self.last_error)
             return
+        self._outage_told = None
         self.generation = next(_GENERATIONS)  # unique across links: an ack never crosses connections
         self.connects += 1
         self.session_present = bool(getattr(flags, "session_present", False))

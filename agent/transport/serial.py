@@ -26,6 +26,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..core.exchange import SurfaceBudget
 from ..outcomes import STATUSES
 from .serial_link import LinkConfig, LinkError, SerialLink
 
@@ -130,7 +131,7 @@ class SerialEndpoint:
         self.empty_exchanges = 0  # completed exchanges that moved no event either way
         self.events = _Recent()  # link and session events, for the caller: the latest, and counts of all
         self.name = ""  # the port, in surfaced rows
-        self._loss_window: dict[tuple[str, str], list[int]] = {}  # (kind, reason) -> [window start, surfaced, not]
+        self._loss_budget = SurfaceBudget(LOSSES_SURFACED_PER_WINDOW, LOSS_WINDOW_MS)  # (kind, reason), wall ms
 
     # ------------------------------------------------------------------ inputs
     def start(self, mono: int) -> None:
@@ -277,19 +278,13 @@ class SerialEndpoint:
         """The rows to surface for one more (kind, reason): at most LOSSES_SURFACED_PER_WINDOW per
         LOSS_WINDOW_MS (each row is a transaction, an fsync, on the loop that serves every other
         link too, and a peer can end incarnations or send refused frames at will); the rest are
-        counted and told in one row when the next window starts (as the MQTT runner bounds its
-        refusals)."""
-        key = (kind, reason)
-        w = self._loss_window.get(key)
+        counted and told in one row when the next window starts: the one pure budget
+        (`exchange.SurfaceBudget`) the MQTT runner bounds its refusals and broker losses with."""
+        surface, told = self._loss_budget.admit((kind, reason), wall)
         rows: list[str] = []
-        if w is None or wall - w[0] >= LOSS_WINDOW_MS:
-            if w is not None and w[2]:
-                rows.append(f"{w[2]} more not surfaced within {LOSS_WINDOW_MS // 1000} s (flood bound)")
-            w = self._loss_window[key] = [wall, 0, 0]
-        if w[1] >= LOSSES_SURFACED_PER_WINDOW:
-            w[2] += 1
-        else:
-            w[1] += 1
+        if told:
+            rows.append(f"{told} more not surfaced within {LOSS_WINDOW_MS // 1000} s (flood bound)")
+        if surface:
             rows.append(detail)
         return rows
 

@@ -16,7 +16,7 @@ from agent.transport.serial import SerialEndpoint, SessionSettings
 from agent.transport.serial_link import LinkConfig, SerialLink
 
 from ..cli_cmd import agent_cmd, agent_env
-from ..reasons_catalogue import (LINK_CODES, MAILBOX_CODES, MQTT_CODES, SERIAL_CODES, SESSION_CODES, UNREACHABLE, bad_messages,
+from ..reasons_catalogue import (LINK_CODES, MAILBOX_CODES, MQTT_CODES, MQTT_LINK_CODES, SERIAL_CODES, SESSION_CODES, UNREACHABLE, bad_messages,
                                  body, handshake)
 from .helpers import NOW, mesh
 
@@ -55,7 +55,8 @@ def events_reasons(home) -> dict[str, set[str]]:
 
 
 def test_the_transports_together_reach_every_code():
-    assert SESSION_CODES | SERIAL_CODES | MQTT_CODES | MAILBOX_CODES | LINK_CODES | UNREACHABLE == R.ALL
+    assert (SESSION_CODES | SERIAL_CODES | MQTT_CODES | MAILBOX_CODES | LINK_CODES | MQTT_LINK_CODES
+            | UNREACHABLE == R.ALL)
     assert not (SESSION_CODES | MQTT_CODES | MAILBOX_CODES) & UNREACHABLE
 
 
