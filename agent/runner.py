@@ -56,8 +56,8 @@ from typing import Any, Callable
 
 from .core.exchange import MAX_ACKS_LOOKED_AT  # noqa: F401 - re-exported (tests, benches)
 from .core.exchange import (GIVE_UP_DOUBLINGS, PRESENCE_LIMIT, BodyLimits, Exchange, ExchangeConfig, InFlight,
-                            Intake, Presence, Schedule, SurfaceBudget, ack_due, ack_wait, answer_proof, request_refusal,
-                            signed_ack_owed)
+                            Intake, Presence, ReleasedAcks, Schedule, SurfaceBudget, ack_due, ack_wait, answer_proof,
+                            request_refusal, signed_ack_owed)
 from .core.sending import first_body
 from .core.messages import ProtocolError
 from .core.records import MAX_ACK_ANSWERS, AckAnswer, record_hash as body_hash
@@ -150,6 +150,7 @@ class Runner:
         self.loss_budget = SurfaceBudget(LOSSES_SURFACED_PER_WINDOW, LOSS_WINDOW_S)  # the broker connection's losses
         self._owed: dict[bytes, list] = {}  # sender -> [(request, answer properties, AckAnswer)] not yet answered
         self._last_ack: dict[bytes, float] = {}  # sender -> when its last acknowledgement was signed
+        self._released_acks = ReleasedAcks()  # records released, served again to a replay of the same body
         # Writes before this runner started are the batch cycle's; realtime pushes follow new ones.
         self._scanned = self._local_top = node.conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
         self.schedule = Schedule(self.cfg, self._local_top)
@@ -384,13 +385,20 @@ class Runner:
         rejected = [i for i, o in enumerate(outs) if o.status == "rejected"]
         if rejected:
             user[P_REJECTED_AT] = encode_indices(rejected)
+        extra: tuple = ()
         if signed_ack_owed(m.props.get(P_ACK) == "1", m.sender, m.sender in self.node.keyring, self.node.site_id):
-            # Signing persists through the bridge, so the answers of this pump are grouped, one
-            # record per sender (`_answer_owed`).
-            self._owed.setdefault(m.sender, []).append(
-                (m, user, AckAnswer(body_hash(m.payload), processed, len(outs), tuple(rejected))))
-            return
-        if self.link.answer(m, self.sync.answer_body(m.sender), user):
+            answered = AckAnswer(body_hash(m.payload), processed, len(outs), tuple(rejected))
+            kept = self._released_acks.get(m.sender, answered, self._own_entry())
+            if kept is None:
+                # Signing persists through the bridge, so the answers of this pump are grouped, one
+                # record per sender (`_answer_owed`).
+                self._owed.setdefault(m.sender, []).append((m, user, answered))
+                return
+            # The same bytes from the same sender, processed to the same outcome: the record
+            # already released states exactly that (docs/protocol.md §5); no new signature.
+            self.stats["acks_reserved"] += 1
+            extra = (kept,)
+        if self.link.answer(m, self.sync.answer_body(m.sender, extra), user):
             self.stats["answers_sent"] += 1
         self.link.ack(m)
 
@@ -416,6 +424,7 @@ class Runner:
                 try:
                     ack = self.sync.sign_ack(sender, [a for _m, _u, a in chunk])
                     self.stats["acks_signed"] += 1
+                    self._released_acks.put(sender, [a for _m, _u, a in chunk], ack, self._own_entry())
                 except Exception as e:  # noqa: BLE001 - the keystore: answered unsigned, the body is re-offered
                     ack = None
                     self.stats["ack_sign_failures"] += 1
@@ -425,6 +434,11 @@ class Runner:
                     if self.link.answer(m, self.sync.answer_body(sender, extra), user):
                         self.stats["answers_sent"] += 1
                     self.link.ack(m)
+
+    def _own_entry(self):
+        """This node's keyring entry: the key its acknowledgements verify under (kept records are
+        dropped when it changes, `ReleasedAcks`)."""
+        return self.node.keyring.get(self.node.site_id)
 
     def _on_answer(self, m: Inbound) -> None:
         """An answer: acked to the broker, then what it proves is the exchange's to decide

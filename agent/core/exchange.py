@@ -344,6 +344,56 @@ def ack_wait(last_signed: Iterable[float], now: float, interval_s: float) -> flo
     return max(0.0, min(last_signed) + interval_s - now)
 
 
+
+class ReleasedAcks:
+    """Acknowledgement records already released, kept to answer a replay (docs/protocol.md §5,
+    issue 16 item 3). A record states, for each body it names, the BLAKE3 of the exact bytes
+    received, the processed count and the rejected indices. When the same sender sends the same
+    bytes again and this node's processing of them comes out the same (`AckAnswer` equal: same
+    hash, processed, count and rejected indices), the record already released states exactly what
+    is true of this delivery too, so it is served again instead of signing a new one: a member
+    replaying a body no longer buys a signature and two journal fsyncs per replay. Any other
+    outcome (an event now rejected, or applied where it was held) misses and is signed afresh. The
+    records are valid only under the signing key they were made with: `key` (this node's own
+    keyring entry) changing drops them all. Bounded: `per_sender` answers per sender (least
+    recently used goes first), `senders` senders."""
+
+    def __init__(self, per_sender: int = 64, senders: int = 64) -> None:
+        self.per_sender, self.senders = per_sender, senders
+        self._key: Any = None
+        self._by_sender: dict[bytes, dict[AckAnswer, bytes]] = {}
+
+    def _check_key(self, key: Any) -> None:
+        if key != self._key:
+            self._by_sender.clear()
+            self._key = key
+
+    def get(self, sender: bytes, answer: AckAnswer, key: Any) -> bytes | None:
+        self._check_key(key)
+        kept = self._by_sender.get(sender)
+        raw = kept.pop(answer, None) if kept else None
+        if raw is not None:
+            kept[answer] = raw  # most recently used last
+        return raw
+
+    def put(self, sender: bytes, answers: Iterable[AckAnswer], raw: bytes, key: Any) -> None:
+        self._check_key(key)
+        kept = self._by_sender.pop(sender, None)
+        if kept is None:
+            kept = {}
+            while len(self._by_sender) >= self.senders:
+                del self._by_sender[next(iter(self._by_sender))]  # the least recently signed-for sender
+        self._by_sender[sender] = kept
+        for a in answers:
+            kept.pop(a, None)
+            kept[a] = raw
+        while len(kept) > self.per_sender:
+            del kept[next(iter(kept))]
+
+    def __len__(self) -> int:
+        return sum(len(k) for k in self._by_sender.values())
+
+
 class Intake:
     """The order in which what arrived is handled (issue 11 item 4, issue 16 item 3, docs/apply.md
     "Bounds"). Answers, and presence of keyring sites, are handled at once. Requests from keyring
@@ -779,6 +829,6 @@ class Exchange:
         return sorted({q.peer for q in self.pending.values()} & set(self.presence.caps if present is None else present))
 
 
-__all__ = ["Exchange", "ExchangeConfig", "Intake", "Schedule", "SurfaceBudget", "OfferPlan", "request_refusal", "signed_ack_owed", "ack_due", "ack_wait",
+__all__ = ["Exchange", "ExchangeConfig", "Intake", "ReleasedAcks", "Schedule", "SurfaceBudget", "OfferPlan", "request_refusal", "signed_ack_owed", "ack_due", "ack_wait",
            "KIND_BATCH", "KIND_REALTIME", "InFlight", "Settled", "BodyLimits", "Presence", "answer_proof", "answered_progress",
            "MAX_ACKS_LOOKED_AT", "PRESENCE_LIMIT", "GIVE_UP_DOUBLINGS", "MIN_BODY_LIMIT"]
