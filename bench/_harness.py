@@ -79,6 +79,31 @@ def proc_cpu_s(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / TICK
 
 
+def proc_tree_cpu_s(pid: int) -> float:
+    """CPU seconds of a process and everything it started: its own, its reaped children's
+    (cutime + cstime) and, recursively, its live children's (a node's apply workers,
+    agent/applyworker.py, are child processes)."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    total = sum(int(x) for x in f[11:15]) / TICK
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            kids = children.read_text().split()
+        except OSError:
+            continue
+        total += sum(proc_tree_cpu_s(int(k)) for k in kids)
+    return total
+
+
+def node_cpu_s(*nodes) -> float:
+    """CPU seconds of this process (all its threads) and of the apply workers of `nodes` (child
+    processes, agent/applyworker.py): what this process's nodes have spent, without the other
+    children a bench starts (mosquitto, a receiver's process)."""
+    return time.process_time() + sum((n._pool.cpu_seconds() or 0.0) for n in nodes if n._pool)
+
+
 def proc_mem_mb(pid: int | str = "self", key: str = "VmRSS") -> float:
     """A memory line of /proc/PID/status in MB: VmRSS (now) or VmHWM (this process image's peak;
     unlike ru_maxrss, not carried over fork and exec from a large parent)."""
