@@ -138,11 +138,13 @@ def signature_valid(kid: bytes, message: bytes, signature: bytes) -> bool:
     return verify_p256(bytes(kid), bytes(message), bytes(signature))
 
 
-def parse_receipt(raw: bytes) -> Receipt:
-    """Strict structural parse, signature not checked. Raises ReceiptError."""
+def _parse_signed(raw: bytes, content_type: str, *, commit_hash_may_be_null: bool) -> tuple:
+    """The strict structural parse receipts and discontinuity statements share (same COSE_Sign1
+    ES256 shape, same four payload fields; a statement may leave commit_hash null), signature not
+    checked. Returns (group_id, epoch, commit_hash, previous_receipt_hash, kid). Raises ReceiptError."""
     try:
         s1 = cose.parse_sign1(bytes(raw), expect_alg=cose.ALG_ES256, kid_len=KID_LEN, sig_len=64)
-        if s1.content_type != RECEIPT_CONTENT_TYPE:
+        if s1.content_type != content_type:
             raise ReceiptError("bad_content_type", f"content type {s1.content_type!r}")
         p = codec.decode_strict(s1.payload_bytes)
     except codec.DecodeError as e:
@@ -159,11 +161,17 @@ def parse_receipt(raw: bytes) -> Receipt:
         raise ReceiptError("bad_payload", "group_id must be 1..255 bytes")
     if type(epoch) is not int or not 0 <= epoch < 2**64:
         raise ReceiptError("bad_payload", "epoch must be a uint64")
-    if type(ch) is not bytes or len(ch) != 32:
-        raise ReceiptError("bad_payload", "commit_hash must be 32 bytes")
+    if not (commit_hash_may_be_null and ch is None) and (type(ch) is not bytes or len(ch) != 32):
+        raise ReceiptError("bad_payload", "commit_hash must be 32 bytes"
+                           + (" or null" if commit_hash_may_be_null else ""))
     if prev is not None and (type(prev) is not bytes or len(prev) != 32):
         raise ReceiptError("bad_payload", "previous_receipt_hash must be 32 bytes or null")
-    return Receipt(gid, epoch, ch, prev, s1.kid, bytes(raw))
+    return gid, epoch, ch, prev, s1.kid
+
+
+def parse_receipt(raw: bytes) -> Receipt:
+    """Strict structural parse, signature not checked. Raises ReceiptError."""
+    return Receipt(*_parse_signed(raw, RECEIPT_CONTENT_TYPE, commit_hash_may_be_null=False), bytes(raw))
 
 
 def verify_receipt(raw: bytes, sequencer_key: Optional[bytes] = None) -> Receipt:
@@ -224,29 +232,7 @@ def statement_protected(kid: bytes) -> bytes:
 
 def parse_statement(raw: bytes) -> Statement:
     """Strict structural parse of a discontinuity statement, signature not checked."""
-    try:
-        s1 = cose.parse_sign1(bytes(raw), expect_alg=cose.ALG_ES256, kid_len=KID_LEN, sig_len=64)
-        if s1.content_type != DISCONTINUITY_CONTENT_TYPE:
-            raise ReceiptError("bad_content_type", f"content type {s1.content_type!r}")
-        p = codec.decode_strict(s1.payload_bytes)
-    except codec.DecodeError as e:
-        raise ReceiptError(e.reason, e.detail) from None
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ReceiptError):
-            raise
-        raise ReceiptError("malformed", str(e)) from None
-    if not isinstance(p, dict) or set(p) != _FIELDS:
-        raise ReceiptError("bad_payload", "payload must hold exactly group_id, epoch, commit_hash, "
-                                          "previous_receipt_hash")
-    gid, epoch, ch, prev = p["group_id"], p["epoch"], p["commit_hash"], p["previous_receipt_hash"]
-    if type(gid) is not bytes or not 1 <= len(gid) <= 255:
-        raise ReceiptError("bad_payload", "group_id must be 1..255 bytes")
-    if type(epoch) is not int or not 0 <= epoch < 2**64:
-        raise ReceiptError("bad_payload", "epoch must be a uint64")
-    for name, v in (("commit_hash", ch), ("previous_receipt_hash", prev)):
-        if v is not None and (type(v) is not bytes or len(v) != 32):
-            raise ReceiptError("bad_payload", f"{name} must be 32 bytes or null")
-    return Statement(gid, epoch, ch, prev, s1.kid, bytes(raw))
+    return Statement(*_parse_signed(raw, DISCONTINUITY_CONTENT_TYPE, commit_hash_may_be_null=True), bytes(raw))
 
 
 def verify_statement(raw: bytes, sequencer_key: Optional[bytes] = None) -> Statement:
