@@ -201,6 +201,7 @@ class _FakeLink:
     inbound queue (no broker). `drop_answers`: answers that are lost on the way."""
 
     def __init__(self, site: bytes, limit: int) -> None:
+        import collections
         import queue
         import threading
         self.site, self.limit = site, limit
@@ -210,6 +211,7 @@ class _FakeLink:
         self.other: "_FakeLink | None" = None
         self.drop_answers = 0
         self._n = 0
+        self.losses: "collections.deque" = collections.deque()   # MqttLink's noted connection losses: none here
 
     def max_payload(self) -> int:
         return self.limit
