@@ -654,20 +654,26 @@ class Node:
     _CHUNK = 256
     _CHUNK_BYTES = 256 * 1024
     _AHEAD = 3   # chunks prepared ahead of the one applying
+    _FIRST_CHUNK = 32   # a batch's first chunk with a worker (then doubling up to _CHUNK)
     # Batches of 64 or more adding up to this many events start the worker processes (their
     # start-up, ~0.1 s of CPU, is repaid after a few thousand events): at once for a large mailbox
-    # body, after a few bodies for a long-running `run` (bodies of 1 000), never for a one-shot
-    # command that applies one small body. Once started, every batch of 64 or more uses them.
+    # body, at the first body of WORKER_RUN_BATCH or more for a long-running `run`, never for a
+    # one-shot command that applies one small body. Once started, every batch of 64 or more uses them.
     WORKER_MIN_BATCH = 2048
+    # A long-running node (`run`: the Runner sets `long_running`) starts them at its first batch of
+    # this many events: it will receive more, and its first bodies of 1 000 otherwise verified on
+    # the applying thread alone (bench/bench_syncrate.py, docs/apply.md).
+    WORKER_RUN_BATCH = 512
+    long_running = False
 
     def _worker(self, n: int):
         """The apply worker processes (agent/applyworker.py), or None: on one core (a second process
         only adds the pipe's cost to the same core), until batches of WORKER_MIN_BATCH events in
-        all came, or after they failed (SSP_AGENT_APPLY_WORKERS=0 turns them off)."""
+        all came (a long-running node: one of WORKER_RUN_BATCH), or after they failed (SSP_AGENT_APPLY_WORKERS=0 turns them off)."""
         if self._pool is not None:
             return self._pool or None
         self._batched += n
-        if self._batched < self.WORKER_MIN_BATCH:
+        if self._batched < self.WORKER_MIN_BATCH and not (self.long_running and n >= self.WORKER_RUN_BATCH):
             return None
         if os.environ.get("SSP_AGENT_APPLY_WORKERS") == "0" or len(os.sched_getaffinity(0)) < 2:
             self._pool = False
@@ -730,16 +736,31 @@ class Node:
 
         # Chunks of at most _CHUNK events and _CHUNK_BYTES bytes, _AHEAD ahead of the one being
         # applied: the prepare-ahead window is bounded in bytes as well as in events (issue 15).
+        # With a worker the first chunks are smaller (_FIRST_CHUNK, doubling up to _CHUNK): this
+        # thread waits for the first chunk's answer before applying anything, and a run receives
+        # a body of 1 000 events at a time, so that wait came back at every body (measured on the
+        # receiving `run` of bench/bench_syncrate.py: ~14 % of its wall time blocked on the first
+        # answer of each body with first chunks of 256).
         chunks, cur, size = [], [], 0
+        limit = min(self._FIRST_CHUNK, self._CHUNK) if worker is not None else self._CHUNK
         for r in raws:
             n = len(r) if isinstance(r, (bytes, bytearray)) else 0
-            if cur and (len(cur) == self._CHUNK or size + n > self._CHUNK_BYTES):
+            if cur and (len(cur) == limit or size + n > self._CHUNK_BYTES):
                 chunks.append(cur)
                 cur, size = [], 0
+                limit = min(2 * limit, self._CHUNK)
             cur.append(r)
             size += n
         if cur:
             chunks.append(cur)
+        if worker is not None and len(chunks) > 1:
+            # and the last ones smaller too: after the worker's last answer this thread applies
+            # that chunk alone, the worker idle (the same wait, at the batch's end)
+            last = chunks.pop()
+            while len(last) > 2 * self._FIRST_CHUNK:
+                chunks.append(last[:len(last) // 2])
+                last = last[len(last) // 2:]
+            chunks.append(last)
         ahead = [submit(c) for c in chunks[:self._AHEAD]] if worker is not None else []
         try:
             for i, chunk in enumerate(chunks):

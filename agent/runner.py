@@ -124,6 +124,7 @@ class Runner:
     def __init__(self, node, settings: MqttSettings, config: RunConfig | None = None, port=None) -> None:
         from .sync import PortAdapter
         self.node = node
+        node.long_running = True   # its first large body starts the apply worker (Node.WORKER_RUN_BATCH)
         self.cfg = config or RunConfig()
         self.settings = settings
         self.max_events = self.cfg.max_events or settings.max_events

@@ -368,6 +368,26 @@ def test_the_apply_worker_starts_once_enough_events_came_in_batches(tmp_path, mo
 
 
 @needs_two_cores
+def test_a_long_running_node_starts_the_apply_worker_on_its_first_large_batch(tmp_path, monkeypatch):
+    """A `run` (Runner marks its node long-running) receives bodies of up to 1 000 events: its
+    first body of WORKER_RUN_BATCH events or more starts the worker, without waiting for
+    WORKER_MIN_BATCH events in all; a small batch still does not."""
+    monkeypatch.delenv("SSP_AGENT_APPLY_WORKERS", raising=False)
+    a, b = peers(2)
+    node = make_node(tmp_path / "n", [a, b])
+    node.long_running = True
+    node.apply_batch(_mixed_events(a, b, 10), NOW)   # 100 events
+    assert node._pool is None
+    node.apply_batch(_mixed_events(a, b, (Node.WORKER_RUN_BATCH + 9) // 10, base=50), NOW)
+    assert node._pool
+    node.close()
+    other = make_node(tmp_path / "o", [a, b])        # not long-running: the same batch waits
+    other.apply_batch(_mixed_events(a, b, (Node.WORKER_RUN_BATCH + 9) // 10, base=50), NOW)
+    assert other._pool is None
+    other.close()
+
+
+@needs_two_cores
 def test_the_apply_worker_prepares_against_the_current_keyring(tmp_path, monkeypatch):
     """The worker holds the keyring it was last sent (it travels only when it changed): a key
     vouched or retired between batches must reach it, else the applying thread finds the entry
