@@ -553,30 +553,32 @@ def test_the_queue_checks_receipts_against_the_sequencer_bound_at_their_generati
     j(b, "commits", "queue", mls("g1", G, 1))
     j(b, "commits", "queue", mls("h0", H, 0))
     broker = Broker(workdir=tmp_path / "broker").start()
-    rogue_p, _ = spawn(rogue, "sequencer", "run", "--broker", broker.url)
-    try:
-        sent = run(b, "commits", "send", "--broker", broker.url, "--timeout", "8")
-        assert sent.returncode == 1, (sent.stdout, sent.stderr)      # nothing settled on the rogue's word
-        q = j(b, "commits", "status")
-        assert [c["state"] for c in q["commits"]] == ["queued", "queued"]
-        stray = [u for u in q["unsettled"] if u["verdict"] == "attributed"]
-        assert len(stray) == 1 and receipts.parse_receipt(bytes.fromhex(stray[0]["receipt"])).kid.hex() == k1
-        assert [e["signer"] for e in q["events"] if e["kind"] == "receipt_attributed"] == [k1]
+    try:   # the broker goes whatever fails first (a failed first half left it running)
+        rogue_p, _ = spawn(rogue, "sequencer", "run", "--broker", broker.url)
+        try:
+            sent = run(b, "commits", "send", "--broker", broker.url, "--timeout", "8")
+            assert sent.returncode == 1, (sent.stdout, sent.stderr)      # nothing settled on the rogue's word
+            q = j(b, "commits", "status")
+            assert [c["state"] for c in q["commits"]] == ["queued", "queued"]
+            stray = [u for u in q["unsettled"] if u["verdict"] == "attributed"]
+            assert len(stray) == 1 and receipts.parse_receipt(bytes.fromhex(stray[0]["receipt"])).kid.hex() == k1
+            assert [e["signer"] for e in q["events"] if e["kind"] == "receipt_attributed"] == [k1]
+        finally:
+            stop(rogue_p)
+        s2_p, _ = spawn(s2, "sequencer", "run", "--broker", broker.url)
+        try:
+            run(b, "commits", "send", "--broker", broker.url, "--timeout", "8")
+            q = j(b, "commits", "status")
+            g1, h0 = q["commits"]
+            assert g1["state"] == "accepted" and receipts.parse_receipt(bytes.fromhex(g1["receipt"])).kid.hex() == k2
+            # H: S2's valid receipt for epoch 0, but H is bound only from generation 5: held, undecided
+            assert h0["state"] == "queued" and h0["reason"] == "binding_unresolved"
+            # (the rogue bootstrapped H on first sight and signed one too: held as well, not attributed —
+            # with no binding resolvable there is nobody to compare its signer with)
+            held = [receipts.parse_receipt(bytes.fromhex(u["receipt"])) for u in q["unsettled"] if u["verdict"] == "held"]
+            assert {r.group_id for r in held} == {H} and {r.kid.hex() for r in held} == {k1, k2}
+            assert [u["verdict"] for u in q["unsettled"]].count("attributed") == 1     # still retained
+        finally:
+            stop(s2_p)
     finally:
-        stop(rogue_p)
-    s2_p, _ = spawn(s2, "sequencer", "run", "--broker", broker.url)
-    try:
-        run(b, "commits", "send", "--broker", broker.url, "--timeout", "8")
-        q = j(b, "commits", "status")
-        g1, h0 = q["commits"]
-        assert g1["state"] == "accepted" and receipts.parse_receipt(bytes.fromhex(g1["receipt"])).kid.hex() == k2
-        # H: S2's valid receipt for epoch 0, but H is bound only from generation 5: held, undecided
-        assert h0["state"] == "queued" and h0["reason"] == "binding_unresolved"
-        # (the rogue bootstrapped H on first sight and signed one too: held as well, not attributed —
-        # with no binding resolvable there is nobody to compare its signer with)
-        held = [receipts.parse_receipt(bytes.fromhex(u["receipt"])) for u in q["unsettled"] if u["verdict"] == "held"]
-        assert {r.group_id for r in held} == {H} and {r.kid.hex() for r in held} == {k1, k2}
-        assert [u["verdict"] for u in q["unsettled"]].count("attributed") == 1     # still retained
-    finally:
-        stop(s2_p)
         broker.close()
