@@ -178,13 +178,18 @@ def verify_receipt(raw: bytes, sequencer_key: Optional[bytes] = None) -> Receipt
     """The receipt verification entry point: parse strictly, check the signature under its kid,
     and (when given) that the kid is the expected sequencer key, compared as 33 compressed
     bytes (§22.5). Raises ReceiptError."""
-    r = parse_receipt(raw)
-    if sequencer_key is not None and bytes(sequencer_key) != r.kid:
-        raise ReceiptError("wrong_sequencer", f"signed by {r.kid.hex()}, expected {bytes(sequencer_key).hex()}")
-    s1 = cose.parse_sign1(r.raw, expect_alg=cose.ALG_ES256, kid_len=KID_LEN, sig_len=64)
-    if not signature_valid(r.kid, s1.sig_structure(EXTERNAL_AAD), s1.signature):
-        raise ReceiptError("bad_signature", "the ES256 signature does not verify under the receipt's kid")
-    return r
+    return _signed_by(parse_receipt(raw), sequencer_key, "receipt")
+
+
+def _signed_by(item, sequencer_key: Optional[bytes], what: str):
+    """The one ES256 check of a parsed receipt or statement: its kid is ``sequencer_key`` when
+    given, and the signature verifies under that kid. Returns the item. Raises ReceiptError."""
+    if sequencer_key is not None and bytes(sequencer_key) != item.kid:
+        raise ReceiptError("wrong_sequencer", f"signed by {item.kid.hex()}, expected {bytes(sequencer_key).hex()}")
+    s1 = cose.parse_sign1(item.raw, expect_alg=cose.ALG_ES256, kid_len=KID_LEN, sig_len=64)
+    if not signature_valid(item.kid, s1.sig_structure(EXTERNAL_AAD), s1.signature):
+        raise ReceiptError("bad_signature", f"the ES256 signature does not verify under the {what}'s kid")
+    return item
 
 
 # -- discontinuity statements (§22.6 "epoch advanced, receipt absent", step 4) ----------------
@@ -238,10 +243,4 @@ def parse_statement(raw: bytes) -> Statement:
 def verify_statement(raw: bytes, sequencer_key: Optional[bytes] = None) -> Statement:
     """Parse strictly and check the ES256 signature under its kid (and that the kid is
     ``sequencer_key`` when given) through the one ES256 check. Raises ReceiptError."""
-    st = parse_statement(raw)
-    if sequencer_key is not None and bytes(sequencer_key) != st.kid:
-        raise ReceiptError("wrong_sequencer", f"signed by {st.kid.hex()}, expected {bytes(sequencer_key).hex()}")
-    s1 = cose.parse_sign1(st.raw, expect_alg=cose.ALG_ES256, kid_len=KID_LEN, sig_len=64)
-    if not signature_valid(st.kid, s1.sig_structure(EXTERNAL_AAD), s1.signature):
-        raise ReceiptError("bad_signature", "the ES256 signature does not verify under the statement's kid")
-    return st
+    return _signed_by(parse_statement(raw), sequencer_key, "statement")
