@@ -201,8 +201,8 @@ def check_disk(node) -> dict:
 
 def peer_lags(node) -> list[dict]:
     """Per trusted peer (not retired): events it has not confirmed (from its reported applied
-    watermarks, runner.peer_lag), and how old the oldest unconfirmed own event is."""
-    from .runner import group_counts, peer_lag
+    watermarks, sync_state.peer_lag), and how old the oldest unconfirmed own event is."""
+    from .store.sync_state import group_counts, peer_lag
     from .store import sync_state as st
     out = []
     try:

@@ -65,7 +65,7 @@ from .core.sending import PeerLimit  # noqa: F401 - the too-large back-off (pure
 from .core.session import parse_meta_text
 from .core.reasons import BROKER_LOST
 from .outcomes import counts
-from .store import db, sync_state as st
+from .store import db, eventlog, sync_state as st
 from .sync import Offer  # noqa: F401 - defined below the runner (no import circle); re-exported
 from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_COUNT, P_END, P_KIND, P_META, P_PART, P_PROCESSED,
                              P_REJECTED_AT, ADVERTISED_FLOOR, P_BODY_LIMIT, decode_indices, encode_indices,
@@ -153,7 +153,7 @@ class Runner:
         self._last_ack: dict[bytes, float] = {}  # sender -> when its last acknowledgement was signed
         self._released_acks = ReleasedAcks()  # records released, served again to a replay of the same body
         # Writes before this runner started are the batch cycle's; realtime pushes follow new ones.
-        self._scanned = self._local_top = node.conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        self._scanned = self._local_top = eventlog.top(node.conn)
         self.schedule = Schedule(self.cfg, self._local_top)
         self._load_in_flight()
         self._load_limits()
@@ -658,10 +658,9 @@ class Runner:
         `max(seq)` is one look-up of the rowid tree, and only rows appended since the last call
         are examined for `origin='local'`. The scan of the whole log this replaced ran 20 times a
         second and made idle CPU grow with the store (bench/bench_idle.py)."""
-        top = self.node.conn.execute("SELECT max(seq) FROM events").fetchone()[0] or 0
+        top = eventlog.top(self.node.conn)
         if top > self._scanned:
-            r = self.node.conn.execute("SELECT max(seq) FROM events WHERE seq > ? AND origin='local'",
-                                       (self._scanned,)).fetchone()[0]
+            r = eventlog.newest_local(self.node.conn, self._scanned)
             if r:
                 self._local_top = r
             self._scanned = top
@@ -725,7 +724,7 @@ class Runner:
         peers = {}
         for p in self.sync.peers():
             peers[p.hex()] = {"present": p in self.ex.presence, "cursor": self.sync.cursor(p),
-                              "behind": peer_lag(self.node.conn, p) if self.cfg.secure else None,
+                              "behind": st.peer_lag(self.node.conn, p) if self.cfg.secure else None,
                               "unanswered": self.sync.backlog(p),
                               "realtime": self.ex.presence.realtime(p)}
         return {"pushed": s["events_acknowledged"], "offered": s["events_pushed"], "applied": s["applied"],
@@ -741,64 +740,9 @@ class Runner:
 
 
 def _adopt_private_cursors(node) -> None:
-    """Homes from before the runner used the sync layer kept their MQTT cursors in `meta`
-    (`cursor:mqtt:<peer>`, same meaning: every seq <= c dealt with). Move them into sync_state's
-    per-(peer, path) cursors (monotonic) once, so an upgrade does not re-offer everything."""
-    rows = node.conn.execute("SELECT key, value FROM meta WHERE key LIKE 'cursor:mqtt:%'").fetchall()
-    if not rows:
-        return
-    # db.transaction rolls back only an open transaction: after a COMMIT (or a statement) that
-    # SQLite already rolled back, a ROLLBACK would replace the real error (a full disk).
-    with db.transaction(node.conn):
-        for key, value in rows:
-            peer = key.rsplit(":", 1)[1]
-            if len(peer) == 32:
-                st.advance_cursor(node.conn, bytes.fromhex(peer), PATH, int(value))
-            node.conn.execute("DELETE FROM meta WHERE key=?", (key,))
-
-
-def group_counts(conn) -> list[tuple[bytes, str, int]]:
-    """(site, table, events held) for every group: one pass over the log, shared by the peers of
-    one `check` (issue 15 item 6: the pass per peer made `check` cost peers x events)."""
-    return [(bytes(s), q, n) for s, q, n in conn.execute(
-        "SELECT site_id, qualified, count(*) FROM events GROUP BY site_id, qualified").fetchall()]
-
-
-def peer_lag(conn, peer: bytes, counts: list[tuple[bytes, str, int]] | None = None) -> int:
-    """How far `peer` is behind this node, from watermarks: the events this node holds (other
-    than the peer's own) that the peer's last reported applied watermarks do not cover. Reports
-    are stored only from authenticated links (sync_state.peer_watermarks); with none, every such
-    event counts. `counts`: `group_counts(conn)` when the caller asks for several peers. Only the
-    events above a watermark are counted (a range of the events_group index): a peer that keeps
-    up costs little whatever the log holds."""
-    wms = st.peer_watermarks(conn, peer)
-    total = 0
-    for site, q, n in (group_counts(conn) if counts is None else counts):
-        if site == peer:
-            continue
-        wm = wms.get((site, q))
-        if wm is not None:
-            n = conn.execute("SELECT count(*) FROM events WHERE site_id=? AND qualified=? AND (hlc_p, hlc_l) > (?, ?)",
-                             (site, q, wm[0], wm[1])).fetchone()[0]
-        total += n
-    return total
-
-
-def own_coverage(conn, self_site: bytes) -> dict[bytes, tuple[int, int]]:
-    """Per origin site (other than this node): (events held here, of which covered by this node's
-    own applied watermarks). The node's claim "I have everything of S up to h", per table."""
-    wms = st.own_watermarks(conn)
-    out: dict[bytes, tuple[int, int]] = {}
-    for site, q, n in conn.execute("SELECT site_id, qualified, count(*) FROM events WHERE site_id != ? "
-                                   "GROUP BY site_id, qualified", (self_site,)).fetchall():
-        site = bytes(site)
-        wm = wms.get((site, q))
-        c = 0 if wm is None else conn.execute(
-            "SELECT count(*) FROM events WHERE site_id=? AND qualified=? AND (hlc_p < ? OR (hlc_p = ? AND hlc_l <= ?))",
-            (site, q, wm[0], wm[0], wm[1])).fetchone()[0]
-        h, cov = out.get(site, (0, 0))
-        out[site] = (h + n, cov + c)
-    return out
+    """Homes from before the runner used the sync layer kept their MQTT cursors in `meta`: moved
+    into sync_state's per-(peer, path) cursors once (`sync_state.adopt_meta_cursors`)."""
+    st.adopt_meta_cursors(node.conn, PATH)
 
 
 def settings_from_env(url: str, **kw) -> MqttSettings:

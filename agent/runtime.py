@@ -32,6 +32,7 @@ from typing import Any, Callable
 from . import jobs, sdnotify
 from .control import ControlServer
 from .metrics import write_metrics_file
+from .store import eventlog
 
 TICK_S = 0.05  # longest wait of one turn: the runner's timers are looked at this often
 _EVERY_LINK = object()
@@ -155,7 +156,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ realtime across links
     def _top(self) -> int:
-        return self.node.conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+        return eventlog.top(self.node.conn)
 
     def _relayed(self, source) -> None:
         """Events arrived over `source` (a port, or None: MQTT): push them on the other links now."""

@@ -85,7 +85,7 @@ def count(home: Path) -> int:
 
 def behind(home: Path, peer: bytes, secure: bool) -> str:
     """How far `peer` is behind the node at `home`, as that node sees it (read-only)."""
-    from agent.runner import peer_lag
+    from agent.store.sync_state import peer_lag
     from agent.store import sync_state as st
     c = sqlite3.connect(f"file:{home / 'store.sqlite'}?mode=ro", uri=True, timeout=5)
     try:
@@ -100,7 +100,7 @@ def behind(home: Path, peer: bytes, secure: bool) -> str:
 
 def coverage(home: Path, site: bytes, names: dict[bytes, str]) -> str:
     """This node's own applied watermarks: of each origin's events held here, how many they cover."""
-    from agent.runner import own_coverage
+    from agent.store.sync_state import own_coverage
     c = sqlite3.connect(f"file:{home / 'store.sqlite'}?mode=ro", uri=True, timeout=5)
     try:
         cov = own_coverage(c, site)

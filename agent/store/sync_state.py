@@ -759,3 +759,65 @@ def rehydrate_generation(conn: sqlite3.Connection, subject: bytes) -> int | None
         return None
     r = conn.execute("SELECT generation FROM rehydrate_served WHERE subject=?", (subject,)).fetchone()
     return None if r is None else r[0]
+
+
+# ---------------------------------------------------------------------- how far behind (watermarks)
+def group_counts(conn: sqlite3.Connection) -> list[tuple[bytes, str, int]]:
+    """(site, table, events held) for every group: one pass over the log, shared by the peers of
+    one `check` (issue 15 item 6: the pass per peer made `check` cost peers x events)."""
+    return [(bytes(s), q, n) for s, q, n in conn.execute(
+        "SELECT site_id, qualified, count(*) FROM events GROUP BY site_id, qualified").fetchall()]
+
+
+def peer_lag(conn: sqlite3.Connection, peer: bytes, counts: list[tuple[bytes, str, int]] | None = None) -> int:
+    """How far `peer` is behind this node, from watermarks: the events this node holds (other
+    than the peer's own) that the peer's last reported applied watermarks do not cover. Reports
+    are stored only from authenticated links (`peer_watermarks`); with none, every such event
+    counts. `counts`: `group_counts(conn)` when the caller asks for several peers. Only the
+    events above a watermark are counted (a range of the events_group index): a peer that keeps
+    up costs little whatever the log holds."""
+    wms = peer_watermarks(conn, peer)
+    total = 0
+    for site, q, n in (group_counts(conn) if counts is None else counts):
+        if site == peer:
+            continue
+        wm = wms.get((site, q))
+        if wm is not None:
+            n = conn.execute("SELECT count(*) FROM events WHERE site_id=? AND qualified=? AND (hlc_p, hlc_l) > (?, ?)",
+                             (site, q, wm[0], wm[1])).fetchone()[0]
+        total += n
+    return total
+
+
+def own_coverage(conn: sqlite3.Connection, self_site: bytes) -> dict[bytes, tuple[int, int]]:
+    """Per origin site (other than this node): (events held here, of which covered by this node's
+    own applied watermarks). The node's claim "I have everything of S up to h", per table."""
+    wms = own_watermarks(conn)
+    out: dict[bytes, tuple[int, int]] = {}
+    for site, q, n in conn.execute("SELECT site_id, qualified, count(*) FROM events WHERE site_id != ? "
+                                   "GROUP BY site_id, qualified", (self_site,)).fetchall():
+        site = bytes(site)
+        wm = wms.get((site, q))
+        c = 0 if wm is None else conn.execute(
+            "SELECT count(*) FROM events WHERE site_id=? AND qualified=? AND (hlc_p < ? OR (hlc_p = ? AND hlc_l <= ?))",
+            (site, q, wm[0], wm[0], wm[1])).fetchone()[0]
+        h, cov = out.get(site, (0, 0))
+        out[site] = (h + n, cov + c)
+    return out
+
+
+def adopt_meta_cursors(conn: sqlite3.Connection, path: str) -> None:
+    """Homes from before the runner used the sync layer kept their MQTT cursors in `meta`
+    (`cursor:<path>:<peer>`, same meaning: every seq <= c dealt with). Move them into the
+    per-(peer, path) cursors (monotonic) once, so an upgrade does not re-offer everything."""
+    rows = conn.execute("SELECT key, value FROM meta WHERE key LIKE ?", (f"cursor:{path}:%",)).fetchall()
+    if not rows:
+        return
+    # db.transaction rolls back only an open transaction: after a COMMIT (or a statement) that
+    # SQLite already rolled back, a ROLLBACK would replace the real error (a full disk).
+    with transaction(conn):
+        for key, value in rows:
+            peer = key.rsplit(":", 1)[1]
+            if len(peer) == 32:
+                advance_cursor(conn, bytes.fromhex(peer), path, int(value))
+            conn.execute("DELETE FROM meta WHERE key=?", (key,))

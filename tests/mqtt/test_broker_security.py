@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from paho.mqtt.enums import CallbackAPIVersion
 
-from agent.runner import peer_lag
+from agent.store.sync_state import peer_lag
 from agent.store import sync_state as st
 from agent.transport.broker import Broker, free_port, write_password_file
 from agent.transport.mqtt import MqttLink, MqttSettings, Topics, _publish_props

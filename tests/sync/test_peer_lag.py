@@ -1,9 +1,9 @@
-"""`peer_lag` (what `check` and the runner report as a peer's backlog) counts the events above
+"""`sync_state.peer_lag` (what `check` and the runner report as a peer's backlog) counts the events above
 the peer's reported watermarks; with the per-group counts shared across peers (issue 15 item 6:
 `check` made one pass over the log per peer) it must give what counting every event by hand gives."""
 from __future__ import annotations
 
-from agent.runner import group_counts, peer_lag
+from agent.store.sync_state import group_counts, peer_lag
 from agent.store import sync_state as st
 
 from tests.core.helpers import NOW, T, make_node, peers
@@ -37,4 +37,26 @@ def test_peer_lag_counts_the_events_above_each_reported_watermark(tmp_path):
     for p in (a, b, c):
         assert peer_lag(node.conn, p.site_id) == peer_lag(node.conn, p.site_id, counts) == _by_hand(node, p.site_id)
     assert 0 < peer_lag(node.conn, b.site_id) < peer_lag(node.conn, c.site_id)
+    node.close()
+
+
+def test_the_log_watch_says_when_the_log_grew_and_only_then(tmp_path):
+    """`eventlog.LogWatch`, the "log grew" signal the runtime loop wakes its links with: an append
+    (a local write, events applied from a peer) is seen once; reads, and writes that add no event,
+    are not growth."""
+    from agent.store import eventlog
+    a, = peers(1)
+    node = make_node(tmp_path / "n", [a])
+    w = eventlog.LogWatch(node.conn)
+    assert not w.grew()
+    node.write(T, {"device": "d", "seq": 1}, {"temp": 1.0})
+    assert w.grew() and w.top == eventlog.top(node.conn) and not w.grew()
+    assert eventlog.newest_local(node.conn, 0) == w.top
+    node.apply_batch([a.event(T, {"device": "e", "seq": 1}, {"temp": 2.0}, (NOW, 0))], NOW + 1)
+    assert w.grew() and not w.grew()
+    assert eventlog.newest_local(node.conn, w.top - 1) is None   # the newest is a's, not ours
+    node.conn.execute("SELECT count(*) FROM events").fetchone()
+    with node.conn:
+        node.conn.execute("INSERT OR REPLACE INTO meta VALUES ('x', 'y')")
+    assert not w.grew()   # something changed, but not the log
     node.close()
