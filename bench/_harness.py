@@ -1,17 +1,27 @@
 """The set-up the benchmarks share: the checkout on sys.path and in a child's PYTHONPATH, the
 environment a bench runs in, a process's CPU and memory from /proc, the one-thread raw verify
 denominator, the generated readings, nodes that trust each other, B served in its own thread
-while A catches it up, and the median and range of rounds.
+while A catches it up, the median and range of rounds, and the result file a bench records
+(`record`: bench/results/<bench>.json, what bench/table.py renders into README's Performance table).
 
 A bench imports it first (`python bench/x.py` puts bench/ on sys.path):
 
     from _harness import ROOT, bench_env, ...
 
 Nothing from `agent` is imported at module level: bench_quiet.py and bench_startup.py can run
-another checkout's agent (--root, --code), whose modules must be the first ones imported."""
+another checkout's agent (--root, --code), whose modules must be the first ones imported.
+
+Every bench accepts `--record`: importing this module takes it out of sys.argv (so no bench's own
+parser needs to know it) and notes the load average then, as the bench's start; the bench's output
+step calls `record(...)`, which writes its result file only when `--record` was given, so the
+smoke test's tiny runs (tests/test_bench_smoke.py) never overwrite a real result."""
 from __future__ import annotations
 
+import datetime
+import json
+import math
 import os
+import platform
 import resource
 import statistics
 import subprocess
@@ -26,6 +36,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))
 
 TICK = os.sysconf("SC_CLK_TCK")
+
+# The bench's start, for its result file: the command line as given and the load average before
+# any work (this module is the first thing a bench imports).
+COMMAND = [Path(sys.argv[0]).as_posix() if sys.argv else "", *sys.argv[1:]]
+_STARTED = (time.time(), os.getloadavg())
+RECORD = "--record" in sys.argv[1:]
+if RECORD:
+    sys.argv[:] = [a for a in sys.argv if a != "--record"]
 
 
 # -- environment -------------------------------------------------------------------------------
@@ -210,3 +228,113 @@ def catch_up(ra, rb, a, b, timeout: float = 600.0) -> float:
     finally:
         stop_b.set()
         th.join()
+
+
+# -- result files ------------------------------------------------------------------------------
+
+RESULTS = Path(os.environ.get("SSP_BENCH_RESULTS") or ROOT / "bench" / "results")
+RESULT_SCHEMA = 1
+# A figure or denominator is a number, or the rounds of one: `of_rounds(xs)`.
+ROUND_KEYS = ("median", "min", "max", "n")
+
+
+def of_rounds(xs) -> dict:
+    """The median and range of a bench's rounds, as a result file holds them."""
+    xs = sorted(float(x) for x in xs)
+    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "n": len(xs)}
+
+
+def _checked(kind: str, named: dict) -> dict:
+    """`named` with every value a finite number or an `of_rounds` dict (a result file holds nothing
+    a reader has to guess at: no strings, no infinities)."""
+    out = {}
+    for name, v in named.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{kind}: names are non-empty strings: {name!r}")
+        if isinstance(v, dict):
+            if tuple(v) != ROUND_KEYS:
+                raise ValueError(f"{kind} {name}: rounds hold {ROUND_KEYS}, not {tuple(v)}")
+            v = {k: _checked(kind, {name: x})[name] for k, x in v.items()}
+            out[name] = v
+            continue
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{kind} {name}: {v!r} is not a finite number")
+        out[name] = v if isinstance(v, int) else float(f"{v:.6g}")
+    return out
+
+
+def measures(doc: str | None) -> str:
+    """What a bench measures: the first sentence of its docstring, on one line."""
+    para = " ".join((doc or "").strip().split("\n\n", 1)[0].split())
+    for end in (". ", ".\u00a0"):
+        if end in para:
+            return para.split(end, 1)[0] + "."
+    return para
+
+
+def machine() -> dict:
+    """The machine a result was measured on."""
+    import sqlite3
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"nproc": os.cpu_count(), "cpus_allowed": len(os.sched_getaffinity(0)), "cpu_model": model,
+            "python": platform.python_version(), "sqlite": sqlite3.sqlite_version,
+            "kernel": platform.release(), "arch": platform.machine()}
+
+
+def git_commit(root: str | os.PathLike = ROOT) -> dict:
+    """The checkout's commit and whether its tracked files differ from it."""
+    def git(*a):
+        return subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True).stdout.strip()
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def record(figures: dict, denominators: dict, summary: str, *, parameters: dict | None = None,
+           bench: str | None = None) -> Path | None:
+    """A bench's result, recorded at its end (its output step) when it was run with `--record`:
+    bench/results/<bench>.json (or $SSP_BENCH_RESULTS/) holding the bench's name and what it
+    measures (its docstring's first sentence), the command line, the date (UTC), the commit, the
+    load average at the start and at the end, the machine, the raw denominators measured in the
+    same run and the figures as named numbers (`of_rounds(xs)` where the bench runs rounds), and one
+    short human line. Returns the file written, or None without `--record`.
+
+    README's Performance table is rendered from these files by bench/table.py."""
+    figures, denominators = _checked("figure", figures), _checked("denominator", denominators)
+    summary = " ".join(summary.split())
+    if not summary:
+        raise ValueError("a result needs its one human line")
+    if not RECORD:
+        return None
+    main = sys.modules.get("__main__")
+    name = bench or Path(getattr(main, "__file__", None) or COMMAND[0]).stem
+    t0, load0 = _STARTED
+    result = {
+        "schema": RESULT_SCHEMA,
+        "bench": name,
+        "status": "measured",
+        "measures": measures(getattr(main, "__doc__", None)),
+        "command": " ".join(["python", *COMMAND]),
+        "date": datetime.datetime.fromtimestamp(t0, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "duration_s": round(time.time() - t0, 1),
+        **git_commit(),
+        "load_average": {"start": [round(x, 2) for x in load0], "end": [round(x, 2) for x in os.getloadavg()]},
+        "machine": machine(),
+        "parameters": {k: v for k, v in (parameters or {}).items()
+                       if v is None or isinstance(v, (str, int, float, bool))},
+        "denominators": denominators,
+        "figures": figures,
+        "summary": summary,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    print(f"recorded: {path} (render README's table with: python bench/table.py)")
+    return path

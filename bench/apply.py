@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import bench_env, load_average, raw_verify  # noqa: E402  (bench/: the shared set-up)
+from _harness import bench_env, load_average, raw_verify, of_rounds, record  # noqa: E402  (bench/: the shared set-up)
 from agent.sync import import_mailbox_body as import_body  # noqa: E402
 from agent.node import Node  # noqa: E402
 from agent.simpeer import SimPeer, manifest_text, readings_table  # noqa: E402
@@ -240,6 +240,17 @@ def main() -> int:
               f"{r['tree_peak_kb'] / 1024:.1f} MB (the node's resident set + the worker's private pages); {r['before_kb'] / 1024:.1f} MB before the import; {r['applied']} applied in "
               f"{r['seconds']:.1f} s; target <= 64 MB)")
     print(f"load average after: {load_average()}")
+    rss_mb = {f"peak_rss_fresh_process_{k}_mb": r["tree_peak_kb"] / 1024 for k, (_, r) in zip(("body", "big_body"), rss)}
+    record({"ratio_apply_raw_verify": of_rounds(ratios), "cpu_bound_ratio": of_rounds(cb),
+            "apply_events_per_s": of_rounds(a for a, _ in rounds),
+            "reimport_events_per_s": dup_rate, "ratio_apply_raw_sqlite": apply_med / sqlite_rate,
+            "peak_rss_this_process_mb": peak, **rss_mb},
+           {"raw_verify_per_s": of_rounds(v for _, v in rounds), "raw_sqlite_rows_per_s": sqlite_rate,
+            "events": args.events, "event_bytes": raw_bytes / args.events},
+           f"apply / raw verify {ratios[len(ratios) // 2]:.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f}) on "
+           f"{len(os.sched_getaffinity(0))} cores; CPU bound {cb[len(cb) // 2]:.2f}"
+           + "".join(f"; peak RSS {r['tree_peak_kb'] / 1024:.1f} MB importing {label}" for label, r in rss),
+           parameters=vars(args))
     return 0
 
 

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import bench_env, catch_up as timed_catch_up, introduce  # noqa: E402  (bench/: the shared set-up)
+from _harness import bench_env, catch_up as timed_catch_up, introduce, record  # noqa: E402  (bench/: the shared set-up)
 
 bench_env()
 from agent import runner as runner_mod  # noqa: E402
@@ -140,6 +140,14 @@ def main() -> None:
         print(f"{name:36s} {r['answers_per_s']:7.1f} answers/s [{spread}]  {per:.2f} signatures/answer, "
               f"{r['unproven']} unproven  = {100 * r['answers_per_s'] / base:.0f}% of no acks")
     print(f"bridge alone (sign_ack, persist-before-release): {sig:7.1f} signatures/s")
+    tag = {m[0]: t for m, t in zip(modes, ("insecure_no_acks", "secure_binding", "acks_grouped", "acks_one_per_answer"))}
+    record({f"answers_per_s_{tag[k]}": r["answers_per_s"] for k, r in med.items()}
+           | {f"ratio_{tag[k]}_no_acks": r["answers_per_s"] / base for k, r in med.items() if k != modes[0][0]}
+           | {f"signatures_per_answer_{tag[k]}": r["signed"] / r["answers"] for k, r in med.items() if r["answers"]},
+           {"answers_per_s_no_acks": base, "bridge_signatures_per_s": sig},
+           "answers/s against no acknowledgements: " + ", ".join(
+               f"{k} {r['answers_per_s'] / base:.2f}" for k, r in med.items() if k != modes[0][0])
+           + f"; the bridge alone {sig:.0f} signatures/s", parameters=vars(args))
 
 if __name__ == "__main__":
     main()

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import _harness  # noqa: E402,F401  (bench/: the shared set-up; puts this checkout on sys.path)
+from _harness import of_rounds, record  # noqa: E402  (bench/: the shared set-up; puts this checkout on sys.path)
 from agent.node import Node  # noqa: E402
 from agent.simpeer import SimPeer, manifest_text, readings_table  # noqa: E402
 from agent.store import atrest  # noqa: E402
@@ -107,6 +107,13 @@ def main() -> int:
           f"   (+{OVERHEAD} per value: format byte, key id, 24-byte nonce, 16-byte tag)")
     print("at-rest overhead ratio (apply, offer): "
           f"{ratio('apply'):.3f} {ratio('offer'):.3f}")
+    figures = {f"ratio_{f}_sealed_clear": of_rounds(s[f] / c[f] for s, c in zip(sealed, clear))
+               for f in ("apply", "offer", "read")}
+    record(figures | {"stored_bytes_per_event_sealed": med(sealed, "bytes")},
+           {f"{f}_events_per_s_clear": of_rounds(c[f] for c in clear) for f in ("apply", "offer", "read")}
+           | {"stored_bytes_per_event_clear": med(clear, "bytes")},
+           "sealed / clear: apply " + f"{ratio('apply'):.3f}, offer {ratio('offer'):.3f}, read {ratio('read'):.3f}; "
+           f"{med(sealed, 'bytes'):.0f} stored bytes per event against {med(clear, 'bytes'):.0f}", parameters=vars(args))
     return 0
 
 

@@ -45,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import ROOT, bench_env, child_env, cli, load_average, proc_cpu_s, proc_mem_mb  # noqa: E402  (bench/)
+from _harness import ROOT, bench_env, child_env, cli, load_average, proc_cpu_s, proc_mem_mb, record  # noqa: E402  (bench/)
 
 import paho.mqtt.client as paho  # noqa: E402
 from paho.mqtt.enums import CallbackAPIVersion  # noqa: E402
@@ -363,6 +363,16 @@ def main() -> int:
               f"x{b['heal_converge_s'] / max(1e-9, a['heal_converge_s']):.1f}, queue per offline device "
               f"x{b['queue_bytes_per_offline_device'] / max(1, a['queue_bytes_per_offline_device']):.2f}")
     print(f"load average after: {load_average()}")
+    keys = ("gw_rss_mb", "gw_idle_cpu_pct", "queue_msgs_per_offline_device", "queue_bytes_per_offline_device",
+            "heal_converge_s", "heal_reconnect_s", "first_converge_s")
+    record({f"{k}_{r['devices']}_devices": r[k] for r in rows for k in keys if isinstance(r.get(k), (int, float))}
+           | {f"heal_gw_cpu_ms_per_device_{r['devices']}_devices": 1000 * r["heal_gw_cpu_s"] / r["devices"] for r in rows},
+           {"devices_max": max(sizes), "events_per_device": args.events, "partition_s": args.partition_s},
+           " / ".join(str(r["devices"]) for r in rows) + " devices: gateway RSS "
+           + " / ".join(str(r["gw_rss_mb"]) for r in rows) + " MB; idle CPU "
+           + " / ".join(str(r["gw_idle_cpu_pct"]) for r in rows) + " % of a core; queue per offline device "
+           + " / ".join(f"{r['queue_bytes_per_offline_device']}" for r in rows) + " B; convergence after the partition "
+           + " / ".join(str(r["heal_converge_s"]) for r in rows) + " s", parameters=vars(args))
     return 0
 
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import ROOT, bench_env, home_bytes, introduce, peak_rss_kb  # noqa: E402  (bench/: the shared set-up)
+from _harness import ROOT, bench_env, home_bytes, introduce, peak_rss_kb, record  # noqa: E402  (bench/: the shared set-up)
 
 bench_env()
 from agent.core.codec import encode  # noqa: E402
@@ -197,6 +197,14 @@ def main() -> None:
     ddisk = fl["disk_bytes"] - quiet["disk_bytes"]
     print(f"B home growth: {fl['disk_bytes']} vs {quiet['disk_bytes']} bytes; "
           f"{ddisk / max(n, 1):.1f} bytes per rogue message, {ddisk / max(nbytes, 1):.4f} per rogue byte")
+    record({"slowdown_ratio": fl["converge_s"] / quiet["converge_s"], "flood_converge_s": fl["converge_s"],
+            "cpu_ratio": fl["b_cpu_s"] / max(quiet["b_cpu_s"], 1e-9),
+            "extra_cpu_us_per_rogue_message": extra_cpu * 1e6 / max(n, 1),
+            "disk_bytes_per_rogue_message": ddisk / max(n, 1), "rogue_messages": n, "rogue_bytes": nbytes},
+           {"no_flood_converge_s": quiet["converge_s"], "no_flood_b_cpu_s": quiet["b_cpu_s"]},
+           f"{args.rate:g} rogue msg/s for {args.seconds:g} s: convergence x{fl['converge_s'] / quiet['converge_s']:.2f} "
+           f"of no flood, {extra_cpu * 1e6 / max(n, 1):.0f} us of B's CPU and {ddisk / max(n, 1):.1f} bytes of its disk "
+           f"per rogue message", parameters=vars(args))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import bench_env, child_env, cli, proc_cpu_s, trust  # noqa: E402  (bench/: the shared set-up)
+from _harness import bench_env, child_env, cli, proc_cpu_s, record, trust  # noqa: E402  (bench/: the shared set-up)
 
 bench_env()
 from agent.node import Node  # noqa: E402
@@ -98,6 +98,12 @@ def main() -> None:
         broker.close()
     base = rows[0][1]
     print("ratio to the empty store: " + ", ".join(f"{n}: {r / max(base, 1e-9):.2f}" for n, r in rows))
+    record({**{f"idle_cpu_pct_{n}_events": r * 100 for n, r in rows},
+            **{f"ratio_{n}_events_empty_store": r / max(base, 1e-9) for n, r in rows[1:]}},
+           {"idle_cpu_pct_empty_store": base * 100, "seconds_measured": args.seconds},
+           "idle CPU of `ssp-agent run` at " + " / ".join(str(n) for n, _ in rows) + " events: "
+           + " / ".join(f"{r * 100:.2f}" for _, r in rows) + " % of a core (ratios "
+           + " / ".join(f"{r / max(base, 1e-9):.2f}" for _, r in rows) + ")", parameters=vars(args))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ if "--code" in sys.argv:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fsyncshim  # noqa: E402
-from _harness import median as _median, rate  # noqa: E402  (bench/: the shared set-up)
+from _harness import median as _median, rate, record  # noqa: E402  (bench/: the shared set-up)
 
 from firmware_bridge import EventIdentity, ReceiptIdentity, SigningBridge, open_keystore  # noqa: E402
 from firmware_bridge.journal import encode_released  # noqa: E402
@@ -423,6 +423,20 @@ def main() -> None:
         shutil.rmtree(w, ignore_errors=True)
     if args.json:
         print(json.dumps({k: round(v, 3) for k, v in fig.items()}))
+    # the raw limits measured in this run (signing, fsync, SQLite, the core apply) are the denominators
+    raw = ("raw_", "rounds_raw_", "slow_flush_raw_", "one_fsync_per_write", "sqlite_row_commit", "node_core_apply",
+           "rounds_core_apply", "slow_flush_core_apply")
+    slow = (f"; with every fsync + {args.slow_flush_ms} ms {fig['slow_flush_write_many_ratio_median']:.2f} "
+            f"({fig['slow_flush_write_many_ratio_min']:.2f}-{fig['slow_flush_write_many_ratio_max']:.2f})"
+            if "slow_flush_write_many_ratio_median" in fig else "")
+    record({k: v for k, v in fig.items() if not k.startswith(raw)}, {k: v for k, v in fig.items() if k.startswith(raw)},
+           f"Node.write_many of 256 / raw two-core batch sign = {fig['rounds_write_many_ratio_median']:.2f} "
+           f"({fig['rounds_write_many_ratio_min']:.2f}-{fig['rounds_write_many_ratio_max']:.2f}, {rounds} rounds){slow}; "
+           f"the bridge alone {fig['rounds_bridge_ratio_median']:.2f}"
+           + (f"; bridge groups of 256 {fig['bridge_software_group256']:.0f}/s"
+              f" = {fig['bridge_software_group256'] / fig['one_fsync_per_write']:.1f}x one fsync per write"
+              if "bridge_software_group256" in fig else ""),
+           parameters=vars(args))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import introduce, peak_rss_kb, proc_mem_mb, trusted_clock  # noqa: E402  (bench/: the shared set-up)
+from _harness import introduce, peak_rss_kb, proc_mem_mb, record, trusted_clock  # noqa: E402  (bench/: the shared set-up)
 from agent.simpeer import readings_table  # noqa: E402
 
 MESH = bytes.fromhex("be4c0000000000000000000000000006")
@@ -163,7 +163,18 @@ def main() -> int:
               f"final store {final:.2f} MB (x{scale} for 1 reading/s: ~{final * scale:.0f} MB; budget "
               f"{r['budget_mb']:.0f} MB), peak RSS {r['peak_rss_mb']} MB")
     print("rehydration from a gateway (in-memory session, batch 2000) vs core apply (one mailbox body):", flush=True)
-    print("  " + json.dumps(rehydration(args.rehydrate_events)))
+    rh = rehydration(args.rehydrate_events)
+    print("  " + json.dumps(rh))
+    on, off = (res[m]["samples"][-1]["store_mb"] for m in ("on", "off"))
+    record({"store_mb_evict_on": on, "store_mb_evict_off": off,
+            "peak_rss_mb_evict_on": res["on"]["peak_rss_mb"], "peak_rss_mb_evict_off": res["off"]["peak_rss_mb"],
+            "rehydrate_events_per_s": rh["rehydrate_events_per_s"],
+            "ratio_rehydrate_apply": rh["rehydrate_events_per_s"] / rh["apply_events_per_s"]},
+           {"apply_events_per_s": rh["apply_events_per_s"], "budget_mb": res["on"]["budget_mb"],
+            "events_streamed": res["on"]["events"], "rehydrate_events": rh["events"]},
+           f"{args.days} simulated days: store {on:.1f} MB with eviction vs {off:.1f} MB without; rehydration from a "
+           f"gateway {rh['rehydrate_events_per_s']} events/s = {rh['rehydrate_events_per_s'] / rh['apply_events_per_s']:.2f} "
+           f"of core apply", parameters={k: v for k, v in vars(args).items() if not k.startswith("_")})
     return 0
 
 

@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from _harness import bench_env, catch_up, introduce, readings_events, trust  # noqa: E402  (bench/: the shared set-up)
+from _harness import bench_env, catch_up, introduce, readings_events, record, trust  # noqa: E402  (bench/: the shared set-up)
 
 bench_env()
 from agent.core.messages import SyncBody, emit_body  # noqa: E402
@@ -111,6 +111,12 @@ def main() -> None:
     print(f"raw paho QoS1, same bodies, no apply:            {n / t_raw_bodies:10.0f} events/s   "
           f"({len(bodies) / t_raw_bodies:.0f} messages/s)")
     print(f"raw paho QoS1, one event per message:            {len(per_event) / t_raw_msgs:10.0f} messages/s")
+    record({"mqtt_events_per_s": r_e2e, "ratio_mqtt_apply_only": r_e2e / r_apply, "bodies": bodies_sent},
+           {"apply_only_events_per_s": r_apply, "raw_paho_bodies_events_per_s": n / t_raw_bodies,
+            "raw_paho_one_event_messages_per_s": len(per_event) / t_raw_msgs, "events": n, "event_bytes": nbytes / n},
+           f"node to node through mosquitto {r_e2e:.0f} events/s = {r_e2e / r_apply:.2f} of apply-only "
+           f"({r_apply:.0f}/s) in the same run; raw paho QoS1 {len(per_event) / t_raw_msgs:.0f} one-event messages/s",
+           parameters=vars(args))
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--minutes", type=float, default=60.0, help="simulated minutes C is offline")
 ap.add_argument("--scale", type=float, default=0.02, help="wall seconds per simulated second")
 ap.add_argument("--root", default=str(Path(__file__).resolve().parents[1]), help="the agent checkout to run")
+ap.add_argument("--record", action="store_true", help="write bench/results/bench_quiet.json (bench/_harness.py record)")
 args = ap.parse_args()
-from _harness import bench_env, introduce  # noqa: E402  (bench/: the shared set-up; imports no agent module)
+from _harness import bench_env, introduce, record  # noqa: E402  (bench/: the shared set-up; imports no agent module)
 
 sys.path.insert(0, args.root)   # after the harness, which puts this checkout on the path: --root goes first
 bench_env()
@@ -135,6 +136,15 @@ def main() -> None:
           f"per delivered event ({got_b} delivered)")
     per_day = off_bytes / max(args.minutes, 1e-9) * 60 * 24
     print(f"bytes sent to an offline peer, per simulated day at this rate: {per_day / 1e6:.1f} MB")
+    record({"waiting_bodies": q_bodies, "waiting_bytes": q_bytes, "waiting_ranges": q_ranges,
+            "offline_bodies_per_delivered_event": to_c[0] / max(got_c, 1),
+            "offline_bytes_per_delivered_event": to_c[1] / max(got_c, 1), "offline_bytes_per_day": per_day},
+           {"online_bodies_per_delivered_event": to_b[0] / max(got_b, 1),
+            "online_bytes_per_delivered_event": to_b[1] / max(got_b, 1), "events_written": written},
+           f"waiting for the offline peer: {q_bodies} bodies, {q_bytes / 1e3:.1f} KB; sent to it per delivered event "
+           f"{to_c[0] / max(got_c, 1):.3f} bodies and {to_c[1] / max(got_c, 1):.0f} bytes (an online peer: "
+           f"{to_b[0] / max(got_b, 1):.3f} and {to_b[1] / max(got_b, 1):.0f})",
+           parameters={k: v for k, v in vars(args).items() if k != "record"})
     for r in (ra, rb, rc):
         r.close()
     for n in nodes:

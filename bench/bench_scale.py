@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import ROOT, bench_env, child_env, cli, load_average, med_range, raw_verify_rate  # noqa: E402  (bench/)
+from _harness import ROOT, bench_env, child_env, cli, load_average, med_range, of_rounds, raw_verify_rate, record  # noqa: E402  (bench/)
 from agent.node import Node  # noqa: E402
 from agent.simpeer import SimPeer, manifest_text, readings_table  # noqa: E402
 from agent.store import sync_state as st  # noqa: E402
@@ -193,6 +193,24 @@ def main() -> int:
     r1 = statistics.median([a / v for a, v, _ in last[3]])
     print(f"apply ratio at {last[1]} events / at {first[1]} events: {r1 / r0:.2f} (flat: ~1.0)")
     print(f"load average after: {load_average()}")
+    figures, denominators = {}, {}
+    for size, n_events, fill_rate, rs, status_in, status_cli, check_cli in results:
+        figures[f"ratio_apply_raw_verify_{n_events}_events"] = of_rounds(a / v for a, v, _ in rs)
+        figures[f"cpu_us_per_event_{n_events}_events"] = of_rounds(c * 1e6 for _, _, c in rs)
+        figures[f"status_in_process_ms_{n_events}_events"] = status_in * 1e3
+        figures[f"status_cli_s_{n_events}_events"] = status_cli
+        figures[f"check_cli_s_{n_events}_events"] = check_cli
+        denominators[f"raw_verify_per_s_{n_events}_events"] = of_rounds(v for _, v, _ in rs)
+    figures["ratio_largest_smallest_store"] = r1 / r0
+    if bf:
+        figures |= {"backfill_events": bf["events"], "backfill_s": bf["seconds"], "backfill_cycles": len(bf["cycles"])}
+    for n, s in ev:
+        figures[f"eviction_s_{n}_events_removed"] = s
+    record(figures, denominators,
+           "apply / raw verify " + " / ".join(f"{statistics.median([a / v for a, v, _ in r[3]]):.2f}" for r in results)
+           + " at " + " / ".join(str(r[1]) for r in results) + f" events: {r1 / r0:.2f} of the small store's ratio; "
+           + "`status` in-process " + " / ".join(f"{r[4] * 1e3:.1f}" for r in results) + " ms; eviction "
+           + " / ".join(f"{n} events in {s:.2f} s" for n, s in ev), parameters=vars(args))
     return 0
 
 

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import trusted_clock  # noqa: E402  (bench/: the shared set-up)
+from _harness import of_rounds, record, trusted_clock  # noqa: E402  (bench/: the shared set-up)
 
 # This VM runs no time sync; the eviction job needs a trusted clock (docs/apply.md "Clocks without an RTC").
 trusted_clock()
@@ -129,6 +129,14 @@ def main() -> int:
                           for w in ("import", "write", "evict"))
         + f" {statistics.median(a['evict_B'] / b['evict_B'] for a, b in zip(res[m], res['off'])):.3f}"
         for m in ("fast", "on")))
+    figures = {f"ratio_{w}_{m}_off": of_rounds(a[w] / b[w] for a, b in zip(res[m], res["off"]))
+               for m in ("fast", "on") for w in ("import", "write", "evict")}
+    figures |= {f"ratio_evict_bytes_{m}_off": of_rounds(a["evict_B"] / b["evict_B"] for a, b in zip(res[m], res["off"]))
+                for m in ("fast", "on")}
+    record(figures, {f"{w}_events_per_s_off": of_rounds(r[w] for r in res["off"]) for w in ("import", "write", "evict")},
+           "secure_delete / off (import, write, evict events/s): " + ", ".join(
+               f"{m} " + " / ".join(f"{figures[f'ratio_{w}_{m}_off']['median']:.2f}" for w in ("import", "write", "evict"))
+               for m in ("fast", "on")), parameters=vars(args))
     return 0
 
 

@@ -34,7 +34,7 @@ from agent.sequencer import receipts, service  # noqa: E402
 from agent.sequencer.framing import encode_private_message  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import rate  # noqa: E402  (bench/: the shared set-up)
+from _harness import of_rounds, rate, record  # noqa: E402  (bench/: the shared set-up)
 from bench_keystore import softhsm_config  # noqa: E402
 
 
@@ -213,6 +213,14 @@ def main() -> None:
     if a.json:
         print(json.dumps({k: {"median": round(statistics.median(v), 3), "min": round(min(v), 3),
                               "max": round(max(v), 3)} for k, v in fig.items()}))
+    record({k: of_rounds(v) for k, v in fig.items() if not k.startswith("raw_")},
+           {k: of_rounds(v) for k, v in fig.items() if k.startswith("raw_")},
+           "; ".join(f"{ks}: group commit of {batch} / raw ES256 = {statistics.median(fig[k]):.2f} "
+                     f"({min(fig[k]):.2f}-{max(fig[k]):.2f})"
+                     for ks in ("software", "pkcs11") if (k := f"ratio_batch{batch}_{ks}") in fig)
+           + "".join(f"; through `sequencer run` {statistics.median(v):.0f} Commits/s ({k.split('_')[1]} groups)"
+                     for k, v in fig.items() if k.startswith("broker_") and k.endswith("_groups")),
+           parameters=vars(a))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import ROOT, bench_env, child_env, cli, introduce  # noqa: E402  (bench/: the shared set-up)
+from _harness import ROOT, bench_env, child_env, cli, introduce, record  # noqa: E402  (bench/: the shared set-up)
 
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -122,6 +122,14 @@ def main() -> int:
         print(f"{r['ber']:>8g} {'on' if r['compress'] else 'off':>5} {r['events']:>7} {r['mean_event_bytes']:>7} {r['goodput_a_to_b']:>13} "
               f"{r['goodput_both_ways']:>10} {r['events_per_s']:>9} {r['line_limit_events_per_s']:>11} "
               f"{r['ratio_to_line_limit']:>20}")
+    tag = lambda r: f"ber_{r['ber']:g}_{'zlib' if r['compress'] else 'plain'}"  # noqa: E731
+    record({f"{k}_{tag(r)}": r[k] for r in rows for k in ("goodput_a_to_b", "goodput_both_ways", "events_per_s",
+                                                          "ratio_to_line_limit")},
+           {f"line_limit_events_per_s_{tag(r)}": r["line_limit_events_per_s"] for r in rows}
+           | {"baud": args.baud, "mean_event_bytes": rows[0]["mean_event_bytes"]},
+           "; ".join(f"BER {r['ber']:g}{', compressed' if r['compress'] else ''}: {r['events_per_s']} events/s = "
+                     f"{r['ratio_to_line_limit']} of the line's limit, goodput {r['goodput_a_to_b']}" for r in rows),
+           parameters=vars(args))
     return 0
 
 

@@ -24,7 +24,7 @@ import tempfile
 import time
 
 import fsyncshim  # noqa: E402  (bench/)
-from _harness import ROOT, median  # noqa: E402  (bench/: the shared set-up)
+from _harness import ROOT, median, record  # noqa: E402  (bench/: the shared set-up)
 
 # --code DIR (before/after comparisons): run the CLI of another checkout
 CODE = os.path.abspath(sys.argv[sys.argv.index("--code") + 1]) if "--code" in sys.argv else str(ROOT)
@@ -187,6 +187,15 @@ def main() -> None:
         out[title] = report(title, st.calls, how)
     if args.json:
         print(json.dumps({t: {k: round(v, 2) for k, v in f.items()} for t, f in out.items()}))
+    *before, (_, fig) = out.items()   # the measured checkout is the last setup; --before's goes first
+    before = {f"before_{k}": v for _, f in before for k, v in f.items() if not k.startswith("python_pass")}
+    record({k: v for k, v in fig.items() if not k.startswith("python_pass")} | before,
+           {k: v for k, v in fig.items() if k.startswith("python_pass")} | {"rounds": rounds},
+           f"CPU per call: `write` {fig['write_cpu_ms']:.0f} ms ({fig['write_cpu_ms'] / fig['python_pass_cpu_ms']:.1f}x "
+           f"`python -c pass`), `sync --once` {fig['sync_once_offer_cpu_ms']:.0f} ms "
+           f"({fig['sync_once_offer_cpu_ms'] / fig['python_pass_cpu_ms']:.1f}x); wall `write` {fig['write_wall_ms']:.0f} ms, "
+           f"`sync --once` offering {fig['sync_once_offer_wall_ms']:.0f} ms; peak RSS `write` {fig['write_peak_rss_mb']:.1f} MB"
+           + (f"; fsyncs per `write` {fig['write_fsyncs']:g}" if "write_fsyncs" in fig else ""), parameters=vars(args))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from _harness import ROOT, bench_env, home_bytes  # noqa: E402  (bench/: the shared set-up)
+from _harness import ROOT, bench_env, home_bytes, of_rounds, record  # noqa: E402  (bench/: the shared set-up)
 
 bench_env()
 from agent.core.cose import parse_sign1  # noqa: E402
@@ -525,6 +525,21 @@ def main() -> None:
             print(report(c), flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    figures, denominators, line = {}, {}, []
+    for c in results:
+        tag, rs = f"{c['strategy']}_{c['binding']}", c["rounds"]
+        for key in ("slowdown", "cpu_us_per_attacker_byte", "disk_bytes_per_attacker_byte"):
+            vals = [r[key] for r in rs if r[key] is not None]
+            if vals:
+                figures[f"{tag}_{key}"] = of_rounds(vals)
+        figures[f"{tag}_attacked_runs_never_converged"] = sum(r["attack"]["converged_s"] is None for r in rs)
+        honest = [r["base"]["converged_s"] for r in rs if r["base"]["converged_s"] is not None]
+        if honest:
+            denominators[f"{tag}_honest_converged_s"] = of_rounds(honest)
+        slow = [r["slowdown"] for r in rs if r["slowdown"] is not None]
+        line.append(f"{tag} " + (f"x{statistics.median(slow):.2f}" if slow else "never converged"))
+    record(figures, denominators, "convergence under attack / honest (median): " + ", ".join(line),
+           parameters={k: v for k, v in vars(args).items() if k != "strategies"} | {"strategies": ",".join(args.strategies)})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import bench_env, introduce, readings_events  # noqa: E402  (bench/: the shared set-up)
+from _harness import bench_env, introduce, readings_events, record  # noqa: E402  (bench/: the shared set-up)
 from agent.node import Node  # noqa: E402
 from agent.simpeer import SimPeer, readings_table  # noqa: E402
 from agent.sync import SyncDriver  # noqa: E402
@@ -76,6 +76,13 @@ def main() -> int:
     print(f"raw COSE event bytes   {raw_bytes / args.events:10.1f} per event")
     print(f"bytes on the wire      {wire / args.events:10.1f} per event ({link.frames_sent} frames)")
     print(f"overhead ratio         {wire / raw_bytes:10.3f}  (wire bytes / raw COSE bytes)")
+    record({"sync_events_per_s": args.events / sync_s, "ratio_sync_apply_only": apply_s / sync_s,
+            "wire_bytes_per_event": wire / args.events, "overhead_ratio": wire / raw_bytes},
+           {"apply_only_events_per_s": args.events / apply_s, "raw_event_bytes": raw_bytes / args.events,
+            "events": args.events},
+           f"{args.events / sync_s:.0f} events/s = {apply_s / sync_s:.2f} of apply-only in the same batches "
+           f"({args.events / apply_s:.0f}/s); {wire / args.events:.1f} wire bytes per {raw_bytes / args.events:.1f}-byte "
+           f"event (overhead {wire / raw_bytes:.3f})", parameters=vars(args))
     return 0
 
 

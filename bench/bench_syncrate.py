@@ -37,8 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import (ROOT, bench_env, child_env, cli, load_average, med_range, node_cpu_s, proc_tree_cpu_s,  # noqa: E402
-                      readings_events, stop)  # (bench/: the shared set-up)
+from _harness import (ROOT, bench_env, child_env, cli, load_average, med_range, median, node_cpu_s, proc_tree_cpu_s,  # noqa: E402
+                      of_rounds, readings_events, record, stop)  # (bench/: the shared set-up)
 from agent.node import Node  # noqa: E402
 from agent.profile import load_profile  # noqa: E402
 from agent.runner import RunConfig, Runner  # noqa: E402
@@ -264,6 +264,22 @@ def main() -> int:
               f"{med_range([s['ratio_to_line_limit'] for s in serial], '{:.3f}')}   (target >= 0.8)")
     print(f"load average after: {load_average()}")
     print(json.dumps({"rounds": rounds, "serial": serial}))
+    ratios = {k: [r["apply_s"] / r[f"{k}_s"] for r in rounds] for k in ("sync", "rehydrate")}
+    record({"ratio_sync_apply_only": of_rounds(ratios["sync"]), "ratio_rehydrate_apply_only": of_rounds(ratios["rehydrate"]),
+            "sync_events_per_s": of_rounds(sync_r), "rehydrate_events_per_s": of_rounds(reh_r),
+            **{f"cpu_us_per_event_{k}": of_rounds(us(k)) for k in ("cpu_apply", "sync_cpu_b", "sync_cpu_a",
+                                                                   "rehydrate_cpu_b")},
+            "cores_busy_sync": of_rounds(total),
+            **({"ratio_serial_line_limit": of_rounds(s["ratio_to_line_limit"] for s in serial),
+                "serial_events_per_s": of_rounds(s["events_per_s"] for s in serial)} if serial else {})},
+           {"apply_only_events_per_s": of_rounds(apply_r), "events": n, "event_bytes": mean,
+            **({"serial_line_limit_events_per_s": of_rounds(s["line_limit_events_per_s"] for s in serial)}
+               if serial else {})},
+           f"sync {median(ratios['sync']):.2f} of apply-only ({min(ratios['sync']):.2f}-"
+           f"{max(ratios['sync']):.2f}), rehydration {median(ratios['rehydrate']):.2f} "
+           f"({min(ratios['rehydrate']):.2f}-{max(ratios['rehydrate']):.2f}); apply-only {median(apply_r):.0f}/s"
+           + (f"; serial {median(s['ratio_to_line_limit'] for s in serial):.3f} of the line's limit"
+              if serial else "; serial not run"), parameters=vars(args))
     return 0
 
 

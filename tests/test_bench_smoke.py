@@ -1,5 +1,7 @@
 """The benchmarks still run end to end with tiny sizes, so they cannot rot between measurements.
-Figures are never asserted here: speed is measured by running bench/ itself (README, Performance)."""
+Figures are never asserted here: speed is measured by running bench/ itself (README, Performance).
+A run without `--record` writes no result file (bench/_harness.py record), so these tiny runs
+never overwrite a real result in bench/results/."""
 from __future__ import annotations
 
 import os
@@ -36,7 +38,10 @@ CASES = [
 
 @pytest.mark.parametrize("args,marker", CASES, ids=[c[0][0] for c in CASES])
 def test_benchmark_runs(tmp_path, args, marker):
-    env = dict(os.environ, SSP_AGENT_WITNESS_DIR=str(tmp_path / "witness"))
+    results = tmp_path / "results"
+    env = dict(os.environ, SSP_AGENT_WITNESS_DIR=str(tmp_path / "witness"), SSP_BENCH_RESULTS=str(results))
     p = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert marker in p.stdout, p.stdout[-2000:]
+    # the bench reached its record step (the one after its printed figures) and, unasked, wrote nothing
+    assert not results.exists() and "recorded:" not in p.stdout, p.stdout[-2000:]
