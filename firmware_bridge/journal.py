@@ -60,6 +60,7 @@ _HDR = struct.Struct(">II")
 _BH = struct.Struct(">BH")
 _I = struct.Struct(">I")
 _HLC = struct.Struct(">QI")
+_Q = struct.Struct(">Q")
 MAX_RECORD = 1 << 24
 
 Hook = Callable[[str], None]
@@ -332,11 +333,18 @@ class Journal:
                 if cur is None or hlc > cur:
                     self._max_hlc[site] = hlc
                 return
-            identity = decode_identity(ident)
-            if isinstance(identity, ReceiptIdentity):
-                cur_e = self._max_epoch.get(identity.group_id)
-                if cur_e is None or identity.epoch > cur_e:
-                    self._max_epoch[identity.group_id] = identity.epoch
+            if ident[0] == 0x52 and ident[1] == 0 and ident[2] and len(ident) == 11 + ident[2]:
+                # b"R" | u16 len (1..255) | group_id | u64 epoch (identity.py): a receipt, the
+                # sequencer's hot path, read in place; anything else is decoded (and refused) in full
+                gid, epoch = ident[3:-8], _Q.unpack_from(ident, len(ident) - 8)[0]
+            else:
+                identity = decode_identity(ident)
+                if not isinstance(identity, ReceiptIdentity):
+                    return
+                gid, epoch = identity.group_id, identity.epoch
+            cur_e = self._max_epoch.get(gid)
+            if cur_e is None or epoch > cur_e:
+                self._max_epoch[gid] = epoch
         elif rtype == FLOOR:
             identity = decode_identity(ident)
             assert isinstance(identity, EventIdentity)
@@ -361,19 +369,19 @@ class Journal:
                 blobs = self._sealer.seal_many([sealed_ad(i) for _, i, _ in released], [o for _, _, o in released])
                 for (k, ident, _), blob in zip(released, blobs):
                     records[k] = (SEALED, ident, blob)
-        encoded = []
+        recs, effs = [], []
         for rtype, ident, arg in records:
             if rtype == INTENT:
                 rec = encode_intent(ident, arg)  # type: ignore[arg-type]
-                encoded.append((rec, (rtype, ident, len(rec), None, arg)))
+                effs.append((rtype, ident, len(rec), None, arg))
             else:
                 rec = encode_output(rtype, ident, arg)  # type: ignore[arg-type]
-                encoded.append((rec, (rtype, ident, len(rec), len(arg), None)))  # type: ignore[arg-type]
+                effs.append((rtype, ident, len(rec), len(arg), None))  # type: ignore[arg-type]
+            recs.append(rec)
         with self._cond:
             self._check()
-            for rec, effect in encoded:
-                self._pending += rec
-                self._pending_effects.append(effect)
+            self._pending += b"".join(recs)
+            self._pending_effects.extend(effs)
             self._seq += 1
             my_seq = self._seq
             while True:

@@ -83,9 +83,17 @@ def payload_bytes(group_id: bytes, epoch: int, commit_hash_: bytes, previous: Op
     epoch = int(epoch)
     if not 0 <= epoch < 2**64:
         raise ValueError("epoch is a uint64")
-    return b"".join((b"\xa4", _K_EPOCH, _uint(epoch), _K_GROUP, cose._bstr(bytes(group_id)),
-                     _K_COMMIT, cose._bstr(bytes(commit_hash_)), _K_PREV,
-                     b"\xf6" if previous is None else cose._bstr(bytes(previous))))
+    commit_hash_ = bytes(commit_hash_)
+    return b"".join((_HEAD_EPOCH, _uint(epoch), _K_GROUP, cose._bstr(bytes(group_id)),
+                     _K_COMMIT_32 + commit_hash_ if len(commit_hash_) == 32 else _K_COMMIT + cose._bstr(commit_hash_),
+                     _K_PREV_NULL if previous is None else
+                     _K_PREV_32 + previous if type(previous) is bytes and len(previous) == 32 else
+                     _K_PREV + cose._bstr(bytes(previous))))
+
+
+# the constant runs of every payload (a 32-byte hash's head is b"\x58\x20"), joined once
+_HEAD_EPOCH = b"\xa4" + _K_EPOCH
+_K_COMMIT_32, _K_PREV_32, _K_PREV_NULL = _K_COMMIT + b"\x58\x20", _K_PREV + b"\x58\x20", _K_PREV + b"\xf6"
 
 
 def to_be_signed(kid: bytes, payload: bytes) -> tuple[bytes, bytes]:

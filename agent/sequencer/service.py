@@ -250,14 +250,17 @@ class Sequencer:
         return answers  # type: ignore[return-value]
 
     def _round(self, items: list, answers: list) -> None:
-        accepts = []
+        accepts, requests = [], []
+        # the per-Commit work of a group commit, with its look-ups bound once per round
+        group, decide, top_epoch = self.store.group, core.decide, self.bridge.max_receipt_epoch
+        parts, payload = self._signing.parts, receipts.payload_bytes   # the header parts, once per key
         for i, f, m, ch in items:
-            state = self.store.group(f.group_id)
-            d = core.decide(state, f, ch)
-            if isinstance(d, core.Reject):
+            state = group(f.group_id)
+            d = decide(state, f, ch)
+            if type(d) is not core.Accept:
                 answers[i] = self._rejected(d)
                 continue
-            top = self.bridge.max_receipt_epoch(d.group_id)   # the journal's in-memory index
+            top = top_epoch(d.group_id)   # the journal's in-memory index
             if top is not None and top >= d.epoch and \
                     self.bridge.status(ReceiptIdentity(d.group_id, d.epoch)) is not Status.ABSENT:
                 # The journal already knows this pair: the state is behind its journal (restored
@@ -271,15 +274,12 @@ class Sequencer:
                     answers[i] = self._rejected(core.decide(self.store.group(d.group_id), f, ch))
                 continue
             accepts.append((i, m, ch, state, d))
+            tbs, assemble = parts(payload(d.group_id, d.epoch, ch, d.previous_receipt_hash))
+            requests.append((ReceiptIdentity(d.group_id, d.epoch), RECEIPT_KEY, tbs, assemble))
         if not accepts:
             return
         self.store.put_pending_many([(d.group_id, d.epoch, ch, m, d.bootstrap) for _i, m, ch, _s, d in accepts])
         self._fire("accepted")
-        requests = []
-        parts = self._signing.parts                 # the header parts, once per sequencer key
-        for _i, _m, ch, _s, d in accepts:
-            tbs, assemble = parts(receipts.payload_bytes(d.group_id, d.epoch, ch, d.previous_receipt_hash))
-            requests.append((ReceiptIdentity(d.group_id, d.epoch), RECEIPT_KEY, tbs, assemble))
         try:
             raws = self.bridge.release_many(requests)
         except KeystoreError:
@@ -289,9 +289,10 @@ class Sequencer:
                 self._settle(d.group_id, d.epoch, cause="signing_failed")
             raise
         done = []
+        receipt_hash, accepted = receipts.receipt_hash, core.accepted
         for (i, m, ch, state, d), raw in zip(accepts, raws):
-            rh = receipts.receipt_hash(raw)
-            done.append((core.accepted(state, d, rh), d.epoch, ch, raw, rh, m))
+            rh = receipt_hash(raw)
+            done.append((accepted(state, d, rh), d.epoch, ch, raw, rh, m))
             answers[i] = Accepted(d.group_id, d.epoch, raw)
         self.store.commit_receipts(done)     # §22.5 cl. 3: receipts and epochs, one transaction
         self._fire("committed")

@@ -116,3 +116,38 @@ def test_fuzz_mutated_messages_only_framing_error(seed, flips, cut):
     except FramingError:
         return
     assert 1 <= len(f.group_id) <= 255 and 0 <= f.epoch < 2**64
+
+
+def _strict(data: bytes):
+    """The strict reader alone (parse_mls_message without its PrivateMessage fast path)."""
+    from agent.sequencer import framing
+    r = framing._Reader(bytes(data))
+    try:
+        if r.uint(2, "version") != framing.MLS10 or r.uint(2, "wire_format") != WIRE_PRIVATE:
+            return "other"
+        return framing._private_message(r, framing.MLS10)
+    except FramingError as e:
+        return e.reason
+
+
+_PRIVATE_SEEDS = [encode_private_message(GID, 9), encode_private_message(b"g" * 200, 2**40, CT_PROPOSAL),
+                  encode_private_message(b"x", 0, ciphertext=b"c" * 300, authenticated_data=b"a" * 70)]
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.sampled_from(_PRIVATE_SEEDS), st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), max_size=4),
+       st.integers(0, 700))
+def test_private_fast_path_reads_exactly_what_the_strict_reader_reads(seed, flips, cut):
+    # the hot path's offset arithmetic (framing._private_fast) accepts only what the strict reader
+    # accepts, with the same fields; for everything else it defers to the strict reader
+    from agent.sequencer.framing import _private_fast
+    data = bytearray(seed)
+    for pos, val in flips:
+        if pos < len(data):
+            data[pos] = val
+    data = bytes(data[:cut] if cut < len(data) else data)
+    fast, strict = _private_fast(data), _strict(data)
+    if fast is not None:
+        assert fast == strict
+    if isinstance(strict, type(parse_mls_message(_PRIVATE_SEEDS[0]))) and data[:4] == b"\x00\x01\x00\x02":
+        assert fast == strict       # every well-formed PrivateMessage takes the fast path

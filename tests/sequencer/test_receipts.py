@@ -82,8 +82,9 @@ def test_wycheproof_p256_p1363_through_the_receipt_entry_point():
     assert sum(counts.values()) == doc["numberOfTests"]
 
 
-@given(st.binary(min_size=1, max_size=255), st.integers(0, 2**64 - 1), st.binary(min_size=32, max_size=32),
-       st.none() | st.binary(min_size=32, max_size=32))
+@given(st.binary(min_size=1, max_size=255), st.integers(0, 2**64 - 1),
+       st.binary(min_size=32, max_size=32) | st.binary(max_size=40),
+       st.none() | st.binary(min_size=32, max_size=32) | st.binary(max_size=40))
 def test_payload_built_directly_equals_the_deterministic_encoder(gid, epoch, ch, prev):
     # receipts.payload_bytes builds the map by hand on the hot path; it must be exactly codec.encode
     from agent.core import codec
