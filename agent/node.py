@@ -73,6 +73,10 @@ class Node:
         self.read_only = read_only
         self._pool = None   # the apply workers: None not started yet, False none (agent/applyworker.py)
         self._batched = 0   # events of batches of 64 or more applied while none was started
+        # The batch the caller expects to apply next (`prepare_next`), and the first chunks of it
+        # sent to the workers during the batch before: (its raws, its chunks, their tickets).
+        self._next_raws = None
+        self._carried: tuple | None = None
         self.site_id: bytes = bytes(db.get_meta(conn, "site_id"))
         self.mesh_id: bytes = bytes(db.get_meta(conn, "mesh_id"))
         self.authorities: set[bytes] = {bytes.fromhex(a) for a in json.loads(db.get_meta(conn, "authorities", "[]"))}
@@ -328,6 +332,7 @@ class Node:
         self.close()
 
     def close(self) -> None:
+        self._drop_carried()
         if self._pool:
             self._pool.close()
         self._pool = None
@@ -558,16 +563,19 @@ class Node:
         log insert, clocks, row and metering commit together or not at all). `built`: for
         local events only (`write_many`), each event's `checked` as `_local_checked` made it."""
         now = now_ms() if now is None else now
-        with _txn(self.conn):
-            out = self._apply_in_txn(raws, now, origin) if built is None else \
-                self._apply_built(raws, built, now, origin)
-            self._persist_observed()
-            new = sum(1 for o in out if o.reason == "applied")
-            if new:
-                self._applied += new
-                db.set_meta(self.conn, "applied_count", self._applied)
-            counters.bump_outcomes(self.conn, origin, (o.status for o in out))   # the metrics (issue 12 item 4)
-            due = self._write_due_meta()
+        try:
+            with _txn(self.conn):
+                out = self._apply_in_txn(raws, now, origin) if built is None else \
+                    self._apply_built(raws, built, now, origin)
+                self._persist_observed()
+                new = sum(1 for o in out if o.reason == "applied")
+                if new:
+                    self._applied += new
+                    db.set_meta(self.conn, "applied_count", self._applied)
+                counters.bump_outcomes(self.conn, origin, (o.status for o in out))   # the metrics (issue 12 item 4)
+                due = self._write_due_meta()
+        finally:
+            self._next_raws = None   # a hint for the batch after this one only (`prepare_next`)
         self._due_meta_committed(due)
         if new:
             self.witness.note_applied(self._applied)
@@ -704,45 +712,36 @@ class Node:
             pass
         self._pool = False
 
-    def _verified_ahead(self, raws):
-        """Each event with what the apply path needs to know of it before touching the store:
-        its envelope, keyring entry, signature verdict, decoded payload (agent/core/prepare.py),
-        computed a few chunks ahead by the worker process while this thread applies the events
-        before them (on one core, or without a worker: here, chunk by chunk). Pure: the same
-        checks §12.1 runs, done early; `_apply_one` still takes each result in order and
-        re-verifies if the keyring entry changed since. Yields (raw, checked or None)."""
-        from .core.prepare import checked_from, prepare
-        keyring, mesh = dict(self.keyring), self.mesh_id
-        worker = self._worker(len(raws))
+    def prepare_next(self, raws) -> None:
+        """Name the batch the caller expects to apply after the next one (a `run` receiving
+        bodies: the next body waiting from the same sender). While the next batch applies, its
+        last chunks' answers in hand, the workers start preparing this one, so they do not idle
+        through that batch's end (its last chunk, row writes, commit, the answer) and the applying
+        thread does not wait for this one's first answer (docs/apply.md "A `run` receiving
+        bodies"). A hint only: what was prepared is used only if `apply_batch` is then called with
+        this very list, and each chunk's duplicate look-up still runs when the chunk applies."""
+        self._next_raws = raws if isinstance(raws, (list, tuple)) else None
 
-        def look_up(chunk):
-            # Events this node already holds are answered by the apply path's duplicate look-up
-            # before any verification (§12.4 early): preparing them would be wasted work.
-            # (The log and the held table only grow during a batch, so "known" stays true.)
-            ids = [ev.event_id(bytes(r)) if isinstance(r, (bytes, bytearray)) else None for r in chunk]
-            known = self._known_among([i for i in ids if i is not None])
-            todo = [bytes(r) for r, i in zip(chunk, ids) if i is not None and i not in known]
-            return ids, known, todo
+    def _drop_carried(self) -> None:
+        """Read and drop the answers to chunks sent ahead for a batch that did not come."""
+        carried, self._carried = self._carried, None
+        if carried is not None and self._pool:
+            try:
+                self._pool.drain()
+            except Exception as e:  # noqa: BLE001 - any failure of the worker: prepare here
+                self._worker_failed(e)
 
-        def submit(chunk):
-            ids, known, todo = look_up(chunk)
-            ticket = None
-            if worker is not None and self._pool:
-                try:
-                    ticket = worker.submit(keyring, mesh, todo)
-                except Exception as e:  # noqa: BLE001 - any failure of the worker: prepare here
-                    self._worker_failed(e)
-            return ids, known, todo, ticket
-
-        # Chunks of at most _CHUNK events and _CHUNK_BYTES bytes, _AHEAD ahead of the one being
-        # applied: the prepare-ahead window is bounded in bytes as well as in events (issue 15).
-        # With a worker the first chunks are smaller (_FIRST_CHUNK, doubling up to _CHUNK): this
-        # thread waits for the first chunk's answer before applying anything, and a run receives
-        # a body of 1 000 events at a time, so that wait came back at every body (measured on the
-        # receiving `run` of bench/bench_syncrate.py: ~14 % of its wall time blocked on the first
-        # answer of each body with first chunks of 256).
+    def _chunks(self, raws, worker: bool) -> list[list]:
+        """A batch's chunks: at most _CHUNK events and _CHUNK_BYTES bytes, so the prepare-ahead
+        window (_AHEAD chunks) is bounded in bytes as well as in events (issue 15). With a worker
+        the first chunks are smaller (_FIRST_CHUNK, doubling up to _CHUNK): this thread waits for
+        the first chunk's answer before applying anything, and a run receives a body of 1 000
+        events at a time, so that wait came back at every body (measured on the receiving `run` of
+        bench/bench_syncrate.py: ~14 % of its wall time blocked on the first answer of each body
+        with first chunks of 256). And the last ones smaller too: after the worker's last answer
+        this thread applies that chunk alone, the worker idle (the same wait, at the batch's end)."""
         chunks, cur, size = [], [], 0
-        limit = min(self._FIRST_CHUNK, self._CHUNK) if worker is not None else self._CHUNK
+        limit = min(self._FIRST_CHUNK, self._CHUNK) if worker else self._CHUNK
         for r in raws:
             n = len(r) if isinstance(r, (bytes, bytearray)) else 0
             if cur and (len(cur) == limit or size + n > self._CHUNK_BYTES):
@@ -753,45 +752,120 @@ class Node:
             size += n
         if cur:
             chunks.append(cur)
-        if worker is not None and len(chunks) > 1:
-            # and the last ones smaller too: after the worker's last answer this thread applies
-            # that chunk alone, the worker idle (the same wait, at the batch's end)
+        if worker and len(chunks) > 1:
             last = chunks.pop()
             while len(last) > 2 * self._FIRST_CHUNK:
                 chunks.append(last[:len(last) // 2])
                 last = last[len(last) // 2:]
             chunks.append(last)
-        ahead = [submit(c) for c in chunks[:self._AHEAD]] if worker is not None else []
+        return chunks
+
+    def _verified_ahead(self, raws):
+        """Each event with what the apply path needs to know of it before touching the store:
+        its envelope, keyring entry, signature verdict, decoded payload (agent/core/prepare.py),
+        computed a few chunks ahead by the worker process while this thread applies the events
+        before them (on one core, or without a worker: here, chunk by chunk). Pure: the same
+        checks §12.1 runs, done early; `_apply_one` still takes each result in order and
+        re-verifies if the keyring entry changed since. Yields (raw, checked or None)."""
+        from .core.prepare import checked_from, prepare
+        keyring, mesh = dict(self.keyring), self.mesh_id
+        worker = self._worker(len(raws))
+        nxt, self._next_raws = self._next_raws, None
+        carried, self._carried = self._carried, None
+        if carried is not None and (worker is None or carried[0] is not raws):
+            self._carried = carried
+            self._drop_carried()   # sent ahead for a batch that did not come
+            carried = None
+
+        def look_up(chunk):
+            # Events this node already holds are answered by the apply path's duplicate look-up
+            # before any verification (§12.4 early): preparing them would be wasted work.
+            # (The log and the held table only grow during a batch, so "known" stays true.)
+            ids = [ev.event_id(bytes(r)) if isinstance(r, (bytes, bytearray)) else None for r in chunk]
+            known = self._known_among([i for i in ids if i is not None])
+            todo = [bytes(r) for r, i in zip(chunk, ids) if i is not None and i not in known]
+            return ids, known, todo
+
+        def send(todo):
+            if worker is not None and self._pool:
+                try:
+                    return worker.submit(keyring, mesh, todo)
+                except Exception as e:  # noqa: BLE001 - any failure of the worker: prepare here
+                    self._worker_failed(e)
+            return None
+
+        def submit(chunk):
+            ids, known, todo = look_up(chunk)
+            return ids, known, todo, send(todo)
+
+        def submit_unlooked(chunk):
+            # A chunk of the next batch, sent before that batch's transaction: its duplicate
+            # look-up is only valid inside it, so it runs when the chunk applies (below), and
+            # every event is prepared (an event found held then is answered without its result).
+            todo = [bytes(r) for r in chunk if isinstance(r, (bytes, bytearray))]
+            return None, None, todo, send(todo)
+
+        chunks = carried[1] if carried is not None else self._chunks(raws, worker is not None)
+        if worker is not None:
+            ahead = list(carried[2]) if carried is not None else []
+            ahead += [submit(c) for c in chunks[len(ahead):self._AHEAD]]
+        # The next batch (`prepare_next`): its first chunks go to the workers as this batch's
+        # last ones leave them, keeping _AHEAD chunks in flight across the two.
+        after = self._chunks(nxt, True) if worker is not None and nxt is not None and nxt is not raws \
+            and len(nxt) >= 64 else []
+        sent_after: list = []
+        done = False
         try:
             for i, chunk in enumerate(chunks):
                 if worker is not None:
                     ids, known, todo, ticket = ahead[i]
                     ahead[i] = None   # release the chunk's results as we go
-                    if i + self._AHEAD < len(chunks):
-                        ahead.append(submit(chunks[i + self._AHEAD]))
+                    j = i + self._AHEAD
+                    if j < len(chunks):
+                        ahead.append(submit(chunks[j]))
+                    elif j - len(chunks) < len(after) and self._pool:
+                        sent_after.append(submit_unlooked(after[j - len(chunks)]))
+                    looked_late = ids is None
+                    if looked_late:   # sent during the batch before: looked up now
+                        ids, known, _ = look_up(chunk)
                 else:
-                    (ids, known, todo), ticket = look_up(chunk), None
+                    (ids, known, todo), ticket, looked_late = look_up(chunk), None, False
+                # `full`: the results cover every event of the chunk (sent before its look-up),
+                # else only those the look-up found unknown
+                full = False
                 results = None
                 if ticket is not None and self._pool:
                     try:
                         results = worker.result(ticket)
+                        full = looked_late
                     except Exception as e:  # noqa: BLE001 - any failure of the worker: prepare here
                         self._worker_failed(e)
                 if results is None:
+                    if looked_late:
+                        todo = [bytes(r) for r, i in zip(chunk, ids) if i is not None and i not in known]
                     results = prepare(todo, keyring, mesh)
                 it = iter(results)
                 for raw, eid in zip(chunk, ids):
-                    if eid is None or eid in known:
+                    if eid is None:
+                        yield raw, None
+                        continue
+                    if eid in known:
+                        if full:
+                            next(it)
                         yield raw, None
                         continue
                     r = next(it)
                     yield raw, (None if r is None else checked_from(r, bytes(raw), eid, self.keyring.get(r[0])))
+            done = True
         finally:
             if worker is not None and self._pool:
-                try:
-                    worker.drain()   # a batch that stopped early (a fault): its answers in flight
-                except Exception as e:  # noqa: BLE001
-                    self._worker_failed(e)
+                if done and sent_after:
+                    self._carried = (nxt, after, sent_after)
+                else:
+                    try:
+                        worker.drain()   # a batch that stopped early (a fault): its answers in flight
+                    except Exception as e:  # noqa: BLE001
+                        self._worker_failed(e)
 
     def _apply_one(self, raw: bytes, now: int, origin: str, checked=None, since: dict | None = None) -> Outcome:
         """The one apply path: §12 steps in the spec's order, then §13 materialization.

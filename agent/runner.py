@@ -59,7 +59,7 @@ from .core.exchange import (GIVE_UP_DOUBLINGS, PRESENCE_LIMIT, BodyLimits, Excha
                             Intake, Presence, ReleasedAcks, Schedule, SurfaceBudget, ack_due, ack_wait, answer_proof,
                             request_refusal, signed_ack_owed)
 from .core.sending import first_body
-from .core.messages import ProtocolError
+from .core.messages import ProtocolError, parse_body
 from .core.records import MAX_ACK_ANSWERS, AckAnswer, record_hash as body_hash
 from .core.sending import PeerLimit  # noqa: F401 - the too-large back-off (pure); re-exported
 from .core.session import parse_meta_text
@@ -152,6 +152,7 @@ class Runner:
         self._owed: dict[bytes, list] = {}  # sender -> [(request, answer properties, AckAnswer)] not yet answered
         self._last_ack: dict[bytes, float] = {}  # sender -> when its last acknowledgement was signed
         self._released_acks = ReleasedAcks()  # records released, served again to a replay of the same body
+        self._next_body: tuple | None = None  # (payload, its parse) of the body named to the node next
         # Writes before this runner started are the batch cycle's; realtime pushes follow new ones.
         self._scanned = self._local_top = eventlog.top(node.conn)
         self.schedule = Schedule(self.cfg, self._local_top)
@@ -369,7 +370,8 @@ class Runner:
             meta = parse_meta_text(m.props[P_META]) if P_META in m.props else None
             # A realtime body here is a window body sent early (same selection and meta, answered):
             # the stream rules are those of a batch body.
-            body, outs, processed = self.sync.receive(m.payload, meta=meta, sender=m.sender)
+            parsed = self._name_next(m)
+            body, outs, processed = self.sync.receive(m.payload, meta=meta, sender=m.sender, parsed=parsed)
         except ProtocolError as e:
             return self._reject(m, e.reason, e.detail)
         # Committed: now answer, then ack (a crash before the ack means redelivery and duplicates).
@@ -402,6 +404,27 @@ class Runner:
         if self.link.answer(m, self.sync.answer_body(m.sender, extra), user):
             self.stats["answers_sent"] += 1
         self.link.ack(m)
+
+    def _name_next(self, m: Inbound):
+        """This body's parse if it was parsed early, and name the next body waiting from the same
+        sender to the node (`Node.prepare_next`): the apply workers prepare its first chunks while
+        this one ends (last chunk, row writes, commit, answer) instead of idling, and its apply
+        does not start by waiting for them (docs/apply.md "A `run` receiving bodies"). Only when
+        no other member's bodies wait: with several senders the next body handled may be
+        another's, and what was prepared for a body that does not come next is dropped."""
+        early, self._next_body = self._next_body, None
+        parsed = early[1] if early is not None and early[0] is m.payload else None
+        waiting = self.intake.members.get(m.sender)
+        if waiting and len(self.intake.members) == 1:
+            n = waiting[0]
+            if n.kind == "req" and not n.oversize and len(n.payload) <= self.settings.body_limit_bytes:
+                try:
+                    nb = parse_body(n.payload)   # pure; refused again, with its reason, when handled
+                except ProtocolError:
+                    return parsed
+                self._next_body = (n.payload, nb)
+                self.node.prepare_next(nb.events)
+        return parsed
 
     def _answer_owed(self, force: bool = False) -> None:
         """Answer the bodies taken whose senders asked for a signed acknowledgement: one record per

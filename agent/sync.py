@@ -925,11 +925,14 @@ class PortAdapter:
                 "n_backfill": int(extra.get("x", 0)), "backfill": bool(extra.get("bf", False)), "token": tok,
                 "body_hash": bytes.fromhex(extra["h"]) if extra.get("h") else None}
 
-    def receive(self, data: bytes, meta: dict | None = None, sender: bytes | None = None):
+    def receive(self, data: bytes, meta: dict | None = None, sender: bytes | None = None,
+                parsed: SyncBody | None = None):
         """`meta`: the frame meta as sent ({s, e, d, g, x}); `sender`: who the binding says sent it
-        (a body naming someone else is refused). Raises ProtocolError: nothing changed."""
+        (a body naming someone else is refused); `parsed`: `parse_body(data)` if the caller has it
+        already (the Runner parses the next waiting body early, `Node.prepare_next`). Raises
+        ProtocolError: nothing changed."""
         from .core.messages import ProtocolError
-        body = parse_body(data)
+        body = parse_body(data) if parsed is None else parsed
         if sender is not None and body.from_site_id != sender:
             raise ProtocolError("sender_mismatch", f"from_site_id {body.from_site_id.hex()} sent by {sender.hex()}")
         sm = StreamMeta.from_wire(meta, len(body.events)) if meta is not None else None

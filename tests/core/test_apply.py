@@ -517,3 +517,55 @@ def test_duplicate_check_is_the_same_whatever_the_batch_size(tmp_path):
     assert [(o.status, o.reason) for o in batch] == [(o.status, o.reason) for o in alone]
     for n in nodes.values():
         n.close()
+
+
+@needs_two_cores
+@pytest.mark.parametrize("share", [0.0, 1.0])
+def test_a_batch_prepared_during_the_one_before_gives_the_same_outcomes(tmp_path, monkeypatch, share):
+    """`prepare_next` (a `run` naming the next body waiting): the workers prepare that batch's first
+    chunks while this one applies. The same apply path: its duplicate look-up runs inside the
+    batch that applies them (bytes the batch before applied are duplicates, not re-applied), a
+    key vouched or retired in between is checked against the entry the node holds when the batch
+    applies, and a hint for a batch that does not come is dropped. One-by-one application on a
+    node without a worker is the reference."""
+    monkeypatch.setattr(Node, "WORKER_MIN_BATCH", 64)
+    monkeypatch.setenv("SSP_AGENT_APPLY_WORKERS", "1")
+    from agent.applyworker import ApplyWorkers
+    monkeypatch.setattr(ApplyWorkers, "FIRST_SHARE", share)
+    monkeypatch.setattr(ApplyWorkers, "STEP", 0.0)
+    a, b, c = peers(3)
+    big = make_node(tmp_path / "big", [a, b])
+    small = make_node(tmp_path / "small", [a, b])
+    first = _mixed_events(a, b, 30)
+    # the next one repeats the first's last events (applied by the batch before: duplicates) and
+    # carries c's events (c unknown when it is sent ahead, vouched before it applies)
+    second = first[-40:] + _mixed_events(a, b, 30, base=100) + \
+        [c.event(T, {"device": "c", "seq": i}, {"temp": 1.0}, (NOW, i)) for i in range(70)]
+    third = _mixed_events(a, b, 20, base=200)
+    never = _mixed_events(a, b, 20, base=300)   # named, never applied
+    fourth = _mixed_events(a, b, 20, base=400)
+    seen = []
+
+    def step(raws, hint=None):
+        if hint is not None:
+            big.prepare_next(hint)
+        outs_big = big.apply_batch(raws, NOW)
+        outs_small = [small.apply_batch([r], NOW)[0] for r in raws]
+        assert [(o.status, o.reason) for o in outs_big] == [(o.status, o.reason) for o in outs_small]
+        seen.extend(o.reason for o in outs_big)
+
+    step(first, hint=second)
+    assert big._carried is not None and big._carried[0] is second   # its first chunks went ahead
+    for n in (big, small):
+        n.add_peer(c.site_id, c.public_key, None)           # c vouched between the two batches
+        n.add_peer(a.site_id, a.public_key, (NOW, 120))     # a retired above (NOW, 120)
+    step(second, hint=never)
+    assert big._carried is not None and big._carried[0] is never
+    step(third, hint=fourth)                                 # `never` did not come: dropped
+    step(fourth)
+    assert big._carried is None
+    assert {"applied", "duplicate", "retired_signer", "bad_signature", "table_missing"} <= set(seen)
+    assert sum(1 for r in seen if r == "applied") > 100
+    assert big.dump() == small.dump()
+    big.close()
+    small.close()
