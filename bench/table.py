@@ -126,27 +126,29 @@ def _cell(text: str) -> str:
 
 def row(r: dict) -> str:
     script = f"bench/{r['bench']}.py"
-    what = f"[`{script}`]({script}): {r['measures']}"
+    # the command as run (without `python` and `--record`): which sizes this row is
+    label = " ".join(a for a in r["command"].split()[1:] if a != "--record") or script
+    what = f"[`{label}`]({script}): {r['measures']}"
     if r["status"] == "not_run":
         return f"| {_cell(what)} | not run here: {_cell(r['reason'])} | {_cell(r['date'][:10])} |"
     figures = "; ".join(f"{k} {value(v)}" for k, v in r["figures"].items())
     denominators = "; ".join(f"{k} {value(v)}" for k, v in r["denominators"].items())
     result = f"{r['summary']}. Figures: {figures}." + (f" Same run's denominators: {denominators}." if denominators else "")
     if r["status"] == "transcribed":
-        when = f"{r['date'][:10]}, transcribed: {r['source']}; `{r['command']}`"
+        when = f"{r['date'][:10]}, transcribed: {r['source']}"
     else:
         la = r["load_average"]
         m = r["machine"]
         when = (f"{r['date'][:10]} {r['date'][11:16]} UTC, {num(r.get('duration_s', 0))} s; load average "
                 f"{la['start'][0]:.2f} → {la['end'][0]:.2f} (1 min) on {m['nproc']} CPUs; "
-                f"`{r['commit'][:7]}`{' (dirty)' if r.get('dirty') else ''}; `{r['command']}`")
+                f"code at `{r['commit'][:7]}`{' (with uncommitted changes)' if r.get('dirty') else ''}")
     return f"| {_cell(what)} | {_cell(result)} | {_cell(when)} |"
 
 
 def render(results: list[dict]) -> str:
     """The text between the markers: the table (one row per result file) and where its history is."""
-    lines = ["| benchmark: what it measures | result (the bench's line; figures; the denominators measured in the "
-             "same run) | measured: when, load, code, command |", "| --- | --- | --- |"]
+    lines = ["| benchmark as run: what it measures | result (the bench's line; figures; the denominators measured in the "
+             "same run) | measured: when, load, code |", "| --- | --- | --- |"]
     lines += [row(r) for r in results]
     return "\n".join(lines) + "\n"
 

@@ -107,7 +107,7 @@ def test_a_recorded_run_writes_the_schema_and_an_unrecorded_one_nothing(tmp_path
     assert r["measures"].startswith("Sync benchmark") and r["summary"]
     # the rendering shows it: one row for the bench, with its figures and its denominators
     row = t.render(t.load(results)).splitlines()[2]
-    assert row.startswith("| [`bench/bench_sync.py`]") and "ratio_sync_apply_only **" in row
+    assert row.startswith("| [`bench/bench_sync.py --events 300`](bench/bench_sync.py)") and "ratio_sync_apply_only **" in row
     assert "apply_only_events_per_s **" in row and "load average" in row
 
 
