@@ -125,7 +125,6 @@ class SyncDriver:
         self.conn = node.conn
         self.batch_limit = batch_limit
         st.ensure_schema(self.conn)
-        self._push_pos: dict[tuple[bytes, str], int] = {}
         self._denials_surfaced: set[tuple[bytes, str, str]] = set()
         self.stats = {"pushed_events": 0, "received_events": 0, "bodies_out": 0, "bodies_in": 0}
 
@@ -135,6 +134,7 @@ class SyncDriver:
         """A session for one link. `secure`: the binding authenticated the peer (e.g. TLS client
         certificates bound to the site_id); only then are its reports and stream trusted for
         watermarks. `path` names the transport path (one cursor per peer per path)."""
+        kw.setdefault("body_limit", int(getattr(self.node.profile, "body_limit_bytes", 256 * 1024)))
         return Session(LinkProvider(self, path, secure), peer=peer, secure=secure,
                        binding_unsolicited=binding_unsolicited, realtime_capable=realtime_capable, **kw)
 
@@ -187,9 +187,9 @@ class SyncDriver:
         and there is room, the next rows of the peer's backfill jobs (never in a push)."""
         if start is None:
             start = st.cursor(self.conn, peer, path)[0]
-            if mode == "push":
-                start = max(start, self._push_pos.get((peer, path), 0))
         limit = self.batch_limit if limit is None else limit
+        if limit <= 0:  # an answer while the window is full: watermarks and records only
+            return delivery.Selection(end=start), None, start, ([], ())
         allowed = self._allowed_fn(peer)
         pwm = st.peer_watermarks(self.conn, peer)
         counts = self.node._counts
@@ -307,22 +307,32 @@ class SyncDriver:
         return Backfill(events, parts) if parts else None
 
     def build(self, peer: bytes, path: str, mode: str, now: int | None = None,
-              extra_records: tuple[bytes, ...] = ()) -> Outgoing:
-        """`extra_records`: records the body carries beyond the held ones (the mailbox path's
-        answer record, agent/mailbox.py); never tracked as delivered."""
-        sel, bf, start, ro = self.select_for(peer, path, mode, now=now)
-        if mode == "push":
-            self._push_pos[(peer, path)] = sel.end
-        extra = [raw for _seq, raw in ro[0]] + (list(bf.events) if bf else [])
-        events = list(sel.events) + extra
-        recs = self.select_records(peer, path)
-        body = SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events), tuple(recs[1]) + tuple(extra_records),
-                        tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items())))
-        meta = StreamMeta(start, sel.end, tuple(sel.seqs), tuple(sorted(sel.gaps)), len(extra))
-        tok = self.token(peer, path, sel, bf, start, recs, ro)
+              extra_records: tuple[bytes, ...] = (), *, start: int | None = None, max_events: int | None = None,
+              max_bytes: int | None = None, record_budget: int | None = None, backfill: bool = True) -> Outgoing:
+        """One body for `peer` on `path` from `start` (default: the durable cursor): at most
+        `max_events` events (default: the batch limit) and, when given, `max_bytes` bytes (the
+        peer's body limit now, `core.exchange.BodyLimits`): a selection that does not fit is
+        selected again with fewer events (one event too large for any body still goes alone).
+        `extra_records`: records the body carries beyond the held ones (the mailbox path's answer
+        record, agent/mailbox.py); never tracked as delivered."""
+        limit = self.batch_limit if max_events is None else max_events
+        wms = tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items()))
+        while True:
+            sel, bf, start0, ro = self.select_for(peer, path, mode, start=start, limit=limit, backfill=backfill,
+                                                  now=now)
+            extra = [raw for _seq, raw in ro[0]] + (list(bf.events) if bf else [])
+            events = list(sel.events) + extra
+            recs = self.select_records(peer, path, record_budget)
+            raw = emit_body(SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events),
+                                     tuple(recs[1]) + tuple(extra_records), wms))
+            if max_bytes is None or len(raw) <= max_bytes or len(events) <= 1:
+                break
+            limit = max(1, min(len(events) - 1, len(events) * max_bytes * 9 // (10 * len(raw))))
+        meta = StreamMeta(start0, sel.end, tuple(sel.seqs), tuple(sorted(sel.gaps)), len(extra))
+        tok = self.token(peer, path, sel, bf, start0, recs, ro)
         self.stats["bodies_out"] += 1
         self.stats["pushed_events"] += len(events)
-        return Outgoing(emit_body(body), meta, tok, len(events))
+        return Outgoing(raw, meta, tok, len(events), bf is not None)
 
     def _held_records(self, peer: bytes | None = None) -> list[tuple[bytes, bytes]]:
         """(record_hash, raw) of every record a body to `peer` could carry, in body order, hashes
@@ -711,7 +721,8 @@ MAILBOX_WINDOW_BYTES = 1 << 20
 
 
 class LinkProvider:
-    """The Provider a Session talks to: one per link (path + what the binding knows)."""
+    """The Provider a Session talks to: one per link (path + what the binding knows). The session
+    decides which range goes (the exchange's window, agent/core/exchange.py); this selects it."""
 
     def __init__(self, driver: SyncDriver, path: str, secure: bool) -> None:
         self.driver, self.path, self.secure = driver, path, secure
@@ -719,8 +730,14 @@ class LinkProvider:
     def hello_info(self) -> tuple[bytes, tuple[int, int]]:
         return self.driver.node.site_id, self.driver.have_max_hlc()
 
-    def outgoing(self, peer: bytes, mode: str, now: int) -> Outgoing:
-        return self.driver.build(peer, self.path, mode, now)
+    def cursor(self, peer: bytes) -> int:
+        return st.cursor(self.driver.conn, peer, self.path)[0]
+
+    def records_pending(self, peer: bytes) -> bool:
+        return self.driver.records_pending(peer, self.path)
+
+    def outgoing(self, peer: bytes, mode: str, now: int, **kw: Any) -> Outgoing:
+        return self.driver.build(peer, self.path, mode, now, **kw)
 
     def incoming(self, peer: bytes, body: SyncBody, meta: StreamMeta, mode: str, now: int) -> tuple[int, list[int]]:
         k, outs = self.driver.receive(peer, body, meta, mode, now, self.path, self.secure)
@@ -728,7 +745,9 @@ class LinkProvider:
 
     def confirm(self, peer: bytes, token: Any, processed: int, rejected: list[int] | None, now: int) -> None:
         if isinstance(token, _Token):
-            self.driver.confirm(peer, token, processed, rejected=rejected, now=now)
+            # contiguous: with a window in flight, an answer moves the live cursor only when its
+            # body started at or before it (the rule the MQTT answers follow, `PortAdapter.advance`)
+            self.driver.confirm(peer, token, processed, contiguous=True, rejected=rejected, now=now)
 
     def protocol_error(self, peer: bytes | None, reason: str, detail: str, now: int) -> None:
         self.driver.surface_protocol_error(peer, reason, detail, now, self.path)

@@ -1,9 +1,13 @@
-"""The MQTT binding's exchange state machine, sans-I/O (issue 13 item 1: "one session, every link").
+"""The exchange state machine, sans-I/O: one set of rules for every link (issue 13 item 1:
+"one session, every link").
 
-What a node decides about its exchanges with its peers on a binding where every body is a request
-answered on its own (MQTT v5 request/response, docs/mqtt.md), with no byte, clock or store in
-sight: agent/runner.py moves messages, time (`now`, monotonic seconds, passed in) and rows
-(sync_state) in and out, and asks this module what to do.
+What a node decides about its exchanges with its peers, with no byte, clock or store in sight.
+Two drivers call it: agent/runner.py on the MQTT binding (every body a request answered on its
+own, docs/mqtt.md; messages, time and rows in sync_state moved in and out by the runner), and
+agent/core/session.py on the serial and in-memory links (one `Exchange` per session, for its one
+peer; time passed in as seconds). What only MQTT has (retained presence parsed from topics,
+bodies recalled from an earlier process, signed acknowledgements as proof on a binding without
+ACLs, `Intake`) is used by the runner alone; the rest is the same code on every link.
 
 - **The window** (§32, docs/mqtt.md "Quiet links"): which bodies are in flight to each peer (sent
   by this process, `pending`; or by an earlier one and restored from sync_state, `earlier`), where
@@ -19,16 +23,15 @@ sight: agent/runner.py moves messages, time (`now`, monotonic seconds, passed in
   it); an absent peer is sent one window and nothing more.
 - **Body limits** (`BodyLimits`, docs/mqtt.md "Size limits"): the peer's advertised limit, and the
   provisional reduction after `too_large` refusals or silence (`sending.PeerLimit`).
-- **Presence** (`Presence`, §31 on MQTT): the present peers' handshakes, bounded against fictional
-  sites.
+- **Presence** (`Presence`, §31): the present peers' handshakes (on MQTT their retained presence,
+  bounded against fictional sites; on a session link the peer's hello: the link is up).
 
 Pushes and the cursor, on every link (§33: "a sender advances its durable cursor only on a
 successful push, solicited or not; a push whose outcome the sender never observes is re-offered
-by the batch path"). The in-memory and serial links run `agent/core/session.py`, whose push frame
-is one-way: its outcome is never observed, so it moves no cursor and the batch cycle re-offers it.
-On MQTT a realtime push is a window body sent early and answered like any other, so its answer
-moves the cursor exactly as a batch body's does. Either way the movement an answer proves is one
-pure function, `core.delivery.answer_moves`, through `SyncDriver.confirm`.
+by the batch path"). A realtime push is a window body sent early and answered like any other
+(on MQTT its answer, on a session link a `push_ack` frame), so its answer moves the cursor
+exactly as a batch body's does, through one pure function, `core.delivery.answer_moves`
+(`SyncDriver.confirm`).
 """
 from __future__ import annotations
 
@@ -207,7 +210,8 @@ class BodyLimits:
             return top
         return lim
 
-    def too_large(self, peer: bytes, now: float, link_max: int) -> None:
+    def too_large(self, peer: bytes, now: float, link_max: int, size: int = 0) -> None:
+        """A `too_large` refusal of a body of `size` bytes (0: not known) sent to `peer`."""
         if self.told == peer:
             # The refusal stated the peer's limit (learned with the message): the next bodies fit
             # it; nothing to guess by halving.
@@ -215,6 +219,11 @@ class BodyLimits:
             self.stats["body_limit_told"] += 1
             return
         pl = self.peer_limit.get(peer)
+        if pl is not None and size > pl.limit:
+            # Sent before the reduction (the rest of a window in flight): the same evidence again,
+            # not a reason to halve once more per body.
+            self.stats["body_limit_refusal_stale"] += 1
+            return
         if pl is None:
             top = self.top(peer, link_max)
             pl = self.peer_limit[peer] = PeerLimit(top, now, self.cfg.limit_probe_s / 2, top)
@@ -565,7 +574,8 @@ class OfferPlan:
 # ---------------------------------------------------------------------- the window
 @dataclass
 class Exchange:
-    """The sender side of one node's exchanges on the MQTT binding, for all its peers."""
+    """The sender side of one node's exchanges with its peers (all of them on MQTT; the one peer
+    of a session link)."""
     cfg: ExchangeConfig = field(default_factory=ExchangeConfig)
     limits: BodyLimits = field(default_factory=lambda: BodyLimits(16 * 1024))
     presence: Presence = field(default_factory=Presence)
@@ -624,7 +634,11 @@ class Exchange:
         return [p for p in self.realtime_peers(member) if self.room(p) > 0]
 
     def start_at(self, peer: bytes, cursor: int) -> int:
-        """Where the next body to `peer` starts: after the window in flight, or the durable cursor."""
+        """Where the next body to `peer` starts: after the window in flight, or, with nothing in
+        flight, the durable cursor (which may have moved back: a rehydration request resets it)."""
+        if not self.in_flight(peer):
+            self.sent_upto.pop(peer, None)
+            return cursor
         return max(cursor, self.sent_upto.get(peer, 0))
 
     def batch_room(self, peer: bytes) -> int:
@@ -697,6 +711,17 @@ class Exchange:
                 out.append(peer)
         return out
 
+    def reachable(self, peer: bytes, now: float) -> None:
+        """`peer` is reachable now (a request from it arrived; on a point-to-point link, the link is
+        up): the wait for the answers to its bodies in flight runs from now, unless it runs already."""
+        if self.in_flight(peer) and peer not in self.silent_since:
+            self.silent_since[peer] = now
+
+    def give_up_at(self, peer: bytes) -> float | None:
+        """When `expire` gives up on the bodies in flight to `peer` unless an answer comes first."""
+        since = self.silent_since.get(peer)
+        return None if since is None else since + self.wait_s(peer)
+
     def lost_while_away(self) -> list[bytes]:
         """A `sync --once` wake, after taking in what waited for it: the peers whose bodies from an
         earlier wake were not answered although the peer was online since (a request from it
@@ -724,8 +749,7 @@ class Exchange:
                 self.limits.told = who
         if kind == "req" and who is not None and not dup:
             self.heard.add(who)
-            if self.in_flight(who) and who not in self.silent_since:
-                self.silent_since[who] = now
+            self.reachable(who, now)
         elif kind == "presence" and empty and who is not None:
             self.silent_since.pop(who, None)  # it left: what it did not answer waits in its session
 
@@ -771,7 +795,7 @@ class Exchange:
             reason = reason or "?"
             self.stats[f"push_rejected:{reason}"] += 1
             if reason == "too_large":  # the peer's body limit may be below ours: halve what we send it
-                self.limits.too_large(peer, now, link_max)
+                self.limits.too_large(peer, now, link_max, body.size)
             if not earlier:
                 self.reset(peer)
             # Unauthenticated without the ACLs: a forged refusal must not make the peer's real

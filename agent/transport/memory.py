@@ -102,7 +102,7 @@ class Pair:
         return t
 
     def quiet(self) -> bool:
-        return all(not s._my_body and not s._my_answers and s.state == "ready" for s in self.sessions)
+        return all(not s.busy and s.state == "ready" for s in self.sessions)
 
     def exchange(self, now: int, until: int | None = None) -> int:
         """One batch cycle started by endpoint 0, run to completion (or `until`)."""

@@ -58,8 +58,14 @@ class _Counting:
     def hello_info(self):
         return self.inner.hello_info()
 
-    def outgoing(self, peer, mode, now):
-        out = self.inner.outgoing(peer, mode, now)
+    def cursor(self, peer):
+        return self.inner.cursor(peer)
+
+    def records_pending(self, peer):
+        return self.inner.records_pending(peer)
+
+    def outgoing(self, peer, mode, now, **kw):
+        out = self.inner.outgoing(peer, mode, now, **kw)
         self.offered += out.n_events
         return out
 
@@ -157,8 +163,7 @@ class SerialEndpoint:
                     self._ready_at, self._rcv_at_ready = mono, self.link.stream_received
                 else:
                     self._ready_at = None
-                    if self.provider is not None and not self.provider.confirms and not s._my_body \
-                            and not s._my_answers:
+                    if self.provider is not None and not self.provider.confirms and not s.busy:
                         s.cycle(wall)  # the other end did not start one: start it here
         self._pump(mono, wall)
 
@@ -192,7 +197,7 @@ class SerialEndpoint:
     def busy(self) -> bool:
         """An exchange in flight either way, or bytes not yet acknowledged by the other end."""
         s = self.session
-        return bool(s is not None and (s._my_body or s._my_answers)) or not self.link.idle()
+        return bool(s is not None and s.busy) or not self.link.idle()
 
     def summary(self) -> dict[str, Any]:
         c = self.totals
@@ -230,7 +235,7 @@ class SerialEndpoint:
         st = self.settings
         s = self.driver.session(PATH, None, secure=st.secure, binding_unsolicited=True,
                                 realtime_capable=st.realtime, cycle_ms=st.cycle_ms,
-                                answer_timeout_ms=st.answer_timeout_ms)
+                                answer_timeout_ms=st.answer_timeout_ms, link_max=self.link.cfg.max_message)
         self.provider = _Counting(s.provider, st.batch_limit, self._admit)
         s.provider = self.provider
         self.session = s
@@ -321,7 +326,7 @@ class SerialEndpoint:
                 # One message at a time: an acknowledgement and the next body often arrive in one
                 # read, and each exchange's movement must be told apart (the end of a --once).
                 chain = self._after(s, mono) or chain
-            if chain and s.state == "ready" and not s._my_body:
+            if chain and s.state == "ready" and not s.bodies_out():
                 s.cycle(wall)
             for f in s.data_to_send():
                 try:

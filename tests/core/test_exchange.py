@@ -467,3 +467,32 @@ def test_a_refused_presence_makes_the_site_absent_and_is_surfaced_once_per_paylo
     p.received(PEER, emit_handshake(Handshake(PEER, (0, 0), False, None, None)), member)
     assert PEER in p
     assert p.received(PEER, b"", member) is None and PEER not in p, "an empty presence: it left"
+
+
+def test_refusals_of_a_window_sent_before_the_reduction_halve_the_limit_once():
+    # A window of bodies in flight refused as too large (on any link) is one piece of evidence:
+    # the bodies sent at the old size do not halve the limit again and again.
+    x = ex()
+    present(x)
+    for c in (b"c1", b"c2", b"c3"):
+        x.sent(c, body(size=LINK))
+    for c in (b"c1", b"c2", b"c3"):
+        p, earlier = x.lookup(c)
+        x.answer(c, PEER, p, earlier, status="rejected", reason="too_large", processed_text="0", rejected=None,
+                 proof=lambda _b: None, now=1.0, link_max=LINK)
+    assert x.limits.limit(PEER, 1.0, LINK) == LINK // 2
+    x.sent(b"c4", body(size=LINK // 2))  # sent at the reduced size and refused again: halved again
+    p, earlier = x.lookup(b"c4")
+    x.answer(b"c4", PEER, p, earlier, status="rejected", reason="too_large", processed_text="0", rejected=None,
+             proof=lambda _b: None, now=2.0, link_max=LINK)
+    assert x.limits.limit(PEER, 2.0, LINK) == LINK // 4
+
+
+def test_with_nothing_in_flight_the_next_body_starts_at_the_durable_cursor():
+    # The cursor can move back under the window (a rehydration request resets it to genesis):
+    # once nothing is in flight, where the last body ended says nothing any more.
+    x = ex()
+    x.sent(b"c1", body(start=0, end=9, seqs=(7, 8, 9)))
+    assert x.start_at(PEER, 0) == 9
+    answer(x, b"c1")
+    assert x.in_flight(PEER) == 0 and x.start_at(PEER, 0) == 0
