@@ -211,14 +211,16 @@ def run_runtime(args, node, runner=None, ports=()) -> int:
     SIGTERM/SIGINT; prints the summary."""
     from .cli import EXIT_OK, emit, run_forwarded
     from .runtime import Runtime
-    stop = {"v": False}
+    stop = {"v": False, "rt": None}
 
     def _stop(*_a):
         stop["v"] = True
+        if stop["rt"] is not None:
+            stop["rt"].wake()   # the loop sleeps until its next deadline: leave now, not then
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     interval = float(getattr(node.profile, "eviction_interval_s", 0) or 0) or None
-    rt = Runtime(node, runner=runner, ports=ports, broker_url=args.broker if runner is not None else None,
+    rt = stop["rt"] = Runtime(node, runner=runner, ports=ports, broker_url=args.broker if runner is not None else None,
                  forward=run_forwarded, eviction_interval_s=interval, metrics_file=args.metrics_file,
                  metrics_interval_s=args.metrics_interval)
     for p in ports:

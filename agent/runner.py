@@ -3,9 +3,12 @@
 A thin adapter (issue 13 item 1): the protocol decisions described below (the window of bodies
 in flight, what an answer proves, giving up, body limits, presence, when and what to send, the
 order of intake, refusals before parsing) are the pure exchange state machine's,
-`agent/core/exchange.py` (with `core.sending` and `core.delivery.answer_moves`); this module
-moves messages (MqttLink), time (`time.monotonic`, passed in) and rows (sync_state, through
-`agent.sync.PortAdapter`) in and out of it. `agent/runtime.py` drives it through `step`.
+`agent/core/exchange.py` (with `core.sending` and `core.delivery.answer_moves`), and what the
+binding adds around it is `agent/core/binding.py`'s (the request and answer properties and
+whether a request asks for a signed acknowledgement, how many events fit a body, the order of a
+`sync --once` wake, when the loop is next due); this module moves messages (MqttLink), time
+(`time.monotonic`, passed in) and rows (sync_state, through `agent.sync.PortAdapter`) in and out
+of them. `agent/runtime.py` drives it through `step` and sleeps until `next_due`.
 
 One thread owns the node (SQLite); the MQTT link's network thread only enqueues what arrives.
 Everything sent and received goes through the sync layer (`agent.sync.PortAdapter` on the
@@ -58,7 +61,8 @@ from .core.exchange import MAX_ACKS_LOOKED_AT  # noqa: F401 - re-exported (tests
 from .core.exchange import (GIVE_UP_DOUBLINGS, PRESENCE_LIMIT, BodyLimits, Exchange, ExchangeConfig, InFlight,
                             Intake, Presence, ReleasedAcks, Schedule, SurfaceBudget, ack_due, ack_wait, answer_proof,
                             request_refusal, signed_ack_owed)
-from .core.sending import first_body
+from .core.binding import (P_ACK, OnceWake, answer_properties, asks_signed_ack, body_fit,  # noqa: F401 - P_ACK re-exported
+                           next_due, refusal_properties, request_properties)
 from .core.messages import ProtocolError, parse_body
 from .core.records import MAX_ACK_ANSWERS, AckAnswer, record_hash as body_hash
 from .core.sending import PeerLimit  # noqa: F401 - the too-large back-off (pure); re-exported
@@ -67,16 +71,11 @@ from .core.reasons import BROKER_LOST
 from .outcomes import counts
 from .store import db, eventlog, sync_state as st
 from .sync import Offer  # noqa: F401 - defined below the runner (no import circle); re-exported
-from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_COUNT, P_END, P_KIND, P_META, P_PART, P_PROCESSED,
-                             P_REJECTED_AT, ADVERTISED_FLOOR, P_BODY_LIMIT, decode_indices, encode_indices,
-                             parse_body_limit,
-                             P_REASON, P_START, P_STATUS, Inbound, MqttLink, MqttSettings, encode_meta, meta_cost)
+from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_KIND, P_META, P_REJECTED_AT, ADVERTISED_FLOOR,
+                             P_BODY_LIMIT, P_REASON, P_STATUS, P_PROCESSED, Inbound, MqttLink, MqttSettings,
+                             decode_indices, parse_body_limit)
 
 PATH = "mqtt"  # the transport path: one durable cursor per (peer, path) in sync_state
-# A request property (transport metadata, no authority): "1" asks the receiver for a signed
-# acknowledgement (`sovm/ssp-ack-v1`, docs/protocol.md §5) in its answer. Stripping it only makes
-# the sender's cursor stay (fail closed); adding it only costs the receiver a grouped signature.
-P_ACK = "ssp-ack"
 
 log = logging.getLogger("ssp_agent.runner")
 
@@ -229,6 +228,20 @@ class Runner:
             except Exception as e:  # noqa: BLE001 - a clock check must never stop the sync loop
                 log.warning("clock check failed: %s", e)
 
+    def next_due(self, now: float) -> float:
+        """When this runner next has something to do without being told (monotonic; `now` or
+        earlier: at once): `core.binding.next_due` over the exchange and this runner's own jobs.
+        What arrives (a message, a lost connection, the connection's SUBACK) wakes the loop
+        through `link.wake`; a write in this process, through `notify_produced`."""
+        if self.intake.waiting() or not self.link.inbound.empty() or self.link.losses:
+            return now   # a pump left work behind (its budget), or the network thread queued some
+        others = [self._next_clock, self._next_evict if self.cfg.eviction_interval_s else None,
+                  self._next_links_save if self.ex.limits.dirty else None]
+        if self._owed:
+            others.append(now + ack_wait((self._last_ack.get(s, 0.0) for s in self._owed), now,
+                                         self.cfg.ack_interval_s))
+        return next_due(self.ex, self.schedule, now, connected=self.link.connected.is_set(), others=others)
+
     def evict(self) -> dict | None:
         """The profile's eviction job (agent/jobs.py, shared with the runtime loop), its report kept."""
         from .jobs import evict
@@ -307,8 +320,7 @@ class Runner:
         self.stats[f"rejected:{reason}"] += 1
         self.rejections.append((reason, detail))
         self._surface_refusal("mqtt_request", reason, detail, m.sender)
-        if self.link.answer(m, b"", {P_STATUS: "rejected", P_REASON: reason, P_PROCESSED: "0",
-                                     P_START: m.props.get(P_START, ""), P_END: m.props.get(P_END, "")}):
+        if self.link.answer(m, b"", refusal_properties(m.props, reason)):
             self.stats["answers_sent"] += 1
         self.link.ack(m)
 
@@ -381,15 +393,10 @@ class Runner:
         reasons = Counter(o.reason for o in outs if o.status not in ("applied", "duplicate"))
         for r, v in reasons.items():
             self.stats[f"event:{r}"] += v
-        user = {P_STATUS: "ok", P_PROCESSED: str(processed), P_COUNT: str(len(outs)),
-                P_START: m.props.get(P_START, ""), P_END: m.props.get(P_END, ""),
-                "ssp-applied": str(c["applied"]), "ssp-duplicate": str(c["duplicate"]),
-                "ssp-dropped": str(c["dropped"]), "ssp-rejected": str(c["rejected"])}
         rejected = [i for i, o in enumerate(outs) if o.status == "rejected"]
-        if rejected:
-            user[P_REJECTED_AT] = encode_indices(rejected)
+        user = answer_properties(m.props, c, processed, len(outs), rejected)
         extra: tuple = ()
-        if signed_ack_owed(m.props.get(P_ACK) == "1", m.sender, m.sender in self.node.keyring, self.node.site_id):
+        if signed_ack_owed(asks_signed_ack(m.props), m.sender, m.sender in self.node.keyring, self.node.site_id):
             answered = AckAnswer(body_hash(m.payload), processed, len(outs), tuple(rejected))
             kept = self._released_acks.get(m.sender, answered, self._own_entry())
             if kept is None:
@@ -629,11 +636,9 @@ class Runner:
             if not plan.worth_sending(off.end, off.backfill):
                 break
             if off.events:
-                # The records this body carries and the watermarks; the meta rides along.
-                base = len(self.sync.body((), peer, off.token)) + 96
-                cost = meta_cost(plan.start, off.seqs) + [0] * off.n_backfill
-                sizes = [len(e) + c for e, c in zip(off.events, cost)]
-                n = first_body(sizes, base + sum(len(g) + 3 for g in off.gaps), plan.limit, self.max_events)
+                # The records this body carries and the watermarks; the meta rides along (`body_fit`).
+                n = body_fit(off.events, plan.start, off.seqs, off.n_backfill, off.gaps,
+                             len(self.sync.body((), peer, off.token)), plan.limit, self.max_events)
                 if n is not None:  # the first part that fits; the rest goes in the next body
                     off = self.sync.select(peer, plan.start, n, backfill=bf, record_budget=plan.record_budget)
             self._send(peer, kind, off)
@@ -649,10 +654,8 @@ class Runner:
 
     def _send(self, peer: bytes, kind: str, off: Offer) -> None:
         body = self.sync.body(off.events, peer, off.token)
-        user = {P_KIND: kind, P_START: str(off.start), P_END: str(off.end), P_COUNT: str(len(off.events)),
-                P_PART: "1/1", P_META: encode_meta(off.start, off.end, off.seqs, off.gaps, off.n_backfill)}
-        if not self.cfg.secure:
-            user[P_ACK] = "1"  # answers are not authenticated here: ask for a signed acknowledgement
+        user = request_properties(kind, off.start, off.end, off.seqs, off.gaps, off.n_backfill, len(off.events),
+                                  self.cfg.secure)
         off.body_hash = body_hash(body)
         corr = self.link.push(peer, body, user)
         off.token = self.sync.keyed(off.token, corr)  # its answer confirms it, in this process or a later one
@@ -716,27 +719,23 @@ class Runner:
         intake. A broker that never echoes it (an ACL that drops our presence) falls back to
         `settle_s` of quiet. Then the answers of present peers end the offering; what arrives
         after that waits in the broker for the next wake (the session is persistent)."""
-        t0 = time.monotonic()
-        deadline = t0 + timeout_s
-        idle_since = t0
-        while time.monotonic() < deadline:
-            if self.link.presence_echo.is_set():
-                while self.pump(0):   # what arrived before the echo is in the queue: take it all
-                    pass
+        wake = OnceWake(time.monotonic(), settle_s, timeout_s)   # the order is the core's
+        took = 0
+        while True:
+            now = time.monotonic()
+            step = wake.next(now, echoed=self.link.presence_echo.is_set(), took=took,
+                             waiting=bool(self.ex.waiting_on()))
+            took = 0
+            if step == OnceWake.DONE:
                 break
-            if self.pump(0.01):
-                idle_since = time.monotonic()
-            elif time.monotonic() - idle_since >= settle_s:
-                break
-        for peer in self.ex.lost_while_away():  # (quiet links) made durable here
-            self._gave_up(peer)
-        self.batch_cycle()
-        while time.monotonic() < deadline:
-            self.pump(0.05)
-            self._expire(time.monotonic())
-            if not self.ex.waiting_on():
-                break
-        self.pump(0)   # a last look at what is already here, without waiting
+            if step == OnceWake.OFFER:
+                for peer in self.ex.lost_while_away():  # (quiet links) made durable here
+                    self._gave_up(peer)
+                self.batch_cycle()
+                continue
+            took = self.pump(wake.wait)
+            if step == OnceWake.AWAIT:
+                self._expire(time.monotonic())
         return self.summary()
 
     def summary(self) -> dict[str, Any]:

@@ -13,13 +13,20 @@ One thread owns the node (one writer, docs/operations.md) and drives, in one loo
   (each push selects from that peer's cursor; self-echo is filtered there), instead of waiting
   for their next batch cycle.
 
-Waiting. With MQTT alone the loop blocks in the runner's queue (`step(TICK_S)`), as `run` always
-did. With serial ports, one poll() waits on every open port's descriptor and a wake-up pipe
-that the MQTT network thread and the control socket's threads write to when something arrives
-for the loop; its timeout is the nearest port timer (a retransmission, a keep-alive, a port to
-reopen), at most TICK_S, the pace of the runner's own timers (cycles, expiry, coalesced pushes).
-Nothing in a turn blocks: a port that went away is retried on its timer, never by sleeping, so
-a pulled cable on one port does not hold up the others.
+Waiting (deadline-driven, no polling). Each turn sleeps in one poll() on every open port's
+descriptor and a wake-up pipe, until the earliest deadline of every link and job (`next_due`:
+the runner's batch cycle, coalesced pushes and answer timeouts from `core.binding.next_due`,
+each port's link and session timers or its reopen attempt, eviction, clock evidence, metrics,
+the systemd watchdog). What arrives wakes it at once: an MQTT message, connection or loss (the
+link's network thread writes the pipe), a control request (the control socket's threads), bytes
+on a port (its descriptor). After each link's work and each batch of control requests the loop
+asks the store whether the log grew (`store.eventlog.LogWatch`: a counter read unless this
+connection wrote): if so the other links are told (realtime, §33). No other process can append
+while `run` holds the home (the signing journal admits one bridge; other commands' writes are
+forwarded here), so there is no fallback check of the file. An idle gateway wakes for its
+keep-alives and its minute clock check, not 20 times a second (bench/bench_idle.py). Nothing
+in a turn blocks: a port that went away is retried on its timer, never by sleeping, so a pulled
+cable on one port does not hold up the others.
 """
 from __future__ import annotations
 
@@ -34,7 +41,9 @@ from .control import ControlServer
 from .metrics import write_metrics_file
 from .store import eventlog
 
-TICK_S = 0.05  # longest wait of one turn: the runner's timers are looked at this often
+# Longest sleep of one turn. Nothing needs it (every timer is a deadline, everything that arrives
+# wakes the loop): it bounds what a deadline forgotten in `next_due` could cost.
+MAX_WAIT_S = 30.0
 _EVERY_LINK = object()
 CLOCK_S = 60.0  # clock evidence (docs/apply.md "Clocks without an RTC")
 
@@ -54,30 +63,30 @@ class Runtime:
         # With a runner its counters are the process's (summary, metrics): evictions go there too.
         self.stats: Counter = runner.stats if runner is not None else Counter()
         self.last_eviction: dict | None = None
-        self._relay = len(self.ports) + (runner is not None) > 1
-        self._seen_top = self._top() if self._relay else 0
+        self.turns = 0   # the loop's wake-ups (`loop_turns` in the summary): an idle loop sleeps
+        # "The log grew" (agent/store/eventlog.py): asked after each piece of a turn's work; every
+        # append happens on this thread (no other process writes while `run` holds the home).
+        self._log = eventlog.LogWatch(node.conn)
+        self._server = self._watchdog = None
         self._next_evict = 0.0   # the first turn evicts, as the runner always did
         self._next_clock = 0.0
         self._next_metrics = 0.0
-        self._next_runner = 0.0
-        self._wake_r = self._wake_w = None
-        if self.ports:
-            self._wake_r, self._wake_w = os.pipe()
-            os.set_blocking(self._wake_r, False)
-            os.set_blocking(self._wake_w, False)
-            if runner is not None:
-                runner.link.wake = self.wake
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        if runner is not None:
+            runner.link.wake = self.wake
 
     # ------------------------------------------------------------------ what the loop reports
     def summary(self) -> dict[str, Any]:
         """`run`'s summary: the runner's (MQTT alone) or the endpoint's (one serial port) as it
         always was; a gateway's has one per link."""
-        ev = {"evictions": self.stats.get("evictions", 0)}
+        ev = {"evictions": self.stats.get("evictions", 0), "loop_turns": self.turns}
         if self.runner is not None:
             mq = self.runner.summary()
             mq["config"]["eviction_interval_s"] = self.eviction_interval_s  # the runtime runs the job
             if not self.ports:
-                return mq
+                return {**mq, "loop_turns": self.turns}
         if self.runner is None and len(self.ports) == 1:
             return {**self.ports[0].endpoint.summary(), **ev}
         return {"mqtt": mq if self.runner is not None else None,
@@ -86,7 +95,7 @@ class Runtime:
     def status_extra(self) -> dict[str, Any]:
         """What `status` adds while `run` holds the home."""
         if self.runner is not None and not self.ports:
-            return {"pid": os.getpid(), "broker": self.broker_url, **self.runner.summary()}
+            return {"pid": os.getpid(), "broker": self.broker_url, **self.summary()}
         if self.runner is None and len(self.ports) == 1:
             return {"pid": os.getpid(), "serial": self.ports[0].port, **self.summary()}
         return {"pid": os.getpid(), "broker": self.broker_url, **self.summary()}
@@ -99,8 +108,8 @@ class Runtime:
 
     # ------------------------------------------------------------------ the loop
     def run(self, should_stop: Callable[[], bool]) -> dict[str, Any]:
-        server = ControlServer(self.node.home, self._execute, wake=self.wake if self.ports else None)
-        watchdog = sdnotify.Watchdog()
+        server = self._server = ControlServer(self.node.home, self._execute, wake=self.wake)
+        watchdog = self._watchdog = sdnotify.Watchdog()
         # Type=notify: ready once the control socket serves and the links are started (an MQTT
         # broker that is down is retried by its link: the service is up either way).
         sdnotify.notify(f"READY=1\nSTATUS={self.describe()}\nMAINPID={os.getpid()}")
@@ -108,25 +117,48 @@ class Runtime:
             while not should_stop():
                 watchdog.ping()   # from the loop itself: a loop stuck in a step is what the watchdog sees
                 self.turn()
-                server.serve()
+                if server.serve() and self._log.grew():
+                    self._tell()   # a forwarded write (or any verb that appended): every link, at once
                 self._jobs()
         finally:
             sdnotify.notify("STOPPING=1")
             server.close()
+            self._server = self._watchdog = None
             write_metrics_file(self.node, self.metrics_file, self._run_stats())
             self._close_wake()
         return self.summary()
 
+    def next_due(self, now: float) -> float:
+        """The earliest deadline of every link and job (monotonic): the runner's
+        (`Runner.next_due`: cycles, coalesced pushes, answer timeouts), each port's timers, the
+        loop's jobs (eviction, clock evidence, metrics file, the systemd watchdog)."""
+        due = [now + MAX_WAIT_S]
+        if self.runner is not None:
+            due.append(self.runner.next_due(now))
+        for p in self.ports:
+            due.append(now + p.wait_s(MAX_WAIT_S))
+        if self.eviction_interval_s:
+            due.append(self._next_evict)
+        if self.runner is None:
+            due.append(self._next_clock)
+        if self.metrics_file:
+            due.append(self._next_metrics)
+        if self._watchdog is not None:
+            w = self._watchdog.next_due()
+            if w is not None:
+                due.append(w)
+        if self._server is not None and not self._server.requests.empty():
+            due.append(now)   # more requests than one serve() runs
+        return min(due)
+
     def turn(self) -> None:
-        """Wait for the first thing due (at most TICK_S), then step every link that has work."""
+        """Sleep until the first thing is due or something arrives (an MQTT message or connection
+        change, a control request: the wake-up pipe; bytes on a port: its descriptor), then step
+        every link that has work."""
+        self.turns += 1
         r = self.runner
-        if not self.ports:
-            r.step(TICK_S)   # MQTT alone: nothing else to wait on
-            return
         now = time.monotonic()
-        wait = min(p.wait_s(TICK_S) for p in self.ports)
-        if r is not None:
-            wait = min(wait, max(0.0, self._next_runner - now))
+        wait = max(0.0, self.next_due(now) - now)
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
         fds: dict[int, Any] = {}
@@ -140,32 +172,20 @@ class Runtime:
         except InterruptedError:
             ready = {}
         woken = self._wake_r in ready and self._drain_wake()
-        if r is not None and (woken or time.monotonic() >= self._next_runner):
-            self._next_runner = time.monotonic() + TICK_S
+        if r is not None and (woken or r.next_due(time.monotonic()) <= time.monotonic()):
             r.step(0)
-            if self._relay:
-                self._relayed(None)
+            if self._log.grew():
+                self._tell(exclude=None)   # events arrived over MQTT: on to the other links now
         for p in self.ports:
             fd = p.fileno()
             ev = ready.get(fd, 0) if fd is not None and fds.get(fd) is p else 0
             # POLLHUP / POLLERR / POLLNVAL: reading tells the port what happened (end of file, EIO)
-            got = p.service(bool(ev & (select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL)),
+            p.service(bool(ev & (select.POLLIN | select.POLLHUP | select.POLLERR | select.POLLNVAL)),
                             bool(ev & select.POLLOUT))
-            if got and self._relay:
-                self._relayed(p)
+            if self._log.grew():
+                self._tell(exclude=p)   # events arrived over this port: on to the other links now
 
     # ------------------------------------------------------------------ realtime across links
-    def _top(self) -> int:
-        return eventlog.top(self.node.conn)
-
-    def _relayed(self, source) -> None:
-        """Events arrived over `source` (a port, or None: MQTT): push them on the other links now."""
-        top = self._top()
-        if top <= self._seen_top:
-            return
-        self._seen_top = top
-        self._tell(exclude=source)
-
     def _tell(self, exclude: Any = _EVERY_LINK) -> None:
         """Tell every link but `exclude` (a port, or None for MQTT) that there is something to push."""
         from .transport.serial import _mono, _wall
@@ -176,17 +196,8 @@ class Runtime:
             if p is not exclude:
                 p.endpoint.local_events(mono, wall)
 
-    def local_write(self) -> None:
-        """The node wrote (a forwarded `write`): every realtime peer gets it at once (§33)."""
-        self._tell()
-        if self._relay:
-            self._seen_top = self._top()
-
     def _execute(self, argv: list[str]) -> tuple[int, str, str]:
-        res = self.forward(argv, self.node, self.status_extra)
-        if res[0] == 0 and "write" in argv:
-            self.local_write()
-        return res
+        return self.forward(argv, self.node, self.status_extra)
 
     # ------------------------------------------------------------------ between the steps
     def _jobs(self) -> None:

@@ -43,6 +43,12 @@ class Watchdog:
         self.interval = watchdog_interval_s()
         self._last = None
 
+    def next_due(self) -> float | None:
+        """When `ping` next sends (monotonic), or None without a watchdog: the loop wakes for it."""
+        if self.interval is None:
+            return None
+        return time.monotonic() if self._last is None else self._last + self.interval
+
     def ping(self) -> None:
         if self.interval is None:
             return

@@ -29,7 +29,6 @@ do). Everything paho calls back runs on the link's network thread and only enque
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import queue
@@ -40,7 +39,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 from urllib.parse import unquote, urlparse
 
 import paho.mqtt.client as paho
@@ -48,6 +47,11 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+# The wire of the binding (user property names, the frame meta, rejected indices) is pure:
+# agent/core/binding.py; re-exported here for the link's users.
+from ..core.binding import (P_COUNT, P_END, P_FROM, P_KIND, P_META, P_PART, P_PROCESSED,  # noqa: F401
+                            P_REASON, P_REJECTED_AT, P_START, P_STATUS, decode_indices, encode_indices,
+                            encode_meta, meta_cost)
 from ..core.exchange import KIND_BATCH, KIND_REALTIME  # noqa: F401 - a request's kinds (the exchange decides on them)
 from ..core.sending import split_sizes  # noqa: F401 - body splitting is pure; re-exported for the runner, benches, tests
 
@@ -59,13 +63,6 @@ DEFAULT_BODY_LIMIT_BYTES = 256 * 1024
 DEFAULT_MAX_EVENTS = 1000
 PACKET_OVERHEAD = 1024  # topic, packet id, properties: generous, so a body never trips the limit
 
-# user property names (all values are text)
-P_KIND, P_FROM, P_START, P_END, P_COUNT, P_PART = "ssp-kind", "ssp-from", "ssp-start", "ssp-end", "ssp-count", "ssp-part"
-P_STATUS, P_REASON, P_PROCESSED = "ssp-status", "ssp-reason", "ssp-processed"
-# The indices of the answered body's events the receiver rejected, comma-separated (issue 10
-# item 4); absent when none was. A sender that gets it counts every other event as processed.
-P_REJECTED_AT = "ssp-rejected-at"
-P_META = "ssp-meta"  # the frame meta (docs/protocol.md §1) as compact JSON: {s, e, d, g, x}
 # The publisher's own body limit (bytes), on its presence, its bodies and its answers: transport
 # metadata that carries no authority (wire-profile §5). A sender uses min(its link's maximum, the
 # peer's advertised limit), never below ADVERTISED_FLOOR, whoever wrote it (docs/mqtt.md "Size limits").
@@ -192,40 +189,6 @@ def receive_maximum(body_limit: int) -> int:
     """Unacknowledged PUBLISHes the broker may have out to this node at once: as many of the
     largest packets as RECEIVE_BUDGET_BYTES holds, between 16 and 1 000."""
     return max(RECEIVE_MAXIMUM_MIN, min(RECEIVE_MAXIMUM_MAX, RECEIVE_BUDGET_BYTES // max_packet_size(body_limit)))
-
-
-def encode_meta(start: int, end: int, seqs: Sequence[int], gaps: Iterable[str] = (), extra: int = 0) -> str:
-    """The frame meta as a user property value (docs/protocol.md §1: a binding with native
-    metadata maps the frame onto it). Compact: about two bytes per event."""
-    d, prev = [], start
-    for q in seqs:
-        d.append(q - prev)
-        prev = q
-    return json.dumps({"s": start, "e": end, "d": d, "g": sorted(gaps), "x": extra}, separators=(",", ":"))
-
-
-def encode_indices(indices: Sequence[int]) -> str:
-    return ",".join(str(i) for i in indices)
-
-
-def decode_indices(text: str, total: int) -> list[int] | None:
-    """`encode_indices` read strictly: distinct indices below `total`, else None (ignored)."""
-    if not text:
-        return []
-    parts = text.split(",")
-    if len(parts) > total or not all(p.isdigit() and len(p) <= 9 for p in parts):
-        return None
-    out = [int(p) for p in parts]
-    return out if len(set(out)) == len(out) and all(i < total for i in out) else None
-
-
-def meta_cost(start: int, seqs: Sequence[int]) -> list[int]:
-    """Bytes each event adds to `encode_meta` (a delta and a comma), for the size budget."""
-    out, prev = [], start
-    for q in seqs:
-        out.append(len(str(q - prev)) + 1)
-        prev = q
-    return out
 
 
 class Backoff:
@@ -496,6 +459,7 @@ class MqttLink:
                 self.last_error = f"broker refused our subscriptions: {bad} (check the ACL)"
                 log.warning("mqtt %s: %s", self.site_id.hex()[:8], self.last_error)
             self.connected.set()
+            self.wake()   # the batch cycle waits for the connection (agent/core/binding.py next_due)
 
     _sub_mid = -1
 
