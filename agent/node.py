@@ -576,6 +576,8 @@ class Node:
                 due = self._write_due_meta()
         finally:
             self._next_raws = None   # a hint for the batch after this one only (`prepare_next`)
+        for t in self.tables.values():
+            t.rows.committed()   # the rows this batch left are the store's (RowStore `defer`)
         self._due_meta_committed(due)
         if new:
             self.witness.note_applied(self._applied)
@@ -634,10 +636,13 @@ class Node:
         # exactly as `_known` would, without a query per event.
         since: dict[bytes, str] = {}
         # The batch's rows are held in memory and written once each (agent/store/rows.py
-        # `defer`), at most ROW_FLUSH of them at a time so a batch over many rows stays bounded.
+        # `defer`), at most ROW_FLUSH of them at a time so a batch over many rows stays bounded;
+        # the rows the last committed batch left are read from memory while no other connection
+        # has committed since (`PRAGMA data_version`, read under this transaction's write lock).
         stores = [t.rows for t in self.tables.values()]
+        version = self.conn.execute("PRAGMA data_version").fetchone()[0]
         for rs in stores:
-            rs.defer()
+            rs.defer(version)
         try:
             for raw, checked in self._verified_ahead(raws):
                 o = self._apply_one(raw, now, origin, checked, since if checked is not None else None)

@@ -98,12 +98,42 @@ class RowStore:
         self._pending: dict[bytes, tuple[dict[str, Any], RowState, dict[str, Any]]] | None = None
         # Rows read ahead by `prefetch` while deferred (rk -> state, None: no row), until written.
         self._read: dict[bytes, RowState | None] = {}
+        # Rows as the last committed batch left them (issue 15 item 5: a `run` applies a body of
+        # 1 000 events per batch, and each body re-read the ~1 000 rows the one before wrote).
+        # Kept only while nothing else can have changed them: `defer(version)` takes them when
+        # the connection's `PRAGMA data_version` is the one they were kept under (no other
+        # connection committed since), and every write of this table outside a deferred batch
+        # drops them. `_written`: the states a deferred batch wrote; `_staged`: the states it
+        # leaves, until the caller says its transaction committed (`committed`).
+        self._version: int | None = None
+        self._written: dict[bytes, RowState] | None = None
+        self._staged: tuple[dict, int] | None = None
+        self._kept: dict[bytes, RowState | None] = {}
+        self._kept_version: int | None = None
 
-    def defer(self) -> None:
+    KEEP_ROWS = 2048   # at most this many rows kept between batches (memory, issue 15 item 2)
+
+    def defer(self, version: int | None = None) -> None:
         """Hold writes in memory until `flush` (inside the caller's transaction); `load` answers
-        from them. Every reader of this table inside the batch goes through `load`."""
+        from them. Every reader of this table inside the batch goes through `load`. `version`:
+        the connection's `PRAGMA data_version`, read inside the caller's transaction: the rows
+        the last committed batch left are used if no other connection committed since."""
         if self._pending is None:
             self._pending = {}
+            self._staged = None   # staged by a batch whose commit was never confirmed: dropped
+            if version is not None and self._kept and version == self._kept_version:
+                self._read = self._kept
+            self._kept, self._kept_version = {}, None
+            self._version, self._written = version, ({} if version is not None else None)
+
+    def committed(self) -> None:
+        """The caller's transaction committed: the rows its batch left are the table's rows."""
+        if self._staged is not None:
+            self._kept, self._kept_version = self._staged
+            self._staged = None
+
+    def _forget_kept(self) -> None:
+        self._kept, self._kept_version, self._staged = {}, None, None
 
     def pending(self) -> int:
         return 0 if self._pending is None else len(self._pending)
@@ -112,8 +142,18 @@ class RowStore:
         """Write the held rows, one prepared statement per column set (`executemany`). With
         `keep=False` deferral ends; `discard` drops them instead (the transaction rolls back)."""
         held, self._pending = self._pending, ({} if keep and self._pending is not None else None)
+        written = self._written
+        if written is not None and held:
+            if len(written) + len(held) > self.KEEP_ROWS:
+                written = self._written = None   # too many to keep: the next batch reads them
+            else:
+                written.update((rk, h[1]) for rk, h in held.items())
         if self._pending is None:
-            self._read = {}
+            read, self._read = self._read, {}
+            if written is not None and self._version is not None and len(read) + len(written) <= self.KEEP_ROWS:
+                # read and not written: unchanged, as stored; written: as this flush stores them
+                self._staged = ({**read, **written}, self._version)
+            self._written = self._version = None
         if not held:
             return
         groups: dict[tuple[str, ...], list[list[Any]]] = {}
@@ -126,6 +166,7 @@ class RowStore:
     def discard(self) -> None:
         self._pending = None
         self._read = {}
+        self._written = self._version = None
 
     def prefetch(self, rks: Iterable[bytes]) -> None:
         """While deferred: read the rows at `rks` that are not held, in one query per 500 (a
@@ -183,6 +224,7 @@ class RowStore:
                 held[2].update(writes)
                 self._pending[rk] = (row_key, state, held[2])
             return
+        self._forget_kept()   # written outside a deferred batch
         cols = tuple(sorted(writes))
         self.conn.execute(self._upsert_sql(cols), self._params(rk, row_key, state, cols, writes))
 
@@ -215,6 +257,9 @@ class RowStore:
         if self._pending:   # a reader of the table itself sees the held writes
             self.flush()
         self._read.pop(rk, None)
+        if self._written is not None:
+            self._written.pop(rk, None)
+        self._forget_kept()
         self.conn.execute(f"DELETE FROM {q(base_name(self.t))} WHERE _rk = ?", (rk,))
 
     def rows_with_clock_of(self, sites: Iterable[bytes]) -> list[tuple[bytes, dict[str, Any]]]:

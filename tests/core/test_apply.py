@@ -569,3 +569,105 @@ def test_a_batch_prepared_during_the_one_before_gives_the_same_outcomes(tmp_path
     assert big.dump() == small.dump()
     big.close()
     small.close()
+
+
+def _row_events(a, b, base, n=70, rows=7):
+    """Upserts, deletes and resurrections over a few rows, from two signers."""
+    raws = []
+    for i in range(base, base + n):
+        s = (a, b)[i % 2]
+        key = {"device": "d", "seq": i % rows}
+        if i % 11 == 3:
+            raws.append(s.event(T, key, None, (NOW, i), delete=True))
+        else:
+            raws.append(s.event(T, key, {"temp": float(i), "note": None if i % 4 else f"n{i}"}, (NOW, i)))
+    return raws
+
+
+def test_rows_kept_between_batches_give_the_state_one_by_one_application_gives(tmp_path):
+    """A batch keeps the rows it leaves for the next one (RowStore `defer`/`committed`: a `run`'s
+    bodies each re-read the rows the body before wrote). A trust change between two batches
+    rebuilds rows outside a batch (here: b retired below most of its events) and a fault rolls a
+    batch back: the next batch must read the rows as they are, not as the last batch left them."""
+    a, b = peers(2)
+    big = make_node(tmp_path / "big", [a, b])
+    small = make_node(tmp_path / "small", [a, b])
+
+    def both(raws):
+        outs_big = big.apply_batch(raws, NOW)
+        outs_small = [small.apply_batch([r], NOW)[0] for r in raws]
+        assert [(o.status, o.reason) for o in outs_big] == [(o.status, o.reason) for o in outs_small]
+        assert big.dump() == small.dump()
+
+    both(_row_events(a, b, 0))
+    both(_row_events(a, b, 100))
+    for n in (big, small):
+        n.add_peer(b.site_id, b.public_key, (NOW, 120))   # b's events above (NOW, 120) no longer count
+    both(_row_events(a, b, 200))
+    # a fault half-way through a batch rolls it back; the same events then apply whole
+    real, calls = Node._materialize, []
+
+    def failing(self, *args):
+        calls.append(1)
+        if len(calls) == 20:
+            raise RuntimeError("a local fault")
+        return real(self, *args)
+
+    Node._materialize = failing
+    try:
+        with pytest.raises(RuntimeError):
+            big.apply_batch(_row_events(a, b, 300), NOW)
+    finally:
+        Node._materialize = real
+    both(_row_events(a, b, 300))
+    both(_row_events(a, b, 400))
+    big.close()
+    small.close()
+
+
+def test_rows_kept_between_batches_are_read_again_after_another_connection_wrote(tmp_path):
+    """The rows a batch keeps for the next are used only while no other connection committed in
+    between (`PRAGMA data_version`): a row another writer gave a newer column clock keeps it."""
+    import sqlite3
+    from agent.store.rows import pack_stamp
+    a, = peers(1)
+    node = make_node(tmp_path / "n", [a])
+    node.apply_batch([a.event(T, {"device": "d", "seq": i}, {"temp": float(i)}, (NOW, i)) for i in range(70)], NOW)
+    path = node.conn.execute("PRAGMA database_list").fetchone()[2]
+    other = sqlite3.connect(path)
+    other.execute('UPDATE "_ssp_rows.app.readings" SET temp = 555.0, "_c_temp" = ? WHERE seq = 0',
+                  (pack_stamp((NOW, 10_000, a.site_id)),))
+    other.commit()
+    other.close()
+    node.apply_batch([a.event(T, {"device": "d", "seq": i}, {"temp": -1.0}, (NOW, 100 + i)) for i in range(70)], NOW)
+    temps = {r["key"]["seq"]: r["values"]["temp"] for r in node.dump()[T]}
+    assert temps[0] == 555.0 and temps[1] == -1.0
+    node.close()
+
+
+def test_rows_kept_between_batches_are_read_again_after_a_trust_change(tmp_path):
+    """A trust change between two batches rebuilds rows outside a batch: b retired below its
+    writes, the rows go back to a's. The next batch must merge against the rebuilt rows (a's
+    newer write wins there), not against the rows the batch before left (b's clock)."""
+    a, b = peers(2)
+    node = make_node(tmp_path / "n", [a, b])
+    node.apply_batch([a.event(T, {"device": "d", "seq": i}, {"temp": 1.0}, (NOW, 1000 + i)) for i in range(70)] +
+                     [b.event(T, {"device": "d", "seq": i}, {"temp": 2.0}, (NOW, 3000 + i)) for i in range(70)], NOW)
+    node.add_peer(b.site_id, b.public_key, (NOW, 1500))    # every write of b's no longer counts
+    assert {r["values"]["temp"] for r in node.dump()[T]} == {1.0}
+    node.apply_batch([a.event(T, {"device": "d", "seq": i}, {"temp": 3.0}, (NOW, 2000 + i)) for i in range(70)], NOW)
+    assert {r["values"]["temp"] for r in node.dump()[T]} == {3.0}
+    node.close()
+
+
+def test_rows_kept_between_batches_are_read_again_after_a_small_batch_wrote(tmp_path):
+    """A batch under 64 events writes its rows directly (no batch held in memory): the rows the
+    large batch before kept must not answer the next large batch for a row it changed."""
+    a, = peers(1)
+    node = make_node(tmp_path / "n", [a])
+    node.apply_batch([a.event(T, {"device": "d", "seq": i}, {"temp": 1.0}, (NOW, 1000 + i)) for i in range(70)], NOW)
+    node.apply_batch([a.event(T, {"device": "d", "seq": 0}, {"temp": 9.0}, (NOW, 5000))], NOW)
+    node.apply_batch([a.event(T, {"device": "d", "seq": i}, {"temp": 3.0}, (NOW, 2000 + i)) for i in range(70)], NOW)
+    temps = {r["key"]["seq"]: r["values"]["temp"] for r in node.dump()[T]}
+    assert temps[0] == 9.0 and temps[1] == 3.0
+    node.close()
