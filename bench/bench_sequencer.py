@@ -27,7 +27,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+# SSP_BENCH_TREE: the checkout whose sequencer is measured (--against runs one round of each tree
+# alternately in a child process with it set); this one by default
+sys.path.insert(0, os.environ.get("SSP_BENCH_TREE") or os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
 
 from firmware_bridge import ReceiptIdentity  # noqa: E402
 from agent.sequencer import receipts, service  # noqa: E402
@@ -169,6 +171,62 @@ def through_broker(d: str, groups_n: int, rounds: int, fig: dict, pythonpath: st
             last["submits"] / max(last["submit_batches"], 1))
 
 
+def one_round(ks: str, batch: int, idle: int, n: int) -> dict:
+    """One round in a fresh home (the --against child): raw ES256, a group commit of ``n``
+    Commits in batches of ``batch`` groups (after ``idle`` idle groups are registered), raw again."""
+    d = tempfile.mkdtemp(prefix="bench-seq-ab-")
+    try:
+        conf = None if ks == "software" else softhsm_config(os.path.join(d, "hsm"))
+        home = os.path.join(d, ks)
+        service.init(home, conf)
+        with service.Sequencer(home) as seq:
+            seq_batch(seq, 2 * batch, batch, b"warm-")
+            if idle:
+                register_idle(seq, idle)
+            gs = groups(batch, b"ab-")
+            for g in gs:
+                seq.register(g, 0)
+            msgs = [[encode_private_message(g, r) for g in gs] for r in range(max(n // batch, 1))]
+            c0 = time.process_time()
+            raw1 = raw_es256(seq, n, min(batch, 256))
+            c1 = time.process_time()
+            t = time.perf_counter()
+            for ms in msgs:
+                assert all(isinstance(x, service.Accepted) for x in seq.submit_many(ms))
+            b = rate(len(msgs) * batch, time.perf_counter() - t)
+            c2 = time.process_time()
+            raw2 = raw_es256(seq, n, min(batch, 256))
+            c3 = time.process_time()
+        # this process's CPU per signature and per Commit: what a neighbour's load disturbs least;
+        # for SoftHSM2 the token's share is in its worker process, not here
+        return {"raw": (raw1 + raw2) / 2, "seq": b, "ratio": b / ((raw1 + raw2) / 2),
+                "raw_cpu_us": (c1 - c0 + c3 - c2) / (2 * n) * 1e6, "seq_cpu_us": (c2 - c1) / (len(msgs) * batch) * 1e6}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def against(other: str, rounds: int, kss: list[str], quick: bool, cases_arg: str) -> dict:
+    """Same-run A/B: each case's rounds alternate between this checkout and ``other`` (the order
+    swapped every round, so a neighbour's load falls on both alike), one child process per round."""
+    import subprocess
+    here = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+    trees = {"this": here, "other": os.path.abspath(other)}
+    n = 512 if quick else 8192
+    cases = [(ks, int(b), int(idle)) for ks in kss for b, idle in (c.split(":") for c in cases_arg.split(","))]
+    out: dict = {}
+    for ks, b, idle in cases:
+        for r in range(rounds):
+            for name in (("this", "other") if r % 2 == 0 else ("other", "this")):
+                env = dict(os.environ, SSP_BENCH_TREE=trees[name])
+                got = subprocess.run([sys.executable, os.path.abspath(__file__), "--one-round",
+                                      f"{ks}:{b}:{idle}:{n if ks == 'software' else n // 4}"],
+                                     env=env, capture_output=True, text=True, check=True)
+                res = json.loads(got.stdout.strip().splitlines()[-1])
+                for k, v in res.items():
+                    out.setdefault(f"{ks}_{b}{'_idle%d' % idle if idle else ''}_{name}_{k}", []).append(v)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small counts (smoke run)")
@@ -179,7 +237,26 @@ def main() -> None:
     ap.add_argument("--broker", action="store_true", help="also through `sequencer run` on a real mosquitto")
     ap.add_argument("--broker-only", action="store_true", help="only the broker figure")
     ap.add_argument("--broker-pythonpath", help="run the served sequencer from this tree (compare a revision)")
+    ap.add_argument("--against", metavar="TREE", help="same-run A/B against another checkout (e.g. main's): "
+                    "--rounds of each, alternating, at 256 and 1 024 groups and with 10 000 idle groups")
+    ap.add_argument("--cases", default="256:0,1024:0,256:10000", help="--against: groups:idle cases")
+    ap.add_argument("--one-round", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.one_round:
+        ks, b, idle, n = a.one_round.split(":")
+        print(json.dumps(one_round(ks, int(b), int(idle), int(n))))
+        return
+    if a.against:
+        load0 = os.getloadavg()
+        fig = against(a.against, a.rounds, ["software"] + ([] if a.no_pkcs11 else ["pkcs11"]), a.quick, a.cases)
+        print(f"{a.rounds} rounds each, alternating; load average {load0[0]:.1f} at start, "
+              f"{os.getloadavg()[0]:.1f} at end; median [min .. max]")
+        for k, v in fig.items():
+            fmt = "{:.3f}" if k.endswith("ratio") else "{:.1f}" if k.endswith("_us") else "{:.0f}"
+            print(f"{k:40s} {fmt.format(statistics.median(v)):>8s}  [{fmt.format(min(v))} .. {fmt.format(max(v))}]")
+        if a.json:
+            print(json.dumps({k: of_rounds(v) for k, v in fig.items()}))
+        return
     n, batch, idle = (512, 64, 1000) if a.quick else (8192, 256, 10_000)
     batch = a.batch or batch
     fig: dict = {}
@@ -216,8 +293,10 @@ def main() -> None:
     record({k: of_rounds(v) for k, v in fig.items() if not k.startswith("raw_")},
            {k: of_rounds(v) for k, v in fig.items() if k.startswith("raw_")},
            "; ".join(f"{ks}: group commit of {batch} / raw ES256 = {statistics.median(fig[k]):.2f} "
-                     f"({min(fig[k]):.2f}-{max(fig[k]):.2f})"
+                     f"({min(fig[k]):.2f}-{max(fig[k]):.2f}), with {idle} idle groups "
+                     f"{statistics.median(fig[f'{k}_idle{idle}']):.2f}"
                      for ks in ("software", "pkcs11") if (k := f"ratio_batch{batch}_{ks}") in fig)
+           + " (goal 0.8)"
            + "".join(f"; through `sequencer run` {statistics.median(v):.0f} Commits/s ({k.split('_')[1]} groups)"
                      for k, v in fig.items() if k.startswith("broker_") and k.endswith("_groups")),
            parameters=vars(a))

@@ -230,8 +230,35 @@ class SigningBridge:
         # the keystore may sign a large batch on several cores, the outputs are the same
         order = sorted(todo, key=lambda k: idents[k])
         requests = [(items[k][1], items[k][0], bytes(items[k][2])) for k in order]
-        sigs, failure = self._ks._sign_many(requests)
         done: list[tuple[bytes, bytes]] = []
+        failure: Optional[BaseException] = None
+        # The signatures are checked as they come (a keystore signing in another process makes the
+        # next chunk meanwhile, Keystore._sign_chunks); the first failure, the keystore's or a
+        # check's, ends the batch: the rest stays OutcomeUnknown.
+        chunks = self._ks._sign_chunks(requests)
+        try:
+            pos = 0
+            for sigs in chunks:
+                failure = self._take(items, idents, order[pos:pos + len(sigs)], requests[pos:pos + len(sigs)], sigs, done)
+                if failure is not None:
+                    break
+                pos += len(sigs)
+        except BaseException as exc:
+            failure = exc
+        finally:
+            chunks.close()
+        self._fire("before_persist")
+        # (c) persist every output we have, one durable commit; (d) only then return them
+        if done:
+            self._journal.commit([(RELEASED, ident, out) for ident, out in done])
+            self._fire("after_persist")
+        if failure is not None:
+            raise failure
+        results.update(done)
+
+    def _take(self, items: list[Item], idents: list[bytes], order: list[int], requests: list, sigs: list,
+              done: list) -> Optional[BaseException]:
+        """Check and assemble one chunk of signatures into ``done``; the failure that stopped it."""
         check = self._verify   # else only the signature's form is checked (an in-process keystore)
         hook = self._hook
         for k, (key_name, _identity, tbs), sig in zip(order, requests, sigs):
@@ -247,19 +274,11 @@ class SigningBridge:
                 if not out:
                     raise TypeError("assemble(signature) must return the encoded COSE_Sign1 bytes")
             except BaseException as exc:  # the rest of the batch stays OutcomeUnknown
-                failure = exc
-                break
+                return exc
             done.append((idents[k], out))
             if hook is not None:
                 hook("after_sign")
-        self._fire("before_persist")
-        # (c) persist every output we have, one durable commit; (d) only then return them
-        if done:
-            self._journal.commit([(RELEASED, ident, out) for ident, out in done])
-            self._fire("after_persist")
-        if failure is not None:
-            raise failure
-        results.update(done)
+        return None
 
     def _check_signature(self, key_name: str, tbs: bytes, sig: bytes) -> None:
         if not isinstance(sig, bytes) or len(sig) != 64:

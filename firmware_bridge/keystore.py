@@ -10,7 +10,7 @@ import os
 import re
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from .errors import KeystoreError, KeystoreUnavailable, UnsupportedAlgorithm
 from .identity import Identity
@@ -79,6 +79,18 @@ class Keystore(ABC):
             except BaseException as exc:  # the caller keeps the rest as unknown outcomes
                 return sigs, exc
         return sigs, None
+
+    def _sign_chunks(self, requests: Sequence[tuple[str, Identity, bytes]]) -> Iterator[list[bytes]]:
+        """``_sign_many`` as it goes: the signatures of ``requests`` in order, in consecutive
+        chunks; a failure is raised after the chunks of the prefix before it. A backend that signs
+        in another process yields one chunk while that process makes the next, so the bridge checks
+        the signatures it has meanwhile (Pkcs11Keystore). Private like ``_sign``; the caller closes
+        the iterator, also when it stops early."""
+        sigs, failure = self._sign_many(requests)
+        if sigs:
+            yield sigs
+        if failure is not None:
+            raise failure
 
     # -- sealing small secrets (at-rest protection of the agent's stored events) -----------------
     # A seal key is a symmetric key generated inside the keystore that never leaves it; it seals

@@ -12,7 +12,7 @@ import struct
 import subprocess
 import sys
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import cbor2
 
@@ -61,24 +61,39 @@ class Pkcs11Keystore(Keystore):
 
     def _call(self, op: str, **kw: Any) -> Any:
         with self._lock:
-            proc = self._proc
-            if proc is None or proc.poll() is not None:
-                raise KeystoreUnavailable("the PKCS#11 worker process is not running; restart the agent")
-            try:
-                data = cbor2.dumps({"op": op, **kw})
-                assert proc.stdin is not None and proc.stdout is not None
-                proc.stdin.write(struct.pack(">I", len(data)) + data)
-                proc.stdin.flush()
-                head = proc.stdout.read(4)
-                if len(head) < 4:
-                    raise EOFError
-                reply = cbor2.loads(proc.stdout.read(struct.unpack(">I", head)[0]))
-            except (OSError, EOFError, ValueError):
-                raise KeystoreUnavailable(f"the PKCS#11 worker for {self.module} died during {op}; "
-                                          "check the token and restart the agent") from None
+            self._send(op, kw)
+            reply = self._recv(op)
         if "err" in reply:
             raise _worker_error(reply)
         return reply["ok"]
+
+    def _send(self, op: str, kw: dict) -> None:
+        """One request to the worker (the caller holds ``_lock`` until it has read every reply)."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            raise KeystoreUnavailable("the PKCS#11 worker process is not running; restart the agent")
+        try:
+            data = cbor2.dumps({"op": op, **kw})
+            assert proc.stdin is not None
+            proc.stdin.write(struct.pack(">I", len(data)) + data)
+            proc.stdin.flush()
+        except (OSError, ValueError):
+            raise KeystoreUnavailable(f"the PKCS#11 worker for {self.module} died during {op}; "
+                                      "check the token and restart the agent") from None
+
+    def _recv(self, op: str) -> dict:
+        proc = self._proc
+        if proc is None:
+            raise KeystoreUnavailable("the PKCS#11 worker process is not running; restart the agent")
+        try:
+            assert proc.stdout is not None
+            head = proc.stdout.read(4)
+            if len(head) < 4:
+                raise EOFError
+            return cbor2.loads(proc.stdout.read(struct.unpack(">I", head)[0]))
+        except (OSError, EOFError, ValueError):
+            raise KeystoreUnavailable(f"the PKCS#11 worker for {self.module} died during {op}; "
+                                      "check the token and restart the agent") from None
 
     def generate_key(self, name: str, alg: str) -> bytes:
         pub = self._call("generate", name=check_key_name(name), alg=check_alg(alg))
@@ -110,22 +125,70 @@ class Pkcs11Keystore(Keystore):
         return bytes(self._call("sign", name=name, alg=self.algorithm(name), data=data))
 
     def _sign_many(self, requests: Sequence[tuple[str, Identity, bytes]]) -> tuple[list[bytes], Optional[BaseException]]:
+        sigs: list[bytes] = []
+        chunks = self._sign_chunks(requests)
+        try:
+            for part in chunks:
+                sigs.extend(part)
+        except BaseException as exc:
+            return sigs, exc
+        finally:
+            chunks.close()
+        return sigs, None
+
+    def _sign_chunks(self, requests: Sequence[tuple[str, Identity, bytes]]) -> Iterator[list[bytes]]:
         """A group commit's signatures in round trips of up to SIGN_MANY_CHUNK to the worker (the
-        pipe round trip costs about as much as a SoftHSM2 signature); the token signs in order."""
+        pipe round trip costs about as much as a SoftHSM2 signature); the token signs in order.
+        The next chunk is sent before this one is yielded, so the token signs it while the bridge
+        checks this one (an ES256 verification costs about as much as a SoftHSM2 signature: on
+        two cores the two overlap). Nothing is signed that has no durable intent: every request
+        here has one (the bridge's order, docs/keystore.md); after a failure or an early close the
+        chunk in flight is read and dropped (its signatures stay unknown outcomes). The keystore's
+        lock is held until the stream ends: the caller makes no other call on this keystore meanwhile."""
         try:
             reqs = [[name, self.algorithm(name), bytes(data)] for name, _, data in requests]
         except KeystoreError:   # reported at its position by the one-at-a-time loop
-            return super()._sign_many(requests)
-        sigs: list[bytes] = []
-        for i in range(0, len(reqs), SIGN_MANY_CHUNK):
+            sigs, failure = super()._sign_many(requests)
+            if sigs:
+                yield sigs
+            if failure is not None:
+                raise failure
+            return
+        parts = [reqs[i:i + SIGN_MANY_CHUNK] for i in range(0, len(reqs), SIGN_MANY_CHUNK)]
+        if not parts:
+            return
+        with self._lock:
+            self._send("sign_many", {"requests": parts[0]})
+            in_flight = 1
             try:
-                got = self._call("sign_many", requests=reqs[i:i + SIGN_MANY_CHUNK])
-            except BaseException as exc:
-                return sigs, exc
-            sigs.extend(bytes(s) for s in got["sigs"])
-            if "err" in got:
-                return sigs, _worker_error(got)
-        return sigs, None
+                for k in range(len(parts)):
+                    if k + 1 < len(parts):
+                        self._send("sign_many", {"requests": parts[k + 1]})
+                        in_flight += 1
+                    got = self._recv("sign_many")
+                    in_flight -= 1
+                    if "ok" not in got:
+                        raise _worker_error(got)
+                    got = got["ok"]
+                    sigs = [bytes(x) for x in got["sigs"]]
+                    if sigs:
+                        yield sigs
+                    if "err" in got:
+                        raise _worker_error(got)
+            finally:
+                self._drain(in_flight)
+
+    def _drain(self, n: int) -> None:
+        """Read and drop ``n`` replies in flight (a stopped stream); a worker that does not answer
+        is stopped, so the next call reports it unavailable instead of reading a stale reply."""
+        try:
+            for _ in range(n):
+                self._recv("sign_many")
+        except KeystoreUnavailable:
+            proc, self._proc = self._proc, None
+            if proc is not None:
+                proc.kill()
+                proc.wait()
 
     # Seal keys: a non-extractable AES-256 key on the token, CKM_AES_GCM (pkcs11_worker.py).
     def generate_seal_key(self, name: str) -> None:

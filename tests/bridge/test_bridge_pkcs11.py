@@ -135,3 +135,24 @@ def test_group_commit_signs_in_worker_batches(keystore, tmp_path):
                                                 ["site", "ed25519", b"c"]])
     assert len(got["sigs"]) == 1 and got["err"] == "KeyNotFound"
     assert verify_ed25519(keystore.public_key("site"), b"a", bytes(got["sigs"][0]))
+
+
+def test_streamed_signatures_in_order_and_an_early_stop_leaves_the_worker_in_step(keystore):
+    # _sign_chunks keeps one chunk in flight ahead of the one it yields (the token signs it while
+    # the bridge checks); a caller that stops early leaves that reply in the pipe unless it is read
+    from firmware_bridge.pkcs11_keystore import SIGN_MANY_CHUNK
+    from firmware_bridge.verify import verify_p256
+    kid = keystore.public_key("seq")
+    reqs = [("seq", ReceiptIdentity(b"s", i), b"m%d" % i) for i in range(2 * SIGN_MANY_CHUNK + 5)]
+    parts = list(keystore._sign_chunks(reqs))
+    assert [len(p) for p in parts] == [SIGN_MANY_CHUNK, SIGN_MANY_CHUNK, 5]
+    assert all(verify_p256(kid, data, sig) for (_n, _i, data), sig in zip(reqs, [s for p in parts for s in p]))
+    stream = keystore._sign_chunks(reqs)
+    assert len(next(stream)) == SIGN_MANY_CHUNK
+    stream.close()                     # the second chunk was in flight
+    assert keystore.public_key("site") != kid and keystore._call("key_attributes", name="seq")["sensitive"]
+    sig = keystore._sign("seq", ReceiptIdentity(b"s", 10**6), b"after")
+    assert verify_p256(kid, b"after", sig)
+    sigs, failure = keystore._sign_many(reqs[:3] + [("nokey", ReceiptIdentity(b"s", 7), b"x")])
+    assert len(sigs) == 3 and failure is not None
+    assert verify_p256(kid, b"after", keystore._sign("seq", ReceiptIdentity(b"s", 10**6 + 1), b"after"))
