@@ -8,6 +8,10 @@ ES256 signing rate of the same keystore measured in the same run.
   seq_batch<G>_<ks>         Sequencer.submit_many of G Commits for G different groups (group commit
                             across groups: the same four commits for the whole batch)
   seq_batch<G>_<ks>_idle    the same with 10 000 idle groups registered (no per-group cost)
+  cpu_us_per_commit_*       this process's CPU per Commit in those rounds, and raw_cpu_us_per_signature_<ks>
+                            per raw signature: the figures a neighbour's load disturbs least (a
+                            shared machine's wall rates swing 2x between rounds; SoftHSM2's token
+                            works in its worker process, outside this figure)
   broker_<G>_groups         (--broker) Commits/s through `sequencer run` on a real mosquitto: one
                             Commit for each of G groups published at once, every answer awaited
 
@@ -15,6 +19,10 @@ Each figure is the median of ``--rounds`` rounds with its range; every ratio is 
 raw rate measured just before and just after it.
 
     python bench/bench_sequencer.py [--quick] [--json] [--no-pkcs11] [--rounds N] [--batch G]
+    python bench/bench_sequencer.py --against OTHER_CHECKOUT [--rounds N] [--no-pkcs11] [--cases 256:0,1024:0]
+
+--against: same-run A/B, each case's rounds alternately from this checkout and the other one (one
+child process per round, the order swapped every round), with the CPU figures beside the rates.
 """
 from __future__ import annotations
 
@@ -40,8 +48,9 @@ from _harness import of_rounds, rate, record  # noqa: E402  (bench/: the shared 
 from bench_keystore import softhsm_config  # noqa: E402
 
 
-def raw_es256(seq: service.Sequencer, n: int, batch: int) -> float:
+def raw_es256(seq: service.Sequencer, n: int, batch: int, cpu: list | None = None) -> float:
     ks = seq.bridge.keystore
+    c = time.process_time()
     payload = receipts.payload_bytes(b"\x01" * 16, 0, b"\x02" * 32, None)
     _p, tbs = receipts.to_be_signed(seq.public_key, payload)
     reqs = [(service.RECEIPT_KEY, ReceiptIdentity(b"raw-bench", 10**9 + i), tbs) for i in range(n)]
@@ -49,7 +58,10 @@ def raw_es256(seq: service.Sequencer, n: int, batch: int) -> float:
     for i in range(0, n, batch):
         sigs, failure = ks._sign_many(reqs[i:i + batch])
         assert failure is None
-    return rate(n, time.perf_counter() - t)
+    t = time.perf_counter() - t
+    if cpu is not None:   # this process's CPU µs per signature (SoftHSM2: the token's is in its worker)
+        cpu.append((time.process_time() - c) / n * 1e6)
+    return rate(n, t)
 
 
 def groups(n: int, tag: bytes) -> list[bytes]:
@@ -67,17 +79,23 @@ def seq_one(seq: service.Sequencer, n: int) -> float:
     return rate(n, time.perf_counter() - t)
 
 
-def seq_batch(seq: service.Sequencer, n: int, batch: int, tag: bytes) -> float:
+def seq_batch(seq: service.Sequencer, n: int, batch: int, tag: bytes, cpu: list | None = None) -> float:
+    """Commits/s of ``submit_many`` of ``batch`` groups; ``cpu`` gets this process's CPU µs per
+    Commit (what a neighbour's load disturbs least)."""
     gs = groups(batch, tag)
     for g in gs:
         seq.register(g, 0)
     rounds = max(n // batch, 1)
     msgs = [[encode_private_message(g, r) for g in gs] for r in range(rounds)]
+    c = time.process_time()
     t = time.perf_counter()
     for ms in msgs:
         ans = seq.submit_many(ms)
         assert all(isinstance(a, service.Accepted) for a in ans)
-    return rate(rounds * batch, time.perf_counter() - t)
+    t = time.perf_counter() - t
+    if cpu is not None:
+        cpu.append((time.process_time() - c) / (rounds * batch) * 1e6)
+    return rate(rounds * batch, t)
 
 
 def register_idle(seq: service.Sequencer, n: int) -> None:
@@ -95,19 +113,25 @@ def run_keystore(name: str, conf: dict | None, d: str, n: int, batch: int, idle:
     with service.Sequencer(home) as seq:
         fig[f"seq_one_{name}"] = [seq_one(seq, max(n // 16, 16))]
         for r in range(rounds):
-            raw1 = raw_es256(seq, n, batch)
-            b = seq_batch(seq, n, batch, b"batch-%d-" % r)
-            raw2 = raw_es256(seq, n, batch)
+            rcpu: list = []
+            raw1 = raw_es256(seq, n, batch, rcpu)
+            cpu: list = []
+            b = seq_batch(seq, n, batch, b"batch-%d-" % r, cpu)
+            raw2 = raw_es256(seq, n, batch, rcpu)
             for k, v in ((f"raw_es256_{name}", (raw1 + raw2) / 2), (f"seq_batch{batch}_{name}", b),
-                         (f"ratio_batch{batch}_{name}", b / ((raw1 + raw2) / 2))):
+                         (f"ratio_batch{batch}_{name}", b / ((raw1 + raw2) / 2)),
+                         (f"cpu_us_per_commit_batch{batch}_{name}", cpu[0]),
+                         (f"raw_cpu_us_per_signature_{name}", sum(rcpu) / 2)):
                 fig.setdefault(k, []).append(v)
         register_idle(seq, idle)
         for r in range(rounds):
             raw1 = raw_es256(seq, n, batch)
-            b = seq_batch(seq, n, batch, b"after-idle-%d-" % r)
+            cpu = []
+            b = seq_batch(seq, n, batch, b"after-idle-%d-" % r, cpu)
             raw2 = raw_es256(seq, n, batch)
             for k, v in ((f"seq_batch{batch}_{name}_idle{idle}", b),
-                         (f"ratio_batch{batch}_{name}_idle{idle}", b / ((raw1 + raw2) / 2))):
+                         (f"ratio_batch{batch}_{name}_idle{idle}", b / ((raw1 + raw2) / 2)),
+                         (f"cpu_us_per_commit_batch{batch}_{name}_idle{idle}", cpu[0])):
                 fig.setdefault(k, []).append(v)
 
 
@@ -278,9 +302,9 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
     print(f"{a.rounds} rounds; median [min .. max]")
     for k, v in fig.items():
-        fmt = "{:.3f}" if k.startswith("ratio") else "{:.0f}"
-        print(f"{k:40s} {fmt.format(statistics.median(v)):>8s}  [{fmt.format(min(v))} .. {fmt.format(max(v))}]"
-              + ("" if k.startswith("ratio") else " /s"))
+        fmt = "{:.3f}" if k.startswith("ratio") else "{:.1f}" if "cpu_" in k else "{:.0f}"
+        print(f"{k:44s} {fmt.format(statistics.median(v)):>8s}  [{fmt.format(min(v))} .. {fmt.format(max(v))}]"
+              + ("" if k.startswith("ratio") or "cpu_" in k else " /s"))
     for ks in ("software", "pkcs11"):
         k = f"ratio_batch{batch}_{ks}"
         if k in fig:
