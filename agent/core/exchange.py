@@ -717,11 +717,6 @@ class Exchange:
         if self.in_flight(peer) and peer not in self.silent_since:
             self.silent_since[peer] = now
 
-    def give_up_at(self, peer: bytes) -> float | None:
-        """When `expire` gives up on the bodies in flight to `peer` unless an answer comes first."""
-        since = self.silent_since.get(peer)
-        return None if since is None else since + self.wait_s(peer)
-
     def lost_while_away(self) -> list[bytes]:
         """A `sync --once` wake, after taking in what waited for it: the peers whose bodies from an
         earlier wake were not answered although the peer was online since (a request from it

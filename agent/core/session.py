@@ -11,7 +11,9 @@ What it decides about what it sent is not its own: it holds an `Exchange` for it
 of bodies in flight, each from where the previous one ended), `may_carry_backfill` (one backfill
 body in flight), `answer` (what an answer, a push's answer, an ack or a refusal proves; the
 cursor then moves through `SyncDriver.confirm` and `core.delivery.answer_moves`), `BodyLimits`
-(the peer's advertised limit, the too-large back-off), `expire` (giving up on a silent peer).
+(the peer's advertised limit, the too-large back-off), `expire` (giving up on a silent peer),
+`Schedule` and `binding.next_due` (when the batch cycle and a coalesced or fixed-cadence push
+are due, §32, §33.2, §33.3).
 The session maps those decisions onto frames; transports only move the frames' bytes.
 
 Frames. The SSP/1 messages (handshake, sync body) travel inside a small transport frame that
@@ -44,7 +46,8 @@ import json
 from . import reasons
 from .classify import classified
 from .codec import INT64_MAX, DecodeError, decode_strict, encode
-from .exchange import KIND_BATCH, KIND_REALTIME, BodyLimits, Exchange, ExchangeConfig, InFlight
+from .binding import NEVER, next_due
+from .exchange import KIND_BATCH, KIND_REALTIME, BodyLimits, Exchange, ExchangeConfig, InFlight, Schedule
 from .messages import Handshake, ProtocolError, SyncBody, emit_handshake, parse_message
 from .sending import MIN_BODY_LIMIT
 
@@ -246,11 +249,10 @@ class Session:
     rtt_ms: int | None = None
     events: list[SessionEvent] = field(default_factory=list)
     ex: Exchange = field(init=False)
+    sched: Schedule = field(init=False)  # when the cycle and realtime pushes are due (the runner's too)
     _out: list[bytes] = field(default_factory=list)
     _corr: int = 0
-    _next_cycle: int | None = None
     _next_hello: int | None = None
-    _push_due: int | None = None
     _push_wanted: bool = False  # produced while the window was full: pushed when an answer frees it
     _then: str | None = None  # what the last settled answer asks for next (`Settled.then`)
 
@@ -263,6 +265,8 @@ class Session:
                              window=self.window, answer_timeout_s=self.answer_timeout_ms / 1000, secure=True)
         limits = BodyLimits(BODY_LIMIT_FLOOR, cfg)
         self.ex = Exchange(cfg, limits, stats=limits.stats)
+        self.sched = Schedule(cfg)
+        self.sched.next_batch = self.sched.next_flush = float("inf")  # nothing before the handshake
 
     # ------------------------------------------------------------------ inputs
     @property
@@ -290,10 +294,16 @@ class Session:
         return out
 
     def timer(self) -> int | None:
-        ts = [t for t in (self._next_cycle, self._next_hello, self._push_due) if t is not None]
-        at = self.ex.give_up_at(self.peer) if self.peer is not None else None
-        if at is not None:
-            ts.append(int(at * 1000) + 1)
+        ts = [self._next_hello] if self._next_hello is not None else []
+        # The exchange's own deadlines, as the MQTT loop asks for them (`binding.next_due`: the
+        # batch cycle, a coalesced or fixed-cadence push, giving up on a silent peer). It keeps
+        # seconds; +1 ms: the deadline has surely passed then.
+        # (The time passed is "as early as it gets": a wait that has not started yet is due at once.)
+        due = next_due(self.ex, self.sched, float("-inf"), connected=self.state == "ready")
+        if due == float("-inf"):
+            ts.append(0)
+        elif due != NEVER:
+            ts.append(int(due * 1000) + 1)
         return min(ts) if ts else None
 
     def handle_timer(self, now: int) -> None:
@@ -309,16 +319,17 @@ class Session:
             if self._next_hello is not None and now >= self._next_hello:
                 self._send_hello(True, now)
             return
-        if self._next_cycle is not None and now >= self._next_cycle:
+        if self.sched.batch_due(_s(now), True):
             self.cycle(now)
-        if self.realtime and self._push_due is not None and now >= self._push_due:
-            self._push(now)
+        due = self.sched.realtime_due(_s(now), 0) if self.realtime else None
+        if due is not None:
+            self._push(now, flush=due == "flush")
 
     def cycle(self, now: int) -> bool:
         """A batch cycle now (§32): bodies up to the window's room; one even with nothing new
         when none of this end's is in flight (the exchange carries both directions: the answer
         brings the peer's events). Returns whether a body went."""
-        self._next_cycle = now + self.cycle_ms
+        self.sched.next_batch = _s(now) + self.sched.cfg.cadence_s
         if self.state != "ready":
             return False
         assert self.peer is not None
@@ -331,9 +342,7 @@ class Session:
         """The node produced (or received) events: in realtime mode, schedule a coalesced push."""
         if self.state != "ready" or not self.realtime or self.flush_ms is not None:
             return
-        due = now + self.coalesce_ms
-        if self._push_due is None or due < self._push_due:
-            self._push_due = due
+        self.sched.produced(_s(now))  # what is produced meanwhile goes in the same push (§33.2)
 
     def receive(self, data: bytes, now: int) -> None:
         if self.state == "closed":
@@ -373,9 +382,9 @@ class Session:
             self.events.append(SessionEvent("ready", "realtime" if self.realtime else "batch"))
             # Both sides run the cycle; stagger them so a quiet link sees one exchange per period.
             stagger = 0 if local_site < msg.site_id else self.cycle_ms // 2
-            self._next_cycle = now + stagger
+            self.sched.next_batch = _s(now + stagger)
             if self.realtime and self.flush_ms is not None:
-                self._push_due = now + self.flush_ms
+                self.sched.next_flush = _s(now + self.flush_ms)
 
     def _require_ready(self) -> None:
         if self.state != "ready":
@@ -486,6 +495,7 @@ class Session:
         if d.ignored is not None:
             return  # given up on already (or never sent): its range is offered again anyway
         self.ex.answered(self.peer, key, still_recorded=False, refused=d.refused is not None)
+        self.ex.reachable(self.peer, _s(now))  # the wait for what is still in flight starts again
         if not d.advances:
             return
         assert d.body is not None
@@ -568,17 +578,16 @@ class Session:
         self._out.append(frame)
 
     # ------------------------------------------------------------------ helpers
-    def _push(self, now: int) -> None:
+    def _push(self, now: int, flush: bool) -> None:
         assert self.peer is not None
-        self._push_due = now + self.flush_ms if self.flush_ms is not None else None
         if self.ex.room(self.peer) <= 0:
             # The window is full: what was produced goes when an answer frees a slot (a flush
             # tick is skipped, as on MQTT: `Exchange.push_targets`).
-            self._push_wanted = self.flush_ms is None
+            self._push_wanted = not flush
             return
         # A push is a window body sent early and answered (push_ack): its answer moves the
         # cursor like a batch body's; the batch cycle is the backstop (§33.1).
-        self._offer(KIND_REALTIME, now, 1, force=self.flush_ms is not None)
+        self._offer(KIND_REALTIME, now, 1, force=flush)
 
     def _send_hello(self, reply: bool, now: int) -> None:
         site, hmax = self.provider.hello_info()

@@ -142,7 +142,7 @@ def handshake(p, now):
         p.flush(now + step)
     assert p.sessions[0].state == p.sessions[1].state == "ready"
     for s in p.sessions:
-        s._next_cycle = None  # only the test starts exchanges
+        s.sched.next_batch = float("inf")  # only the test starts exchanges
 
 
 def test_old_event_relayed_late_is_not_skipped(tmp_path):
