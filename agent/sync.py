@@ -30,6 +30,7 @@ from firmware_bridge.fsutil import atomic_write
 from . import mailbox, policy, rehydrate
 from .clockstate import now_ms
 from .core import delivery
+from .core.binding import body_fit
 from .core.messages import SyncBody, Watermark, emit_body, parse_body, parse_body_streamed
 from .core.records import RecordError, resolve_chains  # noqa: F401 (resolve_chains: re-exported)
 from .core.session import Outgoing, Session, StreamMeta
@@ -327,7 +328,12 @@ class SyncDriver:
                                      tuple(recs[1]) + tuple(extra_records), wms))
             if max_bytes is None or len(raw) <= max_bytes or len(events) <= 1:
                 break
-            limit = max(1, min(len(events) - 1, len(events) * max_bytes * 9 // (10 * len(raw))))
+            # How many fit: the estimate the MQTT runner cuts its bodies by (`binding.body_fit`,
+            # the body without events, then each event and its meta), selected again with that.
+            empty = len(emit_body(SyncBody(self.node.site_id, self.have_max_hlc(), (),
+                                           tuple(recs[1]) + tuple(extra_records), wms)))
+            n = body_fit(events, start0, sel.seqs, len(extra), sel.gaps, empty, max_bytes, limit)
+            limit = max(1, min(len(events) - 1, n if n is not None else len(events) - 1))
         meta = StreamMeta(start0, sel.end, tuple(sel.seqs), tuple(sorted(sel.gaps)), len(extra))
         tok = self.token(peer, path, sel, bf, start0, recs, ro)
         self.stats["bodies_out"] += 1
