@@ -221,8 +221,8 @@ def infer_watermarks(sender: bytes, outcomes: list[Processed], current: dict[Gro
                      held_min: dict[Group, Hlc], gapped: set[str] | frozenset[str]) -> dict[Group, Hlc]:
     """Watermark advances demonstrated by one body from `sender` (§14.2, §13.6).
 
-    Call only for a body sent by `sender` itself over a live batch session whose frame shows it
-    continues the stream (`continues`). Per group (sender, table), in body order: advance over
+    Call only for a body sent by `sender` itself over a live session (a batch body or a realtime
+    push: the same rules, §33) whose frame shows it continues the stream (`continues`). Per group (sender, table), in body order: advance over
     events whose outcome is final (applied, duplicate, dropped after verification); stop at the
     first held or rejected one, at any event at/above a still-held event of the group, and at any
     event not above the previous one (a site's own stream is HLC-ordered; anything else is not
