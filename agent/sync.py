@@ -35,7 +35,7 @@ from .core.messages import SyncBody, Watermark, emit_body, parse_body, parse_bod
 from .core.records import RecordError, resolve_chains  # noqa: F401 (resolve_chains: re-exported)
 from .core.session import Outgoing, Session, StreamMeta
 from .outcomes import counts
-from .store import db, sequencing as seqstore, sync_state as st
+from .store import db, eventlog, sequencing as seqstore, sync_state as st
 
 log = logging.getLogger("ssp_agent.sync")
 
@@ -156,12 +156,7 @@ class SyncDriver:
         while budget > 0:
             # The payload is not read here: most rows examined are filtered (policy, self-echo,
             # watermarks), and each payload is sealed at rest; `_open_selected` opens the offered ones.
-            q = "SELECT seq, site_id, qualified, hlc_p, hlc_l, NULL, origin FROM events WHERE seq > ?"
-            args: list[Any] = [pos]
-            if upto is not None:
-                q += " AND seq <= ?"
-                args.append(upto)
-            rows = self.conn.execute(q + " ORDER BY seq LIMIT ?", (*args, min(chunk, budget))).fetchall()
+            rows = eventlog.rows_after(self.conn, pos, upto, min(chunk, budget))
             if not rows:
                 return
             for seq, s, t, p, l, raw, origin in rows:
@@ -172,11 +167,7 @@ class SyncDriver:
     def _open_selected(self, seqs: list[int]) -> list[bytes]:
         """The signed bytes of the selected log rows, in `seqs` order: only what is offered is
         read and unsealed (a gateway's policy may filter nearly everything it examines)."""
-        raws: dict[int, bytes] = {}
-        for i in range(0, len(seqs), 500):
-            part = seqs[i:i + 500]
-            q = f"SELECT seq, unseal(event_id, raw) FROM events WHERE seq IN ({','.join('?' * len(part))})"
-            raws.update((seq, bytes(raw)) for seq, raw in self.conn.execute(q, part))
+        raws = eventlog.open_seqs(self.conn, seqs)
         return [raws[seq] for seq in seqs]
 
     def select_for(self, peer: bytes, path: str, mode: str = "batch", *, start: int | None = None,
@@ -251,19 +242,12 @@ class SyncDriver:
         tombstone clock (§13.1: selected on the clock, not the value), as log rows in HLC order.
         A clock whose event was evicted (below this node's horizon) has nothing to send."""
         from .store import rows as rowstore
-        t = self.node.tables[table]
-        base = rowstore.q(rowstore.base_name(t.tdef))
-        clocks = ["_ex_c", "_tomb_c"] + [rowstore.q("_c_" + c) for c in t.tdef.value_columns]
-        sql = f"SELECT _rk, {', '.join(clocks)} FROM {base}" + (" WHERE _rk > ?" if after is not None else "")
-        sql += " ORDER BY _rk LIMIT ?"
         out = []
-        for r in self.conn.execute(sql, ((after,) if after is not None else ()) + (limit,)).fetchall():
+        for r in rowstore.clocks_after(self.conn, self.node.tables[table].tdef, after, limit):
             stamps = {rowstore.unpack_stamp(b) for b in r[1:] if b is not None}
             evs = []
             for p, l, sid in sorted(stamps):
-                e = self.conn.execute("SELECT seq, site_id, qualified, hlc_p, hlc_l, unseal(event_id, raw), origin FROM events"
-                                      " WHERE site_id=? AND qualified=? AND hlc_p=? AND hlc_l=?",
-                                      (sid, table, p, l)).fetchone()
+                e = eventlog.event_at(self.conn, sid, table, p, l)
                 if e is not None:
                     evs.append(delivery.LogRow(e[0], bytes(e[1]), e[2], (e[3], e[4]), bytes(e[5]), e[6]))
             out.append((bytes(r[0]), evs))
@@ -500,9 +484,7 @@ class SyncDriver:
     def _proc_full(self, o) -> delivery.Processed:
         """A known event's duplicate outcome carries no table/HLC: read them from the log."""
         if o.verified and (o.table is None or o.hlc is None) and o.event_id is not None:
-            r = self.conn.execute("SELECT qualified, hlc_p, hlc_l FROM events WHERE event_id=?", (o.event_id,)).fetchone()
-            if r is None:
-                r = self.conn.execute("SELECT qualified, hlc_p, hlc_l FROM held WHERE event_id=?", (o.event_id,)).fetchone()
+            r = eventlog.place_of(self.conn, o.event_id)
             if r is not None:
                 return delivery.Processed(o.status, o.reason, o.site_id, r[0], (r[1], r[2]), o.verified)
         return _proc(o)
@@ -779,8 +761,7 @@ def _proc(o) -> delivery.Processed:
 
 
 def _surface(conn, now: int, kind: str, reason: str, detail: dict) -> None:
-    conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
-                 (now, kind, reason, json.dumps(detail, sort_keys=True)))
+    eventlog.surface(conn, now, kind, reason, json.dumps(detail, sort_keys=True))
 
 
 def _write_durably(path: Path, data: bytes) -> None:
@@ -903,8 +884,7 @@ class PortAdapter:
         return self.driver.records_pending(peer, self.path)
 
     def backlog(self, peer: bytes) -> int:
-        return self.conn.execute("SELECT count(*) FROM events WHERE seq > ? AND site_id != ?",
-                                 (self.cursor(peer), peer)).fetchone()[0]
+        return eventlog.count_after(self.conn, self.cursor(peer), peer)
 
     def advance(self, peer: bytes, start: int, seqs: list[int], end: int, processed: int, token=None,
                 rejected: list[int] | None = None) -> bool:

@@ -28,8 +28,6 @@ KNOWN_DEBT = {
     "agent/records_in.py": 2,
     "agent/rehydrate.py": 30,
     "agent/sequencer/client.py": 32,
-    "agent/sync.py": 7,
-    "agent/transport/serial.py": 1,
 }
 
 

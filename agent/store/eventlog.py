@@ -41,3 +41,51 @@ class LogWatch:
             return False
         self.top = t
         return True
+
+
+# ---------------------------------------------------------------------- what the sync layer reads
+def rows_after(conn: sqlite3.Connection, after: int, upto: int | None, limit: int) -> list[tuple]:
+    """Up to `limit` log rows with seq > `after` (and <= `upto`), in append order, without their
+    payload (most rows a selection examines are filtered; each payload is sealed at rest):
+    (seq, site_id, qualified, hlc_p, hlc_l, None, origin)."""
+    q = "SELECT seq, site_id, qualified, hlc_p, hlc_l, NULL, origin FROM events WHERE seq > ?"
+    args: list = [after]
+    if upto is not None:
+        q += " AND seq <= ?"
+        args.append(upto)
+    return conn.execute(q + " ORDER BY seq LIMIT ?", (*args, limit)).fetchall()
+
+
+def open_seqs(conn: sqlite3.Connection, seqs: list[int]) -> dict[int, bytes]:
+    """The signed bytes (unsealed) of the log rows `seqs`: seq -> bytes."""
+    out: dict[int, bytes] = {}
+    for i in range(0, len(seqs), 500):
+        part = seqs[i:i + 500]
+        q = f"SELECT seq, unseal(event_id, raw) FROM events WHERE seq IN ({','.join('?' * len(part))})"
+        out.update((seq, bytes(raw)) for seq, raw in conn.execute(q, part))
+    return out
+
+
+def event_at(conn: sqlite3.Connection, site: bytes, table: str, p: int, l: int) -> tuple | None:
+    """The log row of `site`'s event on `table` at HLC (p, l), its bytes unsealed:
+    (seq, site_id, qualified, hlc_p, hlc_l, raw, origin), or None (evicted, never held)."""
+    return conn.execute("SELECT seq, site_id, qualified, hlc_p, hlc_l, unseal(event_id, raw), origin FROM events"
+                        " WHERE site_id=? AND qualified=? AND hlc_p=? AND hlc_l=?", (site, table, p, l)).fetchone()
+
+
+def place_of(conn: sqlite3.Connection, event_id: bytes) -> tuple[str, int, int] | None:
+    """(table, hlc_p, hlc_l) of a known event, in the log or held; None if neither has it."""
+    r = conn.execute("SELECT qualified, hlc_p, hlc_l FROM events WHERE event_id=?", (event_id,)).fetchone()
+    if r is None:
+        r = conn.execute("SELECT qualified, hlc_p, hlc_l FROM held WHERE event_id=?", (event_id,)).fetchone()
+    return r
+
+
+def count_after(conn: sqlite3.Connection, after: int, not_site: bytes) -> int:
+    """Events after seq `after` other than `not_site`'s own: what a peer's cursor has not covered."""
+    return conn.execute("SELECT count(*) FROM events WHERE seq > ? AND site_id != ?", (after, not_site)).fetchone()[0]
+
+
+def surface(conn: sqlite3.Connection, now_ms: int, kind: str, reason: str, detail_json: str) -> None:
+    """One row of `ssp-agent events` (the `surfaced` table) without a site or table."""
+    conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)", (now_ms, kind, reason, detail_json))

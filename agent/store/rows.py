@@ -300,3 +300,12 @@ def _sort_key(v: Any) -> tuple:
 def table_def_row(t: TableDef) -> tuple:
     return (t.qualified, t.schema, t.name, t.category, json.dumps(list(t.key)),
             json.dumps(t.columns, sort_keys=True), t.retention)
+
+
+def clocks_after(conn: sqlite3.Connection, t: TableDef, after: bytes | None, limit: int) -> list[tuple]:
+    """Up to `limit` rows of table `t` with row_key > `after` (None: from the first), in row_key
+    order: (row_key, existence clock, tombstone clock, each value column's clock), packed stamps
+    (`unpack_stamp`); what a widening backfill selects a row's covering events by (scope §2)."""
+    clocks = ["_ex_c", "_tomb_c"] + [q("_c_" + c) for c in t.value_columns]
+    sql = f"SELECT _rk, {', '.join(clocks)} FROM {q(base_name(t))}" + (" WHERE _rk > ?" if after is not None else "")
+    return conn.execute(sql + " ORDER BY _rk LIMIT ?", ((after,) if after is not None else ()) + (limit,)).fetchall()

@@ -221,13 +221,12 @@ class SerialEndpoint:
                          "down_reasons": sorted(self.events.down_reasons)}}
 
     def _unanswered(self) -> int | None:
-        from ..store import sync_state as st
+        from ..store import eventlog, sync_state as st
         peer = self.session.peer if self.session is not None else None
         if peer is None:
             return None
         live = st.cursor(self.driver.conn, peer, PATH)[0]
-        return self.driver.conn.execute("SELECT count(*) FROM events WHERE seq > ? AND site_id != ?",
-                                        (live, peer)).fetchone()[0]
+        return eventlog.count_after(self.driver.conn, live, peer)
 
     # ------------------------------------------------------------------ glue
     def _new_session(self, wall: int) -> None:
