@@ -640,7 +640,7 @@ class Node:
         # the rows the last committed batch left are read from memory while no other connection
         # has committed since (`PRAGMA data_version`, read under this transaction's write lock).
         stores = [t.rows for t in self.tables.values()]
-        version = self.conn.execute("PRAGMA data_version").fetchone()[0]
+        version = db.data_version(self.conn)
         for rs in stores:
             rs.defer(version)
         try:

@@ -402,3 +402,9 @@ def _rollback(conn: sqlite3.Connection) -> None:
     and replace the error that says what happened."""
     if conn.in_transaction:
         conn.execute("ROLLBACK")
+
+
+def data_version(conn: sqlite3.Connection) -> int:
+    """SQLite's `PRAGMA data_version`: it changes when another connection committed to the file
+    since this connection last looked (its own commits do not change it)."""
+    return conn.execute("PRAGMA data_version").fetchone()[0]
