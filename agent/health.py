@@ -203,11 +203,10 @@ def peer_lags(node) -> list[dict]:
     """Per trusted peer (not retired): events it has not confirmed (from its reported applied
     watermarks, sync_state.peer_lag), and how old the oldest unconfirmed own event is."""
     from .store.sync_state import group_counts, peer_lag
-    from .store import sync_state as st
+    from .store import reports, sync_state as st
     out = []
     try:
-        peers = [bytes(r[0]) for r in node.conn.execute(
-            "SELECT site_id FROM keyring WHERE source != 'self' AND retired_p IS NULL ORDER BY site_id")]
+        peers = reports.member_peers(node.conn)
         counts = group_counts(node.conn) if peers else []   # one pass over the log for every peer
     except Exception:
         return out
@@ -220,13 +219,7 @@ def peer_lags(node) -> list[dict]:
         oldest = None
         if behind:
             # The oldest own event above what the peer reported for this node's site, per table.
-            for q, in node.conn.execute("SELECT DISTINCT qualified FROM events WHERE site_id=?", (node.site_id,)):
-                wm = wms.get((node.site_id, q), (0, 0))
-                r = node.conn.execute("SELECT min(hlc_p) FROM events WHERE site_id=? AND qualified=? AND "
-                                      "(hlc_p > ? OR (hlc_p = ? AND hlc_l > ?))",
-                                      (node.site_id, q, wm[0], wm[0], wm[1])).fetchone()[0]
-                if r is not None and (oldest is None or r < oldest):
-                    oldest = r
+            oldest = reports.oldest_unconfirmed(node.conn, node.site_id, wms)
         out.append({"peer": p.hex(), "behind_events": behind, "reported": bool(wms), "oldest_unconfirmed_ms": oldest})
     return out
 
@@ -254,8 +247,8 @@ def check_peers(node, now_ms: int) -> list[dict]:
 
 def check_faults(node, now_ms: int) -> dict:
     since = now_ms - FAULT_WINDOW_MS
-    rows = node.conn.execute("SELECT kind, reason, count(*) FROM surfaced WHERE at_ms >= ? GROUP BY kind, reason "
-                             "ORDER BY 3 DESC", (since,)).fetchall()
+    from .store import reports
+    rows = reports.surfaced_since(node.conn, since)
     faults = {f"{k}:{r}": n for k, r, n in rows if k in FAULT_KINDS}
     if faults:
         return line("faults", WARN, "surfaced in the last 24 h: " + ", ".join(f"{k} ×{n}" for k, n in faults.items()),

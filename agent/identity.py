@@ -6,7 +6,6 @@ the machine id; on every open a mismatch is refused until an operator states tha
 original device is gone (`ssp-agent identity rebind`)."""
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -78,16 +77,8 @@ def claim_home(site_id: bytes, home: Path) -> str | None:
 
 
 def _holds_site(home: Path, site_id: bytes) -> bool:
-    import sqlite3
-    store = home / "store.sqlite"
-    if not store.exists():
-        return False
-    try:
-        with contextlib.closing(sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=5)) as c:
-            row = c.execute("SELECT value FROM meta WHERE key='site_id'").fetchone()
-    except sqlite3.Error:
-        return False
-    return row is not None and bytes(row[0]) == site_id
+    from .store.reports import site_of_store
+    return site_of_store(home / "store.sqlite") == site_id
 
 
 # Two slots of (physical_ms, logical, counter, crc32): a torn write can spoil only the slot

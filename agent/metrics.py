@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from .store import counters, db
+from .store import counters, db, reports
 
 
 def _esc(v: str) -> str:
@@ -46,11 +46,9 @@ def render(node, run_stats: dict | None = None, now_s: float | None = None) -> s
     o.metric("ssp_ignored_columns_total", "counter",
              "Events whose payload carried a column this node's schema does not have, per table and column "
              "(the §13.6 meter).",
-             [({"table": q, "column": c}, n) for q, c, n in node.conn.execute(
-                 "SELECT qualified, column_name, sum(count) FROM ignored_columns GROUP BY 1, 2 ORDER BY 1, 2")])
+             [({"table": q, "column": c}, n) for q, c, n in reports.ignored_columns(node.conn)])
     o.metric("ssp_surfaced_rows", "gauge", "Rows in the surfaced record (`ssp-agent events`), by kind.",
-             [({"kind": k}, n) for k, n in node.conn.execute(
-                 "SELECT kind, count(*) FROM surfaced GROUP BY kind ORDER BY kind")])
+             [({"kind": k}, n) for k, n in reports.surfaced_by_kind(node.conn)])
     lags = peer_lags(node)
     o.metric("ssp_peer_lag_events", "gauge",
              "Events this node holds that the peer's reported applied watermarks do not cover.",

@@ -47,11 +47,9 @@ def surface_denial(conn, peer: bytes, table: str, reason: str, surfaced: set | N
             return
         surfaced.add((peer, table, reason))
     log.warning("policy: deny for peer %s table %s (%s)", peer.hex(), table, reason)
-    conn.execute(
-        "INSERT INTO surfaced (at_ms, kind, reason, site_id, qualified, detail) SELECT ?,?,?,?,?,? WHERE NOT EXISTS"
-        " (SELECT 1 FROM surfaced WHERE kind='policy_denied' AND reason=? AND site_id=? AND qualified=?)",
-        (now_ms(), "policy_denied", reason, peer, table, json.dumps({"peer": peer.hex(), "table": table}),
-         reason, peer, table))
+    from .store import reports
+    reports.surface_once(conn, now_ms(), "policy_denied", reason, peer, table,
+                         json.dumps({"peer": peer.hex(), "table": table}))
 
 
 def snapshot(node) -> dict[tuple[bytes, str], bool]:

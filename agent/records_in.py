@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from . import policy
 from .core.records import RecordError, record_hash, verify_record
 from .mailbox import verify_ack
-from .store import db, sync_state as st
+from .store import db, reports, sync_state as st
 
 log = logging.getLogger("ssp_agent.sync")
 
@@ -37,13 +37,11 @@ def issuer_key(conn, site_id: bytes, issuer: bytes) -> bytes | None:
     for its own issuer)."""
     if issuer == site_id:
         return bytes(db.get_meta(conn, "public_key"))
-    r = conn.execute("SELECT public_key FROM keyring WHERE site_id=?", (issuer,)).fetchone()
-    return None if r is None else bytes(r[0])
+    return reports.keyring_key(conn, issuer)
 
 
 def surface(conn, now: int, kind: str, reason: str, detail: dict) -> None:
-    conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
-                 (now, kind, reason, json.dumps(detail, sort_keys=True)))
+    reports.surface(conn, now, kind, reason, json.dumps(detail, sort_keys=True))
 
 
 def store_authority_records(node, raws: list, now: int) -> tuple[dict, RecordEffects]:

@@ -35,7 +35,7 @@ from .core.messages import SyncBody, Watermark, emit_body, parse_body, parse_bod
 from .core.records import RecordError, resolve_chains  # noqa: F401 (resolve_chains: re-exported)
 from .core.session import Outgoing, Session, StreamMeta
 from .outcomes import counts
-from .store import db, eventlog, sequencing as seqstore, sync_state as st
+from .store import db, eventlog, reports, sequencing as seqstore, sync_state as st
 
 log = logging.getLogger("ssp_agent.sync")
 
@@ -761,7 +761,7 @@ def _proc(o) -> delivery.Processed:
 
 
 def _surface(conn, now: int, kind: str, reason: str, detail: dict) -> None:
-    eventlog.surface(conn, now, kind, reason, json.dumps(detail, sort_keys=True))
+    reports.surface(conn, now, kind, reason, json.dumps(detail, sort_keys=True))
 
 
 def _write_durably(path: Path, data: bytes) -> None:

@@ -20,12 +20,7 @@ STORES = ("agent/store/", "agent/sequencer/store.py")  # the node's store; the s
 
 # Still to move (issue 13 leftovers: each of these is a module's own piece of work).
 KNOWN_DEBT = {
-    "agent/health.py": 4,
-    "agent/identity.py": 1,
-    "agent/metrics.py": 2,
     "agent/node.py": 42,
-    "agent/policy.py": 1,
-    "agent/records_in.py": 2,
     "agent/rehydrate.py": 30,
     "agent/sequencer/client.py": 32,
 }

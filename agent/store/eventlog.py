@@ -85,7 +85,3 @@ def count_after(conn: sqlite3.Connection, after: int, not_site: bytes) -> int:
     """Events after seq `after` other than `not_site`'s own: what a peer's cursor has not covered."""
     return conn.execute("SELECT count(*) FROM events WHERE seq > ? AND site_id != ?", (after, not_site)).fetchone()[0]
 
-
-def surface(conn: sqlite3.Connection, now_ms: int, kind: str, reason: str, detail_json: str) -> None:
-    """One row of `ssp-agent events` (the `surfaced` table) without a site or table."""
-    conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)", (now_ms, kind, reason, detail_json))

@@ -60,3 +60,21 @@ def test_the_log_watch_says_when_the_log_grew_and_only_then(tmp_path):
         node.conn.execute("INSERT OR REPLACE INTO meta VALUES ('x', 'y')")
     assert not w.grew()   # something changed, but not the log
     node.close()
+
+
+def test_a_copy_of_a_live_home_is_refused_and_a_moved_home_is_followed(tmp_path):
+    """identity.claim_home reads the other home's store (store/reports.py `site_of_store`): a
+    `cp -a` copy of a home whose original is still there must not sign as it (§13.5)."""
+    import shutil
+
+    import pytest
+
+    from agent.node import Node, NodeError
+    a, = peers(1)
+    node = make_node(tmp_path / "n", [a])
+    node.close()
+    shutil.copytree(tmp_path / "n", tmp_path / "copy")
+    with pytest.raises(NodeError, match="is a copy of"):
+        Node.open(tmp_path / "copy")
+    shutil.rmtree(tmp_path / "n")   # the original is gone: the copy is the home now (it moved)
+    Node.open(tmp_path / "copy").close()

@@ -1,0 +1,79 @@
+"""What the node surfaces and reports (`ssp-agent events`, `check`, the metrics file): the
+`surfaced` record, the §13.6 ignored-columns meter, the keyring's members, the oldest own event a
+peer has not confirmed. (All SQL lives in agent/store/, docs/architecture.md.)"""
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from pathlib import Path
+
+
+# ---------------------------------------------------------------------- the surfaced record
+def surface(conn: sqlite3.Connection, now_ms: int, kind: str, reason: str, detail_json: str) -> None:
+    """One row of `ssp-agent events` without a site or table, inside the caller's transaction."""
+    conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)", (now_ms, kind, reason, detail_json))
+
+
+def surface_once(conn: sqlite3.Connection, now_ms: int, kind: str, reason: str, site: bytes, table: str,
+                 detail_json: str) -> None:
+    """One row for (kind, reason, site, table), unless the record already holds one."""
+    conn.execute(
+        "INSERT INTO surfaced (at_ms, kind, reason, site_id, qualified, detail) SELECT ?,?,?,?,?,? WHERE NOT EXISTS"
+        " (SELECT 1 FROM surfaced WHERE kind=? AND reason=? AND site_id=? AND qualified=?)",
+        (now_ms, kind, reason, site, table, detail_json, kind, reason, site, table))
+
+
+def surfaced_since(conn: sqlite3.Connection, since_ms: int) -> list[tuple[str, str, int]]:
+    """(kind, reason, rows) surfaced at or after `since_ms`, most rows first."""
+    return conn.execute("SELECT kind, reason, count(*) FROM surfaced WHERE at_ms >= ? GROUP BY kind, reason "
+                        "ORDER BY 3 DESC", (since_ms,)).fetchall()
+
+
+def surfaced_by_kind(conn: sqlite3.Connection) -> list[tuple[str, int]]:
+    return conn.execute("SELECT kind, count(*) FROM surfaced GROUP BY kind ORDER BY kind").fetchall()
+
+
+def ignored_columns(conn: sqlite3.Connection) -> list[tuple[str, str, int]]:
+    """(table, column, events) of the §13.6 meter: payload columns this node's schema lacks."""
+    return conn.execute(
+        "SELECT qualified, column_name, sum(count) FROM ignored_columns GROUP BY 1, 2 ORDER BY 1, 2").fetchall()
+
+
+# ---------------------------------------------------------------------- the keyring
+def member_peers(conn: sqlite3.Connection) -> list[bytes]:
+    """The keyring's sites other than this node, not retired, in site order."""
+    return [bytes(r[0]) for r in conn.execute(
+        "SELECT site_id FROM keyring WHERE source != 'self' AND retired_p IS NULL ORDER BY site_id")]
+
+
+def keyring_key(conn: sqlite3.Connection, site: bytes) -> bytes | None:
+    """The public key the keyring holds for `site`, or None."""
+    r = conn.execute("SELECT public_key FROM keyring WHERE site_id=?", (site,)).fetchone()
+    return None if r is None else bytes(r[0])
+
+
+def site_of_store(store: Path) -> bytes | None:
+    """The site a store file belongs to, read through a read-only connection of its own; None if
+    there is no store there or it cannot be read."""
+    if not store.exists():
+        return None
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{store}?mode=ro", uri=True, timeout=5)) as c:
+            row = c.execute("SELECT value FROM meta WHERE key='site_id'").fetchone()
+    except sqlite3.Error:
+        return None
+    return None if row is None else bytes(row[0])
+
+
+# ---------------------------------------------------------------------- confirmation of own events
+def oldest_unconfirmed(conn: sqlite3.Connection, site: bytes, wms: dict) -> int | None:
+    """The physical time of `site`'s oldest event above the watermark `wms` holds for its table
+    ((site, table) -> (p, l); none: every event), over its tables; None when every one is covered."""
+    oldest = None
+    for q, in conn.execute("SELECT DISTINCT qualified FROM events WHERE site_id=?", (site,)).fetchall():
+        wm = wms.get((site, q), (0, 0))
+        r = conn.execute("SELECT min(hlc_p) FROM events WHERE site_id=? AND qualified=? AND "
+                         "(hlc_p > ? OR (hlc_p = ? AND hlc_l > ?))", (site, q, wm[0], wm[0], wm[1])).fetchone()[0]
+        if r is not None and (oldest is None or r < oldest):
+            oldest = r
+    return oldest
