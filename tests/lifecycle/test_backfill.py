@@ -8,7 +8,7 @@ from agent.core.scope import PolicyRow
 from agent.node import Node
 from agent.store import sync_state as st
 from agent.sync import SyncDriver, change_policy
-from tests.sync.helpers import NOW, T, mesh, sync
+from tests.sync.helpers import NOW, T, mesh, pair, sync
 
 N = "app.notes"
 
@@ -24,6 +24,27 @@ def raws(node, table=None):
 
 def small(node, rows=3):
     node.profile = dataclasses.replace(node.profile, backfill_rows_per_cycle=rows)
+
+
+def exchange_until(da, db_, now, cond):
+    """A session between `da` and `db_` (handshake, then the batch cycle it starts), stepped until
+    `cond()` holds (checked after every step) or the link is quiet. One exchange walks a whole
+    backfill, one body per round trip (docs/protocol.md §7 "Budget", "On MQTT"), so a test that
+    wants the walk half done stops it here. Returns the pair; what is on the link stays undelivered."""
+    p = pair(da, db_)
+    p.start(now)
+    t = now
+    while not cond():
+        p.step(t)
+        nxt = [x for x in [p.link.next_due()] + [s.timer() for s in p.sessions] if x is not None]
+        if not nxt or (p.link.next_due() is None and p.quiet()):
+            break
+        t = max(t + 1, min(nxt))
+    return p
+
+
+def notes_job(node, peer):
+    return next((j for j in st.backfill_jobs(node.conn, peer.site_id) if j["table"] == N), None)
 
 
 def withheld_history(tmp_path, rows=10):
@@ -88,43 +109,64 @@ def test_live_tail_goes_first(tmp_path):
 
 
 def test_narrowing_mid_backfill_stops_the_excluded_rows_at_emit_time(tmp_path):
+    """Scope §2 (docs/protocol.md §7 "Emit time"): policy is resolved when a body is built, so a
+    narrowing that lands mid-backfill stops the excluded rows at once. It lands here inside one
+    running exchange, right after the answer to a notes body commits and before the next body is
+    selected: no notes row may go after it, while the table still allowed finishes."""
     a, b, da, db_, t = withheld_history(tmp_path)
     change_policy(a, lambda c: st.put_policy_row(c, deny(a, b, "readings")))
     a.write(T, {"device": "d", "seq": 9}, {"temp": 9.0}, now=t + 1)
     small(a, 2)
-    # widen both tables, run one cycle, then narrow notes again while its job is in flight
     change_policy(a, lambda c: (st.delete_policy_row(c, deny(a, b)), st.delete_policy_row(c, deny(a, b, "readings"))))
     assert {j["table"] for j in st.backfill_jobs(a.conn, b.site_id)} == {N, T}
+    at_narrowing = []
+    confirm = da.confirm
+
+    def narrow_after_first_notes_answer(*args, **kw):
+        moved = confirm(*args, **kw)
+        job = notes_job(a, b)
+        if not at_narrowing and job is not None and job["rows_sent"]:
+            # one backfill body in flight at most, and its answer just committed: b holds all
+            # that went so far, and the next body is selected after this
+            at_narrowing.append(len(b.dump()[N]))
+            change_policy(a, lambda c: st.put_policy_row(c, deny(a, b)))
+        return moved
+    da.confirm = narrow_after_first_notes_answer
     t = sync(da, db_, t + 2)
-    n_before = len(b.dump()[N])
-    assert 0 < n_before < len(a.dump()[N])
-    # the narrowing lands between selection and emit: the body built now carries no notes
-    change_policy(a, lambda c: st.put_policy_row(c, deny(a, b)))
-    for _ in range(10):
+    assert at_narrowing, "the notes job never moved"
+    n_before = at_narrowing[0]
+    assert 0 < n_before < len(a.dump()[N])  # mid-backfill
+    assert len(b.dump()[N]) == n_before  # nothing more after the narrowing, in the same exchange
+    for _ in range(3):
         t = sync(da, db_, t + 1)
     assert len(b.dump()[N]) == n_before
-    assert not [j for j in st.backfill_jobs(a.conn, b.site_id) if j["table"] == N]
+    assert notes_job(a, b) is None  # dropped (a later widening enqueues it again)
     assert b.dump()[T] == a.dump()[T]  # the table still allowed finished
 
 
 def test_crash_mid_backfill_resumes_from_the_durable_row_cursor(tmp_path):
+    """Scope §2 (docs/protocol.md §7 "Progress"): rows commit only on the peer's answer; a crash with
+    a backfill body in flight re-sends the same rows from the durable row cursor, and no row is lost."""
     a, b, da, db_, t = withheld_history(tmp_path, rows=30)
     small(a, 3)
     change_policy(a, lambda c: st.delete_policy_row(c, deny(a, b)))
-    t = sync(da, db_, t + 1)
-    job = st.backfill_jobs(a.conn, b.site_id)[0]
-    assert 0 < job["rows_sent"] < 30 and job["resume_after_row_key"] is not None
+    # the first answer commits, and at once the next body (rows 4..6) goes: stop there, undelivered
+    p = exchange_until(da, db_, t + 1, lambda: (notes_job(a, b) or {}).get("rows_sent"))
+    job = notes_job(a, b)
+    assert job is not None and 0 < job["rows_sent"] < 30 and job["resume_after_row_key"] is not None
     assert len(b.dump()[N]) == job["rows_sent"] - (1 if job["rows_sent"] > 3 else 0)  # n03 is deleted
-    # a body is built (rows 7..9) but the answer never comes: the node crashes
-    out = da.build(b.site_id, "memory", "batch")
-    assert out.n_events > 0
+    lost = [f for f in p.sessions[0].ex.pending.values() if f.backfill]
+    assert len(lost) == 1 and lost[0].n_backfill > 0  # built and sent; its answer never comes
+    # the node crashes
     home = a.home
     a.close()
     a = Node.open(home)
     small(a, 3)
-    job2 = st.backfill_jobs(a.conn, b.site_id)[0]
+    job2 = notes_job(a, b)
     assert job2["resume_after_row_key"] == job["resume_after_row_key"]  # nothing committed unanswered
+    assert job2["rows_sent"] == job["rows_sent"]
     da = SyncDriver(a)
+    t += 60_000
     for _ in range(30):
         if not st.backfill_jobs(a.conn, b.site_id):
             break
