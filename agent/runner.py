@@ -1,12 +1,13 @@
 """The node's MQTT loop: `ssp-agent run` (always on) and `ssp-agent sync --once` (wake, sync, sleep).
 
 A thin adapter (issue 13 item 1): the protocol decisions described below (the window of bodies
-in flight, what an answer proves, giving up, body limits, presence, when and what to send, the
-order of intake, refusals before parsing) are the pure exchange state machine's,
-`agent/core/exchange.py` (with `core.sending` and `core.delivery.answer_moves`), and what the
-binding adds around it is `agent/core/binding.py`'s (the request and answer properties and
-whether a request asks for a signed acknowledgement, how many events fit a body, the order of a
-`sync --once` wake, when the loop is next due); this module moves messages (MqttLink), time
+in flight, giving up, body limits, presence, when and what to send) are the pure exchange state
+machine's, `agent/core/exchange.py` (with `core.sending` and `core.delivery.answer_moves`), the
+same on every link; what only the MQTT binding adds around it is `agent/core/binding.py`'s (the
+request and answer properties, refusals before parsing, what an answer's signed acknowledgement
+proves, whether one is owed and when it is signed, records released for replays, the order of
+intake, how many events fit a body, the order of a `sync --once` wake, when the loop is next
+due); this module moves messages (MqttLink), time
 (`time.monotonic`, passed in) and rows (sync_state, through `agent.sync.PortAdapter`) in and out
 of them. `agent/runtime.py` drives it through `step` and sleeps until `next_due`.
 
@@ -57,12 +58,12 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .core.exchange import MAX_ACKS_LOOKED_AT  # noqa: F401 - re-exported (tests, benches)
 from .core.exchange import (GIVE_UP_DOUBLINGS, PRESENCE_LIMIT, BodyLimits, Exchange, ExchangeConfig, InFlight,
-                            Intake, Presence, ReleasedAcks, Schedule, SurfaceBudget, ack_due, ack_wait, answer_proof,
-                            request_refusal, signed_ack_owed)
-from .core.binding import (P_ACK, OnceWake, answer_properties, asks_signed_ack, body_fit,  # noqa: F401 - P_ACK re-exported
-                           next_due, refusal_properties, request_properties)
+                            Presence, Schedule, SurfaceBudget)
+from .core.binding import MAX_ACKS_LOOKED_AT  # noqa: F401 - re-exported (tests, benches)
+from .core.binding import (P_ACK, Intake, OnceWake, ReleasedAcks, ack_due, ack_wait,  # noqa: F401 - P_ACK re-exported
+                           answer_properties, answer_proof, asks_signed_ack, body_fit, next_due, refusal_properties,
+                           request_properties, request_refusal, signed_ack_owed)
 from .core.messages import ProtocolError, parse_body
 from .core.records import MAX_ACK_ANSWERS, AckAnswer, record_hash as body_hash
 from .core.sending import PeerLimit  # noqa: F401 - the too-large back-off (pure); re-exported
@@ -255,7 +256,7 @@ class Runner:
             self.step()
 
     def pump(self, timeout: float = 0.0, max_items: int = 10_000) -> int:
-        """Handle what arrived, in the order `exchange.Intake` decides (members' requests one per
+        """Handle what arrived, in the order `binding.Intake` decides (members' requests one per
         sender in turn, others bounded per call). Both queues hold unacknowledged messages only, so
         they are bounded by the link's Receive Maximum: past that the broker holds them back. A call
         returns after about PUMP_BUDGET_S of handling even while bodies keep coming (a flood kept
@@ -501,7 +502,7 @@ class Runner:
             self.offer(p.peer, KIND_BATCH)
 
     def _proof(self, p: InFlight, payload: bytes):
-        """The peer's signed acknowledgement of body `p` in an answer (`exchange.answer_proof`)."""
+        """The peer's signed acknowledgement of body `p` in an answer (`binding.answer_proof`)."""
         keyring = self.node.keyring
         return answer_proof(p, payload, self.node.mesh_id, self.node.site_id, keyring.get, self.stats)
 

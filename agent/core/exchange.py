@@ -1,20 +1,26 @@
 """The exchange state machine, sans-I/O: one set of rules for every link (issue 13 item 1:
 "one session, every link").
 
-What a node decides about its exchanges with its peers, with no byte, clock or store in sight.
-Two drivers call it: agent/runner.py on the MQTT binding (every body a request answered on its
-own, docs/mqtt.md; messages, time and rows in sync_state moved in and out by the runner), and
+What a node decides about its exchanges with its peers, with no byte, clock or store in sight,
+transport-neutral: the window, the cursor's movement on answers, the body limits. Two drivers
+call it: agent/runner.py on the MQTT binding (every body a request answered on its own,
+docs/mqtt.md; messages, time and rows in sync_state moved in and out by the runner), and
 agent/core/session.py on the serial and in-memory links (one `Exchange` per session, for its one
-peer; time passed in as seconds). What only MQTT has (retained presence parsed from topics,
-bodies recalled from an earlier process, signed acknowledgements as proof on a binding without
-ACLs, `Intake`) is used by the runner alone; the rest is the same code on every link.
+peer; time passed in as seconds). What only the MQTT binding decides (refusals before parsing,
+the proof a signed acknowledgement gives on a binding without ACLs, `answer_proof`; when this
+node's own acknowledgements are signed and which released ones are served again; the order of
+intake, `Intake`) is agent/core/binding.py's, beside this module; the runner passes the proof in
+(`Exchange.answer(..., proof=...)`). Bodies recalled from an earlier process (`earlier`) and
+retained presence parsed from topics (`Presence.received`) are here but only the runner feeds
+them.
 
 - **The window** (§32, docs/mqtt.md "Quiet links"): which bodies are in flight to each peer (sent
   by this process, `pending`; or by an earlier one and restored from sync_state, `earlier`), where
   the next body starts (`start_at`), how many more may go (`room`), at most one body with backfill
   rows in flight (`backfill_in_flight`, scope §2).
 - **Answers**: which answer settles which body, what it proves (the peer's signed acknowledgement
-  without the broker's ACLs, docs/protocol.md §5: `answer_proof`), which cursor movement it
+  without the broker's ACLs, docs/protocol.md §5: checked by `binding.answer_proof`, passed in;
+  `answered_progress`), which cursor movement it
   carries (`Settled.processed`, `Settled.rejected`: the live cursor and backfill rows then move
   through agent/sync.py, `SyncDriver.confirm`, the one confirmation the in-memory and serial
   session use too) and what follows (offer the next window, re-offer from the cursor).
@@ -35,13 +41,12 @@ exactly as a batch body's does, through one pure function, `core.delivery.answer
 """
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from . import reasons
-from .messages import Handshake, ProtocolError, parse_body, parse_presence
-from .records import MAX_ACK_ANSWERS, AckAnswer, RecordError, is_ack, verify_ack
+from .messages import Handshake, ProtocolError, parse_presence
+from .records import AckAnswer
 from .sending import MIN_BODY_LIMIT, PeerLimit
 
 KIND_BATCH, KIND_REALTIME = "batch", "rt"  # a request's `ssp-kind` (docs/mqtt.md)
@@ -61,7 +66,6 @@ class ExchangeConfig:
     limit_probe_max_s: float = 3600.0  # the wait before a probe doubles with each refusal, up to this
 
 
-MAX_ACKS_LOOKED_AT = 4  # acknowledgement records checked per answer (`answer_proof`)
 PRESENCE_LIMIT = 1024  # handshakes kept (`Presence`): fictional sites' presence evicts the oldest
 GIVE_UP_DOUBLINGS = 6  # the wait before a give-up doubles with each one, up to 2**6 times
 
@@ -93,39 +97,6 @@ class InFlight:
 
 
 # ---------------------------------------------------------------------- answers
-def answer_proof(p: InFlight, payload: bytes, mesh_id: bytes, self_site: bytes,
-                 entry_of: Callable[[bytes], Any], stats: Counter | None = None) -> AckAnswer | None:
-    """The peer's signed answer for body `p` in an answer's `records` (an AckAnswer), or None: a
-    `sovm/ssp-ack-v1` record that verifies under the peer's keyring entry (`entry_of`, not
-    retired), is addressed to this node and names the BLAKE3 of the exact body sent, with as many
-    events as it held (docs/protocol.md §5). A replay of a genuine acknowledgement is the truth
-    about these very bytes, so it is harmless; a record for another body, by another signer or
-    for another node moves nothing."""
-    stats = Counter() if stats is None else stats
-    if p.body_hash is None:
-        stats["answers_unprovable"] += 1  # recalled from a process that kept no hash
-        return None
-    try:
-        # An honest answer carries one: a few are looked at, so a forged answer stuffed with
-        # records costs at most MAX_ACKS_LOOKED_AT signature checks.
-        raws = [r for r in parse_body(payload).records if is_ack(r)][:MAX_ACKS_LOOKED_AT]
-    except ProtocolError:
-        return None
-    for raw in raws:
-        try:
-            ack = verify_ack(raw, mesh_id, entry_of)
-        except RecordError as e:
-            stats[f"ack_refused:{e.reason}"] += 1
-            continue
-        if ack.issuer != p.peer or ack.subject != self_site:
-            stats["ack_misaddressed"] += 1
-            continue
-        a = ack.answer_for(p.body_hash)
-        if a is not None and a.count == p.total:
-            return a
-    return None
-
-
 def answered_progress(total: int, proof: AckAnswer | None, processed_text: str | None,
                       rejected: list[int] | None) -> tuple[int, list[int] | None]:
     """(processed, rejected) an `ok` answer to a body of `total` events proves: what the peer
@@ -312,161 +283,6 @@ class Presence:
     def realtime(self, site: bytes) -> bool:
         hs = self.caps.get(site)
         return bool(hs is not None and hs.supports_realtime)
-
-
-# ---------------------------------------------------------------------- receiving
-def request_refusal(size: int, body_limit: int, kind: str, sender: bytes | None,
-                    realtime_established: bool) -> tuple[str, str] | None:
-    """(reason, detail) when a request is refused before its bytes are parsed, else None: larger
-    than this node's body limit, an unknown kind, an inbox topic naming no sender, or a realtime
-    body without mutual realtime mode (§33: rejected, not dropped, so it surfaces as a protocol
-    error). The reason codes are agent/core/reasons.py's."""
-    if size > body_limit:
-        return reasons.TOO_LARGE, f"{size} bytes > body limit {body_limit}"
-    if kind not in (KIND_BATCH, KIND_REALTIME):
-        return reasons.UNKNOWN_KIND, kind[:40]
-    if sender is None:
-        return reasons.BAD_TOPIC, "an inbox topic must name its sender"
-    if kind == KIND_REALTIME and not realtime_established:
-        return reasons.REALTIME_NOT_ESTABLISHED, sender.hex()
-    return None
-
-
-def signed_ack_owed(asked: bool, sender: bytes | None, member: bool, self_site: bytes) -> bool:
-    """Whether an `ok` answer waits for this node's signed acknowledgement (docs/protocol.md §5):
-    the sender asked (`ssp-ack: 1`: its binding does not authenticate answers, so it moves its
-    cursor only on one), and it is a site this node trusts, other than itself (a body under any
-    other name signs nothing)."""
-    return asked and member and sender is not None and sender != self_site
-
-
-def ack_due(owed: int, last_signed: float, now: float, interval_s: float, force: bool = False) -> bool:
-    """Whether the signed acknowledgement owed to one sender (docs/protocol.md §5) is signed now:
-    when a record is full (MAX_ACK_ANSWERS bodies), when `interval_s` passed since its last one
-    (0: every pump), or when forced (closing: the bodies are applied and committed)."""
-    return force or owed >= MAX_ACK_ANSWERS or now - last_signed >= interval_s
-
-
-def ack_wait(last_signed: Iterable[float], now: float, interval_s: float) -> float:
-    """How long the loop may wait for messages while acknowledgements are owed: not past the
-    earliest one's interval."""
-    return max(0.0, min(last_signed) + interval_s - now)
-
-
-
-class ReleasedAcks:
-    """Acknowledgement records already released, kept to answer a replay (docs/protocol.md §5,
-    issue 16 item 3). A record states, for each body it names, the BLAKE3 of the exact bytes
-    received, the processed count and the rejected indices. When the same sender sends the same
-    bytes again and this node's processing of them comes out the same (`AckAnswer` equal: same
-    hash, processed, count and rejected indices), the record already released states exactly what
-    is true of this delivery too, so it is served again instead of signing a new one: a member
-    replaying a body no longer buys a signature and two journal fsyncs per replay. Any other
-    outcome (an event now rejected, or applied where it was held) misses and is signed afresh. The
-    records are valid only under the signing key they were made with: `key` (this node's own
-    keyring entry) changing drops them all. Bounded: `per_sender` answers per sender (least
-    recently used goes first), `senders` senders."""
-
-    def __init__(self, per_sender: int = 64, senders: int = 64) -> None:
-        self.per_sender, self.senders = per_sender, senders
-        self._key: Any = None
-        self._by_sender: dict[bytes, dict[AckAnswer, bytes]] = {}
-
-    def _check_key(self, key: Any) -> None:
-        if key != self._key:
-            self._by_sender.clear()
-            self._key = key
-
-    def get(self, sender: bytes, answer: AckAnswer, key: Any) -> bytes | None:
-        self._check_key(key)
-        kept = self._by_sender.get(sender)
-        raw = kept.pop(answer, None) if kept else None
-        if raw is not None:
-            kept[answer] = raw  # most recently used last
-        return raw
-
-    def put(self, sender: bytes, answers: Iterable[AckAnswer], raw: bytes, key: Any) -> None:
-        self._check_key(key)
-        kept = self._by_sender.pop(sender, None)
-        if kept is None:
-            kept = {}
-            while len(self._by_sender) >= self.senders:
-                del self._by_sender[next(iter(self._by_sender))]  # the least recently signed-for sender
-        self._by_sender[sender] = kept
-        for a in answers:
-            kept.pop(a, None)
-            kept[a] = raw
-        while len(kept) > self.per_sender:
-            del kept[next(iter(kept))]
-
-    def __len__(self) -> int:
-        return sum(len(k) for k in self._by_sender.values())
-
-
-class Intake:
-    """The order in which what arrived is handled (issue 11 item 4, issue 16 item 3, docs/apply.md
-    "Bounds"). Answers, and presence of keyring sites, are handled at once. Requests from keyring
-    sites wait in one queue per sender and are handled one per sender in turn (`turn`), so a body
-    never waits behind more than one body of each other member already here (a member keeping 200
-    bodies unanswered held every other member's bodies back). Messages from any other site (which a
-    rogue client with broker access can publish at will, under fictional names) wait in `others`,
-    and at most `others_per_step` of them are handled per pump (`others_due`), so an honest body
-    never waits behind a whole flood. Presence among those is acknowledged on arrival (the
-    broker's Receive Maximum does not bound it): past `presence_limit` waiting, the oldest waiting
-    presence goes (counted). Items are the caller's; only their `kind` (req | ans | presence) is
-    read."""
-
-    def __init__(self, presence_limit: int = PRESENCE_LIMIT, stats: Counter | None = None) -> None:
-        self.presence_limit = presence_limit
-        self.stats = Counter() if stats is None else stats
-        self.members: dict[bytes, deque] = {}  # requests from keyring sites, per sender, not yet handled
-        self.others: deque = deque()  # from sites not in the keyring, not yet handled
-        self.others_presence = 0  # of which presence messages
-
-    def waiting(self) -> bool:
-        return bool(self.members or self.others)
-
-    def take(self, item: Any, kind: str, sender: bytes | None, *, from_member: bool) -> bool:
-        """Queue `item`, or return True: handle it now. `from_member`: the request's sender (the
-        presence's site) is in the keyring."""
-        if kind == "req" and from_member:
-            self.members.setdefault(sender, deque()).append(item)
-            return False
-        if kind == "ans" or (kind != "req" and from_member):
-            return True
-        if kind == "presence":
-            self.others_presence += 1
-            if self.others_presence > self.presence_limit:
-                self._drop_oldest_presence()
-        self.others.append(item)
-        return False
-
-    def turn(self) -> list:
-        """One turn: the oldest waiting request of each member sender."""
-        out = []
-        for sender in list(self.members):
-            q = self.members[sender]
-            out.append(q.popleft())
-            if not q:
-                del self.members[sender]
-        return out
-
-    def others_due(self, per_step: int) -> list:
-        out = []
-        for _ in range(min(len(self.others), per_step)):
-            o = self.others.popleft()
-            if o.kind == "presence":
-                self.others_presence -= 1
-            out.append(o)
-        return out
-
-    def _drop_oldest_presence(self) -> None:
-        for i, o in enumerate(self.others):
-            if o.kind == "presence":
-                del self.others[i]
-                self.others_presence -= 1
-                self.stats["others_presence_dropped"] += 1
-                return
 
 
 class SurfaceBudget:
@@ -848,6 +664,6 @@ class Exchange:
         return sorted({q.peer for q in self.pending.values()} & set(self.presence.caps if present is None else present))
 
 
-__all__ = ["Exchange", "ExchangeConfig", "Intake", "ReleasedAcks", "Schedule", "SurfaceBudget", "OfferPlan", "request_refusal", "signed_ack_owed", "ack_due", "ack_wait",
-           "KIND_BATCH", "KIND_REALTIME", "InFlight", "Settled", "BodyLimits", "Presence", "answer_proof", "answered_progress",
-           "MAX_ACKS_LOOKED_AT", "PRESENCE_LIMIT", "GIVE_UP_DOUBLINGS", "MIN_BODY_LIMIT"]
+__all__ = ["Exchange", "ExchangeConfig", "Schedule", "SurfaceBudget", "OfferPlan",
+           "KIND_BATCH", "KIND_REALTIME", "InFlight", "Settled", "BodyLimits", "Presence", "answered_progress",
+           "PRESENCE_LIMIT", "GIVE_UP_DOUBLINGS", "MIN_BODY_LIMIT"]

@@ -1,7 +1,7 @@
 """What the sender side of a sync link decides without I/O (issue 13 item 1: the runner's own
 state moving beside agent/core/session.py): how a selection is split into bodies that fit the
 peer's limit, and the per-peer body limit after `too_large` refusals. Pure: time is passed in.
-agent/core/exchange.py (the MQTT binding's exchange state machine) uses both."""
+agent/core/exchange.py (the exchange state machine of every link) uses both."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,6 +1,8 @@
-"""agent/core/exchange.py, the MQTT binding's exchange state machine, driven without a broker, a
-store or a clock: the window in flight, answers and what they prove, giving up on a silent peer,
-the body limits and presence. (The same code runs behind agent/runner.py in tests/mqtt against a
+"""agent/core/exchange.py, the exchange state machine of every link, and what the MQTT binding
+decides beside it (agent/core/binding.py: what an answer proves, refusals before parsing, the order
+of intake, when acknowledgements are signed), driven without a broker, a store or a clock: the
+window in flight, answers and what they prove, giving up on a silent peer, the body limits and
+presence. (The same code runs behind agent/runner.py in tests/mqtt against a
 real mosquitto; here every decision is pinned with time passed in.)"""
 from __future__ import annotations
 
@@ -10,10 +12,10 @@ from nacl.signing import SigningKey
 
 from agent.core.cose import assemble
 from agent.core.delivery import answer_moves
-from agent.core.exchange import (GIVE_UP_DOUBLINGS, KIND_BATCH, KIND_REALTIME, MAX_ACKS_LOOKED_AT, BodyLimits,
-                                 Exchange, ExchangeConfig, InFlight, Intake, Presence, Schedule, SurfaceBudget,
-                                 ack_due, ack_wait, signed_ack_owed,
-                                 answer_proof, answered_progress, request_refusal)
+from agent.core.binding import (MAX_ACKS_LOOKED_AT, Intake, ack_due, ack_wait, answer_proof, request_refusal,
+                                signed_ack_owed)
+from agent.core.exchange import (GIVE_UP_DOUBLINGS, KIND_BATCH, KIND_REALTIME, BodyLimits, Exchange, ExchangeConfig,
+                                 InFlight, Presence, Schedule, SurfaceBudget, answered_progress)
 from agent.core.messages import Handshake, SyncBody, emit_body
 from agent.core.records import MAX_ACK_ANSWERS, AckAnswer, ack_to_be_signed, record_hash
 from agent.core.sending import MIN_BODY_LIMIT, first_body

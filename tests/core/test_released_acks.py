@@ -1,6 +1,6 @@
-"""ReleasedAcks (agent/core/exchange.py): a kept acknowledgement is served again only for the same
+"""ReleasedAcks (agent/core/binding.py): a kept acknowledgement is served again only for the same
 sender, the same body bytes and the same outcome, under the same signing key (docs/protocol.md §5)."""
-from agent.core.exchange import ReleasedAcks
+from agent.core.binding import ReleasedAcks
 from agent.core.records import AckAnswer
 
 H1, H2 = b"\x01" * 32, b"\x02" * 32
