@@ -41,6 +41,8 @@ from .core.codec import INT64_MAX, decode_strict, encode
 from .core.cose import ALG_EDDSA, assemble, content_type, parse_sign1, protected_header, sig_structure
 from .core.records import RecordError, record_hash, verify_signed_by_site
 from .store import db
+from .store import rehydration as rs
+from .store.reports import surface
 
 log = logging.getLogger("ssp_agent.rehydrate")
 
@@ -95,11 +97,7 @@ def verify(raw: bytes, mesh_id: bytes, keyring: dict) -> dict:
 def latest_requests(conn: sqlite3.Connection) -> list[tuple[bytes, bytes]]:
     """(record_hash, raw) of the latest rehydrate record held per subject (forwarded in every
     body's `records`)."""
-    if conn.execute("SELECT 1 FROM sqlite_master WHERE name='rehydrate_records'").fetchone() is None:
-        return []
-    return [(bytes(h), bytes(raw)) for h, raw in conn.execute(
-        "SELECT record_hash, raw FROM rehydrate_records r WHERE generation = "
-        "(SELECT max(generation) FROM rehydrate_records WHERE subject = r.subject) ORDER BY subject")]
+    return rs.latest_requests(conn)
 
 
 def record_raws(conn: sqlite3.Connection) -> list[bytes]:
@@ -116,7 +114,7 @@ def handle_records(node, raws: list, now: int) -> dict:
     budget = st.RecordBudget(conn, node.site_id)
     for raw in raws:
         h = record_hash(bytes(raw))
-        if conn.execute("SELECT 1 FROM rehydrate_records WHERE record_hash=?", (h,)).fetchone():
+        if rs.has_request(conn, h):
             out["known"] += 1
             continue
         if parse_sign1(bytes(raw)).kid == node.site_id:
@@ -133,8 +131,7 @@ def handle_records(node, raws: list, now: int) -> dict:
             r = verify(raw, node.mesh_id, node.keyring)
         except RehydrateRecordError as e:
             out["dropped"] += 1
-            conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
-                         (now, "record_dropped", e.reason, json.dumps({"type": CONTENT_TYPE})))
+            surface(conn, now, "record_dropped", e.reason, json.dumps({"type": CONTENT_TYPE}))
             continue
         if not budget.admit(r["subject"], r["raw"], CONTENT_TYPE, r["record_hash"], now):
             out["refused"] += 1   # over the record bound: neither stored nor acted upon
@@ -144,23 +141,17 @@ def handle_records(node, raws: list, now: int) -> dict:
         done = st.rehydrate_generation(conn, r["subject"])
         if done is not None and r["generation"] <= done:
             continue  # once per generation
-        upto = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
-        conn.execute("UPDATE sync_cursors SET live=0, bf_next=0, bf_end=0 WHERE peer=?", (r["subject"],))
-        conn.execute("DELETE FROM peer_watermarks WHERE peer=?", (r["subject"],))
-        st.clear_records_delivered(conn, r["subject"])  # it may have lost its records too: send them again
-        conn.execute("INSERT OR REPLACE INTO rehydrate_served VALUES (?,?,?,?)",
-                     (r["subject"], r["generation"], upto, now))
-        conn.execute("INSERT INTO surfaced (at_ms, kind, reason, site_id, detail) VALUES (?,?,?,?,?)",
-                     (now, "rehydration_served", "cursors_reset", r["subject"],
-                      json.dumps({"generation": r["generation"], "upto_seq": upto})))
+        # its cursors and reported watermarks reset; it may have lost its records too: sent again
+        upto = rs.serve(conn, r["subject"], r["generation"], now)
+        rs.surface_about(conn, now, "rehydration_served", "cursors_reset", r["subject"],
+                         json.dumps({"generation": r["generation"], "upto_seq": upto}))
         out["reset"] += 1
         out.setdefault("subjects_reset", []).append(r["subject"].hex())
     return out
 
 
 def _store(conn: sqlite3.Connection, r: dict) -> None:
-    conn.execute("INSERT OR IGNORE INTO rehydrate_records VALUES (?,?,?,?,?,?)",
-                 (r["record_hash"], r["subject"], r["generation"], r["previous"], r["requested_at"], r["raw"]))
+    rs.put_request(conn, r)
 
 
 def node_public_key(node) -> bytes:
@@ -169,12 +160,12 @@ def node_public_key(node) -> bytes:
 
 # ---------------------------------------------------------------- the rehydrating node
 def state(conn: sqlite3.Connection) -> dict | None:
-    r = conn.execute("SELECT value FROM meta WHERE key=?", (_STATE_KEY,)).fetchone()
-    return None if r is None else json.loads(r[0])
+    r = db.get_meta(conn, _STATE_KEY)
+    return None if r is None else json.loads(r)
 
 
 def _set_state(conn: sqlite3.Connection, s: dict) -> None:
-    conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (_STATE_KEY, json.dumps(s, sort_keys=True)))
+    db.set_meta(conn, _STATE_KEY, json.dumps(s, sort_keys=True))
 
 
 def start(node, from_peer: bytes | None, now: int | None = None, *, reset: bool = True,
@@ -186,9 +177,8 @@ def start(node, from_peer: bytes | None, now: int | None = None, *, reset: bool 
     # --from need not be trusted yet: a new device learns its peers' keys from the vouch records
     # that arrive with the first body (records are processed before events).
     st.ensure_schema(node.conn)
-    prev = node.conn.execute("SELECT generation, record_hash FROM rehydrate_records WHERE subject=? "
-                             "ORDER BY generation DESC LIMIT 1", (node.site_id,)).fetchone()
-    gen, prev_hash = (0, None) if prev is None else (prev[0] + 1, bytes(prev[1]))
+    prev = rs.last_request(node.conn, node.site_id)
+    gen, prev_hash = (0, None) if prev is None else (prev[0] + 1, prev[1])
     protected, payload, tbs = to_be_signed(node.site_id, node.mesh_id, gen, prev_hash, now)
     # A fresh signing identity: persist-before-release, like any release.
     raw = node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now)
@@ -206,7 +196,7 @@ def start(node, from_peer: bytes | None, now: int | None = None, *, reset: bool 
             if reset:  # a restored home (`reset=False`) keeps its horizons and its consistent watermarks
                 node.reset_horizons_in_txn()
                 _crash_point("horizons_reset")
-                node.conn.execute("DELETE FROM watermarks")
+                rs.forget_own_watermarks(node.conn)
             _store(node.conn, verify(raw, node.mesh_id, {node.site_id: (node_public_key(node), None)}))
             _set_state(node.conn, s)
     except BaseException:
@@ -270,23 +260,15 @@ def status(node) -> dict:
         s["horizons"] = {q: f"{t.horizon[0]}.{t.horizon[1]}" if t.horizon else "0.0" for q, t in node.tables.items()}
         s["remaining"] = ("unknown here; run `rehydrate --status` on the source" if not s["caught_up"] else 0)
         # Rows a serving peer declared incomplete (its horizon) and every partial rebuild surfaced here.
-        s["partial_rebuilds"] = node.conn.execute(
-            "SELECT count(*) FROM surfaced WHERE kind='partial_rebuild'").fetchone()[0]
-        s["partial_from_serving_peers"] = node.conn.execute(
-            "SELECT count(*) FROM surfaced WHERE kind='partial_rebuild' AND reason='serving_peer_horizon'").fetchone()[0]
+        s["partial_rebuilds"], s["partial_from_serving_peers"] = rs.partial_rebuilds(node.conn)
         out["rehydrating"] = s
     out["truncations"] = truncation_summary(node.conn, node.site_id)
-    for subj, gen, upto, at in node.conn.execute("SELECT subject, generation, upto_seq, reset_ms FROM rehydrate_served"):
-        subj = bytes(subj)
-        paths = {}
-        for path, live in node.conn.execute("SELECT path, live FROM sync_cursors WHERE peer=?", (subj,)):
-            paths[path] = node.conn.execute("SELECT count(*) FROM events WHERE seq > ? AND seq <= ? AND site_id != ?",
-                                            (live, upto, subj)).fetchone()[0]
+    for subj, gen, upto, at in rs.served(node.conn):
+        paths = rs.remaining_by_path(node.conn, subj, upto)
         out["serving"].append({"subject": subj.hex(), "generation": gen, "reset_ms": at, "upto_seq": upto,
                                "remaining_events_by_path": paths,
                                "remaining_events": min(paths.values()) if paths else
-                               node.conn.execute("SELECT count(*) FROM events WHERE seq <= ? AND site_id != ?",
-                                                 (upto, subj)).fetchone()[0]})
+                               rs.remaining(node.conn, subj, upto)})
     return out
 
 
@@ -319,7 +301,7 @@ def truncated_rows(node, subject: bytes, tables: list[str] | None = None) -> dic
         base = rowstore.q(rowstore.base_name(t.tdef))
         clocks = ["_tomb_c", "_ex_c"] + [rowstore.q("_c_" + c) for c in t.tdef.value_columns]
         rks = []
-        for r in node.conn.execute(f"SELECT _rk, {', '.join(clocks)} FROM {base} ORDER BY _rk"):
+        for r in rs.row_clocks(node.conn, base, clocks):
             tomb = rowstore.unpack_stamp(r[1])
             bad = tomb is not None and below((tomb[0], tomb[1]), t.horizon)
             if not bad:
@@ -327,8 +309,7 @@ def truncated_rows(node, subject: bytes, tables: list[str] | None = None) -> dic
                     if b is None:
                         continue
                     p, l, sid = rowstore.unpack_stamp(b)
-                    if node.conn.execute("SELECT 1 FROM events WHERE site_id=? AND qualified=? AND hlc_p=? AND hlc_l=?",
-                                         (sid, q, p, l)).fetchone() is None:
+                    if not rs.has_event(node.conn, sid, q, p, l):
                         bad = True
                         break
             if bad:
@@ -362,10 +343,9 @@ def issue_truncations(node, subject: bytes, tables: list[str] | None = None, now
         _ensure_trunc(node.conn)
         for raw in raws:
             _store_trunc(node.conn, rec.verify_truncation(raw, node.mesh_id, lambda k: (own, None) if k == node.site_id else None), now)
-        node.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, site_id, detail) VALUES (?,?,?,?,?)",
-                          (now, "truncation_issued", cause, subject, json.dumps(
-                              {"tables": {q: {"horizon": f"{h[0]}.{h[1]}", "rows": len(rks)} for q, (h, rks) in found.items()},
-                               "records": len(raws)}, sort_keys=True)))
+        rs.surface_about(node.conn, now, "truncation_issued", cause, subject, json.dumps(
+            {"tables": {q: {"horizon": f"{h[0]}.{h[1]}", "rows": len(rks)} for q, (h, rks) in found.items()},
+             "records": len(raws)}, sort_keys=True))
     log.warning("serving %s (%s) from a log evicted below its horizon: %s", subject.hex(), cause,
                 ", ".join(f"{q}: {len(rks)} row(s) below {h[0]}.{h[1]}" for q, (h, rks) in found.items()))
     return raws
@@ -378,19 +358,13 @@ def announce_truncations(node, widened: list[tuple[bytes, str]], now: int) -> No
 
 
 def _store_trunc(conn: sqlite3.Connection, t, now: int) -> bool:
-    cur = conn.execute("INSERT OR IGNORE INTO truncation_records VALUES (?,?,?,?,?,?,?,?,?)",
-                       (t.record_hash, t.issuer, t.subject, t.table, t.horizon[0], t.horizon[1], len(t.row_keys),
-                        t.issued_at, t.raw))
-    return cur.rowcount == 1
+    return rs.put_truncation(conn, t)
 
 
 def truncations_for(conn: sqlite3.Connection, subject: bytes | None = None) -> list[tuple[bytes, bytes]]:
     """(record_hash, raw) of the truncation records for a body to `subject` (only those addressed
     to it); with no subject (a body for nobody in particular) none."""
-    if subject is None or conn.execute("SELECT 1 FROM sqlite_master WHERE name='truncation_records'").fetchone() is None:
-        return []
-    return [(bytes(h), bytes(raw)) for h, raw in conn.execute(
-        "SELECT record_hash, raw FROM truncation_records WHERE subject=? ORDER BY issued_at, record_hash", (subject,))]
+    return [] if subject is None else rs.truncations_for(conn, subject)
 
 
 def truncation_raws(conn: sqlite3.Connection, subject: bytes | None = None) -> list[bytes]:
@@ -417,16 +391,15 @@ def handle_truncations(node, raws: list, now: int) -> dict:
     for raw in raws:
         if not isinstance(raw, (bytes, bytearray)):
             continue
-        if node.conn.execute("SELECT 1 FROM truncation_records WHERE record_hash=?", (rh(bytes(raw)),)).fetchone():
+        if rs.has_truncation(node.conn, rh(bytes(raw))):
             out["known"] += 1
             continue
         try:
             t = verify_truncation(bytes(raw), node.mesh_id, entry_of)
         except RecordError as e:
             out["dropped"] += 1
-            node.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
-                              (now, "record_dropped", e.reason, json.dumps({"type": "sovm/ssp-truncated-v1",
-                                                                            "detail": e.detail})))
+            surface(node.conn, now, "record_dropped", e.reason, json.dumps({"type": "sovm/ssp-truncated-v1",
+                                                                            "detail": e.detail}))
             continue
         if not budget.admit(t.issuer, t.raw, "sovm/ssp-truncated-v1", t.record_hash, now):
             out["refused"] += 1   # over the record bound: not stored, its rows not surfaced as partial
@@ -436,11 +409,9 @@ def handle_truncations(node, raws: list, now: int) -> dict:
         if t.subject != node.site_id:
             continue
         h = f"{t.horizon[0]}.{t.horizon[1]}"
-        node.conn.executemany(
-            "INSERT INTO surfaced (at_ms, kind, reason, site_id, qualified, detail) VALUES (?,?,?,?,?,?)",
-            [(now, "partial_rebuild", "serving_peer_horizon", t.issuer, t.table,
-              json.dumps({"row_key": to_json(k), "table": t.table, "serving_peer": t.issuer.hex(), "horizon": h,
-                          "record_hash": t.record_hash.hex()}, sort_keys=True)) for k in t.row_keys])
+        rs.surface_rows(node.conn, now, "partial_rebuild", "serving_peer_horizon", t.issuer, t.table,
+                        [json.dumps({"row_key": to_json(k), "table": t.table, "serving_peer": t.issuer.hex(), "horizon": h,
+                                     "record_hash": t.record_hash.hex()}, sort_keys=True) for k in t.row_keys])
         out["surfaced_rows"] += len(t.row_keys)
         log.warning("%d row(s) of %s served by %s depend on history below its horizon %s: partial rebuilds",
                     len(t.row_keys), t.table, t.issuer.hex(), h)
@@ -450,14 +421,10 @@ def handle_truncations(node, raws: list, now: int) -> dict:
 def truncation_summary(conn: sqlite3.Connection, site_id: bytes) -> dict:
     """Rows flagged to this node by serving peers, per (peer, table), and what this node declared
     to the subjects it served (distinct rows; the highest horizon named)."""
-    if conn.execute("SELECT 1 FROM sqlite_master WHERE name='truncation_records'").fetchone() is None:
-        return {"received": [], "issued": []}
     groups: dict[tuple[str, bytes, str], tuple[tuple[int, int], set]] = {}
-    for issuer, subject, q, p, l, raw in conn.execute(
-            "SELECT issuer, subject, qualified, horizon_p, horizon_l, raw FROM truncation_records "
-            "WHERE subject=?1 OR issuer=?1", (site_id,)):
-        side, other = ("received", bytes(issuer)) if bytes(subject) == site_id else ("issued", bytes(subject))
-        rks = decode_strict(parse_sign1(bytes(raw)).payload_bytes)["row_keys"]
+    for issuer, subject, q, p, l, raw in rs.truncations_of(conn, site_id):
+        side, other = ("received", issuer) if subject == site_id else ("issued", subject)
+        rks = decode_strict(parse_sign1(raw).payload_bytes)["row_keys"]
         h, rows = groups.get((side, other, q), ((0, 0), set()))
         rows |= {encode(k) for k in rks}
         groups[(side, other, q)] = (max(h, (p, l)), rows)
