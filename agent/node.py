@@ -28,7 +28,7 @@ from .core.schema import SYNCABLE, ManifestError, TableDef, parse_manifest, tabl
 from .profile import Profile, ProfileError, load_profile
 from .outcomes import to_json
 from .outcomes import APPLIED, DROPPED, DUPLICATE, HELD, REJECTED, Outcome
-from .store import atrest, counters, db, migrations, rows as rowstore
+from .store import atrest, counters, db, eventlog, migrations, reports, rows as rowstore, sync_state
 
 log = logging.getLogger("ssp_agent")
 
@@ -109,7 +109,7 @@ class Node:
             with _txn(self.conn):
                 self._reconcile_trust(now_ms())
         # A crash between creating a table and releasing its held events: finish it now.
-        for (q,) in conn.execute("SELECT DISTINCT qualified FROM held").fetchall():
+        for q in eventlog.held_tables(conn):
             if q in self.tables:
                 self.retry_held(q)
         if bridge is not None:
@@ -140,9 +140,8 @@ class Node:
         with _txn(self.conn):
             self._applied = mirrored
             db.set_meta(self.conn, "applied_count", mirrored)
-            self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
-                              (now_ms(), "restored_home", "applied_count_behind_witness",
-                               json.dumps({"applied_before": mirrored})))
+            reports.surface(self.conn, now_ms(), "restored_home", "applied_count_behind_witness",
+                            json.dumps({"applied_before": mirrored}))
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -202,13 +201,11 @@ class Node:
             db.set_meta(conn, "surfaced_limit", prof.surfaced_limit)
             db.set_meta(conn, "records_limit", prof.records_limit)
             db.set_meta(conn, "records_limit_bytes", prof.records_limit_bytes)
-            conn.execute("INSERT INTO keyring VALUES (?, ?, NULL, NULL, 'self')", (site_id, public_key))
+            sync_state.put_keyring(conn, site_id, public_key, None, "self", replace=False)
             for p in manifest.peers:
                 if p.site_id == site_id:
                     continue
-                ra = p.retired_after
-                conn.execute("INSERT OR REPLACE INTO keyring VALUES (?, ?, ?, ?, 'manifest')",
-                             (p.site_id, p.public_key, ra[0] if ra else None, ra[1] if ra else None))
+                sync_state.put_keyring(conn, p.site_id, p.public_key, p.retired_after, "manifest")
             for t in manifest.tables:
                 _create_table_rows(conn, t)
         _write_identity_file(home, site_id, public_key, manifest.mesh_id, ks_conf)
@@ -350,7 +347,7 @@ class Node:
         self.keyring: dict[bytes, tuple[bytes, tuple[int, int] | None]] = {}
         sync_state.overlay_keyring(self.conn, self.keyring, self.site_id)
         self.tables: dict[str, _Table] = {}
-        for q, sch, name, cat, key_json, cols_json, retention, hp, hl in self.conn.execute("SELECT * FROM tables"):
+        for q, sch, name, cat, key_json, cols_json, retention, hp, hl in rowstore.table_rows(self.conn):
             t = TableDef(sch, name, cat, tuple(json.loads(key_json)), json.loads(cols_json), retention)
             self.tables[q] = _Table(t, rowstore.RowStore(self.conn, t), (hp, hl) if (hp, hl) != (0, 0) else None)
 
@@ -537,11 +534,7 @@ class Node:
         from .core.records import is_ack, record_hash
         if is_ack(raw):
             return True  # an MQTT acknowledgement is done once released: a lost one costs a re-offer
-        h = record_hash(bytes(raw))
-        tables = [t for (t,) in self.conn.execute(
-            "SELECT name FROM sqlite_master WHERE name IN ('control_records', 'rehydrate_records', 'truncation_records', "
-            "'mailbox_acks', 'sequencing_records')")]
-        return any(self.conn.execute(f"SELECT 1 FROM {t} WHERE record_hash=?", (h,)).fetchone() for t in tables)
+        return sync_state.holds_signed_record(self.conn, record_hash(bytes(raw)))
 
     def _below_own_horizon(self, raw: bytes) -> bool:
         try:
@@ -552,9 +545,7 @@ class Node:
         return tbl is not None and below(e.hlc, tbl.horizon)
 
     def _max_own_hlc(self) -> tuple[int, int] | None:
-        r = self.conn.execute("SELECT hlc_p, hlc_l FROM events WHERE site_id=? ORDER BY hlc_p DESC, hlc_l DESC LIMIT 1",
-                              (self.site_id,)).fetchone()
-        return None if r is None else (r[0], r[1])
+        return eventlog.newest_of(self.conn, self.site_id)
 
     # ------------------------------------------------------------------ the apply path (§12)
     def apply_batch(self, raws: Iterable[bytes], now: int | None = None, origin: str = "remote",
@@ -954,8 +945,7 @@ class Node:
         rk = checked[5] if checked is not None and len(checked) > 5 and checked[5] is not None else \
             rowstore.row_key_bytes(e.row_key)
         cur = self.conn.execute(
-            "INSERT OR IGNORE INTO events (event_id, site_id, hlc_p, hlc_l, qualified, row_key, operation, raw, origin)"
-            " VALUES (?,?,?,?,?,?,?,?,?)", (eid, kid, e.hlc[0], e.hlc[1], table, rk, e.operation,
+            eventlog.INSERT_EVENT, (eid, kid, e.hlc[0], e.hlc[1], table, rk, e.operation,
                                             self.log_seal.seal(eid, raw), origin))
         if cur.rowcount == 0:
             return Outcome(DUPLICATE, "duplicate", **base)
@@ -966,17 +956,10 @@ class Node:
 
     def _known_among(self, eids: list[bytes]) -> set[bytes]:
         """The event_ids among `eids` that the log or the held table holds (one query)."""
-        if not eids:
-            return set()
-        marks = ",".join("?" for _ in eids)
-        return {bytes(r[0]) for r in self.conn.execute(
-            f"SELECT event_id FROM events WHERE event_id IN ({marks}) UNION ALL "
-            f"SELECT event_id FROM held WHERE event_id IN ({marks})", eids + eids)}
+        return eventlog.known_among(self.conn, eids)
 
     def _known(self, eid: bytes) -> str | None:
-        in_log, in_held = self.conn.execute(
-            "SELECT EXISTS (SELECT 1 FROM events WHERE event_id=?1), EXISTS (SELECT 1 FROM held WHERE event_id=?1)",
-            (eid,)).fetchone()
+        in_log, in_held = self.conn.execute(eventlog.KNOWN_EVENT, (eid,)).fetchone()
         return "log" if in_log else "held" if in_held else None
 
     def _materialize(self, tbl: _Table, e: ev.Event, rk: bytes, now: int) -> None:
@@ -1007,8 +990,7 @@ class Node:
         if fx.ignored:
             # §13.6: meter ignored columns per (site, table, column).
             self.conn.executemany(
-                "INSERT INTO ignored_columns VALUES (?,?,?,1,?,?) ON CONFLICT(site_id, qualified, column_name)"
-                " DO UPDATE SET count = count + 1, last_ms = excluded.last_ms",
+                reports.COUNT_IGNORED_COLUMN,
                 [(e.site_id, e.table, c, now, now) for c in fx.ignored])
 
     def _candidates(self, t: TableDef, rk: bytes) -> Iterable[tuple[tuple[int, int, bytes], dict]]:
@@ -1020,9 +1002,7 @@ class Node:
 
     def _row_events(self, t: TableDef, rk: bytes) -> Iterable[tuple[tuple[int, int, bytes], str, dict | None]]:
         """Every retained event of one row: (stamp, operation, payload)."""
-        for sid, p, l, op, raw in self.conn.execute(
-                "SELECT site_id, hlc_p, hlc_l, operation, unseal(event_id, raw) FROM events WHERE qualified=? AND row_key=?",
-                (t.qualified, rk)).fetchall():
+        for sid, p, l, op, raw in self.conn.execute(eventlog.ROW_EVENTS, (t.qualified, rk)).fetchall():
             payload = decode_strict(cose.parse_sign1(bytes(raw)).payload_bytes)["payload"]
             yield (p, l, bytes(sid)), op, (dict(payload) if payload is not None else None)
 
@@ -1066,7 +1046,7 @@ class Node:
             return None
         if raw is None:
             # Rows made before this record existed may hold effects of any retained event.
-            old = {bytes(r[0]).hex(): "unknown" for r in self.conn.execute("SELECT DISTINCT site_id FROM events")}
+            old = {s.hex(): "unknown" for s in eventlog.signers(self.conn)}
         else:
             old = json.loads(raw)
         inf = (float("inf"), 0)
@@ -1102,15 +1082,12 @@ class Node:
                 if rb.partial:
                     summary["partial"] += 1
                     h = tbl.horizon
-                    self.conn.execute(
-                        "INSERT INTO surfaced (at_ms, kind, reason, qualified, detail) VALUES (?,?,?,?,?)",
-                        (now, "partial_rebuild", "trust_change_below_horizon", q,
-                         json.dumps({"row_key": to_json(key), "horizon": f"{h[0]}.{h[1]}", "clocks": rb.partial},
-                                    sort_keys=True)))
+                    reports.surface_table(
+                        self.conn, now, "partial_rebuild", "trust_change_below_horizon", q,
+                        json.dumps({"row_key": to_json(key), "horizon": f"{h[0]}.{h[1]}", "clocks": rb.partial},
+                                   sort_keys=True))
         for site in grown:
-            for p, l, q, raw in self.conn.execute(
-                    "SELECT hlc_p, hlc_l, qualified, unseal(event_id, raw) FROM events WHERE site_id=? ORDER BY hlc_p, hlc_l",
-                    (site,)).fetchall():
+            for p, l, q, raw in eventlog.events_of(self.conn, site):
                 tbl = self.tables.get(q)
                 if tbl is None or not self._counts((p, l, site)) or below((p, l), tbl.horizon):
                     continue
@@ -1120,10 +1097,9 @@ class Node:
         db.set_meta(self.conn, "materialized_trust", json.dumps(cur, sort_keys=True))
         if summary["rows_rebuilt"] or summary["events_merged"]:
             log.warning("trust changed: %s", summary)
-            self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
-                              (now, "trust_change", "rows_rebuilt",
-                               json.dumps({**summary, "less_trusted": [s.hex() for s in shrunk],
-                                           "more_trusted": [s.hex() for s in grown]}, sort_keys=True)))
+            reports.surface(self.conn, now, "trust_change", "rows_rebuilt",
+                            json.dumps({**summary, "less_trusted": [s.hex() for s in shrunk],
+                                        "more_trusted": [s.hex() for s in grown]}, sort_keys=True))
         return summary
 
     def _hold(self, e: ev.Event, now: int, base: dict) -> Outcome:
@@ -1131,8 +1107,7 @@ class Node:
         if n_signer >= HELD_LIMIT_PER_SIGNER or n_total >= HELD_LIMIT_TOTAL:
             # Retain nothing more; the sender moves past it and re-offers it later (agent/sync.py).
             return self._surface(Outcome(REJECTED, "held_limit", **base), now)
-        cur = self.conn.execute("INSERT OR IGNORE INTO held (event_id, site_id, qualified, hlc_p, hlc_l, raw, received_ms)"
-                                " VALUES (?,?,?,?,?,?,?)", (e.event_id, e.site_id, e.table, e.hlc[0], e.hlc[1],
+        cur = self.conn.execute(eventlog.HOLD_EVENT, (e.event_id, e.site_id, e.table, e.hlc[0], e.hlc[1],
                                                              self.log_seal.seal(e.event_id, e.raw), now))
         if cur.rowcount == 0:
             return Outcome(HELD, "already_held", **base)
@@ -1143,8 +1118,7 @@ class Node:
         The store bounds the record (the newest `surfaced_limit` rows are kept, evictions counted:
         agent/store/db.py), in every process: a hostile peer cannot fill the disk."""
         kind = kind or o.status
-        self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, event_id, site_id, qualified, detail)"
-                          " VALUES (?,?,?,?,?,?,?)",
+        self.conn.execute(reports.SURFACE_EVENT,
                           (now, kind, o.reason, o.event_id, o.site_id if o.verified else None, o.table,
                            json.dumps({"status": o.status, "claimed_kid": None if o.verified or o.site_id is None
                                        else o.site_id.hex()})))
@@ -1153,16 +1127,14 @@ class Node:
         return o
 
     def _record(self, kind: str, reason: str, e: ev.Event, now: int, detail: dict) -> None:
-        self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, event_id, site_id, qualified, detail)"
-                          " VALUES (?,?,?,?,?,?,?)",
+        self.conn.execute(reports.SURFACE_EVENT,
                           (now, kind, reason, e.event_id, e.site_id, e.table, json.dumps(detail, sort_keys=True)))
 
     # ------------------------------------------------------------------ refused messages (issue 11)
     def surface_clock(self, reason: str, detail: dict) -> None:
         """Surface a clock condition (kind `clock`), e.g. eviction deferred for an untrusted clock."""
         with _txn(self.conn):
-            self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
-                              (now_ms(), "clock", reason, json.dumps(detail, sort_keys=True)))
+            reports.surface(self.conn, now_ms(), "clock", reason, json.dumps(detail, sort_keys=True))
 
     def surface_refused(self, source: str, reason: str, detail: str = "", claimed_sender: bytes | None = None,
                         now: int | None = None, kind: str = "refused") -> None:
@@ -1173,11 +1145,10 @@ class Node:
         link incarnation that ended comes the same way with kind `link_lost` (docs/serial.md)."""
         now = now_ms() if now is None else now
         with _txn(self.conn):
-            self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
-                              (now, kind, reason, json.dumps(
-                                  {"source": source, "detail": detail[:200],
-                                   "claimed_sender": claimed_sender.hex() if claimed_sender else None},
-                                  sort_keys=True)))
+            reports.surface(self.conn, now, kind, reason, json.dumps(
+                {"source": source, "detail": detail[:200],
+                 "claimed_sender": claimed_sender.hex() if claimed_sender else None},
+                sort_keys=True))
 
     # ------------------------------------------------------------------ local writes
     def write(self, table: str, key: dict[str, Any], values: dict[str, Any] | None, *, delete: bool = False,
@@ -1419,9 +1390,7 @@ class Node:
         if qualified not in self.tables:
             return []
         with _txn(self.conn):  # release and re-apply in one transaction: nothing is lost between
-            rows = self.conn.execute("SELECT seq, unseal(event_id, raw) FROM held WHERE qualified=? ORDER BY seq", (qualified,)).fetchall()
-            self.conn.execute("DELETE FROM held WHERE qualified=?", (qualified,))
-            out = self._apply_in_txn([bytes(r[1]) for r in rows], now, "remote")
+            out = self._apply_in_txn(eventlog.take_held(self.conn, qualified), now, "remote")
             counters.bump_outcomes(self.conn, "released", (o.status for o in out))   # held, now applied
             return out
 
@@ -1443,8 +1412,7 @@ class Node:
         n = 0
         with _txn(self.conn):
             rowstore.add_column(self.conn, newdef, column)
-            self.conn.execute("UPDATE tables SET columns_json=? WHERE qualified=?",
-                              (json.dumps(cols, sort_keys=True), table))
+            rowstore.set_columns(self.conn, table, json.dumps(cols, sort_keys=True))
             rs = rowstore.RowStore(self.conn, newdef)
             for rk, key in list(rs.all_row_keys()):
                 state = rs.load(rk)
@@ -1476,8 +1444,7 @@ class Node:
                             f"({max((now, 0), self.clock.current())[0]}); every later local write would fall "
                             "below it. Check the clock, and give a horizon in the past")
         with _txn(self.conn):
-            self.conn.execute("UPDATE tables SET horizon_p=?, horizon_l=? WHERE qualified=?",
-                              (horizon[0], horizon[1], table))
+            rowstore.set_horizon(self.conn, table, horizon)
             self.clock.observe(horizon, now)
             self._persist_observed()
         tbl.horizon = horizon if horizon != (0, 0) else None
@@ -1495,9 +1462,8 @@ class Node:
         horizons follow once the caller committed (`_load_caches` on failure is not needed:
         they are only lowered, and a rolled-back lowering is re-read on the next open)."""
         old = {q: f"{t.horizon[0]}.{t.horizon[1]}" for q, t in self.tables.items() if t.horizon}
-        self.conn.execute("UPDATE tables SET horizon_p=0, horizon_l=0")
-        self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
-                          (now_ms(), "horizons_reset", "rehydration", json.dumps({"previous": old})))
+        rowstore.zero_horizons(self.conn)
+        reports.surface(self.conn, now_ms(), "horizons_reset", "rehydration", json.dumps({"previous": old}))
         for t in self.tables.values():
             t.horizon = None
         return old
@@ -1569,14 +1535,11 @@ class Node:
         h = self.tables[table].horizon
         if h is None:
             return 0
-        below_h = "qualified=? AND (hlc_p < ? OR (hlc_p = ? AND hlc_l < ?))"
         with _txn(self.conn):
-            own = self.conn.execute(f"SELECT hlc_p, hlc_l FROM events WHERE site_id=? AND {below_h} "
-                                    "ORDER BY hlc_p DESC, hlc_l DESC LIMIT 1", (self.site_id, table, h[0], h[0], h[1])).fetchone()
+            own = eventlog.newest_below(self.conn, self.site_id, table, h)
             if own is not None:  # our own history below it is gone from here: say so to receivers (§14.2)
-                self._raise_own_floor(table, (own[0], own[1]))
-            cur = self.conn.execute(f"DELETE FROM events WHERE {below_h}", (table, h[0], h[0], h[1]))
-        return cur.rowcount
+                self._raise_own_floor(table, own)
+            return eventlog.delete_below(self.conn, table, h)
 
     def _reclaim(self) -> None:
         # auto_vacuum=INCREMENTAL returns freed pages to the filesystem (an older store is converted once).
@@ -1584,10 +1547,8 @@ class Node:
             log.info("the store was converted to return freed pages to the filesystem (one VACUUM)")
 
     def store_bytes(self) -> int:
-        page = self.conn.execute("PRAGMA page_size").fetchone()[0]
-        pages = self.conn.execute("PRAGMA page_count").fetchone()[0]
         wal = self.home / (self.STORE_FILE + "-wal")
-        return page * pages + (wal.stat().st_size if wal.exists() else 0)
+        return db.store_pages_bytes(self.conn) + (wal.stat().st_size if wal.exists() else 0)
 
     def check_disk_budget(self, now: int | None = None) -> dict:
         """Say so loudly when the store nears its budget; writes keep working (never a silent failure)."""
@@ -1599,9 +1560,8 @@ class Node:
                    "shorten the profile's horizons, run eviction, or move to a larger profile")
             log.warning("DISK BUDGET %s: %s", state.upper(), msg)
             with _txn(self.conn):
-                self.conn.execute("INSERT INTO surfaced (at_ms, kind, reason, detail) VALUES (?,?,?,?)",
-                                  (now_ms() if now is None else now, "disk_budget", state,
-                                   json.dumps({"used_bytes": used, "budget_bytes": budget, "message": msg})))
+                reports.surface(self.conn, now_ms() if now is None else now, "disk_budget", state,
+                                json.dumps({"used_bytes": used, "budget_bytes": budget, "message": msg}))
         return {"state": state, "used_bytes": used, "budget_bytes": budget}
 
     # ------------------------------------------------------------------ keyring
@@ -1618,9 +1578,7 @@ class Node:
                             "pass --replace to replace it (events it signed with the old key stay valid)")
         try:
             with _txn(self.conn):
-                self.conn.execute("INSERT OR REPLACE INTO keyring VALUES (?,?,?,?,?)",
-                                  (site_id, public_key, retired_after[0] if retired_after else None,
-                                   retired_after[1] if retired_after else None, source))
+                sync_state.put_keyring(self.conn, site_id, public_key, retired_after, source)
                 self._load_caches()
                 self._reconcile_trust(now_ms())  # a lowered cutoff removes what no longer counts
         finally:
@@ -1631,15 +1589,14 @@ class Node:
         record is in-band state: retire it through the mesh authority instead."""
         if site_id == self.site_id:
             raise NodeError("that is this node's own site_id; its key cannot be removed from its keyring")
-        row = self.conn.execute("SELECT source FROM keyring WHERE site_id=?", (site_id,)).fetchone()
-        if row is None:
+        if sync_state.keyring_source(self.conn, site_id) is None:
             if site_id in self.keyring:
                 raise NodeError(f"site {site_id.hex()} is trusted through a vouch record; retire it with the "
                                 "mesh authority (`record issue-retire`)")
             raise NodeError(f"site {site_id.hex()} is not in the keyring (`peer list` shows it)")
         try:
             with _txn(self.conn):
-                self.conn.execute("DELETE FROM keyring WHERE site_id=?", (site_id,))
+                sync_state.drop_keyring(self.conn, site_id)
                 self._load_caches()
                 self._reconcile_trust(now_ms())  # its events no longer count: rows rebuilt without them
         finally:
@@ -1648,7 +1605,7 @@ class Node:
     def keyring_entries(self) -> list[dict]:
         """The trusted-peer keyring as the node uses it: its own key, manifest and operator entries,
         and keys vouched for by control records (source "record")."""
-        sources = {bytes(s): src for s, src in self.conn.execute("SELECT site_id, source FROM keyring")}
+        sources = sync_state.keyring_sources(self.conn)
         return [{"site_id": s.hex(), "public_key": pk.hex(), "retired_after": f"{ra[0]}.{ra[1]}" if ra else None,
                  "source": sources.get(s, "record")} for s, (pk, ra) in sorted(self.keyring.items())]
 
@@ -1657,15 +1614,13 @@ class Node:
         return {q: t.rows.dump() for q, t in sorted(self.tables.items())}
 
     def log_entries(self) -> Iterable[dict]:
-        for eid, sid, p, l, q, rk, op in self.conn.execute(
-                "SELECT event_id, site_id, hlc_p, hlc_l, qualified, row_key, operation FROM events ORDER BY seq"):
+        for eid, sid, p, l, q, rk, op in eventlog.entries(self.conn):
             yield {"event_id": bytes(eid).hex(), "site_id": bytes(sid).hex(), "hlc": f"{p}.{l}", "table": q,
                    "operation": op, "row_key": decode_strict(bytes(rk))}
 
     def surfaced(self, limit: int = 1000) -> list[dict]:
         out = []
-        for seq, at, kind, reason, eid, sid, q, detail in self.conn.execute(
-                "SELECT * FROM surfaced ORDER BY seq DESC LIMIT ?", (limit,)):
+        for seq, at, kind, reason, eid, sid, q, detail in reports.surfaced_rows(self.conn, limit):
             d = {"seq": seq, "at_ms": at, "kind": kind, "reason": reason}
             if eid is not None:
                 d["event_id"] = bytes(eid).hex()
@@ -1680,7 +1635,7 @@ class Node:
 
     def ignored_columns(self) -> list[dict]:
         return [{"site_id": bytes(s).hex(), "table": q, "column": c, "count": n, "first_ms": f, "last_ms": la}
-                for s, q, c, n, f, la in self.conn.execute("SELECT * FROM ignored_columns ORDER BY 1,2,3")]
+                for s, q, c, n, f, la in reports.ignored_column_rows(self.conn)]
 
     def status(self) -> dict:
         return {"site_id": self.site_id.hex(), "mesh_id": self.mesh_id.hex(), "profile": self.profile.name,
@@ -1755,8 +1710,7 @@ def _is_event(raw: bytes) -> bool:
 
 
 def _create_table_rows(conn: sqlite3.Connection, t: TableDef) -> None:
-    conn.execute("INSERT INTO tables (qualified, schema_name, table_name, category, key_json, columns_json, retention)"
-                 " VALUES (?,?,?,?,?,?,?)", rowstore.table_def_row(t))
+    rowstore.insert_table_row(conn, t)
     rowstore.create_table(conn, t)
 
 

@@ -408,3 +408,8 @@ def data_version(conn: sqlite3.Connection) -> int:
     """SQLite's `PRAGMA data_version`: it changes when another connection committed to the file
     since this connection last looked (its own commits do not change it)."""
     return conn.execute("PRAGMA data_version").fetchone()[0]
+
+
+def store_pages_bytes(conn: sqlite3.Connection) -> int:
+    """The main database file's size as SQLite counts it (page size times pages; the WAL apart)."""
+    return conn.execute("PRAGMA page_size").fetchone()[0] * conn.execute("PRAGMA page_count").fetchone()[0]

@@ -9,6 +9,7 @@ something since the last look; only then is the top of the rowid tree looked up.
 from __future__ import annotations
 
 import sqlite3
+from typing import Iterable
 
 
 def top(conn: sqlite3.Connection) -> int:
@@ -85,3 +86,77 @@ def count_after(conn: sqlite3.Connection, after: int, not_site: bytes) -> int:
     """Events after seq `after` other than `not_site`'s own: what a peer's cursor has not covered."""
     return conn.execute("SELECT count(*) FROM events WHERE seq > ? AND site_id != ?", (after, not_site)).fetchone()[0]
 
+
+
+# ---------------------------------------------------------------------- the apply path (agent/node.py, §12)
+# Hot statements are module-level text, executed by the node itself: one statement per event, no
+# extra Python call on the apply path.
+INSERT_EVENT = ("INSERT OR IGNORE INTO events (event_id, site_id, hlc_p, hlc_l, qualified, row_key, operation, raw, origin)"
+                " VALUES (?,?,?,?,?,?,?,?,?)")  # §12.4: idempotent, keyed on event_id
+KNOWN_EVENT = ("SELECT EXISTS (SELECT 1 FROM events WHERE event_id=?1), "
+               "EXISTS (SELECT 1 FROM held WHERE event_id=?1)")  # (in the log, held)
+ROW_EVENTS = ("SELECT site_id, hlc_p, hlc_l, operation, unseal(event_id, raw) FROM events "
+              "WHERE qualified=? AND row_key=?")  # every retained event of one row
+HOLD_EVENT = ("INSERT OR IGNORE INTO held (event_id, site_id, qualified, hlc_p, hlc_l, raw, received_ms)"
+              " VALUES (?,?,?,?,?,?,?)")  # an event for a table this node does not have yet (held)
+
+
+def known_among(conn: sqlite3.Connection, eids: list[bytes]) -> set[bytes]:
+    """The event_ids among `eids` that the log or the held table holds (one query per batch)."""
+    if not eids:
+        return set()
+    marks = ",".join("?" for _ in eids)
+    return {bytes(r[0]) for r in conn.execute(
+        f"SELECT event_id FROM events WHERE event_id IN ({marks}) UNION ALL "
+        f"SELECT event_id FROM held WHERE event_id IN ({marks})", eids + eids)}
+
+
+def newest_of(conn: sqlite3.Connection, site: bytes) -> tuple[int, int] | None:
+    """The HLC of `site`'s newest event in the retained log, or None."""
+    r = conn.execute("SELECT hlc_p, hlc_l FROM events WHERE site_id=? ORDER BY hlc_p DESC, hlc_l DESC LIMIT 1",
+                     (site,)).fetchone()
+    return None if r is None else (r[0], r[1])
+
+
+def signers(conn: sqlite3.Connection) -> list[bytes]:
+    """Every site with an event in the retained log."""
+    return [bytes(r[0]) for r in conn.execute("SELECT DISTINCT site_id FROM events")]
+
+
+def events_of(conn: sqlite3.Connection, site: bytes) -> list[tuple[int, int, str, bytes]]:
+    """(hlc_p, hlc_l, table, raw unsealed) of `site`'s retained events, oldest first."""
+    return conn.execute("SELECT hlc_p, hlc_l, qualified, unseal(event_id, raw) FROM events WHERE site_id=? "
+                        "ORDER BY hlc_p, hlc_l", (site,)).fetchall()
+
+
+def entries(conn: sqlite3.Connection) -> Iterable[tuple]:
+    """(event_id, site_id, hlc_p, hlc_l, table, row_key, operation) of the whole log, by seq."""
+    return conn.execute("SELECT event_id, site_id, hlc_p, hlc_l, qualified, row_key, operation FROM events ORDER BY seq")
+
+
+_BELOW = "qualified=? AND (hlc_p < ? OR (hlc_p = ? AND hlc_l < ?))"
+
+
+def newest_below(conn: sqlite3.Connection, site: bytes, table: str, h: tuple[int, int]) -> tuple[int, int] | None:
+    """The HLC of `site`'s newest event on `table` below the horizon `h`, or None."""
+    r = conn.execute(f"SELECT hlc_p, hlc_l FROM events WHERE site_id=? AND {_BELOW} ORDER BY hlc_p DESC, hlc_l DESC "
+                     "LIMIT 1", (site, table, h[0], h[0], h[1])).fetchone()
+    return None if r is None else (r[0], r[1])
+
+
+def delete_below(conn: sqlite3.Connection, table: str, h: tuple[int, int]) -> int:
+    """Evict `table`'s events below the horizon `h` from the log; returns how many went."""
+    return conn.execute(f"DELETE FROM events WHERE {_BELOW}", (table, h[0], h[0], h[1])).rowcount
+
+
+# ---------------------------------------------------------------------- held events
+def held_tables(conn: sqlite3.Connection) -> list[str]:
+    """The tables some held event waits for."""
+    return [r[0] for r in conn.execute("SELECT DISTINCT qualified FROM held").fetchall()]
+
+
+def take_held(conn: sqlite3.Connection, table: str) -> list[bytes]:
+    """The events held for `table` (unsealed, in arrival order), removed from `held`."""
+    rows = conn.execute("SELECT seq, unseal(event_id, raw) FROM held WHERE qualified=? ORDER BY seq", (table,)).fetchall()
+    conn.execute("DELETE FROM held WHERE qualified=?", (table,))
+    return [bytes(r[1]) for r in rows]

@@ -77,3 +77,29 @@ def oldest_unconfirmed(conn: sqlite3.Connection, site: bytes, wms: dict) -> int 
         if r is not None and (oldest is None or r < oldest):
             oldest = r
     return oldest
+
+
+# ---------------------------------------------------------------------- the apply path's surfaced rows
+# Module-level text the node executes itself (a rejected or held event, a resurrection, the
+# §13.6 ignored-columns meter): no extra Python call per event.
+SURFACE_EVENT = ("INSERT INTO surfaced (at_ms, kind, reason, event_id, site_id, qualified, detail)"
+                 " VALUES (?,?,?,?,?,?,?)")
+COUNT_IGNORED_COLUMN = ("INSERT INTO ignored_columns VALUES (?,?,?,1,?,?) ON CONFLICT(site_id, qualified, column_name)"
+                        " DO UPDATE SET count = count + 1, last_ms = excluded.last_ms")
+
+
+def surface_table(conn: sqlite3.Connection, now_ms: int, kind: str, reason: str, table: str, detail_json: str) -> None:
+    """One row of `ssp-agent events` about a table (no site), inside the caller's transaction."""
+    conn.execute("INSERT INTO surfaced (at_ms, kind, reason, qualified, detail) VALUES (?,?,?,?,?)",
+                 (now_ms, kind, reason, table, detail_json))
+
+
+def surfaced_rows(conn: sqlite3.Connection, limit: int) -> list[tuple]:
+    """The newest `limit` surfaced rows, newest first: (seq, at_ms, kind, reason, event_id, site_id,
+    table, detail)."""
+    return conn.execute("SELECT * FROM surfaced ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()
+
+
+def ignored_column_rows(conn: sqlite3.Connection) -> list[tuple]:
+    """(site_id, table, column, count, first_ms, last_ms) of the §13.6 meter, ordered."""
+    return conn.execute("SELECT * FROM ignored_columns ORDER BY 1,2,3").fetchall()

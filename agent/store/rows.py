@@ -309,3 +309,28 @@ def clocks_after(conn: sqlite3.Connection, t: TableDef, after: bytes | None, lim
     clocks = ["_ex_c", "_tomb_c"] + [q("_c_" + c) for c in t.value_columns]
     sql = f"SELECT _rk, {', '.join(clocks)} FROM {q(base_name(t))}" + (" WHERE _rk > ?" if after is not None else "")
     return conn.execute(sql + " ORDER BY _rk LIMIT ?", ((after,) if after is not None else ()) + (limit,)).fetchall()
+
+
+# ---------------------------------------------------------------------- the tables' own record (`tables`)
+def table_rows(conn: sqlite3.Connection) -> list[tuple]:
+    """(qualified, schema, name, category, key_json, columns_json, retention, horizon_p, horizon_l)
+    of every table the node has."""
+    return conn.execute("SELECT * FROM tables").fetchall()
+
+
+def insert_table_row(conn: sqlite3.Connection, t: TableDef) -> None:
+    conn.execute("INSERT INTO tables (qualified, schema_name, table_name, category, key_json, columns_json, retention)"
+                 " VALUES (?,?,?,?,?,?,?)", table_def_row(t))
+
+
+def set_columns(conn: sqlite3.Connection, table: str, columns_json: str) -> None:
+    conn.execute("UPDATE tables SET columns_json=? WHERE qualified=?", (columns_json, table))
+
+
+def set_horizon(conn: sqlite3.Connection, table: str, horizon: tuple[int, int]) -> None:
+    conn.execute("UPDATE tables SET horizon_p=?, horizon_l=? WHERE qualified=?", (horizon[0], horizon[1], table))
+
+
+def zero_horizons(conn: sqlite3.Connection) -> None:
+    """Every horizon back to zero (rehydration, scope §3: the only way a horizon moves down)."""
+    conn.execute("UPDATE tables SET horizon_p=0, horizon_l=0")

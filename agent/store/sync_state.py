@@ -708,6 +708,42 @@ def provisioned_keyring(conn: sqlite3.Connection) -> dict:
             for sid, pk, rp, rl in conn.execute("SELECT site_id, public_key, retired_p, retired_l FROM keyring")}
 
 
+def put_keyring(conn: sqlite3.Connection, site: bytes, public_key: bytes, retired_after: tuple[int, int] | None,
+                source: str, *, replace: bool = True) -> None:
+    """A provisioned keyring entry (`source`: self, manifest, operator, authority...); with
+    `replace` False an existing entry for the site is an error (the node's own key at init)."""
+    verb = "INSERT OR REPLACE" if replace else "INSERT"
+    conn.execute(f"{verb} INTO keyring VALUES (?,?,?,?,?)",
+                 (site, public_key, retired_after[0] if retired_after else None,
+                  retired_after[1] if retired_after else None, source))
+
+
+def keyring_source(conn: sqlite3.Connection, site: bytes) -> str | None:
+    """Where `site`'s provisioned keyring entry came from, or None (none: vouched by a record, or unknown)."""
+    r = conn.execute("SELECT source FROM keyring WHERE site_id=?", (site,)).fetchone()
+    return None if r is None else r[0]
+
+
+def drop_keyring(conn: sqlite3.Connection, site: bytes) -> None:
+    conn.execute("DELETE FROM keyring WHERE site_id=?", (site,))
+
+
+def keyring_sources(conn: sqlite3.Connection) -> dict[bytes, str]:
+    return {bytes(s): src for s, src in conn.execute("SELECT site_id, source FROM keyring")}
+
+
+_SIGNED_RECORD_TABLES = ("control_records", "rehydrate_records", "truncation_records", "mailbox_acks",
+                         "sequencing_records")
+
+
+def holds_signed_record(conn: sqlite3.Connection, h: bytes) -> bool:
+    """A control record with this hash is in one of the store's record tables (those that exist)."""
+    marks = ",".join("?" for _ in _SIGNED_RECORD_TABLES)
+    tables = [t for (t,) in conn.execute(f"SELECT name FROM sqlite_master WHERE name IN ({marks})",
+                                         _SIGNED_RECORD_TABLES).fetchall()]
+    return any(conn.execute(f"SELECT 1 FROM {t} WHERE record_hash=?", (h,)).fetchone() for t in tables)
+
+
 def authorities(conn: sqlite3.Connection) -> set[bytes]:
     r = conn.execute("SELECT value FROM meta WHERE key='authorities'").fetchone()
     return {bytes.fromhex(a) for a in json.loads(r[0] if r else "[]")}
