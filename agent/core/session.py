@@ -14,7 +14,10 @@ cursor then moves through `SyncDriver.confirm` and `core.delivery.answer_moves`)
 (the peer's advertised limit, the too-large back-off), `expire` (giving up on a silent peer),
 `Schedule` and `binding.next_due` (when the batch cycle and a coalesced or fixed-cadence push
 are due, §32, §33.2, §33.3).
-The session maps those decisions onto frames; transports only move the frames' bytes.
+The session maps those decisions onto frames; transports only move the frames' bytes. Its own
+rule beside them: `chain` (after an exchange this end started moved events, the next one at
+once, until one moves nothing: what ends a `sync --once` over a line), which a driver asks after
+handing in what arrived.
 
 Frames. The SSP/1 messages (handshake, sync body) travel inside a small transport frame that
 carries what the messages do not: the frame type, a correlation id (an answer and an ack name
@@ -255,6 +258,9 @@ class Session:
     _next_hello: int | None = None
     _push_wanted: bool = False  # produced while the window was full: pushed when an answer frees it
     _then: str | None = None  # what the last settled answer asks for next (`Settled.then`)
+    _moved: int = 0  # events sent and received since the last exchange completed (`chain`)
+    _settled: bool = False  # an answer or ack just moved the cursor (an exchange completed)
+    _chain: bool = False  # an exchange this end started moved events: start the next one (`chain`)
 
     def __post_init__(self) -> None:
         # On a point-to-point link only the peer at the other end answers (its handshake named it):
@@ -338,6 +344,18 @@ class Session:
             return False
         return self._offer(KIND_BATCH, now, room, force=not self.bodies_out()) > 0
 
+    def chain(self, now: int) -> bool:
+        """The chain rule: after an exchange this end started that moved events either way, more
+        may be waiting on either side, so the next one starts now, not a cadence later, until one
+        moves nothing (which is what ends a `sync --once` over a line, docs/serial.md). Only the end
+        that started one chains, so the two ends never start one each at once (that would send
+        the same events twice: a body and an answer selected from one cursor). A driver calls it
+        after handing in what arrived; returns whether a body went."""
+        want, self._chain = self._chain, False
+        if want and self.state == "ready" and not self.bodies_out():
+            return self.cycle(now)
+        return False
+
     def local_events(self, now: int) -> None:
         """The node produced (or received) events: in realtime mode, schedule a coalesced push."""
         if self.state != "ready" or not self.realtime or self.flush_ms is not None:
@@ -419,6 +437,7 @@ class Session:
             return
         body, meta = self._body(f)
         k, rejected = self.provider.incoming(self.peer, body, meta, "batch", now)
+        self._moved += len(body.events)
         self._answer(f["c"], k, rejected, now)
 
     def _on_answer(self, f: dict, now: int) -> None:
@@ -429,18 +448,22 @@ class Session:
             self._settle(("out", f["c"]), "ok", None, f["k"], f.get("j"), now)
             self.events.append(SessionEvent("exchanged", str(f["c"])))
             self._after_settle(now)
+            self._completed(started=True)
             return
         body, meta = self._body(f)
         self._settle(("out", f["c"]), "ok", None, f["k"], f.get("j"), now)
         k, rejected = self.provider.incoming(self.peer, body, meta, "batch", now)
+        self._moved += len(body.events)
         self._out.append(encode_frame("ack", c=f["c"], k=k, j=rejected))
         self.events.append(SessionEvent("exchanged", str(f["c"])))
         self._after_settle(now)
+        self._completed(started=True)
 
     def _on_ack(self, f: dict, now: int) -> None:
         self._require_ready()
         self._settle(("ans", f["c"]), "ok", None, f["k"], f.get("j"), now)
         self._after_settle(now)
+        self._completed(started=False)
 
     def _on_push(self, f: dict, now: int) -> None:
         self._require_ready()
@@ -454,6 +477,7 @@ class Session:
         # Its meta describes the sender's stream as a batch body's does (a push is a window body
         # sent early, from where the window ends): the stream is followed through it, as on MQTT.
         k, rejected = self.provider.incoming(self.peer, body, meta, "batch", now)
+        self._moved += len(body.events)
         # The push's outcome, observed by its sender: its cursor moves on it (§33 "a sender
         # advances its durable cursor only on a successful push, solicited or not").
         self._out.append(encode_frame("push_ack", c=f["c"], k=k, j=rejected))
@@ -463,6 +487,7 @@ class Session:
         self._require_ready()
         self._settle(("out", f["c"]), "ok", None, f["k"], f.get("j"), now)
         self._after_settle(now)
+        self._completed(started=False)
 
     def _on_refused(self, f: dict, now: int) -> None:
         self._require_ready()
@@ -504,7 +529,19 @@ class Session:
         # contiguous: with a window in flight, an answer moves the live cursor only when its body
         # started at or before it (an earlier range still unanswered is re-offered), as on MQTT.
         self.provider.confirm(self.peer, d.body.token, d.processed, d.rejected, now)
+        self._settled = True
         self._then = d.then
+
+    def _completed(self, started: bool) -> None:
+        """An answer or ack was handled: when it completed an exchange (the cursor moved), what
+        moved since the last one decides the chain rule (`chain`) for an exchange this end
+        `started` (its body answered)."""
+        if not self._settled:
+            return  # ignored (given up on already): nothing completed
+        self._settled = False
+        moved, self._moved = self._moved, 0
+        if started and moved:
+            self._chain = True
 
     def _after_settle(self, now: int) -> None:
         """After an answer: keep the window full while there is more (catch-up), push what was
@@ -575,6 +612,7 @@ class Session:
         self.ex.sent(key, InFlight(self.peer, kind, m.start, m.end, list(m.seqs), _s(now), m.extra, out.backfill,
                                    out.token, len(out.body)))
         self.ex.reachable(self.peer, _s(now))
+        self._moved += out.n_events
         self._out.append(frame)
 
     # ------------------------------------------------------------------ helpers

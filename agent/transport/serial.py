@@ -249,9 +249,9 @@ class SerialEndpoint:
         self._seen_confirms = self._moved_mark = 0
         self._ready_at = None
 
-    def _after(self, s, mono: int) -> bool:
-        """Account for what the session just did; True when an exchange this end started is done
-        and moved events (so more may be waiting: chain the next one)."""
+    def _after(self, s, mono: int) -> None:
+        """Account for what the session just did (exchanges that moved nothing end a `--once`;
+        whether the next exchange starts at once is the session's chain rule, `Session.chain`)."""
         p = self.provider
         moved = None
         if p is not None and p.confirms != self._seen_confirms:
@@ -261,22 +261,13 @@ class SerialEndpoint:
             moved, self._moved_mark = total - self._moved_mark, total
             if moved == 0:
                 self.empty_exchanges += 1
-        chain = False
         for ev in s.events:
             self.events.append((ev.kind, ev.detail))
             if ev.kind == "ready" and self.settings.once and s.peer is not None \
                     and self.driver.node.site_id > s.peer:
                 self._ready_at = mono  # the smaller site_id starts (the session's stagger)
                 self._rcv_at_ready = self.link.stream_received
-            elif ev.kind == "exchanged":
-                # An exchange this end started is done. If it moved events either way, more may
-                # be waiting on either side: the next one now, not a cadence later, until one
-                # moves nothing. Only the end that started one chains, so the two ends never
-                # start one each at once (that would send the same events twice: a body and an
-                # answer selected from one cursor).
-                chain = bool(moved)
         s.events.clear()
-        return chain
 
     def _admit(self, kind: str, reason: str, wall: int, detail: str) -> list[str]:
         """The rows to surface for one more (kind, reason): at most LOSSES_SURFACED_PER_WINDOW per
@@ -319,14 +310,14 @@ class SerialEndpoint:
         self._flush()  # acknowledgements first: the peer keeps sending while this node applies
         s = self.session
         if s is not None:
-            chain = self._after(s, mono)  # session timers may have produced events too
+            self._after(s, mono)  # session timers may have produced events too
             for m in self.link.messages():
                 s.receive(m, wall)
                 # One message at a time: an acknowledgement and the next body often arrive in one
                 # read, and each exchange's movement must be told apart (the end of a --once).
-                chain = self._after(s, mono) or chain
-            if chain and s.state == "ready" and not s.bodies_out():
-                s.cycle(wall)
+                self._after(s, mono)
+            # An exchange this end started moved events: the next one now (the session's rule).
+            s.chain(wall)
             for f in s.data_to_send():
                 try:
                     self.link.send_message(f, mono)
