@@ -248,6 +248,11 @@ def _publish_props(user: dict[str, str], correlation: bytes | None = None,
     return p
 
 
+def _writes_on_the_network_thread(client, userdata, sock) -> None:
+    """paho's socket-register-write callback: nothing to do, the network thread's loop() writes
+    whatever is queued (MqttLink._make_client says why no other thread may)."""
+
+
 class MqttLink:
     """One device's connection to the broker: a persistent session (clean_start=False, session
     expiry), QoS 1 everywhere, manual acks, retained presence with a last will, and its own
@@ -313,6 +318,14 @@ class MqttLink:
         c.on_disconnect = self._on_disconnect
         c.on_subscribe = self._on_subscribe
         c.on_message = self._on_message
+        # Only the network thread (`_run`) touches the socket. paho's client is not thread-safe:
+        # without a loop_start() thread of its own it writes a publish or an ack right away on the
+        # calling thread (Client._packet_queue -> loop_write) while `_run`'s loop() reads and
+        # writes the same socket; over TLS that is two threads inside one OpenSSL SSL object
+        # (undefined: a corrupted record, a lost connection, a corrupted heap). With an external
+        # write registration paho only queues the packet and wakes loop()'s select (its socket
+        # pair), and the network thread writes it.
+        c.on_socket_register_write = _writes_on_the_network_thread
         return c
 
     def _connect_props(self) -> Properties:
@@ -345,13 +358,19 @@ class MqttLink:
             except (RuntimeError, ValueError):
                 pass
         self._stop.set()
-        try:
-            self._client.disconnect()
-        except Exception:  # noqa: BLE001 - closing a dead socket
-            pass
+        alive = False
         if self._thread is not None:
             self._thread.join(timeout + 2)
+            alive = self._thread.is_alive()
             self._thread = None
+        if alive:
+            return  # a network thread still in paho: never write its socket from here as well
+        # The network thread has ended: the DISCONNECT is written on this thread, the only one left.
+        try:
+            self._client.disconnect()
+            self._client.loop_write()
+        except Exception:  # noqa: BLE001 - closing a dead socket
+            pass
 
     def abort(self) -> None:
         """Drop the connection without DISCONNECT (tests: a device losing its link; the will fires)."""
@@ -389,6 +408,7 @@ class MqttLink:
                 rc = MQTTErrorCode.MQTT_ERR_CONN_LOST  # no CONNACK: start over
                 try:
                     self._client.disconnect()
+                    self._client.loop_write()   # this is the network thread: written here, as before
                 except Exception:  # noqa: BLE001
                     pass
             if rc != MQTTErrorCode.MQTT_ERR_SUCCESS:

@@ -4,6 +4,7 @@ backoff across a broker restart, splitting under the packet and body limits."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -35,6 +36,42 @@ def test_request_answer_correlation(broker):
         assert lb.ack(m)
         ans = wait_for(la.inbound, "ans", 3)
         assert ans.correlation == corr and ans.props["ssp-processed"] == "7" and ans.payload == b"answer"
+    finally:
+        la.close(); lb.close()
+
+
+def test_only_the_network_thread_writes_the_socket(broker):
+    """paho's client is not thread-safe: with no loop_start() thread of its own, a publish or an ack
+    called on another thread wrote the socket right there (Client._packet_queue -> loop_write),
+    while the link's network thread read and wrote the same socket in loop(). Over TLS that is two
+    threads inside one OpenSSL SSL object at once (undefined: a corrupted record, a lost connection,
+    a corrupted heap; a CI run segfaulted later in an unrelated SQLite call); over TCP two packets'
+    bytes can interleave. The loop's thread publishes, answers and acks; the link's network
+    thread must be the only one that ever sends."""
+    a, b = os.urandom(16), os.urandom(16)
+    la, lb = link(broker, a), link(broker, b)
+    senders: set[int] = set()
+    for lk in (la, lb):
+        send = lk._client._sock_send
+
+        def spy(buf, send=send):
+            senders.add(threading.get_ident())
+            return send(buf)
+        lk._client._sock_send = spy
+    try:
+        for i in range(20):
+            la.push(b, b"body %d" % i, {})
+        got = []
+        while len(got) < 20:
+            m = wait_for(lb.inbound, "req", 5)
+            assert m is not None, f"{len(got)} of 20 bodies arrived"
+            got.append(m)
+            assert lb.answer(m, b"answer", {}) and lb.ack(m)
+        assert sorted(m.payload for m in got) == sorted(b"body %d" % i for i in range(20))
+        for _ in range(20):
+            assert wait_for(la.inbound, "ans", 5) is not None
+        assert senders and senders <= {la._thread.ident, lb._thread.ident}
+        assert threading.get_ident() not in senders
     finally:
         la.close(); lb.close()
 
