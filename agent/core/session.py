@@ -460,10 +460,7 @@ class Session:
         self._completed(started=True)
 
     def _on_ack(self, f: dict, now: int) -> None:
-        self._require_ready()
-        self._settle(("ans", f["c"]), "ok", None, f["k"], f.get("j"), now)
-        self._after_settle(now)
-        self._completed(started=False)
+        self._observed("ans", f, now)  # the outcome of an answer this end sent
 
     def _on_push(self, f: dict, now: int) -> None:
         self._require_ready()
@@ -484,8 +481,13 @@ class Session:
         self.events.append(SessionEvent("received_push", str(len(body.events))))
 
     def _on_push_ack(self, f: dict, now: int) -> None:
+        self._observed("out", f, now)  # the outcome of a push this end sent
+
+    def _observed(self, sent: str, f: dict, now: int) -> None:
+        """The peer's {c, k, j} outcome of a body this end sent (`sent`: "ans" an answer, "out" a
+        body or push): the cursor moves on it (§33), then the window refills."""
         self._require_ready()
-        self._settle(("out", f["c"]), "ok", None, f["k"], f.get("j"), now)
+        self._settle((sent, f["c"]), "ok", None, f["k"], f.get("j"), now)
         self._after_settle(now)
         self._completed(started=False)
 

@@ -100,6 +100,15 @@ def test_fuzz_random_bytes_only_framing_error(data):
         pass
 
 
+def _mutated(seed: bytes, flips, cut: int) -> bytes:
+    """`seed` with the bytes at `flips` (position, value) replaced, cut to `cut` bytes."""
+    data = bytearray(seed)
+    for pos, val in flips:
+        if pos < len(data):
+            data[pos] = val
+    return bytes(data[:cut] if cut < len(data) else data)
+
+
 _SEEDS = [encode_private_message(GID, 9), public_commit(), public_commit(path=b"\x01" + leaf_node() + b"\x00")]
 
 
@@ -107,12 +116,8 @@ _SEEDS = [encode_private_message(GID, 9), public_commit(), public_commit(path=b"
 @given(st.sampled_from(_SEEDS), st.lists(st.tuples(st.integers(0, 400), st.integers(0, 255)), max_size=4),
        st.integers(0, 400))
 def test_fuzz_mutated_messages_only_framing_error(seed, flips, cut):
-    data = bytearray(seed)
-    for pos, val in flips:
-        if pos < len(data):
-            data[pos] = val
     try:
-        f = parse_mls_message(bytes(data[:cut] if cut < len(data) else data))
+        f = parse_mls_message(_mutated(seed, flips, cut))
     except FramingError:
         return
     assert 1 <= len(f.group_id) <= 255 and 0 <= f.epoch < 2**64
@@ -141,11 +146,7 @@ def test_private_fast_path_reads_exactly_what_the_strict_reader_reads(seed, flip
     # the hot path's offset arithmetic (framing._private_fast) accepts only what the strict reader
     # accepts, with the same fields; for everything else it defers to the strict reader
     from agent.sequencer.framing import _private_fast
-    data = bytearray(seed)
-    for pos, val in flips:
-        if pos < len(data):
-            data[pos] = val
-    data = bytes(data[:cut] if cut < len(data) else data)
+    data = _mutated(seed, flips, cut)
     fast, strict = _private_fast(data), _strict(data)
     if fast is not None:
         assert fast == strict

@@ -35,8 +35,9 @@ def test_adopting_private_cursors_reports_the_real_error(tmp_path):
         b.close()
 
 
-def test_the_sequencer_store_reports_the_real_error(tmp_path):
-    s = Store(tmp_path / "seq.db")
+@pytest.mark.parametrize("store", [Store, CommitQueue], ids=["the_sequencer_store", "the_commit_queue"])
+def test_a_sequencer_side_store_reports_the_real_error(tmp_path, store):
+    s = store(tmp_path / "seq.db")
     try:
         _roll_back_on(s.conn, "events", "INSERT")
         with pytest.raises(sqlite3.Error, match="disk is full"):
@@ -44,14 +45,3 @@ def test_the_sequencer_store_reports_the_real_error(tmp_path):
         assert not s.conn.in_transaction
     finally:
         s.close()
-
-
-def test_the_commit_queue_reports_the_real_error(tmp_path):
-    q = CommitQueue(tmp_path / "q.db")
-    try:
-        _roll_back_on(q.conn, "events", "INSERT")
-        with pytest.raises(sqlite3.Error, match="disk is full"):
-            q.record_event("x", {})
-        assert not q.conn.in_transaction
-    finally:
-        q.close()
