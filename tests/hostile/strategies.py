@@ -166,10 +166,12 @@ def meta_text(draw) -> bytes:
 
 @st.composite
 def session_frame_bytes(draw) -> bytes:
-    f = {"t": _maybe(draw, st.sampled_from(["hello", "body", "answer", "ack", "push", "error"])),
+    f = {"t": _maybe(draw, st.sampled_from(["hello", "body", "answer", "ack", "push", "push_ack", "refused", "error"])),
          "c": _maybe(draw, INTS), "b": _maybe(draw, body_bytes()), "m": _maybe(draw, st.just({"s": 0})),
-         "k": _maybe(draw, INTS), "r": _maybe(draw, st.booleans())}
-    for k in draw(st.lists(st.sampled_from("cbmkr"), max_size=3)):
+         "k": _maybe(draw, INTS), "r": _maybe(draw, st.one_of(st.booleans(), st.text(max_size=8))),
+         "f": _maybe(draw, st.sampled_from(["body", "answer", "push", "ack", ""])), "l": _maybe(draw, INTS),
+         "j": _maybe(draw, st.lists(INTS, max_size=3))}
+    for k in draw(st.lists(st.sampled_from("cbmkrflj"), max_size=6)):
         f.pop(k, None)
     return dumps(f, canonical=draw(st.booleans()))
 

@@ -101,12 +101,39 @@ def test_bad_frames_and_meta(two):
         (cbor2.dumps({"t": "nope"}), "bad_frame"),
         (encode_frame("body", c=1, b=good_body(a.site_id), m={"s": 0, "e": 0, "d": [1], "g": [], "x": 0}), "bad_frame_meta"),
         (encode_frame("body", c=1, b=good_body(a.site_id), m={"s": 0, "e": 5, "d": [], "g": [], "x": 0}), "bad_frame_meta"),
+        # the frames of the one session's window (push_ack, refused, the hello's body limit)
+        (cbor2.dumps({"t": "push_ack", "c": 1}), "bad_frame"),                    # no k
+        (encode_frame("push_ack", c=1, k=-1), "bad_frame"),
+        (encode_frame("push_ack", c=1, k=0, j=["x"]), "bad_frame"),
+        (encode_frame("push_ack", c=1, k=0, r="extra"), "bad_frame"),            # a member it does not have
+        (encode_frame("refused", c=1, f="ack", r="too_large"), "bad_frame"),    # an ack carries no body
+        (encode_frame("refused", c=1, f="body", r=5), "bad_frame"),
+        (cbor2.dumps({"t": "refused", "c": 1, "r": "too_large"}), "bad_frame"),  # no f
+        (encode_frame("hello", b=emit_handshake(Handshake(a.site_id, (0, 0), False, False, None)), r=False, l=-1),
+         "bad_frame"),
     ]:
         before = snapshot(b)
         sb.events.clear()
         sb.receive(frame, NOW)
         assert [e.detail for e in sb.events if e.kind == "protocol_error"] == [reason]
         assert snapshot(b) == before
+
+
+def test_outcomes_for_bodies_never_sent_change_nothing(two):
+    """A hostile peer's well-formed push_ack, ack and refused frames naming correlation ids this
+    end never used: no cursor, watermark or stored row moves, and the body limit stays."""
+    a, b, da, db_ = two
+    p = ready_pair(da, db_)
+    sa = p.sessions[0]
+    limit = sa.ex.limits.limit(b.site_id, NOW / 1000, 1 << 30)
+    before = snapshot(a)
+    for frame in (encode_frame("push_ack", c=999_999, k=10**6), encode_frame("ack", c=999_998, k=10**6),
+                  encode_frame("push_ack", c=999_997, k=0, j=[0, 1, 2]),
+                  encode_frame("refused", c=999_996, f="body", r="too_large"),
+                  encode_frame("refused", c=999_995, f="answer", r="too_large")):
+        sa.receive(frame, NOW + 10_001)
+    assert snapshot(a) == before
+    assert sa.ex.limits.limit(b.site_id, NOW / 1000, 1 << 30) == limit
 
 
 def test_unknown_version_in_handshake_fails_closed(two):
