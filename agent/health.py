@@ -202,17 +202,16 @@ def check_disk(node) -> dict:
 def peer_lags(node) -> list[dict]:
     """Per trusted peer (not retired): events it has not confirmed (from its reported applied
     watermarks, sync_state.peer_lag), and how old the oldest unconfirmed own event is."""
-    from .store.sync_state import group_counts, peer_lag
     from .store import reports, sync_state as st
     out = []
     try:
         peers = reports.member_peers(node.conn)
-        counts = group_counts(node.conn) if peers else []   # one pass over the log for every peer
+        counts = st.group_counts(node.conn) if peers else []   # one pass over the log for every peer
     except Exception:
         return out
     for p in peers:
         try:
-            behind = peer_lag(node.conn, p, counts)
+            behind = st.peer_lag(node.conn, p, counts)
             wms = st.peer_watermarks(node.conn, p)
         except Exception:   # an older layout in a read view: nothing reported yet
             behind, wms = None, {}

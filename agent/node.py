@@ -343,7 +343,6 @@ class Node:
         """Rebuilt from the database on every open: it is the only source of truth."""
         # The effective keyring: provisioned keys, then what the control records held make of them
         # (vouched keys, cutoffs lowered by retire records: agent/store/sync_state.py trust).
-        from .store import sync_state
         self.keyring: dict[bytes, tuple[bytes, tuple[int, int] | None]] = {}
         sync_state.overlay_keyring(self.conn, self.keyring, self.site_id)
         self.tables: dict[str, _Table] = {}
@@ -422,7 +421,6 @@ class Node:
         # Control records the store lacks: store them, so a re-issue extends their chain.
         records = [raw for raw in records if not self._record_held(raw)]
         if records:
-            from .store import sync_state
             sync_state.ensure_schema(self.conn)
             log.warning("storing %d control record(s) released before a crash but never stored", len(records))
             self.apply_records(records, now_ms())
@@ -1658,7 +1656,6 @@ class Node:
     def _bounds(self) -> dict:
         """The store-enforced bounds on what peers can make this node keep, and what each evicted
         or refused (docs/apply.md "Bounds"): never silent."""
-        from .store import sync_state
         return {"surfaced": db.surfaced_bounds(self.conn),
                 "records": sync_state.record_bounds(self.conn, self.site_id)}
 

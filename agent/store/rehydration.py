@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlite3
 from typing import Iterator
 
-from . import sync_state
+from . import eventlog, sync_state
 
 
 def has_table(conn: sqlite3.Connection, name: str) -> bool:
@@ -48,7 +48,7 @@ def serve(conn: sqlite3.Connection, subject: bytes, generation: int, now_ms: int
     to zero on every path, the watermarks it reported forgotten, the records delivered to it sent
     again (it may have lost them too), and the generation noted with the log's top at that moment
     (`upto`, what `rehydrate --status` counts down). Returns `upto`."""
-    upto = conn.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+    upto = eventlog.top(conn)
     conn.execute("UPDATE sync_cursors SET live=0, bf_next=0, bf_end=0 WHERE peer=?", (subject,))
     conn.execute("DELETE FROM peer_watermarks WHERE peer=?", (subject,))
     sync_state.clear_records_delivered(conn, subject)

@@ -830,9 +830,9 @@ def own_coverage(conn: sqlite3.Connection, self_site: bytes) -> dict[bytes, tupl
     own applied watermarks). The node's claim "I have everything of S up to h", per table."""
     wms = own_watermarks(conn)
     out: dict[bytes, tuple[int, int]] = {}
-    for site, q, n in conn.execute("SELECT site_id, qualified, count(*) FROM events WHERE site_id != ? "
-                                   "GROUP BY site_id, qualified", (self_site,)).fetchall():
-        site = bytes(site)
+    for site, q, n in group_counts(conn):
+        if site == self_site:
+            continue
         wm = wms.get((site, q))
         c = 0 if wm is None else conn.execute(
             "SELECT count(*) FROM events WHERE site_id=? AND qualified=? AND (hlc_p < ? OR (hlc_p = ? AND hlc_l <= ?))",
