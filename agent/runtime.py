@@ -94,8 +94,6 @@ class Runtime:
 
     def status_extra(self) -> dict[str, Any]:
         """What `status` adds while `run` holds the home."""
-        if self.runner is not None and not self.ports:
-            return {"pid": os.getpid(), "broker": self.broker_url, **self.summary()}
         if self.runner is None and len(self.ports) == 1:
             return {"pid": os.getpid(), "serial": self.ports[0].port, **self.summary()}
         return {"pid": os.getpid(), "broker": self.broker_url, **self.summary()}

@@ -302,20 +302,23 @@ class SyncDriver:
         record, agent/mailbox.py); never tracked as delivered."""
         limit = self.batch_limit if max_events is None else max_events
         wms = tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items()))
+        # What does not depend on the events selected is read once, not again per re-selection.
+        hmax = self.have_max_hlc()
+        recs = self.select_records(peer, path, record_budget)
+        records = tuple(recs[1]) + tuple(extra_records)
+        empty: int | None = None
         while True:
             sel, bf, start0, ro = self.select_for(peer, path, mode, start=start, limit=limit, backfill=backfill,
                                                   now=now)
             extra = [raw for _seq, raw in ro[0]] + (list(bf.events) if bf else [])
             events = list(sel.events) + extra
-            recs = self.select_records(peer, path, record_budget)
-            raw = emit_body(SyncBody(self.node.site_id, self.have_max_hlc(), tuple(events),
-                                     tuple(recs[1]) + tuple(extra_records), wms))
+            raw = emit_body(SyncBody(self.node.site_id, hmax, tuple(events), records, wms))
             if max_bytes is None or len(raw) <= max_bytes or len(events) <= 1:
                 break
             # How many fit: the estimate the MQTT runner cuts its bodies by (`binding.body_fit`,
             # the body without events, then each event and its meta), selected again with that.
-            empty = len(emit_body(SyncBody(self.node.site_id, self.have_max_hlc(), (),
-                                           tuple(recs[1]) + tuple(extra_records), wms)))
+            if empty is None:
+                empty = len(emit_body(SyncBody(self.node.site_id, hmax, (), records, wms)))
             n = body_fit(events, start0, sel.seqs, len(extra), sel.gaps, empty, max_bytes, limit)
             limit = max(1, min(len(events) - 1, n if n is not None else len(events) - 1))
         meta = StreamMeta(start0, sel.end, tuple(sel.seqs), tuple(sorted(sel.gaps)), len(extra))

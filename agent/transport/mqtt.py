@@ -50,8 +50,7 @@ from paho.mqtt.properties import Properties
 # The wire of the binding (user property names, the frame meta, rejected indices) is pure:
 # agent/core/binding.py; re-exported here for the link's users.
 from ..core.binding import (P_COUNT, P_END, P_FROM, P_KIND, P_META, P_PART, P_PROCESSED,  # noqa: F401
-                            P_REASON, P_REJECTED_AT, P_START, P_STATUS, decode_indices, encode_indices,
-                            encode_meta, meta_cost)
+                            P_REASON, P_REJECTED_AT, P_START, P_STATUS, decode_indices)
 from ..core.exchange import KIND_BATCH, KIND_REALTIME  # noqa: F401 - a request's kinds (the exchange decides on them)
 from ..core.sending import split_sizes  # noqa: F401 - body splitting is pure; re-exported for the runner, benches, tests
 
