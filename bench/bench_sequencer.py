@@ -5,8 +5,14 @@ ES256 signing rate of the same keystore measured in the same run.
                             _sign_many, no persistence, no COSE): the denominator
   seq_one_<ks>              Sequencer.submit, one Commit per call: a pending commit, two journal
                             fsyncs (intent, receipt) and a state commit per Commit
-  seq_batch<G>_<ks>         Sequencer.submit_many of G Commits for G different groups (group commit
-                            across groups: the same four commits for the whole batch)
+  seq_stream<G>_<ks>        the pipelined group commit as `sequencer run` drives it (the headline):
+                            G groups, each a closed loop — its next Commit is put when the answer to
+                            its last one is released; batches of up to service.CHUNK distinct groups,
+                            one signing in the keystore (the software keystore: its own process)
+                            while this process commits the batch before and prepares the next
+  seq_stream<G>_<ks>_idle   the same with 10 000 idle groups registered (no per-group cost)
+  seq_batch<G>_<ks>         Sequencer.submit_many of G Commits for G different groups, one call per
+                            round (each call fills and empties the pipeline)
   seq_batch<G>_<ks>_idle    the same with 10 000 idle groups registered (no per-group cost)
   cpu_us_per_commit_*       this process's CPU per Commit in those rounds, and raw_cpu_us_per_signature_<ks>
                             per raw signature: the figures a neighbour's load disturbs least (a
@@ -98,6 +104,34 @@ def seq_batch(seq: service.Sequencer, n: int, batch: int, tag: bytes, cpu: list 
     return rate(rounds * batch, t)
 
 
+def seq_stream(seq: service.Sequencer, n: int, g: int, tag: bytes, cpu: list | None = None) -> float:
+    """Commits/s through ``Sequencer.group_commit`` with ``g`` groups in closed loops (each group's
+    next Commit is put as the answer to its last is released, as members do through `sequencer
+    run`), until ``n`` answers are out; the Commits are built beforehand (members build them)."""
+    gs = groups(g, tag)
+    for x in gs:
+        seq.register(x, 0)
+    rounds = n // g + 3
+    msgs = {x: [encode_private_message(x, r) for r in range(rounds)] for x in gs}
+    gc = seq.group_commit()
+    c = time.process_time()
+    t = time.perf_counter()
+    for x in gs:
+        gc.put(x, msgs[x][0])
+    done = 0
+    while done < n:
+        for x, ans in gc.step():
+            assert type(ans) is service.Accepted, ans
+            done += 1
+            gc.put(x, msgs[x][ans.epoch + 1])
+    t = time.perf_counter() - t
+    if cpu is not None:
+        cpu.append((time.process_time() - c) / done * 1e6)
+    gc.queue.clear()     # what is in flight is finished (outside the figure)
+    gc.drain()
+    return rate(done, t)
+
+
 def register_idle(seq: service.Sequencer, n: int) -> None:
     with seq.store._tx():
         seq.store.conn.executemany("INSERT INTO groups (group_id, current_epoch, origin) VALUES (?, 0, 'registered')",
@@ -105,13 +139,22 @@ def register_idle(seq: service.Sequencer, n: int) -> None:
 
 
 def run_keystore(name: str, conf: dict | None, d: str, n: int, batch: int, idle: int, rounds: int,
-                 fig: dict) -> None:
+                 fig: dict, stream: int = 1024) -> None:
     """``rounds`` rounds, each: raw ES256, group commit, raw ES256 again (the ratio's denominator is
     the mean of the two raw runs beside it, so a neighbour's load shifts both alike)."""
     home = os.path.join(d, name)
     service.init(home, conf)
     with service.Sequencer(home) as seq:
         fig[f"seq_one_{name}"] = [seq_one(seq, max(n // 16, 16))]
+        seq_stream(seq, 2 * stream, stream, b"warm-")    # starts the signing process, warms the caches
+        for r in range(rounds):
+            raw1 = raw_es256(seq, n, batch)
+            cpu = []
+            st = seq_stream(seq, 2 * n, stream, b"stream-%d-" % r, cpu)
+            raw2 = raw_es256(seq, n, batch)
+            for k, v in ((f"seq_stream{stream}_{name}", st), (f"ratio_stream{stream}_{name}", st / ((raw1 + raw2) / 2)),
+                         (f"cpu_us_per_commit_stream{stream}_{name}", cpu[0])):
+                fig.setdefault(k, []).append(v)
         for r in range(rounds):
             rcpu: list = []
             raw1 = raw_es256(seq, n, batch, rcpu)
@@ -124,6 +167,15 @@ def run_keystore(name: str, conf: dict | None, d: str, n: int, batch: int, idle:
                          (f"raw_cpu_us_per_signature_{name}", sum(rcpu) / 2)):
                 fig.setdefault(k, []).append(v)
         register_idle(seq, idle)
+        for r in range(rounds):
+            raw1 = raw_es256(seq, n, batch)
+            cpu = []
+            st = seq_stream(seq, 2 * n, stream, b"stream-idle-%d-" % r, cpu)
+            raw2 = raw_es256(seq, n, batch)
+            for k, v in ((f"seq_stream{stream}_{name}_idle{idle}", st),
+                         (f"ratio_stream{stream}_{name}_idle{idle}", st / ((raw1 + raw2) / 2)),
+                         (f"cpu_us_per_commit_stream{stream}_{name}_idle{idle}", cpu[0])):
+                fig.setdefault(k, []).append(v)
         for r in range(rounds):
             raw1 = raw_es256(seq, n, batch)
             cpu = []
@@ -281,7 +333,7 @@ def main() -> None:
         if a.json:
             print(json.dumps({k: of_rounds(v) for k, v in fig.items()}))
         return
-    n, batch, idle = (512, 64, 1000) if a.quick else (8192, 256, 10_000)
+    n, batch, idle, stream = (512, 64, 1000, 128) if a.quick else (8192, 256, 10_000, 1024)
     batch = a.batch or batch
     fig: dict = {}
     d = tempfile.mkdtemp(prefix="bench-seq-")
@@ -291,13 +343,13 @@ def main() -> None:
         if a.broker_only:
             pass
         else:
-            run_keystore("software", None, d, n, batch, idle, a.rounds, fig)
+            run_keystore("software", None, d, n, batch, idle, a.rounds, fig, stream)
         if not a.no_pkcs11 and not a.broker_only:
             cfg = softhsm_config(os.path.join(d, "hsm"))
             if cfg is None:
                 print("pkcs11: skipped (SoftHSM2 not installed: apt-get install -y softhsm2)")
             else:
-                run_keystore("pkcs11", cfg, d, n // 4, batch, idle, a.rounds, fig)
+                run_keystore("pkcs11", cfg, d, n // 4, batch, idle, a.rounds, fig, stream)
     finally:
         shutil.rmtree(d, ignore_errors=True)
     print(f"{a.rounds} rounds; median [min .. max]")
@@ -306,20 +358,22 @@ def main() -> None:
         print(f"{k:44s} {fmt.format(statistics.median(v)):>8s}  [{fmt.format(min(v))} .. {fmt.format(max(v))}]"
               + ("" if k.startswith("ratio") or "cpu_" in k else " /s"))
     for ks in ("software", "pkcs11"):
-        k = f"ratio_batch{batch}_{ks}"
-        if k in fig:
-            print(f"{ks}: group commit ({batch} groups) / raw ES256 = {statistics.median(fig[k]):.3f} "
-                  f"[{min(fig[k]):.3f} .. {max(fig[k]):.3f}]; with {idle} idle groups "
-                  f"{statistics.median(fig[k + '_idle' + str(idle)]):.3f} (goal 0.8)")
+        for what, k in (("pipelined group commit, a stream of %d groups" % stream, f"ratio_stream{stream}_{ks}"),
+                        ("submit_many of %d groups per call" % batch, f"ratio_batch{batch}_{ks}")):
+            if k in fig:
+                print(f"{ks}: {what} / raw ES256 = {statistics.median(fig[k]):.3f} "
+                      f"[{min(fig[k]):.3f} .. {max(fig[k]):.3f}]; with {idle} idle groups "
+                      f"{statistics.median(fig[k + '_idle' + str(idle)]):.3f} (goal 0.8)")
     if a.json:
         print(json.dumps({k: {"median": round(statistics.median(v), 3), "min": round(min(v), 3),
                               "max": round(max(v), 3)} for k, v in fig.items()}))
     record({k: of_rounds(v) for k, v in fig.items() if not k.startswith("raw_")},
            {k: of_rounds(v) for k, v in fig.items() if k.startswith("raw_")},
-           "; ".join(f"{ks}: group commit of {batch} / raw ES256 = {statistics.median(fig[k]):.2f} "
+           "; ".join(f"{ks}: pipelined group commit ({stream} groups) / raw ES256 = {statistics.median(fig[k]):.2f} "
                      f"({min(fig[k]):.2f}-{max(fig[k]):.2f}), with {idle} idle groups "
-                     f"{statistics.median(fig[f'{k}_idle{idle}']):.2f}"
-                     for ks in ("software", "pkcs11") if (k := f"ratio_batch{batch}_{ks}") in fig)
+                     f"{statistics.median(fig[f'{k}_idle{idle}']):.2f}; submit_many of {batch} per call "
+                     f"{statistics.median(fig[f'ratio_batch{batch}_{ks}']):.2f}"
+                     for ks in ("software", "pkcs11") if (k := f"ratio_stream{stream}_{ks}") in fig)
            + " (goal 0.8)"
            + "".join(f"; through `sequencer run` {statistics.median(v):.0f} Commits/s ({k.split('_')[1]} groups)"
                      for k, v in fig.items() if k.startswith("broker_") and k.endswith("_groups")),

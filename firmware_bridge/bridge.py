@@ -166,6 +166,75 @@ class SigningBridge:
         return got
 
     def _release(self, items: list[Item]) -> list[bytes]:
+        t = self._claim(items)
+        try:
+            if t.todo:
+                self._sign_and_persist(t.items, t.idents, t.todo, t.results)
+            return [t.results[i] for i in t.idents]
+        finally:
+            self._unclaim(t)
+
+    def release_pipelined(self, finish: Optional["Ticket"], items: Sequence[Item]) -> tuple[Optional[list[bytes]], Optional["Ticket"]]:
+        """One step of a pipelined group commit (the sequencer's, docs/sequencer.md "Pipelined
+        group commit"): ``finish``'s signatures are awaited and checked, its outputs persisted and
+        ``items``' intents made durable in ONE journal commit (one fsync for both), and only then
+        is the signing of ``items`` started, in a keystore that may sign in another process
+        (Keystore._sign_start). Returns ``finish``'s persisted outputs in its items' order (None
+        without ``finish``) and the ticket of ``items`` to pass as ``finish`` to a later step (None
+        without items). The order of steps per identity is release_many's: durable intent, sign,
+        durable output, return. On any exception both are settled as far as they got — ``finish``'s
+        outputs that verified are persisted, ``items`` have no intent unless ``finish`` was clean —
+        every claim is dropped, and the caller settles both batches against the journal."""
+        t: Optional[Ticket] = None
+        try:
+            done: list[tuple[bytes, bytes]] = []
+            failure: Optional[BaseException] = None
+            if finish is not None and finish.todo:
+                try:
+                    sigs, failure = finish.wait()
+                    failure = self._take(finish.items, finish.idents, finish.order, finish.requests, sigs, done) or failure
+                except BaseException as exc:
+                    failure = exc
+                self._fire("before_persist")
+            if items:
+                try:   # claimed after ``finish`` is in: a refusal here still persists its outputs
+                    t = self._claim(list(items))
+                except BaseException as exc:
+                    failure = failure or exc
+            records = [(RELEASED, ident, out) for ident, out in done]
+            intents = t is not None and bool(t.todo) and failure is None
+            if intents:
+                records += [(INTENT, t.idents[k], t.items[k][1]) for k in t.todo]
+            if records:
+                self._journal.commit(records)
+            if done:
+                self._fire("after_persist")
+            if failure is not None:
+                raise failure
+            outs = None
+            if finish is not None:
+                finish.results.update(done)
+                outs = [finish.results[i] for i in finish.idents]
+            if intents:
+                self._fire("after_intent")
+                # sign in identity order (a serial device refuses identities at/below its last one)
+                t.order = sorted(t.todo, key=lambda k: t.idents[k])
+                t.requests = [(t.items[k][1], t.items[k][0], bytes(t.items[k][2])) for k in t.order]
+                t.wait = self._ks._sign_start(t.requests)
+            return outs, t
+        except BaseException:
+            if t is not None:
+                self._unclaim(t)
+            raise
+        finally:
+            if finish is not None:
+                self._unclaim(finish)
+
+    def _claim(self, items: list[Item]) -> "Ticket":
+        """Check ``items`` and claim their identities (waiting out other threads' in-flight
+        signing of the same ones); those the journal already released are read into the ticket's
+        results (§22.5 cl. 1: re-transmit exactly the persisted bytes), an intent without output
+        raises OutcomeUnknown. The caller ``_unclaim``s the ticket, whatever happens."""
         idents: list[bytes] = []
         fits: set[tuple[str, type]] = set()   # (key name, identity kind) pairs checked in this call
         for identity, key_name, tbs, assemble in items:
@@ -181,12 +250,8 @@ class SigningBridge:
             idents.append(ident)
         if len(set(idents)) != len(idents):
             raise ValueError("release_many: the same identity appears twice in one batch")
-
-        results: dict[bytes, bytes] = {}
-        todo: list[int] = []
-        mine: list[bytes] = []
+        t = Ticket(items, idents)
         try:
-            # Claim the identities: wait out other threads' in-flight signing of the same ones.
             while True:
                 with self._lock:
                     busy = [self._inflight[i] for i in idents if i in self._inflight]
@@ -195,31 +260,32 @@ class SigningBridge:
                             if state in ("intent", "spent"):
                                 raise OutcomeUnknown(_unknown_message(items[k][0]), items[k][0])
                             if state == "absent":
-                                todo.append(k)
-                        done_event = threading.Event()  # one per call, shared by its identities
-                        for k in todo:
-                            self._inflight[idents[k]] = done_event
-                            mine.append(idents[k])
+                                t.todo.append(k)
+                        for k in t.todo:
+                            self._inflight[idents[k]] = t.done_event
+                            t.mine.append(idents[k])
                         break
                 for waiting in busy:
                     waiting.wait()
-            todo_set = set(todo)
+            todo_set = set(t.todo)
             for k, ident in enumerate(idents):
                 if k not in todo_set:
                     out = self._journal.read_released(ident)
                     if out is None:   # compacted away since the look-up: spent (the caller holds it)
                         raise OutcomeUnknown(_unknown_message(items[k][0]), items[k][0])
-                    results[ident] = out  # §22.5 cl. 1: re-transmit exactly the persisted bytes
-            if todo:
-                self._sign_and_persist(items, idents, todo, results)
-            return [results[i] for i in idents]
-        finally:
-            if mine:
-                with self._lock:
-                    ev = self._inflight[mine[0]]
-                    for ident in mine:
-                        del self._inflight[ident]
-                ev.set()
+                    t.results[ident] = out
+        except BaseException:
+            self._unclaim(t)
+            raise
+        return t
+
+    def _unclaim(self, t: "Ticket") -> None:
+        mine, t.mine = t.mine, []
+        if mine:
+            with self._lock:
+                for ident in mine:
+                    del self._inflight[ident]
+            t.done_event.set()
 
     def _sign_and_persist(self, items: list[Item], idents: list[bytes], todo: list[int],
                           results: dict[bytes, bytes]) -> None:
@@ -294,3 +360,19 @@ class SigningBridge:
     def _fire(self, point: str) -> None:
         if self._hook is not None:
             self._hook(point)
+
+
+class Ticket:
+    """A batch of ``_claim``ed identities: what ``release_pipelined`` started and finishes later."""
+    __slots__ = ("items", "idents", "todo", "mine", "results", "order", "requests", "wait", "done_event")
+
+    def __init__(self, items: list[Item], idents: list[bytes]) -> None:
+        self.items = items
+        self.idents = idents
+        self.todo: list[int] = []
+        self.mine: list[bytes] = []
+        self.results: dict[bytes, bytes] = {}
+        self.order: list[int] = []
+        self.requests: list = []
+        self.wait: Callable[[], tuple[list[bytes], Optional[BaseException]]] = lambda: ([], None)
+        self.done_event = threading.Event()   # shared by its identities' waiters

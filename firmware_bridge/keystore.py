@@ -10,7 +10,7 @@ import os
 import re
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from .errors import KeystoreError, KeystoreUnavailable, UnsupportedAlgorithm
 from .identity import Identity
@@ -91,6 +91,15 @@ class Keystore(ABC):
             yield sigs
         if failure is not None:
             raise failure
+
+    def _sign_start(self, requests: Sequence[tuple[str, Identity, bytes]]) -> Callable[[], tuple[list[bytes], Optional[BaseException]]]:
+        """Start signing ``requests`` (as ``_sign_many``) and return a callable that gives
+        ``_sign_many``'s answer. Lets the bridge's pipelined caller (the sequencer's group commit,
+        docs/sequencer.md "Pipelined group commit") persist and commit the previous chunk while a
+        backend that signs in another process signs this one; by default it signs now. Private
+        like ``_sign``: only the bridge calls it, after the intents are durable."""
+        got = self._sign_many(requests)
+        return lambda: got
 
     # -- sealing small secrets (at-rest protection of the agent's stored events) -----------------
     # A seal key is a symmetric key generated inside the keystore that never leaves it; it seals

@@ -11,7 +11,7 @@ import json
 import os
 import stat
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import nacl.bindings
 import nacl.exceptions
@@ -29,6 +29,9 @@ _SEAL_SUFFIX = ".seal"   # seal keys (firmware_bridge/sealing.py): their own nam
 # A group commit of at least this many Ed25519 signatures is split across worker threads:
 # libsodium releases the GIL, so on a multi-core Pi the signatures of one batch run in parallel.
 PARALLEL_MIN = 64
+# A pipelined P-256 batch of at least this many goes to the key's signing process (sign_worker.py):
+# cryptography's P-256 sign holds the GIL, so only a second process signs beside this one.
+PROCESS_MIN = 16
 
 
 class _Key:
@@ -247,6 +250,7 @@ class SoftwareKeystore(Keystore):
         self._threads = max(1, min(4, os.cpu_count() or 1) if sign_threads is None else sign_threads)
         self._pool = None   # a ThreadPoolExecutor, made for the first large batch
         self._pool_lock = threading.Lock()
+        self._workers: dict[str, "_SignProcess"] = {}   # P-256 signing processes, per key name
 
     def generate_key(self, name: str, alg: str) -> bytes:
         return self._keys.create(name, alg).public()
@@ -316,6 +320,35 @@ class SoftwareKeystore(Keystore):
                 sigs.extend(part)
         return sigs, failure
 
+    def _sign_start(self, requests: Sequence[tuple[str, Identity, bytes]]) -> Callable[[], tuple[list[bytes], Optional[BaseException]]]:
+        """A pipelined batch of P-256 requests for one key goes to that key's signing process
+        (sign_worker.py), so the bridge's caller persists and commits the previous batch meanwhile
+        (docs/keystore.md "Pipelined P-256 signing"); anything else is signed now. RFC 6979: a
+        batch the process could not sign is signed here with the same bytes."""
+        names = {name for name, _, _ in requests}
+        if (len(names) != 1 or len(requests) < PROCESS_MIN or self._threads < 2
+                or type(self)._sign is not SoftwareKeystore._sign):
+            return super()._sign_start(requests)
+        (name,) = names
+        try:
+            if self._keys.get(name).p256 is None:
+                return super()._sign_start(requests)
+        except KeystoreError:
+            return super()._sign_start(requests)   # _sign_many reports it at its position
+        worker = self._workers.get(name)
+        if worker is None or worker.dead:
+            worker = self._workers[name] = _SignProcess(self._keys.path, name)
+        ticket = worker.send([data for _, _, data in requests])
+        if ticket is None:   # the process is gone: sign here (RFC 6979: the same bytes)
+            return super()._sign_start(requests)
+
+        def wait() -> tuple[list[bytes], Optional[BaseException]]:
+            sigs = worker.wait(ticket)
+            if sigs is None:
+                return Keystore._sign_many(self, requests)
+            return sigs, None
+        return wait
+
     def _worker_pool(self):
         with self._pool_lock:
             if self._pool is None:
@@ -324,6 +357,9 @@ class SoftwareKeystore(Keystore):
             return self._pool
 
     def close(self) -> None:
+        workers, self._workers = self._workers, {}
+        for w in workers.values():
+            w.close()
         with self._pool_lock:
             pool, self._pool = self._pool, None
         if pool is not None:
@@ -333,3 +369,118 @@ class SoftwareKeystore(Keystore):
 def _sign_chunk(keys: list, datas: list[bytes]) -> list[bytes]:
     sign = nacl.bindings.crypto_sign
     return [sign(data, sk)[:64] for sk, data in zip(keys, datas)]
+
+
+class _SignProcess:
+    """One sign_worker.py child for one P-256 key (docs/keystore.md "Pipelined P-256 signing").
+    Batches may be queued behind each other; answers come back in request order. ``wait``
+    returns None when the process failed or died, and the keystore then signs that batch itself
+    (deterministic: the same bytes). A request is written without blocking while answers are
+    read meanwhile, so neither side ever waits on a full pipe the other is not draining."""
+
+    def __init__(self, directory: str, name: str) -> None:
+        import subprocess
+        import sys
+        self.dead = False
+        self._sent = 0
+        self._got = 0
+        self._answers: dict[int, Optional[list[bytes]]] = {}
+        self._counts: dict[int, int] = {}   # ticket -> signatures asked for
+        self._inbuf = bytearray()           # answer bytes read while a request was being written
+        self._lock = threading.Lock()
+        self._proc = None
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)   # the package this module came from, installed or a checkout
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", "firmware_bridge.sign_worker", directory, name],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=root,
+                                          close_fds=True)
+            self._wfd = self._proc.stdin.fileno()
+            self._rfd = self._proc.stdout.fileno()
+            if os.read(self._rfd, 1) != b"R":
+                raise OSError("the signing process did not start")
+            os.set_blocking(self._wfd, False)
+        except (OSError, ValueError):
+            self._fail()
+
+    def send(self, datas: list[bytes]) -> Optional[int]:
+        import select
+        from .sign_worker import encode_request
+        with self._lock:
+            if self.dead:
+                return None
+            view = memoryview(encode_request(datas))
+            try:
+                while view:
+                    readable, writable, _ = select.select([self._rfd], [self._wfd], [], 30.0)
+                    if not readable and not writable:
+                        raise OSError("the signing process stopped reading")
+                    if readable:
+                        got = os.read(self._rfd, 1 << 16)
+                        if not got:
+                            raise EOFError
+                        self._inbuf += got
+                    if writable:
+                        try:
+                            view = view[os.write(self._wfd, view):]
+                        except BlockingIOError:
+                            pass
+            except (OSError, EOFError):
+                self._fail()
+                return None
+            self._sent += 1
+            self._counts[self._sent] = len(datas)
+            return self._sent
+
+    def _read(self, n: int) -> bytes:
+        from .sign_worker import read_exact
+        if len(self._inbuf) >= n:
+            out = bytes(self._inbuf[:n])
+            del self._inbuf[:n]
+            return out
+        head = bytes(self._inbuf)
+        self._inbuf.clear()
+        return head + read_exact(self._rfd, n - len(head))
+
+    def wait(self, ticket: int) -> Optional[list[bytes]]:
+        import struct
+        with self._lock:
+            while ticket not in self._answers:
+                if self.dead or ticket <= self._got:
+                    return None
+                try:
+                    nxt = self._got + 1
+                    count = self._counts.pop(nxt)
+                    status = self._read(1)
+                    if status == b"\x00":
+                        raw = self._read(64 * count)
+                        self._answers[nxt] = [raw[i:i + 64] for i in range(0, len(raw), 64)]
+                    else:   # the process could not sign: the keystore signs (and reports) it here
+                        (n,) = struct.unpack(">I", self._read(4))
+                        self._read(n)
+                        self._answers[nxt] = None
+                    self._got = nxt
+                except (EOFError, OSError, KeyError, struct.error):
+                    self._fail()
+                    return None
+            return self._answers.pop(ticket)
+
+    def _fail(self) -> None:
+        self.dead = True
+        self.close()
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        for f in (proc.stdin, proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        try:
+            proc.wait(5)
+        except Exception:
+            proc.kill()
+            proc.wait()

@@ -21,8 +21,10 @@ broker (persistent session) and answered then: a Commit that won before the cras
 
 One wildcard subscription per request kind: an idle group costs nothing (no per-group polling,
 no per-group subscription). Requests are handled on one thread (the Sequencer and its SQLite
-connection are not shared), in arrival order; submits that arrived together are sequenced as one
-group commit (``handle_many``).
+connection are not shared), in arrival order. Submits stream through the sequencer's pipelined
+group commit (service.GroupCommit): while the keystore signs one batch, the loop takes what has
+arrived meanwhile, commits the batch before and answers it; a register or receipt request first
+lets every submit that arrived before it finish.
 """
 from __future__ import annotations
 
@@ -80,7 +82,7 @@ def answer_json(ans: service.Answer) -> dict:
             "current_epoch": ans.current_epoch, "head": None if ans.head is None else ans.head.hex()}
 
 
-MAX_BATCH = 512          # requests taken from the inbound queue at once (one group commit at most)
+MAX_BATCH = 512          # requests taken from the inbound queue per turn of the loop
 
 
 def _kind(msg) -> str:
@@ -98,6 +100,9 @@ class Server:
         self.subscribed = threading.Event()
         self._published_gaps: set = set()
         self.stats = {"submits": 0, "submit_batches": 0}
+        self.gc = seq.group_commit()
+        self._in_gc: dict[int, object] = {}      # tag -> the submit request in the group commit
+        self._tags = 0
         c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"sovm-seq-{seq.public_key.hex()[2:26]}",
                         protocol=paho.MQTTv5, manual_ack=True)
         if settings.username is not None:
@@ -131,19 +136,21 @@ class Server:
 
     def serve_forever(self) -> None:
         while not self.stop.is_set():
+            batch = []
             try:
-                msg = self.inbound.get(timeout=0.5)
+                # with Commits in flight the loop only looks for more, it never waits for them
+                batch.append(self.inbound.get(timeout=0.5) if not self.gc.busy() else self.inbound.get_nowait())
             except queue.Empty:
-                continue
-            # Group commit: whatever else has arrived meanwhile is handled with it (no waiting for
-            # more: an idle sequencer answers one Commit at once, a busy one batches by itself).
-            batch = [msg]
-            while len(batch) < MAX_BATCH:
+                pass
+            while batch and len(batch) < MAX_BATCH:
                 try:
                     batch.append(self.inbound.get_nowait())
                 except queue.Empty:
                     break
-            self.handle_many(batch)
+            self.feed(batch)
+            if self.gc.busy():
+                self._answer_submits(self.gc.step())
+        self._answer_submits(self.gc.drain())     # stopping: what is in flight is finished and answered
 
     def close(self) -> None:
         self.stop.set()
@@ -152,34 +159,37 @@ class Server:
 
     # -- requests ------------------------------------------------------------------------------
     def handle_many(self, msgs: list) -> None:
-        """Requests in arrival order. Consecutive submits go to the sequencer as one
-        ``submit_many`` (one pending commit, one bridge group commit — two journal fsyncs for all
-        their receipts — and one state commit; first-Commit-wins stays the arrival order); any
-        other request ends the run of submits before it is handled, so a register or receipt
+        """Requests in arrival order, every one answered before this returns (``feed``, then the
+        group commit drained)."""
+        self.feed(msgs)
+        self._answer_submits(self.gc.drain())
+
+    def feed(self, msgs: list) -> None:
+        """Requests in arrival order. Submits go into the pipelined group commit (first-Commit-wins
+        stays the arrival order); any other request first drains it, so a register or receipt
         request sees every submit that arrived before it. Each request is answered and then
-        acknowledged to the broker, after its batch is durable."""
-        run: list = []
+        acknowledged to the broker, after its answer is durable."""
         for msg in msgs:
             if _kind(msg) == "submit":
-                run.append(msg)
+                self._tags += 1
+                self._in_gc[self._tags] = msg
+                self.gc.put(self._tags, bytes(msg.payload))
+                self.stats["submits"] += 1
                 continue
-            self._submit_run(run)
-            run = []
+            if self.gc.busy():
+                self._answer_submits(self.gc.drain())
             self.handle(msg)
-        self._submit_run(run)
 
-    def _submit_run(self, msgs: list) -> None:
-        if not msgs:
+    def _answer_submits(self, answers: list) -> None:
+        if not answers:
             return
-        payloads = [bytes(m.payload) for m in msgs]
-        answers = self.seq.submit_many(payloads)
-        self.stats["submit_batches"] += 1
-        self.stats["submits"] += len(msgs)
-        for msg, payload, ans in zip(msgs, payloads, answers):
+        self.stats["submit_batches"] = self.gc.batches
+        done = [(self._in_gc.pop(tag), ans) for tag, ans in answers]
+        for msg, ans in done:
             if isinstance(ans, service.Accepted):
-                self._publish_accepted(ans.group_id, ans.epoch, payload, ans.receipt)
+                self._publish_accepted(ans.group_id, ans.epoch, bytes(msg.payload), ans.receipt)
         self._publish_discontinuities()
-        for msg, ans in zip(msgs, answers):
+        for msg, ans in done:
             self._reply(msg, answer_json(ans))
             if msg.qos > 0:
                 self.client.ack(msg.mid, msg.qos)   # only now: an unanswered request is redelivered

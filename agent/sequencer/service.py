@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -154,6 +155,14 @@ def init(home: Path, keystore: Optional[dict] = None) -> bytes:
         os.close(fd)
 
 
+# Commits per batch of the pipelined group commit: each step costs one journal fsync and one
+# SQLite commit whatever the batch's size; batches overlap when at least two are available.
+# submit_many splits what it is given into at least MIN_BATCHES batches (of at least
+# MIN_CHUNK), so one call overlaps its own signing with the rest.
+CHUNK = 256
+MIN_CHUNK, MIN_BATCHES = 32, 4
+
+
 class Sequencer:
     def __init__(self, home: Path, *, fault_hook: Optional[Hook] = None, serve: bool = False) -> None:
         """Open a sequencer home and resume (§22.6 step 1) before anything is served.
@@ -165,6 +174,7 @@ class Sequencer:
             raise SequencerRefused(f"{self.home} holds no sequencer (run `sequencer init` first)")
         self._hook = fault_hook
         self._unsigned = False          # a gap recorded whose statement is not signed yet
+        self.chunk = CHUNK              # Commits per step of the pipelined group commit
         self._lock_fd = None
         self._run_fd = _lock(self.home, RUN_LOCK_NAME, fcntl.LOCK_EX if serve else fcntl.LOCK_SH | fcntl.LOCK_NB)
         self._lock_fd = _lock(self.home)
@@ -222,80 +232,22 @@ class Sequencer:
         return self.submit_many([message])[0]
 
     def submit_many(self, messages: list[bytes]) -> list[Answer]:
-        """Sequence a batch of MLSMessages (any groups), answers in order. Group commit: per round
-        one pending transaction, one bridge call (two journal fsyncs for all its receipts) and one
-        state transaction. A round takes at most one message per group, in arrival order, so
-        first-Commit-wins is exactly the order of ``messages``."""
-        if self._unsigned:
-            self._sign_statements()
+        """Sequence a batch of MLSMessages (any groups), answers in order, through the pipelined
+        group commit (``GroupCommit``). First-Commit-wins is exactly the order of ``messages``:
+        a group's Commits are decided in arrival order, each once every earlier one of that group
+        is committed."""
         answers: list[Optional[Answer]] = [None] * len(messages)
-        queue = []
+        gc = self.group_commit(min(self.chunk, max(MIN_CHUNK, -(-len(messages) // MIN_BATCHES))))
         for i, m in enumerate(messages):
-            try:
-                f = parse_mls_message(m)
-            except FramingError as e:
-                answers[i] = Rejected(core.UNPARSEABLE, None, None, None, str(e))
-                continue
-            m = bytes(m)
-            queue.append((i, f, m, receipts.commit_hash(m)))
-        while queue:
-            this_round, later, seen = [], [], set()
-            for item in queue:
-                (later if item[1].group_id in seen else this_round).append(item)
-                seen.add(item[1].group_id)
-            self._round(this_round, answers)
-            queue = later
-        if self._unsigned:
-            self._sign_statements()
+            gc.put(i, m)
+        for i, ans in gc.drain():
+            answers[i] = ans
         return answers  # type: ignore[return-value]
 
-    def _round(self, items: list, answers: list) -> None:
-        accepts, requests = [], []
-        # the per-Commit work of a group commit, with its look-ups bound once per round
-        group, decide, top_epoch = self.store.group, core.decide, self.bridge.max_receipt_epoch
-        parts, payload = self._signing.parts, receipts.payload_bytes   # the header parts, once per key
-        for i, f, m, ch in items:
-            state = group(f.group_id)
-            d = decide(state, f, ch)
-            if type(d) is not core.Accept:
-                answers[i] = self._rejected(d)
-                continue
-            top = top_epoch(d.group_id)   # the journal's in-memory index
-            if top is not None and top >= d.epoch and \
-                    self.bridge.status(ReceiptIdentity(d.group_id, d.epoch)) is not Status.ABSENT:
-                # The journal already knows this pair: the state is behind its journal (restored
-                # from an older copy). Never signed again (§22.5 cl. 1-2): adopt or record the gap.
-                self.store.record_event("rollback", {"group": d.group_id.hex(), "epoch": d.epoch})
-                self._settle(d.group_id, d.epoch, cause="rollback", candidate=(ch, m))
-                raw = self.store.receipt(d.group_id, d.epoch)
-                if raw is not None and receipts.parse_receipt(raw).commit_hash == ch:
-                    answers[i] = Accepted(d.group_id, d.epoch, raw)   # exactly the persisted bytes
-                else:
-                    answers[i] = self._rejected(core.decide(self.store.group(d.group_id), f, ch))
-                continue
-            accepts.append((i, m, ch, state, d))
-            tbs, assemble = parts(payload(d.group_id, d.epoch, ch, d.previous_receipt_hash))
-            requests.append((ReceiptIdentity(d.group_id, d.epoch), RECEIPT_KEY, tbs, assemble))
-        if not accepts:
-            return
-        self.store.put_pending_many([(d.group_id, d.epoch, ch, m, d.bootstrap) for _i, m, ch, _s, d in accepts])
-        self._fire("accepted")
-        try:
-            raws = self.bridge.release_many(requests)
-        except KeystoreError:
-            # some receipts may be persisted, others intended only, others never asked for: each
-            # pair is settled against the journal, never re-signed (§22.5 cl. 2, §22.6)
-            for _i, _m, _ch, _s, d in accepts:
-                self._settle(d.group_id, d.epoch, cause="signing_failed")
-            raise
-        done = []
-        receipt_hash, accepted = receipts.receipt_hash, core.accepted
-        for (i, m, ch, state, d), raw in zip(accepts, raws):
-            rh = receipt_hash(raw)
-            done.append((accepted(state, d, rh), d.epoch, ch, raw, rh, m))
-            answers[i] = Accepted(d.group_id, d.epoch, raw)
-        self.store.commit_receipts(done)     # §22.5 cl. 3: receipts and epochs, one transaction
-        self._fire("committed")
+    def group_commit(self, chunk: Optional[int] = None) -> "GroupCommit":
+        """The pipelined group commit over this sequencer (docs/sequencer.md): ``put`` Commits as
+        they arrive, ``step`` to advance, take the answers each step released."""
+        return GroupCommit(self, chunk or self.chunk)
 
     def receipt(self, group_id: bytes, epoch: int) -> Union[bytes, Absent]:
         raw = self.store.receipt(group_id, epoch)
@@ -539,3 +491,172 @@ class Reader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class GroupCommit:
+    """The pipelined group commit (docs/sequencer.md "Pipelined group commit"; §22.5 cl. 1-3).
+
+    Commits are taken in batches of at most ``chunk`` Commits for distinct groups; up to ``DEPTH``
+    batches are at the keystore at once (intents durable, being signed). One step:
+
+      1. journal   one commit (one fsync): the outputs of the oldest batch at the keystore (once
+                   DEPTH are there, or nothing else is left) and the intents of the batch whose
+                   pending rows are durable; then that batch's signing starts (the software
+                   keystore signs in its own process, beside this one; the batch queued behind the
+                   one being signed keeps it busy while this process journals)
+      2. decide    the next batch, first-Commit-wins on committed state: a group with a batch in
+                   flight waits for a later step (its Commits keep their arrival order)
+      3. SQLite    one transaction (one fsync): the receipts and epoch advances of the batch whose
+                   outputs step 1 persisted, and the pending rows of the batch step 2 accepted
+      4. answers   of the batch step 3 committed, released only now
+
+    So per Commit the order is the unpipelined one — pending durable, intent durable, signature,
+    output durable, receipt and epoch committed, answer released — and each fsync is shared by two
+    batches. While the keystore signs, this process commits the batch before and prepares the next.
+    """
+
+    DEPTH = 2
+
+    def __init__(self, seq: Sequencer, chunk: int) -> None:
+        self.seq = seq
+        self.chunk = max(1, int(chunk))
+        self.queue: deque = deque()     # (tag, framing, message, commit hash), arrival order
+        self.signing: deque = deque()   # (accepts, bridge ticket, their pending rowids), oldest first
+        self.prepared: list = []        # accepts whose pending rows are durable, no intent yet
+        self.prepared_rows: Optional[tuple[int, int]] = None   # their rowid range in `pending`
+        self.ready: list = []           # (tag, answer) released by put (unparseable) or a step
+        self.batches = 0                # batches accepted (each one signed as a group commit)
+
+    def put(self, tag: object, message: bytes) -> None:
+        try:
+            f = parse_mls_message(message)
+        except FramingError as e:
+            self.ready.append((tag, Rejected(core.UNPARSEABLE, None, None, None, str(e))))
+            return
+        m = bytes(message)
+        self.queue.append((tag, f, m, receipts.commit_hash(m)))
+
+    def busy(self) -> bool:
+        return bool(self.queue or self.signing or self.prepared or self.ready)
+
+    def drain(self) -> list:
+        out = []
+        while True:
+            out.extend(self.step())
+            if not self.busy():
+                return out
+
+    def step(self) -> list:
+        """One step (see the class); returns the (tag, answer) pairs it released."""
+        seq = self.seq
+        if seq._unsigned:
+            seq._sign_statements()
+        prepared, prepared_rows = self.prepared, self.prepared_rows
+        finishing = self.signing[0] if self.signing and (len(self.signing) >= self.DEPTH or not prepared) else None
+        requests = []
+        parts, payload = seq._signing.parts, receipts.payload_bytes   # the header parts, once per key
+        for _t, _m, ch, _s, d in prepared:
+            tbs, assemble = parts(payload(d.group_id, d.epoch, ch, d.previous_receipt_hash))
+            requests.append((ReceiptIdentity(d.group_id, d.epoch), RECEIPT_KEY, tbs, assemble))
+        try:
+            raws, ticket = seq.bridge.release_pipelined(None if finishing is None else finishing[1], requests)
+        except KeystoreError:
+            # some receipts may be persisted, others intended only, others never asked for: each
+            # pair is settled against the journal, never re-signed (§22.5 cl. 2, §22.6). A batch
+            # still at the keystore is finished first (its claims dropped, what it signed persisted).
+            failed = []
+            if finishing is not None:      # release_pipelined finished it as far as it got
+                self.signing.popleft()
+                failed = finishing[0]
+            self._abandon(failed)
+            raise
+        if finishing is not None:
+            self.signing.popleft()
+        if prepared:
+            self.signing.append((prepared, ticket, prepared_rows))
+        self.prepared, self.prepared_rows = [], None
+        finished = [] if finishing is None else finishing[0]
+        busy = {d.group_id for _t, _m, _ch, _s, d in finished}
+        for batch, _tk, _r in self.signing:
+            busy.update(d.group_id for _t, _m, _ch, _s, d in batch)
+        out, self.ready = self.ready, []
+        accepts = self._decide(busy, out)
+        done = []
+        receipt_hash, accepted = receipts.receipt_hash, core.accepted
+        for (tag, m, ch, state, d), raw in zip(finished, raws or []):
+            rh = receipt_hash(raw)
+            done.append((accepted(state, d, rh), d.epoch, ch, raw, rh, m))
+            out.append((tag, Accepted(d.group_id, d.epoch, raw)))
+        if done or accepts:
+            # §22.5 cl. 3 for the finished batch; the next batch's pending rows before its intents
+            rows = seq.store.commit_step(done, [(d.group_id, d.epoch, ch, m, d.bootstrap) for _t, m, ch, _s, d in accepts],
+                                         None if finishing is None else finishing[2])
+        if done:
+            seq._fire("committed")
+        if accepts:
+            seq._fire("accepted")
+            self.prepared, self.prepared_rows = accepts, rows
+            self.batches += 1
+        if seq._unsigned:
+            seq._sign_statements()
+        return out
+
+    def _abandon(self, failed: list) -> None:
+        """After a keystore failure: finish every batch still at the keystore (each persists what
+        verified and drops its claims), then settle every pair in flight (``failed``: the batch
+        the failing step was finishing) against the journal."""
+        seq = self.seq
+        batches = [failed] + [b for b, _tk, _r in self.signing] + [self.prepared]
+        tickets = [tk for _b, tk, _r in self.signing]
+        self.signing, self.prepared, self.prepared_rows = deque(), [], None
+        for tk in tickets:
+            try:
+                seq.bridge.release_pipelined(tk, [])
+            except KeystoreError:
+                pass       # settled below, like the rest
+        for batch in batches:
+            for _t, _m, _ch, _s, d in batch:
+                seq._settle(d.group_id, d.epoch, cause="signing_failed")
+
+    def _decide(self, busy: set, out: list) -> list:
+        """The next batch from the queue: at most ``chunk`` Commits for distinct groups none of
+        which is in flight, first-Commit-wins on each group's committed state; the rest keeps its
+        order for a later step. Rejections are answered at once (their head is committed)."""
+        seq = self.seq
+        group, decide, top_epoch = seq.store.group, core.decide, seq.bridge.max_receipt_epoch
+        accepts, later, seen = [], deque(), set(busy)
+        queue, limit = self.queue, self.chunk
+        while queue:
+            item = queue.popleft()
+            tag, f, m, ch = item
+            if f.group_id in seen:
+                later.append(item)
+                continue
+            if len(accepts) >= limit:
+                later.append(item)
+                later.extend(queue)
+                queue.clear()
+                break
+            state = group(f.group_id)
+            d = decide(state, f, ch)
+            if type(d) is not core.Accept:
+                out.append((tag, seq._rejected(d)))
+                continue
+            seen.add(f.group_id)
+            top = top_epoch(d.group_id)   # the journal's in-memory index
+            if top is not None and top >= d.epoch and \
+                    seq.bridge.status(ReceiptIdentity(d.group_id, d.epoch)) is not Status.ABSENT:
+                # The journal already knows this pair: the state is behind its journal (restored
+                # from an older copy). Never signed again (§22.5 cl. 1-2): adopt or record the gap.
+                seq.store.record_event("rollback", {"group": d.group_id.hex(), "epoch": d.epoch})
+                seq._settle(d.group_id, d.epoch, cause="rollback", candidate=(ch, m))
+                raw = seq.store.receipt(d.group_id, d.epoch)
+                if raw is not None and receipts.parse_receipt(raw).commit_hash == ch:
+                    out.append((tag, Accepted(d.group_id, d.epoch, raw)))   # exactly the persisted bytes
+                else:
+                    out.append((tag, seq._rejected(core.decide(seq.store.group(d.group_id), f, ch))))
+                continue
+            accepts.append((tag, m, ch, state, d))
+        later.extend(queue)
+        self.queue = later
+        return accepts

@@ -174,9 +174,11 @@ class Store:
         self.put_pending_many([(group_id, epoch, commit_hash, message, bootstrap)])
 
     def put_pending_many(self, rows: list[tuple[bytes, int, bytes, bytes, bool]]) -> None:
-        with self._tx():
-            self.conn.executemany("INSERT INTO pending VALUES (?, ?, ?, ?, ?)",
-                                  [(g, e, h, m, int(b)) for g, e, h, m, b in rows])
+        self.commit_step([], rows)
+
+    def _put_pending_rows(self, rows: list[tuple[bytes, int, bytes, bytes, bool]]) -> None:
+        self.conn.executemany("INSERT INTO pending VALUES (?, ?, ?, ?, ?)",
+                              [(g, e, h, m, int(b)) for g, e, h, m, b in rows])
 
     def drop_pending(self, group_id: bytes, epoch: int) -> None:
         with self._tx():
@@ -192,20 +194,37 @@ class Store:
 
     def commit_receipts(self, rows: list[tuple[GroupState, int, bytes, bytes, bytes, Optional[bytes]]]) -> None:
         """``commit_receipt`` for a batch (distinct groups), one transaction."""
+        self.commit_step(rows, [])
+
+    def commit_step(self, rows: list[tuple[GroupState, int, bytes, bytes, bytes, Optional[bytes]]],
+                    pending: list[tuple[bytes, int, bytes, bytes, bool]],
+                    rows_pending: Optional[tuple[int, int]] = None) -> Optional[tuple[int, int]]:
+        """One step of the pipelined group commit (docs/sequencer.md), one transaction: the
+        receipts of the batch whose outputs the journal just persisted, with their epoch advances
+        (§22.5 cl. 3, as ``commit_receipt``), and the pending rows of the next batch, durable before
+        the journal records its intents. The batches hold distinct groups.
+        ``rows_pending``: the pending rows of ``rows``, as the rowid range an earlier step returned
+        (one range delete instead of a look-up per row); None: looked up one by one. Returns the
+        rowid range of ``pending``'s rows (one insert, so consecutive), or None."""
         with self._tx():
-            self.conn.executemany("INSERT INTO receipts VALUES (?, ?, ?, ?, ?, ?)",
-                                  [(new.group_id, epoch, ch, raw, rh, m) for new, epoch, ch, raw, rh, m in rows])
-            self.conn.executemany(_UPSERT_GROUP, [_group_row(new) for new, *_rest in rows])
-            for new, *_rest in rows:
-                self._dirty[new.group_id] = new
-            # Between rounds `pending` holds only the round being committed (every other pending
-            # row was settled by resume or by the round that failed): then one DELETE of the
-            # table, which SQLite truncates, instead of a look-up per row.
-            if self.conn.execute("SELECT count(*) FROM pending").fetchone()[0] == len(rows):
-                self.conn.execute("DELETE FROM pending")
-            else:
-                self.conn.executemany("DELETE FROM pending WHERE group_id = ? AND epoch = ?",
-                                      [(new.group_id, epoch) for new, epoch, *_rest in rows])
+            if rows:
+                self.conn.executemany("INSERT INTO receipts VALUES (?, ?, ?, ?, ?, ?)",
+                                      [(new.group_id, epoch, ch, raw, rh, m) for new, epoch, ch, raw, rh, m in rows])
+                self.conn.executemany(_UPSERT_GROUP, [_group_row(new) for new, *_rest in rows])
+                for new, *_rest in rows:
+                    self._dirty[new.group_id] = new
+                if rows_pending is not None:
+                    cur = self.conn.execute("DELETE FROM pending WHERE rowid BETWEEN ? AND ?", rows_pending)
+                    if cur.rowcount != len(rows):   # never expected: the range was not this batch's
+                        raise sqlite3.IntegrityError(f"pending rows {rows_pending} are not the batch's {len(rows)}")
+                else:
+                    self.conn.executemany("DELETE FROM pending WHERE group_id = ? AND epoch = ?",
+                                          [(new.group_id, epoch) for new, epoch, *_rest in rows])
+            if not pending:
+                return None
+            self._put_pending_rows(pending)
+            hi = self.conn.execute("SELECT max(rowid) FROM pending").fetchone()[0]
+            return (hi - len(pending) + 1, hi)
 
     def commit_discontinuity(self, new: GroupState, epoch: int, commit_hash: Optional[bytes],
                              message: Optional[bytes], cause: str) -> None:

@@ -278,7 +278,7 @@ def test_no_public_raw_signing():
     public = [n for n in dir(Keystore) if not n.startswith("_")]
     assert not any("sign" in n for n in public), public
     public_bridge = [n for n in dir(SigningBridge) if not n.startswith("_")]
-    assert set(public_bridge) == {"release", "release_many", "released", "iter_released", "status", "max_event_hlc",
+    assert set(public_bridge) == {"release", "release_many", "release_pipelined", "released", "iter_released", "status", "max_event_hlc",
                                   "max_receipt_epoch", "keystore", "describe", "close", "compact_events",
                                   "journal_stats", "public_key"}
 

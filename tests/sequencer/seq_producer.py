@@ -37,20 +37,22 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", action="store_true", help="group commit: every group's competing Commits "
                                                         "in one submit_many per round")
+    ap.add_argument("--chunk", type=int, default=0, help="Commits per step of the pipelined group commit "
+                                                         "(1: every group its own overlapping batch)")
     ap.add_argument("--unsafe", default="", help="negative control: 'advance-first' moves the epoch "
                                                  "before the receipt is durable (violates §22.5 cl. 3)")
     a = ap.parse_args()
     if a.unsafe == "advance-first":
         from agent.sequencer.store import Store
-        orig = Store.put_pending_many
+        orig = Store._put_pending_rows
 
-        def put_pending_many(self, rows):
+        def put_pending_rows(self, rows):
             orig(self, rows)
             for group_id, epoch, _h, _m, _b in rows:
                 self.conn.execute("INSERT INTO groups (group_id, current_epoch, origin) VALUES (?, ?, 'bootstrap') "
                                   "ON CONFLICT (group_id) DO UPDATE SET current_epoch = excluded.current_epoch",
                                   (group_id, epoch + 1))
-        Store.put_pending_many = put_pending_many
+        Store._put_pending_rows = put_pending_rows
     hook = hook_from_env("SEQ_CRASH")
     rng = random.Random(a.seed)
     out = sys.stdout
@@ -60,6 +62,8 @@ def main() -> None:
         out.flush()
 
     seq = service.Sequencer(a.home, fault_hook=hook)
+    if a.chunk:
+        seq.chunk = a.chunk
     emit("READY")
     for gid, how, start in GROUPS:
         if how == "register" and seq.store.group(gid) is None:

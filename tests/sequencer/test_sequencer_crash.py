@@ -126,13 +126,13 @@ class Checker:
 
 
 def run(home: str, *, crash: str | None = None, kill_after: float | None = None, seed: int = 0,
-        target: int = 30, unsafe: str = "", batch: bool = False) -> tuple[list[str], bool, bool]:
+        target: int = 30, unsafe: str = "", batch: bool = False, chunk: int = 0) -> tuple[list[str], bool, bool]:
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONDONTWRITEBYTECODE="1")
     env.pop("SEQ_CRASH", None)
     if crash:
         env["SEQ_CRASH"] = crash
     proc = subprocess.Popen([sys.executable, PRODUCER, "--home", home, "--seed", str(seed), "--target", str(target)]
-                            + (["--unsafe", unsafe] if unsafe else []) + (["--batch"] if batch else []),
+                            + (["--unsafe", unsafe] if unsafe else []) + (["--batch"] if batch else []) + (["--chunk", str(chunk)] if chunk else []),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     lines: list[str] = []
 
@@ -158,7 +158,7 @@ def run(home: str, *, crash: str | None = None, kill_after: float | None = None,
 
 
 def drive(home: str, schedule: list, *, target: int, seed: int, unsafe: str = "",
-          batch: bool = False) -> tuple[Checker, int]:
+          batch: bool = False, chunk: int = 0) -> tuple[Checker, int]:
     service.init(home)
     checker = Checker(home)
     kills = 0
@@ -172,7 +172,7 @@ def drive(home: str, schedule: list, *, target: int, seed: int, unsafe: str = ""
             step_target = target
         lines, killed, done = run(home, crash=step if isinstance(step, str) else None,
                                   kill_after=step if isinstance(step, float) else None, seed=seed + n,
-                                  target=step_target, unsafe=unsafe, batch=batch)
+                                  target=step_target, unsafe=unsafe, batch=batch, chunk=chunk)
         kills += killed
         if isinstance(step, str):
             assert killed, f"crash point {step} was never reached"
@@ -220,12 +220,14 @@ def test_random_kills(tmp_path):
 
 
 def test_group_commit_named_crash_points_and_random_kills(tmp_path):
-    """submit_many: every group's competing Commits in one batch per round (one pending transaction,
-    one bridge call, one state transaction): kills inside a batch leave some receipts persisted,
-    others intended only; the same checker holds."""
+    """submit_many: every group's competing Commits in one call per round, through the pipelined
+    group commit with one Commit per step (chunk 1), so the three groups' batches overlap: one
+    journal commit holds one batch's receipt and the next one's intent, one SQLite transaction one
+    batch's receipt and the next one's pending row. Kills inside a step leave some receipts
+    persisted, others intended only; the same checker holds."""
     rng = random.Random(2828)
     sched = [f"{p}:{h}" for p in POINTS for h in (1, 4, 9)] + [round(rng.uniform(0.05, 0.9), 3) for _ in range(117)]
-    checker, kills = drive(str(tmp_path / "s"), sched, target=120, seed=4, batch=True)
+    checker, kills = drive(str(tmp_path / "s"), sched, target=120, seed=4, batch=True, chunk=1)
     assert kills == len(sched)
     assert checker.discontinuities_seen > 0 and len(checker.released) >= 300
 
