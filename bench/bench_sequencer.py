@@ -138,53 +138,50 @@ def register_idle(seq: service.Sequencer, n: int) -> None:
                                    [(b"idle-" + i.to_bytes(8, "big"),) for i in range(n)])
 
 
-def run_keystore(name: str, conf: dict | None, d: str, n: int, batch: int, idle: int, rounds: int,
+def run_keystore(name: str, conf, d: str, n: int, batch: int, idle: int, rounds: int,
                  fig: dict, stream: int = 1024) -> None:
-    """``rounds`` rounds, each: raw ES256, group commit, raw ES256 again (the ratio's denominator is
-    the mean of the two raw runs beside it, so a neighbour's load shifts both alike)."""
-    home = os.path.join(d, name)
-    service.init(home, conf)
-    with service.Sequencer(home) as seq:
-        fig[f"seq_one_{name}"] = [seq_one(seq, max(n // 16, 16))]
-        seq_stream(seq, 2 * stream, stream, b"warm-")    # starts the signing process, warms the caches
+    """Two homes, one of them with ``idle`` idle groups registered, their rounds alternated (so the
+    growth of the receipts table and a neighbour's load fall on both alike). A round: raw ES256,
+    the pipelined stream, raw again; then raw, one ``submit_many`` per round of ``batch`` groups,
+    raw. Each ratio's denominator is the mean of the two raw runs beside it. ``conf``: the
+    keystore profile, or a callable giving one per home (a token each)."""
+    homes = {"": os.path.join(d, name), f"_idle{idle}": os.path.join(d, name + "-idle")}
+    seqs = {}
+    try:
+        for suffix, home in homes.items():
+            service.init(home, conf(home + "-token") if callable(conf) else conf)
+            seqs[suffix] = service.Sequencer(home)
+        register_idle(seqs[f"_idle{idle}"], idle)
+        fig[f"seq_one_{name}"] = [seq_one(seqs[""], max(n // 16, 16))]
+        for seq in seqs.values():
+            seq_stream(seq, 2 * stream, stream, b"warm-")    # starts the signing process, warms the caches
         for r in range(rounds):
-            raw1 = raw_es256(seq, n, batch)
-            cpu = []
-            st = seq_stream(seq, 2 * n, stream, b"stream-%d-" % r, cpu)
-            raw2 = raw_es256(seq, n, batch)
-            for k, v in ((f"seq_stream{stream}_{name}", st), (f"ratio_stream{stream}_{name}", st / ((raw1 + raw2) / 2)),
-                         (f"cpu_us_per_commit_stream{stream}_{name}", cpu[0])):
-                fig.setdefault(k, []).append(v)
+            for suffix, seq in seqs.items():
+                rcpu: list = []
+                raw1 = raw_es256(seq, n, batch, rcpu)
+                cpu: list = []
+                st = seq_stream(seq, 2 * n, stream, b"stream-%d-" % r, cpu)
+                raw2 = raw_es256(seq, n, batch, rcpu)
+                got = [(f"seq_stream{stream}_{name}{suffix}", st),
+                       (f"ratio_stream{stream}_{name}{suffix}", st / ((raw1 + raw2) / 2)),
+                       (f"cpu_us_per_commit_stream{stream}_{name}{suffix}", cpu[0])]
+                if not suffix:
+                    got += [(f"raw_es256_{name}", (raw1 + raw2) / 2), (f"raw_cpu_us_per_signature_{name}", sum(rcpu) / 2)]
+                for k, v in got:
+                    fig.setdefault(k, []).append(v)
         for r in range(rounds):
-            rcpu: list = []
-            raw1 = raw_es256(seq, n, batch, rcpu)
-            cpu: list = []
-            b = seq_batch(seq, n, batch, b"batch-%d-" % r, cpu)
-            raw2 = raw_es256(seq, n, batch, rcpu)
-            for k, v in ((f"raw_es256_{name}", (raw1 + raw2) / 2), (f"seq_batch{batch}_{name}", b),
-                         (f"ratio_batch{batch}_{name}", b / ((raw1 + raw2) / 2)),
-                         (f"cpu_us_per_commit_batch{batch}_{name}", cpu[0]),
-                         (f"raw_cpu_us_per_signature_{name}", sum(rcpu) / 2)):
-                fig.setdefault(k, []).append(v)
-        register_idle(seq, idle)
-        for r in range(rounds):
-            raw1 = raw_es256(seq, n, batch)
-            cpu = []
-            st = seq_stream(seq, 2 * n, stream, b"stream-idle-%d-" % r, cpu)
-            raw2 = raw_es256(seq, n, batch)
-            for k, v in ((f"seq_stream{stream}_{name}_idle{idle}", st),
-                         (f"ratio_stream{stream}_{name}_idle{idle}", st / ((raw1 + raw2) / 2)),
-                         (f"cpu_us_per_commit_stream{stream}_{name}_idle{idle}", cpu[0])):
-                fig.setdefault(k, []).append(v)
-        for r in range(rounds):
-            raw1 = raw_es256(seq, n, batch)
-            cpu = []
-            b = seq_batch(seq, n, batch, b"after-idle-%d-" % r, cpu)
-            raw2 = raw_es256(seq, n, batch)
-            for k, v in ((f"seq_batch{batch}_{name}_idle{idle}", b),
-                         (f"ratio_batch{batch}_{name}_idle{idle}", b / ((raw1 + raw2) / 2)),
-                         (f"cpu_us_per_commit_batch{batch}_{name}_idle{idle}", cpu[0])):
-                fig.setdefault(k, []).append(v)
+            for suffix, seq in seqs.items():
+                raw1 = raw_es256(seq, n, batch)
+                cpu = []
+                b = seq_batch(seq, n, batch, b"batch-%d-" % r, cpu)
+                raw2 = raw_es256(seq, n, batch)
+                for k, v in ((f"seq_batch{batch}_{name}{suffix}", b),
+                             (f"ratio_batch{batch}_{name}{suffix}", b / ((raw1 + raw2) / 2)),
+                             (f"cpu_us_per_commit_batch{batch}_{name}{suffix}", cpu[0])):
+                    fig.setdefault(k, []).append(v)
+    finally:
+        for seq in seqs.values():
+            seq.close()
 
 
 def through_broker(d: str, groups_n: int, rounds: int, fig: dict, pythonpath: str | None = None) -> None:
@@ -349,7 +346,7 @@ def main() -> None:
             if cfg is None:
                 print("pkcs11: skipped (SoftHSM2 not installed: apt-get install -y softhsm2)")
             else:
-                run_keystore("pkcs11", cfg, d, n // 4, batch, idle, a.rounds, fig, stream)
+                run_keystore("pkcs11", softhsm_config, d, n // 4, batch, idle, a.rounds, fig, stream)
     finally:
         shutil.rmtree(d, ignore_errors=True)
     print(f"{a.rounds} rounds; median [min .. max]")
