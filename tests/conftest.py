@@ -13,3 +13,23 @@ os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
 def _witness_dir(tmp_path_factory, monkeypatch):
     # Nodes mirror their clock ceiling outside their home; keep it inside the test's temp dir.
     monkeypatch.setenv("SSP_AGENT_WITNESS_DIR", str(tmp_path_factory.mktemp("witness")))
+
+
+@pytest.fixture(autouse=True)
+def _stop_leaked_apply_workers(monkeypatch):
+    # A test that leaves a Node open keeps its apply workers, and with them this process's worker
+    # allowance (agent/applyworker.py): every later test in the process would then apply without
+    # workers, or fail tests that count them. Workers a test left running are stopped after it.
+    from agent.node import Node
+    made = []
+    orig = Node.__init__
+
+    def init(self, *a, **kw):
+        orig(self, *a, **kw)
+        made.append(self)
+    monkeypatch.setattr(Node, "__init__", init)
+    yield
+    for n in made:
+        pool, n._pool = getattr(n, "_pool", None), None
+        if pool:
+            pool.close()
