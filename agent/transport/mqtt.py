@@ -372,17 +372,24 @@ class MqttLink:
             pass
 
     def abort(self) -> None:
-        """Drop the connection without DISCONNECT (tests: a device losing its link; the will fires)."""
+        """Drop the connection without DISCONNECT (tests: a device losing its link; the will fires).
+        The socket is closed only once the network thread has ended: closing it under that
+        thread's loop() would pull the descriptor (and over TLS the SSL object) from under it, and
+        a descriptor number reused meanwhile would have it read or write someone else's file."""
         self._stop.set()
+        alive = False
+        if self._thread is not None:
+            self._thread.join(3)
+            alive = self._thread.is_alive()
+            self._thread = None
+        if alive:
+            return  # a network thread still in paho: never touch its socket from here as well
         sock = self._client.socket()
         if sock is not None:
             try:
                 sock.close()
             except OSError:
                 pass
-        if self._thread is not None:
-            self._thread.join(3)
-            self._thread = None
 
     def _run(self) -> None:
         first = True

@@ -76,6 +76,29 @@ def test_only_the_network_thread_writes_the_socket(broker):
         la.close(); lb.close()
 
 
+def test_abort_closes_the_socket_only_after_the_network_thread_ended(broker):
+    """abort() closed the socket from the caller's thread while the link's network thread was
+    inside paho's loop() on it: the descriptor (over TLS, the SSL object) pulled from under that
+    thread, and a number reused meanwhile read or written as someone else's file."""
+    a = os.urandom(16)
+    la = link(broker, a)
+    th = la._thread
+    real = la._client._sock
+    closed_while_alive: list[bool] = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def close(self):
+            closed_while_alive.append(th.is_alive())
+            real.close()
+    la._client._sock = Spy()
+    la.abort()
+    assert closed_while_alive == [False]
+    assert not th.is_alive()
+
+
 def test_answer_refuses_foreign_response_topic(broker):
     a, b = os.urandom(16), os.urandom(16)
     la, lb = link(broker, a), link(broker, b)
