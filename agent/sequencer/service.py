@@ -575,6 +575,19 @@ class GroupCommit:
         if prepared:
             self.signing.append((prepared, ticket, prepared_rows))
         self.prepared, self.prepared_rows = [], None
+        try:
+            return self._commit(finishing, raws)
+        except BaseException:
+            # a local fault (a full disk, an I/O error): drop the claims of every batch still at
+            # the keystore, persisting what it signed, so this process can go on; every pair in
+            # flight keeps its pending row and is settled against the journal when its group is
+            # next decided (the state is behind its journal) or on the next open (§22.6 step 1)
+            self._drop_in_flight()
+            raise
+
+    def _commit(self, finishing, raws) -> list:
+        """Steps 2-4 of a step (see the class)."""
+        seq = self.seq
         finished = [] if finishing is None else finishing[0]
         busy = {d.group_id for _t, _m, _ch, _s, d in finished}
         for batch, _tk, _r in self.signing:
@@ -600,6 +613,15 @@ class GroupCommit:
         if seq._unsigned:
             seq._sign_statements()
         return out
+
+    def _drop_in_flight(self) -> None:
+        tickets = [tk for _b, tk, _r in self.signing]
+        self.signing, self.prepared, self.prepared_rows = deque(), [], None
+        for tk in tickets:
+            try:
+                self.seq.bridge.release_pipelined(tk, [])
+            except Exception:   # noqa: BLE001 - the fault being raised says what happened
+                pass
 
     def _abandon(self, failed: list) -> None:
         """After a keystore failure: finish every batch still at the keystore (each persists what

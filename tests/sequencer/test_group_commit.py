@@ -157,3 +157,46 @@ def test_a_keystore_failure_in_flight_settles_every_pair_and_never_resigns(tmp_p
         assert all(isinstance(a, service.Accepted) for a in again)
     finally:
         seq.close()
+
+
+def test_a_local_fault_mid_pipeline_leaves_no_claim_behind(tmp_path):
+    """A SQLite fault (a full disk, an I/O error) in a step with batches at the keystore: the
+    fault is raised, and the same process goes on — the members' retried Commits are answered
+    (the pairs in flight are settled against the journal as a state behind its journal), not
+    left waiting for ever on claims nobody will drop."""
+    import sqlite3
+    import threading
+    seq = open_seq(tmp_path)
+    try:
+        gs = [gid(i) for i in range(24)]
+        for g in gs:
+            seq.register(g, 0)
+        seq.chunk = 4
+        orig = seq.store.commit_step
+        calls = []
+
+        def faulty(*a, **kw):
+            calls.append(1)
+            if len(calls) == 4:
+                raise sqlite3.OperationalError("disk I/O error")
+            return orig(*a, **kw)
+        seq.store.commit_step = faulty
+        with pytest.raises(sqlite3.OperationalError):
+            seq.submit_many([msg(g, 0) for g in gs])
+        seq.store.commit_step = orig
+        got = []
+        th = threading.Thread(target=lambda: got.append(seq.submit_many([msg(g, 0) for g in gs])), daemon=True)
+        th.start()
+        th.join(60)
+        assert not th.is_alive(), "a retried Commit waits for ever on a claim of the failed step"
+        for g, a in zip(gs, got[0]):
+            st = seq.store.group(g)
+            assert st.current_epoch == 1
+            if isinstance(a, service.Accepted):      # exactly the bytes the journal holds, if it held any
+                assert seq.store.receipt(g, 0) == a.receipt
+                if seq.bridge.status(ReceiptIdentity(g, 0)) is Status.RELEASED:
+                    assert seq.bridge.released(ReceiptIdentity(g, 0)) == a.receipt
+            else:                                    # an intent without output: a stated gap
+                assert seq.store.is_discontinuity(g, 0)
+    finally:
+        seq.close()
