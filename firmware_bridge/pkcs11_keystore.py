@@ -3,16 +3,20 @@
 Keys are generated on the token (CKA_SENSITIVE, not CKA_EXTRACTABLE) and never leave it.  Ed25519
 via CKM_EC_EDWARDS_KEY_PAIR_GEN / CKM_EDDSA; P-256 via CKM_ECDSA_SHA256 or CKM_ECDSA over a
 SHA-256 digest.  The token chooses its own ECDSA nonces, which is why §22.5 forbids re-signing.
-All token calls run in a worker process (pkcs11_worker.py; reasons there).
+All token calls run in a worker process (pkcs11_worker.py; reasons there). The pipes to it are
+used at the file-descriptor level: requests are written without blocking while replies are read
+meanwhile (docs/keystore.md "Pipelined signing"), so batches can be outstanding at the worker.
 """
 from __future__ import annotations
 
+import collections
 import os
+import select
 import struct
 import subprocess
 import sys
 import threading
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import cbor2
 
@@ -36,6 +40,19 @@ def _worker_error(reply: dict[str, Any]) -> KeystoreError:
     return cls(reply["msg"])
 
 
+class _Batch:
+    """One ``_sign_start`` batch: its chunk requests sent to the worker, their replies read (in
+    order, by whoever reads the pipe next) into ``replies``; ``failure`` when the worker died
+    before all of them came."""
+    __slots__ = ("unread", "replies", "failure", "result")
+
+    def __init__(self) -> None:
+        self.unread = 0
+        self.replies: list[dict] = []
+        self.failure: Optional[BaseException] = None
+        self.result: Optional[tuple[list[bytes], Optional[BaseException]]] = None
+
+
 class Pkcs11Keystore(Keystore):
     kind = "pkcs11"
     verify_signatures = True
@@ -45,6 +62,12 @@ class Pkcs11Keystore(Keystore):
         self.token_label = token_label
         self._lock = threading.Lock()
         self._algs: dict[str, str] = {}
+        self._proc: Optional[subprocess.Popen] = None
+        # _sign_start batches whose replies are not all read yet, in the order sent (the worker
+        # answers in that order); reply bytes read while a request was being written wait in _inbuf
+        self._outstanding: collections.deque[_Batch] = collections.deque()
+        self._inbuf = bytearray()
+        self._stdout: Any = None   # the worker's stdout, open until EOF: replies written before a death are read
         if not os.path.exists(module):
             raise KeystoreUnavailable(f"PKCS#11 module {module} does not exist; install it (Debian: apt-get "
                                       "install softhsm2) or fix keystore.module in the profile")
@@ -52,7 +75,11 @@ class Pkcs11Keystore(Keystore):
         penv = dict(os.environ, **(env or {}))
         penv["PYTHONPATH"] = pkg_root + os.pathsep + penv.get("PYTHONPATH", "")
         self._proc = subprocess.Popen([sys.executable, "-m", "firmware_bridge.pkcs11_worker"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=penv)
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=penv, bufsize=0)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._stdout = self._proc.stdout
+        self._wfd, self._rfd = self._proc.stdin.fileno(), self._proc.stdout.fileno()
+        os.set_blocking(self._wfd, False)   # _write: never blocked on a full pipe (see there)
         try:
             self.info = self._call("open", module=module, token_label=token_label, pin=pin)
         except BaseException:
@@ -61,6 +88,7 @@ class Pkcs11Keystore(Keystore):
 
     def _call(self, op: str, **kw: Any) -> Any:
         with self._lock:
+            self._collect()
             self._send(op, kw)
             reply = self._recv(op)
         if "err" in reply:
@@ -68,32 +96,84 @@ class Pkcs11Keystore(Keystore):
         return reply["ok"]
 
     def _send(self, op: str, kw: dict) -> None:
-        """One request to the worker (the caller holds ``_lock`` until it has read every reply)."""
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
+        """One request to the worker (the caller holds ``_lock`` until it has read every reply,
+        or has registered the replies to come in ``_outstanding``)."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._broken()
             raise KeystoreUnavailable("the PKCS#11 worker process is not running; restart the agent")
+        data = cbor2.dumps({"op": op, **kw})
+        self._write(struct.pack(">I", len(data)) + data, op)
+
+    def _write(self, data: bytes, op: str) -> None:
+        """Write all of ``data`` without ever blocking on a full pipe: while the worker's stdin is
+        full, read its replies into ``_inbuf``. The worker blocks writing a reply when its stdout is
+        full and then reads no request; a writer that blocked too would wait for ever (several
+        outstanding batches are megabytes of requests). No timeout: a slow token may take long."""
+        view = memoryview(data)
+        poller = None
         try:
-            data = cbor2.dumps({"op": op, **kw})
-            assert proc.stdin is not None
-            proc.stdin.write(struct.pack(">I", len(data)) + data)
-            proc.stdin.flush()
-        except (OSError, ValueError):
+            while view:
+                try:
+                    view = view[os.write(self._wfd, view):]
+                    continue
+                except BlockingIOError:
+                    pass
+                if poller is None:   # poll, not select: no FD_SETSIZE limit in a busy process
+                    poller = select.poll()
+                    poller.register(self._rfd, select.POLLIN)
+                    poller.register(self._wfd, select.POLLOUT)
+                if any(fd == self._rfd for fd, _ in poller.poll()):   # POLLIN or POLLHUP: read
+                    got = os.read(self._rfd, 1 << 16)
+                    if not got:
+                        raise EOFError
+                    self._inbuf += got
+        except (OSError, EOFError, ValueError):
+            self._broken()
             raise KeystoreUnavailable(f"the PKCS#11 worker for {self.module} died during {op}; "
                                       "check the token and restart the agent") from None
 
     def _recv(self, op: str) -> dict:
-        proc = self._proc
-        if proc is None:
-            raise KeystoreUnavailable("the PKCS#11 worker process is not running; restart the agent")
+        """The next reply: from ``_inbuf`` when it holds one, else read (blocking) from the pipe.
+        After a death the replies the worker wrote before it are still read, up to EOF."""
+        buf = self._inbuf
         try:
-            assert proc.stdout is not None
-            head = proc.stdout.read(4)
-            if len(head) < 4:
-                raise EOFError
-            return cbor2.loads(proc.stdout.read(struct.unpack(">I", head)[0]))
+            while True:
+                if len(buf) >= 4:
+                    (n,) = struct.unpack_from(">I", buf)
+                    if len(buf) >= 4 + n:
+                        reply = cbor2.loads(bytes(buf[4:4 + n]))
+                        del buf[:4 + n]
+                        return reply
+                if self._stdout is None:
+                    raise EOFError
+                got = os.read(self._rfd, 1 << 16)
+                if not got:
+                    raise EOFError
+                buf += got
         except (OSError, EOFError, ValueError):
+            self._broken()
+            self._close_stdout()
             raise KeystoreUnavailable(f"the PKCS#11 worker for {self.module} died during {op}; "
                                       "check the token and restart the agent") from None
+
+    def _broken(self) -> None:
+        """The worker died, stopped reading or spoke garbage: stop it for good. It is never
+        restarted here, so nothing is ever sent (or signed) again (§22.5: SoftHSM2's ECDSA nonces
+        are random, a second signature is a second output); later calls report it unavailable."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+
+    def _close_stdout(self) -> None:
+        out, self._stdout = self._stdout, None
+        self._inbuf.clear()
+        if out is not None:
+            out.close()
 
     def generate_key(self, name: str, alg: str) -> bytes:
         pub = self._call("generate", name=check_key_name(name), alg=check_alg(alg))
@@ -158,6 +238,7 @@ class Pkcs11Keystore(Keystore):
         if not parts:
             return
         with self._lock:
+            self._collect()
             self._send("sign_many", {"requests": parts[0]})
             in_flight = 1
             try:
@@ -178,6 +259,79 @@ class Pkcs11Keystore(Keystore):
             finally:
                 self._drain(in_flight)
 
+    def _sign_start(self, requests: Sequence[tuple[str, Identity, bytes]]) -> Callable[[], tuple[list[bytes], Optional[BaseException]]]:
+        """Send the batch's sign_many chunks to the worker now and return; ``wait`` reads their
+        replies later (docs/keystore.md "Pipelined signing"), so the token signs this batch while
+        the bridge's caller commits the one before. Batches queue at the worker in the order
+        started; any other call first reads every outstanding reply into its batch (``_collect``).
+        The lock is held only while sending and while reading, never in between. Nothing is
+        signed that was not given here (each request has a durable intent, the bridge's order),
+        and nothing is sent twice: a dead worker is the failure of every batch still outstanding
+        (its identities become unknown outcomes, §22.5)."""
+        try:
+            reqs = [[name, self.algorithm(name), bytes(data)] for name, _, data in requests]
+        except KeystoreError:   # reported at its position by the one-at-a-time loop
+            return super()._sign_start(requests)
+        batch = _Batch()
+        with self._lock:
+            try:
+                for i in range(0, len(reqs), SIGN_MANY_CHUNK):
+                    if i == 0:
+                        self._outstanding.append(batch)
+                    self._send("sign_many", {"requests": reqs[i:i + SIGN_MANY_CHUNK]})
+                    batch.unread += 1
+            except KeystoreUnavailable as exc:
+                self._collect()   # the replies written before the death, up to EOF; then failures
+                batch.failure = batch.failure or exc
+
+        def wait() -> tuple[list[bytes], Optional[BaseException]]:
+            if batch.result is None:
+                with self._lock:
+                    while batch.unread:
+                        self._read_outstanding()
+                batch.result = self._batch_result(batch)
+            return batch.result
+        return wait
+
+    def _read_outstanding(self) -> None:
+        """Read the next reply into the oldest outstanding batch (the caller holds ``_lock``); a
+        dead worker fails every outstanding batch."""
+        try:
+            reply = self._recv("sign_many")
+        except KeystoreUnavailable as exc:
+            self._fail_outstanding(exc)
+            return
+        batch = self._outstanding[0]
+        batch.replies.append(reply)
+        batch.unread -= 1
+        if not batch.unread:
+            self._outstanding.popleft()
+
+    def _fail_outstanding(self, exc: BaseException) -> None:
+        while self._outstanding:
+            batch = self._outstanding.popleft()
+            batch.unread = 0
+            batch.failure = batch.failure or exc
+
+    def _collect(self) -> None:
+        """Before any other request (the caller holds ``_lock``): read every outstanding batch's
+        replies into its buffer, so the next reply on the pipe is the caller's own."""
+        while self._outstanding:
+            self._read_outstanding()
+
+    @staticmethod
+    def _batch_result(batch: _Batch) -> tuple[list[bytes], Optional[BaseException]]:
+        """``_sign_many``'s answer from a batch's replies: the signatures up to the first failure,
+        then that failure (the chunks after it were signed and are dropped: unknown outcomes)."""
+        sigs: list[bytes] = []
+        for reply in batch.replies:
+            if "ok" not in reply:
+                return sigs, _worker_error(reply)
+            sigs.extend(bytes(x) for x in reply["ok"]["sigs"])
+            if "err" in reply["ok"]:
+                return sigs, _worker_error(reply["ok"])
+        return sigs, batch.failure
+
     def _drain(self, n: int) -> None:
         """Read and drop ``n`` replies in flight (a stopped stream); a worker that does not answer
         is stopped, so the next call reports it unavailable instead of reading a stale reply."""
@@ -185,10 +339,7 @@ class Pkcs11Keystore(Keystore):
             for _ in range(n):
                 self._recv("sign_many")
         except KeystoreUnavailable:
-            proc, self._proc = self._proc, None
-            if proc is not None:
-                proc.kill()
-                proc.wait()
+            self._broken()
 
     # Seal keys: a non-extractable AES-256 key on the token, CKM_AES_GCM (pkcs11_worker.py).
     def generate_seal_key(self, name: str) -> None:
@@ -206,12 +357,19 @@ class Pkcs11Keystore(Keystore):
         return bytes(self._call("unseal", name=check_key_name(name), sealed=bytes(sealed), ad=bytes(ad)))
 
     def close(self) -> None:
-        proc, self._proc = getattr(self, "_proc", None), None
-        if proc is not None:
-            try:
-                if proc.stdin:
-                    proc.stdin.close()
-                proc.wait(timeout=5)
-            except Exception:  # noqa: BLE001
-                proc.kill()
-                proc.wait()
+        """Read the outstanding batches' replies first: their ``wait`` still gives them."""
+        lock = getattr(self, "_lock", None)
+        if lock is None:
+            return
+        with lock:
+            self._collect()
+            proc, self._proc = self._proc, None
+            if proc is not None:
+                try:
+                    if proc.stdin:
+                        proc.stdin.close()
+                    proc.wait(timeout=5)
+                except Exception:  # noqa: BLE001
+                    proc.kill()
+                    proc.wait()
+            self._close_stdout()
