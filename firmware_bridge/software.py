@@ -411,17 +411,20 @@ class _SignProcess:
             if self.dead:
                 return None
             view = memoryview(encode_request(datas))
+            poller = select.poll()      # poll, not select: no limit on the descriptor's number
+            poller.register(self._rfd, select.POLLIN)
+            poller.register(self._wfd, select.POLLOUT)
             try:
                 while view:
-                    readable, writable, _ = select.select([self._rfd], [self._wfd], [], 30.0)
-                    if not readable and not writable:
+                    events = dict(poller.poll(30_000))
+                    if not events:
                         raise OSError("the signing process stopped reading")
-                    if readable:
+                    if events.get(self._rfd):
                         got = os.read(self._rfd, 1 << 16)
                         if not got:
                             raise EOFError
                         self._inbuf += got
-                    if writable:
+                    if events.get(self._wfd):
                         try:
                             view = view[os.write(self._wfd, view):]
                         except BlockingIOError:
