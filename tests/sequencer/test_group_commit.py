@@ -4,6 +4,7 @@ chains, a keystore failure in flight is settled and never re-signed."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from firmware_bridge import KeystoreError, ReceiptIdentity, Status
 from agent.sequencer import receipts, service
@@ -198,5 +199,50 @@ def test_a_local_fault_mid_pipeline_leaves_no_claim_behind(tmp_path):
                     assert seq.bridge.released(ReceiptIdentity(g, 0)) == a.receipt
             else:                                    # an intent without output: a stated gap
                 assert seq.store.is_discontinuity(g, 0)
+    finally:
+        seq.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_batching_gives_the_answers_of_one_commit_at_a_time(tmp_path_factory, data):
+    """Whatever the batch size and however a group's Commits interleave with other groups' —
+    competing Commits for one epoch, Commits for the next epoch queued behind the current one,
+    stale and future epochs, unknown groups bootstrapped by their first Commit — the pipelined
+    group commit answers exactly as a sequencer taking one Commit at a time in arrival order would
+    (§22.5 first-Commit-wins), and every accepted receipt chains to the group's one before."""
+    n_groups = data.draw(st.integers(1, 5), label="groups")
+    registered = {i: data.draw(st.integers(0, 3), label=f"start{i}") for i in range(n_groups)
+                  if data.draw(st.booleans(), label=f"registered{i}")}
+    msgs = data.draw(st.lists(st.tuples(st.integers(0, n_groups - 1), st.integers(0, 6), st.sampled_from([b"a", b"b", b"c"])),
+                              min_size=1, max_size=40), label="messages")
+    chunk = data.draw(st.sampled_from([1, 2, 3, 7, 256]), label="chunk")
+    home = tmp_path_factory.mktemp("prop") / "seq"
+    service.init(home)
+    seq = service.Sequencer(home)
+    try:
+        for i, start in registered.items():
+            seq.register(gid(i), start)
+        seq.chunk = chunk
+        answers = seq.submit_many([msg(gid(i), e, w) for i, e, w in msgs])
+        current = dict(registered)
+        for (i, e, w), a in zip(msgs, answers):
+            cur = current.get(i)
+            if cur is None or e == cur:          # the first Commit of an unknown group bootstraps it
+                assert isinstance(a, service.Accepted) and a.epoch == e, (i, e, w, a)
+                current[i] = e + 1
+            else:
+                assert isinstance(a, service.Rejected), (i, e, w, a)
+                assert a.reason == ("stale_epoch" if e < cur else "future_epoch") and a.current_epoch == cur
+        for i, cur in current.items():
+            st_ = seq.store.group(gid(i))
+            assert st_.current_epoch == cur
+            prev = None
+            start = registered[i] if i in registered else next(e for j, e, _w in msgs if j == i)
+            for e in range(start, cur):
+                r = receipts.parse_receipt(seq.store.receipt(gid(i), e))
+                assert r.previous_receipt_hash == prev
+                prev = receipts.receipt_hash(seq.store.receipt(gid(i), e))
+        assert seq.store.pending() == []
     finally:
         seq.close()
