@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .core.exchange import (GIVE_UP_DOUBLINGS, PRESENCE_LIMIT, BodyLimits, Exchange, ExchangeConfig, InFlight,
-                            Presence, Schedule, SurfaceBudget)
+                            Presence, Schedule, SurfaceBudget, not_surfaced)
 from .core.binding import MAX_ACKS_LOOKED_AT  # noqa: F401 - re-exported (tests, benches)
 from .core.binding import (P_ACK, Intake, OnceWake, ReleasedAcks, ack_due, ack_wait,  # noqa: F401 - P_ACK re-exported
                            answer_properties, answer_proof, asks_signed_ack, body_fit, next_due, refusal_properties,
@@ -202,7 +202,7 @@ class Runner:
         for (source, reason), n in self.refusal_budget.drain():
             self._surface_suppressed(source, reason, n)
         for _key, n in self.loss_budget.drain():
-            self._surface_loss(f"{n} more not surfaced within {LOSS_WINDOW_S:g} s (flood bound)", None)
+            self._surface_loss(not_surfaced(n, LOSS_WINDOW_S), None)
 
     # -------------------------------------------------------------- the loop
     def step(self, timeout: float = 0.05) -> None:
@@ -341,7 +341,7 @@ class Runner:
         self.node.surface_refused(source, reason, detail, sender)
 
     def _surface_suppressed(self, source: str, reason: str, n: int) -> None:
-        msg = f"{n} more refusals not surfaced within {REFUSAL_WINDOW_S:g} s (flood bound)"
+        msg = not_surfaced(n, REFUSAL_WINDOW_S, "refusals")
         log.warning("refused %s (%s): %s", source, reason, msg)
         try:
             self.node.surface_refused(source, reason, msg, None)
@@ -358,7 +358,7 @@ class Runner:
             self.stats["broker_lost"] += 1
             surface, told = self.loss_budget.admit(BROKER_LOST, time.monotonic())
             if told:
-                self._surface_loss(f"{told} more not surfaced within {LOSS_WINDOW_S:g} s (flood bound)", wall)
+                self._surface_loss(not_surfaced(told, LOSS_WINDOW_S), wall)
             if surface:
                 self._surface_loss(detail, wall)
 

@@ -317,6 +317,12 @@ class SurfaceBudget:
         return out
 
 
+def not_surfaced(count: int, window_s: float, what: str = "") -> str:
+    """The one row that tells what a SurfaceBudget's window did not surface (every link's);
+    ``what``: the rows' kind ("refusals"), when the row's own kind does not say it."""
+    return f"{count} more {what + ' ' if what else ''}not surfaced within {window_s:g} s (flood bound)"
+
+
 # ---------------------------------------------------------------------- when to send
 class Schedule:
     """When the loop's sends are due: the batch cycle every `cadence_s` while connected (§32), and

@@ -179,12 +179,6 @@ def forget_sent_body(conn: sqlite3.Connection, path: str, key: bytes) -> None:
     conn.execute("DELETE FROM sent_bodies WHERE path=? AND sent_key=?", (path, key))
 
 
-def sent_bodies_count(conn: sqlite3.Connection, peer: bytes, path: str) -> int:
-    if not has_schema(conn):
-        return 0
-    return conn.execute("SELECT count(*) FROM sent_bodies WHERE peer=? AND path=?", (peer, path)).fetchone()[0]
-
-
 # ---------------------------------------------------------------- per-peer link state (store layout v5)
 # Quiet links (issue 12 item 6): which of the bodies in sent_bodies still count as in flight to a
 # peer (those after `gave_up_id`: waiting in the broker or at the peer), and what this node learned

@@ -26,7 +26,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..core.exchange import SurfaceBudget
+from ..core.exchange import SurfaceBudget, not_surfaced
 from ..outcomes import STATUSES
 from .serial_link import LinkConfig, LinkError, SerialLink
 
@@ -278,7 +278,7 @@ class SerialEndpoint:
         surface, told = self._loss_budget.admit((kind, reason), wall)
         rows: list[str] = []
         if told:
-            rows.append(f"{told} more not surfaced within {LOSS_WINDOW_MS // 1000} s (flood bound)")
+            rows.append(not_surfaced(told, LOSS_WINDOW_MS / 1000))
         if surface:
             rows.append(detail)
         return rows
