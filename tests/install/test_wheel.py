@@ -53,6 +53,33 @@ def test_installed_package_is_not_the_checkout(wheel_cmd):
     assert "site-packages" in p.stdout and not p.stdout.startswith(str(ROOT)), p.stdout
 
 
+def test_installed_sequencer_signs_pipelined_batches_in_its_signing_process(wheel_cmd, tmp_path):
+    """The installed package's own sequencer, a batch large enough for the software keystore's
+    P-256 signing process (firmware_bridge/sign_worker.py, started with `python -m` from the
+    installed package): every Commit accepted, every receipt verifying, the process used."""
+    _, py = wheel_cmd
+    script = f"""
+import os
+from agent.sequencer import receipts, service
+from agent.sequencer.framing import encode_private_message
+home = {str(tmp_path / "seq")!r}
+service.init(home)
+with service.Sequencer(home) as seq:
+    gs = [b"wheel-group-%04d" % i for i in range(200)]
+    for g in gs:
+        seq.register(g, 0)
+    answers = seq.submit_many([encode_private_message(g, 0) for g in gs])
+    assert all(isinstance(a, service.Accepted) for a in answers), answers[:2]
+    for a in answers:
+        receipts.verify_receipt(a.receipt, seq.public_key)
+    w = seq.bridge.keystore._workers["receipts"]
+    assert w._proc is not None and not w.dead and w._proc.pid != os.getpid()
+    print("ok", w._proc.pid)
+"""
+    p = subprocess.run([py, "-c", script], capture_output=True, text=True, env=_env(), cwd="/", timeout=120)
+    assert p.returncode == 0 and p.stdout.startswith("ok"), p.stdout + p.stderr
+
+
 def test_version(wheel_cmd):
     cmd, _ = wheel_cmd
     p = _run(cmd, "--version")
