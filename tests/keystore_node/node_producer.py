@@ -29,9 +29,24 @@ def main() -> None:
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--compact-bytes", type=int, default=0, help="journal compaction threshold (0: default)")
     ap.add_argument("--no-recovery", action="store_true", help="NEGATIVE CONTROL: skip the open-time recovery")
+    ap.add_argument("--die-after-persist", type=int, default=0,
+                    help="SIGKILL this process at its n-th durable output, before the event is applied "
+                         "(so the negative control's window is hit, not left to the kill timing)")
     args = ap.parse_args()
     if args.no_recovery:
         Node._recover_released = lambda self: None
+    if args.die_after_persist:
+        import signal
+        from firmware_bridge.bridge import SigningBridge
+        fire, seen = SigningBridge._fire, [0]
+
+        def die_at_persist(self, point):
+            if point == "after_persist":
+                seen[0] += 1
+                if seen[0] == args.die_after_persist:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            fire(self, point)
+        SigningBridge._fire = die_at_persist
     if args.compact_bytes:
         node_mod.JOURNAL_COMPACT_BYTES = args.compact_bytes
     rng = random.Random(args.seed)
