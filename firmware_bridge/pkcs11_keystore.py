@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import os
-import select
 import struct
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from . import errors
 from .errors import KeystoreError, KeystoreUnavailable
 from .identity import Identity
 from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name
+from .pipes import write_draining
 
 
 SIGN_MANY_CHUNK = 64
@@ -105,28 +105,10 @@ class Pkcs11Keystore(Keystore):
         self._write(struct.pack(">I", len(data)) + data, op)
 
     def _write(self, data: bytes, op: str) -> None:
-        """Write all of ``data`` without ever blocking on a full pipe: while the worker's stdin is
-        full, read its replies into ``_inbuf``. The worker blocks writing a reply when its stdout is
-        full and then reads no request; a writer that blocked too would wait for ever (several
-        outstanding batches are megabytes of requests). No timeout: a slow token may take long."""
-        view = memoryview(data)
-        poller = None
+        """Write all of ``data`` without ever blocking on a full pipe (pipes.write_draining: the
+        replies read meanwhile wait in ``_inbuf``). No timeout: a slow token may take long."""
         try:
-            while view:
-                try:
-                    view = view[os.write(self._wfd, view):]
-                    continue
-                except BlockingIOError:
-                    pass
-                if poller is None:   # poll, not select: no FD_SETSIZE limit in a busy process
-                    poller = select.poll()
-                    poller.register(self._rfd, select.POLLIN)
-                    poller.register(self._wfd, select.POLLOUT)
-                if any(fd == self._rfd for fd, _ in poller.poll()):   # POLLIN or POLLHUP: read
-                    got = os.read(self._rfd, 1 << 16)
-                    if not got:
-                        raise EOFError
-                    self._inbuf += got
+            write_draining(self._wfd, self._rfd, data, self._inbuf)
         except (OSError, EOFError, ValueError):
             self._broken()
             raise KeystoreUnavailable(f"the PKCS#11 worker for {self.module} died during {op}; "

@@ -18,29 +18,14 @@ and the failure's type name. End of stdin: exit (the keystore's process closed i
 """
 from __future__ import annotations
 
-import os
 import struct
 import sys
 
+from .fsutil import write_all
+from .pipes import read_exact
+
 MAX_COUNT = 1 << 20      # a request larger than this is not from our keystore: stop
 MAX_DATA = 1 << 20
-
-
-def read_exact(fd: int, n: int) -> bytes:
-    parts = []
-    while n:
-        b = os.read(fd, n)
-        if not b:
-            raise EOFError
-        parts.append(b)
-        n -= len(b)
-    return b"".join(parts)
-
-
-def write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
 
 
 def encode_request(datas: list[bytes]) -> bytes:

@@ -405,30 +405,13 @@ class _SignProcess:
             self._fail()
 
     def send(self, datas: list[bytes]) -> Optional[int]:
-        import select
+        from .pipes import write_draining
         from .sign_worker import encode_request
         with self._lock:
             if self.dead:
                 return None
-            view = memoryview(encode_request(datas))
-            poller = select.poll()      # poll, not select: no limit on the descriptor's number
-            poller.register(self._rfd, select.POLLIN)
-            poller.register(self._wfd, select.POLLOUT)
             try:
-                while view:
-                    events = dict(poller.poll(30_000))
-                    if not events:
-                        raise OSError("the signing process stopped reading")
-                    if events.get(self._rfd):
-                        got = os.read(self._rfd, 1 << 16)
-                        if not got:
-                            raise EOFError
-                        self._inbuf += got
-                    if events.get(self._wfd):
-                        try:
-                            view = view[os.write(self._wfd, view):]
-                        except BlockingIOError:
-                            pass
+                write_draining(self._wfd, self._rfd, encode_request(datas), self._inbuf, timeout_ms=30_000)
             except (OSError, EOFError):
                 self._fail()
                 return None
@@ -437,14 +420,8 @@ class _SignProcess:
             return self._sent
 
     def _read(self, n: int) -> bytes:
-        from .sign_worker import read_exact
-        if len(self._inbuf) >= n:
-            out = bytes(self._inbuf[:n])
-            del self._inbuf[:n]
-            return out
-        head = bytes(self._inbuf)
-        self._inbuf.clear()
-        return head + read_exact(self._rfd, n - len(head))
+        from .pipes import read_buffered
+        return read_buffered(self._rfd, self._inbuf, n)
 
     def wait(self, ticket: int) -> Optional[list[bytes]]:
         import struct

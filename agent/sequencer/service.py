@@ -614,7 +614,10 @@ class GroupCommit:
             seq._sign_statements()
         return out
 
-    def _drop_in_flight(self) -> None:
+    def _drop_in_flight(self) -> list:
+        """Finish every batch still at the keystore as far as it got (what verified is persisted,
+        its claims dropped) and forget every batch in flight; returns their accepts."""
+        batches = [b for b, _tk, _r in self.signing] + [self.prepared]
         tickets = [tk for _b, tk, _r in self.signing]
         self.signing, self.prepared, self.prepared_rows = deque(), [], None
         for tk in tickets:
@@ -622,23 +625,14 @@ class GroupCommit:
                 self.seq.bridge.release_pipelined(tk, [])
             except Exception:   # noqa: BLE001 - the fault being raised says what happened
                 pass
+        return batches
 
     def _abandon(self, failed: list) -> None:
-        """After a keystore failure: finish every batch still at the keystore (each persists what
-        verified and drops its claims), then settle every pair in flight (``failed``: the batch
-        the failing step was finishing) against the journal."""
-        seq = self.seq
-        batches = [failed] + [b for b, _tk, _r in self.signing] + [self.prepared]
-        tickets = [tk for _b, tk, _r in self.signing]
-        self.signing, self.prepared, self.prepared_rows = deque(), [], None
-        for tk in tickets:
-            try:
-                seq.bridge.release_pipelined(tk, [])
-            except KeystoreError:
-                pass       # settled below, like the rest
-        for batch in batches:
+        """After a keystore failure: ``_drop_in_flight``, then settle every pair in flight
+        (``failed``: the batch the failing step was finishing) against the journal."""
+        for batch in [failed] + self._drop_in_flight():
             for _t, _m, _ch, _s, d in batch:
-                seq._settle(d.group_id, d.epoch, cause="signing_failed")
+                self.seq._settle(d.group_id, d.epoch, cause="signing_failed")
 
     def _decide(self, busy: set, out: list) -> list:
         """The next batch from the queue: at most ``chunk`` Commits for distinct groups none of

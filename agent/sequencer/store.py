@@ -171,10 +171,7 @@ class Store:
             self._dirty[state.group_id] = state
 
     def put_pending(self, group_id: bytes, epoch: int, commit_hash: bytes, message: bytes, bootstrap: bool) -> None:
-        self.put_pending_many([(group_id, epoch, commit_hash, message, bootstrap)])
-
-    def put_pending_many(self, rows: list[tuple[bytes, int, bytes, bytes, bool]]) -> None:
-        self.commit_step([], rows)
+        self.commit_step([], [(group_id, epoch, commit_hash, message, bootstrap)])
 
     def _put_pending_rows(self, rows: list[tuple[bytes, int, bytes, bytes, bool]]) -> None:
         self.conn.executemany("INSERT INTO pending VALUES (?, ?, ?, ?, ?)",
@@ -191,10 +188,6 @@ class Store:
             self.conn.execute("INSERT INTO receipts VALUES (?, ?, ?, ?, ?, ?)",
                               (new.group_id, epoch, commit_hash, receipt, receipt_hash, message))
             self._put_group(new, epoch)
-
-    def commit_receipts(self, rows: list[tuple[GroupState, int, bytes, bytes, bytes, Optional[bytes]]]) -> None:
-        """``commit_receipt`` for a batch (distinct groups), one transaction."""
-        self.commit_step(rows, [])
 
     def commit_step(self, rows: list[tuple[GroupState, int, bytes, bytes, bytes, Optional[bytes]]],
                     pending: list[tuple[bytes, int, bytes, bytes, bool]],

@@ -1,0 +1,63 @@
+"""The pipes to a keystore's worker process (the software keystore's P-256 signing process,
+sign_worker.py; the PKCS#11 worker, pkcs11_worker.py), at the file-descriptor level.
+
+Several requests may be outstanding at a worker (pipelined signing, docs/keystore.md). The
+worker blocks writing a reply when its stdout is full and then reads no request, so a writer that
+blocked on a full stdin as well would wait for ever: ``write_draining`` writes a request without
+blocking and reads the worker's replies into a buffer meanwhile; ``read_buffered`` takes from
+that buffer before reading the pipe.
+"""
+from __future__ import annotations
+
+import os
+import select
+from typing import Optional
+
+
+def read_exact(fd: int, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``fd`` (blocking); EOFError at end of file."""
+    parts = []
+    while n:
+        b = os.read(fd, n)
+        if not b:
+            raise EOFError
+        parts.append(b)
+        n -= len(b)
+    return b"".join(parts)
+
+
+def read_buffered(fd: int, inbuf: bytearray, n: int) -> bytes:
+    """Exactly ``n`` bytes: what ``inbuf`` holds first (consumed), then read from ``fd``."""
+    if len(inbuf) >= n:
+        out = bytes(inbuf[:n])
+        del inbuf[:n]
+        return out
+    head = bytes(inbuf)
+    inbuf.clear()
+    return head + read_exact(fd, n - len(head))
+
+
+def write_draining(wfd: int, rfd: int, data: bytes, inbuf: bytearray, timeout_ms: Optional[int] = None) -> None:
+    """Write all of ``data`` to the non-blocking ``wfd``; while it is full, read what the worker
+    wrote on ``rfd`` into ``inbuf``. EOFError when the worker's stdout ends, OSError when it
+    breaks or when nothing moves for ``timeout_ms`` (None: wait as long as it takes)."""
+    view = memoryview(data)
+    poller = None
+    while view:
+        try:
+            view = view[os.write(wfd, view):]
+            continue
+        except BlockingIOError:
+            pass
+        if poller is None:   # poll, not select: no FD_SETSIZE limit in a busy process
+            poller = select.poll()
+            poller.register(rfd, select.POLLIN)
+            poller.register(wfd, select.POLLOUT)
+        events = poller.poll(timeout_ms)
+        if not events:
+            raise OSError("the worker process stopped reading")
+        if any(fd == rfd for fd, _ in events):   # POLLIN or POLLHUP: read (EOF is seen here)
+            got = os.read(rfd, 1 << 16)
+            if not got:
+                raise EOFError
+            inbuf += got
