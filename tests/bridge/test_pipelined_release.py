@@ -158,3 +158,23 @@ def test_batches_larger_than_a_pipe_queue_behind_each_other_without_deadlock(tmp
         assert not ks._workers["seq"].dead
     finally:
         ks.close()
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"\xff\xff\xff\xff",                                  # a count no keystore sends
+    b"\x00\x00\x00\x01\xff\xff\xff\xff",                  # a Sig_structure length no keystore sends
+    b"\x00\x00\x00\x02\x00\x00\x00\x03abc",               # cut short: the pipe ends mid-request
+])
+def test_the_signing_process_signs_nothing_for_a_malformed_request(tmp_path, request_bytes):
+    """The signing process's only input is its keystore's pipe; anything but a well-formed request
+    ends it without an answer (the keystore then signs in-process), never a signature."""
+    import subprocess
+    import sys
+    ks = SoftwareKeystore(str(tmp_path / "keys"))
+    ks.generate_key("seq", "p256")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-m", "firmware_bridge.sign_worker", str(tmp_path / "keys"), "seq"],
+                       input=request_bytes, capture_output=True, timeout=60, cwd=root,
+                       env=dict(os.environ, PYTHONPATH=root))
+    assert p.stdout == b"R"                                # ready, then nothing: no answer, no signature
+    assert p.returncode in (0, 2)

@@ -246,3 +246,41 @@ def test_any_batching_gives_the_answers_of_one_commit_at_a_time(tmp_path_factory
         assert seq.store.pending() == []
     finally:
         seq.close()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_hostile_messages_in_overlapping_batches_are_refused_and_change_nothing(tmp_path_factory, data):
+    """Garbage, truncated and trailing-byte frames, proposals, future and out-of-range epochs,
+    mixed into overlapping batches with valid Commits: each hostile one gets its refusal reason,
+    no state, receipt, pending row or journal entry comes from it, and the valid ones are answered
+    exactly as without them."""
+    from agent.sequencer.framing import CT_PROPOSAL
+    valid = [msg(gid(i), 0) for i in range(4)]
+    hostile = {
+        "unparseable": [data.draw(st.binary(max_size=64), label="garbage"), valid[0][:-1], valid[1] + b"\x00",
+                        b"\x00\x01\x00\x02\x80"],
+        "not_commit": [encode_private_message(gid(0), 0, CT_PROPOSAL)],
+        "future_epoch": [msg(gid(1), 5, b"x")],
+        "epoch_out_of_range": [msg(gid(7), 2**63)],
+    }
+    bad = [(reason, m) for reason, ms in hostile.items() for m in ms]
+    order = data.draw(st.permutations([("ok", m) for m in valid] + bad), label="order")
+    home = tmp_path_factory.mktemp("hostile") / "seq"
+    service.init(home)
+    seq = service.Sequencer(home)
+    try:
+        for i in range(4):
+            seq.register(gid(i), 0)
+        seq.chunk = data.draw(st.sampled_from([1, 2, 256]), label="chunk")
+        answers = seq.submit_many([m for _r, m in order])
+        for (reason, m), a in zip(order, answers):
+            if reason == "ok":
+                assert isinstance(a, service.Accepted) and a.epoch == 0
+            else:
+                assert isinstance(a, service.Rejected) and a.reason == reason, (reason, m, a)
+        assert sorted(seq.store.group_ids()) == sorted(gid(i) for i in range(4))    # gid(7) never made
+        assert all(seq.store.group(gid(i)).current_epoch == 1 for i in range(4))
+        assert seq.store.pending() == [] and seq.bridge.journal_stats()["entries"] == 4
+    finally:
+        seq.close()
