@@ -19,21 +19,25 @@ def msg(g: bytes, epoch: int, who: bytes = b"alice") -> bytes:
     return encode_private_message(g, epoch, ciphertext=who + b"-" + g)
 
 
-def open_seq(tmp_path, hook=None) -> service.Sequencer:
+def open_seq(tmp_path, hook=None, *, groups: int = 0, start: int = 0,
+             chunk: int | None = None) -> tuple[service.Sequencer, list[bytes]]:
+    """A sequencer home with ``groups`` groups registered at ``start``, and their ids."""
     home = tmp_path / "seq"
     if not home.exists():
         service.init(home)
-    return service.Sequencer(home, fault_hook=hook)
+    seq = service.Sequencer(home, fault_hook=hook)
+    gs = [gid(i) for i in range(groups)]
+    for g in gs:
+        seq.register(g, start)
+    if chunk is not None:
+        seq.chunk = chunk
+    return seq, gs
 
 
 def test_the_next_batches_are_signing_before_the_first_is_committed(tmp_path):
     points = []
-    seq = open_seq(tmp_path, points.append)
+    seq, gs = open_seq(tmp_path, points.append, groups=4, chunk=1)  # every group its own batch
     try:
-        gs = [gid(i) for i in range(4)]
-        for g in gs:
-            seq.register(g, 0)
-        seq.chunk = 1                               # every group its own batch
         answers = seq.submit_many([msg(g, 0) for g in gs])
         assert all(isinstance(a, service.Accepted) for a in answers)
         first_commit = points.index("committed")
@@ -47,12 +51,8 @@ def test_the_next_batches_are_signing_before_the_first_is_committed(tmp_path):
 
 
 def test_each_fsync_is_shared_by_two_batches(tmp_path):
-    seq = open_seq(tmp_path)
+    seq, gs = open_seq(tmp_path, groups=64, chunk=8)  # 8 batches
     try:
-        gs = [gid(i) for i in range(64)]
-        for g in gs:
-            seq.register(g, 0)
-        seq.chunk = 8                               # 8 batches
         f0 = seq.bridge.journal_stats()["fsyncs"]
         assert all(isinstance(a, service.Accepted) for a in seq.submit_many([msg(g, 0) for g in gs]))
         # unpipelined: two per batch (intents, outputs) = 16; pipelined: one per step, each holding
@@ -64,12 +64,8 @@ def test_each_fsync_is_shared_by_two_batches(tmp_path):
 
 
 def test_first_commit_wins_in_arrival_order_across_overlapping_batches(tmp_path):
-    seq = open_seq(tmp_path)
+    seq, gs = open_seq(tmp_path, groups=3, start=5, chunk=1)
     try:
-        gs = [gid(i) for i in range(3)]
-        for g in gs:
-            seq.register(g, 5)
-        seq.chunk = 1
         order = [(gs[0], 5, b"a"), (gs[1], 5, b"a"), (gs[0], 5, b"b"), (gs[2], 5, b"a"), (gs[1], 5, b"b"),
                  (gs[0], 5, b"c"), (gs[2], 5, b"b")]
         answers = seq.submit_many([msg(g, e, w) for g, e, w in order])
@@ -90,11 +86,8 @@ def test_first_commit_wins_in_arrival_order_across_overlapping_batches(tmp_path)
 def test_a_stream_chains_each_groups_receipts(tmp_path):
     """Commits put while earlier ones are in flight: each group's next Commit, put as its answer
     is released, is accepted and names the receipt before it."""
-    seq = open_seq(tmp_path)
+    seq, gs = open_seq(tmp_path, groups=40)
     try:
-        gs = [gid(i) for i in range(40)]
-        for g in gs:
-            seq.register(g, 0)
         gc = seq.group_commit(chunk=8)
         for g in gs:
             gc.put(g, msg(g, 0))
@@ -119,11 +112,8 @@ def test_a_stream_chains_each_groups_receipts(tmp_path):
 
 
 def test_a_keystore_failure_in_flight_settles_every_pair_and_never_resigns(tmp_path):
-    seq = open_seq(tmp_path)
+    seq, gs = open_seq(tmp_path, groups=12)
     try:
-        gs = [gid(i) for i in range(12)]
-        for g in gs:
-            seq.register(g, 0)
         ks = seq.bridge.keystore
         orig = ks._sign_start
         calls = []
@@ -167,12 +157,8 @@ def test_a_local_fault_mid_pipeline_leaves_no_claim_behind(tmp_path):
     left waiting for ever on claims nobody will drop."""
     import sqlite3
     import threading
-    seq = open_seq(tmp_path)
+    seq, gs = open_seq(tmp_path, groups=24, chunk=4)
     try:
-        gs = [gid(i) for i in range(24)]
-        for g in gs:
-            seq.register(g, 0)
-        seq.chunk = 4
         orig = seq.store.commit_step
         calls = []
 
