@@ -39,7 +39,7 @@ class DeviceRefused(KeystoreError):
 
 
 class DeviceTimeout(KeystoreError):
-    """The serial keystore device did not answer in time."""
+    """The serial keystore device, or the PKCS#11 token (its worker, then killed), did not answer in time."""
 
 
 class ProtocolError(KeystoreError):

@@ -160,7 +160,7 @@ def open_keystore(config: dict[str, Any]) -> Keystore:
     """Open the keystore a profile names.
 
     ``{"kind": "software", "dir": PATH}``
-    ``{"kind": "pkcs11", "module": SO_PATH, "token_label": STR, "pin": STR[, "env": {..}]}``
+    ``{"kind": "pkcs11", "module": SO_PATH, "token_label": STR, "pin": STR[, "env": {..}][, "timeout_s": 60.0]}``
     ``{"kind": "serial", "port": DEV, "baud": 115200, "timeout_s": 2.0}``
     """
     kind = config.get("kind") if isinstance(config, dict) else None
@@ -168,9 +168,10 @@ def open_keystore(config: dict[str, Any]) -> Keystore:
         from .software import SoftwareKeystore
         return SoftwareKeystore(_req(config, "dir"))
     if kind == "pkcs11":
-        from .pkcs11_keystore import Pkcs11Keystore
+        from .pkcs11_keystore import DEFAULT_TIMEOUT_S, Pkcs11Keystore
         return Pkcs11Keystore(module=_req(config, "module"), token_label=_req(config, "token_label"),
-                              pin=_req(config, "pin"), env=config.get("env"))
+                              pin=_req(config, "pin"), env=config.get("env"),
+                              timeout_s=config.get("timeout_s", DEFAULT_TIMEOUT_S))
     if kind == "serial":
         from .serial_driver import SerialKeystore
         return SerialKeystore(port=_req(config, "port"), baud=int(config.get("baud", 115200)),

@@ -40,7 +40,8 @@ def read_buffered(fd: int, inbuf: bytearray, n: int) -> bytes:
 def write_draining(wfd: int, rfd: int, data: bytes, inbuf: bytearray, timeout_ms: Optional[int] = None) -> None:
     """Write all of ``data`` to the non-blocking ``wfd``; while it is full, read what the worker
     wrote on ``rfd`` into ``inbuf``. EOFError when the worker's stdout ends, OSError when it
-    breaks or when nothing moves for ``timeout_ms`` (None: wait as long as it takes)."""
+    breaks, TimeoutError (an OSError) when nothing moves for ``timeout_ms`` (None: wait as long
+    as it takes)."""
     view = memoryview(data)
     poller = None
     while view:
@@ -55,7 +56,7 @@ def write_draining(wfd: int, rfd: int, data: bytes, inbuf: bytearray, timeout_ms
             poller.register(wfd, select.POLLOUT)
         events = poller.poll(timeout_ms)
         if not events:
-            raise OSError("the worker process stopped reading")
+            raise TimeoutError("the worker process stopped reading")
         if any(fd == rfd for fd, _ in events):   # POLLIN or POLLHUP: read (EOF is seen here)
             got = os.read(rfd, 1 << 16)
             if not got:

@@ -6,27 +6,35 @@ SHA-256 digest.  The token chooses its own ECDSA nonces, which is why §22.5 for
 All token calls run in a worker process (pkcs11_worker.py; reasons there). The pipes to it are
 used at the file-descriptor level: requests are written without blocking while replies are read
 meanwhile (docs/keystore.md "Pipelined signing"), so batches can be outstanding at the worker.
+Every reply has a deadline (``timeout_s``, docs/keystore.md "Reply deadline"): a token that stops
+answering gets its worker killed instead of hanging the caller for ever.
 """
 from __future__ import annotations
 
 import collections
+import math
 import os
+import select
 import struct
 import subprocess
 import sys
 import threading
+import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import cbor2
 
 from . import errors
-from .errors import KeystoreError, KeystoreUnavailable
+from .errors import DeviceTimeout, KeystoreError, KeystoreUnavailable
 from .identity import Identity
 from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name
 from .pipes import write_draining
 
 
 SIGN_MANY_CHUNK = 64
+# The reply deadline's default: generous, since a token may be slow (a USB HSM generating a key, a
+# SoftHSM2 on a loaded Pi); it only has to turn "hangs for ever" into "fails, clearly".
+DEFAULT_TIMEOUT_S = 60.0
 
 
 def _worker_error(reply: dict[str, Any]) -> KeystoreError:
@@ -57,9 +65,17 @@ class Pkcs11Keystore(Keystore):
     kind = "pkcs11"
     verify_signatures = True
 
-    def __init__(self, module: str, token_label: str, pin: str, env: Optional[dict[str, str]] = None) -> None:
+    def __init__(self, module: str, token_label: str, pin: str, env: Optional[dict[str, str]] = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+                or not math.isfinite(timeout_s) or timeout_s <= 0):
+            raise KeystoreError(f"keystore.timeout_s (the PKCS#11 reply deadline) must be a positive number of "
+                                f"seconds, not {timeout_s!r}; fix it in the profile (default {DEFAULT_TIMEOUT_S:g})")
         self.module = module
         self.token_label = token_label
+        self.timeout_s = float(timeout_s)
+        # why the worker was stopped for good (a missed deadline): the failure of every later call
+        self._gone: Optional[KeystoreError] = None
         self._lock = threading.Lock()
         self._algs: dict[str, str] = {}
         self._proc: Optional[subprocess.Popen] = None
@@ -80,6 +96,8 @@ class Pkcs11Keystore(Keystore):
         self._stdout = self._proc.stdout
         self._wfd, self._rfd = self._proc.stdin.fileno(), self._proc.stdout.fileno()
         os.set_blocking(self._wfd, False)   # _write: never blocked on a full pipe (see there)
+        self._poller = select.poll()        # _recv waits for a reply at most timeout_s
+        self._poller.register(self._rfd, select.POLLIN)
         try:
             self.info = self._call("open", module=module, token_label=token_label, pin=pin)
         except BaseException:
@@ -100,24 +118,31 @@ class Pkcs11Keystore(Keystore):
         or has registered the replies to come in ``_outstanding``)."""
         if self._proc is None or self._proc.poll() is not None:
             self._broken()
+            if self._gone is not None:
+                raise KeystoreUnavailable(f"the PKCS#11 worker was killed: {self._gone}") from None
             raise KeystoreUnavailable("the PKCS#11 worker process is not running; restart the agent")
         data = cbor2.dumps({"op": op, **kw})
         self._write(struct.pack(">I", len(data)) + data, op)
 
     def _write(self, data: bytes, op: str) -> None:
         """Write all of ``data`` without ever blocking on a full pipe (pipes.write_draining: the
-        replies read meanwhile wait in ``_inbuf``). No timeout: a slow token may take long."""
+        replies read meanwhile wait in ``_inbuf``); a worker that neither reads nor answers for
+        ``timeout_s`` has missed the deadline."""
         try:
-            write_draining(self._wfd, self._rfd, data, self._inbuf)
+            write_draining(self._wfd, self._rfd, data, self._inbuf, timeout_ms=math.ceil(self.timeout_s * 1000))
+        except TimeoutError:
+            raise self._timed_out(op) from None
         except (OSError, EOFError, ValueError):
             self._broken()
             raise KeystoreUnavailable(f"the PKCS#11 worker for {self.module} died during {op}; "
                                       "check the token and restart the agent") from None
 
     def _recv(self, op: str) -> dict:
-        """The next reply: from ``_inbuf`` when it holds one, else read (blocking) from the pipe.
-        After a death the replies the worker wrote before it are still read, up to EOF."""
+        """The next reply: from ``_inbuf`` when it holds one, else read (blocking) from the pipe,
+        for at most ``timeout_s`` (then ``_timed_out``). After a death the replies the worker wrote
+        before it are still read, up to EOF."""
         buf = self._inbuf
+        deadline = None
         try:
             while True:
                 if len(buf) >= 4:
@@ -128,15 +153,38 @@ class Pkcs11Keystore(Keystore):
                         return reply
                 if self._stdout is None:
                     raise EOFError
+                if deadline is None:
+                    deadline = time.monotonic() + self.timeout_s
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._poller.poll(math.ceil(left * 1000)):
+                    raise TimeoutError
                 got = os.read(self._rfd, 1 << 16)
                 if not got:
                     raise EOFError
                 buf += got
+        except TimeoutError:
+            raise self._timed_out(op) from None
         except (OSError, EOFError, ValueError):
             self._broken()
             self._close_stdout()
+            if self._gone is not None:   # killed by us earlier: say why
+                raise KeystoreUnavailable(f"the PKCS#11 worker was killed: {self._gone}") from None
             raise KeystoreUnavailable(f"the PKCS#11 worker for {self.module} died during {op}; "
                                       "check the token and restart the agent") from None
+
+    def _timed_out(self, op: str) -> DeviceTimeout:
+        """The worker missed the reply deadline: kill it (a token that answers later must not
+        sign, or answer, anything more) and say so. Every request in flight is an unknown
+        outcome: the token may have signed it, and it is never sent again (§22.5)."""
+        self._gone = DeviceTimeout(
+            f"the PKCS#11 token {self.token_label!r} ({self.module}) did not answer within {self.timeout_s:g} s "
+            f"(during {op}); its worker process was killed. The signatures in flight are unknown outcomes and "
+            "are never signed again (§22.5); this keystore is unusable until the agent restarts. Check the "
+            "token (unplugged, locked up, overloaded); a token that is just slow needs a larger keystore "
+            "timeout_s in the profile")
+        self._broken()
+        self._close_stdout()
+        return self._gone
 
     def _broken(self) -> None:
         """The worker died, stopped reading or spoke garbage: stop it for good. It is never
@@ -262,7 +310,7 @@ class Pkcs11Keystore(Keystore):
                         self._outstanding.append(batch)
                     self._send("sign_many", {"requests": reqs[i:i + SIGN_MANY_CHUNK]})
                     batch.unread += 1
-            except KeystoreUnavailable as exc:
+            except (KeystoreUnavailable, DeviceTimeout) as exc:
                 self._collect()   # the replies written before the death, up to EOF; then failures
                 batch.failure = batch.failure or exc
 
@@ -280,7 +328,7 @@ class Pkcs11Keystore(Keystore):
         dead worker fails every outstanding batch."""
         try:
             reply = self._recv("sign_many")
-        except KeystoreUnavailable as exc:
+        except (KeystoreUnavailable, DeviceTimeout) as exc:
             self._fail_outstanding(exc)
             return
         batch = self._outstanding[0]
@@ -320,7 +368,7 @@ class Pkcs11Keystore(Keystore):
         try:
             for _ in range(n):
                 self._recv("sign_many")
-        except KeystoreUnavailable:
+        except (KeystoreUnavailable, DeviceTimeout):
             self._broken()
 
     # Seal keys: a non-extractable AES-256 key on the token, CKM_AES_GCM (pkcs11_worker.py).
