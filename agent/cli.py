@@ -521,8 +521,13 @@ def main(argv: list[str] | None = None) -> int:
         # a verb naming files gives its own command line, with their contents or absolute paths
         # (the agent's working directory is not this one's): `forward_argv`
         fwd = getattr(args, "forward_argv", None)
-        res = control.forward(Path(args.home), fwd(args) if fwd is not None
-                              else sys.argv[1:] if argv is None else list(argv))
+        try:
+            # reading those files can fail like the verb itself (exit 2 or 1, one line)
+            forwarded = fwd(args) if fwd is not None else sys.argv[1:] if argv is None else list(argv)
+        except (Refused, Fault) as e:
+            print(f"ssp-agent: {e}", file=sys.stderr)
+            return EXIT_REFUSED if isinstance(e, Refused) else EXIT_FAULT
+        res = control.forward(Path(args.home), forwarded)
         if res is not None:
             rc, out, err = res
             sys.stdout.write(out)

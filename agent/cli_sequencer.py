@@ -27,16 +27,18 @@ def _group(text: str) -> bytes:
 def _open(args, *, reader_ok: bool = False, serve: bool = False):
     """The sequencer, resumed (§22.6 step 1). While a `sequencer run` holds the home, reads
     (``reader_ok``) go to its committed state read-only; writes are refused (use the broker)."""
-    from .sequencer import service
+    from .sequencer import layout, service
     try:
-        return service.Sequencer(Path(args.home), serve=serve)
-    except service.SequencerServing as e:
-        if reader_ok:
-            return service.Reader(Path(args.home))
-        raise Refused(str(e)) from None
+        try:
+            return service.Sequencer(Path(args.home), serve=serve)
+        except service.SequencerServing as e:
+            if reader_ok:
+                return service.Reader(Path(args.home))
+            raise Refused(str(e)) from None
     except service.SequencerRefused as e:
         raise Refused(str(e)) from None
-    except service.SequencerFault as e:
+    except (service.SequencerFault, layout.LayoutError) as e:
+        # LayoutError: a state file from a newer release (or an unknown layout), left untouched
         raise Fault(str(e)) from None
 
 
@@ -47,10 +49,13 @@ def cmd_init(args) -> int:
         keystore = _json_arg(args.keystore, "--keystore")
         if not isinstance(keystore, dict):
             raise Refused("--keystore must be a JSON object, e.g. {\"kind\": \"software\", \"dir\": \"/path\"}")
+    from .sequencer import layout
     try:
         public = service.init(Path(args.home), keystore)
     except service.SequencerRefused as e:
         raise Refused(str(e)) from None
+    except layout.LayoutError as e:      # a leftover sequencer.db.new of a newer release's init
+        raise Fault(str(e)) from None
     emit({"sequencer_key": public.hex()})
     return EXIT_OK
 
@@ -264,7 +269,6 @@ def register(sub, mailbox_sub) -> None:
 
 # -- the member side: the Commit queue (§22.7; agent/sequencer/client.py) ----------------------
 def _queue(args):
-    from .sequencer import client
     key = None
     if getattr(args, "sequencer_key", None):
         try:
@@ -273,10 +277,19 @@ def _queue(args):
             raise Refused("--sequencer-key must be hex (66 digits: the compressed P-256 key)") from None
         if len(key) != 33:
             raise Refused("--sequencer-key must be the 33-byte compressed P-256 key (66 hex digits)")
+    return _open_queue(Path(args.home), key)
+
+
+def _open_queue(home: Path, key=None):
+    """The member's Commit queue; a file it cannot use (a newer release's layout: left untouched,
+    layout.py) is a local fault, exit 1."""
+    from .sequencer import client, layout
     try:
-        return client.open_queue(Path(args.home), key)
+        return client.open_queue(home, key)
+    except layout.LayoutError as e:
+        raise Fault(str(e)) from None
     except Exception as e:  # noqa: BLE001 - sqlite3 errors: the queue file is unusable
-        raise Fault(f"cannot open the Commit queue in {args.home}: {e}") from None
+        raise Fault(f"cannot open the Commit queue in {home}: {e}") from None
 
 
 def cmd_commits_queue(args) -> int:
@@ -511,7 +524,7 @@ def _gossip_raws(args) -> list[bytes]:
     if args.from_queue:
         from .sequencer import client
         if client.queue_path(Path(args.home)).exists():
-            q = client.open_queue(Path(args.home))
+            q = _open_queue(Path(args.home))
             try:
                 raws += q.receipts_held()
             finally:

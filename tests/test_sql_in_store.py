@@ -16,11 +16,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SQL = re.compile(r"\b(SELECT\b[\s\S]*\bFROM|INSERT\s+(OR\s+\w+\s+)?INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM|"
                  r"REPLACE\s+INTO|CREATE\s+(TABLE|INDEX|TRIGGER|VIEW|UNIQUE)|DROP\s+(TABLE|INDEX)|ALTER\s+TABLE|"
                  r"PRAGMA\s+\w+)\b")
-STORES = ("agent/store/", "agent/sequencer/store.py")  # the node's store; the sequencer service's own
+# the node's store; the sequencer service's own, and the versioned layouts of the sequencer's
+# files (its state and a member's Commit queue), which may not import agent/store/
+STORES = ("agent/store/", "agent/sequencer/store.py", "agent/sequencer/layout.py")
 
 # Still to move (issue 13 leftovers: each of these is a module's own piece of work).
 KNOWN_DEBT = {
-    "agent/sequencer/client.py": 32,
+    "agent/sequencer/client.py": 31,
 }
 
 

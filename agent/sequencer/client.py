@@ -8,6 +8,10 @@ the sync node waits on it). "Clients MUST NOT create divergent offline membershi
 member keeps at most **one outstanding Commit per group** — a second is refused until the first
 has an outcome, so it is never tempted to build epoch E+1 on its own unconfirmed Commit for E.
 
+The file's layout is versioned (``PRAGMA user_version``; layout.py ``QUEUE``: the DDL, the
+version history, the steps): every open runs the forward-only steps, and a queue from a newer
+release is refused (layout.LayoutError, CLI exit 1) before anything is written.
+
 Queue states (table ``commits``):
 
   queued    waiting for an outcome; (re)submitted on every connection, byte for byte
@@ -44,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from agent.sequencer import receipts
+from agent.sequencer import layout, receipts
 from agent.sequencer.framing import FramingError, parse_mls_message
 
 QUEUED, ACCEPTED, LOST, ABSENT, REFUSED = "queued", "accepted", "lost", "absent", "refused"
@@ -53,23 +57,6 @@ QUEUED, ACCEPTED, LOST, ABSENT, REFUSED = "queued", "accepted", "lost", "absent"
 FINAL_REFUSALS = frozenset({"not_commit", "unparseable", "epoch_out_of_range", "future_epoch"})
 ANSWER_ROOT = "sovm-member"
 RESUBMIT_FIRST_S, RESUBMIT_MAX_S = 2.0, 60.0     # an unanswered Commit is sent again, backing off
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS commits (
-  commit_hash BLOB PRIMARY KEY, group_id BLOB NOT NULL, epoch INTEGER NOT NULL, message BLOB NOT NULL,
-  state TEXT NOT NULL, reason TEXT, receipt BLOB, queued_seq INTEGER NOT NULL, submissions INTEGER NOT NULL DEFAULT 0);
-CREATE UNIQUE INDEX IF NOT EXISTS one_outstanding ON commits (group_id) WHERE state = 'queued';
-CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, detail TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS heads (
-  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, receipt BLOB NOT NULL, PRIMARY KEY (group_id, epoch, receipt));
-CREATE TABLE IF NOT EXISTS gaps (group_id BLOB NOT NULL, epoch INTEGER NOT NULL, PRIMARY KEY (group_id, epoch));
-CREATE TABLE IF NOT EXISTS statements (
-  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, statement BLOB NOT NULL, PRIMARY KEY (group_id, epoch, statement));
-CREATE TABLE IF NOT EXISTS gossiped (hash BLOB PRIMARY KEY);
-CREATE TABLE IF NOT EXISTS unsettled (
-  receipt BLOB PRIMARY KEY, group_id BLOB NOT NULL, epoch INTEGER NOT NULL, verdict TEXT NOT NULL, signer BLOB NOT NULL);
-"""
 
 
 class QueueRefused(Exception):
@@ -99,10 +86,17 @@ class CommitQueue:
     def __init__(self, path: Path, sequencer_key: Optional[bytes] = None) -> None:
         self.path = Path(path)
         self.conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=FULL")
-        self.conn.execute("PRAGMA busy_timeout=10000")
-        self.conn.executescript(SCHEMA)
+        try:
+            self.conn.execute("PRAGMA busy_timeout=10000")
+            # The layout version first (layout.py): a queue from a newer release is refused before
+            # anything is written (even journal_mode=WAL writes the header).
+            layout.refuse_newer(self.conn, layout.QUEUE, self.path)
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")
+            layout.migrate(self.conn, layout.QUEUE, self.path)
+        except BaseException:
+            self.conn.close()
+            raise
         with self._tx():
             if self._meta("member_id") is None:
                 # the client's own name on the broker (persistent session, answer topic)

@@ -12,6 +12,10 @@ Tables:
                    statement (receipts.py; persisted by the bridge before release, §22.6 step 4)
   events           what the sequencer surfaced: rollbacks detected, discontinuities recorded
 
+The layout is versioned (``PRAGMA user_version``; layout.py ``STATE``: the DDL, the version
+history, the steps): a writing open runs the forward-only steps, a read-only one never does, and
+a file from a newer release is refused (layout.LayoutError, CLI exit 1) before anything is written.
+
 §22.5 clause 3: ``current_epoch`` only ever moves in the transaction that inserts the receipt
 bytes for the epoch it leaves (``commit_receipt``) or records that epoch's discontinuity
 (``commit_discontinuity``); there is no other UPDATE of it. So no committed state has an epoch
@@ -24,26 +28,8 @@ import sqlite3
 from pathlib import Path
 from typing import Optional
 
+from agent.sequencer import layout
 from agent.sequencer.core import GroupState, Head
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS groups (
-  group_id BLOB PRIMARY KEY, current_epoch INTEGER NOT NULL, head_epoch INTEGER, head_hash BLOB,
-  origin TEXT NOT NULL, failed_closed INTEGER NOT NULL DEFAULT 0, migrated INTEGER NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS pending (
-  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, commit_hash BLOB NOT NULL, message BLOB NOT NULL,
-  bootstrap INTEGER NOT NULL, PRIMARY KEY (group_id, epoch));
-CREATE TABLE IF NOT EXISTS receipts (
-  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, commit_hash BLOB NOT NULL, receipt BLOB NOT NULL,
-  receipt_hash BLOB NOT NULL, message BLOB, PRIMARY KEY (group_id, epoch));
-CREATE TABLE IF NOT EXISTS discontinuities (
-  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, commit_hash BLOB, message BLOB, cause TEXT NOT NULL,
-  PRIMARY KEY (group_id, epoch));
-CREATE TABLE IF NOT EXISTS statements (
-  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, statement BLOB NOT NULL, PRIMARY KEY (group_id, epoch));
-CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, detail TEXT NOT NULL);
-"""
 
 
 class Store:
@@ -56,11 +42,20 @@ class Store:
         self._dirty: dict[bytes, Optional[GroupState]] = {}
         if readonly:
             self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None)
-            return
-        self.conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=FULL")
-        self.conn.executescript(SCHEMA)
+        else:
+            self.conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        try:
+            # The layout version first (layout.py): a file from a newer release is refused before
+            # anything is written (even journal_mode=WAL writes the header). A reader never migrates.
+            layout.refuse_newer(self.conn, layout.STATE, self.path)
+            if readonly:
+                return
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")
+            layout.migrate(self.conn, layout.STATE, self.path)
+        except BaseException:
+            self.conn.close()
+            raise
 
     def close(self) -> None:
         self.conn.close()

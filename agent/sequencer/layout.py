@@ -1,0 +1,214 @@
+"""Versioned layouts of the sequencer package's own SQLite files (docs/sequencer.md "State").
+
+Two files, each with its own version line, kept in `PRAGMA user_version` (the SQLite file header,
+read without touching any table):
+
+  STATE   HOME/sequencer.db       the sequencer's state (store.py)
+  QUEUE   HOME/commit-queue.db    a member's durable Commit queue (client.py)
+
+As for the node's store (agent/store/migrations.py, which this package may not import: the
+sequencer never imports the sync node, tests/core/test_layout.py): migrations run forward only,
+on a writing open, each in its own transaction together with the version it reaches, so a crash
+or a full disk leaves the file at the previous version, never between two. A file newer than
+this agent is refused (LayoutError, a local fault: CLI exit 1) before anything is written — an
+older agent cannot know what the newer layout means, and `CREATE TABLE IF NOT EXISTS` would
+silently run it on tables it does not understand. A read-only open (`sequencer status` beside a
+running `sequencer run`) never migrates, and refuses a newer file all the same.
+
+Version history, STATE (sequencer.db):
+  0  an empty file (no table yet)
+  1  the layout released before versioning (store.py SCHEMA at 16b3ab7): meta, groups (with
+     failed_closed, migrated), pending, receipts, discontinuities, statements, events.
+     That release wrote no version (user_version 0): a file with its tables is version 1
+
+Version history, QUEUE (commit-queue.db):
+  0  an empty file (no table yet)
+  1  the layout released before versioning (client.py SCHEMA at 16b3ab7): meta, commits with the
+     partial unique index one_outstanding, events, heads, gaps, statements, gossiped, unsettled.
+     That release wrote no version (user_version 0): a file with its tables is version 1
+
+A version-1 file as that release wrote it (user_version 0) gets step 1 on its first writing open:
+the step's DDL is `IF NOT EXISTS` throughout, so on such a file it changes nothing but the header's
+version (and completes a file whose creation was cut short: the release made it one statement at
+a time); the step then checks that every table has exactly the version-1 columns, so a file from
+a development build between releases is refused rather than labelled version 1.
+
+To change a layout: append a step (version latest + 1) to its list. Never edit a released step
+(the DDL text below is what the release wrote, and step 1 must stay idempotent on it).
+"""
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Callable
+
+Step = Callable[[sqlite3.Connection], None]
+
+
+class LayoutError(Exception):
+    """A file this agent must not open or change: written by a newer release, or not a layout it
+    knows. A local fault (CLI exit 1), not a refusal of the request."""
+
+
+class Layout:
+    """One file's version line: ``steps`` are (version reached, what it does, step), in order."""
+
+    def __init__(self, what: str, marker: str, steps: list[tuple[int, str, Step]]) -> None:
+        self.what = what            # how the messages name the file
+        self.marker = marker        # a table every released layout has: present with user_version 0 → version 1
+        self.steps = steps
+
+    @property
+    def latest(self) -> int:
+        return self.steps[-1][0]
+
+
+def statements(script: str) -> list[str]:
+    """A DDL script as single statements (executescript would COMMIT the step's transaction);
+    a `;` inside a comment does not end one."""
+    out, buf = [], ""
+    for part in script.split(";"):
+        buf += part + ";"
+        if sqlite3.complete_statement(buf):
+            if buf.strip(" \n;"):
+                out.append(buf)
+            buf = ""
+    return out
+
+
+def _table_shapes(conn: sqlite3.Connection, tables: list[str]) -> dict[str, list]:
+    """Each table's columns (name, type, not null, default, key position) and index names."""
+    return {t: [tuple(r[1:]) for r in conn.execute(f"PRAGMA table_info({t})")] +
+            sorted(r[1] for r in conn.execute(f"PRAGMA index_list({t})")) for t in tables}
+
+
+def _base(ddl: str) -> Step:
+    """Step 1: the released layout, created where absent, then checked column for column."""
+    def step(conn: sqlite3.Connection) -> None:
+        for stmt in statements(ddl):
+            conn.execute(stmt)
+        ref = sqlite3.connect(":memory:")
+        try:
+            for stmt in statements(ddl):
+                ref.execute(stmt)
+            tables = [t for (t,) in ref.execute("SELECT name FROM sqlite_master WHERE type = 'table' "
+                                                "AND name NOT LIKE 'sqlite_%' ORDER BY name")]
+            want = _table_shapes(ref, tables)
+        finally:
+            ref.close()
+        got = _table_shapes(conn, tables)
+        odd = sorted(t for t in tables if got[t] != want[t])
+        if odd:
+            raise LayoutError(f"its tables {', '.join(odd)} are not the version-1 layout (a development build "
+                              "wrote it?); nothing was changed")
+    return step
+
+
+# -- STATE: HOME/sequencer.db (store.py) ----------------------------------------------------------
+# Version 1, exactly as the release before versioning wrote it (store.py SCHEMA). Never edit.
+STATE_V1 = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS groups (
+  group_id BLOB PRIMARY KEY, current_epoch INTEGER NOT NULL, head_epoch INTEGER, head_hash BLOB,
+  origin TEXT NOT NULL, failed_closed INTEGER NOT NULL DEFAULT 0, migrated INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS pending (
+  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, commit_hash BLOB NOT NULL, message BLOB NOT NULL,
+  bootstrap INTEGER NOT NULL, PRIMARY KEY (group_id, epoch));
+CREATE TABLE IF NOT EXISTS receipts (
+  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, commit_hash BLOB NOT NULL, receipt BLOB NOT NULL,
+  receipt_hash BLOB NOT NULL, message BLOB, PRIMARY KEY (group_id, epoch));
+CREATE TABLE IF NOT EXISTS discontinuities (
+  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, commit_hash BLOB, message BLOB, cause TEXT NOT NULL,
+  PRIMARY KEY (group_id, epoch));
+CREATE TABLE IF NOT EXISTS statements (
+  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, statement BLOB NOT NULL, PRIMARY KEY (group_id, epoch));
+CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, detail TEXT NOT NULL);
+"""
+
+STATE = Layout("sequencer state", "groups", [
+    (1, "the released layout (groups, pending, receipts, discontinuities, statements, events)", _base(STATE_V1)),
+])
+
+
+# -- QUEUE: HOME/commit-queue.db (client.py) ------------------------------------------------------
+# Version 1, exactly as the release before versioning wrote it (client.py SCHEMA). Never edit.
+QUEUE_V1 = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS commits (
+  commit_hash BLOB PRIMARY KEY, group_id BLOB NOT NULL, epoch INTEGER NOT NULL, message BLOB NOT NULL,
+  state TEXT NOT NULL, reason TEXT, receipt BLOB, queued_seq INTEGER NOT NULL, submissions INTEGER NOT NULL DEFAULT 0);
+CREATE UNIQUE INDEX IF NOT EXISTS one_outstanding ON commits (group_id) WHERE state = 'queued';
+CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, detail TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS heads (
+  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, receipt BLOB NOT NULL, PRIMARY KEY (group_id, epoch, receipt));
+CREATE TABLE IF NOT EXISTS gaps (group_id BLOB NOT NULL, epoch INTEGER NOT NULL, PRIMARY KEY (group_id, epoch));
+CREATE TABLE IF NOT EXISTS statements (
+  group_id BLOB NOT NULL, epoch INTEGER NOT NULL, statement BLOB NOT NULL, PRIMARY KEY (group_id, epoch, statement));
+CREATE TABLE IF NOT EXISTS gossiped (hash BLOB PRIMARY KEY);
+CREATE TABLE IF NOT EXISTS unsettled (
+  receipt BLOB PRIMARY KEY, group_id BLOB NOT NULL, epoch INTEGER NOT NULL, verdict TEXT NOT NULL, signer BLOB NOT NULL);
+"""
+
+QUEUE = Layout("Commit queue", "commits", [
+    (1, "the released layout (commits, heads, gaps, statements, gossiped, unsettled, events)", _base(QUEUE_V1)),
+])
+
+
+# -- the runner -------------------------------------------------------------------------------------
+def _stamped(conn: sqlite3.Connection) -> int:
+    return conn.execute("PRAGMA user_version").fetchone()[0]
+
+
+def version(conn: sqlite3.Connection, layout: Layout) -> int:
+    """The layout version of the file behind ``conn`` (reads only)."""
+    v = _stamped(conn)
+    if v:
+        return v
+    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (layout.marker,)).fetchone():
+        return 1       # the release before versioning left user_version at 0
+    return 0
+
+
+def refuse_newer(conn: sqlite3.Connection, layout: Layout, path: Path) -> int:
+    """The file's version, or LayoutError when a newer release wrote it (read and writing opens).
+    Call it before anything that may write (even `PRAGMA journal_mode=WAL` writes the header)."""
+    v = version(conn, layout)
+    if v > layout.latest:
+        raise LayoutError(
+            f"{layout.what} {path} has layout version {v}, newer than this agent understands ({layout.latest}): "
+            "it was written by a newer ssp-agent. Nothing was changed. Install that release or a later one "
+            "(`ssp-agent --version` shows this one); the file is never migrated backwards")
+    return v
+
+
+def migrate(conn: sqlite3.Connection, layout: Layout, path: Path) -> list[int]:
+    """Bring the file to ``layout.latest`` (a writing open; ``conn`` in autocommit mode). Returns
+    the versions applied (empty: current). A file of the release before versioning gets step 1
+    (which changes nothing on it but the version in the header)."""
+    applied = []
+    for v, _what, step in layout.steps:
+        refuse_newer(conn, layout, path)
+        if _stamped(conn) >= v:
+            continue
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            # Again under the write lock: another opener (the queue has several) may have
+            # migrated meanwhile, or a newer release may have.
+            refuse_newer(conn, layout, path)
+            if _stamped(conn) >= v:
+                conn.execute("COMMIT")
+                continue
+            try:
+                step(conn)
+            except LayoutError as e:
+                raise LayoutError(f"{layout.what} {path}: {e}") from None
+            conn.execute(f"PRAGMA user_version = {int(v)}")
+            conn.execute("COMMIT")
+        except BaseException:
+            # ROLLBACK only an open transaction: after a full disk or an I/O error SQLite already
+            # rolled back, and a ROLLBACK would replace the error that says what happened.
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        applied.append(v)
+    return applied
