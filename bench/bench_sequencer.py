@@ -18,6 +18,13 @@ ES256 signing rate of the same keystore measured in the same run.
                             per raw signature: the figures a neighbour's load disturbs least (a
                             shared machine's wall rates swing 2x between rounds; SoftHSM2's token
                             works in its worker process, outside this figure)
+  tree_cpu_us_per_commit_stream<G>_<ks>, raw_tree_cpu_us_per_signature_<ks>
+                            the same per Commit / per raw signature for this process and every
+                            descendant (the software keystore's signing process, the PKCS#11 token
+                            worker and anything else a keystore runs): all the CPU a Commit costs
+  cpu_bound_stream<G>_<ks>  the ratio the machine's CPUs would allow if every process ran in
+                            parallel without loss: (usable CPUs / tree CPU per Commit) / raw rate.
+                            A goal above it cannot be met on this machine by scheduling alone
   broker_<G>_groups         (--broker) Commits/s through `sequencer run` on a real mosquitto: one
                             Commit for each of G groups published at once, every answer awaited
 
@@ -54,9 +61,38 @@ from _harness import of_rounds, rate, record  # noqa: E402  (bench/: the shared 
 from bench_keystore import softhsm_config  # noqa: E402
 
 
-def raw_es256(seq: service.Sequencer, n: int, batch: int, cpu: list | None = None) -> float:
+CPUS = len(os.sched_getaffinity(0))
+
+
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by this process and every live descendant (/proc):
+    a keystore's worker processes count. Resolution: one clock tick (10 ms), so measure ~1 s."""
+    me, parent, used = os.getpid(), {}, {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                s = f.read()
+        except OSError:        # gone meanwhile
+            continue
+        rest = s[s.rindex(")") + 2:].split()   # the name may hold spaces and parentheses
+        parent[int(p)] = int(rest[1])
+        used[int(p)] = int(rest[11]) + int(rest[12])
+    tree, todo = {me}, [me]
+    while todo:
+        x = todo.pop()
+        for pid, pp in parent.items():
+            if pp == x and pid not in tree:
+                tree.add(pid)
+                todo.append(pid)
+    return sum(used.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+
+
+def raw_es256(seq: service.Sequencer, n: int, batch: int, cpu: list | None = None,
+              tree: list | None = None) -> float:
     ks = seq.bridge.keystore
-    c = time.process_time()
+    c, tc = time.process_time(), tree_cpu_s()
     payload = receipts.payload_bytes(b"\x01" * 16, 0, b"\x02" * 32, None)
     _p, tbs = receipts.to_be_signed(seq.public_key, payload)
     reqs = [(service.RECEIPT_KEY, ReceiptIdentity(b"raw-bench", 10**9 + i), tbs) for i in range(n)]
@@ -67,6 +103,8 @@ def raw_es256(seq: service.Sequencer, n: int, batch: int, cpu: list | None = Non
     t = time.perf_counter() - t
     if cpu is not None:   # this process's CPU µs per signature (SoftHSM2: the token's is in its worker)
         cpu.append((time.process_time() - c) / n * 1e6)
+    if tree is not None:  # and with every worker process of the keystore
+        tree.append((tree_cpu_s() - tc) / n * 1e6)
     return rate(n, t)
 
 
@@ -104,7 +142,8 @@ def seq_batch(seq: service.Sequencer, n: int, batch: int, tag: bytes, cpu: list 
     return rate(rounds * batch, t)
 
 
-def seq_stream(seq: service.Sequencer, n: int, g: int, tag: bytes, cpu: list | None = None) -> float:
+def seq_stream(seq: service.Sequencer, n: int, g: int, tag: bytes, cpu: list | None = None,
+               tree: list | None = None) -> float:
     """Commits/s through ``Sequencer.group_commit`` with ``g`` groups in closed loops (each group's
     next Commit is put as the answer to its last is released, as members do through `sequencer
     run`), until ``n`` answers are out; the Commits are built beforehand (members build them)."""
@@ -114,7 +153,7 @@ def seq_stream(seq: service.Sequencer, n: int, g: int, tag: bytes, cpu: list | N
     rounds = n // g + 3
     msgs = {x: [encode_private_message(x, r) for r in range(rounds)] for x in gs}
     gc = seq.group_commit()
-    c = time.process_time()
+    c, tc = time.process_time(), tree_cpu_s()
     t = time.perf_counter()
     for x in gs:
         gc.put(x, msgs[x][0])
@@ -127,6 +166,8 @@ def seq_stream(seq: service.Sequencer, n: int, g: int, tag: bytes, cpu: list | N
     t = time.perf_counter() - t
     if cpu is not None:
         cpu.append((time.process_time() - c) / done * 1e6)
+    if tree is not None:
+        tree.append((tree_cpu_s() - tc) / done * 1e6)
     gc.queue.clear()     # what is in flight is finished (outside the figure)
     gc.drain()
     return rate(done, t)
@@ -158,15 +199,21 @@ def run_keystore(name: str, conf, d: str, n: int, batch: int, idle: int, rounds:
         for r in range(rounds):
             for suffix, seq in seqs.items():
                 rcpu: list = []
-                raw1 = raw_es256(seq, n, batch, rcpu)
+                rtree: list = []
+                raw1 = raw_es256(seq, n, batch, rcpu, rtree)
                 cpu: list = []
-                st = seq_stream(seq, 2 * n, stream, b"stream-%d-" % r, cpu)
-                raw2 = raw_es256(seq, n, batch, rcpu)
+                tree: list = []
+                st = seq_stream(seq, 2 * n, stream, b"stream-%d-" % r, cpu, tree)
+                raw2 = raw_es256(seq, n, batch, rcpu, rtree)
+                raw = (raw1 + raw2) / 2
                 got = [(f"seq_stream{stream}_{name}{suffix}", st),
-                       (f"ratio_stream{stream}_{name}{suffix}", st / ((raw1 + raw2) / 2)),
-                       (f"cpu_us_per_commit_stream{stream}_{name}{suffix}", cpu[0])]
+                       (f"ratio_stream{stream}_{name}{suffix}", st / raw),
+                       (f"cpu_us_per_commit_stream{stream}_{name}{suffix}", cpu[0]),
+                       (f"tree_cpu_us_per_commit_stream{stream}_{name}{suffix}", tree[0]),
+                       (f"cpu_bound_stream{stream}_{name}{suffix}", CPUS * 1e6 / tree[0] / raw)]
                 if not suffix:
-                    got += [(f"raw_es256_{name}", (raw1 + raw2) / 2), (f"raw_cpu_us_per_signature_{name}", sum(rcpu) / 2)]
+                    got += [(f"raw_es256_{name}", raw), (f"raw_cpu_us_per_signature_{name}", sum(rcpu) / 2),
+                            (f"raw_tree_cpu_us_per_signature_{name}", sum(rtree) / 2)]
                 for k, v in got:
                     fig.setdefault(k, []).append(v)
         for r in range(rounds):
@@ -351,7 +398,7 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
     print(f"{a.rounds} rounds; median [min .. max]")
     for k, v in fig.items():
-        fmt = "{:.3f}" if k.startswith("ratio") else "{:.1f}" if "cpu_" in k else "{:.0f}"
+        fmt = "{:.3f}" if k.startswith(("ratio", "cpu_bound")) else "{:.1f}" if "cpu_" in k else "{:.0f}"
         print(f"{k:44s} {fmt.format(statistics.median(v)):>8s}  [{fmt.format(min(v))} .. {fmt.format(max(v))}]"
               + ("" if k.startswith("ratio") or "cpu_" in k else " /s"))
     for ks in ("software", "pkcs11"):
@@ -361,6 +408,10 @@ def main() -> None:
                 print(f"{ks}: {what} / raw ES256 = {statistics.median(fig[k]):.3f} "
                       f"[{min(fig[k]):.3f} .. {max(fig[k]):.3f}]; with {idle} idle groups "
                       f"{statistics.median(fig[k + '_idle' + str(idle)]):.3f} (goal 0.8)")
+        k = f"cpu_bound_stream{stream}_{ks}"
+        if k in fig:
+            print(f"{ks}: the most {CPUS} CPUs allow at the stream's CPU per Commit (all processes) = "
+                  f"{statistics.median(fig[k]):.3f} of raw ES256")
     if a.json:
         print(json.dumps({k: {"median": round(statistics.median(v), 3), "min": round(min(v), 3),
                               "max": round(max(v), 3)} for k, v in fig.items()}))
@@ -372,6 +423,8 @@ def main() -> None:
                      f"{statistics.median(fig[f'ratio_batch{batch}_{ks}']):.2f}"
                      for ks in ("software", "pkcs11") if (k := f"ratio_stream{stream}_{ks}") in fig)
            + " (goal 0.8)"
+           + "".join(f"; {ks}'s CPU bound on {CPUS} CPUs {statistics.median(fig[k]):.2f}"
+                     for ks in ("software", "pkcs11") if (k := f"cpu_bound_stream{stream}_{ks}") in fig)
            + "".join(f"; through `sequencer run` {statistics.median(v):.0f} Commits/s ({k.split('_')[1]} groups)"
                      for k, v in fig.items() if k.startswith("broker_") and k.endswith("_groups")),
            parameters=vars(a))
