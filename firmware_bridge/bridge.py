@@ -106,10 +106,19 @@ class SigningBridge:
         FLOOR per site at the highest HLC ever intended. Receipts are kept in full. Afterwards an
         event identity at or below its site's floor that the journal no longer holds is spent:
         ``release`` raises ``OutcomeUnknown`` for it and never signs it. Returns counts."""
-        def busy() -> set:
-            with self._lock:
-                return set(self._inflight)
-        return self._journal.compact_events(recorded, busy)
+        return self._journal.compact_events(recorded, self._busy)
+
+    def compact_receipts(self, recorded_below: Callable[[bytes], Optional[int]]) -> dict[str, int]:
+        """Compact the journal's receipts (docs/keystore.md "Compaction"): ``recorded_below(group_id)``
+        is the epoch below which the caller holds every receipt of the group durably (or the stated
+        gap of an epoch without one), or None. Those receipts are dropped, except each group's newest
+        released one, leaving one FLOOR per group; any identity the journal forgot this way is spent:
+        ``status`` says OUTCOME_UNKNOWN and ``release`` never signs it again. Events are kept."""
+        return self._journal.compact(None, self._busy, recorded_below)
+
+    def _busy(self) -> set:
+        with self._lock:
+            return set(self._inflight)
 
     def journal_stats(self) -> dict[str, int]:
         """{"bytes", "entries", "fsyncs", "compactions"}: when to compact."""

@@ -9,7 +9,9 @@ File layout (all integers big-endian), documented in docs/keystore.md "Journal f
       type 2 RELEASED: rest = cose_len (u32) | exact COSE_Sign1 bytes
       type 3 FLOOR:    rest = (empty); ident is an event identity (site_id, HLC): every event
                        identity of that site at or below that HLC that the journal does not hold
-                       is spent (written by compaction, see ``compact_events``)
+                       is spent; or a receipt identity (group_id, epoch): every receipt identity of
+                       that group at or below that epoch that the journal does not hold is spent
+                       (written by compaction, see ``compact``)
       type 4 SEALED:   as RELEASED, the bytes sealed (sealing.py, associated data
                        b"ssp-journal\0" | ident): written by a journal given a sealer, so the
                        card holds no signed event in clear (docs/reliability.md "At rest")
@@ -28,10 +30,11 @@ after it, so it was durable once): the journal raises ``JournalCorrupt`` and cha
 refuses for want of space (ENOSPC, EDQUOT) is different: no fsync covered its bytes, so they are
 cut off (ftruncate to the last durable tail), that batch's callers fail, and the journal goes on.
 
-Compaction (``compact_events``) rewrites the file atomically (new file, fsync, rename, fsync of
-the directory): receipts are kept in full; events are kept only when their output is not yet
-recorded elsewhere by the caller (or their signing is in flight); everything else is replaced by
-one FLOOR record per site.  A crash at any point leaves either the old or the new file, and both
+Compaction (``compact``) rewrites the file atomically (new file, fsync, rename, fsync of the
+directory): events are kept only when their output is not yet recorded elsewhere by the caller (or
+their signing is in flight); receipts in full, unless the caller says below which epoch a group's
+receipts are recorded elsewhere (the sequencer: its receipts table), and then each group's newest
+receipt stays in full; everything else is replaced by one FLOOR record per site and per group.  A crash at any point leaves either the old or the new file, and both
 answer every question the same way for every identity the caller still needs.
 """
 from __future__ import annotations
@@ -132,7 +135,7 @@ def _parse_body(body: bytes) -> tuple[int, bytes, int, int]:
             raise ValueError("released length mismatch")
         return rtype, ident, pos + 4, clen
     if rtype == FLOOR:
-        if pos != len(body) or ilen != 29 or ident[:1] != b"E":
+        if pos != len(body) or not ((ilen == 29 and ident[:1] == b"E") or _receipt_parts(ident) is not None):
             raise ValueError("floor record malformed")
         return rtype, ident, pos, 0
     raise ValueError("unknown record type")
@@ -177,6 +180,41 @@ def _valid_records_after(data: bytes, bad: int, size: int) -> Optional[tuple[int
             got = _record_at(data, pos, size)
         return q, records, released
     return None
+
+
+def _receipt_parts(ident: bytes) -> Optional[tuple[bytes, int]]:
+    """(group_id, epoch) of a receipt identity's encoding (identity.py), read in place; None for
+    anything else."""
+    if len(ident) < 12 or ident[:1] != b"R" or struct.unpack_from(">H", ident, 1)[0] != len(ident) - 11:
+        return None
+    return ident[3:-8], _Q.unpack_from(ident, len(ident) - 8)[0]
+
+
+def _receipts_to_drop(entries: list, busy: set, receipts_below: Callable[[bytes], Optional[int]],
+                      floors: dict[bytes, int]) -> set:
+    """The receipt identities ``compact`` drops (see there): below the caller's recorded epoch,
+    not in flight, not their group's newest released receipt. ``floors`` (group -> epoch) is
+    raised to the highest epoch dropped of each group."""
+    head: dict[bytes, int] = {}        # group -> newest released epoch
+    cands = []
+    unpack = _Q.unpack_from
+    for ident, loc in entries:
+        if ident[0] != 0x52:           # b"R": the index holds only well-formed receipts (_apply)
+            continue
+        gid, epoch = ident[3:-8], unpack(ident, len(ident) - 8)[0]
+        if loc is not None and epoch > head.get(gid, -1):
+            head[gid] = epoch
+        cands.append((ident, gid, epoch))
+    below_of: dict[bytes, Optional[int]] = {}
+    drop = set()
+    for ident, gid, epoch in cands:
+        below = below_of[gid] if gid in below_of else below_of.setdefault(gid, receipts_below(gid))
+        if below is None or epoch >= below or epoch == head.get(gid) or ident in busy:
+            continue
+        drop.add(ident)
+        if epoch > floors.get(gid, -1):
+            floors[gid] = epoch
+    return drop
 
 
 def _corrupt(path: str, pos: int, after: tuple[int, int, int]) -> JournalCorrupt:
@@ -241,6 +279,7 @@ class Journal:
         self._max_hlc: dict[bytes, tuple[int, int]] = {}
         self._max_epoch: dict[bytes, int] = {}
         self._floor: dict[bytes, tuple[int, int]] = {}   # site_id -> HLC floor (FLOOR records)
+        self._receipt_floor: dict[bytes, int] = {}       # group_id -> epoch floor (FLOOR records)
         self._key_of: dict[bytes, str] = {}   # ident -> key name of its intent (interned)
         self._pending = bytearray()
         # (tagged ident, record length, payload length or None, key name or None) of queued records
@@ -347,7 +386,14 @@ class Journal:
                 self._max_epoch[gid] = epoch
         elif rtype == FLOOR:
             identity = decode_identity(ident)
-            assert isinstance(identity, EventIdentity)
+            if isinstance(identity, ReceiptIdentity):
+                for etable in (self._receipt_floor, self._max_epoch):
+                    cur_e = etable.get(identity.group_id)
+                    if cur_e is None or identity.epoch > cur_e:
+                        etable[identity.group_id] = identity.epoch
+                return
+            if not isinstance(identity, EventIdentity):
+                raise ValueError("a FLOOR record names an event or a receipt identity")
             for table in (self._floor, self._max_hlc):
                 cur = table.get(identity.site_id)
                 if cur is None or identity.hlc > cur:
@@ -479,13 +525,29 @@ class Journal:
     # -- compaction ---------------------------------------------------------------------------
     def compact_events(self, recorded: Callable[[EventIdentity], bool],
                        in_flight: Callable[[], set] = set) -> dict[str, int]:
-        """Rewrite the journal without the events the caller has durably recorded elsewhere.
+        """``compact`` of the events only: every receipt is kept in full."""
+        return self.compact(recorded, in_flight)
 
-        Kept: every receipt record; every event whose output is released and not ``recorded``;
-        every event intent in ``in_flight()`` (being signed now: its output is about to be
-        persisted).  Dropped: released events for which ``recorded(identity)`` is true, and event
-        intents without output (unknown outcomes, already spent).  Added: one FLOOR per site at
-        the highest event HLC ever intended, so every dropped identity stays spent.
+    def compact(self, recorded: Optional[Callable[[EventIdentity], bool]] = None,
+                in_flight: Callable[[], set] = set,
+                receipts_below: Optional[Callable[[bytes], Optional[int]]] = None) -> dict[str, int]:
+        """Rewrite the journal without what the caller has durably recorded elsewhere.
+
+        Events (``recorded`` given): kept, every event whose output is released and not
+        ``recorded``, and every event intent in ``in_flight()`` (being signed now: its output is
+        about to be persisted).  Dropped: released events for which ``recorded(identity)`` is
+        true, and event intents without output (unknown outcomes, already spent).  Added: one
+        FLOOR per site at the highest event HLC ever intended, so every dropped identity stays
+        spent.  Without ``recorded`` every event is kept.
+
+        Receipts (``receipts_below`` given; without it every receipt is kept in full):
+        ``receipts_below(group_id)`` is the epoch below which the caller holds every receipt of the
+        group durably, or the stated gap of an epoch that has none (the sequencer: its committed
+        ``current_epoch``, §22.5 cl. 3), or None.  Dropped: a receipt identity below it, released
+        or intended, not ``in_flight()`` and not the group's newest released receipt (kept in full
+        so that a state restored from a slightly older copy still adopts the head byte for byte).
+        Added: one FLOOR per group at the highest epoch dropped, so every dropped identity stays
+        spent (``state`` says "spent": never signed again, §22.5 cl. 1-2).
 
         The new file is written beside the journal, fsynced, renamed over it, and the directory
         fsynced; commits wait meanwhile (they queue and share the next fsync afterwards).  A
@@ -500,6 +562,7 @@ class Journal:
             entries = list(self._index.items())
             key_of = self._key_of
             floors = dict(self._max_hlc)
+            receipt_floors = dict(self._receipt_floor)
             old_fd, old_size = self._fd, self._tail
         new_fd = -1
         renamed = False
@@ -508,11 +571,20 @@ class Journal:
             out = bytearray(MAGIC)
             new_index: dict[bytes, Optional[tuple[int, int]]] = {}
             new_keys: dict[bytes, str] = {}
-            for site, hlc in sorted(floors.items()):
-                out += encode_floor(EventIdentity(site, *hlc).encode())
-            dropped = 0
+            if recorded is not None:
+                for site, hlc in sorted(floors.items()):
+                    out += encode_floor(EventIdentity(site, *hlc).encode())
+            drop_receipts: set = set()
+            if receipts_below is not None:
+                drop_receipts = _receipts_to_drop(entries, busy, receipts_below, receipt_floors)
+            for gid, epoch in sorted(receipt_floors.items()):
+                out += encode_floor(ReceiptIdentity(gid, epoch).encode())
+            dropped = receipts_dropped = 0
+            if drop_receipts:
+                receipts_dropped = len(drop_receipts)
+                entries = [(i, loc) for i, loc in entries if i not in drop_receipts]
             for ident, loc in entries:
-                if ident[:1] == b"E":
+                if recorded is not None and ident[:1] == b"E":
                     keep = (ident in busy) if loc is None else not recorded(decode_identity(ident))  # type: ignore[arg-type]
                     if not keep:
                         dropped += 1
@@ -570,13 +642,14 @@ class Journal:
             os.close(old_fd)
             self._index = new_index
             self._key_of = new_keys
-            self._floor = floors
+            self._floor = floors if recorded is not None else self._floor
+            self._receipt_floor = receipt_floors
             self._tail = len(out)
             self.compactions += 1
             self._flushing = False
             self._cond.notify_all()
-        return {"events_dropped": dropped, "entries_kept": len(new_index), "bytes_before": old_size,
-                "bytes_after": len(out)}
+        return {"events_dropped": dropped, "receipts_dropped": receipts_dropped, "entries_kept": len(new_index),
+                "bytes_before": old_size, "bytes_after": len(out)}
 
     def _fire(self, point: str) -> None:
         if self._hook:
@@ -590,12 +663,17 @@ class Journal:
             floor = self._floor.get(ident[1:17])
             if floor is not None and struct.unpack(">QI", ident[17:29]) <= floor:
                 return "spent"
+        elif ident[:1] == b"R" and self._receipt_floor:
+            parts = _receipt_parts(ident)
+            if parts is not None and parts[1] <= self._receipt_floor.get(parts[0], -1):
+                return "spent"
         return "absent"
 
     def state(self, ident: bytes) -> str:
         """"absent", "intent" (durable intent, no durable output), "released", or "spent" (an
-        event identity at or below its site's compaction floor that the journal no longer holds:
-        recorded by the caller, or an unknown outcome; never to be signed)."""
+        event or receipt identity at or below its site's or group's compaction floor that the
+        journal no longer holds: recorded by the caller, or an unknown outcome; never to be
+        signed)."""
         with self._lock:
             return self._state_locked(ident)
 

@@ -42,6 +42,12 @@ RECEIPT_KEY = "receipts"          # the key name of the receipt-signing identity
 DB_NAME, JOURNAL_NAME, LOCK_NAME, PIN_NAME = "sequencer.db", "sign-journal", "sequencer.lock", "keystore.pin"
 HANDOFF_FORMAT = "sovm-sequencer-handoff-v1"
 RUN_LOCK_NAME = "run.lock"        # held exclusively by `sequencer run`, shared by every other verb
+# The signing journal is compacted when it grew this much since its last compaction (and on open
+# when larger than the second figure): it then holds each group's newest receipt and one floor a
+# group, not every receipt ever signed (~350 bytes of disk and of memory each: docs/sequencer.md
+# "Journal compaction")
+JOURNAL_COMPACT_BYTES = 8 * 2**20
+JOURNAL_OPEN_COMPACT_BYTES = 64 * 2**10
 
 Hook = Callable[[str], None]
 
@@ -190,7 +196,10 @@ class Sequencer:
                 raise SequencerFault("the keystore's receipt key is not the one this sequencer was "
                                      "initialised with: wrong token or device attached")
             self.bridge = SigningBridge(ks, str(self.home / JOURNAL_NAME), fault_hook=fault_hook)
+            self._compacted_at = 0          # the journal's size after its last compaction
             self._resume()
+            if self.bridge.journal_stats()["bytes"] > JOURNAL_OPEN_COMPACT_BYTES:
+                self.compact_journal()
         except BaseException:
             self.close()
             raise
@@ -248,6 +257,23 @@ class Sequencer:
         """The pipelined group commit over this sequencer (docs/sequencer.md): ``put`` Commits as
         they arrive, ``step`` to advance, take the answers each step released."""
         return GroupCommit(self, chunk or self.chunk)
+
+    def compact_journal(self) -> dict:
+        """Drop from the signing journal every receipt the receipts table holds (or whose gap it
+        states): below each group's committed epoch (§22.5 cl. 3: the epoch moves only with the
+        receipt or the stated gap), except the group's newest receipt; a group frozen on
+        equivocation evidence keeps all of its own for the audit. What the journal forgets this
+        way stays spent, never signed again (docs/sequencer.md "Journal compaction")."""
+        def recorded_below(gid: bytes) -> Optional[int]:
+            state = self.store.group(gid)
+            return None if state is None or state.failed_closed else state.current_epoch
+        stats = self.bridge.compact_receipts(recorded_below)
+        self._compacted_at = stats["bytes_after"]
+        return stats
+
+    def _maybe_compact(self) -> None:
+        if self.bridge.journal_stats()["bytes"] - self._compacted_at >= JOURNAL_COMPACT_BYTES:
+            self.compact_journal()
 
     def receipt(self, group_id: bytes, epoch: int) -> Union[bytes, Absent]:
         raw = self.store.receipt(group_id, epoch)
@@ -473,6 +499,23 @@ class Reader:
     def __init__(self, home: Path) -> None:
         self.store = Store(Path(home) / DB_NAME, readonly=True)
 
+    def compact_journal(self) -> dict:
+        """Drop from the signing journal every receipt the receipts table holds (or whose gap it
+        states): below each group's committed epoch (§22.5 cl. 3: the epoch moves only with the
+        receipt or the stated gap), except the group's newest receipt; a group frozen on
+        equivocation evidence keeps all of its own for the audit. What the journal forgets this
+        way stays spent, never signed again (docs/sequencer.md "Journal compaction")."""
+        def recorded_below(gid: bytes) -> Optional[int]:
+            state = self.store.group(gid)
+            return None if state is None or state.failed_closed else state.current_epoch
+        stats = self.bridge.compact_receipts(recorded_below)
+        self._compacted_at = stats["bytes_after"]
+        return stats
+
+    def _maybe_compact(self) -> None:
+        if self.bridge.journal_stats()["bytes"] - self._compacted_at >= JOURNAL_COMPACT_BYTES:
+            self.compact_journal()
+
     def receipt(self, group_id: bytes, epoch: int) -> Union[bytes, Absent]:
         raw = self.store.receipt(group_id, epoch)
         if raw is not None:
@@ -612,6 +655,8 @@ class GroupCommit:
             self.batches += 1
         if seq._unsigned:
             seq._sign_statements()
+        if done:
+            seq._maybe_compact()   # the batch just committed may be dropped from the journal
         return out
 
     def _drop_in_flight(self) -> list:

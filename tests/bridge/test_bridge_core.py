@@ -279,7 +279,7 @@ def test_no_public_raw_signing():
     assert not any("sign" in n for n in public), public
     public_bridge = [n for n in dir(SigningBridge) if not n.startswith("_")]
     assert set(public_bridge) == {"release", "release_many", "release_pipelined", "released", "iter_released", "status", "max_event_hlc",
-                                  "max_receipt_epoch", "keystore", "describe", "close", "compact_events",
+                                  "max_receipt_epoch", "keystore", "describe", "close", "compact_events", "compact_receipts",
                                   "journal_stats", "public_key"}
 
 

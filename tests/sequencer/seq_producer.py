@@ -39,6 +39,8 @@ def main() -> None:
                                                         "in one submit_many per round")
     ap.add_argument("--chunk", type=int, default=0, help="Commits per step of the pipelined group commit "
                                                          "(1: every group its own overlapping batch)")
+    ap.add_argument("--compact-bytes", type=int, default=0, help="compact the signing journal whenever it grew "
+                                                                 "this much (and on open above it)")
     ap.add_argument("--unsafe", default="", help="negative control: 'advance-first' moves the epoch "
                                                  "before the receipt is durable (violates §22.5 cl. 3)")
     a = ap.parse_args()
@@ -53,6 +55,8 @@ def main() -> None:
                                   "ON CONFLICT (group_id) DO UPDATE SET current_epoch = excluded.current_epoch",
                                   (group_id, epoch + 1))
         Store._put_pending_rows = put_pending_rows
+    if a.compact_bytes:
+        service.JOURNAL_COMPACT_BYTES = service.JOURNAL_OPEN_COMPACT_BYTES = a.compact_bytes
     hook = hook_from_env("SEQ_CRASH")
     rng = random.Random(a.seed)
     out = sys.stdout

@@ -39,6 +39,9 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 PRODUCER = os.path.join(HERE, "seq_producer.py")
 POINTS = ["accepted", "after_intent", "after_sign", "before_persist", "journal_torn_write",
           "journal_before_fsync", "after_persist", "committed", "after_release"]
+# the signing journal's compaction (firmware_bridge/journal.py): before and after its rename
+COMPACTION_POINTS = ["compact_torn_write", "compact_before_fsync", "compact_before_rename",
+                     "compact_after_rename", "compact_after_dirsync"]
 HITS = (1, 3, 7, 15)
 START = {bytes.fromhex("01" * 16): 0, bytes.fromhex("02" * 16): 100, bytes.fromhex("03" * 16): 7}
 
@@ -53,6 +56,9 @@ class Checker:
             "SELECT value FROM meta WHERE key = 'receipt_key'").fetchone()[0])["public_key"])
         conn.close()
         self.discontinuities_seen = 0
+        self.journal_seen: dict = {}       # (group, epoch) -> receipt bytes ever found in the journal
+        self.forgotten: set = set()        # (group, epoch) a compaction dropped (below its floor, gone)
+        self.compacted = 0                 # checks that found a floor (compaction happened)
 
     def feed(self, lines: list[str]) -> None:
         for line in lines:
@@ -83,7 +89,19 @@ class Checker:
         # nothing was released (checked below against the released set) and there is nothing to parse.
         records = parse_journal(path) if os.path.exists(path) and os.path.getsize(path) >= 8 else []
         statements: dict = {}
+        floors: dict = {}                  # group -> epoch floor of the journal's compaction
+        held: set = set()                  # receipt identities the journal holds (intent or output)
         for t, ident, data in records:
+            if t == 3:
+                idy = decode_identity(ident)
+                floors[idy.group_id] = max(idy.epoch, floors.get(idy.group_id, -1))
+                continue
+            if ident[:1] == b"R":
+                idy = decode_identity(ident)
+                key = (idy.group_id, idy.epoch)
+                # a pair a compaction dropped is spent: never intended or signed again (§22.5 cl. 1-2)
+                assert key not in self.forgotten, f"{key} back in the journal after a compaction dropped it"
+                held.add(key)
             if t == 2:
                 idy = decode_identity(ident)
                 key = (idy.group_id, idy.epoch)
@@ -93,7 +111,8 @@ class Checker:
                     statements[key] = data
                     continue
                 assert key not in journal, f"two persisted receipts for {key}"
-                journal[key] = data
+                assert self.journal_seen.get(key, data) == data, f"two persisted receipts for {key}"
+                journal[key] = self.journal_seen[key] = data
         conn = sqlite3.connect(os.path.join(self.home, "sequencer.db"))
         try:
             store = {(bytes(g), e): bytes(r) for g, e, r in conn.execute("SELECT group_id, epoch, receipt FROM receipts")}
@@ -102,11 +121,16 @@ class Checker:
             stated = {(bytes(g), e): bytes(r) for g, e, r in conn.execute("SELECT group_id, epoch, statement FROM statements")}
         finally:
             conn.close()
+        def compacted(ident) -> bool:      # dropped by a compaction: at or below its floor, not held
+            return ident not in held and ident[1] <= floors.get(ident[0], -1)
         for ident, raw in self.released.items():
             assert store.get(ident) == raw, f"released {ident} not durable in the state with identical bytes"
-            assert journal.get(ident) == raw, f"released {ident} not in the journal with identical bytes"
+            assert journal.get(ident) == raw or compacted(ident), f"released {ident} not in the journal with identical bytes"
         for ident, raw in store.items():
-            assert journal.get(ident) == raw, f"state receipt {ident} differs from the journal's"
+            assert journal.get(ident) == raw or compacted(ident), f"state receipt {ident} differs from the journal's"
+        for gid, floor in floors.items():
+            self.forgotten.update((gid, e) for e in range(START[gid], floor + 1) if (gid, e) not in held)
+        self.compacted += bool(floors)
         assert not (gaps & set(store)), "an epoch with both a receipt and a discontinuity"
         assert self.absent <= gaps
         assert set(statements) <= gaps, "a statement of absence for an epoch that is no recorded gap"
@@ -126,13 +150,15 @@ class Checker:
 
 
 def run(home: str, *, crash: str | None = None, kill_after: float | None = None, seed: int = 0,
-        target: int = 30, unsafe: str = "", batch: bool = False, chunk: int = 0) -> tuple[list[str], bool, bool]:
+        target: int = 30, unsafe: str = "", batch: bool = False, chunk: int = 0,
+        compact: int = 0) -> tuple[list[str], bool, bool]:
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONDONTWRITEBYTECODE="1")
     env.pop("SEQ_CRASH", None)
     if crash:
         env["SEQ_CRASH"] = crash
     proc = subprocess.Popen([sys.executable, PRODUCER, "--home", home, "--seed", str(seed), "--target", str(target)]
-                            + (["--unsafe", unsafe] if unsafe else []) + (["--batch"] if batch else []) + (["--chunk", str(chunk)] if chunk else []),
+                            + (["--unsafe", unsafe] if unsafe else []) + (["--batch"] if batch else []) + (["--chunk", str(chunk)] if chunk else [])
+                            + (["--compact-bytes", str(compact)] if compact else []),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     lines: list[str] = []
 
@@ -158,7 +184,7 @@ def run(home: str, *, crash: str | None = None, kill_after: float | None = None,
 
 
 def drive(home: str, schedule: list, *, target: int, seed: int, unsafe: str = "",
-          batch: bool = False, chunk: int = 0) -> tuple[Checker, int]:
+          batch: bool = False, chunk: int = 0, compact: int = 0) -> tuple[Checker, int]:
     service.init(home)
     checker = Checker(home)
     kills = 0
@@ -172,7 +198,7 @@ def drive(home: str, schedule: list, *, target: int, seed: int, unsafe: str = ""
             step_target = target
         lines, killed, done = run(home, crash=step if isinstance(step, str) else None,
                                   kill_after=step if isinstance(step, float) else None, seed=seed + n,
-                                  target=step_target, unsafe=unsafe, batch=batch, chunk=chunk)
+                                  target=step_target, unsafe=unsafe, batch=batch, chunk=chunk, compact=compact)
         kills += killed
         if isinstance(step, str):
             assert killed, f"crash point {step} was never reached"
@@ -212,11 +238,14 @@ def test_named_crash_points(tmp_path):
 
 
 def test_random_kills(tmp_path):
+    """With the signing journal compacted every ~4 KiB (a dozen receipts): kills land in and
+    around compactions too (docs/sequencer.md "Journal compaction")."""
     rng = random.Random(1414)
     sched = [round(rng.uniform(0.05, 0.9), 3) for _ in range(120)]
-    checker, kills = drive(str(tmp_path / "s"), sched, target=20, seed=2)
+    checker, kills = drive(str(tmp_path / "s"), sched, target=20, seed=2, compact=4096)
     assert kills == len(sched)
     assert len(checker.released) >= 150
+    assert checker.compacted > 0 and checker.forgotten
 
 
 def test_group_commit_named_crash_points_and_random_kills(tmp_path):
@@ -226,10 +255,13 @@ def test_group_commit_named_crash_points_and_random_kills(tmp_path):
     batch's receipt and the next one's pending row. Kills inside a step leave some receipts
     persisted, others intended only; the same checker holds."""
     rng = random.Random(2828)
-    sched = [f"{p}:{h}" for p in POINTS for h in (1, 4, 9)] + [round(rng.uniform(0.05, 0.9), 3) for _ in range(117)]
-    checker, kills = drive(str(tmp_path / "s"), sched, target=120, seed=4, batch=True, chunk=1)
+    sched = [f"{p}:{h}" for p in POINTS for h in (1, 4, 9)] + \
+        [f"{p}:{h}" for p in COMPACTION_POINTS for h in (1, 2, 3)] + \
+        [round(rng.uniform(0.05, 0.9), 3) for _ in range(117)]
+    checker, kills = drive(str(tmp_path / "s"), sched, target=120, seed=4, batch=True, chunk=1, compact=4096)
     assert kills == len(sched)
     assert checker.discontinuities_seen > 0 and len(checker.released) >= 300
+    assert checker.compacted > 0 and checker.forgotten
 
 
 def test_negative_control_epoch_advanced_before_the_receipt_fails_the_checker(tmp_path):

@@ -1,0 +1,114 @@
+"""The sequencer's signing journal stays bounded by its groups, not by every receipt it ever signed
+(docs/sequencer.md "Journal compaction"). Before, the journal kept every receipt in full and its
+in-memory index one entry per receipt: ~350 bytes of disk and of memory per Commit, for ever
+(200 000 Commits: 70 MB of journal, +69 MB resident, 0.7 s to open), so a long-lived sequencer on
+a 512 MB device ran out of memory. Compaction keeps each group's newest receipt in full and one
+floor per group; the receipts table (SQLite) re-serves every older receipt byte for byte, and no
+pair the journal forgot is ever signed again (§22.5 cl. 1-2)."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from agent.sequencer import receipts, service
+from agent.sequencer.framing import encode_private_message
+from bridge_helpers import parse_journal
+from firmware_bridge import ReceiptIdentity, Status
+
+GROUPS = [bytes([0xA0 + i]) * 16 for i in range(4)]
+
+
+def msg(g: bytes, epoch: int, tag: bytes = b"") -> bytes:
+    return encode_private_message(g, epoch, 3, ciphertext=b"c" * 32 + tag)
+
+
+def run_epochs(s: service.Sequencer, first: int, last: int) -> dict:
+    """Every group through epochs first..last, one submit_many per epoch; {(g, e): receipt}."""
+    out = {}
+    for e in range(first, last + 1):
+        for g, ans in zip(GROUPS, s.submit_many([msg(g, e) for g in GROUPS])):
+            assert isinstance(ans, service.Accepted), ans
+            out[(g, e)] = ans.receipt
+    return out
+
+
+def outputs(home) -> list:
+    return [rec for rec in parse_journal(str(home / "sign-journal")) if rec[0] == 2 and rec[1][:1] == b"R"]
+
+
+def test_journal_holds_a_bounded_number_of_entries_and_every_receipt_is_reserved(tmp_path, monkeypatch):
+    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", 8 * 1024)
+    home = tmp_path / "s"
+    service.init(home)
+    with service.Sequencer(home) as s:
+        for g in GROUPS:
+            s.register(g, 0)
+        got = run_epochs(s, 0, 119)
+        stats = s.bridge.journal_stats()
+        assert stats["compactions"] >= 3
+        # each group's newest receipt in full, nothing older (the bound does not grow with epochs)
+        assert stats["entries"] <= 2 * len(GROUPS), stats
+        assert stats["bytes"] < 8 * 1024 + 4 * 1024, stats
+        for (g, e), raw in got.items():
+            assert s.receipt(g, e) == raw                         # byte for byte, from SQLite
+            assert s.bridge.status(ReceiptIdentity(g, e)) is not Status.ABSENT   # never signable again
+    with service.Sequencer(home) as s:                            # reopen: nothing to settle
+        assert "rollback" not in [e["kind"] for e in s.store.events()]
+        for g in GROUPS:
+            assert s.store.group(g).current_epoch == 120 and not s.store.group(g).discontinuities
+            stale = s.submit(msg(g, 119, b"late"))
+            assert isinstance(stale, service.Rejected) and stale.head == got[(g, 119)]
+        nxt = s.submit(msg(GROUPS[0], 120))
+        assert receipts.parse_receipt(nxt.receipt).previous_receipt_hash == receipts.receipt_hash(got[(GROUPS[0], 119)])
+
+
+def test_state_rolled_back_past_a_compaction_is_never_resigned(tmp_path, monkeypatch):
+    """§22.6: the state restored from a copy older than the journal's floor. The newest receipt
+    of each group is still in the journal (adopted byte for byte); the epochs the journal only
+    remembers as spent become recorded discontinuities, never signed a second time."""
+    rolled_back_past_a_compaction(tmp_path, monkeypatch)
+
+
+def test_negative_control_a_journal_that_forgets_its_floor_resigns(tmp_path, monkeypatch):
+    """The same history with the receipt floors ignored (a compacted pair reads as never signed):
+    the checks above catch the second signing."""
+    from firmware_bridge import journal
+    state = journal.Journal._state_locked
+    monkeypatch.setattr(journal.Journal, "_state_locked",
+                        lambda self, ident: "absent" if (got := state(self, ident)) == "spent" else got)
+    with pytest.raises(AssertionError, match="current_epoch"):   # the state stays behind: it would sign epoch 5 again
+        rolled_back_past_a_compaction(tmp_path, monkeypatch)
+
+
+def rolled_back_past_a_compaction(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", 4 * 1024)
+    home = tmp_path / "s"
+    service.init(home)
+    with service.Sequencer(home) as s:
+        for g in GROUPS:
+            s.register(g, 0)
+        run_epochs(s, 0, 4)
+    shutil.copy(home / "sequencer.db", tmp_path / "backup.db")     # state at epoch 5
+    with service.Sequencer(home) as s:
+        got = run_epochs(s, 5, 60)
+        assert s.bridge.journal_stats()["compactions"] >= 1
+        s.compact_journal()          # and once more, so no receipt below each head stays in full
+    assert {rec[1] for rec in outputs(home)} == {ReceiptIdentity(g, 60).encode() for g in GROUPS}
+    for suffix in ("-wal", "-shm"):
+        (home / ("sequencer.db" + suffix)).unlink(missing_ok=True)
+    shutil.copy(tmp_path / "backup.db", home / "sequencer.db")
+    with service.Sequencer(home) as s:
+        for g in GROUPS:
+            st = s.store.group(g)
+            assert st.current_epoch == 61
+            assert s.receipt(g, 60) == got[(g, 60)]                 # the head: adopted byte for byte
+            assert set(st.discontinuities) == set(range(5, 60))     # the rest: stated absences
+            assert s.receipt(g, 30) == service.Absent(discontinuity=True)
+            assert isinstance(s.submit(msg(g, 30, b"again")), service.Rejected)
+        assert "rollback" in [e["kind"] for e in s.store.events()]
+        nxt = s.submit(msg(GROUPS[1], 61))
+        assert receipts.parse_receipt(nxt.receipt).previous_receipt_hash == receipts.receipt_hash(got[(GROUPS[1], 60)])
+    # the only receipt signed since: epoch 61 of one group (a re-signed epoch would be here)
+    assert sorted(rec[1] for rec in outputs(home)) == sorted(
+        [ReceiptIdentity(g, 60).encode() for g in GROUPS] + [ReceiptIdentity(GROUPS[1], 61).encode()])
