@@ -286,7 +286,9 @@ class Sequencer:
         return self.store.commit_message(group_id, epoch)
 
     def status(self) -> dict:
-        return dict(_status(self.store), keystore=self.bridge.keystore.describe())
+        # the journal's size and entries: bounded by the groups once compacted ("Journal compaction")
+        return dict(_status(self.store), keystore=self.bridge.keystore.describe(),
+                    journal=self.bridge.journal_stats())
 
     def recover(self, group_id: bytes, evidence: list, bindings: dict[int, bytes]):
         """§22.6 state loss, steps 1-5, for a group this sequencer holds no state for (or holds
@@ -489,7 +491,7 @@ def _status(store: Store) -> dict:
                        "failed_closed": s.failed_closed,
                        "migrated": s.migrated})
     return {"sequencer_key": store.get_meta("receipt_key")["public_key"], "groups": groups,
-            "events": store.events()}
+            "events": store.events(), "layout_version": store.layout_version()}
 
 
 class Reader:
@@ -498,23 +500,6 @@ class Reader:
 
     def __init__(self, home: Path) -> None:
         self.store = Store(Path(home) / DB_NAME, readonly=True)
-
-    def compact_journal(self) -> dict:
-        """Drop from the signing journal every receipt the receipts table holds (or whose gap it
-        states): below each group's committed epoch (§22.5 cl. 3: the epoch moves only with the
-        receipt or the stated gap), except the group's newest receipt; a group frozen on
-        equivocation evidence keeps all of its own for the audit. What the journal forgets this
-        way stays spent, never signed again (docs/sequencer.md "Journal compaction")."""
-        def recorded_below(gid: bytes) -> Optional[int]:
-            state = self.store.group(gid)
-            return None if state is None or state.failed_closed else state.current_epoch
-        stats = self.bridge.compact_receipts(recorded_below)
-        self._compacted_at = stats["bytes_after"]
-        return stats
-
-    def _maybe_compact(self) -> None:
-        if self.bridge.journal_stats()["bytes"] - self._compacted_at >= JOURNAL_COMPACT_BYTES:
-            self.compact_journal()
 
     def receipt(self, group_id: bytes, epoch: int) -> Union[bytes, Absent]:
         raw = self.store.receipt(group_id, epoch)

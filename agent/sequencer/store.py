@@ -60,6 +60,10 @@ class Store:
     def close(self) -> None:
         self.conn.close()
 
+    def layout_version(self) -> int:
+        """The file's layout version (layout.py), for `sequencer status`."""
+        return layout.version(self.conn, layout.STATE)
+
     # -- meta ------------------------------------------------------------------------------
     def set_meta(self, key: str, value: object) -> None:
         self.conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
