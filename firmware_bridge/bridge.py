@@ -111,8 +111,8 @@ class SigningBridge:
     def compact_receipts(self, recorded_below: Callable[[bytes], Optional[int]]) -> dict[str, int]:
         """Compact the journal's receipts (docs/keystore.md "Compaction"): ``recorded_below(group_id)``
         is the epoch below which the caller holds every receipt of the group durably (or the stated
-        gap of an epoch without one), or None. Those receipts are dropped, except each group's newest
-        released one, leaving one FLOOR per group; any identity the journal forgot this way is spent:
+        gap of an epoch without one), or None. Those receipts are dropped, except the entry of the
+        epoch just below it (the group's last receipt), leaving one FLOOR per group; any identity the journal forgot this way is spent:
         ``status`` says OUTCOME_UNKNOWN and ``release`` never signs it again. Events are kept."""
         return self._journal.compact(None, self._busy, recorded_below)
 

@@ -33,8 +33,8 @@ cut off (ftruncate to the last durable tail), that batch's callers fail, and the
 Compaction (``compact``) rewrites the file atomically (new file, fsync, rename, fsync of the
 directory): events are kept only when their output is not yet recorded elsewhere by the caller (or
 their signing is in flight); receipts in full, unless the caller says below which epoch a group's
-receipts are recorded elsewhere (the sequencer: its receipts table), and then each group's newest
-receipt stays in full; everything else is replaced by one FLOOR record per site and per group.  A crash at any point leaves either the old or the new file, and both
+receipts are recorded elsewhere (the sequencer: its receipts table), and then the entry of each
+group's last recorded epoch stays in full; everything else is replaced by one FLOOR record per site and per group.  A crash at any point leaves either the old or the new file, and both
 answer every question the same way for every identity the caller still needs.
 """
 from __future__ import annotations
@@ -190,30 +190,30 @@ def _receipt_parts(ident: bytes) -> Optional[tuple[bytes, int]]:
     return ident[3:-8], _Q.unpack_from(ident, len(ident) - 8)[0]
 
 
-def _receipts_to_drop(entries: list, busy: set, receipts_below: Callable[[bytes], Optional[int]],
+def _receipts_to_drop(idents: list, busy: set, receipts_below: Callable[[bytes], Optional[int]],
                       floors: dict[bytes, int]) -> set:
-    """The receipt identities ``compact`` drops (see there): below the caller's recorded epoch,
-    not in flight, not their group's newest released receipt. ``floors`` (group -> epoch) is
-    raised to the highest epoch dropped of each group."""
-    head: dict[bytes, int] = {}        # group -> newest released epoch
-    cands = []
-    unpack = _Q.unpack_from
-    for ident, loc in entries:
-        if ident[0] != 0x52:           # b"R": the index holds only well-formed receipts (_apply)
-            continue
-        gid, epoch = ident[3:-8], unpack(ident, len(ident) - 8)[0]
-        if loc is not None and epoch > head.get(gid, -1):
-            head[gid] = epoch
-        cands.append((ident, gid, epoch))
-    below_of: dict[bytes, Optional[int]] = {}
-    drop = set()
-    for ident, gid, epoch in cands:
-        below = below_of[gid] if gid in below_of else below_of.setdefault(gid, receipts_below(gid))
-        if below is None or epoch >= below or epoch == head.get(gid) or ident in busy:
-            continue
-        drop.add(ident)
-        if epoch > floors.get(gid, -1):
-            floors[gid] = epoch
+    """The receipt identities ``compact`` drops (see there): below the epoch before the caller's
+    recorded one (so the last committed epoch's entry stays: its receipt, or the intent of its
+    stated gap), not in flight. ``floors`` (group -> epoch) is raised to the highest epoch dropped
+    of each group: the epoch below the entry kept (a group's epochs advance one at a time, each
+    intended once, in order: §22.5). Comprehensions, not a loop: this runs over every receipt
+    signed since the last compaction."""
+    receipts = [i for i in idents if i[0] == 0x52]   # b"R": only well-formed ones are indexed (_apply)
+    # a group's identities share the prefix "R" | len | group_id and end in the big-endian epoch,
+    # so "epoch below E" is "identity below the group's identity at E", compared as bytes
+    keep_from: dict[bytes, int] = {}
+    threshold: dict[bytes, bytes] = {}
+    for prefix in {i[:-8] for i in receipts}:
+        below = receipts_below(prefix[3:])
+        if below is not None and below >= 1:
+            keep_from[prefix] = below - 1
+            threshold[prefix] = prefix + _Q.pack(below - 1)
+    get = threshold.get
+    drop = {i for i in receipts if i < get(i[:-8], b"")} - busy
+    for prefix in {i[:-8] for i in drop}:
+        # at least the highest dropped; an epoch below the committed one that was never intended
+        # (a group adopted or recovered above it) reads spent too: it is never to be signed
+        floors[prefix[3:]] = max(floors.get(prefix[3:], -1), keep_from[prefix] - 1)
     return drop
 
 
@@ -543,11 +543,12 @@ class Journal:
         Receipts (``receipts_below`` given; without it every receipt is kept in full):
         ``receipts_below(group_id)`` is the epoch below which the caller holds every receipt of the
         group durably, or the stated gap of an epoch that has none (the sequencer: its committed
-        ``current_epoch``, §22.5 cl. 3), or None.  Dropped: a receipt identity below it, released
-        or intended, not ``in_flight()`` and not the group's newest released receipt (kept in full
-        so that a state restored from a slightly older copy still adopts the head byte for byte).
-        Added: one FLOOR per group at the highest epoch dropped, so every dropped identity stays
-        spent (``state`` says "spent": never signed again, §22.5 cl. 1-2).
+        ``current_epoch``, §22.5 cl. 3), or None.  Dropped: a receipt identity more than one
+        below it, released or intended, not ``in_flight()``; the entry of the epoch just below it
+        (the group's last receipt, or the intent of its stated gap) stays in full, so that a state
+        restored from a slightly older copy still adopts the head byte for byte.  Added: one FLOOR
+        per group at the epoch below the one kept, so every dropped identity stays spent
+        (``state`` says "spent": never signed again, §22.5 cl. 1-2).
 
         The new file is written beside the journal, fsynced, renamed over it, and the directory
         fsynced; commits wait meanwhile (they queue and share the next fsync afterwards).  A
@@ -559,7 +560,10 @@ class Journal:
                 self._cond.wait()
                 self._check()
             self._flushing = True          # no leader may append while we rewrite
-            entries = list(self._index.items())
+            # no commit changes the index while this holds the writer role (``_flushing``): the
+            # identities are copied, their locations read as needed (a copy of every item costs)
+            index = self._index
+            idents = list(index)
             key_of = self._key_of
             floors = dict(self._max_hlc)
             receipt_floors = dict(self._receipt_floor)
@@ -576,13 +580,11 @@ class Journal:
                     out += encode_floor(EventIdentity(site, *hlc).encode())
             drop_receipts: set = set()
             if receipts_below is not None:
-                drop_receipts = _receipts_to_drop(entries, busy, receipts_below, receipt_floors)
+                drop_receipts = _receipts_to_drop(idents, busy, receipts_below, receipt_floors)
             for gid, epoch in sorted(receipt_floors.items()):
                 out += encode_floor(ReceiptIdentity(gid, epoch).encode())
-            dropped = receipts_dropped = 0
-            if drop_receipts:
-                receipts_dropped = len(drop_receipts)
-                entries = [(i, loc) for i, loc in entries if i not in drop_receipts]
+            dropped, receipts_dropped = 0, len(drop_receipts)
+            entries = [(i, index[i]) for i in idents if i not in drop_receipts]
             for ident, loc in entries:
                 if recorded is not None and ident[:1] == b"E":
                     keep = (ident in busy) if loc is None else not recorded(decode_identity(ident))  # type: ignore[arg-type]

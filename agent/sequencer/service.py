@@ -43,7 +43,7 @@ DB_NAME, JOURNAL_NAME, LOCK_NAME, PIN_NAME = "sequencer.db", "sign-journal", "se
 HANDOFF_FORMAT = "sovm-sequencer-handoff-v1"
 RUN_LOCK_NAME = "run.lock"        # held exclusively by `sequencer run`, shared by every other verb
 # The signing journal is compacted when it grew this much since its last compaction (and on open
-# when larger than the second figure): it then holds each group's newest receipt and one floor a
+# when larger than the second figure): it then holds each group's last receipt and one floor a
 # group, not every receipt ever signed (~350 bytes of disk and of memory each: docs/sequencer.md
 # "Journal compaction")
 JOURNAL_COMPACT_BYTES = 8 * 2**20
@@ -261,7 +261,7 @@ class Sequencer:
     def compact_journal(self) -> dict:
         """Drop from the signing journal every receipt the receipts table holds (or whose gap it
         states): below each group's committed epoch (§22.5 cl. 3: the epoch moves only with the
-        receipt or the stated gap), except the group's newest receipt; a group frozen on
+        receipt or the stated gap), except the group's last one; a group frozen on
         equivocation evidence keeps all of its own for the audit. What the journal forgets this
         way stays spent, never signed again (docs/sequencer.md "Journal compaction")."""
         def recorded_below(gid: bytes) -> Optional[int]:

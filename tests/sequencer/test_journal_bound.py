@@ -2,7 +2,7 @@
 (docs/sequencer.md "Journal compaction"). Before, the journal kept every receipt in full and its
 in-memory index one entry per receipt: ~350 bytes of disk and of memory per Commit, for ever
 (200 000 Commits: 70 MB of journal, +69 MB resident, 0.7 s to open), so a long-lived sequencer on
-a 512 MB device ran out of memory. Compaction keeps each group's newest receipt in full and one
+a 512 MB device ran out of memory. Compaction keeps each group's last receipt in full and one
 floor per group; the receipts table (SQLite) re-serves every older receipt byte for byte, and no
 pair the journal forgot is ever signed again (§22.5 cl. 1-2)."""
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_journal_holds_a_bounded_number_of_entries_and_every_receipt_is_reserved
         got = run_epochs(s, 0, 119)
         stats = s.bridge.journal_stats()
         assert stats["compactions"] >= 3
-        # each group's newest receipt in full, nothing older (the bound does not grow with epochs)
+        # each group's last receipt in full, nothing older (the bound does not grow with epochs)
         assert stats["entries"] <= 2 * len(GROUPS), stats
         assert stats["bytes"] < 8 * 1024 + 4 * 1024, stats
         for (g, e), raw in got.items():
