@@ -8,10 +8,15 @@ used at the file-descriptor level: requests are written without blocking while r
 meanwhile (docs/keystore.md "Pipelined signing"), so batches can be outstanding at the worker.
 Every reply has a deadline (``timeout_s``, docs/keystore.md "Reply deadline"): a token that stops
 answering gets its worker killed instead of hanging the caller for ever.
+Every signature returned is verified under the key's public key first: by the verifier process
+(verify_worker.py), which gets the worker's copies while this process does other work, or here
+(docs/keystore.md "Verified in a verifier process"); the bridge need not check them again.
 """
 from __future__ import annotations
 
 import collections
+import fcntl
+import hashlib
 import math
 import os
 import select
@@ -29,6 +34,8 @@ from .errors import DeviceTimeout, KeystoreError, KeystoreUnavailable
 from .identity import Identity
 from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name
 from .pipes import write_draining
+from .verify import verify_ed25519, verify_p256
+from .verify_worker import ANSWER, encode_items, encode_key
 
 
 SIGN_MANY_CHUNK = 64
@@ -48,22 +55,42 @@ def _worker_error(reply: dict[str, Any]) -> KeystoreError:
     return cls(reply["msg"])
 
 
+class _Chunk:
+    """One ``sign_many`` request sent: its [name, alg, data] items, its sequence number and whether
+    the worker was asked to copy it to the verifier."""
+    __slots__ = ("reqs", "seq", "copy")
+
+    def __init__(self, reqs: list, seq: int, copy: bool) -> None:
+        self.reqs = reqs
+        self.seq = seq
+        self.copy = copy
+
+
 class _Batch:
     """One ``_sign_start`` batch: its chunk requests sent to the worker, their replies read (in
-    order, by whoever reads the pipe next) into ``replies``; ``failure`` when the worker died
-    before all of them came."""
-    __slots__ = ("unread", "replies", "failure", "result")
+    order, by whoever reads the pipe next) and verified into ``results`` (verified signatures,
+    failure); ``failure`` when the worker died before all of them came."""
+    __slots__ = ("unread", "chunks", "results", "failure", "result")
 
     def __init__(self) -> None:
         self.unread = 0
-        self.replies: list[dict] = []
+        self.chunks: list[_Chunk] = []
+        self.results: list[tuple[list[bytes], Optional[BaseException]]] = []
         self.failure: Optional[BaseException] = None
         self.result: Optional[tuple[list[bytes], Optional[BaseException]]] = None
 
 
+def _bad_signature(name: str) -> KeystoreError:
+    return KeystoreError(f"the PKCS#11 token returned a signature that does not verify under key {name!r}; "
+                         "nothing was released. Check the token (wrong key, fault or tampering).")
+
+
 class Pkcs11Keystore(Keystore):
     kind = "pkcs11"
-    verify_signatures = True
+    # every signature this keystore returns was verified under the key's public key (by the
+    # verifier process or here): the bridge checks only its form
+    verify_signatures = False
+    _WORKER_MODULE = "firmware_bridge.pkcs11_worker"   # a test seam (a faulty token); see pkcs11_worker.main
 
     def __init__(self, module: str, token_label: str, pin: str, env: Optional[dict[str, str]] = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -78,7 +105,17 @@ class Pkcs11Keystore(Keystore):
         self._gone: Optional[KeystoreError] = None
         self._lock = threading.Lock()
         self._algs: dict[str, str] = {}
+        self._keys: dict[str, tuple[str, bytes]] = {}   # (alg, public key) by name: what signatures are verified under
         self._proc: Optional[subprocess.Popen] = None
+        # the verifier process (verify_worker.py), started by the first pipelined batch; the read
+        # end of the worker's copy pipe is kept for it until then. _vgone: never again (it died,
+        # missed the deadline, or could not start): verification is done in this process.
+        self._verifier: Optional[subprocess.Popen] = None
+        self._copies_r: Optional[int] = None
+        self._vgone = False
+        self._vkeys: set[str] = set()
+        self._vbuf = bytearray()
+        self._seq = 0
         # _sign_start batches whose replies are not all read yet, in the order sent (the worker
         # answers in that order); reply bytes read while a request was being written wait in _inbuf
         self._outstanding: collections.deque[_Batch] = collections.deque()
@@ -90,8 +127,20 @@ class Pkcs11Keystore(Keystore):
         pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         penv = dict(os.environ, **(env or {}))
         penv["PYTHONPATH"] = pkg_root + os.pathsep + penv.get("PYTHONPATH", "")
-        self._proc = subprocess.Popen([sys.executable, "-m", "firmware_bridge.pkcs11_worker"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=penv, bufsize=0)
+        self._env = penv
+        # the worker's copies to the verifier: a large pipe, so a verifier a few batches behind
+        # never makes the worker stop copying (it never waits for it: pkcs11_worker._copy)
+        self._copies_r, copies_w = os.pipe()
+        try:   # Linux; elsewhere (or above /proc/sys/fs/pipe-max-size) the default pipe
+            fcntl.fcntl(copies_w, fcntl.F_SETPIPE_SZ, 1 << 20)
+        except (OSError, AttributeError):
+            pass
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", self._WORKER_MODULE, "--copies", str(copies_w)],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=penv, bufsize=0,
+                                          pass_fds=(copies_w,))
+        finally:
+            os.close(copies_w)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdout = self._proc.stdout
         self._wfd, self._rfd = self._proc.stdin.fileno(), self._proc.stdout.fileno()
@@ -208,12 +257,19 @@ class Pkcs11Keystore(Keystore):
     def generate_key(self, name: str, alg: str) -> bytes:
         pub = self._call("generate", name=check_key_name(name), alg=check_alg(alg))
         self._algs[name] = alg
+        self._keys[name] = (alg, bytes(pub))
         return bytes(pub)
 
     def _pub(self, name: str) -> tuple[str, bytes]:
         alg, pub = self._call("public", name=check_key_name(name))
         self._algs[name] = alg
+        self._keys[name] = (alg, bytes(pub))
         return alg, bytes(pub)
+
+    def _key(self, name: str) -> tuple[str, bytes]:
+        """(algorithm, public key) of ``name``, fetched once: the key its signatures are verified
+        under (the bridge's ``public_key``, also fetched once)."""
+        return self._keys.get(name) or self._pub(name)
 
     def public_key(self, name: str) -> bytes:
         return self._pub(name)[1]
@@ -232,7 +288,16 @@ class Pkcs11Keystore(Keystore):
                 "keys": self._call("list")}
 
     def _sign(self, name: str, identity: Identity, data: bytes) -> bytes:
-        return bytes(self._call("sign", name=name, alg=self.algorithm(name), data=data))
+        alg = self._key(name)[0]
+        sig = bytes(self._call("sign", name=name, alg=alg, data=data))
+        if self._verify_here([[name, alg, data]], [sig]) != 1:
+            raise _bad_signature(name)
+        return sig
+
+    def _requests(self, requests: Sequence[tuple[str, Identity, bytes]]) -> list[list[Any]]:
+        """[[name, alg, data], ...] for the worker; every key's public key is fetched here (before
+        the lock is taken), for the verification. KeystoreError for a key that is not there."""
+        return [[name, self._key(name)[0], bytes(data)] for name, _, data in requests]
 
     def _sign_many(self, requests: Sequence[tuple[str, Identity, bytes]]) -> tuple[list[bytes], Optional[BaseException]]:
         sigs: list[bytes] = []
@@ -256,7 +321,7 @@ class Pkcs11Keystore(Keystore):
         chunk in flight is read and dropped (its signatures stay unknown outcomes). The keystore's
         lock is held until the stream ends: the caller makes no other call on this keystore meanwhile."""
         try:
-            reqs = [[name, self.algorithm(name), bytes(data)] for name, _, data in requests]
+            reqs = self._requests(requests)
         except KeystoreError:   # reported at its position by the one-at-a-time loop
             sigs, failure = super()._sign_many(requests)
             if sigs:
@@ -269,25 +334,19 @@ class Pkcs11Keystore(Keystore):
             return
         with self._lock:
             self._collect()
-            self._send("sign_many", {"requests": parts[0]})
-            in_flight = 1
+            in_flight = collections.deque([self._send_chunk(parts[0])])
             try:
                 for k in range(len(parts)):
                     if k + 1 < len(parts):
-                        self._send("sign_many", {"requests": parts[k + 1]})
-                        in_flight += 1
+                        in_flight.append(self._send_chunk(parts[k + 1]))
                     got = self._recv("sign_many")
-                    in_flight -= 1
-                    if "ok" not in got:
-                        raise _worker_error(got)
-                    got = got["ok"]
-                    sigs = [bytes(x) for x in got["sigs"]]
+                    sigs, failure = self._resolve(in_flight.popleft(), got)
                     if sigs:
                         yield sigs
-                    if "err" in got:
-                        raise _worker_error(got)
+                    if failure is not None:
+                        raise failure
             finally:
-                self._drain(in_flight)
+                self._drain(len(in_flight))
 
     def _sign_start(self, requests: Sequence[tuple[str, Identity, bytes]]) -> Callable[[], tuple[list[bytes], Optional[BaseException]]]:
         """Send the batch's sign_many chunks to the worker now and return; ``wait`` reads their
@@ -299,7 +358,7 @@ class Pkcs11Keystore(Keystore):
         and nothing is sent twice: a dead worker is the failure of every batch still outstanding
         (its identities become unknown outcomes, §22.5)."""
         try:
-            reqs = [[name, self.algorithm(name), bytes(data)] for name, _, data in requests]
+            reqs = self._requests(requests)
         except KeystoreError:   # reported at its position by the one-at-a-time loop
             return super()._sign_start(requests)
         batch = _Batch()
@@ -308,7 +367,8 @@ class Pkcs11Keystore(Keystore):
                 for i in range(0, len(reqs), SIGN_MANY_CHUNK):
                     if i == 0:
                         self._outstanding.append(batch)
-                    self._send("sign_many", {"requests": reqs[i:i + SIGN_MANY_CHUNK]})
+                        self._start_verifier()
+                    batch.chunks.append(self._send_chunk(reqs[i:i + SIGN_MANY_CHUNK]))
                     batch.unread += 1
             except (KeystoreUnavailable, DeviceTimeout) as exc:
                 self._collect()   # the replies written before the death, up to EOF; then failures
@@ -332,7 +392,7 @@ class Pkcs11Keystore(Keystore):
             self._fail_outstanding(exc)
             return
         batch = self._outstanding[0]
-        batch.replies.append(reply)
+        batch.results.append(self._resolve(batch.chunks[len(batch.results)], reply))
         batch.unread -= 1
         if not batch.unread:
             self._outstanding.popleft()
@@ -351,20 +411,155 @@ class Pkcs11Keystore(Keystore):
 
     @staticmethod
     def _batch_result(batch: _Batch) -> tuple[list[bytes], Optional[BaseException]]:
-        """``_sign_many``'s answer from a batch's replies: the signatures up to the first failure,
-        then that failure (the chunks after it were signed and are dropped: unknown outcomes)."""
+        """``_sign_many``'s answer from a batch's verified chunks: the signatures up to the first
+        failure, then that failure (the chunks after it were signed and are dropped: unknown outcomes)."""
         sigs: list[bytes] = []
-        for reply in batch.replies:
-            if "ok" not in reply:
-                return sigs, _worker_error(reply)
-            sigs.extend(bytes(x) for x in reply["ok"]["sigs"])
-            if "err" in reply["ok"]:
-                return sigs, _worker_error(reply["ok"])
+        for part, failure in batch.results:
+            sigs.extend(part)
+            if failure is not None:
+                return sigs, failure
         return sigs, batch.failure
 
+    # -- verification (docs/keystore.md "Verified in a verifier process") ---------------------
+    def _send_chunk(self, reqs: list) -> _Chunk:
+        """Send one sign_many request (the caller holds ``_lock``); the worker copies it to the
+        verifier when one runs and every item is P-256 (Ed25519 is verified here, with PyNaCl)."""
+        self._seq += 1
+        copy = self._verifier_takes(reqs)
+        self._send("sign_many", {"requests": reqs, "copy": True, "seq": self._seq} if copy else {"requests": reqs})
+        return _Chunk(reqs, self._seq, copy)
+
+    def _resolve(self, chunk: _Chunk, reply: dict) -> tuple[list[bytes], Optional[BaseException]]:
+        """A chunk's reply as (signatures verified, failure): the signatures before the first that
+        does not verify, then a KeystoreError for it (the token's own failure comes after)."""
+        if "ok" not in reply:
+            return [], _worker_error(reply)
+        got = reply["ok"]
+        sigs = [bytes(x) for x in got["sigs"]]
+        failure = _worker_error(got) if "err" in got else None
+        n = self._verified(chunk, sigs, bool(got.get("copied")))
+        if n < len(sigs):
+            return sigs[:n], _bad_signature(chunk.reqs[n][0])
+        return sigs, failure
+
+    def _verified(self, chunk: _Chunk, sigs: list[bytes], copied: bool) -> int:
+        """How many of ``sigs`` verify, from the first: the verifier's verdict when it gave one
+        for exactly these (digest, signature) pairs, else checked here."""
+        if not sigs:
+            return 0
+        if chunk.copy and not copied and not self._vgone:
+            self._stop_verifier()   # the worker stopped copying for good (the verifier died or fell far behind)
+        if copied and not self._vgone:
+            answer = self._answer(chunk.seq)
+            if answer is not None:
+                count, ok, digest = answer
+                # the verdict is over the worker's copy: taken only if it is this process's own
+                # data (its digests of the data it sent, the signatures it read)
+                body = encode_items([(name.encode(), hashlib.sha256(data).digest(), sig)
+                                     for (name, _, data), sig in zip(chunk.reqs, sigs)])
+                if count == len(sigs) and hashlib.sha256(body).digest() == digest:
+                    return ok
+        return self._verify_here(chunk.reqs, sigs)
+
+    def _verify_here(self, reqs: list, sigs: list[bytes]) -> int:
+        for i, ((name, alg, data), sig) in enumerate(zip(reqs, sigs)):
+            pub = self._keys[name][1]
+            if not (verify_ed25519(pub, data, sig) if alg == "ed25519" else verify_p256(pub, data, sig)):
+                return i
+        return len(sigs)
+
+    def _start_verifier(self) -> None:
+        """Start the verifier process on the first pipelined batch (a sequencer's; a CLI verb's
+        one signature is checked here without starting a process it would use once). Its
+        failure to start only leaves verification here."""
+        if self._copies_r is None or self._vgone or self._verifier is not None:
+            return
+        fd, self._copies_r = self._copies_r, None
+        try:
+            self._verifier = subprocess.Popen([sys.executable, "-m", "firmware_bridge.verify_worker", str(fd)],
+                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self._env,
+                                              bufsize=0, pass_fds=(fd,))
+        except OSError:
+            self._vgone = True
+            return
+        finally:
+            os.close(fd)   # the verifier holds it now: when it dies, the worker's copies fail and stop
+        assert self._verifier.stdin is not None and self._verifier.stdout is not None
+        self._vwfd, self._vrfd = self._verifier.stdin.fileno(), self._verifier.stdout.fileno()
+        os.set_blocking(self._vwfd, False)
+        self._vpoller = select.poll()
+        self._vpoller.register(self._vrfd, select.POLLIN)
+
+    def _verifier_takes(self, reqs: list) -> bool:
+        """True when the verifier runs and has every P-256 key of ``reqs`` (registered now if
+        new); False for a chunk with an Ed25519 item."""
+        if self._verifier is None or self._vgone:
+            return False
+        names = set()
+        for name, alg, _ in reqs:
+            if alg != "p256":
+                return False
+            names.add(name)
+        for name in names - self._vkeys:
+            data = encode_key(name, self._keys[name][1])
+            try:   # a few bytes into an empty pipe: a verifier that cannot take them is broken
+                if os.write(self._vwfd, data) != len(data):
+                    raise OSError
+            except OSError:
+                self._stop_verifier()
+                return False
+            self._vkeys.add(name)
+        return True
+
+    def _answer(self, seq: int) -> Optional[tuple[int, int, bytes]]:
+        """The verifier's answer for chunk ``seq`` (count, verified, sha256 of the copy's body), or
+        None when it has none (it died, missed the deadline, or never got the copy): then the
+        chunk is verified here. Answers to chunks dropped unread are skipped."""
+        buf = self._vbuf
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while True:
+                while len(buf) >= 48:
+                    aseq, count, ok = ANSWER.unpack_from(buf)
+                    if aseq > seq:
+                        return None
+                    digest = bytes(buf[16:48])
+                    del buf[:48]
+                    if aseq == seq:
+                        return count, ok, digest
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._vpoller.poll(math.ceil(left * 1000)):
+                    raise TimeoutError
+                got = os.read(self._vrfd, 1 << 16)
+                if not got:
+                    raise EOFError
+                buf += got
+        except (OSError, EOFError):
+            self._stop_verifier()
+            return None
+
+    def _stop_verifier(self) -> None:
+        """The verifier is gone for good (died, stuck, or closing): every later signature is
+        verified in this process. The worker's next copy fails and it stops copying."""
+        self._vgone = True
+        proc, self._verifier = self._verifier, None
+        self._vbuf.clear()
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+            for f in (proc.stdin, proc.stdout):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        if self._copies_r is not None:
+            os.close(self._copies_r)
+            self._copies_r = None
+
     def _drain(self, n: int) -> None:
-        """Read and drop ``n`` replies in flight (a stopped stream); a worker that does not answer
-        is stopped, so the next call reports it unavailable instead of reading a stale reply."""
+        """Read and drop ``n`` replies in flight (a stopped stream; the verifier's answers to them
+        are skipped later, by their numbers); a worker that does not answer is stopped, so the
+        next call reports it unavailable instead of reading a stale reply."""
         try:
             for _ in range(n):
                 self._recv("sign_many")
@@ -403,3 +598,4 @@ class Pkcs11Keystore(Keystore):
                     proc.kill()
                     proc.wait()
             self._close_stdout()
+            self._stop_verifier()

@@ -4,13 +4,22 @@ Run by Pkcs11Keystore as ``python -m firmware_bridge.pkcs11_worker``; it speaks 
 CBOR over stdin/stdout.  A separate process because python-pkcs11 loads one module per process and
 C_Initialize reads its configuration (e.g. SOFTHSM2_CONF) once, and so a hung or crashed token
 library cannot take the agent down with it.  The PIN arrives on the pipe, never on argv.
+
+``--copies FD``: a pipe to the keystore's verifier process (verify_worker.py). A ``sign_many``
+request with ``copy`` set sends, besides its reply, a copy of each P-256 item's (key name, SHA-256
+digest, signature) there, so the signatures are verified while the keystore's process does other
+work (docs/keystore.md "Verified in a verifier process"). The copy is written without blocking:
+when the verifier does not keep up (or died) the worker stops copying for good and says so in
+its replies (``copied`` false); the keystore then verifies in its own process. Signing never
+waits for the verifier.
 """
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 import sys
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Optional
 
 import cbor2
 
@@ -25,7 +34,8 @@ def _unwrap_point(data: bytes) -> bytes:
 
 
 class Worker:
-    def __init__(self) -> None:
+    def __init__(self, copies: Optional[int] = None) -> None:
+        self.copies = copies   # the verifier's pipe (non-blocking), None when there is none or it failed
         self.session: Any = None
         self.info: dict[str, Any] = {}
         self._keys: dict[str, Any] = {}  # private key handles by label (find once)
@@ -134,7 +144,7 @@ class Worker:
                        "EdDSA needs SoftHSM >= 2.6 built with OpenSSL >= 1.1.1, or a token with CKM_EDDSA")
         return self._public(name)[1]
 
-    def op_sign(self, name: str, alg: str, data: bytes) -> bytes:
+    def op_sign(self, name: str, alg: str, data: bytes, digest: Optional[bytes] = None) -> bytes:
         from pkcs11 import Mechanism
         key = self._private(name)
         if alg == "ed25519":
@@ -142,20 +152,51 @@ class Worker:
         if self.ecdsa_sha256:
             return bytes(key.sign(data, mechanism=Mechanism.ECDSA_SHA256))
         # CKM_ECDSA over the SHA-256 digest; PKCS#11 returns raw r||s, as COSE ES256 wants
-        return bytes(key.sign(hashlib.sha256(data).digest(), mechanism=Mechanism.ECDSA))
+        return bytes(key.sign(digest or hashlib.sha256(data).digest(), mechanism=Mechanism.ECDSA))
 
-    def op_sign_many(self, requests: list[list[Any]]) -> dict[str, Any]:
+    def op_sign_many(self, requests: list[list[Any]], copy: bool = False, seq: int = 0) -> dict[str, Any]:
         """[[name, alg, data], ...] in one round trip (the bridge's group commit); signs in order and
-        stops at the first failure: {"sigs": [...]} plus "err"/"msg" when one failed."""
+        stops at the first failure: {"sigs": [...]} plus "err"/"msg" when one failed. With ``copy``
+        (P-256 items only) the (name, digest, signature) of each signed item also go to the
+        verifier, numbered ``seq``; "copied" says whether they did."""
+        copy = copy and self.copies is not None and all(alg == "p256" for _, alg, _ in requests)
         sigs: list[bytes] = []
+        items: list[tuple[bytes, bytes, bytes]] = []
+        out: dict[str, Any] = {"sigs": sigs}
         for name, alg, data in requests:
             try:
-                sigs.append(self.op_sign(name, alg, data))
+                if copy:
+                    digest = hashlib.sha256(data).digest()
+                    sig = self.op_sign(name, alg, data, digest)
+                    items.append((name.encode(), digest, sig))
+                else:
+                    sig = self.op_sign(name, alg, data)
+                sigs.append(sig)
             except _Err as e:
-                return {"sigs": sigs, "err": e.cls, "msg": e.msg}
+                out.update(err=e.cls, msg=e.msg)
+                break
             except Exception as e:  # noqa: BLE001 - same report as a single sign
-                return {"sigs": sigs, "err": "KeystoreError", "msg": f"PKCS#11 sign failed: {type(e).__name__}: {e}"}
-        return {"sigs": sigs}
+                out.update(err="KeystoreError", msg=f"PKCS#11 sign failed: {type(e).__name__}: {e}")
+                break
+        if copy and items:
+            out["copied"] = self._copy(seq, items)
+        return out
+
+    def _copy(self, seq: int, items: list[tuple[bytes, bytes, bytes]]) -> bool:
+        """One copy to the verifier, written without blocking. A full pipe (the verifier is far
+        behind or stopped) or a broken one (it died) ends copying for good: the verifier sees the
+        end of its input (after a partial copy, if any) and exits."""
+        from .verify_worker import encode_items
+        body = encode_items(items)
+        data = memoryview(struct.pack(">IQ", len(body) + 8, seq) + body)
+        try:
+            while data:
+                data = data[os.write(self.copies, data):]
+            return True
+        except OSError:   # BlockingIOError, BrokenPipeError
+            os.close(self.copies)
+            self.copies = None
+            return False
 
 
     # -- seal keys (firmware_bridge/sealing.py): an AES-256 key generated on the token, sensitive and
@@ -251,10 +292,16 @@ def write_msg(f: BinaryIO, obj: Any) -> None:
     f.flush()
 
 
-def main() -> None:
+def main(argv: list[str], worker_cls: type = Worker) -> None:
+    """``worker_cls``: a test seam (tests/bridge/faulty_pkcs11_worker.py, a token returning a bad
+    signature); ``python -m firmware_bridge.pkcs11_worker`` always runs ``Worker``."""
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write to the message pipe
-    worker = Worker()
+    copies = None
+    if argv[:1] == ["--copies"]:
+        copies = int(argv[1])
+        os.set_blocking(copies, False)
+    worker = worker_cls(copies)
     while True:
         msg = read_msg(inp)
         if msg is None:
@@ -269,4 +316,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

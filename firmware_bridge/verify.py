@@ -50,6 +50,35 @@ def verify_p256(public_key: bytes, message: bytes, signature: bytes) -> bool:
         return False
 
 
+def verify_p256_digest(public_key: bytes, digest: bytes, signature: bytes) -> bool:
+    """``verify_p256`` over the message's SHA-256 digest (32 bytes) instead of the message: the
+    same checks in the same order, so for ``digest == sha256(message)`` the same answer (the
+    verifier process, verify_worker.py, gets digests: a PKCS#11 token signs the digest anyway)."""
+    if len(signature) != 64 or len(public_key) not in (33, 65) or len(digest) != 32:
+        return False
+    r = int.from_bytes(signature[:32], "big")
+    s = int.from_bytes(signature[32:], "big")
+    if not (1 <= r < P256_ORDER and 1 <= s < P256_ORDER):
+        return False
+    invalid, encode, alg = _prehashed()
+    try:
+        key = _p256_key(bytes(public_key))
+        key.verify(encode(r, s), bytes(digest), alg)
+        return True
+    except (invalid, ValueError, TypeError):
+        return False
+
+
+@lru_cache(maxsize=1)
+def _prehashed():
+    """What verify_p256_digest needs from cryptography, imported once (it runs in a loop)."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric.utils import Prehashed, encode_dss_signature
+    return InvalidSignature, encode_dss_signature, ec.ECDSA(Prehashed(hashes.SHA256()))
+
+
 @lru_cache(maxsize=256)
 def _p256_key(public_key: bytes):
     """Decoding a point costs about a third of a verification; a sequencer's or a member's checks
