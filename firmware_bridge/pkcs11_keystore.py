@@ -116,6 +116,7 @@ class Pkcs11Keystore(Keystore):
         self._vkeys: set[str] = set()
         self._vbuf = bytearray()
         self._seq = 0
+        self._batch_id = 0   # numbers each _sign_start batch and _sign_chunks stream (the worker skips a failed one's rest)
         # _sign_start batches whose replies are not all read yet, in the order sent (the worker
         # answers in that order); reply bytes read while a request was being written wait in _inbuf
         self._outstanding: collections.deque[_Batch] = collections.deque()
@@ -318,7 +319,8 @@ class Pkcs11Keystore(Keystore):
         checks this one (an ES256 verification costs about as much as a SoftHSM2 signature: on
         two cores the two overlap). Nothing is signed that has no durable intent: every request
         here has one (the bridge's order, docs/keystore.md); after a failure or an early close the
-        chunk in flight is read and dropped (its signatures stay unknown outcomes). The keystore's
+        chunk in flight is read and dropped (its signatures stay unknown outcomes; the worker does
+        not sign it when the failure was the token's, op_sign_many's ``batch``). The keystore's
         lock is held until the stream ends: the caller makes no other call on this keystore meanwhile."""
         try:
             reqs = self._requests(requests)
@@ -334,11 +336,13 @@ class Pkcs11Keystore(Keystore):
             return
         with self._lock:
             self._collect()
-            in_flight = collections.deque([self._send_chunk(parts[0])])
+            self._batch_id += 1
+            bid = self._batch_id
+            in_flight = collections.deque([self._send_chunk(parts[0], bid)])
             try:
                 for k in range(len(parts)):
                     if k + 1 < len(parts):
-                        in_flight.append(self._send_chunk(parts[k + 1]))
+                        in_flight.append(self._send_chunk(parts[k + 1], bid))
                     got = self._recv("sign_many")
                     sigs, failure = self._resolve(in_flight.popleft(), got)
                     if sigs:
@@ -363,12 +367,14 @@ class Pkcs11Keystore(Keystore):
             return super()._sign_start(requests)
         batch = _Batch()
         with self._lock:
+            self._batch_id += 1
+            bid = self._batch_id
             try:
                 for i in range(0, len(reqs), SIGN_MANY_CHUNK):
                     if i == 0:
                         self._outstanding.append(batch)
                         self._start_verifier()
-                    batch.chunks.append(self._send_chunk(reqs[i:i + SIGN_MANY_CHUNK]))
+                    batch.chunks.append(self._send_chunk(reqs[i:i + SIGN_MANY_CHUNK], bid))
                     batch.unread += 1
             except (KeystoreUnavailable, DeviceTimeout) as exc:
                 self._collect()   # the replies written before the death, up to EOF; then failures
@@ -412,7 +418,8 @@ class Pkcs11Keystore(Keystore):
     @staticmethod
     def _batch_result(batch: _Batch) -> tuple[list[bytes], Optional[BaseException]]:
         """``_sign_many``'s answer from a batch's verified chunks: the signatures up to the first
-        failure, then that failure (the chunks after it were signed and are dropped: unknown outcomes)."""
+        failure, then that failure (the chunks after it are dropped, unknown outcomes; after a
+        token's failure the worker did not sign them)."""
         sigs: list[bytes] = []
         for part, failure in batch.results:
             sigs.extend(part)
@@ -421,12 +428,16 @@ class Pkcs11Keystore(Keystore):
         return sigs, batch.failure
 
     # -- verification (docs/keystore.md "Verified in a verifier process") ---------------------
-    def _send_chunk(self, reqs: list) -> _Chunk:
-        """Send one sign_many request (the caller holds ``_lock``); the worker copies it to the
-        verifier when one runs and every item is P-256 (Ed25519 is verified here, with PyNaCl)."""
+    def _send_chunk(self, reqs: list, batch: int) -> _Chunk:
+        """Send one sign_many request of ``batch`` (the caller holds ``_lock``); the worker copies
+        it to the verifier when one runs and every item is P-256 (Ed25519 is verified here, with
+        PyNaCl), and skips it, unsigned, when an earlier chunk of ``batch`` failed at the token."""
         self._seq += 1
         copy = self._verifier_takes(reqs)
-        self._send("sign_many", {"requests": reqs, "copy": True, "seq": self._seq} if copy else {"requests": reqs})
+        req: dict[str, Any] = {"requests": reqs, "batch": batch}
+        if copy:
+            req.update(copy=True, seq=self._seq)
+        self._send("sign_many", req)
         return _Chunk(reqs, self._seq, copy)
 
     def _resolve(self, chunk: _Chunk, reply: dict) -> tuple[list[bytes], Optional[BaseException]]:

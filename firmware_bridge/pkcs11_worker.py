@@ -36,6 +36,7 @@ def _unwrap_point(data: bytes) -> bytes:
 class Worker:
     def __init__(self, copies: Optional[int] = None) -> None:
         self.copies = copies   # the verifier's pipe (non-blocking), None when there is none or it failed
+        self.failed_batch: Any = None   # the batch whose chunk failed last: its later chunks are not signed
         self.session: Any = None
         self.info: dict[str, Any] = {}
         self._keys: dict[str, Any] = {}  # private key handles by label (find once)
@@ -154,11 +155,18 @@ class Worker:
         # CKM_ECDSA over the SHA-256 digest; PKCS#11 returns raw r||s, as COSE ES256 wants
         return bytes(key.sign(digest or hashlib.sha256(data).digest(), mechanism=Mechanism.ECDSA))
 
-    def op_sign_many(self, requests: list[list[Any]], copy: bool = False, seq: int = 0) -> dict[str, Any]:
+    def op_sign_many(self, requests: list[list[Any]], copy: bool = False, seq: int = 0,
+                     batch: Any = None) -> dict[str, Any]:
         """[[name, alg, data], ...] in one round trip (the bridge's group commit); signs in order and
         stops at the first failure: {"sigs": [...]} plus "err"/"msg" when one failed. With ``copy``
         (P-256 items only) the (name, digest, signature) of each signed item also go to the
-        verifier, numbered ``seq``; "copied" says whether they did."""
+        verifier, numbered ``seq``; "copied" says whether they did. ``batch``: the keystore's batch
+        the chunk belongs to; once one of its chunks failed, its later chunks (already queued
+        here) are answered unsigned: the batch ends at its first failure, and each signature
+        would only burn an identity as an unknown outcome."""
+        if batch is not None and batch == self.failed_batch:
+            return {"sigs": [], "err": "KeystoreError", "skipped": True,
+                    "msg": "not signed: an earlier chunk of this batch failed at the token"}
         copy = copy and self.copies is not None and all(alg == "p256" for _, alg, _ in requests)
         sigs: list[bytes] = []
         items: list[tuple[bytes, bytes, bytes]] = []
@@ -174,9 +182,11 @@ class Worker:
                 sigs.append(sig)
             except _Err as e:
                 out.update(err=e.cls, msg=e.msg)
+                self.failed_batch = batch
                 break
             except Exception as e:  # noqa: BLE001 - same report as a single sign
                 out.update(err="KeystoreError", msg=f"PKCS#11 sign failed: {type(e).__name__}: {e}")
+                self.failed_batch = batch
                 break
         if copy and items:
             out["copied"] = self._copy(seq, items)
