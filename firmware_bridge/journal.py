@@ -190,6 +190,10 @@ def _receipt_parts(ident: bytes) -> Optional[tuple[bytes, int]]:
     return ident[3:-8], _Q.unpack_from(ident, len(ident) - 8)[0]
 
 
+class _NothingToDrop(Exception):
+    """``compact`` of receipts found none to drop: the journal is left as it is."""
+
+
 def _receipts_to_drop(idents: list, busy: set, receipts_below: Callable[[bytes], Optional[int]],
                       floors: dict[bytes, int]) -> set:
     """The receipt identities ``compact`` drops (see there): below the epoch before the caller's
@@ -581,6 +585,8 @@ class Journal:
             drop_receipts: set = set()
             if receipts_below is not None:
                 drop_receipts = _receipts_to_drop(idents, busy, receipts_below, receipt_floors)
+                if recorded is None and not drop_receipts:
+                    raise _NothingToDrop   # receipts only, and none to drop: no rewrite
             for gid, epoch in sorted(receipt_floors.items()):
                 out += encode_floor(ReceiptIdentity(gid, epoch).encode())
             dropped, receipts_dropped = 0, len(drop_receipts)
@@ -621,6 +627,12 @@ class Journal:
             self._fire("compact_after_rename")
             self._ops.fsync_dir(os.path.dirname(self.path))
             self._fire("compact_after_dirsync")
+        except _NothingToDrop:
+            with self._cond:
+                self._flushing = False
+                self._cond.notify_all()
+            return {"events_dropped": 0, "receipts_dropped": 0, "entries_kept": len(idents),
+                    "bytes_before": old_size, "bytes_after": old_size}
         except BaseException as exc:
             with self._cond:
                 if renamed:

@@ -112,3 +112,27 @@ def rolled_back_past_a_compaction(tmp_path, monkeypatch) -> None:
     # the only receipt signed since: epoch 61 of one group (a re-signed epoch would be here)
     assert sorted(rec[1] for rec in outputs(home)) == sorted(
         [ReceiptIdentity(g, 60).encode() for g in GROUPS] + [ReceiptIdentity(GROUPS[1], 61).encode()])
+
+
+def test_opening_a_compact_journal_does_not_rewrite_it(tmp_path):
+    """Every CLI verb opens the sequencer: a journal that holds only each group's last receipt
+    (nothing to drop) is left alone on open, however large; one with more entries than groups
+    (receipts to drop) is compacted then."""
+    home = tmp_path / "s"
+    service.init(home)
+    many = [i.to_bytes(2, "big") * 8 for i in range(300)]
+    with service.Sequencer(home) as s:
+        for g in many:
+            s.register(g, 0)
+        s.submit_many([msg(g, 0) for g in many])
+        assert s.bridge.journal_stats()["bytes"] > service.JOURNAL_OPEN_COMPACT_BYTES
+    before = (home / "sign-journal").stat()
+    with service.Sequencer(home) as s:
+        assert s.bridge.journal_stats()["compactions"] == 0
+    after = (home / "sign-journal").stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    with service.Sequencer(home) as s:
+        s.submit_many([msg(g, 1) for g in many])      # now each group has one receipt to drop
+    with service.Sequencer(home) as s:
+        assert s.bridge.journal_stats()["compactions"] == 1
+        assert s.bridge.journal_stats()["entries"] == len(many)
