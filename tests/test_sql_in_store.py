@@ -16,14 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SQL = re.compile(r"\b(SELECT\b[\s\S]*\bFROM|INSERT\s+(OR\s+\w+\s+)?INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM|"
                  r"REPLACE\s+INTO|CREATE\s+(TABLE|INDEX|TRIGGER|VIEW|UNIQUE)|DROP\s+(TABLE|INDEX)|ALTER\s+TABLE|"
                  r"PRAGMA\s+\w+)\b")
-# the node's store; the sequencer service's own, and the versioned layouts of the sequencer's
-# files (its state and a member's Commit queue), which may not import agent/store/
-STORES = ("agent/store/", "agent/sequencer/store.py", "agent/sequencer/layout.py")
+# the node's store; the sequencer service's own, a member's Commit queue's, and the versioned
+# layouts of the sequencer's files (its state and the queue), which may not import agent/store/
+STORES = ("agent/store/", "agent/sequencer/store.py", "agent/sequencer/queue_store.py",
+          "agent/sequencer/layout.py")
 
-# Still to move (issue 13 leftovers: each of these is a module's own piece of work).
-KNOWN_DEBT = {
-    "agent/sequencer/client.py": 31,
-}
+# Still to move (issue 13 leftovers: each of these is a module's own piece of work). Empty: a
+# module outside STORES may hold no SQL at all.
+KNOWN_DEBT: dict[str, int] = {}
 
 
 def sql_statements(path: Path) -> list[tuple[int, str]]:

@@ -8,9 +8,8 @@ the sync node waits on it). "Clients MUST NOT create divergent offline membershi
 member keeps at most **one outstanding Commit per group** — a second is refused until the first
 has an outcome, so it is never tempted to build epoch E+1 on its own unconfirmed Commit for E.
 
-The file's layout is versioned (``PRAGMA user_version``; layout.py ``QUEUE``: the DDL, the
-version history, the steps): every open runs the forward-only steps, and a queue from a newer
-release is refused (layout.LayoutError, CLI exit 1) before anything is written.
+The queue file's SQL lives in queue_store.py (its storage adapter: tables, transactions, the
+versioned layout of layout.py ``QUEUE``); this module holds the protocol and calls its methods.
 
 Queue states (table ``commits``):
 
@@ -41,15 +40,15 @@ from __future__ import annotations
 import json
 import queue
 import secrets
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from agent.sequencer import layout, receipts
+from agent.sequencer import receipts
 from agent.sequencer.framing import FramingError, parse_mls_message
+from agent.sequencer.queue_store import QueueStore
 
 QUEUED, ACCEPTED, LOST, ABSENT, REFUSED = "queued", "accepted", "lost", "absent", "refused"
 # a refusal that ends the Commit; any other reason leaves it queued (migrated, failed_closed: the
@@ -81,47 +80,29 @@ class Entry:
 
 
 class CommitQueue:
-    """The durable queue (SQLite, WAL, synchronous=FULL: an enqueued Commit survives a power cut)."""
+    """The durable queue: the protocol's view of the queue file (queue_store.py holds its SQL)."""
 
     def __init__(self, path: Path, sequencer_key: Optional[bytes] = None) -> None:
         self.path = Path(path)
-        self.conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        self.store = QueueStore(self.path)
         try:
-            self.conn.execute("PRAGMA busy_timeout=10000")
-            # The layout version first (layout.py): a queue from a newer release is refused before
-            # anything is written (even journal_mode=WAL writes the header).
-            layout.refuse_newer(self.conn, layout.QUEUE, self.path)
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA synchronous=FULL")
-            layout.migrate(self.conn, layout.QUEUE, self.path)
+            # the client's own name on the broker (persistent session, answer topic)
+            self.store.init_meta(secrets.token_hex(8), None if sequencer_key is None else sequencer_key.hex())
         except BaseException:
-            self.conn.close()
+            self.store.close()
             raise
-        with self._tx():
-            if self._meta("member_id") is None:
-                # the client's own name on the broker (persistent session, answer topic)
-                self.conn.execute("INSERT INTO meta VALUES ('member_id', ?)", (secrets.token_hex(8),))
-            if sequencer_key is not None:
-                self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('sequencer_key', ?)", (sequencer_key.hex(),))
 
     def close(self) -> None:
-        self.conn.close()
-
-    def _meta(self, key: str) -> Optional[str]:
-        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return None if row is None else row[0]
+        self.store.close()
 
     @property
     def member_id(self) -> str:
-        return str(self._meta("member_id"))
+        return str(self.store.meta("member_id"))
 
     @property
     def sequencer_key(self) -> Optional[bytes]:
-        v = self._meta("sequencer_key")
+        v = self.store.meta("sequencer_key")
         return None if v is None else bytes.fromhex(v)
-
-    def _tx(self):
-        return _Tx(self.conn)
 
     # -- the queue -------------------------------------------------------------------------
     def enqueue(self, message: bytes) -> Entry:
@@ -133,160 +114,91 @@ class CommitQueue:
         if not f.is_commit:
             raise QueueRefused("only Commits are sequenced (content_type is not commit)")
         ch = receipts.commit_hash(message)
-        with self._tx():
-            row = self.conn.execute("SELECT state FROM commits WHERE commit_hash = ?", (ch,)).fetchone()
-            if row is not None:
-                return self.entry(ch)                  # the same bytes again: one entry
-            out = self.conn.execute("SELECT epoch FROM commits WHERE group_id = ? AND state = 'queued'",
-                                    (f.group_id,)).fetchone()
-            if out is not None:
-                raise QueueRefused(f"group {f.group_id.hex()} already has a Commit outstanding (epoch {out[0]}): "
-                                   "wait for its outcome (§22.7: no divergent offline membership histories)")
-            seq = self.conn.execute("SELECT coalesce(max(queued_seq), 0) + 1 FROM commits").fetchone()[0]
-            self.conn.execute("INSERT INTO commits (commit_hash, group_id, epoch, message, state, queued_seq) "
-                              "VALUES (?, ?, ?, ?, 'queued', ?)", (ch, f.group_id, f.epoch, message, seq))
+        out = self.store.add_queued(ch, f.group_id, f.epoch, message)   # the same bytes again: one entry
+        if out is not None:
+            raise QueueRefused(f"group {f.group_id.hex()} already has a Commit outstanding (epoch {out}): "
+                               "wait for its outcome (§22.7: no divergent offline membership histories)")
         return self.entry(ch)
 
     def entry(self, commit_hash: bytes) -> Optional[Entry]:
-        row = self.conn.execute("SELECT commit_hash, group_id, epoch, message, state, reason, receipt, submissions "
-                                "FROM commits WHERE commit_hash = ?", (commit_hash,)).fetchone()
+        row = self.store.commit(commit_hash)
         return None if row is None else _entry(row)
 
     def outstanding(self) -> list[Entry]:
-        return [_entry(r) for r in self.conn.execute(
-            "SELECT commit_hash, group_id, epoch, message, state, reason, receipt, submissions FROM commits "
-            "WHERE state = 'queued' ORDER BY queued_seq")]
+        return [_entry(r) for r in self.store.outstanding()]
 
     def entries(self) -> list[Entry]:
-        return [_entry(r) for r in self.conn.execute(
-            "SELECT commit_hash, group_id, epoch, message, state, reason, receipt, submissions FROM commits "
-            "ORDER BY queued_seq")]
+        return [_entry(r) for r in self.store.commits()]
 
     def events(self) -> list[dict]:
-        return [{"seq": s, "kind": k, **json.loads(d)} for s, k, d in
-                self.conn.execute("SELECT seq, kind, detail FROM events ORDER BY seq")]
+        return self.store.events()
 
     def note_submitted(self, commit_hash: bytes) -> None:
-        with self._tx():
-            self.conn.execute("UPDATE commits SET submissions = submissions + 1 WHERE commit_hash = ?",
-                              (commit_hash,))
+        self.store.note_submitted(commit_hash)
 
     def settle(self, commit_hash: bytes, state: str, reason: Optional[str], receipt: Optional[bytes]) -> bool:
         """Record an outcome for a queued Commit (only a queued one: an outcome is final)."""
-        with self._tx():
-            cur = self.conn.execute("UPDATE commits SET state = ?, reason = ?, receipt = ? "
-                                    "WHERE commit_hash = ? AND state = 'queued'",
-                                    (state, reason, receipt, commit_hash))
-            if cur.rowcount:
-                self._event(state, {"commit_hash": commit_hash.hex(), "reason": reason})
-        return bool(cur.rowcount)
+        return self.store.settle(commit_hash, state, reason, receipt)
 
     def note_reason(self, commit_hash: bytes, reason: str) -> None:
-        with self._tx():
-            self.conn.execute("UPDATE commits SET reason = ? WHERE commit_hash = ? AND state = 'queued'",
-                              (reason, commit_hash))
+        self.store.note_reason(commit_hash, reason)
 
     # -- what the broker publishes for the member's groups -----------------------------------
     def groups(self) -> list[bytes]:
         """The groups this member follows: every group it ever queued a Commit for."""
-        return [bytes(g) for (g,) in self.conn.execute("SELECT DISTINCT group_id FROM commits ORDER BY group_id")]
+        return self.store.groups()
 
     def keep_head(self, group_id: bytes, epoch: int, receipt: bytes) -> bool:
-        with self._tx():
-            cur = self.conn.execute("INSERT OR IGNORE INTO heads VALUES (?, ?, ?)", (group_id, epoch, receipt))
-        return bool(cur.rowcount)
+        return self.store.keep_head(group_id, epoch, receipt)
 
     def keep_gap(self, group_id: bytes, epoch: int) -> bool:
-        with self._tx():
-            cur = self.conn.execute("INSERT OR IGNORE INTO gaps VALUES (?, ?)", (group_id, epoch))
-        return bool(cur.rowcount)
+        return self.store.keep_gap(group_id, epoch)
 
     def keep_statement(self, group_id: bytes, epoch: int, statement: bytes) -> bool:
-        with self._tx():
-            cur = self.conn.execute("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)", (group_id, epoch, statement))
-        return bool(cur.rowcount)
+        return self.store.keep_statement(group_id, epoch, statement)
 
     def statements(self) -> list[tuple[bytes, int, bytes]]:
-        return [(bytes(g), e, bytes(r)) for g, e, r in
-                self.conn.execute("SELECT group_id, epoch, statement FROM statements ORDER BY group_id, epoch")]
+        return self.store.statements()
 
     def heads(self) -> list[tuple[bytes, int, bytes]]:
-        return [(bytes(g), e, bytes(r)) for g, e, r in
-                self.conn.execute("SELECT group_id, epoch, receipt FROM heads ORDER BY group_id, epoch")]
+        return self.store.heads()
 
     def gaps(self) -> list[tuple[bytes, int]]:
-        return [(bytes(g), e) for g, e in self.conn.execute("SELECT group_id, epoch FROM gaps ORDER BY group_id, epoch")]
+        return self.store.gaps()
 
     def receipts_held(self) -> list[bytes]:
         """Every receipt this member holds: its Commits' outcomes and the heads it heard, then the
         sequencer's signed discontinuity statements it heard (§22.6 step 4)."""
-        out = [e.receipt for e in self.entries() if e.receipt is not None] + [r for _g, _e, r in self.heads()]
+        out = self.store.receipts() + [r for _g, _e, r in self.heads()]
         out += [r for _g, _e, r in self.statements()]
         return list(dict.fromkeys(out))
 
     def ungossiped(self) -> list[bytes]:
         """What the member holds and has not yet handed to its node's gossip (in that order)."""
-        done = {bytes(h) for (h,) in self.conn.execute("SELECT hash FROM gossiped")}
+        done = self.store.gossiped()
         return [r for r in self.receipts_held() if receipts.receipt_hash(r) not in done]
 
     def mark_gossiped(self, raws: list[bytes]) -> None:
-        with self._tx():
-            self.conn.executemany("INSERT OR IGNORE INTO gossiped VALUES (?)",
-                                  [(receipts.receipt_hash(r),) for r in raws])
+        self.store.mark_gossiped([receipts.receipt_hash(r) for r in raws])
 
     def keep_unsettled(self, r: receipts.Receipt, verdict: str) -> bool:
         """A receipt held (binding unresolved) or attributed (signer not bound): retained, surfaced
         once per verdict (§22.6: rejected and retained for attribution / held)."""
-        with self._tx():
-            row = self.conn.execute("SELECT verdict FROM unsettled WHERE receipt = ?", (r.raw,)).fetchone()
-            if row is not None and row[0] == verdict:
-                return False
-            self.conn.execute("INSERT OR REPLACE INTO unsettled VALUES (?, ?, ?, ?, ?)",
-                              (r.raw, r.group_id, r.epoch, verdict, r.kid))
-            self._event("receipt_" + verdict, {"group": r.group_id.hex(), "epoch": r.epoch, "signer": r.kid.hex(),
-                                               "receipt": r.raw.hex()})
-        return True
+        return self.store.keep_unsettled(r.raw, r.group_id, r.epoch, verdict, r.kid)
 
     def unsettled(self) -> list[tuple[bytes, str]]:
-        return [(bytes(r), v) for r, v in self.conn.execute("SELECT receipt, verdict FROM unsettled ORDER BY group_id, epoch")]
+        return self.store.unsettled()
 
     def drop_unsettled(self, raw: bytes) -> None:
-        with self._tx():
-            self.conn.execute("DELETE FROM unsettled WHERE receipt = ?", (raw,))
+        self.store.drop_unsettled(raw)
 
     def record_event(self, kind: str, detail: dict) -> None:
-        with self._tx():
-            self._event(kind, detail)
-
-    def _event(self, kind: str, detail: dict) -> None:
-        self.conn.execute("INSERT INTO events (kind, detail) VALUES (?, ?)", (kind, json.dumps(detail)))
+        self.store.record_event(kind, detail)
 
 
 def _entry(row) -> Entry:
     ch, g, e, m, st, reason, rc, n = row
     return Entry(bytes(ch), bytes(g), e, bytes(m), st, reason, None if rc is None else bytes(rc), n)
-
-
-class _Tx:
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self.conn = conn
-
-    def __enter__(self) -> None:
-        self.conn.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        # ROLLBACK only an open transaction: after a failure SQLite already rolled back (a full
-        # disk, an I/O error, also at COMMIT) it would replace the real error (as agent/store/db.py).
-        if exc_type is None:
-            try:
-                self.conn.execute("COMMIT")
-                return
-            except BaseException:
-                if self.conn.in_transaction:
-                    self.conn.execute("ROLLBACK")
-                raise
-        if self.conn.in_transaction:
-            self.conn.execute("ROLLBACK")
 
 
 # -- who may sign (§22.6 singularity) --------------------------------------------------------

@@ -1,0 +1,215 @@
+"""The member's Commit queue file, HOME/commit-queue.db: its storage adapter (every SQL statement of
+the queue; client.py keeps the protocol and calls these methods). docs/sequencer.md "Member side:
+the Commit queue".
+
+SQLite, WAL, synchronous=FULL: an enqueued Commit or a kept receipt survives a power cut. The
+layout is versioned (``PRAGMA user_version``; layout.py ``QUEUE``: the DDL, the version history,
+the steps): every open runs the forward-only steps, and a queue from a newer release is refused
+(layout.LayoutError, CLI exit 1) before anything is written. Several processes may open one
+queue (`commits run` beside `commits queue|status`): every change is one ``BEGIN IMMEDIATE``
+transaction.
+
+Tables (version 1):
+  meta       key -> value (member_id, sequencer_key)
+  commits    one row per Commit queued: its bytes, state, reason, receipt, queue order, submissions;
+             the partial unique index ``one_outstanding``: at most one queued per group (§22.7)
+  heads      receipts heard on the broker (retained ``accepted``), kept (§22.5: keep receipts)
+  gaps       ``discontinuity/E`` records heard (§22.6 step 4)
+  statements the sequencer's signed discontinuity statements heard
+  gossiped   hashes of what was handed to the node's gossip
+  unsettled  receipts held (binding unresolved) or attributed (signer not bound), §22.6
+  events     what the queue surfaced (``commits status``)
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Iterable, Optional
+
+from agent.sequencer import layout
+
+# The columns of a Commit, in the order client.Entry takes them
+_COMMIT = "commit_hash, group_id, epoch, message, state, reason, receipt, submissions"
+
+
+class QueueStore:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+        try:
+            self.conn.execute("PRAGMA busy_timeout=10000")
+            # The layout version first (layout.py): a queue from a newer release is refused before
+            # anything is written (even journal_mode=WAL writes the header).
+            layout.refuse_newer(self.conn, layout.QUEUE, self.path)
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")
+            layout.migrate(self.conn, layout.QUEUE, self.path)
+        except BaseException:
+            self.conn.close()
+            raise
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def _tx(self) -> "_Tx":
+        return _Tx(self.conn)
+
+    # -- meta ------------------------------------------------------------------------------
+    def meta(self, key: str) -> Optional[str]:
+        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def init_meta(self, member_id: str, sequencer_key: Optional[str]) -> None:
+        """``member_id`` where the file has none yet (kept for ever after); ``sequencer_key``
+        replaces the one kept, when given."""
+        with self._tx():
+            if self.meta("member_id") is None:
+                self.conn.execute("INSERT INTO meta VALUES ('member_id', ?)", (member_id,))
+            if sequencer_key is not None:
+                self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('sequencer_key', ?)", (sequencer_key,))
+
+    # -- commits ---------------------------------------------------------------------------
+    def add_queued(self, commit_hash: bytes, group_id: bytes, epoch: int, message: bytes) -> Optional[int]:
+        """Queue a Commit, in one transaction with the checks: None when it is queued now or was
+        already there (the same bytes: one entry); else the epoch of the Commit the group already
+        has outstanding, and nothing is added (§22.7: one outstanding Commit per group)."""
+        with self._tx():
+            if self.conn.execute("SELECT 1 FROM commits WHERE commit_hash = ?", (commit_hash,)).fetchone():
+                return None
+            out = self.conn.execute("SELECT epoch FROM commits WHERE group_id = ? AND state = 'queued'",
+                                    (group_id,)).fetchone()
+            if out is not None:
+                return int(out[0])
+            seq = self.conn.execute("SELECT coalesce(max(queued_seq), 0) + 1 FROM commits").fetchone()[0]
+            self.conn.execute("INSERT INTO commits (commit_hash, group_id, epoch, message, state, queued_seq) "
+                              "VALUES (?, ?, ?, ?, 'queued', ?)", (commit_hash, group_id, epoch, message, seq))
+        return None
+
+    def commit(self, commit_hash: bytes) -> Optional[tuple]:
+        return self.conn.execute(f"SELECT {_COMMIT} FROM commits WHERE commit_hash = ?", (commit_hash,)).fetchone()
+
+    def outstanding(self) -> list[tuple]:
+        return self.conn.execute(f"SELECT {_COMMIT} FROM commits WHERE state = 'queued' ORDER BY queued_seq").fetchall()
+
+    def commits(self) -> list[tuple]:
+        return self.conn.execute(f"SELECT {_COMMIT} FROM commits ORDER BY queued_seq").fetchall()
+
+    def receipts(self) -> list[bytes]:
+        """The receipts of the Commits' outcomes, in queue order."""
+        return [bytes(r) for (r,) in
+                self.conn.execute("SELECT receipt FROM commits WHERE receipt IS NOT NULL ORDER BY queued_seq")]
+
+    def note_submitted(self, commit_hash: bytes) -> None:
+        with self._tx():
+            self.conn.execute("UPDATE commits SET submissions = submissions + 1 WHERE commit_hash = ?",
+                              (commit_hash,))
+
+    def settle(self, commit_hash: bytes, state: str, reason: Optional[str], receipt: Optional[bytes]) -> bool:
+        """Record an outcome for a queued Commit, with its event (only a queued one: an outcome is final)."""
+        with self._tx():
+            cur = self.conn.execute("UPDATE commits SET state = ?, reason = ?, receipt = ? "
+                                    "WHERE commit_hash = ? AND state = 'queued'",
+                                    (state, reason, receipt, commit_hash))
+            if cur.rowcount:
+                self._event(state, {"commit_hash": commit_hash.hex(), "reason": reason})
+        return bool(cur.rowcount)
+
+    def note_reason(self, commit_hash: bytes, reason: str) -> None:
+        with self._tx():
+            self.conn.execute("UPDATE commits SET reason = ? WHERE commit_hash = ? AND state = 'queued'",
+                              (reason, commit_hash))
+
+    # -- what the broker publishes for the member's groups -----------------------------------
+    def groups(self) -> list[bytes]:
+        """Every group the member ever queued a Commit for."""
+        return [bytes(g) for (g,) in self.conn.execute("SELECT DISTINCT group_id FROM commits ORDER BY group_id")]
+
+    def keep_head(self, group_id: bytes, epoch: int, receipt: bytes) -> bool:
+        with self._tx():
+            cur = self.conn.execute("INSERT OR IGNORE INTO heads VALUES (?, ?, ?)", (group_id, epoch, receipt))
+        return bool(cur.rowcount)
+
+    def keep_gap(self, group_id: bytes, epoch: int) -> bool:
+        with self._tx():
+            cur = self.conn.execute("INSERT OR IGNORE INTO gaps VALUES (?, ?)", (group_id, epoch))
+        return bool(cur.rowcount)
+
+    def keep_statement(self, group_id: bytes, epoch: int, statement: bytes) -> bool:
+        with self._tx():
+            cur = self.conn.execute("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)", (group_id, epoch, statement))
+        return bool(cur.rowcount)
+
+    def statements(self) -> list[tuple[bytes, int, bytes]]:
+        return [(bytes(g), e, bytes(r)) for g, e, r in
+                self.conn.execute("SELECT group_id, epoch, statement FROM statements ORDER BY group_id, epoch")]
+
+    def heads(self) -> list[tuple[bytes, int, bytes]]:
+        return [(bytes(g), e, bytes(r)) for g, e, r in
+                self.conn.execute("SELECT group_id, epoch, receipt FROM heads ORDER BY group_id, epoch")]
+
+    def gaps(self) -> list[tuple[bytes, int]]:
+        return [(bytes(g), e) for g, e in self.conn.execute("SELECT group_id, epoch FROM gaps ORDER BY group_id, epoch")]
+
+    # -- handed to the node's gossip --------------------------------------------------------
+    def gossiped(self) -> set[bytes]:
+        return {bytes(h) for (h,) in self.conn.execute("SELECT hash FROM gossiped")}
+
+    def mark_gossiped(self, hashes: Iterable[bytes]) -> None:
+        with self._tx():
+            self.conn.executemany("INSERT OR IGNORE INTO gossiped VALUES (?)", [(h,) for h in hashes])
+
+    # -- held and attributed receipts (§22.6) -------------------------------------------------
+    def keep_unsettled(self, raw: bytes, group_id: bytes, epoch: int, verdict: str, signer: bytes) -> bool:
+        """Kept (or its verdict changed), with a ``receipt_<verdict>`` event; False when it was kept
+        with this verdict already."""
+        with self._tx():
+            row = self.conn.execute("SELECT verdict FROM unsettled WHERE receipt = ?", (raw,)).fetchone()
+            if row is not None and row[0] == verdict:
+                return False
+            self.conn.execute("INSERT OR REPLACE INTO unsettled VALUES (?, ?, ?, ?, ?)",
+                              (raw, group_id, epoch, verdict, signer))
+            self._event("receipt_" + verdict, {"group": group_id.hex(), "epoch": epoch, "signer": signer.hex(),
+                                               "receipt": raw.hex()})
+        return True
+
+    def unsettled(self) -> list[tuple[bytes, str]]:
+        return [(bytes(r), v) for r, v in self.conn.execute("SELECT receipt, verdict FROM unsettled ORDER BY group_id, epoch")]
+
+    def drop_unsettled(self, raw: bytes) -> None:
+        with self._tx():
+            self.conn.execute("DELETE FROM unsettled WHERE receipt = ?", (raw,))
+
+    # -- events ------------------------------------------------------------------------------
+    def events(self) -> list[dict]:
+        return [{"seq": s, "kind": k, **json.loads(d)} for s, k, d in
+                self.conn.execute("SELECT seq, kind, detail FROM events ORDER BY seq")]
+
+    def record_event(self, kind: str, detail: dict) -> None:
+        with self._tx():
+            self._event(kind, detail)
+
+    def _event(self, kind: str, detail: dict) -> None:
+        self.conn.execute("INSERT INTO events (kind, detail) VALUES (?, ?)", (kind, json.dumps(detail)))
+
+
+class _Tx:
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+
+    def __enter__(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # ROLLBACK only an open transaction: after a failure SQLite already rolled back (a full
+        # disk, an I/O error, also at COMMIT) it would replace the real error (as agent/store/db.py).
+        if exc_type is None:
+            try:
+                self.conn.execute("COMMIT")
+                return
+            except BaseException:
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                raise
+        if self.conn.in_transaction:
+            self.conn.execute("ROLLBACK")
