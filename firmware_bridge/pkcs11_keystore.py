@@ -56,13 +56,14 @@ def _worker_error(reply: dict[str, Any]) -> KeystoreError:
 
 
 class _Chunk:
-    """One ``sign_many`` request sent: its [name, alg, data] items, its sequence number and whether
-    the worker was asked to copy it to the verifier."""
-    __slots__ = ("reqs", "seq", "copy")
+    """One ``sign_many`` request sent: its [name, alg, data] items, its sequence number, its batch
+    and whether the worker was asked to copy it to the verifier."""
+    __slots__ = ("reqs", "seq", "batch", "copy")
 
-    def __init__(self, reqs: list, seq: int, copy: bool) -> None:
+    def __init__(self, reqs: list, seq: int, batch: int, copy: bool) -> None:
         self.reqs = reqs
         self.seq = seq
+        self.batch = batch
         self.copy = copy
 
 
@@ -112,6 +113,7 @@ class Pkcs11Keystore(Keystore):
         # missed the deadline, or could not start): verification is done in this process.
         self._verifier: Optional[subprocess.Popen] = None
         self._copies_r: Optional[int] = None
+        self._cancel_w: Optional[int] = None   # batch numbers to the worker: a signature of it failed verification
         self._vgone = False
         self._vkeys: set[str] = set()
         self._vbuf = bytearray()
@@ -132,16 +134,20 @@ class Pkcs11Keystore(Keystore):
         # the worker's copies to the verifier: a large pipe, so a verifier a few batches behind
         # never makes the worker stop copying (it never waits for it: pkcs11_worker._copy)
         self._copies_r, copies_w = os.pipe()
+        cancel_r, self._cancel_w = os.pipe()
+        os.set_blocking(self._cancel_w, False)
         try:   # Linux; elsewhere (or above /proc/sys/fs/pipe-max-size) the default pipe
             fcntl.fcntl(copies_w, fcntl.F_SETPIPE_SZ, 1 << 20)
         except (OSError, AttributeError):
             pass
         try:
-            self._proc = subprocess.Popen([sys.executable, "-m", self._WORKER_MODULE, "--copies", str(copies_w)],
+            self._proc = subprocess.Popen([sys.executable, "-m", self._WORKER_MODULE, "--copies", str(copies_w),
+                                           "--cancel", str(cancel_r)],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=penv, bufsize=0,
-                                          pass_fds=(copies_w,))
+                                          pass_fds=(copies_w, cancel_r))
         finally:
             os.close(copies_w)
+            os.close(cancel_r)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._stdout = self._proc.stdout
         self._wfd, self._rfd = self._proc.stdin.fileno(), self._proc.stdout.fileno()
@@ -438,7 +444,7 @@ class Pkcs11Keystore(Keystore):
         if copy:
             req.update(copy=True, seq=self._seq)
         self._send("sign_many", req)
-        return _Chunk(reqs, self._seq, copy)
+        return _Chunk(reqs, self._seq, batch, copy)
 
     def _resolve(self, chunk: _Chunk, reply: dict) -> tuple[list[bytes], Optional[BaseException]]:
         """A chunk's reply as (signatures verified, failure): the signatures before the first that
@@ -450,8 +456,18 @@ class Pkcs11Keystore(Keystore):
         failure = _worker_error(got) if "err" in got else None
         n = self._verified(chunk, sigs, bool(got.get("copied")))
         if n < len(sigs):
+            self._cancel(chunk.batch)
             return sigs[:n], _bad_signature(chunk.reqs[n][0])
         return sigs, failure
+
+    def _cancel(self, batch: int) -> None:
+        """Tell the worker that ``batch`` failed verification: it signs none of its chunks still
+        queued (the verifier tells it too, sooner, for the chunks it verified). Best effort."""
+        if self._cancel_w is not None:
+            try:
+                os.write(self._cancel_w, struct.pack(">Q", batch))
+            except OSError:
+                pass
 
     def _verified(self, chunk: _Chunk, sigs: list[bytes], copied: bool) -> int:
         """How many of ``sigs`` verify, from the first: the verifier's verdict when it gave one
@@ -487,9 +503,10 @@ class Pkcs11Keystore(Keystore):
             return
         fd, self._copies_r = self._copies_r, None
         try:
-            self._verifier = subprocess.Popen([sys.executable, "-m", "firmware_bridge.verify_worker", str(fd)],
+            fds = (fd,) if self._cancel_w is None else (fd, self._cancel_w)
+            self._verifier = subprocess.Popen([sys.executable, "-m", "firmware_bridge.verify_worker", *map(str, fds)],
                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self._env,
-                                              bufsize=0, pass_fds=(fd,))
+                                              bufsize=0, pass_fds=fds)
         except OSError:
             self._vgone = True
             return
@@ -610,3 +627,6 @@ class Pkcs11Keystore(Keystore):
                     proc.wait()
             self._close_stdout()
             self._stop_verifier()
+            if self._cancel_w is not None:
+                os.close(self._cancel_w)
+                self._cancel_w = None

@@ -12,9 +12,14 @@ work (docs/keystore.md "Verified in a verifier process"). The copy is written wi
 when the verifier does not keep up (or died) the worker stops copying for good and says so in
 its replies (``copied`` false); the keystore then verifies in its own process. Signing never
 waits for the verifier.
+
+``--cancel FD``: batch numbers (u64) written by the verifier or the keystore's process when a
+signature of that batch failed verification; read without blocking before each chunk, whose batch
+is then answered unsigned, like the rest of a batch that failed at the token.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import struct
@@ -34,9 +39,13 @@ def _unwrap_point(data: bytes) -> bytes:
 
 
 class Worker:
-    def __init__(self, copies: Optional[int] = None) -> None:
+    def __init__(self, copies: Optional[int] = None, cancel: Optional[int] = None) -> None:
         self.copies = copies   # the verifier's pipe (non-blocking), None when there is none or it failed
-        self.failed_batch: Any = None   # the batch whose chunk failed last: its later chunks are not signed
+        self.cancel = cancel   # batch numbers whose signature failed verification (non-blocking)
+        self.cancel_buf = b""
+        # batches that failed (at the token, or a signature did not verify): their later chunks are
+        # not signed. Batches are numbered upwards and queue in order: the last few suffice.
+        self.failed: collections.deque = collections.deque(maxlen=16)
         self.session: Any = None
         self.info: dict[str, Any] = {}
         self._keys: dict[str, Any] = {}  # private key handles by label (find once)
@@ -164,9 +173,9 @@ class Worker:
         the chunk belongs to; once one of its chunks failed, its later chunks (already queued
         here) are answered unsigned: the batch ends at its first failure, and each signature
         would only burn an identity as an unknown outcome."""
-        if batch is not None and batch == self.failed_batch:
+        if batch is not None and batch in self._failed():
             return {"sigs": [], "err": "KeystoreError", "skipped": True,
-                    "msg": "not signed: an earlier chunk of this batch failed at the token"}
+                    "msg": "not signed: an earlier chunk of this batch failed"}
         copy = copy and self.copies is not None and all(alg == "p256" for _, alg, _ in requests)
         sigs: list[bytes] = []
         items: list[tuple[bytes, bytes, bytes]] = []
@@ -182,23 +191,41 @@ class Worker:
                 sigs.append(sig)
             except _Err as e:
                 out.update(err=e.cls, msg=e.msg)
-                self.failed_batch = batch
+                self.failed.append(batch)
                 break
             except Exception as e:  # noqa: BLE001 - same report as a single sign
                 out.update(err="KeystoreError", msg=f"PKCS#11 sign failed: {type(e).__name__}: {e}")
-                self.failed_batch = batch
+                self.failed.append(batch)
                 break
         if copy and items:
-            out["copied"] = self._copy(seq, items)
+            out["copied"] = self._copy(seq, batch or 0, items)
         return out
 
-    def _copy(self, seq: int, items: list[tuple[bytes, bytes, bytes]]) -> bool:
+    def _failed(self) -> collections.deque:
+        """The failed batches, with the cancellations that arrived (read without blocking)."""
+        if self.cancel is not None:
+            try:
+                while True:
+                    got = os.read(self.cancel, 4096)
+                    if not got:   # every writer gone: no more cancellations
+                        os.close(self.cancel)
+                        self.cancel = None
+                        break
+                    buf = self.cancel_buf + got
+                    n = len(buf) // 8 * 8
+                    self.failed.extend(struct.unpack(f">{n // 8}Q", buf[:n]))
+                    self.cancel_buf = buf[n:]
+            except BlockingIOError:
+                pass
+        return self.failed
+
+    def _copy(self, seq: int, batch: int, items: list[tuple[bytes, bytes, bytes]]) -> bool:
         """One copy to the verifier, written without blocking. A full pipe (the verifier is far
         behind or stopped) or a broken one (it died) ends copying for good: the verifier sees the
         end of its input (after a partial copy, if any) and exits."""
         from .verify_worker import encode_items
         body = encode_items(items)
-        data = memoryview(struct.pack(">IQ", len(body) + 8, seq) + body)
+        data = memoryview(struct.pack(">IQQ", len(body) + 16, seq, batch) + body)
         try:
             while data:
                 data = data[os.write(self.copies, data):]
@@ -307,11 +334,11 @@ def main(argv: list[str], worker_cls: type = Worker) -> None:
     signature); ``python -m firmware_bridge.pkcs11_worker`` always runs ``Worker``."""
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing else may write to the message pipe
-    copies = None
-    if argv[:1] == ["--copies"]:
-        copies = int(argv[1])
-        os.set_blocking(copies, False)
-    worker = worker_cls(copies)
+    fds: dict[str, Optional[int]] = {"--copies": None, "--cancel": None}
+    for opt, fd in zip(argv[::2], argv[1::2]):
+        fds[opt] = int(fd)
+        os.set_blocking(int(fd), False)
+    worker = worker_cls(fds["--copies"], fds["--cancel"])
     while True:
         msg = read_msg(inp)
         if msg is None:

@@ -11,16 +11,19 @@ Its inputs: the **public keys**, from the keystore's process on stdin (the keys 
 keystore asked it to copy, the key name, the SHA-256 digest of the data and the signature of each
 item. It verifies each pair with ``verify.verify_p256_digest`` (``verify_p256``'s accept set, over
 the digest) and answers on stdout, per copy: its sequence number, how many pairs it got, how many
-verified before the first that did not, and the SHA-256 of the copy's body. The keystore's process
+verified before the first that did not, and the SHA-256 of the copy's body; when one did not
+verify, it also writes the copy's batch number to the worker's cancel pipe (argv[2]), so the
+worker does not sign that batch's chunks still queued. The keystore's process
 recomputes that body from its own data (its digests, the signatures it read from the worker) and
 takes the verdict only when the hashes match: what was verified is exactly what it will return.
 
 Protocol (big-endian):
 
   stdin    key   = u8 name_len | name | u8 key_len | key (SEC1, 33 or 65 bytes)
-  copies   copy  = u32 body_len | u64 seq | body;  body = (u8 name_len | name | digest (32) |
-                   u16 sig_len | sig)*
+  copies   copy  = u32 len | u64 seq | u64 batch | body  (len counts seq, batch and body);
+                   body = (u8 name_len | name | digest (32) | u16 sig_len | sig)*
   stdout   answer = u64 seq | u32 count | u32 verified | sha256(body)   (48 bytes)
+  cancel   u64 batch, when a signature of that batch did not verify (non-blocking; best effort)
 
 No PKCS#11 library is loaded here. End of stdin (the keystore's process closed it, or died) or of
 the copies (the worker died, or stopped copying mid-copy): exit.
@@ -102,6 +105,9 @@ class Keys:
 
 def main(argv: list[str]) -> int:
     copies = int(argv[0])
+    cancel = int(argv[1]) if len(argv) > 1 else None
+    if cancel is not None:
+        os.set_blocking(cancel, False)
     keys = Keys(sys.stdin.fileno())
     out = sys.stdout.fileno()
     poller = select.poll()
@@ -114,16 +120,21 @@ def main(argv: list[str]) -> int:
                     keys.read()
                     continue
                 (n,) = struct.unpack(">I", read_exact(copies, 4))
-                if n < 8 or n > MAX_BODY:
+                if n < 16 or n > MAX_BODY:
                     return 2
-                (seq,) = struct.unpack(">Q", read_exact(copies, 8))
-                body = read_exact(copies, n - 8)
+                seq, batch = struct.unpack(">QQ", read_exact(copies, 16))
+                body = read_exact(copies, n - 16)
                 items = decode_items(body)
                 ok = 0
                 for name, digest, sig in items:
                     if not verify_p256_digest(keys.get(name), digest, sig):
                         break
                     ok += 1
+                if ok < len(items) and batch and cancel is not None:
+                    try:   # the worker skips the batch's chunks still queued (a full pipe: it signs them)
+                        os.write(cancel, struct.pack(">Q", batch))
+                    except OSError:
+                        pass
                 write_all(out, ANSWER.pack(seq, len(items), ok) + hashlib.sha256(body).digest())
         except (EOFError, BrokenPipeError, ValueError):
             return 0

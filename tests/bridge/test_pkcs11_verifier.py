@@ -254,7 +254,7 @@ def _verifier_verdicts(pairs):
                 names[pub] = "k%d" % len(names)
                 proc.stdin.write(encode_key(names[pub], pub))
             body = encode_items([(names[pub].encode(), digest, sig)])
-            os.write(w, struct.pack(">IQ", len(body) + 8, seq) + body)
+            os.write(w, struct.pack(">IQQ", len(body) + 16, seq, 0) + body)
             aseq, count, ok = ANSWER.unpack(read_exact(proc.stdout.fileno(), 16))
             h = read_exact(proc.stdout.fileno(), 32)
             assert (aseq, count) == (seq, 1) and h == hashlib.sha256(body).digest()
