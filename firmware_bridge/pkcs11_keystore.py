@@ -44,6 +44,13 @@ SIGN_MANY_CHUNK = 64
 DEFAULT_TIMEOUT_S = 60.0
 
 
+def _python_m(module: str) -> list[str]:
+    """``python -m module`` without the working directory on sys.path (``-P``, Python >= 3.11): a
+    directory holding another ``firmware_bridge`` would otherwise be imported instead of this one
+    (the PYTHONPATH given to the child puts this package's root first)."""
+    return [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-m", module]
+
+
 def _worker_error(reply: dict[str, Any]) -> KeystoreError:
     """The worker names an errors.py class; anything else becomes a plain KeystoreError."""
     if reply["err"] == "SealError":
@@ -141,7 +148,7 @@ class Pkcs11Keystore(Keystore):
         except (OSError, AttributeError):
             pass
         try:
-            self._proc = subprocess.Popen([sys.executable, "-m", self._WORKER_MODULE, "--copies", str(copies_w),
+            self._proc = subprocess.Popen([*_python_m(self._WORKER_MODULE), "--copies", str(copies_w),
                                            "--cancel", str(cancel_r)],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=penv, bufsize=0,
                                           pass_fds=(copies_w, cancel_r))
@@ -504,7 +511,7 @@ class Pkcs11Keystore(Keystore):
         fd, self._copies_r = self._copies_r, None
         try:
             fds = (fd,) if self._cancel_w is None else (fd, self._cancel_w)
-            self._verifier = subprocess.Popen([sys.executable, "-m", "firmware_bridge.verify_worker", *map(str, fds)],
+            self._verifier = subprocess.Popen([*_python_m("firmware_bridge.verify_worker"), *map(str, fds)],
                                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self._env,
                                               bufsize=0, pass_fds=fds)
         except OSError:

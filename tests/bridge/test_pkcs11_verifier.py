@@ -283,3 +283,23 @@ def test_the_verifier_accepts_exactly_what_verify_p256_accepts_wycheproof():
     assert got == expected
     assert all(g for g, r in zip(got, results) if r == "valid") and not any(g for g, r in zip(got, results) if r == "invalid")
     assert sum(results.count(x) for x in ("valid", "invalid")) > 100
+
+
+def test_the_worker_and_the_verifier_run_this_firmware_bridge_whatever_the_working_directory(tmp_path, monkeypatch):
+    """`python -m` puts the working directory first on sys.path: started from a directory that
+    holds another `firmware_bridge` (an old checkout, a copy) the worker and the verifier ran
+    that one. They must run the keystore's own package."""
+    decoy = tmp_path / "cwd" / "firmware_bridge"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("raise SystemExit('the decoy firmware_bridge was imported')\n")
+    conf = softhsm_token(tmp_path, "cwd")
+    monkeypatch.chdir(tmp_path / "cwd")
+    ks = open_keystore(conf)
+    try:
+        ks.generate_key("seq", "p256")
+        r = reqs(0, 2 * SIGN_MANY_CHUNK)
+        sigs, failure = ks._sign_start(r)()
+        assert failure is None and all_verify(ks.public_key("seq"), r, sigs)
+        assert ks._verifier is not None and ks._verifier.poll() is None and not ks._vgone
+    finally:
+        ks.close()
