@@ -303,3 +303,27 @@ def test_the_worker_and_the_verifier_run_this_firmware_bridge_whatever_the_worki
         assert ks._verifier is not None and ks._verifier.poll() is None and not ks._vgone
     finally:
         ks.close()
+
+
+def test_a_stopped_verifier_costs_one_deadline_then_this_process_verifies(tmp_path, here_counts):
+    """A verifier that stops answering (SIGSTOP) never stops the token (the worker never waits for
+    it); after the reply deadline it is killed and the keystore verifies in its own process."""
+    conf = softhsm_token(tmp_path, "stopped")
+    env = dict(conf["env"], PYTHONPATH=HERE)
+    ks = FaultyKeystore(conf["module"], conf["token_label"], conf["pin"], env=env, timeout_s=1.0)
+    try:
+        ks.generate_key("seq", "p256")
+        pub = ks.public_key("seq")
+        first, failure = ks._sign_start(reqs(0, 10))()
+        assert failure is None and here_counts[0] == 0
+        vpid = ks._verifier.pid
+        os.kill(vpid, signal.SIGSTOP)
+        r = reqs(100, 2 * SIGN_MANY_CHUNK)
+        done, got = in_thread(ks._sign_start(r), 30)
+        assert done, "wait() hung on a stopped verifier"
+        sigs, failure = got
+        assert failure is None and all_verify(pub, r, sigs)
+        assert ks._vgone and ks._verifier is None and here_counts[0] == len(r)
+        assert _gone(vpid)                    # killed and reaped
+    finally:
+        ks.close()
