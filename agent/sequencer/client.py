@@ -174,12 +174,12 @@ class CommitQueue:
         return list(dict.fromkeys(out))
 
     def ungossiped(self) -> list[bytes]:
-        """What the member holds and has not yet handed to its node's gossip (in that order)."""
-        done = self.store.gossiped()
-        return [r for r in self.receipts_held() if receipts.receipt_hash(r) not in done]
+        """What the member holds and has not yet handed to its node's gossip, in the order it was
+        kept (read after every pump step: the store's outbox, never the whole history)."""
+        return self.store.ungossiped()
 
     def mark_gossiped(self, raws: list[bytes]) -> None:
-        self.store.mark_gossiped([receipts.receipt_hash(r) for r in raws])
+        self.store.mark_gossiped(raws)
 
     def keep_unsettled(self, r: receipts.Receipt, verdict: str) -> bool:
         """A receipt held (binding unresolved) or attributed (signer not bound): retained, surfaced

@@ -4,7 +4,7 @@ Two files, each with its own version line, kept in `PRAGMA user_version` (the SQ
 read without touching any table):
 
   STATE   HOME/sequencer.db       the sequencer's state (store.py)
-  QUEUE   HOME/commit-queue.db    a member's durable Commit queue (client.py)
+  QUEUE   HOME/commit-queue.db    a member's durable Commit queue (queue_store.py)
 
 As for the node's store (agent/store/migrations.py, which this package may not import: the
 sequencer never imports the sync node, tests/core/test_layout.py): migrations run forward only,
@@ -26,6 +26,9 @@ Version history, QUEUE (commit-queue.db):
   1  the layout released before versioning (client.py SCHEMA at 16b3ab7): meta, commits with the
      partial unique index one_outstanding, events, heads, gaps, statements, gossiped, unsettled.
      That release wrote no version (user_version 0): a file with its tables is version 1
+  2  what every pump step reads no longer grows with the history: the indexes commits_in_order
+     (queue order) and queued_in_order (the queued ones, partial), the tables followed (one row per group, filled from commits) and outbox (what
+     was kept and not yet gossiped, filled from what version 1 held and had not marked gossiped)
 
 A version-1 file as that release wrote it (user_version 0) gets step 1 on its first writing open:
 the step's DDL is `IF NOT EXISTS` throughout, so on such a file it changes nothing but the header's
@@ -130,7 +133,7 @@ STATE = Layout("sequencer state", "groups", [
 ])
 
 
-# -- QUEUE: HOME/commit-queue.db (client.py) ------------------------------------------------------
+# -- QUEUE: HOME/commit-queue.db (queue_store.py) ---------------------------------------------------
 # Version 1, exactly as the release before versioning wrote it (client.py SCHEMA). Never edit.
 QUEUE_V1 = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -149,8 +152,45 @@ CREATE TABLE IF NOT EXISTS unsettled (
   receipt BLOB PRIMARY KEY, group_id BLOB NOT NULL, epoch INTEGER NOT NULL, verdict TEXT NOT NULL, signer BLOB NOT NULL);
 """
 
+# Version 2: what runs on every pump step reads what it needs, not the history (settled Commits,
+# heads and gossiped hashes are kept for good: the member's evidence, §22.6). Added:
+#   commits_in_order  the queue order: enqueue's max(queued_seq) is one seek, `entries` needs no sort
+#   queued_in_order   the queued Commits only, in queue order (partial): `outstanding` reads those
+#                     rows and sorts nothing (with commits_in_order alone SQLite would walk every
+#                     Commit in order to find the queued ones)
+#   followed          one row per group the member ever queued a Commit for (was SELECT DISTINCT
+#                     over every Commit on every pump step)
+#   outbox            what is kept and not yet handed to the node's gossip, in the order it was kept
+#                     (was: every Commit, head, statement and gossiped hash read after every step);
+#                     a row goes when its hash goes into `gossiped`; `seq` is a rowid, so a row
+#                     kept later always gets a larger one (numbers are reused only once it is empty)
+QUEUE_V2 = """
+CREATE INDEX commits_in_order ON commits (queued_seq);
+CREATE INDEX queued_in_order ON commits (queued_seq) WHERE state = 'queued';
+CREATE TABLE followed (group_id BLOB PRIMARY KEY);
+INSERT INTO followed SELECT DISTINCT group_id FROM commits;
+CREATE TABLE outbox (seq INTEGER PRIMARY KEY, hash BLOB NOT NULL UNIQUE, raw BLOB NOT NULL);
+"""
+
+
+def _queue_v2(conn: sqlite3.Connection) -> None:
+    from agent.sequencer.receipts import receipt_hash     # BLAKE3, the key `gossiped` is kept by
+    for stmt in statements(QUEUE_V2):
+        conn.execute(stmt)
+    # the outbox starts with what version 1 would have handed over next, in its order: the
+    # Commits' receipts in queue order, the heads, the statements; less what was handed over
+    held = [r for (r,) in conn.execute("SELECT receipt FROM commits WHERE receipt IS NOT NULL ORDER BY queued_seq")]
+    held += [r for (r,) in conn.execute("SELECT receipt FROM heads ORDER BY group_id, epoch")]
+    held += [r for (r,) in conn.execute("SELECT statement FROM statements ORDER BY group_id, epoch")]
+    for raw in held:
+        h = receipt_hash(bytes(raw))
+        conn.execute("INSERT OR IGNORE INTO outbox (hash, raw) SELECT ?, ? "
+                     "WHERE NOT EXISTS (SELECT 1 FROM gossiped WHERE hash = ?)", (h, bytes(raw), h))
+
+
 QUEUE = Layout("Commit queue", "commits", [
     (1, "the released layout (commits, heads, gaps, statements, gossiped, unsettled, events)", _base(QUEUE_V1)),
+    (2, "the queue order indexed, the followed groups, the gossip outbox", _queue_v2),
 ])
 
 

@@ -19,6 +19,14 @@ Tables (version 1):
   gossiped   hashes of what was handed to the node's gossip
   unsettled  receipts held (binding unresolved) or attributed (signer not bound), §22.6
   events     what the queue surfaced (``commits status``)
+
+Version 2 (what runs on every pump step of `commits run` reads what it needs, never the history:
+settled Commits, heads and gossiped hashes are kept for good, the member's evidence, §22.6):
+  commits_in_order  index on the queue order (enqueue's next number, `entries` without a sort)
+  queued_in_order   partial index, the queued Commits in queue order (`outstanding`: those rows only)
+  followed          one row per group ever queued for (written with the Commit that adds it)
+  outbox            what was kept and not yet handed to gossip, in the order it was kept: written
+                    in the transaction that keeps it, removed when its hash goes into ``gossiped``
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from agent.sequencer import layout
+from agent.sequencer.receipts import receipt_hash
 
 # The columns of a Commit, in the order client.Entry takes them
 _COMMIT = "commit_hash, group_id, epoch, message, state, reason, receipt, submissions"
@@ -84,6 +93,7 @@ class QueueStore:
             seq = self.conn.execute("SELECT coalesce(max(queued_seq), 0) + 1 FROM commits").fetchone()[0]
             self.conn.execute("INSERT INTO commits (commit_hash, group_id, epoch, message, state, queued_seq) "
                               "VALUES (?, ?, ?, ?, 'queued', ?)", (commit_hash, group_id, epoch, message, seq))
+            self.conn.execute("INSERT OR IGNORE INTO followed VALUES (?)", (group_id,))
         return None
 
     def commit(self, commit_hash: bytes) -> Optional[tuple]:
@@ -113,6 +123,8 @@ class QueueStore:
                                     (state, reason, receipt, commit_hash))
             if cur.rowcount:
                 self._event(state, {"commit_hash": commit_hash.hex(), "reason": reason})
+                if receipt is not None:
+                    self._to_gossip(receipt)
         return bool(cur.rowcount)
 
     def note_reason(self, commit_hash: bytes, reason: str) -> None:
@@ -123,11 +135,13 @@ class QueueStore:
     # -- what the broker publishes for the member's groups -----------------------------------
     def groups(self) -> list[bytes]:
         """Every group the member ever queued a Commit for."""
-        return [bytes(g) for (g,) in self.conn.execute("SELECT DISTINCT group_id FROM commits ORDER BY group_id")]
+        return [bytes(g) for (g,) in self.conn.execute("SELECT group_id FROM followed ORDER BY group_id")]
 
     def keep_head(self, group_id: bytes, epoch: int, receipt: bytes) -> bool:
         with self._tx():
             cur = self.conn.execute("INSERT OR IGNORE INTO heads VALUES (?, ?, ?)", (group_id, epoch, receipt))
+            if cur.rowcount:
+                self._to_gossip(receipt)
         return bool(cur.rowcount)
 
     def keep_gap(self, group_id: bytes, epoch: int) -> bool:
@@ -138,6 +152,8 @@ class QueueStore:
     def keep_statement(self, group_id: bytes, epoch: int, statement: bytes) -> bool:
         with self._tx():
             cur = self.conn.execute("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)", (group_id, epoch, statement))
+            if cur.rowcount:
+                self._to_gossip(statement)
         return bool(cur.rowcount)
 
     def statements(self) -> list[tuple[bytes, int, bytes]]:
@@ -152,12 +168,26 @@ class QueueStore:
         return [(bytes(g), e) for g, e in self.conn.execute("SELECT group_id, epoch FROM gaps ORDER BY group_id, epoch")]
 
     # -- handed to the node's gossip --------------------------------------------------------
-    def gossiped(self) -> set[bytes]:
-        return {bytes(h) for (h,) in self.conn.execute("SELECT hash FROM gossiped")}
+    def ungossiped(self) -> list[bytes]:
+        """What was kept and not yet handed to the node's gossip, in the order it was kept (the
+        outbox: its rows only, however much was gossiped before)."""
+        return [bytes(r) for (r,) in self.conn.execute("SELECT raw FROM outbox ORDER BY seq")]
 
-    def mark_gossiped(self, hashes: Iterable[bytes]) -> None:
+    def mark_gossiped(self, raws: Iterable[bytes]) -> None:
+        """Handed over: recorded in ``gossiped`` (kept: heard again, it is not handed over again)
+        and out of the outbox, in one transaction."""
         with self._tx():
-            self.conn.executemany("INSERT OR IGNORE INTO gossiped VALUES (?)", [(h,) for h in hashes])
+            for raw in raws:
+                h = receipt_hash(raw)
+                self.conn.execute("INSERT OR IGNORE INTO gossiped VALUES (?)", (h,))
+                self.conn.execute("DELETE FROM outbox WHERE hash = ?", (h,))
+
+    def _to_gossip(self, raw: bytes) -> None:
+        """Into the outbox, in the caller's transaction: once (a receipt that is a Commit's
+        outcome and the group's head too), and not when it was handed over already."""
+        h = receipt_hash(raw)
+        self.conn.execute("INSERT OR IGNORE INTO outbox (hash, raw) SELECT ?, ? "
+                          "WHERE NOT EXISTS (SELECT 1 FROM gossiped WHERE hash = ?)", (h, bytes(raw), h))
 
     # -- held and attributed receipts (§22.6) -------------------------------------------------
     def keep_unsettled(self, raw: bytes, group_id: bytes, epoch: int, verdict: str, signer: bytes) -> bool:

@@ -8,6 +8,8 @@
   that release's DDL, copied below so later layout changes cannot alter it) opens as version 1
   with its rows and tables unchanged.
 - A new file gets the latest version; version 1 is exactly the released layout.
+- A version-1 Commit queue with rows migrates to version 2 keeping them (followed groups, gossip
+  outbox filled from them).
 - A step that fails or is killed half-way leaves the previous version and nothing of the step.
 """
 from __future__ import annotations
@@ -240,10 +242,58 @@ def test_a_commit_queue_of_the_release_before_versioning_opens_as_version_1_and_
     st = json.loads(agent(member, "commits", "status", check=0).stdout)
     assert st["member_id"] == "0123456789abcdef"
     assert [(c["commit_hash"], c["state"], c["submissions"]) for c in st["commits"]] == [(ch.hex(), "queued", 2)]
-    assert user_version(db) == 1 and layout_of(db) == tables and rows_of(db) == rows
+    # version 1's tables and rows exactly as they were; the later steps only add (the queue is at
+    # version 2: test_a_version_1_commit_queue_with_rows_migrates_to_2_keeping_them)
+    assert user_version(db) == layout.QUEUE.latest
+    assert tables <= layout_of(db) and {t: r for t, r in rows_of(db).items() if t in rows} == rows
     # one outstanding per group still holds (the released unique index is the one in use)
     p = agent(member, "commits", "queue", commit_file(tmp_path, "c5", 4, b"other"), check=2)
     assert "already has a Commit outstanding" in p.stderr
+
+
+@pytest.mark.parametrize("stamped", [0, 1])
+def test_a_version_1_commit_queue_with_rows_migrates_to_2_keeping_them(tmp_path, stamped):
+    """Version 2 (layout.py QUEUE_V2): the queue order indexed, the followed groups, the gossip
+    outbox. A version-1 file (as the release before versioning left it, user_version 0, or as
+    the versioned release did, 1) keeps every row; `followed` gets its groups and the outbox
+    exactly what version 1 would have handed to gossip next, in its order."""
+    from agent.sequencer import receipts
+    from agent.sequencer.client import ACCEPTED
+    db = tmp_path / "commit-queue.db"
+    g, h = bytes.fromhex(G), bytes.fromhex("b8" * 16)
+    ca, cb, cc = (encode_private_message(gid, ep, ciphertext=t) for gid, ep, t in ((g, 3, b"a"), (g, 4, b"b"),
+                                                                                   (h, 0, b"c")))
+    ra, rw, rh1, st = b"\xd2receipt a", b"\xd2receipt w", b"\xd2head h1", b"\xd2statement g5"
+    ha, hb, hc = (receipts.commit_hash(m) for m in (ca, cb, cc))
+    released_file(db, RELEASED_QUEUE_SCHEMA, {
+        "meta": [("member_id", "0123456789abcdef")],
+        "commits": [(ha, g, 3, ca, "accepted", None, ra, 1, 1), (hb, g, 4, cb, "queued", None, None, 2, 3),
+                    (hc, h, 0, cc, "lost", "stale_epoch", rw, 3, 1)],
+        "heads": [(g, 3, ra), (h, 0, rw), (h, 1, rh1)],
+        "statements": [(g, 5, st)],
+        "gossiped": [(receipts.receipt_hash(rw),)],
+        "events": [(1, "accepted", json.dumps({"commit_hash": ha.hex(), "reason": None}))]})
+    set_user_version(db, stamped)
+    tables, rows = layout_of(db), rows_of(db)
+    q = CommitQueue(db)
+    try:
+        assert user_version(db) == 2
+        assert tables <= layout_of(db) and {t: r for t, r in rows_of(db).items() if t in rows} == rows
+        assert q.member_id == "0123456789abcdef"
+        assert q.groups() == [g, h]
+        # rw was handed over already; ra is an outcome and a head: once
+        assert q.ungossiped() == [ra, rh1, st]
+        assert [(e.commit_hash, e.state, e.submissions) for e in q.outstanding()] == [(hb, "queued", 3)]
+        with pytest.raises(Exception, match="already has a Commit outstanding"):
+            q.enqueue(encode_private_message(g, 4, ciphertext=b"other"))
+        # the queue goes on where version 1 left it
+        nxt = q.enqueue(encode_private_message(h, 1, ciphertext=b"d"))
+        assert [e.commit_hash for e in q.entries()] == [ha, hb, hc, nxt.commit_hash]
+        q.settle(nxt.commit_hash, ACCEPTED, None, b"\xd2receipt d")
+        q.mark_gossiped([ra, rh1])
+        assert q.ungossiped() == [st, b"\xd2receipt d"]
+    finally:
+        q.close()
 
 
 def test_a_development_layout_is_not_taken_for_version_1(tmp_path):
