@@ -411,7 +411,10 @@ class Pkcs11Keystore(Keystore):
             self._fail_outstanding(exc)
             return
         batch = self._outstanding[0]
-        batch.results.append(self._resolve(batch.chunks[len(batch.results)], reply))
+        if any(failure is not None for _, failure in batch.results):
+            batch.results.append(([], None))   # after its failure: dropped unverified, never returned
+        else:
+            batch.results.append(self._resolve(batch.chunks[len(batch.results)], reply))
         batch.unread -= 1
         if not batch.unread:
             self._outstanding.popleft()
