@@ -328,9 +328,9 @@ class Pkcs11Keystore(Keystore):
     def _sign_chunks(self, requests: Sequence[tuple[str, Identity, bytes]]) -> Iterator[list[bytes]]:
         """A group commit's signatures in round trips of up to SIGN_MANY_CHUNK to the worker (the
         pipe round trip costs about as much as a SoftHSM2 signature); the token signs in order.
-        The next chunk is sent before this one is yielded, so the token signs it while the bridge
-        checks this one (an ES256 verification costs about as much as a SoftHSM2 signature: on
-        two cores the two overlap). Nothing is signed that has no durable intent: every request
+        The next chunk is sent before this one is verified and yielded, so the token signs it
+        meanwhile (an ES256 verification costs about as much as a SoftHSM2 signature: the two
+        overlap; with the verifier running, the verification too runs beside the caller). Nothing is signed that has no durable intent: every request
         here has one (the bridge's order, docs/keystore.md); after a failure or an early close the
         chunk in flight is read and dropped (its signatures stay unknown outcomes; the worker does
         not sign it when the failure was the token's, op_sign_many's ``batch``). The keystore's
