@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import struct
+import threading
 import zlib
 
 import cbor2
@@ -123,3 +124,31 @@ def start_emulator(tmp, *extra: str, state: str = "device"):
     line = proc.stdout.readline()
     assert line.startswith("READY"), line
     return proc, port
+
+
+def receipt_requests(group: bytes, lo: int, n: int, size: int = 40, key: str = "seq") -> list:
+    """Keystore signing requests (key, ReceiptIdentity, random data) for epochs lo..lo+n-1."""
+    from firmware_bridge import ReceiptIdentity
+    return [(key, ReceiptIdentity(group, e), os.urandom(size)) for e in range(lo, lo + n)]
+
+
+def receipt_item(group: bytes, protected: bytes, epoch: int, key: str = "seq") -> tuple:
+    """A bridge item (identity, key, to-be-signed, assemble) for a receipt of (group, epoch)."""
+    from firmware_bridge import ReceiptIdentity
+    pay = receipt_payload(group, epoch, bytes(32), None)
+    return ReceiptIdentity(group, epoch), key, sig_structure(protected, pay), assembler(protected, pay)
+
+
+def in_thread(fn, timeout):
+    """fn() in a daemon thread joined with ``timeout``: (finished, result or the exception raised)."""
+    got = []
+
+    def run():
+        try:
+            got.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            got.append(exc)
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(timeout)
+    return not th.is_alive(), (got[0] if got else None)

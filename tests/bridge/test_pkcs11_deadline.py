@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import pytest
 
-from firmware_bridge import (DeviceTimeout, KeystoreError, KeystoreUnavailable, OutcomeUnknown, ReceiptIdentity,
+from firmware_bridge import (DeviceTimeout, KeystoreError, KeystoreUnavailable, OutcomeUnknown,
                              SigningBridge, Status, open_keystore)
 
-from bridge_helpers import assembler, receipt_payload, receipt_protected, sig_structure, softhsm_token
+from bridge_helpers import in_thread, receipt_item, receipt_protected, receipt_requests, softhsm_token
 
 GROUP = b"group-pk11-deadline"
+
+
+def reqs(lo, n):
+    return receipt_requests(GROUP, lo, n)
 DEADLINE_S = 1.0
 JOIN_S = 30          # far above the deadline: a join that runs out means "hung"
 
@@ -32,25 +35,6 @@ def ks(tmp_path):
     except ProcessLookupError:
         pass
     k.close()
-
-
-def reqs(lo, n):
-    return [("seq", ReceiptIdentity(GROUP, e), os.urandom(40)) for e in range(lo, lo + n)]
-
-
-def in_thread(fn, timeout):
-    """fn() in a daemon thread joined with ``timeout``: (finished, result or the exception raised)."""
-    got = []
-
-    def run():
-        try:
-            got.append(fn())
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            got.append(exc)
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    th.join(timeout)
-    return not th.is_alive(), (got[0] if got else None)
 
 
 def stopped(ks):
@@ -130,10 +114,7 @@ def test_release_pipelined_with_a_silent_worker_leaves_outcomes_unknown(ks, tmp_
     pub = ks.public_key("seq")
     prot = receipt_protected(pub)
 
-    def item(e):
-        pay = receipt_payload(GROUP, e, bytes(32), None)
-        return ReceiptIdentity(GROUP, e), "seq", sig_structure(prot, pay), assembler(prot, pay)
-    first, second = [item(e) for e in range(20)], [item(100 + e) for e in range(20)]
+    first, second = [receipt_item(GROUP, prot, e) for e in range(20)], [receipt_item(GROUP, prot, 100 + e) for e in range(20)]
     with SigningBridge(ks, str(tmp_path / "journal")) as bridge:
         _, t1 = bridge.release_pipelined(None, first)
         assert ks.key_names() == ["seq"]     # reads first's replies into its batch

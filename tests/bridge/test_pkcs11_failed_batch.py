@@ -9,13 +9,17 @@ import os
 import threading
 import time
 
-from firmware_bridge import KeystoreError, ReceiptIdentity, verify_p256
+from firmware_bridge import KeystoreError, verify_p256
 from firmware_bridge.pkcs11_keystore import SIGN_MANY_CHUNK, Pkcs11Keystore
 
-from bridge_helpers import softhsm_token
+from bridge_helpers import receipt_requests, softhsm_token
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GROUP = b"group-pk11-failed-batch"
+
+
+def reqs(lo, n):
+    return receipt_requests(GROUP, lo, n)
 
 
 class FaultyKeystore(Pkcs11Keystore):
@@ -29,10 +33,6 @@ def faulty(tmp_path, fail_at, log, sig_at=0, hold=False):
     ks = FaultyKeystore(conf["module"], conf["token_label"], conf["pin"], env=env)
     ks.generate_key("seq", "p256")
     return ks
-
-
-def reqs(lo, n):
-    return [("seq", ReceiptIdentity(GROUP, e), os.urandom(40)) for e in range(lo, lo + n)]
 
 
 def made(log):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import pytest
 
@@ -14,9 +13,13 @@ from firmware_bridge import (KeystoreUnavailable, OutcomeUnknown, ReceiptIdentit
                              open_keystore, verify_p256)
 from firmware_bridge.pkcs11_keystore import SIGN_MANY_CHUNK
 
-from bridge_helpers import assembler, cose_parts, receipt_payload, receipt_protected, sig_structure, softhsm_token
+from bridge_helpers import cose_parts, in_thread, receipt_item, receipt_protected, receipt_requests, sig_structure, softhsm_token
 
 GROUP = b"group-pk11-pipe"
+
+
+def reqs(lo, n, size=40):
+    return receipt_requests(GROUP, lo, n, size)
 
 
 @pytest.fixture
@@ -28,22 +31,9 @@ def ks(tmp_path):
     k.close()
 
 
-def reqs(lo, n, size=40):
-    return [("seq", ReceiptIdentity(GROUP, e), os.urandom(size)) for e in range(lo, lo + n)]
-
-
 def all_verify(ks, requests, sigs):
     pub = ks.public_key("seq")
     return len(sigs) == len(requests) and all(verify_p256(pub, data, sig) for (_, _, data), sig in zip(requests, sigs))
-
-
-def in_thread(fn, timeout):
-    """fn() in a daemon thread joined with ``timeout``; (finished, result)."""
-    got = []
-    th = threading.Thread(target=lambda: got.append(fn()), daemon=True)
-    th.start()
-    th.join(timeout)
-    return not th.is_alive(), (got[0] if got else None)
 
 
 def test_two_batches_outstanding_waited_in_order(ks):
@@ -132,8 +122,7 @@ def test_release_pipelined_through_softhsm(ks, tmp_path):
     prot = receipt_protected(pub)
 
     def item(e):
-        pay = receipt_payload(GROUP, e, bytes(32), None)
-        return ReceiptIdentity(GROUP, e), "seq", sig_structure(prot, pay), assembler(prot, pay)
+        return receipt_item(GROUP, prot, e)
     batches = [[item(k * 1000 + e) for e in range(150)] for k in range(3)]
     outs = []
     with SigningBridge(ks, str(tmp_path / "journal")) as bridge:
@@ -155,8 +144,7 @@ def test_release_pipelined_with_the_worker_killed_leaves_outcomes_unknown(ks, tm
     prot = receipt_protected(pub)
 
     def item(e):
-        pay = receipt_payload(GROUP, e, bytes(32), None)
-        return ReceiptIdentity(GROUP, e), "seq", sig_structure(prot, pay), assembler(prot, pay)
+        return receipt_item(GROUP, prot, e)
     first, second = [item(e) for e in range(20)], [item(100 + e) for e in range(20)]
     with SigningBridge(ks, str(tmp_path / "journal")) as bridge:
         _, t1 = bridge.release_pipelined(None, first)

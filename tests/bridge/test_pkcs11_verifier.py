@@ -13,23 +13,30 @@ import signal
 import struct
 import subprocess
 import sys
-import threading
 
 import pytest
 
-from firmware_bridge import (KeystoreError, ReceiptIdentity, SigningBridge, Status, open_keystore, verify_p256)
+from firmware_bridge import (KeystoreError, SigningBridge, Status, open_keystore, verify_p256)
 from firmware_bridge import pkcs11_keystore
 from firmware_bridge.ec import compress_point
 from firmware_bridge.pkcs11_keystore import SIGN_MANY_CHUNK, Pkcs11Keystore
 from firmware_bridge.pipes import read_exact
 from firmware_bridge.verify_worker import ANSWER, encode_items, encode_key
 
-from bridge_helpers import (assembler, cose_parts, parse_journal, receipt_payload, receipt_protected, sig_structure,
-                            softhsm_token)
+from bridge_helpers import (cose_parts, in_thread, parse_journal, receipt_item, receipt_protected, receipt_requests,
+                            sig_structure, softhsm_token)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 GROUP = b"group-pk11-verifier"
+
+
+def reqs(lo, n, size=40):
+    return receipt_requests(GROUP, lo, n, size)
+
+
+def item(prot, e):
+    return receipt_item(GROUP, prot, e)
 
 
 class FaultyKeystore(Pkcs11Keystore):
@@ -57,25 +64,8 @@ def here_counts(monkeypatch):
     return calls
 
 
-def reqs(lo, n, size=40):
-    return [("seq", ReceiptIdentity(GROUP, e), os.urandom(size)) for e in range(lo, lo + n)]
-
-
 def all_verify(pub, requests, sigs):
     return len(sigs) == len(requests) and all(verify_p256(pub, d, s) for (_, _, d), s in zip(requests, sigs))
-
-
-def in_thread(fn, timeout):
-    got = []
-    th = threading.Thread(target=lambda: got.append(fn()), daemon=True)
-    th.start()
-    th.join(timeout)
-    return not th.is_alive(), (got[0] if got else None)
-
-
-def item(prot, e):
-    pay = receipt_payload(GROUP, e, bytes(32), None)
-    return ReceiptIdentity(GROUP, e), "seq", sig_structure(prot, pay), assembler(prot, pay)
 
 
 def test_pipelined_signatures_are_the_tokens_verified_by_the_verifier_not_here(tmp_path, here_counts):
