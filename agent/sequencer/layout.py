@@ -45,6 +45,8 @@ import sqlite3
 from pathlib import Path
 from typing import Callable
 
+from agent.sqlscript import statements
+
 Step = Callable[[sqlite3.Connection], None]
 
 
@@ -64,19 +66,6 @@ class Layout:
     @property
     def latest(self) -> int:
         return self.steps[-1][0]
-
-
-def statements(script: str) -> list[str]:
-    """A DDL script as single statements (executescript would COMMIT the step's transaction);
-    a `;` inside a comment does not end one."""
-    out, buf = [], ""
-    for part in script.split(";"):
-        buf += part + ";"
-        if sqlite3.complete_statement(buf):
-            if buf.strip(" \n;"):
-                out.append(buf)
-            buf = ""
-    return out
 
 
 def _table_shapes(conn: sqlite3.Connection, tables: list[str]) -> dict[str, list]:

@@ -30,20 +30,9 @@ import sqlite3
 from pathlib import Path
 from typing import Callable
 
+from agent.sqlscript import statements  # noqa: F401 - also this module's name for it
+
 from . import atrest, counters, db, sequencing, sync_state
-
-
-def statements(script: str) -> list[str]:
-    """A DDL script as single statements (executescript would COMMIT the step's transaction);
-    a `;` inside a comment does not end one."""
-    out, buf = [], ""
-    for part in script.split(";"):
-        buf += part + ";"
-        if sqlite3.complete_statement(buf):
-            if buf.strip(" \n;"):
-                out.append(buf)
-            buf = ""
-    return out
 
 
 def _v1_base(conn: sqlite3.Connection) -> None:
