@@ -35,13 +35,15 @@ def test_adopting_private_cursors_reports_the_real_error(tmp_path):
         b.close()
 
 
-@pytest.mark.parametrize("store", [Store, CommitQueue], ids=["the_sequencer_store", "the_commit_queue"])
-def test_a_sequencer_side_store_reports_the_real_error(tmp_path, store):
+@pytest.mark.parametrize("store, conn_of", [(Store, lambda s: s.conn), (CommitQueue, lambda q: q.store.conn)],
+                         ids=["the_sequencer_store", "the_commit_queue"])
+def test_a_sequencer_side_store_reports_the_real_error(tmp_path, store, conn_of):
+    """(the Commit queue's SQL lives in its QueueStore, agent/sequencer/queue_store.py)"""
     s = store(tmp_path / "seq.db")
     try:
-        _roll_back_on(s.conn, "events", "INSERT")
+        _roll_back_on(conn_of(s), "events", "INSERT")
         with pytest.raises(sqlite3.Error, match="disk is full"):
             s.record_event("x", {})
-        assert not s.conn.in_transaction
+        assert not conn_of(s).in_transaction
     finally:
         s.close()
