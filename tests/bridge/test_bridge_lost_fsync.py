@@ -236,7 +236,10 @@ def _compaction_run(tmp_path, seed, floorless=False):
 
     compactions = 0
     try:
-        while any(t.is_alive() for t in threads) or counts["cuts"] == 0:
+        # go on after the writers finish until the run holds enough compactions and a cut in the
+        # middle of a rename: how many iterations the writers leave depends on the machine's load
+        while (any(t.is_alive() for t in threads) or counts["cuts"] == 0 or compactions < 5
+               or (counts["mid_rename"] == 0 and counts["cuts"] < 200)):
             with lock:
                 recorded.update(rng.sample(sorted(returned), len(returned) // 2))
                 rec = set(recorded)
