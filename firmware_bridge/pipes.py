@@ -9,8 +9,10 @@ that buffer before reading the pipe.
 """
 from __future__ import annotations
 
+import math
 import os
 import select
+import time
 from typing import Optional
 
 
@@ -62,3 +64,15 @@ def write_draining(wfd: int, rfd: int, data: bytes, inbuf: bytearray, timeout_ms
             if not got:
                 raise EOFError
             inbuf += got
+
+
+def read_before(fd: int, poller: "select.poll", deadline: float) -> bytes:
+    """What ``fd`` holds now (one read), waiting at most until ``deadline`` (time.monotonic());
+    ``poller`` watches ``fd``. TimeoutError when nothing came in time, EOFError at end of file."""
+    left = deadline - time.monotonic()
+    if left <= 0 or not poller.poll(math.ceil(left * 1000)):
+        raise TimeoutError
+    got = os.read(fd, 1 << 16)
+    if not got:
+        raise EOFError
+    return got

@@ -33,7 +33,7 @@ from . import errors
 from .errors import DeviceTimeout, KeystoreError, KeystoreUnavailable
 from .identity import Identity
 from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name
-from .pipes import write_draining
+from .pipes import read_before, write_draining
 from .verify import verify_ed25519, verify_p256
 from .verify_worker import ANSWER, encode_items, encode_key
 
@@ -218,13 +218,7 @@ class Pkcs11Keystore(Keystore):
                     raise EOFError
                 if deadline is None:
                     deadline = time.monotonic() + self.timeout_s
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._poller.poll(math.ceil(left * 1000)):
-                    raise TimeoutError
-                got = os.read(self._rfd, 1 << 16)
-                if not got:
-                    raise EOFError
-                buf += got
+                buf += read_before(self._rfd, self._poller, deadline)
         except TimeoutError:
             raise self._timed_out(op) from None
         except (OSError, EOFError, ValueError):
@@ -565,13 +559,7 @@ class Pkcs11Keystore(Keystore):
                     del buf[:48]
                     if aseq == seq:
                         return count, ok, digest
-                left = deadline - time.monotonic()
-                if left <= 0 or not self._vpoller.poll(math.ceil(left * 1000)):
-                    raise TimeoutError
-                got = os.read(self._vrfd, 1 << 16)
-                if not got:
-                    raise EOFError
-                buf += got
+                buf += read_before(self._vrfd, self._vpoller, deadline)
         except (OSError, EOFError):
             self._stop_verifier()
             return None

@@ -210,6 +210,30 @@ def refuse_newer(conn: sqlite3.Connection, layout: Layout, path: Path) -> int:
     return v
 
 
+def open_file(path: Path, layout: Layout, *, readonly: bool = False,
+              busy_timeout_ms: int = 0) -> sqlite3.Connection:
+    """A connection to ``path`` at ``layout``'s latest version (WAL, synchronous=FULL): the layout
+    version is checked first, so a file from a newer release is refused (LayoutError) before
+    anything is written (even journal_mode=WAL writes the header); then the forward-only steps
+    run. ``readonly``: never written, never migrated (a reader sees committed state)."""
+    if readonly:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+    else:
+        conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+    try:
+        if busy_timeout_ms:
+            conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        refuse_newer(conn, layout, path)
+        if not readonly:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=FULL")
+            migrate(conn, layout, path)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
 def migrate(conn: sqlite3.Connection, layout: Layout, path: Path) -> list[int]:
     """Bring the file to ``layout.latest`` (a writing open; ``conn`` in autocommit mode). Returns
     the versions applied (empty: current). A file of the release before versioning gets step 1

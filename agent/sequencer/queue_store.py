@@ -45,18 +45,8 @@ _COMMIT = "commit_hash, group_id, epoch, message, state, reason, receipt, submis
 class QueueStore:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
-        try:
-            self.conn.execute("PRAGMA busy_timeout=10000")
-            # The layout version first (layout.py): a queue from a newer release is refused before
-            # anything is written (even journal_mode=WAL writes the header).
-            layout.refuse_newer(self.conn, layout.QUEUE, self.path)
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA synchronous=FULL")
-            layout.migrate(self.conn, layout.QUEUE, self.path)
-        except BaseException:
-            self.conn.close()
-            raise
+        # several processes may open one queue: each waits for the other's transaction
+        self.conn = layout.open_file(self.path, layout.QUEUE, busy_timeout_ms=10_000)
 
     def close(self) -> None:
         self.conn.close()

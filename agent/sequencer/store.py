@@ -40,22 +40,8 @@ class Store:
         # cache changes only after the transaction that changed the rows committed.
         self._cache: Optional[dict[bytes, Optional[GroupState]]] = None if readonly else {}
         self._dirty: dict[bytes, Optional[GroupState]] = {}
-        if readonly:
-            self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, isolation_level=None)
-        else:
-            self.conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-        try:
-            # The layout version first (layout.py): a file from a newer release is refused before
-            # anything is written (even journal_mode=WAL writes the header). A reader never migrates.
-            layout.refuse_newer(self.conn, layout.STATE, self.path)
-            if readonly:
-                return
-            self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA synchronous=FULL")
-            layout.migrate(self.conn, layout.STATE, self.path)
-        except BaseException:
-            self.conn.close()
-            raise
+        # a file from a newer release is refused before anything is written; a reader never migrates
+        self.conn = layout.open_file(self.path, layout.STATE, readonly=readonly)
 
     def close(self) -> None:
         self.conn.close()
