@@ -136,3 +136,38 @@ def test_opening_a_compact_journal_does_not_rewrite_it(tmp_path):
     with service.Sequencer(home) as s:
         assert s.bridge.journal_stats()["compactions"] == 1
         assert s.bridge.journal_stats()["entries"] == len(many)
+
+
+def test_a_malformed_receipt_floor_is_damage_not_a_floor(tmp_path):
+    """Hostile journal bytes (a damaged medium, a tampered file): a FLOOR record whose identity is
+    not a well-formed receipt or event identity (a discontinuity statement's, a receipt identity
+    with a wrong length) is never taken as a floor: followed by valid records it is damage
+    (JournalCorrupt, the file unchanged); as the last record it is a torn tail, cut off, and no
+    identity reads spent because of it."""
+    import zlib
+
+    from firmware_bridge import JournalCorrupt
+    from firmware_bridge.identity import DiscontinuityIdentity
+    from firmware_bridge.journal import FLOOR, MAGIC, Journal, encode_floor, encode_intent
+
+    def floor_of(ident: bytes) -> bytes:      # a FLOOR record framed and CRC'd, whatever its identity
+        body = bytes([FLOOR]) + len(ident).to_bytes(2, "big") + ident
+        return len(body).to_bytes(4, "big") + zlib.crc32(body).to_bytes(4, "big") + body
+
+    good = ReceiptIdentity(GROUPS[0], 7).encode()
+    bad = [DiscontinuityIdentity(GROUPS[0], 9, 0).encode(), good[:-1], good + b"\x00", b"R\x00\x10" + GROUPS[0]]
+    for n, ident in enumerate(bad):
+        path = tmp_path / f"j{n}"
+        data = MAGIC + encode_floor(good) + floor_of(ident) + encode_intent(ReceiptIdentity(GROUPS[1], 1).encode(), "receipts")
+        path.write_bytes(data)
+        with pytest.raises(JournalCorrupt):
+            Journal(str(path))
+        assert path.read_bytes() == data
+        path.write_bytes(MAGIC + encode_floor(good) + floor_of(ident))     # the same as the last record
+        j = Journal(str(path))
+        try:
+            assert j.truncated_bytes == len(floor_of(ident))
+            assert j.state(good) == "spent" and j.state(ReceiptIdentity(GROUPS[0], 8).encode()) == "absent"
+            assert j.max_receipt_epoch(GROUPS[0]) == 7
+        finally:
+            j.close()
