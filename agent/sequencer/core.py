@@ -143,3 +143,21 @@ def receipt_absent(state: GroupState, epoch: int) -> GroupState:
     if epoch != state.current_epoch:
         raise ValueError(f"discontinuity at {epoch} does not extend a group at {state.current_epoch}")
     return replace(state, current_epoch=epoch + 1, discontinuities=state.discontinuities + (epoch,))
+
+
+def settled(state: GroupState, outcomes: list[tuple[int, Optional[bytes]]]) -> GroupState:
+    """The state after a run of consecutive epochs from ``state.current_epoch`` is settled at once
+    against the signing journal (§22.6 step 1, resume after a rollback): ``(E, receipt_hash)``
+    adopts that receipt as the head (``accepted``), ``(E, None)`` records E's gap and keeps the
+    head (``receipt_absent``). The same state as applying those one by one, built once (a run
+    of N gaps copied the growing gap tuple N times)."""
+    epoch, head, gaps = state.current_epoch, state.head, list(state.discontinuities)
+    for e, receipt_hash in outcomes:
+        if e != epoch:
+            raise ValueError(f"epoch {e} settled does not extend a group at {epoch}")
+        if receipt_hash is None:
+            gaps.append(e)
+        else:
+            head = Head(e, receipt_hash)
+        epoch = e + 1
+    return GroupState(state.group_id, epoch, head, state.origin, tuple(gaps), state.failed_closed, state.migrated)

@@ -167,6 +167,12 @@ def init(home: Path, keystore: Optional[dict] = None) -> bytes:
 # MIN_CHUNK), so one call overlaps its own signing with the rest.
 CHUNK = 256
 MIN_CHUNK, MIN_BATCHES = 32, 4
+# Resume (§22.6 step 1) after a rollback: lost epochs settled per SQLite transaction, and gaps
+# whose statements of absence are signed per bridge call (one durable commit of the intents,
+# one of the outputs): a rollback over N epochs costs ~N/SETTLE_CHUNK + N/STATEMENT_BATCH
+# transactions and 2·N/STATEMENT_BATCH journal fsyncs (docs/sequencer.md "Resume").
+SETTLE_CHUNK = 4096
+STATEMENT_BATCH = 1024
 
 
 class Sequencer:
@@ -402,11 +408,7 @@ class Sequencer:
         """Bring (group, epoch) in line with the journal, never signing (§22.5 cl. 1-2, §22.6).
         The Commit is our pending one for the pair; ``candidate`` (commit hash, bytes) is a Commit
         offered now, kept only if the journal's receipt names it."""
-        ch: Optional[bytes] = None
-        message: Optional[bytes] = None
-        for g, e, h, m, _b in self.store.pending():
-            if (g, e) == (gid, epoch):
-                ch, message = h, m
+        ch, message = self.store.pending_row(gid, epoch) or (None, None)
         if ch is None and candidate is not None and self.bridge.status(ReceiptIdentity(gid, epoch)) is Status.RELEASED:
             ch, message = candidate
         state = self.store.group(gid)
@@ -434,17 +436,61 @@ class Sequencer:
 
     def _resume(self) -> None:
         """§22.6 step 1, before serving anything: settle pending acceptances, then make sure no
-        group's epoch is behind an identity the journal ever intended to sign."""
-        for gid, epoch, _h, _m, _b in self.store.pending():
-            self._settle(gid, epoch, cause="receipt_absent")
-        for gid, current in self.store.current_epochs():     # one query, however many groups
-            top = self.bridge.max_receipt_epoch(gid)            # the journal's in-memory index
-            if top is None or top < current:
-                continue
-            self.store.record_event("rollback", {"group": gid.hex(), "store_epoch": current, "journal_epoch": top})
-            for e in range(current, top + 1):
-                self._settle(gid, e, cause="rollback")
+        group's epoch is behind an identity the journal ever intended to sign (a state restored
+        from an older copy: a rollback). Its cost follows what it does, not the rollback's depth
+        in transactions (docs/sequencer.md "Resume"): `pending` is read once, the epochs settled
+        go to SQLite SETTLE_CHUNK to a transaction (``_Settlement``), and the gaps' statements
+        are signed STATEMENT_BATCH to a bridge call (``_sign_statements``)."""
+        pend: dict[bytes, dict[int, tuple[bytes, bytes]]] = {}
+        for gid, epoch, h, m, _b in self.store.pending():       # once, however many epochs
+            pend.setdefault(gid, {})[epoch] = (h, m)
+        run = _Settlement(self)
+        known = {gid for gid, _e in self.store.current_epochs()}  # one query, however many groups
+        for gid in sorted(known | set(pend)):
+            self._settle_group(gid, pend.get(gid, {}), run)
+        run.finish(all_pending=bool(pend))
         self._sign_statements()
+
+    def _settle_group(self, gid: bytes, mine: dict[int, tuple[bytes, bytes]], run: "_Settlement") -> None:
+        """One group's epochs from its ``current_epoch`` up to the journal's highest intended one,
+        each as ``_settle`` takes it, never signing (§22.5 cl. 1-2, §22.6): a receipt the journal
+        holds is adopted byte for byte, an intent without output (or an identity a compaction
+        dropped: spent) is a recorded gap, and the first epoch the journal never heard of ends the
+        run (never signed: its Commit is decided as usual). ``mine``: the group's pending
+        acceptances, epoch -> (commit hash, Commit)."""
+        status = self.bridge.status
+        state = self.store.group(gid)
+        if state is None:
+            # a bootstrap acceptance never committed (§22.6 bootstrap): the group starts at the
+            # first pending epoch the journal knows; none: nothing was signed, nobody was answered
+            start = next((e for e in sorted(mine) if status(ReceiptIdentity(gid, e)) is not Status.ABSENT), None)
+            if start is None:
+                return
+            state = core.GroupState(gid, start, None, "bootstrap")
+        top = self.bridge.max_receipt_epoch(gid)             # the journal's in-memory index
+        current = state.current_epoch
+        if top is None or top < current:
+            return
+        # the pending acceptance at the current epoch is the crash between intent and commit; an
+        # epoch above it the journal knows means the state is older than the journal: a rollback
+        beyond = current + 1 if current in mine and status(ReceiptIdentity(gid, current)) is not Status.ABSENT \
+            else current
+        run.start(state)
+        if top >= beyond:
+            run.event("rollback", {"group": gid.hex(), "store_epoch": beyond, "journal_epoch": top})
+        for e in range(current, top + 1):
+            ident = ReceiptIdentity(gid, e)
+            st = status(ident)
+            ch, message = mine.get(e, (None, None))
+            if st is Status.RELEASED:
+                raw = self.bridge.released(ident)
+                got = receipts.parse_receipt(raw)
+                run.receipt(gid, e, got.commit_hash, raw, receipts.receipt_hash(raw),
+                            message if got.commit_hash == ch else None, e in mine)   # else its bytes are unknown
+            elif st is Status.OUTCOME_UNKNOWN:
+                run.gap(gid, e, ch, message, "receipt_absent" if e < beyond else "rollback", e in mine)
+            else:
+                break            # never signed: the state stays at this epoch
 
     def _sign_statements(self) -> None:
         """§22.6 step 4: every gap this sequencer recorded gets one signed statement of absence,
@@ -452,30 +498,120 @@ class Sequencer:
         and released), so members can relay it over the mesh and a member holding a receipt for
         that epoch holds proof against it. Never signed differently: a statement the journal
         holds is adopted byte for byte; attempt n is signed (the same payload) only when every
-        attempt below it has an intent and no output — never released, so never seen."""
+        attempt below it has an intent and no output — never released, so never seen.
+        In batches of STATEMENT_BATCH gaps: one ``release_many`` (one durable commit of the
+        intents, one of the outputs) and one SQLite transaction storing the batch."""
         protected = receipts.statement_protected(self.public_key)
-        for gid, epoch, ch, prev in self.store.unsigned_gaps():
-            attempt = 0
-            while True:
-                ident = DiscontinuityIdentity(gid, epoch, attempt)
-                st = self.bridge.status(ident)
+        after: Optional[tuple[bytes, int]] = None
+        skipped = False
+        while True:
+            gaps = self.store.unsigned_gaps(after, STATEMENT_BATCH)
+            if not gaps:
+                break
+            after = gaps[-1][:2]
+            stated: list[tuple[bytes, int, bytes]] = []
+            requests, asked = [], []
+            for gid, epoch, ch, prev in gaps:
+                attempt = 0
+                while True:
+                    ident = DiscontinuityIdentity(gid, epoch, attempt)
+                    st = self.bridge.status(ident)
+                    if st is not Status.OUTCOME_UNKNOWN:
+                        break
+                    attempt += 1        # an intent, no output: never released; the next attempt
                 if st is Status.RELEASED:
-                    raw = self.bridge.released(ident)
-                    break
-                if st is Status.ABSENT:
+                    stated.append((gid, epoch, self.bridge.released(ident)))
+                elif st is Status.ABSENT:
                     payload = receipts.statement_payload(gid, epoch, ch, prev)
-                    try:
-                        raw = self.bridge.release(ident, RECEIPT_KEY, receipts.sig_structure(protected, payload),
-                                                  lambda sig, pa=payload: receipts.assemble(protected, pa, sig))
-                    except KeystoreError as e:
-                        # the gap stays recorded and published unsigned; the next round tries again
-                        self.store.record_event("statement_unsigned", {"group": gid.hex(), "epoch": epoch,
-                                                                       "error": str(e)})
-                        return
-                    break
-                attempt += 1            # OUTCOME_UNKNOWN: never released; the next attempt
-            self.store.put_statement(gid, epoch, raw)
-        self._unsigned = False
+                    requests.append((ident, RECEIPT_KEY, receipts.sig_structure(protected, payload),
+                                     lambda sig, pa=payload: receipts.assemble(protected, pa, sig)))
+                    asked.append((gid, epoch))
+                else:
+                    skipped = True      # being signed by another thread: its round stores it
+            if requests:
+                try:
+                    raws = self.bridge.release_many(requests)
+                except KeystoreError as e:
+                    # the gaps stay recorded and published unsigned; the next round tries again
+                    # (a statement the bridge persisted before the fault is adopted then)
+                    if stated:
+                        self.store.put_statements(stated)
+                    self.store.record_event("statement_unsigned", {"group": asked[0][0].hex(), "epoch": asked[0][1],
+                                                                   "count": len(asked), "error": str(e)})
+                    return
+                stated.extend((gid, epoch, raw) for (gid, epoch), raw in zip(asked, raws))
+            if stated:
+                self.store.put_statements(stated)
+                self._fire("stated")
+            if len(gaps) < STATEMENT_BATCH:
+                break
+        self._unsigned = skipped
+
+
+class _Settlement:
+    """The epochs ``_resume`` settles, written SETTLE_CHUNK to a transaction (``Store.commit_settled``):
+    each transaction holds whole epochs with the state they lead to, so a crash between two leaves
+    every group's epoch just above a durable receipt or stated gap (§22.5 cl. 3), and the next
+    resume goes on from there (the journal is unchanged: nothing here signs)."""
+
+    def __init__(self, seq: Sequencer) -> None:
+        self.seq = seq
+        self.base: dict[bytes, core.GroupState] = {}     # each group's state before this batch
+        self.outcomes: dict[bytes, list] = {}            # group -> [(epoch, receipt hash | None)]
+        self.receipts: list = []
+        self.gaps: list = []
+        self.events: list = []
+        self.pending_done: list = []
+        self.size = 0
+
+    def start(self, state: core.GroupState) -> None:
+        self.base[state.group_id] = state
+        self.outcomes[state.group_id] = []
+
+    def event(self, kind: str, detail: dict) -> None:
+        self.events.append((kind, detail))
+
+    def receipt(self, gid: bytes, epoch: int, ch: bytes, raw: bytes, rh: bytes, message: Optional[bytes],
+                pending: bool) -> None:
+        self.receipts.append((gid, epoch, ch, raw, rh, message))
+        self._add(gid, epoch, rh, pending)
+
+    def gap(self, gid: bytes, epoch: int, ch: Optional[bytes], message: Optional[bytes], cause: str,
+            pending: bool) -> None:
+        self.gaps.append((gid, epoch, ch, message, cause))
+        events = self.events
+        last = events[-1][1] if events and events[-1][0] == "discontinuity" else None
+        if last is not None and last["group"] == gid.hex() and last["last"] == epoch - 1 and last["cause"] == cause:
+            last["last"] = epoch          # one event for a run of consecutive gaps
+        else:
+            events.append(("discontinuity", {"group": gid.hex(), "epoch": epoch, "last": epoch, "cause": cause}))
+        self.seq._unsigned = True
+        self._add(gid, epoch, None, pending)
+
+    def _add(self, gid: bytes, epoch: int, rh: Optional[bytes], pending: bool) -> None:
+        self.outcomes[gid].append((epoch, rh))
+        if pending:                       # its pending row goes in the transaction that settles it
+            self.pending_done.append((gid, epoch))
+        self.size += 1
+        if self.size >= SETTLE_CHUNK:
+            self.flush()
+
+    def flush(self, all_pending: bool = False) -> None:
+        states = []
+        for gid, done in self.outcomes.items():
+            if done:
+                states.append(core.settled(self.base[gid], done))
+        if not (states or self.events or all_pending):
+            return
+        self.seq.store.commit_settled(states, self.receipts, self.gaps, self.events, self.pending_done, all_pending)
+        for new in states:
+            self.base[new.group_id] = new
+            self.outcomes[new.group_id] = []
+        self.receipts, self.gaps, self.events, self.pending_done, self.size = [], [], [], [], 0
+        self.seq._fire("settled")
+
+    def finish(self, all_pending: bool) -> None:
+        self.flush(all_pending)
 
 
 def _status(store: Store) -> dict:

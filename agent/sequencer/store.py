@@ -17,8 +17,9 @@ history, the steps): a writing open runs the forward-only steps, a read-only one
 a file from a newer release is refused (layout.LayoutError, CLI exit 1) before anything is written.
 
 §22.5 clause 3: ``current_epoch`` only ever moves in the transaction that inserts the receipt
-bytes for the epoch it leaves (``commit_receipt``) or records that epoch's discontinuity
-(``commit_discontinuity``); there is no other UPDATE of it. So no committed state has an epoch
+bytes for the epoch it leaves (``commit_receipt``, ``commit_step``) or records that epoch's
+discontinuity (``commit_discontinuity``), or, on resume, every epoch it leaves
+(``commit_settled``); there is no other UPDATE of it. So no committed state has an epoch
 ahead of a durable receipt or a stated gap, as seen by anyone, the sequencer itself included.
 """
 from __future__ import annotations
@@ -120,15 +121,20 @@ class Store:
         except sqlite3.OperationalError:
             return {}
 
-    def unsigned_gaps(self) -> list[tuple[bytes, int, Optional[bytes], Optional[bytes]]]:
+    def unsigned_gaps(self, after: Optional[tuple[bytes, int]] = None,
+                      limit: int = -1) -> list[tuple[bytes, int, Optional[bytes], Optional[bytes]]]:
         """This sequencer's recorded gaps without a signed statement yet: (group, epoch, commit
-        hash, the last receipt's hash before the gap). Gaps that came with a recovery or a hand-off
-        were another sequencer's to state (bound at their generation, §22.6)."""
+        hash, the last receipt's hash before the gap), in (group, epoch) order, those after
+        ``after`` only, at most ``limit`` (a batch of statements: one page of the primary key).
+        Gaps that came with a recovery or a hand-off were another sequencer's to state (bound at
+        their generation, §22.6)."""
+        lo = after if after is not None else (b"", -1)
         rows = self.conn.execute(
             "SELECT d.group_id, d.epoch, d.commit_hash, (SELECT r.receipt_hash FROM receipts r WHERE "
             "r.group_id = d.group_id AND r.epoch < d.epoch ORDER BY r.epoch DESC LIMIT 1) FROM discontinuities d "
-            "WHERE d.cause != 'recovered' AND NOT EXISTS (SELECT 1 FROM statements s WHERE "
-            "s.group_id = d.group_id AND s.epoch = d.epoch) ORDER BY d.group_id, d.epoch").fetchall()
+            "WHERE (d.group_id, d.epoch) > (?, ?) AND d.cause != 'recovered' AND NOT EXISTS (SELECT 1 FROM "
+            "statements s WHERE s.group_id = d.group_id AND s.epoch = d.epoch) ORDER BY d.group_id, d.epoch "
+            "LIMIT ?", (lo[0], lo[1], limit)).fetchall()
         return [(bytes(g), e, None if h is None else bytes(h), None if p is None else bytes(p)) for g, e, h, p in rows]
 
     def is_signable_gap(self, group_id: bytes, epoch: int) -> bool:
@@ -137,8 +143,18 @@ class Store:
                                  (group_id, epoch)).fetchone() is not None
 
     def put_statement(self, group_id: bytes, epoch: int, raw: bytes) -> None:
+        self.put_statements([(group_id, epoch, raw)])
+
+    def put_statements(self, rows: list[tuple[bytes, int, bytes]]) -> None:
+        """A batch of signed statements (the bridge persisted them first), one transaction."""
         with self._tx():
-            self.conn.execute("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)", (group_id, epoch, raw))
+            self.conn.executemany("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)", rows)
+
+    def pending_row(self, group_id: bytes, epoch: int) -> Optional[tuple[bytes, bytes]]:
+        """(commit hash, message) of the pending acceptance for (group, epoch), or None."""
+        row = self.conn.execute("SELECT commit_hash, message FROM pending WHERE group_id = ? AND epoch = ?",
+                                (group_id, epoch)).fetchone()
+        return None if row is None else (bytes(row[0]), bytes(row[1]))
 
     def pending(self) -> list[tuple[bytes, int, bytes, bytes, bool]]:
         return [(bytes(g), e, bytes(h), bytes(m), bool(b)) for g, e, h, m, b in self.conn.execute(
@@ -212,6 +228,31 @@ class Store:
                               (new.group_id, epoch, commit_hash, message, cause))
             self._put_group(new, epoch)
             self._event("discontinuity", {"group": new.group_id.hex(), "epoch": epoch, "cause": cause})
+
+    def commit_settled(self, states: list[GroupState],
+                       receipts: list[tuple[bytes, int, bytes, bytes, bytes, Optional[bytes]]],
+                       gaps: list[tuple[bytes, int, Optional[bytes], Optional[bytes], str]],
+                       events: list[tuple[str, dict]], pending_done: list[tuple[bytes, int]],
+                       all_pending: bool = False) -> None:
+        """§22.6 step 1 (resume), one transaction for a batch of epochs settled against the
+        journal, of one group or several: the receipts adopted from the journal (group, epoch,
+        commit hash, exact bytes, hash, Commit), the gaps stated (group, epoch, commit hash,
+        Commit, cause), each group's state after them (``states``: its epoch just above the last
+        of its epochs here, so never ahead of a durable receipt or stated gap, §22.5 cl. 3), the
+        events, and the pending rows these epochs settle (``all_pending``: every pending row left,
+        once every epoch the journal knows is settled: the rest was never signed)."""
+        with self._tx():
+            self.conn.executemany("INSERT INTO receipts VALUES (?, ?, ?, ?, ?, ?)", receipts)
+            self.conn.executemany("INSERT INTO discontinuities VALUES (?, ?, ?, ?, ?)", gaps)
+            self.conn.executemany(_UPSERT_GROUP, [_group_row(new) for new in states])
+            for new in states:
+                self._dirty[new.group_id] = new
+            for kind, detail in events:
+                self._event(kind, detail)
+            if all_pending:
+                self.conn.execute("DELETE FROM pending")
+            else:
+                self.conn.executemany("DELETE FROM pending WHERE group_id = ? AND epoch = ?", pending_done)
 
     def restore_group(self, state: GroupState, chain: list[tuple[int, bytes, bytes, bytes]],
                       gaps: list[int], detail: dict, kind: str = "recovered",
