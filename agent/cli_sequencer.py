@@ -269,6 +269,8 @@ def register(sub, mailbox_sub) -> None:
 
 # -- the member side: the Commit queue (§22.7; agent/sequencer/client.py) ----------------------
 def _queue(args):
+    """The queue, with --sequencer-key and --keep-events (the event log's retention) kept in it
+    when given."""
     key = None
     if getattr(args, "sequencer_key", None):
         try:
@@ -277,15 +279,18 @@ def _queue(args):
             raise Refused("--sequencer-key must be hex (66 digits: the compressed P-256 key)") from None
         if len(key) != 33:
             raise Refused("--sequencer-key must be the 33-byte compressed P-256 key (66 hex digits)")
-    return _open_queue(Path(args.home), key)
+    keep = getattr(args, "keep_events", None)
+    if keep is not None and keep < 0:
+        raise Refused("--keep-events must be 0 or more")
+    return _open_queue(Path(args.home), key, keep)
 
 
-def _open_queue(home: Path, key=None):
+def _open_queue(home: Path, key=None, events_kept=None):
     """The member's Commit queue; a file it cannot use (a newer release's layout: left untouched,
     layout.py) is a local fault, exit 1."""
     from .sequencer import client, layout
     try:
-        return client.open_queue(home, key)
+        return client.open_queue(home, key, events_kept)
     except layout.LayoutError as e:
         raise Fault(str(e)) from None
     except Exception as e:  # noqa: BLE001 - sqlite3 errors: the queue file is unusable
@@ -310,12 +315,15 @@ def cmd_commits_queue(args) -> int:
 
 
 def cmd_commits_status(args) -> int:
+    """The queue: every queued Commit and the --limit most recent ones, each group's --limit most
+    recent heads, the --limit most recent events (--all: everything kept), every retained
+    unsettled receipt and discontinuity; ``omitted`` counts what was left out."""
+    if args.limit is not None and args.limit < 0:
+        raise Refused("--limit must be 0 or more")
     q = _queue(args)
     try:
-        _print({"member_id": q.member_id, "commits": [e.as_json() for e in q.entries()],
-                "unsettled": [{"verdict": v, "receipt": r.hex()} for r, v in q.unsettled()],
-                "heads": [{"group": g.hex(), "epoch": e, "receipt": r.hex()} for g, e, r in q.heads()],
-                "discontinuities": [{"group": g.hex(), "epoch": e} for g, e in q.gaps()], "events": q.events()})
+        from .sequencer import client
+        _print(q.status(None if args.all else (client.STATUS_TAIL if args.limit is None else args.limit)))
     finally:
         q.close()
     return EXIT_OK
@@ -339,7 +347,9 @@ def _broker_settings(args):
 
 def _client(args, q):
     from .sequencer import client
-    return client.CommitClient(q, _broker_settings(args), signer_for=_signer_for(Path(args.home), q.sequencer_key))
+    home = Path(args.home)
+    return client.CommitClient(q, _broker_settings(args), signer_for=_signer_for(home, q.sequencer_key),
+                               binding_state=_binding_state(home, q.sequencer_key))
 
 
 def _signer_for(home: Path, fallback):
@@ -362,6 +372,24 @@ def _signer_for(home: Path, fallback):
             return client.Signer(fallback)
         return client.Signer(key, unresolved=key is None)
     return signer_for
+
+
+def _binding_state(home: Path, fallback):
+    """What decides ``_signer_for``'s answers for a group (its binding records as resolved, and the
+    fallback key for a group with none): the queue looks at its held and attributed receipts again
+    only when this changed (client.py recheck). An unreadable store is a state of its own (every
+    link held meanwhile, as ``_signer_for`` says)."""
+    from . import sequencing
+    from .node import Node
+    path = Path(home) / Node.STORE_FILE
+    prefix = b"fallback:" + (fallback or b"") + b";"
+
+    def binding_state(gid: bytes):
+        try:
+            return prefix + sequencing.binding_state(path, gid)
+        except Exception:  # noqa: BLE001 - as _signer_for: decide nothing, hold
+            return b"unreadable"
+    return binding_state
 
 
 class GossipFeeder:
@@ -479,6 +507,12 @@ def _broker_args(a) -> None:
     a.add_argument("--password-file", help="file holding the broker password")
 
 
+def _keep_events_arg(a) -> None:
+    a.add_argument("--keep-events", type=int, default=None, metavar="N",
+                   help="the queue's event log keeps its N most recent routine events (kept in the queue file; "
+                   "default 1000); attribution records and discontinuities are never pruned")
+
+
 def register_commits(sub) -> None:
     s = sub.add_parser("commits", help="a member's queue of membership Commits for the sequencer (§22.7)")
     ss = s.add_subparsers(dest="commits_verb", metavar="ACTION")
@@ -487,15 +521,22 @@ def register_commits(sub) -> None:
     a.add_argument("file")
     a.add_argument("--sequencer-key", help="the sequencer's key (66 hex): receipts must be signed by it where the "
                    "node holds no binding record for the group (the binding records decide otherwise)")
+    _keep_events_arg(a)
     a.set_defaults(fn=cmd_commits_queue)
     a = ss.add_parser("send", help="submit the queued Commits once and wait for their outcomes")
     _broker_args(a)
     a.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for outcomes (default 30)")
+    _keep_events_arg(a)
     a.set_defaults(fn=cmd_commits_send)
     a = ss.add_parser("run", help="keep submitting queued Commits, again on every reconnection, until SIGTERM")
     _broker_args(a)
+    _keep_events_arg(a)
     a.set_defaults(fn=cmd_commits_run)
-    a = ss.add_parser("status", help="the queue: each Commit's state, reason and receipt (JSON)")
+    a = ss.add_parser("status", help="the queue: each Commit's state, reason and receipt, recent events (JSON)")
+    a.add_argument("--limit", type=int, default=None,
+                   help="print the N most recent Commits (and every queued one), heads a group and events "
+                   "(default 50)")
+    a.add_argument("--all", action="store_true", help="print every Commit, head and event kept")
     a.set_defaults(fn=cmd_commits_status)
 
 

@@ -179,6 +179,25 @@ def bound_signer(path, gid: bytes, epoch: int) -> tuple[bool, Optional[bytes]]:
         conn.close()
 
 
+def binding_state(path, gid: bytes) -> bytes:
+    """What decides ``bound_signer(path, gid, E)`` at every generation E, as bytes: the group's
+    binding records as resolved (bindings along the chain and forks), b"none" when the node holds
+    none for the group (or there is no node). Equal bytes, equal answers: the member's Commit queue
+    looks at its held and attributed receipts again only when this changed (client.py recheck,
+    §22.6). A read of the group's binding records only, never of the receipts held."""
+    if not path.exists():
+        return b"none"
+    conn = db.connect_readonly(path)
+    try:
+        if not store.raws(conn, gid, "binding"):
+            return b"none"
+        b = bindings(_View(conn), gid)
+        return json.dumps({"bindings": sorted((g, k.hex()) for g, k in b.bindings.items()),
+                           "forks": sorted((g, x.hex(), y.hex()) for g, x, y in b.forks)}).encode()
+    finally:
+        conn.close()
+
+
 def chain(node, gid: bytes) -> validator.ReceiptChain:
     """The member validator over every receipt and binding this node holds for ``gid``: a pure
     function of that set (receipts fed in epoch order, then bytes, so any arrival order gives the

@@ -33,7 +33,11 @@ caller's ``signer_for(group_id, epoch)``: the CLI resolves the sequencer bound a
 from the member node's binding records, falling back to ``--sequencer-key`` only for a group with
 no binding record at all. A receipt signed by another key is rejected and retained for
 attribution; one whose binding does not resolve is held. Both stay in ``unsettled`` and are looked
-at again (a binding that arrives later decides them); neither decides the Commit meanwhile.
+at again when the group's binding records change (a binding that arrives later decides them);
+neither decides the Commit meanwhile. Only a binding can change their verdicts, so the recheck
+(every 2 s) compares each group's binding state (``binding_state(group_id)``) with the one its
+receipts were last looked at under and reads a group's receipts only when it changed: an idle
+member reads none of them, however many it retains (docs/sequencer.md "Cost").
 """
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ from typing import Callable, Optional
 
 from agent.sequencer import receipts
 from agent.sequencer.framing import FramingError, parse_mls_message
-from agent.sequencer.queue_store import QueueStore
+from agent.sequencer.queue_store import EVENTS_KEPT, KEPT_EVENTS, QueueStore  # noqa: F401 - the retention, for callers
 
 QUEUED, ACCEPTED, LOST, ABSENT, REFUSED = "queued", "accepted", "lost", "absent", "refused"
 # a refusal that ends the Commit; any other reason leaves it queued (migrated, failed_closed: the
@@ -56,6 +60,7 @@ QUEUED, ACCEPTED, LOST, ABSENT, REFUSED = "queued", "accepted", "lost", "absent"
 FINAL_REFUSALS = frozenset({"not_commit", "unparseable", "epoch_out_of_range", "future_epoch"})
 ANSWER_ROOT = "sovm-member"
 RESUBMIT_FIRST_S, RESUBMIT_MAX_S = 2.0, 60.0     # an unanswered Commit is sent again, backing off
+STATUS_TAIL = 50          # `commits status` prints this many recent Commits, heads a group, events (--all: every one)
 
 
 class QueueRefused(Exception):
@@ -82,12 +87,14 @@ class Entry:
 class CommitQueue:
     """The durable queue: the protocol's view of the queue file (queue_store.py holds its SQL)."""
 
-    def __init__(self, path: Path, sequencer_key: Optional[bytes] = None) -> None:
+    def __init__(self, path: Path, sequencer_key: Optional[bytes] = None, events_kept: Optional[int] = None) -> None:
         self.path = Path(path)
         self.store = QueueStore(self.path)
         try:
-            # the client's own name on the broker (persistent session, answer topic)
-            self.store.init_meta(secrets.token_hex(8), None if sequencer_key is None else sequencer_key.hex())
+            # the client's own name on the broker (persistent session, answer topic); the event
+            # log's retention, kept in the file when given (queue_store.EVENTS_KEPT otherwise)
+            self.store.init_meta(secrets.token_hex(8), None if sequencer_key is None else sequencer_key.hex(),
+                                 events_kept)
         except BaseException:
             self.store.close()
             raise
@@ -132,6 +139,20 @@ class CommitQueue:
 
     def events(self) -> list[dict]:
         return self.store.events()
+
+    def status(self, limit: Optional[int] = STATUS_TAIL) -> dict:
+        """What `commits status` prints: every queued Commit and the ``limit`` most recent ones,
+        each group's ``limit`` most recent heads, the ``limit`` most recent events (None: all of
+        each), every retained unsettled receipt (attribution evidence, §22.6) and discontinuity;
+        ``omitted`` says how many were left out of each list."""
+        commits, oc = self.store.commits_tail(limit)
+        heads, oh = self.store.heads_tail(limit)
+        events, oe = self.store.events_tail(limit)
+        return {"member_id": self.member_id, "commits": [_entry(r).as_json() for r in commits],
+                "unsettled": [{"verdict": v, "receipt": r.hex()} for r, v in self.unsettled()],
+                "heads": [{"group": g.hex(), "epoch": e, "receipt": r.hex()} for g, e, r in heads],
+                "discontinuities": [{"group": g.hex(), "epoch": e} for g, e in self.gaps()], "events": events,
+                "omitted": {"commits": oc, "heads": oh, "events": oe}}
 
     def note_submitted(self, commit_hash: bytes) -> None:
         self.store.note_submitted(commit_hash)
@@ -192,6 +213,15 @@ class CommitQueue:
     def drop_unsettled(self, raw: bytes) -> None:
         self.store.drop_unsettled(raw)
 
+    def unsettled_groups(self) -> list[tuple[bytes, Optional[bytes]]]:
+        return self.store.unsettled_groups()
+
+    def unsettled_of(self, group_id: bytes) -> list[tuple[bytes, str]]:
+        return self.store.unsettled_of(group_id)
+
+    def note_rechecked(self, group_id: bytes, bindings: bytes) -> None:
+        self.store.note_rechecked(group_id, bindings)
+
     def record_event(self, kind: str, detail: dict) -> None:
         self.store.record_event(kind, detail)
 
@@ -213,11 +243,19 @@ class Signer:
 
 
 SignerFor = Callable[[bytes, int], Signer]
+# What decides a SignerFor's answers for one group, as bytes: equal bytes, equal answers at every
+# generation (the CLI: the group's resolved binding records and the fallback key). None: unknown.
+BindingState = Callable[[bytes], Optional[bytes]]
 
 
 def fixed_signer(key: Optional[bytes]) -> SignerFor:
     """One key for every group and epoch (``--sequencer-key``), or any valid signature (None)."""
     return lambda _g, _e: Signer(key)
+
+
+def fixed_state(key: Optional[bytes]) -> BindingState:
+    """The binding state of ``fixed_signer(key)``: never changes."""
+    return lambda _g: b"fixed:" + (key or b"")
 
 
 def check_receipt(raw: bytes, signer_for: SignerFor) -> tuple[Optional[receipts.Receipt], str]:
@@ -317,12 +355,14 @@ class CommitClient:
     RECHECK_S = 2.0                    # held and attributed receipts are looked at again this often
 
     def __init__(self, q: CommitQueue, settings, on_receipt: Optional[Callable[[bytes], None]] = None,
-                 signer_for: Optional[SignerFor] = None) -> None:
+                 signer_for: Optional[SignerFor] = None, binding_state: Optional[BindingState] = None) -> None:
         import paho.mqtt.client as paho
         from paho.mqtt.enums import CallbackAPIVersion
         self.q, self.s = q, settings
         self.key = q.sequencer_key
         self.signer_for = signer_for or fixed_signer(self.key)
+        # a signer_for given without its state: every recheck looks at every retained receipt
+        self.binding_state = binding_state or (fixed_state(self.key) if signer_for is None else (lambda _g: None))
         self._recheck_at = 0.0
         self.on_receipt = on_receipt
         self.reply_to = f"{ANSWER_ROOT}/{q.member_id}/answers"
@@ -472,19 +512,31 @@ class CommitClient:
                     self.q.settle(e.commit_hash, out.state, out.reason, out.receipt)
 
     def recheck(self) -> None:
-        """Held and attributed receipts again: a binding that arrived since decides them."""
-        for raw, verdict in self.q.unsettled():
-            r, why = check_receipt(raw, self.signer_for)
-            if r is None:
+        """Held and attributed receipts again, of the groups whose binding records changed since
+        their receipts were last looked at: a binding that arrived since decides them (§22.6).
+        Nothing else changes a verdict, so a group whose binding state is what it was is not read:
+        the cost is a row a group with receipts retained, never a row a receipt (attributed ones
+        are retained for good)."""
+        for gid, seen in self.q.unsettled_groups():
+            state = self.binding_state(gid)
+            if state is not None and state == seen:
                 continue
-            if why in (HELD, ATTRIBUTED):
-                if why != verdict:
-                    self.q.keep_unsettled(r, why)
-                continue
-            self.q.drop_unsettled(raw)
-            self.q.record_event("receipt_settled", {"group": r.group_id.hex(), "epoch": r.epoch,
-                                                    "was": verdict})
-            self._head(r)
+            for raw, verdict in self.q.unsettled_of(gid):
+                r, why = check_receipt(raw, self.signer_for)
+                if r is None:
+                    continue
+                if why in (HELD, ATTRIBUTED):
+                    if why != verdict:
+                        self.q.keep_unsettled(r, why)
+                    continue
+                self.q.drop_unsettled(raw)
+                self.q.record_event("receipt_settled", {"group": r.group_id.hex(), "epoch": r.epoch,
+                                                        "was": verdict})
+                self._head(r)
+            if state is not None:
+                # read before the receipts: a binding that arrived while they were looked at
+                # makes the next recheck look again
+                self.q.note_rechecked(gid, state)
 
     def _handle(self, msg) -> None:
         if msg.topic != self.reply_to:
@@ -528,7 +580,7 @@ def queue_path(home: Path) -> Path:
     return Path(home) / "commit-queue.db"
 
 
-def open_queue(home: Path, sequencer_key: Optional[bytes] = None) -> CommitQueue:
+def open_queue(home: Path, sequencer_key: Optional[bytes] = None, events_kept: Optional[int] = None) -> CommitQueue:
     home = Path(home)
     home.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return CommitQueue(queue_path(home), sequencer_key)
+    return CommitQueue(queue_path(home), sequencer_key, events_kept)

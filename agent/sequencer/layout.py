@@ -29,6 +29,12 @@ Version history, QUEUE (commit-queue.db):
   2  what every pump step reads no longer grows with the history: the indexes commits_in_order
      (queue order) and queued_in_order (the queued ones, partial), the tables followed (one row per group, filled from commits) and outbox (what
      was kept and not yet gossiped, filled from what version 1 held and had not marked gossiped)
+  3  a member running for months: the 2 s recheck of held and attributed receipts reads only the
+     groups whose binding records changed (the index unsettled_by_group, the table
+     unsettled_groups: one row per group with receipts in `unsettled`, filled from it, with the
+     binding state its receipts were last looked at under, NULL: not yet), and the event log
+     keeps a bounded tail (the partial index events_routine over the events that may be pruned;
+     attribution records and discontinuities never are)
 
 A version-1 file as that release wrote it (user_version 0) gets step 1 on its first writing open:
 the step's DDL is `IF NOT EXISTS` throughout, so on such a file it changes nothing but the header's
@@ -177,9 +183,35 @@ def _queue_v2(conn: sqlite3.Connection) -> None:
                      "WHERE NOT EXISTS (SELECT 1 FROM gossiped WHERE hash = ?)", (h, bytes(raw), h))
 
 
+# Version 3: what a member does every 2 s, and what its event log keeps, no longer grow with
+# its history (a 512 MB device with an SD card, running for months).
+#   unsettled_by_group  a group's retained receipts, read only when its binding records changed
+#   unsettled_groups    one row per group with receipts in `unsettled` (its rows gone, the row
+#                       goes): `bindings` is the state of the member node's binding records for the
+#                       group under which its receipts were last looked at (NULL: never), so the
+#                       recheck reads a row a group, and a group's receipts only when that changed
+#                       (§22.6: only a binding decides a held or attributed receipt again)
+#   events_routine      the events that may be pruned, in order: every kind but the attribution
+#                       records (`receipt_attributed`, §22.6 "retained for attribution") and the
+#                       recorded discontinuities (§22.6 step 4); keeping the newest N of them is one
+#                       walk of N index entries, never of the evidence kept beside them
+QUEUE_V3 = """
+CREATE INDEX unsettled_by_group ON unsettled (group_id, epoch);
+CREATE TABLE unsettled_groups (group_id BLOB PRIMARY KEY, bindings BLOB);
+INSERT INTO unsettled_groups SELECT DISTINCT group_id, NULL FROM unsettled;
+CREATE INDEX events_routine ON events (seq) WHERE kind NOT IN ('receipt_attributed', 'discontinuity');
+"""
+
+
+def _queue_v3(conn: sqlite3.Connection) -> None:
+    for stmt in statements(QUEUE_V3):
+        conn.execute(stmt)
+
+
 QUEUE = Layout("Commit queue", "commits", [
     (1, "the released layout (commits, heads, gaps, statements, gossiped, unsettled, events)", _base(QUEUE_V1)),
     (2, "the queue order indexed, the followed groups, the gossip outbox", _queue_v2),
+    (3, "the retained receipts by group with the bindings they were checked under, the prunable events", _queue_v3),
 ])
 
 

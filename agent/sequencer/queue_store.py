@@ -27,6 +27,15 @@ settled Commits, heads and gossiped hashes are kept for good, the member's evide
   followed          one row per group ever queued for (written with the Commit that adds it)
   outbox            what was kept and not yet handed to gossip, in the order it was kept: written
                     in the transaction that keeps it, removed when its hash goes into ``gossiped``
+
+Version 3 (a member running for months: what it does every 2 s and what its event log keeps do not
+grow with its history):
+  unsettled_by_group  index: a group's retained receipts (``unsettled_of``)
+  unsettled_groups    one row per group with receipts in ``unsettled``, written with them (gone with
+                      the group's last one), with the binding state they were last looked at under
+  events_routine      partial index over the events that may be pruned; every event added prunes
+                      them to the newest ``events_kept`` (meta, default EVENTS_KEPT) in its own
+                      transaction. Never pruned: KEPT_EVENTS (attribution records, discontinuities)
 """
 from __future__ import annotations
 
@@ -40,6 +49,17 @@ from agent.sequencer.receipts import receipt_hash
 
 # The columns of a Commit, in the order client.Entry takes them
 _COMMIT = "commit_hash, group_id, epoch, message, state, reason, receipt, submissions"
+
+# The event log keeps the newest EVENTS_KEPT routine events (outcomes, hand-overs to gossip,
+# held/settled receipts, bad answers: what they told stays in the tables: ``commits``, ``heads``,
+# ``outbox``/``gossiped``, ``unsettled``), unless the queue's meta says otherwise (``events_kept``).
+# KEPT_EVENTS are never pruned: the attribution records of receipts signed by a sequencer not
+# bound at their generation (§22.6: "rejected and retained for attribution") and the recorded
+# discontinuities (§22.6 step 4). The condition is the one of layout.py's partial index
+# ``events_routine`` word for word (SQLite uses a partial index only for a query that states it).
+EVENTS_KEPT = 1000
+KEPT_EVENTS = ("receipt_attributed", "discontinuity")
+_ROUTINE = "kind NOT IN ('receipt_attributed', 'discontinuity')"
 
 
 class QueueStore:
@@ -59,14 +79,16 @@ class QueueStore:
         row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else row[0]
 
-    def init_meta(self, member_id: str, sequencer_key: Optional[str]) -> None:
-        """``member_id`` where the file has none yet (kept for ever after); ``sequencer_key``
-        replaces the one kept, when given."""
+    def init_meta(self, member_id: str, sequencer_key: Optional[str], events_kept: Optional[int] = None) -> None:
+        """``member_id`` where the file has none yet (kept for ever after); ``sequencer_key`` and
+        ``events_kept`` (the event log's retention) replace the ones kept, when given."""
         with self._tx():
             if self.meta("member_id") is None:
                 self.conn.execute("INSERT INTO meta VALUES ('member_id', ?)", (member_id,))
             if sequencer_key is not None:
                 self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('sequencer_key', ?)", (sequencer_key,))
+            if events_kept is not None:
+                self.conn.execute("INSERT OR REPLACE INTO meta VALUES ('events_kept', ?)", (str(int(events_kept)),))
 
     # -- commits ---------------------------------------------------------------------------
     def add_queued(self, commit_hash: bytes, group_id: bytes, epoch: int, message: bytes) -> Optional[int]:
@@ -94,6 +116,18 @@ class QueueStore:
 
     def commits(self) -> list[tuple]:
         return self.conn.execute(f"SELECT {_COMMIT} FROM commits ORDER BY queued_seq").fetchall()
+
+    def commits_tail(self, limit: Optional[int]) -> tuple[list[tuple], int]:
+        """Every queued Commit and the ``limit`` most recent ones (None: all), in queue order;
+        and how many were left out (``commits status``)."""
+        if limit is None:
+            return self.commits(), 0
+        rows = self.conn.execute(
+            f"SELECT {_COMMIT} FROM (SELECT {_COMMIT}, queued_seq FROM commits WHERE state = 'queued' "
+            f"UNION SELECT * FROM (SELECT {_COMMIT}, queued_seq FROM commits ORDER BY queued_seq DESC LIMIT ?)) "
+            "ORDER BY queued_seq", (int(limit),)).fetchall()
+        total = self.conn.execute("SELECT count(*) FROM commits").fetchone()[0]
+        return rows, total - len(rows)
 
     def receipts(self) -> list[bytes]:
         """The receipts of the Commits' outcomes, in queue order."""
@@ -154,6 +188,18 @@ class QueueStore:
         return [(bytes(g), e, bytes(r)) for g, e, r in
                 self.conn.execute("SELECT group_id, epoch, receipt FROM heads ORDER BY group_id, epoch")]
 
+    def heads_tail(self, limit: Optional[int]) -> tuple[list[tuple[bytes, int, bytes]], int]:
+        """Each group's ``limit`` most recent heads (None: all), in (group, epoch) order; and how
+        many were left out (``commits status``)."""
+        if limit is None:
+            return self.heads(), 0
+        rows = [(bytes(g), e, bytes(r)) for g, e, r in self.conn.execute(
+            "SELECT group_id, epoch, receipt FROM (SELECT group_id, epoch, receipt, row_number() OVER "
+            "(PARTITION BY group_id ORDER BY epoch DESC, receipt DESC) AS k FROM heads) WHERE k <= ? "
+            "ORDER BY group_id, epoch, receipt", (int(limit),))]
+        total = self.conn.execute("SELECT count(*) FROM heads").fetchone()[0]
+        return rows, total - len(rows)
+
     def gaps(self) -> list[tuple[bytes, int]]:
         return [(bytes(g), e) for g, e in self.conn.execute("SELECT group_id, epoch FROM gaps ORDER BY group_id, epoch")]
 
@@ -189,6 +235,7 @@ class QueueStore:
                 return False
             self.conn.execute("INSERT OR REPLACE INTO unsettled VALUES (?, ?, ?, ?, ?)",
                               (raw, group_id, epoch, verdict, signer))
+            self.conn.execute("INSERT OR IGNORE INTO unsettled_groups VALUES (?, NULL)", (group_id,))
             self._event("receipt_" + verdict, {"group": group_id.hex(), "epoch": epoch, "signer": signer.hex(),
                                                "receipt": raw.hex()})
         return True
@@ -198,12 +245,45 @@ class QueueStore:
 
     def drop_unsettled(self, raw: bytes) -> None:
         with self._tx():
-            self.conn.execute("DELETE FROM unsettled WHERE receipt = ?", (raw,))
+            row = self.conn.execute("DELETE FROM unsettled WHERE receipt = ? RETURNING group_id", (raw,)).fetchone()
+            if row is not None:
+                self.conn.execute("DELETE FROM unsettled_groups WHERE group_id = ? AND NOT EXISTS "
+                                  "(SELECT 1 FROM unsettled WHERE group_id = ?)", (row[0], row[0]))
+
+    def unsettled_groups(self) -> list[tuple[bytes, Optional[bytes]]]:
+        """(group, the binding state its retained receipts were last looked at under, or None):
+        one row a group, however many receipts it retains."""
+        return [(bytes(g), None if b is None else bytes(b)) for g, b in
+                self.conn.execute("SELECT group_id, bindings FROM unsettled_groups ORDER BY group_id")]
+
+    def unsettled_of(self, group_id: bytes) -> list[tuple[bytes, str]]:
+        return [(bytes(r), v) for r, v in self.conn.execute(
+            "SELECT receipt, verdict FROM unsettled WHERE group_id = ? ORDER BY epoch, receipt", (group_id,))]
+
+    def note_rechecked(self, group_id: bytes, bindings: bytes) -> None:
+        """The group's retained receipts were looked at under ``bindings`` (a group whose last
+        receipt went meanwhile has no row to note it in)."""
+        with self._tx():
+            self.conn.execute("UPDATE unsettled_groups SET bindings = ? WHERE group_id = ?", (bindings, group_id))
 
     # -- events ------------------------------------------------------------------------------
     def events(self) -> list[dict]:
         return [{"seq": s, "kind": k, **json.loads(d)} for s, k, d in
                 self.conn.execute("SELECT seq, kind, detail FROM events ORDER BY seq")]
+
+    def events_tail(self, limit: Optional[int]) -> tuple[list[dict], int]:
+        """The ``limit`` most recent events (None: all kept), oldest first; and how many kept
+        events were left out (``commits status``)."""
+        if limit is None:
+            return self.events(), 0
+        rows = self.conn.execute("SELECT seq, kind, detail FROM (SELECT seq, kind, detail FROM events "
+                                 "ORDER BY seq DESC LIMIT ?) ORDER BY seq", (int(limit),)).fetchall()
+        total = self.conn.execute("SELECT count(*) FROM events").fetchone()[0]
+        return [{"seq": s, "kind": k, **json.loads(d)} for s, k, d in rows], total - len(rows)
+
+    def events_kept(self) -> int:
+        v = self.meta("events_kept")
+        return EVENTS_KEPT if v is None else int(v)
 
     def record_event(self, kind: str, detail: dict) -> None:
         with self._tx():
@@ -211,6 +291,11 @@ class QueueStore:
 
     def _event(self, kind: str, detail: dict) -> None:
         self.conn.execute("INSERT INTO events (kind, detail) VALUES (?, ?)", (kind, json.dumps(detail)))
+        if kind not in KEPT_EVENTS:
+            # the newest ``events_kept`` routine events stay: the walk is of those index entries
+            # (events_routine), never of the whole log nor of the evidence kept beside it
+            self.conn.execute(f"DELETE FROM events WHERE seq IN (SELECT seq FROM events WHERE {_ROUTINE} "
+                              "ORDER BY seq DESC LIMIT -1 OFFSET ?)", (self.events_kept(),))
 
 
 class _Tx:

@@ -10,6 +10,9 @@
 - A new file gets the latest version; version 1 is exactly the released layout.
 - A version-1 Commit queue with rows migrates to version 2 keeping them (followed groups, gossip
   outbox filled from them).
+- A version-2 Commit queue as the release before version 3 wrote it migrates to version 3 keeping
+  every row (its retained receipts by group, the prunable events indexed); a read-only open of it
+  never migrates.
 - A step that fails or is killed half-way leaves the previous version and nothing of the step.
 """
 from __future__ import annotations
@@ -277,7 +280,7 @@ def test_a_version_1_commit_queue_with_rows_migrates_to_2_keeping_them(tmp_path,
     tables, rows = layout_of(db), rows_of(db)
     q = CommitQueue(db)
     try:
-        assert user_version(db) == 2
+        assert user_version(db) == layout.QUEUE.latest      # 2, then 3 (below)
         assert tables <= layout_of(db) and {t: r for t, r in rows_of(db).items() if t in rows} == rows
         assert q.member_id == "0123456789abcdef"
         assert q.groups() == [g, h]
@@ -292,6 +295,89 @@ def test_a_version_1_commit_queue_with_rows_migrates_to_2_keeping_them(tmp_path,
         q.settle(nxt.commit_hash, ACCEPTED, None, b"\xd2receipt d")
         q.mark_gossiped([ra, rh1])
         assert q.ungossiped() == [st, b"\xd2receipt d"]
+    finally:
+        q.close()
+
+
+# Version 2 of the queue as its release wrote it (layout.py QUEUE_V2 after QUEUE_V1, at a9a08f2).
+# Fixture: never edit.
+RELEASED_QUEUE_V2 = """
+CREATE INDEX commits_in_order ON commits (queued_seq);
+CREATE INDEX queued_in_order ON commits (queued_seq) WHERE state = 'queued';
+CREATE TABLE followed (group_id BLOB PRIMARY KEY);
+INSERT INTO followed SELECT DISTINCT group_id FROM commits;
+CREATE TABLE outbox (seq INTEGER PRIMARY KEY, hash BLOB NOT NULL UNIQUE, raw BLOB NOT NULL);
+PRAGMA user_version = 2;
+"""
+
+
+def released_v2_queue(db, rows: dict[str, list[tuple]]) -> None:
+    released_file(db, RELEASED_QUEUE_SCHEMA, rows)
+    c = sqlite3.connect(str(db), isolation_level=None)
+    c.executescript(RELEASED_QUEUE_V2)
+    c.close()
+    assert user_version(db) == 2
+
+
+def test_a_version_2_commit_queue_migrates_to_3_keeping_every_row_and_a_read_only_open_does_not(tmp_path):
+    """Version 3 (layout.py QUEUE_V3): the retained receipts by group with the binding state they
+    were last looked at under (unsettled_groups, filled from `unsettled`: never looked at yet), and
+    the prunable events indexed. A version-2 file keeps every row; the first recheck looks at every
+    retained receipt once, the next at none; the first event added prunes the routine ones to the
+    retention and keeps every attribution record."""
+    from agent.sequencer import client, receipts, serve
+    from tests.sequencer.test_member import RogueSequencer
+    db = tmp_path / "commit-queue.db"
+    g, h = bytes.fromhex(G), bytes.fromhex("b8" * 16)
+    s1, s2 = RogueSequencer(), RogueSequencer()
+    held = [s1.sign(e, b"g%d" % e, None, gid=g) for e in range(3)]
+    attributed = [s1.sign(e, b"h%d" % e, None, gid=h) for e in range(2)]
+    msg = encode_private_message(g, 7, ciphertext=b"q")
+    ch = receipts.commit_hash(msg)
+    events = [(i + 1, "gossiped", json.dumps({"receipts": 1, "via": "node"})) for i in range(1100)]
+    events += [(1101 + i, "receipt_attributed", json.dumps({"receipt": r.hex()})) for i, r in enumerate(attributed)]
+    released_v2_queue(db, {
+        "meta": [("member_id", "0123456789abcdef")],
+        "commits": [(ch, g, 7, msg, "queued", "binding_unresolved", None, 1, 4)],
+        "unsettled": [(r, g, e, "held", s1.kid) for e, r in enumerate(held)] +
+                     [(r, h, e, "attributed", s1.kid) for e, r in enumerate(attributed)],
+        "events": events})
+    tables, rows = layout_of(db), rows_of(db)
+    before = db.read_bytes()
+    # a read-only open (as `sequencer status` opens its file) never migrates, and reads it
+    ro = layout.open_file(db, layout.QUEUE, readonly=True)
+    try:
+        assert layout.version(ro, layout.QUEUE) == 2
+        assert ro.execute("SELECT count(*) FROM unsettled").fetchone()[0] == 5
+    finally:
+        ro.close()
+    assert db.read_bytes() == before and user_version(db) == 2
+    q = CommitQueue(db)
+    try:
+        assert user_version(db) == 3
+        assert tables <= layout_of(db) and {t: r for t, r in rows_of(db).items() if t in rows} == rows
+        assert q.unsettled_groups() == sorted([(g, None), (h, None)])
+        assert [e.commit_hash for e in q.outstanding()] == [ch]
+        looked = []
+
+        def signer_for(gid, epoch):
+            looked.append(gid)
+            return client.Signer(s2.kid) if gid == h else client.Signer(None, unresolved=True)
+        c = client.CommitClient(q, serve.BrokerSettings.from_url("mqtt://127.0.0.1:1"), signer_for=signer_for,
+                                binding_state=lambda gid: b"h:s2" if gid == h else b"g:none")
+        try:
+            c.recheck()
+            assert sorted(looked) == sorted([g] * 3 + [h] * 2)
+            looked.clear()
+            c.recheck()
+            assert looked == []
+        finally:
+            c.client.loop_stop()
+        assert sorted(q.unsettled()) == sorted([(r, "held") for r in held] + [(r, "attributed") for r in attributed])
+        q.record_event("gossiped", {"receipts": 1, "via": "node"})
+        kinds = [e["kind"] for e in q.events()]
+        assert kinds.count("gossiped") == client.EVENTS_KEPT and kinds.count("receipt_attributed") == 2
+        assert q.events()[-1]["seq"] == 1103
     finally:
         q.close()
 
