@@ -381,12 +381,12 @@ def _binding_state(home: Path, fallback):
     link held meanwhile, as ``_signer_for`` says)."""
     from . import sequencing
     from .node import Node
-    path = Path(home) / Node.STORE_FILE
+    states = sequencing.BindingStates(Path(home) / Node.STORE_FILE)   # one data_version question while idle
     prefix = b"fallback:" + (fallback or b"") + b";"
 
     def binding_state(gid: bytes):
         try:
-            return prefix + sequencing.binding_state(path, gid)
+            return prefix + states(gid)
         except Exception:  # noqa: BLE001 - as _signer_for: decide nothing, hold
             return b"unreadable"
     return binding_state

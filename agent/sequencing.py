@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Optional
 
 from .core import seqrecords as sr
@@ -196,6 +197,57 @@ def binding_state(path, gid: bytes) -> bytes:
                            "forks": sorted((g, x.hex(), y.hex()) for g, x, y in b.forks)}).encode()
     finally:
         conn.close()
+
+
+class BindingStates:
+    """``binding_state(path, gid)``, remembered while nothing is committed to the node's store:
+    what `commits run` asks every 2 s for each group with retained receipts (client.py recheck)
+    costs one ``data_version`` question while the store is idle, and a read of the group's binding
+    records (their signatures checked) only after a commit (any: a binding, an authority or an
+    issuer key may have changed). A store replaced (another inode) or unreadable starts afresh;
+    where the question cannot be asked, every call reads the records."""
+
+    def __init__(self, path) -> None:
+        self.path = path
+        self._conn = None
+        self._ident = None
+        self._version = None
+        self._cache: dict[bytes, bytes] = {}
+
+    def __call__(self, gid: bytes) -> bytes:
+        version = self._store_version()
+        if version is None or version != self._version:
+            self._cache.clear()
+            self._version = version
+        if version is None:
+            return binding_state(self.path, gid)
+        if gid not in self._cache:
+            self._cache[gid] = binding_state(self.path, gid)
+        return self._cache[gid]
+
+    def _store_version(self):
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            self.close()
+            return ("absent",)
+        except OSError:
+            self.close()
+            return None
+        ident = (st.st_dev, st.st_ino)
+        try:
+            if self._conn is None or self._ident != ident:
+                self.close()
+                self._conn, self._ident = store.open_watch(self.path), ident
+            return (ident, store.data_version(self._conn))
+        except Exception:  # noqa: BLE001 - sqlite3 errors: ask again next time, read the records now
+            self.close()
+            return None
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn, self._ident = None, None
 
 
 def chain(node, gid: bytes) -> validator.ReceiptChain:

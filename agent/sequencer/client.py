@@ -202,10 +202,11 @@ class CommitQueue:
     def mark_gossiped(self, raws: list[bytes]) -> None:
         self.store.mark_gossiped(raws)
 
-    def keep_unsettled(self, r: receipts.Receipt, verdict: str) -> bool:
+    def keep_unsettled(self, r: receipts.Receipt, verdict: str, decided_under: Optional[bytes] = None) -> bool:
         """A receipt held (binding unresolved) or attributed (signer not bound): retained, surfaced
-        once per verdict (§22.6: rejected and retained for attribution / held)."""
-        return self.store.keep_unsettled(r.raw, r.group_id, r.epoch, verdict, r.kid)
+        once per verdict (§22.6: rejected and retained for attribution / held). ``decided_under``:
+        the group's binding state read before the verdict (queue_store.keep_unsettled)."""
+        return self.store.keep_unsettled(r.raw, r.group_id, r.epoch, verdict, r.kid, decided_under)
 
     def unsettled(self) -> list[tuple[bytes, str]]:
         return self.store.unsettled()
@@ -219,8 +220,8 @@ class CommitQueue:
     def unsettled_of(self, group_id: bytes) -> list[tuple[bytes, str]]:
         return self.store.unsettled_of(group_id)
 
-    def note_rechecked(self, group_id: bytes, bindings: bytes) -> None:
-        self.store.note_rechecked(group_id, bindings)
+    def note_rechecked(self, group_id: bytes, seen: Optional[bytes], bindings: bytes) -> None:
+        self.store.note_rechecked(group_id, seen, bindings)
 
     def record_event(self, kind: str, detail: dict) -> None:
         self.store.record_event(kind, detail)
@@ -486,6 +487,7 @@ class CommitClient:
                         and self.on_receipt:
                     self.on_receipt(st.raw)
             return
+        state = self.binding_state(gid)        # before the verdict (queue_store.keep_unsettled)
         try:
             r, why = check_receipt(bytes(body["receipt"]), self.signer_for)
         except (KeyError, TypeError):
@@ -493,7 +495,7 @@ class CommitClient:
         if r is None or r.group_id != gid or r.epoch != epoch:
             return
         if why in (HELD, ATTRIBUTED):
-            self.q.keep_unsettled(r, why)
+            self.q.keep_unsettled(r, why, state)
             return
         if why:
             return
@@ -527,7 +529,7 @@ class CommitClient:
                     continue
                 if why in (HELD, ATTRIBUTED):
                     if why != verdict:
-                        self.q.keep_unsettled(r, why)
+                        self.q.keep_unsettled(r, why, state)
                     continue
                 self.q.drop_unsettled(raw)
                 self.q.record_event("receipt_settled", {"group": r.group_id.hex(), "epoch": r.epoch,
@@ -536,7 +538,7 @@ class CommitClient:
             if state is not None:
                 # read before the receipts: a binding that arrived while they were looked at
                 # makes the next recheck look again
-                self.q.note_rechecked(gid, state)
+                self.q.note_rechecked(gid, seen, state)
 
     def _handle(self, msg) -> None:
         if msg.topic != self.reply_to:
@@ -554,12 +556,13 @@ class CommitClient:
             return
         if not isinstance(answer, dict):
             return
+        state = self.binding_state(e.group_id)  # before the verdict (queue_store.keep_unsettled)
         out = submit_outcome(e, answer, self.signer_for) if corr[:1] == b"c" \
             else receipt_outcome(e, answer, self.signer_for)
         if out.unsettled is not None:
             # §22.6: signed by a sequencer not bound at that generation (rejected, retained for
             # attribution), or no binding resolves there (held): the Commit stays queued
-            self.q.keep_unsettled(*out.unsettled)
+            self.q.keep_unsettled(*out.unsettled, state)
             self.q.note_reason(e.commit_hash, out.reason or "")
             return
         if out.problem:

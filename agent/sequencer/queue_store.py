@@ -226,16 +226,21 @@ class QueueStore:
                           "WHERE NOT EXISTS (SELECT 1 FROM gossiped WHERE hash = ?)", (h, bytes(raw), h))
 
     # -- held and attributed receipts (§22.6) -------------------------------------------------
-    def keep_unsettled(self, raw: bytes, group_id: bytes, epoch: int, verdict: str, signer: bytes) -> bool:
+    def keep_unsettled(self, raw: bytes, group_id: bytes, epoch: int, verdict: str, signer: bytes,
+                       decided_under: Optional[bytes] = None) -> bool:
         """Kept (or its verdict changed), with a ``receipt_<verdict>`` event; False when it was kept
-        with this verdict already."""
+        with this verdict already. ``decided_under``: the group's binding state read before the
+        verdict was reached (None: unknown). Where the group's receipts were last looked at under
+        another state (another process may have noted a newer one meanwhile), that is forgotten, so
+        the next recheck looks at the group again; under the same state, nothing to look at again."""
         with self._tx():
             row = self.conn.execute("SELECT verdict FROM unsettled WHERE receipt = ?", (raw,)).fetchone()
             if row is not None and row[0] == verdict:
                 return False
             self.conn.execute("INSERT OR REPLACE INTO unsettled VALUES (?, ?, ?, ?, ?)",
                               (raw, group_id, epoch, verdict, signer))
-            self.conn.execute("INSERT OR IGNORE INTO unsettled_groups VALUES (?, NULL)", (group_id,))
+            self.conn.execute("INSERT INTO unsettled_groups VALUES (?1, NULL) ON CONFLICT (group_id) DO UPDATE "
+                              "SET bindings = NULL WHERE ?2 IS NULL OR bindings IS NOT ?2", (group_id, decided_under))
             self._event("receipt_" + verdict, {"group": group_id.hex(), "epoch": epoch, "signer": signer.hex(),
                                                "receipt": raw.hex()})
         return True
@@ -260,11 +265,14 @@ class QueueStore:
         return [(bytes(r), v) for r, v in self.conn.execute(
             "SELECT receipt, verdict FROM unsettled WHERE group_id = ? ORDER BY epoch, receipt", (group_id,))]
 
-    def note_rechecked(self, group_id: bytes, bindings: bytes) -> None:
-        """The group's retained receipts were looked at under ``bindings`` (a group whose last
-        receipt went meanwhile has no row to note it in)."""
+    def note_rechecked(self, group_id: bytes, seen: Optional[bytes], bindings: bytes) -> None:
+        """The group's retained receipts were looked at under ``bindings``; noted only where the
+        group's row still says ``seen`` (what the recheck read before looking): a receipt kept
+        meanwhile under another state (another process) keeps the group to be looked at again. A
+        group whose last receipt went meanwhile has no row to note it in."""
         with self._tx():
-            self.conn.execute("UPDATE unsettled_groups SET bindings = ? WHERE group_id = ?", (bindings, group_id))
+            self.conn.execute("UPDATE unsettled_groups SET bindings = ? WHERE group_id = ? AND bindings IS ?",
+                              (bindings, group_id, seen))
 
     # -- events ------------------------------------------------------------------------------
     def events(self) -> list[dict]:

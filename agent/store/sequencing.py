@@ -78,3 +78,18 @@ def records_ordered(conn: sqlite3.Connection) -> list[tuple[bytes, bytes]]:
     return [(bytes(h), bytes(raw)) for h, raw in conn.execute(
         "SELECT record_hash, raw FROM sequencing_records ORDER BY CASE kind WHEN 'binding' THEN 0 ELSE 1 END, "
         "group_id, generation, record_hash")]
+
+
+def open_watch(path) -> sqlite3.Connection:
+    """A read-only connection kept open only to ask ``data_version`` (agent/sequencing.py
+    BindingStates): never in a transaction between calls, so it holds up neither the node's writer
+    nor its checkpoints (unlike db.connect_readonly's full-disk fallback, exclusive mode)."""
+    import urllib.parse
+    return sqlite3.connect("file:" + urllib.parse.quote(str(path)) + "?mode=ro", uri=True,
+                           isolation_level=None, check_same_thread=False)
+
+
+def data_version(conn: sqlite3.Connection) -> int:
+    """Changes whenever another connection (any process) committed to the file since this
+    connection last asked (SQLite's PRAGMA data_version)."""
+    return conn.execute("PRAGMA data_version").fetchone()[0]

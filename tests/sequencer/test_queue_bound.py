@@ -321,3 +321,64 @@ def test_the_binding_state_of_a_node_changes_when_a_binding_arrives_and_only_for
     finally:
         for n in nodes:
             n.close()
+
+
+def test_the_binding_state_is_read_again_only_after_the_node_committed_something(tmp_path, monkeypatch):
+    """sequencing.BindingStates, what `commits run` asks every 2 s per group with retained receipts:
+    while the node's store is idle, one `data_version` question and no read of the binding records
+    (their signature checks included); after a commit the records are read again, and a binding
+    that arrived is seen. The read is counted by wrapping the real function (it still runs)."""
+    from agent import sequencing
+    from agent.node import Node
+    from tests.sequencer.test_gossip import converge
+    from tests.sync.helpers import NOW, mesh
+    reads = []
+    real = sequencing.binding_state
+
+    def counted(path, gid):
+        reads.append(gid)
+        return real(path, gid)
+    monkeypatch.setattr(sequencing, "binding_state", counted)
+    nodes = mesh(tmp_path, 2, authority=0)
+    states = sequencing.BindingStates(nodes[1].home / Node.STORE_FILE)
+    try:
+        n0, n1 = nodes
+        first = states(G)
+        for _ in range(5):
+            assert states(G) == first and states(H) == states(H)
+        assert reads == [G, H], reads                       # idle: each group read once, then never
+        sequencing.bind(n0, G, S1.kid, 0, NOW)
+        converge(nodes, [(0, 1)], NOW)                       # the binding arrives: committed to n1's store
+        reads.clear()
+        assert states(G) != first and reads == [G]
+        assert states(G) == real(nodes[1].home / Node.STORE_FILE, G) and reads == [G]
+    finally:
+        states.close()
+        for n in nodes:
+            n.close()
+
+
+def test_a_receipt_kept_under_other_bindings_than_its_group_was_last_looked_at_under_is_looked_at_again(tmp_path):
+    """Two processes on one queue (`commits send` beside `commits run`): a receipt whose verdict
+    was reached under binding state X, kept after the group was noted as looked at under Y, makes
+    the next recheck look at the group again; one kept under Y does not."""
+    q = queue_with_unsettled(tmp_path / "q.db", 6)
+    b = Bindings()
+    c = make_client(q, b)
+    try:
+        c.recheck()
+        b.lookups = 0
+        r = receipts.verify_receipt(S1.sign(100, b"late", None, gid=G))
+        q.keep_unsettled(r, client.HELD, b.state(G))          # decided under the state noted
+        c.recheck()
+        assert b.lookups == 0
+        r = receipts.verify_receipt(S1.sign(101, b"later", None, gid=G))
+        q.keep_unsettled(r, client.HELD, b"an older state")    # decided before a binding changed
+        c.recheck()
+        assert b.lookups == 5                                  # G's five held receipts, once
+        b.lookups = 0
+        c.recheck()
+        assert b.lookups == 0
+    finally:
+        c.client.loop_stop()
+        q.close()
