@@ -41,6 +41,10 @@ def main() -> None:
                                                          "(1: every group its own overlapping batch)")
     ap.add_argument("--compact-bytes", type=int, default=0, help="compact the signing journal whenever it grew "
                                                                  "this much (and on open above it)")
+    ap.add_argument("--settle-chunk", type=int, default=0, help="epochs per transaction of resume's settlement "
+                                                                "(service.SETTLE_CHUNK)")
+    ap.add_argument("--statement-batch", type=int, default=0, help="statements of absence per bridge call "
+                                                                   "(service.STATEMENT_BATCH)")
     ap.add_argument("--unsafe", default="", help="negative control: 'advance-first' moves the epoch "
                                                  "before the receipt is durable (violates §22.5 cl. 3)")
     a = ap.parse_args()
@@ -55,6 +59,10 @@ def main() -> None:
                                   "ON CONFLICT (group_id) DO UPDATE SET current_epoch = excluded.current_epoch",
                                   (group_id, epoch + 1))
         Store._put_pending_rows = put_pending_rows
+    if a.settle_chunk:
+        service.SETTLE_CHUNK = a.settle_chunk
+    if a.statement_batch:
+        service.STATEMENT_BATCH = a.statement_batch
     if a.compact_bytes:
         service.JOURNAL_COMPACT_BYTES = service.JOURNAL_OPEN_COMPACT_BYTES = a.compact_bytes
     hook = hook_from_env("SEQ_CRASH")

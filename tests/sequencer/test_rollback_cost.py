@@ -50,10 +50,10 @@ def count_state_work(monkeypatch) -> Counter:
     return counts
 
 
-def rolled_back_home(tmp_path, monkeypatch):
+def rolled_back_home(tmp_path, monkeypatch, last: int = LAST):
     """A home whose state is restored from a copy taken at epoch BACKUP_AT, while its journal,
-    compacted since, holds each group's receipt of epoch LAST and a floor below it; returns the
-    home and the receipts released after the copy."""
+    compacted since, holds each group's receipt of epoch ``last`` and a floor below it; returns
+    the home and the receipts released after the copy."""
     monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", 64 * 1024)
     home = tmp_path / "s"
     service.init(home)
@@ -65,7 +65,7 @@ def rolled_back_home(tmp_path, monkeypatch):
     shutil.copy(home / service.DB_NAME, tmp_path / "backup.db")
     got = {}
     with service.Sequencer(home) as s:
-        for e in range(BACKUP_AT, LAST + 1):
+        for e in range(BACKUP_AT, last + 1):
             for g, ans in zip(GROUPS, s.submit_many([msg(g, e) for g in GROUPS])):
                 assert isinstance(ans, service.Accepted), ans
                 got[(g, e)] = ans.receipt
