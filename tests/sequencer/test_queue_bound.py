@@ -382,3 +382,106 @@ def test_a_receipt_kept_under_other_bindings_than_its_group_was_last_looked_at_u
     finally:
         c.client.loop_stop()
         q.close()
+
+
+def test_a_running_commits_run_settles_a_held_receipt_when_the_missing_binding_arrives(tmp_path, monkeypatch):
+    """The whole wiring with real processes (`sequencer run`, `commits run` on mosquitto, the
+    member node's store): the member node holds only the second binding record of group K (from
+    generation 5), not its genesis (from 0, the sequencer S): S's receipt for epoch 0 is held, the
+    Commit stays queued. The genesis record then arrives in the node's store (another process, as
+    sync would bring it): the running `commits run` notices the node's commit (data_version),
+    reads K's binding records again, and the held receipt settles the Commit as accepted."""
+    import os
+    import subprocess
+    import time
+    from agent.core.records import record_hash
+    from agent.node import Node, now_ms
+    from agent.sequencer.framing import encode_private_message
+    from agent.store import db, sequencing as seqstore
+    from agent.transport.broker import Broker
+    from tests.cli_cmd import agent_cmd, agent_env
+    from tests.sequencer.test_commit_queue import spawn, stop
+    from tests.sync.helpers import MESH, TABLES
+    monkeypatch.setenv("SSP_AGENT_WITNESS_DIR", str(tmp_path / "w"))
+    env = agent_env(dict(os.environ))
+    K = bytes.fromhex("e7" * 16)
+
+    def j(home, *args):
+        p = subprocess.run([*agent_cmd(), "--home", str(home), *map(str, args)], capture_output=True, text=True,
+                           env=env)
+        assert p.returncode == 0, (args, p.stdout, p.stderr)
+        return json.loads(p.stdout.splitlines()[-1]) if p.stdout.strip() else None
+
+    def until(home, test, limit=90.0):
+        end = time.monotonic() + limit
+        while True:
+            st = j(home, "commits", "status")
+            if test(st) or time.monotonic() > end:
+                return st
+            time.sleep(0.3)
+
+    auth_dir = tmp_path / "authority"
+    auth = j(tmp_path / "unused", "authority", "create", "--out", auth_dir)
+    man = tmp_path / "mesh.toml"
+    man.write_text(f'mesh_id = "{MESH.hex()}"\nauthorities = ["{auth["site_id"]}"]\n'
+                   f'[[peers]]\nsite_id = "{auth["site_id"]}"\npublic_key = "{auth["public_key"]}"\n' + TABLES)
+    b, x, s = tmp_path / "b", tmp_path / "x", tmp_path / "s"
+    j(b, "init", "--manifest", man)
+    j(x, "init", "--manifest", man)                          # where the authority issues K's bindings
+    key = j(s, "sequencer", "init")["sequencer_key"]
+    j(s, "sequencer", "register", "--group", K.hex(), "--epoch", "0")
+    genesis = j(x, "sequencing", "bind", "--group", K.hex(), "--sequencer-key", key, "--generation", "0",
+                "--authority-key", auth_dir)["record_hash"]
+    j(x, "sequencing", "bind", "--group", K.hex(), "--sequencer-key", S2.kid.hex(), "--generation", "5",
+      "--authority-key", auth_dir)
+    conn = db.connect_readonly(x / Node.STORE_FILE)
+    try:
+        recs = {record_hash(raw).hex(): raw for raw in seqstore.raws(conn, K, "binding")}
+    finally:
+        conn.close()
+    later = [raw for h, raw in recs.items() if h != genesis]
+    assert len(recs) == 2 and len(later) == 1
+
+    def noted(path) -> bool:
+        c = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            return c.execute("SELECT count(*) FROM unsettled_groups WHERE bindings IS NOT NULL").fetchone()[0] == 1
+        finally:
+            c.close()
+
+    def give_b(raw):
+        node = Node.open(b)
+        try:
+            assert node.apply_records([raw], now_ms())["sequencing"]["stored"] == 1
+        finally:
+            node.close()
+    give_b(later[0])                                          # b: a chain whose genesis has not arrived
+    f = tmp_path / "k0.mls"
+    f.write_bytes(encode_private_message(K, 0, ciphertext=b"k" * 16))
+    j(b, "commits", "queue", f)
+    broker = Broker(workdir=tmp_path / "broker").start()
+    seqp = member = None
+    try:
+        seqp, _ = spawn(s, "sequencer", "run", "--broker", broker.url)
+        member, _ = spawn(b, "commits", "run", "--broker", broker.url)
+        st = until(b, lambda st: st["unsettled"])
+        assert [u["verdict"] for u in st["unsettled"]] == ["held"], st
+        assert st["commits"][0]["state"] == "queued" and st["commits"][0]["reason"] == "binding_unresolved"
+        # the recheck has looked at it under the bindings b holds now (so what follows is the
+        # recheck noticing a change, not its first look)
+        end = time.monotonic() + 60
+        while not noted(b / "commit-queue.db") and time.monotonic() < end:
+            time.sleep(0.2)
+        assert noted(b / "commit-queue.db")
+        give_b(recs[genesis])                                 # the genesis arrives
+        # (a resubmission answered with the head may settle the Commit first: the held receipt
+        # itself is settled by the recheck only)
+        st = until(b, lambda st: st["commits"][0]["state"] != "queued" and not st["unsettled"])
+        assert st["commits"][0]["state"] == "accepted" and st["unsettled"] == [], st
+        assert [e["was"] for e in st["events"] if e["kind"] == "receipt_settled"] == ["held"]
+    finally:
+        if member is not None:
+            stop(member)
+        if seqp is not None:
+            stop(seqp)
+        broker.close()
