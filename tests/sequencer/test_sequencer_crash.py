@@ -283,60 +283,122 @@ def test_negative_control_epoch_advanced_before_the_receipt_fails_the_checker(tm
 # absence stored); the bridge's points (after_intent ... after_persist) fire inside each
 # statement batch's release_many.
 RESUME_POINTS = ["settled", "stated"]
+NEVER = 2**40                  # --compact-bytes never reached: the signing journal stays whole
+ROLLBACK_GAP_GROUPS = 250      # groups in the copy whose epoch 0 is an unknown outcome
 
 
-def test_rollback_resume_named_crash_points(tmp_path):
-    """The state restored from a copy ~50 epochs a group behind a compacted journal; the batched
-    resume (16 epochs a transaction, 16 statements a bridge call) SIGKILLed after settle
-    transactions, inside and after statement batches, in a torn journal write, then completed:
-    after every kill the checker above holds (nothing signed twice, a statement at most once a
-    gap, the epoch never ahead of a durable receipt or stated gap, the chain continuous)."""
+def _settled_so_far(db: str, base: dict) -> int:
+    """Epochs settled since the copy came back, all groups together (``base``: each group's epoch
+    in the copy)."""
+    conn = sqlite3.connect(db)
+    try:
+        return sum(e - base[bytes(g)] for g, e in conn.execute("SELECT group_id, current_epoch FROM groups"))
+    finally:
+        conn.close()
+
+
+def test_rollback_resume_named_crash_points(tmp_path, monkeypatch):
+    """The state restored from a copy 52 epochs a group behind its journal, which was never
+    compacted (no FLOOR: every receipt released since the copy is adopted byte for byte) and holds
+    unknown outcomes — an INTENT without output, appended while no sequencer held the home — at
+    each group's epoch after its last receipt and at epoch 0 of 250 more groups in the copy: 253
+    gaps (§22.6 "epoch advanced, receipt absent"), each to get one statement of absence. (A state
+    restored past a compaction floor takes another path, docs/sequencer.md "Resume": not this
+    test's.) The batched resume (16 epochs a transaction, 16 statements a bridge call) SIGKILLed
+    after settle transactions, inside statement batches (between intents and outputs, between
+    signatures, in a torn journal write, before an fsync, after the outputs persisted) and after
+    batches were stored, each point more than once, then completed: after every kill the checker
+    above holds (nothing signed twice, a statement at most once a gap, the epoch never ahead of a
+    durable receipt or stated gap, the chain continuous)."""
     import shutil
+    from firmware_bridge.identity import ReceiptIdentity
+    from firmware_bridge.journal import INTENT, Journal
+    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", NEVER)      # this process's opens too
+    monkeypatch.setattr(service, "JOURNAL_OPEN_COMPACT_BYTES", NEVER)
+    main = dict(START)
     home = str(tmp_path / "s")
     service.init(home)
-    assert run(home, seed=5, target=8)[2]
+    assert run(home, seed=5, target=8, compact=NEVER)[2]
+    gap_groups = [b"\x04" + i.to_bytes(2, "big") + bytes(13) for i in range(ROLLBACK_GAP_GROUPS)]  # sorted last
+    with service.Sequencer(home) as s:
+        for g in gap_groups:
+            s.register(g, 0)
+            monkeypatch.setitem(START, g, 0)
     db = os.path.join(home, "sequencer.db")
     shutil.copy(db, str(tmp_path / "backup.db"))
+    base = {g: start + 8 for g, start in main.items()} | {g: 0 for g in gap_groups}
     pre = Checker(home)
-    lines, _killed, done = run(home, seed=6, target=60, compact=4096)
+    lines, _killed, done = run(home, seed=6, target=60, compact=NEVER)
     assert done
     pre.feed(lines)
     pre.check_durable()
-    assert pre.compacted
+    conn = sqlite3.connect(db)
+    try:
+        top = {bytes(g): e for g, e in conn.execute("SELECT group_id, current_epoch FROM groups") if bytes(g) in main}
+    finally:
+        conn.close()
+    assert top == {g: start + 60 for g, start in main.items()}
+    expected = {(g, e) for g, e in top.items()} | {(g, 0) for g in gap_groups}    # the 253 gaps
+    j = Journal(os.path.join(home, "sign-journal"))      # no sequencer holds the home
+    try:
+        j.commit([(INTENT, ReceiptIdentity(g, e).encode(), service.RECEIPT_KEY) for g, e in sorted(expected)])
+    finally:
+        j.close()
     for suffix in ("-wal", "-shm"):
         if os.path.exists(db + suffix):
             os.unlink(db + suffix)
     shutil.copy(str(tmp_path / "backup.db"), db)
-    checker = Checker(home)            # what was released before the copy came back is not re-served
-    checker.before = pre.released
+    checker = Checker(home)            # what was released before the copy came back is adopted below
     extra = ("--settle-chunk", "16", "--statement-batch", "16")
-    sched = ["settled:1", "settled:2", "settled:3", "after_intent:1", "after_sign:5", "before_persist:1",
-             "journal_torn_write:1", "journal_before_fsync:1", "after_persist:1", "stated:1", "stated:2", None]
+    total = sum(e + 1 - base[g] for g, e in top.items()) + len(gap_groups)      # epochs to settle: 409
+    settle_kills = ["settled:1", "settled:2", "settled:3", "settled:4"]
+    sched = settle_kills + [
+        "after_intent:1", "after_intent:2", "after_sign:5", "after_sign:20", "before_persist:1", "before_persist:2",
+        "journal_torn_write:1", "journal_torn_write:2", "journal_before_fsync:1", "journal_before_fsync:3",
+        "after_persist:1", "after_persist:2", "stated:1", "stated:2", "stated:3", None]
+    kills = 0
     for n, step in enumerate(sched):
-        lines, killed, done = run(home, crash=step, seed=10 + n, target=70, compact=4096, extra=extra)
+        lines, killed, done = run(home, crash=step, seed=10 + n, target=70, compact=NEVER, extra=extra)
         assert killed == (step is not None), f"crash point {step} was never reached"
         assert done == (step is None)
+        kills += killed
         checker.feed(lines)
         checker.check_durable()
-        conn = sqlite3.connect(db)
-        try:
-            epochs = [e - START[bytes(g)] for g, e in conn.execute("SELECT group_id, current_epoch FROM groups")]
-        finally:
-            conn.close()
-        if step is not None and step.startswith("settled"):
-            assert min(epochs) <= 60, "the settlement was complete before this kill: it is not tested"
-    stated = [decode_identity(rec[1]) for rec in parse_journal(os.path.join(home, "sign-journal"))
-              if rec[0] == 2 and rec[1][:1] == b"D"]
-    assert max(i.attempt for i in stated) >= 1       # kills between a batch's intents and outputs
+        settled = _settled_so_far(db, base)
+        if step in settle_kills:
+            # killed after the k-th settle transaction of this resume, each run going on from where
+            # the last one stopped: 16 + 32 + 48 + 64 epochs, inside the settlement (409)
+            k = int(step.split(":")[1])
+            assert settled == 16 * k * (k + 1) // 2 < total, (step, settled)
+        elif step is not None:
+            # the statement kills: after the settlement, before the last batch of statements
+            conn = sqlite3.connect(db)
+            try:
+                stored = conn.execute("SELECT count(*) FROM statements").fetchone()[0]
+            finally:
+                conn.close()
+            assert settled == total and stored < len(expected), (step, settled, stored)
+    assert kills == len(sched) - 1 >= 19
+    assert pre.compacted == checker.compacted == 0 and not checker.forgotten     # never a FLOOR
+    records = parse_journal(os.path.join(home, "sign-journal"))
+    assert not [r for r in records if r[0] == 3]
+    stated = [decode_identity(rec[1]) for rec in records if rec[0] == 2 and rec[1][:1] == b"D"]
+    assert max(i.attempt for i in stated) >= 2       # kills between a batch's intents and outputs, twice on one batch
     with service.Sequencer(home) as s:
-        assert sum(e["kind"] == "rollback" for e in s.store.events()) >= 4   # resumed after each kill in it
+        rollbacks = [e for e in s.store.events() if e["kind"] == "rollback" and bytes.fromhex(e["group"]) in main]
+        assert len(rollbacks) >= 4                   # resumed after each kill in the settlement
         gaps = s.store.discontinuities()
-        assert len(gaps) >= 3 * 40
+        assert {(g, e) for g, e, _m in gaps} == expected      # the unknown outcomes, no other gap
         for g, e, _m in gaps:            # every gap stated once, by this sequencer
             st = receipts.verify_statement(s.receipt(g, e).statement, s.public_key)
             assert (st.group_id, st.epoch) == (g, e)
-        assert len(stated) == len(gaps)
+        assert len(stated) == len({(i.group_id, i.epoch) for i in stated}) == len(gaps)
+        for (g, e), raw in pre.released.items():    # adopted byte for byte
+            assert s.receipt(g, e) == raw
         for (g, e), raw in checker.released.items():
             assert s.receipt(g, e) == raw
-        for gid, start in START.items():
+        for gid, start in main.items():
             assert s.store.group(gid).current_epoch - start >= 70
+            # the first receipt after the gap chains to the journal's head before it
+            nxt = receipts.parse_receipt(s.receipt(gid, top[gid] + 1))
+            assert nxt.previous_receipt_hash == receipts.receipt_hash(pre.released[(gid, top[gid] - 1)])
