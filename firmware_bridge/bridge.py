@@ -111,8 +111,9 @@ class SigningBridge:
     def compact_receipts(self, recorded_below: Callable[[bytes], Optional[int]]) -> dict[str, int]:
         """Compact the journal's receipts (docs/keystore.md "Compaction"): ``recorded_below(group_id)``
         is the epoch below which the caller holds every receipt of the group durably (or the stated
-        gap of an epoch without one), or None. Those receipts are dropped, except the entry of the
-        epoch just below it (the group's last receipt), leaving one FLOOR per group; any identity the journal forgot this way is spent:
+        gap of an epoch without one), or None. Those receipts are dropped, except the group's last
+        released receipt below it (its chain head) and the gap intents after it, leaving one FLOOR
+        per group; any identity the journal forgot this way is spent:
         ``status`` says OUTCOME_UNKNOWN and ``release`` never signs it again. Events are kept."""
         return self._journal.compact(None, self._busy, recorded_below)
 
@@ -139,6 +140,11 @@ class SigningBridge:
     def max_event_hlc(self, site_id: bytes) -> Optional[tuple[int, int]]:
         """Highest HLC ever *intended* for ``site_id``: the clock resumes above it (wire-profile §2)."""
         return self._journal.max_event_hlc(site_id)
+
+    def receipt_groups(self) -> dict:
+        """group_id -> journal.ReceiptGroup (floor, lowest and highest epoch held, statements held):
+        what a resume compares a restored state with (§22.6 step 1)."""
+        return self._journal.receipt_groups()
 
     def max_receipt_epoch(self, group_id: bytes) -> Optional[int]:
         """Highest epoch ever intended for ``group_id`` (§22.6 step 1: detect an absent receipt)."""

@@ -33,8 +33,9 @@ cut off (ftruncate to the last durable tail), that batch's callers fail, and the
 Compaction (``compact``) rewrites the file atomically (new file, fsync, rename, fsync of the
 directory): events are kept only when their output is not yet recorded elsewhere by the caller (or
 their signing is in flight); receipts in full, unless the caller says below which epoch a group's
-receipts are recorded elsewhere (the sequencer: its receipts table), and then the entry of each
-group's last recorded epoch stays in full; everything else is replaced by one FLOOR record per site and per group.  A crash at any point leaves either the old or the new file, and both
+receipts are recorded elsewhere (the sequencer: its receipts table), and then each group's last
+released receipt below that epoch stays in full, with the gap intents after it; everything else is
+replaced by one FLOOR record per site and per group.  A crash at any point leaves either the old or the new file, and both
 answer every question the same way for every identity the caller still needs.
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ import struct
 import sys
 import threading
 import zlib
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 from .errors import JournalCorrupt, JournalError
@@ -194,31 +196,46 @@ class _NothingToDrop(Exception):
     """``compact`` of receipts found none to drop: the journal is left as it is."""
 
 
-def _receipts_to_drop(idents: list, busy: set, receipts_below: Callable[[bytes], Optional[int]],
+def _receipts_to_drop(idents: list, index: dict, busy: set, receipts_below: Callable[[bytes], Optional[int]],
                       floors: dict[bytes, int]) -> set:
-    """The receipt identities ``compact`` drops (see there): below the epoch before the caller's
-    recorded one (so the last committed epoch's entry stays: its receipt, or the intent of its
-    stated gap), not in flight. ``floors`` (group -> epoch) is raised to the highest epoch dropped
-    of each group: the epoch below the entry kept (a group's epochs advance one at a time, each
-    intended once, in order: §22.5). Comprehensions, not a loop: this runs over every receipt
-    signed since the last compaction."""
+    """The receipt identities ``compact`` drops (see there): below the group's last released
+    receipt at or below the epoch before the caller's recorded one (so that receipt stays, with
+    the intents of the gaps after it: a state restored from an older copy adopts it as its head,
+    and the gaps' statements name it), not in flight; a group with no released receipt there
+    keeps everything. ``floors`` (group -> epoch) is raised to the epoch below the entry kept (a
+    group's epochs advance one at a time, each intended once, in order: §22.5). Comprehensions,
+    not a loop: this runs over every receipt signed since the last compaction."""
     receipts = [i for i in idents if i[0] == 0x52]   # b"R": only well-formed ones are indexed (_apply)
     # a group's identities share the prefix "R" | len | group_id and end in the big-endian epoch,
-    # so "epoch below E" is "identity below the group's identity at E", compared as bytes
-    keep_from: dict[bytes, int] = {}
+    # so "epoch at or below E" is "identity at or below the group's identity at E", compared as bytes
     threshold: dict[bytes, bytes] = {}
     for prefix in {i[:-8] for i in receipts}:
         below = receipts_below(prefix[3:])
         if below is not None and below >= 1:
-            keep_from[prefix] = below - 1
             threshold[prefix] = prefix + _Q.pack(below - 1)
     get = threshold.get
-    drop = {i for i in receipts if i < get(i[:-8], b"")} - busy
+    # each group's last released receipt at or below its threshold (sorted: the last one wins)
+    keep = {i[:-8]: i for i in sorted(i for i in receipts if index[i] is not None and i <= get(i[:-8], b""))}
+    kept = keep.get
+    drop = {i for i in receipts if i < kept(i[:-8], b"")} - busy
     for prefix in {i[:-8] for i in drop}:
-        # at least the highest dropped; an epoch below the committed one that was never intended
-        # (a group adopted or recovered above it) reads spent too: it is never to be signed
-        floors[prefix[3:]] = max(floors.get(prefix[3:], -1), keep_from[prefix] - 1)
+        # at least the highest dropped; an epoch below the kept one that was never intended (a
+        # group adopted or recovered above it) reads spent too: it is never to be signed
+        floors[prefix[3:]] = max(floors.get(prefix[3:], -1), _Q.unpack(keep[prefix][-8:])[0] - 1)
     return drop
+
+
+@dataclass(frozen=True)
+class ReceiptGroup:
+    """What the journal knows of one group's receipts (``Journal.receipt_groups``): ``floor``, the
+    compaction floor (every identity at or below it the journal does not hold is spent) or None;
+    ``lowest``/``top``, the lowest and highest epoch it holds an identity for (None: none held);
+    ``statements``, epoch -> the attempts of discontinuity statements it holds."""
+
+    floor: Optional[int]
+    lowest: Optional[int]
+    top: Optional[int]
+    statements: dict[int, tuple[int, ...]]
 
 
 def _corrupt(path: str, pos: int, after: tuple[int, int, int]) -> JournalCorrupt:
@@ -547,11 +564,12 @@ class Journal:
         Receipts (``receipts_below`` given; without it every receipt is kept in full):
         ``receipts_below(group_id)`` is the epoch below which the caller holds every receipt of the
         group durably, or the stated gap of an epoch that has none (the sequencer: its committed
-        ``current_epoch``, §22.5 cl. 3), or None.  Dropped: a receipt identity more than one
-        below it, released or intended, not ``in_flight()``; the entry of the epoch just below it
-        (the group's last receipt, or the intent of its stated gap) stays in full, so that a state
-        restored from a slightly older copy still adopts the head byte for byte.  Added: one FLOOR
-        per group at the epoch below the one kept, so every dropped identity stays spent
+        ``current_epoch``, §22.5 cl. 3), or None.  Kept in full: the group's last released receipt
+        below it (its chain head) and every identity after it (the intents of the gaps since),
+        so that a state restored from an older copy adopts the head byte for byte and a gap's
+        statement names it; a group without a released receipt there keeps everything.  Dropped:
+        every receipt identity below the one kept, released or intended, not ``in_flight()``.
+        Added: one FLOOR per group at the epoch below the one kept, so every dropped identity stays spent
         (``state`` says "spent": never signed again, §22.5 cl. 1-2).
 
         The new file is written beside the journal, fsynced, renamed over it, and the directory
@@ -584,7 +602,7 @@ class Journal:
                     out += encode_floor(EventIdentity(site, *hlc).encode())
             drop_receipts: set = set()
             if receipts_below is not None:
-                drop_receipts = _receipts_to_drop(idents, busy, receipts_below, receipt_floors)
+                drop_receipts = _receipts_to_drop(idents, index, busy, receipts_below, receipt_floors)
                 if recorded is None and not drop_receipts:
                     raise _NothingToDrop   # receipts only, and none to drop: no rewrite
             for gid, epoch in sorted(receipt_floors.items()):
@@ -742,6 +760,29 @@ class Journal:
     def max_receipt_epoch(self, group_id: bytes) -> Optional[int]:
         with self._lock:
             return self._max_epoch.get(group_id)
+
+    def receipt_groups(self) -> dict[bytes, ReceiptGroup]:
+        """Every group the journal knows receipts, floors or statements of (a resume's question,
+        §22.6 step 1: which groups a restored state lacks or is behind). One pass over the index."""
+        with self._lock:
+            idents = list(self._index)
+            floors = dict(self._receipt_floor)
+        held: dict[bytes, list] = {}
+        stated: dict[bytes, dict[int, list]] = {}
+        for i in idents:
+            if i[0] == 0x52:
+                parts = _receipt_parts(i)
+                if parts is not None:
+                    held.setdefault(parts[0], []).append(parts[1])
+            elif i[0] == 0x44:          # b"D": a discontinuity statement (identity.py)
+                d = decode_identity(i)
+                stated.setdefault(d.group_id, {}).setdefault(d.epoch, []).append(d.attempt)
+        out = {}
+        for gid in set(held) | set(stated) | set(floors):
+            epochs = held.get(gid)
+            out[gid] = ReceiptGroup(floors.get(gid), min(epochs) if epochs else None, max(epochs) if epochs else None,
+                                    {e: tuple(sorted(a)) for e, a in stated.get(gid, {}).items()})
+        return out
 
     def stats(self) -> dict[str, int]:
         with self._lock:

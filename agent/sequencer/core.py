@@ -55,7 +55,7 @@ class GroupState:
     group_id: bytes
     current_epoch: int
     head: Optional[Head] = None
-    origin: str = "registered"                       # "registered", "bootstrap" or "recovered" (§22.6)
+    origin: str = "registered"   # "registered", "bootstrap", "recovered", "migrated" or "restored" (§22.6)
     discontinuities: tuple[int, ...] = field(default=())  # epochs accepted whose receipt is absent
     failed_closed: bool = False
     migrated: bool = False                           # handed off: this sequencer never serves it again

@@ -270,9 +270,17 @@ class Sequencer:
         receipt or the stated gap), except the group's last one; a group frozen on
         equivocation evidence keeps all of its own for the audit. What the journal forgets this
         way stays spent, never signed again (docs/sequencer.md "Journal compaction")."""
+        # a gap whose statement is not signed yet keeps its intent (and the receipt before it) in
+        # the journal: a state restored past the floor settles it again and states it then
+        unstated: dict[bytes, int] = {}
+        for gid, epoch, _ch, _prev in self.store.unsigned_gaps():
+            unstated.setdefault(gid, epoch)
+
         def recorded_below(gid: bytes) -> Optional[int]:
             state = self.store.group(gid)
-            return None if state is None or state.failed_closed else state.current_epoch
+            if state is None or state.failed_closed:
+                return None
+            return min(state.current_epoch, unstated.get(gid, state.current_epoch))
         stats = self.bridge.compact_receipts(recorded_below)
         self._compacted_at = stats["bytes_after"]
         return stats
@@ -441,26 +449,70 @@ class Sequencer:
         in transactions (docs/sequencer.md "Resume"): `pending` is read once, the epochs settled
         go to SQLite SETTLE_CHUNK to a transaction (``_Settlement``), and the gaps' statements
         are signed STATEMENT_BATCH to a bridge call (``_sign_statements``)."""
+        journal = self._resume_behind_the_floor()
         pend: dict[bytes, dict[int, tuple[bytes, bytes]]] = {}
         for gid, epoch, h, m, _b in self.store.pending():       # once, however many epochs
             pend.setdefault(gid, {})[epoch] = (h, m)
         run = _Settlement(self)
         known = {gid for gid, _e in self.store.current_epochs()}  # one query, however many groups
-        for gid in sorted(known | set(pend)):
-            self._settle_group(gid, pend.get(gid, {}), run)
+        # a group only the journal knows (the copy is older than the group): its chain is settled
+        # from the journal's first entry, never bootstrapped a second time (§22.6 bootstrap)
+        forgotten = {gid: jg.lowest for gid, jg in journal.items()
+                     if gid not in known and gid not in pend and jg.lowest is not None}
+        for gid in sorted(known | set(pend) | set(forgotten)):
+            self._settle_group(gid, pend.get(gid, {}), run, forgotten.get(gid))
         run.finish(all_pending=bool(pend))
         self._sign_statements()
 
-    def _settle_group(self, gid: bytes, mine: dict[int, tuple[bytes, bytes]], run: "_Settlement") -> None:
+    def _resume_behind_the_floor(self) -> dict:
+        """§22.6 step 1 for a state restored from a copy older than the signing journal's
+        compaction floor: every epoch of a group up to its floor is spent in the journal, and
+        what it was (a receipt released to members, or a stated gap) was recorded in the copy
+        that is gone. Stating those epochs absent would contradict the receipts members hold
+        (equivocation evidence against an honest sequencer, issue 14 item 7), and signing them
+        again is forbidden (§22.5 cl. 1-2): the group jumps to the floor + 1, one transaction a
+        group, with the gaps whose statements the journal kept (those bytes, nothing newly
+        stated), and the `receipts_lost` event names the epochs it can no longer serve (members
+        hold them). The resume then settles from the entry the journal kept there (the last
+        released receipt: the head). Returns the journal's groups (``Journal.receipt_groups``)."""
+        journal = self.bridge.receipt_groups()
+        for gid, jg in sorted(journal.items()):
+            if jg.floor is None:
+                continue
+            state = self.store.group(gid)
+            if state is not None and (state.current_epoch > jg.floor or state.failed_closed or state.migrated):
+                continue
+            stated, unstated = [], []
+            lowest = None if state is None else state.current_epoch
+            for epoch in sorted(e for e in jg.statements if lowest is None or lowest <= e <= jg.floor):
+                raw = next((r for a in jg.statements[epoch]
+                            if (r := self.bridge.released(DiscontinuityIdentity(gid, epoch, a))) is not None), None)
+                if raw is None:
+                    unstated.append(epoch)   # never released: what it would name is gone with the copy
+                else:
+                    stated.append((epoch, receipts.parse_statement(raw).commit_hash, raw))
+            gaps = tuple(sorted(set(state.discontinuities if state is not None else ()) | {e for e, _c, _r in stated}))
+            new = core.GroupState(gid, jg.floor + 1, None, "restored" if state is None else state.origin, gaps)
+            self.store.skip_compacted(new, stated, {
+                "group": gid.hex(), "from": lowest, "to": jg.floor, "stated": [e for e, _c, _r in stated],
+                "unstated": unstated, "journal_epoch": jg.top})
+            self._fire("skipped")
+        return journal
+
+    def _settle_group(self, gid: bytes, mine: dict[int, tuple[bytes, bytes]], run: "_Settlement",
+                      start: Optional[int] = None) -> None:
         """One group's epochs from its ``current_epoch`` up to the journal's highest intended one,
         each as ``_settle`` takes it, never signing (§22.5 cl. 1-2, §22.6): a receipt the journal
         holds is adopted byte for byte, an intent without output (or an identity a compaction
         dropped: spent) is a recorded gap, and the first epoch the journal never heard of ends the
         run (never signed: its Commit is decided as usual). ``mine``: the group's pending
-        acceptances, epoch -> (commit hash, Commit)."""
+        acceptances, epoch -> (commit hash, Commit). ``start``: a group only the journal knows,
+        settled from that epoch (the journal's first entry for it)."""
         status = self.bridge.status
         state = self.store.group(gid)
-        if state is None:
+        if state is None and start is not None:
+            state = core.GroupState(gid, start, None, "restored")
+        elif state is None:
             # a bootstrap acceptance never committed (§22.6 bootstrap): the group starts at the
             # first pending epoch the journal knows; none: nothing was signed, nobody was answered
             start = next((e for e in sorted(mine) if status(ReceiptIdentity(gid, e)) is not Status.ABSENT), None)

@@ -19,7 +19,9 @@ a file from a newer release is refused (layout.LayoutError, CLI exit 1) before a
 §22.5 clause 3: ``current_epoch`` only ever moves in the transaction that inserts the receipt
 bytes for the epoch it leaves (``commit_receipt``, ``commit_step``) or records that epoch's
 discontinuity (``commit_discontinuity``), or, on resume, every epoch it leaves
-(``commit_settled``); there is no other UPDATE of it. So no committed state has an epoch
+(``commit_settled``), or, for a state restored past the journal's compaction floor, up to
+that floor (``skip_compacted``: the journal holds each of those epochs spent, and the copy
+that recorded their receipts is gone); there is no other UPDATE of it. So no committed state has an epoch
 ahead of a durable receipt or a stated gap, as seen by anyone, the sequencer itself included.
 """
 from __future__ import annotations
@@ -253,6 +255,24 @@ class Store:
                 self.conn.execute("DELETE FROM pending")
             else:
                 self.conn.executemany("DELETE FROM pending WHERE group_id = ? AND epoch = ?", pending_done)
+
+    def skip_compacted(self, new: GroupState, stated: list[tuple[int, Optional[bytes], bytes]], detail: dict) -> None:
+        """§22.6 step 1, a state restored past the signing journal's compaction floor, one
+        transaction a group: the epoch moves to the floor + 1 (every epoch up to the floor is spent
+        in the journal and its receipt was recorded in a copy that is gone), the gaps whose signed
+        statements the journal kept come back with those bytes (epoch, commit hash, statement),
+        the group's pending rows up to the floor go (long settled), and the event says which
+        epochs this sequencer can no longer serve (``receipts_lost``)."""
+        gid = new.group_id
+        with self._tx():
+            self.conn.executemany("INSERT OR IGNORE INTO discontinuities VALUES (?, ?, ?, NULL, 'restored')",
+                                  [(gid, e, ch) for e, ch, _raw in stated])
+            self.conn.executemany("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)",
+                                  [(gid, e, raw) for e, _ch, raw in stated])
+            self.conn.execute(_UPSERT_GROUP, _group_row(new))
+            self.conn.execute("DELETE FROM pending WHERE group_id = ? AND epoch < ?", (gid, new.current_epoch))
+            self._dirty[gid] = None                      # re-read after commit (its gaps)
+            self._event("receipts_lost", detail)
 
     def restore_group(self, state: GroupState, chain: list[tuple[int, bytes, bytes, bytes]],
                       gaps: list[int], detail: dict, kind: str = "recovered",

@@ -1,0 +1,256 @@
+"""A sequencer whose state (`sequencer.db`) is restored from a copy older than its signing journal's
+compaction floor (docs/sequencer.md "Resume: before anything is served").
+
+The journal forgets, at compaction, every receipt below each group's last one: the receipts table
+held them. A copy from before that compaction lacks them too, so neither side can say what those
+epochs were. They were receipts released to members (or gaps with released statements, which the
+journal keeps). Before the fix the resume stated each of them absent, a gap with a signed
+statement of absence: every member holding one of those receipts then holds a receipt and a
+signed statement that contradict each other, equivocation evidence against an honest sequencer
+(§22.6 step 4, the member rule of issue 14 item 7); and a group the copy never knew was not looked
+at, so its next Commit bootstrapped a second chain beside the one members hold (§22.6 bootstrap,
+§22.5 cl. 1-2).
+
+Now: a group at or below its journal floor jumps to the floor (event `receipts_lost`; the
+statements the journal still holds for that range are adopted byte for byte, nothing is stated
+that was not), then settles from the entry the journal kept (its last released receipt, adopted
+as the head), as any rollback does; a group only the journal knows is settled from the journal.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from agent.sequencer import member, receipts, service
+from agent.sequencer.framing import encode_private_message
+from bridge_helpers import parse_journal
+from firmware_bridge import DiscontinuityIdentity, ReceiptIdentity, Status
+from firmware_bridge.identity import decode_identity
+from firmware_bridge.journal import INTENT, Journal
+
+GROUPS = [bytes([0xB0 + i]) * 16 for i in range(3)]
+BACKUP_AT = 5
+LAST = 60
+
+
+def msg(g: bytes, epoch: int, tag: bytes = b"") -> bytes:
+    return encode_private_message(g, epoch, 3, ciphertext=b"c" * 32 + tag)
+
+
+def run(s: service.Sequencer, groups: list, first: int, last: int, got: dict) -> None:
+    for e in range(first, last + 1):
+        for g, ans in zip(groups, s.submit_many([msg(g, e) for g in groups])):
+            assert isinstance(ans, service.Accepted), (g.hex(), e, ans)
+            got[(g, e)] = ans.receipt
+
+
+def restore(home, backup) -> None:
+    for suffix in ("-wal", "-shm"):
+        (home / (service.DB_NAME + suffix)).unlink(missing_ok=True)
+    shutil.copy(backup, home / service.DB_NAME)
+
+
+def outputs(home) -> list:
+    return [decode_identity(rec[1]) for rec in parse_journal(str(home / service.JOURNAL_NAME)) if rec[0] == 2]
+
+
+def members(s: service.Sequencer, got: dict) -> dict:
+    """One member a group, holding every receipt released (as members do: they keep them)."""
+    chains = {}
+    for (g, e), raw in sorted(got.items(), key=lambda kv: kv[0][1]):
+        chain = chains.setdefault(g, member.ReceiptChain(g, sequencer_key=s.public_key))
+        # a receipt after a gap is held until the gap's statement reaches the member
+        assert chain.add(raw) in (member.ACCEPTED, member.HELD)
+    return chains
+
+
+def surfaced_to(chains: dict, s: service.Sequencer) -> None:
+    """What the sequencer surfaces to every member alike: its statements, and its recorded gaps."""
+    for (g, e), raw in s.store.statements().items():
+        if g in chains:
+            chains[g].add_statement(raw)
+    for g, e, _m in s.store.discontinuities():
+        if g in chains:
+            chains[g].claim_discontinuity(e)
+
+
+def compacted_history(tmp_path, monkeypatch, *, gap: bool = False):
+    """Every group through epochs 0..LAST, the state copied at BACKUP_AT, the journal compacted
+    past it. ``gap``: group 0's epoch 10 is an unknown outcome (an intent, no output: a crash
+    between intent and persist), so a stated gap with its signed statement."""
+    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", 4 * 1024)
+    home = tmp_path / "s"
+    service.init(home)
+    got: dict = {}
+    with service.Sequencer(home) as s:
+        for g in GROUPS:
+            s.register(g, 0)
+        run(s, GROUPS, 0, BACKUP_AT - 1, got)
+    shutil.copy(home / service.DB_NAME, tmp_path / "backup.db")
+    with service.Sequencer(home) as s:
+        run(s, GROUPS, BACKUP_AT, 9, got)
+    statement = None
+    if gap:
+        j = Journal(str(home / service.JOURNAL_NAME))
+        j.commit([(INTENT, ReceiptIdentity(GROUPS[0], 10).encode(), service.RECEIPT_KEY)])
+        j.close()
+    with service.Sequencer(home) as s:
+        if gap:
+            statement = s.receipt(GROUPS[0], 10).statement
+            assert statement is not None
+            run(s, GROUPS[1:], 10, 10, got)
+        else:
+            run(s, GROUPS, 10, 10, got)
+        run(s, GROUPS, 11, LAST, got)
+        s.compact_journal()            # once more: each group's last receipt is all that stays
+        assert s.bridge.journal_stats()["compactions"] >= 2
+    restore(home, tmp_path / "backup.db")
+    return home, got, statement
+
+
+def test_a_state_restored_past_a_compaction_never_states_a_released_receipt_absent(tmp_path, monkeypatch):
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    with service.Sequencer(home) as s:
+        chains = members(s, got)
+        surfaced_to(chains, s)
+        for g in GROUPS:
+            assert not chains[g].equivocation, chains[g].evidence       # failed before: 5..59 stated absent
+            st = s.store.group(g)
+            assert st.current_epoch == LAST + 1 and st.discontinuities == ()
+            assert st.head.epoch == LAST and s.receipt(g, LAST) == got[(g, LAST)]   # adopted byte for byte
+            for e in range(BACKUP_AT, LAST):
+                ans = s.receipt(g, e)
+                assert ans == service.Absent(discontinuity=False) and ans.statement is None
+                assert s.bridge.status(ReceiptIdentity(g, e)) is Status.OUTCOME_UNKNOWN   # spent: never signed
+            stale = s.submit(msg(g, 30, b"again"))
+            assert isinstance(stale, service.Rejected) and stale.reason == "stale_epoch" and stale.head == got[(g, LAST)]
+        lost = [e for e in s.store.events() if e["kind"] == "receipts_lost"]
+        assert sorted((e["group"], e["from"], e["to"]) for e in lost) == sorted(
+            (g.hex(), BACKUP_AT, LAST - 1) for g in GROUPS)
+        nxt = s.submit(msg(GROUPS[1], LAST + 1))
+        assert chains[GROUPS[1]].add(nxt.receipt) == member.ACCEPTED      # the one chain, continued
+    stated = [i for i in outputs(home) if isinstance(i, DiscontinuityIdentity)]
+    assert stated == []
+    assert sorted(i.epoch for i in outputs(home) if isinstance(i, ReceiptIdentity)) == [LAST] * len(GROUPS) + [LAST + 1]
+
+
+def test_a_statement_the_journal_kept_is_adopted_and_nothing_else_is_stated(tmp_path, monkeypatch):
+    home, got, statement = compacted_history(tmp_path, monkeypatch, gap=True)
+    g = GROUPS[0]
+    with service.Sequencer(home) as s:
+        chains = members(s, got)
+        assert chains[g].add_statement(statement) == member.ACCEPTED   # relayed over the mesh before the restore
+        assert not chains[g].held
+        surfaced_to(chains, s)
+        assert not any(c.equivocation for c in chains.values()), [c.evidence for c in chains.values()]
+        assert s.store.group(g).discontinuities == (10,)
+        ans = s.receipt(g, 10)
+        assert ans.discontinuity and ans.statement == statement           # byte for byte, not signed again
+        assert s.store.statements() == {(g, 10): statement}
+        lost = {e["group"]: e for e in s.store.events() if e["kind"] == "receipts_lost"}
+        assert lost[g.hex()]["stated"] == [10]
+    assert [(i.group_id, i.epoch) for i in outputs(home) if isinstance(i, DiscontinuityIdentity)] == [(g, 10)]
+
+
+def test_a_group_only_the_journal_knows_is_not_bootstrapped_again(tmp_path, monkeypatch):
+    """The copy is older than the group: the journal holds its chain (uncompacted here); its next
+    Commit must continue that chain, not start a second one at any epoch."""
+    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", 1 << 30)
+    home = tmp_path / "s"
+    service.init(home)
+    with service.Sequencer(home) as s:
+        s.register(GROUPS[0], 0)
+    shutil.copy(home / service.DB_NAME, tmp_path / "backup.db")
+    got: dict = {}
+    x = GROUPS[2]
+    with service.Sequencer(home) as s:
+        s.register(x, 0)
+        run(s, [x], 0, 10, got)
+    restore(home, tmp_path / "backup.db")
+    with service.Sequencer(home) as s:
+        st = s.store.group(x)
+        assert st is not None and st.current_epoch == 11 and st.head.epoch == 10   # failed before: None
+        for e in range(11):
+            assert s.receipt(x, e) == got[(x, e)]
+        ans = s.submit(msg(x, 0, b"fork"))
+        assert isinstance(ans, service.Rejected) and ans.reason == "stale_epoch"
+        chain = members(s, got)[x]
+        assert chain.add(s.submit(msg(x, 11)).receipt) == member.ACCEPTED
+        assert any(e["kind"] == "rollback" and e["group"] == x.hex() for e in s.store.events())
+
+
+def test_a_compacted_group_only_the_journal_knows_jumps_to_its_floor(tmp_path, monkeypatch):
+    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", 4 * 1024)
+    home = tmp_path / "s"
+    service.init(home)
+    with service.Sequencer(home) as s:
+        s.register(GROUPS[0], 0)
+    shutil.copy(home / service.DB_NAME, tmp_path / "backup.db")
+    got: dict = {}
+    x = GROUPS[1]
+    with service.Sequencer(home) as s:
+        s.register(x, 0)
+        run(s, [x], 0, LAST, got)
+        s.compact_journal()
+    restore(home, tmp_path / "backup.db")
+    with service.Sequencer(home) as s:
+        st = s.store.group(x)
+        assert st.current_epoch == LAST + 1 and s.receipt(x, LAST) == got[(x, LAST)] and st.discontinuities == ()
+        assert isinstance(s.submit(msg(x, 7, b"fork")), service.Rejected)
+        chain = members(s, got)[x]
+        surfaced_to({x: chain}, s)
+        assert chain.add(s.submit(msg(x, LAST + 1)).receipt) == member.ACCEPTED and not chain.equivocation
+        lost = [e for e in s.store.events() if e["kind"] == "receipts_lost"]
+        # where the group started, nobody here knows: the copy never had it, the journal forgot it
+        assert [(e["group"], e["from"], e["to"]) for e in lost] == [(x.hex(), None, LAST - 1)]
+
+
+class Boom(Exception):
+    pass
+
+
+def test_a_fault_in_the_jump_leaves_a_state_the_next_open_completes(tmp_path, monkeypatch):
+    """The jump is one transaction a group ("skipped" fires after each): a fault after the first
+    leaves one group jumped and the others behind; the next open does the rest, the same way."""
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    hits = {"n": 0}
+
+    def hook(point: str) -> None:
+        if point == "skipped":
+            hits["n"] += 1
+            if hits["n"] == 1:
+                raise Boom(point)
+    with pytest.raises(Boom):
+        service.Sequencer(home, fault_hook=hook)
+    with service.Sequencer(home) as s:
+        chains = members(s, got)
+        surfaced_to(chains, s)
+        for g in GROUPS:
+            assert not chains[g].equivocation
+            assert s.store.group(g).current_epoch == LAST + 1 and s.store.group(g).discontinuities == ()
+        assert len([e for e in s.store.events() if e["kind"] == "receipts_lost"]) == len(GROUPS)
+    assert [i for i in outputs(home) if isinstance(i, DiscontinuityIdentity)] == []
+
+
+def test_compaction_keeps_the_last_receipt_before_a_run_of_gaps():
+    """The entry compaction keeps for a group is its last released receipt at or below the
+    committed epoch - 1, with the gap intents after it: a state restored past the floor adopts
+    that receipt as its head (the next receipt chains to it, a statement of the gaps names it).
+    Before: the entry of epoch committed - 1 only, a gap's intent when the group ended on gaps,
+    and the head was lost."""
+    import tempfile
+    from firmware_bridge.journal import RELEASED
+    with tempfile.TemporaryDirectory() as d:
+        j = Journal(d + "/j")
+        g = GROUPS[0]
+        recs = []
+        for e in range(0, 51):
+            recs += [(INTENT, ReceiptIdentity(g, e).encode(), "receipts"), (RELEASED, ReceiptIdentity(g, e).encode(), b"r%d" % e)]
+        recs += [(INTENT, ReceiptIdentity(g, e).encode(), "receipts") for e in range(51, 56)]
+        j.commit(recs)
+        j.compact(None, set, lambda gid: 56 if gid == g else None)
+        states = {e: j.state(ReceiptIdentity(g, e).encode()) for e in range(0, 57)}
+        j.close()
+    assert states[50] == "released" and all(states[e] == "intent" for e in range(51, 56))
+    assert all(states[e] == "spent" for e in range(0, 50)) and states[56] == "absent"
