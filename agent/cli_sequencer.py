@@ -148,6 +148,13 @@ def cmd_recover(args) -> int:
             if isinstance(e, service.SequencerRefused):
                 raise Refused(str(e)) from None
             raise
+    if isinstance(out, recovery.Refilled):
+        # a group that kept its state but lost receipts (`receipts_lost`): what members gave back
+        r = out.refill
+        _print({"outcome": "refilled", "group": gid.hex(), "refilled": len(r.receipts),
+                "epochs": [x.epoch for x in r.receipts][:50], "gaps": [x.epoch for x in r.statements],
+                "missing": out.missing, "unverified": list(r.unverified[:50]), "unusable": list(r.unusable[:50])})
+        return EXIT_OK if (r.receipts or r.statements or not out.missing) else EXIT_REFUSED
     if isinstance(out, recovery.Resume):
         _print({"outcome": "resume", "group": gid.hex(), "current_epoch": out.current_epoch,
                 "head": out.head.raw.hex(), "discontinuities": list(out.discontinuities),
@@ -243,7 +250,8 @@ def register(sub, mailbox_sub) -> None:
     a.set_defaults(fn=cmd_receipt)
     a = ss.add_parser("status", help="groups, current epochs, receipt-chain heads, discontinuities (JSON)")
     a.set_defaults(fn=cmd_status)
-    a = ss.add_parser("recover", help="rebuild a lost group's state from members' receipt chains (§22.6)")
+    a = ss.add_parser("recover", help="rebuild a lost group's state from members' receipt chains (§22.6), or "
+                                      "take back the receipts a restored state lost (receipts_lost)")
     a.add_argument("--group", required=True, help="group_id, hex")
     a.add_argument("--binding", action="append", help="EPOCH:KEYHEX: the sequencer bound from that epoch (repeat)")
     a.add_argument("evidence", nargs="+", help="member evidence JSON files")

@@ -17,6 +17,12 @@ epoch (step 2), and decides:
 - ``GenesisReset``: no usable receipt evidence survives (step 5): the domain genesis reset of
   §22.10, never invented history.
 
+``refill`` is the same evidence used the other way round, for a sequencer that kept its state but
+lost stretches of its receipts table (a state restored past the journal's compaction floor,
+docs/sequencer.md "Resume": event ``receipts_lost``): it takes back only receipts (and signed
+statements of gaps) that chain, link by link, to the receipts it still holds on either side of a
+lost stretch, and fails closed on any receipt or statement that contradicts them.
+
 How a member's epoch attestation is authenticated (MLS: e.g. an exported secret or a signed
 statement) is the caller's to check before evidence reaches ``assess``.
 """
@@ -25,8 +31,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
+from typing import Optional
+
 from agent.sequencer.member import Evidence, ReceiptChain
-from agent.sequencer.receipts import Receipt
+from agent.sequencer.receipts import Receipt, ReceiptError, Statement, verify_receipt, verify_statement
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,27 @@ class NotConverged:
 @dataclass(frozen=True)
 class GenesisReset:
     unusable: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Refill:
+    """What ``refill`` takes back: receipts and gap statements on a chain verified link by link
+    from a receipt held on either side of a lost stretch; ``unverified``: epochs of the stretches
+    the evidence offered something for that is not on such a chain (a hole between: not taken)."""
+
+    receipts: tuple[Receipt, ...]
+    statements: tuple[Statement, ...]
+    unverified: tuple[int, ...]
+    unusable: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Refilled:
+    """What the sequencer took back (``refill``) and how many lost epochs still have neither a
+    receipt nor a recorded gap."""
+
+    refill: Refill
+    missing: int
 
 
 Outcome = Union[Resume, FailClosed, NotConverged, GenesisReset]
@@ -112,3 +141,101 @@ def assess(group_id: bytes, evidence: list[MemberEvidence], bindings: dict[int, 
     gaps = tuple(sorted(union.discontinuities))
     stated = {e: union.statements[e].raw for e in gaps if e in union.statements}
     return Resume(top, top.epoch + 1, chain, gaps, tuple(unusable), stated)
+
+
+def refill(group_id: bytes, lost: list[tuple[int, int]], held: dict[int, bytes], stated: dict[int, bytes],
+           evidence: list[MemberEvidence], bindings: dict[int, bytes]) -> Union[Refill, FailClosed]:
+    """Receipts (and signed gap statements) of the lost stretches ``lost`` [(first, last)] that
+    members' evidence gives back, verified against what the sequencer holds: ``held`` (epoch ->
+    its receipt bytes) and ``stated`` (epoch -> its gap statements) around and inside them.
+
+    Each receipt and statement must verify under the sequencer bound at its epoch (§22.6
+    singularity). From the held receipt just above a stretch the chain is walked down (a receipt
+    at E is taken when its hash is the previous_receipt_hash expected there; a gap at E when a
+    signed statement for E names that same receipt: the chain continues across it, §22.6 step 5),
+    and from the held receipt just below it up (a receipt whose previous_receipt_hash names the
+    last one taken); the walk stops at a hole. Two different receipts or statements for one epoch,
+    a receipt beside a statement, or a receipt where the chain expects another: FailClosed
+    (§22.6 step 4), whoever holds which."""
+    bound = ReceiptChain(group_id, bindings=dict(bindings)).bound_key
+    rx: dict[int, Receipt] = {}
+    st: dict[int, Statement] = {}
+    found: list[Evidence] = []
+    unusable: list[str] = []
+
+    def keep(pool: dict, item, kind: str, same) -> None:
+        old = pool.get(item.epoch)
+        if old is not None and not same(old, item):
+            found.append(Evidence(kind, group_id, item.epoch, (old.raw, item.raw), f"two {kind}s for one epoch"))
+        elif old is None:
+            pool[item.epoch] = item
+
+    offered = [(raw, "ours") for raw in held.values()] + [(raw, ev.member) for ev in evidence for raw in ev.receipts]
+    for raw, who in offered:
+        try:
+            r = verify_receipt(raw)
+        except ReceiptError as e:
+            unusable.append(f"{who}: a receipt does not verify ({e})")
+            continue
+        if r.group_id != group_id or bound(r.epoch) != r.kid:
+            unusable.append(f"{who}: the receipt for epoch {r.epoch} is not the bound sequencer's for this group")
+            continue
+        keep(rx, r, "receipt", lambda a, b: a.raw == b.raw)
+    offered = [(raw, "ours") for raw in stated.values()] + [(raw, ev.member) for ev in evidence for raw in ev.statements]
+    for raw, who in offered:
+        try:
+            s = verify_statement(raw)
+        except ReceiptError as e:
+            unusable.append(f"{who}: a statement does not verify ({e})")
+            continue
+        if s.group_id != group_id or bound(s.epoch) != s.kid:
+            unusable.append(f"{who}: the statement for epoch {s.epoch} is not the bound sequencer's for this group")
+            continue
+        keep(st, s, "statement", lambda a, b: a.payload_key == b.payload_key)
+    for e in sorted(set(rx) & set(st)):
+        found.append(Evidence("discontinuity_contradicted", group_id, e, (rx[e].raw, st[e].raw),
+                              "a receipt for an epoch the sequencer stated a gap for"))
+    taken_r: dict[int, Receipt] = {}
+    taken_s: dict[int, Statement] = {}
+    for first, last in lost:
+        above = rx.get(last + 1) if (last + 1) in held else None
+        expected: Optional[bytes] = None if above is None else above.previous_receipt_hash
+        low_reached = last + 1
+        e = last
+        while above is not None and e >= first:
+            r, s = rx.get(e), st.get(e)
+            if r is not None:
+                if r.receipt_hash != expected:
+                    found.append(Evidence("divergent_chain", group_id, e + 1, (r.raw, above.raw),
+                                          f"the chain above names another receipt for epoch {e}"))
+                    break
+                taken_r[e], expected, above = r, r.previous_receipt_hash, r
+            elif s is not None and s.previous_receipt_hash == expected:
+                taken_s[e] = s
+            else:
+                break
+            low_reached = e
+            e -= 1
+        below = rx.get(first - 1) if (first - 1) in held else None
+        prev = None if below is None else below.receipt_hash
+        e = first
+        while below is not None and e < low_reached:
+            r, s = rx.get(e), st.get(e)
+            if r is not None:
+                if r.previous_receipt_hash != prev:
+                    found.append(Evidence("divergent_chain", group_id, e, (below.raw, r.raw),
+                                          f"the receipt for epoch {e} does not name the one below it"))
+                    break
+                taken_r[e], prev, below = r, r.receipt_hash, r
+            elif s is not None and s.previous_receipt_hash == prev:
+                taken_s[e] = s
+            else:
+                break
+            e += 1
+    if found:
+        return FailClosed(tuple(found))
+    in_lost = [e for e in set(rx) | set(st) if any(a <= e <= b for a, b in lost)]
+    fresh_r = tuple(taken_r[e] for e in sorted(taken_r) if e not in held)
+    fresh_s = tuple(taken_s[e] for e in sorted(taken_s) if e not in stated)
+    unverified = tuple(sorted(e for e in in_lost if e not in taken_r and e not in taken_s))
+    return Refill(fresh_r, fresh_s, unverified, tuple(unusable))

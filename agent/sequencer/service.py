@@ -311,6 +311,8 @@ class Sequencer:
         from agent.sequencer import recovery
         state = self.store.group(group_id)
         if state is not None and not state.failed_closed:
+            if self.store.lost_stretches(group_id):
+                return self._refill(group_id, state, evidence, bindings)
             raise SequencerRefused(f"group {group_id.hex()} has state here (epoch {state.current_epoch}); "
                                    "recovery is for a sequencer that lost it")
         out = recovery.assess(group_id, evidence, bindings)
@@ -340,6 +342,34 @@ class Sequencer:
                 "reason": getattr(out, "reason", "no usable receipt evidence: domain genesis reset (§22.10)"),
                 "unusable": list(out.unusable)})
         return out
+
+    def _refill(self, group_id: bytes, state: core.GroupState, evidence: list, bindings: dict[int, bytes]):
+        """The receipts a resume named lost (`receipts_lost`) taken back from members' retained
+        chains (recovery.refill: only what chains link by link to a receipt held on either side);
+        contradicting evidence freezes the group as in recovery (§22.6 step 4)."""
+        from agent.sequencer import recovery
+        lost = self.store.lost_stretches(group_id)
+        held: dict[int, bytes] = {}
+        stated: dict[int, bytes] = {}
+        for first, last in lost:
+            rx, st, _missing = self.store.held_between(group_id, max(first - 1, 0), last + 1)
+            held.update(rx)
+            stated.update(st)
+        out = recovery.refill(group_id, lost, held, stated, evidence, bindings)
+        if isinstance(out, recovery.FailClosed):
+            self.store.fail_closed(group_id, state.current_epoch, {
+                "group": group_id.hex(),
+                "evidence": [{"kind": ev.kind, "epoch": ev.epoch, "receipts": [r.hex() for r in ev.receipts]}
+                             for ev in out.evidence]})
+            return out
+        missing = sum(self.store.held_between(group_id, a, b)[2] for a, b in lost) - len(out.receipts) - len(out.statements)
+        if out.receipts or out.statements:
+            self.store.refill(group_id, [(r.epoch, r.commit_hash, r.raw, r.receipt_hash) for r in out.receipts],
+                              [(st.epoch, st.commit_hash, st.raw) for st in out.statements],
+                              {"group": group_id.hex(), "receipts": len(out.receipts),
+                               "gaps": [st.epoch for st in out.statements], "missing": missing,
+                               "members": len(evidence), "unverified": list(out.unverified[:20])})
+        return recovery.Refilled(out, missing)
 
     def handoff(self, group_id: bytes) -> dict:
         """§22.6 migration, old side: the accepted epoch, the receipt-chain head (exact bytes) and

@@ -274,6 +274,42 @@ class Store:
             self._dirty[gid] = None                      # re-read after commit (its gaps)
             self._event("receipts_lost", detail)
 
+    def lost_stretches(self, group_id: bytes) -> list[tuple[int, int]]:
+        """The epochs a resume named lost (events ``receipts_lost``: a state restored past the
+        journal's compaction floor), [(first, last)]; first 0 where the copy never knew the group."""
+        out = []
+        for (detail,) in self.conn.execute("SELECT detail FROM events WHERE kind = 'receipts_lost' ORDER BY seq"):
+            d = json.loads(detail)
+            if d.get("group") == group_id.hex() and d.get("to") is not None:
+                out.append((d.get("from") or 0, int(d["to"])))
+        return out
+
+    def held_between(self, group_id: bytes, first: int, last: int) -> tuple[dict[int, bytes], dict[int, bytes], int]:
+        """(epoch -> receipt, epoch -> gap statement, epochs with neither) of ``group_id`` from
+        ``first`` to ``last``, both included."""
+        rx = {e: bytes(r) for e, r in self.conn.execute(
+            "SELECT epoch, receipt FROM receipts WHERE group_id = ? AND epoch BETWEEN ? AND ?", (group_id, first, last))}
+        st = {e: bytes(r) for e, r in self.conn.execute(
+            "SELECT epoch, statement FROM statements WHERE group_id = ? AND epoch BETWEEN ? AND ?", (group_id, first, last))}
+        (gaps,) = self.conn.execute("SELECT count(*) FROM discontinuities WHERE group_id = ? AND epoch BETWEEN ? AND ?",
+                                    (group_id, first, last)).fetchone()
+        return rx, st, (last - first + 1) - len(rx) - gaps
+
+    def refill(self, group_id: bytes, rows: list[tuple[int, bytes, bytes, bytes]],
+               stated: list[tuple[int, Optional[bytes], bytes]], detail: dict) -> None:
+        """Lost receipts (epoch, commit hash, receipt, receipt hash) and gaps with their statements
+        (epoch, commit hash, statement) taken back from members' evidence, one transaction; the
+        epoch and the head do not move (they are above every lost stretch)."""
+        with self._tx():
+            self.conn.executemany("INSERT OR IGNORE INTO receipts VALUES (?, ?, ?, ?, ?, NULL)",
+                                  [(group_id, e, ch, raw, rh) for e, ch, raw, rh in rows])
+            self.conn.executemany("INSERT OR IGNORE INTO discontinuities VALUES (?, ?, ?, NULL, 'restored')",
+                                  [(group_id, e, ch) for e, ch, _raw in stated])
+            self.conn.executemany("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)",
+                                  [(group_id, e, raw) for e, _ch, raw in stated])
+            self._dirty[group_id] = None                 # re-read after commit (its gaps)
+            self._event("receipts_refilled", detail)
+
     def restore_group(self, state: GroupState, chain: list[tuple[int, bytes, bytes, bytes]],
                       gaps: list[int], detail: dict, kind: str = "recovered",
                       statements: Optional[dict[int, bytes]] = None) -> None:

@@ -254,3 +254,141 @@ def test_compaction_keeps_the_last_receipt_before_a_run_of_gaps():
         j.close()
     assert states[50] == "released" and all(states[e] == "intent" for e in range(51, 56))
     assert all(states[e] == "spent" for e in range(0, 50)) and states[56] == "absent"
+
+
+# -- taking the lost receipts back from members (`sequencer recover` on a group with state) -------
+
+def ev(name: str, raws: list, attested: int, statements: tuple = ()) -> "recovery.MemberEvidence":
+    from agent.sequencer import recovery
+    return recovery.MemberEvidence(name, tuple(raws), attested, (), tuple(statements))
+
+
+def test_members_chains_give_back_the_lost_receipts_byte_for_byte(tmp_path, monkeypatch):
+    from agent.sequencer import recovery
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[0]
+    with service.Sequencer(home) as s:
+        key = {0: s.public_key}
+        # one member holds the newer half: taken from the head down, link by link
+        out = s.recover(g, [ev("m1", [got[(g, e)] for e in range(30, LAST + 1)], LAST + 1)], key)
+        assert isinstance(out, recovery.Refilled), out
+        assert [r.epoch for r in out.refill.receipts] == list(range(30, LAST)) and out.missing == 25
+        # another the older part, with a hole at 12: taken up from epoch 4 (the copy's) to 11, and
+        # down from 30 to 13; 12 stays lost
+        older = [got[(g, e)] for e in range(0, 30) if e != 12]
+        out = s.recover(g, [ev("m2", older, 30)], key)
+        assert [r.epoch for r in out.refill.receipts] == [e for e in range(BACKUP_AT, 30) if e != 12]
+        assert out.missing == 1 and out.refill.unverified == ()
+        for e in range(0, LAST + 1):
+            assert s.receipt(g, e) == (got[(g, e)] if e != 12 else service.Absent(discontinuity=False))
+        st = s.store.group(g)
+        assert st.current_epoch == LAST + 1 and st.head.epoch == LAST and st.discontinuities == ()
+        nxt = s.submit(msg(g, LAST + 1))
+        assert receipts.parse_receipt(nxt.receipt).previous_receipt_hash == receipts.receipt_hash(got[(g, LAST)])
+        events = [e for e in s.store.events() if e["kind"] == "receipts_refilled"]
+        assert [(e["receipts"], e["missing"]) for e in events] == [(30, 25), (24, 1)]
+        # the other groups untouched: still lost
+        assert s.receipt(GROUPS[1], 30) == service.Absent(discontinuity=False)
+    # nothing signed: the journal's outputs are the heads and the one new receipt
+    assert sorted(i.epoch for i in outputs(home) if isinstance(i, ReceiptIdentity)) == [LAST] * len(GROUPS) + [LAST + 1]
+
+
+def test_a_lost_gap_comes_back_with_its_statement_and_the_chain_runs_across_it(tmp_path, monkeypatch):
+    """Group 0's epoch 10 was a gap with a signed statement; with the statement removed from what
+    the journal re-adopted, a member's copy of it brings it back, and the walk crosses it."""
+    home, got, statement = compacted_history(tmp_path, monkeypatch, gap=True)
+    g = GROUPS[0]
+    with service.Sequencer(home) as s:
+        s.store.conn.execute("DELETE FROM statements")          # as if the journal had not kept it
+        s.store.conn.execute("DELETE FROM discontinuities")
+        s.store.conn.commit()
+        s.store._cache.clear()
+        chain = [got[(g, e)] for e in range(0, LAST + 1) if e != 10]
+        out = s.recover(g, [ev("m1", chain, LAST + 1, (statement,))], {0: s.public_key})
+        assert [x.epoch for x in out.refill.statements] == [10] and out.missing == 0
+        assert s.receipt(g, 10).statement == statement and s.store.group(g).discontinuities == (10,)
+        assert s.receipt(g, 9) == got[(g, 9)] and s.receipt(g, 11) == got[(g, 11)]
+
+
+def test_hostile_evidence_is_not_taken_back(tmp_path, monkeypatch):
+    """A receipt signed by another key, one for another group, bytes that are no receipt: not taken
+    (named unusable), and nothing for the epochs they claim."""
+    from test_member import RogueSequencer
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[0]
+    rogue = RogueSequencer()
+    forged = rogue.sign(LAST - 1, b"x", receipts.parse_receipt(got[(g, LAST - 2)]).receipt_hash, gid=g)
+    with service.Sequencer(home) as s:
+        offered = [forged, got[(GROUPS[1], 40)], b"\xa0" * 27, got[(g, LAST - 2)]]
+        out = s.recover(g, [ev("mallory", offered, LAST + 1)], {0: s.public_key})
+        assert out.refill.receipts == () and out.refill.unverified == (LAST - 2,)   # a hole at 59 above it
+        assert len(out.refill.unusable) == 3 and out.missing == LAST - BACKUP_AT
+        assert s.receipt(g, LAST - 1) == service.Absent(discontinuity=False)
+        assert not s.store.group(g).failed_closed
+
+
+def test_a_statement_of_absence_for_a_receipt_the_sequencer_holds_fails_closed(tmp_path, monkeypatch):
+    """Evidence that this sequencer signed two things for one epoch (here: a statement of absence
+    for an epoch whose receipt the chain above names) freezes the group (§22.6 step 4)."""
+    from agent.sequencer import recovery
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[0]
+    with service.Sequencer(home) as s:
+        # the sequencer's own key signs a contradicting statement (an equivocating sequencer)
+        from firmware_bridge import DiscontinuityIdentity as D
+        protected = receipts.statement_protected(s.public_key)
+        payload = receipts.statement_payload(g, LAST - 1, None, receipts.parse_receipt(got[(g, LAST - 2)]).receipt_hash)
+        bad = s.bridge.release(D(g, LAST - 1, 0), service.RECEIPT_KEY, receipts.sig_structure(protected, payload),
+                               lambda sig: receipts.assemble(protected, payload, sig))
+        out = s.recover(g, [ev("m1", [got[(g, LAST - 1)]], LAST + 1, (bad,))], {0: s.public_key})
+        assert isinstance(out, recovery.FailClosed) and s.store.group(g).failed_closed
+        assert isinstance(s.submit(msg(g, LAST + 1)), service.Rejected)
+
+
+def test_recover_verb_refills_through_the_installed_command(tmp_path, monkeypatch):
+    import json
+    import subprocess
+
+    from tests.cli_cmd import agent_cmd, agent_env
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[2]
+    with service.Sequencer(home) as s:       # the resume (jump) happens here
+        key = s.public_key.hex()
+    f = tmp_path / "alice.json"
+    f.write_text(json.dumps({"member": "alice", "receipts": [got[(g, e)].hex() for e in range(LAST + 1)],
+                             "attested_epoch": LAST + 1}))
+
+    def cli(*args):
+        return subprocess.run([*agent_cmd(), "--home", str(home), "sequencer", *args],
+                              capture_output=True, text=True, env=agent_env())
+    p = cli("receipt", "--group", g.hex(), "--epoch", "30")
+    assert json.loads(p.stdout) == {"receipt": None, "absent": True, "discontinuity": False}
+    p = cli("recover", "--group", g.hex(), "--binding", f"0:{key}", str(f))
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert (out["outcome"], out["refilled"], out["missing"]) == ("refilled", LAST - BACKUP_AT, 0)
+    p = cli("receipt", "--group", g.hex(), "--epoch", "30")
+    assert json.loads(p.stdout) == {"receipt": got[(g, 30)].hex()}
+    p = cli("recover", "--group", g.hex(), "--binding", f"0:{key}", str(f))     # again: nothing left to take
+    assert p.returncode == 0 and json.loads(p.stdout)["refilled"] == 0
+
+
+def test_a_second_receipt_for_a_lost_epoch_fails_closed(tmp_path, monkeypatch):
+    """A valid receipt of this sequencer's key for a lost epoch that is not the one the held chain
+    names (the key signed two receipts for epoch 59: equivocation) freezes the group instead of
+    being taken back."""
+    from agent.sequencer import recovery
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[0]
+    with service.Sequencer(home) as s:
+        prev = receipts.receipt_hash(got[(g, LAST - 2)])
+        payload = receipts.payload_bytes(g, LAST - 1, receipts.commit_hash(b"another commit"), prev)
+        protected = receipts.protected_header(s.public_key)
+        # signed under an identity never used, so the bridge signs: the key equivocates
+        other = s.bridge.release(ReceiptIdentity(g, 10**6), service.RECEIPT_KEY, receipts.sig_structure(protected, payload),
+                                 lambda sig: receipts.assemble(protected, payload, sig))
+        assert receipts.verify_receipt(other, s.public_key).epoch == LAST - 1
+        out = s.recover(g, [ev("m1", [got[(g, LAST - 2)], other], LAST + 1)], {0: s.public_key})
+        assert isinstance(out, recovery.FailClosed), out
+        assert [e.kind for e in out.evidence] == ["divergent_chain"] and s.store.group(g).failed_closed
+        assert s.receipt(g, LAST - 1) == service.Absent(discontinuity=False)
