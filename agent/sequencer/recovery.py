@@ -170,68 +170,61 @@ def refill(group_id: bytes, lost: list[tuple[int, int]], held: dict[int, bytes],
         elif old is None:
             pool[item.epoch] = item
 
-    offered = [(raw, "ours") for raw in held.values()] + [(raw, ev.member) for ev in evidence for raw in ev.receipts]
-    for raw, who in offered:
-        try:
-            r = verify_receipt(raw)
-        except ReceiptError as e:
-            unusable.append(f"{who}: a receipt does not verify ({e})")
-            continue
-        if r.group_id != group_id or bound(r.epoch) != r.kid:
-            unusable.append(f"{who}: the receipt for epoch {r.epoch} is not the bound sequencer's for this group")
-            continue
+    def usable(offered: list, verify, what: str):
+        # under the sequencer bound at its epoch, for this group: else named unusable, not taken
+        for raw, who in offered:
+            try:
+                item = verify(raw)
+            except ReceiptError as e:
+                unusable.append(f"{who}: a {what} does not verify ({e})")
+                continue
+            if item.group_id != group_id or bound(item.epoch) != item.kid:
+                unusable.append(f"{who}: the {what} for epoch {item.epoch} is not the bound sequencer's for this group")
+                continue
+            yield item
+
+    for r in usable([(raw, "ours") for raw in held.values()] +
+                    [(raw, ev.member) for ev in evidence for raw in ev.receipts], verify_receipt, "receipt"):
         keep(rx, r, "receipt", lambda a, b: a.raw == b.raw)
-    offered = [(raw, "ours") for raw in stated.values()] + [(raw, ev.member) for ev in evidence for raw in ev.statements]
-    for raw, who in offered:
-        try:
-            s = verify_statement(raw)
-        except ReceiptError as e:
-            unusable.append(f"{who}: a statement does not verify ({e})")
-            continue
-        if s.group_id != group_id or bound(s.epoch) != s.kid:
-            unusable.append(f"{who}: the statement for epoch {s.epoch} is not the bound sequencer's for this group")
-            continue
+    for s in usable([(raw, "ours") for raw in stated.values()] +
+                    [(raw, ev.member) for ev in evidence for raw in ev.statements], verify_statement, "statement"):
         keep(st, s, "statement", lambda a, b: a.payload_key == b.payload_key)
     for e in sorted(set(rx) & set(st)):
         found.append(Evidence("discontinuity_contradicted", group_id, e, (rx[e].raw, st[e].raw),
                               "a receipt for an epoch the sequencer stated a gap for"))
     taken_r: dict[int, Receipt] = {}
     taken_s: dict[int, Statement] = {}
+
+    def walk(epochs, anchor: Receipt, down: bool) -> Optional[int]:
+        """Take epochs in order while each links to the last taken (``anchor``: a held receipt to
+        start); the last epoch taken, or None. Down: a receipt's hash is the previous hash named
+        above it; up: a receipt names the hash below it. A gap's statement names the same receipt
+        the chain does across it (§22.6 step 5)."""
+        link = anchor.previous_receipt_hash if down else anchor.receipt_hash
+        reached = None
+        for e in epochs:
+            r, s = rx.get(e), st.get(e)
+            if r is not None:
+                if (r.receipt_hash if down else r.previous_receipt_hash) != link:
+                    found.append(Evidence("divergent_chain", group_id, e, (anchor.raw, r.raw),
+                                          f"the receipt for epoch {e} is not the one the chain names"))
+                    break
+                taken_r[e] = anchor = r
+                link = r.previous_receipt_hash if down else r.receipt_hash
+            elif s is None or s.previous_receipt_hash != link:
+                break                                   # a hole: nothing below it is verified
+            else:
+                taken_s[e] = s
+            reached = e
+        return reached
+
     for first, last in lost:
-        above = rx.get(last + 1) if (last + 1) in held else None
-        expected: Optional[bytes] = None if above is None else above.previous_receipt_hash
-        low_reached = last + 1
-        e = last
-        while above is not None and e >= first:
-            r, s = rx.get(e), st.get(e)
-            if r is not None:
-                if r.receipt_hash != expected:
-                    found.append(Evidence("divergent_chain", group_id, e + 1, (r.raw, above.raw),
-                                          f"the chain above names another receipt for epoch {e}"))
-                    break
-                taken_r[e], expected, above = r, r.previous_receipt_hash, r
-            elif s is not None and s.previous_receipt_hash == expected:
-                taken_s[e] = s
-            else:
-                break
-            low_reached = e
-            e -= 1
-        below = rx.get(first - 1) if (first - 1) in held else None
-        prev = None if below is None else below.receipt_hash
-        e = first
-        while below is not None and e < low_reached:
-            r, s = rx.get(e), st.get(e)
-            if r is not None:
-                if r.previous_receipt_hash != prev:
-                    found.append(Evidence("divergent_chain", group_id, e, (below.raw, r.raw),
-                                          f"the receipt for epoch {e} does not name the one below it"))
-                    break
-                taken_r[e], prev, below = r, r.receipt_hash, r
-            elif s is not None and s.previous_receipt_hash == prev:
-                taken_s[e] = s
-            else:
-                break
-            e += 1
+        low = last + 1
+        if last + 1 in held and last + 1 in rx:
+            got = walk(range(last, first - 1, -1), rx[last + 1], down=True)
+            low = low if got is None else got
+        if first - 1 in held and first - 1 in rx:
+            walk(range(first, low), rx[first - 1], down=False)
     if found:
         return FailClosed(tuple(found))
     in_lost = [e for e in set(rx) | set(st) if any(a <= e <= b for a, b in lost)]

@@ -153,10 +153,10 @@ def test_a_statement_the_journal_kept_is_adopted_and_nothing_else_is_stated(tmp_
     assert [(i.group_id, i.epoch) for i in outputs(home) if isinstance(i, DiscontinuityIdentity)] == [(g, 10)]
 
 
-def test_a_group_only_the_journal_knows_is_not_bootstrapped_again(tmp_path, monkeypatch):
-    """The copy is older than the group: the journal holds its chain (uncompacted here); its next
-    Commit must continue that chain, not start a second one at any epoch."""
-    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", 1 << 30)
+def journal_only_group(tmp_path, monkeypatch, last: int, *, compact: bool):
+    """A home whose state is restored from a copy taken before group x was registered; x then ran
+    epochs 0..last (the journal compacted past them when ``compact``). -> (home, x, receipts)."""
+    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", 4 * 1024 if compact else 1 << 30)
     home = tmp_path / "s"
     service.init(home)
     with service.Sequencer(home) as s:
@@ -166,8 +166,17 @@ def test_a_group_only_the_journal_knows_is_not_bootstrapped_again(tmp_path, monk
     x = GROUPS[2]
     with service.Sequencer(home) as s:
         s.register(x, 0)
-        run(s, [x], 0, 10, got)
+        run(s, [x], 0, last, got)
+        if compact:
+            s.compact_journal()
     restore(home, tmp_path / "backup.db")
+    return home, x, got
+
+
+def test_a_group_only_the_journal_knows_is_not_bootstrapped_again(tmp_path, monkeypatch):
+    """The copy is older than the group: the journal holds its chain (uncompacted here); its next
+    Commit must continue that chain, not start a second one at any epoch."""
+    home, x, got = journal_only_group(tmp_path, monkeypatch, 10, compact=False)
     with service.Sequencer(home) as s:
         st = s.store.group(x)
         assert st is not None and st.current_epoch == 11 and st.head.epoch == 10   # failed before: None
@@ -181,19 +190,7 @@ def test_a_group_only_the_journal_knows_is_not_bootstrapped_again(tmp_path, monk
 
 
 def test_a_compacted_group_only_the_journal_knows_jumps_to_its_floor(tmp_path, monkeypatch):
-    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", 4 * 1024)
-    home = tmp_path / "s"
-    service.init(home)
-    with service.Sequencer(home) as s:
-        s.register(GROUPS[0], 0)
-    shutil.copy(home / service.DB_NAME, tmp_path / "backup.db")
-    got: dict = {}
-    x = GROUPS[1]
-    with service.Sequencer(home) as s:
-        s.register(x, 0)
-        run(s, [x], 0, LAST, got)
-        s.compact_journal()
-    restore(home, tmp_path / "backup.db")
+    home, x, got = journal_only_group(tmp_path, monkeypatch, LAST, compact=True)
     with service.Sequencer(home) as s:
         st = s.store.group(x)
         assert st.current_epoch == LAST + 1 and s.receipt(x, LAST) == got[(x, LAST)] and st.discontinuities == ()
