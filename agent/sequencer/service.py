@@ -348,11 +348,11 @@ class Sequencer:
         chains (recovery.refill: only what chains link by link to a receipt held on either side);
         contradicting evidence freezes the group as in recovery (§22.6 step 4)."""
         from agent.sequencer import recovery
-        lost = self.store.lost_stretches(group_id)
+        lost = self.store.lost_stretches(group_id).get(group_id, [])
         held: dict[int, bytes] = {}
         stated: dict[int, bytes] = {}
         for first, last in lost:
-            rx, st, _missing = self.store.held_between(group_id, max(first - 1, 0), last + 1)
+            rx, st = self.store.held_between(group_id, max(first - 1, 0), last + 1)
             held.update(rx)
             stated.update(st)
         out = recovery.refill(group_id, lost, held, stated, evidence, bindings)
@@ -362,7 +362,7 @@ class Sequencer:
                 "evidence": [{"kind": ev.kind, "epoch": ev.epoch, "receipts": [r.hex() for r in ev.receipts]}
                              for ev in out.evidence]})
             return out
-        missing = sum(self.store.held_between(group_id, a, b)[2] for a, b in lost) - len(out.receipts) - len(out.statements)
+        missing = sum(self.store.missing_between(group_id, a, b) for a, b in lost) - len(out.receipts) - len(out.statements)
         if out.receipts or out.statements:
             self.store.refill(group_id, [(r.epoch, r.commit_hash, r.raw, r.receipt_hash) for r in out.receipts],
                               [(st.epoch, st.commit_hash, st.raw) for st in out.statements],
@@ -699,15 +699,21 @@ class _Settlement:
 def _status(store: Store) -> dict:
     groups = []
     stated = store.statements()
+    lost = store.lost_stretches()
     for gid in store.group_ids():
         s = store.group(gid)
+        if gid in lost:       # receipts a restored state lost, until members give them back
+            extra = {"receipts_lost": [{"from": a, "to": b, "missing": store.missing_between(gid, a, b)}
+                                       for a, b in lost[gid]]}
+        else:
+            extra = {}
         groups.append({"group": gid.hex(), "current_epoch": s.current_epoch, "origin": s.origin,
                        "head": None if s.head is None else {"epoch": s.head.epoch,
                                                             "receipt_hash": s.head.receipt_hash.hex()},
                        "discontinuities": list(s.discontinuities),
                        "statements": {str(e): stated[(gid, e)].hex() for e in s.discontinuities if (gid, e) in stated},
                        "failed_closed": s.failed_closed,
-                       "migrated": s.migrated})
+                       "migrated": s.migrated} | extra)
     return {"sequencer_key": store.get_meta("receipt_key")["public_key"], "groups": groups,
             "events": store.events(), "layout_version": store.layout_version()}
 

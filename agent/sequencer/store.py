@@ -274,26 +274,32 @@ class Store:
             self._dirty[gid] = None                      # re-read after commit (its gaps)
             self._event("receipts_lost", detail)
 
-    def lost_stretches(self, group_id: bytes) -> list[tuple[int, int]]:
+    def lost_stretches(self, group_id: Optional[bytes] = None) -> dict[bytes, list[tuple[int, int]]]:
         """The epochs a resume named lost (events ``receipts_lost``: a state restored past the
-        journal's compaction floor), [(first, last)]; first 0 where the copy never knew the group."""
-        out = []
+        journal's compaction floor), group -> [(first, last)]; first 0 where the copy never knew
+        the group. ``group_id``: that group's only."""
+        out: dict[bytes, list[tuple[int, int]]] = {}
         for (detail,) in self.conn.execute("SELECT detail FROM events WHERE kind = 'receipts_lost' ORDER BY seq"):
             d = json.loads(detail)
-            if d.get("group") == group_id.hex() and d.get("to") is not None:
-                out.append((d.get("from") or 0, int(d["to"])))
+            if d.get("to") is not None and (group_id is None or d.get("group") == group_id.hex()):
+                out.setdefault(bytes.fromhex(d["group"]), []).append((d.get("from") or 0, int(d["to"])))
         return out
 
-    def held_between(self, group_id: bytes, first: int, last: int) -> tuple[dict[int, bytes], dict[int, bytes], int]:
-        """(epoch -> receipt, epoch -> gap statement, epochs with neither) of ``group_id`` from
-        ``first`` to ``last``, both included."""
+    def missing_between(self, group_id: bytes, first: int, last: int) -> int:
+        """Epochs of ``group_id`` from ``first`` to ``last`` with neither a receipt nor a gap."""
+        (n,) = self.conn.execute(
+            "SELECT (SELECT count(*) FROM receipts WHERE group_id = ?1 AND epoch BETWEEN ?2 AND ?3) + "
+            "(SELECT count(*) FROM discontinuities WHERE group_id = ?1 AND epoch BETWEEN ?2 AND ?3)",
+            (group_id, first, last)).fetchone()
+        return (last - first + 1) - n
+
+    def held_between(self, group_id: bytes, first: int, last: int) -> tuple[dict[int, bytes], dict[int, bytes]]:
+        """(epoch -> receipt, epoch -> gap statement) of ``group_id`` from ``first`` to ``last``."""
         rx = {e: bytes(r) for e, r in self.conn.execute(
             "SELECT epoch, receipt FROM receipts WHERE group_id = ? AND epoch BETWEEN ? AND ?", (group_id, first, last))}
         st = {e: bytes(r) for e, r in self.conn.execute(
             "SELECT epoch, statement FROM statements WHERE group_id = ? AND epoch BETWEEN ? AND ?", (group_id, first, last))}
-        (gaps,) = self.conn.execute("SELECT count(*) FROM discontinuities WHERE group_id = ? AND epoch BETWEEN ? AND ?",
-                                    (group_id, first, last)).fetchone()
-        return rx, st, (last - first + 1) - len(rx) - gaps
+        return rx, st
 
     def refill(self, group_id: bytes, rows: list[tuple[int, bytes, bytes, bytes]],
                stated: list[tuple[int, Optional[bytes], bytes]], detail: dict) -> None:

@@ -360,12 +360,16 @@ def test_recover_verb_refills_through_the_installed_command(tmp_path, monkeypatc
                               capture_output=True, text=True, env=agent_env())
     p = cli("receipt", "--group", g.hex(), "--epoch", "30")
     assert json.loads(p.stdout) == {"receipt": None, "absent": True, "discontinuity": False}
+    groups = {x["group"]: x for x in json.loads(cli("status").stdout)["groups"]}
+    assert groups[g.hex()]["receipts_lost"] == [{"from": BACKUP_AT, "to": LAST - 1, "missing": LAST - BACKUP_AT}]
     p = cli("recover", "--group", g.hex(), "--binding", f"0:{key}", str(f))
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert (out["outcome"], out["refilled"], out["missing"]) == ("refilled", LAST - BACKUP_AT, 0)
     p = cli("receipt", "--group", g.hex(), "--epoch", "30")
     assert json.loads(p.stdout) == {"receipt": got[(g, 30)].hex()}
+    groups = {x["group"]: x for x in json.loads(cli("status").stdout)["groups"]}
+    assert groups[g.hex()]["receipts_lost"][0]["missing"] == 0
     p = cli("recover", "--group", g.hex(), "--binding", f"0:{key}", str(f))     # again: nothing left to take
     assert p.returncode == 0 and json.loads(p.stdout)["refilled"] == 0
 
