@@ -2,7 +2,8 @@
 # Installs everything ssp-agent and its tests need on a fresh Debian / Raspberry Pi OS (64-bit)
 # machine: a virtual environment in the checkout (.venv/, because Debian's system Python refuses
 # `pip install`, PEP 668) holding the package (editable) with its test extras, and the real
-# components the tests start (mosquitto, SoftHSM2, socat). Idempotent; run as root or with sudo
+# components the tests start (mosquitto, SoftHSM2, socat, libfaketime, the image tools of
+# `flash`: sfdisk, mkfs.vfat, mtools, e2fsprogs). Idempotent; run as root or with sudo
 # available. Everything else (tools/test.sh, tools/demo.sh) uses .venv/bin/python.
 # PYTHON picks the interpreter the venv is made from (default python3, 3.11 or later).
 set -euo pipefail
@@ -15,6 +16,14 @@ need_apt=()
 command -v mosquitto >/dev/null 2>&1 || [ -x /usr/sbin/mosquitto ] || need_apt+=(mosquitto)
 command -v softhsm2-util >/dev/null 2>&1 || need_apt+=(softhsm2)
 command -v socat >/dev/null 2>&1 || need_apt+=(socat)
+# libfaketime for the clock tests (a bad boot clock, tests/lifecycle, tests/mqtt); the image
+# tools `ssp-agent flash` drives (tests/provision): without them those tests were skipped
+command -v faketime >/dev/null 2>&1 || need_apt+=(faketime)
+have() { command -v "$1" >/dev/null 2>&1 || [ -x "/usr/sbin/$1" ] || [ -x "/sbin/$1" ]; }
+have sfdisk || need_apt+=(fdisk)
+have mkfs.vfat || need_apt+=(dosfstools)
+{ have mcopy && have mtype; } || need_apt+=(mtools)
+{ have mkfs.ext4 && have debugfs; } || need_apt+=(e2fsprogs)
 # Debian splits venv's pip bootstrap (ensurepip) into python3-venv.
 if [ ! -x "$VENV/bin/python" ] && ! $PY -c "import venv, ensurepip" >/dev/null 2>&1; then
   need_apt+=(python3-venv)
