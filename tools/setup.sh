@@ -47,5 +47,5 @@ if ! "$VPY" -m pip install -q --disable-pip-version-check -e ".[test]" >"$VENV/s
   echo "setup: pip could not install ssp-agent into $VENV" >&2
   exit 1
 fi
-"$VPY" -c "import agent, firmware_bridge, cbor2, nacl, blake3, paho.mqtt, serial, pytest" \
+"$VPY" -c "import agent, firmware_bridge, cbor2, nacl, blake3, paho.mqtt, serial, pytest, xdist" \
   || { echo "setup: the Python dependencies did not install into $VENV" >&2; exit 1; }
