@@ -521,6 +521,24 @@ def _keep_events_arg(a) -> None:
                    "default 1000); attribution records and discontinuities are never pruned")
 
 
+def cmd_commits_evidence(args) -> int:
+    """This member's receipts, gaps and statements for one group, as the JSON evidence file
+    `sequencer recover` reads (§22.6 step 1; docs/sequencer.md)."""
+    gid = _group(args.group)
+    if args.attested_epoch is not None and args.attested_epoch < 0:
+        raise Refused("--attested-epoch must be 0 or more")
+    q = _queue(args)
+    try:
+        doc = q.evidence(gid, args.attested_epoch)
+    finally:
+        q.close()
+    if args.out:
+        from firmware_bridge.fsutil import atomic_write
+        atomic_write(str(args.out), (json.dumps(doc, indent=2) + "\n").encode(), 0o600)
+    _print(doc)
+    return EXIT_OK if doc["receipts"] else EXIT_REFUSED     # nothing held for that group
+
+
 def register_commits(sub) -> None:
     s = sub.add_parser("commits", help="a member's queue of membership Commits for the sequencer (§22.7)")
     ss = s.add_subparsers(dest="commits_verb", metavar="ACTION")
@@ -546,6 +564,12 @@ def register_commits(sub) -> None:
                    "(default 50)")
     a.add_argument("--all", action="store_true", help="print every Commit, head and event kept")
     a.set_defaults(fn=cmd_commits_status)
+    a = ss.add_parser("evidence", help="this member's receipts for a group as a `sequencer recover` evidence file")
+    a.add_argument("--group", required=True, help="group_id, hex")
+    a.add_argument("--attested-epoch", type=int, default=None,
+                   help="the member's current MLS epoch (default: one above the highest receipt held)")
+    a.add_argument("--out", help="also write the evidence to this file (0600)")
+    a.set_defaults(fn=cmd_commits_evidence)
 
 
 # -- a member node's view: receipt gossip and sequencer bindings in `records` (agent/sequencing.py)

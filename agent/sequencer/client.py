@@ -194,6 +194,17 @@ class CommitQueue:
         out += [r for _g, _e, r in self.statements()]
         return list(dict.fromkeys(out))
 
+    def evidence(self, group_id: bytes, attested_epoch: Optional[int] = None) -> dict:
+        """This member's evidence for one group, in the file format `sequencer recover` reads
+        (docs/sequencer.md "Recovery after state loss"): every receipt it holds for the group, the
+        gaps it recorded, the signed statements it heard. ``attested_epoch``: the member's current
+        MLS epoch (its MLS client knows it); None: one above the highest receipt held."""
+        rx, gaps, stated = self.store.held_of(group_id)
+        if attested_epoch is None:
+            attested_epoch = max((e for e, _r in rx), default=-1) + 1
+        return {"member": self.member_id, "group": group_id.hex(), "receipts": [r.hex() for _e, r in rx],
+                "attested_epoch": attested_epoch, "discontinuities": gaps, "statements": [r.hex() for r in stated]}
+
     def ungossiped(self) -> list[bytes]:
         """What the member holds and has not yet handed to its node's gossip, in the order it was
         kept (read after every pump step: the store's outbox, never the whole history)."""

@@ -200,6 +200,17 @@ class QueueStore:
         total = self.conn.execute("SELECT count(*) FROM heads").fetchone()[0]
         return rows, total - len(rows)
 
+    def held_of(self, group_id: bytes) -> tuple[list[tuple[int, bytes]], list[int], list[bytes]]:
+        """One group's receipts (its Commits' outcomes and the heads heard: (epoch, bytes), by
+        epoch), recorded gaps and signed statements: the member's evidence (§22.6 step 1)."""
+        rx = [(e, bytes(r)) for e, r in self.conn.execute(
+            "SELECT epoch, receipt FROM commits WHERE group_id = ? AND receipt IS NOT NULL AND state = 'accepted' "
+            "UNION SELECT epoch, receipt FROM heads WHERE group_id = ? ORDER BY 1, 2", (group_id, group_id))]
+        gaps = [e for (e,) in self.conn.execute("SELECT epoch FROM gaps WHERE group_id = ? ORDER BY epoch", (group_id,))]
+        stated = [bytes(r) for (r,) in self.conn.execute(
+            "SELECT statement FROM statements WHERE group_id = ? ORDER BY epoch", (group_id,))]
+        return rx, gaps, stated
+
     def gaps(self) -> list[tuple[bytes, int]]:
         return [(bytes(g), e) for g, e in self.conn.execute("SELECT group_id, epoch FROM gaps ORDER BY group_id, epoch")]
 

@@ -393,3 +393,48 @@ def test_a_second_receipt_for_a_lost_epoch_fails_closed(tmp_path, monkeypatch):
         assert isinstance(out, recovery.FailClosed), out
         assert [e.kind for e in out.evidence] == ["divergent_chain"] and s.store.group(g).failed_closed
         assert s.receipt(g, LAST - 1) == service.Absent(discontinuity=False)
+
+
+def test_a_members_queue_exports_the_evidence_that_refills_the_sequencer(tmp_path, monkeypatch):
+    """The operator's loop, through the installed command: on a member, `commits evidence` prints
+    (and with --out writes, 0600) the receipts its Commit queue holds for the group (its own
+    Commits' outcomes and the heads it heard on the broker), its gaps and statements; on the
+    sequencer, `sequencer recover` with that file takes the lost receipts back."""
+    import json
+    import subprocess
+
+    from agent.sequencer import client
+    from tests.cli_cmd import agent_cmd, agent_env
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[1]
+    member_home = tmp_path / "member"
+    q = client.open_queue(member_home)
+    try:
+        for e in range(0, LAST + 1):
+            if e != 40:                       # the member missed one head: a hole
+                q.keep_head(g, e, got[(g, e)])
+        q.keep_head(GROUPS[0], 3, got[(GROUPS[0], 3)])       # another group's: not in this file
+    finally:
+        q.close()
+
+    def cli(h, *args):
+        return subprocess.run([*agent_cmd(), "--home", str(h), *args], capture_output=True, text=True, env=agent_env())
+    out_file = tmp_path / "member.json"
+    p = cli(member_home, "commits", "evidence", "--group", g.hex(), "--out", str(out_file))
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert json.loads(out_file.read_text()) == doc and (out_file.stat().st_mode & 0o777) == 0o600
+    assert doc["receipts"] == [got[(g, e)].hex() for e in range(LAST + 1) if e != 40]
+    assert doc["attested_epoch"] == LAST + 1 and doc["group"] == g.hex()
+    p = cli(member_home, "commits", "evidence", "--group", (b"\x77" * 16).hex())
+    assert p.returncode == 2 and json.loads(p.stdout)["receipts"] == []     # nothing held for it
+    with service.Sequencer(home) as s:
+        key = s.public_key.hex()
+    p = cli(home, "sequencer", "recover", "--group", g.hex(), "--binding", f"0:{key}", str(out_file))
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    # down from the head to 41, up from the copy's epoch 4 to 39: all but the hole
+    assert (out["outcome"], out["refilled"], out["missing"]) == ("refilled", LAST - BACKUP_AT - 1, 1)
+    with service.Sequencer(home) as s:
+        assert s.receipt(g, 41) == got[(g, 41)] and s.receipt(g, 39) == got[(g, 39)]
+        assert s.receipt(g, 40) == service.Absent(discontinuity=False)
