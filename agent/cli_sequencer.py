@@ -14,6 +14,14 @@ def _print(obj) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
 
 
+def _write_out(path, doc: dict) -> None:
+    """--out: the JSON also written to ``path`` (atomically, mode 0600: it may hold key material
+    or a member's receipts)."""
+    if path:
+        from firmware_bridge.fsutil import atomic_write
+        atomic_write(str(path), (json.dumps(doc, indent=2) + "\n").encode(), 0o600)
+
+
 def _group(text: str) -> bytes:
     try:
         gid = bytes.fromhex(text)
@@ -178,10 +186,7 @@ def cmd_migrate(args) -> int:
             package = s.handoff(gid)
         except service.SequencerRefused as e:
             raise Refused(str(e)) from None
-    text = json.dumps(package, indent=2) + "\n"
-    if args.out:
-        from firmware_bridge.fsutil import atomic_write
-        atomic_write(str(args.out), text.encode(), 0o600)
+    _write_out(args.out, package)
     _print(package)
     return EXIT_OK
 
@@ -532,9 +537,7 @@ def cmd_commits_evidence(args) -> int:
         doc = q.evidence(gid, args.attested_epoch)
     finally:
         q.close()
-    if args.out:
-        from firmware_bridge.fsutil import atomic_write
-        atomic_write(str(args.out), (json.dumps(doc, indent=2) + "\n").encode(), 0o600)
+    _write_out(args.out, doc)
     _print(doc)
     return EXIT_OK if doc["receipts"] else EXIT_REFUSED     # nothing held for that group
 

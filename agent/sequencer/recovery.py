@@ -29,9 +29,7 @@ statement) is the caller's to check before evidence reaches ``assess``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
-
-from typing import Optional
+from typing import Optional, Union
 
 from agent.sequencer.member import Evidence, ReceiptChain
 from agent.sequencer.receipts import Receipt, ReceiptError, Statement, verify_receipt, verify_statement

@@ -311,8 +311,9 @@ class Sequencer:
         from agent.sequencer import recovery
         state = self.store.group(group_id)
         if state is not None and not state.failed_closed:
-            if self.store.lost_stretches(group_id):
-                return self._refill(group_id, state, evidence, bindings)
+            lost = self.store.lost_stretches(group_id).get(group_id)
+            if lost:
+                return self._refill(group_id, state, lost, evidence, bindings)
             raise SequencerRefused(f"group {group_id.hex()} has state here (epoch {state.current_epoch}); "
                                    "recovery is for a sequencer that lost it")
         out = recovery.assess(group_id, evidence, bindings)
@@ -343,12 +344,12 @@ class Sequencer:
                 "unusable": list(out.unusable)})
         return out
 
-    def _refill(self, group_id: bytes, state: core.GroupState, evidence: list, bindings: dict[int, bytes]):
+    def _refill(self, group_id: bytes, state: core.GroupState, lost: list[tuple[int, int]], evidence: list,
+                bindings: dict[int, bytes]):
         """The receipts a resume named lost (`receipts_lost`) taken back from members' retained
         chains (recovery.refill: only what chains link by link to a receipt held on either side);
         contradicting evidence freezes the group as in recovery (§22.6 step 4)."""
         from agent.sequencer import recovery
-        lost = self.store.lost_stretches(group_id).get(group_id, [])
         held: dict[int, bytes] = {}
         stated: dict[int, bytes] = {}
         for first, last in lost:
@@ -479,12 +480,13 @@ class Sequencer:
         in transactions (docs/sequencer.md "Resume"): `pending` is read once, the epochs settled
         go to SQLite SETTLE_CHUNK to a transaction (``_Settlement``), and the gaps' statements
         are signed STATEMENT_BATCH to a bridge call (``_sign_statements``)."""
-        journal = self._resume_behind_the_floor()
+        epochs = dict(self.store.current_epochs())              # one query, however many groups
+        journal = self._resume_behind_the_floor(epochs)
         pend: dict[bytes, dict[int, tuple[bytes, bytes]]] = {}
         for gid, epoch, h, m, _b in self.store.pending():       # once, however many epochs
             pend.setdefault(gid, {})[epoch] = (h, m)
         run = _Settlement(self)
-        known = {gid for gid, _e in self.store.current_epochs()}  # one query, however many groups
+        known = set(epochs)
         # a group only the journal knows (the copy is older than the group): its chain is settled
         # from the journal's first entry, never bootstrapped a second time (§22.6 bootstrap)
         forgotten = {gid: jg.lowest for gid, jg in journal.items()
@@ -494,7 +496,7 @@ class Sequencer:
         run.finish(all_pending=bool(pend))
         self._sign_statements()
 
-    def _resume_behind_the_floor(self) -> dict:
+    def _resume_behind_the_floor(self, epochs: dict[bytes, int]) -> dict:
         """§22.6 step 1 for a state restored from a copy older than the signing journal's
         compaction floor: every epoch of a group up to its floor is spent in the journal, and
         what it was (a receipt released to members, or a stated gap) was recorded in the copy
@@ -504,11 +506,12 @@ class Sequencer:
         group, with the gaps whose statements the journal kept (those bytes, nothing newly
         stated), and the `receipts_lost` event names the epochs it can no longer serve (members
         hold them). The resume then settles from the entry the journal kept there (the last
-        released receipt: the head). Returns the journal's groups (``Journal.receipt_groups``)."""
+        released receipt: the head). ``epochs``: every group's committed epoch (and it is updated
+        for the groups that jump). Returns the journal's groups (``Journal.receipt_groups``)."""
         journal = self.bridge.receipt_groups()
         for gid, jg in sorted(journal.items()):
-            if jg.floor is None:
-                continue
+            if jg.floor is None or epochs.get(gid, -1) > jg.floor:
+                continue             # the usual open: nothing behind the floor, no state read
             state = self.store.group(gid)
             if state is not None and (state.current_epoch > jg.floor or state.failed_closed or state.migrated):
                 continue
@@ -521,11 +524,11 @@ class Sequencer:
                     unstated.append(epoch)   # never released: what it would name is gone with the copy
                 else:
                     stated.append((epoch, receipts.parse_statement(raw).commit_hash, raw))
-            gaps = tuple(sorted(set(state.discontinuities if state is not None else ()) | {e for e, _c, _r in stated}))
-            new = core.GroupState(gid, jg.floor + 1, None, "restored" if state is None else state.origin, gaps)
+            new = core.GroupState(gid, jg.floor + 1, None, "restored" if state is None else state.origin)
             self.store.skip_compacted(new, stated, {
                 "group": gid.hex(), "from": lowest, "to": jg.floor, "stated": [e for e, _c, _r in stated],
                 "unstated": unstated, "journal_epoch": jg.top})
+            epochs[gid] = new.current_epoch
             self._fire("skipped")
         return journal
 

@@ -265,10 +265,7 @@ class Store:
         epochs this sequencer can no longer serve (``receipts_lost``)."""
         gid = new.group_id
         with self._tx():
-            self.conn.executemany("INSERT OR IGNORE INTO discontinuities VALUES (?, ?, ?, NULL, 'restored')",
-                                  [(gid, e, ch) for e, ch, _raw in stated])
-            self.conn.executemany("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)",
-                                  [(gid, e, raw) for e, _ch, raw in stated])
+            self._put_stated(gid, stated)
             self.conn.execute(_UPSERT_GROUP, _group_row(new))
             self.conn.execute("DELETE FROM pending WHERE group_id = ? AND epoch < ?", (gid, new.current_epoch))
             self._dirty[gid] = None                      # re-read after commit (its gaps)
@@ -309,12 +306,17 @@ class Store:
         with self._tx():
             self.conn.executemany("INSERT OR IGNORE INTO receipts VALUES (?, ?, ?, ?, ?, NULL)",
                                   [(group_id, e, ch, raw, rh) for e, ch, raw, rh in rows])
-            self.conn.executemany("INSERT OR IGNORE INTO discontinuities VALUES (?, ?, ?, NULL, 'restored')",
-                                  [(group_id, e, ch) for e, ch, _raw in stated])
-            self.conn.executemany("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)",
-                                  [(group_id, e, raw) for e, _ch, raw in stated])
+            self._put_stated(group_id, stated)
             self._dirty[group_id] = None                 # re-read after commit (its gaps)
             self._event("receipts_refilled", detail)
+
+    def _put_stated(self, group_id: bytes, stated: list[tuple[int, Optional[bytes], bytes]]) -> None:
+        """Gaps a restored state takes back with their signed statements (epoch, commit hash,
+        statement bytes): the journal's (``skip_compacted``) or the members' (``refill``)."""
+        self.conn.executemany("INSERT OR IGNORE INTO discontinuities VALUES (?, ?, ?, NULL, 'restored')",
+                              [(group_id, e, ch) for e, ch, _raw in stated])
+        self.conn.executemany("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)",
+                              [(group_id, e, raw) for e, _ch, raw in stated])
 
     def restore_group(self, state: GroupState, chain: list[tuple[int, bytes, bytes, bytes]],
                       gaps: list[int], detail: dict, kind: str = "recovered",
