@@ -161,10 +161,12 @@ def refill(group_id: bytes, lost: list[tuple[int, int]], held: dict[int, bytes],
     found: list[Evidence] = []
     unusable: list[str] = []
 
-    def keep(pool: dict, item, kind: str, same) -> None:
+    def keep(pool: dict, item, what: str, same) -> None:
+        # the evidence kinds of member.py: double_receipt, double_statement
         old = pool.get(item.epoch)
         if old is not None and not same(old, item):
-            found.append(Evidence(kind, group_id, item.epoch, (old.raw, item.raw), f"two {kind}s for one epoch"))
+            found.append(Evidence(f"double_{what}", group_id, item.epoch, (old.raw, item.raw),
+                                  f"two different {what}s for one (group_id, epoch)"))
         elif old is None:
             pool[item.epoch] = item
 

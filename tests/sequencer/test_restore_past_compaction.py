@@ -393,6 +393,12 @@ def test_a_second_receipt_for_a_lost_epoch_fails_closed(tmp_path, monkeypatch):
         assert isinstance(out, recovery.FailClosed), out
         assert [e.kind for e in out.evidence] == ["divergent_chain"] and s.store.group(g).failed_closed
         assert s.receipt(g, LAST - 1) == service.Absent(discontinuity=False)
+    # both receipts for epoch 59 side by side (one member each): two receipts for one epoch
+    out = recovery.refill(g, [(BACKUP_AT, LAST - 1)], {LAST: got[(g, LAST)]}, {},
+                          [ev("m1", [got[(g, LAST - 1)]], LAST + 1), ev("m2", [other], LAST + 1)],
+                          {0: receipts.parse_receipt(other).kid})
+    assert isinstance(out, recovery.FailClosed) and out.evidence[0].kind == "double_receipt"
+    assert set(out.evidence[0].receipts) == {got[(g, LAST - 1)], other}
 
 
 def test_a_members_queue_exports_the_evidence_that_refills_the_sequencer(tmp_path, monkeypatch):
@@ -428,6 +434,9 @@ def test_a_members_queue_exports_the_evidence_that_refills_the_sequencer(tmp_pat
     assert doc["attested_epoch"] == LAST + 1 and doc["group"] == g.hex()
     p = cli(member_home, "commits", "evidence", "--group", (b"\x77" * 16).hex())
     assert p.returncode == 2 and json.loads(p.stdout)["receipts"] == []     # nothing held for it
+    for bad in (["--group", "zz"], ["--group", g.hex(), "--attested-epoch", "-1"]):   # refused, nothing printed
+        p = cli(member_home, "commits", "evidence", *bad)
+        assert p.returncode == 2 and p.stdout == "" and p.stderr, (bad, p.stdout)
     with service.Sequencer(home) as s:
         key = s.public_key.hex()
     p = cli(home, "sequencer", "recover", "--group", g.hex(), "--binding", f"0:{key}", str(out_file))
