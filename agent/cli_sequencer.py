@@ -140,12 +140,10 @@ def cmd_recover(args) -> int:
     evidence = []
     for path in args.evidence:
         try:
-            doc = json.loads(Path(path).read_text())
-            evidence.append(recovery.MemberEvidence(str(doc["member"]), tuple(bytes.fromhex(r) for r in doc["receipts"]),
-                                                    int(doc["attested_epoch"]),
-                                                    tuple(int(e) for e in doc.get("discontinuities", [])),
-                                                    tuple(bytes.fromhex(h) for h in doc.get("statements", []))))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            evidence.append(recovery.parse_evidence(Path(path).read_bytes()))
+        except OSError as e:
+            raise Refused(f"evidence file {path}: {e}") from None
+        except recovery.EvidenceError as e:
             raise Refused(f"evidence file {path}: {e}; expected JSON {{\"member\", \"receipts\": [hex], "
                           "\"attested_epoch\", \"discontinuities\": [epochs], \"statements\": [hex]}") from None
     with _open(args) as s:
@@ -156,26 +154,8 @@ def cmd_recover(args) -> int:
             if isinstance(e, service.SequencerRefused):
                 raise Refused(str(e)) from None
             raise
-    if isinstance(out, recovery.Refilled):
-        # a group that kept its state but lost receipts (`receipts_lost`): what members gave back
-        r = out.refill
-        _print({"outcome": "refilled", "group": gid.hex(), "refilled": len(r.receipts),
-                "epochs": [x.epoch for x in r.receipts][:50], "gaps": [x.epoch for x in r.statements],
-                "missing": out.missing, "unverified": list(r.unverified[:50]), "unusable": list(r.unusable[:50])})
-        return EXIT_OK if (r.receipts or r.statements or not out.missing) else EXIT_REFUSED
-    if isinstance(out, recovery.Resume):
-        _print({"outcome": "resume", "group": gid.hex(), "current_epoch": out.current_epoch,
-                "head": out.head.raw.hex(), "discontinuities": list(out.discontinuities),
-                "statements": sorted(out.statements), "unusable": list(out.unusable)})
-        return EXIT_OK
-    if isinstance(out, recovery.FailClosed):
-        _print({"outcome": "fail_closed", "group": gid.hex(),
-                "evidence": [{"kind": e.kind, "epoch": e.epoch} for e in out.evidence]})
-    elif isinstance(out, recovery.NotConverged):
-        _print({"outcome": "not_converged", "group": gid.hex(), "reason": out.reason, "unusable": list(out.unusable)})
-    else:
-        _print({"outcome": "genesis_reset", "group": gid.hex(), "unusable": list(out.unusable)})
-    return EXIT_REFUSED
+    _print(recovery.answer(gid, out))
+    return EXIT_OK if recovery.succeeded(out) else EXIT_REFUSED
 
 
 def cmd_migrate(args) -> int:

@@ -41,6 +41,7 @@ member reads none of them, however many it retains (docs/sequencer.md "Cost").
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import queue
 import secrets
@@ -52,6 +53,7 @@ from typing import Callable, Optional
 
 from agent.sequencer import receipts
 from agent.sequencer.framing import FramingError, parse_mls_message
+from agent.sequencer.recovery import MAX_OFFERED, MemberEvidence
 from agent.sequencer.queue_store import EVENTS_KEPT, KEPT_EVENTS, QueueStore  # noqa: F401 - the retention, for callers
 
 QUEUED, ACCEPTED, LOST, ABSENT, REFUSED = "queued", "accepted", "lost", "absent", "refused"
@@ -59,6 +61,8 @@ QUEUED, ACCEPTED, LOST, ABSENT, REFUSED = "queued", "accepted", "lost", "absent"
 # group's relay is unavailable until the operator acts, §22.6)
 FINAL_REFUSALS = frozenset({"not_commit", "unparseable", "epoch_out_of_range", "future_epoch"})
 ANSWER_ROOT = "sovm-member"
+OFFER_TAG = b"e"          # correlation data of an `evidence` request: the tag, then sha256(group_id)
+MAX_LOST_RUNS = 4096      # runs in a `lost` record a member reads (the sequencer publishes at most 256)
 RESUBMIT_FIRST_S, RESUBMIT_MAX_S = 2.0, 60.0     # an unanswered Commit is sent again, backing off
 STATUS_TAIL = 50          # `commits status` prints this many recent Commits, heads a group, events (--all: every one)
 
@@ -204,6 +208,28 @@ class CommitQueue:
             attested_epoch = max((e for e, _r in rx), default=-1) + 1
         return {"member": self.member_id, "group": group_id.hex(), "receipts": [r.hex() for _e, r in rx],
                 "attested_epoch": attested_epoch, "discontinuities": gaps, "statements": [r.hex() for r in stated]}
+
+    def offer(self, group_id: bytes, stretches: list[tuple[int, int]], limit: int) -> Optional["MemberEvidence"]:
+        """What this member holds in the stretches the sequencer lost (its ``lost`` record): at
+        most ``limit`` receipts and statements, the highest epochs of each stretch first (the
+        sequencer walks down from the receipt above a stretch; what it takes, it stops asking
+        for). None when it holds nothing there."""
+        rx: list[bytes] = []
+        gaps: list[int] = []
+        stated: list[bytes] = []
+        for first, last in sorted(stretches, reverse=True):
+            room = limit - len(rx) - len(stated)
+            if room <= 0:
+                break
+            r, g, s = self.store.held_in(group_id, first, last, room)
+            rx += r
+            stated += s[:room - len(r)]
+            gaps += g
+        if not (rx or stated):
+            return None
+        top = self.store.top_held(group_id)    # attested as `evidence` does by default: one above it
+        return MemberEvidence(self.member_id, tuple(rx), (-1 if top is None else top) + 1, tuple(sorted(gaps)),
+                              tuple(stated))
 
     def ungossiped(self) -> list[bytes]:
         """What the member holds and has not yet handed to its node's gossip, in the order it was
@@ -383,6 +409,7 @@ class CommitClient:
         self._generation = 0           # connections made; bumped by the network thread
         self._sent_in: dict[bytes, tuple[int, float, float]] = {}   # (connection, next resubmit, wait)
         self._followed: dict[bytes, int] = {}                        # group -> connection it subscribed on
+        self._offered: dict[bytes, tuple[bytes, tuple]] = {}          # group -> (`lost` record, receipts offered)
         c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"sovm-member-{q.member_id}", protocol=paho.MQTTv5)
         if settings.username is not None:
             c.username_pw_set(settings.username, settings.password)
@@ -424,7 +451,8 @@ class CommitClient:
             for g in self.q.groups():
                 if self._followed.get(g) != gen:
                     base = f"{self.s.prefix}/{g.hex()}"
-                    self.client.subscribe([(f"{base}/accepted", 1), (f"{base}/discontinuity/+", 1)])
+                    self.client.subscribe([(f"{base}/accepted", 1), (f"{base}/discontinuity/+", 1),
+                                           (f"{base}/lost", 1)])
                     self._followed[g] = gen
             now = time.monotonic()
             for e in self.q.outstanding():
@@ -471,9 +499,12 @@ class CommitClient:
         self.client.publish(f"{self.s.prefix}/{gid.hex()}/{kind}", payload, qos=1, properties=p)
 
     def _published(self, msg) -> None:
-        """A retained `accepted` head or `discontinuity/E` record of a followed group."""
+        """A retained `accepted` head, `discontinuity/E` or `lost` record of a followed group."""
         from agent.core import codec
         parts = msg.topic.split("/")
+        if parts[-1] == "lost":
+            self._lost(parts[-2], bytes(msg.payload))
+            return
         try:
             gid = bytes.fromhex(parts[-2] if parts[-1] == "accepted" else parts[-3])
             body = codec.decode_strict(bytes(msg.payload))
@@ -511,6 +542,47 @@ class CommitClient:
         if why:
             return
         self._head(r)
+
+    def _lost(self, group_hex: str, payload: bytes) -> None:
+        """The sequencer's `lost` record: the runs of epochs whose receipts its restored state
+        lost. This member offers what it holds there (`evidence`, the `sequencer recover` format);
+        the sequencer takes only what chains to what it holds (§22.6 step 1). The same receipts
+        are not offered again for the same record (a record that changed: the sequencer took
+        something, so what chained nowhere before may chain now)."""
+        runs = parse_lost(payload)
+        try:
+            gid = bytes.fromhex(group_hex)
+        except ValueError:
+            return
+        if runs is None or gid not in self._followed:
+            return
+        offer = self.q.offer(gid, runs, MAX_OFFERED) if runs else None
+        if offer is None:
+            return
+        key = (payload, offer.receipts + offer.statements)
+        if self._offered.get(gid) == key:
+            return
+        self._offered[gid] = key
+        doc = {"member": offer.member, "group": gid.hex(), "receipts": [r.hex() for r in offer.receipts],
+               "attested_epoch": offer.attested_epoch, "discontinuities": list(offer.discontinuities),
+               "statements": [r.hex() for r in offer.statements]}
+        self._publish("evidence", gid, json.dumps(doc).encode(), OFFER_TAG + hashlib.sha256(gid).digest())
+        self.q.record_event("evidence_offered", {"group": gid.hex(), "receipts": len(offer.receipts),
+                                                 "statements": len(offer.statements)})
+
+    def _offer_answered(self, corr: bytes, payload: bytes) -> None:
+        gid = next((g for g in self._offered if hashlib.sha256(g).digest() == corr[1:]), None)
+        try:
+            answer = json.loads(payload)
+        except ValueError:
+            answer = None
+        if gid is None or not isinstance(answer, dict):
+            return
+        detail = {"group": gid.hex()}
+        for k in ("outcome", "refilled", "missing", "error"):
+            if isinstance(answer.get(k), (str, int)) and not isinstance(answer.get(k), bool):
+                detail[k] = answer[k] if not isinstance(answer[k], str) else answer[k][:200]
+        self.q.record_event("evidence_answered", detail)
 
     def _head(self, r: receipts.Receipt) -> None:
         """A receipt signed by the sequencer allowed at its epoch: kept, and it decides a queued
@@ -558,6 +630,9 @@ class CommitClient:
         corr = getattr(getattr(msg, "properties", None), "CorrelationData", None)
         if not corr or len(corr) != 33:
             return
+        if corr[:1] == OFFER_TAG:
+            self._offer_answered(bytes(corr), bytes(msg.payload))
+            return
         e = self.q.entry(bytes(corr[1:]))
         if e is None or e.state != QUEUED:
             return                                     # settled already (a duplicate answer)
@@ -588,6 +663,27 @@ class CommitClient:
             return
         if self.q.settle(e.commit_hash, out.state, out.reason, out.receipt) and out.receipt and self.on_receipt:
             self.on_receipt(out.receipt)
+
+
+def parse_lost(payload: bytes) -> Optional[list[tuple[int, int]]]:
+    """The boundary for a `lost` record from the broker: CBOR {"missing": [[first, last], ...]}
+    (0 <= first <= last < 2^63, at most MAX_LOST_RUNS runs); b"" (cleared): []. None: not one."""
+    from agent.core import codec
+    if not payload:
+        return []
+    try:
+        body = codec.decode_strict(payload)
+    except (codec.DecodeError, ValueError):
+        return None
+    runs = body.get("missing") if isinstance(body, dict) else None
+    if not isinstance(runs, list) or len(runs) > MAX_LOST_RUNS:
+        return None
+    out = []
+    for r in runs:
+        if not (isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) and 0 <= r[0] <= r[1] < 2 ** 63):
+            return None
+        out.append((r[0], r[1]))
+    return out
 
 
 def queue_path(home: Path) -> Path:

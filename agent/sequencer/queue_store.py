@@ -211,6 +211,28 @@ class QueueStore:
             "SELECT statement FROM statements WHERE group_id = ? ORDER BY epoch", (group_id,))]
         return rx, gaps, stated
 
+    def top_held(self, group_id: bytes) -> Optional[int]:
+        """The highest epoch this member holds a receipt for in ``group_id`` (None: none)."""
+        return self.conn.execute(
+            "SELECT max(e) FROM (SELECT max(epoch) AS e FROM commits WHERE group_id = ?1 AND receipt IS NOT NULL "
+            "AND state = 'accepted' UNION ALL SELECT max(epoch) FROM heads WHERE group_id = ?1)", (group_id,)).fetchone()[0]
+
+    def held_in(self, group_id: bytes, first: int, last: int, limit: int) -> tuple[list[bytes], list[int], list[bytes]]:
+        """``held_of`` for the epochs ``first``..``last`` only: up to ``limit`` receipts, highest
+        epoch first, the gaps, and up to ``limit`` statements (what a member offers for a stretch
+        the sequencer lost, §22.6 step 1)."""
+        rx = [bytes(r) for (r,) in self.conn.execute(
+            "SELECT receipt FROM (SELECT epoch, receipt FROM commits WHERE group_id = ?1 AND epoch BETWEEN ?2 AND ?3 "
+            "AND receipt IS NOT NULL AND state = 'accepted' UNION SELECT epoch, receipt FROM heads "
+            "WHERE group_id = ?1 AND epoch BETWEEN ?2 AND ?3) ORDER BY epoch DESC, receipt LIMIT ?4",
+            (group_id, first, last, limit))]
+        gaps = [e for (e,) in self.conn.execute(
+            "SELECT epoch FROM gaps WHERE group_id = ? AND epoch BETWEEN ? AND ? ORDER BY epoch", (group_id, first, last))]
+        stated = [bytes(r) for (r,) in self.conn.execute(
+            "SELECT statement FROM statements WHERE group_id = ? AND epoch BETWEEN ? AND ? ORDER BY epoch DESC LIMIT ?",
+            (group_id, first, last, limit))]
+        return rx, gaps, stated
+
     def gaps(self) -> list[tuple[bytes, int]]:
         return [(bytes(g), e) for g, e in self.conn.execute("SELECT group_id, epoch FROM gaps ORDER BY group_id, epoch")]
 

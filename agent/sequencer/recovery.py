@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from agent.sequencer.member import Evidence, ReceiptChain
-from agent.sequencer.receipts import Receipt, ReceiptError, Statement, verify_receipt, verify_statement
+from agent.sequencer.receipts import (Receipt, ReceiptError, Statement, parse_receipt, parse_statement,
+                                      verify_receipt, verify_statement)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,75 @@ class MemberEvidence:
     attested_epoch: int                     # the member's current MLS epoch
     discontinuities: tuple[int, ...] = ()   # gaps the sequencer recorded and surfaced
     statements: tuple[bytes, ...] = ()      # the sequencer's signed statements of those gaps (§22.6 step 4)
+
+
+BAD_EVIDENCE = "bad_evidence"
+
+
+class EvidenceError(ValueError):
+    """Evidence bytes that are not a member's evidence document. ``reason`` is a stable code."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"{BAD_EVIDENCE}: {detail}")
+        self.reason = BAD_EVIDENCE
+        self.detail = detail
+
+
+MAX_MEMBER_NAME = 256
+MAX_OFFERED = 1024      # receipts and statements in one evidence request over the broker (`lost`)
+
+
+def parse_evidence(data: Union[bytes, str], group_id: Optional[bytes] = None,
+                   max_items: Optional[int] = None) -> MemberEvidence:
+    """The one boundary for a member's evidence, from a file (`sequencer recover`) or a broker
+    client (`sequencer run`, topic ``evidence``): JSON ``{"member", "receipts": [hex],
+    "attested_epoch", "discontinuities": [epochs], "statements": [hex], "group": hex}`` (the last
+    three optional). ``group_id``: a document naming another group is refused; ``max_items``: at
+    most that many receipts and statements together. Signatures are not checked here (refill and
+    assess do). Raises EvidenceError, and nothing else."""
+    import json
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError) as e:        # bad UTF-8 or JSON; nesting beyond the parser's depth
+        raise EvidenceError(f"not JSON ({str(e)[:80]})") from None
+    if not isinstance(doc, dict):
+        raise EvidenceError("not a JSON object")
+    member = doc.get("member")
+    if not isinstance(member, str) or not member or len(member) > MAX_MEMBER_NAME:
+        raise EvidenceError(f"\"member\" must be a name of 1 to {MAX_MEMBER_NAME} characters")
+    epoch = doc.get("attested_epoch")
+    if not _epoch(epoch):
+        raise EvidenceError("\"attested_epoch\" must be an epoch (an integer from 0 to 2^63 - 1)")
+
+    def hexes(key: str) -> tuple[bytes, ...]:
+        v = doc.get(key, [])
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            raise EvidenceError(f"\"{key}\" must be a list of hex strings")
+        try:
+            return tuple(bytes.fromhex(x) for x in v)
+        except ValueError:
+            raise EvidenceError(f"\"{key}\" holds a string that is not hex") from None
+    rx, stated = hexes("receipts"), hexes("statements")
+    gaps = doc.get("discontinuities", [])
+    if not isinstance(gaps, list) or not all(_epoch(e) for e in gaps):
+        raise EvidenceError("\"discontinuities\" must be a list of epochs")
+    if max_items is not None and len(rx) + len(stated) > max_items:
+        raise EvidenceError(f"{len(rx) + len(stated)} receipts and statements; at most {max_items} at once")
+    named = doc.get("group")
+    if named is not None:
+        try:
+            named = bytes.fromhex(named) if isinstance(named, str) else None
+        except ValueError:
+            named = None
+        if named is None:
+            raise EvidenceError("\"group\" must be the group_id in hex")
+        if group_id is not None and named != group_id:
+            raise EvidenceError(f"the evidence is for group {named.hex()}, not {group_id.hex()}")
+    return MemberEvidence(member, rx, epoch, tuple(gaps), stated)
+
+
+def _epoch(v: object) -> bool:
+    return type(v) is int and 0 <= v < 2 ** 63
 
 
 @dataclass(frozen=True)
@@ -183,11 +253,13 @@ def refill(group_id: bytes, lost: list[tuple[int, int]], held: dict[int, bytes],
                 continue
             yield item
 
-    for r in usable([(raw, "ours") for raw in held.values()] +
-                    [(raw, ev.member) for ev in evidence for raw in ev.receipts], verify_receipt, "receipt"):
+    # what the sequencer holds was verified when it was signed or taken: parsed, not verified
+    # again (a long stretch would cost a signature check per held receipt per offer)
+    for r in [parse_receipt(raw) for raw in held.values()] + list(usable(
+            [(raw, ev.member) for ev in evidence for raw in ev.receipts], verify_receipt, "receipt")):
         keep(rx, r, "receipt", lambda a, b: a.raw == b.raw)
-    for s in usable([(raw, "ours") for raw in stated.values()] +
-                    [(raw, ev.member) for ev in evidence for raw in ev.statements], verify_statement, "statement"):
+    for s in [parse_statement(raw) for raw in stated.values()] + list(usable(
+            [(raw, ev.member) for ev in evidence for raw in ev.statements], verify_statement, "statement")):
         keep(st, s, "statement", lambda a, b: a.payload_key == b.payload_key)
     for e in sorted(set(rx) & set(st)):
         found.append(Evidence("discontinuity_contradicted", group_id, e, (rx[e].raw, st[e].raw),
@@ -232,3 +304,32 @@ def refill(group_id: bytes, lost: list[tuple[int, int]], held: dict[int, bytes],
     fresh_s = tuple(taken_s[e] for e in sorted(taken_s) if e not in stated)
     unverified = tuple(sorted(e for e in in_lost if e not in taken_r and e not in taken_s))
     return Refill(fresh_r, fresh_s, unverified, tuple(unusable))
+
+
+def answer(group_id: bytes, out) -> dict:
+    """The JSON `sequencer recover` prints for an outcome, and `sequencer run` answers an
+    ``evidence`` request with (docs/sequencer.md "Recovery after state loss")."""
+    g = group_id.hex()
+    if isinstance(out, Refilled):
+        # a group that kept its state but lost receipts (`receipts_lost`): what members gave back
+        r = out.refill
+        return {"outcome": "refilled", "group": g, "refilled": len(r.receipts),
+                "epochs": [x.epoch for x in r.receipts][:50], "gaps": [x.epoch for x in r.statements],
+                "missing": out.missing, "unverified": list(r.unverified[:50]), "unusable": list(r.unusable[:50])}
+    if isinstance(out, Resume):
+        return {"outcome": "resume", "group": g, "current_epoch": out.current_epoch, "head": out.head.raw.hex(),
+                "discontinuities": list(out.discontinuities), "statements": sorted(out.statements),
+                "unusable": list(out.unusable)}
+    if isinstance(out, FailClosed):
+        return {"outcome": "fail_closed", "group": g, "evidence": [{"kind": e.kind, "epoch": e.epoch} for e in out.evidence]}
+    if isinstance(out, NotConverged):
+        return {"outcome": "not_converged", "group": g, "reason": out.reason, "unusable": list(out.unusable)}
+    return {"outcome": "genesis_reset", "group": g, "unusable": list(out.unusable)}
+
+
+def succeeded(out) -> bool:
+    """Exit 0 of `sequencer recover`: resumed, or a refill that took something or has nothing left
+    to take."""
+    if isinstance(out, Refilled):
+        return bool(out.refill.receipts or out.refill.statements or not out.missing)
+    return isinstance(out, Resume)

@@ -6,6 +6,13 @@ Topics (PREFIX defaults to "sovm-seq"; GROUP is the group_id in lowercase hex):
   PREFIX/GROUP/submit      request:  one MLSMessage exactly as the member sent it
   PREFIX/GROUP/register    request:  the initial epoch as decimal text (§22.6 bootstrap)
   PREFIX/GROUP/receipt     request:  an epoch as decimal text
+  PREFIX/GROUP/evidence    request:  a member's evidence (the `sequencer recover` file format, at
+                           most MAX_EVIDENCE_BYTES, recovery.MAX_OFFERED items) for receipts this
+                           sequencer lost (`receipts_lost`); answer: the `recover` JSON (refilled)
+  PREFIX/GROUP/lost        published, retained, QoS 1: CBOR {"missing": [[first, last], ...]}: the
+                           runs of epochs whose receipts a restored state lost and still misses
+                           (highest first, at most MAX_LOST_RUNS); an empty retained message once
+                           nothing is missing (members answer it with `evidence`)
   PREFIX/GROUP/accepted    published, retained, QoS 1, after the receipt is durable: deterministic
                            CBOR {"epoch": E, "commit": the canonical Commit, "receipt": its receipt}
   PREFIX/GROUP/discontinuity/E   published, retained, QoS 1: CBOR {"epoch": E, "commit": bytes/null,
@@ -38,7 +45,7 @@ from typing import Optional
 from urllib.parse import unquote, urlparse
 
 from agent.core import codec
-from agent.sequencer import service
+from agent.sequencer import recovery, service
 
 log = logging.getLogger("ssp.sequencer")
 DEFAULT_PREFIX = "sovm-seq"
@@ -83,6 +90,8 @@ def answer_json(ans: service.Answer) -> dict:
 
 
 MAX_BATCH = 512          # requests taken from the inbound queue per turn of the loop
+MAX_EVIDENCE_BYTES = 1 << 20   # an evidence request: recovery.MAX_OFFERED receipts in hex fit
+MAX_LOST_RUNS = 256            # runs of missing epochs in one `lost` record
 
 
 def _kind(msg) -> str:
@@ -99,6 +108,7 @@ class Server:
         self.stop = threading.Event()
         self.subscribed = threading.Event()
         self._published_gaps: set = set()
+        self._published_lost: dict[bytes, bytes] = {}   # group -> the `lost` record last published
         self.stats = {"submits": 0, "submit_batches": 0}
         self.gc = seq.group_commit()
         self._in_gc: dict[int, object] = {}      # tag -> the submit request in the group commit
@@ -120,7 +130,8 @@ class Server:
             log.error("broker refused the connection: %s", reason_code)
             return
         p = self.s.prefix
-        client.subscribe([(f"{p}/+/submit", 1), (f"{p}/+/register", 1), (f"{p}/+/receipt", 1)])
+        client.subscribe([(f"{p}/+/submit", 1), (f"{p}/+/register", 1), (f"{p}/+/receipt", 1),
+                          (f"{p}/+/evidence", 1)])
 
     def start(self, timeout: float = 10.0) -> None:
         from paho.mqtt.packettypes import PacketTypes
@@ -133,6 +144,8 @@ class Server:
             self.client.loop_stop()
             raise service.SequencerFault(f"broker {self.s.host}:{self.s.port} unreachable or refused the subscription")
         self._publish_discontinuities()
+        for gid in self.seq.store.lost_stretches():
+            self._publish_lost(gid)
 
     def serve_forever(self) -> None:
         while not self.stop.is_set():
@@ -208,6 +221,8 @@ class Server:
                 body = self._register(gid, bytes(msg.payload))
             elif kind == "receipt":
                 body = self._receipt(gid, bytes(msg.payload))
+            elif kind == "evidence":
+                body = self._evidence(gid, bytes(msg.payload))
             else:
                 body = {"error": "unknown request"}
         except service.SequencerRefused as e:
@@ -248,6 +263,25 @@ class Server:
             return {"receipt": got.hex()}
         return {"receipt": None, "absent": True, "discontinuity": got.discontinuity}
 
+    def _evidence(self, gid: Optional[bytes], payload: bytes) -> dict:
+        """A member's receipts for stretches this sequencer lost: refilled as `sequencer recover`
+        does, under this sequencer's own key only (recovery.refill verifies every one, link by
+        link to a receipt held here); a group that lost nothing is refused before the bytes are
+        read, so a stranger's request costs a look-up."""
+        if gid is None:
+            return {"error": "evidence: the topic must name the group in hex"}
+        if len(payload) > MAX_EVIDENCE_BYTES:
+            return {"error": f"evidence: too large ({len(payload)} bytes, at most {MAX_EVIDENCE_BYTES})"}
+        if not self.seq.lost(gid):
+            return {"error": f"evidence: group {gid.hex()} has no receipts lost here"}
+        try:
+            ev = recovery.parse_evidence(payload, gid, recovery.MAX_OFFERED)
+        except recovery.EvidenceError as e:
+            return {"error": str(e)}
+        out = self.seq.refill_offered(gid, ev)
+        self._publish_lost(gid)
+        return recovery.answer(gid, out)
+
     # -- publications ------------------------------------------------------------------------
     def _reply(self, msg, body: dict) -> None:
         from paho.mqtt.packettypes import PacketTypes
@@ -265,6 +299,18 @@ class Server:
     def _publish_accepted(self, gid: bytes, epoch: int, commit: bytes, receipt: bytes) -> None:
         body = codec.encode({"epoch": epoch, "commit": commit, "receipt": receipt})
         self.client.publish(f"{self.s.prefix}/{gid.hex()}/accepted", body, qos=1, retain=True)
+
+    def _publish_lost(self, gid: bytes) -> None:
+        """What ``gid`` still misses of the receipts a restored state lost, retained for every
+        member (each answers with what it holds: ``evidence``); cleared once nothing is missing, or
+        the group is frozen (evidence no longer refills it)."""
+        state = self.seq.store.group(gid)
+        runs = self.seq.missing(gid, MAX_LOST_RUNS) if state is not None and not state.failed_closed else []
+        body = codec.encode({"missing": [list(x) for x in runs]}) if runs else b""
+        if self._published_lost.get(gid) == body:
+            return
+        self.client.publish(f"{self.s.prefix}/{gid.hex()}/lost", body, qos=1, retain=True)
+        self._published_lost[gid] = body
 
     def _publish_discontinuities(self) -> None:
         """§22.6 step 4: every recorded gap, retained on the broker for every member alike."""

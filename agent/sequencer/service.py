@@ -344,6 +344,38 @@ class Sequencer:
                 "unusable": list(out.unusable)})
         return out
 
+    def lost(self, group_id: bytes) -> list[tuple[int, int, int]]:
+        """The stretches of ``group_id``'s receipts a resume named lost (`receipts_lost`) that still
+        miss epochs: [(first, last, missing)] (what `sequencer run` publishes on ``lost``)."""
+        out = []
+        for first, last in self.store.lost_stretches(group_id).get(group_id, []):
+            missing = self.store.missing_between(group_id, first, last)
+            if missing:
+                out.append((first, last, missing))
+        return out
+
+    def missing(self, group_id: bytes, limit: int = 256) -> list[tuple[int, int]]:
+        """The runs of lost epochs ``group_id`` still misses, highest first, at most ``limit``."""
+        out: list[tuple[int, int]] = []
+        for first, last in sorted(self.store.lost_stretches(group_id).get(group_id, []), reverse=True):
+            out += self.store.missing_ranges(group_id, first, last, limit - len(out))
+            if len(out) >= limit:
+                break
+        return out
+
+    def refill_offered(self, group_id: bytes, evidence) -> "object":
+        """One member's evidence offered over the broker (`sequencer run`, topic ``evidence``):
+        only ever a refill of receipts this sequencer signed and lost (verified under its own key,
+        link by link to what it holds, recovery.refill), never a recovery of a group it holds no
+        state for: that needs evidence an operator authenticated (`sequencer recover`)."""
+        state = self.store.group(group_id)
+        if state is None or state.failed_closed:
+            raise SequencerRefused(f"group {group_id.hex()} has no receipts lost here")
+        lost = [(a, b) for a, b, _m in self.lost(group_id)]
+        if not lost:
+            raise SequencerRefused(f"group {group_id.hex()} has no receipts lost here")
+        return self._refill(group_id, state, lost, [evidence], {0: self.public_key})
+
     def _refill(self, group_id: bytes, state: core.GroupState, lost: list[tuple[int, int]], evidence: list,
                 bindings: dict[int, bytes]):
         """The receipts a resume named lost (`receipts_lost`) taken back from members' retained

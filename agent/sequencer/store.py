@@ -290,6 +290,15 @@ class Store:
             (group_id, first, last)).fetchone()
         return (last - first + 1) - n
 
+    def missing_ranges(self, group_id: bytes, first: int, last: int, limit: int) -> list[tuple[int, int]]:
+        """The runs of epochs from ``first`` to ``last`` with neither a receipt nor a gap, highest
+        first, at most ``limit`` of them (what members are asked for, `lost`)."""
+        return [(a, b) for a, b in self.conn.execute(
+            "SELECT prev + 1, epoch - 1 FROM (SELECT epoch, lag(epoch, 1, ?2 - 1) OVER (ORDER BY epoch) AS prev FROM ("
+            "SELECT epoch FROM receipts WHERE group_id = ?1 AND epoch BETWEEN ?2 AND ?3 UNION "
+            "SELECT epoch FROM discontinuities WHERE group_id = ?1 AND epoch BETWEEN ?2 AND ?3 UNION SELECT ?3 + 1)) "
+            "WHERE epoch - prev > 1 ORDER BY epoch DESC LIMIT ?4", (group_id, first, last, limit))]
+
     def held_between(self, group_id: bytes, first: int, last: int) -> tuple[dict[int, bytes], dict[int, bytes]]:
         """(epoch -> receipt, epoch -> gap statement) of ``group_id`` from ``first`` to ``last``."""
         rx = {e: bytes(r) for e, r in self.conn.execute(

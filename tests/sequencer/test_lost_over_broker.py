@@ -1,0 +1,324 @@
+"""Lost receipts come back over the broker, without an operator (docs/sequencer.md "Taking back
+receipts a restored state lost").
+
+A `sequencer.db` restored past the journal's compaction floor lost stretches of receipts
+(`receipts_lost`). Before: they came back only from evidence files an operator gathered from
+members (`commits evidence`, `sequencer recover`). Now `sequencer run` publishes, retained, what it
+still misses (`PREFIX/GROUP/lost`), every member's `commits run` answers with the receipts it holds
+in those stretches (`PREFIX/GROUP/evidence`), and the sequencer takes back what chains link by
+link to what it holds (recovery.refill, as `sequencer recover` does). The evidence request is a
+boundary a hostile broker client reaches: one function classifies its bytes
+(recovery.parse_evidence), and only refill ever acts on it (never a recovery of a group this
+sequencer holds no state for)."""
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import time
+import uuid
+
+import cbor2
+import paho.mqtt.client as paho
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from agent.sequencer import client, recovery, serve, service
+from agent.transport.broker import Broker, find_mosquitto
+from test_restore_past_compaction import BACKUP_AT, GROUPS, LAST, compacted_history, msg
+from tests.cli_cmd import agent_cmd, agent_env
+
+
+def doc(**over) -> bytes:
+    d = {"member": "m", "receipts": [], "attested_epoch": 3, "discontinuities": [], "statements": []}
+    d.update(over)
+    return json.dumps(d).encode()
+
+
+# -- the boundary: evidence bytes ------------------------------------------------------------
+
+def test_parse_evidence_reads_the_file_format_and_refuses_anything_else():
+    ok = recovery.parse_evidence(doc(receipts=["00ff"], discontinuities=[4], statements=["aa"], group="ab"))
+    assert ok == recovery.MemberEvidence("m", (b"\x00\xff",), 3, (4,), (b"\xaa",))
+    assert recovery.parse_evidence(doc(), group_id=b"\xab") is not None       # no group named: any
+    bad = [b"", b"\xff\xfe", b"[]", b"null", b"1e999999", doc(member=3), doc(receipts="00"),
+           doc(receipts=["zz"]), doc(receipts=[1]), doc(attested_epoch="3"), doc(attested_epoch=-1),
+           doc(attested_epoch=True), doc(attested_epoch=2 ** 64), doc(discontinuities=[-1]),
+           doc(discontinuities=["1"]), doc(statements=[None]), doc(group="zz"),
+           json.dumps({"receipts": []}).encode(), b"{" * 100_000]
+    for b in bad:
+        with pytest.raises(recovery.EvidenceError) as e:
+            recovery.parse_evidence(b)
+        assert e.value.reason == "bad_evidence", b[:40]
+    with pytest.raises(recovery.EvidenceError):       # another group's file
+        recovery.parse_evidence(doc(group="ab"), group_id=b"\xcd")
+    with pytest.raises(recovery.EvidenceError):       # more items than the boundary takes
+        recovery.parse_evidence(doc(receipts=["00"] * 11), max_items=10)
+
+
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                       lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=16), c, max_size=6),
+                       max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(st.binary(max_size=300), JSONISH.map(lambda v: json.dumps(v).encode()),
+                 st.dictionaries(st.sampled_from(["member", "receipts", "attested_epoch", "discontinuities",
+                                                  "statements", "group"]), JSONISH).map(lambda v: json.dumps(v).encode())))
+def test_parse_evidence_fuzz_classifies_every_input(data):
+    try:
+        got = recovery.parse_evidence(data, max_items=64)
+    except recovery.EvidenceError as e:
+        assert e.reason == "bad_evidence"
+        return
+    assert isinstance(got, recovery.MemberEvidence)
+
+
+def test_parse_lost_reads_the_record_and_refuses_anything_else():
+    assert client.parse_lost(b"") == []                                   # cleared: nothing missing
+    assert client.parse_lost(cbor2.dumps({"missing": [[40, 40], [5, 29]]})) == [(40, 40), (5, 29)]
+    for bad in (b"\xff", cbor2.dumps([]), cbor2.dumps({"missing": [[3, 2]]}), cbor2.dumps({"missing": [[-1, 2]]}),
+                cbor2.dumps({"missing": [[1, 2 ** 63]]}), cbor2.dumps({"missing": [[1]]}),
+                cbor2.dumps({"missing": [[True, 2]]}), cbor2.dumps({"missing": [[1, 2]] * (client.MAX_LOST_RUNS + 1)}),
+                cbor2.dumps({"lost": [[1, 2]]}), cbor2.dumps({"missing": [[1.0, 2]]})):
+        assert client.parse_lost(bad) is None, bad
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=200), JSONISH.map(cbor2.dumps),
+                 st.lists(st.lists(st.integers(), max_size=3), max_size=5).map(lambda v: cbor2.dumps({"missing": v}))))
+def test_parse_lost_fuzz_never_raises(data):
+    got = client.parse_lost(data)
+    assert got is None or all(0 <= a <= b < 2 ** 63 for a, b in got)
+
+
+# -- the member's offer and the sequencer's refill, without a broker --------------------------
+
+def test_a_member_offers_only_what_it_holds_in_the_lost_stretches_top_first(tmp_path, monkeypatch):
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[1]
+    q = client.open_queue(tmp_path / "member")
+    try:
+        for e in range(0, LAST + 1):
+            q.keep_head(g, e, got[(g, e)])
+        assert q.offer(g, [(10, 19)], limit=4) == recovery.MemberEvidence(
+            q.member_id, tuple(got[(g, e)] for e in (19, 18, 17, 16)), LAST + 1, (), ())
+        off = q.offer(g, [(10, 12), (40, 41)], limit=100)
+        assert off.receipts == tuple(got[(g, e)] for e in (41, 40, 12, 11, 10))
+        assert q.offer(g, [(LAST + 5, LAST + 9)], limit=100) is None        # holds nothing there
+        assert q.offer(GROUPS[2], [(10, 12)], limit=100) is None            # nothing of that group
+    finally:
+        q.close()
+
+
+def test_offered_evidence_refills_and_never_recovers_a_group_without_state(tmp_path, monkeypatch):
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[1]
+    with service.Sequencer(home) as s:
+        assert s.lost(g) == [(BACKUP_AT, LAST - 1, LAST - BACKUP_AT)] and s.missing(g) == [(BACKUP_AT, LAST - 1)]
+        offer = recovery.MemberEvidence("m", tuple(got[(g, e)] for e in range(LAST - 1, 29, -1)), LAST + 1)
+        out = s.refill_offered(g, offer)
+        assert isinstance(out, recovery.Refilled) and len(out.refill.receipts) == LAST - 30
+        assert s.lost(g) == [(BACKUP_AT, LAST - 1, 30 - BACKUP_AT)]
+        assert s.missing(g) == [(BACKUP_AT, 29)]
+        assert s.receipt(g, 30) == got[(g, 30)]
+        # a group this sequencer never knew: refused, nothing changes (never a recovery from an offer)
+        unknown = b"\x42" * 16
+        for gid in (unknown,):
+            with pytest.raises(service.SequencerRefused):
+                s.refill_offered(gid, offer)
+            assert s.store.group(gid) is None
+        # a hole at 20 in the next offer: taken down from 30 to 21 and up from the copy's epoch 4 to 19
+        s.refill_offered(g, recovery.MemberEvidence("m", tuple(got[(g, e)] for e in range(29, BACKUP_AT - 1, -1)
+                                                               if e != 20), 30))
+        assert s.missing(g) == [(20, 20)] and s.lost(g) == [(BACKUP_AT, LAST - 1, 1)]
+        s.refill_offered(g, recovery.MemberEvidence("m", (got[(g, 20)],), 30))
+        assert s.lost(g) == [] and s.missing(g) == []
+        with pytest.raises(service.SequencerRefused):
+            s.refill_offered(g, offer)
+        # several runs, highest first, at most the limit asked for; the stretch's edges count
+        with s.store._tx():
+            s.store.conn.execute("DELETE FROM receipts WHERE group_id = ? AND epoch IN (?, ?, ?, ?, ?)",
+                                 (g, BACKUP_AT, 10, 11, 30, LAST - 1))
+        assert s.missing(g) == [(LAST - 1, LAST - 1), (30, 30), (10, 11), (BACKUP_AT, BACKUP_AT)]
+        assert s.missing(g, limit=2) == [(LAST - 1, LAST - 1), (30, 30)]
+
+
+# -- through the broker ------------------------------------------------------------------------
+
+@pytest.fixture
+def broker(tmp_path):
+    if find_mosquitto() is None:
+        pytest.fail("mosquitto is not installed (apt-get install mosquitto)")
+    b = Broker(workdir=tmp_path / "broker").start()
+    yield b
+    b.close()
+
+
+class Client:
+    def __init__(self, port: int) -> None:
+        self.answers: "queue.Queue" = queue.Queue()
+        self.lost: "queue.Queue" = queue.Queue()
+        self.reply_to = f"members/mallory/{uuid.uuid4().hex}"
+        self.c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"mallory-{uuid.uuid4().hex[:8]}",
+                             protocol=paho.MQTTv5)
+        self.c.on_message = self._msg
+        self.c.connect("127.0.0.1", port)
+        self.c.loop_start()
+        self.c.subscribe([(self.reply_to, 1), ("sovm-seq/+/lost", 1)])
+
+    def _msg(self, client, userdata, m) -> None:
+        if m.topic == self.reply_to:
+            self.answers.put(json.loads(m.payload))
+        else:
+            self.lost.put((m.topic, bytes(m.payload)))
+
+    def request(self, topic: str, payload: bytes) -> dict:
+        p = Properties(PacketTypes.PUBLISH)
+        p.ResponseTopic = self.reply_to
+        p.CorrelationData = b"x"
+        self.c.publish(topic, payload, qos=1, properties=p)
+        return self.answers.get(timeout=30)
+
+    def close(self) -> None:
+        self.c.loop_stop()
+        self.c.disconnect()
+
+
+def _status(home) -> dict:
+    p = subprocess.run([*agent_cmd(), "--home", str(home), "sequencer", "status"], capture_output=True, text=True,
+                       env=agent_env())
+    assert p.returncode == 0, p.stderr
+    return {g["group"]: g for g in json.loads(p.stdout)["groups"]}
+
+
+def test_members_give_lost_receipts_back_over_the_broker(tmp_path, monkeypatch, broker):
+    """Through the installed command: `sequencer run` on the restored home publishes what it lost;
+    a member's `commits run` (which heard every head of group 1 but epoch 40) answers with its
+    receipts, and the sequencer takes back all but the member's hole, with no operator. A hostile
+    client's evidence (garbage, oversized, a forged group, another group's receipts) is answered
+    with an error or nothing taken, and the server goes on."""
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[1]
+    with service.Sequencer(home) as s:
+        key = s.public_key
+    member_home = tmp_path / "member"
+    q = client.open_queue(member_home, key)
+    try:
+        for e in range(0, LAST + 1):
+            if e != 40:
+                q.keep_head(g, e, got[(g, e)])
+        q.enqueue(msg(g, LAST + 1))               # the member follows group 1 (its next Commit)
+    finally:
+        q.close()
+    seq = subprocess.Popen([*agent_cmd(), "--home", str(home), "sequencer", "run", "--broker", broker.url],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
+    mem = None
+    mallory = None
+    try:
+        assert json.loads(seq.stdout.readline())["sequencer_key"] == key.hex()
+        mallory = Client(broker.port)
+        # what the sequencer misses, retained, for every group that lost receipts
+        seen = {}
+        deadline = time.monotonic() + 20
+        while len(seen) < len(GROUPS) and time.monotonic() < deadline:
+            topic, body = mallory.lost.get(timeout=20)
+            seen[topic] = cbor2.loads(body)
+        assert seen[f"sovm-seq/{g.hex()}/lost"] == {"missing": [[BACKUP_AT, LAST - 1]]}
+        # hostile evidence first: each answered, nothing taken, the server goes on
+        t = f"sovm-seq/{g.hex()}/evidence"
+        assert mallory.request(t, b"\xff garbage")["error"].startswith("bad_evidence")
+        assert "too large" in mallory.request(t, b" " * (serve.MAX_EVIDENCE_BYTES + 1))["error"]
+        assert "error" in mallory.request("sovm-seq/zz/evidence", doc())
+        assert "error" in mallory.request(f"sovm-seq/{'42' * 16}/evidence", doc())
+        other = json.dumps({"member": "mallory", "receipts": [got[(GROUPS[2], 30)].hex()],
+                            "attested_epoch": 1}).encode()
+        ans = mallory.request(t, other)
+        assert ans["outcome"] == "refilled" and ans["refilled"] == 0 and ans["unusable"], ans
+        # the member answers on its own
+        mem = subprocess.Popen([*agent_cmd(), "--home", str(member_home), "commits", "run", "--broker", broker.url],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            lost = _status(home)[g.hex()].get("receipts_lost")
+            if lost and lost[0]["missing"] == 1:
+                break
+            time.sleep(0.5)
+        assert lost == [{"from": BACKUP_AT, "to": LAST - 1, "missing": 1}], lost
+        # the retained record follows: only the hole is still missing
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            topic, body = mallory.lost.get(timeout=20)
+            if topic == f"sovm-seq/{g.hex()}/lost" and cbor2.loads(body) == {"missing": [[40, 40]]}:
+                break
+        else:
+            pytest.fail("the lost record was not republished")
+        # the member's queue records what it offered and what the sequencer said
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            p = subprocess.run([*agent_cmd(), "--home", str(member_home), "commits", "status"],
+                               capture_output=True, text=True, env=agent_env())
+            kinds = [e["kind"] for e in json.loads(p.stdout)["events"]]
+            if "evidence_answered" in kinds:
+                break
+            time.sleep(0.5)
+        answered = [e for e in json.loads(p.stdout)["events"] if e["kind"] == "evidence_answered"]
+        assert answered and answered[0]["outcome"] == "refilled", answered
+    finally:
+        for p in (mem, seq):
+            if p is not None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(20)
+        if mallory is not None:
+            mallory.close()
+    assert seq.returncode == 0, seq.stderr.read()
+    with service.Sequencer(home) as s:
+        assert s.receipt(g, 41) == got[(g, 41)] and s.receipt(g, 39) == got[(g, 39)]
+        assert s.receipt(g, 40) == service.Absent(discontinuity=False)
+        assert s.receipt(GROUPS[2], 30) == service.Absent(discontinuity=False)     # nobody offered it
+        assert not s.store.group(g).failed_closed
+
+
+def test_recover_reads_evidence_files_through_the_same_boundary(tmp_path, monkeypatch):
+    """`sequencer recover` refuses a malformed evidence file (exit 2, nothing printed, the reason
+    named) before anything is opened for writing: the boundary the broker's requests go through."""
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    with service.Sequencer(home) as s:
+        key = s.public_key.hex()
+    for i, bad in enumerate((b"{", doc(attested_epoch="3"), doc(receipts=["zz"]), doc(member=""))):
+        f = tmp_path / f"bad{i}.json"
+        f.write_bytes(bad)
+        p = subprocess.run([*agent_cmd(), "--home", str(home), "sequencer", "recover", "--group", GROUPS[1].hex(),
+                            "--binding", f"0:{key}", str(f)], capture_output=True, text=True, env=agent_env())
+        assert p.returncode == 2 and p.stdout == "" and "bad_evidence" in p.stderr, (bad, p.stderr)
+    with service.Sequencer(home) as s:
+        assert s.lost(GROUPS[1]) == [(BACKUP_AT, LAST - 1, LAST - BACKUP_AT)]      # nothing changed
+
+
+def test_refill_offered_fuzz_takes_nothing_from_forged_bytes(tmp_path, monkeypatch):
+    """Whatever bytes a broker client puts in an evidence document's receipts and statements
+    (random, or a real receipt with bytes flipped), the refill answers with what it took: nothing,
+    and raises nothing."""
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[1]
+    real = got[(g, LAST - 1)]
+
+    def flipped(t):
+        i, b = t
+        i %= len(real)
+        return real[:i] + bytes([real[i] ^ (b or 1)]) + real[i + 1:]
+    items = st.lists(st.one_of(st.binary(max_size=300), st.tuples(st.integers(0, 10 ** 6), st.integers(0, 255)).map(flipped)),
+                     max_size=6)
+    with service.Sequencer(home) as s:
+        @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+        @given(items, items)
+        def one(rx, stated):
+            out = s.refill_offered(g, recovery.MemberEvidence("mallory", tuple(rx), 1, (), tuple(stated)))
+            assert isinstance(out, recovery.Refilled) and out.refill.receipts == () and out.refill.statements == ()
+        one()
+        assert s.lost(g) == [(BACKUP_AT, LAST - 1, LAST - BACKUP_AT)] and not s.store.group(g).failed_closed
