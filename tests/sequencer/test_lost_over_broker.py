@@ -29,7 +29,6 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from agent.sequencer import client, recovery, serve, service
-from agent.transport.broker import Broker, find_mosquitto
 from test_restore_past_compaction import BACKUP_AT, GROUPS, LAST, compacted_history, msg
 from tests.cli_cmd import agent_cmd, agent_env
 
@@ -150,15 +149,6 @@ def test_offered_evidence_refills_and_never_recovers_a_group_without_state(tmp_p
 
 
 # -- through the broker ------------------------------------------------------------------------
-
-@pytest.fixture
-def broker(tmp_path):
-    if find_mosquitto() is None:
-        pytest.fail("mosquitto is not installed (apt-get install mosquitto)")
-    b = Broker(workdir=tmp_path / "broker").start()
-    yield b
-    b.close()
-
 
 class Client:
     def __init__(self, port: int) -> None:

@@ -18,19 +18,9 @@ from paho.mqtt.properties import Properties
 
 from agent.sequencer import receipts
 from agent.sequencer.framing import encode_private_message
-from agent.transport.broker import Broker, find_mosquitto
 from tests.cli_cmd import agent_cmd, agent_env
 
 G = bytes.fromhex("a7" * 16)
-
-
-@pytest.fixture
-def broker(tmp_path):
-    if find_mosquitto() is None:
-        pytest.fail("mosquitto is not installed (apt-get install mosquitto)")
-    b = Broker(workdir=tmp_path / "broker").start()
-    yield b
-    b.close()
 
 
 class Member:

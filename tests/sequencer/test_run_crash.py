@@ -18,7 +18,6 @@ import pytest
 
 from agent.sequencer import receipts, service
 from agent.sequencer.framing import encode_private_message
-from agent.transport.broker import Broker, find_mosquitto
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
@@ -27,15 +26,6 @@ from test_sequencer_crash import START, Checker
 from tests.cli_cmd import agent_cmd, agent_env
 
 GROUPS = list(START)
-
-
-@pytest.fixture
-def broker(tmp_path):
-    if find_mosquitto() is None:
-        pytest.fail("mosquitto is not installed (apt-get install mosquitto)")
-    b = Broker(workdir=tmp_path / "broker").start()
-    yield b
-    b.close()
 
 
 def start(home, url):
