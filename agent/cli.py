@@ -89,6 +89,18 @@ def _open(args, read_only: bool = False):
     return Node.open(Path(args.home), read_only=read_only)
 
 
+def count_arg(text: str) -> int:
+    """An argparse type: a whole number 0..2^63-1 (what SQLite's integers hold); anything else
+    is a usage error (exit 2), never an OverflowError deep in a query."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= n < 2 ** 63:
+        raise argparse.ArgumentTypeError(f"{text} is out of range (0..{2 ** 63 - 1})")
+    return n
+
+
 def _json_arg(text: str, what: str) -> Any:
     try:
         return json.loads(text)
@@ -431,7 +443,7 @@ def build_parser(modules: "set[str] | None" = None) -> argparse.ArgumentParser:
     _clock_flags(s)
     s.set_defaults(fn=cmd_evict)
     s = sub.add_parser("events", help="list what the node surfaced: drops, rejects, holds, partial rebuilds")
-    s.add_argument("--limit", type=int, default=1000)
+    s.add_argument("--limit", type=count_arg, default=1000)
     s.add_argument("--ignored-columns", action="store_true", help="also list metered ignored payload columns")
     s.set_defaults(fn=cmd_events)
     s = sub.add_parser("status", help="identity, keystore, tables and horizons")

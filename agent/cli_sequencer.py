@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import EXIT_OK, EXIT_REFUSED, Fault, Refused, _json_arg, emit
+from .cli import EXIT_OK, EXIT_REFUSED, Fault, Refused, _json_arg, count_arg, emit
 
 
 def _print(obj) -> None:
@@ -102,9 +102,13 @@ def cmd_submit(args) -> int:
 
 
 def cmd_receipt(args) -> int:
+    from .sequencer import service
     gid = _group(args.group)
     with _open(args, reader_ok=True) as s:
-        got = s.receipt(gid, args.epoch)
+        try:
+            got = s.receipt(gid, args.epoch)
+        except service.SequencerRefused as e:
+            raise Refused(str(e)) from None
     if isinstance(got, bytes):
         _print({"receipt": got.hex()})
     else:   # §22.6: a stated absence, never a new signature
@@ -123,6 +127,8 @@ def _bindings(items: list[str]) -> dict[int, bytes]:
     for item in items or []:
         epoch, _, key = item.partition(":")
         try:
+            if not 0 <= int(epoch) < 2 ** 63:
+                raise ValueError(epoch)
             out[int(epoch)] = bytes.fromhex(key)
         except ValueError:
             raise Refused(f"--binding must be EPOCH:KEYHEX (33-byte compressed key), got {item!r}") from None
@@ -213,7 +219,7 @@ def cmd_run(args) -> int:
 
 def _group_epoch(a) -> None:
     a.add_argument("--group", required=True, help="group_id, hex")
-    a.add_argument("--epoch", required=True, type=int)
+    a.add_argument("--epoch", required=True, type=count_arg)
 
 
 def register(sub, mailbox_sub) -> None:
@@ -501,7 +507,7 @@ def _broker_args(a) -> None:
 
 
 def _keep_events_arg(a) -> None:
-    a.add_argument("--keep-events", type=int, default=None, metavar="N",
+    a.add_argument("--keep-events", type=count_arg, default=None, metavar="N",
                    help="the queue's event log keeps its N most recent routine events (kept in the queue file; "
                    "default 1000); attribution records and discontinuities are never pruned")
 
@@ -542,14 +548,14 @@ def register_commits(sub) -> None:
     _keep_events_arg(a)
     a.set_defaults(fn=cmd_commits_run)
     a = ss.add_parser("status", help="the queue: each Commit's state, reason and receipt, recent events (JSON)")
-    a.add_argument("--limit", type=int, default=None,
+    a.add_argument("--limit", type=count_arg, default=None,
                    help="print the N most recent Commits (and every queued one), heads a group and events "
                    "(default 50)")
     a.add_argument("--all", action="store_true", help="print every Commit, head and event kept")
     a.set_defaults(fn=cmd_commits_status)
     a = ss.add_parser("evidence", help="this member's receipts for a group as a `sequencer recover` evidence file")
     a.add_argument("--group", required=True, help="group_id, hex")
-    a.add_argument("--attested-epoch", type=int, default=None,
+    a.add_argument("--attested-epoch", type=count_arg, default=None,
                    help="the member's current MLS epoch (default: one above the highest receipt held)")
     a.add_argument("--out", help="also write the evidence to this file (0600)")
     a.set_defaults(fn=cmd_commits_evidence)
@@ -667,7 +673,7 @@ def register_sequencing(sub) -> None:
     a = ss.add_parser("bind", help="(mesh authority) bind a sequencer to a group from an MLS epoch (§22.6)")
     a.add_argument("--group", required=True, help="group_id, hex")
     a.add_argument("--sequencer-key", required=True, help="the sequencer's key (66 hex: compressed P-256)")
-    a.add_argument("--generation", required=True, type=int, help="the MLS epoch from which the binding takes effect")
+    a.add_argument("--generation", required=True, type=count_arg, help="the MLS epoch from which the binding takes effect")
     a.add_argument("--authority-key", help="a standalone authority's directory (`authority create`)")
     a.set_defaults(fn=cmd_sequencing_bind, forward_argv=_bind_argv)
     a = ss.add_parser("status", help="per group: bindings, receipts held, head, held, attributed, equivocation")

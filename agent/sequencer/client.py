@@ -512,7 +512,7 @@ class CommitClient:
         except (ValueError, IndexError, KeyError, TypeError, codec.DecodeError):
             return
         if parts[-1] != "accepted":
-            if isinstance(epoch, int) and self.q.keep_gap(gid, epoch):
+            if type(epoch) is int and 0 <= epoch < 2 ** 63 and self.q.keep_gap(gid, epoch):
                 self.q.record_event("discontinuity", {"group": gid.hex(), "epoch": epoch})
             raw = body.get("statement") if isinstance(body, dict) else None
             if isinstance(raw, bytes):

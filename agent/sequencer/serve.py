@@ -94,6 +94,19 @@ MAX_EVIDENCE_BYTES = 1 << 20   # an evidence request: recovery.MAX_OFFERED recei
 MAX_LOST_RUNS = 256            # runs of missing epochs in one `lost` record
 
 
+MAX_EPOCH_TEXT = 2 ** 63 - 1     # the store's signed 64-bit integers
+
+
+def epoch_text(payload: bytes) -> Optional[int]:
+    """The one classifier of a request's decimal text (``register``, ``receipt``): ASCII digits
+    only, no sign, space or underscore (Python's int() takes all three), no leading zero, at most
+    MAX_EPOCH_TEXT; None for anything else (answered with an error, never raised)."""
+    if not (0 < len(payload) <= 19) or not payload.isdigit() or (payload[:1] == b"0" and len(payload) > 1):
+        return None            # bytes.isdigit: ASCII 0-9 only
+    n = int(payload)
+    return n if n <= MAX_EPOCH_TEXT else None
+
+
 def _kind(msg) -> str:
     parts = msg.topic.split("/")
     return parts[-1] if len(parts) >= 3 else ""
@@ -242,20 +255,18 @@ class Server:
         return answer_json(ans)
 
     def _register(self, gid: Optional[bytes], payload: bytes) -> dict:
-        try:
-            epoch = int(payload.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
-            return {"error": "register: the payload is the initial epoch as decimal text"}
+        epoch = epoch_text(payload)
+        if epoch is None:
+            return {"error": "register: the payload is the initial epoch as decimal text (ASCII digits)"}
         if gid is None:
             return {"error": "register: the topic must name the group in hex"}
         self.seq.register(gid, epoch)
         return {"group": gid.hex(), "epoch": epoch}
 
     def _receipt(self, gid: Optional[bytes], payload: bytes) -> dict:
-        try:
-            epoch = int(payload.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
-            return {"error": "receipt: the payload is an epoch as decimal text"}
+        epoch = epoch_text(payload)
+        if epoch is None:
+            return {"error": f"receipt: the payload is an epoch as decimal text (ASCII digits, at most {MAX_EPOCH_TEXT})"}
         if gid is None:
             return {"error": "receipt: the topic must name the group in hex"}
         got = self.seq.receipt(gid, epoch)

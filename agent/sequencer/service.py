@@ -290,10 +290,7 @@ class Sequencer:
             self.compact_journal()
 
     def receipt(self, group_id: bytes, epoch: int) -> Union[bytes, Absent]:
-        raw = self.store.receipt(group_id, epoch)
-        if raw is not None:
-            return raw
-        return Absent(self.store.is_discontinuity(group_id, epoch), self.store.statement(group_id, epoch))
+        return _receipt(self.store, group_id, epoch)
 
     def commit(self, group_id: bytes, epoch: int) -> Optional[bytes]:
         """The canonical Commit for (group, epoch), for a sender told to rebuild."""
@@ -731,6 +728,17 @@ class _Settlement:
         self.flush(all_pending)
 
 
+def _receipt(store: Store, group_id: bytes, epoch: int) -> Union[bytes, Absent]:
+    """The persisted receipt bytes, or a stated absence (§22.6); an epoch the store's 64-bit
+    integers cannot hold is refused (it has no receipt, and SQLite would raise)."""
+    if not (0 <= epoch < 2 ** 63):
+        raise SequencerRefused(f"epoch must be 0..{2 ** 63 - 1}, got {epoch}")
+    raw = store.receipt(group_id, epoch)
+    if raw is not None:
+        return raw
+    return Absent(store.is_discontinuity(group_id, epoch), store.statement(group_id, epoch))
+
+
 def _status(store: Store) -> dict:
     groups = []
     stated = store.statements()
@@ -761,10 +769,7 @@ class Reader:
         self.store = Store(Path(home) / DB_NAME, readonly=True)
 
     def receipt(self, group_id: bytes, epoch: int) -> Union[bytes, Absent]:
-        raw = self.store.receipt(group_id, epoch)
-        if raw is not None:
-            return raw
-        return Absent(self.store.is_discontinuity(group_id, epoch), self.store.statement(group_id, epoch))
+        return _receipt(self.store, group_id, epoch)
 
     def status(self) -> dict:
         conf = self.store.get_meta("keystore") or {}
