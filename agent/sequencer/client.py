@@ -325,6 +325,8 @@ class Outcome:
 def _verified(raw_hex: Optional[str], e: Entry, signer_for: SignerFor) -> tuple[Optional[receipts.Receipt], str]:
     if not raw_hex:
         return None, "no receipt"
+    if not isinstance(raw_hex, str):     # an answer is bytes from outside: anything may stand here
+        return None, "receipt does not verify: not hex text"
     try:
         raw = bytes.fromhex(raw_hex)
     except ValueError as ex:

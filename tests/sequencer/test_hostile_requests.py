@@ -15,9 +15,10 @@ import json
 import signal
 import subprocess
 import types
+from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from agent.sequencer import serve, service
@@ -164,32 +165,42 @@ CBORISH = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 64 + 1, 2 *
                        max_leaves=16)
 
 
-def test_member_fuzz_nothing_from_the_broker_raises(tmp_path):
+def test_member_fuzz_nothing_from_the_broker_raises():
     """Whatever a broker client retains on a followed group's topics, or answers on the member's
     answer topic, `commits run`'s handler classifies it; nothing escapes (an escape stops the
-    member's client)."""
+    member's client). Found by it: an answer whose receipt was a number, not hex text, raised
+    TypeError (each example runs on a fresh queue, so an answer finds its Commit queued)."""
+    import hashlib
+    import tempfile
+
     import cbor2
 
     from agent.sequencer import client
-    q = client.open_queue(tmp_path / "m")
-    try:
-        e = q.enqueue(encode_private_message(G, 3))
-        c = client.CommitClient(q, serve.BrokerSettings("127.0.0.1", 1))
-        c._followed[G] = 1
 
-        @settings(max_examples=300, deadline=None)
-        @given(st.sampled_from(["accepted", "discontinuity/3", "lost", "answer-c", "answer-r", "answer-e"]),
-               st.one_of(st.binary(max_size=80), CBORISH.map(cbor2.dumps),
-                         CBORISH.map(lambda v: json.dumps(v, default=lambda b: b.hex()).encode())))
-        def one(where, payload):
-            if where.startswith("answer"):
-                tag = where[-1].encode()
-                corr = tag + (e.commit_hash if tag != b"e" else __import__("hashlib").sha256(G).digest())
-                m = types.SimpleNamespace(topic=c.reply_to, payload=payload, qos=1, mid=1,
-                                          properties=types.SimpleNamespace(CorrelationData=corr))
-            else:
-                m = msg(f"sovm-seq/{G.hex()}/{where}", payload)
-            c._handle(m)
-        one()
-    finally:
-        q.close()
+    @settings(max_examples=300, deadline=None)
+    @given(st.sampled_from(["accepted", "discontinuity/3", "lost", "answer-c", "answer-r", "answer-e"]),
+           st.one_of(st.binary(max_size=80), CBORISH.map(cbor2.dumps),
+                     CBORISH.map(lambda v: json.dumps(v, default=lambda b: b.hex()).encode())))
+    @example("answer-r", b'{"epoch": null, "receipt": -319278}')
+    @example("answer-c", b'{"accepted": true, "receipt": 7}')
+    @example("answer-c", b'{"accepted": false, "reason": "stale_epoch", "head": ["00"]}')
+    def one(where, payload):
+        with tempfile.TemporaryDirectory() as d:
+            q = client.open_queue(Path(d))
+            try:
+                e = q.enqueue(encode_private_message(G, 3))
+                c = client.CommitClient(q, serve.BrokerSettings("127.0.0.1", 1))
+                c._followed[G] = 1
+                if where.startswith("answer"):
+                    tag = where[-1].encode()
+                    corr = tag + (e.commit_hash if tag != b"e" else hashlib.sha256(G).digest())
+                    if tag == b"e":
+                        c._offered[G] = (b"", ())
+                    m = types.SimpleNamespace(topic=c.reply_to, payload=payload, qos=1, mid=1,
+                                              properties=types.SimpleNamespace(CorrelationData=corr))
+                else:
+                    m = msg(f"sovm-seq/{G.hex()}/{where}", payload)
+                c._handle(m)
+            finally:
+                q.close()
+    one()
