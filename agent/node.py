@@ -1722,20 +1722,14 @@ def _check_retention(prof: Profile, tables) -> None:
                             f"(\"forever\" keeps it in full)")
 
 
-_KEYSTORE_NEEDS = {"software": (), "pkcs11": ("module", "token_label"), "serial": ("port",)}
-
-
 def _check_keystore_conf(conf: dict) -> dict:
     """A keystore request that cannot be right is refused before anything is made (exit 2); a
     keystore that is right but unavailable is a fault the keystore reports (exit 1)."""
-    kind = conf.get("kind")
-    if kind not in _KEYSTORE_NEEDS:
-        raise NodeError(f"unknown keystore kind {kind!r}: use software, pkcs11 or serial (docs/keystore.md)")
-    missing = [k for k in _KEYSTORE_NEEDS[kind] if not conf.get(k)]
-    if kind == "pkcs11" and not any(k in conf for k in ("pin", "pin_env", "pin_file")):
-        missing.append("pin, pin_env or pin_file")
-    if missing:
-        raise NodeError(f"a {kind} keystore needs {', '.join(missing)} (docs/keystore.md)")
+    from firmware_bridge.keystore import KeystoreConfigError, check_config
+    try:
+        conf = check_config(conf)
+    except KeystoreConfigError as e:
+        raise NodeError(str(e)) from None
     if conf.get("pin_file"):
         conf["pin_file"] = str(Path(conf["pin_file"]).absolute())
     return conf

@@ -156,6 +156,50 @@ def with_pin(config: dict[str, Any]) -> dict[str, Any]:
     return conf
 
 
+class KeystoreConfigError(ValueError):
+    """A keystore request that cannot be right (an unknown kind, a field missing or of the wrong
+    type): the caller's input, refused before anything is made."""
+
+
+# the fields each kind needs, and the type of every field a kind reads (docs/keystore.md)
+_NEEDS = {"software": (), "pkcs11": ("module", "token_label"), "serial": ("port",)}
+_TYPES: dict[str, type | tuple] = {"dir": str, "module": str, "token_label": str, "pin": str, "pin_env": str,
+                                   "pin_file": str, "port": str, "env": dict, "baud": int, "timeout_s": (int, float)}
+
+
+def check_config(config: object) -> dict[str, Any]:
+    """The one check of a keystore config from outside (`init --keystore`, `sequencer init
+    --keystore`, a profile's [keystore]): a JSON object of a known kind with the fields it needs,
+    each of its type (a token needs a PIN, given or where to find it; numbers positive and in
+    range). Returns a copy. Raises KeystoreConfigError."""
+    if not isinstance(config, dict):
+        raise KeystoreConfigError("a keystore config is an object, e.g. {\"kind\": \"software\"}")
+    kind = config.get("kind")
+    if kind not in _NEEDS:
+        raise KeystoreConfigError(f"unknown keystore kind {kind!r}: use software, pkcs11 or serial (docs/keystore.md)")
+    missing = [k for k in _NEEDS[kind] if not config.get(k)]
+    if kind == "pkcs11" and not any(k in config for k in ("pin", "pin_env", "pin_file")):
+        missing.append("pin, pin_env or pin_file")
+    if missing:
+        raise KeystoreConfigError(f"a {kind} keystore needs {', '.join(missing)} (docs/keystore.md)")
+    for k, want in _TYPES.items():
+        v = config.get(k)
+        if v is None:
+            continue
+        if not isinstance(v, want) or isinstance(v, bool):
+            raise KeystoreConfigError(f"keystore {k} must be {_type_name(want)}, got {v!r}"[:200])
+        if k == "env" and not all(isinstance(a, str) and isinstance(b, str) for a, b in v.items()):
+            raise KeystoreConfigError("keystore env maps names to strings")
+        if k in ("baud", "timeout_s") and not 0 < v <= 10 ** 9:
+            raise KeystoreConfigError(f"keystore {k} must be positive and at most 10^9, got {v!r}")
+    return dict(config)
+
+
+def _type_name(want) -> str:
+    names = {str: "a string", dict: "an object", int: "a whole number", (int, float): "a number"}
+    return names.get(want, str(want))
+
+
 def open_keystore(config: dict[str, Any]) -> Keystore:
     """Open the keystore a profile names.
 

@@ -33,6 +33,7 @@ from typing import Callable, Optional, Union
 from firmware_bridge import (DiscontinuityIdentity, KeystoreError, KeystoreUnavailable, ReceiptIdentity, SigningBridge,
                              open_keystore, with_pin)
 from firmware_bridge.bridge import Status
+from firmware_bridge.keystore import KeystoreConfigError, check_config
 
 from agent.sequencer import core, receipts
 from agent.sequencer.framing import FramingError, parse_mls_message
@@ -126,12 +127,15 @@ def init(home: Path, keystore: Optional[dict] = None) -> bytes:
     home = Path(home)
     if (home / DB_NAME).exists():
         raise SequencerRefused(f"{home} already holds a sequencer; it is never overwritten")
+    try:        # a request that cannot be right is refused before anything is made
+        conf = check_config(keystore or {"kind": "software"})
+    except KeystoreConfigError as e:
+        raise SequencerRefused(str(e)) from None
     home.mkdir(mode=0o700, parents=True, exist_ok=True)
     fd = _lock(home)
     try:
         if (home / DB_NAME).exists():
             raise SequencerRefused(f"{home} already holds a sequencer; it is never overwritten")
-        conf = dict(keystore or {"kind": "software"})
         if conf.get("kind") == "software":
             conf.setdefault("dir", str(home / "keystore"))
         if "pin" in conf:     # a token PIN goes to a 0600 file, never into the state database
@@ -428,14 +432,7 @@ class Sequencer:
         """§22.6 migration, new side: verify the old sequencer's head and take the group over; the
         first receipt here chains to the old sequencer's last (one chain, not a second one)."""
         try:
-            if package.get("format") != HANDOFF_FORMAT:
-                raise ValueError(f"format must be {HANDOFF_FORMAT}")
-            gid = bytes.fromhex(package["group"])
-            epoch = int(package["current_epoch"])
-            gaps = tuple(sorted(int(e) for e in package.get("discontinuities", [])))
-            from_key = bytes.fromhex(package["from_key"])
-            head_raw = None if package.get("head") is None else bytes.fromhex(package["head"])
-            stated = {int(e): bytes.fromhex(h) for e, h in (package.get("statements") or {}).items()}
+            gid, epoch, gaps, from_key, head_raw, stated = _handoff_fields(package)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise SequencerRefused(f"not a hand-off package: {e}") from None
         for e, raw in stated.items():
@@ -726,6 +723,35 @@ class _Settlement:
 
     def finish(self, all_pending: bool) -> None:
         self.flush(all_pending)
+
+
+def _handoff_fields(package: object) -> tuple:
+    """The one reader of a hand-off package (bytes from outside: a file an operator carries):
+    (group_id, current_epoch, gaps, from_key, head bytes | None, {gap epoch: statement}). Every
+    number is a JSON integer in the store's range, every gap below the epoch. Raises ValueError
+    (or KeyError/TypeError/AttributeError for a wrong shape)."""
+    if not isinstance(package, dict) or package.get("format") != HANDOFF_FORMAT:
+        raise ValueError(f"format must be {HANDOFF_FORMAT}")
+    gid = bytes.fromhex(package["group"])
+    epoch = package["current_epoch"]
+    if not 1 <= len(gid) <= 255:
+        raise ValueError("group must be 1..255 bytes in hex")
+    if type(epoch) is not int or not 0 <= epoch <= core.MAX_EPOCH:
+        raise ValueError(f"current_epoch must be an integer 0..{core.MAX_EPOCH}")
+    gaps = package.get("discontinuities", [])
+    if not isinstance(gaps, list) or not all(type(e) is int and 0 <= e < epoch for e in gaps):
+        raise ValueError("discontinuities must be epochs below current_epoch")
+    from_key = bytes.fromhex(package["from_key"])
+    head_raw = None if package.get("head") is None else bytes.fromhex(package["head"])
+    stated = {}
+    given = package.get("statements")
+    if given is not None and not isinstance(given, dict):
+        raise ValueError("statements must be an object: gap epoch -> statement hex")
+    for e, h in (given or {}).items():
+        if not (isinstance(e, str) and e.isdigit() and e.isascii()):
+            raise ValueError("statements are keyed by gap epoch in decimal")
+        stated[int(e)] = bytes.fromhex(h)
+    return gid, epoch, tuple(sorted(set(gaps))), from_key, head_raw, stated
 
 
 def _receipt(store: Store, group_id: bytes, epoch: int) -> Union[bytes, Absent]:

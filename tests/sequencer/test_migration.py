@@ -106,3 +106,38 @@ def test_handoff_carries_discontinuities_and_adopt_checks_the_head(tmp_path):
         assert s.receipt(G, 1).statement == statement       # the old one's bytes, not re-signed here
         nxt = s.submit(msg(2)).receipt
         assert receipts.parse_receipt(nxt).previous_receipt_hash == receipts.receipt_hash(r0)
+
+
+def test_adopt_refuses_a_malformed_package_and_keeps_nothing(tmp_path):
+    """The hand-off package is bytes from outside (a file an operator carries): every field is
+    checked before anything is stored. Before: an epoch beyond 64 bits in the gaps, or as the epoch
+    of a package without a head, raised OverflowError out of `sequencer adopt` (a traceback, exit
+    1), and a boolean epoch, a negative gap, a gap given as a string, a gap at the epoch and
+    statements given as a list were taken."""
+    old_home, new_home = tmp_path / "old", tmp_path / "new"
+    service.init(old_home)
+    service.init(new_home)
+    with service.Sequencer(old_home) as s:
+        s.register(G, 0)
+        s.submit(msg(0))
+        good = s.handoff(G)
+    bad = [dict(good, current_epoch=2 ** 70), dict(good, current_epoch=-1), dict(good, current_epoch="2"),
+           dict(good, current_epoch=True), dict(good, current_epoch=2 ** 63 - 1), dict(good, group=""),
+           dict(good, group="ab" * 300), dict(good, discontinuities=[-1]), dict(good, discontinuities=["1"]),
+           dict(good, discontinuities=[1]), dict(good, discontinuities=[2 ** 70]), dict(good, statements={"1_0": "00"}),
+           dict(good, statements=[]), dict(good, from_key=7), dict(good, head=None, current_epoch=2 ** 70)]
+    with service.Sequencer(new_home) as s:
+        for package in bad + [[good]]:
+            try:
+                s.adopt(package)
+            except service.SequencerRefused:
+                pass
+            else:
+                raise AssertionError(f"adopted {bad.index(package) if package in bad else package}")
+        assert s.store.group_ids() == []
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(dict(good, current_epoch=2 ** 70)))
+    p = cli(new_home, "adopt", str(f))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    f.write_text(json.dumps(good))
+    assert cli(new_home, "adopt", str(f)).returncode == 0
