@@ -16,6 +16,7 @@ from typing import Any
 from .core.ids import IdFormatError, parse_hlc, parse_public_key, parse_site_id
 from .core.messages import ProtocolError
 from .core.schema import ManifestError
+from .cliargs import count_arg, seconds_arg
 from .outcomes import to_json  # noqa: F401 - re-exported for tools
 
 EXIT_OK, EXIT_FAULT, EXIT_REFUSED = 0, 1, 2
@@ -87,18 +88,6 @@ def _open(args, read_only: bool = False):
         return _Lent(_served["node"])
     from .node import Node
     return Node.open(Path(args.home), read_only=read_only)
-
-
-def count_arg(text: str) -> int:
-    """An argparse type: a whole number 0..2^63-1 (what SQLite's integers hold); anything else
-    is a usage error (exit 2), never an OverflowError deep in a query."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 0 <= n < 2 ** 63:
-        raise argparse.ArgumentTypeError(f"{text} is out of range (0..{2 ** 63 - 1})")
-    return n
 
 
 def _json_arg(text: str, what: str) -> Any:
@@ -475,7 +464,7 @@ def _clock_flags(s) -> None:
     s.add_argument("--clock-trusted", action="store_true",
                    help="the wall clock is right even though no time sync says so (an RTC, set by hand): "
                         "proceed without waiting for NTP")
-    s.add_argument("--wait-clock", type=float, default=0, metavar="SECONDS",
+    s.add_argument("--wait-clock", type=seconds_arg, default=0, metavar="SECONDS",
                    help="wait up to SECONDS for the clock to be synchronised before refusing (exit 2, clock_untrusted)")
 
 

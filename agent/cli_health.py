@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .cliargs import seconds_arg
 from .health import EXIT
 
 
@@ -19,7 +20,7 @@ def register(sub, mailbox_sub) -> None:
     s.add_argument("--ca-file")
     s.add_argument("--cert-file")
     s.add_argument("--key-file")
-    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the broker (default 5)")
+    s.add_argument("--timeout", type=seconds_arg, default=5.0, help="seconds to wait for the broker (default 5)")
     s.set_defaults(fn=cmd_check)
     s = sub.add_parser("metrics", help="write the node's metrics (Prometheus text format) for node_exporter's "
                                        "textfile collector")

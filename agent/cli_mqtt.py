@@ -14,19 +14,21 @@ import signal
 import sys
 from pathlib import Path
 
+from .cliargs import interval_arg, positive_int_arg, seconds_arg
+
 
 def _add_common(s) -> None:
     s.add_argument("--serial", metavar="PORT", action="append",
                    help="sync over this serial line instead of a broker (e.g. /dev/ttyUSB0; docs/serial.md); "
                         "run: repeat it to serve several lines, and give --broker to serve MQTT too (a gateway)")
-    s.add_argument("--baud", type=int, default=None,
+    s.add_argument("--baud", type=positive_int_arg, default=None,
                    help="--serial: line rate in bits per second (default: the device profile's [serial] baud)")
     s.add_argument("--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT (default: a private mosquitto "
                                     "on a free loopback port, started and stopped with this command)")
-    s.add_argument("--cadence", type=float, default=None,
+    s.add_argument("--cadence", type=interval_arg, default=None,
                    help="seconds between batch cycles (default: the device profile's cadence_s)")
     s.add_argument("--no-realtime", action="store_true", help="advertise supports_realtime: false; batch only")
-    s.add_argument("--flush-cadence", type=float, default=None,
+    s.add_argument("--flush-cadence", type=interval_arg, default=None,
                    help="realtime pushes on this fixed cadence (seconds) instead of at production (§33.3)")
     s.add_argument("--ca-file", help="CA bundle for TLS (implies TLS)")
     s.add_argument("--cert-file", help="client certificate for mutual TLS")
@@ -38,11 +40,11 @@ def _add_common(s) -> None:
                         "credentials and ACLs that pin inbox topics to the device (docs/mqtt.md); then received "
                         "streams advance applied watermarks and peers' reports are used (also "
                         "SSP_MQTT_SECURE_BINDING=1)")
-    s.add_argument("--connect-timeout", type=float, default=10.0)
+    s.add_argument("--connect-timeout", type=seconds_arg, default=10.0)
     s.add_argument("--metrics-file", metavar="PATH",
                    help="write metrics (Prometheus text format) here for node_exporter's textfile collector: "
                         "`run` every --metrics-interval seconds, `sync --once` after its cycle (replaced atomically)")
-    s.add_argument("--metrics-interval", type=float, default=15.0, help="run: seconds between metrics writes")
+    s.add_argument("--metrics-interval", type=interval_arg, default=15.0, help="run: seconds between metrics writes")
 
 
 def register(sub, mailbox_sub) -> None:
@@ -50,7 +52,7 @@ def register(sub, mailbox_sub) -> None:
     _add_common(s)
     s.add_argument("--once", action="store_true",
                    help="one full cycle (push what each cursor selects, take in what waits), print JSON, exit")
-    s.add_argument("--timeout", type=float, default=None,
+    s.add_argument("--timeout", type=seconds_arg, default=None,
                    help="--once: longest wait for answers in seconds (default 20; --serial: the profile's [serial] timeout_s)")
     s.set_defaults(fn=cmd_sync)
     s = sub.add_parser("run", help="the long-running node: MQTT (or --serial) sync until SIGTERM/SIGINT")

@@ -34,6 +34,8 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from .cliargs import seconds_arg
+
 BUNDLE_FORMAT = 1
 DEVICE_BUNDLE = "/opt/ssp-agent/bundle"      # where the bundle lives on the device's root filesystem
 DEVICE_BIN = "/opt/ssp-agent/bin/ssp-agent"  # the venv firstboot.sh makes (what the shipped units name)
@@ -94,7 +96,7 @@ def register(sub, mailbox_sub) -> None:
                    help="always-on `run` (ssp-agent.service) or wake-sync-sleep (ssp-agent-sync.timer)")
     a.add_argument("--clock-trusted", action="store_true", help="the device has a real-time clock: init does "
                    "not wait for NTP (docs/apply.md \"Clocks without an RTC\")")
-    a.add_argument("--wait-clock", type=float, default=600, help="seconds init waits for NTP per attempt")
+    a.add_argument("--wait-clock", type=seconds_arg, default=600, help="seconds init waits for NTP per attempt")
     a.set_defaults(fn=cmd_bundle, home_optional=True)
 
     a = ps.add_parser("flash", help="write a bundle onto a Raspberry Pi OS image file (boot + root partitions)")

@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import EXIT_OK, EXIT_REFUSED, Fault, Refused, _json_arg, count_arg, emit
+from .cli import EXIT_OK, EXIT_REFUSED, Fault, Refused, _json_arg, emit
+from .cliargs import count_arg, seconds_arg
 
 
 def _print(obj) -> None:
@@ -260,7 +261,7 @@ def register(sub, mailbox_sub) -> None:
     a.add_argument("--ca-file", help="CA bundle for TLS (implies TLS)")
     a.add_argument("--username", help="broker username (password from --password-file)")
     a.add_argument("--password-file", help="file holding the broker password")
-    a.add_argument("--connect-timeout", type=float, default=10.0)
+    a.add_argument("--connect-timeout", type=seconds_arg, default=10.0)
     a.set_defaults(fn=cmd_run)
     register_commits(sub)
     register_sequencing(sub)
@@ -540,7 +541,7 @@ def register_commits(sub) -> None:
     a.set_defaults(fn=cmd_commits_queue)
     a = ss.add_parser("send", help="submit the queued Commits once and wait for their outcomes")
     _broker_args(a)
-    a.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for outcomes (default 30)")
+    a.add_argument("--timeout", type=seconds_arg, default=30.0, help="seconds to wait for outcomes (default 30)")
     _keep_events_arg(a)
     a.set_defaults(fn=cmd_commits_send)
     a = ss.add_parser("run", help="keep submitting queued Commits, again on every reconnection, until SIGTERM")
