@@ -15,6 +15,33 @@ from firmware_bridge import serial_protocol as sp
 from . import poison
 from .targets import KID, MESH, SITE, sign
 
+def _sequencer_outputs():
+    """Real receipts and discontinuity statements of a fixed P-256 key (test-only signing outside
+    any bridge, as tests/sequencer/test_member.py's RogueSequencer)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from agent.sequencer import receipts
+    from firmware_bridge.ec import der_to_raw, public_key_compressed
+    sk = ec.derive_private_key(0x5EC, ec.SECP256R1())
+    kid = public_key_compressed(sk.public_key())
+
+    def signed(protected, payload):
+        tbs = receipts.sig_structure(protected, payload)
+        return receipts.assemble(protected, payload, der_to_raw(sk.sign(tbs, ec.ECDSA(hashes.SHA256()))))
+    rx, prev = [], None
+    for e in range(3):
+        payload = receipts.payload_bytes(SEQ_GROUP if e < 2 else b"\x01", e, receipts.commit_hash(b"c%d" % e), prev)
+        rx.append(signed(receipts.protected_header(kid), payload))
+        prev = receipts.receipt_hash(rx[-1])
+    st_ = [signed(receipts.statement_protected(kid), receipts.statement_payload(SEQ_GROUP, e, None, prev))
+           for e in (3, 2 ** 63 - 2)]
+    return kid, rx, st_
+
+
+SEQ_GROUP = bytes.fromhex("5e" * 16)
+SEQ_KEY, SEQ_RECEIPTS, SEQ_STATEMENTS = _sequencer_outputs()
+
 EDGE_INTS = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**31, 2**32 - 1, 2**32, 2**53, 2**63 - 1, 2**63, 2**64 - 1,
              2**64, -1, -24, -25, -(2**63), -(2**63) - 1, -(2**64)]
 INTS = st.one_of(st.sampled_from(EDGE_INTS), st.integers(-(2**65), 2**65), st.integers(0, 2**41))
@@ -96,7 +123,22 @@ def record_payload_bytes(draw) -> bytes:
     gen = _maybe(draw, st.one_of(st.sampled_from([0, 1, 2**63 - 1, 2**63, 2**64 - 1]), INTS))
     p = {"subject_site_id": _maybe(draw, st.binary(min_size=16, max_size=16)), "generation": gen,
          "previous_record_hash": _maybe(draw, st.one_of(st.none(), st.binary(min_size=32, max_size=32)))}
-    kind = draw(st.sampled_from(["role", "vouch", "retire", "truncated", "rehydrate", "ack"]))
+    kind = draw(st.sampled_from(["role", "vouch", "retire", "truncated", "rehydrate", "ack",
+                                 "receipt_head", "discontinuity", "binding"]))
+    if kind in ("receipt_head", "discontinuity", "binding"):
+        # sequencing records (agent/core/seqrecords.py): the inner receipt or statement is a real
+        # ES256 one, one of another group, or bytes near one (the sequencer's boundary, inside)
+        p = {"group_id": _maybe(draw, st.one_of(st.just(SEQ_GROUP), st.binary(min_size=1, max_size=255)))}
+        if kind == "binding":
+            p.update(sequencer_key=_maybe(draw, st.sampled_from([SEQ_KEY, b"\x02" * 33, b"\x04" * 65])),
+                     generation=gen, previous_record_hash=_maybe(draw, st.one_of(st.none(),
+                                                                                 st.binary(min_size=32, max_size=32))))
+        else:
+            inner = SEQ_RECEIPTS if kind == "receipt_head" else SEQ_STATEMENTS
+            p["receipt" if kind == "receipt_head" else "statement"] = _maybe(draw, st.one_of(
+                st.sampled_from(inner), st.sampled_from(inner).map(lambda b: b[:-1]),
+                st.binary(max_size=300)))
+        return dumps(p, canonical=draw(st.integers(0, 9)) > 0)
     if kind == "role":
         p["role"] = _maybe(draw, TEXT)
     elif kind == "vouch":

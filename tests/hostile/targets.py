@@ -20,6 +20,7 @@ from typing import Any, Callable
 import nacl.signing
 
 from agent.core import cose
+from agent.core import seqrecords as sr
 from agent.core.classify import UNCLASSIFIED
 from agent.core.codec import DecodeError, decode_strict
 from agent.core.events import EVENT_CONTENT_TYPE, event_from_verified
@@ -27,6 +28,7 @@ from agent.core.messages import Handshake, ProtocolError, SyncBody, parse_messag
 from agent.core.records import ACK, TRUNCATED, CONTENT_TYPES, RecordError, verify_ack, verify_record, verify_truncation
 from agent.core.session import StreamMeta, decode_frame, parse_meta_text
 from agent.outcomes import STATUSES
+from agent.sequencer import receipts as rc
 from firmware_bridge import serial_protocol as sp
 
 MESH = bytes.fromhex("f0220000000000000000000000000011")
@@ -159,17 +161,25 @@ def event_payload(data: bytes) -> None:
 
 def record_payload(data: bytes) -> None:
     """Payload bytes signed validly by a mesh authority, as every record kind (authority records,
-    truncation, MQTT acknowledgement): the record boundaries."""
-    for ctype in list(CONTENT_TYPES.values()) + [TRUNCATED, ACK]:
+    truncation, MQTT acknowledgement, the sequencing records with the sequencer's receipt or
+    statement inside, as agent/sequencing.py reads them): the record boundaries."""
+    entry = lambda kid: (bytes(KEY.verify_key), None) if kid == KID else None    # noqa: E731
+    for ctype in list(CONTENT_TYPES.values()) + [TRUNCATED, ACK, sr.RECEIPT_HEAD, sr.DISCONTINUITY, sr.BINDING]:
         raw = sign(data, ctype)
         try:
-            if ctype == TRUNCATED:
+            if ctype == sr.RECEIPT_HEAD:
+                rc.verify_receipt(sr.verify_receipt_head(raw, MESH, entry).receipt)
+            elif ctype == sr.DISCONTINUITY:
+                rc.verify_statement(sr.verify_discontinuity(raw, MESH, entry).statement)
+            elif ctype == sr.BINDING:
+                sr.verify_binding(raw, MESH, {KID}, lambda kid: bytes(KEY.verify_key) if kid == KID else None)
+            elif ctype == TRUNCATED:
                 verify_truncation(raw, MESH, lambda kid: (bytes(KEY.verify_key), None) if kid == KID else None)
             elif ctype == ACK:
                 verify_ack(raw, MESH, lambda kid: (bytes(KEY.verify_key), None) if kid == KID else None)
             else:
                 verify_record(raw, MESH, {KID}, lambda kid: bytes(KEY.verify_key) if kid == KID else None)
-        except RecordError as e:
+        except (RecordError, rc.ReceiptError) as e:
             designated(e)
 
 
@@ -225,7 +235,7 @@ class FuzzNode:
 
     def records(self, data: bytes) -> None:
         from agent.rehydrate import CONTENT_TYPE as REHYDRATE
-        raws = [sign(data, c) for c in list(CONTENT_TYPES.values()) + [TRUNCATED, REHYDRATE]] + [data]
+        raws = [sign(data, c) for c in list(CONTENT_TYPES.values()) + [TRUNCATED, REHYDRATE, *SEQUENCING]] + [data]
         out = self.driver.apply_records(raws, self.now)
         assert isinstance(out, dict)
 
@@ -239,3 +249,4 @@ class FuzzNode:
 
 
 NODE_TARGETS = ("event_payload", "records", "mailbox")
+SEQUENCING = (sr.RECEIPT_HEAD, sr.DISCONTINUITY, sr.BINDING)
