@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from agent.sequencer import receipts
+from agent.sequencer.core import MAX_EPOCH
 from agent.sequencer.framing import FramingError, parse_mls_message
 from agent.sequencer.recovery import MAX_OFFERED, MemberEvidence
 from agent.sequencer.queue_store import EVENTS_KEPT, KEPT_EVENTS, QueueStore  # noqa: F401 - the retention, for callers
@@ -124,6 +125,8 @@ class CommitQueue:
             raise QueueRefused(f"not an MLSMessage: {e}") from None
         if not f.is_commit:
             raise QueueRefused("only Commits are sequenced (content_type is not commit)")
+        if f.epoch > MAX_EPOCH:      # the sequencer refuses it (epoch_out_of_range); the store cannot hold it
+            raise QueueRefused(f"epoch {f.epoch} is beyond what a sequencer sequences (at most {MAX_EPOCH})")
         ch = receipts.commit_hash(message)
         out = self.store.add_queued(ch, f.group_id, f.epoch, message)   # the same bytes again: one entry
         if out is not None:

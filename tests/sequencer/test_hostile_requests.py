@@ -204,3 +204,15 @@ def test_member_fuzz_nothing_from_the_broker_raises():
             finally:
                 q.close()
     one()
+
+
+def test_a_commit_beyond_64_bit_epochs_is_refused_by_the_queue(tmp_path):
+    """`commits queue` of a Commit whose epoch the store cannot hold (2^63 and above; the
+    sequencer refuses it as epoch_out_of_range) is refused, exit 2. Before: an OverflowError
+    traceback, exit 1."""
+    for epoch in (2 ** 63, 2 ** 64 - 1):
+        f = tmp_path / f"c{epoch}.mls"
+        f.write_bytes(encode_private_message(G, epoch))
+        p = subprocess.run([*agent_cmd(), "--home", str(tmp_path / "m"), "commits", "queue", str(f)],
+                           capture_output=True, text=True, env=agent_env())
+        assert p.returncode == 2 and "Traceback" not in p.stderr and "epoch" in p.stderr, p.stderr[-300:]
