@@ -348,8 +348,12 @@ def _broker_settings(args):
 def _client(args, q):
     from .sequencer import client
     home = Path(args.home)
+    from . import sequencing
+    from .node import Node
+    store = home / Node.STORE_FILE
     return client.CommitClient(q, _broker_settings(args), signer_for=_signer_for(home, q.sequencer_key),
-                               binding_state=_binding_state(home, q.sequencer_key))
+                               binding_state=_binding_state(home, q.sequencer_key),
+                               node_held=lambda gid, runs: sequencing.held_in(store, gid, runs))
 
 
 def _signer_for(home: Path, fallback):

@@ -27,7 +27,7 @@ import os
 from typing import Optional
 
 from .core import seqrecords as sr
-from .core.codec import DecodeError
+from .core.codec import DecodeError, decode_strict
 from .core.cose import ALG_ES256, assemble, content_type, parse_sign1
 from .core.records import RecordError, record_hash
 from .records_in import issuer_key, surface
@@ -195,6 +195,33 @@ def binding_state(path, gid: bytes) -> bytes:
         b = bindings(_View(conn), gid)
         return json.dumps({"bindings": sorted((g, k.hex()) for g, k in b.bindings.items()),
                            "forks": sorted((g, x.hex(), y.hex()) for g, x, y in b.forks)}).encode()
+    finally:
+        conn.close()
+
+
+def held_in(path, gid: bytes, runs: list[tuple[int, int]]) -> list[bytes]:
+    """The receipts and signed gap statements the member node whose store is ``path`` holds for
+    ``gid`` (receipt heads and discontinuity records gossiped over the mesh) whose epoch lies in
+    ``runs``: what `commits run` offers the sequencer beside its queue's, for the epochs a restored
+    state lost (docs/sequencer.md "Taking back receipts"). Read on a read-only connection beside
+    the node; parsed, not verified (the node verified each record when it stored it, and the
+    sequencer verifies every receipt it takes)."""
+    if not path.exists():
+        return []
+    conn = db.connect_readonly(path)
+    try:
+        out = []
+        for kind, member, parse in (("head", "receipt", rc.parse_receipt), ("discontinuity", "statement",
+                                                                           rc.parse_statement)):
+            for raw in store.raws(conn, gid, kind):
+                try:
+                    inner = decode_strict(parse_sign1(raw).payload_bytes)[member]
+                    epoch = parse(inner).epoch
+                except (DecodeError, rc.ReceiptError, KeyError, TypeError):
+                    continue
+                if any(a <= epoch <= b for a, b in runs):
+                    out.append(bytes(inner))
+        return out
     finally:
         conn.close()
 

@@ -49,7 +49,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from agent.sequencer import receipts
 from agent.sequencer.core import MAX_EPOCH
@@ -212,27 +212,31 @@ class CommitQueue:
         return {"member": self.member_id, "group": group_id.hex(), "receipts": [r.hex() for _e, r in rx],
                 "attested_epoch": attested_epoch, "discontinuities": gaps, "statements": [r.hex() for r in stated]}
 
-    def offer(self, group_id: bytes, stretches: list[tuple[int, int]], limit: int) -> Optional["MemberEvidence"]:
+    def offer(self, group_id: bytes, stretches: list[tuple[int, int]], limit: int,
+              also: Iterable[bytes] = ()) -> Optional["MemberEvidence"]:
         """What this member holds in the stretches the sequencer lost (its ``lost`` record): at
-        most ``limit`` receipts and statements, the highest epochs of each stretch first (the
-        sequencer walks down from the receipt above a stretch; what it takes, it stops asking
-        for). None when it holds nothing there."""
-        rx: list[bytes] = []
+        most ``limit`` receipts and statements, the highest epochs first (the sequencer walks down
+        from the receipt above a stretch; what it takes, it stops asking for). ``also``: receipts
+        and statements held elsewhere (the member node's, agent/sequencing.held_in). None when it
+        holds nothing there."""
+        held: list[bytes] = []
         gaps: list[int] = []
-        stated: list[bytes] = []
-        for first, last in sorted(stretches, reverse=True):
-            room = limit - len(rx) - len(stated)
-            if room <= 0:
-                break
-            r, g, s = self.store.held_in(group_id, first, last, room)
-            rx += r
-            stated += s[:room - len(r)]
+        for first, last in stretches:
+            r, g, s = self.store.held_in(group_id, first, last, limit)
+            held += r + s
             gaps += g
-        if not (rx or stated):
+        ranked = []
+        for raw in dict.fromkeys([*held, *map(bytes, also)]):
+            got = _epoch_of(raw)
+            if got is not None and any(a <= got[0] <= b for a, b in stretches):
+                ranked.append((got[0], got[1], raw))
+        ranked = sorted(ranked, key=lambda x: (-x[0], x[1], x[2]))[:limit]
+        if not ranked:
             return None
         top = self.store.top_held(group_id)    # attested as `evidence` does by default: one above it
-        return MemberEvidence(self.member_id, tuple(rx), (-1 if top is None else top) + 1, tuple(sorted(gaps)),
-                              tuple(stated))
+        return MemberEvidence(self.member_id, tuple(raw for _e, st, raw in ranked if not st),
+                              (-1 if top is None else top) + 1, tuple(sorted(set(gaps))),
+                              tuple(raw for _e, st, raw in ranked if st))
 
     def ungossiped(self) -> list[bytes]:
         """What the member holds and has not yet handed to its node's gossip, in the order it was
@@ -398,7 +402,8 @@ class CommitClient:
     RECHECK_S = 2.0                    # held and attributed receipts are looked at again this often
 
     def __init__(self, q: CommitQueue, settings, on_receipt: Optional[Callable[[bytes], None]] = None,
-                 signer_for: Optional[SignerFor] = None, binding_state: Optional[BindingState] = None) -> None:
+                 signer_for: Optional[SignerFor] = None, binding_state: Optional[BindingState] = None,
+                 node_held: Optional[Callable[[bytes, list], list]] = None) -> None:
         import paho.mqtt.client as paho
         from paho.mqtt.enums import CallbackAPIVersion
         self.q, self.s = q, settings
@@ -415,6 +420,7 @@ class CommitClient:
         self._sent_in: dict[bytes, tuple[int, float, float]] = {}   # (connection, next resubmit, wait)
         self._followed: dict[bytes, int] = {}                        # group -> connection it subscribed on
         self._offered: dict[bytes, tuple[bytes, tuple]] = {}          # group -> (`lost` record, receipts offered)
+        self.node_held = node_held     # (group, runs) -> what the member node holds there (sequencing.held_in)
         c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"sovm-member-{q.member_id}", protocol=paho.MQTTv5)
         if settings.username is not None:
             c.username_pw_set(settings.username, settings.password)
@@ -561,7 +567,15 @@ class CommitClient:
             return
         if runs is None or gid not in self._followed:
             return
-        offer = self.q.offer(gid, runs, MAX_OFFERED) if runs else None
+        if not runs:
+            return
+        also: list = []
+        if self.node_held is not None:
+            try:
+                also = self.node_held(gid, runs)
+            except Exception:  # noqa: BLE001 - the node store unreadable right now: offer the queue's
+                also = []
+        offer = self.q.offer(gid, runs, MAX_OFFERED, also)
         if offer is None:
             return
         key = (payload, offer.receipts + offer.statements)
@@ -668,6 +682,18 @@ class CommitClient:
             return
         if self.q.settle(e.commit_hash, out.state, out.reason, out.receipt) and out.receipt and self.on_receipt:
             self.on_receipt(out.receipt)
+
+
+def _epoch_of(raw: bytes) -> Optional[tuple[int, bool]]:
+    """(epoch, is a statement) of a receipt or a discontinuity statement; None: neither."""
+    try:
+        return receipts.parse_receipt(raw).epoch, False
+    except receipts.ReceiptError:
+        pass
+    try:
+        return receipts.parse_statement(raw).epoch, True
+    except receipts.ReceiptError:
+        return None
 
 
 def parse_lost(payload: bytes) -> Optional[list[tuple[int, int]]]:

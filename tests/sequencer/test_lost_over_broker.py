@@ -312,3 +312,53 @@ def test_refill_offered_fuzz_takes_nothing_from_forged_bytes(tmp_path, monkeypat
             assert isinstance(out, recovery.Refilled) and out.refill.receipts == () and out.refill.statements == ()
         one()
         assert s.lost(g) == [(BACKUP_AT, LAST - 1, LAST - BACKUP_AT)] and not s.store.group(g).failed_closed
+
+
+def test_receipts_the_member_node_heard_through_the_mesh_are_offered_too(tmp_path, monkeypatch, broker):
+    """A member whose Commit queue holds none of the lost receipts, but whose node heard them as
+    receipt-head records gossiped over the mesh (agent/sequencing.py), offers those: `commits run`
+    reads them from the node's store (read-only, beside the node) and the sequencer takes back
+    every epoch (before: only what the queue held was offered, so nothing here)."""
+    from agent import sequencing
+    from agent.node import Node
+    from agent.simpeer import manifest_text, readings_table
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[1]
+    with service.Sequencer(home) as s:
+        key = s.public_key
+    member_home = tmp_path / "member"
+    node, _ = Node.init(member_home, manifest_text(bytes(16), readings_table(retention="telemetry")))
+    try:
+        now = int(time.time() * 1000)
+        for e in range(BACKUP_AT - 1, LAST + 1):        # what the mesh carried to this node
+            assert sequencing.gossip(node, got[(g, e)], now + e)["gossiped"]
+    finally:
+        node.close()
+    q = client.open_queue(member_home, key)
+    try:
+        q.enqueue(msg(g, LAST + 1))                     # follows group 1; its queue holds no receipt
+        assert q.offer(g, [(BACKUP_AT, LAST - 1)], 100) is None
+    finally:
+        q.close()
+    seq = subprocess.Popen([*agent_cmd(), "--home", str(home), "sequencer", "run", "--broker", broker.url],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
+    mem = None
+    try:
+        json.loads(seq.stdout.readline())
+        mem = subprocess.Popen([*agent_cmd(), "--home", str(member_home), "commits", "run", "--broker", broker.url],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
+        deadline = time.monotonic() + 60
+        lost = None
+        while time.monotonic() < deadline:
+            lost = _status(home)[g.hex()].get("receipts_lost")
+            if lost and lost[0]["missing"] == 0:
+                break
+            time.sleep(0.5)
+        assert lost == [{"from": BACKUP_AT, "to": LAST - 1, "missing": 0}], lost
+    finally:
+        for p in (mem, seq):
+            if p is not None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(20)
+    with service.Sequencer(home) as s:
+        assert all(s.receipt(g, e) == got[(g, e)] for e in range(LAST + 1))
