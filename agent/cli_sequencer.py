@@ -523,9 +523,13 @@ def cmd_commits_evidence(args) -> int:
     gid = _group(args.group)
     if args.attested_epoch is not None and args.attested_epoch < 0:
         raise Refused("--attested-epoch must be 0 or more")
+    from . import sequencing
+    from .node import Node
     q = _queue(args)
     try:
-        doc = q.evidence(gid, args.attested_epoch)
+        # what the member node heard over the mesh too (receipt heads, discontinuity records)
+        doc = q.evidence(gid, args.attested_epoch, sequencing.held_in(Path(args.home) / Node.STORE_FILE, gid,
+                                                                       [(0, 2 ** 63 - 1)]))
     finally:
         q.close()
     _write_out(args.out, doc)

@@ -201,15 +201,24 @@ class CommitQueue:
         out += [r for _g, _e, r in self.statements()]
         return list(dict.fromkeys(out))
 
-    def evidence(self, group_id: bytes, attested_epoch: Optional[int] = None) -> dict:
+    def evidence(self, group_id: bytes, attested_epoch: Optional[int] = None, also: Iterable[bytes] = ()) -> dict:
         """This member's evidence for one group, in the file format `sequencer recover` reads
         (docs/sequencer.md "Recovery after state loss"): every receipt it holds for the group, the
-        gaps it recorded, the signed statements it heard. ``attested_epoch``: the member's current
-        MLS epoch (its MLS client knows it); None: one above the highest receipt held."""
+        gaps it recorded, the signed statements it heard. ``also``: receipts and statements held
+        elsewhere (the member node's, agent/sequencing.held_in), merged in. ``attested_epoch``:
+        the member's current MLS epoch (its MLS client knows it); None: one above the highest
+        receipt held."""
         rx, gaps, stated = self.store.held_of(group_id)
+        rx = {raw: e for e, raw in rx}
+        stated = {raw: None for raw in stated}
+        for raw in map(bytes, also):
+            got = _epoch_of(raw)
+            if got is not None:
+                (stated if got[1] else rx).setdefault(raw, got[0])
         if attested_epoch is None:
-            attested_epoch = max((e for e, _r in rx), default=-1) + 1
-        return {"member": self.member_id, "group": group_id.hex(), "receipts": [r.hex() for _e, r in rx],
+            attested_epoch = max(rx.values(), default=-1) + 1
+        ordered = sorted(rx.items(), key=lambda kv: (kv[1], kv[0]))
+        return {"member": self.member_id, "group": group_id.hex(), "receipts": [r.hex() for r, _e in ordered],
                 "attested_epoch": attested_epoch, "discontinuities": gaps, "statements": [r.hex() for r in stated]}
 
     def offer(self, group_id: bytes, stretches: list[tuple[int, int]], limit: int,

@@ -319,27 +319,7 @@ def test_receipts_the_member_node_heard_through_the_mesh_are_offered_too(tmp_pat
     receipt-head records gossiped over the mesh (agent/sequencing.py), offers those: `commits run`
     reads them from the node's store (read-only, beside the node) and the sequencer takes back
     every epoch (before: only what the queue held was offered, so nothing here)."""
-    from agent import sequencing
-    from agent.node import Node
-    from agent.simpeer import manifest_text, readings_table
-    home, got, _ = compacted_history(tmp_path, monkeypatch)
-    g = GROUPS[1]
-    with service.Sequencer(home) as s:
-        key = s.public_key
-    member_home = tmp_path / "member"
-    node, _ = Node.init(member_home, manifest_text(bytes(16), readings_table(retention="telemetry")))
-    try:
-        now = int(time.time() * 1000)
-        for e in range(BACKUP_AT - 1, LAST + 1):        # what the mesh carried to this node
-            assert sequencing.gossip(node, got[(g, e)], now + e)["gossiped"]
-    finally:
-        node.close()
-    q = client.open_queue(member_home, key)
-    try:
-        q.enqueue(msg(g, LAST + 1))                     # follows group 1; its queue holds no receipt
-        assert q.offer(g, [(BACKUP_AT, LAST - 1)], 100) is None
-    finally:
-        q.close()
+    home, got, g, member_home = _member_node_heard(tmp_path, monkeypatch)
     seq = subprocess.Popen([*agent_cmd(), "--home", str(home), "sequencer", "run", "--broker", broker.url],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
     mem = None
@@ -362,3 +342,46 @@ def test_receipts_the_member_node_heard_through_the_mesh_are_offered_too(tmp_pat
                 p.wait(20)
     with service.Sequencer(home) as s:
         assert all(s.receipt(g, e) == got[(g, e)] for e in range(LAST + 1))
+
+
+def _member_node_heard(tmp_path, monkeypatch):
+    """The restored sequencer home, and a member home whose node heard group 1's receipts from
+    epoch BACKUP_AT - 1 on over the mesh (gossiped receipt heads), and whose Commit queue follows
+    the group but holds none of them."""
+    from agent import sequencing
+    from agent.node import Node
+    from agent.simpeer import manifest_text, readings_table
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[1]
+    with service.Sequencer(home) as s:
+        key = s.public_key
+    member_home = tmp_path / "member"
+    node, _ = Node.init(member_home, manifest_text(bytes(16), readings_table(retention="telemetry")))
+    try:
+        now = int(time.time() * 1000)
+        for e in range(BACKUP_AT - 1, LAST + 1):        # what the mesh carried to this node
+            assert sequencing.gossip(node, got[(g, e)], now + e)["gossiped"]
+    finally:
+        node.close()
+    q = client.open_queue(member_home, key)
+    try:
+        q.enqueue(msg(g, LAST + 1))                     # follows group 1; its queue holds no receipt
+        assert q.offer(g, [(BACKUP_AT, LAST - 1)], 100) is None
+    finally:
+        q.close()
+    return home, got, g, member_home
+
+
+def test_commits_evidence_includes_what_the_member_node_heard(tmp_path, monkeypatch):
+    """The operator's evidence file holds the receipts the member node heard over the mesh beside
+    the queue's (before: only the queue's, so this member had nothing to give: exit 2)."""
+    home, got, g, member_home = _member_node_heard(tmp_path, monkeypatch)
+    p = subprocess.run([*agent_cmd(), "--home", str(member_home), "commits", "evidence", "--group", g.hex()],
+                       capture_output=True, text=True, env=agent_env())
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["receipts"] == [got[(g, e)].hex() for e in range(BACKUP_AT - 1, LAST + 1)]
+    assert doc["attested_epoch"] == LAST + 1
+    with service.Sequencer(home) as s:
+        out = s.recover(g, [recovery.parse_evidence(p.stdout.encode())], {0: s.public_key})
+        assert out.missing == 0 and len(out.refill.receipts) == LAST - BACKUP_AT
