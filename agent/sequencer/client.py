@@ -574,9 +574,7 @@ class CommitClient:
             gid = bytes.fromhex(group_hex)
         except ValueError:
             return
-        if runs is None or gid not in self._followed:
-            return
-        if not runs:
+        if not runs or gid not in self._followed:       # not a record, or nothing missing
             return
         also: list = []
         if self.node_held is not None:
