@@ -145,11 +145,16 @@ def init(home: Path, keystore: Optional[dict] = None) -> bytes:
                 f.flush()
                 os.fsync(f.fileno())
             conf["pin_file"] = str(home / PIN_NAME)
-        ks = open_keystore(_with_pin(conf))
         try:
-            public = ks.generate_key(RECEIPT_KEY, "p256")
-        finally:
-            ks.close()
+            ks = open_keystore(_with_pin(conf))
+            try:
+                public = ks.generate_key(RECEIPT_KEY, "p256")
+            finally:
+                ks.close()
+        except BaseException:
+            # a failed init leaves no PIN behind (the home is not made: nothing would read it)
+            (home / PIN_NAME).unlink(missing_ok=True)
+            raise
         store = Store(home / (DB_NAME + ".new"))
         store.set_meta("keystore", conf)
         store.set_meta("receipt_key", {"name": RECEIPT_KEY, "public_key": public.hex()})

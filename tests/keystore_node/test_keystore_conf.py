@@ -41,3 +41,19 @@ def test_both_inits_refuse_a_bad_keystore_and_leave_no_home(tmp_path, bad):
         p = run_cli("--home", h, *argv, "--keystore", json.dumps(bad))
         assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, (argv, bad, p.stderr)
         assert not (h / made).exists()
+
+
+def test_a_failed_sequencer_init_leaves_no_pin(tmp_path, softhsm_conf):
+    """As the node's init (test_init_failure.py): a PKCS#11 `sequencer init` that fails (a wrong
+    token label, a wrong PIN) leaves no keystore.pin behind, and the same home initialises once
+    the argument is fixed. Before: the PIN stayed in HOME/keystore.pin of the failed home."""
+    env = softhsm_conf["env"]
+    conf = {k: v for k, v in softhsm_conf.items() if k != "env"}
+    h = tmp_path / "seq"
+    for bad in ({**conf, "token_label": "no-such-token"}, {**conf, "pin": "000000"}):
+        p = run_cli("--home", h, "sequencer", "init", "--keystore", json.dumps(bad), env=env)
+        assert p.returncode == 1, (p.returncode, p.stderr)          # the keystore is unavailable: a fault
+        assert not (h / "keystore.pin").exists() and not (h / "sequencer.db").exists()
+    p = run_cli("--home", h, "sequencer", "init", "--keystore", json.dumps(conf), env=env)
+    assert p.returncode == 0, p.stderr
+    assert (h / "keystore.pin").exists()
