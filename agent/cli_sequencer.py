@@ -3,6 +3,7 @@
 Registered into agent/cli.py's parser by `register(sub, mailbox_sub)`."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -72,8 +73,6 @@ def cmd_init(args) -> int:
 def cmd_register(args) -> int:
     from .sequencer import service
     gid = _group(args.group)
-    if args.epoch < 0:
-        raise Refused("--epoch must be >= 0")
     with _open(args) as s:
         try:
             s.register(gid, args.epoch)
@@ -128,10 +127,8 @@ def _bindings(items: list[str]) -> dict[int, bytes]:
     for item in items or []:
         epoch, _, key = item.partition(":")
         try:
-            if not 0 <= int(epoch) < 2 ** 63:
-                raise ValueError(epoch)
-            out[int(epoch)] = bytes.fromhex(key)
-        except ValueError:
+            out[count_arg(epoch)] = bytes.fromhex(key)
+        except (ValueError, argparse.ArgumentTypeError):
             raise Refused(f"--binding must be EPOCH:KEYHEX (33-byte compressed key), got {item!r}") from None
         if len(out[int(epoch)]) != 33:
             raise Refused("--binding keys are 33-byte compressed SEC1 P-256 keys (66 hex)")
@@ -279,10 +276,7 @@ def _queue(args):
             raise Refused("--sequencer-key must be hex (66 digits: the compressed P-256 key)") from None
         if len(key) != 33:
             raise Refused("--sequencer-key must be the 33-byte compressed P-256 key (66 hex digits)")
-    keep = getattr(args, "keep_events", None)
-    if keep is not None and keep < 0:
-        raise Refused("--keep-events must be 0 or more")
-    return _open_queue(Path(args.home), key, keep)
+    return _open_queue(Path(args.home), key, getattr(args, "keep_events", None))
 
 
 def _open_queue(home: Path, key=None, events_kept=None):
@@ -318,8 +312,6 @@ def cmd_commits_status(args) -> int:
     """The queue: every queued Commit and the --limit most recent ones, each group's --limit most
     recent heads, the --limit most recent events (--all: everything kept), every retained
     unsettled receipt and discontinuity; ``omitted`` counts what was left out."""
-    if args.limit is not None and args.limit < 0:
-        raise Refused("--limit must be 0 or more")
     q = _queue(args)
     try:
         from .sequencer import client
@@ -346,14 +338,14 @@ def _broker_settings(args):
 
 
 def _client(args, q):
-    from .sequencer import client
-    home = Path(args.home)
     from . import sequencing
     from .node import Node
+    from .sequencer import client
+    home = Path(args.home)
     store = home / Node.STORE_FILE
     return client.CommitClient(q, _broker_settings(args), signer_for=_signer_for(home, q.sequencer_key),
                                binding_state=_binding_state(home, q.sequencer_key),
-                               node_held=lambda gid, runs: sequencing.held_in(store, gid, runs))
+                               node_held=lambda gid: sequencing.held_of(store, gid))
 
 
 def _signer_for(home: Path, fallback):
@@ -520,16 +512,13 @@ def _keep_events_arg(a) -> None:
 def cmd_commits_evidence(args) -> int:
     """This member's receipts, gaps and statements for one group, as the JSON evidence file
     `sequencer recover` reads (§22.6 step 1; docs/sequencer.md)."""
-    gid = _group(args.group)
-    if args.attested_epoch is not None and args.attested_epoch < 0:
-        raise Refused("--attested-epoch must be 0 or more")
     from . import sequencing
     from .node import Node
+    gid = _group(args.group)
     q = _queue(args)
     try:
         # what the member node heard over the mesh too (receipt heads, discontinuity records)
-        doc = q.evidence(gid, args.attested_epoch, sequencing.held_in(Path(args.home) / Node.STORE_FILE, gid,
-                                                                       [(0, 2 ** 63 - 1)]))
+        doc = q.evidence(gid, args.attested_epoch, sequencing.held_of(Path(args.home) / Node.STORE_FILE, gid))
     finally:
         q.close()
     _write_out(args.out, doc)

@@ -199,28 +199,24 @@ def binding_state(path, gid: bytes) -> bytes:
         conn.close()
 
 
-def held_in(path, gid: bytes, runs: list[tuple[int, int]]) -> list[bytes]:
-    """The receipts and signed gap statements the member node whose store is ``path`` holds for
-    ``gid`` (receipt heads and discontinuity records gossiped over the mesh) whose epoch lies in
-    ``runs``: what `commits run` offers the sequencer beside its queue's, for the epochs a restored
-    state lost (docs/sequencer.md "Taking back receipts"). Read on a read-only connection beside
-    the node; parsed, not verified (the node verified each record when it stored it, and the
-    sequencer verifies every receipt it takes)."""
+def held_of(path, gid: bytes) -> list[bytes]:
+    """Every receipt and signed gap statement the member node whose store is ``path`` holds for
+    ``gid`` (receipt heads and discontinuity records gossiped over the mesh): what `commits run`
+    offers the sequencer beside its queue's for the epochs a restored state lost, and what
+    `commits evidence` writes (docs/sequencer.md "Taking back receipts"). Read on a read-only
+    connection beside the node; the bytes the records carry, not parsed or verified here (the node
+    verified each record when it stored it; the caller picks the epochs, the sequencer verifies)."""
     if not path.exists():
         return []
     conn = db.connect_readonly(path)
     try:
         out = []
-        for kind, member, parse in (("head", "receipt", rc.parse_receipt), ("discontinuity", "statement",
-                                                                           rc.parse_statement)):
+        for kind, member in (("head", "receipt"), ("discontinuity", "statement")):
             for raw in store.raws(conn, gid, kind):
                 try:
-                    inner = decode_strict(parse_sign1(raw).payload_bytes)[member]
-                    epoch = parse(inner).epoch
-                except (DecodeError, rc.ReceiptError, KeyError, TypeError):
+                    out.append(bytes(decode_strict(parse_sign1(raw).payload_bytes)[member]))
+                except (DecodeError, KeyError, TypeError):
                     continue
-                if any(a <= epoch <= b for a, b in runs):
-                    out.append(bytes(inner))
         return out
     finally:
         conn.close()

@@ -9,6 +9,18 @@ import pytest
 os.environ.setdefault("SSP_AGENT_CLOCK_TRUSTED", "1")
 
 
+@pytest.fixture
+def broker(tmp_path):
+    """A real mosquitto (Debian `mosquitto`), started by the project's own wrapper on a free
+    loopback port, for every test that syncs or sequences through a broker."""
+    from agent.transport.broker import Broker, find_mosquitto
+    if find_mosquitto() is None:
+        pytest.fail("mosquitto is not installed (apt-get install mosquitto); this test needs a real broker")
+    b = Broker(workdir=tmp_path / "broker").start()
+    yield b
+    b.close()
+
+
 @pytest.fixture(autouse=True)
 def _witness_dir(tmp_path_factory, monkeypatch):
     # Nodes mirror their clock ceiling outside their home; keep it inside the test's temp dir.

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from agent.sequencer import receipts
-from agent.sequencer.core import MAX_EPOCH
+from agent.sequencer.core import EPOCH_LIMIT, MAX_EPOCH
 from agent.sequencer.framing import FramingError, parse_mls_message
 from agent.sequencer.recovery import MAX_OFFERED, MemberEvidence
 from agent.sequencer.queue_store import EVENTS_KEPT, KEPT_EVENTS, QueueStore  # noqa: F401 - the retention, for callers
@@ -205,7 +205,7 @@ class CommitQueue:
         """This member's evidence for one group, in the file format `sequencer recover` reads
         (docs/sequencer.md "Recovery after state loss"): every receipt it holds for the group, the
         gaps it recorded, the signed statements it heard. ``also``: receipts and statements held
-        elsewhere (the member node's, agent/sequencing.held_in), merged in. ``attested_epoch``:
+        elsewhere (the member node's, agent/sequencing.held_of), merged in. ``attested_epoch``:
         the member's current MLS epoch (its MLS client knows it); None: one above the highest
         receipt held."""
         rx, gaps, stated = self.store.held_of(group_id)
@@ -226,7 +226,7 @@ class CommitQueue:
         """What this member holds in the stretches the sequencer lost (its ``lost`` record): at
         most ``limit`` receipts and statements, the highest epochs first (the sequencer walks down
         from the receipt above a stretch; what it takes, it stops asking for). ``also``: receipts
-        and statements held elsewhere (the member node's, agent/sequencing.held_in). None when it
+        and statements held elsewhere (the member node's, agent/sequencing.held_of). None when it
         holds nothing there."""
         held: list[bytes] = []
         gaps: list[int] = []
@@ -412,7 +412,7 @@ class CommitClient:
 
     def __init__(self, q: CommitQueue, settings, on_receipt: Optional[Callable[[bytes], None]] = None,
                  signer_for: Optional[SignerFor] = None, binding_state: Optional[BindingState] = None,
-                 node_held: Optional[Callable[[bytes, list], list]] = None) -> None:
+                 node_held: Optional[Callable[[bytes], list]] = None) -> None:
         import paho.mqtt.client as paho
         from paho.mqtt.enums import CallbackAPIVersion
         self.q, self.s = q, settings
@@ -429,7 +429,7 @@ class CommitClient:
         self._sent_in: dict[bytes, tuple[int, float, float]] = {}   # (connection, next resubmit, wait)
         self._followed: dict[bytes, int] = {}                        # group -> connection it subscribed on
         self._offered: dict[bytes, tuple[bytes, tuple]] = {}          # group -> (`lost` record, receipts offered)
-        self.node_held = node_held     # (group, runs) -> what the member node holds there (sequencing.held_in)
+        self.node_held = node_held     # group -> what the member node holds of it (sequencing.held_of)
         c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"sovm-member-{q.member_id}", protocol=paho.MQTTv5)
         if settings.username is not None:
             c.username_pw_set(settings.username, settings.password)
@@ -532,7 +532,7 @@ class CommitClient:
         except (ValueError, IndexError, KeyError, TypeError, codec.DecodeError):
             return
         if parts[-1] != "accepted":
-            if type(epoch) is int and 0 <= epoch < 2 ** 63 and self.q.keep_gap(gid, epoch):
+            if type(epoch) is int and 0 <= epoch < EPOCH_LIMIT and self.q.keep_gap(gid, epoch):
                 self.q.record_event("discontinuity", {"group": gid.hex(), "epoch": epoch})
             raw = body.get("statement") if isinstance(body, dict) else None
             if isinstance(raw, bytes):
@@ -579,7 +579,7 @@ class CommitClient:
         also: list = []
         if self.node_held is not None:
             try:
-                also = self.node_held(gid, runs)
+                also = self.node_held(gid)
             except Exception:  # noqa: BLE001 - the node store unreadable right now: offer the queue's
                 also = []
         offer = self.q.offer(gid, runs, MAX_OFFERED, also)
@@ -705,7 +705,7 @@ def _epoch_of(raw: bytes) -> Optional[tuple[int, bool]]:
 
 def parse_lost(payload: bytes) -> Optional[list[tuple[int, int]]]:
     """The boundary for a `lost` record from the broker: CBOR {"missing": [[first, last], ...]}
-    (0 <= first <= last < 2^63, at most MAX_LOST_RUNS runs); b"" (cleared): []. None: not one."""
+    (0 <= first <= last < EPOCH_LIMIT, at most MAX_LOST_RUNS runs); b"" (cleared): []. None: not one."""
     from agent.core import codec
     if not payload:
         return []
@@ -718,7 +718,7 @@ def parse_lost(payload: bytes) -> Optional[list[tuple[int, int]]]:
         return None
     out = []
     for r in runs:
-        if not (isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) and 0 <= r[0] <= r[1] < 2 ** 63):
+        if not (isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) and 0 <= r[0] <= r[1] < EPOCH_LIMIT):
             return None
         out.append((r[0], r[1]))
     return out

@@ -38,7 +38,8 @@ EPOCH_OUT_OF_RANGE = "epoch_out_of_range"  # beyond what the store's signed 64-b
 
 # The framing's epoch is a uint64; the sequencer's SQLite state holds signed 64-bit integers and
 # must be able to store E+1 after accepting E.
-MAX_EPOCH = 2**63 - 2
+EPOCH_LIMIT = 2**63          # every epoch the store's signed 64-bit integers hold is below it
+MAX_EPOCH = EPOCH_LIMIT - 2
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from agent.sequencer import layout
+from agent.sequencer.core import EPOCH_LIMIT
 from agent.sequencer.receipts import receipt_hash
 
 # The columns of a Commit, in the order client.Entry takes them
@@ -60,6 +61,14 @@ _COMMIT = "commit_hash, group_id, epoch, message, state, reason, receipt, submis
 EVENTS_KEPT = 1000
 KEPT_EVENTS = ("receipt_attributed", "discontinuity")
 _ROUTINE = "kind NOT IN ('receipt_attributed', 'discontinuity')"
+
+
+# The receipts a member holds for group ?1 at epochs ?2..?3: its accepted Commits' and the heads
+# it heard (held_of, held_in, top_held)
+_HELD = ("SELECT epoch, receipt FROM commits WHERE group_id = ?1 AND epoch BETWEEN ?2 AND ?3 "
+         "AND receipt IS NOT NULL AND state = 'accepted' "
+         "UNION SELECT epoch, receipt FROM heads WHERE group_id = ?1 AND epoch BETWEEN ?2 AND ?3")
+_ALL = EPOCH_LIMIT - 1
 
 
 class QueueStore:
@@ -203,9 +212,7 @@ class QueueStore:
     def held_of(self, group_id: bytes) -> tuple[list[tuple[int, bytes]], list[int], list[bytes]]:
         """One group's receipts (its Commits' outcomes and the heads heard: (epoch, bytes), by
         epoch), recorded gaps and signed statements: the member's evidence (§22.6 step 1)."""
-        rx = [(e, bytes(r)) for e, r in self.conn.execute(
-            "SELECT epoch, receipt FROM commits WHERE group_id = ? AND receipt IS NOT NULL AND state = 'accepted' "
-            "UNION SELECT epoch, receipt FROM heads WHERE group_id = ? ORDER BY 1, 2", (group_id, group_id))]
+        rx = [(e, bytes(r)) for e, r in self.conn.execute(f"{_HELD} ORDER BY 1, 2", (group_id, 0, _ALL))]
         gaps = [e for (e,) in self.conn.execute("SELECT epoch FROM gaps WHERE group_id = ? ORDER BY epoch", (group_id,))]
         stated = [bytes(r) for (r,) in self.conn.execute(
             "SELECT statement FROM statements WHERE group_id = ? ORDER BY epoch", (group_id,))]
@@ -213,19 +220,14 @@ class QueueStore:
 
     def top_held(self, group_id: bytes) -> Optional[int]:
         """The highest epoch this member holds a receipt for in ``group_id`` (None: none)."""
-        return self.conn.execute(
-            "SELECT max(e) FROM (SELECT max(epoch) AS e FROM commits WHERE group_id = ?1 AND receipt IS NOT NULL "
-            "AND state = 'accepted' UNION ALL SELECT max(epoch) FROM heads WHERE group_id = ?1)", (group_id,)).fetchone()[0]
+        return self.conn.execute(f"SELECT max(epoch) FROM ({_HELD})", (group_id, 0, _ALL)).fetchone()[0]
 
     def held_in(self, group_id: bytes, first: int, last: int, limit: int) -> tuple[list[bytes], list[int], list[bytes]]:
         """``held_of`` for the epochs ``first``..``last`` only: up to ``limit`` receipts, highest
         epoch first, the gaps, and up to ``limit`` statements (what a member offers for a stretch
         the sequencer lost, §22.6 step 1)."""
-        rx = [bytes(r) for (r,) in self.conn.execute(
-            "SELECT receipt FROM (SELECT epoch, receipt FROM commits WHERE group_id = ?1 AND epoch BETWEEN ?2 AND ?3 "
-            "AND receipt IS NOT NULL AND state = 'accepted' UNION SELECT epoch, receipt FROM heads "
-            "WHERE group_id = ?1 AND epoch BETWEEN ?2 AND ?3) ORDER BY epoch DESC, receipt LIMIT ?4",
-            (group_id, first, last, limit))]
+        rx = [bytes(r) for _e, r in self.conn.execute(f"{_HELD} ORDER BY 1 DESC, 2 LIMIT ?4",
+                                                       (group_id, first, last, limit))]
         gaps = [e for (e,) in self.conn.execute(
             "SELECT epoch FROM gaps WHERE group_id = ? AND epoch BETWEEN ? AND ? ORDER BY epoch", (group_id, first, last))]
         stated = [bytes(r) for (r,) in self.conn.execute(

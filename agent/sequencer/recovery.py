@@ -28,9 +28,11 @@ statement) is the caller's to check before evidence reaches ``assess``.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from agent.sequencer.core import EPOCH_LIMIT
 from agent.sequencer.member import Evidence, ReceiptChain
 from agent.sequencer.receipts import (Receipt, ReceiptError, Statement, parse_receipt, parse_statement,
                                       verify_receipt, verify_statement)
@@ -69,7 +71,6 @@ def parse_evidence(data: Union[bytes, str], group_id: Optional[bytes] = None,
     three optional). ``group_id``: a document naming another group is refused; ``max_items``: at
     most that many receipts and statements together. Signatures are not checked here (refill and
     assess do). Raises EvidenceError, and nothing else."""
-    import json
     try:
         doc = json.loads(data)
     except (ValueError, RecursionError) as e:        # bad UTF-8 or JSON; nesting beyond the parser's depth
@@ -111,7 +112,7 @@ def parse_evidence(data: Union[bytes, str], group_id: Optional[bytes] = None,
 
 
 def _epoch(v: object) -> bool:
-    return type(v) is int and 0 <= v < 2 ** 63
+    return type(v) is int and 0 <= v < EPOCH_LIMIT
 
 
 @dataclass(frozen=True)

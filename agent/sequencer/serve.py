@@ -45,7 +45,7 @@ from typing import Optional
 from urllib.parse import unquote, urlparse
 
 from agent.core import codec
-from agent.sequencer import recovery, service
+from agent.sequencer import core, recovery, service
 
 log = logging.getLogger("ssp.sequencer")
 DEFAULT_PREFIX = "sovm-seq"
@@ -92,9 +92,7 @@ def answer_json(ans: service.Answer) -> dict:
 MAX_BATCH = 512          # requests taken from the inbound queue per turn of the loop
 MAX_EVIDENCE_BYTES = 1 << 20   # an evidence request: recovery.MAX_OFFERED receipts in hex fit
 MAX_LOST_RUNS = 256            # runs of missing epochs in one `lost` record
-
-
-MAX_EPOCH_TEXT = 2 ** 63 - 1     # the store's signed 64-bit integers
+MAX_EPOCH_TEXT = core.EPOCH_LIMIT - 1     # the store's signed 64-bit integers
 
 
 def epoch_text(payload: bytes) -> Optional[int]:
@@ -122,6 +120,9 @@ class Server:
         self.subscribed = threading.Event()
         self._published_gaps: set = set()
         self._published_lost: dict[bytes, bytes] = {}   # group -> the `lost` record last published
+        # groups whose receipts a restored state lost: named only by the resume before serving
+        # (`receipts_lost`), so fixed from here on; one dropped once nothing is missing
+        self._lost_groups: set[bytes] = set(seq.store.lost_stretches())
         self.stats = {"submits": 0, "submit_batches": 0}
         self.gc = seq.group_commit()
         self._in_gc: dict[int, object] = {}      # tag -> the submit request in the group commit
@@ -157,7 +158,7 @@ class Server:
             self.client.loop_stop()
             raise service.SequencerFault(f"broker {self.s.host}:{self.s.port} unreachable or refused the subscription")
         self._publish_discontinuities()
-        for gid in self.seq.store.lost_stretches():
+        for gid in sorted(self._lost_groups):
             self._publish_lost(gid)
 
     def serve_forever(self) -> None:
@@ -278,12 +279,12 @@ class Server:
         """A member's receipts for stretches this sequencer lost: refilled as `sequencer recover`
         does, under this sequencer's own key only (recovery.refill verifies every one, link by
         link to a receipt held here); a group that lost nothing is refused before the bytes are
-        read, so a stranger's request costs a look-up."""
+        read, so a stranger's request costs a set look-up."""
         if gid is None:
             return {"error": "evidence: the topic must name the group in hex"}
         if len(payload) > MAX_EVIDENCE_BYTES:
             return {"error": f"evidence: too large ({len(payload)} bytes, at most {MAX_EVIDENCE_BYTES})"}
-        if not self.seq.lost(gid):
+        if gid not in self._lost_groups:
             return {"error": f"evidence: group {gid.hex()} has no receipts lost here"}
         try:
             ev = recovery.parse_evidence(payload, gid, recovery.MAX_OFFERED)
@@ -318,6 +319,8 @@ class Server:
         state = self.seq.store.group(gid)
         runs = self.seq.missing(gid, MAX_LOST_RUNS) if state is not None and not state.failed_closed else []
         body = codec.encode({"missing": [list(x) for x in runs]}) if runs else b""
+        if not runs:
+            self._lost_groups.discard(gid)
         if self._published_lost.get(gid) == body:
             return
         self.client.publish(f"{self.s.prefix}/{gid.hex()}/lost", body, qos=1, retain=True)

@@ -762,8 +762,8 @@ def _handoff_fields(package: object) -> tuple:
 def _receipt(store: Store, group_id: bytes, epoch: int) -> Union[bytes, Absent]:
     """The persisted receipt bytes, or a stated absence (§22.6); an epoch the store's 64-bit
     integers cannot hold is refused (it has no receipt, and SQLite would raise)."""
-    if not (0 <= epoch < 2 ** 63):
-        raise SequencerRefused(f"epoch must be 0..{2 ** 63 - 1}, got {epoch}")
+    if not (0 <= epoch < core.EPOCH_LIMIT):
+        raise SequencerRefused(f"epoch must be 0..{core.EPOCH_LIMIT - 1}, got {epoch}")
     raw = store.receipt(group_id, epoch)
     if raw is not None:
         return raw

@@ -42,14 +42,6 @@ def test_a_185_kb_body_cannot_expand_into_40_001_events():
 
 
 # ---------------------------------------------------------------- item 1: crash loops over MQTT
-@pytest.fixture
-def broker(tmp_path):
-    from agent.transport.broker import Broker
-    b = Broker(workdir=tmp_path / "broker").start()
-    yield b
-    b.close()
-
-
 def _nodes(tmp_path, n):
     from tests.mqtt.helpers import make_nodes
     return make_nodes(tmp_path, n)

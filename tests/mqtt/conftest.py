@@ -1,18 +1,7 @@
-"""A real mosquitto per test, on a free loopback port (Debian `mosquitto`, /usr/sbin/mosquitto)."""
+"""The MQTT tests: a real mosquitto per test (the `broker` fixture of tests/conftest.py)."""
 from __future__ import annotations
 
 import pytest
-
-from agent.transport.broker import Broker, find_mosquitto
-
-
-@pytest.fixture
-def broker(tmp_path):
-    if find_mosquitto() is None:
-        pytest.fail("mosquitto is not installed (apt-get install mosquitto); the MQTT tests need a real broker")
-    b = Broker(workdir=tmp_path / "broker").start()
-    yield b
-    b.close()
 
 
 @pytest.fixture(autouse=True)

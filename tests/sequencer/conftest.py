@@ -14,7 +14,6 @@ if _BRIDGE not in sys.path:
     sys.path.insert(0, _BRIDGE)
 
 from agent.sequencer import service
-from agent.transport.broker import Broker, find_mosquitto
 
 
 @pytest.fixture
@@ -37,12 +36,3 @@ def serial_conf(tmp_path):
     from bridge_helpers import serial_keystore
     yield from serial_keystore(tmp_path)
 
-
-@pytest.fixture
-def broker(tmp_path):
-    """A real mosquitto started by the project's own broker wrapper (tests of `sequencer run`)."""
-    if find_mosquitto() is None:
-        pytest.fail("mosquitto is not installed (apt-get install mosquitto)")
-    b = Broker(workdir=tmp_path / "broker").start()
-    yield b
-    b.close()

@@ -13,23 +13,19 @@ sequencer holds no state for)."""
 from __future__ import annotations
 
 import json
-import queue
 import signal
 import subprocess
 import time
-import uuid
+from typing import Iterator
 
 import cbor2
-import paho.mqtt.client as paho
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from paho.mqtt.enums import CallbackAPIVersion
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 
 from agent.sequencer import client, recovery, serve, service
 from test_restore_past_compaction import BACKUP_AT, GROUPS, LAST, compacted_history, msg
+from test_run_broker import Member
 from tests.cli_cmd import agent_cmd, agent_env
 
 
@@ -150,34 +146,12 @@ def test_offered_evidence_refills_and_never_recovers_a_group_without_state(tmp_p
 
 # -- through the broker ------------------------------------------------------------------------
 
-class Client:
-    def __init__(self, port: int) -> None:
-        self.answers: "queue.Queue" = queue.Queue()
-        self.lost: "queue.Queue" = queue.Queue()
-        self.reply_to = f"members/mallory/{uuid.uuid4().hex}"
-        self.c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"mallory-{uuid.uuid4().hex[:8]}",
-                             protocol=paho.MQTTv5)
-        self.c.on_message = self._msg
-        self.c.connect("127.0.0.1", port)
-        self.c.loop_start()
-        self.c.subscribe([(self.reply_to, 1), ("sovm-seq/+/lost", 1)])
-
-    def _msg(self, client, userdata, m) -> None:
-        if m.topic == self.reply_to:
-            self.answers.put(json.loads(m.payload))
-        else:
-            self.lost.put((m.topic, bytes(m.payload)))
-
-    def request(self, topic: str, payload: bytes) -> dict:
-        p = Properties(PacketTypes.PUBLISH)
-        p.ResponseTopic = self.reply_to
-        p.CorrelationData = b"x"
-        self.c.publish(topic, payload, qos=1, properties=p)
-        return self.answers.get(timeout=30)
-
-    def close(self) -> None:
-        self.c.loop_stop()
-        self.c.disconnect()
+def _lost_records(m) -> Iterator[tuple[str, bytes]]:
+    """(topic, payload) of the `lost` records a test_run_broker.Member (subscribed to them) hears."""
+    while True:
+        topic, body, _retain = m.published.get(timeout=20)
+        if topic.endswith("/lost"):
+            yield topic, body
 
 
 def _status(home) -> dict:
@@ -185,6 +159,17 @@ def _status(home) -> dict:
                        env=agent_env())
     assert p.returncode == 0, p.stderr
     return {g["group"]: g for g in json.loads(p.stdout)["groups"]}
+
+
+def _wait_lost(home, g: bytes, missing: int, within: float = 60) -> list:
+    """Group ``g``'s `receipts_lost` in `sequencer status`, polled until its first stretch misses
+    ``missing`` epochs (or ``within`` seconds passed)."""
+    deadline = time.monotonic() + within
+    while True:
+        lost = _status(home)[g.hex()].get("receipts_lost")
+        if (lost and lost[0]["missing"] == missing) or time.monotonic() > deadline:
+            return lost
+        time.sleep(0.5)
 
 
 def test_members_give_lost_receipts_back_over_the_broker(tmp_path, monkeypatch, broker):
@@ -212,12 +197,14 @@ def test_members_give_lost_receipts_back_over_the_broker(tmp_path, monkeypatch, 
     mallory = None
     try:
         assert json.loads(seq.stdout.readline())["sequencer_key"] == key.hex()
-        mallory = Client(broker.port)
+        mallory = Member(broker.port, "mallory")
+        mallory.c.subscribe([("sovm-seq/+/lost", 1)])
+        records = _lost_records(mallory)
         # what the sequencer misses, retained, for every group that lost receipts
         seen = {}
         deadline = time.monotonic() + 20
         while len(seen) < len(GROUPS) and time.monotonic() < deadline:
-            topic, body = mallory.lost.get(timeout=20)
+            topic, body = next(records)
             seen[topic] = cbor2.loads(body)
         assert seen[f"sovm-seq/{g.hex()}/lost"] == {"missing": [[BACKUP_AT, LAST - 1]]}
         # hostile evidence first: each answered, nothing taken, the server goes on
@@ -233,17 +220,12 @@ def test_members_give_lost_receipts_back_over_the_broker(tmp_path, monkeypatch, 
         # the member answers on its own
         mem = subprocess.Popen([*agent_cmd(), "--home", str(member_home), "commits", "run", "--broker", broker.url],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            lost = _status(home)[g.hex()].get("receipts_lost")
-            if lost and lost[0]["missing"] == 1:
-                break
-            time.sleep(0.5)
+        lost = _wait_lost(home, g, 1)
         assert lost == [{"from": BACKUP_AT, "to": LAST - 1, "missing": 1}], lost
         # the retained record follows: only the hole is still missing
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            topic, body = mallory.lost.get(timeout=20)
+            topic, body = next(records)
             if topic == f"sovm-seq/{g.hex()}/lost" and cbor2.loads(body) == {"missing": [[40, 40]]}:
                 break
         else:
@@ -327,13 +309,7 @@ def test_receipts_the_member_node_heard_through_the_mesh_are_offered_too(tmp_pat
         json.loads(seq.stdout.readline())
         mem = subprocess.Popen([*agent_cmd(), "--home", str(member_home), "commits", "run", "--broker", broker.url],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
-        deadline = time.monotonic() + 60
-        lost = None
-        while time.monotonic() < deadline:
-            lost = _status(home)[g.hex()].get("receipts_lost")
-            if lost and lost[0]["missing"] == 0:
-                break
-            time.sleep(0.5)
+        lost = _wait_lost(home, g, 0)
         assert lost == [{"from": BACKUP_AT, "to": LAST - 1, "missing": 0}], lost
     finally:
         for p in (mem, seq):

@@ -24,7 +24,6 @@ import pytest
 
 from agent.node import Node
 from agent.profile import load_profile
-from agent.transport.broker import Broker, find_mosquitto
 from serial_relay import Relay
 
 from ..cli_cmd import agent_cmd, agent_env, run_cli
@@ -35,15 +34,6 @@ from ..mqtt.helpers import MANIFEST, T
 PROFILE = dataclasses.replace(load_profile("pi-3-4"), serial_keepalive_s=0.5, serial_dead_s=4.0,
                               serial_timeout_s=20.0, cadence_s=1.0, serial_batch_limit=50)
 WAIT_S = 90
-
-
-@pytest.fixture
-def broker(tmp_path):
-    if find_mosquitto() is None:
-        pytest.fail("mosquitto is not installed (apt-get install mosquitto); this test needs a real broker")
-    b = Broker(workdir=tmp_path / "broker").start()
-    yield b
-    b.close()
 
 
 def provision(tmp, names):

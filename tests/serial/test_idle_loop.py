@@ -24,7 +24,7 @@ from serial_relay import Relay
 
 from ..cli_cmd import run_cli
 from . import test_gateway as gw
-from .test_gateway import broker, spawn, stop, wait_rows, wait_serving, write  # noqa: F401 - broker: fixture
+from .test_gateway import spawn, stop, wait_rows, wait_serving, write
 
 # Keep-alives every 2 s (the idle gateway's only serial timer); a cadence of an hour everywhere.
 PROFILE = dataclasses.replace(load_profile("pi-3-4"), serial_keepalive_s=2.0, serial_dead_s=8.0,
