@@ -361,3 +361,58 @@ def test_commits_evidence_includes_what_the_member_node_heard(tmp_path, monkeypa
     with service.Sequencer(home) as s:
         out = s.recover(g, [recovery.parse_evidence(p.stdout.encode())], {0: s.public_key})
         assert out.missing == 0 and len(out.refill.receipts) == LAST - BACKUP_AT
+
+
+def test_a_frozen_group_takes_no_more_offers_and_its_lost_record_is_cleared(tmp_path, monkeypatch):
+    """Evidence that the key signed two receipts for one lost epoch freezes the group (as
+    `sequencer recover` does); from then on an offer for it is refused, and `sequencer run`'s
+    retained `lost` record for it is cleared (an empty message): members stop offering."""
+    from firmware_bridge import ReceiptIdentity
+    from test_hostile_requests import msg as request, server
+
+    from agent.sequencer import receipts
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[1]
+    with service.Sequencer(home) as s:
+        srv, answers = server(s)
+        srv._publish_lost(g)
+        assert srv.client.published[-1] == (f"sovm-seq/{g.hex()}/lost", cbor2.dumps({"missing": [[BACKUP_AT, LAST - 1]]}))
+        # a second receipt for lost epoch 30 under this sequencer's own key (signed here through
+        # the bridge under another identity: what an equivocating sequencer would have released)
+        prev = receipts.parse_receipt(got[(g, 29)]).receipt_hash
+        tbs, assemble = s._signing.parts(receipts.payload_bytes(g, 30, b"\x07" * 32, prev))
+        other = s.bridge.release_many([(ReceiptIdentity(b"\x99" + g, 30), service.RECEIPT_KEY, tbs, assemble)])[0]
+        offer = json.dumps({"member": "m", "receipts": [got[(g, e)].hex() for e in range(LAST - 1, 30, -1)]
+                            + [other.hex()], "attested_epoch": LAST + 1}).encode()
+        srv.handle(request(f"sovm-seq/{g.hex()}/evidence", offer))
+        assert answers[-1]["outcome"] == "fail_closed", answers[-1]
+        assert s.store.group(g).failed_closed
+        assert srv.client.published[-1] == (f"sovm-seq/{g.hex()}/lost", b"")          # cleared
+        srv.handle(request(f"sovm-seq/{g.hex()}/evidence", offer))
+        assert "no receipts lost here" in answers[-1]["error"]
+        with pytest.raises(service.SequencerRefused):
+            s.refill_offered(g, recovery.parse_evidence(offer))
+
+
+def test_a_member_offers_nothing_for_a_group_it_does_not_follow(tmp_path, monkeypatch):
+    """A `lost` record retained for a group this member never queued a Commit for (a broker
+    client may publish one anywhere) makes it offer nothing, whatever it holds of that group."""
+    from test_hostile_requests import FakeClient, msg as record
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[1]
+    q = client.open_queue(tmp_path / "member")
+    try:
+        for e in range(LAST + 1):
+            q.keep_head(g, e, got[(g, e)])
+        c = client.CommitClient(q, serve.BrokerSettings("127.0.0.1", 1))
+        c.client = FakeClient()
+        lost = cbor2.dumps({"missing": [[BACKUP_AT, LAST - 1]]})
+        c._handle(record(f"sovm-seq/{g.hex()}/lost", lost))
+        assert c.client.published == []                       # not followed: nothing offered
+        c._followed[g] = 1
+        c._handle(record(f"sovm-seq/{g.hex()}/lost", lost))
+        assert [t for t, _p in c.client.published] == [f"sovm-seq/{g.hex()}/evidence"]
+        c._handle(record(f"sovm-seq/{g.hex()}/lost", lost))   # the same record again: not offered again
+        assert len(c.client.published) == 1
+    finally:
+        q.close()
