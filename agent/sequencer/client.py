@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import queue
 import secrets
 import threading
 import time
@@ -51,9 +50,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
+from agent import inbox
 from agent.sequencer import receipts
 from agent.sequencer.core import EPOCH_LIMIT, MAX_EPOCH
-from agent.sequencer.framing import FramingError, parse_mls_message
+from agent.sequencer.framing import MAX_MESSAGE_BYTES, FramingError, parse_mls_message
 from agent.sequencer.recovery import MAX_OFFERED, MemberEvidence
 from agent.sequencer.queue_store import EVENTS_KEPT, KEPT_EVENTS, QueueStore  # noqa: F401 - the retention, for callers
 
@@ -64,6 +64,10 @@ FINAL_REFUSALS = frozenset({"not_commit", "unparseable", "epoch_out_of_range", "
 ANSWER_ROOT = "sovm-member"
 OFFER_TAG = b"e"          # correlation data of an `evidence` request: the tag, then sha256(group_id)
 MAX_LOST_RUNS = 4096      # runs in a `lost` record a member reads (the sequencer publishes at most 256)
+# The Maximum Packet Size a member announces: one record holds at most one Commit (`accepted`,
+# `discontinuity`) and a receipt or statement; the broker drops anything larger for this member
+# (docs/sequencer.md "Size limits").
+MAX_PACKET_BYTES = MAX_MESSAGE_BYTES + inbox.PACKET_OVERHEAD
 RESUBMIT_FIRST_S, RESUBMIT_MAX_S = 2.0, 60.0     # an unanswered Commit is sent again, backing off
 STATUS_TAIL = 50          # `commits status` prints this many recent Commits, heads a group, events (--all: every one)
 
@@ -423,7 +427,7 @@ class CommitClient:
         self._recheck_at = 0.0
         self.on_receipt = on_receipt
         self.reply_to = f"{ANSWER_ROOT}/{q.member_id}/answers"
-        self.inbound: "queue.Queue" = queue.Queue()
+        self.inbound: inbox.Inbox = inbox.Inbox(inbox.BUDGET_BYTES, inbox.message_size)
         self.connected = threading.Event()
         self._generation = 0           # connections made; bumped by the network thread
         self._sent_in: dict[bytes, tuple[int, float, float]] = {}   # (connection, next resubmit, wait)
@@ -455,6 +459,7 @@ class CommitClient:
         from paho.mqtt.properties import Properties
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = int(self.s.session_expiry_s)
+        props.MaximumPacketSize = MAX_PACKET_BYTES
         self.client.connect_async(self.s.host, self.s.port, keepalive=30, clean_start=False, properties=props)
         self.client.loop_start()
 
@@ -491,7 +496,7 @@ class CommitClient:
             self.recheck()
         try:
             msg = self.inbound.get(timeout=wait)
-        except queue.Empty:
+        except inbox.Empty:
             return
         self._handle(msg)
 

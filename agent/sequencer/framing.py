@@ -27,6 +27,10 @@ WIRE_PUBLIC, WIRE_PRIVATE, WIRE_WELCOME, WIRE_GROUP_INFO, WIRE_KEY_PACKAGE = 1, 
 CT_APPLICATION, CT_PROPOSAL, CT_COMMIT = 1, 2, 3
 SENDER_MEMBER, SENDER_EXTERNAL, SENDER_NEW_MEMBER_PROPOSAL, SENDER_NEW_MEMBER_COMMIT = 1, 2, 3, 4
 MAX_GROUP_ID = 255                          # firmware_bridge ReceiptIdentity: group_id is 1..255 bytes
+# The largest MLSMessage a sequencer reads (RFC 9420 sets none; a Commit's UpdatePath for a group of
+# thousands is a few KiB): what every boundary refuses above it, and what the sequencer's and its
+# members' MQTT clients announce room for (docs/sequencer.md "Size limits").
+MAX_MESSAGE_BYTES = 1 << 20
 _U64 = (1 << 64) - 1
 
 WIRE_FORMAT_NAMES = {WIRE_PUBLIC: "mls_public_message", WIRE_PRIVATE: "mls_private_message",
@@ -120,6 +124,8 @@ def parse_mls_message(data: bytes) -> Framing:
     """Strictly parse the framing of one MLSMessage; raises ``FramingError`` (only)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise FramingError("not_bytes", "an MLSMessage is a byte string")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise FramingError("too_large", f"{len(data)} bytes (at most {MAX_MESSAGE_BYTES})")
     data = bytes(data)
     got = _private_fast(data)
     if got is not None:

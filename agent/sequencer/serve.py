@@ -37,15 +37,15 @@ from __future__ import annotations
 
 import json
 import logging
-import queue
 import ssl
 import threading
 from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import unquote, urlparse
 
+from agent import inbox
 from agent.core import codec
-from agent.sequencer import core, recovery, service
+from agent.sequencer import core, framing, recovery, service
 
 log = logging.getLogger("ssp.sequencer")
 DEFAULT_PREFIX = "sovm-seq"
@@ -93,6 +93,10 @@ MAX_BATCH = 512          # requests taken from the inbound queue per turn of the
 MAX_EVIDENCE_BYTES = 1 << 20   # an evidence request: recovery.MAX_OFFERED receipts in hex fit
 MAX_LOST_RUNS = 256            # runs of missing epochs in one `lost` record
 MAX_EPOCH_TEXT = core.EPOCH_LIMIT - 1     # the store's signed 64-bit integers
+# The Maximum Packet Size announced at CONNECT: the broker drops any larger PUBLISH for us, so no
+# request beyond the largest one served (a Commit, an evidence file) is ever read into memory
+# (docs/sequencer.md "Size limits"); the overhead holds the topic, response topic, correlation data.
+MAX_PACKET_BYTES = max(framing.MAX_MESSAGE_BYTES, MAX_EVIDENCE_BYTES) + inbox.PACKET_OVERHEAD
 
 
 def epoch_text(payload: bytes) -> Optional[int]:
@@ -115,7 +119,7 @@ class Server:
         import paho.mqtt.client as paho
         from paho.mqtt.enums import CallbackAPIVersion
         self.seq, self.s = seq, settings
-        self.inbound: "queue.Queue" = queue.Queue()
+        self.inbound: inbox.Inbox = inbox.Inbox(inbox.BUDGET_BYTES, inbox.message_size)
         self.stop = threading.Event()
         self.subscribed = threading.Event()
         self._published_gaps: set = set()
@@ -152,6 +156,7 @@ class Server:
         from paho.mqtt.properties import Properties
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = int(self.s.session_expiry_s)
+        props.MaximumPacketSize = MAX_PACKET_BYTES
         self.client.connect_async(self.s.host, self.s.port, keepalive=30, clean_start=False, properties=props)
         self.client.loop_start()
         if not self.subscribed.wait(timeout):
@@ -167,12 +172,12 @@ class Server:
             try:
                 # with Commits in flight the loop only looks for more, it never waits for them
                 batch.append(self.inbound.get(timeout=0.5) if not self.gc.busy() else self.inbound.get_nowait())
-            except queue.Empty:
+            except inbox.Empty:
                 pass
             while batch and len(batch) < MAX_BATCH:
                 try:
                     batch.append(self.inbound.get_nowait())
-                except queue.Empty:
+                except inbox.Empty:
                     break
             self.feed(batch)
             if self.gc.busy():

@@ -1,0 +1,88 @@
+"""What an MQTT client's network thread hands its loop, bounded in bytes (docs/sequencer.md
+"Size limits", docs/mqtt.md "Size limits").
+
+A Receive Maximum bounds only the QoS 1 and 2 publishes out to a client; a flood of QoS 0 ones is
+not counted by anything, so a plain queue between paho's network thread and the loop grows as
+fast as a hostile publisher sends while the loop is busy. Here ``put`` (on the network thread)
+waits while what is queued holds the budget: paho stops reading the socket, TCP pushes back on the
+broker, and the loop drains what it has. Nothing is dropped (a QoS 1 request is acknowledged only
+after its answer). An item arriving at an empty queue always passes, whatever its size: it is in
+memory already, and the Maximum Packet Size the client announced bounded it.
+
+Only the network thread waits here; the loop never does while it holds anything paho needs
+(with ``loop_start`` a publish or an ack from the loop only queues the packet).
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from queue import Empty
+from typing import Callable, Generic, Optional, TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["BUDGET_BYTES", "Empty", "Inbox", "PACKET_OVERHEAD", "message_size"]
+
+# What a loop's inbox holds before the network thread waits: a few of the largest packets, and a
+# few thousand small ones (a Pi Zero 2 W has 512 MB).
+BUDGET_BYTES = 8 << 20
+# Counted per message besides its payload and topic: paho's MQTTMessage, its properties, the
+# queue entry (so a flood of empty publishes is bounded too).
+ITEM_OVERHEAD = 512
+# A PUBLISH beyond its payload: topic, response topic, correlation data, user properties of a
+# request or record this project sends (each a few hundred bytes at most), with room to spare.
+PACKET_OVERHEAD = 16 << 10
+
+
+def message_size(msg) -> int:
+    """The bytes one paho message holds while it waits (``Inbox``'s ``size``)."""
+    return len(msg.payload) + len(getattr(msg, "_topic", b"") or b"") + ITEM_OVERHEAD
+
+
+class Inbox(Generic[T]):
+    """A FIFO bounded by the summed ``size`` of its items (``budget`` bytes, one item beyond)."""
+
+    def __init__(self, budget: int, size: Callable[[T], int]) -> None:
+        self.budget = int(budget)
+        self._size = size
+        self._items: deque = deque()
+        self.held = 0               # bytes queued now
+        self.waits = 0              # times the network thread waited for room (a flood, or a slow loop)
+        self._cond = threading.Condition()
+
+    def put(self, item: T) -> None:
+        n = self._size(item)
+        with self._cond:
+            if self._items and self.held + n > self.budget:
+                self.waits += 1
+                while self._items and self.held + n > self.budget:
+                    self._cond.wait()
+            self._items.append((item, n))
+            self.held += n
+            self._cond.notify_all()
+
+    def get(self, timeout: Optional[float] = None) -> T:
+        """The oldest item, waiting up to ``timeout`` seconds (None: for ever); Empty if none came."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._items, timeout):
+                raise Empty
+            return self._take()
+
+    def get_nowait(self) -> T:
+        with self._cond:
+            if not self._items:
+                raise Empty
+            return self._take()
+
+    def qsize(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+    def empty(self) -> bool:
+        return not self.qsize()
+
+    def _take(self) -> T:
+        item, n = self._items.popleft()
+        self.held -= n
+        self._cond.notify_all()
+        return item

@@ -1,0 +1,184 @@
+"""What one hostile broker client can make the sequencer and its members hold in memory
+(docs/sequencer.md "Size limits").
+
+Before: `sequencer run` and `commits run` announced no Maximum Packet Size, so the broker handed them
+any PUBLISH up to MQTT's 256 MiB. One 100 MiB publish on a `submit` topic took `sequencer run` from
+41 MB to 350 MB resident (paho's read buffer and the copies after it); a Pi Zero 2 W has 512 MB, and
+the sequencer acknowledges a request only after answering it, so the broker redelivers the request
+that killed it on every restart (a crash loop). A retained record on a group's `accepted` topic does
+the same to every member that follows the group, on every connection.
+
+Now each announces a Maximum Packet Size (the broker drops larger packets for that client): the
+largest MLSMessage a sequencer reads (framing.MAX_MESSAGE_BYTES) or evidence request, plus the
+packet's overhead; each member's holds one such Commit with its receipt. A Commit over that size is
+refused where it enters (the queue, `sequencer submit`, the framing), so no member waits for an
+answer that never comes. What waits between paho's network thread and the loop is bounded in bytes
+(agent/inbox.py): QoS 0 publishes are not counted by any Receive Maximum.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+import uuid
+
+import paho.mqtt.client as paho
+import pytest
+from paho.mqtt.enums import CallbackAPIVersion
+
+from agent import inbox
+from agent.sequencer import framing
+from agent.sequencer.framing import FramingError, encode_private_message, parse_mls_message
+from test_run_broker import Member
+from tests.cli_cmd import agent_cmd, agent_env
+
+G = bytes.fromhex("5e" * 16)
+HOSTILE = 48 << 20          # well above every limit, well below this machine's memory
+
+
+def agent(home, *args):
+    return subprocess.run([*agent_cmd(), "--home", str(home), *args], capture_output=True, text=True,
+                          env=agent_env())
+
+
+def peak_kib(pid: int) -> int:
+    """The process's peak resident set (VmHWM) so far, in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def hostile_client(port: int) -> paho.Client:
+    c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"mallory-{uuid.uuid4().hex[:8]}", protocol=paho.MQTTv5)
+    c.connect("127.0.0.1", port)
+    c.loop_start()
+    return c
+
+
+def test_an_mls_message_over_the_limit_is_refused_by_the_framing():
+    at = encode_private_message(G, 3, ciphertext=b"\x00" * (framing.MAX_MESSAGE_BYTES - 64))
+    assert len(at) <= framing.MAX_MESSAGE_BYTES
+    assert parse_mls_message(at).epoch == 3
+    over = encode_private_message(G, 3, ciphertext=b"\x00" * framing.MAX_MESSAGE_BYTES)
+    with pytest.raises(FramingError) as e:
+        parse_mls_message(over)
+    assert e.value.reason == "too_large"
+
+
+def test_a_commit_over_the_limit_is_refused_where_it_enters(tmp_path):
+    """`commits queue` (exit 2, nothing queued) and `sequencer submit` (unparseable, exit 2)."""
+    big = tmp_path / "big"
+    big.write_bytes(encode_private_message(G, 0, ciphertext=b"\x01" * framing.MAX_MESSAGE_BYTES))
+    seq = tmp_path / "seq"
+    key = json.loads(agent(seq, "sequencer", "init").stdout)["sequencer_key"]
+    p = agent(tmp_path / "m", "commits", "queue", str(big), "--sequencer-key", key)
+    assert p.returncode == 2 and "too_large" in p.stderr, (p.stdout, p.stderr)
+    assert json.loads(agent(tmp_path / "m", "commits", "status").stdout)["commits"] == []
+    p = agent(seq, "sequencer", "submit", str(big))
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert json.loads(p.stdout)["reason"] == "unparseable"
+    assert json.loads(agent(seq, "sequencer", "status").stdout)["groups"] == []
+
+
+def test_an_oversized_publish_never_reaches_the_sequencer(tmp_path, broker):
+    """Through the installed command and a real mosquitto: 48 MiB published on a `submit` topic
+    and on an `evidence` topic (QoS 1 and 0) leave `sequencer run`'s peak memory where it was, and
+    the next Commit is accepted by the same process."""
+    home = tmp_path / "seq"
+    assert agent(home, "sequencer", "init").returncode == 0
+    proc = subprocess.Popen([*agent_cmd(), "--home", str(home), "sequencer", "run", "--broker", broker.url],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
+    evil = m = None
+    try:
+        json.loads(proc.stdout.readline())
+        m = Member(broker.port, "alice")
+        assert m.request(f"sovm-seq/{G.hex()}/register", b"0") == {"group": G.hex(), "epoch": 0}
+        before = peak_kib(proc.pid)
+        evil = hostile_client(broker.port)
+        blob = b"\x00\x01\x00\x02" + b"\x00" * HOSTILE
+        for topic, qos in ((f"sovm-seq/{G.hex()}/submit", 1), (f"sovm-seq/{G.hex()}/evidence", 0)):
+            evil.publish(topic, blob, qos=qos).wait_for_publish(60)
+        # delivered in order after the hostile ones: once it is answered, they were dealt with
+        ans = m.request(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 0), timeout=60)
+        assert ans["accepted"] is True, ans
+        grown = peak_kib(proc.pid) - before
+        assert grown < 16 * 1024, f"sequencer run's peak memory grew by {grown} KiB"
+        assert proc.poll() is None
+    finally:
+        for c in (evil, m):
+            if c is not None:
+                c.loop_stop() if c is evil else c.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()
+
+
+def test_a_retained_oversized_record_never_reaches_a_member(tmp_path, broker):
+    """A 48 MiB retained record on the `accepted` topic of a group a member follows leaves
+    `commits run`'s peak memory where it was; its Commit is still sequenced and decided."""
+    seq_home, member = tmp_path / "seq", tmp_path / "m"
+    key = json.loads(agent(seq_home, "sequencer", "init").stdout)["sequencer_key"]
+    commit = tmp_path / "c0"
+    commit.write_bytes(encode_private_message(G, 0, ciphertext=b"m" * 8))
+    assert agent(member, "commits", "queue", str(commit), "--sequencer-key", key).returncode == 0
+    evil = hostile_client(broker.port)
+    evil.publish(f"sovm-seq/{G.hex()}/accepted", b"\xa0" * HOSTILE, qos=1, retain=True).wait_for_publish(60)
+    evil.loop_stop()
+    runner = subprocess.Popen([*agent_cmd(), "--home", str(member), "commits", "run", "--broker", broker.url],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
+    seq = None
+    try:
+        assert runner.stdout.readline()
+        # the member follows G and has taken its retained records before the sequencer exists
+        time.sleep(3)
+        before = peak_kib(runner.pid)
+        seq = subprocess.Popen([*agent_cmd(), "--home", str(seq_home), "sequencer", "run", "--broker", broker.url],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
+        json.loads(seq.stdout.readline())
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            got = json.loads(agent(member, "commits", "status").stdout)["commits"]
+            if got and got[0]["state"] != "queued":
+                break
+            time.sleep(0.3)
+        assert [c["state"] for c in got] == ["accepted"], got
+        assert runner.poll() is None
+        grown = peak_kib(runner.pid) - max(before, 0)
+        assert peak_kib(runner.pid) < 100 * 1024 and grown < 16 * 1024, \
+            f"commits run's peak memory is {peak_kib(runner.pid)} KiB (grew by {grown} KiB)"
+    finally:
+        for p in (runner, seq):
+            if p is not None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(30)
+
+
+def test_the_inbox_holds_at_most_its_budget_beyond_one_item():
+    """The network thread waits while the queue holds its budget (so TCP pushes back on the
+    broker); one item larger than the budget still passes alone; counted bytes go when taken."""
+    box = inbox.Inbox(budget=100, size=len)
+    box.put(b"x" * 60)
+    box.put(b"y" * 30)
+    assert box.held == 90
+    done = threading.Event()
+
+    def third():
+        box.put(b"z" * 30)          # 120 > 100: waits for the loop to take something
+        done.set()
+    t = threading.Thread(target=third)
+    t.start()
+    assert not done.wait(0.3)
+    assert box.get(timeout=1) == b"x" * 60
+    assert done.wait(5)
+    t.join()
+    assert box.held == 60
+    assert box.get_nowait() == b"y" * 30 and box.get_nowait() == b"z" * 30 and box.held == 0
+    with pytest.raises(inbox.Empty):
+        box.get_nowait()
+    with pytest.raises(inbox.Empty):
+        box.get(timeout=0.05)
+    box.put(b"w" * 500)            # alone, over the budget: passes (it is already in memory)
+    assert box.get_nowait() == b"w" * 500
