@@ -122,7 +122,8 @@ class Server:
         self.inbound: inbox.Inbox = inbox.Inbox(inbox.BUDGET_BYTES, inbox.message_size)
         self.stop = threading.Event()
         self.subscribed = threading.Event()
-        self._published_gaps: set = set()
+        self._gaps_seen = 0                              # the last discontinuities rowid looked at
+        self._gaps_unstated: dict[tuple[bytes, int], Optional[bytes]] = {}  # seen, not published yet: their Commit
         self._published_lost: dict[bytes, bytes] = {}   # group -> the `lost` record last published
         # groups whose receipts a restored state lost: named only by the resume before serving
         # (`receipts_lost`), so fixed from here on; one dropped once nothing is missing
@@ -332,17 +333,18 @@ class Server:
         self._published_lost[gid] = body
 
     def _publish_discontinuities(self) -> None:
-        """§22.6 step 4: every recorded gap, retained on the broker for every member alike."""
-        stated = None
-        for g, e, m in self.seq.store.discontinuities():
-            key = (bytes(g), e)
-            if key in self._published_gaps:
-                continue
-            if stated is None:
-                stated = self.seq.store.statements()
-            st = stated.get(key)
-            if st is None and self.seq.store.is_signable_gap(key[0], e):
+        """§22.6 step 4: every recorded gap, retained on the broker for every member alike. Only
+        the gaps recorded since the last look are read, and those still waiting for their signed
+        statement looked at again: the cost of an answered batch does not grow with the history."""
+        fresh = self.seq.store.discontinuities_since(self._gaps_seen)
+        if fresh:
+            self._gaps_seen = fresh[-1][0]
+            self._gaps_unstated.update(((g, e), m) for _r, g, e, m in fresh)
+        for key, m in list(self._gaps_unstated.items()):
+            g, e = key
+            st = self.seq.store.statement(g, e)
+            if st is None and self.seq.store.is_signable_gap(g, e):
                 continue            # published once its statement is signed (the next round)
-            body = codec.encode({"epoch": e, "commit": None if m is None else bytes(m), "statement": st})
-            self.client.publish(f"{self.s.prefix}/{bytes(g).hex()}/discontinuity/{e}", body, qos=1, retain=True)
-            self._published_gaps.add(key)
+            del self._gaps_unstated[key]
+            body = codec.encode({"epoch": e, "commit": m, "statement": st})
+            self.client.publish(f"{self.s.prefix}/{g.hex()}/discontinuity/{e}", body, qos=1, retain=True)

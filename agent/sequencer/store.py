@@ -108,6 +108,12 @@ class Store:
         return [(bytes(g), e, None if m is None else bytes(m)) for g, e, m in self.conn.execute(
             "SELECT group_id, epoch, message FROM discontinuities ORDER BY group_id, epoch")]
 
+    def discontinuities_since(self, rowid: int) -> list[tuple[int, bytes, int, Optional[bytes]]]:
+        """(rowid, group, epoch, Commit) of the gaps recorded after ``rowid``, in the order recorded
+        (rows are never deleted, so rowids only grow): what `sequencer run` has not looked at yet."""
+        return [(r, bytes(g), e, None if m is None else bytes(m)) for r, g, e, m in self.conn.execute(
+            "SELECT rowid, group_id, epoch, message FROM discontinuities WHERE rowid > ? ORDER BY rowid", (rowid,))]
+
     def statement(self, group_id: bytes, epoch: int) -> Optional[bytes]:
         try:
             row = self.conn.execute("SELECT statement FROM statements WHERE group_id = ? AND epoch = ?",
