@@ -68,6 +68,7 @@ MAX_LOST_RUNS = 4096      # runs in a `lost` record a member reads (the sequence
 # `discontinuity`) and a receipt or statement; the broker drops anything larger for this member
 # (docs/sequencer.md "Size limits").
 MAX_PACKET_BYTES = MAX_MESSAGE_BYTES + inbox.PACKET_OVERHEAD
+MAX_RETRY_AFTER_S = 3600   # a sequencer's `retry_after` beyond this is not honoured (the record's next change is)
 RESUBMIT_FIRST_S, RESUBMIT_MAX_S = 2.0, 60.0     # an unanswered Commit is sent again, backing off
 STATUS_TAIL = 50          # `commits status` prints this many recent Commits, heads a group, events (--all: every one)
 
@@ -433,6 +434,7 @@ class CommitClient:
         self._sent_in: dict[bytes, tuple[int, float, float]] = {}   # (connection, next resubmit, wait)
         self._followed: dict[bytes, int] = {}                        # group -> connection it subscribed on
         self._offered: dict[bytes, tuple[bytes, tuple]] = {}          # group -> (`lost` record, receipts offered)
+        self._reoffer: dict[bytes, tuple[float, bytes]] = {}          # group -> (when, `lost` record): told busy
         self.node_held = node_held     # group -> what the member node holds of it (sequencing.held_of)
         c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"sovm-member-{q.member_id}", protocol=paho.MQTTv5)
         if settings.username is not None:
@@ -491,6 +493,8 @@ class CommitClient:
                     self.q.note_submitted(e.commit_hash)
                     wait = RESUBMIT_FIRST_S if sent is None or sent[0] != gen else min(2 * sent[2], RESUBMIT_MAX_S)
                     self._sent_in[e.commit_hash] = (gen, now + wait, wait)
+        if self._reoffer:
+            self.reoffer_due(time.monotonic())
         if time.monotonic() >= self._recheck_at:
             self._recheck_at = time.monotonic() + self.RECHECK_S
             self.recheck()
@@ -579,6 +583,7 @@ class CommitClient:
             gid = bytes.fromhex(group_hex)
         except ValueError:
             return
+        self._reoffer.pop(gid, None)        # a newer record (or this one, due again) supersedes it
         if not runs or gid not in self._followed:       # not a record, or nothing missing
             return
         also: list = []
@@ -614,6 +619,18 @@ class CommitClient:
             if isinstance(answer.get(k), (str, int)) and not isinstance(answer.get(k), bool):
                 detail[k] = answer[k] if not isinstance(answer[k], str) else answer[k][:200]
         self.q.record_event("evidence_answered", detail)
+        after = answer.get("retry_after")
+        if type(after) is int and 1 <= after <= MAX_RETRY_AFTER_S and gid in self._offered:
+            # the sequencer's evidence allowance was spent (serve.py): the same offer again later,
+            # spread over half as long again so that members told together do not come back together
+            record, _offer = self._offered.pop(gid)
+            self._reoffer[gid] = (time.monotonic() + after * (1 + secrets.randbelow(1000) / 2000), record)
+
+    def reoffer_due(self, now: float) -> None:
+        """Offers the sequencer answered `retry_after`, made again once their time came."""
+        for gid, (when, record) in list(self._reoffer.items()):
+            if now >= when and gid in self._followed:
+                self._lost(gid.hex(), record)
 
     def _head(self, r: receipts.Receipt) -> None:
         """A receipt signed by the sequencer allowed at its epoch: kept, and it decides a queued

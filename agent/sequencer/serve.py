@@ -37,8 +37,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import ssl
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import unquote, urlparse
@@ -92,6 +94,12 @@ def answer_json(ans: service.Answer) -> dict:
 MAX_BATCH = 512          # requests taken from the inbound queue per turn of the loop
 MAX_EVIDENCE_BYTES = 1 << 20   # an evidence request: recovery.MAX_OFFERED receipts in hex fit
 MAX_LOST_RUNS = 256            # runs of missing epochs in one `lost` record
+# Evidence read and checked, all members together (each receipt costs a signature check, about
+# 70 ms for a full request): a client allowed on `evidence` cannot keep the loop busy with it.
+# A request over the allowance is answered `retry_after` (members offer again then).
+EVIDENCE_BYTES_PER_S = 512 << 10
+EVIDENCE_BURST_BYTES = 2 * MAX_EVIDENCE_BYTES
+EVIDENCE_MIN_COST = 1 << 10    # what any request for a group with lost receipts is charged
 MAX_EPOCH_TEXT = core.EPOCH_LIMIT - 1     # the store's signed 64-bit integers
 # The Maximum Packet Size announced at CONNECT: the broker drops any larger PUBLISH for us, so no
 # request beyond the largest one served (a Commit, an evidence file) is ever read into memory
@@ -109,6 +117,24 @@ def epoch_text(payload: bytes) -> Optional[int]:
     return n if n <= MAX_EPOCH_TEXT else None
 
 
+class Allowance:
+    """A token bucket in bytes (pure: the caller passes the monotonic clock): ``take`` spends
+    ``n`` and returns 0, or spends nothing and returns the seconds until ``n`` will be there."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = float(rate), float(burst)
+        self.level, self.at = float(burst), None
+
+    def take(self, n: float, now: float) -> float:
+        if self.at is not None:
+            self.level = min(self.burst, self.level + (now - self.at) * self.rate)
+        self.at = now
+        if n <= self.level:
+            self.level -= n
+            return 0.0
+        return (min(n, self.burst) - self.level) / self.rate
+
+
 def _kind(msg) -> str:
     parts = msg.topic.split("/")
     return parts[-1] if len(parts) >= 3 else ""
@@ -122,6 +148,8 @@ class Server:
         self.inbound: inbox.Inbox = inbox.Inbox(inbox.BUDGET_BYTES, inbox.message_size)
         self.stop = threading.Event()
         self.subscribed = threading.Event()
+        self.evidence_allowance = Allowance(EVIDENCE_BYTES_PER_S, EVIDENCE_BURST_BYTES)
+        self.clock = time.monotonic
         self._gaps_seen = 0                              # the last discontinuities rowid looked at
         self._gaps_unstated: dict[tuple[bytes, int], Optional[bytes]] = {}  # seen, not published yet: their Commit
         self._published_lost: dict[bytes, bytes] = {}   # group -> the `lost` record last published
@@ -285,13 +313,19 @@ class Server:
         """A member's receipts for stretches this sequencer lost: refilled as `sequencer recover`
         does, under this sequencer's own key only (recovery.refill verifies every one, link by
         link to a receipt held here); a group that lost nothing is refused before the bytes are
-        read, so a stranger's request costs a set look-up."""
+        read, so a stranger's request costs a set look-up; what is read and checked is bounded by
+        the evidence allowance, all members together (over it: ``retry_after``)."""
         if gid is None:
             return {"error": "evidence: the topic must name the group in hex"}
         if len(payload) > MAX_EVIDENCE_BYTES:
             return {"error": f"evidence: too large ({len(payload)} bytes, at most {MAX_EVIDENCE_BYTES})"}
         if gid not in self._lost_groups:
             return {"error": f"evidence: group {gid.hex()} has no receipts lost here"}
+        wait = self.evidence_allowance.take(max(len(payload), EVIDENCE_MIN_COST), self.clock())
+        if wait:
+            after = max(1, math.ceil(wait))
+            return {"error": f"evidence: busy with other members' evidence, offer again in {after} s",
+                    "retry_after": after}
         try:
             ev = recovery.parse_evidence(payload, gid, recovery.MAX_OFFERED)
         except recovery.EvidenceError as e:

@@ -416,3 +416,81 @@ def test_a_member_offers_nothing_for_a_group_it_does_not_follow(tmp_path, monkey
         assert len(c.client.published) == 1
     finally:
         q.close()
+
+
+def test_evidence_past_the_allowance_is_answered_retry_after_and_submits_go_on(tmp_path, monkeypatch):
+    """Evidence is read and checked within an allowance shared by every member (serve.py
+    EVIDENCE_BYTES_PER_S): a flood of full requests for a group with lost receipts gets its burst
+    checked, every other request answered `retry_after` unread, and a Commit among them is still
+    sequenced. Before: every request was parsed and verified (about 70 ms each), so one client
+    allowed on `evidence` kept the loop busy."""
+    from test_hostile_requests import msg as request, server
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[1]
+    with service.Sequencer(home) as s:
+        srv, answers = server(s)
+        now = [1000.0]
+        srv.clock = lambda: now[0]
+        # every receipt but epoch 40's: the group keeps missing one, so every request is read
+        body = json.dumps({"member": "m", "receipts": [got[(g, e)].hex() for e in range(LAST - 1, BACKUP_AT - 1, -1)
+                                                       if e != 40], "attested_epoch": LAST + 1}).encode()
+        full = body + b" " * (serve.MAX_EVIDENCE_BYTES - len(body))       # a full request
+        fresh = bytes.fromhex("e1" * 16)
+        flood = [request(f"sovm-seq/{g.hex()}/evidence", full, mid=i) for i in range(40)]
+        flood.insert(20, request(f"sovm-seq/{fresh.hex()}/submit", msg(fresh, 7), mid=99))
+        srv.handle_many(flood)
+        checked = [a for a in answers if "outcome" in a]
+        busy = [a for a in answers if "retry_after" in a]
+        assert len(checked) == serve.EVIDENCE_BURST_BYTES // serve.MAX_EVIDENCE_BYTES == 2, answers[:3]
+        assert len(busy) == 38 and all(a["retry_after"] == 2 for a in busy), busy[:2]
+        assert [a["accepted"] for a in answers if "accepted" in a] == [True]
+        # once the allowance filled again, the same request is read and checked
+        now[0] += 2
+        srv.handle(request(f"sovm-seq/{g.hex()}/evidence", full))
+        assert answers[-1].get("outcome") == "refilled", answers[-1]
+
+
+def test_a_member_told_retry_after_offers_the_same_again_then(tmp_path, monkeypatch):
+    """A member whose offer was answered `retry_after` offers it again once that time came (and
+    not before); any other answer ends it, and a newer `lost` record supersedes it."""
+    import hashlib
+
+    from test_hostile_requests import FakeClient, msg as record
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[1]
+    q = client.open_queue(tmp_path / "member")
+    try:
+        for e in range(LAST + 1):
+            q.keep_head(g, e, got[(g, e)])
+        c = client.CommitClient(q, serve.BrokerSettings("127.0.0.1", 1))
+        c.client = FakeClient()
+        c._followed[g] = 1
+        lost = cbor2.dumps({"missing": [[BACKUP_AT, LAST - 1]]})
+        c._handle(record(f"sovm-seq/{g.hex()}/lost", lost))
+        assert len(c.client.published) == 1
+        corr = client.OFFER_TAG + hashlib.sha256(g).digest()
+        t0 = time.monotonic()
+        c._offer_answered(corr, json.dumps({"error": "evidence: busy", "retry_after": 4}).encode())
+        c.reoffer_due(t0 + 3.9)
+        assert len(c.client.published) == 1                       # not yet
+        c.reoffer_due(t0 + 4 * 1.5 + 1)
+        assert len(c.client.published) == 2 and c.client.published[1] == c.client.published[0]
+        c.reoffer_due(t0 + 100)
+        assert len(c.client.published) == 2                       # once
+        c._offer_answered(corr, json.dumps({"outcome": "refilled", "refilled": 3}).encode())
+        c.reoffer_due(t0 + 1000)
+        assert len(c.client.published) == 2
+        # told busy, then a newer record came: only the newer one is offered
+        c._offer_answered(corr, json.dumps({"error": "busy", "retry_after": 1}).encode())
+        newer = cbor2.dumps({"missing": [[BACKUP_AT, LAST - 2]]})
+        c._handle(record(f"sovm-seq/{g.hex()}/lost", newer))
+        assert len(c.client.published) == 3
+        c.reoffer_due(t0 + 10_000)
+        assert len(c.client.published) == 3
+        # a hostile retry_after (not an int in 1..3600) is not honoured
+        for bad in (0, -1, 10**9, "5", 2.5, True):
+            c._offer_answered(corr, json.dumps({"error": "busy", "retry_after": bad}).encode())
+            c.reoffer_due(t0 + 10**10)
+        assert len(c.client.published) == 3
+    finally:
+        q.close()
