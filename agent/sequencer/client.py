@@ -68,6 +68,10 @@ MAX_LOST_RUNS = 4096      # runs in a `lost` record a member reads (the sequence
 # `discontinuity`) and a receipt or statement; the broker drops anything larger for this member
 # (docs/sequencer.md "Size limits").
 MAX_PACKET_BYTES = MAX_MESSAGE_BYTES + inbox.PACKET_OVERHEAD
+# At most one evidence offer a group this often: a broker client publishing `lost` records that
+# change every time would otherwise make every member send up to 1 MiB for each (the newest record
+# waiting is offered when the time comes).
+OFFER_INTERVAL_S = 5.0
 MAX_RETRY_AFTER_S = 3600   # a sequencer's `retry_after` beyond this is not honoured (the record's next change is)
 RESUBMIT_FIRST_S, RESUBMIT_MAX_S = 2.0, 60.0     # an unanswered Commit is sent again, backing off
 STATUS_TAIL = 50          # `commits status` prints this many recent Commits, heads a group, events (--all: every one)
@@ -434,7 +438,8 @@ class CommitClient:
         self._sent_in: dict[bytes, tuple[int, float, float]] = {}   # (connection, next resubmit, wait)
         self._followed: dict[bytes, int] = {}                        # group -> connection it subscribed on
         self._offered: dict[bytes, tuple[bytes, tuple]] = {}          # group -> (`lost` record, receipts offered)
-        self._reoffer: dict[bytes, tuple[float, bytes]] = {}          # group -> (when, `lost` record): told busy
+        self._reoffer: dict[bytes, tuple[float, bytes]] = {}          # group -> (when, `lost` record) offered later
+        self._offered_at: dict[bytes, float] = {}                     # group -> when it was last offered
         self.node_held = node_held     # group -> what the member node holds of it (sequencing.held_of)
         c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"sovm-member-{q.member_id}", protocol=paho.MQTTv5)
         if settings.username is not None:
@@ -572,12 +577,13 @@ class CommitClient:
             return
         self._head(r)
 
-    def _lost(self, group_hex: str, payload: bytes) -> None:
+    def _lost(self, group_hex: str, payload: bytes, now: Optional[float] = None) -> None:
         """The sequencer's `lost` record: the runs of epochs whose receipts its restored state
         lost. This member offers what it holds there (`evidence`, the `sequencer recover` format);
         the sequencer takes only what chains to what it holds (§22.6 step 1). The same receipts
         are not offered again for the same record (a record that changed: the sequencer took
-        something, so what chained nowhere before may chain now)."""
+        something, so what chained nowhere before may chain now). At most one offer a group every
+        OFFER_INTERVAL_S: a record arriving sooner waits, and only the newest one waiting is offered."""
         runs = parse_lost(payload)
         try:
             gid = bytes.fromhex(group_hex)
@@ -585,6 +591,11 @@ class CommitClient:
             return
         self._reoffer.pop(gid, None)        # a newer record (or this one, due again) supersedes it
         if not runs or gid not in self._followed:       # not a record, or nothing missing
+            return
+        now = time.monotonic() if now is None else now
+        last = self._offered_at.get(gid)
+        if last is not None and now < last + OFFER_INTERVAL_S:
+            self._reoffer[gid] = (last + OFFER_INTERVAL_S, payload)
             return
         also: list = []
         if self.node_held is not None:
@@ -599,6 +610,7 @@ class CommitClient:
         if self._offered.get(gid) == key:
             return
         self._offered[gid] = key
+        self._offered_at[gid] = now
         doc = {"member": offer.member, "group": gid.hex(), "receipts": [r.hex() for r in offer.receipts],
                "attested_epoch": offer.attested_epoch, "discontinuities": list(offer.discontinuities),
                "statements": [r.hex() for r in offer.statements]}
@@ -630,7 +642,7 @@ class CommitClient:
         """Offers the sequencer answered `retry_after`, made again once their time came."""
         for gid, (when, record) in list(self._reoffer.items()):
             if now >= when and gid in self._followed:
-                self._lost(gid.hex(), record)
+                self._lost(gid.hex(), record, now)
 
     def _head(self, r: receipts.Receipt) -> None:
         """A receipt signed by the sequencer allowed at its epoch: kept, and it decides a queued

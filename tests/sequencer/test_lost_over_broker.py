@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.sequencer import client, recovery, serve, service
+from agent.sequencer import client, receipts, recovery, serve, service
 from test_restore_past_compaction import BACKUP_AT, GROUPS, LAST, compacted_history, msg
 from test_run_broker import Member
 from tests.cli_cmd import agent_cmd, agent_env
@@ -370,7 +370,6 @@ def test_a_frozen_group_takes_no_more_offers_and_its_lost_record_is_cleared(tmp_
     from firmware_bridge import ReceiptIdentity
     from test_hostile_requests import msg as request, server
 
-    from agent.sequencer import receipts
     home, got, _ = compacted_history(tmp_path, monkeypatch)
     g = GROUPS[1]
     with service.Sequencer(home) as s:
@@ -454,6 +453,7 @@ def test_a_member_told_retry_after_offers_the_same_again_then(tmp_path, monkeypa
     """A member whose offer was answered `retry_after` offers it again once that time came (and
     not before); any other answer ends it, and a newer `lost` record supersedes it."""
     import hashlib
+    monkeypatch.setattr(client, "OFFER_INTERVAL_S", 0.0)     # the interval has its own test below
 
     from test_hostile_requests import FakeClient, msg as record
     home, got, _ = compacted_history(tmp_path, monkeypatch)
@@ -483,7 +483,7 @@ def test_a_member_told_retry_after_offers_the_same_again_then(tmp_path, monkeypa
         # told busy, then a newer record came: only the newer one is offered
         c._offer_answered(corr, json.dumps({"error": "busy", "retry_after": 1}).encode())
         newer = cbor2.dumps({"missing": [[BACKUP_AT, LAST - 2]]})
-        c._handle(record(f"sovm-seq/{g.hex()}/lost", newer))
+        c._lost(g.hex(), newer, t0 + 20)          # as _handle does, on this test's clock
         assert len(c.client.published) == 3
         c.reoffer_due(t0 + 10_000)
         assert len(c.client.published) == 3
@@ -492,5 +492,34 @@ def test_a_member_told_retry_after_offers_the_same_again_then(tmp_path, monkeypa
             c._offer_answered(corr, json.dumps({"error": "busy", "retry_after": bad}).encode())
             c.reoffer_due(t0 + 10**10)
         assert len(c.client.published) == 3
+    finally:
+        q.close()
+
+
+def test_lost_records_that_change_every_time_get_one_offer_an_interval(tmp_path, monkeypatch):
+    """A broker client publishing a different `lost` record for a followed group 100 times in a
+    row makes the member offer once at once and once more, with the newest record, when
+    OFFER_INTERVAL_S has passed. Before: one offer (up to 1 MiB) for every record."""
+    from test_hostile_requests import FakeClient, msg as record
+    home, got, _ = compacted_history(tmp_path, monkeypatch)
+    g = GROUPS[1]
+    q = client.open_queue(tmp_path / "member")
+    try:
+        for e in range(LAST + 1):
+            q.keep_head(g, e, got[(g, e)])
+        c = client.CommitClient(q, serve.BrokerSettings("127.0.0.1", 1))
+        c.client = FakeClient()
+        c._followed[g] = 1
+        t0 = time.monotonic()
+        for i in range(100):
+            c._handle(record(f"sovm-seq/{g.hex()}/lost", cbor2.dumps({"missing": [[BACKUP_AT, LAST - 1 - i % 2]]})))
+        assert time.monotonic() - t0 < client.OFFER_INTERVAL_S     # all within one interval
+        assert len(c.client.published) == 1
+        c.reoffer_due(t0 + client.OFFER_INTERVAL_S + 1)
+        assert len(c.client.published) == 2
+        newest = json.loads(c.client.published[1][1])
+        assert max(receipts.parse_receipt(bytes.fromhex(r)).epoch for r in newest["receipts"]) == LAST - 2, newest
+        c.reoffer_due(t0 + 100)
+        assert len(c.client.published) == 2
     finally:
         q.close()
