@@ -48,17 +48,29 @@ class Inbox(Generic[T]):
         self._items: deque = deque()
         self.held = 0               # bytes queued now
         self.waits = 0              # times the network thread waited for room (a flood, or a slow loop)
+        self.closed = False
         self._cond = threading.Condition()
 
     def put(self, item: T) -> None:
+        """Queue ``item``, waiting while the budget is held; once closed, drop it (nobody will
+        take it; a QoS 1 message not acknowledged is delivered again on the next connection)."""
         n = self._size(item)
         with self._cond:
-            if self._items and self.held + n > self.budget:
+            if self._items and self.held + n > self.budget and not self.closed:
                 self.waits += 1
-                while self._items and self.held + n > self.budget:
+                while self._items and self.held + n > self.budget and not self.closed:
                     self._cond.wait()
+            if self.closed:
+                return
             self._items.append((item, n))
             self.held += n
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """The loop stops taking: a network thread waiting for room goes on (and drops what it
+        holds), so the client's thread can end."""
+        with self._cond:
+            self.closed = True
             self._cond.notify_all()
 
     def get(self, timeout: Optional[float] = None) -> T:

@@ -73,7 +73,7 @@ from .outcomes import counts
 from .store import db, eventlog, sync_state as st
 from .sync import Offer  # noqa: F401 - defined below the runner (no import circle); re-exported
 from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_KIND, P_META, P_REJECTED_AT, ADVERTISED_FLOOR,
-                             P_BODY_LIMIT, P_REASON, P_STATUS, P_PROCESSED, Inbound, MqttLink, MqttSettings,
+                             P_BODY_LIMIT, P_REASON, P_STATUS, P_PROCESSED, Inbound, MqttLink, MqttSettings, inbound_size,
                              decode_indices, parse_body_limit)
 
 PATH = "mqtt"  # the transport path: one durable cursor per (peer, path) in sync_state
@@ -146,7 +146,8 @@ class Runner:
         self.ex = Exchange(self.cfg, BodyLimits(ADVERTISED_FLOOR, self.cfg, self.stats),
                            Presence(PRESENCE_LIMIT, self.stats), self.stats)
         self.rejections: deque = deque(maxlen=1000)  # (reason, detail) of refused inbound messages
-        self.intake = Intake(PRESENCE_LIMIT, self.stats)  # the order what arrived is handled in (pump)
+        # the order what arrived is handled in (pump), bounded in bytes
+        self.intake = Intake(PRESENCE_LIMIT, self.stats, size=inbound_size)
         self.refusal_budget = SurfaceBudget(REFUSALS_SURFACED_PER_WINDOW, REFUSAL_WINDOW_S)  # (source, reason)
         self.loss_budget = SurfaceBudget(LOSSES_SURFACED_PER_WINDOW, LOSS_WINDOW_S)  # the broker connection's losses
         self._owed: dict[bytes, list] = {}  # sender -> [(request, answer properties, AckAnswer)] not yet answered
@@ -257,8 +258,10 @@ class Runner:
 
     def pump(self, timeout: float = 0.0, max_items: int = 10_000) -> int:
         """Handle what arrived, in the order `binding.Intake` decides (members' requests one per
-        sender in turn, others bounded per call). Both queues hold unacknowledged messages only, so
-        they are bounded by the link's Receive Maximum: past that the broker holds them back. A call
+        sender in turn, others bounded per call). Both the link's queue and the intake are bounded
+        in bytes: nothing more is taken from the link while the intake is full, so the link's
+        network thread waits and the broker holds the rest back (before: bounded only by the
+        Receive Maximum, which counts no QoS 0 publish: a flood filled gigabytes). A call
         returns after about PUMP_BUDGET_S of handling even while bodies keep coming (a flood kept
         it, and the loop's expiry and cycles, busy for as long as it lasted)."""
         n = got = 0
@@ -270,7 +273,7 @@ class Runner:
         keyring = self.node.keyring
         budget_end = time.monotonic() + wait + PUMP_BUDGET_S
         while True:
-            while got < max_items:
+            while got < max_items and not intake.full():
                 try:
                     m = self.link.inbound.get(timeout=wait) if wait > 0 else self.link.inbound.get_nowait()
                 except queue.Empty:

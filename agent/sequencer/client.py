@@ -471,6 +471,7 @@ class CommitClient:
         self.client.loop_start()
 
     def close(self) -> None:
+        self.inbound.close()        # paho's thread may wait for room: it must be able to end
         self.client.disconnect()
         self.client.loop_stop()
 

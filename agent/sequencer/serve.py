@@ -215,6 +215,7 @@ class Server:
 
     def close(self) -> None:
         self.stop.set()
+        self.inbound.close()        # paho's thread may wait for room: it must be able to end
         self.client.disconnect()
         self.client.loop_stop()
 

@@ -49,6 +49,7 @@ from paho.mqtt.properties import Properties
 
 # The wire of the binding (user property names, the frame meta, rejected indices) is pure:
 # agent/core/binding.py; re-exported here for the link's users.
+from .. import inbox
 from ..core.binding import (P_COUNT, P_END, P_FROM, P_KIND, P_META, P_PART, P_PROCESSED,  # noqa: F401
                             P_REASON, P_REJECTED_AT, P_START, P_STATUS, decode_indices)
 from ..core.exchange import KIND_BATCH, KIND_REALTIME  # noqa: F401 - a request's kinds (the exchange decides on them)
@@ -71,6 +72,10 @@ ADVERTISED_FLOOR = 16 * 1024
 # PUBLISHes out to this node, each at most its Maximum Packet Size (own body limit + PACKET_OVERHEAD).
 RECEIVE_BUDGET_BYTES = 64 * 1024 * 1024
 RECEIVE_MAXIMUM_MIN, RECEIVE_MAXIMUM_MAX = 16, 1000
+# What the link holds between paho's network thread and the loop, in bytes (agent/inbox.py): Receive
+# Maximum counts no QoS 0 publish, so this, not the broker, bounds what a flood leaves in memory;
+# past it the network thread waits and TCP pushes back on the broker (docs/mqtt.md "Memory bound").
+INBOX_BUDGET_BYTES = 8 * 1024 * 1024
 
 _GENERATIONS = itertools.count(1)
 
@@ -227,6 +232,11 @@ class Inbound:
     received: float = field(default_factory=time.monotonic)
 
 
+def inbound_size(m: "Inbound") -> int:
+    """What one taken message holds while it waits (the link's inbox, the runner's intake)."""
+    return len(m.payload) + inbox.ITEM_OVERHEAD
+
+
 def _user_props(p: Properties | None) -> dict[str, str]:
     out: dict[str, str] = {}
     if p is not None and hasattr(p, "UserProperty"):
@@ -266,7 +276,7 @@ class MqttLink:
         self.site_id, self.mesh_id = site_id, mesh_id
         self.topics = Topics(mesh_id, settings.prefix)
         self.presence_payload = presence_payload
-        self.inbound: "queue.Queue[Inbound]" = queue.Queue()
+        self.inbound: inbox.Inbox[Inbound] = inbox.Inbox(INBOX_BUDGET_BYTES, inbound_size)
         # Called (on the network thread) after each message put in `inbound`: the one runtime loop
         # (agent/runtime.py) that also waits on serial ports is woken by it, not by a poll.
         self.wake: Callable[[], None] = lambda: None
@@ -351,6 +361,7 @@ class MqttLink:
     def close(self, clear_presence: bool = True, timeout: float = 2.0) -> None:
         """Leave cleanly: clear our retained presence, then DISCONNECT (the session stays on
         the broker for `session_expiry_s`, so bodies for us keep queueing while we are away)."""
+        self.inbound.close()   # the network thread may wait for room: nobody takes any more
         if self.connected.is_set() and clear_presence:
             try:
                 self._client.publish(self.topics.presence(self.site_id), b"", qos=1, retain=True).wait_for_publish(timeout)
@@ -377,6 +388,7 @@ class MqttLink:
         thread's loop() would pull the descriptor (and over TLS the SSL object) from under it, and
         a descriptor number reused meanwhile would have it read or write someone else's file."""
         self._stop.set()
+        self.inbound.close()
         alive = False
         if self._thread is not None:
             self._thread.join(3)
@@ -596,7 +608,7 @@ class MqttLink:
         return self._client
 
 
-def drain(q: "queue.Queue[Inbound]", first_timeout: float, max_items: int = 10_000) -> list[Inbound]:
+def drain(q: "inbox.Inbox[Inbound]", first_timeout: float, max_items: int = 10_000) -> list[Inbound]:
     """Everything waiting in the queue, waiting up to `first_timeout` for the first item."""
     out: list[Inbound] = []
     try:
@@ -617,7 +629,7 @@ def iter_ranges(items: Iterable, ranges: list[tuple[int, int]]) -> Iterable[list
         yield lst[a:b]
 
 
-def wait_for(q: "queue.Queue[Inbound]", kind: str, timeout: float, keep: list | None = None) -> Inbound | None:
+def wait_for(q: "inbox.Inbox[Inbound]", kind: str, timeout: float, keep: list | None = None) -> Inbound | None:
     """Tests and tools: the next inbound of `kind`, others set aside in `keep` (or dropped)."""
     deadline = time.monotonic() + timeout
     while True:
