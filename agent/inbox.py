@@ -1,5 +1,5 @@
-"""What an MQTT client's network thread hands its loop, bounded in bytes (docs/sequencer.md
-"Size limits", docs/mqtt.md "Size limits").
+"""What an MQTT client's network thread hands its loop, bounded in bytes, and whether anything can
+still arrive (docs/sequencer.md "Size limits", docs/mqtt.md "Memory bound").
 
 A Receive Maximum bounds only the QoS 1 and 2 publishes out to a client; a flood of QoS 0 ones is
 not counted by anything, so a plain queue between paho's network thread and the loop grows as
@@ -14,6 +14,8 @@ Only the network thread waits here; the loop never does while it holds anything 
 """
 from __future__ import annotations
 
+import os
+import socket
 import threading
 from collections import deque
 from queue import Empty
@@ -21,7 +23,7 @@ from typing import Callable, Generic, Optional, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["BUDGET_BYTES", "Empty", "Inbox", "PACKET_OVERHEAD", "message_size"]
+__all__ = ["BUDGET_BYTES", "DeliveryWatch", "Empty", "Inbox", "PACKET_OVERHEAD", "drop_connection", "message_size"]
 
 # What a loop's inbox holds before the network thread waits: a few of the largest packets, and a
 # few thousand small ones (a Pi Zero 2 W has 512 MB).
@@ -98,3 +100,64 @@ class Inbox(Generic[T]):
         self.held -= n
         self._cond.notify_all()
         return item
+
+
+# -- whether anything can still arrive ------------------------------------------------------------
+# mosquitto 2.0.11 keeps the in-flight slot of every QoS 1 PUBLISH it drops for exceeding the
+# Maximum Packet Size a client announced; once the client's Receive Maximum (or the broker's
+# max_inflight_messages, 100 in our configuration) of them are held, nothing more is delivered to
+# it until it reconnects, which frees them (docs/sequencer.md "Size limits"). A client that has
+# heard nothing for QUIET_S publishes a probe to a topic only it subscribes to; a probe not back
+# within WAIT_S means deliveries are stuck, and the client drops the connection (its persistent
+# session resumes on the reconnect, nothing unacknowledged is lost).
+QUIET_S = float(os.environ.get("SSP_AGENT_PROBE_QUIET_S", "30"))
+WAIT_S = float(os.environ.get("SSP_AGENT_PROBE_WAIT_S", "10"))
+PROBE, RECONNECT = "probe", "reconnect"
+
+
+class DeliveryWatch:
+    """When to probe the broker's deliveries, and when they are stuck (pure: the caller passes
+    the monotonic clock; ``delivered`` may be called from the network thread)."""
+
+    def __init__(self, quiet_s: float = QUIET_S, wait_s: float = WAIT_S) -> None:
+        self.quiet_s, self.wait_s = quiet_s, wait_s
+        self.last: Optional[float] = None        # the last delivery
+        self.probe_at: Optional[float] = None    # the probe waiting to come back
+        self.probes = self.reconnects = 0
+
+    def delivered(self, now: float) -> None:
+        self.last = now
+
+    def restart(self, now: float) -> None:
+        """A new connection: nothing is owed, the quiet time starts again."""
+        self.last, self.probe_at = now, None
+
+    def next(self, now: float) -> Optional[str]:
+        """PROBE: publish one now; RECONNECT: the probe did not come back; None: nothing to do."""
+        if self.last is None:
+            self.last = now
+        if self.probe_at is not None:
+            if self.last >= self.probe_at:
+                self.probe_at = None          # it came back (or something else did)
+            elif now - self.probe_at >= self.wait_s:
+                self.restart(now)
+                self.reconnects += 1
+                return RECONNECT
+            return None
+        if now - self.last >= self.quiet_s:
+            self.probe_at = now
+            self.probes += 1
+            return PROBE
+        return None
+
+
+def drop_connection(client) -> None:
+    """Make a paho client running its own network thread see its connection lost, so that thread
+    reconnects (``loop_start``/``loop_forever`` do): the socket is shut down, not closed, so the
+    descriptor is never pulled from under that thread."""
+    sock = client.socket()
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass

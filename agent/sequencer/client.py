@@ -449,14 +449,23 @@ class CommitClient:
             c.tls_set(ca_certs=settings.ca_file, cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
         c.on_connect = self._on_connect
         c.on_disconnect = lambda *a: self.connected.clear()
-        c.on_message = lambda client, userdata, msg: self.inbound.put(msg)
+        c.on_message = self._on_message
         c.reconnect_delay_set(0.2, 5)
         self.client = c
+        # deliveries stuck behind dropped oversized publishes come back with a reconnect (inbox.py)
+        self.watch = inbox.DeliveryWatch()
+        self.probe_topic = f"{ANSWER_ROOT}/{q.member_id}/probe"
+
+    def _on_message(self, client, userdata, msg) -> None:
+        self.watch.delivered(time.monotonic())
+        if msg.topic != self.probe_topic:
+            self.inbound.put(msg)
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
             return
-        client.subscribe([(self.reply_to, 1)])
+        self.watch.restart(time.monotonic())
+        client.subscribe([(self.reply_to, 1), (self.probe_topic, 1)])
         self._generation += 1
         self.connected.set()
 
@@ -501,6 +510,13 @@ class CommitClient:
                     self._sent_in[e.commit_hash] = (gen, now + wait, wait)
         if self._reoffer:
             self.reoffer_due(time.monotonic())
+        if self.connected.is_set():
+            act = self.watch.next(time.monotonic())
+            if act == inbox.PROBE:
+                self.client.publish(self.probe_topic, b"", qos=1)
+            elif act == inbox.RECONNECT:   # the broker holds our in-flight slots: a new connection frees them
+                self.q.record_event("deliveries_stuck", {"reconnect": self.watch.reconnects})
+                inbox.drop_connection(self.client)
         if time.monotonic() >= self._recheck_at:
             self._recheck_at = time.monotonic() + self.RECHECK_S
             self.recheck()

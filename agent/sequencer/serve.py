@@ -160,25 +160,36 @@ class Server:
         self.gc = seq.group_commit()
         self._in_gc: dict[int, object] = {}      # tag -> the submit request in the group commit
         self._tags = 0
-        c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"sovm-seq-{seq.public_key.hex()[2:26]}",
-                        protocol=paho.MQTTv5, manual_ack=True)
+        client_id = f"sovm-seq-{seq.public_key.hex()[2:26]}"
+        c = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5, manual_ack=True)
         if settings.username is not None:
             c.username_pw_set(settings.username, settings.password)
         if settings.tls:
             c.tls_set(ca_certs=settings.ca_file, cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
         c.on_connect = self._on_connect
         c.on_subscribe = lambda *a: self.subscribed.set()
-        c.on_message = lambda client, userdata, msg: self.inbound.put(msg)
+        c.on_message = self._on_message
         c.reconnect_delay_set(0.5, 30)
         self.client = c
+        # deliveries stuck behind dropped oversized publishes come back with a reconnect (inbox.py)
+        self.watch = inbox.DeliveryWatch()
+        self.probe_topic = f"{settings.prefix}/_probe/{client_id}"
+
+    def _on_message(self, client, userdata, msg) -> None:
+        self.watch.delivered(time.monotonic())
+        if msg.topic == self.probe_topic:
+            client.ack(msg.mid, msg.qos)
+            return
+        self.inbound.put(msg)
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
             log.error("broker refused the connection: %s", reason_code)
             return
         p = self.s.prefix
+        self.watch.restart(time.monotonic())
         client.subscribe([(f"{p}/+/submit", 1), (f"{p}/+/register", 1), (f"{p}/+/receipt", 1),
-                          (f"{p}/+/evidence", 1)])
+                          (f"{p}/+/evidence", 1), (self.probe_topic, 1)])
 
     def start(self, timeout: float = 10.0) -> None:
         from paho.mqtt.packettypes import PacketTypes
@@ -211,7 +222,22 @@ class Server:
             self.feed(batch)
             if self.gc.busy():
                 self._answer_submits(self.gc.step())
+            self._watch_deliveries()
         self._answer_submits(self.gc.drain())     # stopping: what is in flight is finished and answered
+
+    def _watch_deliveries(self) -> None:
+        """Quiet for a while: a probe to ourselves; not back: the broker holds our in-flight slots
+        (dropped oversized publishes, inbox.py), and a new connection frees them."""
+        if not self.client.is_connected():
+            return
+        act = self.watch.next(time.monotonic())
+        if act == inbox.PROBE:
+            self.client.publish(self.probe_topic, b"", qos=1)
+        elif act == inbox.RECONNECT:
+            log.warning("no delivery from the broker, not even our own probe, for %.0f s: reconnecting",
+                        self.watch.wait_s)
+            self.seq.store.record_event("deliveries_stuck", {"reconnect": self.watch.reconnects})
+            inbox.drop_connection(self.client)
 
     def close(self) -> None:
         self.stop.set()

@@ -182,3 +182,92 @@ def test_the_inbox_holds_at_most_its_budget_beyond_one_item():
         box.get(timeout=0.05)
     box.put(b"w" * 500)            # alone, over the budget: passes (it is already in memory)
     assert box.get_nowait() == b"w" * 500
+
+
+def test_the_delivery_watch_probes_when_quiet_and_reconnects_when_the_probe_is_lost():
+    w = inbox.DeliveryWatch(quiet_s=30, wait_s=10)
+    assert w.next(100.0) is None                 # the quiet time starts
+    w.delivered(120.0)
+    assert w.next(149.0) is None
+    assert w.next(150.0) == inbox.PROBE
+    assert w.next(155.0) is None                 # waiting for it
+    w.delivered(156.0)                           # it came back: nothing is stuck
+    assert w.next(157.0) is None and w.probe_at is None
+    assert w.next(186.0) == inbox.PROBE
+    assert w.next(195.9) is None
+    assert w.next(196.0) == inbox.RECONNECT      # not back within wait_s
+    assert w.next(197.0) is None                 # a fresh quiet time after the reconnect
+    assert (w.probes, w.reconnects) == (2, 1)
+
+
+SLOW = {"SSP_AGENT_PROBE_QUIET_S": "2", "SSP_AGENT_PROBE_WAIT_S": "2"}
+
+
+def oversized_qos1(port: int, topic: str, n: int = 120) -> None:
+    """``n`` QoS 1 publishes over the receivers' Maximum Packet Size: mosquitto 2.0.11 drops each
+    but keeps its in-flight slot, and our broker allows 100 in flight to a client."""
+    c = hostile_client(port)
+    try:
+        for _ in range(n):
+            c.publish(topic, b"\x00" * (framing.MAX_MESSAGE_BYTES + (64 << 10)), qos=1).wait_for_publish(60)
+    finally:
+        c.loop_stop()
+
+
+def test_sequencer_run_comes_back_from_deliveries_stuck_behind_dropped_publishes(tmp_path, broker):
+    """120 oversized QoS 1 publishes on a `submit` topic held every in-flight slot of `sequencer
+    run` at the broker: nothing reached it any more (before: the next Commit was never answered).
+    Its probe to itself does not come back, it reconnects, and the Commit is accepted."""
+    home = tmp_path / "seq"
+    assert agent(home, "sequencer", "init").returncode == 0
+    proc = subprocess.Popen([*agent_cmd(), "--home", str(home), "sequencer", "run", "--broker", broker.url],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env(SLOW))
+    m = None
+    try:
+        json.loads(proc.stdout.readline())
+        m = Member(broker.port, "alice")
+        assert m.request(f"sovm-seq/{G.hex()}/register", b"0") == {"group": G.hex(), "epoch": 0}
+        oversized_qos1(broker.port, f"sovm-seq/{G.hex()}/submit")
+        ans = m.request(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 0), timeout=90)
+        assert ans["accepted"] is True, ans
+    finally:
+        if m is not None:
+            m.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()
+    events = json.loads(agent(home, "sequencer", "status").stdout)["events"]
+    assert [e for e in events if e["kind"] == "deliveries_stuck"], events
+
+
+def test_a_member_comes_back_from_deliveries_stuck_behind_dropped_publishes(tmp_path, broker):
+    """The same against a member: 120 oversized QoS 1 publishes on its answer topic; its queued
+    Commit is still sequenced and decided once its probe is lost and it reconnects."""
+    seq_home, member = tmp_path / "seq", tmp_path / "m"
+    key = json.loads(agent(seq_home, "sequencer", "init").stdout)["sequencer_key"]
+    commit = tmp_path / "c0"
+    commit.write_bytes(encode_private_message(G, 0, ciphertext=b"m" * 8))
+    assert agent(member, "commits", "queue", str(commit), "--sequencer-key", key).returncode == 0
+    member_id = json.loads(agent(member, "commits", "status").stdout)["member_id"]
+    runner = subprocess.Popen([*agent_cmd(), "--home", str(member), "commits", "run", "--broker", broker.url],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env(SLOW))
+    seq = None
+    try:
+        assert runner.stdout.readline()
+        time.sleep(1)
+        oversized_qos1(broker.port, f"sovm-member/{member_id}/answers")
+        seq = subprocess.Popen([*agent_cmd(), "--home", str(seq_home), "sequencer", "run", "--broker", broker.url],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
+        json.loads(seq.stdout.readline())
+        end = time.monotonic() + 90
+        while time.monotonic() < end:
+            st = json.loads(agent(member, "commits", "status").stdout)
+            if st["commits"][0]["state"] != "queued":
+                break
+            time.sleep(0.5)
+        assert st["commits"][0]["state"] == "accepted", st
+        assert [e for e in st["events"] if e["kind"] == "deliveries_stuck"], st["events"]
+    finally:
+        for p in (runner, seq):
+            if p is not None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(30)
