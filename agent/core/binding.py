@@ -31,13 +31,13 @@ from typing import Any, Callable, Iterable, Sequence
 
 from . import reasons
 from .exchange import KIND_BATCH, KIND_REALTIME, PRESENCE_LIMIT, Exchange, InFlight, Schedule
+from .messages import ProtocolError, parse_body
+from .records import MAX_ACK_ANSWERS, AckAnswer, RecordError, is_ack, verify_ack
+from .sending import first_body
 
 # What the intake (`Intake`) holds waiting before the runner takes nothing more from its link: the
 # 64 MiB the Receive Maximum was meant to bound (docs/mqtt.md "Memory bound"), now held to in bytes.
 INTAKE_BUDGET_BYTES = 64 * 1024 * 1024
-from .messages import ProtocolError, parse_body
-from .records import MAX_ACK_ANSWERS, AckAnswer, RecordError, is_ack, verify_ack
-from .sending import first_body
 
 NEVER = float("inf")
 
