@@ -37,8 +37,15 @@ PACKET_OVERHEAD = 16 << 10
 
 
 def message_size(msg) -> int:
-    """The bytes one paho message holds while it waits (``Inbox``'s ``size``)."""
-    return len(msg.payload) + len(getattr(msg, "_topic", b"") or b"") + ITEM_OVERHEAD
+    """The bytes one paho message holds while it waits (``Inbox``'s ``size``): payload, topic and
+    the properties that carry bytes (user properties, response topic, correlation data: a small
+    payload can come with a megabyte of them)."""
+    n = len(msg.payload) + len(getattr(msg, "_topic", b"") or b"") + ITEM_OVERHEAD
+    props = getattr(msg, "properties", None)
+    if props is not None:
+        n += sum(len(k) + len(v) for k, v in getattr(props, "UserProperty", None) or ())
+        n += len(getattr(props, "ResponseTopic", None) or "") + len(getattr(props, "CorrelationData", None) or b"")
+    return n
 
 
 class Inbox(Generic[T]):

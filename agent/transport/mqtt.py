@@ -233,8 +233,10 @@ class Inbound:
 
 
 def inbound_size(m: "Inbound") -> int:
-    """What one taken message holds while it waits (the link's inbox, the runner's intake)."""
-    return len(m.payload) + inbox.ITEM_OVERHEAD
+    """What one taken message holds while it waits (the link's inbox, the runner's intake): its
+    payload, user properties, response topic and correlation data (any of them can be the bulk)."""
+    return (len(m.payload) + sum(len(k) + len(v) for k, v in m.props.items()) + len(m.response_topic or "")
+            + len(m.correlation or b"") + inbox.ITEM_OVERHEAD)
 
 
 def _user_props(p: Properties | None) -> dict[str, str]:

@@ -17,7 +17,10 @@ import time
 import uuid
 
 import paho.mqtt.client as paho
+import pytest
 from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from agent.transport.mqtt import Topics
 
@@ -28,7 +31,11 @@ N = 200                  # 40 MB in all
 LINK_BUDGET, INTAKE_BUDGET = 2 << 20, 4 << 20
 
 
-def test_a_qos0_flood_waits_within_the_link_and_intake_budgets(broker, tmp_path):
+@pytest.mark.parametrize("carried_in", ["payload", "user_properties"])
+def test_a_qos0_flood_waits_within_the_link_and_intake_budgets(broker, tmp_path, carried_in):
+    """The bytes are counted wherever a message carries them: a small payload with 200 KiB of
+    MQTT user properties holds as much memory as a 200 KiB payload (before the count included
+    them, such a flood passed the byte budgets as 512 bytes a message)."""
     a, b = nodes = make_nodes(tmp_path, 2)
     ra = runner(a, broker, cadence_s=3600, realtime=False)
     rb = runner(b, broker, cadence_s=3600, realtime=False)
@@ -42,7 +49,12 @@ def test_a_qos0_flood_waits_within_the_link_and_intake_budgets(broker, tmp_path)
     try:
         assert step_until([ra, rb], lambda: a.site_id in rb.caps, 5)
         for _ in range(N):   # QoS 0: no Receive Maximum counts these
-            info = evil.publish(topics.requests(b.site_id, os.urandom(16)), os.urandom(BODY), qos=0)
+            if carried_in == "payload":
+                info = evil.publish(topics.requests(b.site_id, os.urandom(16)), os.urandom(BODY), qos=0)
+            else:
+                props = Properties(PacketTypes.PUBLISH)
+                props.UserProperty = [(f"k{i}", "v" * 1020) for i in range(BODY // 1024)]
+                info = evil.publish(topics.requests(b.site_id, os.urandom(16)), b"x", qos=0, properties=props)
         info.wait_for_publish(60)
         # b's loop takes nothing meanwhile: what its link took from the broker is what waits
         time.sleep(3)

@@ -271,3 +271,19 @@ def test_a_member_comes_back_from_deliveries_stuck_behind_dropped_publishes(tmp_
             if p is not None:
                 p.send_signal(signal.SIGTERM)
                 p.wait(30)
+
+
+def test_a_message_is_counted_with_the_bytes_its_properties_carry():
+    """A one-byte payload with 100 KB of user properties is counted as what it holds, so a flood
+    of such messages cannot pass the inbox budget as a few hundred bytes each."""
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+    m = paho.MQTTMessage(1, b"sovm-seq/ab/submit")
+    m.payload = b"x"
+    bare = inbox.message_size(m)
+    p = Properties(PacketTypes.PUBLISH)
+    p.UserProperty = [("k", "v" * 100_000), ("k2", "w" * 10)]
+    p.ResponseTopic = "r" * 1000
+    p.CorrelationData = b"c" * 500
+    m.properties = p
+    assert inbox.message_size(m) >= bare + 100_000 + 12 + 1000 + 500
