@@ -16,6 +16,7 @@ import json
 import signal
 import subprocess
 import time
+from contextlib import contextmanager
 from typing import Iterator
 
 import cbor2
@@ -393,11 +394,12 @@ def test_a_frozen_group_takes_no_more_offers_and_its_lost_record_is_cleared(tmp_
             s.refill_offered(g, recovery.parse_evidence(offer))
 
 
-def test_a_member_offers_nothing_for_a_group_it_does_not_follow(tmp_path, monkeypatch):
-    """A `lost` record retained for a group this member never queued a Commit for (a broker
-    client may publish one anywhere) makes it offer nothing, whatever it holds of that group."""
-    from test_hostile_requests import FakeClient, msg as record
-    home, got, _ = compacted_history(tmp_path, monkeypatch)
+@contextmanager
+def member_holding_every_head(tmp_path, monkeypatch) -> Iterator[tuple[client.CommitClient, bytes]]:
+    """A member's client (its broker client a FakeClient) whose queue holds every receipt of
+    group 1 (a restored sequencer lost some of them); it follows no group yet."""
+    from test_hostile_requests import FakeClient
+    _home, got, _ = compacted_history(tmp_path, monkeypatch)
     g = GROUPS[1]
     q = client.open_queue(tmp_path / "member")
     try:
@@ -405,6 +407,16 @@ def test_a_member_offers_nothing_for_a_group_it_does_not_follow(tmp_path, monkey
             q.keep_head(g, e, got[(g, e)])
         c = client.CommitClient(q, serve.BrokerSettings("127.0.0.1", 1))
         c.client = FakeClient()
+        yield c, g
+    finally:
+        q.close()
+
+
+def test_a_member_offers_nothing_for_a_group_it_does_not_follow(tmp_path, monkeypatch):
+    """A `lost` record retained for a group this member never queued a Commit for (a broker
+    client may publish one anywhere) makes it offer nothing, whatever it holds of that group."""
+    from test_hostile_requests import msg as record
+    with member_holding_every_head(tmp_path, monkeypatch) as (c, g):
         lost = cbor2.dumps({"missing": [[BACKUP_AT, LAST - 1]]})
         c._handle(record(f"sovm-seq/{g.hex()}/lost", lost))
         assert c.client.published == []                       # not followed: nothing offered
@@ -413,8 +425,6 @@ def test_a_member_offers_nothing_for_a_group_it_does_not_follow(tmp_path, monkey
         assert [t for t, _p in c.client.published] == [f"sovm-seq/{g.hex()}/evidence"]
         c._handle(record(f"sovm-seq/{g.hex()}/lost", lost))   # the same record again: not offered again
         assert len(c.client.published) == 1
-    finally:
-        q.close()
 
 
 def test_evidence_past_the_allowance_is_answered_retry_after_and_submits_go_on(tmp_path, monkeypatch):
@@ -455,15 +465,8 @@ def test_a_member_told_retry_after_offers_the_same_again_then(tmp_path, monkeypa
     import hashlib
     monkeypatch.setattr(client, "OFFER_INTERVAL_S", 0.0)     # the interval has its own test below
 
-    from test_hostile_requests import FakeClient, msg as record
-    home, got, _ = compacted_history(tmp_path, monkeypatch)
-    g = GROUPS[1]
-    q = client.open_queue(tmp_path / "member")
-    try:
-        for e in range(LAST + 1):
-            q.keep_head(g, e, got[(g, e)])
-        c = client.CommitClient(q, serve.BrokerSettings("127.0.0.1", 1))
-        c.client = FakeClient()
+    from test_hostile_requests import msg as record
+    with member_holding_every_head(tmp_path, monkeypatch) as (c, g):
         c._followed[g] = 1
         lost = cbor2.dumps({"missing": [[BACKUP_AT, LAST - 1]]})
         c._handle(record(f"sovm-seq/{g.hex()}/lost", lost))
@@ -492,23 +495,14 @@ def test_a_member_told_retry_after_offers_the_same_again_then(tmp_path, monkeypa
             c._offer_answered(corr, json.dumps({"error": "busy", "retry_after": bad}).encode())
             c.reoffer_due(t0 + 10**10)
         assert len(c.client.published) == 3
-    finally:
-        q.close()
 
 
 def test_lost_records_that_change_every_time_get_one_offer_an_interval(tmp_path, monkeypatch):
     """A broker client publishing a different `lost` record for a followed group 100 times in a
     row makes the member offer once at once and once more, with the newest record, when
     OFFER_INTERVAL_S has passed. Before: one offer (up to 1 MiB) for every record."""
-    from test_hostile_requests import FakeClient, msg as record
-    home, got, _ = compacted_history(tmp_path, monkeypatch)
-    g = GROUPS[1]
-    q = client.open_queue(tmp_path / "member")
-    try:
-        for e in range(LAST + 1):
-            q.keep_head(g, e, got[(g, e)])
-        c = client.CommitClient(q, serve.BrokerSettings("127.0.0.1", 1))
-        c.client = FakeClient()
+    from test_hostile_requests import msg as record
+    with member_holding_every_head(tmp_path, monkeypatch) as (c, g):
         c._followed[g] = 1
         t0 = time.monotonic()
         for i in range(100):
@@ -521,5 +515,3 @@ def test_lost_records_that_change_every_time_get_one_offer_an_interval(tmp_path,
         assert max(receipts.parse_receipt(bytes.fromhex(r)).epoch for r in newest["receipts"]) == LAST - 2, newest
         c.reoffer_due(t0 + 100)
         assert len(c.client.published) == 2
-    finally:
-        q.close()
