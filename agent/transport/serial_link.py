@@ -454,7 +454,8 @@ class SerialLink:
                 return
             if len(self._rbuf) < _LEN.size + n:
                 return
-            msg = bytes(self._rbuf[_LEN.size:_LEN.size + n])
+            with memoryview(self._rbuf) as view:   # one copy of a message up to 17 MiB, not two
+                msg = bytes(view[_LEN.size:_LEN.size + n])
             del self._rbuf[:_LEN.size + n]
             if compressed:
                 msg = self._inflate(msg)
