@@ -17,13 +17,15 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections import deque
 from queue import Empty
 from typing import Callable, Generic, Optional, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["BUDGET_BYTES", "DeliveryWatch", "Empty", "Inbox", "PACKET_OVERHEAD", "drop_connection", "message_size"]
+__all__ = ["BUDGET_BYTES", "DeliveryWatch", "Empty", "Inbox", "PACKET_OVERHEAD", "Prober", "drop_connection",
+           "message_size"]
 
 # What a loop's inbox holds before the network thread waits: a few of the largest packets, and a
 # few thousand small ones (a Pi Zero 2 W has 512 MB).
@@ -124,16 +126,33 @@ PROBE, RECONNECT = "probe", "reconnect"
 
 class DeliveryWatch:
     """When to probe the broker's deliveries, and when they are stuck (pure: the caller passes
-    the monotonic clock; ``delivered`` may be called from the network thread)."""
+    the monotonic clock; ``delivered`` may be called from the network thread).
+
+    Two guards for a probe that cannot come back for another reason (an ACL that refuses this
+    client its probe topic): a probe the broker refuses (PUBACK "not authorized") turns the watch
+    off (``refused``); and while reconnects bring nothing new (no delivery that is neither a probe
+    nor a retained copy), each doubles the quiet time, up to MAX_BACKOFF times QUIET_S (an idle
+    client behind such an ACL reconnects about once an hour, not every 40 s)."""
+
+    MAX_BACKOFF = 128
 
     def __init__(self, quiet_s: float = QUIET_S, wait_s: float = WAIT_S) -> None:
         self.quiet_s, self.wait_s = quiet_s, wait_s
         self.last: Optional[float] = None        # the last delivery
         self.probe_at: Optional[float] = None    # the probe waiting to come back
+        self.backoff = 1                         # the quiet time is quiet_s * backoff
+        self.off = False                         # the broker refused our probe: nothing to watch with
         self.probes = self.reconnects = 0
 
-    def delivered(self, now: float) -> None:
+    def delivered(self, now: float, fresh: bool = True) -> None:
+        """Something was delivered; ``fresh``: neither our probe nor a retained copy (traffic
+        that proves the connection carries what others send: the quiet time is back to its base)."""
         self.last = now
+        if fresh:
+            self.backoff = 1
+
+    def refused(self) -> None:
+        self.off = True
 
     def restart(self, now: float) -> None:
         """A new connection: nothing is owed, the quiet time starts again."""
@@ -141,6 +160,8 @@ class DeliveryWatch:
 
     def next(self, now: float) -> Optional[str]:
         """PROBE: publish one now; RECONNECT: the probe did not come back; None: nothing to do."""
+        if self.off:
+            return None
         if self.last is None:
             self.last = now
         if self.probe_at is not None:
@@ -149,12 +170,56 @@ class DeliveryWatch:
             elif now - self.probe_at >= self.wait_s:
                 self.restart(now)
                 self.reconnects += 1
+                self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
                 return RECONNECT
             return None
-        if now - self.last >= self.quiet_s:
+        if now - self.last >= self.quiet_s * self.backoff:
             self.probe_at = now
             self.probes += 1
             return PROBE
+        return None
+
+
+class Prober:
+    """A ``DeliveryWatch`` wired to one paho client running its own network thread: its probe
+    topic (subscribe to it on every connection), what to call from ``on_message`` and
+    ``on_publish``, and ``step`` for the loop. ``step`` returns what the caller records: RECONNECT
+    (the connection was dropped: deliveries were stuck) or OFF (the broker refused the probe: the
+    watch is off for good, say so once)."""
+
+    OFF = "off"
+
+    def __init__(self, client, topic: str, watch: Optional[DeliveryWatch] = None) -> None:
+        self.client, self.topic = client, topic
+        self.watch = watch or DeliveryWatch()
+        self._probe_mid: Optional[int] = None
+        self._told_off = False
+
+    def on_message(self, msg) -> bool:
+        """Note a delivery (network thread); True: it is our probe, not for the loop."""
+        ours = msg.topic == self.topic
+        self.watch.delivered(time.monotonic(), fresh=not (ours or msg.retain))
+        return ours
+
+    def on_publish(self, mid: int, reason_code) -> None:
+        if mid == self._probe_mid and getattr(reason_code, "is_failure", False):
+            self.watch.refused()
+
+    def restart(self) -> None:
+        self.watch.restart(time.monotonic())
+
+    def step(self, now: float) -> Optional[str]:
+        if self.watch.off:
+            if self._told_off:
+                return None
+            self._told_off = True
+            return self.OFF
+        act = self.watch.next(now)
+        if act == PROBE:
+            self._probe_mid = self.client.publish(self.topic, b"", qos=1).mid
+        elif act == RECONNECT:
+            drop_connection(self.client)
+            return RECONNECT
         return None
 
 

@@ -450,22 +450,21 @@ class CommitClient:
         c.on_connect = self._on_connect
         c.on_disconnect = lambda *a: self.connected.clear()
         c.on_message = self._on_message
+        c.on_publish = lambda client, userdata, mid, reason_code, properties: self.prober.on_publish(mid, reason_code)
         c.reconnect_delay_set(0.2, 5)
         self.client = c
         # deliveries stuck behind dropped oversized publishes come back with a reconnect (inbox.py)
-        self.watch = inbox.DeliveryWatch()
-        self.probe_topic = f"{ANSWER_ROOT}/{q.member_id}/probe"
+        self.prober = inbox.Prober(c, f"{ANSWER_ROOT}/{q.member_id}/probe")
 
     def _on_message(self, client, userdata, msg) -> None:
-        self.watch.delivered(time.monotonic())
-        if msg.topic != self.probe_topic:
+        if not self.prober.on_message(msg):
             self.inbound.put(msg)
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
             return
-        self.watch.restart(time.monotonic())
-        client.subscribe([(self.reply_to, 1), (self.probe_topic, 1)])
+        self.prober.restart()
+        client.subscribe([(self.reply_to, 1), (self.prober.topic, 1)])
         self._generation += 1
         self.connected.set()
 
@@ -511,12 +510,11 @@ class CommitClient:
         if self._reoffer:
             self.reoffer_due(time.monotonic())
         if self.connected.is_set():
-            act = self.watch.next(time.monotonic())
-            if act == inbox.PROBE:
-                self.client.publish(self.probe_topic, b"", qos=1)
-            elif act == inbox.RECONNECT:   # the broker holds our in-flight slots: a new connection frees them
-                self.q.record_event("deliveries_stuck", {"reconnect": self.watch.reconnects})
-                inbox.drop_connection(self.client)
+            act = self.prober.step(time.monotonic())
+            if act == inbox.RECONNECT:   # the broker held our in-flight slots: the new connection frees them
+                self.q.record_event("deliveries_stuck", {"reconnect": self.prober.watch.reconnects})
+            elif act == inbox.Prober.OFF:
+                self.q.record_event("delivery_watch_off", {"topic": self.prober.topic})
         if time.monotonic() >= self._recheck_at:
             self._recheck_at = time.monotonic() + self.RECHECK_S
             self.recheck()

@@ -169,15 +169,14 @@ class Server:
         c.on_connect = self._on_connect
         c.on_subscribe = lambda *a: self.subscribed.set()
         c.on_message = self._on_message
+        c.on_publish = lambda client, userdata, mid, reason_code, properties: self.prober.on_publish(mid, reason_code)
         c.reconnect_delay_set(0.5, 30)
         self.client = c
         # deliveries stuck behind dropped oversized publishes come back with a reconnect (inbox.py)
-        self.watch = inbox.DeliveryWatch()
-        self.probe_topic = f"{settings.prefix}/_probe/{client_id}"
+        self.prober = inbox.Prober(c, f"{settings.prefix}/_probe/{client_id}")
 
     def _on_message(self, client, userdata, msg) -> None:
-        self.watch.delivered(time.monotonic())
-        if msg.topic == self.probe_topic:
+        if self.prober.on_message(msg):
             client.ack(msg.mid, msg.qos)
             return
         self.inbound.put(msg)
@@ -187,9 +186,9 @@ class Server:
             log.error("broker refused the connection: %s", reason_code)
             return
         p = self.s.prefix
-        self.watch.restart(time.monotonic())
+        self.prober.restart()
         client.subscribe([(f"{p}/+/submit", 1), (f"{p}/+/register", 1), (f"{p}/+/receipt", 1),
-                          (f"{p}/+/evidence", 1), (self.probe_topic, 1)])
+                          (f"{p}/+/evidence", 1), (self.prober.topic, 1)])
 
     def start(self, timeout: float = 10.0) -> None:
         from paho.mqtt.packettypes import PacketTypes
@@ -230,14 +229,16 @@ class Server:
         (dropped oversized publishes, inbox.py), and a new connection frees them."""
         if not self.client.is_connected():
             return
-        act = self.watch.next(time.monotonic())
-        if act == inbox.PROBE:
-            self.client.publish(self.probe_topic, b"", qos=1)
-        elif act == inbox.RECONNECT:
+        act = self.prober.step(time.monotonic())
+        if act == inbox.RECONNECT:
             log.warning("no delivery from the broker, not even our own probe, for %.0f s: reconnecting",
-                        self.watch.wait_s)
-            self.seq.store.record_event("deliveries_stuck", {"reconnect": self.watch.reconnects})
-            inbox.drop_connection(self.client)
+                        self.prober.watch.wait_s)
+            self.seq.store.record_event("deliveries_stuck", {"reconnect": self.prober.watch.reconnects})
+        elif act == inbox.Prober.OFF:
+            log.warning("the broker refuses our delivery probe on %s (its ACL): deliveries stuck behind "
+                        "dropped oversized publishes are not detected; allow this client readwrite there",
+                        self.prober.topic)
+            self.seq.store.record_event("delivery_watch_off", {"topic": self.prober.topic})
 
     def close(self) -> None:
         self.stop.set()

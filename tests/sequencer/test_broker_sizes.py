@@ -200,7 +200,70 @@ def test_the_delivery_watch_probes_when_quiet_and_reconnects_when_the_probe_is_l
     assert (w.probes, w.reconnects) == (2, 1)
 
 
+def test_the_watch_backs_off_while_reconnects_bring_nothing_and_stops_when_its_probe_is_refused():
+    """A probe that cannot come back for another reason than stuck slots (an ACL) must not make an
+    idle client reconnect every 40 s for ever: each reconnect that brought nothing fresh doubles
+    the quiet time (a retained copy or our own probe is not fresh), fresh traffic resets it, and
+    a probe the broker refused turns the watch off."""
+    w = inbox.DeliveryWatch(quiet_s=30, wait_s=10)
+    now = 0.0
+    quiet = []
+    for _ in range(9):
+        start = now
+        while w.next(now) != inbox.PROBE:
+            now += 1
+        quiet.append(now - start)
+        while w.next(now) != inbox.RECONNECT:
+            now += 1
+        w.delivered(now, fresh=False)          # retained copies after the reconnect
+    assert quiet == [30, 60, 120, 240, 480, 960, 1920, 3840, 3840], quiet
+    w.delivered(now, fresh=True)               # a request from someone: the connection carries traffic
+    assert w.backoff == 1
+    start = now
+    while w.next(now) != inbox.PROBE:
+        now += 1
+    assert now - start == 30
+    w.refused()
+    assert all(w.next(now + k) is None for k in range(0, 100_000, 997))
+
+
 SLOW = {"SSP_AGENT_PROBE_QUIET_S": "2", "SSP_AGENT_PROBE_WAIT_S": "2"}
+
+
+def test_a_broker_refusing_the_probe_turns_the_watch_off_once(tmp_path):
+    """Under an ACL that lets `sequencer run` serve but not publish its probe, the broker refuses
+    the probe (PUBACK "not authorized"): the watch is off, said once (`delivery_watch_off`), no
+    reconnect is made for it, and requests are still served."""
+    from agent.transport.broker import Broker, free_port, write_password_file
+    write_password_file(tmp_path / "passwd", {"seq": "s", "alice": "a"})
+    acl = ["user seq"] + [f"topic readwrite sovm-seq/+/{k}" for k in
+                          ("submit", "register", "receipt", "evidence", "accepted", "lost", "discontinuity/+")]
+    (tmp_path / "acl").write_text("\n".join(acl + ["topic readwrite members/#", "user alice", "topic readwrite #"]) + "\n")
+    port = free_port()
+    br = Broker(port=port, workdir=tmp_path / "broker", listener_conf=(
+        f"listener {port} 127.0.0.1\nallow_anonymous false\npassword_file {tmp_path / 'passwd'}\n"
+        f"acl_file {tmp_path / 'acl'}")).start()
+    home = tmp_path / "seq"
+    assert agent(home, "sequencer", "init").returncode == 0
+    proc = subprocess.Popen([*agent_cmd(), "--home", str(home), "sequencer", "run", "--broker",
+                             f"mqtt://seq:s@127.0.0.1:{port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env(SLOW))
+    m = None
+    try:
+        json.loads(proc.stdout.readline())
+        m = Member(port, "alice", credentials=("alice", "a"))
+        assert m.request(f"sovm-seq/{G.hex()}/register", b"0") == {"group": G.hex(), "epoch": 0}
+        time.sleep(12)                          # quiet: several probe times of 2 s + 2 s
+        ans = m.request(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 0), timeout=30)
+        assert ans["accepted"] is True, ans
+    finally:
+        if m is not None:
+            m.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()
+        br.close()
+    kinds = [e["kind"] for e in json.loads(agent(home, "sequencer", "status").stdout)["events"]]
+    assert kinds.count("delivery_watch_off") == 1 and "deliveries_stuck" not in kinds, kinds
 
 
 def oversized_qos1(port: int, topic: str, n: int = 120) -> None:

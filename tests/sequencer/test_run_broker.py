@@ -26,13 +26,15 @@ G = bytes.fromhex("a7" * 16)
 class Member:
     """A member's MQTT client: requests with a response topic, answers by correlation data."""
 
-    def __init__(self, url_port: int, name: str) -> None:
+    def __init__(self, url_port: int, name: str, credentials: tuple[str, str] | None = None) -> None:
         self.answers: "queue.Queue" = queue.Queue()
         self.published: "queue.Queue" = queue.Queue()
         self.reply_to = f"members/{name}/{uuid.uuid4().hex}"
         self.c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"{name}-{uuid.uuid4().hex[:8]}",
                              protocol=paho.MQTTv5)
         self.c.on_message = self._msg
+        if credentials is not None:
+            self.c.username_pw_set(*credentials)
         self.c.connect("127.0.0.1", url_port)
         self.c.loop_start()
         self.c.subscribe([(self.reply_to, 1), ("sovm-seq/+/accepted", 1), ("sovm-seq/+/discontinuity/+", 1)])
