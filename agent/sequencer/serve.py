@@ -92,6 +92,9 @@ def answer_json(ans: service.Answer) -> dict:
 
 
 MAX_BATCH = 512          # requests taken from the inbound queue per turn of the loop
+# The group commit's undecided Commits (bytes) past which the loop takes nothing more from the inbox:
+# a flood then waits in the bounded inbox, and paho's thread (then the broker) waits for room.
+BACKLOG_BYTES = 8 << 20
 MAX_EVIDENCE_BYTES = 1 << 20   # an evidence request: recovery.MAX_OFFERED receipts in hex fit
 MAX_LOST_RUNS = 256            # runs of missing epochs in one `lost` record
 # Evidence read and checked, all members together (each receipt costs a signature check, about
@@ -207,22 +210,28 @@ class Server:
 
     def serve_forever(self) -> None:
         while not self.stop.is_set():
-            batch = []
+            self.turn()
+        self._answer_submits(self.gc.drain())     # stopping: what is in flight is finished and answered
+
+    def turn(self) -> None:
+        """One turn of the loop: take what arrived (up to MAX_BATCH requests, none while the group
+        commit's backlog holds BACKLOG_BYTES), make one group-commit step, watch the deliveries."""
+        batch = []
+        if self.gc.queued_bytes < BACKLOG_BYTES:
             try:
                 # with Commits in flight the loop only looks for more, it never waits for them
                 batch.append(self.inbound.get(timeout=0.5) if not self.gc.busy() else self.inbound.get_nowait())
             except inbox.Empty:
                 pass
-            while batch and len(batch) < MAX_BATCH:
-                try:
-                    batch.append(self.inbound.get_nowait())
-                except inbox.Empty:
-                    break
-            self.feed(batch)
-            if self.gc.busy():
-                self._answer_submits(self.gc.step())
-            self._watch_deliveries()
-        self._answer_submits(self.gc.drain())     # stopping: what is in flight is finished and answered
+        while batch and len(batch) < MAX_BATCH:
+            try:
+                batch.append(self.inbound.get_nowait())
+            except inbox.Empty:
+                break
+        self.feed(batch)
+        if self.gc.busy():
+            self._answer_submits(self.gc.step())
+        self._watch_deliveries()
 
     def _watch_deliveries(self) -> None:
         """Quiet for a while: a probe to ourselves; not back: the broker holds our in-flight slots

@@ -844,6 +844,7 @@ class GroupCommit:
         self.seq = seq
         self.chunk = max(1, int(chunk))
         self.queue: deque = deque()     # (tag, framing, message, commit hash), arrival order
+        self.queued_bytes = 0           # of the messages in ``queue`` (what a caller bounds its intake by)
         self.signing: deque = deque()   # (accepts, bridge ticket, their pending rowids), oldest first
         self.prepared: list = []        # accepts whose pending rows are durable, no intent yet
         self.prepared_rows: Optional[tuple[int, int]] = None   # their rowid range in `pending`
@@ -858,6 +859,7 @@ class GroupCommit:
             return
         m = bytes(message)
         self.queue.append((tag, f, m, receipts.commit_hash(m)))
+        self.queued_bytes += len(m)
 
     def busy(self) -> bool:
         return bool(self.queue or self.signing or self.prepared or self.ready)
@@ -978,6 +980,7 @@ class GroupCommit:
                 later.extend(queue)
                 queue.clear()
                 break
+            self.queued_bytes -= len(m)     # decided now, whatever the outcome (the rest stays in ``later``)
             state = group(f.group_id)
             d = decide(state, f, ch)
             if type(d) is not core.Accept:

@@ -40,6 +40,9 @@ class FakeClient:
     def ack(self, mid, qos):
         self.acked.append(mid)
 
+    def is_connected(self):
+        return False            # no delivery watch without a broker
+
 
 def server(seq: service.Sequencer) -> tuple[serve.Server, list]:
     srv = serve.Server(seq, serve.BrokerSettings("127.0.0.1", 1))

@@ -79,3 +79,37 @@ def test_a_gap_is_published_once_its_statement_is_signed_and_only_once(tmp_path)
         assert s.store.statement(G, 0) is not None and s.store.statement(G, 0) in gaps[0][1]
     finally:
         s.close()
+
+
+def test_a_flood_of_submits_waits_in_the_inbox_not_in_the_group_commit(tmp_path):
+    """Each turn of `sequencer run`'s loop moved up to 512 requests from the (bounded) inbox into
+    the group commit, which decides at most CHUNK groups a step: under a flood of Commits for new
+    groups its queue grew by about 256 a turn, without bound (each entry holds its Commit, up to
+    1 MiB). Now the loop takes from the inbox only while the group commit's backlog holds less than
+    serve.BACKLOG_BYTES, so a flood waits in the inbox, where paho's thread waits for room."""
+    from agent.sequencer import serve
+    home = tmp_path / "seq"
+    service.init(home)
+    s = service.Sequencer(home)
+    try:
+        srv, answers = server(s)
+        srv._reply = lambda msg, body: None
+        srv.inbound.budget = 1 << 30     # this test fills the inbox itself, as a flood would
+        commit = encode_private_message(bytes(16), 0, ciphertext=b"\x00" * 4000)
+        size = len(commit)
+        n = 6 * serve.BACKLOG_BYTES // size
+        for i in range(n):   # Commits for n new groups (each bootstraps its group)
+            srv.inbound.put(msg(f"sovm-seq/{i:032x}/submit", encode_private_message(i.to_bytes(16, "big"), 0,
+                                                                                  ciphertext=b"\x00" * 4000), mid=i))
+        peak = 0
+        for _ in range(40):
+            srv.turn()
+            peak = max(peak, srv.gc.queued_bytes)
+            assert srv.gc.queued_bytes == sum(len(m) for _t, _f, m, _c in srv.gc.queue)
+        assert peak <= serve.BACKLOG_BYTES + serve.MAX_BATCH * size, (peak, serve.BACKLOG_BYTES)
+        while srv.gc.busy() or not srv.inbound.empty():
+            srv.turn()
+        assert srv.gc.queued_bytes == 0
+        assert len(s.store.group_ids()) == n
+    finally:
+        s.close()
