@@ -23,6 +23,8 @@ import subprocess
 import threading
 import time
 import uuid
+from contextlib import contextmanager
+from typing import Iterator
 
 import paho.mqtt.client as paho
 import pytest
@@ -59,6 +61,58 @@ def hostile_client(port: int) -> paho.Client:
     return c
 
 
+def member_with_a_commit(tmp_path) -> tuple:
+    """A sequencer home and a member home whose queue holds one Commit for G at epoch 0."""
+    seq_home, member = tmp_path / "seq", tmp_path / "m"
+    key = json.loads(agent(seq_home, "sequencer", "init").stdout)["sequencer_key"]
+    commit = tmp_path / "c0"
+    commit.write_bytes(encode_private_message(G, 0, ciphertext=b"m" * 8))
+    assert agent(member, "commits", "queue", str(commit), "--sequencer-key", key).returncode == 0
+    return seq_home, member
+
+
+def spawn(home, *args, env=None) -> subprocess.Popen:
+    return subprocess.Popen([*agent_cmd(), "--home", str(home), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=agent_env(env))
+
+
+def decided(member, within: float = 90) -> dict:
+    """`commits status` once the member's Commit is no longer queued (or the time is up)."""
+    end = time.monotonic() + within
+    while True:
+        st = json.loads(agent(member, "commits", "status").stdout)
+        if (st["commits"] and st["commits"][0]["state"] != "queued") or time.monotonic() > end:
+            return st
+        time.sleep(0.3)
+
+
+@contextmanager
+def serving(tmp_path, url: str, port: int, env=None, credentials=None) -> Iterator[tuple]:
+    """`sequencer run` on a fresh home (the installed command) and a member's client with group
+    G registered at epoch 0; on leaving, SIGTERM and exit 0. Yields (home, process, member)."""
+    home = tmp_path / "seq"
+    assert agent(home, "sequencer", "init").returncode == 0
+    proc = spawn(home, "sequencer", "run", "--broker", url, env=env)
+    m = None
+    try:
+        json.loads(proc.stdout.readline())
+        m = Member(port, "alice", credentials=credentials)
+        assert m.request(f"sovm-seq/{G.hex()}/register", b"0") == {"group": G.hex(), "epoch": 0}
+        yield home, proc, m
+    finally:
+        if m is not None:
+            m.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read()
+
+
+def stop(*procs) -> None:
+    for p in procs:
+        if p is not None:
+            p.send_signal(signal.SIGTERM)
+            p.wait(30)
+
+
 def test_an_mls_message_over_the_limit_is_refused_by_the_framing():
     at = encode_private_message(G, 3, ciphertext=b"\x00" * (framing.MAX_MESSAGE_BYTES - 64))
     assert len(at) <= framing.MAX_MESSAGE_BYTES
@@ -88,72 +142,47 @@ def test_an_oversized_publish_never_reaches_the_sequencer(tmp_path, broker):
     """Through the installed command and a real mosquitto: 48 MiB published on a `submit` topic
     and on an `evidence` topic (QoS 1 and 0) leave `sequencer run`'s peak memory where it was, and
     the next Commit is accepted by the same process."""
-    home = tmp_path / "seq"
-    assert agent(home, "sequencer", "init").returncode == 0
-    proc = subprocess.Popen([*agent_cmd(), "--home", str(home), "sequencer", "run", "--broker", broker.url],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
-    evil = m = None
-    try:
-        json.loads(proc.stdout.readline())
-        m = Member(broker.port, "alice")
-        assert m.request(f"sovm-seq/{G.hex()}/register", b"0") == {"group": G.hex(), "epoch": 0}
+    with serving(tmp_path, broker.url, broker.port) as (_home, proc, m):
         before = peak_kib(proc.pid)
         evil = hostile_client(broker.port)
-        blob = b"\x00\x01\x00\x02" + b"\x00" * HOSTILE
-        for topic, qos in ((f"sovm-seq/{G.hex()}/submit", 1), (f"sovm-seq/{G.hex()}/evidence", 0)):
-            evil.publish(topic, blob, qos=qos).wait_for_publish(60)
+        try:
+            blob = b"\x00\x01\x00\x02" + b"\x00" * HOSTILE
+            for topic, qos in ((f"sovm-seq/{G.hex()}/submit", 1), (f"sovm-seq/{G.hex()}/evidence", 0)):
+                evil.publish(topic, blob, qos=qos).wait_for_publish(60)
+        finally:
+            evil.loop_stop()
         # delivered in order after the hostile ones: once it is answered, they were dealt with
         ans = m.request(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 0), timeout=60)
         assert ans["accepted"] is True, ans
         grown = peak_kib(proc.pid) - before
         assert grown < 16 * 1024, f"sequencer run's peak memory grew by {grown} KiB"
         assert proc.poll() is None
-    finally:
-        for c in (evil, m):
-            if c is not None:
-                c.loop_stop() if c is evil else c.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0, proc.stderr.read()
 
 
 def test_a_retained_oversized_record_never_reaches_a_member(tmp_path, broker):
     """A 48 MiB retained record on the `accepted` topic of a group a member follows leaves
     `commits run`'s peak memory where it was; its Commit is still sequenced and decided."""
-    seq_home, member = tmp_path / "seq", tmp_path / "m"
-    key = json.loads(agent(seq_home, "sequencer", "init").stdout)["sequencer_key"]
-    commit = tmp_path / "c0"
-    commit.write_bytes(encode_private_message(G, 0, ciphertext=b"m" * 8))
-    assert agent(member, "commits", "queue", str(commit), "--sequencer-key", key).returncode == 0
+    seq_home, member = member_with_a_commit(tmp_path)
     evil = hostile_client(broker.port)
     evil.publish(f"sovm-seq/{G.hex()}/accepted", b"\xa0" * HOSTILE, qos=1, retain=True).wait_for_publish(60)
     evil.loop_stop()
-    runner = subprocess.Popen([*agent_cmd(), "--home", str(member), "commits", "run", "--broker", broker.url],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
+    runner = spawn(member, "commits", "run", "--broker", broker.url)
     seq = None
     try:
         assert runner.stdout.readline()
         # the member follows G and has taken its retained records before the sequencer exists
         time.sleep(3)
         before = peak_kib(runner.pid)
-        seq = subprocess.Popen([*agent_cmd(), "--home", str(seq_home), "sequencer", "run", "--broker", broker.url],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
+        seq = spawn(seq_home, "sequencer", "run", "--broker", broker.url)
         json.loads(seq.stdout.readline())
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
-            got = json.loads(agent(member, "commits", "status").stdout)["commits"]
-            if got and got[0]["state"] != "queued":
-                break
-            time.sleep(0.3)
+        got = decided(member)["commits"]
         assert [c["state"] for c in got] == ["accepted"], got
         assert runner.poll() is None
         grown = peak_kib(runner.pid) - max(before, 0)
         assert peak_kib(runner.pid) < 100 * 1024 and grown < 16 * 1024, \
             f"commits run's peak memory is {peak_kib(runner.pid)} KiB (grew by {grown} KiB)"
     finally:
-        for p in (runner, seq):
-            if p is not None:
-                p.send_signal(signal.SIGTERM)
-                p.wait(30)
+        stop(runner, seq)
 
 
 def test_the_inbox_holds_at_most_its_budget_beyond_one_item():
@@ -243,24 +272,13 @@ def test_a_broker_refusing_the_probe_turns_the_watch_off_once(tmp_path):
     br = Broker(port=port, workdir=tmp_path / "broker", listener_conf=(
         f"listener {port} 127.0.0.1\nallow_anonymous false\npassword_file {tmp_path / 'passwd'}\n"
         f"acl_file {tmp_path / 'acl'}")).start()
-    home = tmp_path / "seq"
-    assert agent(home, "sequencer", "init").returncode == 0
-    proc = subprocess.Popen([*agent_cmd(), "--home", str(home), "sequencer", "run", "--broker",
-                             f"mqtt://seq:s@127.0.0.1:{port}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env(SLOW))
-    m = None
     try:
-        json.loads(proc.stdout.readline())
-        m = Member(port, "alice", credentials=("alice", "a"))
-        assert m.request(f"sovm-seq/{G.hex()}/register", b"0") == {"group": G.hex(), "epoch": 0}
-        time.sleep(12)                          # quiet: several probe times of 2 s + 2 s
-        ans = m.request(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 0), timeout=30)
-        assert ans["accepted"] is True, ans
+        with serving(tmp_path, f"mqtt://seq:s@127.0.0.1:{port}", port, env=SLOW,
+                     credentials=("alice", "a")) as (home, _proc, m):
+            time.sleep(12)                          # quiet: several probe times of 2 s + 2 s
+            ans = m.request(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 0), timeout=30)
+            assert ans["accepted"] is True, ans
     finally:
-        if m is not None:
-            m.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0, proc.stderr.read()
         br.close()
     kinds = [e["kind"] for e in json.loads(agent(home, "sequencer", "status").stdout)["events"]]
     assert kinds.count("delivery_watch_off") == 1 and "deliveries_stuck" not in kinds, kinds
@@ -281,23 +299,10 @@ def test_sequencer_run_comes_back_from_deliveries_stuck_behind_dropped_publishes
     """120 oversized QoS 1 publishes on a `submit` topic held every in-flight slot of `sequencer
     run` at the broker: nothing reached it any more (before: the next Commit was never answered).
     Its probe to itself does not come back, it reconnects, and the Commit is accepted."""
-    home = tmp_path / "seq"
-    assert agent(home, "sequencer", "init").returncode == 0
-    proc = subprocess.Popen([*agent_cmd(), "--home", str(home), "sequencer", "run", "--broker", broker.url],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env(SLOW))
-    m = None
-    try:
-        json.loads(proc.stdout.readline())
-        m = Member(broker.port, "alice")
-        assert m.request(f"sovm-seq/{G.hex()}/register", b"0") == {"group": G.hex(), "epoch": 0}
+    with serving(tmp_path, broker.url, broker.port, env=SLOW) as (home, _proc, m):
         oversized_qos1(broker.port, f"sovm-seq/{G.hex()}/submit")
         ans = m.request(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 0), timeout=90)
         assert ans["accepted"] is True, ans
-    finally:
-        if m is not None:
-            m.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0, proc.stderr.read()
     events = json.loads(agent(home, "sequencer", "status").stdout)["events"]
     assert [e for e in events if e["kind"] == "deliveries_stuck"], events
 
@@ -305,35 +310,21 @@ def test_sequencer_run_comes_back_from_deliveries_stuck_behind_dropped_publishes
 def test_a_member_comes_back_from_deliveries_stuck_behind_dropped_publishes(tmp_path, broker):
     """The same against a member: 120 oversized QoS 1 publishes on its answer topic; its queued
     Commit is still sequenced and decided once its probe is lost and it reconnects."""
-    seq_home, member = tmp_path / "seq", tmp_path / "m"
-    key = json.loads(agent(seq_home, "sequencer", "init").stdout)["sequencer_key"]
-    commit = tmp_path / "c0"
-    commit.write_bytes(encode_private_message(G, 0, ciphertext=b"m" * 8))
-    assert agent(member, "commits", "queue", str(commit), "--sequencer-key", key).returncode == 0
+    seq_home, member = member_with_a_commit(tmp_path)
     member_id = json.loads(agent(member, "commits", "status").stdout)["member_id"]
-    runner = subprocess.Popen([*agent_cmd(), "--home", str(member), "commits", "run", "--broker", broker.url],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env(SLOW))
+    runner = spawn(member, "commits", "run", "--broker", broker.url, env=SLOW)
     seq = None
     try:
         assert runner.stdout.readline()
         time.sleep(1)
         oversized_qos1(broker.port, f"sovm-member/{member_id}/answers")
-        seq = subprocess.Popen([*agent_cmd(), "--home", str(seq_home), "sequencer", "run", "--broker", broker.url],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
+        seq = spawn(seq_home, "sequencer", "run", "--broker", broker.url)
         json.loads(seq.stdout.readline())
-        end = time.monotonic() + 90
-        while time.monotonic() < end:
-            st = json.loads(agent(member, "commits", "status").stdout)
-            if st["commits"][0]["state"] != "queued":
-                break
-            time.sleep(0.5)
+        st = decided(member)
         assert st["commits"][0]["state"] == "accepted", st
         assert [e for e in st["events"] if e["kind"] == "deliveries_stuck"], st["events"]
     finally:
-        for p in (runner, seq):
-            if p is not None:
-                p.send_signal(signal.SIGTERM)
-                p.wait(30)
+        stop(runner, seq)
 
 
 def test_a_message_is_counted_with_the_bytes_its_properties_carry():
