@@ -193,7 +193,8 @@ class Prober:
         self.client, self.topic = client, topic
         self.watch = watch or DeliveryWatch()
         self._probe_mid: Optional[int] = None
-        self._told_off = False
+        self._refused: set[int] = set()     # mids the broker refused (network thread): the probe's
+        self._told_off = False              # PUBACK may come before publish() returns its mid
 
     def on_message(self, msg) -> bool:
         """Note a delivery (network thread); True: it is our probe, not for the loop."""
@@ -202,13 +203,17 @@ class Prober:
         return ours
 
     def on_publish(self, mid: int, reason_code) -> None:
-        if mid == self._probe_mid and getattr(reason_code, "is_failure", False):
-            self.watch.refused()
+        if getattr(reason_code, "is_failure", False):
+            self._refused.add(mid)
+            if len(self._refused) > 64:       # only the latest matter: keep the set small
+                self._refused = {mid}
 
     def restart(self) -> None:
         self.watch.restart(time.monotonic())
 
     def step(self, now: float) -> Optional[str]:
+        if self._probe_mid is not None and self._probe_mid in self._refused:
+            self.watch.refused()
         if self.watch.off:
             if self._told_off:
                 return None
@@ -216,6 +221,7 @@ class Prober:
             return self.OFF
         act = self.watch.next(now)
         if act == PROBE:
+            self._refused.clear()    # only refusals from now on: a stale one may share a recycled mid
             self._probe_mid = self.client.publish(self.topic, b"", qos=1).mid
         elif act == RECONNECT:
             drop_connection(self.client)

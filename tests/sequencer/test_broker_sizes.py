@@ -22,6 +22,7 @@ import signal
 import subprocess
 import threading
 import time
+import types
 import uuid
 from contextlib import contextmanager
 from typing import Iterator
@@ -341,3 +342,40 @@ def test_a_message_is_counted_with_the_bytes_its_properties_carry():
     p.CorrelationData = b"c" * 500
     m.properties = p
     assert inbox.message_size(m) >= bare + 100_000 + 12 + 1000 + 500
+
+
+def test_a_refused_probe_is_seen_even_when_its_puback_beats_the_publish_call():
+    """paho's network thread may handle the PUBACK before `publish` returns the probe's mid to
+    the loop: the refusal must not be lost to that race (the watch would then reconnect instead
+    of turning off)."""
+    class Racing:
+        """A client whose PUBACK ("not authorized") is handled before publish returns."""
+        def __init__(self):
+            self.prober = None
+
+        def publish(self, topic, payload, qos=0):
+            mid = 7
+            self.prober.on_publish(mid, types.SimpleNamespace(is_failure=True))
+            return types.SimpleNamespace(mid=mid)
+
+    c = Racing()
+    p = inbox.Prober(c, "t/probe", inbox.DeliveryWatch(quiet_s=1, wait_s=1))
+    c.prober = p
+    assert p.step(0.0) is None          # the quiet time starts
+    assert p.step(1.0) is None          # the probe goes out, refused at once
+    assert p.step(1.5) == inbox.Prober.OFF
+    assert all(p.step(t) is None for t in (3.0, 10.0, 100.0))
+
+
+def test_a_stale_refusal_with_a_recycled_mid_does_not_turn_the_watch_off():
+    """paho recycles packet ids: an earlier publish refused under the id the probe gets later (an
+    answer to a topic the ACL denies) must not read as the probe refused."""
+    class Client:
+        def publish(self, topic, payload, qos=0):
+            return types.SimpleNamespace(mid=7)
+
+    p = inbox.Prober(Client(), "t/probe", inbox.DeliveryWatch(quiet_s=1, wait_s=1))
+    p.on_publish(7, types.SimpleNamespace(is_failure=True))      # an answer refused long ago
+    assert p.step(0.0) is None
+    assert p.step(1.0) is None          # the probe goes out (mid 7 again), accepted
+    assert p.step(1.5) is None and not p.watch.off
