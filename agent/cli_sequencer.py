@@ -127,10 +127,11 @@ def _bindings(items: list[str]) -> dict[int, bytes]:
     for item in items or []:
         epoch, _, key = item.partition(":")
         try:
-            out[count_arg(epoch)] = bytes.fromhex(key)
+            e = count_arg(epoch)
+            out[e] = bytes.fromhex(key)
         except (ValueError, argparse.ArgumentTypeError):
             raise Refused(f"--binding must be EPOCH:KEYHEX (33-byte compressed key), got {item!r}") from None
-        if len(out[int(epoch)]) != 33:
+        if len(out[e]) != 33:
             raise Refused("--binding keys are 33-byte compressed SEC1 P-256 keys (66 hex)")
     if not out:
         raise Refused("at least one --binding EPOCH:KEYHEX is needed to verify the receipts")

@@ -154,7 +154,8 @@ class Server:
         self.evidence_allowance = Allowance(EVIDENCE_BYTES_PER_S, EVIDENCE_BURST_BYTES)
         self.clock = time.monotonic
         self._gaps_seen = 0                              # the last discontinuities rowid looked at
-        self._gaps_unstated: dict[tuple[bytes, int], Optional[bytes]] = {}  # seen, not published yet: their Commit
+        # seen, not published yet: (their Commit, whether this sequencer signs their statement)
+        self._gaps_unstated: dict[tuple[bytes, int], tuple[Optional[bytes], bool]] = {}
         self._published_lost: dict[bytes, bytes] = {}   # group -> the `lost` record last published
         # groups whose receipts a restored state lost: named only by the resume before serving
         # (`receipts_lost`), so fixed from here on; one dropped once nothing is missing
@@ -238,7 +239,7 @@ class Server:
         (dropped oversized publishes, inbox.py), and a new connection frees them."""
         if not self.client.is_connected():
             return
-        act = self.prober.step(time.monotonic())
+        act = self.prober.step(self.clock())
         if act == inbox.RECONNECT:
             log.warning("no delivery from the broker, not even our own probe, for %.0f s: reconnecting",
                         self.prober.watch.wait_s)
@@ -410,11 +411,11 @@ class Server:
         fresh = self.seq.store.discontinuities_since(self._gaps_seen)
         if fresh:
             self._gaps_seen = fresh[-1][0]
-            self._gaps_unstated.update(((g, e), m) for _r, g, e, m in fresh)
-        for key, m in list(self._gaps_unstated.items()):
+            self._gaps_unstated.update(((g, e), (m, signable)) for _r, g, e, m, signable in fresh)
+        for key, (m, signable) in list(self._gaps_unstated.items()):
             g, e = key
             st = self.seq.store.statement(g, e)
-            if st is None and self.seq.store.is_signable_gap(g, e):
+            if st is None and signable:
                 continue            # published once its statement is signed (the next round)
             del self._gaps_unstated[key]
             body = codec.encode({"epoch": e, "commit": m, "statement": st})

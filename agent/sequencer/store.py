@@ -108,11 +108,14 @@ class Store:
         return [(bytes(g), e, None if m is None else bytes(m)) for g, e, m in self.conn.execute(
             "SELECT group_id, epoch, message FROM discontinuities ORDER BY group_id, epoch")]
 
-    def discontinuities_since(self, rowid: int) -> list[tuple[int, bytes, int, Optional[bytes]]]:
-        """(rowid, group, epoch, Commit) of the gaps recorded after ``rowid``, in the order recorded
-        (rows are never deleted, so rowids only grow): what `sequencer run` has not looked at yet."""
-        return [(r, bytes(g), e, None if m is None else bytes(m)) for r, g, e, m in self.conn.execute(
-            "SELECT rowid, group_id, epoch, message FROM discontinuities WHERE rowid > ? ORDER BY rowid", (rowid,))]
+    def discontinuities_since(self, rowid: int) -> list[tuple[int, bytes, int, Optional[bytes], bool]]:
+        """(rowid, group, epoch, Commit, signable) of the gaps recorded after ``rowid``, in the order
+        recorded (rows are never deleted, so rowids only grow): what `sequencer run` has not looked
+        at yet. ``signable``: this sequencer signs its statement (not one recovered or handed over,
+        whose gaps were another sequencer's to state; as ``unsigned_gaps``)."""
+        return [(r, bytes(g), e, None if m is None else bytes(m), bool(s)) for r, g, e, m, s in self.conn.execute(
+            "SELECT rowid, group_id, epoch, message, cause != 'recovered' FROM discontinuities WHERE rowid > ? "
+            "ORDER BY rowid", (rowid,))]
 
     def statement(self, group_id: bytes, epoch: int) -> Optional[bytes]:
         try:
@@ -144,11 +147,6 @@ class Store:
             "statements s WHERE s.group_id = d.group_id AND s.epoch = d.epoch) ORDER BY d.group_id, d.epoch "
             "LIMIT ?", (lo[0], lo[1], limit)).fetchall()
         return [(bytes(g), e, None if h is None else bytes(h), None if p is None else bytes(p)) for g, e, h, p in rows]
-
-    def is_signable_gap(self, group_id: bytes, epoch: int) -> bool:
-        """A gap this sequencer recorded (it signs its statement), not one recovered or handed over."""
-        return self.conn.execute("SELECT 1 FROM discontinuities WHERE group_id = ? AND epoch = ? AND cause != 'recovered'",
-                                 (group_id, epoch)).fetchone() is not None
 
     def put_statement(self, group_id: bytes, epoch: int, raw: bytes) -> None:
         self.put_statements([(group_id, epoch, raw)])

@@ -45,18 +45,23 @@ def queue_with_history(path, settled: int) -> client.CommitQueue:
     return q
 
 
-def instructions(q: client.CommitQueue, call) -> int:
+def count_instructions(conn, call) -> int:
+    """SQLite virtual-machine instructions ``call()`` runs on ``conn`` (the progress handler)."""
     n = [0]
 
     def step() -> int:
         n[0] += 1
         return 0
-    q.store.conn.set_progress_handler(step, 1)
+    conn.set_progress_handler(step, 1)
     try:
         call()
     finally:
-        q.store.conn.set_progress_handler(None, 1)
+        conn.set_progress_handler(None, 1)
     return n[0]
+
+
+def instructions(q: client.CommitQueue, call) -> int:
+    return count_instructions(q.store.conn, call)
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from __future__ import annotations
 from agent.sequencer import service
 from agent.sequencer.framing import encode_private_message
 from test_hostile_requests import msg, server
+from test_queue_cost import count_instructions
 
 G = bytes.fromhex("c0" * 16)
 GAPPED = bytes.fromhex("9a" * 16)
@@ -30,19 +31,13 @@ def instructions_per_commit(s: service.Sequencer, commits: int = 5) -> tuple[int
     srv, answers = server(s)
     srv._publish_discontinuities()          # what start() publishes before serving
     published = list(srv.client.published)
-    n = [0]
 
-    def step() -> int:
-        n[0] += 1
-        return 0
-    s.store.conn.set_progress_handler(step, 1)
-    try:
+    def submit_all() -> None:
         for e in range(commits):
             srv.handle_many([msg(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, e), mid=e + 1)])
-    finally:
-        s.store.conn.set_progress_handler(None, 1)
+    n = count_instructions(s.store.conn, submit_all)
     assert [a["accepted"] for a in answers] == [True] * commits, answers
-    return n[0] // commits, published
+    return n // commits, published
 
 
 def test_an_answered_commit_costs_the_same_with_2000_recorded_gaps_as_with_10(tmp_path):
