@@ -379,3 +379,24 @@ def test_a_stale_refusal_with_a_recycled_mid_does_not_turn_the_watch_off():
     assert p.step(0.0) is None
     assert p.step(1.0) is None          # the probe goes out (mid 7 again), accepted
     assert p.step(1.5) is None and not p.watch.off
+
+
+def test_a_closed_inbox_drops_what_the_network_thread_still_holds():
+    """Closing (the client stopping) lets a network thread waiting for room go on: the item it
+    held is dropped (a QoS 1 message not acknowledged comes again on the next connection), and so
+    is anything put after; nothing waits for a loop that is gone."""
+    box = inbox.Inbox(budget=10, size=len)
+    box.put(b"x" * 10)
+    done = threading.Event()
+
+    def blocked():
+        box.put(b"y" * 5)          # over the budget: waits
+        done.set()
+    t = threading.Thread(target=blocked)
+    t.start()
+    assert not done.wait(0.2)
+    box.close()
+    assert done.wait(5)
+    t.join()
+    box.put(b"z")
+    assert box.qsize() == 1 and box.get_nowait() == b"x" * 10 and box.held == 0
