@@ -197,9 +197,12 @@ class Prober:
         self._told_off = False              # PUBACK may come before publish() returns its mid
 
     def on_message(self, msg) -> bool:
-        """Note a delivery (network thread); True: it is our probe, not for the loop."""
+        """Note a delivery (network thread); True: it is our probe, not for the loop. A QoS 0
+        delivery is not noted: it takes no in-flight slot, so it proves nothing about them (a
+        stream of QoS 0 messages must not hide stuck deliveries)."""
         ours = msg.topic == self.topic
-        self.watch.delivered(time.monotonic(), fresh=not (ours or msg.retain))
+        if ours or msg.qos:
+            self.watch.delivered(time.monotonic(), fresh=not (ours or msg.retain))
         return ours
 
     def on_publish(self, mid: int, reason_code) -> None:

@@ -109,10 +109,10 @@ class MqttSettings:
     client_id: str | None = None  # default: the site_id in hex (a persistent session per device)
     receive_maximum: int | None = None  # default: receive_maximum(body_limit_bytes) (the in-flight memory bound)
     # Announce a Maximum Packet Size at CONNECT (body limit + PACKET_OVERHEAD) so the broker drops
-    # larger PUBLISHes. Off by default: mosquitto 2.0.11 (Debian bookworm) keeps the in-flight slot
-    # of each PUBLISH it drops for that reason, so Receive Maximum oversized messages stop every
-    # delivery to the node (docs/mqtt.md "Memory bound"). The link's own bound holds either way.
-    announce_max_packet: bool = False
+    # larger PUBLISHes: paho reads every PUBLISH whole before the link can refuse it, so without it
+    # one 64 MiB message costs a node hundreds of MB (docs/mqtt.md "Memory bound"). mosquitto 2.0.11
+    # keeps the in-flight slot of each PUBLISH it drops so; the link's delivery watch frees them.
+    announce_max_packet: bool = True
 
     @classmethod
     def from_url(cls, url: str, **kw) -> "MqttSettings":
@@ -307,6 +307,11 @@ class MqttLink:
         self._lock = threading.Lock()
         self._backoff = Backoff(settings.backoff_min_s, settings.backoff_max_s)
         self._client = self._make_client()
+        # Deliveries stuck behind in-flight slots the broker keeps for PUBLISHes it dropped for our
+        # Maximum Packet Size: probed on our own inbox, under our own name (what the ACLs let a
+        # node publish), stepped on the network thread (agent/inbox.py).
+        self._prober = inbox.Prober(self._client, self.topics.requests(site_id, site_id))
+        self.delivery_watch_off = False    # the broker refused the probe: nothing to watch with
 
     # -------------------------------------------------------------- setup
     def _make_client(self) -> paho.Client:
@@ -329,6 +334,7 @@ class MqttLink:
         c.on_disconnect = self._on_disconnect
         c.on_subscribe = self._on_subscribe
         c.on_message = self._on_message
+        c.on_publish = lambda client, userdata, mid, reason_code, properties: self._prober.on_publish(mid, reason_code)
         # Only the network thread (`_run`) touches the socket. paho's client is not thread-safe:
         # without a loop_start() thread of its own it writes a publish or an ack right away on the
         # calling thread (Client._packet_queue -> loop_write) while `_run`'s loop() reads and
@@ -424,6 +430,8 @@ class MqttLink:
                     continue
             attempting = self._connecting  # no CONNACK yet: a failure now is the attempt's, not a loss
             rc = self._client.loop(timeout=0.05)
+            if rc == MQTTErrorCode.MQTT_ERR_SUCCESS and self.connected.is_set():
+                self._watch_deliveries()
             if self._connecting and time.monotonic() - self._connect_started > 10:
                 rc = MQTTErrorCode.MQTT_ERR_CONN_LOST  # no CONNACK: start over
                 try:
@@ -446,6 +454,18 @@ class MqttLink:
 
     _connecting = False
     _connect_started = 0.0
+
+    def _watch_deliveries(self) -> None:
+        """The delivery watch's step (network thread): a probe after a quiet spell; a connection
+        whose probe did not come back is dropped, and reconnecting frees the slots it held."""
+        act = self._prober.step(time.monotonic())
+        if act == inbox.RECONNECT:
+            self._lost(f"deliveries stuck: our probe was not back in {self._prober.watch.wait_s:g} s "
+                       "(in-flight slots held for oversized messages the broker dropped); reconnecting")
+        elif act == inbox.Prober.OFF:
+            self.delivery_watch_off = True
+            log.warning("mqtt %s: the broker refused our delivery probe on %s (an ACL?): deliveries are not watched",
+                        self.site_id.hex()[:8], self._prober.topic)
 
     def _sleep(self, secs: float) -> None:
         self._stop.wait(secs)
@@ -489,6 +509,7 @@ class MqttLink:
         _rc, self._sub_mid = client.subscribe([(self.topics.inbox_filter(self.site_id), 1),
                                                (self.topics.presence_filter(), 1)])
         self.publish_presence()
+        self._prober.restart()
         self._backoff.reset()
         log.info("mqtt %s: connected (session present: %s)", self.site_id.hex()[:8], self.session_present)
 
@@ -509,6 +530,9 @@ class MqttLink:
             self._lost(f"disconnected: {reason_code}")
 
     def _on_message(self, client, userdata, msg) -> None:
+        if self._prober.on_message(msg):   # our delivery probe: nothing for the loop
+            self._ack_now(msg)
+            return
         where = self.topics.classify(msg.topic)
         props = getattr(msg, "properties", None)
         if where is None:

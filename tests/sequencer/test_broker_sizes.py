@@ -400,3 +400,17 @@ def test_a_closed_inbox_drops_what_the_network_thread_still_holds():
     t.join()
     box.put(b"z")
     assert box.qsize() == 1 and box.get_nowait() == b"x" * 10 and box.held == 0
+
+
+def test_qos0_deliveries_do_not_hide_stuck_deliveries():
+    """A QoS 0 PUBLISH takes no in-flight slot, so the broker still delivers it while every slot
+    is held: a stream of them (a rogue's, or QoS 0 evidence) must not read as deliveries working,
+    or the watch would never probe. A QoS 1 delivery, or our probe, does."""
+    p = inbox.Prober(types.SimpleNamespace(), "t/probe", inbox.DeliveryWatch(quiet_s=1, wait_s=1))
+    assert not p.on_message(types.SimpleNamespace(topic="t/other", qos=0, retain=False))
+    assert p.watch.last is None
+    assert not p.on_message(types.SimpleNamespace(topic="t/other", qos=1, retain=False))
+    assert p.watch.last is not None
+    p.watch.last = None
+    assert p.on_message(types.SimpleNamespace(topic="t/probe", qos=1, retain=False))
+    assert p.watch.last is not None
