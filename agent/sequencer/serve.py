@@ -104,6 +104,9 @@ EVIDENCE_BYTES_PER_S = 512 << 10
 EVIDENCE_BURST_BYTES = 2 * MAX_EVIDENCE_BYTES
 EVIDENCE_MIN_COST = 1 << 10    # what any request for a group with lost receipts is charged
 MAX_EPOCH_TEXT = core.EPOCH_LIMIT - 1     # the store's signed 64-bit integers
+# `deliveries_stuck` rows kept (the newest): one per reconnect of the delivery watch, which a client
+# keeping the broker's in-flight slots full can make recur every 40 s for as long as it goes on
+STUCK_EVENTS_KEPT = 100
 # The Maximum Packet Size announced at CONNECT: the broker drops any larger PUBLISH for us, so no
 # request beyond the largest one served (a Commit, an evidence file) is ever read into memory
 # (docs/sequencer.md "Size limits"); the overhead holds the topic, response topic, correlation data.
@@ -243,7 +246,8 @@ class Server:
         if act == inbox.RECONNECT:
             log.warning("no delivery from the broker, not even our own probe, for %.0f s: reconnecting",
                         self.prober.watch.wait_s)
-            self.seq.store.record_event("deliveries_stuck", {"reconnect": self.prober.watch.reconnects})
+            self.seq.store.record_event("deliveries_stuck", {"reconnect": self.prober.watch.reconnects},
+                                        keep=STUCK_EVENTS_KEPT)
         elif act == inbox.Prober.OFF:
             log.warning("the broker refuses our delivery probe on %s (its ACL): deliveries stuck behind "
                         "dropped oversized publishes are not detected; allow this client readwrite there",

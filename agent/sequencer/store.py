@@ -364,9 +364,14 @@ class Store:
             self._dirty[group_id] = None
             self._event("migrated_out", detail)
 
-    def record_event(self, kind: str, detail: dict) -> None:
+    def record_event(self, kind: str, detail: dict, keep: Optional[int] = None) -> None:
+        """One event; ``keep``: of this (routine) kind only the newest ``keep`` rows stay, in the
+        same transaction (a kind a hostile client can make recur must not grow the file)."""
         with self._tx():
             self._event(kind, detail)
+            if keep is not None:
+                self.conn.execute("DELETE FROM events WHERE kind = ? AND seq <= (SELECT seq FROM events WHERE kind = ? "
+                                  "ORDER BY seq DESC LIMIT 1 OFFSET ?)", (kind, kind, int(keep)))
 
     def _put_group(self, new: GroupState, epoch: int) -> None:
         self.conn.execute(_UPSERT_GROUP, _group_row(new))

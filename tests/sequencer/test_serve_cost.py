@@ -108,3 +108,32 @@ def test_a_flood_of_submits_waits_in_the_inbox_not_in_the_group_commit(tmp_path)
         assert len(s.store.group_ids()) == n
     finally:
         s.close()
+
+
+def test_deliveries_stuck_rows_are_bounded_and_the_other_events_kept(tmp_path):
+    """Each reconnect of the delivery watch recorded a `deliveries_stuck` row, never trimmed: a
+    client that keeps the broker's in-flight slots full (oversized publishes) adds one row every
+    40 s for as long as it goes on. Now the newest serve.STUCK_EVENTS_KEPT are kept; every other
+    kind of event (rollbacks, discontinuities: the audit trail) is untouched."""
+    import types
+    from agent.sequencer import serve
+    home = tmp_path / "seq"
+    service.init(home)
+    s = service.Sequencer(home)
+    try:
+        s.store.record_event("rollback", {"group": G.hex(), "epoch": 3})
+        srv, _answers = server(s)
+        srv.client.is_connected = lambda: True
+        srv.prober = types.SimpleNamespace(step=lambda now: serve.inbox.RECONNECT,
+                                           watch=types.SimpleNamespace(wait_s=10, reconnects=0))
+        kept = getattr(serve, "STUCK_EVENTS_KEPT", 100)
+        for i in range(kept * 3):
+            srv.prober.watch.reconnects = i + 1
+            srv._watch_deliveries()
+        kinds = [e["kind"] for e in s.store.events()]
+        assert kinds.count("deliveries_stuck") == kept, len(kinds)
+        assert kinds[0] == "rollback"
+        newest = [e for e in s.store.events() if e["kind"] == "deliveries_stuck"][-1]
+        assert newest["reconnect"] == kept * 3
+    finally:
+        s.close()
