@@ -196,13 +196,14 @@ class Prober:
         self._refused: set[int] = set()     # mids the broker refused (network thread): the probe's
         self._told_off = False              # PUBACK may come before publish() returns its mid
 
-    def on_message(self, msg) -> bool:
+    def on_message(self, msg, echo: bool = False) -> bool:
         """Note a delivery (network thread); True: it is our probe, not for the loop. A QoS 0
         delivery is not noted: it takes no in-flight slot, so it proves nothing about them (a
-        stream of QoS 0 messages must not hide stuck deliveries)."""
+        stream of QoS 0 messages must not hide stuck deliveries). ``echo``: the client's own
+        publish come back (a node's presence, sent on every connection): delivered, not fresh."""
         ours = msg.topic == self.topic
         if ours or msg.qos:
-            self.watch.delivered(time.monotonic(), fresh=not (ours or msg.retain))
+            self.watch.delivered(time.monotonic(), fresh=not (ours or msg.retain or echo))
         return ours
 
     def on_publish(self, mid: int, reason_code) -> None:

@@ -312,6 +312,7 @@ class MqttLink:
         # node publish), stepped on the network thread (agent/inbox.py).
         self._prober = inbox.Prober(self._client, self.topics.requests(site_id, site_id))
         self.delivery_watch_off = False    # the broker refused the probe: nothing to watch with
+        self._own_presence = self.topics.presence(site_id)
 
     # -------------------------------------------------------------- setup
     def _make_client(self) -> paho.Client:
@@ -530,7 +531,9 @@ class MqttLink:
             self._lost(f"disconnected: {reason_code}")
 
     def _on_message(self, client, userdata, msg) -> None:
-        if self._prober.on_message(msg):   # our delivery probe: nothing for the loop
+        # our own presence, echoed on every connection, is not fresh traffic (it would set the
+        # watch's quiet time back to its base after every reconnect, inbox.DeliveryWatch)
+        if self._prober.on_message(msg, echo=msg.topic == self._own_presence):   # our probe: nothing for the loop
             self._ack_now(msg)
             return
         where = self.topics.classify(msg.topic)

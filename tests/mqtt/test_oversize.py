@@ -132,3 +132,31 @@ def test_oversized_bodies_past_the_inflight_window_do_not_stop_deliveries(broker
         for n in nodes:
             n.close()
     assert any("deliveries stuck" in e for e in _events(hb, "link_lost")), _events(hb, "link_lost")
+
+
+def test_a_probe_the_broker_takes_but_never_delivers_backs_off(tmp_path):
+    """A broker that accepts the probe (PUBACK success) but never delivers it back (here an ACL
+    that lets the node publish anywhere and read only presence) looks like stuck deliveries every time. The watch then
+    doubles its quiet time after each reconnect that brought nothing fresh; the node's own
+    presence, echoed back on every connection, is not fresh traffic (before, that echo set the
+    quiet time back to its base, so the node reconnected, and republished its presence to the
+    whole mesh, every quiet time + wait, for ever)."""
+    from agent import inbox
+    from agent.transport.broker import Broker
+    from agent.transport.mqtt import MqttLink, MqttSettings
+    site = os.urandom(16)
+    acl = tmp_path / "acl"
+    acl.write_text("topic write ssp/#\ntopic read ssp/+/+/presence\n")   # its inbox is never delivered
+    with Broker(workdir=tmp_path / "b", extra_conf=f"acl_file {acl}") as br:
+        link = MqttLink(MqttSettings.from_url(br.url, backoff_min_s=0.05, backoff_max_s=0.2), MESH, site,
+                        presence_payload=lambda: b"hello")
+        link._prober.watch = inbox.DeliveryWatch(quiet_s=1, wait_s=1)
+        link.start()
+        try:
+            assert link.wait_connected(10)
+            time.sleep(20)
+            stuck = [d for _t, d in link.losses if "deliveries stuck" in d]
+        finally:
+            link.close()
+    # quiet 1 s, 2 s, 4 s, 8 s (each + 1 s wait): 4 reconnects in 20 s; at a fixed quiet time, 10
+    assert 2 <= len(stuck) <= 5, stuck
