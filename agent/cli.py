@@ -542,9 +542,10 @@ def dispatch(args) -> int:
     from .node import NodeError
     from .store.db import StoreError
     from firmware_bridge import KeystoreError
+    from .infile import InputRefused
     try:
         return args.fn(args)
-    except (Refused, NodeError, ManifestError) as e:
+    except (Refused, NodeError, ManifestError, InputRefused) as e:
         print(f"ssp-agent: {e}", file=sys.stderr)
         return EXIT_REFUSED
     except KeystoreError as e:

@@ -1,0 +1,60 @@
+"""Files an operator or another device hands the CLI (manifests, profiles, agent.toml, Commits,
+evidence, hand-off packages, bundles): the one way they are read.
+
+Each is read only when it is a regular file no larger than what its reader can use, and text only
+when it is UTF-8: anything else is refused (`InputRefused`, a ValueError: the CLI's exit 2 with
+one line) before more than ``limit`` + 1 bytes are read. A FIFO is opened without blocking and
+refused, so a verb never waits for a writer that does not come; /dev/zero and a 200 MB file are
+refused on what fstat says, not after reading them. OSError (missing, unreadable) is the
+caller's, as before.
+"""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Union
+
+PathLike = Union[str, Path]
+
+# What a text input (a manifest, a profile, agent.toml, a bundle's JSON) may hold: far above any
+# real one (a 20 000-peer manifest is about 3 MB), far below what a Pi Zero 2 W can spare.
+TEXT_LIMIT = 16 * 1024 * 1024
+
+
+class InputRefused(ValueError):
+    """A file refused for what it is (not a regular file, too large, not UTF-8): exit 2."""
+
+
+def read_bytes(path: PathLike, limit: int, what: str = "file") -> bytes:
+    """The bytes of the regular file ``path``, refused past ``limit`` bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
+            raise InputRefused(f"{what} {path} is {kind}, not a regular file")
+        if st.st_size > limit:
+            raise InputRefused(f"{what} {path} is too large: {st.st_size} bytes > {limit}")
+        chunks, got = [], 0
+        while got <= limit:          # a file growing while it is read is cut at limit + 1 and refused
+            b = os.read(fd, min(1 << 20, limit + 1 - got))
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+        if got > limit:
+            raise InputRefused(f"{what} {path} is too large: more than {limit} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_text(path: PathLike, limit: int = TEXT_LIMIT, what: str = "file") -> str:
+    """The UTF-8 text of the regular file ``path`` (as ``read_bytes``), refused if not UTF-8."""
+    data = read_bytes(path, limit, what)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputRefused(f"{what} {path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1].hex()})") from None
