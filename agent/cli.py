@@ -95,6 +95,8 @@ def _json_arg(text: str, what: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise Refused(f"{what} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise Refused(f"{what} is nested too deeply") from None
 
 
 def _table_arg(text: str) -> str:
@@ -106,8 +108,9 @@ def _table_arg(text: str) -> str:
 # ---------------------------------------------------------------- verbs
 def cmd_init(args) -> int:
     from .node import Node
+    from .infile import read_text
     try:
-        text = Path(args.manifest).read_text()
+        text = read_text(args.manifest, what="manifest")
     except OSError as e:
         raise Refused(f"cannot read manifest {args.manifest}: {e.strerror}") from None
     keystore = None

@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
 from .cliargs import interval_arg, positive_int_arg, seconds_arg
 
@@ -88,10 +87,13 @@ def _settings(args):
         if password is None:
             password_file = _config(args).get("password_file")
     if password_file:
+        from .infile import read_text
         try:
-            password = Path(password_file).read_text().strip()
+            password = read_text(password_file, 64 * 1024, "the password file").strip()
         except OSError as e:
             raise Refused(f"cannot read the password file {password_file}: {e.strerror}") from None
+        except ValueError as e:    # not a regular file, too large, not UTF-8, a NUL in the name
+            raise Refused(f"the password file {password_file}: {e}") from None
     try:
         return settings_from_env(args.broker, ca_file=_from(args, "ca_file", "SSP_MQTT_CA_FILE"),
                                  cert_file=_from(args, "cert_file", "SSP_MQTT_CERT_FILE"),
@@ -109,16 +111,17 @@ def _go(args, once: bool) -> int:
     from .metrics import count_sync_run
     broker = None
     args.broker = _from(args, "broker", "SSP_MQTT_BROKER")   # flag, environment, /etc/ssp-agent/agent.toml
-    if not args.broker:
-        from .transport.broker import Broker, BrokerError   # only for a private mosquitto (start-up, issue 15)
-        try:
-            broker = Broker().start()
-        except BrokerError as e:
-            raise Fault(str(e)) from None
-        args.broker = broker.url
-        print(f"ssp-agent: no --broker given; started a private mosquitto at {broker.url}", file=sys.stderr)
+    # the home first: a refused home must not leave a private mosquitto running behind it
     node = _open(args)
     try:
+        if not args.broker:
+            from .transport.broker import Broker, BrokerError   # only for a private mosquitto (start-up, issue 15)
+            try:
+                broker = Broker().start()
+            except BrokerError as e:
+                raise Fault(str(e)) from None
+            args.broker = broker.url
+            print(f"ssp-agent: no --broker given; started a private mosquitto at {broker.url}", file=sys.stderr)
         r = open_runner(args, node, once)
         try:
             if once:

@@ -10,6 +10,25 @@ from pathlib import Path
 
 from .cli import EXIT_OK, EXIT_REFUSED, Fault, Refused, _json_arg, emit
 from .cliargs import count_arg, seconds_arg
+from .infile import InputRefused, read_bytes, read_text
+
+# Files handed to the sequencer verbs (agent/infile.py): a Commit is at most framing's 1 MiB (one
+# more byte is read, so an oversized one is refused `too_large` by the framing); an evidence file or
+# a hand-off package holds a group's receipts, gaps and statements: 64 MiB is some 200 000 receipts
+RECEIPT_FILE_LIMIT = 64 * 1024
+PACKAGE_LIMIT = 64 * 1024 * 1024
+
+
+def _read_message(path: str) -> bytes:
+    """An MLSMessage file (`sequencer submit`, `commits queue`): past framing's limit only its
+    first MAX_MESSAGE_BYTES + 1 bytes are read, and the framing refuses it (`too_large`)."""
+    from .sequencer.framing import MAX_MESSAGE_BYTES
+    try:
+        return read_bytes(path, MAX_MESSAGE_BYTES, "message file", cut=True)
+    except OSError as e:
+        raise Refused(f"cannot read {path}: {e.strerror}") from None
+    except InputRefused as e:
+        raise Refused(str(e)) from None
 
 
 def _print(obj) -> None:
@@ -84,10 +103,7 @@ def cmd_register(args) -> int:
 
 def cmd_submit(args) -> int:
     from .sequencer import service
-    try:
-        message = Path(args.file).read_bytes()
-    except OSError as e:
-        raise Refused(f"cannot read {args.file}: {e.strerror}") from None
+    message = _read_message(args.file)
     with _open(args) as s:
         ans = s.submit(message)
     if isinstance(ans, service.Accepted):
@@ -145,9 +161,11 @@ def cmd_recover(args) -> int:
     evidence = []
     for path in args.evidence:
         try:
-            evidence.append(recovery.parse_evidence(Path(path).read_bytes()))
+            evidence.append(recovery.parse_evidence(read_bytes(path, PACKAGE_LIMIT, "evidence file")))
         except OSError as e:
             raise Refused(f"evidence file {path}: {e}") from None
+        except InputRefused as e:
+            raise Refused(str(e)) from None
         except recovery.EvidenceError as e:
             raise Refused(f"evidence file {path}: {e}; expected JSON {{\"member\", \"receipts\": [hex], "
                           "\"attested_epoch\", \"discontinuities\": [epochs], \"statements\": [hex]}") from None
@@ -179,9 +197,13 @@ def cmd_migrate(args) -> int:
 def cmd_adopt(args) -> int:
     from .sequencer import service
     try:
-        package = json.loads(Path(args.file).read_text())
+        package = json.loads(read_text(args.file, PACKAGE_LIMIT, "hand-off package"))
+    except InputRefused as e:
+        raise Refused(str(e)) from None
     except (OSError, ValueError) as e:
         raise Refused(f"cannot read the hand-off package {args.file}: {e}") from None
+    except RecursionError:
+        raise Refused(f"the hand-off package {args.file} is nested too deeply") from None
     with _open(args) as s:
         try:
             st = s.adopt(package)
@@ -294,10 +316,7 @@ def _open_queue(home: Path, key=None, events_kept=None):
 
 def cmd_commits_queue(args) -> int:
     from .sequencer import client
-    try:
-        message = Path(args.file).read_bytes()
-    except OSError as e:
-        raise Refused(f"cannot read {args.file}: {e.strerror}") from None
+    message = _read_message(args.file)
     q = _queue(args)
     try:
         e = q.enqueue(message)
@@ -328,9 +347,11 @@ def _broker_settings(args):
     password = None
     if args.password_file:
         try:
-            password = Path(args.password_file).read_text().strip()
+            password = read_text(args.password_file, 64 * 1024, "--password-file").strip()
         except OSError as e:
             raise Refused(f"cannot read --password-file {args.password_file}: {e.strerror}") from None
+        except ValueError as e:     # not a regular file, too large, not UTF-8, a NUL in the name
+            raise Refused(f"--password-file {args.password_file}: {e}") from None
     try:
         return serve.BrokerSettings.from_url(args.broker, ca_file=args.ca_file, username=args.username,
                                              password=password, prefix=args.prefix)
@@ -569,7 +590,10 @@ def _receipt_bytes(text: str) -> bytes:
     except OSError:          # hex longer than a file name may be (ENAMETOOLONG): not a file
         is_file = False
     if is_file:
-        data = p.read_bytes()
+        try:
+            data = read_bytes(p, RECEIPT_FILE_LIMIT, "receipt file")
+        except InputRefused as e:
+            raise Refused(str(e)) from None
         try:
             return bytes.fromhex(data.decode("ascii").strip())
         except (UnicodeDecodeError, ValueError):

@@ -13,6 +13,8 @@ import os
 import tomllib
 from pathlib import Path
 
+from .infile import InputRefused, read_text
+
 DEFAULT_PATH = Path("/etc/ssp-agent/agent.toml")
 CREDENTIAL = "mqtt-password"
 _MQTT_KEYS = {"broker": str, "username": str, "ca_file": str, "cert_file": str, "key_file": str,
@@ -22,6 +24,9 @@ _MQTT_KEYS = {"broker": str, "username": str, "ca_file": str, "cert_file": str, 
 class ConfigError(ValueError):
     """A configuration file that cannot be used (a refusal: exit 2, nothing done)."""
 
+
+# agent.toml holds a home and a broker's settings: a megabyte is far more than any real one
+CONFIG_LIMIT = 1 << 20
 
 def config_path() -> Path:
     if os.environ.get("SSP_AGENT_CONFIG"):
@@ -35,11 +40,15 @@ def load(path: Path | None = None) -> dict:
     """{"home": str|None, "mqtt": {...}} from the file (checked: unknown keys and wrong types refused)."""
     path = config_path() if path is None else path
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(read_text(path, CONFIG_LIMIT, "configuration"))
     except FileNotFoundError:
         return {"home": None, "mqtt": {}, "path": None}
+    except InputRefused as e:        # a FIFO, a device, too large, not UTF-8 (agent/infile.py)
+        raise ConfigError(str(e)) from None
     except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"configuration {path}: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"configuration {path}: nested too deeply") from None
     unknown = set(data) - {"home", "mqtt"}
     mqtt = data.get("mqtt", {})
     if not isinstance(mqtt, dict):
@@ -54,8 +63,8 @@ def load(path: Path | None = None) -> dict:
         if k in mqtt and not isinstance(mqtt[k], typ):
             raise ConfigError(f"configuration {path}: mqtt.{k} must be a {typ.__name__}")
     home = data.get("home")
-    if home is not None and not isinstance(home, str):
-        raise ConfigError(f"configuration {path}: home must be a string")
+    if home is not None and (not isinstance(home, str) or len(home) > 4096):
+        raise ConfigError(f"configuration {path}: home must be a path (a string of at most 4096 characters)")
     return {"home": home, "mqtt": mqtt, "path": str(path)}
 
 

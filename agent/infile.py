@@ -26,8 +26,9 @@ class InputRefused(ValueError):
     """A file refused for what it is (not a regular file, too large, not UTF-8): exit 2."""
 
 
-def read_bytes(path: PathLike, limit: int, what: str = "file") -> bytes:
-    """The bytes of the regular file ``path``, refused past ``limit`` bytes."""
+def read_bytes(path: PathLike, limit: int, what: str = "file", cut: bool = False) -> bytes:
+    """The bytes of the regular file ``path``, refused past ``limit`` bytes; ``cut``: past it,
+    its first ``limit`` + 1 bytes (for a parser that refuses an oversized input in its own words)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)
@@ -35,7 +36,7 @@ def read_bytes(path: PathLike, limit: int, what: str = "file") -> bytes:
             kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
                     else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
             raise InputRefused(f"{what} {path} is {kind}, not a regular file")
-        if st.st_size > limit:
+        if st.st_size > limit and not cut:
             raise InputRefused(f"{what} {path} is too large: {st.st_size} bytes > {limit}")
         chunks, got = [], 0
         while got <= limit:          # a file growing while it is read is cut at limit + 1 and refused
@@ -44,7 +45,7 @@ def read_bytes(path: PathLike, limit: int, what: str = "file") -> bytes:
                 break
             chunks.append(b)
             got += len(b)
-        if got > limit:
+        if got > limit and not cut:
             raise InputRefused(f"{what} {path} is too large: more than {limit} bytes")
         return b"".join(chunks)
     finally:

@@ -26,7 +26,6 @@ bodies never move applied watermarks (docs/protocol.md §3).
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,18 +38,17 @@ ACK_CONTENT_TYPE = "sovm/ssp-mailbox-ack-v1"
 ACK_MEMBERS = frozenset({"subject_site_id", "answers", "issued_at"})
 MAX_ANSWERS = 16  # answers an ack carries (the newest files imported from its subject)
 
-from .core.messages import MAX_MESSAGE_BYTES, ProtocolError
+from .core.messages import MAX_MESSAGE_BYTES
+from .infile import read_bytes
 
 
 def read_file(path: Path) -> bytes:
-    """A mailbox file's bytes, refused (ProtocolError `too_large`) before reading when it is
-    larger than any message may be, so a hostile file cannot make the import read gigabytes.
+    """A mailbox file's bytes, refused before reading when it is larger than any message may
+    be, so a hostile file cannot make the import read gigabytes.
     Parsing is `import_mailbox_body`'s (agent/sync.py) (the sync body boundary, agent/core/messages.py `parse_body`)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > MAX_MESSAGE_BYTES:
-            raise ProtocolError("too_large", f"{size} bytes > {MAX_MESSAGE_BYTES}")
-        return f.read(MAX_MESSAGE_BYTES + 1)
+    # only a regular file (a FIFO would wait for a writer for ever: agent/infile.py), refused
+    # (InputRefused, exit 2) before reading when it is larger than any message may be
+    return read_bytes(path, MAX_MESSAGE_BYTES, "mailbox file")
 
 
 # ---------------------------------------------------------------- the answer record (pure)

@@ -4,15 +4,21 @@ the keystore. A node records the profile it was initialised with in its store; R
 every key."""
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from .infile import InputRefused, read_text
+
 DEFAULT_PROFILE = "pi-3-4"
 SECURE_DELETE_MODES = ("on", "fast", "off")
-_DURATION = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d|w)\s*$")
+_DURATION = re.compile(r"^\s*(\d{1,15})\s*(ms|s|m|h|d|w)\s*$")   # 15 digits: never a 4 300-digit int()
+HORIZON_MAX_MS = 100 * 365 * 86_400_000   # longer is "forever" (and HLC arithmetic stays in 64 bits)
+NUMBER_MAX = 10**9                         # no setting needs more (seconds: 31 years; counts, bytes, MB)
+PROFILE_LIMIT = 1 << 20                    # a profile file is a few hundred bytes
 _UNIT_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000, "w": 604_800_000}
 
 
@@ -24,7 +30,10 @@ def parse_duration_ms(text: str, what: str) -> int:
     m = _DURATION.match(text) if isinstance(text, str) else None
     if not m:
         raise ProfileError(f"{what}: {text!r} is not a duration like 90s, 15m, 12h, 7d or 2w (or \"forever\" in [horizons])")
-    return int(m.group(1)) * _UNIT_MS[m.group(2)]
+    ms = int(m.group(1)) * _UNIT_MS[m.group(2)]
+    if ms > HORIZON_MAX_MS:
+        raise ProfileError(f"{what}: {text!r} is longer than 100 years; say \"forever\" to keep history for good")
+    return ms
 
 
 @dataclass(frozen=True)
@@ -97,16 +106,24 @@ def parse_profile(text: str, origin: str = "profile") -> Profile:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ProfileError(f"{origin} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ProfileError(f"{origin} is nested too deeply") from None
     extra = set(doc) - _KNOWN
     if extra:
         raise ProfileError(f"{origin}: unknown keys {', '.join(sorted(extra))}")
+    for section in ("store", "horizons", "eviction", "sync", "keystore", "serial"):
+        if not isinstance(doc.get(section, {}), dict):
+            raise ProfileError(f"{origin}: [{section}] must be a table")
     store, sync, evict = doc.get("store", {}), doc.get("sync", {}), doc.get("eviction", {})
     ser = doc.get("serial", {})
 
-    def num(section: dict, key: str, default, kind=int, minimum=0):
+    def num(section: dict, key: str, default, kind=int, minimum=0, maximum=NUMBER_MAX):
+        # NaN compares false with everything and infinity overflows int(): both refused here,
+        # as is anything past a bound no setting needs (a duration of 30 years, 10^9 of a count)
         v = section.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < minimum:
-            raise ProfileError(f"{origin}: {key} must be a number >= {minimum}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or not minimum <= v <= maximum:
+            raise ProfileError(f"{origin}: {key} must be a number from {minimum} to {maximum}")
         return kind(v)
 
     hdoc = doc.get("horizons", {})
@@ -131,7 +148,7 @@ def parse_profile(text: str, origin: str = "profile") -> Profile:
         cadence_s=num(sync, "cadence_s", 30, float, 0.05), batch_limit=num(sync, "batch_limit", 1000, int, 1),
         body_limit_bytes=num(sync, "body_limit_bytes", 256 * 1024, int, 1024),
         backfill_rows_per_cycle=num(sync, "backfill_rows_per_cycle", 1000, int, 1),
-        session_expiry_s=num(sync, "session_expiry_s", 7 * 86400, int, 0), keystore=dict(ks),
+        session_expiry_s=num(sync, "session_expiry_s", 7 * 86400, int, 0, 2**32 - 1), keystore=dict(ks),
         surfaced_limit=num(store, "surfaced_limit", 100_000, int, 1),
         records_limit=num(store, "records_limit", 10_000, int, 1),
         records_limit_bytes=int(num(store, "records_limit_mb", 16, float, 0.001) * 2**20), keep_full=keep_full,
@@ -165,10 +182,12 @@ def load_profile(name_or_path: str | None) -> Profile:
     path = Path(ref)
     try:
         if path.suffix:
-            text, origin = path.read_text(), str(path)
+            text, origin = read_text(path, PROFILE_LIMIT, "profile"), str(path)
         else:
             res = _builtin().joinpath(f"{ref}.toml")
             text, origin = res.read_text(), f"profile {ref}"
+    except InputRefused as e:          # a FIFO, a device, too large, not UTF-8 (agent/infile.py)
+        raise ProfileError(str(e)) from None
     except OSError:
         names = ", ".join(builtin_profiles())
         raise ProfileError(f"no profile {ref!r} (built in: {names}; or give a path to a .toml file)") from None

@@ -58,3 +58,12 @@ def test_text_that_is_not_utf8_is_refused(tmp_path):
 def test_a_missing_file_is_the_callers_oserror(tmp_path):
     with pytest.raises(FileNotFoundError):
         infile.read_bytes(tmp_path / "nope", 10)
+
+
+def test_cut_returns_one_byte_past_the_limit_for_the_parser_to_refuse(tmp_path):
+    p = tmp_path / "f"
+    with open(p, "wb") as f:
+        f.truncate(200 * 1024 * 1024)
+    assert len(infile.read_bytes(p, 1024, cut=True)) == 1025
+    with pytest.raises(infile.InputRefused, match="not a regular file"):
+        infile.read_bytes("/dev/zero", 1024, cut=True)

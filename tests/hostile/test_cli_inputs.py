@@ -1,0 +1,135 @@
+"""Files and arguments handed to the installed command (helper 52's probe of the CLI's file
+boundaries): a FIFO hung `init --manifest`, `mailbox import` and every verb reading agent.toml for
+ever; /dev/zero grew them until MemoryError (15 GB seen); a 200 MB Commit took `sequencer submit`
+to 241 MB before it was refused; a Latin-1 byte, deep nesting, NaN or infinity, or a section of
+the wrong shape gave a traceback (exit 1) instead of a refusal; `sync` on a home holding no node
+left its private mosquitto running. Every case here must end in a refusal: exit 2, one line, no
+traceback, within seconds."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+
+import pytest
+
+from ..cli_cmd import agent_cmd, agent_env
+from ..mqtt.helpers import MANIFEST
+
+DEEP = "a = " + "[" * 3000 + "]" * 3000 + "\n"
+
+
+def run(home, *args, env=None, timeout=30):
+    return subprocess.run([*agent_cmd(), "--home", str(home), *args], capture_output=True, text=True,
+                          env=agent_env(env), timeout=timeout)
+
+
+def refused(p) -> None:
+    assert p.returncode == 2, (p.returncode, p.stdout[-500:], p.stderr[-1500:])
+    assert "Traceback" not in p.stderr, p.stderr[-1500:]
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    f = tmp_path / "fifo"
+    os.mkfifo(f)
+    return f
+
+
+@pytest.fixture
+def sparse(tmp_path):
+    f = tmp_path / "sparse"
+    with open(f, "wb") as out:
+        out.truncate(200 * 1024 * 1024)     # 200 MB that cost nothing to write
+    return f
+
+
+@pytest.fixture
+def node_home(tmp_path):
+    m = tmp_path / "m.toml"
+    m.write_text(MANIFEST)
+    home = tmp_path / "node"
+    assert run(home, "init", "--manifest", str(m)).returncode == 0
+    return home
+
+
+@pytest.mark.parametrize("what", ["fifo", "/dev/zero", "latin1", "deep"])
+def test_init_refuses_a_manifest_that_is_not_a_text_file_it_can_use(tmp_path, fifo, what):
+    m = {"fifo": fifo, "/dev/zero": "/dev/zero"}.get(what, tmp_path / "m.toml")
+    if what == "latin1":
+        m.write_bytes(MANIFEST.encode() + "# caf\u00e9\n".encode("latin-1"))
+    elif what == "deep":
+        m.write_text(MANIFEST + DEEP)
+    p = run(tmp_path / "h", "init", "--manifest", str(m))
+    refused(p)
+    assert not (tmp_path / "h" / "store.sqlite").exists()
+
+
+@pytest.mark.parametrize("what", ["fifo", "/dev/zero", "deep", "latin1"])
+def test_a_configuration_file_it_cannot_use_is_refused(tmp_path, fifo, what):
+    conf = {"fifo": fifo, "/dev/zero": "/dev/zero"}.get(what, tmp_path / "agent.toml")
+    if what == "deep":
+        conf.write_text(DEEP)
+    elif what == "latin1":
+        conf.write_bytes("# caf\u00e9\n".encode("latin-1"))
+    p = subprocess.run([*agent_cmd(), "status"], capture_output=True, text=True, timeout=30,
+                       env=agent_env({"SSP_AGENT_CONFIG": str(conf), "SSP_AGENT_HOME": ""}))
+    refused(p)
+
+
+def test_mailbox_import_of_a_fifo_is_refused_without_waiting(node_home, fifo):
+    refused(run(node_home, "mailbox", "import", str(fifo), timeout=20))
+
+
+@pytest.mark.parametrize("text", ["[sync]\ncadence_s = nan", "[sync]\ncadence_s = inf", "[sync]\nbatch_limit = inf",
+                                  "[serial]\nwindow_bytes = nan", "[store]\nrecords_limit_mb = inf", "store = 5",
+                                  "sync = [1, 2]", "[eviction]\ninterval_s = inf",
+                                  "[horizons]\nraw = \"99999999999999999999999w\"", DEEP])
+def test_a_profile_with_values_no_setting_can_take_is_refused(tmp_path, text):
+    prof = tmp_path / "p.toml"
+    prof.write_text('name = "odd"\n' + text + "\n")
+    m = tmp_path / "m.toml"
+    m.write_text(MANIFEST)
+    p = run(tmp_path / "h", "init", "--manifest", str(m), "--profile", str(prof))
+    refused(p)
+    assert "odd" in p.stderr or "p.toml" in p.stderr, p.stderr
+
+
+def test_table_create_refuses_a_deeply_nested_spec(node_home):
+    p = run(node_home, "table", "create", "--spec", "[" * 60000 + "]" * 60000)
+    refused(p)
+    assert "nested too deeply" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("verb", ["submit", "adopt", "recover", "queue"])
+@pytest.mark.parametrize("what", ["/dev/zero", "sparse", "fifo"])
+def test_sequencer_files_are_refused_without_reading_them_whole(tmp_path, fifo, sparse, verb, what):
+    """The peak RSS is read in a process of its own (ru_maxrss of the children is a high-water
+    mark over every child a process ever had)."""
+    seq = tmp_path / "seq"
+    key = json.loads(run(seq, "sequencer", "init").stdout)["sequencer_key"]
+    f = {"fifo": fifo, "/dev/zero": "/dev/zero", "sparse": sparse}[what]
+    args = {"submit": ("sequencer", "submit", str(f)), "adopt": ("sequencer", "adopt", str(f)),
+            "recover": ("sequencer", "recover", "--group", "aa" * 16, "--binding", f"0:{key}", str(f)),
+            "queue": ("commits", "queue", str(f), "--sequencer-key", key)}[verb]
+    home = tmp_path / "m" if verb == "queue" else seq
+    probe = ("import resource, subprocess, sys, json\n"
+             "p = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=30)\n"
+             "print(json.dumps({'rc': p.returncode, 'err': p.stderr[-1500:], 'out': p.stdout[-300:],\n"
+             "                  'rss_kb': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))\n")
+    out = subprocess.run(["python3", "-c", probe, *agent_cmd(), "--home", str(home), *args], capture_output=True,
+                         text=True, env=agent_env(), timeout=60)
+    r = json.loads(out.stdout)
+    assert r["rc"] == 2 and "Traceback" not in r["err"], r
+    assert r["rss_kb"] < 120 * 1024, r       # the whole file would be 200 MB (or unbounded)
+
+
+def test_sync_on_a_home_without_a_node_leaves_no_private_broker_running(tmp_path):
+    p = run(tmp_path / "empty", "sync", "--once", timeout=60)
+    refused(p)
+    for line in p.stderr.splitlines():      # had it started one, it would say where
+        if "private mosquitto at" in line:
+            port = int(line.rsplit(":", 1)[1])
+            with socket.socket() as s:
+                assert s.connect_ex(("127.0.0.1", port)) != 0, "the private mosquitto still runs"
