@@ -101,7 +101,7 @@ class Node:
             done = atrest.reseal(conn, log_seal)
             log.warning("event log sealed at rest under data key %d (%d rows rewritten)",
                         log_seal.sealer.current, done["rewritten"])
-        stale = [t.tdef for t in self.tables.values() if not rowstore.view_is_current(conn, t.tdef)]
+        stale = rowstore.stale_views(conn, [t.tdef for t in self.tables.values()])
         if stale:  # views made before they carried "C$state" (docs/apply.md)
             with _txn(conn):
                 for tdef in stale:
