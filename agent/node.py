@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from .core.clock import Hlc, beyond_skew
 from .core.clock import signing_time as clock_signing_time
 from .core.codec import DecodeError, decode_strict
 from .core.merge import Effects, RowState, below, merge_delete, merge_upsert, rebuild_columns, rebuild_without
-from .core.schema import SYNCABLE, ManifestError, TableDef, parse_manifest, table_def_from
+from .core.schema import SYNCABLE, ManifestError, TableDef, fold, parse_manifest, table_def_from
 from .profile import Profile, ProfileError, load_profile
 from .outcomes import to_json
 from .outcomes import APPLIED, DROPPED, DUPLICATE, HELD, REJECTED, Outcome
@@ -100,7 +101,7 @@ class Node:
             done = atrest.reseal(conn, log_seal)
             log.warning("event log sealed at rest under data key %d (%d rows rewritten)",
                         log_seal.sealer.current, done["rewritten"])
-        stale = [t.tdef for t in self.tables.values() if not rowstore.view_is_current(conn, t.tdef)]
+        stale = rowstore.stale_views(conn, [t.tdef for t in self.tables.values()])
         if stale:  # views made before they carried "C$state" (docs/apply.md)
             with _txn(conn):
                 for tdef in stale:
@@ -167,6 +168,18 @@ class Node:
         # mode (first-boot enrolment, --wait-clock); elsewhere an unverifiable clock is accepted
         # with a warning and recorded as no evidence (`_require_trusted_clock`).
         clock = _require_trusted_clock(None, "init", clock_trusted, wait_clock_s)
+        # A failed init takes back everything it made (probe r01: a store and a keystore left by a
+        # failure made the home refuse `init` and crash `status`): what the home and an outside
+        # software keystore directory held before is noted, and anything new removed on failure.
+        made = _Made(home, ks_conf)
+        try:
+            return cls._init_in(home, manifest, prof, ks_conf, clock)
+        except BaseException:
+            made.undo()
+            raise
+
+    @classmethod
+    def _init_in(cls, home: Path, manifest, prof: Profile, ks_conf: dict, clock: dict) -> tuple["Node", bytes]:
         home.mkdir(parents=True, exist_ok=True)
         os.chmod(home, 0o700)
         site_id = os.urandom(16)
@@ -186,6 +199,18 @@ class Node:
             if k in ks_conf and Path(ks_conf[k]).parent == home:
                 ks_conf[k] = Path(ks_conf[k]).name
         conn = db.connect(home / cls.STORE_FILE)
+        try:
+            cls._make_store(conn, home, site_id, public_key, manifest, prof, ks_conf, clock)
+        finally:
+            # Closed here, not left to the garbage collector: an open connection keeps the WAL (and every
+            # page version in it) on the card after the node's own close.
+            conn.close()
+            ks.close() if hasattr(ks, "close") else None
+        return cls.open(home), public_key
+
+    @classmethod
+    def _make_store(cls, conn: sqlite3.Connection, home: Path, site_id: bytes, public_key: bytes, manifest,
+                    prof: Profile, ks_conf: dict, clock: dict) -> None:
         migrations.create(conn)
         with _txn(conn):
             db.set_meta(conn, "site_id", site_id)
@@ -211,11 +236,6 @@ class Node:
         _write_identity_file(home, site_id, public_key, manifest.mesh_id, ks_conf)
         db.ensure_reserve(home)   # the space eviction may use on a full disk (agent/store/db.py)
         ident.claim_home(site_id, home)
-        ks.close() if hasattr(ks, "close") else None
-        # Closed here, not left to the garbage collector: an open connection keeps the WAL (and every
-        # page version in it) on the card after the node's own close.
-        conn.close()
-        return cls.open(home), public_key
 
     @classmethod
     def open(cls, home: Path, *, check_machine: bool = True, read_only: bool = False) -> "Node":
@@ -1374,9 +1394,8 @@ class Node:
     # ------------------------------------------------------------------ schema and horizons
     def create_table(self, spec: dict) -> list[Outcome]:
         """Create a table, then apply the events held for it (§13.6 row 1)."""
-        t = table_def_from(spec)
-        if t.qualified in self.tables:
-            raise NodeError(f"table {t.qualified} already exists")
+        # checked against the tables here: SQLite takes `APP.readings` for `app.readings`
+        t = table_def_from(spec, [x.tdef for x in self.tables.values()])
         _check_retention(self.profile, [t])
         with _txn(self.conn):
             _create_table_rows(self.conn, t)
@@ -1398,8 +1417,9 @@ class Node:
         tbl = self.tables.get(table)
         if tbl is None:
             raise NodeError(f"no table {table!r}")
-        if column in tbl.tdef.columns:
-            raise NodeError(f"{table} already has a column {column!r}")
+        same = [c for c in tbl.tdef.columns if fold(c) == fold(column)] if isinstance(column, str) else []
+        if same:   # SQLite folds case: `TEMP` is the column `temp`
+            raise NodeError(f"{table} already has a column {same[0]!r}")
         cols = dict(tbl.tdef.columns)
         cols[column] = col_type
         try:
@@ -1720,6 +1740,38 @@ def _check_retention(prof: Profile, tables) -> None:
             raise NodeError(f"table {t.qualified}: retention class {t.retention!r} is not one profile {prof.name} "
                             f"names ({', '.join(known)}); fix the manifest, or add it to the profile's [horizons] "
                             f"(\"forever\" keeps it in full)")
+
+
+class _Made:
+    """What `init` may make, noted before it starts: the home (or its entries) and, for a software
+    keystore, its directory (or its files). `undo` removes what was not there before."""
+
+    def __init__(self, home: Path, ks_conf: dict) -> None:
+        self.home = home
+        self.home_before = set(os.listdir(home)) if home.is_dir() else None
+        d = ks_conf.get("dir") if ks_conf.get("kind") == "software" else None
+        self.ks_dir = Path(d or home / "keystore").absolute() if ks_conf.get("kind") == "software" else None
+        self.ks_before = set(os.listdir(self.ks_dir)) if self.ks_dir is not None and self.ks_dir.is_dir() else None
+
+    def undo(self) -> None:
+        try:
+            if self.ks_dir is not None and self.ks_dir.parent != self.home:
+                _remove_new(self.ks_dir, self.ks_before)
+            _remove_new(self.home, self.home_before)
+        except OSError as e:   # the failure itself is what the operator must see
+            log.warning("a failed init could not remove what it made in %s: %s", self.home, e)
+
+
+def _remove_new(path: Path, before: set[str] | None) -> None:
+    """Remove the entries of `path` not in `before`; `path` itself if it was not there (None)."""
+    if not path.exists():
+        return
+    if before is None:
+        shutil.rmtree(path)
+        return
+    for name in set(os.listdir(path)) - before:
+        p = path / name
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
 def _check_keystore_conf(conf: dict) -> dict:

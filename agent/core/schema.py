@@ -7,7 +7,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Iterable
 
 from .codec import INT64_MAX, INT64_MIN
 from .events import is_scalar
@@ -21,6 +21,11 @@ CATEGORIES = (SYNCABLE, NEVER_SYNCABLE, NODE_LOCAL_DERIVED)
 
 COLUMN_TYPES = ("integer", "real", "text", "blob")
 _IDENT = re.compile(r"^[A-Za-z][A-Za-z0-9_]{0,62}$")
+
+# Columns per table (key and value columns). The store keeps 2 per value column (value, clock)
+# plus 4 of its own (agent/store/rows.py), and SQLite refuses a table, a view or a statement of
+# over 2000 (SQLITE_MAX_COLUMN): 500 keeps the widest table at 1004, well under it.
+MAX_COLUMNS = 500
 
 
 class ManifestError(ValueError):
@@ -118,23 +123,45 @@ class TableDef:
 
 def check_ident(name: str, what: str) -> str:
     if not isinstance(name, str) or not _IDENT.match(name) or name.lower().startswith("_ssp"):
-        raise ManifestError(f"{what} {name!r} must be a letter followed by letters, digits or _ (max 63)")
+        raise ManifestError(f"{what} {_short(name)} must be a letter followed by letters, digits or _ (max 63)")
     return name
 
 
-def table_def_from(spec: dict[str, Any]) -> TableDef:
+def _short(v: Any) -> str:
+    """A wrong value as the refusal quotes it: its repr, cut short (it may be a huge table)."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def fold(name: str) -> str:
+    """The form SQLite compares identifiers in: ASCII case folded (identifiers are ASCII, _IDENT)."""
+    return name.lower()
+
+
+def table_def_from(spec: Any, existing: Iterable["TableDef"] = ()) -> TableDef:
+    """A table from a manifest [[tables]] entry (or `table create --spec`), checked against the
+    `existing` tables: SQLite folds case, so `APP.readings` is `app.readings` to it."""
+    if not isinstance(spec, dict):
+        raise ManifestError(f"a table must be a table of schema, name, key, columns..., got {_short(spec)}")
     schema = check_ident(spec.get("schema"), "table schema")
     name = check_ident(spec.get("name"), "table name")
     category = spec.get("category", SYNCABLE)
-    if category not in CATEGORIES:
+    if not isinstance(category, str) or category not in CATEGORIES:
         raise ManifestError(f"table {schema}.{name}: category must be one of {', '.join(CATEGORIES)}")
     cols = spec.get("columns")
     if not isinstance(cols, dict) or not cols:
         raise ManifestError(f"table {schema}.{name}: columns must be a non-empty table of name = type")
+    if len(cols) > MAX_COLUMNS:
+        raise ManifestError(f"table {schema}.{name}: {len(cols)} columns; a table has at most {MAX_COLUMNS}")
+    seen: dict[str, str] = {}
     for c, t in cols.items():
         check_ident(c, f"table {schema}.{name}: column")
-        if t not in COLUMN_TYPES:
-            raise ManifestError(f"table {schema}.{name}: column {c} has type {t!r}; use one of {', '.join(COLUMN_TYPES)}")
+        if not isinstance(t, str) or t not in COLUMN_TYPES:
+            raise ManifestError(f"table {schema}.{name}: column {c} has type {_short(t)}; use one of {', '.join(COLUMN_TYPES)}")
+        if fold(c) in seen:
+            raise ManifestError(f"table {schema}.{name}: columns {seen[fold(c)]} and {c} differ only in case "
+                                "(one column to SQLite)")
+        seen[fold(c)] = c
     key = spec.get("key")
     if not isinstance(key, list) or not key or not all(isinstance(k, str) for k in key):
         raise ManifestError(f"table {schema}.{name}: key must be a non-empty list of column names")
@@ -145,7 +172,35 @@ def table_def_from(spec: dict[str, Any]) -> TableDef:
         check_ident(retention, f"table {schema}.{name}: retention class")
         if category != SYNCABLE:
             raise ManifestError(f"table {schema}.{name}: only syncable tables carry history to evict")
-    return TableDef(schema, name, category, tuple(key), dict(cols), retention)
+    t = TableDef(schema, name, category, tuple(key), dict(cols), retention)
+    _Names(existing).admit(t)
+    return t
+
+
+class _Names:
+    """The table and schema names taken, as SQLite compares them (folded), each looked up in a
+    dict: a manifest of many tables is checked in linear time."""
+
+    def __init__(self, tables: Iterable["TableDef"] = ()) -> None:
+        self.tables: dict[str, str] = {}
+        self.schemas: dict[str, str] = {}
+        for t in tables:
+            self.tables.setdefault(fold(t.qualified), t.qualified)
+            self.schemas.setdefault(fold(t.schema), t.schema)
+
+    def admit(self, t: "TableDef", taken: str = "already exists") -> None:
+        """Refuse `t` if its name is taken (or differs from a taken one only in case), or if its
+        schema is one already spelled otherwise; else take its names."""
+        other = self.tables.get(fold(t.qualified))
+        if other == t.qualified:
+            raise ManifestError(f"table {t.qualified} {taken}")
+        if other is not None:
+            raise ManifestError(f"table {t.qualified} differs only in case from table {other} (one name to SQLite)")
+        spelled = self.schemas.get(fold(t.schema))
+        if spelled is not None and spelled != t.schema:
+            raise ManifestError(f"schema {t.schema} differs only in case from schema {spelled}; spell it the same")
+        self.tables[fold(t.qualified)] = t.qualified
+        self.schemas.setdefault(fold(t.schema), t.schema)
 
 
 @dataclass(frozen=True)
@@ -168,28 +223,45 @@ class Manifest:
         return tuple(t.qualified for t in self.tables if t.retention is not None)
 
 
+def _list_of(doc: dict, key: str, what: str) -> list:
+    """`doc[key]` as a list (absent: empty) of TOML tables, or of strings when what == "str"."""
+    v = doc.get(key, [])
+    want = str if what == "str" else dict
+    if not isinstance(v, list) or not all(isinstance(x, want) for x in v):
+        shape = "a list of strings" if what == "str" else f"a list of tables ([[{key}]])"
+        raise ManifestError(f"manifest key {key} must be {shape}, got {_short(v)}")
+    return v
+
+
 def parse_manifest(text: str) -> Manifest:
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ManifestError(f"manifest is not valid TOML: {e}") from None
+    except RecursionError:   # tomllib parses nested arrays and tables recursively
+        raise ManifestError("manifest is not valid TOML: nested too deeply") from None
     known = {"mesh_id", "authorities", "peers", "tables"}
     extra = set(doc) - known
     if extra:
         raise ManifestError(f"unknown manifest keys: {', '.join(sorted(extra))}")
+    authority_list = _list_of(doc, "authorities", "str")
+    peer_list = _list_of(doc, "peers", "table")
+    table_list = _list_of(doc, "tables", "table")
     try:
         mesh_id = parse_mesh_id(doc.get("mesh_id"))
-        authorities = tuple(parse_site_id(a, "authority") for a in doc.get("authorities", []))
+        authorities = tuple(parse_site_id(a, "authority") for a in authority_list)
         peers = []
-        for p in doc.get("peers", []):
+        for p in peer_list:
             ra = p.get("retired_after")
             peers.append(PeerEntry(parse_site_id(p.get("site_id"), "peer site_id"),
                                    parse_public_key(p.get("public_key")),
                                    parse_hlc(ra) if ra is not None else None))
     except IdFormatError as e:
         raise ManifestError(str(e)) from None
-    tables = tuple(table_def_from(t) for t in doc.get("tables", []))
-    names = [t.qualified for t in tables]
-    if len(set(names)) != len(names):
-        raise ManifestError("a table is declared twice")
-    return Manifest(mesh_id, authorities, tuple(peers), tables)
+    tables: list[TableDef] = []
+    names = _Names()
+    for spec in table_list:   # each against those before it (names SQLite folds to one)
+        t = table_def_from(spec)
+        names.admit(t, "is declared twice")
+        tables.append(t)
+    return Manifest(mesh_id, authorities, tuple(peers), tuple(tables))

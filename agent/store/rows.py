@@ -69,10 +69,17 @@ def create_view(conn: sqlite3.Connection, t: TableDef) -> None:
     conn.execute(f"CREATE VIEW {q(t.qualified)} AS SELECT {', '.join(shown)} FROM {q(base_name(t))} WHERE _ex = 1")
 
 
-def view_is_current(conn: sqlite3.Connection, t: TableDef) -> bool:
-    """Whether the view carries the companion columns (views made by older versions do not)."""
-    r = conn.execute("SELECT sql FROM sqlite_master WHERE type='view' AND name=?", (t.qualified,)).fetchone()
-    return r is not None and (not t.value_columns or STATE_SUFFIX in r[0])
+def stale_views(conn: sqlite3.Connection, tables: Iterable[TableDef]) -> list[TableDef]:
+    """The tables whose view lacks the companion columns (views made by older versions) or is
+    missing. sqlite_master is read once for every view: a query per table scanned it per table,
+    quadratic in the tables on every writing open (probe r08: 7.8 s CPU at 8 000 tables)."""
+    views = dict(conn.execute("SELECT name, sql FROM sqlite_master WHERE type='view'").fetchall())
+    out = []
+    for t in tables:
+        sql = views.get(t.qualified)
+        if sql is None or (t.value_columns and STATE_SUFFIX not in sql):
+            out.append(t)
+    return out
 
 
 def add_column(conn: sqlite3.Connection, t: TableDef, column: str) -> None:
