@@ -23,7 +23,12 @@ TEXT_LIMIT = 16 * 1024 * 1024
 
 
 class InputRefused(ValueError):
-    """A file refused for what it is (not a regular file, too large, not UTF-8): exit 2."""
+    """A file refused for what it is: exit 2. ``reason``: ``not_a_file``, ``too_large`` or
+    ``not_utf8`` (a reader with reason codes of its own, the mailbox, maps ``too_large`` to its own)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def read_bytes(path: PathLike, limit: int, what: str = "file", cut: bool = False) -> bytes:
@@ -35,9 +40,9 @@ def read_bytes(path: PathLike, limit: int, what: str = "file", cut: bool = False
         if not stat.S_ISREG(st.st_mode):
             kind = ("a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
                     else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
-            raise InputRefused(f"{what} {path} is {kind}, not a regular file")
+            raise InputRefused("not_a_file", f"{what} {path} is {kind}, not a regular file")
         if st.st_size > limit and not cut:
-            raise InputRefused(f"{what} {path} is too large: {st.st_size} bytes > {limit}")
+            raise InputRefused("too_large", f"{what} {path} is too large: {st.st_size} bytes > {limit}")
         chunks, got = [], 0
         while got <= limit:          # a file growing while it is read is cut at limit + 1 and refused
             b = os.read(fd, min(1 << 20, limit + 1 - got))
@@ -46,7 +51,7 @@ def read_bytes(path: PathLike, limit: int, what: str = "file", cut: bool = False
             chunks.append(b)
             got += len(b)
         if got > limit and not cut:
-            raise InputRefused(f"{what} {path} is too large: more than {limit} bytes")
+            raise InputRefused("too_large", f"{what} {path} is too large: more than {limit} bytes")
         return b"".join(chunks)
     finally:
         os.close(fd)
@@ -58,4 +63,4 @@ def read_text(path: PathLike, limit: int = TEXT_LIMIT, what: str = "file") -> st
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputRefused(f"{what} {path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1].hex()})") from None
+        raise InputRefused("not_utf8", f"{what} {path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1].hex()})") from None

@@ -38,8 +38,8 @@ ACK_CONTENT_TYPE = "sovm/ssp-mailbox-ack-v1"
 ACK_MEMBERS = frozenset({"subject_site_id", "answers", "issued_at"})
 MAX_ANSWERS = 16  # answers an ack carries (the newest files imported from its subject)
 
-from .core.messages import MAX_MESSAGE_BYTES
-from .infile import read_bytes
+from .core.messages import MAX_MESSAGE_BYTES, ProtocolError
+from .infile import InputRefused, read_bytes
 
 
 def read_file(path: Path) -> bytes:
@@ -47,8 +47,13 @@ def read_file(path: Path) -> bytes:
     be, so a hostile file cannot make the import read gigabytes.
     Parsing is `import_mailbox_body`'s (agent/sync.py) (the sync body boundary, agent/core/messages.py `parse_body`)."""
     # only a regular file (a FIFO would wait for a writer for ever: agent/infile.py), refused
-    # (InputRefused, exit 2) before reading when it is larger than any message may be
-    return read_bytes(path, MAX_MESSAGE_BYTES, "mailbox file")
+    # before reading when it is larger than any message may be (`too_large`, the body's own code)
+    try:
+        return read_bytes(path, MAX_MESSAGE_BYTES, "mailbox file")
+    except InputRefused as e:
+        if e.reason == "too_large":
+            raise ProtocolError("too_large", str(e)) from None
+        raise
 
 
 # ---------------------------------------------------------------- the answer record (pure)
