@@ -394,7 +394,7 @@ def cmd_flash(args) -> int:
     cmdline = fat.read_text("cmdline.txt", CMDLINE_LIMIT)
     if cmdline is None:
         raise Refused(f"{image}: the boot partition has no cmdline.txt (not a Raspberry Pi OS image?)")
-    user_data = fat.read_text("user-data")
+    user_data = fat.read_text("user-data") if args.hook != "firstrun" else None   # --hook firstrun leaves it alone
     hook = args.hook
     if hook == "auto":
         hook = "cloud-init" if (user_data is not None or fat.read("meta-data") is not None) else "firstrun"
