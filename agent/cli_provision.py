@@ -23,18 +23,21 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import re
 import secrets
 import shutil
 import socket
+import stat
 import subprocess
 import tempfile
 import time
 from importlib import resources
 from pathlib import Path
 
-from .cliargs import seconds_arg
+from . import infile
+from .cliargs import MAX_SECONDS, seconds_arg
 
 BUNDLE_FORMAT = 1
 DEVICE_BUNDLE = "/opt/ssp-agent/bundle"      # where the bundle lives on the device's root filesystem
@@ -45,6 +48,21 @@ ENROL_UNIT = "ssp-agent-enrol.service"
 ENROLMENT_FILE = "ssp-enrolment.json"          # on the boot partition: what the technician collects
 SERVICE_UNITS = ("ssp-agent.service", "ssp-agent-sync.service", "ssp-agent-sync.timer")
 SECRET_FILES = ("mqtt-password", "client.key")
+# What the provisioning verbs read, each bounded (agent/infile.py), far above any real one.
+BUNDLE_JSON_LIMIT = 1024 * 1024           # bundle.json (a real one is about 1 KB)
+UNIT_LIMIT = 64 * 1024                    # a systemd unit
+CREDENTIAL_LIMIT = 1024 * 1024            # a CA bundle, a client certificate or key
+PASSWORD_LIMIT = 64 * 1024                # a broker password file
+CMDLINE_LIMIT = 64 * 1024                 # the boot partition's cmdline.txt (the kernel takes a few KB)
+BOOT_TEXT_LIMIT = 1024 * 1024             # its user-data, meta-data, firstrun.sh
+# The bundle's files a device copies to /etc/ssp-agent (device-setup), with their limits (text ones
+# must be UTF-8); the mqtt section of bundle.json names the credential files by these names only.
+CONF_FILES = {"manifest.toml": infile.TEXT_LIMIT, "profile.toml": infile.TEXT_LIMIT, "ca.pem": CREDENTIAL_LIMIT,
+              "client.pem": CREDENTIAL_LIMIT, "client.key": CREDENTIAL_LIMIT, "mqtt-password": PASSWORD_LIMIT}
+TEXT_FILES = ("manifest.toml", "profile.toml", "mqtt-password")
+MQTT_FILES = {"ca_file": "ca.pem", "cert_file": "client.pem", "key_file": "client.key", "password_file": "mqtt-password"}
+UNIT_NAME = re.compile(r"[A-Za-z0-9_@-][A-Za-z0-9_@.-]{0,99}\.(service|timer)")
+PROFILE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")   # a built-in profile (a name with a dot is a path)
 FIRSTRUN_ARGS = ("systemd.run=/boot/firmware/firstrun.sh systemd.run_success_action=reboot "
                  "systemd.unit=kernel-command-line.target")
 
@@ -123,32 +141,31 @@ def register(sub, mailbox_sub) -> None:
 # ---------------------------------------------------------------- bundle (technician's machine)
 def cmd_bundle(args) -> int:
     from .cli import EXIT_OK, Refused, emit, version
-    from .core.schema import ManifestError, parse_manifest
     from .profile import ProfileError, load_profile
     out = Path(args.out)
     if out.exists():
         raise Refused(f"{out} exists; a bundle is written into a new directory")
-    try:
-        manifest_text = Path(args.manifest).read_text()
-        parse_manifest(manifest_text)
-    except OSError as e:
-        raise Refused(f"cannot read manifest {args.manifest}: {e.strerror}") from None
-    except ManifestError as e:
-        raise Refused(f"manifest {args.manifest}: {e}") from None
-    try:
-        prof = load_profile(args.profile)
-    except ProfileError as e:
-        raise Refused(str(e)) from None
+    manifest_text = _text(Path(args.manifest), infile.TEXT_LIMIT, "manifest")
+    _manifest(manifest_text, f"manifest {args.manifest}")
+    profile_text = None
+    if Path(args.profile).suffix:   # a profile file (load_profile's rule: a name with a suffix is a path)
+        profile_text = _text(Path(args.profile), infile.TEXT_LIMIT, "profile")
+        prof = _profile(profile_text, args.profile)
+    else:
+        try:
+            prof = load_profile(args.profile)
+        except ProfileError as e:
+            raise Refused(str(e)) from None
     keystore = None
     if args.keystore:
-        try:
-            keystore = json.loads(args.keystore)
-        except json.JSONDecodeError as e:
-            raise Refused(f"--keystore is not valid JSON: {e}") from None
+        keystore = _json(args.keystore, "--keystore")
         if not isinstance(keystore, dict) or "kind" not in keystore:
             raise Refused('--keystore must be a JSON object with a "kind"')
-        if "pin" in keystore:
-            raise Refused("--keystore must not carry a PIN: a bundle is copied around; give pin_file, a path on the device")
+        _check_keystore(keystore, "--keystore")
+    _check_broker(args.broker, "--broker")
+    _check_username(args.username, "--username")
+    if not re.fullmatch(r"[A-Za-z0-9_.,-]*", args.extras):   # firstboot.sh hands it to pip: ssp-agent[EXTRAS]
+        raise Refused(f'--extras must be extra names separated by commas, e.g. "pkcs11", got {args.extras!r}'[:300])
     if args.password_file and not args.username:
         raise Refused("--password-file is a shared account's password: give --username too (without both, each "
                       "device makes its own password for the user name = its site_id)")
@@ -159,14 +176,19 @@ def cmd_bundle(args) -> int:
     if not any(w.name.startswith("ssp_agent-") for w in wheels):
         raise Refused(f"{wh} holds no ssp_agent wheel: build the wheelhouse with tools/wheelhouse.sh "
                       "(--arch aarch64 for Raspberry Pi OS) and give its directory")
+    for w in wheels:
+        if not w.is_file() or re.search(r"\s", w.name):
+            raise Refused(f"{w}: a wheelhouse holds regular files named without spaces (tools/wheelhouse.sh)")
     files = {}
     for flag, name in (("ca_file", "ca.pem"), ("password_file", "mqtt-password"),
                        ("cert_file", "client.pem"), ("key_file", "client.key")):
         src = getattr(args, flag)
         if src:
-            if not Path(src).is_file():
-                raise Refused(f"--{flag.replace('_', '-')} {src}: no such file")
-            files[name] = src
+            what = f"--{flag.replace('_', '-')}"
+            if name in TEXT_FILES:
+                files[name] = _text(Path(src), CONF_FILES[name], what).encode()
+            else:
+                files[name] = _bytes(Path(src), CONF_FILES[name], what)
 
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -174,9 +196,8 @@ def cmd_bundle(args) -> int:
     for w in wheels:
         shutil.copy2(w, tmp / "wheelhouse" / w.name)
     (tmp / "manifest.toml").write_text(manifest_text)
-    for name, src in files.items():
-        shutil.copyfile(src, tmp / name)
-        os.chmod(tmp / name, 0o600 if name in SECRET_FILES else 0o644)
+    for name, data in files.items():
+        _write(tmp / name, data, 0o600 if name in SECRET_FILES else 0o644)
     units = []
     (tmp / "systemd").mkdir()
     for name in SERVICE_UNITS:   # the units shipped in the package (agent/systemd/), when present
@@ -203,8 +224,8 @@ def cmd_bundle(args) -> int:
                      "key_file": "client.key" if "client.key" in files else None,
                      "password_file": "mqtt-password" if "mqtt-password" in files else None},
             "wheels": [w.name for w in wheels]}
-    if Path(args.profile).suffix == ".toml":   # a profile file travels with the bundle
-        shutil.copyfile(args.profile, tmp / "profile.toml")
+    if profile_text is not None:   # a profile file travels with the bundle
+        (tmp / "profile.toml").write_text(profile_text)
         meta["profile"] = "profile.toml"
     (tmp / "bundle.json").write_text(json.dumps(meta, indent=2) + "\n")
     os.chmod(tmp, 0o700)
@@ -232,12 +253,14 @@ def image_partitions(image: Path) -> tuple[int, int]:
     p = subprocess.run(["sfdisk", "--json", str(image)], capture_output=True, text=True)
     if p.returncode != 0:
         raise Refused(f"{image}: no partition table sfdisk can read ({p.stderr.strip()[:200]})")
-    table = json.loads(p.stdout)["partitiontable"]
-    sector = table.get("sectorsize", 512)
-    parts = table.get("partitions", [])
-    fat = [q for q in parts if q.get("type", "").lower() in ("b", "c", "e", "ef")
-           or "ebd0a0a2" in q.get("type", "").lower()]
-    lin = [q for q in parts if q.get("type", "").lower() in ("83",) or "0fc63daf" in q.get("type", "").lower()]
+    try:
+        table = json.loads(p.stdout)["partitiontable"]
+        sector = int(table.get("sectorsize", 512))
+        parts = [q for q in table.get("partitions", []) if isinstance(q.get("type"), str) and isinstance(q.get("start"), int)]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise Refused(f"{image}: no partition table sfdisk can read") from None
+    fat = [q for q in parts if q["type"].lower() in ("b", "c", "e", "ef") or "ebd0a0a2" in q["type"].lower()]
+    lin = [q for q in parts if q["type"].lower() in ("83",) or "0fc63daf" in q["type"].lower()]
     if not fat or not lin:
         raise Refused(f"{image}: not a Raspberry Pi OS layout (a FAT boot partition and a Linux root partition)")
     return fat[0]["start"] * sector, lin[0]["start"] * sector
@@ -249,9 +272,36 @@ class Fat:
     def __init__(self, image: Path, offset: int) -> None:
         self.spec = f"{image}@@{offset}"
 
-    def read(self, name: str) -> bytes | None:
-        p = subprocess.run(["mtype", "-i", self.spec, f"::{name}"], capture_output=True)
-        return p.stdout if p.returncode == 0 else None
+    def read(self, name: str, limit: int = BOOT_TEXT_LIMIT) -> bytes | None:
+        """The file's bytes (None when it is not there); more than `limit` is a refusal, and no more
+        than limit + 1 bytes are taken from mtype."""
+        from .cli import Refused
+        try:
+            p = subprocess.Popen(["mtype", "-i", self.spec, f"::{name}"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL)
+        except FileNotFoundError:
+            from .cli import Fault
+            raise Fault("mtype is not installed (Debian: apt-get install mtools e2fsprogs fdisk)") from None
+        with p:
+            data = p.stdout.read(limit + 1)
+            if len(data) > limit:
+                p.kill()
+                p.wait()
+                raise Refused(f"the image's boot partition's {name} is too large: more than {limit} bytes")
+            rc = p.wait()
+        return data if rc == 0 else None
+
+    def read_text(self, name: str, limit: int = BOOT_TEXT_LIMIT) -> str | None:
+        """As read, as UTF-8 text (anything else is a refusal)."""
+        from .cli import Refused
+        data = self.read(name, limit)
+        if data is None:
+            return None
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise Refused(f"the image's boot partition's {name} is not UTF-8 text "
+                          f"(byte {e.start}: {data[e.start:e.start + 1].hex()})") from None
 
     def write(self, name: str, data: bytes) -> None:
         with tempfile.NamedTemporaryFile() as f:
@@ -332,32 +382,40 @@ def add_runcmd(user_data: str | None) -> str:
 
 
 def cmd_flash(args) -> int:
+    """The bundle and the image's boot files are checked, and the new boot files made, before the
+    image is written: a refusal leaves the image as it was."""
     from .cli import EXIT_OK, Refused, emit
     image, bundle = Path(args.image), Path(args.bundle)
-    if not (bundle / "bundle.json").is_file():
-        raise Refused(f"{bundle} is not a provisioning bundle (no bundle.json; make one with `provision bundle`)")
+    check_bundle(bundle, flash=True)
     if not image.is_file():
         raise Refused(f"{image}: no such image file")
     boot_off, root_off = image_partitions(image)
     fat, root = Fat(image, boot_off), Ext4(image, root_off)
-    if fat.read("cmdline.txt") is None:
+    cmdline = fat.read_text("cmdline.txt", CMDLINE_LIMIT)
+    if cmdline is None:
         raise Refused(f"{image}: the boot partition has no cmdline.txt (not a Raspberry Pi OS image?)")
-    root.apply(_bundle_commands(bundle, DEVICE_BUNDLE))
+    user_data = fat.read_text("user-data") if args.hook != "firstrun" else None   # --hook firstrun leaves it alone
     hook = args.hook
     if hook == "auto":
-        hook = "cloud-init" if (fat.read("user-data") is not None or fat.read("meta-data") is not None) else "firstrun"
+        hook = "cloud-init" if (user_data is not None or fat.read("meta-data") is not None) else "firstrun"
+    writes: list = []          # (name, bytes) for the boot partition, and renames, in order
     if hook == "cloud-init":
-        ud = fat.read("user-data")
-        fat.write("user-data", add_runcmd(ud.decode() if ud is not None else None).encode())
+        writes.append(("user-data", add_runcmd(user_data).encode()))
     else:
-        cmdline = fat.read("cmdline.txt").decode().strip()
+        cmdline = cmdline.strip()
         prev = fat.read("firstrun.sh")
         if prev is not None and b"ssp-agent first boot" not in prev:
-            fat.rename("firstrun.sh", "ssp-firstrun-previous.sh")   # Imager's own settings still run first
-        fat.write("firstrun.sh", FIRSTRUN_SH.encode())
+            writes.append(("rename", "firstrun.sh", "ssp-firstrun-previous.sh"))   # Imager's own settings still run first
+        writes.append(("firstrun.sh", FIRSTRUN_SH.encode()))
         if "systemd.run=" not in cmdline:
             cmdline = f"{cmdline} {FIRSTRUN_ARGS}"
-        fat.write("cmdline.txt", (cmdline + "\n").encode())
+        writes.append(("cmdline.txt", (cmdline + "\n").encode()))
+    root.apply(_bundle_commands(bundle, DEVICE_BUNDLE))
+    for w in writes:
+        if w[0] == "rename":
+            fat.rename(w[1], w[2])
+        else:
+            fat.write(w[0], w[1])
     emit({"image": str(image), "hook": hook, "boot_offset": boot_off, "root_offset": root_off,
           "bundle": DEVICE_BUNDLE, "collect": f"{ENROLMENT_FILE} on the boot partition after first boot"})
     return EXIT_OK
@@ -392,30 +450,208 @@ def _disable(root: Path, unit: str, target: str) -> None:
     (root / "etc/systemd/system" / f"{target}.wants" / unit).unlink(missing_ok=True)
 
 
-def _load_bundle(path: Path) -> dict:
+# ---------------------------------------------------------------- reading and checking inputs
+def _text(path: Path, limit: int, what: str) -> str:
+    """A text input through agent/infile.py: missing, unreadable, not a regular file, too large or
+    not UTF-8 is a refusal (exit 2, one line)."""
     from .cli import Refused
     try:
-        meta = json.loads((path / "bundle.json").read_text())
-    except (OSError, ValueError) as e:
-        raise Refused(f"{path}: not a provisioning bundle ({e})") from None
-    if meta.get("format") != BUNDLE_FORMAT:
-        raise Refused(f"{path}: bundle format {meta.get('format')} is not {BUNDLE_FORMAT}; make it with this version")
-    return meta
+        return infile.read_text(path, limit, what)
+    except infile.InputRefused as e:
+        raise Refused(str(e)) from None
+    except OSError as e:
+        raise Refused(f"cannot read {what} {path}: {e.strerror}") from None
+
+
+def _bytes(path: Path, limit: int, what: str) -> bytes:
+    from .cli import Refused
+    try:
+        return infile.read_bytes(path, limit, what)
+    except infile.InputRefused as e:
+        raise Refused(str(e)) from None
+    except OSError as e:
+        raise Refused(f"cannot read {what} {path}: {e.strerror}") from None
+
+
+def _manifest(text: str, origin: str) -> None:
+    """The manifest parses (what init does with it), or a refusal naming it."""
+    from .cli import Refused
+    from .core.schema import parse_manifest
+    try:
+        parse_manifest(text)
+    except RecursionError:
+        raise Refused(f"{origin}: nested too deeply") from None
+    except (ValueError, TypeError, AttributeError, KeyError) as e:   # ManifestError is a ValueError
+        raise Refused(f"{origin}: {e}"[:500]) from None
+
+
+def _profile(text: str, origin: str):
+    from .cli import Refused
+    from .profile import parse_profile
+    try:
+        return parse_profile(text, origin)
+    except RecursionError:
+        raise Refused(f"{origin}: nested too deeply") from None
+    except (ValueError, TypeError, AttributeError, KeyError) as e:   # ProfileError is a ValueError
+        raise Refused(f"{e}"[:500] if origin in str(e) else f"{origin}: {e}"[:500]) from None
+
+
+def _check_broker(v, what: str) -> None:
+    from .cli import Refused
+    if v is None:
+        return
+    if not isinstance(v, str) or not re.fullmatch(r"mqtts?://[^\s\x00-\x1f\x7f]{1,1000}", v):
+        raise Refused(f"{what} must be a broker URL mqtt://HOST:PORT or mqtts://HOST:PORT, got {v!r}"[:300])
+
+
+def _check_username(v, what: str) -> None:
+    """A broker user name: it ends up in agent.toml and in a mosquitto password_file line (`user:hash`)."""
+    from .cli import Refused
+    if v is None:
+        return
+    if not isinstance(v, str) or not re.fullmatch(r"[^:\s\x00-\x1f\x7f]{1,256}", v):
+        raise Refused(f"{what} must be a user name (1..256 characters, no ':', space or control character), got {v!r}"[:300])
+
+
+def _check_keystore(v, what: str) -> None:
+    """A keystore choice: null (the profile's) or a config init takes; never a PIN (a bundle is copied around)."""
+    from firmware_bridge.keystore import KeystoreConfigError, check_config
+    from .cli import Refused
+    if v is None:
+        return
+    if isinstance(v, dict) and "pin" in v:
+        raise Refused(f"{what} must not carry a PIN: a bundle is copied around; give pin_file, a path on the device")
+    try:
+        check_config(v)
+    except KeystoreConfigError as e:
+        raise Refused(f"{what}: {e}"[:300]) from None
+
+
+def _json(text: str, what: str):
+    from .cli import Refused
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise Refused(f"{what} is nested too deeply") from None
+    except ValueError as e:
+        raise Refused(f"{what} is not valid JSON: {e}"[:300]) from None
+
+
+def check_bundle(path: Path, flash: bool = False) -> tuple[dict, dict[str, bytes]]:
+    """The one check of a provisioning bundle, before any verb writes anything: bundle.json field by
+    field (type and range; unknown fields are ignored) and the files the verbs read from it
+    (regular files within their limits, text UTF-8, the manifest and a profile file parsing).
+    Returns bundle.json and those files' contents (what is written is what was checked). `flash`:
+    also what the image's first boot needs (firstboot.sh, an ssp_agent wheel) and nothing in the
+    bundle but regular files and directories. Anything wrong is a refusal (exit 2) naming it."""
+    from .cli import Refused
+    if not path.is_dir():
+        raise Refused(f"{path} is not a provisioning bundle (no such directory; make one with `provision bundle`)")
+    bj = path / "bundle.json"
+    if not bj.exists() and not bj.is_symlink():
+        raise Refused(f"{path} is not a provisioning bundle (no bundle.json; make one with `provision bundle`)")
+    meta = _json(_text(bj, BUNDLE_JSON_LIMIT, "bundle.json"), f"{bj}")
+    if not isinstance(meta, dict):
+        raise Refused(f"{bj} must hold a JSON object, not {type(meta).__name__}")
+
+    def bad(field: str, why: str):
+        raise Refused(f"{bj}: {field} {why}, got {meta_repr(field)}"[:400])
+
+    def meta_repr(field: str) -> str:
+        v = meta
+        for k in field.split("."):
+            v = v.get(k) if isinstance(v, dict) else None
+        return repr(v)
+
+    fmt = meta.get("format")
+    if type(fmt) is not int or fmt != BUNDLE_FORMAT:
+        raise Refused(f"{path}: bundle format {fmt!r} is not {BUNDLE_FORMAT}; make it with this version"[:300])
+    if meta.get("service") not in ("run", "timer"):
+        bad("service", 'must be "run" or "timer"')
+    if "clock_trusted" in meta and not isinstance(meta["clock_trusted"], bool):
+        bad("clock_trusted", "must be true or false")
+    w = meta.get("wait_clock_s", 0)
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and 0 <= w <= MAX_SECONDS):
+        bad("wait_clock_s", f"must be a number of seconds 0..{MAX_SECONDS}")
+    profile = meta.get("profile")
+    if profile is not None and not (isinstance(profile, str) and (profile == "profile.toml" or PROFILE_NAME.fullmatch(profile))):
+        bad("profile", 'must be a built-in profile name or "profile.toml"')
+    _check_keystore(meta.get("keystore"), f"{bj}: keystore")
+    units = meta.get("units", [])
+    if not isinstance(units, list) or len(units) > 16 or \
+            not all(isinstance(u, str) and UNIT_NAME.fullmatch(u) for u in units):
+        bad("units", "must be a list of systemd unit names (NAME.service, NAME.timer)")
+    wheels = meta.get("wheels", [])
+    if not isinstance(wheels, list) or not all(isinstance(x, str) for x in wheels):
+        bad("wheels", "must be a list of file names")
+    if "agent_version" in meta and not isinstance(meta["agent_version"], (str, type(None))):
+        bad("agent_version", "must be a string")
+    c = meta.get("created_ms", 0)
+    if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c < 2 ** 63:
+        bad("created_ms", "must be a time in milliseconds")
+    mq = meta.get("mqtt")
+    if mq is None:
+        mq = {}
+    elif not isinstance(mq, dict):
+        bad("mqtt", "must be an object")
+    _check_broker(mq.get("broker"), f"{bj}: mqtt.broker")
+    _check_username(mq.get("username"), f"{bj}: mqtt.username")
+    if "device_password" in mq and not isinstance(mq["device_password"], bool):
+        bad("mqtt.device_password", "must be true or false")
+    for k, name in MQTT_FILES.items():
+        v = mq.get(k)
+        if v is not None and v != name:
+            bad(f"mqtt.{k}", f'must be null or "{name}" (the bundle\'s file)')
+        if v is not None and not (path / name).exists():
+            raise Refused(f"{bj}: mqtt.{k} names {name}, which is not in the bundle")
+
+    # The files: read once, bounded, checked; what the verbs write or use is these bytes.
+    files: dict[str, bytes] = {}
+    for name, limit in CONF_FILES.items():
+        f = path / name
+        if not f.exists() and not f.is_symlink():
+            continue
+        if name in TEXT_FILES:
+            files[name] = _text(f, limit, f"the bundle's {name}").encode()
+        else:
+            files[name] = _bytes(f, limit, f"the bundle's {name}")
+    if "manifest.toml" not in files:
+        raise Refused(f"{path}: the bundle has no manifest.toml")
+    _manifest(files["manifest.toml"].decode(), f"{path / 'manifest.toml'}")
+    if profile == "profile.toml":
+        if "profile.toml" not in files:
+            raise Refused(f"{bj}: profile names profile.toml, which is not in the bundle")
+        _profile(files["profile.toml"].decode(), f"{path / 'profile.toml'}")
+    unit = path / "systemd" / ENROL_UNIT
+    files[f"systemd/{ENROL_UNIT}"] = _text(unit, UNIT_LIMIT, "the bundle's enrolment unit").encode()
+    if flash:
+        fb = path / "firstboot.sh"
+        if not fb.is_file() or not os.access(fb, os.X_OK):
+            raise Refused(f"{path}: the bundle has no executable firstboot.sh (make it with `provision bundle`)")
+        if not any(w.name.startswith("ssp_agent-") and w.is_file() for w in (path / "wheelhouse").glob("*.whl")):
+            raise Refused(f"{path}: the bundle's wheelhouse holds no ssp_agent wheel (make it with `provision bundle`)")
+        for d, dirs, names in os.walk(path):
+            for n in dirs + names:
+                m = os.lstat(os.path.join(d, n)).st_mode
+                if not (stat.S_ISREG(m) or stat.S_ISDIR(m)):
+                    raise Refused(f"{os.path.join(d, n)}: a bundle holds only regular files and directories")
+    return meta, files
 
 
 def cmd_device_setup(args) -> int:
-    """/etc/ssp-agent (the manifest, CA, credentials) and the enrolment unit, enabled."""
+    """/etc/ssp-agent (the manifest, CA, credentials) and the enrolment unit, enabled. The whole
+    bundle is checked first: a bad one is refused with nothing written."""
     from .cli import EXIT_OK, emit
     bundle, root = Path(args.bundle), Path(args.root)
-    meta = _load_bundle(bundle)
+    meta, files = check_bundle(bundle)
     conf = root / "etc/ssp-agent"
     conf.mkdir(parents=True, exist_ok=True)
     written = []
-    for name in ("manifest.toml", "profile.toml", "ca.pem", "client.pem", "client.key", "mqtt-password"):
-        if (bundle / name).is_file():
-            _write(conf / name, (bundle / name).read_bytes(), 0o600 if name in SECRET_FILES else 0o644)
+    for name in CONF_FILES:
+        if name in files:
+            _write(conf / name, files[name], 0o600 if name in SECRET_FILES else 0o644)
             written.append(str(conf / name))
-    _write(root / "etc/systemd/system" / ENROL_UNIT, (bundle / "systemd" / ENROL_UNIT).read_text(), 0o644)
+    _write(root / "etc/systemd/system" / ENROL_UNIT, files[f"systemd/{ENROL_UNIT}"], 0o644)
     _enable(root, ENROL_UNIT, "multi-user.target")
     emit({"written": written, "enabled": ENROL_UNIT, "service": meta["service"]})
     return EXIT_OK
@@ -429,38 +665,52 @@ def mosquitto_password_line(username: str, password: str) -> str:
 
 def cmd_enrol(args) -> int:
     """init (the key is made inside the keystore and never leaves it), the broker password (made
-    here; only its hash is published), the service units, and the enrolment file on the boot partition."""
+    here; only its hash is published), the service units, and the enrolment file on the boot partition.
+    The bundle, and what device-setup put in /etc/ssp-agent, are checked before anything is made."""
     from .cli import EXIT_OK, emit, version
     from .node import Node
     bundle, root, boot = Path(args.bundle), Path(args.root), Path(args.boot)
-    meta = _load_bundle(bundle)
+    meta, files = check_bundle(bundle)
     conf = root / "etc/ssp-agent"
     home = _under(root, DEVICE_HOME)
+    mq = meta.get("mqtt") or {}
+    pw_path = conf / "mqtt-password"
+    pw_text = _text(pw_path, PASSWORD_LIMIT, "mqtt-password") if pw_path.exists() or pw_path.is_symlink() else None
+    init = None
+    if not (home / Node.STORE_FILE).exists():
+        mpath = conf / "manifest.toml"
+        if mpath.exists() or mpath.is_symlink():   # device-setup's copy, as an operator may have edited it
+            manifest = _text(mpath, infile.TEXT_LIMIT, "manifest")
+            _manifest(manifest, str(mpath))
+        else:
+            manifest = files["manifest.toml"].decode()
+        profile = meta.get("profile")
+        if profile == "profile.toml":
+            ppath = conf / "profile.toml"
+            if ppath.exists() or ppath.is_symlink():
+                profile = _profile(_text(ppath, infile.TEXT_LIMIT, "profile"), str(ppath))
+            else:
+                profile = _profile(files["profile.toml"].decode(), str(bundle / "profile.toml"))
+        init = (manifest, profile)
     os.environ.setdefault("SSP_AGENT_WITNESS_DIR", str(_under(root, DEVICE_WITNESS)))
     # A device without an RTC must not take its identity's first reading of time from a clock
     # nobody vouches for: enrolment waits (retried by its unit) for a synchronised clock.
     os.environ.setdefault("SSP_AGENT_CLOCK_STRICT", "1")
-    if not (home / Node.STORE_FILE).exists():
-        manifest = (conf / "manifest.toml").read_text() if (conf / "manifest.toml").exists() \
-            else (bundle / "manifest.toml").read_text()
-        profile = meta.get("profile")
-        if profile == "profile.toml":
-            profile = str(conf / "profile.toml") if (conf / "profile.toml").exists() else str(bundle / "profile.toml")
-        node, _pk = Node.init(home, manifest, meta.get("keystore"), profile,
+    if init is not None:
+        node, _pk = Node.init(home, init[0], meta.get("keystore"), init[1],
                               clock_trusted=bool(meta.get("clock_trusted")),
                               wait_clock_s=float(meta.get("wait_clock_s") or 0))
         node.close()
     with Node.open(home, read_only=True) as node:
         st = node.status()
     site = st["site_id"]
-    mq = meta.get("mqtt") or {}
     username = mq.get("username") or site
     pw_line = None
-    pw_path = conf / "mqtt-password"
     if mq.get("device_password"):
-        if not pw_path.exists() or not pw_path.read_text().strip():
-            _write(pw_path, secrets.token_urlsafe(24) + "\n", 0o600)
-        pw_line = mosquitto_password_line(username, pw_path.read_text().strip())
+        if pw_text is None or not pw_text.strip():
+            pw_text = secrets.token_urlsafe(24) + "\n"
+            _write(pw_path, pw_text, 0o600)
+        pw_line = mosquitto_password_line(username, pw_text.strip())
     units = _install_units(meta, root, conf, username)
     _disable(root, ENROL_UNIT, "multi-user.target")
     card = {"site_id": site, "public_key": st["public_key"], "mesh_id": st["mesh_id"],
@@ -506,7 +756,7 @@ def _install_units(meta: dict, root: Path, conf: Path, username: str) -> list[st
         for name in units:
             src = bundle_units / "systemd" / name
             if src.is_file():
-                _write(root / "etc/systemd/system" / name, src.read_text(), 0o644)
+                _write(root / "etc/systemd/system" / name, _text(src, UNIT_LIMIT, "unit"), 0o644)
     if meta.get("service") == "timer":
         _enable(root, "ssp-agent-sync.timer", "timers.target")
         return ["ssp-agent-sync.timer"]
