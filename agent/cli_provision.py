@@ -476,23 +476,19 @@ def _bytes(path: Path, limit: int, what: str) -> bytes:
 def _manifest(text: str, origin: str) -> None:
     """The manifest parses (what init does with it), or a refusal naming it."""
     from .cli import Refused
-    from .core.schema import parse_manifest
+    from .core.schema import ManifestError, parse_manifest
     try:
         parse_manifest(text)
-    except RecursionError:
-        raise Refused(f"{origin}: nested too deeply") from None
-    except (ValueError, TypeError, AttributeError, KeyError) as e:   # ManifestError is a ValueError
+    except ManifestError as e:   # every wrong shape and depth (core/schema.py): anything else is a bug
         raise Refused(f"{origin}: {e}"[:500]) from None
 
 
 def _profile(text: str, origin: str):
     from .cli import Refused
-    from .profile import parse_profile
+    from .profile import ProfileError, parse_profile
     try:
         return parse_profile(text, origin)
-    except RecursionError:
-        raise Refused(f"{origin}: nested too deeply") from None
-    except (ValueError, TypeError, AttributeError, KeyError) as e:   # ProfileError is a ValueError
+    except ProfileError as e:    # every wrong shape, depth and number (profile.py): anything else is a bug
         raise Refused(f"{e}"[:500] if origin in str(e) else f"{origin}: {e}"[:500]) from None
 
 
