@@ -454,19 +454,17 @@ def _disable(root: Path, unit: str, target: str) -> None:
 def _text(path: Path, limit: int, what: str) -> str:
     """A text input through agent/infile.py: missing, unreadable, not a regular file, too large or
     not UTF-8 is a refusal (exit 2, one line)."""
-    from .cli import Refused
-    try:
-        return infile.read_text(path, limit, what)
-    except infile.InputRefused as e:
-        raise Refused(str(e)) from None
-    except OSError as e:
-        raise Refused(f"cannot read {what} {path}: {e.strerror}") from None
+    return _read(infile.read_text, path, limit, what)
 
 
 def _bytes(path: Path, limit: int, what: str) -> bytes:
+    return _read(infile.read_bytes, path, limit, what)
+
+
+def _read(read, path: Path, limit: int, what: str):
     from .cli import Refused
     try:
-        return infile.read_bytes(path, limit, what)
+        return read(path, limit, what)
     except infile.InputRefused as e:
         raise Refused(str(e)) from None
     except OSError as e:

@@ -10,6 +10,7 @@ the in-flight slots mosquitto 2.0.11 then keeps are freed by the delivery watch 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
@@ -56,37 +57,23 @@ def _run_node(home, broker, **env):
                             env=agent_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def _honest_traffic_arrives(a, ra, b_site, i: int, timeout: float) -> bool:
-    write(a, i, f"after-{i}")
-    top = a.conn.execute("SELECT max(seq) FROM events").fetchone()[0]
-    return step_until([ra], lambda: ra.sync.cursor(b_site) == top, timeout)
-
-
-def test_one_huge_body_or_retained_presence_does_not_balloon_a_running_node(broker, tmp_path):
+@contextlib.contextmanager
+def _running_b(broker, tmp_path, **env):
+    """A (in this process, a Runner) and B (`ssp-agent run`, the installed command), synced once;
+    yields (a, its runner, B's home, B's site_id, B's process, rogue clients to close)."""
     a, b = nodes = make_nodes(tmp_path, 2)
     hb, b_site = b.home, b.site_id
     b.close()
-    proc = _run_node(hb, broker)
+    proc = _run_node(hb, broker, **env)
     ra = runner(a, broker, cadence_s=0.2, realtime=False)
-    topics = Topics(MESH)
-    c = None
+    rogues: list = []
     try:
         write(a, 0, "warm")
         assert step_until([ra], lambda: ra.sync.cursor(b_site) > 0, 30), ra.stats
-        before = _vm(proc.pid, "VmHWM")
-        c = _rogue(broker)
-        big = os.urandom(HUGE)
-        fake = os.urandom(16)
-        c.publish(topics.requests(b_site, fake), big, qos=1,
-                  properties=_publish_props({}, os.urandom(16), topics.answers(fake, b_site))).wait_for_publish(120)
-        c.publish(topics.presence(os.urandom(16)), big, qos=1, retain=True).wait_for_publish(120)
-        del big
-        assert _honest_traffic_arrives(a, ra, b_site, 1, 60), ra.stats
+        yield a, ra, hb, b_site, proc, rogues
         assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        grown = _vm(proc.pid, "VmHWM") - before
-        assert grown <= GROWTH_BOUND_KB, f"B's peak RSS grew by {grown} KiB (bound {GROWTH_BOUND_KB} KiB)"
     finally:
-        if c is not None:
+        for c in rogues:
             c.loop_stop()
             c.disconnect()
         ra.close()
@@ -96,22 +83,39 @@ def test_one_huge_body_or_retained_presence_does_not_balloon_a_running_node(brok
             n.close()
 
 
+def _honest_traffic_arrives(a, ra, b_site, i: int, timeout: float) -> bool:
+    write(a, i, f"after-{i}")
+    top = a.conn.execute("SELECT max(seq) FROM events").fetchone()[0]
+    return step_until([ra], lambda: ra.sync.cursor(b_site) == top, timeout)
+
+
+def test_one_huge_body_or_retained_presence_does_not_balloon_a_running_node(broker, tmp_path):
+    topics = Topics(MESH)
+    with _running_b(broker, tmp_path) as (a, ra, _hb, b_site, proc, rogues):
+        before = _vm(proc.pid, "VmHWM")
+        c = _rogue(broker)
+        rogues.append(c)
+        big = os.urandom(HUGE)
+        fake = os.urandom(16)
+        c.publish(topics.requests(b_site, fake), big, qos=1,
+                  properties=_publish_props({}, os.urandom(16), topics.answers(fake, b_site))).wait_for_publish(120)
+        c.publish(topics.presence(os.urandom(16)), big, qos=1, retain=True).wait_for_publish(120)
+        del big
+        assert _honest_traffic_arrives(a, ra, b_site, 1, 60), ra.stats
+        grown = _vm(proc.pid, "VmHWM") - before
+        assert grown <= GROWTH_BOUND_KB, f"B's peak RSS grew by {grown} KiB (bound {GROWTH_BOUND_KB} KiB)"
+
+
 def test_oversized_bodies_past_the_inflight_window_do_not_stop_deliveries(broker, tmp_path):
     """mosquitto 2.0.11 keeps the in-flight slot of each QoS 1 PUBLISH it drops for a client's
     Maximum Packet Size; OVERSIZED of them (past the in-flight window) stopped every later
     delivery to the node. Its delivery watch probes after a quiet spell and reconnects when the
     probe does not come back, which frees them; the event says so."""
-    a, b = nodes = make_nodes(tmp_path, 2)
-    hb, b_site = b.home, b.site_id
-    b.close()
-    proc = _run_node(hb, broker, SSP_AGENT_PROBE_QUIET_S="3", SSP_AGENT_PROBE_WAIT_S="3")
-    ra = runner(a, broker, cadence_s=0.2, realtime=False)
     topics = Topics(MESH)
-    c = None
-    try:
-        write(a, 0, "warm")
-        assert step_until([ra], lambda: ra.sync.cursor(b_site) > 0, 30), ra.stats
+    with _running_b(broker, tmp_path, SSP_AGENT_PROBE_QUIET_S="3", SSP_AGENT_PROBE_WAIT_S="3") as \
+            (a, ra, hb, b_site, _proc, rogues):
         c = _rogue(broker)
+        rogues.append(c)
         over = os.urandom(256 * 1024 + 4096)    # the default profile's body limit is 256 KiB
         infos = []
         for _ in range(OVERSIZED):
@@ -121,16 +125,6 @@ def test_oversized_bodies_past_the_inflight_window_do_not_stop_deliveries(broker
         for info in infos:
             info.wait_for_publish(60)
         assert _honest_traffic_arrives(a, ra, b_site, 1, 60), ra.stats
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-    finally:
-        if c is not None:
-            c.loop_stop()
-            c.disconnect()
-        ra.close()
-        proc.terminate()
-        proc.wait(30)
-        for n in nodes:
-            n.close()
     assert any("deliveries stuck" in e for e in _events(hb, "link_lost")), _events(hb, "link_lost")
 
 
