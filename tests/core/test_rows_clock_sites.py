@@ -1,8 +1,10 @@
 """RowStore.rows_with_clock_of (the rows a trust change must rebuild, Node._rematerialize_trust)
 bound one SQL variable per site and clock column: a node whose first trust record listed every
-signer of its log as shrunk (1 000 sites) with a table of 40 value columns asked SQLite for 42 000
-variables, past its limit of 32 766, and the open failed (OperationalError "too many SQL
-variables"). Now each site is one numbered variable whatever the columns, in chunks."""
+signer of its log as shrunk (6 000 sites) with a table of 40 value columns asked SQLite for 252 000
+variables, past the limit of Debian's build (250 000; SQLite's own: 32 766), and the trust rebuild
+failed (OperationalError "too many SQL variables"). Now each site is one numbered variable
+whatever the columns, in chunks within the connection's limit. The test lowers that limit to 1 000
+(Connection.setlimit) so the same shape fails the old query with 2 000 sites."""
 from __future__ import annotations
 
 import os
@@ -23,8 +25,8 @@ def _store(n_cols: int):
 
 
 def test_many_sites_on_a_wide_table_find_exactly_their_rows(monkeypatch):
-    monkeypatch.setattr(rows, "SITES_PER_QUERY", 500, raising=False)   # four chunks
     conn, t = _store(40)
+    conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 1000)    # two chunks of 1 000 sites
     sites = [os.urandom(16) for _ in range(2_000)]
     mine, other = sites[1_234], os.urandom(16)
     base = rows.q(rows.base_name(t))
