@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 from firmware_bridge import (EventIdentity, KeystoreError, KeystoreUnavailable, OutcomeUnknown, SigningBridge,
                              open_keystore, with_pin)
+from firmware_bridge.fsutil import atomic_write, fsync_dir
 from firmware_bridge.journal import inspect as journal_inspect
 
 from . import identity as ident
@@ -62,6 +63,9 @@ class _Table:
 class Node:
     STORE_FILE = "store.sqlite"
     IDENTITY_FILE = "identity.json"
+    # Present while `init` runs (what the home held before it, for undoing): an init cut short by
+    # a kill or a power cut is completed by the next one, which first removes what that one made
+    INIT_MARKER = "init.incomplete"
 
     def __init__(self, home: Path, conn: sqlite3.Connection, bridge: SigningBridge | None, *,
                  read_only: bool = False, log_seal: atrest.LogSeal | None = None) -> None:
@@ -154,6 +158,10 @@ class Node:
         # Absolute: what the store records (keystore dir, PIN file) must not depend on the directory
         # `init` ran in; a systemd unit or cron starts the node from elsewhere (issue 12 item 9).
         home = Path(home).absolute()
+        interrupted = _Made.interrupted(home)
+        if interrupted is not None:
+            log.warning("an earlier init of %s was cut short: removing what it made", home)
+            interrupted.undo()
         if (home / cls.STORE_FILE).exists() or (home / cls.IDENTITY_FILE).exists():
             raise NodeError(f"{home} already holds a node; choose an empty directory (a node is never re-initialised in place)")
         manifest = parse_manifest(manifest_text)
@@ -173,15 +181,17 @@ class Node:
         # software keystore directory held before is noted, and anything new removed on failure.
         made = _Made(home, ks_conf)
         try:
-            return cls._init_in(home, manifest, prof, ks_conf, clock)
+            return cls._init_in(home, manifest, prof, ks_conf, clock, made)
         except BaseException:
             made.undo()
             raise
 
     @classmethod
-    def _init_in(cls, home: Path, manifest, prof: Profile, ks_conf: dict, clock: dict) -> tuple["Node", bytes]:
+    def _init_in(cls, home: Path, manifest, prof: Profile, ks_conf: dict, clock: dict,
+                 made: "_Made") -> tuple["Node", bytes]:
         home.mkdir(parents=True, exist_ok=True)
         os.chmod(home, 0o700)
+        made.record()   # durable before anything else is made here
         site_id = os.urandom(16)
         if ks_conf.get("kind") == "software":
             ks_conf["dir"] = str(Path(ks_conf.get("dir") or home / "keystore").absolute())
@@ -236,6 +246,7 @@ class Node:
         _write_identity_file(home, site_id, public_key, manifest.mesh_id, ks_conf)
         db.ensure_reserve(home)   # the space eviction may use on a full disk (agent/store/db.py)
         ident.claim_home(site_id, home)
+        _Made.done(home)
 
     @classmethod
     def open(cls, home: Path, *, check_machine: bool = True, read_only: bool = False) -> "Node":
@@ -244,6 +255,9 @@ class Node:
         beside a running agent; the journal is only inspected, and damage in it still refuses."""
         home = Path(home)
         path = home / cls.STORE_FILE
+        if (home / cls.INIT_MARKER).exists():
+            raise NodeError(f"the init of {home} was cut short (killed, or the power went); run the same `init` again: "
+                            "it removes what the first one made and completes")
         if not path.exists():
             raise NodeError(f"{home} holds no node; create one with `ssp-agent --home {home} init --manifest FILE`")
         conn = db.connect_readonly(path) if read_only else db.connect(path)
@@ -1752,6 +1766,36 @@ class _Made:
         d = ks_conf.get("dir") if ks_conf.get("kind") == "software" else None
         self.ks_dir = Path(d or home / "keystore").absolute() if ks_conf.get("kind") == "software" else None
         self.ks_before = set(os.listdir(self.ks_dir)) if self.ks_dir is not None and self.ks_dir.is_dir() else None
+
+    def record(self) -> None:
+        """The marker (Node.INIT_MARKER): this, durable, so a killed init can be undone later."""
+        data = {"home_before": None if self.home_before is None else sorted(self.home_before),
+                "ks_dir": None if self.ks_dir is None else str(self.ks_dir),
+                "ks_before": None if self.ks_before is None else sorted(self.ks_before)}
+        atomic_write(str(self.home / Node.INIT_MARKER), json.dumps(data).encode(), 0o600)
+
+    @staticmethod
+    def done(home: Path) -> None:
+        (home / Node.INIT_MARKER).unlink()
+        fsync_dir(str(home))
+
+    @classmethod
+    def interrupted(cls, home: Path) -> "_Made | None":
+        """The record of an init of ``home`` that never finished, or None."""
+        try:
+            data = json.loads((home / Node.INIT_MARKER).read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise NodeError(f"{home / Node.INIT_MARKER} (left by an init cut short) cannot be read: {e}; "
+                            "remove the home and run init again") from None
+        made = cls.__new__(cls)
+        made.home = home
+        hb, kd, kb = data.get("home_before"), data.get("ks_dir"), data.get("ks_before")
+        made.home_before = None if hb is None else set(hb)
+        made.ks_dir = None if kd is None else Path(kd)
+        made.ks_before = None if kb is None else set(kb)
+        return made
 
     def undo(self) -> None:
         try:
