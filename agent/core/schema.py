@@ -138,6 +138,9 @@ def fold(name: str) -> str:
     return name.lower()
 
 
+TABLE_KEYS = frozenset({"schema", "name", "category", "key", "columns", "retention"})
+
+
 def table_def_from(spec: Any, existing: Iterable["TableDef"] = ()) -> TableDef:
     """A table from a manifest [[tables]] entry (or `table create --spec`), checked against the
     `existing` tables: SQLite folds case, so `APP.readings` is `app.readings` to it."""
@@ -145,6 +148,10 @@ def table_def_from(spec: Any, existing: Iterable["TableDef"] = ()) -> TableDef:
         raise ManifestError(f"a table must be a table of schema, name, key, columns..., got {_short(spec)}")
     schema = check_ident(spec.get("schema"), "table schema")
     name = check_ident(spec.get("name"), "table name")
+    unknown = sorted(str(k) for k in set(spec) - TABLE_KEYS)
+    if unknown:   # a misspelt `retention` would otherwise be silently no retention class
+        raise ManifestError(f"table {schema}.{name}: unknown key(s) {_short(', '.join(unknown))}; "
+                            f"a table has {', '.join(sorted(TABLE_KEYS))}")
     category = spec.get("category", SYNCABLE)
     if not isinstance(category, str) or category not in CATEGORIES:
         raise ManifestError(f"table {schema}.{name}: category must be one of {', '.join(CATEGORIES)}")

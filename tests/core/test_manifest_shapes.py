@@ -178,3 +178,12 @@ def test_live_home_schema_changes_that_sqlite_would_refuse_are_refused(tmp_path)
     assert _cli(h, "dump").stdout == before
     ok = _cli(h, "table", "create", "--spec", json.dumps({**spec, "name": "other"}))
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_misspelt_key_of_a_table_is_refused_not_ignored():
+    """`retension = "raw"` was ignored: the table kept no retention class, so eviction treated
+    its history otherwise than the manifest's author meant, without a word."""
+    with pytest.raises(ManifestError, match="retension"):
+        parse_manifest(GOOD + 'retension = "raw"\n')
+    with pytest.raises(ManifestError, match="colums"):
+        table_def_from({"schema": "app", "name": "x", "key": ["k"], "columns": {"k": "text"}, "colums": {}})
