@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from firmware_bridge import (EventIdentity, KeystoreError, KeystoreUnavailable, OutcomeUnknown, SigningBridge,
+from firmware_bridge import (EventIdentity, KeyExists, KeystoreError, KeystoreUnavailable, OutcomeUnknown, SigningBridge,
                              open_keystore, with_pin)
 from firmware_bridge.fsutil import atomic_write, fsync_dir
 from firmware_bridge.journal import inspect as journal_inspect
@@ -161,7 +161,7 @@ class Node:
         interrupted = _Made.interrupted(home)
         if interrupted is not None:
             log.warning("an earlier init of %s was cut short: removing what it made", home)
-            interrupted.undo()
+            interrupted.undo(keep_device_key=False)
         if (home / cls.STORE_FILE).exists() or (home / cls.IDENTITY_FILE).exists():
             raise NodeError(f"{home} already holds a node; choose an empty directory (a node is never re-initialised in place)")
         manifest = parse_manifest(manifest_text)
@@ -180,6 +180,8 @@ class Node:
         # failure made the home refuse `init` and crash `status`): what the home and an outside
         # software keystore directory held before is noted, and anything new removed on failure.
         made = _Made(home, ks_conf)
+        if interrupted is not None:
+            made.device_key = interrupted.device_key
         try:
             return cls._init_in(home, manifest, prof, ks_conf, clock, made)
         except BaseException:
@@ -199,7 +201,16 @@ class Node:
         ks_conf = _keep_pin_out_of_store(home, ks_conf)
         try:
             ks = open_keystore(_with_pin(ks_conf))
-            public_key = ks.generate_key(EVENT_KEY, "ed25519")
+            try:
+                public_key = ks.generate_key(EVENT_KEY, "ed25519")
+            except KeyExists:
+                existing = ks.public_key(EVENT_KEY)
+                if not made.reusable(ks_conf.get("kind", ""), existing):
+                    raise
+                log.warning("taking up the event key an unfinished init of %s made on the %s keystore",
+                            home, ks_conf.get("kind"))
+                public_key = existing
+            made.generated(ks_conf.get("kind", ""), public_key)
         except BaseException:
             if wrote_pin:  # a failed init leaves no PIN behind (it would outlive the attempt)
                 Path(ks_conf["pin_file"]).unlink(missing_ok=True)
@@ -1766,13 +1777,29 @@ class _Made:
         d = ks_conf.get("dir") if ks_conf.get("kind") == "software" else None
         self.ks_dir = Path(d or home / "keystore").absolute() if ks_conf.get("kind") == "software" else None
         self.ks_before = set(os.listdir(self.ks_dir)) if self.ks_dir is not None and self.ks_dir.is_dir() else None
+        # A key this init (or an unfinished one before it) generated on a token or the serial
+        # device, {"kind", "public_key"}: a key cannot be taken back off a device, so the next
+        # init of this home takes it up again instead of failing on KeyExists for ever
+        self.device_key: dict | None = None
 
     def record(self) -> None:
         """The marker (Node.INIT_MARKER): this, durable, so a killed init can be undone later."""
         data = {"home_before": None if self.home_before is None else sorted(self.home_before),
                 "ks_dir": None if self.ks_dir is None else str(self.ks_dir),
-                "ks_before": None if self.ks_before is None else sorted(self.ks_before)}
+                "ks_before": None if self.ks_before is None else sorted(self.ks_before),
+                "device_key": self.device_key}
         atomic_write(str(self.home / Node.INIT_MARKER), json.dumps(data).encode(), 0o600)
+
+    def generated(self, kind: str, public_key: bytes) -> None:
+        """The event key was just generated: a device's is recorded before anything else is made."""
+        if kind != "software":     # a software key is a file `undo` removes
+            self.device_key = {"kind": kind, "public_key": public_key.hex()}
+            self.record()
+
+    def reusable(self, kind: str, public_key: bytes) -> bool:
+        """Whether the device's existing event key is the one an unfinished init of this home made."""
+        k = self.device_key
+        return k is not None and k.get("kind") == kind and k.get("public_key") == public_key.hex()
 
     @staticmethod
     def done(home: Path) -> None:
@@ -1795,13 +1822,20 @@ class _Made:
         made.home_before = None if hb is None else set(hb)
         made.ks_dir = None if kd is None else Path(kd)
         made.ks_before = None if kb is None else set(kb)
+        dk = data.get("device_key")
+        made.device_key = dk if isinstance(dk, dict) else None
         return made
 
-    def undo(self) -> None:
+    def undo(self, keep_device_key: bool = True) -> None:
+        """Remove what this init made; a key it made on a device stays there, and so does the
+        record of it (the home then holds only the marker) for the next init to take it up."""
         try:
             if self.ks_dir is not None and self.ks_dir.parent != self.home:
                 _remove_new(self.ks_dir, self.ks_before)
             _remove_new(self.home, self.home_before)
+            if keep_device_key and self.device_key is not None:
+                self.home.mkdir(parents=True, exist_ok=True)
+                self.record()
         except OSError as e:   # the failure itself is what the operator must see
             log.warning("a failed init could not remove what it made in %s: %s", self.home, e)
 

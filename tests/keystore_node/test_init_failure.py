@@ -52,3 +52,33 @@ def test_init_closes_its_own_store_connection(tmp_path):
     node, _ = Node.init(tmp_path / "h", manifest_text(MESH, readings_table()), {"kind": "software"})
     node.close()
     assert _open_store_files(tmp_path / "h") == []
+
+
+def test_an_init_cut_short_after_its_token_key_is_made_is_completed_by_the_next(tmp_path, softhsm_conf, monkeypatch):
+    """A token keeps the key an init made even when that init then fails or is killed (there is no
+    taking a key back off a token): the next init on the same token failed with KeyExists for
+    ever. Now the key an unfinished init made (its public key is in HOME/init.incomplete) is
+    taken up again by the next init of that home; any other key of that name is still refused."""
+    import pytest
+    from agent.node import Node
+    for k, v in softhsm_conf["env"].items():
+        if k.startswith("SOFTHSM"):
+            monkeypatch.setenv(k, v)
+    conf = {k: v for k, v in softhsm_conf.items() if k != "env"}
+    manifest = manifest_text(MESH, readings_table())
+    h = tmp_path / "h"
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(Node, "_make_store", classmethod(lambda cls, *a, **k: full_disk()))
+        with pytest.raises(OSError):
+            Node.init(h, manifest, dict(conf))
+    node, pk = Node.init(h, manifest, dict(conf))
+    try:
+        assert node.keyring[node.site_id][0] == pk     # the node signs with the key the first init made
+    finally:
+        node.close()
+    # another home on the same token: its key is this node's, never taken up
+    with pytest.raises(Exception, match="already exists"):
+        Node.init(tmp_path / "other", manifest, dict(conf))
