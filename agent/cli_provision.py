@@ -388,6 +388,9 @@ def cmd_flash(args) -> int:
     image, bundle = Path(args.image), Path(args.bundle)
     check_bundle(bundle, flash=True)
     if not image.is_file():
+        if image.exists():   # a card's device file, a directory: partitions are edited in an image file
+            raise Refused(f"{image} is not an image file (a device or a directory): prepare the image file, "
+                          "then write it to the card")
         raise Refused(f"{image}: no such image file")
     boot_off, root_off = image_partitions(image)
     fat, root = Fat(image, boot_off), Ext4(image, root_off)

@@ -322,3 +322,10 @@ def test_flash_of_a_good_bundle_still_works(tmp_path, base_bundle):
     assert p.returncode == 0, p.stderr
     out = subprocess.run(["mtype", "-i", f"{img}@@{BOOT_SECTOR * 512}", "::cmdline.txt"], capture_output=True, text=True)
     assert "rootwait systemd.run=/boot/firmware/firstrun.sh" in out.stdout
+
+
+def test_flash_says_a_device_file_is_not_an_image_file(tmp_path, base_bundle):
+    """A card's device file is refused (flash edits an image file's partitions with mtools and
+    debugfs); it was refused as "no such image file", which sent the technician looking for a
+    file that is there."""
+    assert_refused(flash(Path("/dev/null"), base_bundle), "not an image file")
