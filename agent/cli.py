@@ -90,6 +90,26 @@ def _open(args, read_only: bool = False):
     return Node.open(Path(args.home), read_only=read_only)
 
 
+# A password file (a broker's, --password-file): one line
+PASSWORD_LIMIT = 64 * 1024
+
+
+def read_input(path, limit: int, what: str, *, text: bool = False, cut: bool = False):
+    """A file a verb is handed, through agent/infile.py (a regular file, at most ``limit`` bytes,
+    text strictly UTF-8; ``cut``: past the limit its first limit + 1 bytes, for a parser that
+    refuses it in its own words). Anything else is a refusal (exit 2, one line), and so is a file
+    missing or unreadable, or a NUL in its name."""
+    from . import infile
+    try:
+        return infile.read_text(path, limit, what) if text else infile.read_bytes(path, limit, what, cut=cut)
+    except OSError as e:
+        raise Refused(f"cannot read {what} {path}: {e.strerror}") from None
+    except infile.InputRefused as e:
+        raise Refused(str(e)) from None
+    except ValueError as e:   # a NUL in the name
+        raise Refused(f"{what} {path}: {e}") from None
+
+
 def _json_arg(text: str, what: str) -> Any:
     try:
         return json.loads(text)
@@ -108,11 +128,8 @@ def _table_arg(text: str) -> str:
 # ---------------------------------------------------------------- verbs
 def cmd_init(args) -> int:
     from .node import Node
-    from .infile import read_text
-    try:
-        text = read_text(args.manifest, what="manifest")
-    except OSError as e:
-        raise Refused(f"cannot read manifest {args.manifest}: {e.strerror}") from None
+    from .infile import TEXT_LIMIT
+    text = read_input(args.manifest, TEXT_LIMIT, "manifest", text=True)
     keystore = None
     if args.keystore:
         keystore = _json_arg(args.keystore, "--keystore")

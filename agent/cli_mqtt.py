@@ -87,13 +87,8 @@ def _settings(args):
         if password is None:
             password_file = _config(args).get("password_file")
     if password_file:
-        from .infile import read_text
-        try:
-            password = read_text(password_file, 64 * 1024, "the password file").strip()
-        except OSError as e:
-            raise Refused(f"cannot read the password file {password_file}: {e.strerror}") from None
-        except ValueError as e:    # not a regular file, too large, not UTF-8, a NUL in the name
-            raise Refused(f"the password file {password_file}: {e}") from None
+        from .cli import PASSWORD_LIMIT, read_input
+        password = read_input(password_file, PASSWORD_LIMIT, "the password file", text=True).strip()
     try:
         return settings_from_env(args.broker, ca_file=_from(args, "ca_file", "SSP_MQTT_CA_FILE"),
                                  cert_file=_from(args, "cert_file", "SSP_MQTT_CERT_FILE"),

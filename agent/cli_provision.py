@@ -37,6 +37,7 @@ from importlib import resources
 from pathlib import Path
 
 from . import infile
+from .cli import PASSWORD_LIMIT, Refused, _json_arg, read_input
 from .cliargs import MAX_SECONDS, seconds_arg
 
 BUNDLE_FORMAT = 1
@@ -52,7 +53,6 @@ SECRET_FILES = ("mqtt-password", "client.key")
 BUNDLE_JSON_LIMIT = 1024 * 1024           # bundle.json (a real one is about 1 KB)
 UNIT_LIMIT = 64 * 1024                    # a systemd unit
 CREDENTIAL_LIMIT = 1024 * 1024            # a CA bundle, a client certificate or key
-PASSWORD_LIMIT = 64 * 1024                # a broker password file
 CMDLINE_LIMIT = 64 * 1024                 # the boot partition's cmdline.txt (the kernel takes a few KB)
 BOOT_TEXT_LIMIT = 1024 * 1024             # its user-data, meta-data, firstrun.sh
 # The bundle's files a device copies to /etc/ssp-agent (device-setup), with their limits (text ones
@@ -140,16 +140,16 @@ def register(sub, mailbox_sub) -> None:
 
 # ---------------------------------------------------------------- bundle (technician's machine)
 def cmd_bundle(args) -> int:
-    from .cli import EXIT_OK, Refused, emit, version
+    from .cli import EXIT_OK, emit, version
     from .profile import ProfileError, load_profile
     out = Path(args.out)
     if out.exists():
         raise Refused(f"{out} exists; a bundle is written into a new directory")
-    manifest_text = _text(Path(args.manifest), infile.TEXT_LIMIT, "manifest")
+    manifest_text = _read_text(Path(args.manifest), infile.TEXT_LIMIT, "manifest")
     _manifest(manifest_text, f"manifest {args.manifest}")
     profile_text = None
     if Path(args.profile).suffix:   # a profile file (load_profile's rule: a name with a suffix is a path)
-        profile_text = _text(Path(args.profile), infile.TEXT_LIMIT, "profile")
+        profile_text = _read_text(Path(args.profile), infile.TEXT_LIMIT, "profile")
         prof = _profile(profile_text, args.profile)
     else:
         try:
@@ -158,7 +158,7 @@ def cmd_bundle(args) -> int:
             raise Refused(str(e)) from None
     keystore = None
     if args.keystore:
-        keystore = _json(args.keystore, "--keystore")
+        keystore = _json_arg(args.keystore, "--keystore")
         if not isinstance(keystore, dict) or "kind" not in keystore:
             raise Refused('--keystore must be a JSON object with a "kind"')
         _check_keystore(keystore, "--keystore")
@@ -186,9 +186,9 @@ def cmd_bundle(args) -> int:
         if src:
             what = f"--{flag.replace('_', '-')}"
             if name in TEXT_FILES:
-                files[name] = _text(Path(src), CONF_FILES[name], what).encode()
+                files[name] = _read_text(Path(src), CONF_FILES[name], what).encode()
             else:
-                files[name] = _bytes(Path(src), CONF_FILES[name], what)
+                files[name] = read_input(Path(src), CONF_FILES[name], what)
 
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -249,7 +249,6 @@ def _run(cmd: list[str], what: str, input: bytes | None = None) -> subprocess.Co
 
 def image_partitions(image: Path) -> tuple[int, int]:
     """Byte offsets of the boot (FAT) and root (Linux) partitions of a Raspberry Pi OS image."""
-    from .cli import Refused
     p = subprocess.run(["sfdisk", "--json", str(image)], capture_output=True, text=True)
     if p.returncode != 0:
         raise Refused(f"{image}: no partition table sfdisk can read ({p.stderr.strip()[:200]})")
@@ -275,7 +274,6 @@ class Fat:
     def read(self, name: str, limit: int = BOOT_TEXT_LIMIT) -> bytes | None:
         """The file's bytes (None when it is not there); more than `limit` is a refusal, and no more
         than limit + 1 bytes are taken from mtype."""
-        from .cli import Refused
         try:
             p = subprocess.Popen(["mtype", "-i", self.spec, f"::{name}"], stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL)
@@ -292,16 +290,9 @@ class Fat:
         return data if rc == 0 else None
 
     def read_text(self, name: str, limit: int = BOOT_TEXT_LIMIT) -> str | None:
-        """As read, as UTF-8 text (anything else is a refusal)."""
-        from .cli import Refused
+        """As read, as UTF-8 text (anything else is a refusal: InputRefused, exit 2)."""
         data = self.read(name, limit)
-        if data is None:
-            return None
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise Refused(f"the image's boot partition's {name} is not UTF-8 text "
-                          f"(byte {e.start}: {data[e.start:e.start + 1].hex()})") from None
+        return None if data is None else infile.decode_text(data, f"the image's boot partition's {name}")
 
     def write(self, name: str, data: bytes) -> None:
         with tempfile.NamedTemporaryFile() as f:
@@ -384,7 +375,7 @@ def add_runcmd(user_data: str | None) -> str:
 def cmd_flash(args) -> int:
     """The bundle and the image's boot files are checked, and the new boot files made, before the
     image is written: a refusal leaves the image as it was."""
-    from .cli import EXIT_OK, Refused, emit
+    from .cli import EXIT_OK, emit
     image, bundle = Path(args.image), Path(args.bundle)
     check_bundle(bundle, flash=True)
     if not image.is_file():
@@ -454,29 +445,12 @@ def _disable(root: Path, unit: str, target: str) -> None:
 
 
 # ---------------------------------------------------------------- reading and checking inputs
-def _text(path: Path, limit: int, what: str) -> str:
-    """A text input through agent/infile.py: missing, unreadable, not a regular file, too large or
-    not UTF-8 is a refusal (exit 2, one line)."""
-    return _read(infile.read_text, path, limit, what)
-
-
-def _bytes(path: Path, limit: int, what: str) -> bytes:
-    return _read(infile.read_bytes, path, limit, what)
-
-
-def _read(read, path: Path, limit: int, what: str):
-    from .cli import Refused
-    try:
-        return read(path, limit, what)
-    except infile.InputRefused as e:
-        raise Refused(str(e)) from None
-    except OSError as e:
-        raise Refused(f"cannot read {what} {path}: {e.strerror}") from None
+def _read_text(path: Path, limit: int, what: str) -> str:
+    return read_input(path, limit, what, text=True)
 
 
 def _manifest(text: str, origin: str) -> None:
     """The manifest parses (what init does with it), or a refusal naming it."""
-    from .cli import Refused
     from .core.schema import ManifestError, parse_manifest
     try:
         parse_manifest(text)
@@ -485,7 +459,6 @@ def _manifest(text: str, origin: str) -> None:
 
 
 def _profile(text: str, origin: str):
-    from .cli import Refused
     from .profile import ProfileError, parse_profile
     try:
         return parse_profile(text, origin)
@@ -494,7 +467,6 @@ def _profile(text: str, origin: str):
 
 
 def _check_broker(v, what: str) -> None:
-    from .cli import Refused
     if v is None:
         return
     if not isinstance(v, str) or not re.fullmatch(r"mqtts?://[^\s\x00-\x1f\x7f]{1,1000}", v):
@@ -503,7 +475,6 @@ def _check_broker(v, what: str) -> None:
 
 def _check_username(v, what: str) -> None:
     """A broker user name: it ends up in agent.toml and in a mosquitto password_file line (`user:hash`)."""
-    from .cli import Refused
     if v is None:
         return
     if not isinstance(v, str) or not re.fullmatch(r"[^:\s\x00-\x1f\x7f]{1,256}", v):
@@ -513,7 +484,6 @@ def _check_username(v, what: str) -> None:
 def _check_keystore(v, what: str) -> None:
     """A keystore choice: null (the profile's) or a config init takes; never a PIN (a bundle is copied around)."""
     from firmware_bridge.keystore import KeystoreConfigError, check_config
-    from .cli import Refused
     if v is None:
         return
     if isinstance(v, dict) and "pin" in v:
@@ -524,16 +494,6 @@ def _check_keystore(v, what: str) -> None:
         raise Refused(f"{what}: {e}"[:300]) from None
 
 
-def _json(text: str, what: str):
-    from .cli import Refused
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise Refused(f"{what} is nested too deeply") from None
-    except ValueError as e:
-        raise Refused(f"{what} is not valid JSON: {e}"[:300]) from None
-
-
 def check_bundle(path: Path, flash: bool = False) -> tuple[dict, dict[str, bytes]]:
     """The one check of a provisioning bundle, before any verb writes anything: bundle.json field by
     field (type and range; unknown fields are ignored) and the files the verbs read from it
@@ -541,13 +501,12 @@ def check_bundle(path: Path, flash: bool = False) -> tuple[dict, dict[str, bytes
     Returns bundle.json and those files' contents (what is written is what was checked). `flash`:
     also what the image's first boot needs (firstboot.sh, an ssp_agent wheel) and nothing in the
     bundle but regular files and directories. Anything wrong is a refusal (exit 2) naming it."""
-    from .cli import Refused
     if not path.is_dir():
         raise Refused(f"{path} is not a provisioning bundle (no such directory; make one with `provision bundle`)")
     bj = path / "bundle.json"
     if not bj.exists() and not bj.is_symlink():
         raise Refused(f"{path} is not a provisioning bundle (no bundle.json; make one with `provision bundle`)")
-    meta = _json(_text(bj, BUNDLE_JSON_LIMIT, "bundle.json"), f"{bj}")
+    meta = _json_arg(_read_text(bj, BUNDLE_JSON_LIMIT, "bundle.json"), f"{bj}")
     if not isinstance(meta, dict):
         raise Refused(f"{bj} must hold a JSON object, not {type(meta).__name__}")
 
@@ -609,9 +568,9 @@ def check_bundle(path: Path, flash: bool = False) -> tuple[dict, dict[str, bytes
         if not f.exists() and not f.is_symlink():
             continue
         if name in TEXT_FILES:
-            files[name] = _text(f, limit, f"the bundle's {name}").encode()
+            files[name] = _read_text(f, limit, f"the bundle's {name}").encode()
         else:
-            files[name] = _bytes(f, limit, f"the bundle's {name}")
+            files[name] = read_input(f, limit, f"the bundle's {name}")
     if "manifest.toml" not in files:
         raise Refused(f"{path}: the bundle has no manifest.toml")
     _manifest(files["manifest.toml"].decode(), f"{path / 'manifest.toml'}")
@@ -620,7 +579,7 @@ def check_bundle(path: Path, flash: bool = False) -> tuple[dict, dict[str, bytes
             raise Refused(f"{bj}: profile names profile.toml, which is not in the bundle")
         _profile(files["profile.toml"].decode(), f"{path / 'profile.toml'}")
     unit = path / "systemd" / ENROL_UNIT
-    files[f"systemd/{ENROL_UNIT}"] = _text(unit, UNIT_LIMIT, "the bundle's enrolment unit").encode()
+    files[f"systemd/{ENROL_UNIT}"] = _read_text(unit, UNIT_LIMIT, "the bundle's enrolment unit").encode()
     if flash:
         fb = path / "firstboot.sh"
         if not fb.is_file() or not os.access(fb, os.X_OK):
@@ -672,12 +631,12 @@ def cmd_enrol(args) -> int:
     home = _under(root, DEVICE_HOME)
     mq = meta.get("mqtt") or {}
     pw_path = conf / "mqtt-password"
-    pw_text = _text(pw_path, PASSWORD_LIMIT, "mqtt-password") if pw_path.exists() or pw_path.is_symlink() else None
+    pw_text = _read_text(pw_path, PASSWORD_LIMIT, "mqtt-password") if pw_path.exists() or pw_path.is_symlink() else None
     init = None
     if not (home / Node.STORE_FILE).exists():
         mpath = conf / "manifest.toml"
         if mpath.exists() or mpath.is_symlink():   # device-setup's copy, as an operator may have edited it
-            manifest = _text(mpath, infile.TEXT_LIMIT, "manifest")
+            manifest = _read_text(mpath, infile.TEXT_LIMIT, "manifest")
             _manifest(manifest, str(mpath))
         else:
             manifest = files["manifest.toml"].decode()
@@ -685,7 +644,7 @@ def cmd_enrol(args) -> int:
         if profile == "profile.toml":
             ppath = conf / "profile.toml"
             if ppath.exists() or ppath.is_symlink():
-                profile = _profile(_text(ppath, infile.TEXT_LIMIT, "profile"), str(ppath))
+                profile = _profile(_read_text(ppath, infile.TEXT_LIMIT, "profile"), str(ppath))
             else:
                 profile = _profile(files["profile.toml"].decode(), str(bundle / "profile.toml"))
         init = (manifest, profile)
@@ -753,7 +712,7 @@ def _install_units(meta: dict, root: Path, conf: Path, username: str) -> list[st
         for name in units:
             src = bundle_units / "systemd" / name
             if src.is_file():
-                _write(root / "etc/systemd/system" / name, _text(src, UNIT_LIMIT, "unit"), 0o644)
+                _write(root / "etc/systemd/system" / name, _read_text(src, UNIT_LIMIT, "unit"), 0o644)
     if meta.get("service") == "timer":
         _enable(root, "ssp-agent-sync.timer", "timers.target")
         return ["ssp-agent-sync.timer"]

@@ -8,9 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import EXIT_OK, EXIT_REFUSED, Fault, Refused, _json_arg, emit
+from .cli import EXIT_OK, EXIT_REFUSED, PASSWORD_LIMIT, Fault, Refused, _json_arg, emit, read_input
 from .cliargs import count_arg, seconds_arg
-from .infile import InputRefused, read_bytes, read_text
 
 # Files handed to the sequencer verbs (agent/infile.py): a Commit is at most framing's 1 MiB (one
 # more byte is read, so an oversized one is refused `too_large` by the framing); an evidence file or
@@ -23,12 +22,7 @@ def _read_message(path: str) -> bytes:
     """An MLSMessage file (`sequencer submit`, `commits queue`): past framing's limit only its
     first MAX_MESSAGE_BYTES + 1 bytes are read, and the framing refuses it (`too_large`)."""
     from .sequencer.framing import MAX_MESSAGE_BYTES
-    try:
-        return read_bytes(path, MAX_MESSAGE_BYTES, "message file", cut=True)
-    except OSError as e:
-        raise Refused(f"cannot read {path}: {e.strerror}") from None
-    except InputRefused as e:
-        raise Refused(str(e)) from None
+    return read_input(path, MAX_MESSAGE_BYTES, "message file", cut=True)
 
 
 def _print(obj) -> None:
@@ -161,11 +155,7 @@ def cmd_recover(args) -> int:
     evidence = []
     for path in args.evidence:
         try:
-            evidence.append(recovery.parse_evidence(read_bytes(path, PACKAGE_LIMIT, "evidence file")))
-        except OSError as e:
-            raise Refused(f"evidence file {path}: {e}") from None
-        except InputRefused as e:
-            raise Refused(str(e)) from None
+            evidence.append(recovery.parse_evidence(read_input(path, PACKAGE_LIMIT, "evidence file")))
         except recovery.EvidenceError as e:
             raise Refused(f"evidence file {path}: {e}; expected JSON {{\"member\", \"receipts\": [hex], "
                           "\"attested_epoch\", \"discontinuities\": [epochs], \"statements\": [hex]}") from None
@@ -196,11 +186,10 @@ def cmd_migrate(args) -> int:
 
 def cmd_adopt(args) -> int:
     from .sequencer import service
+    text = read_input(args.file, PACKAGE_LIMIT, "hand-off package", text=True)
     try:
-        package = json.loads(read_text(args.file, PACKAGE_LIMIT, "hand-off package"))
-    except InputRefused as e:
-        raise Refused(str(e)) from None
-    except (OSError, ValueError) as e:
+        package = json.loads(text)
+    except ValueError as e:
         raise Refused(f"cannot read the hand-off package {args.file}: {e}") from None
     except RecursionError:
         raise Refused(f"the hand-off package {args.file} is nested too deeply") from None
@@ -346,12 +335,7 @@ def _broker_settings(args):
     from .sequencer import serve
     password = None
     if args.password_file:
-        try:
-            password = read_text(args.password_file, 64 * 1024, "--password-file").strip()
-        except OSError as e:
-            raise Refused(f"cannot read --password-file {args.password_file}: {e.strerror}") from None
-        except ValueError as e:     # not a regular file, too large, not UTF-8, a NUL in the name
-            raise Refused(f"--password-file {args.password_file}: {e}") from None
+        password = read_input(args.password_file, PASSWORD_LIMIT, "--password-file", text=True).strip()
     try:
         return serve.BrokerSettings.from_url(args.broker, ca_file=args.ca_file, username=args.username,
                                              password=password, prefix=args.prefix)
@@ -590,10 +574,7 @@ def _receipt_bytes(text: str) -> bytes:
     except OSError:          # hex longer than a file name may be (ENAMETOOLONG): not a file
         is_file = False
     if is_file:
-        try:
-            data = read_bytes(p, RECEIPT_FILE_LIMIT, "receipt file")
-        except InputRefused as e:
-            raise Refused(str(e)) from None
+        data = read_input(p, RECEIPT_FILE_LIMIT, "receipt file")
         try:
             return bytes.fromhex(data.decode("ascii").strip())
         except (UnicodeDecodeError, ValueError):

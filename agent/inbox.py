@@ -182,8 +182,8 @@ class DeliveryWatch:
 
 class Prober:
     """A ``DeliveryWatch`` wired to one paho client running its own network thread: its probe
-    topic (subscribe to it on every connection), what to call from ``on_message`` and
-    ``on_publish``, and ``step`` for the loop. ``step`` returns what the caller records: RECONNECT
+    topic (subscribe to it on every connection), what to call from ``on_message``, and ``step``
+    for the loop; it takes the client's ``on_publish`` (a refused probe's PUBACK). ``step`` returns what the caller records: RECONNECT
     (the connection was dropped: deliveries were stuck) or OFF (the broker refused the probe: the
     watch is off for good, say so once)."""
 
@@ -195,6 +195,7 @@ class Prober:
         self._probe_mid: Optional[int] = None
         self._refused: set[int] = set()     # mids the broker refused (network thread): the probe's
         self._told_off = False              # PUBACK may come before publish() returns its mid
+        client.on_publish = lambda _c, _u, mid, reason_code, _p: self.on_publish(mid, reason_code)
 
     def on_message(self, msg, echo: bool = False) -> bool:
         """Note a delivery (network thread); True: it is our probe, not for the loop. A QoS 0

@@ -59,8 +59,12 @@ def read_bytes(path: PathLike, limit: int, what: str = "file", cut: bool = False
 
 def read_text(path: PathLike, limit: int = TEXT_LIMIT, what: str = "file") -> str:
     """The UTF-8 text of the regular file ``path`` (as ``read_bytes``), refused if not UTF-8."""
-    data = read_bytes(path, limit, what)
+    return decode_text(read_bytes(path, limit, what), f"{what} {path}")
+
+
+def decode_text(data: bytes, what: str) -> str:
+    """``data`` as strict UTF-8 text, refused (``not_utf8``) naming ``what`` and the first bad byte."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise InputRefused("not_utf8", f"{what} {path} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1].hex()})") from None
+        raise InputRefused("not_utf8", f"{what} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1].hex()})") from None

@@ -179,7 +179,7 @@ class Node:
         # A failed init takes back everything it made (probe r01: a store and a keystore left by a
         # failure made the home refuse `init` and crash `status`): what the home and an outside
         # software keystore directory held before is noted, and anything new removed on failure.
-        made = _Made(home, ks_conf)
+        made = _Made.noting(home, ks_conf)
         if interrupted is not None:
             made.device_key = interrupted.device_key
         try:
@@ -1767,20 +1767,31 @@ def _check_retention(prof: Profile, tables) -> None:
                             f"(\"forever\" keeps it in full)")
 
 
+def _entries(d: Path | None) -> set[str] | None:
+    """The names in directory ``d``; None when there is no such directory."""
+    return set(os.listdir(d)) if d is not None and d.is_dir() else None
+
+
+@dataclass
 class _Made:
     """What `init` may make, noted before it starts: the home (or its entries) and, for a software
     keystore, its directory (or its files). `undo` removes what was not there before."""
 
-    def __init__(self, home: Path, ks_conf: dict) -> None:
-        self.home = home
-        self.home_before = set(os.listdir(home)) if home.is_dir() else None
-        d = ks_conf.get("dir") if ks_conf.get("kind") == "software" else None
-        self.ks_dir = Path(d or home / "keystore").absolute() if ks_conf.get("kind") == "software" else None
-        self.ks_before = set(os.listdir(self.ks_dir)) if self.ks_dir is not None and self.ks_dir.is_dir() else None
-        # A key this init (or an unfinished one before it) generated on a token or the serial
-        # device, {"kind", "public_key"}: a key cannot be taken back off a device, so the next
-        # init of this home takes it up again instead of failing on KeyExists for ever
-        self.device_key: dict | None = None
+    home: Path
+    home_before: set[str] | None          # None: the home was not there
+    ks_dir: Path | None = None            # a software keystore's directory
+    ks_before: set[str] | None = None
+    # A key this init (or an unfinished one before it) generated on a token or the serial device,
+    # {"kind", "public_key"}: a key cannot be taken back off a device, so the next init of this
+    # home takes it up again instead of failing on KeyExists for ever
+    device_key: dict | None = None
+
+    @classmethod
+    def noting(cls, home: Path, ks_conf: dict) -> "_Made":
+        ks_dir = None
+        if ks_conf.get("kind") == "software":
+            ks_dir = Path(ks_conf.get("dir") or home / "keystore").absolute()
+        return cls(home, _entries(home), ks_dir, _entries(ks_dir))
 
     def record(self) -> None:
         """The marker (Node.INIT_MARKER): this, durable, so a killed init can be undone later."""
@@ -1816,15 +1827,9 @@ class _Made:
         except (OSError, ValueError) as e:
             raise NodeError(f"{home / Node.INIT_MARKER} (left by an init cut short) cannot be read: {e}; "
                             "remove the home and run init again") from None
-        made = cls.__new__(cls)
-        made.home = home
-        hb, kd, kb = data.get("home_before"), data.get("ks_dir"), data.get("ks_before")
-        made.home_before = None if hb is None else set(hb)
-        made.ks_dir = None if kd is None else Path(kd)
-        made.ks_before = None if kb is None else set(kb)
-        dk = data.get("device_key")
-        made.device_key = dk if isinstance(dk, dict) else None
-        return made
+        hb, kd, kb, dk = (data.get(k) for k in ("home_before", "ks_dir", "ks_before", "device_key"))
+        return cls(home, None if hb is None else set(hb), None if kd is None else Path(kd),
+                   None if kb is None else set(kb), dk if isinstance(dk, dict) else None)
 
     def undo(self, keep_device_key: bool = True) -> None:
         """Remove what this init made; a key it made on a device stays there, and so does the

@@ -450,7 +450,6 @@ class CommitClient:
         c.on_connect = self._on_connect
         c.on_disconnect = lambda *a: self.connected.clear()
         c.on_message = self._on_message
-        c.on_publish = lambda client, userdata, mid, reason_code, properties: self.prober.on_publish(mid, reason_code)
         c.reconnect_delay_set(0.2, 5)
         self.client = c
         # deliveries stuck behind dropped oversized publishes come back with a reconnect (inbox.py)

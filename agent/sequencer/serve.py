@@ -176,7 +176,6 @@ class Server:
         c.on_connect = self._on_connect
         c.on_subscribe = lambda *a: self.subscribed.set()
         c.on_message = self._on_message
-        c.on_publish = lambda client, userdata, mid, reason_code, properties: self.prober.on_publish(mid, reason_code)
         c.reconnect_delay_set(0.5, 30)
         self.client = c
         # deliveries stuck behind dropped oversized publishes come back with a reconnect (inbox.py)

@@ -311,7 +311,6 @@ class MqttLink:
         # Maximum Packet Size: probed on our own inbox, under our own name (what the ACLs let a
         # node publish), stepped on the network thread (agent/inbox.py).
         self._prober = inbox.Prober(self._client, self.topics.requests(site_id, site_id))
-        self.delivery_watch_off = False    # the broker refused the probe: nothing to watch with
         self._own_presence = self.topics.presence(site_id)
 
     # -------------------------------------------------------------- setup
@@ -335,7 +334,6 @@ class MqttLink:
         c.on_disconnect = self._on_disconnect
         c.on_subscribe = self._on_subscribe
         c.on_message = self._on_message
-        c.on_publish = lambda client, userdata, mid, reason_code, properties: self._prober.on_publish(mid, reason_code)
         # Only the network thread (`_run`) touches the socket. paho's client is not thread-safe:
         # without a loop_start() thread of its own it writes a publish or an ack right away on the
         # calling thread (Client._packet_queue -> loop_write) while `_run`'s loop() reads and
@@ -456,6 +454,11 @@ class MqttLink:
     _connecting = False
     _connect_started = 0.0
 
+    @property
+    def delivery_watch_off(self) -> bool:
+        """The broker refused our probe: deliveries are not watched."""
+        return self._prober.watch.off
+
     def _watch_deliveries(self) -> None:
         """The delivery watch's step (network thread): a probe after a quiet spell; a connection
         whose probe did not come back is dropped, and reconnecting frees the slots it held."""
@@ -464,7 +467,6 @@ class MqttLink:
             self._lost(f"deliveries stuck: our probe was not back in {self._prober.watch.wait_s:g} s "
                        "(in-flight slots held for oversized messages the broker dropped); reconnecting")
         elif act == inbox.Prober.OFF:
-            self.delivery_watch_off = True
             log.warning("mqtt %s: the broker refused our delivery probe on %s (an ACL?): deliveries are not watched",
                         self.site_id.hex()[:8], self._prober.topic)
 
