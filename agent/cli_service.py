@@ -72,11 +72,15 @@ def _write(path: Path, text: str, mode: int) -> None:
 
 
 def cmd_install(args) -> int:
-    from .cli import EXIT_OK, Refused, emit
+    from .cli import EXIT_OK, PASSWORD_LIMIT, Refused, emit, read_input
     root = Path(args.root)
     bin_path = args.bin or default_bin()
     if not Path(bin_path).is_absolute():
         raise Refused(f"--bin must be an absolute path (systemd needs one), got {bin_path}")
+    # Read like every verb's password file (docs/protocol.md "Files handed to the CLI"), and before
+    # anything is written: a FIFO, a device, a file over 64 KiB or not UTF-8 is refused, exit 2.
+    secret = (read_input(args.password_file, PASSWORD_LIMIT, "--password-file", text=True).strip()
+              if args.password_file else None)
     written, kept = [], []
     for name in UNITS:
         p = root / "etc/systemd/system" / name
@@ -94,13 +98,9 @@ def cmd_install(args) -> int:
         _write(conf, config_text(args), 0o644)   # no secret in it: the password has its own file
         written.append(str(conf))
     pw = conf_dir / "mqtt-password"
-    if args.password_file:
+    if secret is not None:
         if pw.exists() and not args.force and pw.read_text().strip():
             raise Refused(f"{pw} exists and is not empty; pass --force to replace it")
-        try:
-            secret = Path(args.password_file).read_text().strip()
-        except OSError as e:
-            raise Refused(f"cannot read --password-file {args.password_file}: {e.strerror}") from None
         _write(pw, secret + "\n", 0o600)
         written.append(str(pw))
     elif pw.exists():

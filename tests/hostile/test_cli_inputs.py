@@ -133,3 +133,18 @@ def test_sync_on_a_home_without_a_node_leaves_no_private_broker_running(tmp_path
             port = int(line.rsplit(":", 1)[1])
             with socket.socket() as s:
                 assert s.connect_ex(("127.0.0.1", port)) != 0, "the private mosquitto still runs"
+
+
+@pytest.mark.parametrize("what", ["fifo", "/dev/zero", "sparse", "latin1"])
+def test_service_install_refuses_a_password_file_it_cannot_use(tmp_path, fifo, sparse, what):
+    """`service install --password-file` read it with read_text(): a FIFO hung it, /dev/zero and a
+    200 MB file were read whole, a Latin-1 byte gave a traceback. Now read_input, PASSWORD_LIMIT."""
+    pw = {"fifo": fifo, "/dev/zero": "/dev/zero", "sparse": sparse}.get(what, tmp_path / "pw")
+    if what == "latin1":
+        pw.write_bytes("caf\u00e9\n".encode("latin-1"))
+    root = tmp_path / "root"
+    p = run(tmp_path / "h", "service", "install", "--root", str(root), "--bin", "/usr/bin/ssp-agent",
+            "--password-file", str(pw), timeout=20)
+    refused(p)
+    assert len(p.stderr.strip().splitlines()) == 1 and "--password-file" in p.stderr, p.stderr
+    assert not (root / "etc/ssp-agent/mqtt-password").exists()
