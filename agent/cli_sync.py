@@ -100,6 +100,7 @@ def cmd_policy_list(args) -> int:
 
 
 def cmd_record_issue(args) -> int:
+    from .core.scope import PolicyError, check_role
     from .sync import issue_record
     try:
         subject = parse_site_id(args.subject, "--subject")
@@ -111,8 +112,8 @@ def cmd_record_issue(args) -> int:
         else:
             if not args.role:
                 raise Refused("--role must name a role")
-            kind, value = "role", args.role
-    except IdFormatError as e:
+            kind, value = "role", check_role(args.role)   # one a policy row can name
+    except (IdFormatError, PolicyError) as e:
         raise Refused(str(e)) from None
     authority = _load_authority(args.authority_key) if getattr(args, "authority_key", None) else None
     try:

@@ -14,6 +14,11 @@ LAYER_RANK = {name: i for i, name in enumerate(LAYERS)}
 EFFECTS = ("allow", "deny")
 WILDCARD = "*"
 FORKED = object()  # a peer whose role chain forked: its role is absent and resolution fails closed
+# A role named at local input (policy --role, record issue-role): at most as long as a table or
+# column name (core/schema._IDENT), printable. Not their character rule: a role is any tstr
+# (scope §1.3) and a record from an authority elsewhere may hold "field-tech"; records from peers
+# are not bounded here.
+ROLE_MAX = 63
 
 
 class PolicyError(ValueError):
@@ -53,8 +58,17 @@ class Decision:
     log: bool = False  # the spec asks for this outcome to be logged
 
 
+def check_role(role: str) -> str:
+    """A role name given at local input ("" is none), refused past ROLE_MAX or with a control character."""
+    if len(role) > ROLE_MAX or not role.isprintable():
+        shown = repr(role) if len(role) <= 60 else repr(role[:57]) + "..."
+        raise PolicyError(f"role {shown} must be printable text of at most {ROLE_MAX} characters")
+    return role
+
+
 def check_row(row: PolicyRow, categories: dict[str, str]) -> PolicyRow:
-    """Refuse at input what policy must not be able to represent (§1.1, §1.2).
+    """Refuse at input what policy must not be able to represent (§1.1, §1.2), and a row naming a
+    table (or a schema) the home does not have, which would never match (a typo, not a policy).
     `categories` maps "schema.table" -> floor category for the node's tables."""
     if row.schema == WILDCARD or "*" in row.schema:
         raise PolicyError("a schema wildcard is never valid (scope §1.2: an accidental widening would become "
@@ -73,9 +87,17 @@ def check_row(row: PolicyRow, categories: dict[str, str]) -> PolicyRow:
         raise PolicyError(f"effect must be allow or deny, got {row.effect!r}")
     if row.role and row.layer != "role":
         raise PolicyError("only role-layer rows may name a role")
-    if row.table != WILDCARD:
+    check_role(row.role)
+    if row.table == WILDCARD:
+        if not any(q.split(".", 1)[0] == row.schema for q in categories):
+            raise PolicyError(f"no table in schema {row.schema} on this node (the manifest's [[tables]], "
+                              "or `table create`)")
+    else:
         cat = categories.get(f"{row.schema}.{row.table}")
-        if cat is not None and cat != SYNCABLE:
+        if cat is None:
+            raise PolicyError(f"no table {row.schema}.{row.table} on this node (the manifest's [[tables]], "
+                              "or `table create`)")
+        if cat != SYNCABLE:
             raise PolicyError(f"{row.schema}.{row.table} is {cat}: it is below the floor and unrepresentable in "
                               "policy (scope §1.1); it never leaves this node whatever policy says")
     return row

@@ -148,3 +148,49 @@ def test_service_install_refuses_a_password_file_it_cannot_use(tmp_path, fifo, s
     refused(p)
     assert len(p.stderr.strip().splitlines()) == 1 and "--password-file" in p.stderr, p.stderr
     assert not (root / "etc/ssp-agent/mqtt-password").exists()
+
+
+def _policy_rows(home) -> list[str]:
+    p = run(home, "policy", "list")
+    assert p.returncode == 0, p.stderr
+    return p.stdout.splitlines()
+
+
+@pytest.mark.parametrize("table", ["app.nosuch", "nosuch.readings", "nosuch.*"])
+def test_policy_refuses_a_table_the_home_does_not_have(node_home, table):
+    """A policy row for a table the home's schema lacks was stored (a typo that never matches)."""
+    before = _policy_rows(node_home)
+    p = run(node_home, "policy", "allow", "--peer", "*", "--table", table, "--layer", "user")
+    refused(p)
+    assert len(p.stderr.strip().splitlines()) == 1 and table.rstrip("*").rstrip(".") in p.stderr, p.stderr
+    assert _policy_rows(node_home) == before
+
+
+@pytest.mark.parametrize("role", ["r" * 100_000, "r" * 64, "field\nops"])
+def test_policy_refuses_a_role_name_no_role_could_sensibly_have(node_home, role):
+    """A 100 KB role name was stored (and printed back by `policy list`)."""
+    before = _policy_rows(node_home)
+    p = run(node_home, "policy", "deny", "--peer", "*", "--table", "app.readings", "--layer", "role", "--role", role)
+    refused(p)
+    assert len(p.stderr.strip().splitlines()) == 1 and len(p.stderr) < 400, p.stderr[:500]
+    assert _policy_rows(node_home) == before
+
+
+def test_policy_takes_a_known_table_and_a_role_of_63_characters(node_home):
+    for table, role in (("app.readings", "r" * 63), ("app.*", "field-tech.eu")):
+        p = run(node_home, "policy", "deny", "--peer", "*", "--table", table, "--layer", "role", "--role", role)
+        assert p.returncode == 0, p.stderr
+    assert any('"role": "field-tech.eu"' in r for r in _policy_rows(node_home))
+
+
+def test_record_issue_role_refuses_a_role_no_policy_row_could_name(node_home, tmp_path):
+    auth = tmp_path / "auth"
+    card = json.loads(run(node_home, "authority", "create", "--out", str(auth)).stdout)
+    assert run(node_home, "authority", "add", "--site-id", card["site_id"], "--public-key",
+               card["public_key"]).returncode == 0
+    subject = "ab" * 16
+    p = run(node_home, "record", "issue-role", "--subject", subject, "--role", "r" * 100_000, "--authority-key", str(auth))
+    refused(p)
+    assert len(p.stderr.strip().splitlines()) == 1 and len(p.stderr) < 400, p.stderr[:500]
+    p = run(node_home, "record", "issue-role", "--subject", subject, "--role", "field-tech", "--authority-key", str(auth))
+    assert p.returncode == 0, p.stderr
