@@ -185,7 +185,7 @@ def start(node, from_peer: bytes | None, now: int | None = None, *, reset: bool 
     _crash_point("released")
     rows = _row_counts(node)
     s = {"generation": gen, "from": from_peer.hex() if from_peer else None, "started_ms": now,
-         "events_received": 0, "events_applied": 0, "events_duplicate": 0, "events_below_horizon": 0,
+         "events_received": 0, "events_unverified": 0, "events_applied": 0, "events_duplicate": 0, "events_below_horizon": 0,
          "bodies": 0, "bodies_from_source": 0, "last_body_events": None, "rows_at_start": rows,
          "record_hash": record_hash(raw).hex(), "caught_up": False, "cause": cause}
     # One commitment (issue 10 item 7): horizons to zero, our watermarks gone (fail closed: they
@@ -214,24 +214,31 @@ def _crash_point(name: str) -> None:
 _CRASH_HOOK = None
 
 
-def note_body(conn: sqlite3.Connection, sender: bytes, outcomes: list) -> None:
+def note_body(conn: sqlite3.Connection, sender: bytes, outcomes: list, source_trusted: bool) -> None:
     """Count what a body brought while a rehydration runs (called by SyncDriver after apply)."""
-    note_counts(conn, sender, len(outcomes), sum(1 for o in outcomes if o.status == "applied" and o.reason == "applied"),
-                sum(1 for o in outcomes if o.reason == "below_horizon"),
-                sum(1 for o in outcomes if o.status == "duplicate"))
+    verified = [o for o in outcomes if o.verified]
+    note_counts(conn, sender, len(verified), sum(1 for o in verified if o.status == "applied" and o.reason == "applied"),
+                sum(1 for o in verified if o.reason == "below_horizon"),
+                sum(1 for o in verified if o.status == "duplicate"), len(outcomes) - len(verified), source_trusted)
 
 
-def note_counts(conn: sqlite3.Connection, sender: bytes, received: int, applied: int, below: int, dup: int) -> None:
-    """`note_body` from counts (a mailbox import applies a body a window at a time)."""
+def note_counts(conn: sqlite3.Connection, sender: bytes, received: int, applied: int, below: int, dup: int,
+                unverified: int, source_trusted: bool) -> None:
+    """`note_body` from counts (a mailbox import applies a body a window at a time). `received`:
+    the events whose signature verified (§12.1); the others (a forged or unknown signer, bytes that
+    are no event) are `events_unverified`, never received. A body counts as the source's only while
+    the source is trusted (its key in the keyring, a vouch in that body included): the sender a body
+    names is not authenticated, and `--from` may name a site not trusted yet (docs/protocol.md §8)."""
     s = state(conn)
     if s is None or s.get("finished_ms"):
         return
     s["events_received"] += received
+    s["events_unverified"] = s.get("events_unverified", 0) + unverified   # a state from before it was counted
     s["events_applied"] += applied
     s["events_below_horizon"] += below
     s["events_duplicate"] += dup
     s["bodies"] += 1
-    if s.get("from") == sender.hex():
+    if s.get("from") == sender.hex() and source_trusted:
         s["bodies_from_source"] += 1
         s["last_body_events"] = received
         # A body from the source with nothing new after it has sent something: caught up
@@ -256,6 +263,8 @@ def status(node) -> dict:
         rows_now = _row_counts(node)
         s = dict(s)
         s["rows_now"] = rows_now
+        s.setdefault("events_unverified", 0)
+        s["source_trusted"] = s["from"] is not None and bytes.fromhex(s["from"]) in node.keyring
         s["rows_received"] = sum(max(0, rows_now.get(q, 0) - s["rows_at_start"].get(q, 0)) for q in rows_now)
         s["horizons"] = {q: f"{t.horizon[0]}.{t.horizon[1]}" if t.horizon else "0.0" for q, t in node.tables.items()}
         s["remaining"] = ("unknown here; run `rehydrate --status` on the source" if not s["caught_up"] else 0)

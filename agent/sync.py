@@ -435,7 +435,7 @@ class SyncDriver:
         origin = delivery.origin_tag(peer) if secure else "remote"
         outcomes = self.node.apply_batch(body.events, now, origin=origin)
         k = delivery.first_rejected([_proc(o) for o in outcomes])
-        rehydrate.note_body(self.conn, peer, outcomes)
+        rehydrate.note_body(self.conn, peer, outcomes, peer in self.node.keyring)
         self.stats["bodies_in"] += 1
         self.stats["received_events"] += len(outcomes)
         self._note_rejections(outcomes)
@@ -612,7 +612,7 @@ class SyncDriver:
         # parsed by `parse_body_streamed` yields them from its bytes, so at most one window of
         # events and of their outcomes is in memory; each window is a batch (one transaction),
         # and only the counts and what did not simply apply are kept.
-        tally: dict[str, Any] = {"received": 0, "applied": 0, "below_horizon": 0, "duplicate": 0}
+        tally: dict[str, Any] = {"received": 0, "applied": 0, "below_horizon": 0, "duplicate": 0, "verified": 0}
         result: dict[str, Any] = counts([])
         detail: list[dict] = []
         not_listed = 0
@@ -626,6 +626,7 @@ class SyncDriver:
                 k = None if i == len(outcomes) else tally["received"] + i
             for o in outcomes:
                 result[o.status] += 1
+                tally["verified"] += o.verified
                 if o.reason != "applied":
                     # Detail for what did not simply apply (reasons, event ids), the first
                     # MAILBOX_DETAIL_MAX of them: a file of 50 000 duplicates must not cost 50 000
@@ -651,8 +652,8 @@ class SyncDriver:
             with _txn(self.conn):
                 st.owe_mailbox_answer(self.conn, sender, mailbox.body_hash(data), k, now)
         done["step"] = "counts"
-        rehydrate.note_counts(self.conn, sender, tally["received"], tally["applied"], tally["below_horizon"],
-                              tally["duplicate"])
+        rehydrate.note_counts(self.conn, sender, tally["verified"], tally["applied"], tally["below_horizon"],
+                              tally["duplicate"], tally["received"] - tally["verified"], sender in self.node.keyring)
         result["from_site_id"] = sender.hex()
         result["events"] = detail
         result["events_not_listed"] = not_listed

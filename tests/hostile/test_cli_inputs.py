@@ -194,3 +194,68 @@ def test_record_issue_role_refuses_a_role_no_policy_row_could_name(node_home, tm
     assert len(p.stderr.strip().splitlines()) == 1 and len(p.stderr) < 400, p.stderr[:500]
     p = run(node_home, "record", "issue-role", "--subject", subject, "--role", "field-tech", "--authority-key", str(auth))
     assert p.returncode == 0, p.stderr
+
+
+def _rehydration(home) -> dict:
+    p = run(home, "rehydrate", "--status")
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)["rehydrating"]
+
+
+def _import(home, tmp_path, name, body: bytes) -> dict:
+    f = tmp_path / name
+    f.write_bytes(body)
+    p = run(home, "mailbox", "import", str(f))
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+def test_rehydration_counts_only_verified_events_as_received(tmp_path):
+    """A body naming the source as its sender, full of events that fail verification (signed by a
+    key nobody trusts, or claiming the source's kid under another key), counted them all in
+    `events_received` (and as the source's last body)."""
+    from agent.simpeer import SimPeer, manifest_text, readings_table
+    from ..mqtt.helpers import MESH
+    src, stranger = SimPeer(MESH), SimPeer(MESH)
+    forger = SimPeer(MESH, site_id=src.site_id, key=stranger.key)   # the source's kid, the wrong key
+    m = tmp_path / "m.toml"
+    m.write_text(manifest_text(MESH, readings_table(), [src]))
+    home = tmp_path / "a"
+    assert run(home, "init", "--manifest", str(m)).returncode == 0
+    assert run(home, "rehydrate", "--from", src.site_id.hex()).returncode == 0
+    now = int(__import__("time").time() * 1000)
+    forged = [p.event("app.readings", {"device": "d", "seq": i}, {"temp": 1.0}, (now, i))
+              for p in (stranger, forger) for i in range(5)]
+    res = _import(home, tmp_path, "forged.cbor", src.body(forged))
+    assert res["applied"] == 0, res
+    s = _rehydration(home)
+    assert s["events_received"] == 0 and s["events_unverified"] == 10 and s["events_applied"] == 0, s
+    assert s["last_body_events"] == 0, s
+    real = [src.event("app.readings", {"device": "s", "seq": i}, {"temp": 2.0}, (now, i)) for i in range(3)]
+    _import(home, tmp_path, "real.cbor", src.body(real))
+    s = _rehydration(home)
+    assert s["events_received"] == 3 and s["events_applied"] == 3 and s["events_unverified"] == 10, s
+
+
+def test_rehydration_from_a_source_not_trusted_yet_counts_no_body_as_the_source_s(tmp_path):
+    """`rehydrate --from` may name a site the home does not trust yet (docs/operations.md §4: its key
+    comes with a vouch in the first body), but bodies naming it as their sender counted as the
+    source's, and two of them with nothing new set `caught_up`, while nobody vouched for it."""
+    from agent.simpeer import SimPeer, manifest_text, readings_table
+    from ..mqtt.helpers import MESH
+    src = SimPeer(MESH)
+    m = tmp_path / "m.toml"
+    m.write_text(manifest_text(MESH, readings_table()))
+    home = tmp_path / "a"
+    assert run(home, "init", "--manifest", str(m)).returncode == 0
+    assert run(home, "rehydrate", "--from", src.site_id.hex()).returncode == 0   # not refused: by design
+    for i in range(2):
+        _import(home, tmp_path, f"b{i}.cbor", src.body([]))
+    s = _rehydration(home)
+    assert s["bodies"] == 2 and s["bodies_from_source"] == 0 and s["caught_up"] is False, s
+    assert s["source_trusted"] is False, s
+    assert run(home, "peer", "add", "--site-id", src.site_id.hex(), "--public-key", src.public_key.hex()).returncode == 0
+    for i in range(2, 4):
+        _import(home, tmp_path, f"b{i}.cbor", src.body([]))
+    s = _rehydration(home)
+    assert s["bodies_from_source"] == 2 and s["caught_up"] is True and s["source_trusted"] is True, s
