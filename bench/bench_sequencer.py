@@ -15,6 +15,9 @@ ES256 signing rate of the same keystore measured in the same run.
   seq_batch<G>_<ks>         Sequencer.submit_many of G Commits for G different groups, one call per
                             round (each call fills and empties the pipeline)
   seq_batch<G>_<ks>_idle    the same with 10 000 idle groups registered (no per-group cost)
+  seq_stream<G>_<ks>_history<D>  (--history D) the stream over G groups that already hold D
+                            receipts each: what the receipts table's growth costs (its
+                            (group_id, epoch) index takes each batch's rows at G places)
   cpu_us_per_commit_*       this process's CPU per Commit in those rounds, and raw_cpu_us_per_signature_<ks>
                             per raw signature: the figures a neighbour's load disturbs least (a
                             shared machine's wall rates swing 2x between rounds; SoftHSM2's token
@@ -150,26 +153,23 @@ def seq_batch(seq: service.Sequencer, n: int, batch: int, tag: bytes, cpu: list 
 
 
 def seq_stream(seq: service.Sequencer, n: int, g: int, tag: bytes, cpu: list | None = None,
-               tree: list | None = None) -> float:
+               tree: list | None = None, history: int = 0) -> float:
     """Commits/s through ``Sequencer.group_commit`` with ``g`` groups in closed loops (each group's
     next Commit is put as the answer to its last is released, as members do through `sequencer
-    run`), until ``n`` answers are out; the Commits are built beforehand (members build them)."""
+    run`), until ``n`` answers are out; the Commits are built beforehand (members build them).
+    ``history``: each group is first taken through that many epochs (not measured), so the
+    receipts table holds that many receipts a group when the measured Commits come."""
     gs = groups(g, tag)
     for x in gs:
         seq.register(x, 0)
-    rounds = n // g + 3
+    rounds = history + n // g + 3
     msgs = {x: [encode_private_message(x, r) for r in range(rounds)] for x in gs}
     gc = seq.group_commit()
+    if history:
+        _closed_loop(gc, gs, msgs, {x: 0 for x in gs}, history * g, stop_at=history)
     c, tc = time.process_time(), tree_cpu_s()
     t = time.perf_counter()
-    for x in gs:
-        gc.put(x, msgs[x][0])
-    done = 0
-    while done < n:
-        for x, ans in gc.step():
-            assert type(ans) is service.Accepted, ans
-            done += 1
-            gc.put(x, msgs[x][ans.epoch + 1])
+    done = _closed_loop(gc, gs, msgs, {x: history for x in gs}, n)
     t = time.perf_counter() - t
     if cpu is not None:
         cpu.append((time.process_time() - c) / done * 1e6)
@@ -180,6 +180,24 @@ def seq_stream(seq: service.Sequencer, n: int, g: int, tag: bytes, cpu: list | N
     return rate(done, t)
 
 
+def _closed_loop(gc, gs: list[bytes], msgs: dict, first: dict, n: int, stop_at: int | None = None) -> int:
+    """Put each group's Commit for epoch ``first[group]``, then each group's next as its answer
+    comes, until ``n`` answers are out (``stop_at``: a group answered for epoch ``stop_at - 1``
+    puts nothing more, and the loop drains). Returns the answers counted."""
+    for x in gs:
+        gc.put(x, msgs[x][first[x]])
+    done = 0
+    while done < n:
+        for x, ans in gc.step():
+            assert type(ans) is service.Accepted, ans
+            done += 1
+            if stop_at is None or ans.epoch + 1 < stop_at:
+                gc.put(x, msgs[x][ans.epoch + 1])
+    if stop_at is not None:
+        done += len(gc.drain())
+    return done
+
+
 def register_idle(seq: service.Sequencer, n: int) -> None:
     with seq.store._tx():
         seq.store.conn.executemany("INSERT INTO groups (group_id, current_epoch, origin) VALUES (?, 0, 'registered')",
@@ -187,12 +205,13 @@ def register_idle(seq: service.Sequencer, n: int) -> None:
 
 
 def run_keystore(name: str, conf, d: str, n: int, batch: int, idle: int, rounds: int,
-                 fig: dict, stream: int = 1024) -> None:
+                 fig: dict, stream: int = 1024, history: int = 0) -> None:
     """Two homes, one of them with ``idle`` idle groups registered, their rounds alternated (so the
     growth of the receipts table and a neighbour's load fall on both alike). A round: raw ES256,
     the pipelined stream, raw again; then raw, one ``submit_many`` per round of ``batch`` groups,
     raw. Each ratio's denominator is the mean of the two raw runs beside it. ``conf``: the
-    keystore profile, or a callable giving one per home (a token each)."""
+    keystore profile, or a callable giving one per home (a token each). ``history``: also the
+    stream over groups that already hold that many receipts each (raw, stream, raw per round)."""
     homes = {"": os.path.join(d, name), f"_idle{idle}": os.path.join(d, name + "-idle")}
     seqs = {}
     try:
@@ -233,6 +252,16 @@ def run_keystore(name: str, conf, d: str, n: int, batch: int, idle: int, rounds:
                              (f"ratio_batch{batch}_{name}{suffix}", b / ((raw1 + raw2) / 2)),
                              (f"cpu_us_per_commit_batch{batch}_{name}{suffix}", cpu[0])):
                     fig.setdefault(k, []).append(v)
+        for r in range(rounds if history else 0):   # last: it grows the first home's receipts table
+            seq = seqs[""]
+            raw1 = raw_es256(seq, n, batch)
+            cpu = []
+            st = seq_stream(seq, 2 * n, stream, b"history-%d-" % r, cpu, history=history)
+            raw = (raw1 + raw_es256(seq, n, batch)) / 2
+            for k, v in ((f"seq_stream{stream}_{name}_history{history}", st),
+                         (f"ratio_stream{stream}_{name}_history{history}", st / raw),
+                         (f"cpu_us_per_commit_stream{stream}_{name}_history{history}", cpu[0])):
+                fig.setdefault(k, []).append(v)
     finally:
         for seq in seqs.values():
             seq.close()
@@ -367,6 +396,8 @@ def main() -> None:
     ap.add_argument("--against", metavar="TREE", help="same-run A/B against another checkout (e.g. main's): "
                     "--rounds of each, alternating, at 256 and 1 024 groups and with 10 000 idle groups")
     ap.add_argument("--cases", default="256:0,1024:0,256:10000", help="--against: groups:idle cases")
+    ap.add_argument("--history", type=int, default=0, metavar="DEPTH",
+                    help="also the stream over groups holding DEPTH receipts each (the receipts table's growth)")
     ap.add_argument("--one-round", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one_round:
@@ -394,13 +425,13 @@ def main() -> None:
         if a.broker_only:
             pass
         else:
-            run_keystore("software", None, d, n, batch, idle, a.rounds, fig, stream)
+            run_keystore("software", None, d, n, batch, idle, a.rounds, fig, stream, a.history)
         if not a.no_pkcs11 and not a.broker_only:
             cfg = softhsm_config(os.path.join(d, "hsm"))
             if cfg is None:
                 print("pkcs11: skipped (SoftHSM2 not installed: apt-get install -y softhsm2)")
             else:
-                run_keystore("pkcs11", softhsm_config, d, n // 4, batch, idle, a.rounds, fig, stream)
+                run_keystore("pkcs11", softhsm_config, d, n // 4, batch, idle, a.rounds, fig, stream, a.history)
     finally:
         shutil.rmtree(d, ignore_errors=True)
     print(f"{a.rounds} rounds; median [min .. max]")
