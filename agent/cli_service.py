@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import sys
 from importlib import resources
 from pathlib import Path
@@ -71,6 +72,18 @@ def _write(path: Path, text: str, mode: int) -> None:
     os.replace(tmp, path)
 
 
+def _holds_text(path: Path) -> bool:
+    """Whether ``path`` is a regular file holding more than white space (its first 64 KiB read)."""
+    try:
+        with open(path, "rb", opener=lambda p, f: os.open(p, f | os.O_NONBLOCK)) as f:
+            return stat.S_ISREG(os.fstat(f.fileno()).st_mode) and bool(f.read(65536).strip())
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        from .cli import Refused
+        raise Refused(f"cannot read {path}: {e.strerror}") from None
+
+
 def cmd_install(args) -> int:
     from .cli import EXIT_OK, PASSWORD_LIMIT, Refused, emit, read_input
     root = Path(args.root)
@@ -81,12 +94,17 @@ def cmd_install(args) -> int:
     # anything is written: a FIFO, a device, a file over 64 KiB or not UTF-8 is refused, exit 2.
     secret = (read_input(args.password_file, PASSWORD_LIMIT, "--password-file", text=True).strip()
               if args.password_file else None)
+    conf_dir = root / "etc/ssp-agent"
+    pw = conf_dir / "mqtt-password"
+    # the operator's password file is theirs: only whether it holds anything is read (as bytes: any
+    # encoding), and a refusal comes before anything is written
+    if secret is not None and not args.force and _holds_text(pw):
+        raise Refused(f"{pw} exists and is not empty; pass --force to replace it")
     written, kept = [], []
     for name in UNITS:
         p = root / "etc/systemd/system" / name
         _write(p, unit_text(name, bin_path), 0o644)
         written.append(str(p))
-    conf_dir = root / "etc/ssp-agent"
     conf_dir.mkdir(parents=True, exist_ok=True)
     conf = conf_dir / "agent.toml"
     wants_conf = any(getattr(args, k, None) for k in _CONF_FLAGS)
@@ -97,10 +115,7 @@ def cmd_install(args) -> int:
     else:
         _write(conf, config_text(args), 0o644)   # no secret in it: the password has its own file
         written.append(str(conf))
-    pw = conf_dir / "mqtt-password"
     if secret is not None:
-        if pw.exists() and not args.force and pw.read_text().strip():
-            raise Refused(f"{pw} exists and is not empty; pass --force to replace it")
         _write(pw, secret + "\n", 0o600)
         written.append(str(pw))
     elif pw.exists():

@@ -150,6 +150,24 @@ def test_service_install_refuses_a_password_file_it_cannot_use(tmp_path, fifo, s
     assert not (root / "etc/ssp-agent/mqtt-password").exists()
 
 
+def test_service_install_refuses_over_an_operator_password_file_that_is_not_utf8(tmp_path):
+    """The password file already installed was read with read_text() to see whether it is empty:
+    a Latin-1 byte in it gave a traceback (exit 1) after the units were written. Now: one line,
+    exit 2, before anything is written, and the operator's file is kept byte for byte."""
+    root = tmp_path / "root"
+    installed = root / "etc/ssp-agent/mqtt-password"
+    installed.parent.mkdir(parents=True)
+    installed.write_bytes("caf\u00e9\n".encode("latin-1"))
+    new = tmp_path / "pw"
+    new.write_text("s3cret\n")
+    p = run(tmp_path / "h", "service", "install", "--root", str(root), "--bin", "/usr/bin/ssp-agent",
+            "--password-file", str(new), timeout=20)
+    refused(p)
+    assert len(p.stderr.strip().splitlines()) == 1 and "--force" in p.stderr, p.stderr
+    assert installed.read_bytes() == "caf\u00e9\n".encode("latin-1")
+    assert not (root / "etc/systemd").exists()
+
+
 def _policy_rows(home) -> list[str]:
     p = run(home, "policy", "list")
     assert p.returncode == 0, p.stderr
