@@ -16,7 +16,8 @@ from . import poison, strategies as S
 SOURCES = {"codec": S.cbor_bytes(), "message": S.body_bytes(), "presence": S.body_bytes(), "meta": S.meta_text(),
            "frame": S.session_frame_bytes(), "envelope": S.events(), "event_payload": S.event_payload_bytes(),
            "record_payload": S.record_payload_bytes(), "serial": S.serial_line(), "apply": S.event_payload_bytes(),
-           "records": S.record_payload_bytes(), "mailbox": S.body_bytes()}
+           "records": S.record_payload_bytes(), "mailbox": S.body_bytes(), "mls_framing": S.mls_bytes(),
+           "receipt": S.receipt_bytes(), "evidence": S.evidence_bytes(), "lost": S.lost_bytes()}
 
 
 def draw(strategy, n: int) -> list[bytes]:

@@ -232,6 +232,67 @@ def serial_line(draw) -> bytes:
     return out + draw(st.binary(max_size=30))
 
 
+@st.composite
+def mls_bytes(draw) -> bytes:
+    """An MLSMessage as a member sends it to the sequencer: PrivateMessage framings at the edges of
+    every field (group_id 0..256 bytes, epoch up to 2^64-1, each content type, long vectors)."""
+    from agent.sequencer.framing import encode_private_message
+    gid = draw(st.one_of(st.just(SEQ_GROUP), st.binary(max_size=256)))
+    epoch = draw(st.one_of(st.sampled_from([0, 1, 2**63 - 2, 2**63 - 1, 2**63, 2**64 - 1]), st.integers(0, 2**64 - 1)))
+    try:
+        return encode_private_message(gid, epoch, draw(st.integers(0, 4)),
+                                      authenticated_data=draw(st.binary(max_size=70)),
+                                      encrypted_sender_data=draw(st.binary(max_size=20)),
+                                      ciphertext=draw(st.one_of(st.binary(max_size=40), st.just(b"\x00" * 20000))))
+    except ValueError:                  # a group_id the encoder refuses: the bytes near one
+        return b"\x00\x01\x00\x02" + gid[:255] + epoch.to_bytes(8, "big")
+
+
+@st.composite
+def receipt_bytes(draw) -> bytes:
+    """Receipt and statement payloads (deterministic CBOR maps at every field's edges), or a real
+    signed receipt or statement, whole or cut (a receipt from outside, or its payload)."""
+    if draw(st.integers(0, 3)) == 0:
+        raw = draw(st.sampled_from(SEQ_RECEIPTS + SEQ_STATEMENTS))
+        return raw[:draw(st.integers(0, len(raw)))] if draw(st.booleans()) else raw
+    p = {"group_id": _maybe(draw, st.one_of(st.just(SEQ_GROUP), st.binary(max_size=256))),
+         "epoch": _maybe(draw, INTS),
+         "commit_hash": _maybe(draw, st.one_of(st.none(), st.binary(min_size=32, max_size=32))),
+         "previous_receipt_hash": _maybe(draw, st.one_of(st.none(), st.binary(min_size=32, max_size=32)))}
+    for k in draw(st.lists(st.sampled_from(sorted(p)), max_size=2)):
+        p.pop(k, None)
+    return dumps(p, canonical=draw(st.integers(0, 9)) > 0)
+
+
+@st.composite
+def evidence_bytes(draw) -> bytes:
+    """A member's evidence document (JSON) with every field's edges: real receipts and statements
+    in hex, epochs past 64 bits, floats, deep nesting."""
+    hexes = st.lists(st.one_of(st.sampled_from(SEQ_RECEIPTS + SEQ_STATEMENTS).map(bytes.hex),
+                               st.text(max_size=8)), max_size=4)
+    j = st.recursive(st.one_of(st.none(), st.booleans(), INTS, st.floats(), TEXT),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(TEXT, c, max_size=3), max_leaves=8)
+    doc = {"member": draw(st.one_of(st.text(max_size=300), j)), "attested_epoch": draw(st.one_of(INTS, j)),
+           "receipts": draw(st.one_of(hexes, j)), "statements": draw(st.one_of(hexes, j)),
+           "discontinuities": draw(st.one_of(st.lists(INTS, max_size=4), j)),
+           "group": draw(st.one_of(st.just(SEQ_GROUP.hex()), st.text(max_size=10), j))}
+    for k in draw(st.lists(st.sampled_from(sorted(doc)), max_size=3)):
+        doc.pop(k, None)
+    text = json.dumps(doc, allow_nan=True)
+    return (("[" * 100_000 + text) if draw(st.integers(0, 40)) == 0 else text).encode()   # past the parser's depth
+
+
+@st.composite
+def lost_bytes(draw) -> bytes:
+    """A `lost` record: CBOR {"missing": [[first, last], ...]} at the edges (runs past 64 bits,
+    reversed, too many)."""
+    runs = draw(st.lists(st.lists(INTS, min_size=0, max_size=3), max_size=6))
+    if draw(st.integers(0, 20)) == 0:
+        runs = [[0, 1]] * 5000
+    return dumps({"missing": _maybe(draw, st.just(runs))} if draw(st.integers(0, 9)) else runs,
+                 canonical=draw(st.booleans()))
+
+
 HEADS = [b"\xd8\x1c", b"\xd8\x1d\x00", b"\x9f", b"\xbf", b"\x7f", b"\xff", b"\x5b\xff\xff\xff\xff\xff\xff\xff\xff",
          b"\x9b\x00\x00\x00\x01\x00\x00\x00\x00", b"\x1b\x80\x00\x00\x00\x00\x00\x00\x00", b"\x3b\xff" + b"\xff" * 7,
          b"\xfb\x7f\xf8\x00\x00\x00\x00\x00\x00", b"\xf9\x7c\x00", b"\xc2", b"\xf7", b"\xd2", b"\x81" * 20, b"\xa1\x80",
@@ -272,4 +333,5 @@ def hostile(generated) -> st.SearchStrategy[bytes]:
 
 
 __all__ = ["hostile", "cbor_bytes", "body_bytes", "events", "event_payload_bytes", "record_payload_bytes",
-           "meta_text", "session_frame_bytes", "serial_line", "MESH"]
+           "meta_text", "session_frame_bytes", "serial_line", "mls_bytes", "receipt_bytes", "evidence_bytes",
+           "lost_bytes", "MESH"]

@@ -29,6 +29,10 @@ from agent.core.records import ACK, TRUNCATED, CONTENT_TYPES, RecordError, verif
 from agent.core.session import StreamMeta, decode_frame, parse_meta_text
 from agent.outcomes import STATUSES
 from agent.sequencer import receipts as rc
+from agent.sequencer import recovery
+from agent.sequencer.client import parse_lost
+from agent.sequencer.core import EPOCH_LIMIT
+from agent.sequencer.framing import FramingError, parse_mls_message
 from firmware_bridge import serial_protocol as sp
 
 MESH = bytes.fromhex("f0220000000000000000000000000011")
@@ -201,8 +205,73 @@ def serial(data: bytes) -> None:
                 designated(e)
 
 
+# ---------------------------------------------------------------- the sequencer's boundaries
+# A fixed P-256 key standing for the bound sequencer: hostile but validly signed receipt and
+# statement payloads get past the signature to the payload checks.
+_SEQ_KEY = None
+
+
+def _seq_key():
+    global _SEQ_KEY
+    if _SEQ_KEY is None:
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from firmware_bridge.ec import public_key_compressed
+        k = ec.derive_private_key(0x5EC, ec.SECP256R1())     # strategies.py's sequencer key
+        _SEQ_KEY = (k, public_key_compressed(k.public_key()))
+    return _SEQ_KEY
+
+
+def _es256(payload: bytes, protected: bytes) -> bytes:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from firmware_bridge.ec import der_to_raw
+    k, _kid = _seq_key()
+    return rc.assemble(protected, payload, der_to_raw(k.sign(rc.sig_structure(protected, payload), ec.ECDSA(hashes.SHA256()))))
+
+
+def mls_framing(data: bytes) -> None:
+    """A Commit from a broker client or `sequencer submit`/`commits queue`: the MLSMessage framing."""
+    try:
+        f = parse_mls_message(data)
+    except FramingError as e:
+        designated(e)
+        return
+    assert type(f.group_id) is bytes and 1 <= len(f.group_id) <= 255 and 0 <= f.epoch < 2**64
+
+
+def receipt(data: bytes) -> None:
+    """A receipt or a statement of absence from outside (a member's evidence, a retained copy on
+    the broker, a sequencer's answer): the bytes as they come, and as the payload of a receipt and
+    of a statement validly signed by the sequencer, through the verification entry points."""
+    _k, kid = _seq_key()
+    for raw in (data, _es256(data, rc.protected_header(kid)), _es256(data, rc.statement_protected(kid))):
+        for verify in (rc.verify_receipt, rc.verify_statement):
+            try:
+                got = verify(raw, kid)
+            except rc.ReceiptError as e:
+                designated(e)
+                continue
+            assert 0 <= got.epoch < 2**64 and type(got.group_id) is bytes
+
+
+def evidence(data: bytes) -> None:
+    """A member's evidence (`sequencer recover` file, `evidence` request on the broker)."""
+    for gid, most in ((None, None), (b"\xa7" * 16, recovery.MAX_OFFERED)):
+        try:
+            recovery.parse_evidence(data, gid, most)
+        except recovery.EvidenceError as e:
+            designated(e)
+
+
+def lost(data: bytes) -> None:
+    """A `lost` record retained on the broker (what a restored sequencer still misses)."""
+    out = parse_lost(data)
+    assert out is None or all(0 <= a <= b < EPOCH_LIMIT for a, b in out)
+
+
 PURE = {"codec": codec, "message": message, "presence": presence, "meta": meta, "frame": frame,
-        "envelope": envelope, "event_payload": event_payload, "record_payload": record_payload, "serial": serial}
+        "envelope": envelope, "event_payload": event_payload, "record_payload": record_payload, "serial": serial,
+        "mls_framing": mls_framing, "receipt": receipt, "evidence": evidence, "lost": lost}
 
 
 # ---------------------------------------------------------------- boundaries with a real node

@@ -82,6 +82,30 @@ def test_serial_reply(data):
     T.bounded("serial", T.serial, data)
 
 
+@fuzz(400)
+@given(S.hostile(S.mls_bytes()))
+def test_mls_framing(data):
+    T.bounded("mls_framing", T.mls_framing, data)
+
+
+@fuzz(150)
+@given(S.hostile(S.receipt_bytes()))
+def test_receipt(data):
+    T.bounded("receipt", T.receipt, data)
+
+
+@fuzz(300)
+@given(S.hostile(S.evidence_bytes()))
+def test_evidence(data):
+    T.bounded("evidence", T.evidence, data)
+
+
+@fuzz(300)
+@given(S.hostile(S.lost_bytes()))
+def test_lost(data):
+    T.bounded("lost", T.lost, data)
+
+
 # ---------------------------------------------------------------- through a real node (SQLite)
 @pytest.fixture(scope="module")
 def fuzz_node(tmp_path_factory):
