@@ -61,6 +61,12 @@ class SequencerFault(Exception):
     """A local fault: state or keystore unusable (CLI exit 1)."""
 
 
+class GroupLimit(SequencerRefused):
+    """A new group beyond ``Sequencer.max_groups`` (reason ``group_limit``)."""
+
+    reason = core.GROUP_LIMIT
+
+
 class SequencerServing(SequencerRefused):
     """A `sequencer run` holds this home: requests go through the broker, reads are read-only."""
 
@@ -194,6 +200,9 @@ class Sequencer:
         if not (self.home / DB_NAME).exists():
             raise SequencerRefused(f"{self.home} holds no sequencer (run `sequencer init` first)")
         self._hook = fault_hook
+        # at most this many groups tracked: a new one beyond it (the first Commit of an unknown
+        # group_id, §22.6 bootstrap, or a registration) is refused `group_limit`; None: no bound
+        self.max_groups: Optional[int] = None
         self._unsigned = False          # a gap recorded whose statement is not signed yet
         self.chunk = CHUNK              # Commits per step of the pipelined group commit
         self._lock_fd = None
@@ -250,6 +259,9 @@ class Sequencer:
             state = core.register(self.store.group(group_id), group_id, epoch)
         except ValueError as e:
             raise SequencerRefused(str(e)) from None
+        if self.max_groups is not None and self.store.group_count() >= self.max_groups:
+            raise GroupLimit(f"group_limit: this sequencer tracks at most {self.max_groups} groups "
+                             "(`sequencer run --max-groups`)")
         self.store.register(state)
 
     def submit(self, message: bytes) -> Answer:
@@ -918,7 +930,11 @@ class GroupCommit:
         for batch, _tk, _r in self.signing:
             busy.update(d.group_id for _t, _m, _ch, _s, d in batch)
         out, self.ready = self.ready, []
-        accepts = self._decide(busy, out)
+        booting = 0              # groups created by batches not committed yet (counted by the bound)
+        if seq.max_groups is not None:
+            for batch in [finished] + [b for b, _tk, _r in self.signing]:
+                booting += sum(1 for _t, _m, _ch, _s, d in batch if d.bootstrap)
+        accepts = self._decide(busy, out, booting)
         done = []
         receipt_hash, accepted = receipts.receipt_hash, core.accepted
         for (tag, m, ch, state, d), raw in zip(finished, raws or []):
@@ -961,7 +977,7 @@ class GroupCommit:
             for _t, _m, _ch, _s, d in batch:
                 self.seq._settle(d.group_id, d.epoch, cause="signing_failed")
 
-    def _decide(self, busy: set, out: list) -> list:
+    def _decide(self, busy: set, out: list, booting: int = 0) -> list:
         """The next batch from the queue: at most ``chunk`` Commits for distinct groups none of
         which is in flight, first-Commit-wins on each group's committed state; the rest keeps its
         order for a later step. Rejections are answered at once (their head is committed)."""
@@ -969,6 +985,7 @@ class GroupCommit:
         group, decide, top_epoch = seq.store.group, core.decide, seq.bridge.max_receipt_epoch
         accepts, later, seen = [], deque(), set(busy)
         queue, limit = self.queue, self.chunk
+        room = None              # new groups this batch may still create (seq.max_groups), counted once
         while queue:
             item = queue.popleft()
             tag, f, m, ch = item
@@ -1000,6 +1017,15 @@ class GroupCommit:
                 else:
                     out.append((tag, seq._rejected(core.decide(seq.store.group(d.group_id), f, ch))))
                 continue
+            if d.bootstrap and seq.max_groups is not None:
+                if room is None:
+                    room = seq.max_groups - seq.store.group_count() - booting
+                if room <= 0:
+                    out.append((tag, seq._rejected(core.Reject(
+                        core.GROUP_LIMIT, d.group_id, None, None,
+                        f"this sequencer tracks at most {seq.max_groups} groups (`sequencer run --max-groups`)"))))
+                    continue
+                room -= 1
             accepts.append((tag, m, ch, state, d))
         later.extend(queue)
         self.queue = later
