@@ -186,6 +186,10 @@ class Server:
         self.prober = inbox.Prober(c, f"{settings.prefix}/_probe/{client_id}")
 
     def _on_message(self, client, userdata, msg) -> None:
+        # a delivery proves the session (its subscriptions are the broker's): start() need not
+        # wait for the SUBACK, which comes after what the session kept, and which this thread
+        # would never read while it waits for room in the inbox that only the loop empties
+        self.subscribed.set()
         if self.prober.on_message(msg):
             client.ack(msg.mid, msg.qos)
             return
@@ -209,6 +213,7 @@ class Server:
         self.client.connect_async(self.s.host, self.s.port, keepalive=30, clean_start=False, properties=props)
         self.client.loop_start()
         if not self.subscribed.wait(timeout):
+            self.inbound.close()        # paho's thread may wait for room: it must be able to end
             self.client.loop_stop()
             raise service.SequencerFault(f"broker {self.s.host}:{self.s.port} unreachable or refused the subscription")
         self._publish_discontinuities()
