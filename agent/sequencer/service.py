@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,15 @@ RUN_LOCK_NAME = "run.lock"        # held exclusively by `sequencer run`, shared 
 # "Journal compaction")
 JOURNAL_COMPACT_BYTES = 8 * 2**20
 JOURNAL_OPEN_COMPACT_BYTES = 64 * 2**10
+
+# Free space the home's filesystem keeps beyond the Commits being accepted: below it a Commit is
+# refused `disk_full` before anything is written, never cut between its signing intent and its
+# receipt (a full disk there became a stated discontinuity on the next start, §22.6). Each Commit
+# counts DISK_FACTOR times its bytes (pending row, receipts row, their WAL copies) plus
+# DISK_PER_COMMIT (receipt, journal entries, index pages).
+DISK_RESERVE_BYTES = 4 << 20
+DISK_FACTOR = 4
+DISK_PER_COMMIT = 4096
 
 Hook = Callable[[str], None]
 
@@ -248,6 +258,14 @@ class Sequencer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def disk_room(self) -> int:
+        """Bytes the home's filesystem can still give to Commits (its free space less
+        DISK_RESERVE_BYTES)."""
+        try:
+            return shutil.disk_usage(self.home).free - DISK_RESERVE_BYTES
+        except OSError:
+            return 1 << 62
 
     def _fire(self, point: str) -> None:
         if self._hook is not None:
@@ -931,10 +949,11 @@ class GroupCommit:
             busy.update(d.group_id for _t, _m, _ch, _s, d in batch)
         out, self.ready = self.ready, []
         booting = 0              # groups created by batches not committed yet (counted by the bound)
-        if seq.max_groups is not None:
-            for batch in [finished] + [b for b, _tk, _r in self.signing]:
-                booting += sum(1 for _t, _m, _ch, _s, d in batch if d.bootstrap)
-        accepts = self._decide(busy, out, booting)
+        pending_bytes = 0        # what the batches not committed yet will still write (the disk reserve)
+        for batch in [finished] + [b for b, _tk, _r in self.signing]:
+            booting += sum(1 for _t, _m, _ch, _s, d in batch if d.bootstrap)
+            pending_bytes += sum(DISK_FACTOR * len(m) + DISK_PER_COMMIT for _t, m, _ch, _s, _d in batch)
+        accepts = self._decide(busy, out, booting, pending_bytes)
         done = []
         receipt_hash, accepted = receipts.receipt_hash, core.accepted
         for (tag, m, ch, state, d), raw in zip(finished, raws or []):
@@ -977,7 +996,7 @@ class GroupCommit:
             for _t, _m, _ch, _s, d in batch:
                 self.seq._settle(d.group_id, d.epoch, cause="signing_failed")
 
-    def _decide(self, busy: set, out: list, booting: int = 0) -> list:
+    def _decide(self, busy: set, out: list, booting: int = 0, pending_bytes: int = 0) -> list:
         """The next batch from the queue: at most ``chunk`` Commits for distinct groups none of
         which is in flight, first-Commit-wins on each group's committed state; the rest keeps its
         order for a later step. Rejections are answered at once (their head is committed)."""
@@ -986,6 +1005,7 @@ class GroupCommit:
         accepts, later, seen = [], deque(), set(busy)
         queue, limit = self.queue, self.chunk
         room = None              # new groups this batch may still create (seq.max_groups), counted once
+        space = None             # bytes of disk this batch may still take (DISK_RESERVE_BYTES kept)
         while queue:
             item = queue.popleft()
             tag, f, m, ch = item
@@ -1026,6 +1046,14 @@ class GroupCommit:
                         f"this sequencer tracks at most {seq.max_groups} groups (`sequencer run --max-groups`)"))))
                     continue
                 room -= 1
+            need = DISK_FACTOR * len(m) + DISK_PER_COMMIT
+            if space is None:
+                space = seq.disk_room() - pending_bytes
+            if need > space:
+                out.append((tag, seq._rejected(core._reject(
+                    core.DISK_FULL, d.group_id, state, "the sequencer's disk is short of space: offer it again later"))))
+                continue
+            space -= need
             accepts.append((tag, m, ch, state, d))
         later.extend(queue)
         self.queue = later
