@@ -209,6 +209,7 @@ def cmd_run(args) -> int:
     from .sequencer import serve, service
     settings = _broker_settings(args)
     seq = _open(args, serve=True)
+    seq.max_groups = serve.DEFAULT_MAX_GROUPS if args.max_groups is None else args.max_groups
     server = serve.Server(seq, settings)
     try:
         try:
@@ -271,6 +272,9 @@ def register(sub, mailbox_sub) -> None:
     a.add_argument("--username", help="broker username (password from --password-file)")
     a.add_argument("--password-file", help="file holding the broker password")
     a.add_argument("--connect-timeout", type=seconds_arg, default=10.0)
+    a.add_argument("--max-groups", type=count_arg, default=None, metavar="N",
+                   help="track at most N groups: the first Commit (or a registration) of a new group beyond "
+                        "them is refused `group_limit` (default 100000)")
     a.set_defaults(fn=cmd_run)
     register_commits(sub)
     register_sequencing(sub)

@@ -35,6 +35,8 @@ UNPARSEABLE = "unparseable"          # framing refused (agent/sequencer/framing.
 FAILED_CLOSED = "failed_closed"      # the group is frozen pending audit and migration (§22.6 step 4)
 MIGRATED = "migrated"                # the group was handed to another sequencer (§22.6 singularity)
 EPOCH_OUT_OF_RANGE = "epoch_out_of_range"  # beyond what the store's signed 64-bit integers hold
+DISK_FULL = "disk_full"              # the home's filesystem is short of the space signing needs: retry later
+GROUP_LIMIT = "group_limit"          # a new group beyond the groups the operator lets it track (`run --max-groups`)
 
 # The framing's epoch is a uint64; the sequencer's SQLite state holds signed 64-bit integers and
 # must be able to store E+1 after accepting E.

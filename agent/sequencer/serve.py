@@ -91,6 +91,10 @@ def answer_json(ans: service.Answer) -> dict:
             "current_epoch": ans.current_epoch, "head": None if ans.head is None else ans.head.hex()}
 
 
+# The groups `sequencer run` tracks unless told otherwise (`--max-groups`): a group costs ~750 bytes
+# of sequencer.db, ~330 of sign-journal and ~1.2 KB resident at every start, and anyone allowed to
+# submit creates one with each first Commit for a new group_id (§22.6 bootstrap)
+DEFAULT_MAX_GROUPS = 100_000
 MAX_BATCH = 512          # requests taken from the inbound queue per turn of the loop
 # The group commit's undecided Commits (bytes) past which the loop takes nothing more from the inbox:
 # a flood then waits in the bounded inbox, and paho's thread (then the broker) waits for room.
@@ -182,6 +186,10 @@ class Server:
         self.prober = inbox.Prober(c, f"{settings.prefix}/_probe/{client_id}")
 
     def _on_message(self, client, userdata, msg) -> None:
+        # a delivery proves the session (its subscriptions are the broker's): start() need not
+        # wait for the SUBACK, which comes after what the session kept, and which this thread
+        # would never read while it waits for room in the inbox that only the loop empties
+        self.subscribed.set()
         if self.prober.on_message(msg):
             client.ack(msg.mid, msg.qos)
             return
@@ -205,6 +213,7 @@ class Server:
         self.client.connect_async(self.s.host, self.s.port, keepalive=30, clean_start=False, properties=props)
         self.client.loop_start()
         if not self.subscribed.wait(timeout):
+            self.inbound.close()        # paho's thread may wait for room: it must be able to end
             self.client.loop_stop()
             raise service.SequencerFault(f"broker {self.s.host}:{self.s.port} unreachable or refused the subscription")
         self._publish_discontinuities()
@@ -316,6 +325,8 @@ class Server:
                 body = {"error": "unknown request"}
         except service.SequencerRefused as e:
             body = {"error": str(e)}
+            if getattr(e, "reason", None):
+                body["reason"] = e.reason          # a stable code (group_limit)
         self._reply(msg, body)
         if msg.qos > 0:
             self.client.ack(msg.mid, msg.qos)   # only now: an unanswered request is redelivered

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,15 @@ RUN_LOCK_NAME = "run.lock"        # held exclusively by `sequencer run`, shared 
 JOURNAL_COMPACT_BYTES = 8 * 2**20
 JOURNAL_OPEN_COMPACT_BYTES = 64 * 2**10
 
+# Free space the home's filesystem keeps beyond the Commits being accepted: below it a Commit is
+# refused `disk_full` before anything is written, never cut between its signing intent and its
+# receipt (a full disk there became a stated discontinuity on the next start, §22.6). Each Commit
+# counts DISK_FACTOR times its bytes (pending row, receipts row, their WAL copies) plus
+# DISK_PER_COMMIT (receipt, journal entries, index pages).
+DISK_RESERVE_BYTES = 4 << 20
+DISK_FACTOR = 4
+DISK_PER_COMMIT = 4096
+
 Hook = Callable[[str], None]
 
 
@@ -59,6 +69,12 @@ class SequencerRefused(Exception):
 
 class SequencerFault(Exception):
     """A local fault: state or keystore unusable (CLI exit 1)."""
+
+
+class GroupLimit(SequencerRefused):
+    """A new group beyond ``Sequencer.max_groups`` (reason ``group_limit``)."""
+
+    reason = core.GROUP_LIMIT
 
 
 class SequencerServing(SequencerRefused):
@@ -194,6 +210,9 @@ class Sequencer:
         if not (self.home / DB_NAME).exists():
             raise SequencerRefused(f"{self.home} holds no sequencer (run `sequencer init` first)")
         self._hook = fault_hook
+        # at most this many groups tracked: a new one beyond it (the first Commit of an unknown
+        # group_id, §22.6 bootstrap, or a registration) is refused `group_limit`; None: no bound
+        self.max_groups: Optional[int] = None
         self._unsigned = False          # a gap recorded whose statement is not signed yet
         self.chunk = CHUNK              # Commits per step of the pipelined group commit
         self._lock_fd = None
@@ -240,6 +259,14 @@ class Sequencer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def disk_room(self) -> int:
+        """Bytes the home's filesystem can still give to Commits (its free space less
+        DISK_RESERVE_BYTES)."""
+        try:
+            return shutil.disk_usage(self.home).free - DISK_RESERVE_BYTES
+        except OSError:
+            return 1 << 62
+
     def _fire(self, point: str) -> None:
         if self._hook is not None:
             self._hook(point)
@@ -250,6 +277,9 @@ class Sequencer:
             state = core.register(self.store.group(group_id), group_id, epoch)
         except ValueError as e:
             raise SequencerRefused(str(e)) from None
+        if self.max_groups is not None and self.store.group_count() >= self.max_groups:
+            raise GroupLimit(f"group_limit: this sequencer tracks at most {self.max_groups} groups "
+                             "(`sequencer run --max-groups`)")
         self.store.register(state)
 
     def submit(self, message: bytes) -> Answer:
@@ -918,7 +948,12 @@ class GroupCommit:
         for batch, _tk, _r in self.signing:
             busy.update(d.group_id for _t, _m, _ch, _s, d in batch)
         out, self.ready = self.ready, []
-        accepts = self._decide(busy, out)
+        booting = 0              # groups created by batches not committed yet (counted by the bound)
+        pending_bytes = 0        # what the batches not committed yet will still write (the disk reserve)
+        for batch in [finished] + [b for b, _tk, _r in self.signing]:
+            booting += sum(1 for _t, _m, _ch, _s, d in batch if d.bootstrap)
+            pending_bytes += sum(DISK_FACTOR * len(m) + DISK_PER_COMMIT for _t, m, _ch, _s, _d in batch)
+        accepts = self._decide(busy, out, booting, pending_bytes)
         done = []
         receipt_hash, accepted = receipts.receipt_hash, core.accepted
         for (tag, m, ch, state, d), raw in zip(finished, raws or []):
@@ -961,7 +996,7 @@ class GroupCommit:
             for _t, _m, _ch, _s, d in batch:
                 self.seq._settle(d.group_id, d.epoch, cause="signing_failed")
 
-    def _decide(self, busy: set, out: list) -> list:
+    def _decide(self, busy: set, out: list, booting: int = 0, pending_bytes: int = 0) -> list:
         """The next batch from the queue: at most ``chunk`` Commits for distinct groups none of
         which is in flight, first-Commit-wins on each group's committed state; the rest keeps its
         order for a later step. Rejections are answered at once (their head is committed)."""
@@ -969,6 +1004,8 @@ class GroupCommit:
         group, decide, top_epoch = seq.store.group, core.decide, seq.bridge.max_receipt_epoch
         accepts, later, seen = [], deque(), set(busy)
         queue, limit = self.queue, self.chunk
+        room = None              # new groups this batch may still create (seq.max_groups), counted once
+        space = None             # bytes of disk this batch may still take (DISK_RESERVE_BYTES kept)
         while queue:
             item = queue.popleft()
             tag, f, m, ch = item
@@ -1000,6 +1037,23 @@ class GroupCommit:
                 else:
                     out.append((tag, seq._rejected(core.decide(seq.store.group(d.group_id), f, ch))))
                 continue
+            if d.bootstrap and seq.max_groups is not None:
+                if room is None:
+                    room = seq.max_groups - seq.store.group_count() - booting
+                if room <= 0:
+                    out.append((tag, seq._rejected(core.Reject(
+                        core.GROUP_LIMIT, d.group_id, None, None,
+                        f"this sequencer tracks at most {seq.max_groups} groups (`sequencer run --max-groups`)"))))
+                    continue
+                room -= 1
+            need = DISK_FACTOR * len(m) + DISK_PER_COMMIT
+            if space is None:
+                space = seq.disk_room() - pending_bytes
+            if need > space:
+                out.append((tag, seq._rejected(core._reject(
+                    core.DISK_FULL, d.group_id, state, "the sequencer's disk is short of space: offer it again later"))))
+                continue
+            space -= need
             accepts.append((tag, m, ch, state, d))
         later.extend(queue)
         self.queue = later

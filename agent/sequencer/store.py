@@ -80,6 +80,9 @@ class Store:
         head = None if row[1] is None else Head(row[1], bytes(row[2]))
         return GroupState(group_id, row[0], head, row[3], gaps, bool(row[4]), bool(row[5]))
 
+    def group_count(self) -> int:
+        return self.conn.execute("SELECT count(*) FROM groups").fetchone()[0]
+
     def current_epochs(self) -> list[tuple[bytes, int]]:
         return [(bytes(g), e) for g, e in self.conn.execute("SELECT group_id, current_epoch FROM groups")]
 

@@ -1,0 +1,45 @@
+"""A sequencer short of disk space refuses to start signing instead of failing in the middle of it.
+
+Before (measured, `sequencer run` with its home on an 8 MiB tmpfs, 600 Commits of 20 KB for new
+groups): the disk filled between a batch's signing intents and its receipts' commit; run exited 1
+(`the filesystem ... is full`), and the next start stated 35 discontinuities, §22.6 "epoch
+advanced, receipt absent", surfaced to every member with the loudness of an equivocation: the
+resource-pressure attack §22.5 warns of, open to any client allowed to submit (1 MiB Commits for
+new groups fill a disk at ~40 MB/s). Now a Commit is accepted only while the home's filesystem
+keeps service.DISK_RESERVE_BYTES free beyond four times the Commits being signed (pending row,
+receipts row, WAL, journal); otherwise it is refused `disk_full` before anything is written, and
+served again once there is room.
+"""
+from __future__ import annotations
+
+import collections
+
+from agent.sequencer import core, service
+from agent.sequencer.framing import encode_private_message
+
+G = bytes.fromhex("5e" * 16)
+Usage = collections.namedtuple("Usage", "total used free")
+
+
+def test_commits_are_refused_before_signing_when_the_disk_is_short(tmp_path, monkeypatch):
+    home = tmp_path / "seq"
+    service.init(home)
+    free = {"bytes": 10 << 30}
+    monkeypatch.setattr(service.shutil, "disk_usage", lambda p: Usage(1 << 40, 0, free["bytes"]))
+    with service.Sequencer(home) as s:
+        assert isinstance(s.submit(encode_private_message(G, 0)), service.Accepted)
+        commit = encode_private_message(G, 1, ciphertext=b"x" * 100_000)
+        free["bytes"] = service.DISK_RESERVE_BYTES + 3 * len(commit)
+        ans = s.submit(commit)
+        assert isinstance(ans, service.Rejected) and ans.reason == core.DISK_FULL, ans
+        assert ans.current_epoch == 1 and ans.head is not None
+        assert s.store.group(G).current_epoch == 1 and not s.store.discontinuities()
+        # a batch: only what fits is accepted
+        many = [encode_private_message(bytes([i]) * 16, 0, ciphertext=b"x" * 100_000) for i in range(1, 7)]
+        each = service.DISK_FACTOR * len(many[0]) + service.DISK_PER_COMMIT
+        free["bytes"] = service.DISK_RESERVE_BYTES + 3 * each + 1000
+        got = s.submit_many(many)
+        assert [isinstance(a, service.Accepted) for a in got] == [True] * 3 + [False] * 3, got
+        assert {a.reason for a in got[3:]} == {core.DISK_FULL}
+        free["bytes"] = 10 << 30          # room again: served as before
+        assert isinstance(s.submit(commit), service.Accepted)
