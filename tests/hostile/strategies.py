@@ -13,22 +13,16 @@ from agent.core.events import PAYLOAD_MEMBERS
 from firmware_bridge import serial_protocol as sp
 
 from . import poison
-from .targets import KID, MESH, SITE, sign
+from .targets import KID, MESH, SITE, _es256, _seq_key, sign
 
 def _sequencer_outputs():
     """Real receipts and discontinuity statements of a fixed P-256 key (test-only signing outside
-    any bridge, as tests/sequencer/test_member.py's RogueSequencer)."""
-    from cryptography.hazmat.primitives import hashes
-    from cryptography.hazmat.primitives.asymmetric import ec
-
+    any bridge, as tests/sequencer/test_member.py's RogueSequencer): targets.py's sequencer key."""
     from agent.sequencer import receipts
-    from firmware_bridge.ec import der_to_raw, public_key_compressed
-    sk = ec.derive_private_key(0x5EC, ec.SECP256R1())
-    kid = public_key_compressed(sk.public_key())
+    _sk, kid = _seq_key()
 
     def signed(protected, payload):
-        tbs = receipts.sig_structure(protected, payload)
-        return receipts.assemble(protected, payload, der_to_raw(sk.sign(tbs, ec.ECDSA(hashes.SHA256()))))
+        return _es256(payload, protected)
     rx, prev = [], None
     for e in range(3):
         payload = receipts.payload_bytes(SEQ_GROUP if e < 2 else b"\x01", e, receipts.commit_hash(b"c%d" % e), prev)
