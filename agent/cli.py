@@ -557,6 +557,13 @@ def main(argv: list[str] | None = None) -> int:
     return dispatch(args)
 
 
+def _store_of(args) -> Path:
+    """The state file a verb works on, for storage_fault's advice: a `sequencer` verb's home holds
+    sequencer.db (docs/sequencer.md), every other verb's a node's store.sqlite."""
+    home = Path(args.home or ".")
+    return home / ("sequencer.db" if getattr(args, "sequencer_verb", None) else "store.sqlite")
+
+
 def dispatch(args) -> int:
     """Run the parsed verb; map refusals to exit 2 and local faults to exit 1."""
     from .node import NodeError
@@ -573,7 +580,7 @@ def dispatch(args) -> int:
         from .store.db import storage_fault
         cause, fault = e.__cause__, None
         while cause is not None and fault is None:
-            fault = storage_fault(cause, Path(args.home or ".") / "store.sqlite")
+            fault = storage_fault(cause, _store_of(args))
             cause = cause.__cause__
         print(f"ssp-agent: {fault}" if fault is not None else f"ssp-agent: keystore: {e}", file=sys.stderr)
         return EXIT_FAULT
@@ -584,7 +591,7 @@ def dispatch(args) -> int:
         # A full disk, a damaged store, a failing medium: one line with what to do, exit 1. Anything
         # storage_fault does not recognise is a bug and keeps its traceback.
         from .store.db import storage_fault
-        fault = storage_fault(e, Path(args.home or ".") / "store.sqlite")
+        fault = storage_fault(e, _store_of(args))
         if fault is None:
             raise
         print(f"ssp-agent: {fault}", file=sys.stderr)

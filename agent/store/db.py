@@ -258,10 +258,13 @@ def storage_fault(exc: BaseException, store: Path) -> StoreError | None:
     one line says what is wrong and what to do; None for anything else (a bug: not hidden)."""
     home = store.parent
     free = free_bytes(home)
+    if store.name == "store.sqlite":
+        todo = ("Free space there, or run `ssp-agent evict --auto` (it uses the space the home reserves for it), then "
+                "retry; read verbs (status, dump, log, events) still work")
+    else:       # a sequencer's home (sequencer.db): nothing in it to evict
+        todo = "Free space there, then retry; read verbs (status, receipt) still work"
     full_msg = (f"the filesystem holding {home} is full ({free if free is not None else '?'} bytes free): nothing "
-                "was changed. Free space there, or run `ssp-agent evict --auto` (it uses the space the home reserves for "
-                "it), then retry; "
-                "read verbs (status, dump, log, events) still work")
+                f"was changed. {todo}")
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return StoreError(full_msg)
     if isinstance(exc, OSError) and exc.errno in (errno.EIO, errno.EROFS):

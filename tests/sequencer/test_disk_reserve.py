@@ -43,3 +43,21 @@ def test_commits_are_refused_before_signing_when_the_disk_is_short(tmp_path, mon
         assert {a.reason for a in got[3:]} == {core.DISK_FULL}
         free["bytes"] = 10 << 30          # room again: served as before
         assert isinstance(s.submit(commit), service.Accepted)
+
+
+def test_a_full_disk_under_a_sequencer_verb_says_what_to_do_for_a_sequencer(tmp_path, monkeypatch, capsys):
+    """A full disk under a `sequencer` verb printed the node's advice (`ssp-agent evict --auto`,
+    which a sequencer home has nothing for); now: free space, then retry. A node verb keeps it."""
+    import errno
+    from pathlib import Path
+
+    from agent import cli, cli_sequencer
+    from agent.store.db import storage_fault
+
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(cli_sequencer, "cmd_status", full)
+    assert cli.main(["--home", str(tmp_path / "s"), "sequencer", "status"]) == 1
+    err = capsys.readouterr().err
+    assert "is full" in err and "evict" not in err, err
+    assert "evict --auto" in str(storage_fault(OSError(errno.ENOSPC, "full"), Path(tmp_path) / "store.sqlite"))
