@@ -280,6 +280,11 @@ def storage_fault(exc: BaseException, store: Path) -> StoreError | None:
     code, name = exc.sqlite_errorcode & 0xFF, exc.sqlite_errorname
     if code == _FULL or (code == _IOERR and free is not None and free < LOW_SPACE_BYTES):
         return StoreError(full_msg)
+    if code in (_CORRUPT, _NOTADB) and store.name != "store.sqlite":   # a sequencer's home (sequencer.db)
+        return StoreError(f"store {store} is damaged ({exc}, {name}): nothing was changed. Stop `sequencer run` and "
+                          f"keep a copy of the home; then restore {store.name} from a backup (its signing journal "
+                          "settles the older state on the next start and never signs an epoch twice), or recover "
+                          "the groups from members' evidence with `sequencer recover` (docs/sequencer.md)")
     if code in (_CORRUPT, _NOTADB):
         return StoreError(f"store {store} is damaged ({exc}, {name}): nothing was changed. Stop the agent and keep a "
                           "copy of the home; then restore store.sqlite from a backup (the clock witness keeps HLCs "

@@ -61,3 +61,20 @@ def test_a_full_disk_under_a_sequencer_verb_says_what_to_do_for_a_sequencer(tmp_
     err = capsys.readouterr().err
     assert "is full" in err and "evict" not in err, err
     assert "evict --auto" in str(storage_fault(OSError(errno.ENOSPC, "full"), Path(tmp_path) / "store.sqlite"))
+
+
+def test_a_damaged_sequencer_db_gets_a_sequencer_s_advice(tmp_path):
+    """A damaged sequencer.db was told to restore the node's store.sqlite and rehydrate from a peer
+    (a node's remedies); a sequencer restores sequencer.db from a copy, which its signing journal
+    settles on the next start (never signing an epoch twice), or recovers from members' evidence."""
+    import sqlite3
+    from pathlib import Path
+
+    from agent.store.db import storage_fault
+    e = sqlite3.DatabaseError("database disk image is malformed")
+    e.sqlite_errorcode, e.sqlite_errorname = 11, "SQLITE_CORRUPT"
+    said = str(storage_fault(e, Path(tmp_path) / "sequencer.db"))
+    assert "sequencer.db" in said and "store.sqlite" not in said and "rehydrate" not in said, said
+    assert "sequencer recover" in said and "journal" in said, said
+    node = str(storage_fault(e, Path(tmp_path) / "store.sqlite"))
+    assert "rehydrate" in node and "store.sqlite" in node
