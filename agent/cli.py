@@ -560,8 +560,9 @@ def main(argv: list[str] | None = None) -> int:
 def _store_of(args) -> Path:
     """The state file a verb works on, for storage_fault's advice: a `sequencer` verb's home holds
     sequencer.db (docs/sequencer.md), every other verb's a node's store.sqlite."""
-    home = Path(args.home or ".")
-    return home / ("sequencer.db" if getattr(args, "sequencer_verb", None) else "store.sqlite")
+    from .node import Node
+    from .sequencer.service import DB_NAME
+    return Path(args.home or ".") / (DB_NAME if getattr(args, "sequencer_verb", None) else Node.STORE_FILE)
 
 
 def dispatch(args) -> int:

@@ -63,6 +63,11 @@ DISK_PER_COMMIT = 4096
 Hook = Callable[[str], None]
 
 
+def _disk_need(message: bytes) -> int:
+    """What accepting ``message`` may write before its receipt is committed (the disk reserve)."""
+    return DISK_FACTOR * len(message) + DISK_PER_COMMIT
+
+
 class SequencerRefused(Exception):
     """The request was refused (CLI exit 2)."""
 
@@ -259,6 +264,9 @@ class Sequencer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def group_limit_detail(self) -> str:
+        return f"this sequencer tracks at most {self.max_groups} groups (`sequencer run --max-groups`)"
+
     def disk_room(self) -> int:
         """Bytes the home's filesystem can still give to Commits (its free space less
         DISK_RESERVE_BYTES)."""
@@ -278,8 +286,7 @@ class Sequencer:
         except ValueError as e:
             raise SequencerRefused(str(e)) from None
         if self.max_groups is not None and self.store.group_count() >= self.max_groups:
-            raise GroupLimit(f"group_limit: this sequencer tracks at most {self.max_groups} groups "
-                             "(`sequencer run --max-groups`)")
+            raise GroupLimit(f"group_limit: {self.group_limit_detail()}")
         self.store.register(state)
 
     def submit(self, message: bytes) -> Answer:
@@ -944,16 +951,9 @@ class GroupCommit:
         """Steps 2-4 of a step (see the class)."""
         seq = self.seq
         finished = [] if finishing is None else finishing[0]
-        busy = {d.group_id for _t, _m, _ch, _s, d in finished}
-        for batch, _tk, _r in self.signing:
-            busy.update(d.group_id for _t, _m, _ch, _s, d in batch)
+        in_flight = [finished] + [batch for batch, _tk, _r in self.signing]   # decided, not committed
         out, self.ready = self.ready, []
-        booting = 0              # groups created by batches not committed yet (counted by the bound)
-        pending_bytes = 0        # what the batches not committed yet will still write (the disk reserve)
-        for batch in [finished] + [b for b, _tk, _r in self.signing]:
-            booting += sum(1 for _t, _m, _ch, _s, d in batch if d.bootstrap)
-            pending_bytes += sum(DISK_FACTOR * len(m) + DISK_PER_COMMIT for _t, m, _ch, _s, _d in batch)
-        accepts = self._decide(busy, out, booting, pending_bytes)
+        accepts = self._decide(in_flight, out)
         done = []
         receipt_hash, accepted = receipts.receipt_hash, core.accepted
         for (tag, m, ch, state, d), raw in zip(finished, raws or []):
@@ -996,13 +996,16 @@ class GroupCommit:
             for _t, _m, _ch, _s, d in batch:
                 self.seq._settle(d.group_id, d.epoch, cause="signing_failed")
 
-    def _decide(self, busy: set, out: list, booting: int = 0, pending_bytes: int = 0) -> list:
+    def _decide(self, in_flight: list, out: list) -> list:
         """The next batch from the queue: at most ``chunk`` Commits for distinct groups none of
-        which is in flight, first-Commit-wins on each group's committed state; the rest keeps its
-        order for a later step. Rejections are answered at once (their head is committed)."""
+        which is in flight (``in_flight``: the batches decided and not committed yet),
+        first-Commit-wins on each group's committed state; the rest keeps its order for a later
+        step. Rejections are answered at once (their head is committed). The group bound and the
+        disk reserve count what is in flight too, looked at once a step, when first needed."""
         seq = self.seq
         group, decide, top_epoch = seq.store.group, core.decide, seq.bridge.max_receipt_epoch
-        accepts, later, seen = [], deque(), set(busy)
+        accepts, later = [], deque()
+        seen = {d.group_id for batch in in_flight for _t, _m, _ch, _s, d in batch}
         queue, limit = self.queue, self.chunk
         room = None              # new groups this batch may still create (seq.max_groups), counted once
         space = None             # bytes of disk this batch may still take (DISK_RESERVE_BYTES kept)
@@ -1039,16 +1042,16 @@ class GroupCommit:
                 continue
             if d.bootstrap and seq.max_groups is not None:
                 if room is None:
+                    booting = sum(x.bootstrap for batch in in_flight for _t, _m, _ch, _s, x in batch)
                     room = seq.max_groups - seq.store.group_count() - booting
                 if room <= 0:
-                    out.append((tag, seq._rejected(core.Reject(
-                        core.GROUP_LIMIT, d.group_id, None, None,
-                        f"this sequencer tracks at most {seq.max_groups} groups (`sequencer run --max-groups`)"))))
+                    out.append((tag, seq._rejected(core.Reject(core.GROUP_LIMIT, d.group_id, None, None,
+                                                               seq.group_limit_detail()))))
                     continue
                 room -= 1
-            need = DISK_FACTOR * len(m) + DISK_PER_COMMIT
+            need = _disk_need(m)
             if space is None:
-                space = seq.disk_room() - pending_bytes
+                space = seq.disk_room() - sum(_disk_need(x) for batch in in_flight for _t, x, _ch, _s, _d in batch)
             if need > space:
                 out.append((tag, seq._rejected(core._reject(
                     core.DISK_FULL, d.group_id, state, "the sequencer's disk is short of space: offer it again later"))))

@@ -258,10 +258,11 @@ def storage_fault(exc: BaseException, store: Path) -> StoreError | None:
     one line says what is wrong and what to do; None for anything else (a bug: not hidden)."""
     home = store.parent
     free = free_bytes(home)
-    if store.name == "store.sqlite":
+    node = store.name == "store.sqlite"       # else a sequencer's home (sequencer.db)
+    if node:
         todo = ("Free space there, or run `ssp-agent evict --auto` (it uses the space the home reserves for it), then "
                 "retry; read verbs (status, dump, log, events) still work")
-    else:       # a sequencer's home (sequencer.db): nothing in it to evict
+    else:       # nothing in it to evict
         todo = "Free space there, then retry; read verbs (status, receipt) still work"
     full_msg = (f"the filesystem holding {home} is full ({free if free is not None else '?'} bytes free): nothing "
                 f"was changed. {todo}")
@@ -280,7 +281,7 @@ def storage_fault(exc: BaseException, store: Path) -> StoreError | None:
     code, name = exc.sqlite_errorcode & 0xFF, exc.sqlite_errorname
     if code == _FULL or (code == _IOERR and free is not None and free < LOW_SPACE_BYTES):
         return StoreError(full_msg)
-    if code in (_CORRUPT, _NOTADB) and store.name != "store.sqlite":   # a sequencer's home (sequencer.db)
+    if code in (_CORRUPT, _NOTADB) and not node:
         return StoreError(f"store {store} is damaged ({exc}, {name}): nothing was changed. Stop `sequencer run` and "
                           f"keep a copy of the home; then restore {store.name} from a backup (its signing journal "
                           "settles the older state on the next start and never signs an epoch twice), or recover "
