@@ -19,35 +19,54 @@ import socket
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from queue import Empty
 from typing import Callable, Generic, Optional, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["BUDGET_BYTES", "DeliveryWatch", "Empty", "Inbox", "PACKET_OVERHEAD", "Prober", "drop_connection",
-           "message_size"]
+__all__ = ["BUDGET_BYTES", "Delivery", "DeliveryWatch", "Empty", "Inbox", "PACKET_OVERHEAD", "Prober",
+           "delivery", "delivery_size", "drop_connection"]
 
 # What a loop's inbox holds before the network thread waits: a few of the largest packets, and a
 # few thousand small ones (a Pi Zero 2 W has 512 MB).
 BUDGET_BYTES = 8 << 20
-# Counted per message besides its payload and topic: paho's MQTTMessage, its properties, the
-# queue entry (so a flood of empty publishes is bounded too).
+# Counted per message besides its payload and topic: a ``Delivery`` (or the node's own record,
+# agent/transport/mqtt.py) and the queue entry (so a flood of empty publishes is bounded too).
 ITEM_OVERHEAD = 512
 # A PUBLISH beyond its payload: topic, response topic, correlation data, user properties of a
 # request or record this project sends (each a few hundred bytes at most), with room to spare.
 PACKET_OVERHEAD = 16 << 10
 
 
-def message_size(msg) -> int:
-    """The bytes one paho message holds while it waits (``Inbox``'s ``size``): payload, topic and
-    the properties that carry bytes (user properties, response topic, correlation data: a small
-    payload can come with a megabyte of them)."""
-    n = len(msg.payload) + len(getattr(msg, "_topic", b"") or b"") + ITEM_OVERHEAD
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One PUBLISH as a loop needs it. paho's MQTT 5 message holds ~7.5 KB beside its bytes
+    (its Properties objects, an MQTTMessageInfo with a Condition); a budget counting ~0.5 KB an
+    item let a flood of small requests hold ~15 times the budget (docs/sequencer.md "A flood of
+    requests"), so the network thread keeps only this and paho's message is freed at once."""
+    topic: str
+    payload: bytes
+    qos: int
+    mid: int
+    retain: bool
+    response_topic: Optional[str]
+    correlation: Optional[bytes]
+
+
+def delivery(msg) -> Delivery:
+    """What the loop keeps of a paho message (on the network thread, before the inbox)."""
     props = getattr(msg, "properties", None)
-    if props is not None:
-        n += sum(len(k) + len(v) for k, v in getattr(props, "UserProperty", None) or ())
-        n += len(getattr(props, "ResponseTopic", None) or "") + len(getattr(props, "CorrelationData", None) or b"")
-    return n
+    rt = getattr(props, "ResponseTopic", None) if props is not None else None
+    corr = getattr(props, "CorrelationData", None) if props is not None else None
+    return Delivery(msg.topic, bytes(msg.payload), msg.qos, msg.mid, bool(msg.retain), rt or None,
+                    None if corr is None else bytes(corr))
+
+
+def delivery_size(d: Delivery) -> int:
+    """The bytes one ``Delivery`` holds while it waits (``Inbox``'s ``size``)."""
+    return (len(d.payload) + len(d.topic) + len(d.response_topic or "") + len(d.correlation or b"")
+            + ITEM_OVERHEAD)
 
 
 class Inbox(Generic[T]):

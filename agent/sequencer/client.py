@@ -432,7 +432,7 @@ class CommitClient:
         self._recheck_at = 0.0
         self.on_receipt = on_receipt
         self.reply_to = f"{ANSWER_ROOT}/{q.member_id}/answers"
-        self.inbound: inbox.Inbox = inbox.Inbox(inbox.BUDGET_BYTES, inbox.message_size)
+        self.inbound: inbox.Inbox[inbox.Delivery] = inbox.Inbox(inbox.BUDGET_BYTES, inbox.delivery_size)
         self.connected = threading.Event()
         self._generation = 0           # connections made; bumped by the network thread
         self._sent_in: dict[bytes, tuple[int, float, float]] = {}   # (connection, next resubmit, wait)
@@ -457,7 +457,7 @@ class CommitClient:
 
     def _on_message(self, client, userdata, msg) -> None:
         if not self.prober.on_message(msg):
-            self.inbound.put(msg)
+            self.inbound.put(inbox.delivery(msg))
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
@@ -701,7 +701,7 @@ class CommitClient:
         if msg.topic != self.reply_to:
             self._published(msg)
             return
-        corr = getattr(getattr(msg, "properties", None), "CorrelationData", None)
+        corr = msg.correlation
         if not corr or len(corr) != 33:
             return
         if corr[:1] == OFFER_TAG:

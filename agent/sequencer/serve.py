@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Optional
 from urllib.parse import unquote, urlparse
 
-from agent import inbox
+from agent import inbox, outbox
 from agent.core import codec
 from agent.sequencer import core, framing, recovery, service
 
@@ -115,6 +115,15 @@ STUCK_EVENTS_KEPT = 100
 # request beyond the largest one served (a Commit, an evidence file) is ever read into memory
 # (docs/sequencer.md "Size limits"); the overhead holds the topic, response topic, correlation data.
 MAX_PACKET_BYTES = max(framing.MAX_MESSAGE_BYTES, MAX_EVIDENCE_BYTES) + inbox.PACKET_OVERHEAD
+# Answers and records published and not yet acknowledged by the broker (agent/outbox.py, which
+# counts what paho holds for each, ~7.5 KB for an answer): past either bound the loop takes and
+# decides nothing until the broker has acknowledged some. One turn adds at most the answers of
+# MAX_BATCH requests or of one group-commit step (its queue's rejections, 2 * CHUNK accepted).
+ANSWER_BACKLOG_BYTES = 8 << 20
+ANSWER_BACKLOG_ITEMS = 1024
+# Commits waiting in the group commit's queue, besides BACKLOG_BYTES: a flood of tiny Commits
+# (each ~0.3 KB resident beside its bytes) and the rejections one step answers stay bounded.
+BACKLOG_COMMITS = 2048
 
 
 def epoch_text(payload: bytes) -> Optional[int]:
@@ -155,7 +164,7 @@ class Server:
         import paho.mqtt.client as paho
         from paho.mqtt.enums import CallbackAPIVersion
         self.seq, self.s = seq, settings
-        self.inbound: inbox.Inbox = inbox.Inbox(inbox.BUDGET_BYTES, inbox.message_size)
+        self.inbound: inbox.Inbox[inbox.Delivery] = inbox.Inbox(inbox.BUDGET_BYTES, inbox.delivery_size)
         self.stop = threading.Event()
         self.subscribed = threading.Event()
         self.evidence_allowance = Allowance(EVIDENCE_BYTES_PER_S, EVIDENCE_BURST_BYTES)
@@ -172,16 +181,27 @@ class Server:
         self._in_gc: dict[int, object] = {}      # tag -> the submit request in the group commit
         self._tags = 0
         client_id = f"sovm-seq-{seq.public_key.hex()[2:26]}"
-        c = paho.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=paho.MQTTv5, manual_ack=True)
-        if settings.username is not None:
-            c.username_pw_set(settings.username, settings.password)
-        if settings.tls:
-            c.tls_set(ca_certs=settings.ca_file, cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
+
+        def client(cid: str, **kw):
+            c = paho.Client(CallbackAPIVersion.VERSION2, client_id=cid, protocol=paho.MQTTv5, **kw)
+            if settings.username is not None:
+                c.username_pw_set(settings.username, settings.password)
+            if settings.tls:
+                c.tls_set(ca_certs=settings.ca_file, cert_reqs=ssl.CERT_REQUIRED, tls_version=ssl.PROTOCOL_TLS_CLIENT)
+            c.reconnect_delay_set(0.5, 30)
+            return c
+        # requests arrive on the persistent session (its subscriptions, acknowledged after their
+        # answer); answers and records leave on a second connection, whose thread never waits for
+        # the inbox, so their PUBACKs are read while a flood of requests waits (agent/outbox.py)
+        c = client(client_id, manual_ack=True)
         c.on_connect = self._on_connect
         c.on_subscribe = lambda *a: self.subscribed.set()
         c.on_message = self._on_message
-        c.reconnect_delay_set(0.5, 30)
         self.client = c
+        a = client(client_id + "-out")
+        self.out_connected = threading.Event()
+        a.on_connect = lambda _c, _u, _f, rc, _p: None if rc.is_failure else self.out_connected.set()
+        self.out = outbox.Outbox(a, ANSWER_BACKLOG_BYTES, ANSWER_BACKLOG_ITEMS)
         # deliveries stuck behind dropped oversized publishes come back with a reconnect (inbox.py)
         self.prober = inbox.Prober(c, f"{settings.prefix}/_probe/{client_id}")
 
@@ -193,7 +213,7 @@ class Server:
         if self.prober.on_message(msg):
             client.ack(msg.mid, msg.qos)
             return
-        self.inbound.put(msg)
+        self.inbound.put(inbox.delivery(msg))
 
     def _on_connect(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
@@ -210,11 +230,15 @@ class Server:
         props = Properties(PacketTypes.CONNECT)
         props.SessionExpiryInterval = int(self.s.session_expiry_s)
         props.MaximumPacketSize = MAX_PACKET_BYTES
+        self.out.client.connect_async(self.s.host, self.s.port, keepalive=30, clean_start=True)
+        self.out.client.loop_start()
         self.client.connect_async(self.s.host, self.s.port, keepalive=30, clean_start=False, properties=props)
         self.client.loop_start()
-        if not self.subscribed.wait(timeout):
+        end = time.monotonic() + timeout
+        if not (self.out_connected.wait(timeout) and self.subscribed.wait(max(0.0, end - time.monotonic()))):
             self.inbound.close()        # paho's thread may wait for room: it must be able to end
             self.client.loop_stop()
+            self.out.client.loop_stop()
             raise service.SequencerFault(f"broker {self.s.host}:{self.s.port} unreachable or refused the subscription")
         self._publish_discontinuities()
         for gid in sorted(self._lost_groups):
@@ -227,9 +251,16 @@ class Server:
 
     def turn(self) -> None:
         """One turn of the loop: take what arrived (up to MAX_BATCH requests, none while the group
-        commit's backlog holds BACKLOG_BYTES), make one group-commit step, watch the deliveries."""
+        commit's backlog holds BACKLOG_BYTES or BACKLOG_COMMITS), make one group-commit step, watch
+        the deliveries; nothing but the watch while the answers not acknowledged yet fill the outbox."""
+        if self.out.full():
+            # the answers wait for the broker's PUBACKs (read on the answer connection's thread):
+            # nothing is taken or decided until some are in; what is at the keystore waits too
+            self.out.wait(0.5)
+            self._watch_deliveries()
+            return
         batch = []
-        if self.gc.queued_bytes < BACKLOG_BYTES:
+        if self.gc.queued_bytes < BACKLOG_BYTES and len(self.gc.queue) < BACKLOG_COMMITS:
             try:
                 # with Commits in flight the loop only looks for more, it never waits for them
                 batch.append(self.inbound.get(timeout=0.5) if not self.gc.busy() else self.inbound.get_nowait())
@@ -267,6 +298,8 @@ class Server:
         self.inbound.close()        # paho's thread may wait for room: it must be able to end
         self.client.disconnect()
         self.client.loop_stop()
+        self.out.client.disconnect()
+        self.out.client.loop_stop()
 
     # -- requests ------------------------------------------------------------------------------
     def handle_many(self, msgs: list) -> None:
@@ -390,19 +423,16 @@ class Server:
     def _reply(self, msg, body: dict) -> None:
         from paho.mqtt.packettypes import PacketTypes
         from paho.mqtt.properties import Properties
-        props = getattr(msg, "properties", None)
-        rt = getattr(props, "ResponseTopic", None) if props is not None else None
-        if not rt:
+        if not msg.response_topic:
             return
         out = Properties(PacketTypes.PUBLISH)
-        corr = getattr(props, "CorrelationData", None)
-        if corr is not None:
-            out.CorrelationData = corr
-        self.client.publish(rt, json.dumps(body).encode(), qos=1, properties=out)
+        if msg.correlation is not None:
+            out.CorrelationData = msg.correlation
+        self.out.publish(msg.response_topic, json.dumps(body).encode(), qos=1, properties=out)
 
     def _publish_accepted(self, gid: bytes, epoch: int, commit: bytes, receipt: bytes) -> None:
         body = codec.encode({"epoch": epoch, "commit": commit, "receipt": receipt})
-        self.client.publish(f"{self.s.prefix}/{gid.hex()}/accepted", body, qos=1, retain=True)
+        self.out.publish(f"{self.s.prefix}/{gid.hex()}/accepted", body, qos=1, retain=True)
 
     def _publish_lost(self, gid: bytes) -> None:
         """What ``gid`` still misses of the receipts a restored state lost, retained for every
@@ -415,7 +445,7 @@ class Server:
             self._lost_groups.discard(gid)
         if self._published_lost.get(gid) == body:
             return
-        self.client.publish(f"{self.s.prefix}/{gid.hex()}/lost", body, qos=1, retain=True)
+        self.out.publish(f"{self.s.prefix}/{gid.hex()}/lost", body, qos=1, retain=True)
         self._published_lost[gid] = body
 
     def _publish_discontinuities(self) -> None:
@@ -433,4 +463,4 @@ class Server:
                 continue            # published once its statement is signed (the next round)
             del self._gaps_unstated[key]
             body = codec.encode({"epoch": e, "commit": m, "statement": st})
-            self.client.publish(f"{self.s.prefix}/{g.hex()}/discontinuity/{e}", body, qos=1, retain=True)
+            self.out.publish(f"{self.s.prefix}/{g.hex()}/discontinuity/{e}", body, qos=1, retain=True)

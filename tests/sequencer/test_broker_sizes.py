@@ -88,12 +88,12 @@ def decided(member, within: float = 90) -> dict:
 
 
 @contextmanager
-def serving(tmp_path, url: str, port: int, env=None, credentials=None) -> Iterator[tuple]:
+def serving(tmp_path, url: str, port: int, env=None, credentials=None, run_args=()) -> Iterator[tuple]:
     """`sequencer run` on a fresh home (the installed command) and a member's client with group
     G registered at epoch 0; on leaving, SIGTERM and exit 0. Yields (home, process, member)."""
     home = tmp_path / "seq"
     assert agent(home, "sequencer", "init").returncode == 0
-    proc = spawn(home, "sequencer", "run", "--broker", url, env=env)
+    proc = spawn(home, "sequencer", "run", "--broker", url, *run_args, env=env)
     m = None
     try:
         json.loads(proc.stdout.readline())
@@ -328,20 +328,25 @@ def test_a_member_comes_back_from_deliveries_stuck_behind_dropped_publishes(tmp_
         stop(runner, seq)
 
 
-def test_a_message_is_counted_with_the_bytes_its_properties_carry():
-    """A one-byte payload with 100 KB of user properties is counted as what it holds, so a flood
-    of such messages cannot pass the inbox budget as a few hundred bytes each."""
+def test_a_delivery_keeps_and_counts_only_the_bytes_the_loop_needs():
+    """A one-byte payload with 100 KB of user properties: the inbox keeps the payload, topic,
+    response topic and correlation data (each counted), not paho's message with its properties
+    (~7.5 KB beside its bytes, freed on the network thread), so neither a flood of small requests
+    nor one of large properties passes the inbox budget as a few hundred bytes each."""
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
     m = paho.MQTTMessage(1, b"sovm-seq/ab/submit")
     m.payload = b"x"
-    bare = inbox.message_size(m)
+    bare = inbox.delivery_size(inbox.delivery(m))
     p = Properties(PacketTypes.PUBLISH)
     p.UserProperty = [("k", "v" * 100_000), ("k2", "w" * 10)]
     p.ResponseTopic = "r" * 1000
     p.CorrelationData = b"c" * 500
     m.properties = p
-    assert inbox.message_size(m) >= bare + 100_000 + 12 + 1000 + 500
+    d = inbox.delivery(m)
+    assert (d.topic, d.payload, d.response_topic, d.correlation) == ("sovm-seq/ab/submit", b"x", "r" * 1000, b"c" * 500)
+    assert not hasattr(d, "__dict__")       # slots: nothing else rides along
+    assert inbox.delivery_size(d) == bare + 1000 + 500
 
 
 def test_a_refused_probe_is_seen_even_when_its_puback_beats_the_publish_call():

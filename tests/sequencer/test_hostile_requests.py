@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from agent import inbox, outbox
 from agent.sequencer import serve, service
 from agent.sequencer.framing import encode_private_message
 from tests.cli_cmd import agent_cmd, agent_env
@@ -30,12 +31,20 @@ HUGE = b"99999999999999999999999"
 
 
 class FakeClient:
+    """paho's side of a Server: what it publishes (every PUBACK handled before ``publish``
+    returns, the race agent/outbox.py must survive) and acknowledges."""
+
     def __init__(self) -> None:
         self.published: list = []
         self.acked: list = []
+        self.on_publish = None
 
     def publish(self, topic, payload, qos=0, retain=False, properties=None):
         self.published.append((topic, payload))
+        info = types.SimpleNamespace(rc=0, mid=len(self.published) % 65535 + 1)
+        if self.on_publish is not None:       # an Outbox's (a member's client takes none)
+            self.on_publish(self, None, info.mid)
+        return info
 
     def ack(self, mid, qos):
         self.acked.append(mid)
@@ -47,13 +56,17 @@ class FakeClient:
 def server(seq: service.Sequencer) -> tuple[serve.Server, list]:
     srv = serve.Server(seq, serve.BrokerSettings("127.0.0.1", 1))
     srv.client = FakeClient()
+    srv.out = outbox.Outbox(srv.client, serve.ANSWER_BACKLOG_BYTES, serve.ANSWER_BACKLOG_ITEMS)
     answers: list = []
     srv._reply = lambda msg, body: answers.append(body)
     return srv, answers
 
 
-def msg(topic: str, payload: bytes, mid: int = 1):
-    return types.SimpleNamespace(topic=topic, payload=payload, qos=1, mid=mid, properties=None)
+def msg(topic: str, payload: bytes, mid: int = 1, correlation: bytes | None = None):
+    """A request as paho hands it over, kept as the server's network thread keeps it."""
+    props = None if correlation is None else types.SimpleNamespace(CorrelationData=correlation)
+    return inbox.delivery(types.SimpleNamespace(topic=topic, payload=payload, qos=1, mid=mid, retain=False,
+                                                properties=props))
 
 
 def test_epoch_text_is_ascii_digits_in_range():
@@ -199,8 +212,7 @@ def test_member_fuzz_nothing_from_the_broker_raises():
                     corr = tag + (e.commit_hash if tag != b"e" else hashlib.sha256(G).digest())
                     if tag == b"e":
                         c._offered[G] = (b"", ())
-                    m = types.SimpleNamespace(topic=c.reply_to, payload=payload, qos=1, mid=1,
-                                              properties=types.SimpleNamespace(CorrelationData=corr))
+                    m = msg(c.reply_to, payload, correlation=corr)
                 else:
                     m = msg(f"sovm-seq/{G.hex()}/{where}", payload)
                 c._handle(m)

@@ -16,6 +16,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from agent import inbox
 from agent.sequencer import receipts
 from agent.sequencer.framing import encode_private_message
 from tests.cli_cmd import agent_cmd, agent_env
@@ -185,13 +186,13 @@ def test_requests_handled_together_keep_their_arrival_order(tmp_path, broker):
     m = Member(broker.port, "frank")
     H = bytes.fromhex("b8" * 16)
 
-    def msg(topic: str, payload: bytes, corr: bytes) -> MQTTMessage:
+    def msg(topic: str, payload: bytes, corr: bytes) -> inbox.Delivery:
         x = MQTTMessage(topic=topic.encode())
         x.payload, x.qos = payload, 0
         x.properties = Properties(PacketTypes.PUBLISH)
         x.properties.ResponseTopic = m.reply_to
         x.properties.CorrelationData = corr
-        return x
+        return inbox.delivery(x)          # as the network thread hands it to the loop
     try:
         batch = [msg(f"sovm-seq/{G.hex()}/register", b"3", b"reg"),
                  msg(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 3, ciphertext=b"w" * 8), b"win"),

@@ -1,0 +1,83 @@
+"""What a loop has handed one paho client to publish and the broker has not acknowledged yet,
+bounded in bytes (docs/sequencer.md "A flood of requests").
+
+paho keeps every QoS 1 publish in memory until the broker's PUBACK, which only that client's
+network thread reads. A loop that answers requests as fast as they come, on the connection whose
+thread also reads the requests, piles answers up faster than they leave, and it cannot stop
+taking requests to let them drain: that thread may be the one waiting for room in the loop's
+inbox (agent/inbox.py), so the PUBACKs are never read. The answers therefore go out on a
+connection of their own, which reads nothing but acknowledgements, and the loop takes no new
+request while this outbox holds its budget (``full``); it waits on ``progress`` meanwhile.
+
+The PUBACK of a publish may be handled before ``publish`` returns its mid (the network thread
+runs on); such an early mid is kept until ``publish`` sees it. paho calls ``on_publish`` while it
+holds its own lock, so this class never calls paho while holding its lock.
+"""
+from __future__ import annotations
+
+import threading
+
+__all__ = ["ITEM_OVERHEAD", "Outbox", "PROPERTIES_OVERHEAD"]
+
+# Counted per publish besides its payload and topic (measured with tracemalloc, paho 2.1): its
+# MQTTMessage and MQTTMessageInfo (a Condition) ~2.5 KB, and its MQTT 5 Properties, when it has
+# any (an answer's correlation data), ~5 KB more.
+ITEM_OVERHEAD = 2560
+PROPERTIES_OVERHEAD = 5120
+
+
+class Outbox:
+    """Publishes through ``client`` (its ``on_publish`` is taken), counting each until the broker
+    acknowledges it (QoS 1) or it is written (QoS 0)."""
+
+    def __init__(self, client, budget: int, max_items: int) -> None:
+        from paho.mqtt.enums import MQTTErrorCode
+        self.client = client
+        self.budget, self.max_items = int(budget), int(max_items)
+        self.held = 0                      # bytes published and not acknowledged
+        self._held: dict[int, int] = {}    # mid -> its bytes
+        self._early: set[int] = set()      # mids acknowledged before publish() returned them
+        self._lock = threading.Lock()
+        self.progress = threading.Event()  # set on every acknowledgement
+        self.waits = 0                     # times the loop found the outbox full
+        self._ok, self._no_conn = MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN
+        client.on_publish = self._on_publish
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, properties=None) -> None:
+        info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+        # counted only if paho will report it: a QoS 1 publish while disconnected is kept and sent
+        # on the next connection; one refused outright (QoS 0 disconnected, paho's queue full) is not
+        if info.rc != self._ok and not (qos and info.rc == self._no_conn):
+            return
+        n = len(payload) + len(topic) + ITEM_OVERHEAD + (PROPERTIES_OVERHEAD if properties is not None else 0)
+        with self._lock:
+            if info.mid in self._early:
+                self._early.discard(info.mid)
+                return
+            self._held[info.mid] = n
+            self.held += n
+
+    def _on_publish(self, _client, _userdata, mid, _reason_code=None, _properties=None) -> None:
+        with self._lock:
+            n = self._held.pop(mid, None)
+            if n is None:
+                self._early.add(mid)
+            else:
+                self.held -= n
+        self.progress.set()
+
+    def full(self) -> bool:
+        """The budget is held (bytes or publishes): take nothing that would add to it."""
+        with self._lock:
+            return self.held >= self.budget or len(self._held) >= self.max_items
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def wait(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for an acknowledgement, unless there is room already."""
+        self.progress.clear()
+        if self.full():
+            self.waits += 1
+            self.progress.wait(timeout)
