@@ -29,6 +29,23 @@ def _print(obj) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
 
 
+def _print_streamed(doc: dict) -> None:
+    """``doc`` as ``_print`` writes it, byte for byte, a value that is an iterator written item by
+    item as it comes (`sequencer status`: its groups, never all in memory at once)."""
+    out = sys.stdout
+    out.write("{")
+    for i, (k, v) in enumerate(doc.items()):
+        out.write((", " if i else "") + json.dumps(k) + ": ")
+        if isinstance(v, (list, dict, str, int, float, bool)) or v is None:
+            out.write(json.dumps(v))
+            continue
+        out.write("[")
+        for j, item in enumerate(v):
+            out.write((", " if j else "") + json.dumps(item))
+        out.write("]")
+    out.write("}\n")
+
+
 def _write_out(path, doc: dict) -> None:
     """--out: the JSON also written to ``path`` (atomically, mode 0600: it may hold key material
     or a member's receipts)."""
@@ -128,7 +145,7 @@ def cmd_receipt(args) -> int:
 
 def cmd_status(args) -> int:
     with _open(args, reader_ok=True) as s:
-        _print(s.status())
+        _print_streamed(s.status(stream=True))
     return EXIT_OK
 
 
