@@ -16,6 +16,7 @@ holds its own lock, so this class never calls paho while holding its lock.
 from __future__ import annotations
 
 import threading
+import time
 
 __all__ = ["ITEM_OVERHEAD", "Outbox", "PROPERTIES_OVERHEAD"]
 
@@ -74,6 +75,19 @@ class Outbox:
     def pending(self) -> int:
         with self._lock:
             return len(self._held)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the broker to acknowledge everything published (before a
+        disconnect, which drops what paho still holds); True once nothing is left."""
+        end = time.monotonic() + timeout
+        while self.pending():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            self.progress.clear()
+            if self.pending():
+                self.progress.wait(min(left, 0.5))
+        return True
 
     def wait(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for an acknowledgement, unless there is room already."""

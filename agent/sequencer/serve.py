@@ -121,6 +121,8 @@ MAX_PACKET_BYTES = max(framing.MAX_MESSAGE_BYTES, MAX_EVIDENCE_BYTES) + inbox.PA
 # MAX_BATCH requests or of one group-commit step (its queue's rejections, 2 * CHUNK accepted).
 ANSWER_BACKLOG_BYTES = 8 << 20
 ANSWER_BACKLOG_ITEMS = 1024
+# On stopping, how long to wait for the broker to acknowledge the answers already published
+CLOSE_FLUSH_S = 10.0
 # Commits waiting in the group commit's queue, besides BACKLOG_BYTES: a flood of tiny Commits
 # (each ~0.3 KB resident beside its bytes) and the rejections one step answers stay bounded.
 BACKLOG_COMMITS = 2048
@@ -296,6 +298,11 @@ class Server:
     def close(self) -> None:
         self.stop.set()
         self.inbound.close()        # paho's thread may wait for room: it must be able to end
+        if self.out.client.is_connected():
+            # the answers to what was acknowledged already: a disconnect drops what paho holds,
+            # and the broker would not deliver those requests again
+            if not self.out.flush(CLOSE_FLUSH_S):
+                log.warning("stopping with %d answers not acknowledged by the broker", self.out.pending())
         self.client.disconnect()
         self.client.loop_stop()
         self.out.client.disconnect()
