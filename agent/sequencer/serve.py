@@ -200,7 +200,8 @@ class Server:
         c.on_subscribe = lambda *a: self.subscribed.set()
         c.on_message = self._on_message
         self.client = c
-        a = client(client_id + "-out")
+        self.out_client_id = client_id + "-out"
+        a = client(self.out_client_id)
         self.out_connected = threading.Event()
         a.on_connect = lambda _c, _u, _f, rc, _p: None if rc.is_failure else self.out_connected.set()
         self.out = outbox.Outbox(a, ANSWER_BACKLOG_BYTES, ANSWER_BACKLOG_ITEMS)
@@ -237,11 +238,13 @@ class Server:
         self.client.connect_async(self.s.host, self.s.port, keepalive=30, clean_start=False, properties=props)
         self.client.loop_start()
         end = time.monotonic() + timeout
-        if not (self.out_connected.wait(timeout) and self.subscribed.wait(max(0.0, end - time.monotonic()))):
+        answers = self.out_connected.wait(timeout)
+        if not (answers and self.subscribed.wait(max(0.0, end - time.monotonic()))):
             self.inbound.close()        # paho's thread may wait for room: it must be able to end
             self.client.loop_stop()
             self.out.client.loop_stop()
-            raise service.SequencerFault(f"broker {self.s.host}:{self.s.port} unreachable or refused the subscription")
+            what = "the subscription" if answers else f"the answer connection (client id {self.out_client_id})"
+            raise service.SequencerFault(f"broker {self.s.host}:{self.s.port} unreachable or refused {what}")
         self._publish_discontinuities()
         for gid in sorted(self._lost_groups):
             self._publish_lost(gid)

@@ -49,3 +49,15 @@ def test_every_request_counted_at_stop_was_answered(tmp_path, broker):
             proc.kill()
     assert stopped["submits"] >= 50, stopped        # the stop came in the middle of the burst
     assert got == stopped["submits"], (got, stopped)
+
+
+def test_run_with_no_broker_there_exits_1_naming_it(tmp_path):
+    """Both connections are awaited at start; neither comes: a local fault (exit 1) that names
+    the broker, and nothing hangs (both network threads are stopped)."""
+    home = tmp_path / "seq"
+    assert agent(home, "sequencer", "init").returncode == 0
+    t = time.monotonic()
+    got = agent(home, "sequencer", "run", "--broker", "mqtt://127.0.0.1:1", "--connect-timeout", "1")
+    assert got.returncode == 1, (got.returncode, got.stderr)
+    assert "127.0.0.1:1 unreachable" in got.stderr
+    assert time.monotonic() - t < 30
