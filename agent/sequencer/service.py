@@ -895,6 +895,10 @@ class GroupCommit:
         self.prepared_rows: Optional[tuple[int, int]] = None   # their rowid range in `pending`
         self.ready: list = []           # (tag, answer) released by put (unparseable) or a step
         self.batches = 0                # batches accepted (each one signed as a group commit)
+        # the groups of the batches decided and not committed yet, and their Commits' _disk_need:
+        # kept as batches are decided and committed, not gathered from the batches every step
+        self.in_flight: set = set()
+        self.in_flight_need = 0
 
     def put(self, tag: object, message: bytes) -> None:
         try:
@@ -962,6 +966,9 @@ class GroupCommit:
         in_flight = [finished] + [batch for batch, _tk, _r in self.signing]   # decided, not committed
         out, self.ready = self.ready, []
         accepts = self._decide(in_flight, out)
+        for _t, m, _ch, _s, d in finished:    # committed below (a fault drops every batch in flight)
+            self.in_flight.discard(d.group_id)
+            self.in_flight_need -= _disk_need(m)
         done = []
         receipt_hash, accepted = receipts.receipt_hash, core.accepted
         for (tag, m, ch, state, d), raw in zip(finished, raws or []):
@@ -990,6 +997,7 @@ class GroupCommit:
         batches = [b for b, _tk, _r in self.signing] + [self.prepared]
         tickets = [tk for _b, tk, _r in self.signing]
         self.signing, self.prepared, self.prepared_rows = deque(), [], None
+        self.in_flight, self.in_flight_need = set(), 0
         for tk in tickets:
             try:
                 self.seq.bridge.release_pipelined(tk, [])
@@ -1006,14 +1014,16 @@ class GroupCommit:
 
     def _decide(self, in_flight: list, out: list) -> list:
         """The next batch from the queue: at most ``chunk`` Commits for distinct groups none of
-        which is in flight (``in_flight``: the batches decided and not committed yet),
+        which is in flight (``in_flight``: the batches decided and not committed yet, whose
+        groups and disk need ``self.in_flight`` and ``self.in_flight_need`` hold),
         first-Commit-wins on each group's committed state; the rest keeps its order for a later
         step. Rejections are answered at once (their head is committed). The group bound and the
         disk reserve count what is in flight too, looked at once a step, when first needed."""
         seq = self.seq
         group, decide, top_epoch = seq.store.group, core.decide, seq.bridge.max_receipt_epoch
         accepts, later = [], deque()
-        seen = {d.group_id for batch in in_flight for _t, _m, _ch, _s, d in batch}
+        # a group decided in this step waits too, accepted or not (its later Commits keep their order)
+        seen = set(self.in_flight)
         queue, limit = self.queue, self.chunk
         room = None              # new groups this batch may still create (seq.max_groups), counted once
         space = None             # bytes of disk this batch may still take (DISK_RESERVE_BYTES kept)
@@ -1059,13 +1069,15 @@ class GroupCommit:
                 room -= 1
             need = _disk_need(m)
             if space is None:
-                space = seq.disk_room() - sum(_disk_need(x) for batch in in_flight for _t, x, _ch, _s, _d in batch)
+                space = seq.disk_room() - self.in_flight_need
             if need > space:
                 out.append((tag, seq._rejected(core._reject(
                     core.DISK_FULL, d.group_id, state, "the sequencer's disk is short of space: offer it again later"))))
                 continue
             space -= need
             accepts.append((tag, m, ch, state, d))
+            self.in_flight.add(d.group_id)
+            self.in_flight_need += need
         later.extend(queue)
         self.queue = later
         return accepts
