@@ -424,6 +424,19 @@ class Journal:
                 raise ValueError("second released record for one identity")
             self._index[ident] = loc
 
+    def _apply_flushed(self, effects: list, pos: int) -> None:
+        """``_apply`` each record of a batch just made durable, written from offset ``pos`` on
+        ((type, ident, record length, payload length or None, key name or None) each)."""
+        index, apply = self._index, self._apply
+        for rtype, ident, rlen, plen, key in effects:
+            if rtype == RELEASED:      # _apply's, inline: one per signature, the hot path
+                if index.get(ident) is not None:
+                    raise ValueError("second released record for one identity")
+                index[ident] = (pos + rlen - plen, plen)
+            else:
+                apply(rtype, ident, None if plen is None else (pos + rlen - plen, plen, 1), key)
+            pos += rlen
+
     # -- group commit -----------------------------------------------------------------------
     def commit(self, records: Iterable[tuple[int, bytes, object]]) -> None:
         """Durably append records [(type, ident, key_name | cose)]; return once fsynced."""
@@ -468,14 +481,9 @@ class Journal:
             taken, self._taken = self._taken, upto   # this batch: the commits (taken, upto]
             self._pending = bytearray()
             self._pending_effects = []
-            # offsets are fixed here, by the leader, against the file it is about to append to
-            # (a compaction between queueing and flushing changes the file)
-            effects = []
-            pos = self._tail
-            for rtype, ident, rlen, plen, key in pending:
-                effects.append((rtype, ident, None if plen is None else (pos + rlen - plen, plen) if rtype == RELEASED
-                                else (pos + rlen - plen, plen, 1), key))
-                pos += rlen
+            # offsets are fixed against the file the leader is about to append to (a compaction
+            # between queueing and flushing changes the file; none runs while the leader owns it)
+            start = self._tail
         try:
             try:
                 self._write(buf)
@@ -506,10 +514,9 @@ class Journal:
                                "Check the disk, then restart the agent: anything not durable was not released") from exc
         with self._cond:
             self.fsyncs += 1
-            self._tail = pos
+            self._tail = start + len(buf)
             try:
-                for rtype, ident, loc, key in effects:
-                    self._apply(rtype, ident, loc, key)
+                self._apply_flushed(pending, start)
             except (ValueError, IndexError) as exc:  # the index disagrees with the file: stop
                 self._failed = exc
                 raise JournalError(f"journal index inconsistent ({exc}); restart the agent") from exc
