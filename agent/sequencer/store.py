@@ -227,7 +227,7 @@ class Store:
         the journal records its intents. The batches hold distinct groups.
         ``rows_pending``: the pending rows of ``rows``, as the rowid range an earlier step returned
         (one range delete instead of a look-up per row); None: looked up one by one. Returns the
-        rowid range of ``pending``'s rows (one insert, so consecutive), or None."""
+        rowid range of ``pending``'s rows (inserted together in one transaction, so consecutive), or None."""
         with self._tx():
             if rows:
                 receipts, groups, dirty = [], [], self._dirty

@@ -83,6 +83,14 @@ def test_first_commit_wins_in_arrival_order_across_overlapping_batches(tmp_path)
         seq.close()
 
 
+def in_flight_of(gc) -> tuple[set, int]:
+    """The groups and disk need of the batches in flight, gathered from them (what
+    GroupCommit.in_flight and in_flight_need keep as batches come and go)."""
+    batches = [batch for batch, _tk, _r in gc.signing] + [gc.prepared]
+    return ({d.group_id for batch in batches for _t, _m, _ch, _s, d in batch},
+            sum(service._disk_need(m) for batch in batches for _t, m, _ch, _s, _d in batch))
+
+
 def test_a_stream_chains_each_groups_receipts(tmp_path):
     """Commits put while earlier ones are in flight: each group's next Commit, put as its answer
     is released, is accepted and names the receipt before it."""
@@ -94,6 +102,7 @@ def test_a_stream_chains_each_groups_receipts(tmp_path):
         last: dict = {}
         n = 0
         while n < 400:
+            assert (gc.in_flight, gc.in_flight_need) == in_flight_of(gc)
             for g, a in gc.step():
                 assert isinstance(a, service.Accepted), a
                 r = receipts.parse_receipt(a.receipt)
@@ -102,6 +111,7 @@ def test_a_stream_chains_each_groups_receipts(tmp_path):
                 n += 1
                 gc.put(g, msg(g, a.epoch + 1))
         gc.drain()
+        assert (gc.in_flight, gc.in_flight_need) == in_flight_of(gc) == (set(), 0)
         for g in gs:
             assert seq.store.group(g).current_epoch >= 10
             st = seq.store.group(g)
