@@ -1022,7 +1022,7 @@ class GroupCommit:
         seq = self.seq
         group, decide, top_epoch = seq.store.group, core.decide, seq.bridge.max_receipt_epoch
         accepts, later = [], deque()
-        # a group decided in this step waits too, accepted or not (its later Commits keep their order)
+        # the groups in flight, and those accepted in this step: their later Commits wait their turn
         seen = set(self.in_flight)
         queue, limit = self.queue, self.chunk
         room = None              # new groups this batch may still create (seq.max_groups), counted once
