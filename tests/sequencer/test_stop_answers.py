@@ -32,10 +32,13 @@ def test_every_request_counted_at_stop_was_answered(tmp_path, broker):
     try:
         p = Properties(PacketTypes.PUBLISH)
         p.ResponseTopic = m.reply_to
-        for i in range(n):          # Commits for new groups, not waiting for answers
+        proc.send_signal(signal.SIGSTOP)    # the burst waits for run (the broker's in-flight window
+        for i in range(n):                  # of 100 in its socket), so its first turn takes them all
             g = os.urandom(16)
             p.CorrelationData = g
             m.c.publish(f"sovm-seq/{g.hex()}/submit", encode_private_message(g, 0), qos=1, properties=p)
+        time.sleep(1)
+        proc.send_signal(signal.SIGCONT)
         m.answers.get(timeout=30)   # run is answering the burst: stop it now
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
