@@ -150,6 +150,7 @@ class Runner:
         self.intake = Intake(PRESENCE_LIMIT, self.stats, size=inbound_size)
         self.refusal_budget = SurfaceBudget(REFUSALS_SURFACED_PER_WINDOW, REFUSAL_WINDOW_S)  # (source, reason)
         self.loss_budget = SurfaceBudget(LOSSES_SURFACED_PER_WINDOW, LOSS_WINDOW_S)  # the broker connection's losses
+        self._next_dropped_log = 0.0  # answers left out are logged once a window (`_answer_left_out`)
         self._owed: dict[bytes, list] = {}  # sender -> [(request, answer properties, AckAnswer)] not yet answered
         self._last_ack: dict[bytes, float] = {}  # sender -> when its last acknowledgement was signed
         self._released_acks = ReleasedAcks()  # records released, served again to a replay of the same body
@@ -324,9 +325,28 @@ class Runner:
         self.stats[f"rejected:{reason}"] += 1
         self.rejections.append((reason, detail))
         self._surface_refusal("mqtt_request", reason, detail, m.sender)
-        if self.link.answer(m, b"", refusal_properties(m.props, reason)):
+        self._answer(m, b"", refusal_properties(m.props, reason), courtesy=True)
+
+    def _answer(self, m: Inbound, body: bytes, user: dict[str, str], courtesy: bool) -> None:
+        """Answer a request, then acknowledge it to the broker (never redelivered). A courtesy (a
+        refusal's answer, or one to a sender outside the keyring: nothing it is owed moves) is left
+        out while the link's publishes wait for the broker's acknowledgements at their bound: under
+        a flood they wait behind it, paho holding each (docs/mqtt.md "Memory bound")."""
+        if courtesy and self.link.unacked.full():
+            self._answer_left_out()
+        elif self.link.answer(m, body, user):
             self.stats["answers_sent"] += 1
         self.link.ack(m)
+
+    def _answer_left_out(self) -> None:
+        """Counted (`courtesy_answers_dropped`); logged at most once a window."""
+        self.stats["courtesy_answers_dropped"] += 1
+        now = time.monotonic()
+        if now >= self._next_dropped_log:
+            self._next_dropped_log = now + REFUSAL_WINDOW_S
+            log.warning("answers to refused or unknown senders left out while %d publishes wait for the broker "
+                        "(%d so far; the requests are still acknowledged)",
+                        self.link.unacked.pending(), self.stats["courtesy_answers_dropped"])
 
     def _surface_refusal(self, source: str, reason: str, detail: str, sender: bytes | None) -> None:
         """Log and surface a refusal, at most REFUSALS_SURFACED_PER_WINDOW per (source, reason) in
@@ -412,9 +432,7 @@ class Runner:
             # already released states exactly that (docs/protocol.md §5); no new signature.
             self.stats["acks_reserved"] += 1
             extra = (kept,)
-        if self.link.answer(m, self.sync.answer_body(m.sender, extra), user):
-            self.stats["answers_sent"] += 1
-        self.link.ack(m)
+        self._answer(m, self.sync.answer_body(m.sender, extra), user, courtesy=m.sender not in self.node.keyring)
 
     def _name_next(self, m: Inbound):
         """This body's parse if it was parsed early, and name the next body waiting from the same
