@@ -1,17 +1,20 @@
 """What a loop has handed one paho client to publish and the broker has not acknowledged yet,
-bounded in bytes (docs/sequencer.md "A flood of requests").
+bounded in bytes and publishes (docs/sequencer.md "A flood of requests", docs/mqtt.md "Memory
+bound").
 
 paho keeps every QoS 1 publish in memory until the broker's PUBACK, which only that client's
 network thread reads. A loop that answers requests as fast as they come, on the connection whose
-thread also reads the requests, piles answers up faster than they leave, and it cannot stop
-taking requests to let them drain: that thread may be the one waiting for room in the loop's
-inbox (agent/inbox.py), so the PUBACKs are never read. The answers therefore go out on a
-connection of their own, which reads nothing but acknowledgements, and the loop takes no new
-request while this outbox holds its budget (``full``); it waits on ``progress`` meanwhile.
+thread also reads the requests, piles answers up faster than they leave, and it cannot wait for
+them to drain: that thread may be the one waiting for room in the loop's inbox (agent/inbox.py),
+so the PUBACKs are never read. So either the answers go out on a connection of their own, which
+reads nothing but acknowledgements, and the loop takes no new request while the outbox is
+``full`` (`sequencer run`: it waits on ``progress``); or, on the one connection, the loop never
+waits and leaves out what it may while ``full`` (a node's courtesy answers, agent/runner.py).
 
 The PUBACK of a publish may be handled before ``publish`` returns its mid (the network thread
-runs on); such an early mid is kept until ``publish`` sees it. paho calls ``on_publish`` while it
-holds its own lock, so this class never calls paho while holding its lock.
+runs on); such an early mid is kept while a publish is under way, and only then, so the PUBACKs
+of publishes made past this class (a delivery probe's) leave nothing behind. paho calls
+``on_publish`` while it holds its own lock, so this class never calls paho while holding its lock.
 """
 from __future__ import annotations
 
@@ -28,43 +31,59 @@ PROPERTIES_OVERHEAD = 5120
 
 
 class Outbox:
-    """Publishes through ``client`` (its ``on_publish`` is taken), counting each until the broker
-    acknowledges it (QoS 1) or it is written (QoS 0)."""
+    """Publishes through ``client``, counting each until the broker acknowledges it (QoS 1) or it
+    is written (QoS 0). ``own_on_publish``: take the client's ``on_publish``; otherwise the owner
+    calls ``acked`` from its own (chained after another user of it, a delivery probe)."""
 
-    def __init__(self, client, budget: int, max_items: int) -> None:
+    def __init__(self, client, budget: int, max_items: int, own_on_publish: bool = True) -> None:
         from paho.mqtt.enums import MQTTErrorCode
         self.client = client
         self.budget, self.max_items = int(budget), int(max_items)
         self.held = 0                      # bytes published and not acknowledged
         self._held: dict[int, int] = {}    # mid -> its bytes
-        self._early: set[int] = set()      # mids acknowledged before publish() returned them
+        self._early: set[int] = set()      # mids acknowledged while a publish was under way
+        self._publishing = 0               # publish() calls under way
         self._lock = threading.Lock()
         self.progress = threading.Event()  # set on every acknowledgement
         self.waits = 0                     # times the loop found the outbox full
         self._ok, self._no_conn = MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN
-        client.on_publish = self._on_publish
+        if own_on_publish:
+            client.on_publish = lambda _c, _u, mid, *_rest: self.acked(mid)
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, properties=None) -> None:
-        info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, properties=None):
+        """paho's publish, counted; returns paho's MQTTMessageInfo."""
+        with self._lock:
+            self._publishing += 1
+        info = None
+        try:
+            info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+            return info
+        finally:
+            self._published(info, qos, len(payload) + len(topic) + ITEM_OVERHEAD
+                            + (PROPERTIES_OVERHEAD if properties is not None else 0))
+
+    def _published(self, info, qos: int, n: int) -> None:
         # counted only if paho will report it: a QoS 1 publish while disconnected is kept and sent
         # on the next connection; one refused outright (QoS 0 disconnected, paho's queue full) is not
-        if info.rc != self._ok and not (qos and info.rc == self._no_conn):
-            return
-        n = len(payload) + len(topic) + ITEM_OVERHEAD + (PROPERTIES_OVERHEAD if properties is not None else 0)
+        kept = info is not None and (info.rc == self._ok or (qos > 0 and info.rc == self._no_conn))
         with self._lock:
-            if info.mid in self._early:
-                self._early.discard(info.mid)
-                return
-            self._held[info.mid] = n
-            self.held += n
+            self._publishing -= 1
+            if kept and info.mid in self._early:
+                self._early.discard(info.mid)      # acknowledged already
+            elif kept:
+                self._held[info.mid] = n
+                self.held += n
+            if not self._publishing:
+                self._early.clear()
 
-    def _on_publish(self, _client, _userdata, mid, _reason_code=None, _properties=None) -> None:
+    def acked(self, mid: int) -> None:
+        """paho's on_publish (the network thread): the broker acknowledged ``mid`` (or paho wrote it)."""
         with self._lock:
             n = self._held.pop(mid, None)
-            if n is None:
-                self._early.add(mid)
-            else:
+            if n is not None:
                 self.held -= n
+            elif self._publishing:
+                self._early.add(mid)
         self.progress.set()
 
     def full(self) -> bool:

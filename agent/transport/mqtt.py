@@ -76,7 +76,7 @@ RECEIVE_MAXIMUM_MIN, RECEIVE_MAXIMUM_MAX = 16, 1000
 # Maximum counts no QoS 0 publish, so this, not the broker, bounds what a flood leaves in memory;
 # past it the network thread waits and TCP pushes back on the broker (docs/mqtt.md "Memory bound").
 INBOX_BUDGET_BYTES = 8 * 1024 * 1024
-# The link's publishes the broker has not acknowledged (`Unacked`): paho holds each until its PUBACK
+# The link's publishes the broker has not acknowledged (`outbox.Outbox`): paho holds each until its PUBACK
 # (~8 KB for an answer with its MQTT 5 Properties). Past either bound the runner leaves out the
 # answers that are a courtesy (docs/mqtt.md "Memory bound": a flood's answers piled up in paho).
 UNACKED_BYTES = 8 * 1024 * 1024
@@ -264,70 +264,6 @@ def _publish_props(user: dict[str, str], correlation: bytes | None = None,
     return p
 
 
-class Unacked:
-    """The link's QoS 1 publishes the broker has not acknowledged yet, counted as paho holds them
-    (agent/outbox.py's measures). Their PUBACKs are read by the network thread that also reads
-    the requests; under a flood they come behind it, and that thread may be waiting for room in
-    the inbox, so nobody may wait for them (that deadlocked `sequencer run`): the runner only asks
-    `full` and then leaves out what is a courtesy (docs/mqtt.md "Memory bound").
-
-    A PUBACK may be handled before ``publish`` returns its mid (paho calls ``on_publish`` under its
-    own lock, so none is called while holding ours): such a mid is kept only while a publish is
-    under way, so acknowledgements of publishes made elsewhere (the delivery probe) are not kept."""
-
-    def __init__(self, budget: int = UNACKED_BYTES, max_items: int = UNACKED_ITEMS) -> None:
-        self.budget, self.max_items = int(budget), int(max_items)
-        self.held = 0                      # bytes published and not acknowledged
-        self._held: dict[int, int] = {}    # mid -> its bytes
-        self._early: set[int] = set()      # mids acknowledged while a publish was under way
-        self._publishing = 0
-        self._lock = threading.Lock()
-
-    def publish(self, client: paho.Client, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
-                properties: Properties | None = None) -> paho.MQTTMessageInfo:
-        with self._lock:
-            self._publishing += 1
-        info = None
-        try:
-            info = client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
-            return info
-        finally:
-            self._published(info, qos, len(payload) + len(topic) + outbox.ITEM_OVERHEAD
-                            + (outbox.PROPERTIES_OVERHEAD if properties is not None else 0))
-
-    def _published(self, info, qos: int, n: int) -> None:
-        # counted only if paho keeps it for a PUBACK: QoS 1, sent or kept for the next connection
-        kept = info is not None and qos > 0 and info.rc in (MQTTErrorCode.MQTT_ERR_SUCCESS,
-                                                            MQTTErrorCode.MQTT_ERR_NO_CONN)
-        with self._lock:
-            self._publishing -= 1
-            if kept and info.mid in self._early:
-                self._early.discard(info.mid)      # acknowledged already
-            elif kept:
-                self._held[info.mid] = n
-                self.held += n
-            if not self._publishing:
-                self._early.clear()
-
-    def acked(self, mid: int) -> None:
-        """paho's on_publish (network thread): the broker acknowledged ``mid``."""
-        with self._lock:
-            n = self._held.pop(mid, None)
-            if n is not None:
-                self.held -= n
-            elif self._publishing:
-                self._early.add(mid)
-
-    def full(self) -> bool:
-        """The bound is held (bytes or publishes): publish nothing that may be left out."""
-        with self._lock:
-            return self.held >= self.budget or len(self._held) >= self.max_items
-
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._held)
-
-
 def _writes_on_the_network_thread(client, userdata, sock) -> None:
     """paho's socket-register-write callback: nothing to do, the network thread's loop() writes
     whatever is queued (MqttLink._make_client says why no other thread may)."""
@@ -376,7 +312,9 @@ class MqttLink:
         self._lock = threading.Lock()
         self._backoff = Backoff(settings.backoff_min_s, settings.backoff_max_s)
         self._client = self._make_client()
-        self.unacked = Unacked()   # what paho holds for a PUBACK (every QoS 1 publish goes through it)
+        # what paho holds for a PUBACK (every publish of the link goes through it); never waited
+        # for: the runner leaves out courtesy answers while it is full (agent/outbox.py)
+        self.unacked = outbox.Outbox(self._client, UNACKED_BYTES, UNACKED_ITEMS, own_on_publish=False)
         # Deliveries stuck behind in-flight slots the broker keeps for PUBLISHes it dropped for our
         # Maximum Packet Size: probed on our own inbox, under our own name (what the ACLs let a
         # node publish), stepped on the network thread (agent/inbox.py).
@@ -714,7 +652,7 @@ class MqttLink:
     def _publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
                  properties: Properties | None = None) -> paho.MQTTMessageInfo:
         """Every publish of the link: counted until the broker acknowledges it (`unacked`)."""
-        return self.unacked.publish(self._client, topic, payload, qos, retain, properties)
+        return self.unacked.publish(topic, payload, qos, retain, properties)
 
     @property
     def client(self) -> paho.Client:

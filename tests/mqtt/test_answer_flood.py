@@ -153,39 +153,3 @@ def test_past_the_bound_only_courtesy_answers_are_left_out(broker, tmp_path, sec
         rb.close()
         for n in nodes:
             n.close()
-
-
-def test_unacked_counts_each_publish_until_its_puback():
-    """`Unacked` (agent/transport/mqtt.py): a QoS 1 publish counts until its PUBACK, also when the
-    PUBACK is handled before `publish` returns the mid (the network thread runs on); a PUBACK of a
-    publish made elsewhere (the delivery probe's) is not kept; QoS 0 is not counted."""
-    import types
-
-    from paho.mqtt.enums import MQTTErrorCode
-
-    from agent.transport.mqtt import Unacked
-
-    class Client:
-        mid, early = 0, False
-
-        def publish(self, topic, payload, qos=0, retain=False, properties=None):
-            self.mid += 1
-            if self.early:
-                u.acked(self.mid)
-            return types.SimpleNamespace(rc=MQTTErrorCode.MQTT_ERR_SUCCESS, mid=self.mid)
-
-    u, c = Unacked(budget=1 << 20, max_items=2), Client()
-    u.publish(c, "t", b"x", qos=1)
-    assert u.pending() == 1 and u.held > 0 and not u.full()
-    u.publish(c, "t", b"x", qos=0)
-    assert u.pending() == 1
-    c.early = True
-    u.publish(c, "t", b"x", qos=1)
-    assert u.pending() == 1 and not u._early
-    c.early = False
-    u.acked(999)                                   # the probe's: nobody is publishing
-    assert not u._early
-    u.publish(c, "t", b"x", qos=1)
-    assert u.full()
-    u.acked(1), u.acked(c.mid)
-    assert u.pending() == 0 and u.held == 0 and not u.full()

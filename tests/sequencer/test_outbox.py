@@ -1,4 +1,5 @@
-"""agent/outbox.py: what one connection has published and the broker not yet acknowledged."""
+"""agent/outbox.py: what one connection has published and the broker not yet acknowledged
+(`sequencer run`'s answer connection, a node's link)."""
 from __future__ import annotations
 
 import threading
@@ -74,3 +75,21 @@ def test_flush_waits_for_the_last_puback_and_gives_up_at_its_timeout():
     threading.Timer(0.1, c.ack, (1,)).start()
     threading.Timer(0.2, c.ack, (2,)).start()
     assert o.flush(5) is True and o.pending() == 0
+
+
+def test_a_puback_for_a_publish_made_elsewhere_leaves_nothing_behind():
+    """A node's link shares its client with the delivery probe, whose PUBACKs reach ``acked``
+    too (chained, ``own_on_publish=False``): one that comes while no publish is under way is
+    not kept as an early mid (a later publish reusing that mid would never be counted)."""
+    c = Client()
+    c.on_publish = "the probe's"
+    o = outbox.Outbox(c, budget=1 << 20, max_items=10, own_on_publish=False)
+    assert c.on_publish == "the probe's"            # not taken
+    c.on_publish = lambda _c, _u, mid, *_r: o.acked(mid)
+    o.acked(7)                                     # the probe's PUBACK
+    assert not o._early
+    c.mid = 6
+    o.publish("t", b"a")                           # mid 7, acknowledged later
+    assert o.pending() == 1
+    o.acked(7)
+    assert o.pending() == 0
