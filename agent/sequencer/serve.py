@@ -26,6 +26,12 @@ their answer is queued, so a request the sequencer never finished (crash) is red
 broker (persistent session) and answered then: a Commit that won before the crash is answered
 `stale_epoch` with its own receipt as head — its sender sees its commit_hash in it.
 
+Two connections: requests arrive on the persistent session; answers and the retained records
+leave on a second one (CLIENT_ID-out, clean start), whose network thread reads only their PUBACKs,
+so they drain while a flood of requests waits for room in the inbox; the loop takes nothing while
+the answers not yet acknowledged fill the outbox (agent/outbox.py, docs/sequencer.md "A flood of
+requests"), and on stopping waits for them (CLOSE_FLUSH_S) before disconnecting.
+
 One wildcard subscription per request kind: an idle group costs nothing (no per-group polling,
 no per-group subscription). Requests are handled on one thread (the Sequencer and its SQLite
 connection are not shared), in arrival order. Submits stream through the sequencer's pipelined
