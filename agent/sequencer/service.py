@@ -332,7 +332,12 @@ class Sequencer:
         return stats
 
     def _maybe_compact(self) -> None:
-        if self.bridge.journal_stats()["bytes"] - self._compacted_at >= JOURNAL_COMPACT_BYTES:
+        # each compaction rewrites every group's kept entries (~22 µs a group): it waits until the
+        # journal grew by what it keeps, at least JOURNAL_COMPACT_BYTES, so its cost per Commit
+        # stays bounded however many groups, and the journal (with its in-memory index) within
+        # twice its compacted size plus that step ("Journal compaction")
+        grown = self.bridge.journal_stats()["bytes"] - self._compacted_at
+        if grown >= max(JOURNAL_COMPACT_BYTES, self._compacted_at):
             self.compact_journal()
 
     def receipt(self, group_id: bytes, epoch: int) -> Union[bytes, Absent]:
