@@ -49,6 +49,8 @@ RUN_LOCK_NAME = "run.lock"        # held exclusively by `sequencer run`, shared 
 # group, not every receipt ever signed (~350 bytes of disk and of memory each: docs/sequencer.md
 # "Journal compaction")
 JOURNAL_COMPACT_BYTES = 8 * 2**20
+# ... or by this many times what the last compaction kept, if more (`_maybe_compact`)
+JOURNAL_COMPACT_KEPT_RATIO = 1.0
 JOURNAL_OPEN_COMPACT_BYTES = 64 * 2**10
 
 # Free space the home's filesystem keeps beyond the Commits being accepted: below it a Commit is
@@ -337,7 +339,7 @@ class Sequencer:
         # stays bounded however many groups, and the journal (with its in-memory index) within
         # twice its compacted size plus that step ("Journal compaction")
         grown = self.bridge.journal_stats()["bytes"] - self._compacted_at
-        if grown >= max(JOURNAL_COMPACT_BYTES, self._compacted_at):
+        if grown >= max(JOURNAL_COMPACT_BYTES, JOURNAL_COMPACT_KEPT_RATIO * self._compacted_at):
             self.compact_journal()
 
     def receipt(self, group_id: bytes, epoch: int) -> Union[bytes, Absent]:

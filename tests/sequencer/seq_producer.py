@@ -65,6 +65,7 @@ def main() -> None:
         service.STATEMENT_BATCH = a.statement_batch
     if a.compact_bytes:
         service.JOURNAL_COMPACT_BYTES = service.JOURNAL_OPEN_COMPACT_BYTES = a.compact_bytes
+        service.JOURNAL_COMPACT_KEPT_RATIO = 0      # every compact_bytes: its crash points come often
     hook = hook_from_env("SEQ_CRASH")
     rng = random.Random(a.seed)
     out = sys.stdout
