@@ -45,7 +45,6 @@ class Outbox:
         self._publishing = 0               # publish() calls under way
         self._lock = threading.Lock()
         self.progress = threading.Event()  # set on every acknowledgement
-        self.waits = 0                     # times the loop found the outbox full
         self._ok, self._no_conn = MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN
         if own_on_publish:
             client.on_publish = lambda _c, _u, mid, *_rest: self.acked(mid)
@@ -112,5 +111,4 @@ class Outbox:
         """Wait up to ``timeout`` s for an acknowledgement, unless there is room already."""
         self.progress.clear()
         if self.full():
-            self.waits += 1
             self.progress.wait(timeout)
