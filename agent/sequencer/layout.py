@@ -51,7 +51,10 @@ import sqlite3
 from pathlib import Path
 from typing import Callable
 
+from agent.sqlbind import bind_plainly
 from agent.sqlscript import statements
+
+bind_plainly()   # blobs, NULLs and booleans bound without the module's adaptation look-up
 
 Step = Callable[[sqlite3.Connection], None]
 

@@ -185,6 +185,7 @@ class Server:
         # (`receipts_lost`), so fixed from here on; one dropped once nothing is missing
         self._lost_groups: set[bytes] = set(seq.store.lost_stretches())
         self.stats = {"submits": 0, "submit_batches": 0}
+        service.tune_collector()
         self.gc = seq.group_commit()
         self._in_gc: dict[int, object] = {}      # tag -> the submit request in the group commit
         self._tags = 0

@@ -24,6 +24,7 @@ epoch the journal knows is adopted or recorded as a discontinuity, never signed 
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import shutil
 from collections import deque
@@ -62,7 +63,23 @@ DISK_RESERVE_BYTES = 4 << 20
 DISK_FACTOR = 4
 DISK_PER_COMMIT = 4096
 
+# The cyclic collector of a serving process (`sequencer run`, tune_collector): its youngest
+# generation collected every 10 000 net container allocations instead of 700, the older ones at
+# the default ratios to it. The group commit allocates several tuples a Commit and keeps its
+# batches in flight across steps, so at 700 the collector ran ~250 times per 32 768 Commits and
+# promoted the batches to the oldest generation, whose full passes walk every group's cached
+# state: 2.8 µs of CPU a Commit, 0.2 µs at 10 000 (measured with gc.callbacks, 1 024 groups).
+# What waits for a collection meanwhile is only garbage in reference cycles (refcounting frees
+# the rest at once): at most ~10 000 young objects, about a megabyte.
+GC_THRESHOLDS = (10_000, 10, 10)
+
 Hook = Callable[[str], None]
+
+
+def tune_collector() -> None:
+    """Set GC_THRESHOLDS for this process (process-wide, as the collector is): `sequencer run`
+    calls it when it starts serving, and the benchmark that measures its group commit does too."""
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 def _disk_need(message: bytes) -> int:

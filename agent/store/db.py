@@ -10,6 +10,10 @@ import threading
 import urllib.parse
 from pathlib import Path
 
+from agent.sqlbind import bind_plainly
+
+bind_plainly()   # blobs, NULLs and booleans bound without the module's adaptation look-up
+
 SCHEMA_VERSION = 1   # the first release's layout; the current one is migrations.LATEST
 
 _DDL = """

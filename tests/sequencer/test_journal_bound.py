@@ -206,3 +206,19 @@ def test_compaction_waits_for_the_journal_to_grow_by_what_it_keeps(tmp_path, mon
     # (76 before, one every 4 KiB)
     assert stats["compactions"] <= 20 + 3, (stats, kept)
     assert peak <= 2 * kept + step + 64 * 1024, (peak, kept)
+
+
+def test_a_serving_process_collects_its_youngest_generation_less_often(tmp_path):
+    """`sequencer run` sets service.GC_THRESHOLDS when it starts serving (its Server), so the
+    group commit's batches in flight are not walked by the collector every 700 allocations."""
+    import gc
+    from agent.sequencer import serve, service
+    service.init(tmp_path / "seq")
+    saved = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        with service.Sequencer(tmp_path / "seq") as seq:
+            serve.Server(seq, serve.BrokerSettings("127.0.0.1", 1))   # nothing connects before start()
+            assert gc.get_threshold() == service.GC_THRESHOLDS and service.GC_THRESHOLDS[0] > 700
+    finally:
+        gc.set_threshold(*saved)
