@@ -155,3 +155,52 @@ def test_compaction_failure_before_rename_leaves_the_journal_usable(env, monkeyp
     assert not os.path.exists(path + ".compact")
     assert bridge.released(EventIdentity(SITE, 4000, 0)) == out
     assert bridge.release(*ev_item(4000, 1))   # still works
+
+
+def test_receipt_compaction_writes_what_encoding_the_kept_entries_again_would(env, monkeypatch):
+    """A kept output's record is copied from the old file byte for byte, not encoded again: the
+    file a compaction writes is exactly MAGIC, one FLOOR a group (in group order), then each kept
+    identity's intent and its output encoded afresh, in the index's order. The intents and the
+    outputs were written by separate commits, interleaved across groups, so a record's place in
+    the old file says nothing of the new one; the mapping is also replaced by a plain read."""
+    from firmware_bridge import journal as J
+    ks, bridge, path = env
+    groups = [b"group-%04d" % g for g in range(7)]
+    prot = receipt_protected(ks.public_key("seq"))
+
+    def item(g, e):
+        pay = receipt_payload(g, e, bytes([e]) * 32, None)
+        return ReceiptIdentity(g, e), "seq", sig_structure(prot, pay), assembler(prot, pay)
+    for e in range(6):
+        bridge.release_many([item(g, e) for g in groups[e % 3:]])
+    # one intent without an output above a group's last receipt (a gap's intent): kept, no output
+    bridge._journal.commit([(1, ReceiptIdentity(groups[6], 9).encode(), "seq")])
+    jr = bridge._journal
+    released = {i: jr.read_released(i) for i in list(jr._index) if jr._index[i] is not None}
+    below = {g: 4 for g in groups}                  # every receipt below epoch 4 is recorded
+    for mapped in (True, False):
+        if not mapped:   # where a file cannot be mapped, it is read: the same bytes come out
+            monkeypatch.setattr(J.mmap, "mmap", lambda *a, **k: (_ for _ in ()).throw(OSError(19, "no mmap")))
+            for g in groups:
+                bridge.release(*item(g, 6))
+            jr = bridge._journal
+            released = {i: jr.read_released(i) for i in list(jr._index) if jr._index[i] is not None}
+            below = {g: 6 for g in groups}
+        stats = bridge.compact_receipts(below.get)
+        assert stats["receipts_dropped"] > 0
+        expected = bytearray(J.MAGIC)
+        for g, floor in sorted(jr._receipt_floor.items()):
+            expected += J.encode_floor(ReceiptIdentity(g, floor).encode())
+        for ident, loc in jr._index.items():
+            expected += J.encode_intent(ident, jr._key_of[ident])
+            if loc is not None:
+                expected += J.encode_released(ident, released[ident])
+                assert jr.read_released(ident) == released[ident]
+        with open(path, "rb") as f:
+            assert f.read() == bytes(expected)
+    bridge.close()
+    reopened = SigningBridge(ks, path)        # and it opens to the same index
+    for ident, cose in released.items():
+        if ident in reopened._journal._index:
+            assert reopened._journal.read_released(ident) == cose
+    reopened.close()
