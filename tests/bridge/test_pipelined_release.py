@@ -178,3 +178,38 @@ def test_the_signing_process_signs_nothing_for_a_malformed_request(tmp_path, req
                        env=dict(os.environ, PYTHONPATH=root))
     assert p.stdout == b"R"                                # ready, then nothing: no answer, no signature
     assert p.returncode in (0, 2)
+
+
+def test_the_signing_process_reads_requests_however_the_pipe_cuts_them(tmp_path):
+    """Requests come in chunks that need not end where a request does: three requests written at
+    once (the second larger than a read), and a stream of one-byte writes, are each answered in
+    order with signatures that verify, and the end of the pipe ends the process."""
+    import subprocess
+    import sys
+    import time
+    from firmware_bridge.sign_worker import _Requests, encode_request
+    ks = SoftwareKeystore(str(tmp_path / "keys"))
+    ks.generate_key("seq", "p256")
+    pub = ks.public_key("seq")
+    batches = [[b"a" * 10, b""], [bytes([i % 251]) * (i * 7) for i in range(400)], [b"z" * (_Requests.READ_CHUNK + 5)]]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for dribble in (False, True):
+        p = subprocess.Popen([sys.executable, "-m", "firmware_bridge.sign_worker", str(tmp_path / "keys"), "seq"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=root, env=dict(os.environ, PYTHONPATH=root))
+        assert p.stdout.read(1) == b"R"
+        wire = b"".join(encode_request(b) for b in batches)
+        if dribble:
+            for i in range(0, 200):
+                p.stdin.write(wire[i:i + 1])
+                p.stdin.flush()
+                time.sleep(0.001)
+            p.stdin.write(wire[200:])
+        else:
+            p.stdin.write(wire)
+        p.stdin.close()
+        for b in batches:
+            assert p.stdout.read(1) == b"\x00"
+            sigs = p.stdout.read(64 * len(b))
+            assert all(verify_p256(pub, d, sigs[i * 64:(i + 1) * 64]) for i, d in enumerate(b))
+        assert p.stdout.read() == b"" and p.wait(30) == 0
+    ks.close()
