@@ -36,8 +36,8 @@ def encode_request(datas: list[bytes]) -> bytes:
 class _Requests:
     """The request pipe read in chunks of up to READ_CHUNK: a batch of 256 Sig_structures is one
     or two reads, where reading each length and each structure by itself made two system calls
-    a signature (~2 µs of this process's ~30). What a read brings beyond the current request
-    stays for the next one."""
+    a signature (~1 µs of this process's ~27: alone it signed 36-37k/s, now 37.5-39k/s). What a
+    read brings beyond the current request stays for the next one."""
 
     READ_CHUNK = 1 << 16
 
