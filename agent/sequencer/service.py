@@ -39,7 +39,7 @@ from firmware_bridge.keystore import KeystoreConfigError, check_config
 
 from agent.sequencer import core, receipts
 from agent.sequencer.framing import FramingError, parse_mls_message
-from agent.sequencer.store import Store
+from agent.sequencer.store import STATE_PAGE_BYTES, STATE_WAL_CHECKPOINT_PAGES, Store
 
 RECEIPT_KEY = "receipts"          # the key name of the receipt-signing identity in the keystore
 DB_NAME, JOURNAL_NAME, LOCK_NAME, PIN_NAME = "sequencer.db", "sign-journal", "sequencer.lock", "keystore.pin"
@@ -59,7 +59,8 @@ JOURNAL_OPEN_COMPACT_BYTES = 64 * 2**10
 # receipt (a full disk there became a stated discontinuity on the next start, §22.6). Each Commit
 # counts DISK_FACTOR times its bytes (pending row, receipts row, their WAL copies) plus
 # DISK_PER_COMMIT (receipt, journal entries, index pages).
-DISK_RESERVE_BYTES = 4 << 20
+# It holds room for the state file's WAL to reach its checkpoint size (store.py) besides 4 MiB.
+DISK_RESERVE_BYTES = (4 << 20) + STATE_WAL_CHECKPOINT_PAGES * STATE_PAGE_BYTES
 DISK_FACTOR = 4
 DISK_PER_COMMIT = 4096
 
