@@ -46,6 +46,12 @@ class EventIdentity:
         return f"event site_id={self.site_id.hex()} hlc={self.physical_ms}.{self.logical}"
 
 
+def encode_receipt_identity(group_id: bytes, epoch: int) -> bytes:
+    """``ReceiptIdentity(group_id, epoch).encode()`` without building (and checking) the identity:
+    for a pair already known valid (a journal compaction writes one floor a group)."""
+    return b"R" + struct.pack(">H", len(group_id)) + group_id + struct.pack(">Q", epoch)
+
+
 @dataclass(frozen=True, order=True)
 class ReceiptIdentity:
     """A sequencing receipt: (group_id, epoch); the epoch is dictated by CAS, not chosen (§22.5)."""
@@ -60,7 +66,7 @@ class ReceiptIdentity:
             raise ValueError("ReceiptIdentity.epoch must be a uint64")
 
     def encode(self) -> bytes:
-        return b"R" + struct.pack(">H", len(self.group_id)) + self.group_id + struct.pack(">Q", self.epoch)
+        return encode_receipt_identity(self.group_id, self.epoch)
 
     def __str__(self) -> str:
         return f"receipt group_id={self.group_id.hex()} epoch={self.epoch}"

@@ -54,7 +54,7 @@ from typing import Callable, Iterable, Optional
 
 from .errors import JournalCorrupt, JournalError
 from .fsutil import fsync_dir
-from .identity import EventIdentity, ReceiptIdentity, decode_identity
+from .identity import EventIdentity, ReceiptIdentity, decode_identity, encode_receipt_identity
 from .sealing import key_id_of
 
 MAGIC = b"SSPJRNL1"
@@ -68,7 +68,6 @@ _BH = struct.Struct(">BH")
 _I = struct.Struct(">I")
 _HLC = struct.Struct(">QI")
 _Q = struct.Struct(">Q")
-_H = struct.Struct(">H")
 MAX_RECORD = 1 << 24
 
 Hook = Callable[[str], None]
@@ -195,22 +194,17 @@ def _receipt_parts(ident: bytes) -> Optional[tuple[bytes, int]]:
     return ident[3:-8], _Q.unpack_from(ident, len(ident) - 8)[0]
 
 
-def _receipt_ident(group_id: bytes, epoch: int) -> bytes:
-    """``ReceiptIdentity(group_id, epoch).encode()`` for a pair the journal already holds (valid
-    by construction), without building the identity: a compaction writes one floor a group."""
-    return b"R" + _H.pack(len(group_id)) + group_id + _Q.pack(epoch)
-
-
 @contextlib.contextmanager
-def _mapped(fd: int, size: int):
-    """The first ``size`` bytes of ``fd`` as a memoryview, mapped read-only (the page cache, not a
-    copy on the heap: a journal is megabytes); read into memory where the file cannot be mapped."""
+def _mapped(fd: int, size: int, path: str):
+    """The first ``size`` bytes of ``fd`` (the journal at ``path``) as a memoryview, mapped
+    read-only (the page cache, not a copy on the heap: a journal is megabytes); read into memory
+    where the file cannot be mapped (a file shorter than ``size`` cannot: JournalError)."""
     try:
         mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
     except (OSError, ValueError):
         data = os.pread(fd, size, 0)
         if len(data) != size:
-            raise JournalError("journal: short read during compaction") from None
+            raise JournalError(f"journal {path}: short read during compaction") from None
         yield memoryview(data)
         return
     view = memoryview(mapped)
@@ -642,13 +636,13 @@ class Journal:
                 if recorded is None and not drop_receipts:
                     raise _NothingToDrop   # receipts only, and none to drop: no rewrite
             for gid, epoch in sorted(receipt_floors.items()):
-                out += encode_floor(_receipt_ident(gid, epoch))
+                out += encode_floor(encode_receipt_identity(gid, epoch))
             dropped, receipts_dropped = 0, len(drop_receipts)
             entries = [(i, index[i]) for i in idents if i not in drop_receipts]
             # the old file read in place: a kept output's record is copied byte for byte (what
             # encode_output would write again: the same type, identity and bytes), not re-read
             # and re-encoded (~2 µs an entry; a compaction rewrites every group's last receipt)
-            with _mapped(old_fd, old_size) as view:
+            with _mapped(old_fd, old_size, self.path) as view:
                 for ident, loc in entries:
                     if recorded is not None and ident[:1] == b"E":
                         keep = (ident in busy) if loc is None else not recorded(decode_identity(ident))  # type: ignore[arg-type]

@@ -187,11 +187,12 @@ def test_the_signing_process_reads_requests_however_the_pipe_cuts_them(tmp_path)
     import subprocess
     import sys
     import time
-    from firmware_bridge.sign_worker import _Requests, encode_request
+    from firmware_bridge.pipes import ReadAhead
+    from firmware_bridge.sign_worker import encode_request
     ks = SoftwareKeystore(str(tmp_path / "keys"))
     ks.generate_key("seq", "p256")
     pub = ks.public_key("seq")
-    batches = [[b"a" * 10, b""], [bytes([i % 251]) * (i * 7) for i in range(400)], [b"z" * (_Requests.READ_CHUNK + 5)]]
+    batches = [[b"a" * 10, b""], [bytes([i % 251]) * (i * 7) for i in range(400)], [b"z" * (ReadAhead.READ_CHUNK + 5)]]
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for dribble in (False, True):
         p = subprocess.Popen([sys.executable, "-m", "firmware_bridge.sign_worker", str(tmp_path / "keys"), "seq"],
