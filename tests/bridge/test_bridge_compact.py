@@ -204,3 +204,26 @@ def test_receipt_compaction_writes_what_encoding_the_kept_entries_again_would(en
         if ident in reopened._journal._index:
             assert reopened._journal.read_released(ident) == cose
     reopened.close()
+
+
+def test_a_journal_cut_short_behind_the_bridge_is_refused_by_compaction_and_left_as_it_is(env):
+    """Hostile storage: the journal file loses its tail behind the open bridge (another process,
+    a damaged disk). A compaction cannot map past the file's end and reads short: it refuses
+    (JournalError, "short read"), writes no `.compact` file and renames nothing; the bridge
+    still answers from what it holds, and the file keeps what was left of it."""
+    from firmware_bridge import JournalError
+    ks, bridge, path = env
+    prot = receipt_protected(ks.public_key("seq"))
+
+    def item(e):
+        pay = receipt_payload(GROUP, e, bytes([e]) * 32, None)
+        return ReceiptIdentity(GROUP, e), "seq", sig_structure(prot, pay), assembler(prot, pay)
+    first = bridge.release(*item(0))
+    for e in range(1, 4):
+        bridge.release(*item(e))
+    size = os.path.getsize(path)
+    os.truncate(path, size - 10)
+    with pytest.raises(JournalError, match="short read"):
+        bridge.compact_receipts(lambda g: 4)
+    assert not os.path.exists(path + ".compact") and os.path.getsize(path) == size - 10
+    assert bridge.released(ReceiptIdentity(GROUP, 0)) == first
