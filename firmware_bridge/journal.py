@@ -35,14 +35,18 @@ directory): events are kept only when their output is not yet recorded elsewhere
 their signing is in flight); receipts in full, unless the caller says below which epoch a group's
 receipts are recorded elsewhere (the sequencer: its receipts table), and then each group's last
 released receipt below that epoch stays in full, with the gap intents after it; everything else is
-replaced by one FLOOR record per site and per group.  A crash at any point leaves either the old or the new file, and both
-answer every question the same way for every identity the caller still needs.
+replaced by one FLOOR record per site and per group.  A compaction of receipts alone keeps what
+the last compaction wrote byte for byte and rewrites only what was appended since (the entries it
+leaves behind, of groups that moved on, are bounded by STALE_SHARE).  A crash at any point leaves
+either the old or the new file, and both answer every question the same way for every identity the
+caller still needs.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 import struct
@@ -215,6 +219,26 @@ def _mapped(fd: int, size: int, path: str):
         mapped.close()
 
 
+# A receipts-only compaction keeps the file the last one wrote (its "base") byte for byte and
+# rewrites only what came after it, unless more than this share of the base's entries would then
+# be left behind (entries of groups that moved on since, at or below their new floor): then it
+# rewrites everything (``compact``; docs/keystore.md "Compaction")
+STALE_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class _Base:
+    """The file as the last compaction left it: its first ``end`` bytes, which stay as they are
+    until the next compaction (commits only append), and the first ``count`` identities of the
+    index (a dict: commits add identities after them, in file order, and never remove one)."""
+
+    end: int
+    count: int
+    stale: int                      # entries left behind by the compactions since the last full one
+    sealed_under: Optional[int]     # the data key id every output in the base is sealed under
+    intents: tuple                  # base identities with an intent and no output yet
+
+
 class _NothingToDrop(Exception):
     """``compact`` of receipts found none to drop: the journal is left as it is."""
 
@@ -237,8 +261,10 @@ def _receipts_to_drop(idents: list, index: dict, busy: set, receipts_below: Call
         if below is not None and below >= 1:
             threshold[prefix] = prefix + _Q.pack(below - 1)
     get = threshold.get
-    # each group's last released receipt at or below its threshold (sorted: the last one wins)
-    keep = {i[:-8]: i for i in sorted(i for i in receipts if index[i] is not None and i <= get(i[:-8], b""))}
+    # each group's last released receipt at or below its threshold: the last one in the index's
+    # order wins, which is its epochs' order (a group's epochs are intended one at a time, in
+    # order: §22.5); were it not, a lower receipt would be kept and everything above it with it
+    keep = {i[:-8]: i for i in receipts if index[i] is not None and i <= get(i[:-8], b"")}
     kept = keep.get
     drop = {i for i in receipts if i < kept(i[:-8], b"")} - busy
     for prefix in {i[:-8] for i in drop}:
@@ -337,6 +363,10 @@ class Journal:
         self.truncated_bytes = 0
         self.fsyncs = 0
         self.compactions = 0
+        self.full_compactions = 0
+        # what the last compaction wrote (None: none since this open): a receipts-only compaction
+        # keeps it byte for byte and rewrites only what was appended after it (``compact``)
+        self._base: Optional[_Base] = None
         self._fd = self._open()
 
     @property
@@ -620,61 +650,33 @@ class Journal:
             floors = dict(self._max_hlc)
             receipt_floors = dict(self._receipt_floor)
             old_fd, old_size = self._fd, self._tail
+            base = self._base
         new_fd = -1
         renamed = False
         try:
             busy = in_flight()
-            out = bytearray(MAGIC)
-            new_index: dict[bytes, Optional[tuple[int, int]]] = {}
-            new_keys: dict[bytes, str] = {}
-            if recorded is not None:
-                for site, hlc in sorted(floors.items()):
-                    out += encode_floor(EventIdentity(site, *hlc).encode())
-            drop_receipts: set = set()
-            if receipts_below is not None:
-                drop_receipts = _receipts_to_drop(idents, index, busy, receipts_below, receipt_floors)
-                if recorded is None and not drop_receipts:
-                    raise _NothingToDrop   # receipts only, and none to drop: no rewrite
-            for gid, epoch in sorted(receipt_floors.items()):
-                out += encode_floor(encode_receipt_identity(gid, epoch))
-            dropped, receipts_dropped = 0, len(drop_receipts)
-            entries = [(i, index[i]) for i in idents if i not in drop_receipts]
-            # the old file read in place: a kept output's record is copied byte for byte (what
-            # encode_output would write again: the same type, identity and bytes), not re-read
-            # and re-encoded (~2 µs an entry; a compaction rewrites every group's last receipt)
+            sealed_under = None if self._sealer is None else self._sealer.current
+            tail = self._tail_after(base, idents, old_size, recorded, receipts_below, sealed_under, receipt_floors)
             with _mapped(old_fd, old_size, self.path) as view:
-                for ident, loc in entries:
-                    if recorded is not None and ident[:1] == b"E":
-                        keep = (ident in busy) if loc is None else not recorded(decode_identity(ident))  # type: ignore[arg-type]
-                        if not keep:
-                            dropped += 1
-                            continue
-                    new_keys[ident] = key_of.get(ident, "")
-                    out += encode_intent(ident, key_of.get(ident, ""))
-                    if loc is None:
-                        new_index[ident] = None
-                        continue
-                    at, size = loc[0], loc[1]
-                    if at + size > old_size:
-                        raise JournalError(f"journal {self.path}: short read during compaction")
-                    if self._sealer is not None and (len(loc) == 2 or key_id_of(view[at:at + size]) != self._sealer.current):
-                        # a clear output of an older journal, or one sealed under a retiring data key
-                        cose = self._sealer.seal(sealed_ad(ident), self._opened(ident, loc, bytes(view[at:at + size])))
-                        rec = encode_sealed(ident, cose)
-                        new_index[ident] = (len(out) + len(rec) - len(cose), len(cose), 1)
-                        out += rec
-                        continue
-                    # the record: its header, type and identity, the output's length, the output
-                    start = at - (_HDR.size + _BH.size + len(ident) + _I.size)
-                    new_index[ident] = (len(out) + at - start, size) + loc[2:]
-                    out += view[start:at + size]
+                dropped = stale = 0
+                if tail is not None:
+                    try:
+                        parts, new_index, new_keys, receipts_dropped, stale = self._rewrite_tail(
+                            view, old_size, base, tail, index, key_of, busy, receipts_below, receipt_floors)
+                    except _NothingToDrop:
+                        tail = None    # nothing to drop since the base: what is droppable is in it
+                if tail is None:
+                    out, new_index, new_keys, dropped, receipts_dropped = self._rewrite_all(
+                        view, old_size, idents, index, key_of, busy, recorded, receipts_below, floors, receipt_floors)
+                    half = len(out) // 2
+                    parts = (bytes(out[:half]), bytes(out[half:]))
+            size = len(parts[0]) + len(parts[1])
             tmp = self.tmp_path
             new_fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
             fcntl.flock(new_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held across the rename
-            half = len(out) // 2
-            self._ops.write(new_fd, bytes(out[:half]))
+            self._ops.write(new_fd, parts[0])
             self._fire("compact_torn_write")
-            self._ops.write(new_fd, bytes(out[half:]))
+            self._ops.write(new_fd, parts[1])
             self._fire("compact_before_fsync")
             self._ops.fsync(new_fd)
             self._fire("compact_before_rename")
@@ -688,7 +690,7 @@ class Journal:
                 self._flushing = False
                 self._cond.notify_all()
             return {"events_dropped": 0, "receipts_dropped": 0, "entries_kept": len(idents),
-                    "bytes_before": old_size, "bytes_after": old_size}
+                    "bytes_before": old_size, "bytes_after": old_size, "full": False}
         except BaseException as exc:
             with self._cond:
                 if renamed:
@@ -714,12 +716,132 @@ class Journal:
             self._key_of = new_keys
             self._floor = floors if recorded is not None else self._floor
             self._receipt_floor = receipt_floors
-            self._tail = len(out)
+            self._tail = size
+            self._base = _Base(size, len(new_index), stale, sealed_under,
+                               tuple(i for i, loc in new_index.items() if loc is None))
             self.compactions += 1
+            self.full_compactions += tail is None
             self._flushing = False
             self._cond.notify_all()
         return {"events_dropped": dropped, "receipts_dropped": receipts_dropped, "entries_kept": len(new_index),
-                "bytes_before": old_size, "bytes_after": len(out)}
+                "bytes_before": old_size, "bytes_after": size, "full": tail is None}
+
+    @staticmethod
+    def _tail_after(base: Optional[_Base], idents: list, size: int, recorded, receipts_below,
+                    sealed_under: Optional[int], floors: dict[bytes, int]) -> Optional[list]:
+        """The identities added since the last compaction, when only they are to be rewritten:
+        receipts only (no events to weigh), the base as that compaction left it (same file, same
+        data key), and at most STALE_SHARE of its entries left behind, counting one for each group
+        with receipts since that an earlier compaction kept an entry of (a floor: that entry will
+        be at or below its new floor). None: rewrite everything."""
+        if recorded is not None or receipts_below is None or base is None or base.sealed_under != sealed_under \
+                or base.end > size or base.count > len(idents):
+            return None
+        tail = idents[base.count:]
+        moving = {i[3:-8] for i in tail if i[0] == 0x52}
+        return tail if base.stale + sum(g in floors for g in moving) <= STALE_SHARE * base.count else None
+
+    def _rewrite_all(self, view, old_size: int, idents: list, index: dict, key_of: dict, busy: set,
+                     recorded, receipts_below, floors: dict, receipt_floors: dict) -> tuple:
+        """The whole file anew: MAGIC, the floors, every kept identity (``compact``)."""
+        out = bytearray(MAGIC)
+        new_index: dict[bytes, Optional[tuple[int, int]]] = {}
+        new_keys: dict[bytes, str] = {}
+        if recorded is not None:
+            for site, hlc in sorted(floors.items()):
+                out += encode_floor(EventIdentity(site, *hlc).encode())
+        drop_receipts: set = set()
+        if receipts_below is not None:
+            drop_receipts = _receipts_to_drop(idents, index, busy, receipts_below, receipt_floors)
+            if recorded is None and not drop_receipts:
+                raise _NothingToDrop   # receipts only, and none to drop: no rewrite
+        for gid, epoch in sorted(receipt_floors.items()):
+            out += encode_floor(encode_receipt_identity(gid, epoch))
+        dropped = 0
+        entries = []
+        for ident in idents:
+            if ident in drop_receipts:
+                continue
+            loc = index[ident]
+            if recorded is not None and ident[:1] == b"E":
+                keep = (ident in busy) if loc is None else not recorded(decode_identity(ident))  # type: ignore[arg-type]
+                if not keep:
+                    dropped += 1
+                    continue
+            entries.append((ident, loc))
+        self._write_entries(view, old_size, out, 0, entries, key_of, new_index, new_keys, True)
+        return out, new_index, new_keys, dropped, len(drop_receipts)
+
+    def _rewrite_tail(self, view, old_size: int, base: _Base, tail: list, index: dict, key_of: dict, busy: set,
+                      receipts_below, receipt_floors: dict) -> tuple:
+        """The base byte for byte, then the floors that rose and what is kept of the identities
+        added since (``compact``): its cost follows what came since the last compaction, not every
+        group ever signed for. The base's entries of groups that moved on stay in the file and the
+        index (released, at or below the new floor: never signed again either way) until a full
+        rewrite, which STALE_SHARE bounds. Also returns how many entries the base now has left
+        behind."""
+        # the floors of the groups with receipts dropped, from nothing: only those are looked at
+        # (not every group's: a sequencer may have served many more than move now)
+        raised: dict[bytes, int] = {}
+        drop = _receipts_to_drop(tail, index, busy, receipts_below, raised)
+        if not drop:
+            raise _NothingToDrop
+        # the base as it is, then what is new in a buffer of its own (appending to one of the
+        # base's megabytes costs a reallocation each time)
+        head, out = bytes(view[:base.end]), bytearray()
+        # the base's entries each group whose floor rose now leaves behind: those between its old
+        # floor and its new one (identities of a group compare as their epochs: identity.py)
+        rose: dict[bytes, tuple[bytes, bytes]] = {}
+        for gid, epoch in sorted(raised.items()):
+            old = receipt_floors.get(gid)
+            if old is not None and old >= epoch:
+                continue
+            receipt_floors[gid] = epoch
+            ident = encode_receipt_identity(gid, epoch)
+            out += encode_floor(ident)
+            rose[ident[:-8]] = (b"" if old is None else encode_receipt_identity(gid, old), ident)
+        stale = base.stale + sum(1 for i in itertools.islice(index, base.count)
+                                 if (r := rose.get(i[:-8])) is not None and r[0] < i <= r[1])
+        new_index, new_keys = dict(index), dict(key_of)     # the base's entries first, in file order
+        for ident in drop:
+            del new_index[ident]
+            new_keys.pop(ident, None)
+        # the base's intents whose outputs came since: their intent records are in the base
+        late = [(i, index[i]) for i in base.intents if index.get(i) is not None]
+        self._write_entries(view, old_size, out, base.end, late, key_of, new_index, new_keys, False)
+        self._write_entries(view, old_size, out, base.end, [(i, index[i]) for i in tail if i not in drop], key_of,
+                            new_index, new_keys, True)
+        return (head, bytes(out)), new_index, new_keys, len(drop), stale
+
+    def _write_entries(self, view, old_size: int, out: bytearray, origin: int, entries: list, key_of: dict,
+                       new_index: dict, new_keys: dict, with_intent: bool) -> None:
+        """Append each (identity, location) entry's intent record (``with_intent``) and its output
+        record to ``out`` (which starts at offset ``origin`` of the new file), setting its new
+        location. The old file is read in place: a kept output's record is copied byte for byte
+        (what encode_output would write again: the same type, identity and bytes), not re-read and
+        re-encoded (~2 µs an entry)."""
+        sealer = self._sealer
+        for ident, loc in entries:
+            if with_intent:
+                new_keys[ident] = key_of.get(ident, "")
+                out += encode_intent(ident, key_of.get(ident, ""))
+            if loc is None:
+                new_index[ident] = None
+                continue
+            at, size = loc[0], loc[1]
+            if at + size > old_size:
+                raise JournalError(f"journal {self.path}: short read during compaction")
+            if sealer is not None and (len(loc) == 2 or key_id_of(view[at:at + size]) != sealer.current):
+                # a clear output of an older journal, or one sealed under a retiring data key
+                cose = sealer.seal(sealed_ad(ident), self._opened(ident, loc, bytes(view[at:at + size])))
+                rec = encode_sealed(ident, cose)
+                new_index[ident] = (origin + len(out) + len(rec) - len(cose), len(cose), 1)
+                out += rec
+                continue
+            # the record: its header, type and identity, the output's length, the output
+            start = at - (_HDR.size + _BH.size + len(ident) + _I.size)
+            new_index[ident] = (origin + len(out) + at - start, size) + loc[2:]
+            out += view[start:at + size]
 
     def _fire(self, point: str) -> None:
         if self._hook:

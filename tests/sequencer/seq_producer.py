@@ -10,6 +10,8 @@ anything else sees it:
   HEAD <group> <epoch> <receipt hex>    the head carried by a stale answer
   GET <group> <epoch> <receipt hex>     a receipt re-served on request
   ABSENT <group> <epoch> <0|1>          a stated absence (1: a recorded discontinuity)
+  COMPACTED <full|tail>                 a compaction of the signing journal rewrote it whole, or only
+                                        what was appended since the last one (--idle groups make those)
 
 SEQ_CRASH="point:n" SIGKILLs the process the n-th time the named point is reached.
 """
@@ -26,6 +28,7 @@ from agent.sequencer import receipts, service  # noqa: E402
 from agent.sequencer.framing import encode_private_message  # noqa: E402
 from tests.crashpoint import hook_from_env  # noqa: E402
 
+IDLE_TAG = b"\x1d\x1e"
 GROUPS = [(bytes.fromhex("01" * 16), "register", 0), (bytes.fromhex("02" * 16), "register", 100),
           (bytes.fromhex("03" * 16), "bootstrap", 7)]
 
@@ -45,6 +48,9 @@ def main() -> None:
                                                                 "(service.SETTLE_CHUNK)")
     ap.add_argument("--statement-batch", type=int, default=0, help="statements of absence per bridge call "
                                                                    "(service.STATEMENT_BATCH)")
+    ap.add_argument("--idle", type=int, default=0, help="this many more groups, taken to epoch 2 first and "
+                                                        "then left alone: the journal's compactions keep their "
+                                                        "entries as they are and rewrite what came since")
     ap.add_argument("--unsafe", default="", help="negative control: 'advance-first' moves the epoch "
                                                  "before the receipt is durable (violates §22.5 cl. 3)")
     a = ap.parse_args()
@@ -74,6 +80,14 @@ def main() -> None:
         out.write(line + "\n")
         out.flush()
 
+    compact = service.Sequencer.compact_journal
+
+    def compact_journal(self):
+        stats = compact(self)
+        if stats["bytes_after"] != stats["bytes_before"]:
+            emit(f"COMPACTED {'full' if stats['full'] else 'tail'}")
+        return stats
+    service.Sequencer.compact_journal = compact_journal
     seq = service.Sequencer(a.home, fault_hook=hook)
     if a.chunk:
         seq.chunk = a.chunk
@@ -81,6 +95,14 @@ def main() -> None:
     for gid, how, start in GROUPS:
         if how == "register" and seq.store.group(gid) is None:
             seq.register(gid, start)
+    idle = [IDLE_TAG + i.to_bytes(14, "big") for i in range(a.idle)]
+    for gid in idle:
+        if seq.store.group(gid) is None:
+            seq.register(gid, 0)
+    while todo := [(g, st.current_epoch) for g in idle if (st := seq.store.group(g)).current_epoch < 2]:
+        for ans in seq.submit_many([encode_private_message(g, e, ciphertext=os.urandom(8)) for g, e in todo]):
+            if isinstance(ans, service.Accepted):
+                emit(f"REL {ans.group_id.hex()} {ans.epoch} {ans.receipt.hex()}")
     while True:
         todo = []
         for gid, how, start in GROUPS:
