@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
+from agent.core.frozen import fast_init
 from agent.sequencer.framing import CONTENT_TYPE_NAMES, Framing
 
 # Stable reason codes of a refusal (cli-contract.md, `sequencer submit`).
@@ -44,6 +45,7 @@ EPOCH_LIMIT = 2**63          # every epoch the store's signed 64-bit integers ho
 MAX_EPOCH = EPOCH_LIMIT - 2
 
 
+@fast_init
 @dataclass(frozen=True)
 class Head:
     """The last receipt of a group's chain: its epoch (the Commit's framing epoch) and the BLAKE3
@@ -53,6 +55,7 @@ class Head:
     receipt_hash: bytes
 
 
+@fast_init
 @dataclass(frozen=True)
 class GroupState:
     group_id: bytes
@@ -64,6 +67,7 @@ class GroupState:
     migrated: bool = False                           # handed off: this sequencer never serves it again
 
 
+@fast_init
 @dataclass(frozen=True)
 class Accept:
     """Sign a receipt for (group_id, epoch) chained to previous_receipt_hash."""

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agent.core.frozen import fast_init
+
 MLS10 = 1                                   # ProtocolVersion mls10 (RFC 9420 §6)
 WIRE_PUBLIC, WIRE_PRIVATE, WIRE_WELCOME, WIRE_GROUP_INFO, WIRE_KEY_PACKAGE = 1, 2, 3, 4, 5
 CT_APPLICATION, CT_PROPOSAL, CT_COMMIT = 1, 2, 3
@@ -48,6 +50,7 @@ class FramingError(ValueError):
         self.detail = detail
 
 
+@fast_init
 @dataclass(frozen=True)
 class Framing:
     """What the sequencer may know about an MLSMessage (RFC 9420 §6, plaintext only)."""

@@ -37,6 +37,7 @@ from firmware_bridge import (DiscontinuityIdentity, KeystoreError, KeystoreUnava
 from firmware_bridge.bridge import Status
 from firmware_bridge.keystore import KeystoreConfigError, check_config
 
+from agent.core.frozen import fast_init
 from agent.sequencer import core, receipts
 from agent.sequencer.framing import FramingError, parse_mls_message
 from agent.sequencer.store import STATE_PAGE_BYTES, STATE_WAL_CHECKPOINT_PAGES, Store
@@ -106,6 +107,7 @@ class SequencerServing(SequencerRefused):
     """A `sequencer run` holds this home: requests go through the broker, reads are read-only."""
 
 
+@fast_init
 @dataclass(frozen=True)
 class Accepted:
     group_id: bytes
