@@ -235,7 +235,6 @@ class _Base:
     end: int
     count: int
     stale: int                      # entries left behind by the compactions since the last full one
-    sealed_under: Optional[int]     # the data key id every output in the base is sealed under
     intents: tuple                  # base identities with an intent and no output yet
 
 
@@ -655,8 +654,7 @@ class Journal:
         renamed = False
         try:
             busy = in_flight()
-            sealed_under = None if self._sealer is None else self._sealer.current
-            tail = self._tail_after(base, idents, old_size, recorded, receipts_below, sealed_under, receipt_floors)
+            tail = self._tail_after(base, idents, old_size, recorded, receipts_below, receipt_floors)
             with _mapped(old_fd, old_size, self.path) as view:
                 dropped = stale = 0
                 if tail is not None:
@@ -717,7 +715,7 @@ class Journal:
             self._floor = floors if recorded is not None else self._floor
             self._receipt_floor = receipt_floors
             self._tail = size
-            self._base = _Base(size, len(new_index), stale, sealed_under,
+            self._base = _Base(size, len(new_index), stale,
                                tuple(i for i, loc in new_index.items() if loc is None))
             self.compactions += 1
             self.full_compactions += tail is None
@@ -728,14 +726,15 @@ class Journal:
 
     @staticmethod
     def _tail_after(base: Optional[_Base], idents: list, size: int, recorded, receipts_below,
-                    sealed_under: Optional[int], floors: dict[bytes, int]) -> Optional[list]:
+                    floors: dict[bytes, int]) -> Optional[list]:
         """The identities added since the last compaction, when only they are to be rewritten:
-        receipts only (no events to weigh), the base as that compaction left it (same file, same
-        data key), and at most STALE_SHARE of its entries left behind, counting one for each group
+        receipts only (no events to weigh), the base written by a compaction since this open (so
+        with every output under this journal's data key, where it has one: a full rewrite seals
+        them again), and at most STALE_SHARE of its entries left behind, counting one for each group
         with receipts since that an earlier compaction kept an entry of (a floor: that entry will
         be at or below its new floor). None: rewrite everything."""
-        if recorded is not None or receipts_below is None or base is None or base.sealed_under != sealed_under \
-                or base.end > size or base.count > len(idents):
+        if recorded is not None or receipts_below is None or base is None or base.end > size \
+                or base.count > len(idents):
             return None
         tail = idents[base.count:]
         moving = {i[3:-8] for i in tail if i[0] == 0x52}

@@ -167,3 +167,29 @@ def test_groups_moving_on_together_are_rewritten_in_full(env):
     stats = bridge.compact_receipts(below.get)
     assert stats["full"] and stats["entries_kept"] == 20
     assert bridge.journal_stats()["entries"] == 20 and os.path.getsize(path) == stats["bytes_after"]
+
+
+def test_a_sealed_journal_keeps_its_base_sealed_and_reads_back_after_a_tail_compaction(tmp_path):
+    """At rest (docs/reliability.md "At rest"): the base is copied sealed as it is, the outputs kept
+    since are copied sealed too, no receipt is ever in the file in clear, and a reopen with the
+    data key reads every kept receipt's bytes back."""
+    from firmware_bridge.sealing import Sealer, new_data_key
+    ks = open_keystore({"kind": "software", "dir": str(tmp_path / "keys")})
+    ks.generate_key("seq", "p256")
+    path = str(tmp_path / "journal")
+    sealer = Sealer({1: new_data_key()}, 1)
+    released: dict = {}
+    groups = IDLE[:40] + ACTIVE
+    with SigningBridge(ks, path, sealer=sealer) as bridge:
+        advance(ks, bridge, groups, range(2), released)
+        below = {g: 2 for g in groups}
+        assert bridge.compact_receipts(below.get)["full"]
+        advance(ks, bridge, ACTIVE, range(2, 6), released)
+        below.update({g: 6 for g in ACTIVE})
+        assert not bridge.compact_receipts(below.get)["full"]
+        answers = states(bridge, released, {g: max(e for h, e in released if h == g) for g in groups})
+    data = open(path, "rb").read()
+    assert not any(raw[-64:] in data for raw in released.values())     # no signature in clear
+    with SigningBridge(ks, path, sealer=sealer) as bridge:
+        assert states(bridge, released, {g: max(e for h, e in released if h == g) for g in groups}) == answers
+        assert all(bridge.released(ReceiptIdentity(g, 5)) == released[(g, 5)] for g in ACTIVE)
