@@ -629,7 +629,11 @@ class Journal:
         statement names it; a group without a released receipt there keeps everything.  Dropped:
         every receipt identity below the one kept, released or intended, not ``in_flight()``.
         Added: one FLOOR per group at the epoch below the one kept, so every dropped identity stays spent
-        (``state`` says "spent": never signed again, §22.5 cl. 1-2).
+        (``state`` says "spent": never signed again, §22.5 cl. 1-2).  Receipts alone (``recorded``
+        None): usually only what was appended since the last compaction is looked at and
+        rewritten, after that compaction's file kept byte for byte (``_rewrite_tail``: the entries
+        it leaves behind read released, not spent); the whole file otherwise (``_tail_after``).
+        The returned counts say which (``"full"``).
 
         The new file is written beside the journal, fsynced, renamed over it, and the directory
         fsynced; commits wait meanwhile (they queue and share the next fsync afterwards).  A
