@@ -235,6 +235,7 @@ class _Base:
     end: int
     count: int
     stale: int                      # entries left behind by the compactions since the last full one
+    keys: int                       # the first ``keys`` entries of the key-name dict are the base's
     intents: tuple                  # base identities with an intent and no output yet
 
 
@@ -251,11 +252,12 @@ def _receipts_to_drop(idents: list, index: dict, busy: set, receipts_below: Call
     keeps everything. ``floors`` (group -> epoch) is raised to the epoch below the entry kept (a
     group's epochs advance one at a time, each intended once, in order: §22.5). Comprehensions,
     not a loop: this runs over every receipt signed since the last compaction."""
-    receipts = [i for i in idents if i[0] == 0x52]   # b"R": only well-formed ones are indexed (_apply)
+    # b"R": only well-formed ones are indexed (_apply); each with its group's prefix, sliced once
+    receipts = [(i, i[:-8]) for i in idents if i[0] == 0x52]
     # a group's identities share the prefix "R" | len | group_id and end in the big-endian epoch,
     # so "epoch at or below E" is "identity at or below the group's identity at E", compared as bytes
     threshold: dict[bytes, bytes] = {}
-    for prefix in {i[:-8] for i in receipts}:
+    for prefix in {p for _i, p in receipts}:
         below = receipts_below(prefix[3:])
         if below is not None and below >= 1:
             threshold[prefix] = prefix + _Q.pack(below - 1)
@@ -263,9 +265,9 @@ def _receipts_to_drop(idents: list, index: dict, busy: set, receipts_below: Call
     # each group's last released receipt at or below its threshold: the last one in the index's
     # order wins, which is its epochs' order (a group's epochs are intended one at a time, in
     # order: §22.5); were it not, a lower receipt would be kept and everything above it with it
-    keep = {i[:-8]: i for i in receipts if index[i] is not None and i <= get(i[:-8], b"")}
+    keep = {p: i for i, p in receipts if i <= get(p, b"") and index[i] is not None}
     kept = keep.get
-    drop = {i for i in receipts if i < kept(i[:-8], b"")} - busy
+    drop = {i for i, p in receipts if i < kept(p, b"")} - busy
     for prefix in {i[:-8] for i in drop}:
         # at least the highest dropped; an epoch below the kept one that was never intended (a
         # group adopted or recovered above it) reads spent too: it is never to be signed
@@ -719,7 +721,7 @@ class Journal:
             self._floor = floors if recorded is not None else self._floor
             self._receipt_floor = receipt_floors
             self._tail = size
-            self._base = _Base(size, len(new_index), stale,
+            self._base = _Base(size, len(new_index), stale, len(new_keys),
                                tuple(i for i, loc in new_index.items() if loc is None))
             self.compactions += 1
             self.full_compactions += tail is None
@@ -805,10 +807,10 @@ class Journal:
             rose[ident[:-8]] = (b"" if old is None else encode_receipt_identity(gid, old), ident)
         stale = base.stale + sum(1 for i in itertools.islice(index, base.count)
                                  if (r := rose.get(i[:-8])) is not None and r[0] < i <= r[1])
-        new_index, new_keys = dict(index), dict(key_of)     # the base's entries first, in file order
-        for ident in drop:
-            del new_index[ident]
-            new_keys.pop(ident, None)
+        # the base's entries as they are (the dicts' first entries, in file order), then the kept
+        # ones since, appended by _write_entries: the dropped are never copied to be deleted
+        new_index = dict(itertools.islice(index.items(), base.count))
+        new_keys = dict(itertools.islice(key_of.items(), base.keys))
         # the base's intents whose outputs came since: their intent records are in the base
         late = [(i, index[i]) for i in base.intents if index.get(i) is not None]
         self._write_entries(view, old_size, out, base.end, late, key_of, new_index, new_keys, False)
