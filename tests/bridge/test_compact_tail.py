@@ -193,3 +193,32 @@ def test_a_sealed_journal_keeps_its_base_sealed_and_reads_back_after_a_tail_comp
     with SigningBridge(ks, path, sealer=sealer) as bridge:
         assert states(bridge, released, {g: max(e for h, e in released if h == g) for g in groups}) == answers
         assert all(bridge.released(ReceiptIdentity(g, 5)) == released[(g, 5)] for g in ACTIVE)
+
+
+@pytest.mark.parametrize("cut", ["since", "base"])
+def test_a_journal_cut_short_behind_the_bridge_is_refused_by_a_tail_compaction_too(env, cut):
+    """Hostile storage, as in test_bridge_compact.py but where the compaction would keep the base:
+    the file loses bytes behind the open bridge, from what came since or into the base itself.
+    The compaction cannot map past the file's end and reads short: it refuses (JournalError,
+    "short read"), writes no `.compact` file and renames nothing, the file keeps what was left,
+    and the bridge still answers from what it holds."""
+    from firmware_bridge import JournalError
+    ks, bridge, path = env
+    released: dict = {}
+    advance(ks, bridge, IDLE + ACTIVE, range(2), released)
+    below = {g: 2 for g in IDLE + ACTIVE}
+    assert bridge.compact_receipts(below.get)["full"]
+    base_end = os.path.getsize(path)
+    advance(ks, bridge, ACTIVE, range(2, 6), released)
+    below.update({g: 6 for g in ACTIVE})
+    j = bridge._journal
+    # uncut, this compaction would keep the base and rewrite only what came since
+    assert j._tail_after(j._base, list(j._index), j._tail, None, below.get, dict(j._receipt_floor)) is not None
+    size = os.path.getsize(path)
+    left = size - 10 if cut == "since" else base_end - 10
+    os.truncate(path, left)
+    with pytest.raises(JournalError, match="short read"):
+        bridge.compact_receipts(below.get)
+    assert not os.path.exists(path + ".compact") and os.path.getsize(path) == left
+    assert bridge.status(ReceiptIdentity(ACTIVE[0], 5)) is Status.RELEASED
+    assert bridge.released(ReceiptIdentity(IDLE[0], 1)) == released[(IDLE[0], 1)]
