@@ -364,7 +364,6 @@ class Journal:
         self.truncated_bytes = 0
         self.fsyncs = 0
         self.compactions = 0
-        self.full_compactions = 0
         # what the last compaction wrote (None: none since this open): a receipts-only compaction
         # keeps it byte for byte and rewrites only what was appended after it (``compact``)
         self._base: Optional[_Base] = None
@@ -665,12 +664,12 @@ class Journal:
                 dropped = stale = 0
                 if tail is not None:
                     try:
-                        parts, new_index, new_keys, receipts_dropped, stale = self._rewrite_tail(
+                        parts, new_index, new_keys, intents, receipts_dropped, stale = self._rewrite_tail(
                             view, old_size, base, tail, index, key_of, busy, receipts_below, receipt_floors)
                     except _NothingToDrop:
                         tail = None    # nothing to drop since the base: what is droppable is in it
                 if tail is None:
-                    out, new_index, new_keys, dropped, receipts_dropped = self._rewrite_all(
+                    out, new_index, new_keys, intents, dropped, receipts_dropped = self._rewrite_all(
                         view, old_size, idents, index, key_of, busy, recorded, receipts_below, floors, receipt_floors)
                     half = len(out) // 2
                     parts = (bytes(out[:half]), bytes(out[half:]))
@@ -721,10 +720,8 @@ class Journal:
             self._floor = floors if recorded is not None else self._floor
             self._receipt_floor = receipt_floors
             self._tail = size
-            self._base = _Base(size, len(new_index), stale, len(new_keys),
-                               tuple(i for i, loc in new_index.items() if loc is None))
+            self._base = _Base(size, len(new_index), stale, len(new_keys), tuple(intents))
             self.compactions += 1
-            self.full_compactions += tail is None
             self._flushing = False
             self._cond.notify_all()
         return {"events_dropped": dropped, "receipts_dropped": receipts_dropped, "entries_kept": len(new_index),
@@ -748,7 +745,8 @@ class Journal:
 
     def _rewrite_all(self, view, old_size: int, idents: list, index: dict, key_of: dict, busy: set,
                      recorded, receipts_below, floors: dict, receipt_floors: dict) -> tuple:
-        """The whole file anew: MAGIC, the floors, every kept identity (``compact``)."""
+        """The whole file anew: MAGIC, the floors, every kept identity (``compact``). Also returns
+        the identities it wrote with an intent and no output (the new base's)."""
         out = bytearray(MAGIC)
         new_index: dict[bytes, Optional[tuple[int, int]]] = {}
         new_keys: dict[bytes, str] = {}
@@ -774,8 +772,8 @@ class Journal:
                     dropped += 1
                     continue
             entries.append((ident, loc))
-        self._write_entries(view, old_size, out, 0, entries, key_of, new_index, new_keys, True)
-        return out, new_index, new_keys, dropped, len(drop_receipts)
+        intents = self._write_entries(view, old_size, out, 0, entries, key_of, new_index, new_keys, True)
+        return out, new_index, new_keys, intents, dropped, len(drop_receipts)
 
     def _rewrite_tail(self, view, old_size: int, base: _Base, tail: list, index: dict, key_of: dict, busy: set,
                       receipts_below, receipt_floors: dict) -> tuple:
@@ -783,8 +781,8 @@ class Journal:
         added since (``compact``): its cost follows what came since the last compaction, not every
         group ever signed for. The base's entries of groups that moved on stay in the file and the
         index (released, at or below the new floor: never signed again either way) until a full
-        rewrite, which STALE_SHARE bounds. Also returns how many entries the base now has left
-        behind."""
+        rewrite, which STALE_SHARE bounds. Also returns the new base's identities with an intent
+        and no output, and how many entries it has left behind."""
         # the floors of the groups with receipts dropped, from nothing: only those are looked at
         # (not every group's: a sequencer may have served many more than move now)
         raised: dict[bytes, int] = {}
@@ -814,24 +812,27 @@ class Journal:
         # the base's intents whose outputs came since: their intent records are in the base
         late = [(i, index[i]) for i in base.intents if index.get(i) is not None]
         self._write_entries(view, old_size, out, base.end, late, key_of, new_index, new_keys, False)
-        self._write_entries(view, old_size, out, base.end, [(i, index[i]) for i in tail if i not in drop], key_of,
-                            new_index, new_keys, True)
-        return (head, bytes(out)), new_index, new_keys, len(drop), stale
+        intents = [i for i in base.intents if index.get(i) is None]
+        intents += self._write_entries(view, old_size, out, base.end, [(i, index[i]) for i in tail if i not in drop],
+                                       key_of, new_index, new_keys, True)
+        return (head, bytes(out)), new_index, new_keys, intents, len(drop), stale
 
     def _write_entries(self, view, old_size: int, out: bytearray, origin: int, entries: list, key_of: dict,
-                       new_index: dict, new_keys: dict, with_intent: bool) -> None:
+                       new_index: dict, new_keys: dict, with_intent: bool) -> list:
         """Append each (identity, location) entry's intent record (``with_intent``) and its output
         record to ``out`` (which starts at offset ``origin`` of the new file), setting its new
-        location. The old file is read in place: a kept output's record is copied byte for byte
+        location; returns the identities written with no output. The old file is read in place: a kept output's record is copied byte for byte
         (what encode_output would write again: the same type, identity and bytes), not re-read and
         re-encoded (~2 µs an entry)."""
         sealer = self._sealer
+        intent_only = []
         for ident, loc in entries:
             if with_intent:
-                new_keys[ident] = key_of.get(ident, "")
-                out += encode_intent(ident, key_of.get(ident, ""))
+                key = new_keys[ident] = key_of.get(ident, "")
+                out += encode_intent(ident, key)
             if loc is None:
                 new_index[ident] = None
+                intent_only.append(ident)
                 continue
             at, size = loc[0], loc[1]
             if at + size > old_size:
@@ -847,6 +848,7 @@ class Journal:
             start = at - (_HDR.size + _BH.size + len(ident) + _I.size)
             new_index[ident] = (origin + len(out) + at - start, size) + loc[2:]
             out += view[start:at + size]
+        return intent_only
 
     def _fire(self, point: str) -> None:
         if self._hook:
