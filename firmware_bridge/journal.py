@@ -220,8 +220,8 @@ def _mapped(fd: int, size: int, path: str):
 
 
 # A receipts-only compaction keeps the file the last one wrote (its "base") byte for byte and
-# rewrites only what came after it, unless more than this share of the base's entries would then
-# be left behind (entries of groups that moved on since, at or below their new floor): then it
+# rewrites only what came after it, unless more than this share of the new file's entries would
+# then be left behind (entries of groups that moved on since, at or below their new floor): then it
 # rewrites everything (``compact``; docs/keystore.md "Compaction")
 STALE_SHARE = 0.5
 
@@ -241,6 +241,11 @@ class _Base:
 
 class _NothingToDrop(Exception):
     """``compact`` of receipts found none to drop: the journal is left as it is."""
+
+
+class _RewriteAll(Exception):
+    """A compaction of what came since is not the one to make (nothing to drop since the base,
+    or it would leave more than STALE_SHARE behind): the whole file is rewritten instead."""
 
 
 def _receipts_to_drop(idents: list, index: dict, busy: set, receipts_below: Callable[[bytes], Optional[int]],
@@ -666,8 +671,8 @@ class Journal:
                     try:
                         parts, new_index, new_keys, intents, receipts_dropped, stale = self._rewrite_tail(
                             view, old_size, base, tail, index, key_of, busy, receipts_below, receipt_floors)
-                    except _NothingToDrop:
-                        tail = None    # nothing to drop since the base: what is droppable is in it
+                    except _RewriteAll:
+                        tail = None
                 if tail is None:
                     out, new_index, new_keys, intents, dropped, receipts_dropped = self._rewrite_all(
                         view, old_size, idents, index, key_of, busy, recorded, receipts_below, floors, receipt_floors)
@@ -733,9 +738,9 @@ class Journal:
         """The identities added since the last compaction, when only they are to be rewritten:
         receipts only (no events to weigh), the base written by a compaction since this open (so
         with every output under this journal's data key, where it has one: a full rewrite seals
-        them again), and at most STALE_SHARE of its entries left behind, counting one for each group
-        with receipts since that an earlier compaction kept an entry of (a floor: that entry will
-        be at or below its new floor). None: rewrite everything."""
+        them again), and not already past STALE_SHARE of its entries left behind, counting one more
+        for each group with receipts since that an earlier compaction kept an entry of (a quick
+        estimate: ``_rewrite_tail`` counts them exactly before writing). None: rewrite everything."""
         if recorded is not None or receipts_below is None or base is None or base.end > size \
                 or base.count > len(idents):
             return None
@@ -788,23 +793,31 @@ class Journal:
         raised: dict[bytes, int] = {}
         drop = _receipts_to_drop(tail, index, busy, receipts_below, raised)
         if not drop:
-            raise _NothingToDrop
+            raise _RewriteAll        # what is droppable (if anything) is in the base
+        # the base's entries each group whose floor rises now leaves behind: those between its old
+        # floor and its new one (identities of a group compare as their epochs: identity.py).
+        # Counted before anything is written or changed: past STALE_SHARE of what the new file
+        # holds, the whole file is rewritten instead (_tail_after's one a group is an estimate: a
+        # group whose last compaction kept several entries leaves them all)
+        risen = []                                   # (group, new floor, its identity), in group order
+        rose: dict[bytes, tuple[bytes, bytes]] = {}  # identity prefix -> (old floor's identity, new)
+        for gid, epoch in sorted(raised.items()):
+            old = receipt_floors.get(gid)
+            if old is None or old < epoch:
+                ident = encode_receipt_identity(gid, epoch)
+                risen.append((gid, epoch, ident))
+                rose[ident[:-8]] = (b"" if old is None else encode_receipt_identity(gid, old), ident)
+        stale = base.stale + sum(1 for i in itertools.islice(index, base.count)
+                                 if (r := rose.get(i[:-8])) is not None and r[0] < i <= r[1])
+        kept = [(i, index[i]) for i in tail if i not in drop]
+        if stale > STALE_SHARE * (base.count + len(kept)):
+            raise _RewriteAll
         # the base as it is, then what is new in a buffer of its own (appending to one of the
         # base's megabytes costs a reallocation each time)
         head, out = bytes(view[:base.end]), bytearray()
-        # the base's entries each group whose floor rose now leaves behind: those between its old
-        # floor and its new one (identities of a group compare as their epochs: identity.py)
-        rose: dict[bytes, tuple[bytes, bytes]] = {}
-        for gid, epoch in sorted(raised.items()):
-            old = receipt_floors.get(gid)
-            if old is not None and old >= epoch:
-                continue
+        for gid, epoch, ident in risen:
             receipt_floors[gid] = epoch
-            ident = encode_receipt_identity(gid, epoch)
             out += encode_floor(ident)
-            rose[ident[:-8]] = (b"" if old is None else encode_receipt_identity(gid, old), ident)
-        stale = base.stale + sum(1 for i in itertools.islice(index, base.count)
-                                 if (r := rose.get(i[:-8])) is not None and r[0] < i <= r[1])
         # the base's entries as they are (the dicts' first entries, in file order), then the kept
         # ones since, appended by _write_entries: the dropped are never copied to be deleted
         new_index = dict(itertools.islice(index.items(), base.count))
@@ -813,8 +826,7 @@ class Journal:
         late = [(i, index[i]) for i in base.intents if index.get(i) is not None]
         self._write_entries(view, old_size, out, base.end, late, key_of, new_index, new_keys, False)
         intents = [i for i in base.intents if index.get(i) is None]
-        intents += self._write_entries(view, old_size, out, base.end, [(i, index[i]) for i in tail if i not in drop],
-                                       key_of, new_index, new_keys, True)
+        intents += self._write_entries(view, old_size, out, base.end, kept, key_of, new_index, new_keys, True)
         return (head, bytes(out)), new_index, new_keys, intents, len(drop), stale
 
     def _write_entries(self, view, old_size: int, out: bytearray, origin: int, entries: list, key_of: dict,

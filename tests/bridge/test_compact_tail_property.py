@@ -17,7 +17,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from firmware_bridge import OutcomeUnknown, ReceiptIdentity, SigningBridge, Status, open_keystore
@@ -48,6 +48,12 @@ def answers(bridge, model: dict, top: dict) -> dict:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps)
+# found by this test: a group whose earlier compaction kept several entries (its recorded epoch
+# lagged) leaves them all behind when it moves on, where the decision counted one a group; 15 of
+# 27 entries were left behind after one compaction of what came since
+@example([({0}, 1, False, 0, False, False, False), ({0, 1, 2, 3}, 1, False, 0, False, False, False),
+          ({0, 1, 2, 3, 4}, 1, False, 1, True, False, False), ({0, 3}, 2, False, 0, False, False, False),
+          ({4}, 2, False, 0, False, False, False), ({0, 1, 2, 5}, 2, False, 0, True, False, False)])
 def test_random_histories_of_compactions_answer_as_the_model(history):
     d = tempfile.mkdtemp(prefix="ssp-compact-")
     try:
