@@ -16,6 +16,8 @@ from typing import Any, Iterable
 
 from firmware_bridge import (EventIdentity, KeyExists, KeystoreError, KeystoreUnavailable, OutcomeUnknown, SigningBridge,
                              open_keystore, with_pin)
+from firmware_bridge import keytag
+from firmware_bridge.errors import DeviceTimeout
 from firmware_bridge.fsutil import atomic_write, fsync_dir
 from firmware_bridge.journal import inspect as journal_inspect
 
@@ -201,15 +203,21 @@ class Node:
         ks_conf = _keep_pin_out_of_store(home, ks_conf)
         try:
             ks = open_keystore(_with_pin(ks_conf))
+            kind = ks_conf.get("kind", "")
             try:
-                public_key = ks.generate_key(EVENT_KEY, "ed25519")
+                public_key = ks.generate_key(EVENT_KEY, "ed25519", tag=made.generating(kind))
             except KeyExists:
                 existing = ks.public_key(EVENT_KEY)
-                if not made.reusable(ks_conf.get("kind", ""), existing):
+                if not made.reusable(kind, existing, ks.key_tag(EVENT_KEY)):
                     raise
                 log.warning("taking up the event key an unfinished init of %s made on the %s keystore",
                             home, ks_conf.get("kind"))
                 public_key = existing
+            except (DeviceTimeout, KeystoreUnavailable):
+                raise      # the device may have made it: its record stays for the next init
+            except KeystoreError:
+                made.nothing_generated()   # refused by the device: nothing of this init is on it
+                raise
             made.generated(ks_conf.get("kind", ""), public_key)
         except BaseException:
             if wrote_pin:  # a failed init leaves no PIN behind (it would outlive the attempt)
@@ -1801,16 +1809,37 @@ class _Made:
                 "device_key": self.device_key}
         atomic_write(str(self.home / Node.INIT_MARKER), json.dumps(data).encode(), 0o600)
 
+    def generating(self, kind: str) -> bytes | None:
+        """The event key is about to be asked of a device: the tag it will carry (where the device
+        keeps one, ``Keystore.key_tag``) is recorded first, so a kill before the public key is
+        recorded still leaves this init's key recognisable (firmware_bridge/keytag.py). A software
+        key is a file ``undo`` removes: None."""
+        if kind == "software":
+            return None
+        if self.device_key is None or self.device_key.get("kind") != kind or not self.device_key.get("tag"):
+            record = keytag.new_record(kind, existed_before=False)
+            if self.device_key is not None and self.device_key.get("kind") == kind:
+                record["public_key"] = self.device_key.get("public_key")   # recorded before tags were
+            self.device_key = record
+            self.record()
+        return keytag.tag_of(self.device_key)
+
+    def nothing_generated(self) -> None:
+        """The device refused to generate the key: a record of this init's tag alone is dropped
+        (``undo`` then removes the home as for any failure before a key was made)."""
+        if self.device_key is not None and not self.device_key.get("public_key"):
+            self.device_key = None
+
     def generated(self, kind: str, public_key: bytes) -> None:
         """The event key was just generated: a device's is recorded before anything else is made."""
         if kind != "software":     # a software key is a file `undo` removes
-            self.device_key = {"kind": kind, "public_key": public_key.hex()}
+            self.device_key = {**(self.device_key or {}), "kind": kind, "public_key": public_key.hex()}
             self.record()
 
-    def reusable(self, kind: str, public_key: bytes) -> bool:
-        """Whether the device's existing event key is the one an unfinished init of this home made."""
-        k = self.device_key
-        return k is not None and k.get("kind") == kind and k.get("public_key") == public_key.hex()
+    def reusable(self, kind: str, public_key: bytes, tag: bytes | None = None) -> bool:
+        """Whether the device's existing event key is the one an unfinished init of this home made:
+        the public key it recorded, or the tag it recorded before asking for the key."""
+        return keytag.is_ours(self.device_key, kind, public_key, tag)
 
     @staticmethod
     def done(home: Path) -> None:

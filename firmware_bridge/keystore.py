@@ -27,6 +27,12 @@ def check_key_name(name: str) -> str:
     return name
 
 
+def check_tag(tag: bytes) -> bytes:
+    if not isinstance(tag, (bytes, bytearray)) or not 1 <= len(tag) <= 32:
+        raise KeystoreError("a key tag is 1 to 32 bytes")
+    return tag
+
+
 def check_alg(alg: str) -> str:
     if alg not in ALGORITHMS:
         raise UnsupportedAlgorithm(f"unsupported algorithm {alg!r}: use one of {', '.join(ALGORITHMS)}")
@@ -39,8 +45,17 @@ class Keystore(ABC):
     kind: str = "abstract"
 
     @abstractmethod
-    def generate_key(self, name: str, alg: str) -> bytes:
-        """Generate a key inside the keystore; return its public key (see ``public_key``)."""
+    def generate_key(self, name: str, alg: str, tag: Optional[bytes] = None) -> bytes:
+        """Generate a key inside the keystore; return its public key (see ``public_key``).
+        ``tag``: up to 32 bytes the caller chose and made durable before asking, stored with
+        the key where the keystore can (``key_tag``), so a caller killed before it learnt the
+        public key can still tell its own key from another's of the same name."""
+
+    def key_tag(self, name: str) -> Optional[bytes]:
+        """The ``tag`` stored with key ``name`` when it was generated, or None where this
+        keystore stores none (the software keystore, the serial device). KeyNotFound if absent."""
+        self.algorithm(name)
+        return None
 
     @abstractmethod
     def public_key(self, name: str) -> bytes:

@@ -32,7 +32,7 @@ import cbor2
 from . import errors
 from .errors import DeviceTimeout, KeystoreError, KeystoreUnavailable
 from .identity import Identity
-from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name
+from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name, check_tag
 from .pipes import read_before, write_draining
 from .verify import verify_ed25519, verify_p256
 from .verify_worker import ANSWER, encode_items, encode_key
@@ -262,8 +262,11 @@ class Pkcs11Keystore(Keystore):
         if out is not None:
             out.close()
 
-    def generate_key(self, name: str, alg: str) -> bytes:
-        pub = self._call("generate", name=check_key_name(name), alg=check_alg(alg))
+    def generate_key(self, name: str, alg: str, tag: Optional[bytes] = None) -> bytes:
+        kw: dict[str, Any] = {"name": check_key_name(name), "alg": check_alg(alg)}
+        if tag is not None:
+            kw["tag"] = bytes(check_tag(tag))
+        pub = self._call("generate", **kw)
         self._algs[name] = alg
         self._keys[name] = (alg, bytes(pub))
         return bytes(pub)
@@ -281,6 +284,11 @@ class Pkcs11Keystore(Keystore):
 
     def public_key(self, name: str) -> bytes:
         return self._pub(name)[1]
+
+    def key_tag(self, name: str) -> Optional[bytes]:
+        """The key's CKA_ID: the ``tag`` it was generated with (keys generated before tags, or
+        without one, carry their name there)."""
+        return bytes(self._call("key_tag", name=check_key_name(name)))
 
     def algorithm(self, name: str) -> str:
         return self._algs.get(name) or self._pub(name)[0]

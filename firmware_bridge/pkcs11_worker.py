@@ -127,7 +127,11 @@ class Worker:
             out[obj.label] = "ed25519" if obj.key_type == KeyType.EC_EDWARDS else "p256"
         return out
 
-    def op_generate(self, name: str, alg: str) -> bytes:
+    def op_key_tag(self, name: str) -> bytes:
+        from pkcs11 import Attribute
+        return bytes(self._private(name)[Attribute.ID])
+
+    def op_generate(self, name: str, alg: str, tag: Optional[bytes] = None) -> bytes:
         import pkcs11
         from pkcs11 import Attribute, KeyType, Mechanism
         from pkcs11.util.ec import encode_named_curve_parameters
@@ -137,9 +141,12 @@ class Worker:
         except _Err as e:
             if e.cls != "KeyNotFound":
                 raise
+        # CKA_ID: the caller's tag, durable on its side before this (Keystore.generate_key), by
+        # which an init killed before it learnt the public key knows the key for its own
+        key_id = bytes(tag) if tag else name.encode()
         priv_t = {Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False, Attribute.SIGN: True,
-                  Attribute.TOKEN: True, Attribute.PRIVATE: True, Attribute.ID: name.encode()}
-        pub_t = {Attribute.VERIFY: True, Attribute.TOKEN: True, Attribute.ID: name.encode()}
+                  Attribute.TOKEN: True, Attribute.PRIVATE: True, Attribute.ID: key_id}
+        pub_t = {Attribute.VERIFY: True, Attribute.TOKEN: True, Attribute.ID: key_id}
         try:
             if alg == "ed25519":
                 pub_t[Attribute.EC_PARAMS] = encode_named_curve_parameters(ED25519_OID)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 import serial
 
@@ -101,8 +101,8 @@ class SerialKeystore(Keystore):
         return DeviceRefused(f"serial keystore refused ({name}): {msg}" + (f"; {hint}" if hint else ""), code)
 
     # -- Keystore -------------------------------------------------------------------------------
-    def generate_key(self, name: str, alg: str) -> bytes:
-        check_key_name(name)
+    def generate_key(self, name: str, alg: str, tag: Optional[bytes] = None) -> bytes:
+        check_key_name(name)   # the device's protocol has no tag (``key_tag`` says None)
         body = bytes([sp.ALG_CODES[check_alg(alg)]]) + sp.put_str(name)
         r = self._request(sp.GENERATE, body)
         self._algs[name] = r.alg

@@ -252,8 +252,8 @@ class SoftwareKeystore(Keystore):
         self._pool_lock = threading.Lock()
         self._workers: dict[str, "_SignProcess"] = {}   # P-256 signing processes, per key name
 
-    def generate_key(self, name: str, alg: str) -> bytes:
-        return self._keys.create(name, alg).public()
+    def generate_key(self, name: str, alg: str, tag: Optional[bytes] = None) -> bytes:
+        return self._keys.create(name, alg).public()   # a file: no tag (``key_tag`` says None)
 
     def public_key(self, name: str) -> bytes:
         return self._keys.get(name).public()

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import fcntl
 import gc
+import json
+import logging
 import os
 import shutil
 from collections import deque
@@ -34,7 +36,10 @@ from typing import Callable, Iterator, Optional, Union
 
 from firmware_bridge import (DiscontinuityIdentity, KeystoreError, KeystoreUnavailable, ReceiptIdentity, SigningBridge,
                              open_keystore, with_pin)
+from firmware_bridge import keytag
 from firmware_bridge.bridge import Status
+from firmware_bridge.errors import DeviceTimeout, KeyExists
+from firmware_bridge.fsutil import atomic_write, fsync_dir
 from firmware_bridge.keystore import KeystoreConfigError, check_config
 
 from agent.core.frozen import fast_init
@@ -42,8 +47,11 @@ from agent.sequencer import core, receipts
 from agent.sequencer.framing import FramingError, parse_mls_message
 from agent.sequencer.store import STATE_PAGE_BYTES, STATE_WAL_CHECKPOINT_PAGES, Store
 
+log = logging.getLogger("ssp_agent.sequencer")
+
 RECEIPT_KEY = "receipts"          # the key name of the receipt-signing identity in the keystore
 DB_NAME, JOURNAL_NAME, LOCK_NAME, PIN_NAME = "sequencer.db", "sign-journal", "sequencer.lock", "keystore.pin"
+INIT_RECORD = "init.incomplete"   # an init in progress, or cut short: the key it generates (_receipt_key)
 HANDOFF_FORMAT = "sovm-sequencer-handoff-v1"
 RUN_LOCK_NAME = "run.lock"        # held exclusively by `sequencer run`, shared by every other verb
 # The signing journal is compacted when it grew this much since its last compaction (and on open
@@ -191,7 +199,7 @@ def init(home: Path, keystore: Optional[dict] = None) -> bytes:
         try:
             ks = open_keystore(_with_pin(conf))
             try:
-                public = ks.generate_key(RECEIPT_KEY, "p256")
+                public = _receipt_key(home, ks, conf)
             finally:
                 ks.close()
         except BaseException:
@@ -203,14 +211,53 @@ def init(home: Path, keystore: Optional[dict] = None) -> bytes:
         store.set_meta("receipt_key", {"name": RECEIPT_KEY, "public_key": public.hex()})
         store.close()
         os.replace(home / (DB_NAME + ".new"), home / DB_NAME)   # the home exists only when complete
-        dfd = os.open(str(home), os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_dir(str(home))
+        (home / INIT_RECORD).unlink(missing_ok=True)
+        fsync_dir(str(home))
         return public
     finally:
         os.close(fd)
+
+
+def _receipt_key(home: Path, ks, conf: dict) -> bytes:
+    """Generate the receipt key, or take up the one an init of this home cut short made (a key
+    cannot be taken back off a token or the serial device, and a software key left in the home's
+    own keystore was never used: the state that would have used it was never made). What init is
+    about to generate is recorded first (``INIT_RECORD``, firmware_bridge/keytag.py), and the
+    public key once it is made; any other key of that name is still refused (KeyExists)."""
+    kind = conf.get("kind", "")
+    record = _init_record(home)
+    if record is None or record.get("kind") != kind:
+        record = keytag.new_record(kind, RECEIPT_KEY in ks.key_names())
+        atomic_write(str(home / INIT_RECORD), json.dumps(record).encode())
+    try:
+        public = ks.generate_key(RECEIPT_KEY, "p256", tag=keytag.tag_of(record))
+    except KeyExists:
+        public = ks.public_key(RECEIPT_KEY)
+        own = kind == "software" and Path(conf.get("dir", "")).absolute() == (home / "keystore").absolute()
+        if not keytag.is_ours(record, kind, public, ks.key_tag(RECEIPT_KEY), own):
+            raise
+        log.warning("taking up the receipt key an unfinished init of %s made on the %s keystore", home, kind)
+    except (DeviceTimeout, KeystoreUnavailable):
+        raise      # the device may have made it: the record stays for the next init
+    except KeystoreError:
+        if not record.get("public_key"):     # refused by the device: nothing of this init is on it
+            (home / INIT_RECORD).unlink(missing_ok=True)
+        raise
+    if record.get("public_key") != public.hex():
+        record["public_key"] = public.hex()
+        atomic_write(str(home / INIT_RECORD), json.dumps(record).encode())
+    return public
+
+
+def _init_record(home: Path) -> Optional[dict]:
+    """The key record of an init of ``home`` cut short, or None (none, or unreadable: then the
+    existing key is refused as anyone's would be)."""
+    try:
+        got = json.loads((home / INIT_RECORD).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) else None
 
 
 # Commits per batch of the pipelined group commit: each step costs one journal fsync and one
@@ -235,6 +282,9 @@ class Sequencer:
         run holds it. ``fault_hook`` is the test seam for named crash points; production passes none."""
         self.home = Path(home)
         if not (self.home / DB_NAME).exists():
+            if (self.home / INIT_RECORD).exists():
+                raise SequencerRefused(f"{self.home} holds no sequencer: its `sequencer init` was cut short; "
+                                       "run the same `sequencer init` again to complete it")
             raise SequencerRefused(f"{self.home} holds no sequencer (run `sequencer init` first)")
         self._hook = fault_hook
         # at most this many groups tracked: a new one beyond it (the first Commit of an unknown

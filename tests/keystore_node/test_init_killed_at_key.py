@@ -1,0 +1,123 @@
+"""`init` and `sequencer init` SIGKILLed the moment the keystore has generated their key, before
+the home has recorded anything of it (a power cut at the worst point). Before: the next `init` of
+that home failed on "already exists" for ever, since a key cannot be taken back off a token (and
+`sequencer init` did not even take up its own software key). Now each records, before asking for
+the key, a tag the token stores with it (CKA_ID; firmware_bridge/keytag.py), and the next `init`
+of that home takes up the key carrying its tag; a key of that name that is not its own is still
+refused. The command killed is the one under test (the installed one in CI), run with its
+keystore's generate_key followed by SIGKILL."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from agent.simpeer import manifest_text, readings_table
+from tests.cli_cmd import agent_env, installed_python, run_cli
+
+MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
+
+# the CLI, with every keystore's generate_key killing the process as soon as it returns
+KILLED_AFTER_GENERATE = """
+import os, signal, sys
+from firmware_bridge import pkcs11_keystore, serial_driver, software
+def killing(generate):
+    def generate_then_die(self, *a, **k):
+        generate(self, *a, **k)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return generate_then_die
+for cls in (pkcs11_keystore.Pkcs11Keystore, serial_driver.SerialKeystore, software.SoftwareKeystore):
+    cls.generate_key = killing(cls.generate_key)
+from agent.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def killed_at_key(*args, env: dict | None = None) -> subprocess.CompletedProcess:
+    p = subprocess.run([installed_python() or sys.executable, "-c", KILLED_AFTER_GENERATE, *map(str, args)],
+                       capture_output=True, text=True, env=agent_env(env), timeout=300)
+    assert p.returncode == -9, (p.returncode, p.stderr[-2000:])
+    return p
+
+
+def _conf(softhsm_conf) -> tuple[dict, dict]:
+    return {k: v for k, v in softhsm_conf.items() if k != "env"}, softhsm_conf["env"]
+
+
+def _manifest(tmp_path):
+    mf = tmp_path / "m.toml"
+    mf.write_text(manifest_text(MESH, readings_table(retention="telemetry")))
+    return mf
+
+
+def test_node_init_killed_right_after_its_token_key_is_made(tmp_path, softhsm_conf):
+    conf, env = _conf(softhsm_conf)
+    mf, h = _manifest(tmp_path), tmp_path / "h"
+    killed_at_key("--home", h, "init", "--manifest", mf, "--keystore", json.dumps(conf), env=env)
+    recorded = json.loads((h / "init.incomplete").read_text())["device_key"]
+    assert recorded is None or recorded["public_key"] is None     # killed before it knew its key
+    p = run_cli("--home", h, "init", "--manifest", mf, "--keystore", json.dumps(conf), env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    pk = json.loads(p.stdout)["public_key"]
+    st = run_cli("--home", h, "status", env=env)
+    assert st.returncode == 0, st.stderr[-2000:]
+    # the node's key is the one the killed init made on the token
+    ks = run_cli("--home", h, "keystore", "show", env=env)
+    assert ks.returncode == 0, ks.stderr[-2000:]
+    assert json.loads(ks.stdout)["event_key"] == {**json.loads(ks.stdout)["event_key"], "public_key": pk,
+                                                  "matches_node": True}
+    assert not (h / "init.incomplete").exists()
+    # another home on the same token: that key is not its own
+    p = run_cli("--home", tmp_path / "other", "init", "--manifest", mf, "--keystore", json.dumps(conf), env=env)
+    assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
+
+
+def test_node_init_refuses_a_token_key_it_did_not_make(tmp_path, softhsm_conf):
+    """A key of the event key's name made outside this home (here: by an init of another home,
+    killed the same way) is refused by this home's init, killed or not."""
+    conf, env = _conf(softhsm_conf)
+    mf = _manifest(tmp_path)
+    killed_at_key("--home", tmp_path / "first", "init", "--manifest", mf, "--keystore", json.dumps(conf), env=env)
+    killed_at_key_refused = subprocess.run(
+        [installed_python() or sys.executable, "-c", KILLED_AFTER_GENERATE, "--home", str(tmp_path / "second"),
+         "init", "--manifest", str(mf), "--keystore", json.dumps(conf)],
+        capture_output=True, text=True, env=agent_env(env), timeout=300)
+    assert killed_at_key_refused.returncode != -9     # it never got a key: the token had one
+    p = run_cli("--home", tmp_path / "second", "init", "--manifest", mf, "--keystore", json.dumps(conf), env=env)
+    assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
+    # the first home still completes with its own
+    p = run_cli("--home", tmp_path / "first", "init", "--manifest", mf, "--keystore", json.dumps(conf), env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind", ["software", "softhsm"])
+def test_sequencer_init_killed_right_after_its_key_is_made(tmp_path, kind, request):
+    conf, env = ({"kind": "software"}, None) if kind == "software" else _conf(request.getfixturevalue("softhsm_conf"))
+    h = tmp_path / "seq"
+    killed_at_key("--home", h, "sequencer", "init", "--keystore", json.dumps(conf), env=env)
+    st = run_cli("--home", h, "sequencer", "status", env=env)
+    assert st.returncode == 2 and "cut short" in st.stderr, (st.returncode, st.stderr[-2000:])
+    p = run_cli("--home", h, "sequencer", "init", "--keystore", json.dumps(conf), env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    key = json.loads(p.stdout)["sequencer_key"]
+    st = run_cli("--home", h, "sequencer", "status", env=env)
+    assert st.returncode == 0, st.stderr[-2000:]
+    assert json.loads(st.stdout)["sequencer_key"] == key
+    assert not (h / "init.incomplete").exists()
+    if kind == "softhsm":   # another sequencer home on the same token: that key is not its own
+        p = run_cli("--home", tmp_path / "other", "sequencer", "init", "--keystore", json.dumps(conf), env=env)
+        assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
+
+
+def test_sequencer_init_refuses_a_software_key_it_did_not_make(tmp_path):
+    """A software keystore directory outside the home that already held the receipt key (another
+    home's) is refused, by a first init and after a kill alike."""
+    shared = tmp_path / "keys"
+    conf = {"kind": "software", "dir": str(shared)}
+    assert run_cli("--home", tmp_path / "a", "sequencer", "init", "--keystore", json.dumps(conf)).returncode == 0
+    p = run_cli("--home", tmp_path / "b", "sequencer", "init", "--keystore", json.dumps(conf))
+    assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
+    p = run_cli("--home", tmp_path / "b", "sequencer", "init", "--keystore", json.dumps(conf))
+    assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
