@@ -286,6 +286,10 @@ class Sequencer:
                 raise SequencerRefused(f"{self.home} holds no sequencer: its `sequencer init` was cut short; "
                                        "run the same `sequencer init` again to complete it")
             raise SequencerRefused(f"{self.home} holds no sequencer (run `sequencer init` first)")
+        try:   # an init killed after its state was in place: its key record must not outlive it
+            (self.home / INIT_RECORD).unlink()  # (a state lost later is recovered, §22.6, never re-initialised on that key)
+        except OSError:
+            pass
         self._hook = fault_hook
         # at most this many groups tracked: a new one beyond it (the first Commit of an unknown
         # group_id, §22.6 bootstrap, or a registration) is refused `group_limit`; None: no bound

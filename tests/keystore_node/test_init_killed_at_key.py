@@ -121,3 +121,21 @@ def test_sequencer_init_refuses_a_software_key_it_did_not_make(tmp_path):
     assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
     p = run_cli("--home", tmp_path / "b", "sequencer", "init", "--keystore", json.dumps(conf))
     assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
+
+
+def test_a_sequencer_homes_key_is_never_taken_up_once_its_state_was_made(tmp_path):
+    """An init killed after its state was in place but before it removed its key record: the
+    record goes at the next open, so a home whose state is later lost (here: deleted) is refused
+    by `sequencer init` on that key (a lost state is recovered, §22.6: a fresh state on the same
+    key would sign its epochs a second time), not taken up as an unfinished init's."""
+    h = tmp_path / "seq"
+    p = run_cli("--home", h, "sequencer", "init")
+    assert p.returncode == 0, p.stderr[-2000:]
+    key = json.loads(p.stdout)["sequencer_key"]
+    (h / "init.incomplete").write_text(json.dumps(
+        {"kind": "software", "tag": "00" * 16, "existed_before": False, "public_key": key}))
+    assert run_cli("--home", h, "sequencer", "status").returncode == 0
+    assert not (h / "init.incomplete").exists()
+    (h / "sequencer.db").unlink()
+    p = run_cli("--home", h, "sequencer", "init")
+    assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
