@@ -286,8 +286,10 @@ class Sequencer:
                 raise SequencerRefused(f"{self.home} holds no sequencer: its `sequencer init` was cut short; "
                                        "run the same `sequencer init` again to complete it")
             raise SequencerRefused(f"{self.home} holds no sequencer (run `sequencer init` first)")
-        try:   # an init killed after its state was in place: its key record must not outlive it
-            (self.home / INIT_RECORD).unlink()  # (a state lost later is recovered, §22.6, never re-initialised on that key)
+        # an init killed after its state was in place left its key record: it must not outlive the
+        # init (a state lost later is recovered, §22.6, never initialised again on that key)
+        try:
+            (self.home / INIT_RECORD).unlink()
         except OSError:
             pass
         self._hook = fault_hook
