@@ -11,6 +11,8 @@ Layout of the directory (mode 0700):
   authority.json   {"format": "ssp-authority-v2", "site_id", "public_key", "keystore": {...}}
   keystore/        the software keystore's key file (0600), when the keystore is software
   keystore.pin     a PKCS#11 PIN given at creation (0600), never in the card
+  authority.incomplete  only while `create` runs, or after one was cut short: the key it makes
+                   (firmware_bridge/keytag.py), so the same command completes the directory
   sign-journal     the bridge's journal: every record this authority released, exact bytes
 """
 from __future__ import annotations
@@ -20,12 +22,14 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from firmware_bridge import EventIdentity, KeystoreError, OutcomeUnknown, SigningBridge, open_keystore
+from firmware_bridge import EventIdentity, KeyExists, KeystoreError, OutcomeUnknown, SigningBridge, keytag, open_keystore
+from firmware_bridge.fsutil import atomic_write, fsync_dir
 
 FORMAT = "ssp-authority-v2"
 OLD_FORMAT = "ssp-authority-key-v1"
 KEY_NAME = "authority"
 CARD = "authority.json"
+MARKER = "authority.incomplete"   # a create in progress or cut short: the key it generates (_authority_key)
 JOURNAL = "sign-journal"
 
 
@@ -38,7 +42,8 @@ def create(directory: Path, keystore: dict | None = None) -> dict:
     (software by default). Returns the card (no secrets)."""
     from .node import _keep_pin_out_of_store, _with_pin
     directory = Path(directory)
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+    record = _unfinished(directory)
+    if directory.exists() and (not directory.is_dir() or (record is None and any(directory.iterdir()))):
         raise AuthorityError(f"{directory} exists; an authority is never overwritten (choose a new, empty directory)")
     if not directory.parent.exists():
         raise AuthorityError(f"directory {directory.parent} does not exist")
@@ -51,7 +56,7 @@ def create(directory: Path, keystore: dict | None = None) -> dict:
     try:
         ks = open_keystore(_with_pin(conf))
         try:
-            public_key = ks.generate_key(KEY_NAME, "ed25519")
+            public_key = _authority_key(directory, ks, conf, record)
         finally:
             ks.close()
     except KeystoreError as e:
@@ -61,9 +66,42 @@ def create(directory: Path, keystore: dict | None = None) -> dict:
         if k in conf and Path(conf[k]).parent == directory:
             conf[k] = Path(conf[k]).name
     card = {"format": FORMAT, "site_id": os.urandom(16).hex(), "public_key": public_key.hex(), "keystore": conf}
-    from firmware_bridge.fsutil import atomic_write
     atomic_write(str(directory / CARD), (json.dumps(card, indent=2) + "\n").encode(), 0o600)
+    (directory / MARKER).unlink(missing_ok=True)
+    fsync_dir(str(directory))
     return card
+
+
+def _unfinished(directory: Path) -> dict | None:
+    """The key record of a `create` into ``directory`` cut short (its card never written), or None."""
+    if (directory / CARD).exists():
+        return None
+    try:
+        got = json.loads((directory / MARKER).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) else None
+
+
+def _authority_key(directory: Path, ks, conf: dict, record: dict | None) -> bytes:
+    """Generate the authority key, or take up the one a `create` into this directory cut short
+    made (a key cannot be taken back off a token; firmware_bridge/keytag.py): what is about to
+    be generated is recorded first, then its public key; any other key of that name is refused."""
+    kind = conf.get("kind", "")
+    if record is None or record.get("kind") != kind:
+        record = keytag.new_record(kind, KEY_NAME in ks.key_names())
+        atomic_write(str(directory / MARKER), json.dumps(record).encode(), 0o600)
+    try:
+        public_key = ks.generate_key(KEY_NAME, "ed25519", tag=keytag.tag_of(record))
+    except KeyExists:
+        public_key = ks.public_key(KEY_NAME)
+        own = kind == "software" and Path(conf.get("dir", "")).absolute() == (directory / "keystore").absolute()
+        if not keytag.is_ours(record, kind, public_key, ks.key_tag(KEY_NAME), own):
+            raise
+    if record.get("public_key") != public_key.hex():
+        record["public_key"] = public_key.hex()
+        atomic_write(str(directory / MARKER), json.dumps(record).encode(), 0o600)
+    return public_key
 
 
 class Authority:
@@ -139,6 +177,9 @@ def _read_card(directory: Path) -> tuple[bytes, bytes, dict]:
         if len(site) != 16 or len(pk) != 32 or not isinstance(conf, dict):
             raise ValueError("bad lengths")
     except FileNotFoundError:
+        if (directory / MARKER).exists():
+            raise AuthorityError(f"{directory} holds no {CARD}: its `authority create` was cut short; run the "
+                                 "same `authority create` again to complete it") from None
         raise AuthorityError(f"{directory} holds no {CARD}: not an authority directory (make one with "
                              "`ssp-agent authority create --out DIR`)") from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:

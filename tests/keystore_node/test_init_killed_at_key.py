@@ -139,3 +139,32 @@ def test_a_sequencer_homes_key_is_never_taken_up_once_its_state_was_made(tmp_pat
     (h / "sequencer.db").unlink()
     p = run_cli("--home", h, "sequencer", "init")
     assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
+
+
+@pytest.mark.parametrize("kind", ["software", "softhsm"])
+def test_authority_create_killed_right_after_its_key_is_made(tmp_path, kind, request):
+    """`authority create` killed the same way left a directory it then refused ("exists; never
+    overwritten") and, on a token, a key no later create could use. Now the same command completes
+    it with that key; another directory's create on the same token is still refused."""
+    conf, env = ({"kind": "software"}, None) if kind == "software" else _conf(request.getfixturevalue("softhsm_conf"))
+    d = tmp_path / "authority"
+    killed_at_key("--home", tmp_path / "unused", "authority", "create", "--out", d, "--keystore", json.dumps(conf),
+                  env=env)
+    shown = run_cli("--home", tmp_path / "unused", "authority", "show", "--authority-key", d, env=env)
+    assert shown.returncode == 2 and "cut short" in shown.stderr, (shown.returncode, shown.stderr[-2000:])
+    p = run_cli("--home", tmp_path / "unused", "authority", "create", "--out", d, "--keystore", json.dumps(conf),
+                env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    card = json.loads((d / "authority.json").read_text())
+    assert json.loads(p.stdout)["public_key"] == card["public_key"]
+    assert not (d / "authority.incomplete").exists()
+    shown = run_cli("--home", tmp_path / "unused", "authority", "show", "--authority-key", d, env=env)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    # a complete authority directory is never made again
+    p = run_cli("--home", tmp_path / "unused", "authority", "create", "--out", d, "--keystore", json.dumps(conf),
+                env=env)
+    assert p.returncode == 2 and "never overwritten" in p.stderr, (p.returncode, p.stderr[-2000:])
+    if kind == "softhsm":
+        p = run_cli("--home", tmp_path / "unused", "authority", "create", "--out", tmp_path / "other",
+                    "--keystore", json.dumps(conf), env=env)
+        assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
