@@ -40,6 +40,14 @@ def installed_python() -> str | None:
     return str(py) if py.exists() else None
 
 
+def patched_cmd(preamble: str) -> list[str]:
+    """The command's own package and `main` under the interpreter it is installed with, after
+    ``preamble`` (Python run first in that process: a crash point a test puts in, e.g. a SIGKILL
+    right after a keystore call). Arguments follow it as for `agent_cmd()`."""
+    code = f"{preamble}\nimport sys\nfrom agent.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    return [installed_python() or sys.executable, "-c", code]
+
+
 def run_cli(*args, env: dict | None = None, timeout: float = 300, **kw):
     """Run the command once; a CompletedProcess with text output."""
     import subprocess

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from agent.simpeer import manifest_text, readings_table
-from tests.cli_cmd import agent_env, installed_python, run_cli
+from tests.cli_cmd import agent_env, patched_cmd, run_cli
 
 MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 
-# the CLI, with every keystore's generate_key killing the process as soon as it returns
-KILLED_AFTER_GENERATE = """
-import os, signal, sys
+# the command, with every keystore's generate_key killing the process as soon as it returns
+KILLED_AFTER_GENERATE = patched_cmd("""
+import os, signal
 from firmware_bridge import pkcs11_keystore, serial_driver, software
 def killing(generate):
     def generate_then_die(self, *a, **k):
@@ -30,13 +29,11 @@ def killing(generate):
     return generate_then_die
 for cls in (pkcs11_keystore.Pkcs11Keystore, serial_driver.SerialKeystore, software.SoftwareKeystore):
     cls.generate_key = killing(cls.generate_key)
-from agent.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+""")
 
 
 def killed_at_key(*args, env: dict | None = None) -> subprocess.CompletedProcess:
-    p = subprocess.run([installed_python() or sys.executable, "-c", KILLED_AFTER_GENERATE, *map(str, args)],
+    p = subprocess.run([*KILLED_AFTER_GENERATE, *map(str, args)],
                        capture_output=True, text=True, env=agent_env(env), timeout=300)
     assert p.returncode == -9, (p.returncode, p.stderr[-2000:])
     return p
@@ -81,8 +78,8 @@ def test_node_init_refuses_a_token_key_it_did_not_make(tmp_path, softhsm_conf):
     mf = _manifest(tmp_path)
     killed_at_key("--home", tmp_path / "first", "init", "--manifest", mf, "--keystore", json.dumps(conf), env=env)
     killed_at_key_refused = subprocess.run(
-        [installed_python() or sys.executable, "-c", KILLED_AFTER_GENERATE, "--home", str(tmp_path / "second"),
-         "init", "--manifest", str(mf), "--keystore", json.dumps(conf)],
+        [*KILLED_AFTER_GENERATE, "--home", str(tmp_path / "second"), "init", "--manifest", str(mf),
+         "--keystore", json.dumps(conf)],
         capture_output=True, text=True, env=agent_env(env), timeout=300)
     assert killed_at_key_refused.returncode != -9     # it never got a key: the token had one
     p = run_cli("--home", tmp_path / "second", "init", "--manifest", mf, "--keystore", json.dumps(conf), env=env)
