@@ -22,14 +22,14 @@ import os
 from pathlib import Path
 from typing import Callable
 
-from firmware_bridge import EventIdentity, KeyExists, KeystoreError, OutcomeUnknown, SigningBridge, keytag, open_keystore
+from firmware_bridge import EventIdentity, KeystoreError, OutcomeUnknown, SigningBridge, keytag, open_keystore
 from firmware_bridge.fsutil import atomic_write, fsync_dir
 
 FORMAT = "ssp-authority-v2"
 OLD_FORMAT = "ssp-authority-key-v1"
 KEY_NAME = "authority"
 CARD = "authority.json"
-MARKER = "authority.incomplete"   # a create in progress or cut short: the key it generates (_authority_key)
+MARKER = "authority.incomplete"   # a create in progress or cut short: the key it generates (keytag.py)
 JOURNAL = "sign-journal"
 
 
@@ -56,7 +56,9 @@ def create(directory: Path, keystore: dict | None = None) -> dict:
     try:
         ks = open_keystore(_with_pin(conf))
         try:
-            public_key = _authority_key(directory, ks, conf, record)
+            own = conf.get("kind") == "software" and Path(conf["dir"]).absolute() == (directory / "keystore").absolute()
+            public_key, _ = keytag.generate_or_take_up(ks, KEY_NAME, "ed25519", directory / MARKER,
+                                                      conf.get("kind", ""), own)
         finally:
             ks.close()
     except KeystoreError as e:
@@ -74,34 +76,7 @@ def create(directory: Path, keystore: dict | None = None) -> dict:
 
 def _unfinished(directory: Path) -> dict | None:
     """The key record of a `create` into ``directory`` cut short (its card never written), or None."""
-    if (directory / CARD).exists():
-        return None
-    try:
-        got = json.loads((directory / MARKER).read_bytes())
-    except (OSError, ValueError):
-        return None
-    return got if isinstance(got, dict) else None
-
-
-def _authority_key(directory: Path, ks, conf: dict, record: dict | None) -> bytes:
-    """Generate the authority key, or take up the one a `create` into this directory cut short
-    made (a key cannot be taken back off a token; firmware_bridge/keytag.py): what is about to
-    be generated is recorded first, then its public key; any other key of that name is refused."""
-    kind = conf.get("kind", "")
-    if record is None or record.get("kind") != kind:
-        record = keytag.new_record(kind, KEY_NAME in ks.key_names())
-        atomic_write(str(directory / MARKER), json.dumps(record).encode(), 0o600)
-    try:
-        public_key = ks.generate_key(KEY_NAME, "ed25519", tag=keytag.tag_of(record))
-    except KeyExists:
-        public_key = ks.public_key(KEY_NAME)
-        own = kind == "software" and Path(conf.get("dir", "")).absolute() == (directory / "keystore").absolute()
-        if not keytag.is_ours(record, kind, public_key, ks.key_tag(KEY_NAME), own):
-            raise
-    if record.get("public_key") != public_key.hex():
-        record["public_key"] = public_key.hex()
-        atomic_write(str(directory / MARKER), json.dumps(record).encode(), 0o600)
-    return public_key
+    return None if (directory / CARD).exists() else keytag.read_record(directory / MARKER)
 
 
 class Authority:

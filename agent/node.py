@@ -209,6 +209,7 @@ class Node:
             except KeyExists:
                 existing = ks.public_key(EVENT_KEY)
                 if not made.reusable(kind, existing, ks.key_tag(EVENT_KEY)):
+                    made.nothing_generated()   # another's key: none of this init's is on the device
                     raise
                 log.warning("taking up the event key an unfinished init of %s made on the %s keystore",
                             home, ks_conf.get("kind"))
@@ -1825,8 +1826,9 @@ class _Made:
         return keytag.tag_of(self.device_key)
 
     def nothing_generated(self) -> None:
-        """The device refused to generate the key: a record of this init's tag alone is dropped
-        (``undo`` then removes the home as for any failure before a key was made)."""
+        """The device refused to generate the key, or holds another's of that name: a record of
+        this init's tag alone is dropped (``undo`` then removes the home as for any failure
+        before a key was made)."""
         if self.device_key is not None and not self.device_key.get("public_key"):
             self.device_key = None
 

@@ -12,8 +12,13 @@ one the record describes; any other is still refused (on a shared token it may b
 """
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any, Optional
+
+from .errors import DeviceTimeout, KeyExists, KeystoreError, KeystoreUnavailable
+from .fsutil import atomic_write
 
 TAG_BYTES = 16
 
@@ -42,3 +47,46 @@ def is_ours(record: Optional[dict[str, Any]], kind: str, public_key: bytes, tag:
     if tag is not None and isinstance(record.get("tag"), str) and record["tag"] == tag.hex():
         return True
     return own_directory and record.get("existed_before") is False
+
+
+def read_record(path: Path) -> Optional[dict[str, Any]]:
+    """The record at ``path``, or None (none, or unreadable: an existing key is then refused as
+    anyone's would be)."""
+    try:
+        got = json.loads(Path(path).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) else None
+
+
+def generate_or_take_up(ks, name: str, alg: str, path: Path, kind: str, own_directory: bool = False) -> tuple[bytes, bool]:
+    """Key ``name`` for an init whose record file is ``path`` (a file of its own; the node keeps
+    its record inside its init marker instead): the record written first (or the one a cut-short
+    init left, of the same kind), then the key generated with its tag, or, when the keystore
+    already holds ``name``, that key taken up if ``is_ours`` (else KeyExists, as before); then its
+    public key recorded. Returns (public key, taken up). A definite refusal by the keystore, or
+    another's key of that name, drops a record that holds no public key yet (nothing of this
+    init is on the device); a timeout or a lost device keeps it (the key may have been made)."""
+    record = read_record(path)
+    if record is None or record.get("kind") != kind:
+        record = new_record(kind, name in ks.key_names())
+        atomic_write(str(path), json.dumps(record).encode(), 0o600)
+    taken_up = False
+    try:
+        try:
+            public = ks.generate_key(name, alg, tag=tag_of(record))
+        except KeyExists:
+            public = ks.public_key(name)
+            if not is_ours(record, kind, public, ks.key_tag(name), own_directory):
+                raise
+            taken_up = True
+    except (DeviceTimeout, KeystoreUnavailable):
+        raise
+    except KeystoreError:       # refused, or another's key of that name: none of this init's is there
+        if not record.get("public_key"):
+            Path(path).unlink(missing_ok=True)
+        raise
+    if record.get("public_key") != public.hex():
+        record["public_key"] = public.hex()
+        atomic_write(str(path), json.dumps(record).encode(), 0o600)
+    return public, taken_up

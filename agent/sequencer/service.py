@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import fcntl
 import gc
-import json
 import logging
 import os
 import shutil
@@ -38,8 +37,7 @@ from firmware_bridge import (DiscontinuityIdentity, KeystoreError, KeystoreUnava
                              open_keystore, with_pin)
 from firmware_bridge import keytag
 from firmware_bridge.bridge import Status
-from firmware_bridge.errors import DeviceTimeout, KeyExists
-from firmware_bridge.fsutil import atomic_write, fsync_dir
+from firmware_bridge.fsutil import fsync_dir
 from firmware_bridge.keystore import KeystoreConfigError, check_config
 
 from agent.core.frozen import fast_init
@@ -222,42 +220,14 @@ def init(home: Path, keystore: Optional[dict] = None) -> bytes:
 def _receipt_key(home: Path, ks, conf: dict) -> bytes:
     """Generate the receipt key, or take up the one an init of this home cut short made (a key
     cannot be taken back off a token or the serial device, and a software key left in the home's
-    own keystore was never used: the state that would have used it was never made). What init is
-    about to generate is recorded first (``INIT_RECORD``, firmware_bridge/keytag.py), and the
-    public key once it is made; any other key of that name is still refused (KeyExists)."""
+    own keystore was never used: the state that would have used it was never made); any other key
+    of that name is still refused (KeyExists). ``INIT_RECORD``: firmware_bridge/keytag.py."""
     kind = conf.get("kind", "")
-    record = _init_record(home)
-    if record is None or record.get("kind") != kind:
-        record = keytag.new_record(kind, RECEIPT_KEY in ks.key_names())
-        atomic_write(str(home / INIT_RECORD), json.dumps(record).encode())
-    try:
-        public = ks.generate_key(RECEIPT_KEY, "p256", tag=keytag.tag_of(record))
-    except KeyExists:
-        public = ks.public_key(RECEIPT_KEY)
-        own = kind == "software" and Path(conf.get("dir", "")).absolute() == (home / "keystore").absolute()
-        if not keytag.is_ours(record, kind, public, ks.key_tag(RECEIPT_KEY), own):
-            raise
+    own = kind == "software" and Path(conf.get("dir", "")).absolute() == (home / "keystore").absolute()
+    public, taken_up = keytag.generate_or_take_up(ks, RECEIPT_KEY, "p256", home / INIT_RECORD, kind, own)
+    if taken_up:
         log.warning("taking up the receipt key an unfinished init of %s made on the %s keystore", home, kind)
-    except (DeviceTimeout, KeystoreUnavailable):
-        raise      # the device may have made it: the record stays for the next init
-    except KeystoreError:
-        if not record.get("public_key"):     # refused by the device: nothing of this init is on it
-            (home / INIT_RECORD).unlink(missing_ok=True)
-        raise
-    if record.get("public_key") != public.hex():
-        record["public_key"] = public.hex()
-        atomic_write(str(home / INIT_RECORD), json.dumps(record).encode())
     return public
-
-
-def _init_record(home: Path) -> Optional[dict]:
-    """The key record of an init of ``home`` cut short, or None (none, or unreadable: then the
-    existing key is refused as anyone's would be)."""
-    try:
-        got = json.loads((home / INIT_RECORD).read_bytes())
-    except (OSError, ValueError):
-        return None
-    return got if isinstance(got, dict) else None
 
 
 # Commits per batch of the pipelined group commit: each step costs one journal fsync and one

@@ -27,3 +27,29 @@ def test_a_software_key_is_ours_only_in_the_homes_own_directory_and_only_if_it_w
 
 def test_two_records_never_share_a_tag():
     assert len({keytag.new_record("pkcs11", False)["tag"] for _ in range(64)}) == 64
+
+
+def test_generate_or_take_up_with_a_real_keystore(tmp_path):
+    """The record is written before the key, holds its public key after; a second call (an init
+    run again) takes the same key up; a refusal by the keystore leaves no record behind."""
+    import json
+
+    import pytest
+
+    from firmware_bridge import KeyExists, KeystoreError, open_keystore
+    ks = open_keystore({"kind": "software", "dir": str(tmp_path / "keystore")})
+    try:
+        rec = tmp_path / "init.incomplete"
+        pk, taken = keytag.generate_or_take_up(ks, "k", "p256", rec, "software", own_directory=True)
+        assert not taken and json.loads(rec.read_text())["public_key"] == pk.hex()
+        assert keytag.generate_or_take_up(ks, "k", "p256", rec, "software", own_directory=True) == (pk, True)
+        other = tmp_path / "other.incomplete"   # another init's record: that key is not its own
+        with pytest.raises(KeyExists):
+            keytag.generate_or_take_up(ks, "k", "p256", other, "software", own_directory=True)
+        assert not other.exists()     # a refused init leaves no record saying it was cut short
+        refused = tmp_path / "refused.incomplete"
+        with pytest.raises(KeystoreError):
+            keytag.generate_or_take_up(ks, "r", "rsa", refused, "software")
+        assert not refused.exists()
+    finally:
+        ks.close()

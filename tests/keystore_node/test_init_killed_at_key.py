@@ -66,9 +66,10 @@ def test_node_init_killed_right_after_its_token_key_is_made(tmp_path, softhsm_co
     assert json.loads(ks.stdout)["event_key"] == {**json.loads(ks.stdout)["event_key"], "public_key": pk,
                                                   "matches_node": True}
     assert not (h / "init.incomplete").exists()
-    # another home on the same token: that key is not its own
+    # another home on the same token: that key is not its own, and the refused init leaves nothing
     p = run_cli("--home", tmp_path / "other", "init", "--manifest", mf, "--keystore", json.dumps(conf), env=env)
     assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
+    assert not (tmp_path / "other").exists()
 
 
 def test_node_init_refuses_a_token_key_it_did_not_make(tmp_path, softhsm_conf):
@@ -106,6 +107,7 @@ def test_sequencer_init_killed_right_after_its_key_is_made(tmp_path, kind, reque
     if kind == "softhsm":   # another sequencer home on the same token: that key is not its own
         p = run_cli("--home", tmp_path / "other", "sequencer", "init", "--keystore", json.dumps(conf), env=env)
         assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
+        assert not (tmp_path / "other" / "init.incomplete").exists()   # not "cut short": refused
 
 
 def test_sequencer_init_refuses_a_software_key_it_did_not_make(tmp_path):
