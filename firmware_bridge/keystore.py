@@ -52,8 +52,8 @@ class Keystore(ABC):
         public key can still tell its own key from another's of the same name."""
 
     def key_tag(self, name: str) -> Optional[bytes]:
-        """The ``tag`` stored with key ``name`` when it was generated, or None where this
-        keystore stores none (the software keystore, the serial device). KeyNotFound if absent."""
+        """The ``tag`` stored with key ``name`` when it was generated, or None (generated without
+        one, before tags, or on serial firmware without them). KeyNotFound if absent."""
         self.algorithm(name)
         return None
 

@@ -5,8 +5,8 @@ A key cannot be taken back off a PKCS#11 token or the serial device, and an `ini
 the keystore generating its key and the home recording it left a key no later `init` could use:
 every retry failed on KeyExists until an operator removed the key by hand. So `init` records,
 durably and before it asks for the key, a *key record*: the keystore's kind, a random tag the
-keystore stores with the key where it can (PKCS#11: CKA_ID; ``Keystore.key_tag``), and whether a
-key of that name was already there. Once the key is made, its public key goes into the record
+keystore stores with the key (PKCS#11: its CKA_ID; the serial device: GENERATE_TAGGED; software:
+in the key file; ``Keystore.key_tag``), and whether a key of that name was already there. Once the key is made, its public key goes into the record
 too. The next `init` of the same home takes up an existing key of that name only when it is the
 one the record describes; any other is still refused (on a shared token it may be another home's).
 """

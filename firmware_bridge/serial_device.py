@@ -32,18 +32,19 @@ from .identity import DiscontinuityIdentity, EventIdentity, ReceiptIdentity, dec
 from .sealing import SealError
 from .software import KeyDir, seal_with, unseal_with
 
-FIRMWARE = "ssp-keystore-emulator/1"
+FIRMWARE = "ssp-keystore-emulator/2"   # 2: GENERATE_TAGGED, KEY_TAG
 
 
 class DeviceCore:
     """Request frame -> response frame.  State: key files + one JSON state file, both in ``state``."""
 
-    def __init__(self, state_dir: str, *, sign_delay_s: float = 0.0) -> None:
+    def __init__(self, state_dir: str, *, sign_delay_s: float = 0.0, release: int = 2) -> None:
         self.state_dir = os.path.abspath(state_dir)
         os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
         self.keys = KeyDir(os.path.join(self.state_dir, "keys"))
         self.state_path = os.path.join(self.state_dir, "device-state.json")
         self.sign_delay_s = sign_delay_s
+        self.release = release   # 1: answers as the firmware before key tags did (a test option)
         self.device_id = self._device_id()
         self.state: dict = {"keys": {}}
         if os.path.exists(self.state_path):
@@ -67,6 +68,8 @@ class DeviceCore:
             return sp.encode_frame(sp.ERROR, frame.req_id, bytes([sp.E_BAD_REQUEST]) + str(exc).encode())
 
     def _dispatch(self, op: int, r: sp.BodyReader) -> bytes:
+        if self.release < 2 and op in (sp.GENERATE_TAGGED, sp.KEY_TAG):
+            raise _Refuse(sp.E_UNKNOWN_OP, f"unknown op 0x{op:02x}")
         if op == sp.HELLO:
             r.end()
             return bytes([sp.VERSION]) + sp.put_str(FIRMWARE) + self.device_id
@@ -75,13 +78,16 @@ class DeviceCore:
             names = self.keys.names()
             return bytes([len(names)]) + b"".join(
                 bytes([sp.ALG_CODES[self.keys.get(n).alg]]) + sp.put_str(n) for n in names)
-        if op == sp.GENERATE:
+        if op in (sp.GENERATE, sp.GENERATE_TAGGED):
             alg_code, name = r.u8(), r.str()
+            tag = r.blob() if op == sp.GENERATE_TAGGED else None
             r.end()
             if alg_code not in sp.ALG_NAMES:
                 raise _Refuse(sp.E_BAD_ALG, f"unknown algorithm code {alg_code}")
+            if tag is not None and not 1 <= len(tag) <= sp.MAX_TAG:
+                raise _Refuse(sp.E_BAD_REQUEST, f"a key tag is 1 to {sp.MAX_TAG} bytes")
             try:
-                key = self.keys.create(name, sp.ALG_NAMES[alg_code])
+                key = self.keys.create(name, sp.ALG_NAMES[alg_code], tag)
             except KeyExists:
                 raise _Refuse(sp.E_KEY_EXISTS, f"key {name!r} exists") from None
             except KeystoreError as exc:
@@ -92,6 +98,11 @@ class DeviceCore:
             r.end()
             key = self._key(name)
             return bytes([sp.ALG_CODES[key.alg]]) + sp.put_blob(key.public())
+        if op == sp.KEY_TAG:
+            name = r.str()
+            r.end()
+            self._key(name)
+            return sp.put_blob(self.keys.tag(name) or b"")
         if op == sp.SIGN:
             name, ident_raw, data = r.str(), r.blob(), r.blob()
             r.end()
@@ -209,11 +220,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--port-link", required=True, help="path of a symlink to the host-side pty")
     ap.add_argument("--state", required=True, help="directory holding the device's keys and counters")
     ap.add_argument("--sign-delay-s", type=float, default=0.0, help="test option: delay before signing")
+    ap.add_argument("--release", type=int, default=2, choices=[1, 2],
+                    help="test option: 1 answers as the firmware before key tags (no GENERATE_TAGGED, KEY_TAG)")
     ap.add_argument("--corrupt-op", action="append", default=[], choices=["hello", "generate", "pubkey", "sign", "list",
-                                                                       "seal_generate", "seal", "unseal"],
+                                                                       "seal_generate", "seal", "unseal",
+                                                                       "generate_tagged", "key_tag"],
                     help="test option: flip a bit in every reply to this op (line noise)")
     args = ap.parse_args(argv)
-    core = DeviceCore(args.state, sign_delay_s=args.sign_delay_s)
+    core = DeviceCore(args.state, sign_delay_s=args.sign_delay_s, release=args.release)
     master, slave = os.openpty()
     tty.setraw(slave)
     name = os.ttyname(slave)

@@ -17,7 +17,7 @@ from . import serial_protocol as sp
 from .errors import (DeviceRefused, DeviceTimeout, KeyExists, KeyNotFound, KeystoreError, KeystoreUnavailable,
                      ProtocolError, UnsupportedAlgorithm)
 from .identity import Identity
-from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name
+from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name, check_tag
 
 _REFUSAL_HINT = {
     sp.E_ALREADY_SIGNED: "the device has already signed this identity and will never sign it again "
@@ -102,11 +102,30 @@ class SerialKeystore(Keystore):
 
     # -- Keystore -------------------------------------------------------------------------------
     def generate_key(self, name: str, alg: str, tag: Optional[bytes] = None) -> bytes:
-        check_key_name(name)   # the device's protocol has no tag (``key_tag`` says None)
+        check_key_name(name)
         body = bytes([sp.ALG_CODES[check_alg(alg)]]) + sp.put_str(name)
-        r = self._request(sp.GENERATE, body)
+        r = None
+        if tag is not None:
+            try:
+                r = self._request(sp.GENERATE_TAGGED, body + sp.put_blob(check_tag(tag)))
+            except DeviceRefused as exc:
+                if exc.code != sp.E_UNKNOWN_OP:
+                    raise
+                # firmware from before tags refused the op before making anything: untagged then
+                # (``key_tag`` says None; an init cut short there is told by its public key only)
+        if r is None:
+            r = self._request(sp.GENERATE, body)
         self._algs[name] = r.alg
         return r.public_key
+
+    def key_tag(self, name: str) -> Optional[bytes]:
+        try:
+            return self._request(sp.KEY_TAG, sp.put_str(check_key_name(name))).data or None
+        except DeviceRefused as exc:
+            if exc.code != sp.E_UNKNOWN_OP:
+                raise
+            self.algorithm(name)   # firmware without tags: KeyNotFound still says so
+            return None
 
     def _pub(self, name: str) -> tuple[str, bytes]:
         r = self._request(sp.PUBKEY, sp.put_str(check_key_name(name)))

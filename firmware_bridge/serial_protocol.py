@@ -31,6 +31,11 @@ LIST = 0x05       # body: -                          -> count u8 | (alg u8 | nam
 SEAL_GENERATE = 0x06  # body: name str                -> -   (E_KEY_EXISTS if there is one)
 SEAL = 0x07       # body: name str | ad blob | plaintext blob (<= 1024) -> sealed blob
 UNSEAL = 0x08     # body: name str | ad blob | sealed blob -> plaintext blob (E_UNSEAL if it does not open)
+# a key's tag (Keystore.generate_key: what tells an init cut short its own key from another's);
+# firmware without these answers E_UNKNOWN_OP, and the host then keeps no tag there
+GENERATE_TAGGED = 0x09  # body: alg u8 | name str | tag blob (1..32) -> alg u8 | public key blob
+KEY_TAG = 0x0A    # body: name str                   -> tag blob (empty: the key has none)
+MAX_TAG = 32
 OK_BIT = 0x80
 ERROR = 0x7F
 
@@ -197,7 +202,7 @@ class Hello:
 
 
 @dataclass(frozen=True)
-class KeyInfo:  # GENERATE and PUBKEY
+class KeyInfo:  # GENERATE, GENERATE_TAGGED and PUBKEY
     alg: str
     public_key: bytes
 
@@ -214,7 +219,7 @@ class KeyList:
 
 
 @dataclass(frozen=True)
-class Data:  # SEAL_GENERATE (empty), SEAL, UNSEAL
+class Data:  # SEAL_GENERATE (empty), SEAL, UNSEAL, KEY_TAG
     data: bytes
 
 
@@ -252,7 +257,7 @@ def _parse_reply(op: int, frame: Frame) -> Reply:
     out: Reply
     if op == HELLO:
         out = Hello(r.u8(), r.str(), r.take(8))
-    elif op in (GENERATE, PUBKEY):
+    elif op in (GENERATE, GENERATE_TAGGED, PUBKEY):
         alg = ALG_NAMES.get(r.u8())
         if alg is None:
             raise ReplyError("unknown_algorithm", "the device reported an algorithm this host does not know")
@@ -273,6 +278,10 @@ def _parse_reply(op: int, frame: Frame) -> Reply:
         out = Data(b"")
     elif op in (SEAL, UNSEAL):
         out = Data(r.blob())
+    elif op == KEY_TAG:
+        out = Data(r.blob())
+        if len(out.data) > MAX_TAG:
+            raise ReplyError("bad_tag", f"a {len(out.data)}-byte tag (at most {MAX_TAG})")
     else:
         raise ReplyError("unknown_op", f"0x{op:02x}")
     if r.i != len(r.b):

@@ -20,7 +20,7 @@ import nacl.signing
 from .errors import KeyExists, KeyNotFound, KeystoreError, KeystoreUnavailable
 from .fsutil import fsync_dir
 from .identity import Identity
-from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name
+from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name, check_tag
 
 _SUFFIX = ".key"
 _SEAL_SUFFIX = ".seal"   # seal keys (firmware_bridge/sealing.py): their own namespace, never signing keys
@@ -101,11 +101,14 @@ class KeyDir:
         except OSError as exc:
             raise KeystoreUnavailable(f"cannot list key directory {self.path}: {exc.strerror}") from None
 
-    def create(self, name: str, alg: str) -> _Key:
+    def create(self, name: str, alg: str, tag: Optional[bytes] = None) -> _Key:
         check_alg(alg)
         path = self._file(name)
         secret = new_secret(alg)
-        body = json.dumps({"format": "ssp-key-v1", "alg": alg, "secret": secret.hex()}).encode()
+        doc = {"format": "ssp-key-v1", "alg": alg, "secret": secret.hex()}
+        if tag:   # Keystore.generate_key's tag, kept beside the key (readers before it ignore the field)
+            doc["tag"] = bytes(tag).hex()
+        body = json.dumps(doc).encode()
         with self._lock:
             self._write_new(path, body, "key file",
                             f"key {name!r} already exists in {self.path}; keys are never overwritten "
@@ -133,6 +136,16 @@ class KeyDir:
             self._cache[name] = key
             return key
 
+
+    def tag(self, name: str) -> Optional[bytes]:
+        """The tag key ``name`` was created with, or None (none given, or a file from before tags)."""
+        self.get(name)      # KeyNotFound, or a damaged file, as for any use of the key
+        raw = _read_private(self._file(name), "key file", name, 1 << 16, lambda: f"no key {name!r} in {self.path}")
+        tag = json.loads(raw).get("tag")
+        try:
+            return bytes.fromhex(tag) if isinstance(tag, str) and tag else None
+        except ValueError:
+            return None
 
     # -- seal keys: 32 random bytes, XChaCha20-Poly1305 (sealing.py); same file rules as signing keys
     def _seal_file(self, name: str) -> str:
@@ -253,7 +266,10 @@ class SoftwareKeystore(Keystore):
         self._workers: dict[str, "_SignProcess"] = {}   # P-256 signing processes, per key name
 
     def generate_key(self, name: str, alg: str, tag: Optional[bytes] = None) -> bytes:
-        return self._keys.create(name, alg).public()   # a file: no tag (``key_tag`` says None)
+        return self._keys.create(name, alg, None if tag is None else check_tag(tag)).public()
+
+    def key_tag(self, name: str) -> Optional[bytes]:
+        return self._keys.tag(name)
 
     def public_key(self, name: str) -> bytes:
         return self._keys.get(name).public()

@@ -53,3 +53,20 @@ def test_generate_or_take_up_with_a_real_keystore(tmp_path):
         assert not refused.exists()
     finally:
         ks.close()
+
+
+def test_the_software_keystore_keeps_a_keys_tag_in_its_file(tmp_path):
+    from firmware_bridge import open_keystore
+    ks = open_keystore({"kind": "software", "dir": str(tmp_path / "keystore")})
+    try:
+        ks.generate_key("tagged", "p256", tag=b"\x01" * 16)
+        ks.generate_key("plain", "ed25519")
+        assert ks.key_tag("tagged") == b"\x01" * 16 and ks.key_tag("plain") is None
+    finally:
+        ks.close()
+    reopened = open_keystore({"kind": "software", "dir": str(tmp_path / "keystore")})
+    try:
+        assert reopened.key_tag("tagged") == b"\x01" * 16     # durable, and signing still works
+        assert len(reopened.public_key("tagged")) == 33
+    finally:
+        reopened.close()

@@ -198,7 +198,8 @@ def serial(data: bytes) -> None:
         raw = sp.cobs_encode(payload + zlib.crc32(payload).to_bytes(4, "big"))
         frames += list(sp.FrameReader().feed(raw + b"\x00"))
     for f in frames:
-        for op in (sp.HELLO, sp.GENERATE, sp.PUBKEY, sp.SIGN, sp.LIST):
+        for op in (sp.HELLO, sp.GENERATE, sp.PUBKEY, sp.SIGN, sp.LIST, sp.SEAL_GENERATE, sp.SEAL, sp.UNSEAL,
+                   sp.GENERATE_TAGGED, sp.KEY_TAG):
             try:
                 sp.parse_reply(op, f)
             except sp.ReplyError as e:

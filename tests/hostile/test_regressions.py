@@ -224,3 +224,15 @@ def test_a_truncated_serial_reply_is_a_keystore_protocol_error():
             sp.parse_reply(op, sp.Frame(op | sp.OK_BIT, 1, body))
         assert isinstance(e.value, sp.ReplyError) and e.value.reason in (
             "malformed_body", "unknown_algorithm"), e.value
+
+
+def test_a_serial_key_tag_reply_is_refused_when_it_cannot_be_one():
+    """KEY_TAG (the serial device's tag of a key, what tells an init cut short its own key): a
+    tag longer than any the host sends, a truncated blob, trailing bytes: each a ReplyError."""
+    from firmware_bridge import serial_protocol as sp
+    for body, reason in ((b"\x00\x21" + bytes(33), "bad_tag"), (b"\x00\x10" + bytes(3), "malformed_body"),
+                         (b"\x00\x01\x07\x00", "trailing_bytes")):
+        with pytest.raises(sp.ReplyError) as e:
+            sp.parse_reply(sp.KEY_TAG, sp.Frame(sp.KEY_TAG | sp.OK_BIT, 1, body))
+        assert e.value.reason == reason, (body, e.value)
+    assert sp.parse_reply(sp.KEY_TAG, sp.Frame(sp.KEY_TAG | sp.OK_BIT, 1, b"\x00\x02ab")).data == b"ab"

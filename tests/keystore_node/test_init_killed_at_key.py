@@ -49,8 +49,17 @@ def _manifest(tmp_path):
     return mf
 
 
-def test_node_init_killed_right_after_its_token_key_is_made(tmp_path, softhsm_conf):
-    conf, env = _conf(softhsm_conf)
+def _device(kind: str, request) -> tuple[dict, dict | None]:
+    """A device keystore's config and environment: a SoftHSM2 token, or the serial keystore
+    emulator over a pty (its process outlives the killed command, as a device would)."""
+    if kind == "softhsm":
+        return _conf(request.getfixturevalue("softhsm_conf"))
+    return request.getfixturevalue("serial_conf"), None
+
+
+@pytest.mark.parametrize("kind", ["softhsm", "serial"])
+def test_node_init_killed_right_after_its_device_key_is_made(tmp_path, kind, request):
+    conf, env = _device(kind, request)
     mf, h = _manifest(tmp_path), tmp_path / "h"
     killed_at_key("--home", h, "init", "--manifest", mf, "--keystore", json.dumps(conf), env=env)
     recorded = json.loads((h / "init.incomplete").read_text())["device_key"]
@@ -66,9 +75,9 @@ def test_node_init_killed_right_after_its_token_key_is_made(tmp_path, softhsm_co
     assert json.loads(ks.stdout)["event_key"] == {**json.loads(ks.stdout)["event_key"], "public_key": pk,
                                                   "matches_node": True}
     assert not (h / "init.incomplete").exists()
-    # another home on the same token: that key is not its own, and the refused init leaves nothing
+    # another home on the same device: that key is not its own, and the refused init leaves nothing
     p = run_cli("--home", tmp_path / "other", "init", "--manifest", mf, "--keystore", json.dumps(conf), env=env)
-    assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
+    assert p.returncode != 0 and "exists" in p.stderr, (p.returncode, p.stderr[-2000:])
     assert not (tmp_path / "other").exists()
 
 
@@ -90,9 +99,9 @@ def test_node_init_refuses_a_token_key_it_did_not_make(tmp_path, softhsm_conf):
     assert p.returncode == 0, p.stderr[-2000:]
 
 
-@pytest.mark.parametrize("kind", ["software", "softhsm"])
+@pytest.mark.parametrize("kind", ["software", "softhsm", "serial"])
 def test_sequencer_init_killed_right_after_its_key_is_made(tmp_path, kind, request):
-    conf, env = ({"kind": "software"}, None) if kind == "software" else _conf(request.getfixturevalue("softhsm_conf"))
+    conf, env = ({"kind": "software"}, None) if kind == "software" else _device(kind, request)
     h = tmp_path / "seq"
     killed_at_key("--home", h, "sequencer", "init", "--keystore", json.dumps(conf), env=env)
     st = run_cli("--home", h, "sequencer", "status", env=env)
@@ -104,9 +113,9 @@ def test_sequencer_init_killed_right_after_its_key_is_made(tmp_path, kind, reque
     assert st.returncode == 0, st.stderr[-2000:]
     assert json.loads(st.stdout)["sequencer_key"] == key
     assert not (h / "init.incomplete").exists()
-    if kind == "softhsm":   # another sequencer home on the same token: that key is not its own
+    if kind != "software":   # another sequencer home on the same device: that key is not its own
         p = run_cli("--home", tmp_path / "other", "sequencer", "init", "--keystore", json.dumps(conf), env=env)
-        assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
+        assert p.returncode != 0 and "exists" in p.stderr, (p.returncode, p.stderr[-2000:])
         assert not (tmp_path / "other" / "init.incomplete").exists()   # not "cut short": refused
 
 
@@ -167,3 +176,25 @@ def test_authority_create_killed_right_after_its_key_is_made(tmp_path, kind, req
         p = run_cli("--home", tmp_path / "unused", "authority", "create", "--out", tmp_path / "other",
                     "--keystore", json.dumps(conf), env=env)
         assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
+
+
+def test_serial_firmware_without_tags_still_initialises_and_refuses_what_it_cannot_tell(tmp_path):
+    """Firmware from before key tags (the emulator's --release 1) answers GENERATE_TAGGED and
+    KEY_TAG with "unknown op": init still works there (the key is generated untagged), and a kill
+    right after the key is made leaves it refused, as before tags (docs/operations.md)."""
+    import sys as _sys
+    from pathlib import Path
+    _sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bridge"))
+    from bridge_helpers import start_emulator
+    proc, port = start_emulator(tmp_path, "--release", "1")
+    try:
+        conf = {"kind": "serial", "port": port, "timeout_s": 5.0}
+        mf = _manifest(tmp_path)
+        p = run_cli("--home", tmp_path / "plain", "sequencer", "init", "--keystore", json.dumps(conf))
+        assert p.returncode == 0, p.stderr[-2000:]
+        killed_at_key("--home", tmp_path / "h", "init", "--manifest", mf, "--keystore", json.dumps(conf))
+        p = run_cli("--home", tmp_path / "h", "init", "--manifest", mf, "--keystore", json.dumps(conf))
+        assert p.returncode != 0 and "exists" in p.stderr, (p.returncode, p.stderr[-2000:])
+    finally:
+        proc.terminate()
+        proc.wait(10)
