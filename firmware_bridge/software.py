@@ -1,6 +1,7 @@
 """Software keystore: one key file per key in a directory (issue 5 item 4, "software").
 
-For development and devices without hardware.  Files are created with O_EXCL and mode 0600, the
+For development and devices without hardware.  Key files are written whole under a temporary
+name and linked into place (never over an existing one, never seen half-written), mode 0600, the
 directory with 0700; files readable by group/other are refused, as ssh does.  P-256 signs with
 deterministic RFC 6979 nonces, which the substrate profile requires of software signers (§22.5).
 Key material is never logged or put in an exception message.
@@ -161,18 +162,32 @@ class KeyDir:
         return secret
 
     def _write_new(self, path: str, body: bytes, what: str, exists: str) -> None:
-        """Create a key file (0600, never over an existing one) and make it and its name durable."""
+        """Create a key file (0600, never over an existing one) and make it and its name durable.
+        It is written whole under a temporary name first and then linked into place (a link never
+        replaces a file): a kill before the link leaves no key file, where creating the file in
+        place left an empty one after a kill between its creation and its write, a key no later
+        use could read and no later init could replace."""
+        if os.path.lexists(path):
+            raise KeyExists(exists)
+        tmp = f"{path}.new-{os.getpid()}-{os.urandom(4).hex()}"   # not a key name: names() skips it
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            raise KeyExists(exists) from None
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, body)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise KeyExists(exists) from None
         except OSError as exc:
             raise KeystoreUnavailable(f"cannot create {what} in {self.path}: {exc.strerror}") from None
-        try:
-            os.write(fd, body)
-            os.fsync(fd)
         finally:
-            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
         fsync_dir(self.path)
 
     def has_seal(self, name: str) -> bool:

@@ -70,3 +70,39 @@ def test_the_software_keystore_keeps_a_keys_tag_in_its_file(tmp_path):
         assert len(reopened.public_key("tagged")) == 33
     finally:
         reopened.close()
+
+
+def test_a_key_file_is_whole_or_absent_after_a_kill(tmp_path):
+    """The software keystore creates a key file complete or not at all: a kill between creating
+    the file and writing it left an empty file that every later use refused ("not a valid
+    ssp-key-v1 file") and that no init could replace (KeyExists). SIGKILL right after the file's
+    creation (os.open), in a real subprocess."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import firmware_bridge
+    from firmware_bridge import open_keystore
+    root = str(Path(firmware_bridge.__file__).resolve().parents[1])
+    code = f"""
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from firmware_bridge import open_keystore
+real_open = os.open
+def open_then_die(path, flags, *a, **k):
+    fd = real_open(path, flags, *a, **k)
+    if flags & os.O_CREAT and str(path).startswith({str(tmp_path / 'keystore')!r}):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return fd
+os.open = open_then_die
+open_keystore({{"kind": "software", "dir": {str(tmp_path / 'keystore')!r}}}).generate_key("k", "p256")
+"""
+    (tmp_path / "keystore").mkdir(mode=0o700)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == -9, p.stderr
+    ks = open_keystore({"kind": "software", "dir": str(tmp_path / "keystore")})
+    try:
+        assert ks.key_names() == []                 # no key file cut short in its name
+        assert len(ks.generate_key("k", "p256")) == 33
+    finally:
+        ks.close()
