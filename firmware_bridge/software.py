@@ -8,6 +8,7 @@ Key material is never logged or put in an exception message.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -24,6 +25,8 @@ from .identity import Identity
 from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name, check_tag
 
 _SUFFIX = ".key"
+# link(2) refused by a filesystem without hard links (FAT, exFAT: an authority on a USB stick)
+_NO_HARD_LINKS = frozenset(getattr(errno, n) for n in ("EPERM", "EOPNOTSUPP", "ENOTSUP", "EMLINK") if hasattr(errno, n))
 _SEAL_SUFFIX = ".seal"   # seal keys (firmware_bridge/sealing.py): their own namespace, never signing keys
 
 
@@ -137,7 +140,6 @@ class KeyDir:
             self._cache[name] = key
             return key
 
-
     def tag(self, name: str) -> Optional[bytes]:
         """The tag key ``name`` was created with, or None (none given, or a file from before tags)."""
         self.get(name)      # KeyNotFound, or a damaged file, as for any use of the key
@@ -181,6 +183,10 @@ class KeyDir:
                 os.link(tmp, path)
             except FileExistsError:
                 raise KeyExists(exists) from None
+            except OSError as exc:
+                if exc.errno not in _NO_HARD_LINKS:
+                    raise
+                self._create_in_place(path, body, exists)   # FAT (a USB stick): no hard links
         except OSError as exc:
             raise KeystoreUnavailable(f"cannot create {what} in {self.path}: {exc.strerror}") from None
         finally:
@@ -189,6 +195,20 @@ class KeyDir:
             except OSError:
                 pass
         fsync_dir(self.path)
+
+    @staticmethod
+    def _create_in_place(path: str, body: bytes, exists: str) -> None:
+        """Where the filesystem has no hard links: the file created in place (O_EXCL) and then
+        written, so a kill between the two can leave it empty there (docs/keystore.md)."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise KeyExists(exists) from None
+        try:
+            os.write(fd, body)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def has_seal(self, name: str) -> bool:
         return os.path.exists(self._seal_file(name))

@@ -106,3 +106,27 @@ open_keystore({{"kind": "software", "dir": {str(tmp_path / 'keystore')!r}}}).gen
         assert len(ks.generate_key("k", "p256")) == 33
     finally:
         ks.close()
+
+
+def test_a_key_file_on_a_filesystem_without_hard_links_is_created_in_place(tmp_path, monkeypatch):
+    """FAT and exFAT (an authority directory on a USB stick) refuse link(2): the key file is then
+    created in place as before, and an existing one is still never replaced."""
+    import errno
+    import os
+
+    import pytest
+
+    from firmware_bridge import KeyExists, open_keystore
+
+    def no_links(src, dst, *a, **k):
+        raise OSError(errno.EPERM, "Operation not permitted")
+    monkeypatch.setattr(os, "link", no_links)
+    ks = open_keystore({"kind": "software", "dir": str(tmp_path / "keystore")})
+    try:
+        pk = ks.generate_key("k", "p256", tag=b"\x02" * 16)
+        assert ks.key_tag("k") == b"\x02" * 16 and len(pk) == 33
+        with pytest.raises(KeyExists):
+            ks.generate_key("k", "p256")
+        assert sorted(os.listdir(tmp_path / "keystore")) == ["k.key"]     # no temporary file left
+    finally:
+        ks.close()
