@@ -42,8 +42,7 @@ def create(directory: Path, keystore: dict | None = None) -> dict:
     (software by default). Returns the card (no secrets)."""
     from .node import _keep_pin_out_of_store, _with_pin
     directory = Path(directory)
-    record = _unfinished(directory)
-    if directory.exists() and (not directory.is_dir() or (record is None and any(directory.iterdir()))):
+    if directory.exists() and (not directory.is_dir() or (not _unfinished(directory) and any(directory.iterdir()))):
         raise AuthorityError(f"{directory} exists; an authority is never overwritten (choose a new, empty directory)")
     if not directory.parent.exists():
         raise AuthorityError(f"directory {directory.parent} does not exist")
@@ -74,9 +73,10 @@ def create(directory: Path, keystore: dict | None = None) -> dict:
     return card
 
 
-def _unfinished(directory: Path) -> dict | None:
-    """The key record of a `create` into ``directory`` cut short (its card never written), or None."""
-    return None if (directory / CARD).exists() else keytag.read_record(directory / MARKER)
+def _unfinished(directory: Path) -> bool:
+    """Whether ``directory`` holds a `create` cut short: its key record and no card (a damaged
+    record too: the create then starts a new one, keytag.generate_or_take_up)."""
+    return (directory / MARKER).exists() and not (directory / CARD).exists()
 
 
 class Authority:

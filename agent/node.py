@@ -1817,10 +1817,13 @@ class _Made:
         key is a file ``undo`` removes: None."""
         if kind == "software":
             return None
-        if self.device_key is None or self.device_key.get("kind") != kind or not self.device_key.get("tag"):
+        old = self.device_key
+        if not keytag.valid(old) or old["kind"] != kind:
             record = keytag.new_record(kind, existed_before=False)
-            if self.device_key is not None and self.device_key.get("kind") == kind:
-                record["public_key"] = self.device_key.get("public_key")   # recorded before tags were
+            # a record from before tags ({"kind", "public_key"}) keeps telling its key by that
+            legacy = old.get("public_key") if isinstance(old, dict) and old.get("kind") == kind else None
+            if legacy is not None and keytag.valid({**record, "public_key": legacy}):
+                record["public_key"] = legacy
             self.device_key = record
             self.record()
         return keytag.tag_of(self.device_key)

@@ -33,6 +33,21 @@ def tag_of(record: dict[str, Any]) -> bytes:
     return bytes.fromhex(record["tag"])
 
 
+def _hex(value: Any, lengths: tuple[int, ...]) -> bool:
+    try:
+        return isinstance(value, str) and len(bytes.fromhex(value)) in lengths
+    except ValueError:
+        return False
+
+
+def valid(record: Any) -> bool:
+    """Whether ``record`` is one ``new_record`` made (and its public key added to): anything else
+    (damaged, edited, from before tags) is no record, so no key is taken up on its word."""
+    return (isinstance(record, dict) and isinstance(record.get("kind"), str) and _hex(record.get("tag"), (TAG_BYTES,))
+            and isinstance(record.get("existed_before"), bool)
+            and (record.get("public_key") is None or _hex(record["public_key"], (32, 33, 65))))
+
+
 def is_ours(record: Optional[dict[str, Any]], kind: str, public_key: bytes, tag: Optional[bytes],
             own_directory: bool = False) -> bool:
     """Whether the existing key (its ``public_key``, and the ``tag`` the keystore stored with it,
@@ -50,13 +65,13 @@ def is_ours(record: Optional[dict[str, Any]], kind: str, public_key: bytes, tag:
 
 
 def read_record(path: Path) -> Optional[dict[str, Any]]:
-    """The record at ``path``, or None (none, or unreadable: an existing key is then refused as
-    anyone's would be)."""
+    """The record at ``path``, or None (none, unreadable or not ``valid``: an existing key is then
+    refused as anyone's would be, and a new record replaces it)."""
     try:
         got = json.loads(Path(path).read_bytes())
     except (OSError, ValueError):
         return None
-    return got if isinstance(got, dict) else None
+    return got if valid(got) else None
 
 
 def generate_or_take_up(ks, name: str, alg: str, path: Path, kind: str, own_directory: bool = False) -> tuple[bytes, bool]:

@@ -236,3 +236,25 @@ def test_a_serial_key_tag_reply_is_refused_when_it_cannot_be_one():
             sp.parse_reply(sp.KEY_TAG, sp.Frame(sp.KEY_TAG | sp.OK_BIT, 1, body))
         assert e.value.reason == reason, (body, e.value)
     assert sp.parse_reply(sp.KEY_TAG, sp.Frame(sp.KEY_TAG | sp.OK_BIT, 1, b"\x00\x02ab")).data == b"ab"
+
+
+def test_the_serial_device_refuses_a_key_tag_request_that_cannot_be_one(tmp_path):
+    """The device side of GENERATE_TAGGED / KEY_TAG against a host that sends what no driver
+    does: an empty or 33-byte tag, trailing bytes, an unknown key. Each is refused with its code
+    and nothing is made; a well-formed request after them still works."""
+    from firmware_bridge import serial_device
+    from firmware_bridge import serial_protocol as sp
+    core = serial_device.DeviceCore(str(tmp_path / "device"))
+
+    def ask(op, body):
+        frames = list(sp.FrameReader().feed(core.handle(sp.Frame(op, 1, body))))
+        return sp.parse_reply(op, frames[0])
+    base = bytes([sp.ALG_CODES["p256"]]) + sp.put_str("k")
+    for body in (base + sp.put_blob(b""), base + sp.put_blob(bytes(33)), base + sp.put_blob(b"t") + b"\x00"):
+        got = ask(sp.GENERATE_TAGGED, body)
+        assert isinstance(got, sp.DeviceError) and got.code == sp.E_BAD_REQUEST, (body, got)
+    assert core.keys.names() == []
+    got = ask(sp.KEY_TAG, sp.put_str("k"))
+    assert isinstance(got, sp.DeviceError) and got.code == sp.E_KEY_NOT_FOUND, got
+    assert isinstance(ask(sp.GENERATE_TAGGED, base + sp.put_blob(b"t" * 32)), sp.KeyInfo)
+    assert ask(sp.KEY_TAG, sp.put_str("k")).data == b"t" * 32

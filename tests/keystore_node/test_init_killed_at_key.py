@@ -198,3 +198,42 @@ def test_serial_firmware_without_tags_still_initialises_and_refuses_what_it_cann
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.mark.parametrize("damage", ['{"kind": "software", "tag": "not hex", "public_key": null}',
+                                    '{"kind": "software", "tag": 7, "existed_before": "yes", "public_key": 5}',
+                                    '{"kind": "software"}', '["a", "list"]', '\x00\xff garbage'])
+def test_a_damaged_key_record_is_no_record(tmp_path, damage):
+    """A key record (HOME/init.incomplete) that is not one an init wrote (a torn write on another
+    filesystem, an editor, a hostile hand) counts as no record: `sequencer init` and `authority
+    create` complete as a first run would, without a traceback, and take up no key on its word."""
+    h = tmp_path / "seq"
+    h.mkdir()
+    (h / "init.incomplete").write_text(damage)
+    p = run_cli("--home", h, "sequencer", "init")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, (p.returncode, p.stderr[-2000:])
+    d = tmp_path / "authority"
+    d.mkdir()
+    (d / "authority.incomplete").write_text(damage)
+    p = run_cli("--home", tmp_path / "unused", "authority", "create", "--out", d)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, (p.returncode, p.stderr[-2000:])
+    # and on a damaged record, a key already there is refused, not taken up
+    (h / "sequencer.db").unlink()
+    (h / "init.incomplete").write_text(damage)
+    p = run_cli("--home", h, "sequencer", "init")
+    assert p.returncode != 0 and "already exists" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_a_node_init_with_a_damaged_device_key_record_is_a_fresh_one(tmp_path, softhsm_conf):
+    """The node's record of its device key inside init.incomplete, damaged: a fresh record is
+    made (the init completes with a new key), never a traceback."""
+    conf, env = _conf(softhsm_conf)
+    mf, h = _manifest(tmp_path), tmp_path / "h"
+    killed_at_key("--home", h, "init", "--manifest", mf, "--keystore", json.dumps(conf), env=env)
+    marker = json.loads((h / "init.incomplete").read_text())
+    marker["device_key"] = {"kind": "pkcs11", "tag": "zz-not-hex", "public_key": None}
+    (h / "init.incomplete").write_text(json.dumps(marker))
+    p = run_cli("--home", h, "init", "--manifest", mf, "--keystore", json.dumps(conf), env=env)
+    assert "Traceback" not in p.stderr, p.stderr[-2000:]
+    # the key the killed init made cannot be told from another's any more: refused, as any other
+    assert p.returncode != 0 and "already exists" in p.stderr, (p.returncode, p.stderr[-2000:])
