@@ -55,9 +55,8 @@ def create(directory: Path, keystore: dict | None = None) -> dict:
     try:
         ks = open_keystore(_with_pin(conf))
         try:
-            own = conf.get("kind") == "software" and Path(conf["dir"]).absolute() == (directory / "keystore").absolute()
             public_key, _ = keytag.generate_or_take_up(ks, KEY_NAME, "ed25519", directory / MARKER,
-                                                      conf.get("kind", ""), own)
+                                                      conf.get("kind", ""), keytag.own_directory(conf, directory))
         finally:
             ks.close()
     except KeystoreError as e:

@@ -833,9 +833,9 @@ class Journal:
                        new_index: dict, new_keys: dict, with_intent: bool) -> list:
         """Append each (identity, location) entry's intent record (``with_intent``) and its output
         record to ``out`` (which starts at offset ``origin`` of the new file), setting its new
-        location; returns the identities written with no output. The old file is read in place: a kept output's record is copied byte for byte
-        (what encode_output would write again: the same type, identity and bytes), not re-read and
-        re-encoded (~2 µs an entry)."""
+        location; returns the identities written with no output. The old file is read in place: a
+        kept output's record is copied byte for byte (what encode_output would write again: the
+        same type, identity and bytes), not re-read and re-encoded (~2 µs an entry)."""
         sealer = self._sealer
         intent_only = []
         for ident, loc in entries:

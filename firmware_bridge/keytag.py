@@ -6,9 +6,10 @@ the keystore generating its key and the home recording it left a key no later `i
 every retry failed on KeyExists until an operator removed the key by hand. So `init` records,
 durably and before it asks for the key, a *key record*: the keystore's kind, a random tag the
 keystore stores with the key (PKCS#11: its CKA_ID; the serial device: GENERATE_TAGGED; software:
-in the key file; ``Keystore.key_tag``), and whether a key of that name was already there. Once the key is made, its public key goes into the record
-too. The next `init` of the same home takes up an existing key of that name only when it is the
-one the record describes; any other is still refused (on a shared token it may be another home's).
+in the key file; ``Keystore.key_tag``), and whether a key of that name was already there. Once
+the key is made, its public key goes into the record too. The next `init` of the same home takes
+up an existing key of that name only when it is the one the record describes; any other is still
+refused (on a shared token it may be another home's).
 """
 from __future__ import annotations
 
@@ -43,8 +44,8 @@ def _hex(value: Any, lengths: tuple[int, ...]) -> bool:
 def valid(record: Any) -> bool:
     """Whether ``record`` is one ``new_record`` made (and its public key added to): anything else
     (damaged, edited, from before tags) is no record, so no key is taken up on its word."""
-    return (isinstance(record, dict) and isinstance(record.get("kind"), str) and _hex(record.get("tag"), (TAG_BYTES,))
-            and isinstance(record.get("existed_before"), bool)
+    return (isinstance(record, dict) and isinstance(record.get("kind"), str)
+            and _hex(record.get("tag"), (TAG_BYTES,)) and isinstance(record.get("existed_before"), bool)
             and (record.get("public_key") is None or _hex(record["public_key"], (32, 33, 65))))
 
 
@@ -64,6 +65,13 @@ def is_ours(record: Optional[dict[str, Any]], kind: str, public_key: bytes, tag:
     return own_directory and record.get("existed_before") is False
 
 
+def own_directory(conf: dict[str, Any], home: Path) -> bool:
+    """Whether keystore ``conf`` is a software keystore in ``home``'s own ``keystore/`` directory
+    (``is_ours``'s ``own_directory``)."""
+    own = (Path(home) / "keystore").absolute()
+    return conf.get("kind") == "software" and Path(conf.get("dir", "")).absolute() == own
+
+
 def read_record(path: Path) -> Optional[dict[str, Any]]:
     """The record at ``path``, or None (none, unreadable or not ``valid``: an existing key is then
     refused as anyone's would be, and a new record replaces it)."""
@@ -74,7 +82,8 @@ def read_record(path: Path) -> Optional[dict[str, Any]]:
     return got if valid(got) else None
 
 
-def generate_or_take_up(ks, name: str, alg: str, path: Path, kind: str, own_directory: bool = False) -> tuple[bytes, bool]:
+def generate_or_take_up(ks, name: str, alg: str, path: Path, kind: str,
+                        own_directory: bool = False) -> tuple[bytes, bool]:
     """Key ``name`` for an init whose record file is ``path`` (a file of its own; the node keeps
     its record inside its init marker instead): the record written first (or the one a cut-short
     init left, of the same kind), then the key generated with its tag, or, when the keystore

@@ -223,8 +223,8 @@ def _receipt_key(home: Path, ks, conf: dict) -> bytes:
     own keystore was never used: the state that would have used it was never made); any other key
     of that name is still refused (KeyExists). ``INIT_RECORD``: firmware_bridge/keytag.py."""
     kind = conf.get("kind", "")
-    own = kind == "software" and Path(conf.get("dir", "")).absolute() == (home / "keystore").absolute()
-    public, taken_up = keytag.generate_or_take_up(ks, RECEIPT_KEY, "p256", home / INIT_RECORD, kind, own)
+    public, taken_up = keytag.generate_or_take_up(ks, RECEIPT_KEY, "p256", home / INIT_RECORD, kind,
+                                                  keytag.own_directory(conf, home))
     if taken_up:
         log.warning("taking up the receipt key an unfinished init of %s made on the %s keystore", home, kind)
     return public
