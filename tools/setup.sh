@@ -24,6 +24,8 @@ have sfdisk || need_apt+=(fdisk)
 have mkfs.vfat || need_apt+=(dosfstools)
 { have mcopy && have mtype; } || need_apt+=(mtools)
 { have mkfs.ext4 && have debugfs; } || need_apt+=(e2fsprogs)
+# a clustered MQTT v5 broker for tests/mqtt/test_cluster_*.py (two ejabberd nodes on loopback)
+have ejabberdctl || need_apt+=(ejabberd)
 # Debian splits venv's pip bootstrap (ensurepip) into python3-venv.
 if [ ! -x "$VENV/bin/python" ] && ! $PY -c "import venv, ensurepip" >/dev/null 2>&1; then
   need_apt+=(python3-venv)
