@@ -26,6 +26,8 @@ have mkfs.vfat || need_apt+=(dosfstools)
 { have mkfs.ext4 && have debugfs; } || need_apt+=(e2fsprogs)
 # a clustered MQTT v5 broker for tests/mqtt/test_cluster_*.py (two ejabberd nodes on loopback)
 have ejabberdctl || need_apt+=(ejabberd)
+# Node 20+ and npm for the ts-mls members of the sequencer tests (tests/sequencer/ts_mls)
+{ have node && have npm; } || need_apt+=(nodejs npm)
 # Debian splits venv's pip bootstrap (ensurepip) into python3-venv.
 if [ ! -x "$VENV/bin/python" ] && ! $PY -c "import venv, ensurepip" >/dev/null 2>&1; then
   need_apt+=(python3-venv)
@@ -47,6 +49,12 @@ echo "setup: installing ssp-agent (editable, into $VENV) with test extras"
 if ! "$VPY" -m pip install -q --disable-pip-version-check -e ".[test]" >"$VENV/setup-pip.log" 2>&1; then
   cat "$VENV/setup-pip.log" >&2
   echo "setup: pip could not install ssp-agent into $VENV" >&2
+  exit 1
+fi
+# ts-mls at the versions its package-lock.json pins (test-only; never part of a device install)
+if ! npm ci --prefix tests/sequencer/ts_mls --no-audit --no-fund --silent >"$VENV/setup-npm.log" 2>&1; then
+  cat "$VENV/setup-npm.log" >&2
+  echo "setup: npm could not install tests/sequencer/ts_mls" >&2
   exit 1
 fi
 "$VPY" -c "import agent, firmware_bridge, cbor2, nacl, blake3, paho.mqtt, serial, pytest, xdist" \
