@@ -245,3 +245,58 @@ def test_secure_binding_survives_a_floor_int_refuses(broker, tmp_path):
         assert "Traceback" not in err
     finally:
         rogue.close()
+
+
+# A fault past every boundary parser, put in by the test: a bug handling a message from outside
+# (RuntimeError), and a local fault (the store's disk failing) where the same message is handled.
+FAULTY_HANDLING = """
+import sqlite3
+import agent.core.delivery as _delivery
+_split = _delivery.split_gaps
+def _faulty(entries):
+    entries = list(entries)
+    if "bug" in entries:
+        raise RuntimeError("a bug past the boundary")
+    if "disk" in entries:
+        raise sqlite3.OperationalError("disk I/O error")
+    return _split(entries)
+_delivery.split_gaps = _faulty
+"""
+
+
+def _meta(gap: str) -> dict:
+    return {"ssp-meta": json.dumps({"s": 0, "e": 0, "d": [], "g": [gap], "x": 0})}
+
+
+def test_whatever_handling_raises_is_a_refusal_and_a_local_fault_still_stops_run(broker, tmp_path):
+    """The runtime loop's net: a message whose handling raises (past its boundary parser) is
+    answered `rejected` (`unclassified`), surfaced in `ssp-agent events`, and `run` goes on; a
+    local fault (the store's disk) while handling one stops `run` with exit 1."""
+    from ..cli_cmd import patched_cmd
+    a, b = nodes = make_nodes(tmp_path, 2)
+    for n in nodes:
+        n.close()
+    topics = Topics(MESH)
+    rogue = Rogue(broker)
+    rogue.subscribe(topics.answers(a.site_id, b.site_id))
+    proc = subprocess.Popen([*patched_cmd(FAULTY_HANDLING), "--home", str(b.home), "run", "--broker", broker.url,
+                             "--cadence", "3600", "--secure-binding"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
+    try:
+        m = None
+        deadline = time.monotonic() + CEILING_S
+        while m is None and proc.poll() is None and time.monotonic() < deadline:
+            corr = _request(rogue, topics, b.site_id, a.site_id, body(a.site_id), _meta("bug"))
+            m = _wait_short(rogue, corr, proc)
+        assert m is not None and proc.poll() is None, _stop(proc)
+        props = dict(m.properties.UserProperty)
+        assert props["ssp-status"] == "rejected" and props["ssp-reason"] == "unclassified", props
+        ev = run_cli("--home", b.home, "events")   # forwarded to the running agent
+        assert ev.returncode == 0 and '"unclassified"' in ev.stdout and "RuntimeError" in ev.stdout, ev
+        _request(rogue, topics, b.site_id, a.site_id, body(a.site_id), _meta("disk"))
+        proc.wait(timeout=CEILING_S)
+    finally:
+        rc, out, err = _stop(proc)
+        rogue.close()
+    assert rc == 1, err[-3000:]
+    assert "disk I/O error" in err

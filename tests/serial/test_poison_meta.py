@@ -71,3 +71,44 @@ def test_secure_serial_receiver_survives_a_floor_int_refuses(tmp_path, pty_pair,
     assert alive and rb.returncode == 0, err[-3000:]
     assert "Traceback" not in err and "Traceback" not in ra_out[1], (err[-2000:], ra_out[1][-2000:])
     assert _count(hb) == 5  # a's five events, applied and kept
+
+
+# A bug past the boundary parsers on the receiving side, put in by the test.
+FAULTY_RECEIVER = """
+import agent.core.delivery as _delivery
+def _faulty(entries):
+    raise RuntimeError("a bug past the boundary")
+_delivery.split_gaps = _faulty
+"""
+
+
+def test_a_frame_whose_handling_raises_is_refused_and_run_goes_on(tmp_path, pty_pair):
+    """The serial loop's net: every body frame's handling raises after its events are committed;
+    `run --secure-binding` refuses the frame (`unclassified`, in `ssp-agent events`), keeps the
+    events, and keeps running until told to stop (exit 0)."""
+    ha, hb = homes(tmp_path, 5, 0)
+    pa, pb = pty_pair
+    rb = subprocess.Popen([*patched_cmd(FAULTY_RECEIVER), "--home", str(hb), "run", "--serial", pb,
+                           "--secure-binding"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=agent_env())
+    ra = subprocess.Popen([*agent_cmd(), "--home", str(ha), "run", "--serial", pa, "--secure-binding"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
+    try:
+        deadline = time.monotonic() + CEILING_S
+        refused = ""
+        while rb.poll() is None and time.monotonic() < deadline:
+            if _count(hb) == 5:
+                ev = subprocess.run([*agent_cmd(), "--home", str(hb), "events"], capture_output=True, text=True,
+                                    env=agent_env(), timeout=CEILING_S)
+                if '"unclassified"' in ev.stdout:
+                    refused = ev.stdout
+                    break
+            time.sleep(0.3)
+        alive = rb.poll() is None
+    finally:
+        for p in (ra, rb):
+            if p.poll() is None:
+                p.terminate()
+        outs = [p.communicate(timeout=CEILING_S) for p in (ra, rb)]
+    assert alive and rb.returncode == 0, outs[1][1][-3000:]
+    assert "RuntimeError" in refused and _count(hb) == 5
