@@ -23,7 +23,7 @@ from firmware_bridge.journal import inspect as journal_inspect
 
 from . import identity as ident
 from .clockstate import now_ms  # re-exported: callers read the wall clock as node.now_ms
-from .core import cose, events as ev
+from .core import cose, events as ev, numbers
 from .core.clock import Hlc, beyond_skew
 from .core.clock import signing_time as clock_signing_time
 from .core.codec import DecodeError, decode_strict
@@ -747,9 +747,9 @@ class Node:
     @staticmethod
     def _worker_count() -> int:
         """SSP_AGENT_APPLY_WORKERS, else one per core beyond the applying thread's, at most 3."""
-        env = os.environ.get("SSP_AGENT_APPLY_WORKERS", "")
-        if env.isdigit():
-            return max(1, int(env))
+        n = numbers.uint(os.environ.get("SSP_AGENT_APPLY_WORKERS", ""), max_value=64)
+        if n is not None:
+            return max(1, n)
         return max(1, min(3, len(os.sched_getaffinity(0)) - 1))
 
     def _worker_failed(self, e: Exception) -> None:

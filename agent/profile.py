@@ -15,7 +15,7 @@ from .infile import InputRefused, read_text
 
 DEFAULT_PROFILE = "pi-3-4"
 SECURE_DELETE_MODES = ("on", "fast", "off")
-_DURATION = re.compile(r"^\s*(\d{1,15})\s*(ms|s|m|h|d|w)\s*$")   # 15 digits: never a 4 300-digit int()
+_DURATION = re.compile(r"^\s*([0-9]{1,15})\s*(ms|s|m|h|d|w)\s*$")   # 15 digits: never a 4 300-digit int()
 HORIZON_MAX_MS = 100 * 365 * 86_400_000   # longer is "forever" (and HLC arithmetic stays in 64 bits)
 NUMBER_MAX = 10**9                         # no setting needs more (seconds: 31 years; counts, bytes, MB)
 PROFILE_LIMIT = 1 << 20                    # a profile file is a few hundred bytes

@@ -68,7 +68,8 @@ from .core.messages import ProtocolError, parse_body
 from .core.records import MAX_ACK_ANSWERS, AckAnswer, record_hash as body_hash
 from .core.sending import PeerLimit  # noqa: F401 - the too-large back-off (pure); re-exported
 from .core.session import parse_meta_text
-from .core.reasons import BROKER_LOST
+from .core.reasons import BROKER_LOST, UNCLASSIFIED
+from .faults import LOCAL_FAULTS, describe
 from .outcomes import counts
 from .store import db, eventlog, sync_state as st
 from .sync import Offer  # noqa: F401 - defined below the runner (no import circle); re-exported
@@ -304,6 +305,29 @@ class Runner:
         return self.intake.others
 
     def _handle(self, m: Inbound) -> None:
+        """Handle one message. Whatever its handling raises past the boundary parsers is this
+        message's fault (agent/faults.py): refused and surfaced, the loop goes on; a local fault
+        (store, keystore, disk) still stops the node."""
+        try:
+            self._dispatch(m)
+        except LOCAL_FAULTS:
+            raise
+        except Exception as e:  # noqa: BLE001 - the net under the boundaries (docs/protocol.md §11)
+            self._unhandled(m, e)
+
+    def _unhandled(self, m: Inbound, e: Exception) -> None:
+        """A message whose handling raised: counted, logged with its traceback, surfaced
+        (`unclassified`); a request is answered `rejected` and acked (never redelivered), an answer
+        and a presence were acked on arrival."""
+        self.stats["unhandled_messages"] += 1
+        log.warning("handling a %s message from %s raised", m.kind, (m.sender or m.site).hex(), exc_info=e)
+        detail = describe(e)
+        if m.kind == "req":
+            return self._reject(m, UNCLASSIFIED, detail)
+        self._surface_refusal("mqtt_answer" if m.kind == "ans" else "presence", UNCLASSIFIED, detail,
+                              m.sender if m.kind == "ans" else m.site)
+
+    def _dispatch(self, m: Inbound) -> None:
         self._note_link(m)
         if m.kind == "req":
             self._on_request(m)

@@ -29,7 +29,7 @@ import json
 from collections import Counter, deque
 from typing import Any, Callable, Iterable, Sequence
 
-from . import reasons
+from . import numbers, reasons
 from .exchange import KIND_BATCH, KIND_REALTIME, PRESENCE_LIMIT, Exchange, InFlight, Schedule
 from .messages import ProtocolError, parse_body
 from .records import MAX_ACK_ANSWERS, AckAnswer, RecordError, is_ack, verify_ack
@@ -120,14 +120,12 @@ def encode_indices(indices: Sequence[int]) -> str:
 
 
 def decode_indices(text: str, total: int) -> list[int] | None:
-    """`encode_indices` read strictly: distinct indices below `total`, else None (ignored)."""
+    """`encode_indices` read strictly (`core.numbers`): distinct indices below `total`, else
+    None (ignored)."""
     if not text:
         return []
-    parts = text.split(",")
-    if len(parts) > total or not all(p.isdigit() and len(p) <= 9 for p in parts):
-        return None
-    out = [int(p) for p in parts]
-    return out if len(set(out)) == len(out) and all(i < total for i in out) else None
+    out = numbers.uint_list(text, max_items=total, max_value=total - 1) if total > 0 else None
+    return out if out is not None and len(set(out)) == len(out) else None
 
 
 def ack_requested(secure: bool) -> bool:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from . import numbers
+
 APPLIED, DUPLICATE, DROPPED, REJECTED, HELD = "applied", "duplicate", "dropped", "rejected", "held"
 # Drops whose HLC is not authentic data (or whose signer's later history is void): they never
 # set a watermark value, and they never block one either (§13.6 signature row).
@@ -100,10 +102,9 @@ def split_gaps(entries) -> tuple[set[str], dict[str, Hlc]]:
     gaps: set[str] = set()
     floors: dict[str, Hlc] = {}
     for g in entries:
-        table, at, hlc = g.rpartition("@")[0], "@" in g, g.rpartition("@")[2]
-        p, dot, l = hlc.partition(".")
-        if at and table and dot and p.isdigit() and l.isdigit() and len(p) <= 19 and len(l) <= 10:
-            h = (int(p), int(l))
+        table, _at, text = g.rpartition("@")
+        h = numbers.hlc(text) if table else None   # the one strict reader: `@².0` is no floor
+        if h is not None:
             floors[table] = max(floors.get(table, h), h)
         else:
             gaps.add(g)

@@ -45,6 +45,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from . import numbers
 from .messages import Handshake, ProtocolError, parse_presence
 from .records import AckAnswer
 from .sending import MIN_BODY_LIMIT, PeerLimit
@@ -108,10 +109,8 @@ def answered_progress(total: int, proof: AckAnswer | None, processed_text: str |
         processed = min(total, proof.processed)
         rejected = [i for i in proof.rejected if i < total] or None
     else:
-        try:
-            processed = max(0, min(total, int(processed_text or "0")))
-        except ValueError:
-            processed = 0
+        # the one strict reader: int() also took " 3", "+3", "3_0" and Arabic-Indic digits
+        processed = min(total, numbers.uint(processed_text) or 0)
     if rejected is not None:
         processed = total
     return processed, rejected

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import re
 
+from . import numbers
+
 SITE_ID_LEN = 16
 MESH_ID_LEN = 16
 EVENT_ID_LEN = 32
@@ -49,10 +51,9 @@ def hlc_text(physical_ms: int, logical: int) -> str:
 def parse_hlc(text: str) -> tuple[int, int]:
     """`PHYSICAL.LOGICAL` -> (physical_ms, logical), both range-checked (physical below 2**63,
     what the store holds; logical uint32)."""
-    m = _HLC.match(text) if isinstance(text, str) else None
-    if not m:
-        raise IdFormatError(f"HLC must look like PHYSICAL.LOGICAL (e.g. 1764669600000.3), got {text!r}")
-    p, l = int(m.group(1)), int(m.group(2))
-    if p > HLC_PHYSICAL_MAX or l > UINT32_MAX:
+    h = numbers.hlc(text)   # the one strict reader of numbers from outside
+    if h is not None:
+        return h
+    if isinstance(text, str) and _HLC.fullmatch(text):
         raise IdFormatError(f"HLC out of range (physical below 2**63, logical uint32): {text!r}")
-    return p, l
+    raise IdFormatError(f"HLC must look like PHYSICAL.LOGICAL (e.g. 1764669600000.3), got {text!r}")

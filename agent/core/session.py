@@ -640,6 +640,11 @@ class Session:
         self._corr += 1
         return self._corr
 
+    def unhandled(self, detail: str, now: int) -> None:
+        """A frame whose handling raised past its boundary parser (the caller's net): refused as
+        a protocol error with reason `unclassified`; the peer re-offers what no answer confirmed."""
+        self._protocol_error(ProtocolError(reasons.UNCLASSIFIED, detail), now)
+
     def _protocol_error(self, e: ProtocolError, now: int) -> None:
         self.events.append(SessionEvent("protocol_error", e.reason))
         self.provider.protocol_error(self.peer, e.reason, e.detail, now)

@@ -52,7 +52,7 @@ from typing import Optional
 from urllib.parse import unquote, urlparse
 
 from agent import inbox, outbox
-from agent.core import codec
+from agent.core import codec, numbers
 from agent.sequencer import core, framing, recovery, service
 
 log = logging.getLogger("ssp.sequencer")
@@ -138,10 +138,7 @@ def epoch_text(payload: bytes) -> Optional[int]:
     """The one classifier of a request's decimal text (``register``, ``receipt``): ASCII digits
     only, no sign, space or underscore (Python's int() takes all three), no leading zero, at most
     MAX_EPOCH_TEXT; None for anything else (answered with an error, never raised)."""
-    if not (0 < len(payload) <= 19) or not payload.isdigit() or (payload[:1] == b"0" and len(payload) > 1):
-        return None            # bytes.isdigit: ASCII 0-9 only
-    n = int(payload)
-    return n if n <= MAX_EPOCH_TEXT else None
+    return numbers.uint(payload, max_value=MAX_EPOCH_TEXT, max_digits=19)
 
 
 class Allowance:

@@ -40,6 +40,7 @@ from firmware_bridge.bridge import Status
 from firmware_bridge.fsutil import fsync_dir
 from firmware_bridge.keystore import KeystoreConfigError, check_config
 
+from agent.core import numbers
 from agent.core.frozen import fast_init
 from agent.sequencer import core, receipts
 from agent.sequencer.framing import FramingError, parse_mls_message
@@ -847,9 +848,10 @@ def _handoff_fields(package: object) -> tuple:
     if given is not None and not isinstance(given, dict):
         raise ValueError("statements must be an object: gap epoch -> statement hex")
     for e, h in (given or {}).items():
-        if not (isinstance(e, str) and e.isdigit() and e.isascii()):
+        n = numbers.uint(e)
+        if n is None:
             raise ValueError("statements are keyed by gap epoch in decimal")
-        stated[int(e)] = bytes.fromhex(h)
+        stated[n] = bytes.fromhex(h)
     return gid, epoch, tuple(sorted(set(gaps))), from_key, head_raw, stated
 
 

@@ -50,6 +50,7 @@ from paho.mqtt.properties import Properties
 # The wire of the binding (user property names, the frame meta, rejected indices) is pure:
 # agent/core/binding.py; re-exported here for the link's users.
 from .. import inbox, outbox
+from ..core import numbers
 from ..core.binding import (P_COUNT, P_END, P_FROM, P_KIND, P_META, P_PART, P_PROCESSED,  # noqa: F401
                             P_REASON, P_REJECTED_AT, P_START, P_STATUS, decode_indices)
 from ..core.exchange import KIND_BATCH, KIND_REALTIME  # noqa: F401 - a request's kinds (the exchange decides on them)
@@ -181,11 +182,10 @@ class Topics:
 
 
 def parse_body_limit(text: str | None) -> int | None:
-    """An advertised body limit (`ssp-body-limit`) read strictly: decimal digits, at most 10 of
-    them; None for anything else (ignored, as every member a node does not understand)."""
-    if not text or len(text) > 10 or not text.isdigit():
-        return None
-    return int(text)
+    """An advertised body limit (`ssp-body-limit`) read by the one strict reader
+    (`core.numbers.uint`: ASCII digits, at most 10 of them); None for anything else (ignored, as
+    every member a node does not understand)."""
+    return numbers.uint(text, max_value=10**10 - 1)
 
 
 def max_packet_size(body_limit: int) -> int:

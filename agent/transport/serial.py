@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..core.exchange import SurfaceBudget, not_surfaced
+from ..faults import LOCAL_FAULTS, describe
 from ..outcomes import STATUSES
 from .serial_link import LinkConfig, LinkError, SerialLink
 
@@ -312,7 +313,13 @@ class SerialEndpoint:
         if s is not None:
             self._after(s, mono)  # session timers may have produced events too
             for m in self.link.messages():
-                s.receive(m, wall)
+                try:
+                    s.receive(m, wall)
+                except LOCAL_FAULTS:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the net under the boundaries (agent/faults.py)
+                    log.warning("handling a frame on %s raised", self.name or "a serial line", exc_info=e)
+                    s.unhandled(describe(e), wall)
                 # One message at a time: an acknowledgement and the next body often arrive in one
                 # read, and each exchange's movement must be told apart (the end of a --once).
                 self._after(s, mono)
