@@ -68,7 +68,7 @@ class _Lent:
     """The running agent's node, lent to one forwarded verb: `with` and close() leave it open."""
 
     def __init__(self, node) -> None:
-        self._node = node
+        object.__setattr__(self, "_node", node)
 
     def __enter__(self):
         return self._node
@@ -82,12 +82,31 @@ class _Lent:
     def __getattr__(self, name):
         return getattr(self._node, name)
 
+    def __setattr__(self, name, value) -> None:
+        setattr(self._node, name, value)   # e.g. `authority add` sets node.authorities: the agent's
+
 
 def _open(args, read_only: bool = False):
+    """The verb's node: the running agent's when it serves the verb, a read view, or the home
+    opened for writing once no other process holds it (agent/hometurn.py: a one-shot holder is
+    waited for, a running service raises HeldByService, which `main` forwards to or refuses)."""
     if _served:
         return _Lent(_served["node"])
     from .node import Node
-    return Node.open(Path(args.home), read_only=read_only)
+    home = Path(args.home)
+    if read_only:
+        return Node.open(home, read_only=True)
+    from . import hometurn
+    try:
+        wait_s = hometurn.budget()
+    except ValueError as e:
+        raise Refused(str(e)) from None
+    try:
+        return hometurn.open_in_turn(home, lambda: Node.open(home), wait_s=wait_s,
+                                     should_stop=getattr(args, "should_stop", None),
+                                     say=lambda m: print(f"ssp-agent: {m}", file=sys.stderr, flush=True))
+    except hometurn.StillHeld as e:
+        raise Fault(str(e)) from None
 
 
 # A password file (a broker's, --password-file): one line
@@ -500,21 +519,38 @@ def _add_later_verbs(sub, mailbox_sub, modules: "set[str] | None" = None) -> Non
         m.register(sub, mailbox_sub)
 
 
+def verb_path(args) -> str:
+    """The verb and its action, as agent/control.py's FORWARDED names them: "record list"."""
+    action = getattr(args, f"{args.verb}_verb", None)
+    return f"{args.verb} {action}" if action else args.verb
+
+
+def not_served(path: str, home, pid) -> str:
+    """Why a verb is refused while `run` (pid) holds the home, and what to do."""
+    if path == "sync":
+        return (f"`ssp-agent run` (pid {pid}) is syncing {home} already: `sync --once` is for a home no service "
+                "holds (a device on the sync timer); leave the syncing to the service, or stop it first")
+    if path == "run":
+        return f"`ssp-agent run` (pid {pid}) serves {home} already; one service per home: stop that one first"
+    return (f"{home} is held by the running service (`ssp-agent run`, pid {pid}), which does not run `{path}`: "
+            "stop the service (e.g. `systemctl stop ssp-agent`), run this, then start it again")
+
+
 def run_forwarded(argv: list[str], node, status_extra=None) -> tuple[int, str, str]:
     """Execute one forwarded command line on `node` (the running agent's), capturing what the verb
     prints. Only the FORWARDED verbs; anything else is refused. Here, beside the verbs, not in
     agent/control.py: the control socket server never imports the CLI (no import circle)."""
     import io
 
-    from .control import FORWARDED
+    from .control import served
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             args = build_parser().parse_args(argv)
         except SystemExit as e:  # argparse already explained on stderr
             return (e.code if isinstance(e.code, int) else 2), out.getvalue(), err.getvalue()
-        if args.verb not in FORWARDED:
-            return 2, "", f"ssp-agent: {args.verb} is not served by a running agent; stop it first\n"
+        if not served(verb_path(args)):
+            return 2, "", f"ssp-agent: {not_served(verb_path(args), node.home, os.getpid())}\n"
         with serving(node, status_extra):
             rc = dispatch(args)
     return rc, out.getvalue(), err.getvalue()
@@ -522,6 +558,11 @@ def run_forwarded(argv: list[str], node, status_extra=None) -> tuple[int, str, s
 
 def main(argv: list[str] | None = None) -> int:
     verb = _verb_of(sys.argv[1:] if argv is None else list(argv))
+    if verb == "run":
+        # SIGTERM at any point from here on stops `run` cleanly (exit 0, its summary), even while
+        # it opens its home or connects: the handler first, before the parser's imports
+        from .cli_mqtt import catch_stop
+        catch_stop()
     parser = build_parser(set() if verb in CORE_VERBS else {VERB_MODULES[verb]} if verb in VERB_MODULES else None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, stream=sys.stderr,
@@ -537,7 +578,10 @@ def main(argv: list[str] | None = None) -> int:
         print("ssp-agent: --home DIR is required (or set SSP_AGENT_HOME)", file=sys.stderr)
         return EXIT_REFUSED
     from . import control
-    if args.verb in control.FORWARDED:
+    from .hometurn import HeldByService
+    path = verb_path(args)
+    forwarded = None
+    if control.served(path):
         # `run` holds this home: the verb runs inside it, on its node (one writer; docs/operations.md)
         # a verb naming files gives its own command line, with their contents or absolute paths
         # (the agent's working directory is not this one's): `forward_argv`
@@ -548,13 +592,21 @@ def main(argv: list[str] | None = None) -> int:
         except (Refused, Fault) as e:
             print(f"ssp-agent: {e}", file=sys.stderr)
             return EXIT_REFUSED if isinstance(e, Refused) else EXIT_FAULT
-        res = control.forward(Path(args.home), forwarded)
-        if res is not None:
-            rc, out, err = res
-            sys.stdout.write(out)
-            sys.stderr.write(err)
-            return rc
-    return dispatch(args)
+    while True:
+        if forwarded is not None:
+            res = control.forward(Path(args.home), forwarded)
+            if res is not None:
+                rc, out, err = res
+                sys.stdout.write(out)
+                sys.stderr.write(err)
+                return rc
+        try:
+            return dispatch(args)
+        except HeldByService as e:
+            # a `run` took the home (or served it) while this verb waited for its turn
+            if forwarded is None:
+                print(f"ssp-agent: {not_served(path, e.home, e.pid)}", file=sys.stderr)
+                return EXIT_REFUSED
 
 
 def _store_of(args) -> Path:

@@ -131,6 +131,21 @@ def cmd_record_issue(args) -> int:
     return EXIT_OK
 
 
+def _record_argv(args) -> list[str]:
+    """`record issue-*` forwarded to a running agent: its paths (the authority directory, --out)
+    made absolute, since the agent's working directory is not the operator's."""
+    out = ["--home", str(Path(args.home).resolve()), "record", args.record_verb, f"--subject={args.subject}"]
+    if args.record_verb == "issue-vouch":
+        out.append(f"--public-key={args.public_key}")
+    elif args.record_verb == "issue-retire":
+        out.append(f"--retired-after={args.retired_after}")
+        out += [f"--successor={args.successor}"] if args.successor else []
+    else:
+        out.append(f"--role={args.role}")
+    out += [f"--out={Path(args.out).resolve()}"] if args.out else []
+    return out + ([f"--authority-key={Path(args.authority_key).resolve()}"] if args.authority_key else [])
+
+
 def _load_authority(path: str):
     from .authority import Authority, AuthorityError
     try:
@@ -285,20 +300,20 @@ def register(sub, mailbox_sub) -> None:
     a.add_argument("--public-key", required=True)
     a.add_argument("--out")
     a.add_argument("--authority-key", help="sign as a standalone authority: the directory made by `authority create`")
-    a.set_defaults(fn=cmd_record_issue)
+    a.set_defaults(fn=cmd_record_issue, forward_argv=_record_argv)
     a = rs.add_parser("issue-retire", help="retire a site: its events above the cutoff are dropped")
     a.add_argument("--subject", required=True)
     a.add_argument("--retired-after", required=True, help="HLC cutoff, e.g. 1764669600000.0")
     a.add_argument("--successor", help="the replacing device's site_id")
     a.add_argument("--out")
     a.add_argument("--authority-key", help="sign as a standalone authority: the directory made by `authority create`")
-    a.set_defaults(fn=cmd_record_issue)
+    a.set_defaults(fn=cmd_record_issue, forward_argv=_record_argv)
     a = rs.add_parser("issue-role", help="assign a role to a site (role layer of policy)")
     a.add_argument("--subject", required=True)
     a.add_argument("--role", required=True)
     a.add_argument("--out")
     a.add_argument("--authority-key", help="sign as a standalone authority: the directory made by `authority create`")
-    a.set_defaults(fn=cmd_record_issue)
+    a.set_defaults(fn=cmd_record_issue, forward_argv=_record_argv)
     a = rs.add_parser("list", help="print the control records this node holds")
     a.set_defaults(fn=cmd_record_list)
 

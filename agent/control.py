@@ -1,9 +1,9 @@
-"""The running agent's control socket (issue 12 item 2): while `ssp-agent run` holds a home, the
-verbs `status`, `dump`, `events`, `log`, `write` and `sequencing` given for that home are forwarded to it and
-executed on its own node, by the loop thread that owns the node's SQLite connection and signing
-bridge. So a sensor script can write while the service syncs and an operator can inspect it, and
-there is still one writer: every forwarded write goes through the same bridge (persist before
-release) and the one apply path as any other local write.
+"""The running agent's control socket: while `ssp-agent run` holds a home, the verbs in
+`FORWARDED` given for that home (status, dump, events, log, write, the operator's verbs of the
+runbooks) are forwarded to it and executed on its own node, by the loop thread that owns the
+node's SQLite connection and signing bridge. So a sensor script can write while the service syncs
+and an operator can inspect it, and there is still one writer: every forwarded write goes through
+the same bridge (persist before release) and the one apply path as any other local write.
 
 - **Where**: `HOME/control.sock`, a Unix stream socket, mode 0600 inside the 0700 home. File
   permissions are the only access rule: whoever may open it may do what the CLI may do with the
@@ -28,9 +28,16 @@ from pathlib import Path
 from typing import Callable
 
 SOCKET_NAME = "control.sock"
-# the verbs a running agent serves; `sequencing` so a member's `commits run` can hand the receipts
-# it gets to the node's gossip while the agent holds the home (docs/sequencer.md)
-FORWARDED = ("status", "dump", "events", "log", "write", "sequencing")
+# the verbs a running agent serves (a verb, or "verb action" for one action of it): every verb the
+# runbooks use on a live gateway or device (docs/operations.md); `sequencing` so a member's
+# `commits run` can hand the receipts it gets to the node's gossip (docs/sequencer.md).
+# `record list`, `rehydrate --status` and `keystore show` are served too rather than read from a
+# read-only open: the first two may create their tables on an older home (a write), and `keystore
+# show` needs the keystore itself, which a serial device lends to one process, and the live
+# journal's figures. Verbs left out rebuild what the running loop holds (tables, policy, the
+# keystore) or move files: they need the home to themselves.
+FORWARDED = ("status", "dump", "events", "log", "write", "sequencing", "peer", "record", "rehydrate", "evict",
+             "keystore show", "authority add")
 MAX_REQUEST = 1 << 20  # a command line, not data: a megabyte is plenty
 CLIENT_TIMEOUT_S = 120.0  # a forwarded verb waits at most this long for the loop to run it
 MAX_CLIENTS = 16  # connections served at once; more wait in the listen backlog
@@ -57,7 +64,29 @@ def _addr(path: Path):
         os.close(fd)
 
 
+def served(path: str) -> bool:
+    """Whether a running agent serves this verb ("verb" or "verb action")."""
+    return path in FORWARDED or path.split(" ", 1)[0] in FORWARDED
+
+
 # ---------------------------------------------------------------- client
+def listening(home: Path) -> bool:
+    """Whether an agent serves `home`'s control socket now (a connection is accepted)."""
+    path = socket_path(home)
+    if not path.exists():
+        return False
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(10.0)
+        with _addr(path) as addr:
+            s.connect(addr)
+        return True
+    except OSError:
+        return False   # stale (its agent is gone), or being replaced
+    finally:
+        s.close()
+
+
 def forward(home: Path, argv: list[str], timeout: float = CLIENT_TIMEOUT_S) -> tuple[int, str, str] | None:
     """Run `argv` in the agent running on `home`. None when no agent listens there (no socket, or a
     stale one): the caller then opens the home itself."""

@@ -192,9 +192,17 @@ class Runner:
         return self.ex.limits.advertised
 
     # -------------------------------------------------------------- lifecycle
-    def start(self, connect_timeout: float = 10.0) -> bool:
+    def start(self, connect_timeout: float = 10.0, should_stop=None) -> bool:
+        """Connect; True once connected within `connect_timeout`. `should_stop`: a predicate that
+        ends the wait early (`run` told to stop while it connects)."""
         self.link.start()
-        return self.link.wait_connected(connect_timeout)
+        if should_stop is None:
+            return self.link.wait_connected(connect_timeout)
+        deadline = time.monotonic() + connect_timeout
+        while not self.link.wait_connected(max(0.0, min(0.2, deadline - time.monotonic()))):
+            if should_stop() or time.monotonic() >= deadline:
+                return False
+        return True
 
     def close(self) -> None:
         self._save_links()

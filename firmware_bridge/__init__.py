@@ -3,7 +3,7 @@
 Imports nothing from ``agent`` (architecture.md).  See docs/keystore.md.
 """
 from .bridge import SigningBridge, Status
-from .errors import (DeviceRefused, DeviceTimeout, JournalCorrupt, JournalError, KeyExists, KeyNotFound,
+from .errors import (DeviceRefused, DeviceTimeout, JournalBusy, JournalCorrupt, JournalError, KeyExists, KeyNotFound,
                      KeystoreError, KeystoreUnavailable, OutcomeUnknown, ProtocolError, UnsupportedAlgorithm,
                      WrongPin)
 from .identity import DiscontinuityIdentity, EventIdentity, Identity, ReceiptIdentity
@@ -11,7 +11,7 @@ from .keystore import ALGORITHMS, Keystore, open_keystore, with_pin
 from .verify import verify_ed25519, verify_p256
 
 __all__ = [
-    "ALGORITHMS", "DeviceRefused", "DiscontinuityIdentity", "DeviceTimeout", "EventIdentity", "Identity", "JournalCorrupt", "JournalError",
+    "ALGORITHMS", "DeviceRefused", "DiscontinuityIdentity", "DeviceTimeout", "EventIdentity", "Identity", "JournalBusy", "JournalCorrupt", "JournalError",
     "KeyExists", "KeyNotFound", "Keystore", "KeystoreError", "KeystoreUnavailable", "OutcomeUnknown", "ProtocolError",
     "ReceiptIdentity", "SigningBridge", "Status", "UnsupportedAlgorithm", "WrongPin", "open_keystore", "with_pin",
     "verify_ed25519", "verify_p256",

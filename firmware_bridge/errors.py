@@ -50,6 +50,10 @@ class JournalError(KeystoreError):
     """The persist-before-release journal cannot be written or read; the bridge stops releasing."""
 
 
+class JournalBusy(JournalError):
+    """Another process holds the journal (its exclusive lock): one bridge owns a journal."""
+
+
 class JournalCorrupt(JournalError):
     """Damage inside the journal's durable part: a record that does not parse, with valid records
     after it.  Unlike a torn tail (truncated on open) this cannot come from an interrupted write;

@@ -56,7 +56,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
-from .errors import JournalCorrupt, JournalError
+from .errors import JournalBusy, JournalCorrupt, JournalError
 from .fsutil import fsync_dir
 from .identity import EventIdentity, ReceiptIdentity, decode_identity, encode_receipt_identity
 from .sealing import key_id_of
@@ -391,7 +391,7 @@ class Journal:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            raise JournalError(f"journal {self.path} is in use by another process; only one bridge may "
+            raise JournalBusy(f"journal {self.path} is in use by another process; only one bridge may "
                                "own a journal (stop the other agent first)") from None
         try:
             # a compaction that crashed before its rename: the old file is the journal

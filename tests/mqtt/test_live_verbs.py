@@ -1,0 +1,102 @@
+"""The operator verbs of the runbooks on a live home (docs/operations.md "A running service other
+commands can talk to"): while `ssp-agent run` holds a gateway's home, `authority add`, `record
+issue-vouch` / `list`, `peer add` / `list`, `keystore show`, `evict --auto`, `rehydrate --status`
+are forwarded to it through its control socket and run on its node; `sync --once` and the verbs it
+does not serve are refused (exit 2) with a line saying what to do, never "journal in use" (exit 1).
+A real `run` on a real mosquitto, every verb through the CLI."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+from agent.node import Node
+from tests.cli_cmd import agent_cmd, agent_env, run_cli
+
+from .helpers import MANIFEST, make_nodes
+
+
+def start_run(home, broker) -> subprocess.Popen:
+    return subprocess.Popen([*agent_cmd(), "--home", str(home), "run", "--broker", broker.url, "--cadence", "0.3"],
+                            env=agent_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_serving(home, proc, deadline_s: float = 120) -> None:
+    """Until the running agent answers `status` through its socket (a ceiling that only catches a hang)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        if (home / "control.sock").exists():
+            p = run_cli("--home", home, "status")
+            if p.returncode == 0 and "run" in json.loads(p.stdout):
+                return
+        time.sleep(0.1)
+    raise AssertionError("the running agent never answered on its control socket")
+
+
+def stop_run(proc) -> dict:
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    return json.loads(out)
+
+
+def ok(p) -> str:
+    assert p.returncode == 0, (p.returncode, p.stderr)
+    assert "in use" not in p.stderr, p.stderr
+    return p.stdout
+
+
+def test_runbook_verbs_work_on_a_live_gateway(broker, tmp_path):
+    gw, dev = make_nodes(tmp_path, 2)
+    hg = gw.home
+    gw_site = gw.site_id.hex()
+    dev_site, dev_pk = dev.site_id.hex(), dev.keyring[dev.site_id][0].hex()
+    gw.close(); dev.close()
+    new, new_pk = Node.init(tmp_path / "new", MANIFEST)
+    new_site = new.site_id.hex()
+    new.close()
+    auth = json.loads(ok(run_cli("--home", tmp_path / "unused", "authority", "create", "--out", tmp_path / "auth")))
+    p = start_run(hg, broker)
+    try:
+        wait_serving(hg, p)
+        # §0: an authority named after init, amended on the live node
+        out = json.loads(ok(run_cli("--home", hg, "authority", "add", "--site-id", auth["site_id"],
+                                    "--public-key", auth["public_key"])))
+        assert auth["site_id"] in out["authorities"]
+        # fleet §5 / replacement §3: the vouch issued on the live gateway; paths relative to the
+        # operator's working directory, not the agent's
+        out = json.loads(ok(run_cli("--home", hg, "record", "issue-vouch", "--subject", new_site, "--public-key",
+                                    new_pk.hex(), "--authority-key", "auth", "--out", "vouch.cose", cwd=tmp_path)))
+        assert (tmp_path / "vouch.cose").stat().st_size > 0, out
+        recs = [json.loads(line) for line in ok(run_cli("--home", hg, "record", "list")).splitlines()]
+        assert any(r["kind"] == "vouch" and r["subject"] == new_site and r["head"] for r in recs), recs
+        # small meshes without an authority: peer add
+        ok(run_cli("--home", hg, "peer", "add", "--site-id", dev_site[:-2] + "ee", "--public-key", dev_pk))
+        sites = {e["site_id"] for e in json.loads(ok(run_cli("--home", hg, "peer", "list")))}
+        assert dev_site[:-2] + "ee" in sites and new_site in sites
+        ks = json.loads(ok(run_cli("--home", hg, "keystore", "show")))
+        assert ks["site_id"] == gw_site and ks["event_key"]["matches_node"] is True
+        ok(run_cli("--home", hg, "evict", "--auto", "--clock-trusted"))
+        st = json.loads(ok(run_cli("--home", hg, "rehydrate", "--status")))
+        assert st["site_id"] == gw_site
+        # the service syncs this home already: `sync --once` is refused with what to do
+        q = run_cli("--home", hg, "sync", "--once", "--broker", broker.url, "--timeout", "5")
+        assert q.returncode == 2 and "run" in q.stderr and f"pid {p.pid}" in q.stderr, (q.returncode, q.stderr)
+        # a verb the service does not serve: refused with what to do, nothing done
+        q = run_cli("--home", hg, "mailbox", "export", "--peer", dev_site, "--out", tmp_path / "body.ssp")
+        assert q.returncode == 2 and "stop" in q.stderr and f"pid {p.pid}" in q.stderr, (q.returncode, q.stderr)
+        assert not (tmp_path / "body.ssp").exists()
+        # a second `run` on the same home: refused, the first one keeps it
+        q = run_cli("--home", hg, "run", "--broker", broker.url)
+        assert q.returncode == 2 and f"pid {p.pid}" in q.stderr, (q.returncode, q.stderr)
+        assert p.poll() is None
+        stop_run(p)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    # stopped: the same verbs open the home themselves and see what the service did
+    recs = [json.loads(line) for line in ok(run_cli("--home", hg, "record", "list")).splitlines()]
+    assert any(r["kind"] == "vouch" and r["subject"] == new_site for r in recs)
