@@ -20,6 +20,7 @@ image again.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -110,6 +111,10 @@ def register(sub, mailbox_sub) -> None:
     a.add_argument("--password-file", help="the shared user name's password (copied; needs --username)")
     a.add_argument("--cert-file", help="client certificate (copied)")
     a.add_argument("--key-file", help="client key (copied, 0600)")
+    a.add_argument("--secure-binding", action=argparse.BooleanOptionalAction, default=None,
+                   help="devices run with the secure binding (docs/mqtt.md \"Authenticated or not\"): only when "
+                        "the broker enforces per-device accounts and ACLs; default: on with per-device accounts "
+                        "(no --username), off with a shared account")
     a.add_argument("--service", choices=["run", "timer"], default="run",
                    help="always-on `run` (ssp-agent.service) or wake-sync-sleep (ssp-agent-sync.timer)")
     a.add_argument("--clock-trusted", action="store_true", help="the device has a real-time clock: init does "
@@ -126,15 +131,15 @@ def register(sub, mailbox_sub) -> None:
     a.set_defaults(fn=cmd_flash, home_optional=True)
 
     a = ps.add_parser("device-setup", help="(on the device, run by firstboot.sh) /etc/ssp-agent and the enrolment unit")
-    a.add_argument("--bundle", required=True)
-    a.add_argument("--root", default="/")
-    a.add_argument("--boot", default="/boot/firmware")
+    a.add_argument("--bundle", required=True, help="the bundle directory (/opt/ssp-agent/bundle on a device)")
+    a.add_argument("--root", default="/", help="the device's root directory; every path written is under it")
+    a.add_argument("--boot", help="the boot partition (default: ROOT/boot/firmware)")
     a.set_defaults(fn=cmd_device_setup, home_optional=True)
 
     a = ps.add_parser("enrol", help="(on the device, run by the enrolment unit) init, units, the enrolment file")
-    a.add_argument("--bundle", required=True)
-    a.add_argument("--root", default="/")
-    a.add_argument("--boot", default="/boot/firmware")
+    a.add_argument("--bundle", required=True, help="the bundle directory (/opt/ssp-agent/bundle on a device)")
+    a.add_argument("--root", default="/", help="the device's root directory; every path written is under it")
+    a.add_argument("--boot", help="the boot partition (default: ROOT/boot/firmware)")
     a.set_defaults(fn=cmd_enrol, home_optional=True)
 
 
@@ -171,6 +176,10 @@ def cmd_bundle(args) -> int:
                       "device makes its own password for the user name = its site_id)")
     if bool(args.cert_file) != bool(args.key_file):
         raise Refused("--cert-file and --key-file go together")
+    # The documented broker (docs/mqtt.md) gives each device its own account (user name = site_id)
+    # and ACLs pinning its topics: that is what makes the binding authenticated. A shared account
+    # cannot be pinned per device, so it defaults to off.
+    secure = (not args.username) if args.secure_binding is None else args.secure_binding
     wh = Path(args.wheelhouse)
     wheels = sorted(wh.glob("*.whl")) if wh.is_dir() else []
     if not any(w.name.startswith("ssp_agent-") for w in wheels):
@@ -218,7 +227,7 @@ def cmd_bundle(args) -> int:
             "keystore": keystore, "service": args.service, "clock_trusted": bool(args.clock_trusted),
             "wait_clock_s": args.wait_clock, "units": units,
             "mqtt": {"broker": args.broker, "username": args.username,
-                     "device_password": not args.username,
+                     "device_password": not args.username, "secure_binding": secure,
                      "ca_file": "ca.pem" if "ca.pem" in files else None,
                      "cert_file": "client.pem" if "client.pem" in files else None,
                      "key_file": "client.key" if "client.key" in files else None,
@@ -231,7 +240,7 @@ def cmd_bundle(args) -> int:
     os.chmod(tmp, 0o700)
     os.replace(tmp, out)
     emit({"bundle": str(out), "wheels": len(wheels), "units": units, "service": args.service,
-          "broker": args.broker, "device_password": not args.username})
+          "broker": args.broker, "device_password": not args.username, "secure_binding": secure})
     return EXIT_OK
 
 
@@ -355,21 +364,73 @@ sed -i 's| systemd.run[^ ]*||g; s| systemd.unit=kernel-command-line.target||g' $
 exit 0
 """
 
-RUNCMD = f"  - [bash, {DEVICE_BUNDLE}/firstboot.sh, install, --start]"
+RUNCMD = ["bash", f"{DEVICE_BUNDLE}/firstboot.sh", "install", "--start"]
+
+
+def _yaml():
+    """PyYAML, needed only to edit an image's cloud-init user-data (the `provision` extra)."""
+    try:
+        import yaml
+    except ImportError:
+        from .cli import Fault
+        raise Fault("editing the image's cloud-init user-data needs PyYAML: pip install 'ssp-agent[provision]' "
+                    "(or give --hook firstrun for a Bookworm image)") from None
+    return yaml
 
 
 def add_runcmd(user_data: str | None) -> str:
-    """cloud-init user-data with our runcmd entry added (first in an existing runcmd list)."""
-    if not user_data:
-        return f"#cloud-config\nruncmd:\n{RUNCMD}\n"
-    if RUNCMD in user_data:
-        return user_data
+    """cloud-init user-data with our runcmd entry first, parsed and written back as YAML: every
+    setting of the image's kept (its comments other than the header are not), its own runcmd
+    entries after ours. A file that is not a YAML #cloud-config mapping is refused."""
+    if not user_data or not user_data.strip():
+        return f"#cloud-config\nruncmd:\n- [{', '.join(RUNCMD)}]\n"
     lines = user_data.splitlines()
-    for i, line in enumerate(lines):
-        if re.match(r"^runcmd:\s*$", line):
-            lines.insert(i + 1, RUNCMD)
-            return "\n".join(lines) + "\n"
-    return user_data.rstrip("\n") + f"\nruncmd:\n{RUNCMD}\n"
+    if not lines[0].rstrip().startswith("#cloud-config"):
+        raise Refused("the image's user-data is not a #cloud-config file (its first line is "
+                      f"{lines[0][:60]!r}); give --hook firstrun, or make it a cloud-config")
+    yaml = _yaml()
+    try:
+        doc = yaml.safe_load(user_data)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise Refused(f"the image's user-data is not valid YAML{at} ({getattr(e, 'problem', None) or e}); "
+                      "cloud-init would ignore it too: fix it (or write it again with Raspberry Pi Imager)") from None
+    doc = {} if doc is None else doc
+    if not isinstance(doc, dict):
+        raise Refused(f"the image's user-data must be a cloud-config mapping, not a {type(doc).__name__}")
+    runcmd = doc.get("runcmd")
+    if runcmd is None:   # `runcmd:` with nothing (or only a comment) after it
+        runcmd = []
+    if not isinstance(runcmd, list):
+        raise Refused(f"the image's user-data: runcmd must be a list of commands, got {runcmd!r}"[:300])
+    if RUNCMD in runcmd:
+        return user_data
+    doc["runcmd"] = [RUNCMD] + runcmd
+    header = []
+    for line in lines:   # "#cloud-config" and the comment lines under it (Imager's "generated by")
+        if not line.startswith("#"):
+            break
+        header.append(line)
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper, v):   # a multi-line value (apt conf, write_files content) stays a block
+        return dumper.represent_scalar("tag:yaml.org,2002:str", v, style="|" if "\n" in v else None)
+    Dumper.add_representer(str, text)
+
+    def seq(dumper, v):    # a command as [bash, x, y] (Imager's and cloud-init's docs' form); mappings as blocks
+        flat = all(isinstance(x, (str, int, float, bool, type(None))) and not (isinstance(x, str) and "\n" in x)
+                   for x in v)
+        return dumper.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=flat and bool(v))
+    Dumper.add_representer(list, seq)
+    out = "\n".join(header) + "\n" + yaml.dump(doc, Dumper=Dumper, sort_keys=False, default_flow_style=False,
+                                               allow_unicode=True, width=1 << 16)
+    if yaml.safe_load(out) != doc:   # what cloud-init will read is exactly what was meant
+        from .cli import Fault
+        raise Fault("the image's user-data could not be written back unchanged (please report this file)")
+    return out
 
 
 def cmd_flash(args) -> int:
@@ -418,6 +479,11 @@ def cmd_flash(args) -> int:
 # ---------------------------------------------------------------- on the device
 def _under(root: Path, path: str) -> Path:
     return root / path.lstrip("/")
+
+
+def _boot(args) -> Path:
+    """--boot, else the boot partition under --root (never the host's own when --root is given)."""
+    return Path(args.boot) if args.boot else _under(Path(args.root), "/boot/firmware")
 
 
 def _write(path: Path, data: str | bytes, mode: int) -> None:
@@ -552,8 +618,9 @@ def check_bundle(path: Path, flash: bool = False) -> tuple[dict, dict[str, bytes
         bad("mqtt", "must be an object")
     _check_broker(mq.get("broker"), f"{bj}: mqtt.broker")
     _check_username(mq.get("username"), f"{bj}: mqtt.username")
-    if "device_password" in mq and not isinstance(mq["device_password"], bool):
-        bad("mqtt.device_password", "must be true or false")
+    for k in ("device_password", "secure_binding"):
+        if k in mq and not isinstance(mq[k], bool):
+            bad(f"mqtt.{k}", "must be true or false")
     for k, name in MQTT_FILES.items():
         v = mq.get(k)
         if v is not None and v != name:
@@ -625,7 +692,7 @@ def cmd_enrol(args) -> int:
     The bundle, and what device-setup put in /etc/ssp-agent, are checked before anything is made."""
     from .cli import EXIT_OK, emit, version
     from .node import Node
-    bundle, root, boot = Path(args.bundle), Path(args.root), Path(args.boot)
+    bundle, root, boot = Path(args.bundle), Path(args.root), _boot(args)
     meta, files = check_bundle(bundle)
     conf = root / "etc/ssp-agent"
     home = _under(root, DEVICE_HOME)
@@ -648,7 +715,9 @@ def cmd_enrol(args) -> int:
             else:
                 profile = _profile(files["profile.toml"].decode(), str(bundle / "profile.toml"))
         init = (manifest, profile)
-    os.environ.setdefault("SSP_AGENT_WITNESS_DIR", str(_under(root, DEVICE_WITNESS)))
+    # the units' witness directory under --root, whatever the caller's environment says: --root
+    # confines every write
+    os.environ["SSP_AGENT_WITNESS_DIR"] = str(_under(root, DEVICE_WITNESS))
     # A device without an RTC must not take its identity's first reading of time from a clock
     # nobody vouches for: enrolment waits (retried by its unit) for a synchronised clock.
     os.environ.setdefault("SSP_AGENT_CLOCK_STRICT", "1")
@@ -701,6 +770,8 @@ def _install_units(meta: dict, root: Path, conf: Path, username: str) -> list[st
             for k, flag in (("ca_file", "--ca-file"), ("cert_file", "--cert-file"), ("key_file", "--key-file")):
                 if mq.get(k):
                     argv += [flag, f"/etc/ssp-agent/{mq[k]}"]
+            if mq.get("secure_binding"):   # absent in a bundle.json that predates it: off (fail closed)
+                argv += ["--secure-binding"]
         from . import cli
         err = io.StringIO()
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):

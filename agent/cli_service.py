@@ -31,6 +31,9 @@ def register(sub, mailbox_sub) -> None:
     a.add_argument("--ca-file", help="CA bundle path written to agent.toml")
     a.add_argument("--cert-file", help="client certificate path written to agent.toml")
     a.add_argument("--key-file", help="client key path written to agent.toml")
+    a.add_argument("--secure-binding", action="store_true",
+                   help="write secure_binding = true to agent.toml: only when the broker enforces per-device "
+                        "accounts and ACLs (docs/mqtt.md \"Authenticated or not\")")
     a.add_argument("--force", action="store_true", help="replace an existing agent.toml / mqtt-password")
     a.set_defaults(fn=cmd_install, home_optional=True)
 
@@ -56,6 +59,8 @@ def config_text(args) -> str:
             v = getattr(args, k, None)
             if v and line.startswith(f"# {k} = "):
                 line = f"{k} = {json.dumps(v)}"
+        if getattr(args, "secure_binding", False) and line.startswith("# secure_binding = "):
+            line = "secure_binding = true    # the broker enforces per-device accounts and ACLs (docs/mqtt.md)"
         lines.append(line)
     return "\n".join(lines) + "\n"
 
@@ -107,7 +112,7 @@ def cmd_install(args) -> int:
         written.append(str(p))
     conf_dir.mkdir(parents=True, exist_ok=True)
     conf = conf_dir / "agent.toml"
-    wants_conf = any(getattr(args, k, None) for k in _CONF_FLAGS)
+    wants_conf = any(getattr(args, k, None) for k in _CONF_FLAGS) or args.secure_binding
     if conf.exists() and not args.force:
         if wants_conf:
             raise Refused(f"{conf} exists; edit it, or pass --force to replace it (nothing was written to it)")

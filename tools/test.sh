@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: installs what it needs (tools/setup.sh: .venv/), builds
-# the wheel, installs it into a clean venv (not editable, runtime deps and [pkcs11] only) and runs
+# the wheel, installs it into a clean venv (not editable, runtime deps, [pkcs11] and [provision]) and runs
 # pytest with SSP_AGENT_CMD naming that installed `ssp-agent`, so every CLI-level test drives the
 # command a device gets (tests/cli_cmd.py). Unit tests import the checkout (pytest pythonpath).
 # Arguments go to pytest. SSP_AGENT_CMD already set: that command is tested instead (no wheel).
@@ -17,7 +17,7 @@ if [ -z "${SSP_AGENT_CMD:-}" ]; then
   "$VPY" -m venv "$WORK/venv"
   WHEEL=$(ls "$WORK"/dist/ssp_agent-*.whl)
   # the installed command must not see this checkout
-  if ! env -u PYTHONPATH "$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check "$WHEEL[pkcs11]" \
+  if ! env -u PYTHONPATH "$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check "$WHEEL[pkcs11,provision]" \
       >"$WORK/pip.log" 2>&1; then
     cat "$WORK/pip.log" >&2
     echo "test: the wheel did not install into a clean venv" >&2

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -184,3 +185,125 @@ def test_config_file_gives_sync_its_home_broker_and_credentials(auth_broker, tmp
     conf.write_text('[mqtt]\nbrokr = "x"\n')
     p = run_cli("--home", home, "sync", "--once", env={**env_clean, **env})
     assert p.returncode == 2 and "mqtt.brokr" in p.stderr, p.stderr
+
+
+# ---------------------------------------------------------------- the clock check inside the units' sandbox
+# `kernel_synced()` (agent/clockstate.py) reads the kernel's NTP state with adjtimex(); glibc makes
+# that a clock_adjtime system call. The units' SystemCallFilter= must allow what the call really
+# makes, or inside the service the kernel source reads None and chrony/ntpd are never believed.
+CLOCK_CHECK = "from agent.clockstate import kernel_synced; print(kernel_synced())"
+
+
+def _unit_filter(unit_text: str) -> list[str]:
+    tokens = [t for ln in unit_text.splitlines() if ln.startswith("SystemCallFilter=")
+              for t in ln.split("=", 1)[1].split()]
+    assert tokens and not any(t.startswith("~") for t in tokens), tokens   # an allow list
+    return tokens
+
+
+def _expand(tokens: list[str], analyze: str) -> set[str]:
+    """The system calls an allow list names: its @groups expanded as this systemd defines them."""
+    text = subprocess.run([analyze, "syscall-filter"], capture_output=True, text=True, timeout=120).stdout
+    groups: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        s = line.strip()
+        if not s or s.startswith("#"):
+            continue
+        if line.startswith("@"):
+            current = groups.setdefault(s, [])
+        elif current is not None:
+            current.append(s)
+
+    def names(t: str) -> set[str]:
+        return set().union(*(names(m) for m in groups[t])) if t.startswith("@") else {t}
+    return set().union(*(names(t) for t in tokens))
+
+
+def _python() -> str:
+    from tests.cli_cmd import installed_python
+    return installed_python() or sys.executable
+
+
+def _clock_syscalls(tmp: Path) -> set[str]:
+    """What the clock check really calls, seen by strace."""
+    trace = tmp / "clock.strace"
+    p = subprocess.run(["strace", "-f", "-qq", "-o", str(trace), "-e", "trace=adjtimex,clock_adjtime",
+                        _python(), "-c", CLOCK_CHECK], capture_output=True, text=True, env=agent_env(), timeout=120)
+    assert p.returncode == 0, p.stderr
+    return {m.group(1) for m in re.finditer(r"^(?:\d+\s+)?(\w+)\(", trace.read_text(), re.M)}
+
+
+# The unit's seccomp filter, loaded for real with libseccomp in a child process: every named system
+# call allowed, anything else EPERM (SystemCallErrorNumber=EPERM), then the clock check.
+SECCOMP_CHILD = r"""
+import ctypes, json, sys
+from agent.clockstate import kernel_synced, _timex
+_timex()                                          # libc loaded first, as a running service has it
+allowed = json.load(open(sys.argv[1]))
+lib = ctypes.CDLL("libseccomp.so.2")
+lib.seccomp_init.restype = ctypes.c_void_p
+lib.seccomp_init.argtypes = [ctypes.c_uint32]
+lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+lib.seccomp_rule_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint]
+lib.seccomp_load.argtypes = [ctypes.c_void_p]
+ctx = lib.seccomp_init(0x00050000 | 1)            # SCMP_ACT_ERRNO(EPERM)
+for name in allowed:
+    nr = lib.seccomp_syscall_resolve_name(name.encode())
+    if nr >= 0:                                   # names this architecture lacks are skipped, as systemd does
+        assert lib.seccomp_rule_add(ctx, 0x7FFF0000, nr, 0) == 0, name   # SCMP_ACT_ALLOW
+assert lib.seccomp_load(ctx) == 0
+print(kernel_synced(), flush=True)
+"""
+
+
+def _in_filter(tmp: Path, allowed: set[str]) -> str:
+    spec = tmp / "allowed.json"
+    spec.write_text(json.dumps(sorted(allowed)))
+    p = subprocess.run([_python(), "-c", SECCOMP_CHILD, str(spec)], capture_output=True, text=True,
+                       env=agent_env(), timeout=120)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip()
+
+
+@pytest.mark.parametrize("unit", ["ssp-agent.service", "ssp-agent-sync.service"])
+def test_units_let_the_clock_check_read_the_kernel(tmp_path, unit):
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None or shutil.which("strace") is None:
+        pytest.skip("needs systemd-analyze and strace (apt-get install systemd strace)")
+    from importlib import resources
+    allowed = _expand(_unit_filter(resources.files("agent").joinpath("systemd", unit).read_text()), analyze)
+    called = _clock_syscalls(tmp_path)
+    assert called, "strace saw no clock call: the check did not read the kernel"
+    assert called <= allowed, f"{unit} denies {sorted(called - allowed)}, which the clock check calls"
+    # The same filter, loaded with libseccomp: the check reads what it reads outside the sandbox.
+    import ctypes.util
+    if ctypes.util.find_library("seccomp") is None:
+        pytest.skip("libseccomp is not installed (apt-get install libseccomp2)")
+    outside = subprocess.run([_python(), "-c", CLOCK_CHECK], capture_output=True, text=True, env=agent_env(),
+                             timeout=120).stdout.strip()
+    assert outside in ("True", "False"), outside
+    assert _in_filter(tmp_path, allowed) == outside
+    # control: without what the check calls the filter really denies it (the child's filter is live)
+    assert _in_filter(tmp_path, allowed - called) == "None"
+
+
+def test_clock_check_under_systemd_run_with_the_units_properties(tmp_path):
+    """Where systemd runs (not in a container without it): the unit's [Service] sandbox, for real."""
+    state = subprocess.run(["systemctl", "is-system-running"], capture_output=True, text=True).stdout.strip() \
+        if shutil.which("systemctl") else ""
+    if state not in ("running", "degraded"):
+        pytest.skip(f"no running systemd here (systemctl is-system-running: {state or 'absent'})")
+    from importlib import resources
+    text = resources.files("agent").joinpath("systemd", "ssp-agent.service").read_text()
+    sandbox = ("DynamicUser", "SupplementaryGroups", "UMask", "NoNewPrivileges", "ProtectSystem", "ProtectHome",
+               "PrivateTmp", "ProtectKernel", "ProtectControlGroups", "ProtectHostname", "ProtectProc", "Restrict",
+               "LockPersonality", "CapabilityBoundingSet", "AmbientCapabilities", "SystemCall")
+    props = [x for ln in text.splitlines() if ln.startswith(sandbox) for x in ("-p", ln)]
+    outside = subprocess.run([_python(), "-c", CLOCK_CHECK], capture_output=True, text=True,
+                             env=agent_env(), timeout=120).stdout.strip()
+    p = subprocess.run(["systemd-run", "--wait", "--pipe", "--quiet", *props,
+                        f"--setenv=PYTHONPATH={Path(__file__).resolve().parents[2]}", _python(), "-c", CLOCK_CHECK],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == outside

@@ -109,7 +109,7 @@ def test_flash_cloud_init_image_keeps_its_user_data(tmp_path, bundle):
     assert json.loads(p.stdout)["hook"] == "cloud-init"
     ud = fat(img, "user-data")
     assert "hostname: sensor" in ud and "[echo, hello]" in ud
-    assert "  - [bash, /opt/ssp-agent/bundle/firstboot.sh, install, --start]" in ud
+    assert "- [bash, /opt/ssp-agent/bundle/firstboot.sh, install, --start]" in ud
     assert ud.index("firstboot.sh") < ud.index("echo, hello")
     assert fat(img, "firstrun.sh") is None and "systemd.run" not in fat(img, "cmdline.txt")
     assert '"format": 1' in ext4(img, "cat /opt/ssp-agent/bundle/bundle.json")
