@@ -329,6 +329,60 @@ class Ext4:
         p = subprocess.run(["debugfs", "-R", f"cat {path}", self.dev], capture_output=True)
         return p.stdout if p.returncode == 0 and p.stdout else None
 
+    def link(self, path: str) -> str | None:
+        """A symbolic link's target (None: not a link, or not there)."""
+        p = subprocess.run(["debugfs", "-R", f"stat {path}", self.dev], capture_output=True, text=True,
+                           errors="replace")
+        m = re.search(r'link dest: "([^"]*)"', p.stdout)
+        return m.group(1) if m else None
+
+    def names(self, path: str) -> list[str]:
+        """The names in a directory (empty when it is not there)."""
+        p = subprocess.run(["debugfs", "-R", f"ls -p {path}", self.dev], capture_output=True, text=True,
+                           errors="replace")
+        return [f.split("/")[5] for f in p.stdout.splitlines() if f.count("/") >= 6]
+
+
+ELF_MACHINES = {0x3E: "x86_64", 0xB7: "aarch64", 0x28: "armv7l", 0xF3: "riscv64"}   # e_machine: pip's arch name
+
+
+def image_platform(root: Ext4) -> tuple[tuple[int, int], str, tuple[int, int] | None]:
+    """The image's Python (X, Y), its architecture (from the interpreter's ELF header) and its glibc
+    (from dpkg's record of libc6; None when the image has none): what the first boot installs with."""
+    target = root.link("/usr/bin/python3")
+    pythons = [n for n in root.names("/usr/lib") if re.fullmatch(r"python3\.\d+", n)]
+    name = target.rsplit("/", 1)[-1] if target else (pythons[0] if len(pythons) == 1 else None)
+    m = re.fullmatch(r"python(\d)\.(\d+)", name or "")
+    if m is None:
+        raise Refused("the image has no /usr/bin/python3 naming its Python version (firstboot.sh makes the "
+                      "agent's venv with it): not a Raspberry Pi OS image?")
+    version = (int(m[1]), int(m[2]))
+    elf = root.cat(f"/usr/bin/{name}") or b""
+    if len(elf) < 20 or elf[:4] != b"\x7fELF":
+        raise Refused(f"the image's /usr/bin/{name} is not an ELF executable: not a Raspberry Pi OS image?")
+    machine = int.from_bytes(elf[18:20], "little" if elf[5] == 1 else "big")
+    arch = ELF_MACHINES.get(machine, f"elf-machine-{machine:#x}")
+    glibc = None
+    status = (root.cat("/var/lib/dpkg/status") or b"").decode("utf-8", "replace")
+    g = re.search(r"^Package: libc6\n(?:[^\n]+\n)*?Version: (\d+)\.(\d+)", status, re.M)
+    if g:
+        glibc = (int(g[1]), int(g[2]))
+    return version, arch, glibc
+
+
+def check_wheels(bundle: Path, version: tuple[int, int], arch: str, glibc: tuple[int, int] | None) -> None:
+    """Every wheel in the bundle installs on the image (its Python, architecture and glibc), or a refusal
+    naming those that do not and the wheelhouse to build instead."""
+    from .wheeltags import fits
+    bad = sorted(w.name for w in (bundle / "wheelhouse").glob("*.whl") if not fits(w.name, version, arch, glibc))
+    if bad:
+        py = f"{version[0]}.{version[1]}"
+        libc = f", glibc {glibc[0]}.{glibc[1]}" if glibc else ""
+        how = f"--arch aarch64 --python-version {py}" if arch == "aarch64" else f"for {arch} and Python {py}"
+        raise Refused(f"{bundle}: {len(bad)} wheel(s) of its wheelhouse do not install on this image (Python {py}, "
+                      f"{arch}{libc}): {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}. Build a wheelhouse "
+                      f"for it (tools/wheelhouse.sh {how}) and make the bundle again"[:1200])
+
 
 def _bundle_commands(bundle: Path, dest: str) -> list[str]:
     """debugfs commands that copy the bundle to `dest`, owned by root; secrets 0600, the tree 0700."""
@@ -453,6 +507,8 @@ def cmd_flash(args) -> int:
     hook = args.hook
     if hook == "auto":
         hook = "cloud-init" if (user_data is not None or fat.read("meta-data") is not None) else "firstrun"
+    # what the first boot installs with: a wheelhouse for another Python or architecture is refused here
+    check_wheels(bundle, *image_platform(root))
     writes: list = []          # (name, bytes) for the boot partition, and renames, in order
     if hook == "cloud-init":
         writes.append(("user-data", add_runcmd(user_data).encode()))

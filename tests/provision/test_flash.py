@@ -10,6 +10,7 @@ keystore and writes site_id, public key and the broker password's hash to the bo
 mosquitto given that hash line accepts the device's account (user name = site_id)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ import pytest
 
 from agent.simpeer import readings_table
 from tests.cli_cmd import run_cli
+from tests.provision.pi_image import install_os
 
 ROOT = Path(__file__).resolve().parents[2]
 MESH = "00112233445566778899aabbccddeeff"
@@ -31,7 +33,8 @@ pytestmark = pytest.mark.skipif(any(shutil.which(t) is None for t in TOOLS),
 BOOT_START, BOOT_SECTORS = 8192, 131072   # 64 MiB FAT32 (Raspberry Pi OS: 512 MiB), then ext4 to the end
 
 
-def make_image(path: Path, files: dict[str, str]) -> Path:
+def make_image(path: Path, files: dict[str, str], **os_kw) -> Path:
+    """The image, its root holding a Python (pi_image.install_os: this machine's by default)."""
     subprocess.run(["truncate", "-s", "160M", str(path)], check=True)
     subprocess.run(["sfdisk", "-q", str(path)], check=True, text=True,
                    input=f"label: dos\nstart={BOOT_START}, size={BOOT_SECTORS}, type=c\n"
@@ -45,6 +48,7 @@ def make_image(path: Path, files: dict[str, str]) -> Path:
         src = path.with_name(name)
         src.write_text(text)
         subprocess.run(["mcopy", "-i", f"{path}@@{BOOT_START * 512}", str(src), f"::{name}"], check=True)
+    install_os(path, root_off, **os_kw)
     return path
 
 
@@ -250,3 +254,20 @@ def test_shared_account_timer_bundle_enrols(tmp_path, wheelhouse):
     # enrolling again is harmless: the same identity, the card rewritten
     p = run_cli("provision", "enrol", "--bundle", b, "--root", root, "--boot", boot)
     assert p.returncode == 0 and json.loads(p.stdout)["site_id"] == card["site_id"]
+
+
+@pytest.mark.parametrize("python, arch", [("3.13", "aarch64"), ("3.13", None), ("3.11", "aarch64")])
+def test_flash_refuses_a_wheelhouse_the_image_cannot_install(tmp_path, bundle, python, arch):
+    """This machine's wheelhouse (binary wheels for its architecture and Python) onto an image whose
+    Python or architecture differ: refused before anything is written, saying which wheelhouse to build."""
+    img = make_image(tmp_path / "other.img", {"cmdline.txt": "console=serial0,115200 root=PARTUUID=1 rootwait\n"},
+                     python=python, arch=arch)
+    before = hashlib.sha256(img.read_bytes()).hexdigest()
+    p = run_cli("provision", "flash", "--image", img, "--bundle", bundle)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    line = p.stderr.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line, line
+    assert f"Python {python}" in line and "do not install on this image" in line and "cbor2" in line, line
+    if arch == "aarch64":
+        assert f"tools/wheelhouse.sh --arch aarch64 --python-version {python}" in line, line
+    assert hashlib.sha256(img.read_bytes()).hexdigest() == before
