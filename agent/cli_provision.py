@@ -69,7 +69,8 @@ FIRSTRUN_ARGS = ("systemd.run=/boot/firmware/firstrun.sh systemd.run_success_act
 
 ENROL_UNIT_TEXT = f"""# ssp-agent first-boot enrolment (docs/operations.md "Fleet workflow"): creates the node's
 # identity inside its keystore once the network and the clock are up, then writes the site_id and
-# public key to the boot partition. Enabled by firstboot.sh install; disables itself when done.
+# public key to the boot partition, then starts the service. Enabled by firstboot.sh install;
+# disables itself when done.
 [Unit]
 Description=ssp-agent enrolment (first boot)
 Wants=network-online.target
@@ -79,12 +80,14 @@ ConditionPathExists=!/{DEVICE_HOME}/store.sqlite
 [Service]
 Type=oneshot
 ExecStart={DEVICE_BUNDLE}/firstboot.sh enrol
-# init waits for a trustworthy clock (NTP; docs/apply.md "Clocks without an RTC"): retried until it comes
+# init waits for a trustworthy clock (NTP; docs/apply.md "Clocks without an RTC"): retried until it comes.
+# Each attempt says on the console, and in ssp-agent-firstboot.log on the boot partition, what it
+# waits for and why it failed; once enrolled it starts the service.
 Restart=on-failure
 RestartSec=60
 TimeoutStartSec=30min
-StandardOutput=journal
-StandardError=journal
+StandardOutput=journal+console
+StandardError=journal+console
 
 [Install]
 WantedBy=multi-user.target
@@ -406,17 +409,40 @@ def _bundle_commands(bundle: Path, dest: str) -> list[str]:
     return cmds
 
 
-FIRSTRUN_SH = f"""#!/bin/bash
-# ssp-agent first boot (Bookworm): run once by systemd.run= on cmdline.txt, then removed. It installs
-# the agent offline and enables the enrolment unit; the enrolment runs in the next, normal boot.
+FIRSTRUN_SH = """#!/bin/bash
+# ssp-agent first boot (Bookworm): run by systemd.run= on cmdline.txt. It installs the agent offline
+# and enables the enrolment unit; the enrolment runs in the next, normal boot. A failed install
+# leaves this hook in place for the next boot (firstboot.sh bounds the attempts and writes each
+# cause to ssp-agent-firstboot.log here); installed, or given up, it removes itself.
 set +e
-BOOT=/boot/firmware; [ -d $BOOT ] || BOOT=/boot
-if [ -f $BOOT/ssp-firstrun-previous.sh ]; then bash $BOOT/ssp-firstrun-previous.sh; fi
-{DEVICE_BUNDLE}/firstboot.sh install
-rm -f $BOOT/firstrun.sh $BOOT/ssp-firstrun-previous.sh
-sed -i 's| systemd.run[^ ]*||g; s| systemd.unit=kernel-command-line.target||g' $BOOT/cmdline.txt
+BOOT=${SSP_BOOT:-/boot/firmware}; [ -d "$BOOT" ] || BOOT=/boot
+SELF=$(cat "$0")
+# on the device, what happens is shown on the console (tests redirect the root: SSP_ROOT)
+if [ -z "${SSP_ROOT:-}" ] && [ -w /dev/console ]; then exec >/dev/console 2>&1; fi
+if [ -f "$BOOT/ssp-firstrun-previous.sh" ]; then   # Raspberry Pi Imager's own settings, run once
+  bash "$BOOT/ssp-firstrun-previous.sh"
+  mv -f "$BOOT/ssp-firstrun-previous.sh" "$BOOT/ssp-firstrun-previous.done"
+fi
+FIRSTBOOT=${SSP_ROOT:-}@BUNDLE@/firstboot.sh
+if [ -x "$FIRSTBOOT" ]; then
+  "$FIRSTBOOT" install
+  rc=$?
+else
+  echo "$(date -u +%FT%TZ) no executable $FIRSTBOOT on the root filesystem: flash the image again" >> "$BOOT/ssp-agent-firstboot.log"
+  rc=3
+fi
+if [ "$rc" -eq 1 ]; then
+  # attempts left: this hook runs again at the next boot (put back if Imager's script removed it)
+  [ -f "$BOOT/firstrun.sh" ] || printf '%s\n' "$SELF" > "$BOOT/firstrun.sh"
+  if ! grep -q 'systemd.run=' "$BOOT/cmdline.txt"; then
+    sed -i '1 s| systemd.unit=kernel-command-line.target||g; 1 s|$| @ARGS@|' "$BOOT/cmdline.txt"
+  fi
+else
+  rm -f "$BOOT/firstrun.sh" "$BOOT/ssp-firstrun-previous.sh" "$BOOT/ssp-firstrun-previous.done"
+  sed -i 's| systemd.run[^ ]*||g; s| systemd.unit=kernel-command-line.target||g' "$BOOT/cmdline.txt"
+fi
 exit 0
-"""
+""".replace("@BUNDLE@", DEVICE_BUNDLE).replace("@ARGS@", FIRSTRUN_ARGS)
 
 RUNCMD = ["bash", f"{DEVICE_BUNDLE}/firstboot.sh", "install", "--start"]
 
