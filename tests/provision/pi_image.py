@@ -17,10 +17,12 @@ def host_arch() -> str:
 
 
 def install_os(image: Path, root_offset: int, python: str | None = None, arch: str | None = None,
-               glibc: str = "2.36") -> None:
+               glibc: str | None = None) -> None:
     """An OS root as the image's: Python `python` (default this interpreter's X.Y) for `arch`
-    (default this machine's), libc6 `glibc`."""
+    (default this machine's), libc6 `glibc` (default this machine's: the wheels built here fit)."""
+    import platform
     python = python or f"{sys.version_info[0]}.{sys.version_info[1]}"
+    glibc = glibc or platform.libc_ver()[1] or "2.36"
     header = bytearray(Path(sys.executable).resolve().read_bytes()[:64])   # a real ELF header, machine patched
     header[18:20] = E_MACHINE[arch or host_arch()].to_bytes(2, "little")
     with tempfile.TemporaryDirectory() as d:

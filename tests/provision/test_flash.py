@@ -391,6 +391,13 @@ def test_cloud_init_first_boot_failure_is_retried_at_the_next_boot(tmp_path, bun
     assert p.returncode != 0
     assert "ExecStart=/opt/ssp-agent/bundle/firstboot.sh install --start" in retry.read_text()
     assert retry_link.is_symlink()
+    analyze = shutil.which("systemd-analyze")
+    if analyze:   # a unit systemd takes (its command pointed at one that exists on this machine)
+        check = tmp_path / "check" / retry.name
+        check.parent.mkdir()
+        check.write_text(retry.read_text().replace("/opt/ssp-agent/bundle/firstboot.sh", shutil.which("true")))
+        v = subprocess.run([analyze, "verify", str(check)], capture_output=True, text=True, timeout=120)
+        assert v.returncode == 0 and not v.stderr.strip(), v.stderr
     assert "attempt 1 of 3" in (boot / "ssp-agent-firstboot.log").read_text()
     p = subprocess.run(["bash", str(script), "install", "--start"], capture_output=True, text=True, timeout=600,
                        env=_device_env(root, boot))
