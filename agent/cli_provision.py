@@ -69,7 +69,8 @@ FIRSTRUN_ARGS = ("systemd.run=/boot/firmware/firstrun.sh systemd.run_success_act
 
 ENROL_UNIT_TEXT = f"""# ssp-agent first-boot enrolment (docs/operations.md "Fleet workflow"): creates the node's
 # identity inside its keystore once the network and the clock are up, then writes the site_id and
-# public key to the boot partition. Enabled by firstboot.sh install; disables itself when done.
+# public key to the boot partition, then starts the service. Enabled by firstboot.sh install;
+# disables itself when done.
 [Unit]
 Description=ssp-agent enrolment (first boot)
 Wants=network-online.target
@@ -79,12 +80,14 @@ ConditionPathExists=!/{DEVICE_HOME}/store.sqlite
 [Service]
 Type=oneshot
 ExecStart={DEVICE_BUNDLE}/firstboot.sh enrol
-# init waits for a trustworthy clock (NTP; docs/apply.md "Clocks without an RTC"): retried until it comes
+# init waits for a trustworthy clock (NTP; docs/apply.md "Clocks without an RTC"): retried until it comes.
+# Each attempt says on the console, and in ssp-agent-firstboot.log on the boot partition, what it
+# waits for and why it failed; once enrolled it starts the service.
 Restart=on-failure
 RestartSec=60
 TimeoutStartSec=30min
-StandardOutput=journal
-StandardError=journal
+StandardOutput=journal+console
+StandardError=journal+console
 
 [Install]
 WantedBy=multi-user.target
@@ -329,6 +332,60 @@ class Ext4:
         p = subprocess.run(["debugfs", "-R", f"cat {path}", self.dev], capture_output=True)
         return p.stdout if p.returncode == 0 and p.stdout else None
 
+    def link(self, path: str) -> str | None:
+        """A symbolic link's target (None: not a link, or not there)."""
+        p = subprocess.run(["debugfs", "-R", f"stat {path}", self.dev], capture_output=True, text=True,
+                           errors="replace")
+        m = re.search(r'link dest: "([^"]*)"', p.stdout)
+        return m.group(1) if m else None
+
+    def names(self, path: str) -> list[str]:
+        """The names in a directory (empty when it is not there)."""
+        p = subprocess.run(["debugfs", "-R", f"ls -p {path}", self.dev], capture_output=True, text=True,
+                           errors="replace")
+        return [f.split("/")[5] for f in p.stdout.splitlines() if f.count("/") >= 6]
+
+
+ELF_MACHINES = {0x3E: "x86_64", 0xB7: "aarch64", 0x28: "armv7l", 0xF3: "riscv64"}   # e_machine: pip's arch name
+
+
+def image_platform(root: Ext4) -> tuple[tuple[int, int], str, tuple[int, int] | None]:
+    """The image's Python (X, Y), its architecture (from the interpreter's ELF header) and its glibc
+    (from dpkg's record of libc6; None when the image has none): what the first boot installs with."""
+    target = root.link("/usr/bin/python3")
+    pythons = [n for n in root.names("/usr/lib") if re.fullmatch(r"python3\.\d+", n)]
+    name = target.rsplit("/", 1)[-1] if target else (pythons[0] if len(pythons) == 1 else None)
+    m = re.fullmatch(r"python(\d)\.(\d+)", name or "")
+    if m is None:
+        raise Refused("the image has no /usr/bin/python3 naming its Python version (firstboot.sh makes the "
+                      "agent's venv with it): not a Raspberry Pi OS image?")
+    version = (int(m[1]), int(m[2]))
+    elf = root.cat(f"/usr/bin/{name}") or b""
+    if len(elf) < 20 or elf[:4] != b"\x7fELF":
+        raise Refused(f"the image's /usr/bin/{name} is not an ELF executable: not a Raspberry Pi OS image?")
+    machine = int.from_bytes(elf[18:20], "little" if elf[5] == 1 else "big")
+    arch = ELF_MACHINES.get(machine, f"elf-machine-{machine:#x}")
+    glibc = None
+    status = (root.cat("/var/lib/dpkg/status") or b"").decode("utf-8", "replace")
+    g = re.search(r"^Package: libc6\n(?:[^\n]+\n)*?Version: (\d+)\.(\d+)", status, re.M)
+    if g:
+        glibc = (int(g[1]), int(g[2]))
+    return version, arch, glibc
+
+
+def check_wheels(bundle: Path, version: tuple[int, int], arch: str, glibc: tuple[int, int] | None) -> None:
+    """Every wheel in the bundle installs on the image (its Python, architecture and glibc), or a refusal
+    naming those that do not and the wheelhouse to build instead."""
+    from .wheeltags import fits
+    bad = sorted(w.name for w in (bundle / "wheelhouse").glob("*.whl") if not fits(w.name, version, arch, glibc))
+    if bad:
+        py = f"{version[0]}.{version[1]}"
+        libc = f", glibc {glibc[0]}.{glibc[1]}" if glibc else ""
+        how = f"--arch aarch64 --python-version {py}" if arch == "aarch64" else f"for {arch} and Python {py}"
+        raise Refused(f"{bundle}: {len(bad)} wheel(s) of its wheelhouse do not install on this image (Python {py}, "
+                      f"{arch}{libc}): {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}. Build a wheelhouse "
+                      f"for it (tools/wheelhouse.sh {how}) and make the bundle again"[:1200])
+
 
 def _bundle_commands(bundle: Path, dest: str) -> list[str]:
     """debugfs commands that copy the bundle to `dest`, owned by root; secrets 0600, the tree 0700."""
@@ -352,17 +409,40 @@ def _bundle_commands(bundle: Path, dest: str) -> list[str]:
     return cmds
 
 
-FIRSTRUN_SH = f"""#!/bin/bash
-# ssp-agent first boot (Bookworm): run once by systemd.run= on cmdline.txt, then removed. It installs
-# the agent offline and enables the enrolment unit; the enrolment runs in the next, normal boot.
+FIRSTRUN_SH = """#!/bin/bash
+# ssp-agent first boot (Bookworm): run by systemd.run= on cmdline.txt. It installs the agent offline
+# and enables the enrolment unit; the enrolment runs in the next, normal boot. A failed install
+# leaves this hook in place for the next boot (firstboot.sh bounds the attempts and writes each
+# cause to ssp-agent-firstboot.log here); installed, or given up, it removes itself.
 set +e
-BOOT=/boot/firmware; [ -d $BOOT ] || BOOT=/boot
-if [ -f $BOOT/ssp-firstrun-previous.sh ]; then bash $BOOT/ssp-firstrun-previous.sh; fi
-{DEVICE_BUNDLE}/firstboot.sh install
-rm -f $BOOT/firstrun.sh $BOOT/ssp-firstrun-previous.sh
-sed -i 's| systemd.run[^ ]*||g; s| systemd.unit=kernel-command-line.target||g' $BOOT/cmdline.txt
+BOOT=${SSP_BOOT:-/boot/firmware}; [ -d "$BOOT" ] || BOOT=/boot
+SELF=$(cat "$0")
+# on the device, what happens is shown on the console (tests redirect the root: SSP_ROOT)
+if [ -z "${SSP_ROOT:-}" ] && [ -w /dev/console ]; then exec >/dev/console 2>&1; fi
+if [ -f "$BOOT/ssp-firstrun-previous.sh" ]; then   # Raspberry Pi Imager's own settings, run once
+  bash "$BOOT/ssp-firstrun-previous.sh"
+  mv -f "$BOOT/ssp-firstrun-previous.sh" "$BOOT/ssp-firstrun-previous.done"
+fi
+FIRSTBOOT=${SSP_ROOT:-}@BUNDLE@/firstboot.sh
+if [ -x "$FIRSTBOOT" ]; then
+  "$FIRSTBOOT" install
+  rc=$?
+else
+  echo "$(date -u +%FT%TZ) no executable $FIRSTBOOT on the root filesystem: flash the image again" >> "$BOOT/ssp-agent-firstboot.log"
+  rc=3
+fi
+if [ "$rc" -eq 1 ]; then
+  # attempts left: this hook runs again at the next boot (put back if Imager's script removed it)
+  [ -f "$BOOT/firstrun.sh" ] || printf '%s\n' "$SELF" > "$BOOT/firstrun.sh"
+  if ! grep -q 'systemd.run=' "$BOOT/cmdline.txt"; then
+    sed -i '1 s| systemd.unit=kernel-command-line.target||g; 1 s|$| @ARGS@|' "$BOOT/cmdline.txt"
+  fi
+else
+  rm -f "$BOOT/firstrun.sh" "$BOOT/ssp-firstrun-previous.sh" "$BOOT/ssp-firstrun-previous.done"
+  sed -i 's| systemd.run[^ ]*||g; s| systemd.unit=kernel-command-line.target||g' "$BOOT/cmdline.txt"
+fi
 exit 0
-"""
+""".replace("@BUNDLE@", DEVICE_BUNDLE).replace("@ARGS@", FIRSTRUN_ARGS)
 
 RUNCMD = ["bash", f"{DEVICE_BUNDLE}/firstboot.sh", "install", "--start"]
 
@@ -453,6 +533,8 @@ def cmd_flash(args) -> int:
     hook = args.hook
     if hook == "auto":
         hook = "cloud-init" if (user_data is not None or fat.read("meta-data") is not None) else "firstrun"
+    # what the first boot installs with: a wheelhouse for another Python or architecture is refused here
+    check_wheels(bundle, *image_platform(root))
     writes: list = []          # (name, bytes) for the boot partition, and renames, in order
     if hook == "cloud-init":
         writes.append(("user-data", add_runcmd(user_data).encode()))

@@ -238,8 +238,8 @@ def _clock_syscalls(tmp: Path) -> set[str]:
 # call allowed, anything else EPERM (SystemCallErrorNumber=EPERM), then the clock check.
 SECCOMP_CHILD = r"""
 import ctypes, json, sys
-from agent.clockstate import kernel_synced, _timex
-_timex()                                          # libc loaded first, as a running service has it
+from agent.clockstate import kernel_synced
+kernel_synced()                                   # libc loaded first, as a running service has it
 allowed = json.load(open(sys.argv[1]))
 lib = ctypes.CDLL("libseccomp.so.2")
 lib.seccomp_init.restype = ctypes.c_void_p
@@ -302,8 +302,8 @@ def test_clock_check_under_systemd_run_with_the_units_properties(tmp_path):
     props = [x for ln in text.splitlines() if ln.startswith(sandbox) for x in ("-p", ln)]
     outside = subprocess.run([_python(), "-c", CLOCK_CHECK], capture_output=True, text=True,
                              env=agent_env(), timeout=120).stdout.strip()
-    p = subprocess.run(["systemd-run", "--wait", "--pipe", "--quiet", *props,
-                        f"--setenv=PYTHONPATH={Path(__file__).resolve().parents[2]}", _python(), "-c", CLOCK_CHECK],
+    checkout = [] if installed() else [f"--setenv=PYTHONPATH={Path(__file__).resolve().parents[2]}"]
+    p = subprocess.run(["systemd-run", "--wait", "--pipe", "--quiet", *props, *checkout, _python(), "-c", CLOCK_CHECK],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == outside

@@ -10,6 +10,7 @@ keystore and writes site_id, public key and the broker password's hash to the bo
 mosquitto given that hash line accepts the device's account (user name = site_id)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ import pytest
 
 from agent.simpeer import readings_table
 from tests.cli_cmd import run_cli
+from tests.provision.pi_image import install_os
 
 ROOT = Path(__file__).resolve().parents[2]
 MESH = "00112233445566778899aabbccddeeff"
@@ -31,7 +33,8 @@ pytestmark = pytest.mark.skipif(any(shutil.which(t) is None for t in TOOLS),
 BOOT_START, BOOT_SECTORS = 8192, 131072   # 64 MiB FAT32 (Raspberry Pi OS: 512 MiB), then ext4 to the end
 
 
-def make_image(path: Path, files: dict[str, str]) -> Path:
+def make_image(path: Path, files: dict[str, str], **os_kw) -> Path:
+    """The image, its root holding a Python (pi_image.install_os: this machine's by default)."""
     subprocess.run(["truncate", "-s", "160M", str(path)], check=True)
     subprocess.run(["sfdisk", "-q", str(path)], check=True, text=True,
                    input=f"label: dos\nstart={BOOT_START}, size={BOOT_SECTORS}, type=c\n"
@@ -45,6 +48,7 @@ def make_image(path: Path, files: dict[str, str]) -> Path:
         src = path.with_name(name)
         src.write_text(text)
         subprocess.run(["mcopy", "-i", f"{path}@@{BOOT_START * 512}", str(src), f"::{name}"], check=True)
+    install_os(path, root_off, **os_kw)
     return path
 
 
@@ -125,7 +129,7 @@ def test_flash_then_first_boot_installs_offline_and_enrols(tmp_path, bundle):
     cmdline = fat(img, "cmdline.txt")
     assert cmdline.count("\n") == 1 and "rootwait systemd.run=/boot/firmware/firstrun.sh" in cmdline
     assert "systemd.unit=kernel-command-line.target" in cmdline
-    assert "/opt/ssp-agent/bundle/firstboot.sh install" in fat(img, "firstrun.sh")
+    assert "FIRSTBOOT=${SSP_ROOT:-}/opt/ssp-agent/bundle/firstboot.sh" in fat(img, "firstrun.sh")
     # root filesystem: the bundle, root-owned, 0700, its script executable
     st = ext4(img, "stat /opt/ssp-agent/bundle")
     assert "Mode:  0700" in st and "User:     0" in st
@@ -148,6 +152,15 @@ def test_flash_then_first_boot_installs_offline_and_enrols(tmp_path, bundle):
     env.update(SSP_ROOT=str(root), SSP_PYTHON=sys.executable, PIP_INDEX_URL="http://127.0.0.1:9/simple",
                http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9",
                SSP_AGENT_CLOCK_SYNC=f"timesyncd:{flag}")
+    # No systemd runs here: the device's "systemd is running" is ROOT/run/systemd/system, and a
+    # systemctl on PATH records what firstboot.sh asks of it (the one stand-in of this test).
+    (root / "run/systemd/system").mkdir(parents=True)
+    calls = tmp_path / "systemctl.calls"
+    fake = tmp_path / "bin" / "systemctl"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n')
+    fake.chmod(0o755)
+    env["PATH"] = f"{fake.parent}:{env['PATH']}"
     script = root / "opt" / "ssp-agent" / "bundle" / "firstboot.sh"
     p = subprocess.run(["bash", str(script), "install"], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
@@ -164,9 +177,21 @@ def test_flash_then_first_boot_installs_offline_and_enrols(tmp_path, bundle):
     p = subprocess.run(["bash", str(script), "enrol"], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "clock_untrusted" in p.stderr, p.stderr
     assert not (root / "var/lib/ssp-agent/home/store.sqlite").exists() and enrol_link.is_symlink()
+    # what enrolment waits for, on the console (stderr: the unit sends it to journal+console) and
+    # on the boot partition, with the attempt's number and its cause
+    log = (boot / "ssp-agent-firstboot.log").read_text()
+    for said in (p.stderr, log):
+        assert "enrolment attempt 1" in said and "synchronised clock" in said and "--clock-trusted" in said, said
+    assert "clock_untrusted" in log and "retries" in log, log
+    assert "start" not in (calls.read_text() if calls.exists() else "")      # no service before an identity
     flag.write_text("")
     p = subprocess.run(["bash", str(script), "enrol"], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
+    # enrolled: the service starts now, not at the next boot
+    assert "start --no-block ssp-agent.service" in calls.read_text().splitlines()
+    assert "enrolment attempt 2" in (boot / "ssp-agent-firstboot.log").read_text()
+    enrol_unit = (root / "etc/systemd/system/ssp-agent-enrol.service").read_text()
+    assert "StandardError=journal+console" in enrol_unit
     card = json.loads((boot / "ssp-enrolment.json").read_text())
     home = root / "var/lib/ssp-agent/home"
     status = json.loads(subprocess.run([str(venv_cmd), "--home", str(home), "status"], env=env, capture_output=True,
@@ -250,3 +275,132 @@ def test_shared_account_timer_bundle_enrols(tmp_path, wheelhouse):
     # enrolling again is harmless: the same identity, the card rewritten
     p = run_cli("provision", "enrol", "--bundle", b, "--root", root, "--boot", boot)
     assert p.returncode == 0 and json.loads(p.stdout)["site_id"] == card["site_id"]
+
+
+@pytest.mark.parametrize("python, arch", [("3.13", "aarch64"), ("3.13", None), ("3.11", "aarch64")])
+def test_flash_refuses_a_wheelhouse_the_image_cannot_install(tmp_path, bundle, python, arch):
+    """This machine's wheelhouse (binary wheels for its architecture and Python) onto an image whose
+    Python or architecture differ: refused before anything is written, saying which wheelhouse to build."""
+    img = make_image(tmp_path / "other.img", {"cmdline.txt": "console=serial0,115200 root=PARTUUID=1 rootwait\n"},
+                     python=python, arch=arch)
+    before = hashlib.sha256(img.read_bytes()).hexdigest()
+    p = run_cli("provision", "flash", "--image", img, "--bundle", bundle)
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    line = p.stderr.strip()
+    assert len(line.splitlines()) == 1 and "Traceback" not in line, line
+    assert f"Python {python}" in line and "do not install on this image" in line and "cbor2" in line, line
+    if arch == "aarch64":
+        assert f"tools/wheelhouse.sh --arch aarch64 --python-version {python}" in line, line
+    assert hashlib.sha256(img.read_bytes()).hexdigest() == before
+
+
+# ---------------------------------------------------------------- first boot: failures, retries, the service
+def _unpack(img: Path, tmp: Path) -> tuple[Path, Path]:
+    """The image's root bundle and boot files, as the device sees them."""
+    root, boot = tmp / "root", tmp / "root" / "boot" / "firmware"
+    (root / "opt" / "ssp-agent").mkdir(parents=True)
+    boot.mkdir(parents=True)
+    ext4(img, f"rdump /opt/ssp-agent/bundle {root / 'opt' / 'ssp-agent'}")
+    for name in ("cmdline.txt", "firstrun.sh", "ssp-firstrun-previous.sh", "user-data"):
+        if fat(img, name) is not None:
+            (boot / name).write_text(fat(img, name))
+    return root, boot
+
+
+def _device_env(root: Path, boot: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SSP_AGENT_CLOCK_TRUSTED",
+                                                            "SSP_AGENT_WITNESS_DIR", "PIP_FIND_LINKS")}
+    env.update({"SSP_ROOT": str(root), "SSP_BOOT": str(boot), "SSP_PYTHON": sys.executable,
+                "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "http_proxy": "http://127.0.0.1:9",
+                "https_proxy": "http://127.0.0.1:9", **extra})
+    return env
+
+
+def _boot_once(boot: Path, env: dict) -> subprocess.CompletedProcess:
+    """One first boot: systemd.run= runs the boot partition's firstrun.sh (it always exits 0, then reboots)."""
+    p = subprocess.run(["bash", str(boot / "firstrun.sh")], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    return p
+
+
+IMAGER_FIRSTRUN = """#!/bin/bash
+set +e
+echo ran >> "$SSP_BOOT/imager-ran"
+rm -f "$SSP_BOOT/firstrun.sh"
+sed -i 's| systemd.run.*||g' "$SSP_BOOT/cmdline.txt"
+exit 0
+"""
+
+
+def test_first_boot_failure_is_logged_with_its_cause_and_retried_at_the_next_boot(tmp_path, bundle):
+    img = make_image(tmp_path / "bookworm.img", {"cmdline.txt": "console=serial0,115200 root=PARTUUID=1 rootwait\n",
+                                                 "firstrun.sh": IMAGER_FIRSTRUN})
+    assert run_cli("provision", "flash", "--image", img, "--bundle", bundle).returncode == 0
+    root, boot = _unpack(img, tmp_path)
+    wheels = root / "opt/ssp-agent/bundle/wheelhouse"
+    cbor = next(wheels.glob("cbor2-*.whl"))
+    aside = cbor.rename(tmp_path / cbor.name)        # a wheelhouse that cannot satisfy the install
+    env = _device_env(root, boot)
+    log = boot / "ssp-agent-firstboot.log"
+
+    _boot_once(boot, env)
+    text = log.read_text()
+    assert "attempt 1 of 3" in text and "cbor2" in text, text          # the cause, from pip, on the boot partition
+    assert "next boot" in text, text
+    # Imager's own settings ran once and removed the hook; ours put it back to run again
+    assert (boot / "imager-ran").read_text() == "ran\n"
+    assert (boot / "firstrun.sh").is_file() and "systemd.run=/boot/firmware/firstrun.sh" in (boot / "cmdline.txt").read_text()
+    assert not (root / "opt/ssp-agent/bin/ssp-agent").exists()
+
+    aside.rename(cbor)                                 # (a wheelhouse the next boot can use)
+    _boot_once(boot, env)
+    text = log.read_text()
+    assert "attempt 2 of 3" in text and "installed" in text, text
+    assert (boot / "imager-ran").read_text() == "ran\n"                 # Imager's script ran once only
+    assert not (boot / "firstrun.sh").exists() and "systemd.run" not in (boot / "cmdline.txt").read_text()
+    assert (root / "etc/systemd/system/multi-user.target.wants/ssp-agent-enrol.service").is_symlink()
+
+
+def test_first_boot_gives_up_after_a_bounded_number_of_boots(tmp_path, bundle):
+    img = make_image(tmp_path / "bookworm.img", {"cmdline.txt": "console=serial0,115200 root=PARTUUID=1 rootwait\n"})
+    assert run_cli("provision", "flash", "--image", img, "--bundle", bundle).returncode == 0
+    root, boot = _unpack(img, tmp_path)
+    env = _device_env(root, boot, SSP_PYTHON=str(tmp_path / "no-such-python3"))
+    for n in (1, 2, 3):
+        assert (boot / "firstrun.sh").is_file(), n
+        _boot_once(boot, env)
+    text = (boot / "ssp-agent-firstboot.log").read_text()
+    assert [f"attempt {n} of 3" in text for n in (1, 2, 3)] == [True] * 3, text
+    assert "no-such-python3" in text and "giving up after 3 attempts" in text, text
+    # the card then boots normally (no boot loop), with the reason on its boot partition
+    assert not (boot / "firstrun.sh").exists() and "systemd.run" not in (boot / "cmdline.txt").read_text()
+
+
+def test_cloud_init_first_boot_failure_is_retried_at_the_next_boot(tmp_path, bundle):
+    """cloud-init runs runcmd once per instance: a failed install leaves a unit that runs it again at
+    every boot (bounded as the Bookworm hook), removed once the install succeeds."""
+    root, boot = tmp_path / "root", tmp_path / "root" / "boot" / "firmware"
+    (root / "opt" / "ssp-agent").mkdir(parents=True)
+    boot.mkdir(parents=True)
+    shutil.copytree(bundle, root / "opt/ssp-agent/bundle")
+    script = root / "opt/ssp-agent/bundle/firstboot.sh"
+    retry = root / "etc/systemd/system/ssp-agent-install.service"
+    retry_link = root / "etc/systemd/system/multi-user.target.wants/ssp-agent-install.service"
+    p = subprocess.run(["bash", str(script), "install", "--start"], capture_output=True, text=True, timeout=600,
+                       env=_device_env(root, boot, SSP_PYTHON=str(tmp_path / "no-such-python3")))
+    assert p.returncode != 0
+    assert "ExecStart=/opt/ssp-agent/bundle/firstboot.sh install --start" in retry.read_text()
+    assert retry_link.is_symlink()
+    analyze = shutil.which("systemd-analyze")
+    if analyze:   # a unit systemd takes (its command pointed at one that exists on this machine)
+        check = tmp_path / "check" / retry.name
+        check.parent.mkdir()
+        check.write_text(retry.read_text().replace("/opt/ssp-agent/bundle/firstboot.sh", shutil.which("true")))
+        v = subprocess.run([analyze, "verify", str(check)], capture_output=True, text=True, timeout=120)
+        assert v.returncode == 0 and not v.stderr.strip(), v.stderr
+    assert "attempt 1 of 3" in (boot / "ssp-agent-firstboot.log").read_text()
+    p = subprocess.run(["bash", str(script), "install", "--start"], capture_output=True, text=True, timeout=600,
+                       env=_device_env(root, boot))
+    assert p.returncode == 0, p.stderr
+    assert not retry.exists() and not retry_link.exists()
+    assert "attempt 2 of 3" in (boot / "ssp-agent-firstboot.log").read_text()

@@ -21,6 +21,7 @@ import pytest
 
 from agent.simpeer import readings_table
 from tests.cli_cmd import agent_cmd, agent_env, run_cli
+from tests.provision.pi_image import install_os
 
 MESH = "00112233445566778899aabbccddeeff"
 IMAGE_TOOLS = ("sfdisk", "mformat", "mcopy", "mtype", "mkfs.ext4", "debugfs")
@@ -260,6 +261,7 @@ def make_image(path: Path, boot_files: dict[str, bytes]) -> Path:
         src = path.with_name(name)
         src.write_bytes(data)
         subprocess.run(["mcopy", "-i", spec, str(src), f"::{name}"], check=True)
+    install_os(path, root_off)   # a Python in the root: what flash checks the wheelhouse against
     return path
 
 
