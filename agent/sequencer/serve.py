@@ -139,7 +139,7 @@ BACKLOG_COMMITS = 2048
 # A member's own answer topic (docs/sequencer.md "Serving through the broker"), which under the
 # ACL pattern only that member reads: the only topic an answer goes to. Any other response topic
 # (the retained `accepted` topic every member follows, a wildcard paho refuses to publish to) is
-# refused: answering there made each one-byte request a retained 500-byte record for everyone.
+# refused: answering there would make each one-byte request a retained record every member reads.
 ANSWER_TOPIC = re.compile(re.escape(ANSWER_ROOT) + r"/[0-9A-Za-z_-]{1,64}/answers")
 REFUSED_TOPIC_EVENT_S = 60.0    # at most one `answer_topic_refused` row a minute (each is a transaction)
 
