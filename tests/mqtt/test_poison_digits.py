@@ -111,7 +111,6 @@ def test_run_on_the_default_binding_survives_a_body_limit_int_refuses(broker, tm
     proc = _spawn_run(b.home, broker)
     try:
         # the first answer also says `run` subscribed: published before that, a request could be lost
-        corr = None
         m = None
         deadline = time.monotonic() + CEILING_S
         while m is None and proc.poll() is None and time.monotonic() < deadline:
