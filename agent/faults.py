@@ -12,8 +12,9 @@ from firmware_bridge import KeystoreError
 from .core.clock import ClockError
 from .store.db import StoreError
 
-LOCAL_FAULTS: tuple[type[BaseException], ...] = (sqlite3.Error, OSError, StoreError, KeystoreError, ClockError,
-                                                 MemoryError)
+# Not MemoryError: a message that makes handling it run out of memory is refused and acknowledged,
+# never handed back by the broker to do it again after every restart.
+LOCAL_FAULTS: tuple[type[BaseException], ...] = (sqlite3.Error, OSError, StoreError, KeystoreError, ClockError)
 
 
 def describe(e: BaseException) -> str:

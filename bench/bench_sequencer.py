@@ -306,7 +306,7 @@ def through_broker(d: str, groups_n: int, rounds: int, fig: dict, pythonpath: st
                            text=True, env=env, cwd=d)
     srv.stdout.readline()
     answers: "_q.Queue" = _q.Queue()
-    reply = f"bench/{uuid.uuid4().hex}"
+    reply = f"sovm-member/bench-{uuid.uuid4().hex[:12]}/answers"
     c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"bench-{uuid.uuid4().hex[:8]}", protocol=paho.MQTTv5)
     c.max_inflight_messages_set(65535)
     c.on_message = lambda cl, u, m: answers.put(json.loads(m.payload))

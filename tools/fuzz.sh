@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SECS="${1:-600}"; shift || true
 TARGETS=("$@")
-[ ${#TARGETS[@]} -eq 0 ] && TARGETS=(codec message presence meta frame envelope event_payload record_payload serial apply records mailbox mls_framing receipt evidence lost)
+[ ${#TARGETS[@]} -eq 0 ] && TARGETS=(codec message presence meta number frame envelope event_payload record_payload serial apply records mailbox session_meta mqtt mls_framing receipt evidence lost)
 OUT=build/fuzz
 mkdir -p "$OUT"
 PY=python3

@@ -49,7 +49,8 @@ BAD_COMPRESSED_MESSAGE = "bad_compressed_message"  # compressed without our offe
 # `link_lost` (source `link:mqtt`) as a serial loss; paho's reason, or why a reconnect failed, in
 # the detail. The link reconnects by itself and sync resumes from the durable cursors.
 BROKER_LOST = "broker_lost"
-# -- any other exception a boundary parser raised (agent/core/classify.py)
+# -- any other exception a boundary parser raised (agent/core/classify.py), or that handling a
+# received message raised past it (the MQTT and serial loops' net, agent/faults.py)
 UNCLASSIFIED = "unclassified"
 
 ALL = frozenset(v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str))

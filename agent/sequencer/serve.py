@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import ssl
 import threading
 import time
@@ -54,6 +55,7 @@ from urllib.parse import unquote, urlparse
 from agent import inbox, outbox
 from agent.core import codec, numbers
 from agent.sequencer import core, framing, recovery, service
+from agent.sequencer.client import ANSWER_ROOT
 
 log = logging.getLogger("ssp.sequencer")
 DEFAULT_PREFIX = "sovm-seq"
@@ -134,6 +136,19 @@ CLOSE_FLUSH_S = 10.0
 BACKLOG_COMMITS = 2048
 
 
+# A member's own answer topic (docs/sequencer.md "Serving through the broker"), which under the
+# ACL pattern only that member reads: the only topic an answer goes to. Any other response topic
+# (the retained `accepted` topic every member follows, a wildcard paho refuses to publish to) is
+# refused: answering there would make each one-byte request a retained record every member reads.
+ANSWER_TOPIC = re.compile(re.escape(ANSWER_ROOT) + r"/[0-9A-Za-z_-]{1,64}/answers")
+REFUSED_TOPIC_EVENT_S = 60.0    # at most one `answer_topic_refused` row a minute (each is a transaction)
+
+
+def answer_topic_ok(topic: object) -> bool:
+    """Whether ``topic`` is a member's answer topic, ``sovm-member/MEMBER_ID/answers``."""
+    return isinstance(topic, str) and ANSWER_TOPIC.fullmatch(topic) is not None
+
+
 def epoch_text(payload: bytes) -> Optional[int]:
     """The one classifier of a request's decimal text (``register``, ``receipt``): ASCII digits
     only, no sign, space or underscore (Python's int() takes all three), no leading zero, at most
@@ -186,6 +201,8 @@ class Server:
         self.gc = seq.group_commit()
         self._in_gc: dict[int, object] = {}      # tag -> the submit request in the group commit
         self._tags = 0
+        self._topic_refused_at: Optional[float] = None   # the last `answer_topic_refused` row
+        self._topics_refused_since = 0                   # refused since that row
         client_id = f"sovm-seq-{seq.public_key.hex()[2:26]}"
 
         def client(cid: str, **kw):
@@ -326,8 +343,12 @@ class Server:
         """Requests in arrival order. Submits go into the pipelined group commit (first-Commit-wins
         stays the arrival order); any other request first drains it, so a register or receipt
         request sees every submit that arrived before it. Each request is answered and then
-        acknowledged to the broker, after its answer is durable."""
+        acknowledged to the broker, after its answer is durable. A request naming a response
+        topic that is not a member's answer topic is refused first (`_foreign_topic`)."""
         for msg in msgs:
+            if msg.response_topic and not answer_topic_ok(msg.response_topic):
+                self._foreign_topic(msg)
+                continue
             if _kind(msg) == "submit":
                 self._tags += 1
                 self._in_gc[self._tags] = msg
@@ -337,6 +358,22 @@ class Server:
             if self.gc.busy():
                 self._answer_submits(self.gc.drain())
             self.handle(msg)
+
+    def _foreign_topic(self, msg) -> None:
+        """Refuse a request whose response topic is not a member's answer topic: not handled, not
+        answered, acknowledged (never redelivered), counted (`answer_topics_refused`) and surfaced
+        as the event `answer_topic_refused` in `sequencer status`, at most one row a minute."""
+        self.stats["answer_topics_refused"] = self.stats.get("answer_topics_refused", 0) + 1
+        self._topics_refused_since += 1
+        now = self.clock()
+        if self._topic_refused_at is None or now - self._topic_refused_at >= REFUSED_TOPIC_EVENT_S:
+            log.warning("refused a %s request answering on %r: not a member's answer topic (%d since the last)",
+                        _kind(msg), msg.response_topic[:120], self._topics_refused_since)
+            detail = {"topic": msg.response_topic[:120], "request": _kind(msg), "refused": self._topics_refused_since}
+            self.seq.store.record_event("answer_topic_refused", detail, keep=STUCK_EVENTS_KEPT)
+            self._topic_refused_at, self._topics_refused_since = now, 0
+        if msg.qos > 0:
+            self.client.ack(msg.mid, msg.qos)
 
     def _answer_submits(self, answers: list) -> None:
         if not answers:
@@ -437,8 +474,8 @@ class Server:
     def _reply(self, msg, body: dict) -> None:
         from paho.mqtt.packettypes import PacketTypes
         from paho.mqtt.properties import Properties
-        if not msg.response_topic:
-            return
+        if not answer_topic_ok(msg.response_topic):
+            return      # none, or not a member's (`feed` refused it already)
         out = Properties(PacketTypes.PUBLISH)
         if msg.correlation is not None:
             out.CorrelationData = msg.correlation

@@ -17,7 +17,9 @@ SOURCES = {"codec": S.cbor_bytes(), "message": S.body_bytes(), "presence": S.bod
            "frame": S.session_frame_bytes(), "envelope": S.events(), "event_payload": S.event_payload_bytes(),
            "record_payload": S.record_payload_bytes(), "serial": S.serial_line(), "apply": S.event_payload_bytes(),
            "records": S.record_payload_bytes(), "mailbox": S.body_bytes(), "mls_framing": S.mls_bytes(),
-           "receipt": S.receipt_bytes(), "evidence": S.evidence_bytes(), "lost": S.lost_bytes()}
+           "receipt": S.receipt_bytes(), "evidence": S.evidence_bytes(), "lost": S.lost_bytes(),
+           "number": S.number_text().map(lambda t: t.encode("utf-8", "surrogatepass")),
+           "session_meta": S.session_meta_bytes(), "mqtt": S.mqtt_message()}
 
 
 def draw(strategy, n: int) -> list[bytes]:

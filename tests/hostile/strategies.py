@@ -184,14 +184,61 @@ def body_bytes(draw) -> bytes:
     return dumps(obj, canonical=draw(st.booleans()))
 
 
+# ---------------------------------------------------------------- numbers written as text
+# Every character besides ASCII 0-9 that str.isdigit() accepts: superscripts (`²`, category No),
+# circled digits (No), fullwidth, Arabic-Indic, Devanagari, mathematical digits (Nd) ... int()
+# takes the Nd ones and refuses the others: neither is a number from outside (core.numbers).
+UNICODE_DIGITS = sorted(chr(c) for c in range(0x80, 0x20000) if chr(c).isdigit())
+NAMED_DIGITS = ["\u00b2", "\u00b3", "\u00b9", "\u2070", "\u2074", "\u2089", "\u2460", "\u2473", "\u24ea",
+                "\uff10", "\uff13", "\u0660", "\u0663", "\u06f3", "\u0966", "\u09e9", "\u0e53", "\U0001d7ce",
+                "\U0001f101", "\u1369"]
+DIGITS = st.one_of(st.sampled_from(NAMED_DIGITS), st.sampled_from(UNICODE_DIGITS))
+
+
+# Digits only, of any class: what `str.isdigit()` says yes to (the check the readers relied on)
+DIGIT_RUN = st.lists(st.one_of(st.sampled_from("0123456789"), DIGITS), min_size=1, max_size=6).map("".join)
+
+
+@st.composite
+def number_text(draw) -> str:
+    """Text where a decimal number is read: runs of digits of every class, ASCII numbers at the
+    edges, what int() also takes (signs, spaces, underscores), leading zeros, very long runs."""
+    piece = st.one_of(st.sampled_from("0123456789"), DIGITS,
+                      st.sampled_from(["+", "-", " ", "_", ".", ",", "\n", "\t", "0" * 30, "9" * 25, "1" * 5000,
+                                       "0x1", "1e3", "\u00a0"]))
+    how = draw(st.integers(0, 5))
+    if how <= 2:
+        return draw(DIGIT_RUN)
+    if how == 3:
+        return str(draw(st.sampled_from(EDGE_INTS)))
+    return "".join(draw(st.lists(piece, min_size=0, max_size=10)))
+
+
+TABLES = st.sampled_from(["app.readings", "app.notes", "*", "", "@", "app.readings@1"])
+
+
+@st.composite
+def gap_entry(draw) -> str:
+    """An entry of a frame meta's gap list: a table name, or an own-history floor `TABLE@P.L`
+    whose numbers may be anything (`app.readings@².0`)."""
+    if draw(st.integers(0, 3)) == 0:
+        return draw(st.one_of(TABLES, TEXT))
+    sep = draw(st.sampled_from([".", ".", "\uff0e", ".."]))
+    return f"{draw(TABLES)}@{draw(number_text())}{sep}{draw(number_text())}"
+
+
+def _meta(draw, gaps) -> dict:
+    return {"s": _maybe(draw, st.integers(0, 2**64)),
+            "e": _maybe(draw, st.integers(0, 2**65)),
+            "d": _maybe(draw, st.lists(st.one_of(st.integers(-2, 2**64), st.sampled_from([1, 2**63])), max_size=6)),
+            "g": _maybe(draw, st.lists(gaps, max_size=4)), "x": _maybe(draw, st.integers(0, 2**64))}
+
+
 @st.composite
 def meta_text(draw) -> bytes:
     if draw(st.integers(0, 4)) == 0:
         return draw(st.text(max_size=80)).encode()
-    s = _maybe(draw, st.integers(0, 2**64))
-    d = _maybe(draw, st.lists(st.one_of(st.integers(-2, 2**64), st.sampled_from([1, 2**63])), max_size=6))
-    m = {"s": s, "e": _maybe(draw, st.integers(0, 2**65)), "d": d,
-         "g": _maybe(draw, st.lists(TEXT, max_size=3)), "x": _maybe(draw, st.integers(0, 2**64))}
+    m = _meta(draw, st.one_of(TEXT, gap_entry()))
     if draw(st.integers(0, 9)) == 0:
         m = draw(st.recursive(st.one_of(st.none(), st.integers(), TEXT), lambda k: st.lists(k) | st.dictionaries(TEXT, k)))
     try:
@@ -210,6 +257,58 @@ def session_frame_bytes(draw) -> bytes:
     for k in draw(st.lists(st.sampled_from("cbmkrflj"), max_size=6)):
         f.pop(k, None)
     return dumps(f, canonical=draw(st.booleans()))
+
+
+@st.composite
+def session_meta_bytes(draw) -> bytes:
+    """The meta `m` of a serial session's body frame (CBOR), its gap list full of numbers that
+    are not (the receiving session on a real node: targets.FuzzNode.session_meta). Mostly
+    positions that describe an empty body (so the floors are read), sometimes anything."""
+    m = _meta(draw, gap_entry())
+    if draw(st.integers(0, 2)):
+        m.update(s=0, e=draw(st.integers(0, 3)), d=[], x=0)
+    return dumps(m)
+
+
+NUMERIC_PROPERTIES = ["ssp-body-limit", "ssp-processed", "ssp-rejected-at", "ssp-meta"]
+# A well-formed empty body from the trusted peer: a meta describing it gets to the gap list.
+EMPTY_BODY = cbor2.dumps({"ssp_version": 1, "from_site_id": KID.hex(), "have_max_hlc": {"physical_ms": 0, "logical": 0},
+                          "events": [], "records": [], "applied_watermarks": []}, canonical=True)
+PROPERTY_NAMES = st.one_of(st.sampled_from(NUMERIC_PROPERTIES), st.sampled_from(
+    ["ssp-status", "ssp-reason", "ssp-kind", "ssp-ack", "ssp-count", "ssp-start", "ssp-end", "ssp-part", "ssp-from",
+     "x-other"]))
+
+
+@st.composite
+def property_value(draw) -> str:
+    return draw(st.one_of(
+        number_text(),
+        st.builds(lambda gaps: json.dumps({"s": 0, "e": 0, "d": [], "g": gaps, "x": 0}, ensure_ascii=False),
+                  st.lists(gap_entry(), min_size=1, max_size=3)),
+        st.lists(number_text(), max_size=4).map(",".join),
+        st.sampled_from(["ok", "rejected", "too_large", "batch", "rt", "1", "0", "", "1/1"]),
+        meta_text().map(lambda b: b.decode("utf-8", "replace")),
+        TEXT))
+
+
+@st.composite
+def mqtt_message(draw) -> bytes:
+    """One PUBLISH a rogue client can make a node take (targets.FuzzRunner): a request, an answer
+    (to a body in flight, `c` = b"@", or not) or a presence (retained or not), under a member's
+    name, the node's own or a stranger's; user properties with numbers in every digit class,
+    correlation data and response topics of any shape. CBOR, so atheris mutates it too."""
+    kind = draw(st.sampled_from(["req", "ans", "presence"]))
+    who = draw(st.sampled_from([0, 0, 1, 2]))    # mostly the trusted peer: its messages go furthest
+    props = draw(st.lists(st.tuples(PROPERTY_NAMES, property_value()), max_size=6))
+    if kind == "ans" and draw(st.booleans()):
+        props.insert(0, ("ssp-status", "ok"))
+    corr = draw(st.one_of(st.just(b"@"), st.none(), st.binary(max_size=80)))
+    rt = draw(st.one_of(st.none(), st.just("@answers"), st.text(max_size=40),
+                        st.sampled_from(["#", "+", "ssp//x", "sovm-seq/00/accepted"])))
+    body = draw(st.one_of(st.just(EMPTY_BODY), body_bytes(), st.binary(max_size=64), st.just(b"")))
+    return dumps({"k": kind, "s": who, "p": [list(p) for p in props], "c": corr, "r": rt,
+                  "b": body, "q": draw(st.booleans()), "d": draw(st.booleans()),
+                  "secure": draw(st.booleans())})
 
 
 @st.composite
@@ -328,4 +427,4 @@ def hostile(generated) -> st.SearchStrategy[bytes]:
 
 __all__ = ["hostile", "cbor_bytes", "body_bytes", "events", "event_payload_bytes", "record_payload_bytes",
            "meta_text", "session_frame_bytes", "serial_line", "mls_bytes", "receipt_bytes", "evidence_bytes",
-           "lost_bytes", "MESH"]
+           "lost_bytes", "number_text", "gap_entry", "session_meta_bytes", "mqtt_message", "UNICODE_DIGITS", "MESH"]

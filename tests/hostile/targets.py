@@ -17,9 +17,14 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
+import cbor2
 import nacl.signing
 
-from agent.core import cose
+from agent.core import cose, numbers
+from agent.core.binding import decode_indices, encode_indices
+from agent.core.delivery import split_gaps
+from agent.core.exchange import answered_progress
+from agent.core.ids import IdFormatError, parse_hlc
 from agent.core import seqrecords as sr
 from agent.core.classify import UNCLASSIFIED
 from agent.core.codec import DecodeError, decode_strict
@@ -33,6 +38,7 @@ from agent.sequencer import recovery
 from agent.sequencer.client import parse_lost
 from agent.sequencer.core import EPOCH_LIMIT
 from agent.sequencer.framing import FramingError, parse_mls_message
+from agent.transport.mqtt import parse_body_limit
 from firmware_bridge import serial_protocol as sp
 
 MESH = bytes.fromhex("f0220000000000000000000000000011")
@@ -132,6 +138,29 @@ def meta(data: bytes) -> None:
             designated(e)
             continue
         assert 0 <= sm.start and all(s < 2**63 for s in sm.seqs) and sm.end < 2**63
+        policy, floors = split_gaps(sm.gaps)   # the gap list, read on the secure binding
+        assert all(0 <= p < 2**63 and 0 <= lo < 2**32 for p, lo in floors.values())
+        assert set(sm.gaps) == policy | {g for g in sm.gaps if g.rpartition("@")[0] in floors}
+
+
+def number(data: bytes) -> None:
+    """A number written as text by someone else, through every reader of one (docs/protocol.md
+    §11 "Numbers from outside"): the body limit, the processed count, the rejected indices, an
+    own-history floor, an HLC. Never an exception; a number only when it is one in ASCII."""
+    text = data.decode("utf-8", "replace")
+    for t in (text, text.split("\x00")[0]):
+        n = numbers.uint(t)
+        assert n is None or (t.isascii() and str(n) == t)
+        assert parse_body_limit(t) in (None, n)
+        got = decode_indices(t, 8)
+        assert got is None or (all(0 <= i < 8 for i in got) and encode_indices(got) == t)
+        assert 0 <= answered_progress(5, None, t, None)[0] <= 5
+        split_gaps([t, f"app.readings@{t}"])
+        h = numbers.hlc(t)
+        try:
+            assert parse_hlc(t) == h
+        except IdFormatError:
+            assert h is None
 
 
 def frame(data: bytes) -> None:
@@ -270,7 +299,7 @@ def lost(data: bytes) -> None:
     assert out is None or all(0 <= a <= b < EPOCH_LIMIT for a, b in out)
 
 
-PURE = {"codec": codec, "message": message, "presence": presence, "meta": meta, "frame": frame,
+PURE = {"codec": codec, "message": message, "presence": presence, "meta": meta, "frame": frame, "number": number,
         "envelope": envelope, "event_payload": event_payload, "record_payload": record_payload, "serial": serial,
         "mls_framing": mls_framing, "receipt": receipt, "evidence": evidence, "lost": lost}
 
@@ -292,6 +321,11 @@ class FuzzNode:
         from agent.sync import SyncDriver
         self.driver = SyncDriver(self.node)
         self.now = int(time.time() * 1000)
+        self._session = None
+        self._corr = 0
+        self.empty_body = cbor2.dumps({"ssp_version": 1, "from_site_id": KID.hex(),
+                                       "have_max_hlc": {"physical_ms": 0, "logical": 0}, "events": [], "records": [],
+                                       "applied_watermarks": []}, canonical=True)
 
     def close(self) -> None:
         self.node.close()
@@ -309,6 +343,34 @@ class FuzzNode:
         out = self.driver.apply_records(raws, self.now)
         assert isinstance(out, dict)
 
+    def session_meta(self, data: bytes) -> None:
+        """A body frame from the trusted peer on a secure serial session (its handshake done)
+        whose meta `m` is `data` (CBOR; anything else as it is): the session and the sync layer
+        refuse it with a designated reason or take the body; the gap list's floors are read
+        (SSP/1 §14.2) and nothing raises out of `Session.receive`."""
+        import cbor2
+        from agent.core.messages import emit_handshake
+        from agent.core.session import encode_frame
+        s = self._session
+        if s is None:
+            s = self._session = self.driver.session("serial", None, secure=True, binding_unsolicited=True)
+            s.start(self.now)
+            s.receive(encode_frame("hello", b=emit_handshake(Handshake(KID, (0, 0), False, True, None)), r=False),
+                      self.now)
+            assert s.state == "ready", s.events
+        try:
+            m = cbor2.loads(data)
+        except Exception:  # noqa: BLE001 - not CBOR: the bytes themselves are the meta
+            m = data
+        self._corr += 1
+        try:
+            frame = cbor2.dumps({"t": "body", "c": self._corr, "b": self.empty_body, "m": m})
+        except Exception:  # noqa: BLE001 - a decoded value cbor2 cannot encode again
+            return
+        s.receive(frame, self.now)
+        _designated_events(s)
+        s.data_to_send()
+
     def mailbox(self, data: bytes) -> None:
         try:
             out = self.driver.import_mailbox(data, self.now)
@@ -318,5 +380,77 @@ class FuzzNode:
         assert {"applied", "duplicate", "dropped", "rejected", "held"} <= set(out)
 
 
-NODE_TARGETS = ("event_payload", "records", "mailbox")
+def _designated_events(s) -> None:
+    for ev in s.events:
+        if ev.kind == "protocol_error" and not _REASON.match(ev.detail or ""):
+            raise Finding(f"a session refusal without a stable reason code: {ev.detail!r}")
+        if ev.kind == "protocol_error" and ev.detail == UNCLASSIFIED:
+            raise Finding("a frame's handling raised past its boundary (the net caught it)")
+    s.events.clear()
+
+
+class FuzzRunner:
+    """The MQTT loop of a real node (agent/runner.py, SQLite store, no broker: what it publishes
+    waits in paho's queue) on the default binding and on the secure one: each input is one
+    PUBLISH a rogue client could make it take (strategies.mqtt_message), handed over as the
+    link's network thread does and handled by `Runner.pump`. Designated outcomes only: what the
+    loop's net catches (`unhandled_messages`) is a finding, as is anything raised."""
+
+    STRANGER = bytes.fromhex("5a" * 16)
+
+    def __init__(self) -> None:
+        from agent.runner import RunConfig, Runner
+        from agent.simpeer import readings_table  # noqa: F401 - the table FuzzNode declares
+        from agent.transport.mqtt import MqttSettings
+        self.nodes, self.runners = [], {}
+        for secure in (False, True):
+            fn = FuzzNode()
+            self.nodes.append(fn)
+            for i in range(4):   # bodies in flight to the trusted peer: answers have something to answer
+                fn.node.write("app.readings", {"device": "fuzz", "seq": i}, {"temp": float(i)})
+            r = Runner(fn.node, MqttSettings.from_url("mqtt://127.0.0.1:1"), RunConfig(secure=secure, window=2))
+            r.batch_cycle()
+            self.runners[secure] = r
+
+    def close(self) -> None:
+        for fn in self.nodes:
+            fn.close()
+
+    def message(self, data: bytes) -> None:
+        import cbor2
+        from agent.transport.mqtt import Inbound, Topics
+        try:
+            d = cbor2.loads(data)
+        except Exception:  # noqa: BLE001 - not CBOR: a request whose payload is the bytes
+            d = None
+        if not isinstance(d, dict):
+            d = {"k": "req", "b": data}
+        r = self.runners[bool(d.get("secure"))]
+        node = r.node
+        s = d.get("s")
+        sender = [KID, node.site_id, self.STRANGER][s % 3 if isinstance(s, int) else 0]
+        props: dict[str, str] = {}
+        for pair in d.get("p") if isinstance(d.get("p"), list) else ():
+            if isinstance(pair, list) and len(pair) == 2:
+                props.setdefault(str(pair[0])[:64], str(pair[1])[:70_000])   # MQTT: text, u16 lengths
+        corr = d.get("c")
+        if corr == b"@":
+            corr = next(iter(r.ex.pending), None)   # the answer to a body in flight
+        corr = bytes(corr) if isinstance(corr, (bytes, bytearray)) else None
+        rt = d.get("r")
+        rt = Topics(MESH).answers(sender, node.site_id) if rt == "@answers" else rt if isinstance(rt, str) else None
+        payload = d.get("b") if isinstance(d.get("b"), bytes) else b""
+        kind = d.get("k") if d.get("k") in ("req", "ans", "presence") else "req"
+        oversize = len(payload) if len(payload) > r.settings.body_limit_bytes else 0
+        m = Inbound(kind, sender if kind == "presence" else node.site_id, b"" if oversize else payload, props, corr,
+                    rt, 1, 1, bool(d.get("d")), bool(d.get("q")), r.link.generation,
+                    None if kind == "presence" else sender, oversize=oversize)
+        before = r.stats["unhandled_messages"]
+        r.link.inbound.put(m)
+        r.pump(0)
+        if r.stats["unhandled_messages"] != before:
+            raise Finding(f"the runtime loop's net caught a {kind}: {r.rejections[-1] if r.rejections else ''}")
+
+
+NODE_TARGETS = ("event_payload", "records", "mailbox", "session_meta", "mqtt")
 SEQUENCING = (sr.RECEIPT_HEAD, sr.DISCONTINUITY, sr.BINDING)

@@ -1,6 +1,9 @@
 """Fuzzing in CI (issue 11): generated and mutated bodies, handshakes, presence payloads, frame
 metas, session frames, events, records, mailbox files and serial frames through each boundary's
-classify function (tests/hostile/targets.py), asserting only designated outcomes, a wall-time
+classify function, numbers written as text in every Unicode digit class through every reader of
+one, a serial session's frame meta on a real node, and whole MQTT messages (user properties,
+correlation data, response topics, retained presence) through a real node's MQTT loop on both
+bindings (tests/hostile/targets.py), asserting only designated outcomes, a wall-time
 bound per input (targets.TIME_BOUND_S) and a memory bound (tracemalloc per input for the pure
 parsers; the process's peak RSS for the targets on a real node).
 
@@ -50,6 +53,12 @@ def test_presence(data):
 @given(S.hostile(S.meta_text()))
 def test_meta(data):
     T.bounded("meta", T.meta, data)
+
+
+@fuzz(400)
+@given(S.hostile(S.number_text().map(lambda t: t.encode("utf-8", "surrogatepass"))))
+def test_number(data):
+    T.bounded("number", T.number, data)
 
 
 @fuzz(250)
@@ -133,3 +142,22 @@ def test_records_on_a_node(fuzz_node, data):
 @given(data=S.hostile(S.body_bytes()))
 def test_mailbox_import(fuzz_node, data):
     T.bounded("mailbox", fuzz_node.mailbox, data, memory=False)
+
+
+@fuzz(150)
+@given(data=S.hostile(S.session_meta_bytes()))
+def test_serial_session_meta(fuzz_node, data):
+    T.bounded("session_meta", fuzz_node.session_meta, data, memory=False)
+
+
+@pytest.fixture(scope="module")
+def fuzz_runner():
+    r = T.FuzzRunner()
+    yield r
+    r.close()
+
+
+@fuzz(250)
+@given(data=S.hostile(S.mqtt_message()))
+def test_mqtt_message_on_both_bindings(fuzz_runner, data):
+    T.bounded("mqtt", fuzz_runner.message, data, memory=False)

@@ -2,7 +2,7 @@
 property or in the frame meta: a rogue client publishes it (anonymous, under a member's name on
 the default binding; as a member on the secure binding), including a retained presence that the
 broker hands to every node at every start. `run` and `sync --once`, real processes on a real
-mosquitto, neither exit nor die: the value is not a number (docs/mqtt.md "Numbers in properties")
+mosquitto, neither exit nor die: the value is not a number (docs/protocol.md §11 "Numbers from outside")
 and is ignored or refused, and honest traffic flows on."""
 from __future__ import annotations
 
@@ -111,7 +111,6 @@ def test_run_on_the_default_binding_survives_a_body_limit_int_refuses(broker, tm
     proc = _spawn_run(b.home, broker)
     try:
         # the first answer also says `run` subscribed: published before that, a request could be lost
-        corr = None
         m = None
         deadline = time.monotonic() + CEILING_S
         while m is None and proc.poll() is None and time.monotonic() < deadline:

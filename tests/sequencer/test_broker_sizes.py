@@ -268,7 +268,7 @@ def test_a_broker_refusing_the_probe_turns_the_watch_off_once(tmp_path):
     write_password_file(tmp_path / "passwd", {"seq": "s", "alice": "a"})
     acl = ["user seq"] + [f"topic readwrite sovm-seq/+/{k}" for k in
                           ("submit", "register", "receipt", "evidence", "accepted", "lost", "discontinuity/+")]
-    (tmp_path / "acl").write_text("\n".join(acl + ["topic readwrite members/#", "user alice", "topic readwrite #"]) + "\n")
+    (tmp_path / "acl").write_text("\n".join(acl + ["topic write sovm-member/+/answers", "user alice", "topic readwrite #"]) + "\n")
     port = free_port()
     br = Broker(port=port, workdir=tmp_path / "broker", listener_conf=(
         f"listener {port} 127.0.0.1\nallow_anonymous false\npassword_file {tmp_path / 'passwd'}\n"

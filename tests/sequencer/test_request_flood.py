@@ -38,9 +38,9 @@ def _flood(port: int, topics, qos: int, within: float = 120) -> int:
     c.on_message = lambda _c, _u, message: got.append(1)
     c.connect("127.0.0.1", port)
     c.loop_start()
-    c.subscribe("mallory/answers", 1)
+    c.subscribe("sovm-member/mallory/answers", 1)
     p = Properties(PacketTypes.PUBLISH)
-    p.ResponseTopic = "mallory/answers"
+    p.ResponseTopic = "sovm-member/mallory/answers"
     n = 0
     try:
         time.sleep(0.3)

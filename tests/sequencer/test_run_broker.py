@@ -30,7 +30,7 @@ class Member:
     def __init__(self, url_port: int, name: str, credentials: tuple[str, str] | None = None) -> None:
         self.answers: "queue.Queue" = queue.Queue()
         self.published: "queue.Queue" = queue.Queue()
-        self.reply_to = f"members/{name}/{uuid.uuid4().hex}"
+        self.reply_to = f"sovm-member/{name}-{uuid.uuid4().hex[:12]}/answers"
         self.c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"{name}-{uuid.uuid4().hex[:8]}",
                              protocol=paho.MQTTv5)
         self.c.on_message = self._msg

@@ -1,7 +1,7 @@
 """A session frame's meta naming the policy gap `app.readings@².0` (`²` U+00B2: `str.isdigit()`
 accepts it, `int()` refuses it) over a real serial line (a socat pty pair): the receiving
 `run --secure-binding`, a real process, keeps running and takes the sender's events; the gap
-entry is not a floor (docs/protocol.md "Numbers from outside")."""
+entry is not a floor (docs/protocol.md §11 "Numbers from outside")."""
 from __future__ import annotations
 
 import shutil
