@@ -561,8 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     if verb == "run":
         # SIGTERM at any point from here on stops `run` cleanly (exit 0, its summary), even while
         # it opens its home or connects: the handler first, before the parser's imports
-        from .cli_mqtt import catch_stop
-        catch_stop()
+        from . import stopsignal
+        stopsignal.catch()
     parser = build_parser(set() if verb in CORE_VERBS else {VERB_MODULES[verb]} if verb in VERB_MODULES else None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, stream=sys.stderr,
@@ -588,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         fwd = getattr(args, "forward_argv", None)
         try:
             # reading those files can fail like the verb itself (exit 2 or 1, one line)
+            # (None from it: this one is not forwarded whole; the verb talks to the agent itself)
             forwarded = fwd(args) if fwd is not None else sys.argv[1:] if argv is None else list(argv)
         except (Refused, Fault) as e:
             print(f"ssp-agent: {e}", file=sys.stderr)

@@ -70,6 +70,11 @@ def test_runbook_verbs_work_on_a_live_gateway(broker, tmp_path):
         out = json.loads(ok(run_cli("--home", hg, "record", "issue-vouch", "--subject", new_site, "--public-key",
                                     new_pk.hex(), "--authority-key", "auth", "--out", "vouch.cose", cwd=tmp_path)))
         assert (tmp_path / "vouch.cose").stat().st_size > 0, out
+        # a record file handed to the live node: verified and stored by it (known already here)
+        out = json.loads(ok(run_cli("--home", hg, "record", "import", "vouch.cose", cwd=tmp_path)))
+        assert out["known"] == 1, out
+        q = run_cli("--home", hg, "record", "import", "00ff")
+        assert q.returncode == 2 and "not a vouch" in q.stderr, (q.returncode, q.stderr)
         recs = [json.loads(line) for line in ok(run_cli("--home", hg, "record", "list")).splitlines()]
         assert any(r["kind"] == "vouch" and r["subject"] == new_site and r["head"] for r in recs), recs
         # small meshes without an authority: peer add
