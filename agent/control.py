@@ -219,6 +219,13 @@ class ControlServer:
             conn.close()
             self._slots.release()
 
+    def _not_run(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            conn.settimeout(2.0)
+            _read_all(conn, MAX_REQUEST)   # read first: unread data would reset the reply
+            self._reply(conn, _Request([]).result, True)
+        conn.close()
+
     @staticmethod
     def _reply(conn: socket.socket, result: tuple[int, str, str], not_run: bool = False) -> None:
         rc, out, err = result
@@ -247,10 +254,18 @@ class ControlServer:
 
     def close(self) -> None:
         self._closed.set()
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        # No new client finds the socket once its name is gone; those already in the listen
+        # backlog are answered "not run" (closing the socket would reset them, and their verb
+        # would fail where it can simply take its turn after this agent)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
+        with contextlib.suppress(OSError):
+            self.sock.setblocking(False)
+            while True:
+                conn, _ = self.sock.accept()
+                self._not_run(conn)
+        with contextlib.suppress(OSError):
+            self.sock.close()
         while True:  # whoever still waits is told the agent stopped without running theirs
             try:
                 r = self.requests.get_nowait()
