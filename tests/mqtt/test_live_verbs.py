@@ -86,6 +86,11 @@ def test_runbook_verbs_work_on_a_live_gateway(broker, tmp_path):
         ok(run_cli("--home", hg, "evict", "--auto", "--clock-trusted"))
         st = json.loads(ok(run_cli("--home", hg, "rehydrate", "--status")))
         assert st["site_id"] == gw_site
+        # the health verbs read the store read-only beside the service
+        q = run_cli("--home", hg, "check", "--json", "--broker", broker.url)
+        assert q.returncode in (0, 3) and "in use" not in q.stdout + q.stderr, (q.returncode, q.stdout, q.stderr)
+        ok(run_cli("--home", hg, "metrics", "--out", tmp_path / "gw.prom"))
+        assert "ssp_" in (tmp_path / "gw.prom").read_text()
         # the service syncs this home already: `sync --once` is refused with what to do
         q = run_cli("--home", hg, "sync", "--once", "--broker", broker.url, "--timeout", "5")
         assert q.returncode == 2 and "run" in q.stderr and f"pid {p.pid}" in q.stderr, (q.returncode, q.stderr)
@@ -105,3 +110,37 @@ def test_runbook_verbs_work_on_a_live_gateway(broker, tmp_path):
     # stopped: the same verbs open the home themselves and see what the service did
     recs = [json.loads(line) for line in ok(run_cli("--home", hg, "record", "list")).splitlines()]
     assert any(r["kind"] == "vouch" and r["subject"] == new_site for r in recs)
+
+
+def test_rehydrate_from_the_gateway_on_a_live_device(broker, tmp_path):
+    """Replacement runbook §4 on a device whose service runs (a fleet device enrolled with its
+    unit enabled): `rehydrate --from GW` is forwarded to it and the history arrives while it runs."""
+    from .helpers import T
+    gw, dev = make_nodes(tmp_path, 2)
+    hg, hd, gw_site = gw.home, dev.home, gw.site_id.hex()
+    for i in range(5):
+        gw.write(T, {"device": "g", "seq": i}, {"temp": float(i)})
+    gw.close(); dev.close()
+    pg, pd = start_run(hg, broker), start_run(hd, broker)
+    try:
+        wait_serving(hg, pg)
+        wait_serving(hd, pd)
+        st = json.loads(ok(run_cli("--home", hd, "rehydrate", "--from", gw_site)))
+        assert st["from"] == gw_site
+        deadline = time.monotonic() + 120
+        rows = []
+        while time.monotonic() < deadline:
+            rows = [r for r in json.loads(ok(run_cli("--home", hd, "dump")))[T] if r["key"]["device"] == "g"]
+            if len(rows) == 5:
+                break
+            time.sleep(0.2)
+        assert len(rows) == 5
+        st = json.loads(ok(run_cli("--home", hd, "rehydrate", "--status")))
+        assert st["rehydrating"]["from"] == gw_site and st["rehydrating"]["generation"] == 0
+        stop_run(pd)
+        stop_run(pg)
+    finally:
+        for p in (pg, pd):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
