@@ -98,6 +98,11 @@ def test_runbook_verbs_work_on_a_live_gateway(broker, tmp_path):
         q = run_cli("--home", hg, "mailbox", "export", "--peer", dev_site, "--out", tmp_path / "body.ssp")
         assert q.returncode == 2 and "stop" in q.stderr and f"pid {p.pid}" in q.stderr, (q.returncode, q.stderr)
         assert not (tmp_path / "body.ssp").exists()
+        for argv in (["policy", "list"], ["identity", "rebind", "--confirm-original-destroyed"],
+                     ["keystore", "rotate-data-key"], ["table", "add-column", "app.readings", "--column", "x",
+                                                       "--type", "text"]):
+            q = run_cli("--home", hg, *argv)
+            assert q.returncode == 2 and "stop the service" in q.stderr, (argv, q.returncode, q.stderr)
         # a second `run` on the same home: refused, the first one keeps it
         q = run_cli("--home", hg, "run", "--broker", broker.url)
         assert q.returncode == 2 and f"pid {p.pid}" in q.stderr, (q.returncode, q.stderr)
