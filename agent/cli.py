@@ -86,7 +86,7 @@ class _Lent:
         setattr(self._node, name, value)   # e.g. `authority add` sets node.authorities: the agent's
 
 
-def _open(args, read_only: bool = False):
+def _open(args, read_only: bool = False, check_machine: bool = True):
     """The verb's node: the running agent's when it serves the verb, a read view, or the home
     opened for writing once no other process holds it (agent/hometurn.py: a one-shot holder is
     waited for, a running service raises HeldByService, which `main` forwards to or refuses)."""
@@ -102,7 +102,7 @@ def _open(args, read_only: bool = False):
     except ValueError as e:
         raise Refused(str(e)) from None
     try:
-        return hometurn.open_in_turn(home, lambda: Node.open(home), wait_s=wait_s,
+        return hometurn.open_in_turn(home, lambda: Node.open(home, check_machine=check_machine), wait_s=wait_s,
                                      should_stop=getattr(args, "should_stop", None),
                                      say=lambda m: print(f"ssp-agent: {m}", file=sys.stderr, flush=True))
     except hometurn.StillHeld as e:
@@ -332,8 +332,7 @@ def cmd_rebind(args) -> int:
     if not args.confirm_original_destroyed:
         raise Refused("rebind moves this identity to this machine; pass --confirm-original-destroyed only if the "
                       "device that created it can never run again (otherwise initialise a new node)")
-    from .node import Node
-    node = Node.open(Path(args.home), check_machine=False)
+    node = _open(args, check_machine=False)
     try:
         node.rebind_machine()
     finally:
@@ -561,8 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     if verb == "run":
         # SIGTERM at any point from here on stops `run` cleanly (exit 0, its summary), even while
         # it opens its home or connects: the handler first, before the parser's imports
-        from .cli_mqtt import catch_stop
-        catch_stop()
+        from . import stopsignal
+        stopsignal.catch()
     parser = build_parser(set() if verb in CORE_VERBS else {VERB_MODULES[verb]} if verb in VERB_MODULES else None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR, stream=sys.stderr,
@@ -588,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         fwd = getattr(args, "forward_argv", None)
         try:
             # reading those files can fail like the verb itself (exit 2 or 1, one line)
+            # (None from it: this one is not forwarded whole; the verb talks to the agent itself)
             forwarded = fwd(args) if fwd is not None else sys.argv[1:] if argv is None else list(argv)
         except (Refused, Fault) as e:
             print(f"ssp-agent: {e}", file=sys.stderr)

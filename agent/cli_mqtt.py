@@ -10,29 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 
+from . import stopsignal
 from .cliargs import interval_arg, positive_int_arg, seconds_arg
-
-
-# `run`'s stop request (SIGTERM, SIGINT): set by the handler `main` installs first thing, read by
-# every stage of the start-up (waiting for the home, connecting) and by the loop, which `wake`
-# leaves at once
-_STOP: dict = {"v": False, "wake": None}
-
-
-def catch_stop() -> None:
-    def _stop(*_a):
-        _STOP["v"] = True
-        if _STOP["wake"] is not None:
-            _STOP["wake"]()   # the loop sleeps until its next deadline: leave now, not then
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-
-
-def stopping() -> bool:
-    return _STOP["v"]
 
 
 def _add_common(s) -> None:
@@ -211,8 +192,8 @@ def open_runner(args, node, once: bool):
         r = Runner(node, settings, cfg)
     except TransportError as e:
         raise Fault(str(e)) from None
-    if not r.start(args.connect_timeout, should_stop=None if once else stopping):
-        if not once and stopping():
+    if not r.start(args.connect_timeout, should_stop=None if once else stopsignal.requested):
+        if not once and stopsignal.requested():
             return r   # stopped while connecting: the loop ends at once, with its summary
         err = r.link.last_error or f"no answer from {args.broker} within {args.connect_timeout}s"
         # `run` on a device that booted before its gateway keeps trying (the link's backoff) and
@@ -232,18 +213,18 @@ def run_runtime(args, node, runner=None, ports=()) -> int:
     SIGTERM/SIGINT; prints the summary."""
     from .cli import EXIT_OK, emit, run_forwarded
     from .runtime import Runtime
-    catch_stop()   # installed by `main` already; again for a caller that dispatches `run` itself
+    stopsignal.catch()   # installed by `main` already; again for a caller that dispatches `run` itself
     interval = float(getattr(node.profile, "eviction_interval_s", 0) or 0) or None
     rt = Runtime(node, runner=runner, ports=ports, broker_url=args.broker if runner is not None else None,
                  forward=run_forwarded, eviction_interval_s=interval, metrics_file=args.metrics_file,
                  metrics_interval_s=args.metrics_interval)
-    _STOP["wake"] = rt.wake
+    stopsignal.on_stop(rt.wake)
     try:
         for p in ports:
             print(f"ssp-agent: syncing over {p.port} at {p.baud} baud", file=sys.stderr)
-        emit(rt.run(stopping))
+        emit(rt.run(stopsignal.requested))
     finally:
-        _STOP["wake"] = None
+        stopsignal.on_stop(None)
     return EXIT_OK
 
 
@@ -254,7 +235,7 @@ def cmd_sync(args) -> int:
 def cmd_run(args) -> int:
     from .cli import EXIT_OK, emit
     from .hometurn import Stopped
-    args.should_stop = stopping   # waiting for the home ends on SIGTERM too
+    args.should_stop = stopsignal.requested   # waiting for the home ends on SIGTERM too
     try:
         return _go(args, False)
     except Stopped as e:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from .cli import EXIT_OK, Fault, Refused, _open, emit
+from .hometurn import HeldByService
 from .core.ids import IdFormatError, parse_hlc, parse_public_key, parse_site_id
 
 
@@ -117,9 +118,18 @@ def cmd_record_issue(args) -> int:
         raise Refused(str(e)) from None
     authority = _load_authority(args.authority_key) if getattr(args, "authority_key", None) else None
     try:
-        node = _open(args)
         try:
-            raw, info = issue_record(node, kind, subject, value, authority=authority)
+            node, store = _open(args), None
+        except HeldByService:
+            if authority is None:
+                raise      # forwarded whole (`_record_argv`): not reached unless the service went away
+            # A running service holds the home: sign here, where the authority directory is at hand
+            # (the service may not reach it: a sandboxed unit), reading the chains from a read view
+            # (SQLite WAL: a reader beside the writer), and hand the records to the service, which
+            # verifies and stores them as any it receives (`record import`, one writer).
+            node, store = _open(args, read_only=True), lambda raws: _import_live(args, raws)
+        try:
+            raw, info = issue_record(node, kind, subject, value, authority=authority, store=store)
             if args.out:
                 Path(args.out).write_bytes(raw)
             emit(info)
@@ -131,9 +141,69 @@ def cmd_record_issue(args) -> int:
     return EXIT_OK
 
 
-def _record_argv(args) -> list[str]:
-    """`record issue-*` forwarded to a running agent: its paths (the authority directory, --out)
-    made absolute, since the agent's working directory is not the operator's."""
+def _import_live(args, raws: list[bytes]) -> dict:
+    from . import control
+    res = control.forward(Path(args.home), ["--home", str(Path(args.home).resolve()), "record", "import",
+                                            *[r.hex() for r in raws]])
+    if res is None:
+        raise Fault("the running service stopped while the record was being issued; the authority released it: "
+                    "run the same command again (it stores the released record first)")
+    rc, out, err = res
+    if rc != 0:
+        raise (Refused if rc == 2 else Fault)(err.strip().removeprefix("ssp-agent: "))
+    return json.loads(out)
+
+
+RECORD_FILE_LIMIT = 64 * 1024   # one control record: a few hundred bytes
+
+
+def _record_bytes(text: str) -> bytes:
+    """A record given as a file (raw bytes, as `issue-* --out` writes it) or as hex."""
+    from .cli import read_input
+    p = Path(text)
+    try:
+        is_file = p.is_file()
+    except OSError:          # hex longer than a file name may be: not a file
+        is_file = False
+    if is_file:
+        return read_input(p, RECORD_FILE_LIMIT, "record file")
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise Refused(f"{text[:80]!r} is neither a record file nor hex") from None
+
+
+def _records_of(args) -> list[bytes]:
+    from .core.cose import content_type
+    from .core.records import KINDS
+    raws = [_record_bytes(t) for t in args.record]
+    for t, raw in zip(args.record, raws):
+        if content_type(raw) not in KINDS:
+            raise Refused(f"{t[:80]} is not a vouch, retire or role record (SSP/1 §5); nothing was stored")
+    return raws
+
+
+def _import_argv(args) -> list[str]:
+    """`record import` forwarded to a running agent: the records as hex (files read here)."""
+    return ["--home", str(Path(args.home).resolve()), "record", "import", *[r.hex() for r in _records_of(args)]]
+
+
+def cmd_record_import(args) -> int:
+    """Verify and store control records as received ones are (a bad one is dropped and surfaced)."""
+    from .node import now_ms
+    from .sync import SyncDriver
+    raws = _records_of(args)
+    with _open(args) as node:
+        emit(SyncDriver(node).apply_records(raws, now_ms()))
+    return EXIT_OK
+
+
+def _record_argv(args) -> list[str] | None:
+    """`record issue-*` forwarded to a running agent, --out made absolute (the agent's working
+    directory is not the operator's). With --authority-key, not forwarded (None): the record is
+    signed here and handed to the agent (`cmd_record_issue`)."""
+    if args.authority_key:
+        return None
     out = ["--home", str(Path(args.home).resolve()), "record", args.record_verb, f"--subject={args.subject}"]
     if args.record_verb == "issue-vouch":
         out.append(f"--public-key={args.public_key}")
@@ -142,8 +212,7 @@ def _record_argv(args) -> list[str]:
         out += [f"--successor={args.successor}"] if args.successor else []
     else:
         out.append(f"--role={args.role}")
-    out += [f"--out={Path(args.out).resolve()}"] if args.out else []
-    return out + ([f"--authority-key={Path(args.authority_key).resolve()}"] if args.authority_key else [])
+    return out + ([f"--out={Path(args.out).resolve()}"] if args.out else [])
 
 
 def _load_authority(path: str):
@@ -314,6 +383,10 @@ def register(sub, mailbox_sub) -> None:
     a.add_argument("--out")
     a.add_argument("--authority-key", help="sign as a standalone authority: the directory made by `authority create`")
     a.set_defaults(fn=cmd_record_issue, forward_argv=_record_argv)
+    a = rs.add_parser("import", help="verify and store control records (files `issue-* --out` wrote, or hex), "
+                                     "as if received")
+    a.add_argument("record", nargs="+", help="a record: file (raw) or hex")
+    a.set_defaults(fn=cmd_record_import, forward_argv=_import_argv)
     a = rs.add_parser("list", help="print the control records this node holds")
     a.set_defaults(fn=cmd_record_list)
 

@@ -11,6 +11,8 @@ the same bridge (persist before release) and the one apply path as any other loc
 - **Protocol**: the client sends one JSON line `{"argv": [...]}` (the command line after the
   program name) and reads one JSON line `{"exit": n, "stdout": "...", "stderr": "..."}`; the
   server closes the connection. Exit statuses are the CLI's (0 done, 1 fault, 2 refused).
+  `"not_run": true` in the answer: the agent stopped before its loop took the request, which
+  therefore never ran; the client then waits for the home like any other command.
 - **Staleness**: a socket file nobody listens on (an agent killed with SIGKILL) is ignored by the
   client (the verb opens the home itself) and replaced by the next `run`, which holds the home's
   journal lock before it binds, so it can never take over a live agent's socket.
@@ -24,6 +26,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -113,6 +116,8 @@ def forward(home: Path, argv: list[str], timeout: float = CLIENT_TIMEOUT_S) -> t
         s.close()
     try:
         r = json.loads(data)
+        if r.get("not_run") is True:
+            return None   # it stopped before running this (never started): the caller takes its turn
         return int(r["exit"]), str(r.get("stdout", "")), str(r.get("stderr", ""))
     except (ValueError, KeyError, TypeError):
         return 1, "", f"ssp-agent: the agent running on {home} closed its control socket without an answer " \
@@ -138,6 +143,9 @@ class _Request:
         self.done = threading.Event()
         self.result: tuple[int, str, str] = (1, "", "ssp-agent: the running agent stopped before it ran this; "
                                                     "try again\n")
+        # set when the agent stops with this request never taken by its loop: the client is told
+        # so, and waits for the home instead of failing (a service restarting around a write)
+        self.not_run = False
 
 
 class ControlServer:
@@ -194,22 +202,37 @@ class ControlServer:
                 return
             r = _Request(argv)
             if self._closed.is_set():
-                self._reply(conn, r.result)
+                r.not_run = True
+                self._reply(conn, r.result, r.not_run)
                 return
             self.requests.put(r)
             self.wake()
-            r.done.wait(CLIENT_TIMEOUT_S)
-            self._reply(conn, r.result)
+            deadline = time.monotonic() + CLIENT_TIMEOUT_S
+            while not r.done.wait(0.5) and time.monotonic() < deadline:
+                if self._closed.is_set():
+                    # closed by the loop thread once its loop ended: a request queued after close()
+                    # took the waiting ones is never taken either
+                    r.not_run = True
+                    break
+            self._reply(conn, r.result, r.not_run)
         finally:
             conn.close()
             self._slots.release()
 
+    def _not_run(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            conn.settimeout(2.0)
+            _read_all(conn, MAX_REQUEST)   # read first: unread data would reset the reply
+            self._reply(conn, _Request([]).result, True)
+        conn.close()
+
     @staticmethod
-    def _reply(conn: socket.socket, result: tuple[int, str, str]) -> None:
+    def _reply(conn: socket.socket, result: tuple[int, str, str], not_run: bool = False) -> None:
         rc, out, err = result
         with contextlib.suppress(OSError):
             conn.settimeout(CLIENT_TIMEOUT_S)
-            conn.sendall(json.dumps({"exit": rc, "stdout": out, "stderr": err}).encode() + b"\n")
+            conn.sendall(json.dumps({"exit": rc, "stdout": out, "stderr": err,
+                                     **({"not_run": True} if not_run else {})}).encode() + b"\n")
 
     # the loop thread
     def serve(self, max_items: int = 64) -> int:
@@ -231,13 +254,23 @@ class ControlServer:
 
     def close(self) -> None:
         self._closed.set()
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        # No new client finds the socket once its name is gone; those already in the listen
+        # backlog are answered "not run" (closing the socket would reset them, and their verb
+        # would fail where it can simply take its turn after this agent)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        while True:  # whoever still waits is told the agent stopped (their default result)
+        with contextlib.suppress(OSError):
+            self.sock.setblocking(False)
+            while True:
+                conn, _ = self.sock.accept()
+                self._not_run(conn)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        while True:  # whoever still waits is told the agent stopped without running theirs
             try:
-                self.requests.get_nowait().done.set()
+                r = self.requests.get_nowait()
             except queue.Empty:
                 break
+            r.not_run = True
+            r.done.set()
         self._thread.join(timeout=2)

@@ -787,7 +787,7 @@ _txn = db.transaction  # one transaction helper for every writer (agent/store/db
 
 
 def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = None,
-                 authority=None) -> tuple[bytes, dict]:
+                 authority=None, store=None) -> tuple[bytes, dict]:
     """Issue a control record, signed through a keystore bridge under a fresh identity
     (persist-before-release: a crash never makes an issuer sign two different records it could
     both have released). The issuer is this node (it must be a mesh authority; signed with its
@@ -796,7 +796,8 @@ def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = 
     released and this node does not hold (a crash after release, or issued through another node)
     are stored first, so the chain continues from them instead of forking. The record extends the
     subject's chain from the head this node holds, is stored, and goes to every peer (in the next
-    bodies to it, until it answers one: docs/protocol.md §5)."""
+    bodies to it, until it answers one: docs/protocol.md §5). `store(raws)`: how records are
+    verified and stored (default: here; a node read beside its running service hands them to it)."""
     from .core import records as rec
     from .core.cose import assemble
     from .node import NodeError
@@ -816,19 +817,21 @@ def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = 
         raise NodeError(f"authority {issuer.hex()} is retired: its vouch and role records count nowhere "
                         "(docs/protocol.md §5 Trust); issue from a current authority")
     now = now_ms() if now is None else now
-    drv = SyncDriver(node)
+    if store is None:
+        drv = SyncDriver(node)
+        store = lambda raws: drv.apply_records(raws, now)   # noqa: E731
     if authority is not None:
         earlier = [raw for raw in authority.released() if not st.has_record(node.conn, delivery_hash(raw))]
         if earlier:
             log.warning("storing %d record(s) the authority released before but this node does not hold", len(earlier))
-            drv.apply_records(earlier, now)
+            store(earlier)
     gen, prev = _chain_position(node, kind, subject)
     protected, payload, tbs = rec.to_be_signed(kind, issuer, node.mesh_id, subject, value, gen, prev)
     if authority is not None:
         raw = authority.sign(tbs, lambda sig: assemble(protected, payload, sig), now)
     else:
         raw = node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now)
-    res = drv.apply_records([raw], now)
+    res = store([raw])
     if res["stored"] != 1 and res["known"] != 1:
         hint = " (is the authority's public key in this node's keyring?)" if authority is not None else ""
         raise NodeError(f"the issued record did not verify here{hint}: {res}")

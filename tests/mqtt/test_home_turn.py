@@ -229,3 +229,82 @@ def test_sigterm_at_any_point_of_the_start_up(broker, tmp_path, delay):
         _kill(r)
     assert not (home / "control.sock").exists()
     assert os.path.exists(home / "store.sqlite")
+
+
+# A `run` whose loop takes no control request (they queue) and says when one waits.
+RUN_NEVER_SERVES = """
+import os
+import agent.control as _c
+def _serve(self, max_items=64):
+    if not self.requests.empty():
+        open(os.environ["T_QUEUED"], "w").close()
+    return 0
+_c.ControlServer.serve = _serve
+"""
+
+
+def test_a_write_the_stopping_service_never_ran_takes_its_turn_after_it(broker, tmp_path):
+    """`run` restarting around a CLI write: a request still queued when the service stops was never
+    run (the service says so), so the write waits for the home and runs, instead of failing."""
+    home = _one_home(tmp_path)
+    queued = tmp_path / "queued"
+    r = _holder({"T_QUEUED": str(queued)}, RUN_NEVER_SERVES, "--home", home, "run", "--broker", broker.url,
+                "--cadence", "0.3")
+    w = None
+    try:
+        deadline = time.monotonic() + CEILING_S
+        while not (home / "control.sock").exists():
+            assert r.poll() is None and time.monotonic() < deadline, r.communicate()
+            time.sleep(0.05)
+        w = subprocess.Popen([*agent_cmd(), "--home", str(home), "write", T, "--key", '{"device": "w", "seq": 4}',
+                              "--set", '{"temp": 4.5}'], env=agent_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        _wait_file(queued, r)           # the write waits in the service's queue
+        r.send_signal(signal.SIGTERM)
+        assert _summary(r)["pushed"] == 0
+        out, err = w.communicate(timeout=CEILING_S)
+        assert w.returncode == 0, err
+    finally:
+        _kill(w, r)
+    log = [json.loads(x) for x in run_cli("--home", home, "log").stdout.splitlines()]
+    assert [e["event_id"] for e in log] == [out.strip()]
+
+
+def test_cli_writes_while_run_restarts_around_them(broker, tmp_path):
+    """A sensor script writing while the service is restarted again and again: every write exits 0
+    and is in the log (forwarded, or waiting its turn and run by itself), none lost, none doubled."""
+    import threading
+    home = _one_home(tmp_path)
+    restarts, done, errors = 4, threading.Event(), []
+
+    def restarter():
+        try:
+            for _ in range(restarts):
+                p = subprocess.Popen([*agent_cmd(), "--home", str(home), "run", "--broker", broker.url,
+                                      "--cadence", "0.3"], env=agent_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+                try:
+                    wait_serving(home, p)
+                    stop_run(p)
+                finally:
+                    _kill(p)
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            errors.append(e)
+        finally:
+            done.set()
+
+    t = threading.Thread(target=restarter)
+    t.start()
+    written, failed, i = [], [], 0
+    try:
+        while not done.is_set() or i < 12:
+            q = run_cli("--home", home, "write", T, "--key", json.dumps({"device": "s", "seq": i}),
+                        "--set", json.dumps({"temp": float(i)}))
+            (written if q.returncode == 0 else failed).append(q.stdout.strip() if q.returncode == 0 else q.stderr)
+            i += 1
+    finally:
+        t.join()
+    assert not errors, errors
+    assert failed == [], failed
+    log = [json.loads(x) for x in run_cli("--home", home, "log").stdout.splitlines()]
+    assert sorted(e["event_id"] for e in log) == sorted(written) and len(written) == i

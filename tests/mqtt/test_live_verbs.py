@@ -70,6 +70,11 @@ def test_runbook_verbs_work_on_a_live_gateway(broker, tmp_path):
         out = json.loads(ok(run_cli("--home", hg, "record", "issue-vouch", "--subject", new_site, "--public-key",
                                     new_pk.hex(), "--authority-key", "auth", "--out", "vouch.cose", cwd=tmp_path)))
         assert (tmp_path / "vouch.cose").stat().st_size > 0, out
+        # a record file handed to the live node: verified and stored by it (known already here)
+        out = json.loads(ok(run_cli("--home", hg, "record", "import", "vouch.cose", cwd=tmp_path)))
+        assert out["known"] == 1, out
+        q = run_cli("--home", hg, "record", "import", "00ff")
+        assert q.returncode == 2 and "not a vouch" in q.stderr, (q.returncode, q.stderr)
         recs = [json.loads(line) for line in ok(run_cli("--home", hg, "record", "list")).splitlines()]
         assert any(r["kind"] == "vouch" and r["subject"] == new_site and r["head"] for r in recs), recs
         # small meshes without an authority: peer add
@@ -81,6 +86,11 @@ def test_runbook_verbs_work_on_a_live_gateway(broker, tmp_path):
         ok(run_cli("--home", hg, "evict", "--auto", "--clock-trusted"))
         st = json.loads(ok(run_cli("--home", hg, "rehydrate", "--status")))
         assert st["site_id"] == gw_site
+        # the health verbs read the store read-only beside the service
+        q = run_cli("--home", hg, "check", "--json", "--broker", broker.url)
+        assert q.returncode in (0, 3) and "in use" not in q.stdout + q.stderr, (q.returncode, q.stdout, q.stderr)
+        ok(run_cli("--home", hg, "metrics", "--out", tmp_path / "gw.prom"))
+        assert "ssp_" in (tmp_path / "gw.prom").read_text()
         # the service syncs this home already: `sync --once` is refused with what to do
         q = run_cli("--home", hg, "sync", "--once", "--broker", broker.url, "--timeout", "5")
         assert q.returncode == 2 and "run" in q.stderr and f"pid {p.pid}" in q.stderr, (q.returncode, q.stderr)
@@ -88,6 +98,11 @@ def test_runbook_verbs_work_on_a_live_gateway(broker, tmp_path):
         q = run_cli("--home", hg, "mailbox", "export", "--peer", dev_site, "--out", tmp_path / "body.ssp")
         assert q.returncode == 2 and "stop" in q.stderr and f"pid {p.pid}" in q.stderr, (q.returncode, q.stderr)
         assert not (tmp_path / "body.ssp").exists()
+        for argv in (["policy", "list"], ["identity", "rebind", "--confirm-original-destroyed"],
+                     ["keystore", "rotate-data-key"], ["table", "add-column", "app.readings", "--column", "x",
+                                                       "--type", "text"]):
+            q = run_cli("--home", hg, *argv)
+            assert q.returncode == 2 and "stop the service" in q.stderr, (argv, q.returncode, q.stderr)
         # a second `run` on the same home: refused, the first one keeps it
         q = run_cli("--home", hg, "run", "--broker", broker.url)
         assert q.returncode == 2 and f"pid {p.pid}" in q.stderr, (q.returncode, q.stderr)
@@ -100,3 +115,37 @@ def test_runbook_verbs_work_on_a_live_gateway(broker, tmp_path):
     # stopped: the same verbs open the home themselves and see what the service did
     recs = [json.loads(line) for line in ok(run_cli("--home", hg, "record", "list")).splitlines()]
     assert any(r["kind"] == "vouch" and r["subject"] == new_site for r in recs)
+
+
+def test_rehydrate_from_the_gateway_on_a_live_device(broker, tmp_path):
+    """Replacement runbook §4 on a device whose service runs (a fleet device enrolled with its
+    unit enabled): `rehydrate --from GW` is forwarded to it and the history arrives while it runs."""
+    from .helpers import T
+    gw, dev = make_nodes(tmp_path, 2)
+    hg, hd, gw_site = gw.home, dev.home, gw.site_id.hex()
+    for i in range(5):
+        gw.write(T, {"device": "g", "seq": i}, {"temp": float(i)})
+    gw.close(); dev.close()
+    pg, pd = start_run(hg, broker), start_run(hd, broker)
+    try:
+        wait_serving(hg, pg)
+        wait_serving(hd, pd)
+        st = json.loads(ok(run_cli("--home", hd, "rehydrate", "--from", gw_site)))
+        assert st["from"] == gw_site
+        deadline = time.monotonic() + 120
+        rows = []
+        while time.monotonic() < deadline:
+            rows = [r for r in json.loads(ok(run_cli("--home", hd, "dump")))[T] if r["key"]["device"] == "g"]
+            if len(rows) == 5:
+                break
+            time.sleep(0.2)
+        assert len(rows) == 5
+        st = json.loads(ok(run_cli("--home", hd, "rehydrate", "--status")))
+        assert st["rehydrating"]["from"] == gw_site and st["rehydrating"]["generation"] == 0
+        stop_run(pd)
+        stop_run(pg)
+    finally:
+        for p in (pg, pd):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
