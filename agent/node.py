@@ -601,10 +601,12 @@ class Node:
 
     # ------------------------------------------------------------------ the apply path (§12)
     def apply_batch(self, raws: Iterable[bytes], now: int | None = None, origin: str = "remote",
-                    built: list | None = None) -> list[Outcome]:
+                    built: list | None = None, path: str | None = None) -> list[Outcome]:
         """Apply events in one transaction; each event is atomic on its own (a savepoint:
         log insert, clocks, row and metering commit together or not at all). `built`: for
-        local events only (`write_many`), each event's `checked` as `_local_checked` made it."""
+        local events only (`write_many`), each event's `checked` as `_local_checked` made it.
+        `path`: the transport the events came by, the metrics' origin label (`origin` is the
+        log's tag, `peer:<site_id>` under the secure binding: never a label value)."""
         now = now_ms() if now is None else now
         try:
             with _txn(self.conn):
@@ -615,7 +617,7 @@ class Node:
                 if new:
                     self._applied += new
                     db.set_meta(self.conn, "applied_count", self._applied)
-                counters.bump_outcomes(self.conn, origin, (o.status for o in out))   # the metrics (issue 12 item 4)
+                counters.bump_outcomes(self.conn, path or origin, (o.status for o in out))   # the metrics
                 due = self._write_due_meta()
         finally:
             self._next_raws = None   # a hint for the batch after this one only (`prepare_next`)
