@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import sqlite3
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -1723,6 +1724,9 @@ class Node:
         return {"journal": path, "keystore": conf, "journal_state": journal_inspect(path)}
 
 
+CLOCK_WAIT_SAY_S = 5.0   # how often a wait for a synchronised clock says so
+
+
 def _require_trusted_clock(node, what: str, override: bool, wait_s: float, now: int | None = None,
                            strict: bool = False) -> dict:
     """Wait up to `wait_s` for a trustworthy clock. A clock the node has evidence against (behind
@@ -1735,10 +1739,18 @@ def _require_trusted_clock(node, what: str, override: bool, wait_s: float, now: 
     from . import clockstate
     strict = strict or wait_s > 0 or os.environ.get("SSP_AGENT_CLOCK_STRICT", "").strip().lower() in ("1", "true", "yes")
     deadline = time.monotonic() + max(0.0, wait_s)
+    say_at = time.monotonic()
     while True:
         st = clockstate.assess(node, now, trusted_override=override)
         if st["trusted"] or time.monotonic() >= deadline:
             break
+        if time.monotonic() >= say_at:
+            # A wait of up to `wait_s` (enrolment: 600 s) is never silent: the console and the
+            # journal say what it waits for.
+            say_at += CLOCK_WAIT_SAY_S
+            print(f"ssp-agent: {what} waits for a synchronised wall clock ({st['state']}: "
+                  f"{st['hint'].split(';')[0]}); {max(0.0, deadline - time.monotonic()):.0f} s left",
+                  file=sys.stderr, flush=True)
         time.sleep(1.0)
     if not st["trusted"] and not strict and st["state"] == "unsynced":
         log.warning("%s: the wall clock is not known to be synchronised (%s); proceeding", what, st["hint"])
