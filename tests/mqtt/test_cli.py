@@ -188,3 +188,17 @@ def test_sync_once_that_refuses_every_body_is_not_a_success(broker, tmp_path, ca
     out = json.loads(cap.out)
     assert out["applied"] == 1 and out["refused_bodies"] == 1
     assert "refused 1 of 2 bodies received: malformed_cbor" in cap.err, cap.err
+
+
+def test_mqtts_against_a_plain_port_hints_at_tls(broker, tmp_path, capsys):
+    """`mqtts://` to a listener that speaks plain MQTT: the broker drops the TLS handshake
+    ("Connection reset by peer"); the one line says the port may not be a TLS listener."""
+    from .test_broker_security import make_pki
+    pki = make_pki(tmp_path / "pki", [])
+    (a,) = make_nodes(tmp_path, 1)
+    a.close()
+    rc = main(["--home", str(a.home), "sync", "--broker", f"mqtts://127.0.0.1:{broker.port}", "--once",
+               "--ca-file", str(pki["ca"]), "--connect-timeout", "5"])
+    err = capsys.readouterr().err
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert "mqtts://" in err and "TLS listener" in err and f"mqtt://127.0.0.1:{broker.port}" in err, err
