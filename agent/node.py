@@ -990,9 +990,9 @@ class Node:
         if tbl.tdef.category != SYNCABLE:
             log.info("dropped %s: table %s is %s (outside the floor)", eid.hex(), table, tbl.tdef.category)
             return self._surface(Outcome(DROPPED, "out_of_floor", **base), now, kind="logged")
-        bad_key = tbl.tdef.key_fits(e.row_key)
+        bad_key = tbl.tdef.key_misfit(e.row_key)
         if bad_key:
-            return self._surface(Outcome(DROPPED, bad_key, **base), now)
+            return self._surface(Outcome(DROPPED, bad_key[0], **base), now, detail=bad_key[2])
         # §3: below the table's eviction horizon counts as applied and writes nothing.
         if below(e.hlc, tbl.horizon):
             return Outcome(APPLIED, "below_horizon", **base)
@@ -1168,7 +1168,7 @@ class Node:
             return Outcome(HELD, "already_held", **base)
         return self._surface(Outcome(HELD, "table_missing", **base), now, kind="held")
 
-    def _surface(self, o: Outcome, now: int, kind: str | None = None) -> Outcome:
+    def _surface(self, o: Outcome, now: int, kind: str | None = None, detail: dict | None = None) -> Outcome:
         """Record what the spec says to surface (or log) where `ssp-agent events` lists it.
         The store bounds the record (the newest `surfaced_limit` rows are kept, evictions counted:
         agent/store/db.py), in every process: a hostile peer cannot fill the disk."""
@@ -1176,7 +1176,7 @@ class Node:
         self.conn.execute(reports.SURFACE_EVENT,
                           (now, kind, o.reason, o.event_id, o.site_id if o.verified else None, o.table,
                            json.dumps({"status": o.status, "claimed_kid": None if o.verified or o.site_id is None
-                                       else o.site_id.hex()})))
+                                       else o.site_id.hex(), **(detail or {})})))
         if kind != "logged":
             log.warning("%s %s: %s", o.status, o.event_id.hex() if o.event_id else "-", o.reason)
         return o
@@ -1228,9 +1228,11 @@ class Node:
             if tbl.tdef.category != SYNCABLE:
                 # §1.1: a producer emitting out-of-floor data has a bug that silence would hide.
                 raise NodeError(f"{table} is {tbl.tdef.category}: it never leaves this node and takes no events")
-            bad = tbl.tdef.key_fits(key) if isinstance(key, dict) else "row_key_columns"
+            if not isinstance(key, dict):
+                raise NodeError(f"--key must be a JSON object of the key columns {list(tbl.tdef.key)} (row_key_columns)")
+            bad = tbl.tdef.key_misfit(key)
             if bad:
-                raise NodeError(f"--key must give exactly the key columns {list(tbl.tdef.key)} with fitting types ({bad})")
+                raise NodeError(f"--key: {bad[1]} ({bad[0]})")
             if not delete:
                 if not isinstance(values, dict):
                     raise NodeError("--set must be a JSON object of column values")
