@@ -39,7 +39,8 @@ def _add_common(s) -> None:
                         "credentials and ACLs that pin inbox topics to the device (docs/mqtt.md); then received "
                         "streams advance applied watermarks and peers' reports are used (also "
                         "SSP_MQTT_SECURE_BINDING=1)")
-    s.add_argument("--connect-timeout", type=seconds_arg, default=10.0)
+    s.add_argument("--connect-timeout", type=seconds_arg, default=10.0,
+                   help="seconds to wait for the broker to accept the connection (default 10)")
     s.add_argument("--metrics-file", metavar="PATH",
                    help="write metrics (Prometheus text format) here for node_exporter's textfile collector: "
                         "`run` every --metrics-interval seconds, `sync --once` after its cycle (replaced atomically)")

@@ -119,22 +119,24 @@ def register(sub, mailbox_sub) -> None:
 
     a = ps.add_parser("flash", help="write a bundle onto a Raspberry Pi OS image file (boot + root partitions)")
     a.add_argument("--image", required=True, help="the .img file (MBR: FAT boot partition, ext4 root)")
-    a.add_argument("--bundle", required=True)
+    a.add_argument("--bundle", required=True, help="the bundle directory made by `provision bundle`")
     a.add_argument("--hook", choices=["auto", "firstrun", "cloud-init"], default="auto",
                    help="first-boot hook: firstrun.sh on cmdline.txt (Bookworm) or cloud-init user-data "
                         "(Trixie-based); auto: cloud-init when the boot partition has user-data or meta-data")
     a.set_defaults(fn=cmd_flash, home_optional=True)
 
     a = ps.add_parser("device-setup", help="(on the device, run by firstboot.sh) /etc/ssp-agent and the enrolment unit")
-    a.add_argument("--bundle", required=True)
-    a.add_argument("--root", default="/")
-    a.add_argument("--boot", default="/boot/firmware")
+    a.add_argument("--bundle", required=True, help="the bundle directory (on the device: /opt/ssp-agent/bundle)")
+    a.add_argument("--root", default="/", help="the device's root filesystem (default /; another directory for "
+                                               "a mounted image)")
+    a.add_argument("--boot", default="/boot/firmware", help="the boot partition (default /boot/firmware)")
     a.set_defaults(fn=cmd_device_setup, home_optional=True)
 
     a = ps.add_parser("enrol", help="(on the device, run by the enrolment unit) init, units, the enrolment file")
-    a.add_argument("--bundle", required=True)
-    a.add_argument("--root", default="/")
-    a.add_argument("--boot", default="/boot/firmware")
+    a.add_argument("--bundle", required=True, help="the bundle directory (on the device: /opt/ssp-agent/bundle)")
+    a.add_argument("--root", default="/", help="the device's root filesystem (default /; another directory for "
+                                               "a mounted image)")
+    a.add_argument("--boot", default="/boot/firmware", help="the boot partition (default /boot/firmware)")
     a.set_defaults(fn=cmd_enrol, home_optional=True)
 
 
