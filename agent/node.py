@@ -1969,11 +1969,15 @@ def seal_keystore(home: Path, conn: sqlite3.Connection, ks):
 
 
 def _with_pin(conf: dict) -> dict:
-    """The keystore config with its PIN resolved (firmware_bridge.with_pin), as a refusal."""
+    """The keystore config with its PIN resolved (firmware_bridge.with_pin). A PIN that is not
+    there is a keystore fault (exit 1, as a token that is not there): the environment or the file
+    may be back on the next try, and the unit restarts on 1, never on a refusal's 2."""
     try:
         return with_pin(conf)
     except KeystoreUnavailable as e:
-        raise NodeError(f"{e}; restore it or re-provision") from None
+        todo = "set it in the environment of the command or the service (`systemctl edit ssp-agent`)" \
+            if "pin_env" in conf and "pin_file" not in conf else "restore it or re-provision"
+        raise KeystoreUnavailable(f"{e}; {todo}") from None
 
 
 def _write_identity_file(home: Path, site_id: bytes, public_key: bytes, mesh_id: bytes, ks: dict) -> None:
