@@ -384,6 +384,7 @@ class Node:
 
     def close(self) -> None:
         self._drop_carried()
+        self._lower_ceiling()
         if self._pool:
             self._pool.close()
         self._pool = None
@@ -404,14 +405,29 @@ class Node:
             t = TableDef(sch, name, cat, tuple(json.loads(key_json)), json.loads(cols_json), retention)
             self.tables[q] = _Table(t, rowstore.RowStore(self.conn, t), (hp, hl) if (hp, hl) != (0, 0) else None)
 
+    def _lower_ceiling(self) -> None:
+        """On a clean close, bring the durable ceiling down to the clock: this run issued nothing
+        above it, and the next open resumes above the ceiling (§13.5), so a ceiling window left
+        standing would move the clock ahead on every restart. Only the writer (it holds the
+        journal's lock) does it; a crash leaves the window, which the next open resumes above."""
+        if self.read_only or self.bridge is None:
+            return
+        try:
+            if int(db.get_meta(self.conn, "clock_ceiling", 0)) > self.clock.physical_ms:
+                with _txn(self.conn):
+                    db.set_meta(self.conn, "clock_ceiling", self.clock.physical_ms)
+        except sqlite3.Error as e:   # a full disk: the window stays, which is safe
+            log.warning("clock: the ceiling could not be lowered on close (%s)", e)
+
     def _resume_clock(self) -> Hlc:
         """§13.5 clock durability and §12 step 5 across processes. The clock resumes above
         everything this site may have released (its log, the signing journal's intents, and the
         witness outside the home, made durable before every release) and everything it has
         observed (the mark kept with each applied batch), so neither a restart, a crash nor a
         restored older home re-issues an HLC or undercuts an observed one (docs/apply.md).
-        Without a surviving witness a restore cannot be excluded: then it resumes above the
-        in-home ceiling, which bounds everything that home issued."""
+        It also resumes above the in-home ceiling, which bounds everything issued inside its
+        window: a home restored together with its witness (a machine snapshot) lost what it
+        issued after the snapshot, possibly above the wall clock after observing a peer."""
         store_ceiling = int(db.get_meta(self.conn, "clock_ceiling", 0))
         witness = self.witness.read()
         self._observed = _hlc_meta(db.get_meta(self.conn, "clock_observed"))
@@ -424,10 +440,9 @@ class Node:
         if witness is None and store_ceiling > 0:
             log.warning("clock: no witness at %s (lost, or a restored home?); resuming above the ceiling %d",
                         self.witness.path, store_ceiling)
-            return Hlc.resume(store_ceiling, highest)
-        clock = Hlc.resume(0, highest)
-        clock.ceiling_ms = store_ceiling  # still binding: the next tick past it persists a new one
-        return clock
+        # Above both, whichever is higher: a clean close lowers the ceiling to what was issued
+        # (`close`), so an ordinary restart does not move the clock ahead of the wall clock.
+        return Hlc.resume(store_ceiling, highest)
 
     def own_history_floors(self) -> dict[str, tuple[int, int]]:
         """Per table ("*": every table), the highest own HLC this node may have released and no
