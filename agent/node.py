@@ -384,10 +384,10 @@ class Node:
 
     def close(self) -> None:
         self._drop_carried()
-        self._lower_ceiling()
         if self._pool:
             self._pool.close()
         self._pool = None
+        self._lower_ceiling()
         if self.bridge is not None:
             self.bridge.close()
             self.bridge = None

@@ -215,11 +215,11 @@ def start(node, from_peer: bytes | None, now: int | None = None, *, reset: bool 
 
 
 def _commit_start(node, r: dict, p: dict) -> dict:
-    """One commitment, inside the caller's transaction (§13.5; docs/operations.md "Rehydration"):
-    horizons to zero, our watermarks gone (fail closed: they were claims made below the old
-    horizon), the request stored (from then on it is served) and the state set. Apart, a request
-    served under a standing horizon brings history that lands below it, and stale watermarks make
-    serving peers skip exactly the requested history."""
+    """One commitment, inside the caller's transaction (docs/operations.md §4, "If `rehydrate`
+    is interrupted"): horizons to zero, our watermarks gone (fail closed: they were claims made
+    below the old horizon), the request stored (from then on it is served) and the state set.
+    Apart, a request served under a standing horizon brings history that lands below it, and
+    stale watermarks make serving peers skip exactly the requested history."""
     if p["reset"]:  # a restored home (`reset=False`) keeps its horizons and its consistent watermarks
         node.reset_horizons_in_txn()
         _crash_point("horizons_reset")
