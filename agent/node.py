@@ -388,6 +388,7 @@ class Node:
         if self._pool:
             self._pool.close()
         self._pool = None
+        self._lower_ceiling()
         if self.bridge is not None:
             self.bridge.close()
             self.bridge = None
@@ -405,15 +406,35 @@ class Node:
             t = TableDef(sch, name, cat, tuple(json.loads(key_json)), json.loads(cols_json), retention)
             self.tables[q] = _Table(t, rowstore.RowStore(self.conn, t), (hp, hl) if (hp, hl) != (0, 0) else None)
 
+    def _lower_ceiling(self) -> None:
+        """On a clean close, bring the durable ceiling down to the clock and keep the clock's exact
+        value beside it (`clock_closed`): this run issued nothing above it, so the next open can
+        resume exactly there instead of above a window left standing (§13.5; docs/apply.md).
+        Only the writer (it holds the journal's lock) does it; a crash leaves the window."""
+        if self.read_only or self.bridge is None:
+            return
+        p, l = self.clock.current()
+        try:
+            ceiling = int(db.get_meta(self.conn, "clock_ceiling", 0))
+            if ceiling > p or (ceiling == p and _hlc_meta(db.get_meta(self.conn, "clock_closed")) != (p, l)):
+                with _txn(self.conn):
+                    db.set_meta(self.conn, "clock_ceiling", p)
+                    db.set_meta(self.conn, "clock_closed", f"{p}.{l}")
+        except sqlite3.Error as e:   # a full disk: the window stays, which is safe
+            log.warning("clock: the ceiling could not be lowered on close (%s)", e)
+
     def _resume_clock(self) -> Hlc:
         """§13.5 clock durability and §12 step 5 across processes. The clock resumes above
         everything this site may have released (its log, the signing journal's intents, and the
         witness outside the home, made durable before every release) and everything it has
         observed (the mark kept with each applied batch), so neither a restart, a crash nor a
         restored older home re-issues an HLC or undercuts an observed one (docs/apply.md).
-        Without a surviving witness a restore cannot be excluded: then it resumes above the
-        in-home ceiling, which bounds everything that home issued."""
+        It also resumes above the in-home ceiling, whichever is higher: a home restored together
+        with its witness (a machine snapshot taken while the node ran) lost what it issued after
+        the snapshot, possibly above the wall clock after observing a peer, and only the ceiling
+        bounds that. After a clean close the ceiling is the clock itself (`_lower_ceiling`)."""
         store_ceiling = int(db.get_meta(self.conn, "clock_ceiling", 0))
+        closed = _hlc_meta(db.get_meta(self.conn, "clock_closed"))
         witness = self.witness.read()
         self._observed = _hlc_meta(db.get_meta(self.conn, "clock_observed"))
         seen = [self._max_own_hlc(), self._observed, witness]
@@ -425,10 +446,11 @@ class Node:
         if witness is None and store_ceiling > 0:
             log.warning("clock: no witness at %s (lost, or a restored home?); resuming above the ceiling %d",
                         self.witness.path, store_ceiling)
-            return Hlc.resume(store_ceiling, highest)
-        clock = Hlc.resume(0, highest)
-        clock.ceiling_ms = store_ceiling  # still binding: the next tick past it persists a new one
-        return clock
+        if closed is not None and closed[0] == store_ceiling:
+            # The last writer closed cleanly at `closed` and no run issued past it since (the
+            # first tick of any run persists a new ceiling first: `ceiling_ms` 0 makes it due).
+            return Hlc.resume(0, closed if highest is None else max(closed, highest))
+        return Hlc.resume(store_ceiling, highest)
 
     def own_history_floors(self) -> dict[str, tuple[int, int]]:
         """Per table ("*": every table), the highest own HLC this node may have released and no
@@ -479,6 +501,8 @@ class Node:
             sync_state.ensure_schema(self.conn)
             log.warning("storing %d control record(s) released before a crash but never stored", len(records))
             self.apply_records(records, now_ms())
+        from . import rehydrate
+        rehydrate.abandon_unreleased(self)   # a rehydration start killed before its release
         # Compaction rewrites the journal (two fsyncs: the new file, its directory). On open only
         # after a recovery or once the journal outgrew JOURNAL_OPEN_COMPACT_BYTES: a `write` per
         # process would otherwise pay both for the one entry the previous one left (issue 15 item

@@ -49,6 +49,7 @@ log = logging.getLogger("ssp_agent.rehydrate")
 CONTENT_TYPE = "sovm/ssp-rehydrate-v1"
 _MEMBERS = frozenset({"subject_site_id", "generation", "previous_record_hash", "requested_at"})
 _STATE_KEY = "rehydration"
+_PENDING_KEY = "rehydration_pending"   # a start whose request may be released and not yet committed
 
 
 class RehydrateRecordError(ValueError):
@@ -124,7 +125,14 @@ def handle_records(node, raws: list, now: int) -> dict:
             except RehydrateRecordError:
                 out["dropped"] += 1
                 continue
-            _store(conn, r)
+            p = pending(conn)
+            if p is not None and p["generation"] == r["generation"]:
+                # recovered from the signing journal after a kill between its release and the
+                # commitment: finish that start here, in the transaction that stores (and so serves) it
+                log.warning("finishing the rehydration start (generation %d) a crash interrupted", r["generation"])
+                _commit_start(node, r, p)
+            else:
+                _store(conn, r)
             out["stored"] += 1
             continue
         try:
@@ -168,6 +176,12 @@ def _set_state(conn: sqlite3.Connection, s: dict) -> None:
     db.set_meta(conn, _STATE_KEY, json.dumps(s, sort_keys=True))
 
 
+def pending(conn: sqlite3.Connection) -> dict | None:
+    """The start in progress: committed before its request is released, gone with its commitment."""
+    r = db.get_meta(conn, _PENDING_KEY)
+    return None if r is None else json.loads(r)
+
+
 def start(node, from_peer: bytes | None, now: int | None = None, *, reset: bool = True,
           cause: str = "operator") -> dict:
     """Zero this node's horizons, clear its own watermarks, issue the next rehydrate record and
@@ -179,30 +193,56 @@ def start(node, from_peer: bytes | None, now: int | None = None, *, reset: bool 
     st.ensure_schema(node.conn)
     prev = rs.last_request(node.conn, node.site_id)
     gen, prev_hash = (0, None) if prev is None else (prev[0] + 1, prev[1])
+    # The start is noted before the request is released: a kill after the release leaves the
+    # request in the signing journal, whose recovery stores it (and so serves it) on the next
+    # open; that recovery finds this note and makes the same commitment (`handle_records`).
+    p = {"generation": gen, "from": from_peer.hex() if from_peer else None, "started_ms": now,
+         "reset": reset, "cause": cause}
+    with db.transaction(node.conn):
+        db.set_meta(node.conn, _PENDING_KEY, json.dumps(p, sort_keys=True))
+    _crash_point("noted")
     protected, payload, tbs = to_be_signed(node.site_id, node.mesh_id, gen, prev_hash, now)
     # A fresh signing identity: persist-before-release, like any release.
     raw = node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now)
     _crash_point("released")
-    rows = _row_counts(node)
-    s = {"generation": gen, "from": from_peer.hex() if from_peer else None, "started_ms": now,
-         "events_received": 0, "events_unverified": 0, "events_applied": 0, "events_duplicate": 0, "events_below_horizon": 0,
-         "bodies": 0, "bodies_from_source": 0, "last_body_events": None, "rows_at_start": rows,
-         "record_hash": record_hash(raw).hex(), "caught_up": False, "cause": cause}
-    # One commitment (issue 10 item 7): horizons to zero, our watermarks gone (fail closed: they
-    # were claims made below the old horizon), the record stored and the state set. A crash
-    # in between would leave stale watermarks that make serving peers skip the requested history.
     try:
         with db.transaction(node.conn):
-            if reset:  # a restored home (`reset=False`) keeps its horizons and its consistent watermarks
-                node.reset_horizons_in_txn()
-                _crash_point("horizons_reset")
-                rs.forget_own_watermarks(node.conn)
-            _store(node.conn, verify(raw, node.mesh_id, {node.site_id: (node_public_key(node), None)}))
-            _set_state(node.conn, s)
+            s = _commit_start(node, verify(raw, node.mesh_id, {node.site_id: (node_public_key(node), None)}), p)
     except BaseException:
         node.reload_caches()  # the in-memory horizons were lowered with the rolled-back statements
         raise
     return s
+
+
+def _commit_start(node, r: dict, p: dict) -> dict:
+    """One commitment, inside the caller's transaction (docs/operations.md §4, "If `rehydrate`
+    is interrupted"): horizons to zero, our watermarks gone (fail closed: they were claims made
+    below the old horizon), the request stored (from then on it is served) and the state set.
+    Apart, a request served under a standing horizon brings history that lands below it, and
+    stale watermarks make serving peers skip exactly the requested history."""
+    if p["reset"]:  # a restored home (`reset=False`) keeps its horizons and its consistent watermarks
+        node.reset_horizons_in_txn()
+        _crash_point("horizons_reset")
+        rs.forget_own_watermarks(node.conn)
+    _store(node.conn, r)
+    s = {"generation": r["generation"], "from": p["from"], "started_ms": p["started_ms"],
+         "events_received": 0, "events_unverified": 0, "events_applied": 0, "events_duplicate": 0, "events_below_horizon": 0,
+         "bodies": 0, "bodies_from_source": 0, "last_body_events": None, "rows_at_start": _row_counts(node),
+         "record_hash": r["record_hash"].hex(), "caught_up": False, "cause": p["cause"]}
+    _set_state(node.conn, s)
+    db.del_meta(node.conn, _PENDING_KEY)
+    return s
+
+
+def abandon_unreleased(node) -> None:
+    """After the journal's recovery: a start still noted released no request (killed before the
+    release returned), so nothing of it left the node; it is dropped and the horizons stand."""
+    p = pending(node.conn)
+    if p is not None:
+        log.warning("a rehydration start (generation %d) was interrupted before its request was issued: "
+                    "nothing changed; run `rehydrate` again", p["generation"])
+        with db.transaction(node.conn):
+            db.del_meta(node.conn, _PENDING_KEY)
 
 
 def _crash_point(name: str) -> None:

@@ -386,6 +386,10 @@ def set_meta(conn: sqlite3.Connection, key: str, value) -> None:
     conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
 
 
+def del_meta(conn: sqlite3.Connection, key: str) -> None:
+    conn.execute("DELETE FROM meta WHERE key=?", (key,))
+
+
 class transaction:
     """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on any exception (every writer uses this one)."""
 

@@ -18,7 +18,7 @@ from ..core.helpers import NOW, T, make_node, peers
 PRODUCER = Path(__file__).with_name("rehydrate_producer.py")
 
 
-@pytest.mark.parametrize("point", ["released", "horizons_reset", None])
+@pytest.mark.parametrize("point", ["noted", "released", "horizons_reset", None])
 def test_crash_at_every_point_of_the_rehydration_start(tmp_path, point):
     (b,) = peers(1)
     home = tmp_path / "n"
@@ -41,3 +41,6 @@ def test_crash_at_every_point_of_the_rehydration_start(tmp_path, point):
         assert wms == 0, "horizons reset but the watermarks that described them survived"
     else:
         assert wms == 1 and point is not None
+    # a request released before the kill is finished by that open (zero horizons); one never
+    # released leaves nothing behind
+    assert (horizon is None) == (point != "noted")
