@@ -329,6 +329,10 @@ class Sequencer:
 
     # -- verbs -----------------------------------------------------------------------------
     def register(self, group_id: bytes, epoch: int) -> None:
+        if self.store.group(group_id) is None and self.store.retired(group_id) is not None:
+            # §22.6: a group whose state was lost comes back only by a recovery that converges
+            raise SequencerRefused(f"{core.GROUP_RETIRED}: group {group_id.hex()} lost its state here and recovery "
+                                   "did not resume it; a genesis reset uses a new group_id (§22.10)")
         try:
             state = core.register(self.store.group(group_id), group_id, epoch)
         except ValueError as e:
@@ -435,10 +439,14 @@ class Sequencer:
                 "evidence": [{"kind": ev.kind, "epoch": ev.epoch, "receipts": [r.hex() for r in ev.receipts]}
                              for ev in out.evidence]})
         else:
-            self.store.record_event("recovery_refused", {
-                "group": group_id.hex(), "outcome": type(out).__name__,
-                "reason": getattr(out, "reason", "no usable receipt evidence: domain genesis reset (§22.10)"),
-                "unusable": list(out.unusable)})
+            detail = {"group": group_id.hex(), "outcome": type(out).__name__,
+                      "reason": getattr(out, "reason", "no usable receipt evidence: domain genesis reset (§22.10)"),
+                      "unusable": list(out.unusable)}
+            if state is None:
+                # §22.6: a record of the group stays, so no Commit bootstraps it at an asserted epoch
+                self.store.retire(group_id, type(out).__name__, detail)
+            else:
+                self.store.record_event("recovery_refused", detail)
         return out
 
     def lost(self, group_id: bytes) -> list[tuple[int, int, int]]:
@@ -1094,7 +1102,7 @@ class GroupCommit:
                 break
             self.queued_bytes -= len(m)     # decided now, whatever the outcome (the rest stays in ``later``)
             state = group(f.group_id)
-            d = decide(state, f, ch)
+            d = decide(state, f, ch, state is None and seq.store.retired(f.group_id) is not None)
             if type(d) is not core.Accept:
                 out.append((tag, seq._rejected(d)))
                 continue

@@ -381,8 +381,21 @@ class Store:
                                   (state.group_id, epoch))
             for epoch, raw in (statements or {}).items():
                 self.conn.execute("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)", (state.group_id, epoch, raw))
+            self.conn.execute("DELETE FROM retired WHERE group_id = ?", (state.group_id,))
             self._put_group(state, -1)
             self._event(kind, detail)
+
+    def retire(self, group_id: bytes, outcome: str, detail: dict) -> None:
+        """§22.6: a group whose state this sequencer lost and whose recovery did not resume it
+        (``outcome``): never bootstrapped nor registered again, with the event, in one transaction."""
+        with self._tx():
+            self.conn.execute("INSERT OR REPLACE INTO retired VALUES (?, ?)", (group_id, outcome))
+            self._event("recovery_refused", detail)
+
+    def retired(self, group_id: bytes) -> Optional[str]:
+        """How the group's recovery ended, for a group retired here; None otherwise."""
+        row = self.conn.execute("SELECT outcome FROM retired WHERE group_id = ?", (group_id,)).fetchone()
+        return None if row is None else row[0]
 
     def fail_closed(self, group_id: bytes, current_epoch: int, detail: dict) -> None:
         """§22.6 step 4: equivocation evidence freezes the group for audit and migration."""
