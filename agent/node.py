@@ -478,6 +478,9 @@ class Node:
             sync_state.ensure_schema(self.conn)
             log.warning("storing %d control record(s) released before a crash but never stored", len(records))
             self.apply_records(records, now_ms())
+            # a rehydration start killed between its release and its commitment is finished
+            from . import rehydrate
+            rehydrate.finish_interrupted(self, now_ms())
         # Compaction rewrites the journal (two fsyncs: the new file, its directory). On open only
         # after a recovery or once the journal outgrew JOURNAL_OPEN_COMPACT_BYTES: a `write` per
         # process would otherwise pay both for the one entry the previous one left (issue 15 item

@@ -205,6 +205,33 @@ def start(node, from_peer: bytes | None, now: int | None = None, *, reset: bool 
     return s
 
 
+def finish_interrupted(node, now: int) -> dict | None:
+    """A start killed after its record was released and before its commitment (the record stored
+    from the signing journal on open, so it may be out and served): finish that commitment now,
+    horizons to zero, own watermarks gone and the state set, in one transaction. Without it peers
+    re-send the history and it lands below a horizon never zeroed. None: nothing was interrupted."""
+    from .store import sync_state as st
+    st.ensure_schema(node.conn)
+    mine = rs.last_request(node.conn, node.site_id)
+    s = state(node.conn)
+    if mine is None or (s is not None and s.get("generation", -1) >= mine[0]):
+        return None
+    s = {"generation": mine[0], "from": None, "started_ms": now,
+         "events_received": 0, "events_unverified": 0, "events_applied": 0, "events_duplicate": 0,
+         "events_below_horizon": 0, "bodies": 0, "bodies_from_source": 0, "last_body_events": None,
+         "rows_at_start": _row_counts(node), "record_hash": mine[1].hex(), "caught_up": False, "cause": "interrupted"}
+    try:
+        with db.transaction(node.conn):
+            node.reset_horizons_in_txn()
+            rs.forget_own_watermarks(node.conn)
+            _set_state(node.conn, s)
+    except BaseException:
+        node.reload_caches()
+        raise
+    log.warning("a rehydration start was interrupted after its request left: finished (horizons reset)")
+    return s
+
+
 def _crash_point(name: str) -> None:
     """Tests name a point here to SIGKILL a real process at it (tests/crashpoint.py)."""
     if _CRASH_HOOK is not None:
