@@ -311,6 +311,26 @@ class Store:
             self._dirty[gid] = None                      # re-read after commit (its gaps)
             self._event("receipts_lost", detail)
 
+    def skip_witnessed(self, new: GroupState, commit_hash: bytes, receipt: bytes, lost_from: Optional[int],
+                       detail: dict) -> None:
+        """§22.5 cl. 2 after a restore of the whole home, one transaction a group: the receipt the
+        witness outside the home holds (``new.head``) is taken back byte for byte and the epoch
+        moves past it; the epochs from ``lost_from`` below it were released by a copy that is gone:
+        no gap is stated for them (a member may hold their receipts: they are asked back,
+        ``receipts_lost``), and a gap this open recorded there without a signed statement goes."""
+        gid, w = new.group_id, new.head.epoch
+        with self._tx():
+            if lost_from is not None:
+                self.conn.execute("DELETE FROM discontinuities WHERE group_id = ? AND epoch BETWEEN ? AND ? AND NOT "
+                                  "EXISTS (SELECT 1 FROM statements s WHERE s.group_id = discontinuities.group_id "
+                                  "AND s.epoch = discontinuities.epoch)", (gid, lost_from, w))
+            self.conn.execute("INSERT OR REPLACE INTO receipts VALUES (?, ?, ?, ?, ?, NULL)",
+                              (gid, w, commit_hash, receipt, new.head.receipt_hash))
+            self.conn.execute(_UPSERT_GROUP, _group_row(new))
+            self.conn.execute("DELETE FROM pending WHERE group_id = ? AND epoch <= ?", (gid, w))
+            self._dirty[gid] = None                      # re-read after commit (its gaps)
+            self._event("receipts_lost" if lost_from is not None and lost_from < w else "witness_ahead", detail)
+
     def lost_stretches(self, group_id: Optional[bytes] = None) -> dict[bytes, list[tuple[int, int]]]:
         """The epochs a resume named lost (events ``receipts_lost``: a state restored past the
         journal's compaction floor), group -> [(first, last)]; first 0 where the copy never knew

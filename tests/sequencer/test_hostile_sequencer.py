@@ -18,8 +18,8 @@ from tests.sync.helpers import MESH, TABLES
 G = bytes.fromhex("c3" * 16)
 
 
-def j(home, *args, code=0):
-    p = run_cli("--home", home, *args)
+def j(home, *args, code=0, env=None):
+    p = run_cli("--home", home, *args, env=env)
     assert p.returncode == code, (args, p.stdout, p.stderr)
     return json.loads(p.stdout.splitlines()[-1]) if p.stdout.strip() else None
 
@@ -56,9 +56,12 @@ def member_node(tmp_path, key: str, name: str = "m"):
 
 
 def two_branches(tmp_path, six_a: bytes, six_b: bytes):
-    """One sequencer home run to epoch 4, copied; branch A runs on to 5 and 6, branch B (the copy)
-    lost its receipt for 5, records the gap and receipts its own 6 (which names 4). Returns the
-    key, r0..r4, A's r5 and r6, B's r6 and B's signed statement of the gap at 5."""
+    """One sequencer home run to epoch 4, copied to another machine (its own witness directory:
+    on the same machine the receipt witness would stop the copy); branch A runs on to 5 and 6,
+    branch B (the copy) lost its receipt for 5, records the gap and receipts its own 6 (which
+    names 4). Returns the key, r0..r4, A's r5 and r6, B's r6 and B's signed statement of the gap."""
+    import os
+    elsewhere = {"SSP_AGENT_WITNESS_DIR": str(tmp_path / "other-machine")}
     a = tmp_path / "seq"
     key = j(a, "sequencer", "init")["sequencer_key"]
     j(a, "sequencer", "register", "--group", G.hex(), "--epoch", "0")
@@ -67,11 +70,16 @@ def two_branches(tmp_path, six_a: bytes, six_b: bytes):
     shutil.copytree(a, b)
     r5 = bytes.fromhex(j(a, "sequencer", "submit", message(tmp_path, 5, b"5"))["receipt"])
     r6a = bytes.fromhex(j(a, "sequencer", "submit", message(tmp_path, 6, six_a))["receipt"])
-    lose_receipt(b, 5, encode_private_message(G, 5, ciphertext=b"x" * 16))
-    assert j(b, "sequencer", "receipt", "--group", G.hex(), "--epoch", "5") == \
+    here = os.environ["SSP_AGENT_WITNESS_DIR"]
+    os.environ["SSP_AGENT_WITNESS_DIR"] = elsewhere["SSP_AGENT_WITNESS_DIR"]
+    try:
+        lose_receipt(b, 5, encode_private_message(G, 5, ciphertext=b"x" * 16))
+    finally:
+        os.environ["SSP_AGENT_WITNESS_DIR"] = here
+    assert j(b, "sequencer", "receipt", "--group", G.hex(), "--epoch", "5", env=elsewhere) == \
         {"receipt": None, "absent": True, "discontinuity": True}
-    r6b = bytes.fromhex(j(b, "sequencer", "submit", message(tmp_path, 6, six_b))["receipt"])
-    stated = [g for g in j(b, "sequencer", "status")["groups"] if g["group"] == G.hex()][0]["statements"]
+    r6b = bytes.fromhex(j(b, "sequencer", "submit", message(tmp_path, 6, six_b), env=elsewhere)["receipt"])
+    stated = [g for g in j(b, "sequencer", "status", env=elsewhere)["groups"] if g["group"] == G.hex()][0]["statements"]
     assert receipts.parse_receipt(r6b).previous_receipt_hash == receipts.receipt_hash(base[4])
     assert receipts.parse_receipt(r6a).previous_receipt_hash == receipts.receipt_hash(r5)
     return key, base, r5, r6a, r6b, bytes.fromhex(stated["5"])
@@ -221,3 +229,40 @@ def test_a_group_recovery_sent_to_genesis_reset_is_never_bootstrapped_again(tmp_
     other = tmp_path / "other.mls"
     other.write_bytes(encode_private_message(bytes.fromhex("c4" * 16), 3))
     assert j(home, "sequencer", "submit", other)["accepted"] is True
+
+
+def test_a_whole_home_restored_never_signs_a_second_receipt_for_an_epoch_it_released(tmp_path):
+    """§22.5 cl. 2, §22.6 "a restore from backup": the whole sequencer home (state and signing
+    journal) is copied back from a backup taken at epoch 3, after receipts for 3 and 4 were
+    released. The receipt witness outside the home holds r4: the restored sequencer serves r4 byte
+    for byte, refuses another Commit at 3 or 4 as stale, names 3 lost (members give it back) and
+    chains its next receipt to r4."""
+    home = tmp_path / "seq"
+    j(home, "sequencer", "init")
+    j(home, "sequencer", "register", "--group", G.hex(), "--epoch", "0")
+    for e in range(3):
+        j(home, "sequencer", "submit", message(tmp_path, e, b"%d" % e))
+    backup = tmp_path / "backup"
+    shutil.copytree(home, backup)
+    r3 = bytes.fromhex(j(home, "sequencer", "submit", message(tmp_path, 3, b"3"))["receipt"])
+    r4 = bytes.fromhex(j(home, "sequencer", "submit", message(tmp_path, 4, b"4"))["receipt"])
+    shutil.rmtree(home)
+    shutil.copytree(backup, home)                          # the whole home, journal included
+    again = j(home, "sequencer", "submit", message(tmp_path, 3, b"another"), code=2)
+    assert again["accepted"] is False and again["reason"] == "stale_epoch", again
+    assert j(home, "sequencer", "submit", message(tmp_path, 4, b"another"), code=2)["reason"] == "stale_epoch"
+    assert j(home, "sequencer", "receipt", "--group", G.hex(), "--epoch", "4") == {"receipt": r4.hex()}
+    assert j(home, "sequencer", "receipt", "--group", G.hex(), "--epoch", "3") == \
+        {"receipt": None, "absent": True, "discontinuity": False}
+    st = j(home, "sequencer", "status")
+    g = [x for x in st["groups"] if x["group"] == G.hex()][0]
+    assert g["current_epoch"] == 5 and g["discontinuities"] == [], g
+    r5 = bytes.fromhex(j(home, "sequencer", "submit", message(tmp_path, 5, b"5"))["receipt"])
+    assert receipts.parse_receipt(r5).previous_receipt_hash == receipts.receipt_hash(r4)
+    # what members hold gives epoch 3 back (`sequencer recover` on a group that lost receipts)
+    alice = tmp_path / "alice.json"
+    alice.write_text(json.dumps({"member": "alice", "receipts": [r3.hex(), r4.hex()], "attested_epoch": 5}))
+    out = j(home, "sequencer", "recover", "--group", G.hex(), "--binding",
+            f"0:{receipts.parse_receipt(r4).kid.hex()}", alice)
+    assert out["outcome"] == "refilled" and out["refilled"] == 1 and out["missing"] == 0, out
+    assert j(home, "sequencer", "receipt", "--group", G.hex(), "--epoch", "3") == {"receipt": r3.hex()}
