@@ -266,3 +266,52 @@ def test_a_whole_home_restored_never_signs_a_second_receipt_for_an_epoch_it_rele
             f"0:{receipts.parse_receipt(r4).kid.hex()}", alice)
     assert out["outcome"] == "refilled" and out["refilled"] == 1 and out["missing"] == 0, out
     assert j(home, "sequencer", "receipt", "--group", G.hex(), "--epoch", "3") == {"receipt": r3.hex()}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_whole_home_restores_at_random_points_never_release_two_receipts_for_one_epoch(tmp_path, seed):
+    """The sequencer (real SQLite state, real signing journal, real witness file) serves three
+    groups through rounds of Commits; between rounds its whole home is snapshotted, or copied back
+    from a random earlier snapshot. Over everything it ever released: one receipt per (group_id,
+    epoch), and every receipt names the one released for the epoch below it, when there is one."""
+    import random
+    from agent.sequencer import service
+    rng = random.Random(seed)
+    groups = [bytes([0xd0 + i]) * 16 for i in range(3)]
+    home = tmp_path / "seq"
+    service.init(home)
+    with service.Sequencer(home) as s:
+        for g in groups:
+            s.register(g, 0)
+    released: dict[tuple[bytes, int], set] = {}
+    snapshots = []
+    for round_ in range(14):
+        with service.Sequencer(home) as s:
+            for _ in range(rng.randint(1, 4)):
+                g = rng.choice(groups)
+                st = s.store.group(g)
+                # mostly the current epoch; now and then one a restored copy may think is current
+                e = st.current_epoch - rng.choice([0, 0, 0, 1, 2]) if st.current_epoch else 0
+                ans = s.submit(encode_private_message(g, max(e, 0), ciphertext=rng.randbytes(8)))
+                if isinstance(ans, service.Accepted):
+                    released.setdefault((g, ans.epoch), set()).add(ans.receipt)
+            for g in groups:        # what it serves is released too
+                top = s.store.group(g).current_epoch
+                for e in range(max(0, top - 3), top):
+                    got = s.receipt(g, e)
+                    if isinstance(got, bytes):
+                        released.setdefault((g, e), set()).add(got)
+        what = rng.choice(["snapshot", "restore", "none"]) if snapshots else "snapshot"
+        if what == "snapshot":
+            snapshots.append(tmp_path / f"snap{round_}")
+            shutil.copytree(home, snapshots[-1])
+        elif what == "restore":
+            shutil.rmtree(home)
+            shutil.copytree(rng.choice(snapshots), home)
+    assert released
+    twice = {k: v for k, v in released.items() if len(v) > 1}
+    assert not twice, sorted((k[0].hex()[:4], k[1]) for k in twice)
+    for (g, e), (raw,) in released.items():
+        below = released.get((g, e - 1))
+        if below:
+            assert receipts.parse_receipt(raw).previous_receipt_hash == receipts.receipt_hash(next(iter(below)))
