@@ -149,7 +149,7 @@ class ReceiptChain:
         if excluded or len(self.evidence) > seen:
             return EQUIVOCATION         # kept as evidence, not taken into the chain
         self.pending.append(r)
-        self._settle()
+        self._settle(r)
         if len(self.evidence) > before:
             return EQUIVOCATION
         return ACCEPTED if self.receipts.get(r.epoch) is r else HELD
@@ -249,28 +249,40 @@ class ReceiptChain:
                                f"the statement of the gap does not name the receipt for epoch {below[0].epoch}")
             e += 1
 
-    def _settle(self) -> None:
+    def _settle(self, new: Optional[Receipt] = None) -> None:
         """Move held links into the chain while one's predecessor is there (§22.6: a link whose
-        predecessor is unknown is held): the last receipt below it in the chain, every epoch
-        between a recorded gap, named by its previous_receipt_hash; the lowest link is the anchor."""
+        predecessor is unknown is held). ``new``: only that link changed, so the others are looked
+        at again only once it joined the chain."""
+        if new is not None:
+            if not self._join(new):
+                return
         moved = True
-        while moved:
+        while moved and self.pending:
             moved = False
             for r in sorted(self.pending, key=lambda x: (x.epoch, x.raw)):
-                if r.epoch in self.receipts:
-                    continue
-                below = [e for e in self.receipts if e < r.epoch]
-                if below:
-                    p = max(below)
-                    if not all(e in self.discontinuities for e in range(p + 1, r.epoch)) or \
-                            self.receipts[p].receipt_hash != r.previous_receipt_hash:
-                        continue
-                above = [e for e in self.receipts if e > r.epoch]
-                if above and not all(e in self.discontinuities for e in range(r.epoch + 1, min(above))):
-                    continue    # only the lowest link anchors; others wait for what joins them
-                self.receipts[r.epoch] = r
-                self.pending.remove(r)
-                moved = True
+                moved = self._join(r) or moved
+
+    def _join(self, r: Receipt) -> bool:
+        """Take ``r`` into the chain if it links: the last receipt below it in the chain, every
+        epoch between a recorded gap, is the one it names; below the chain's lowest receipt, a
+        link the chain reaches across recorded gaps only anchors it lower."""
+        if r.epoch in self.receipts:
+            return False
+        low = min(self.receipts) if self.receipts else None
+        if low is None or r.epoch < low:
+            e = r.epoch + 1
+            while low is not None and e < low and e in self.discontinuities:
+                e += 1
+            ok = low is None or e == low
+        else:
+            e = r.epoch - 1
+            while e not in self.receipts and e in self.discontinuities:
+                e -= 1
+            ok = e in self.receipts and self.receipts[e].receipt_hash == r.previous_receipt_hash
+        if ok:
+            self.receipts[r.epoch] = r
+            self.pending.remove(r)
+        return ok
 
     def _evidence(self, kind: str, epoch: int, raws: tuple[bytes, ...], detail: str) -> None:
         ev = Evidence(kind, self.group_id, epoch, raws, detail)
