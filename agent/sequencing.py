@@ -275,8 +275,8 @@ class BindingStates:
 
 def chain(node, gid: bytes) -> validator.ReceiptChain:
     """The member validator over every receipt and binding this node holds for ``gid``: a pure
-    function of that set (receipts fed in epoch order, then bytes, so any arrival order gives the
-    same verdicts)."""
+    function of that set (the validator's verdict does not depend on order; fed in epoch order,
+    then bytes, the chain it keeps does not either)."""
     b = bindings(node, gid)
     ch = validator.ReceiptChain(gid, bindings=dict(b.bindings), binding_forks=list(b.forks))
     heads = []
@@ -378,7 +378,7 @@ def _verdict(ch: validator.ReceiptChain, r: rc.Receipt) -> str:
         return validator.EQUIVOCATION
     if any(raw == r.raw for _k, raw in ch.attributed):
         return validator.REJECTED
-    if r.raw in ch.held:
+    if r.raw in ch.held or any(p.raw == r.raw for p in ch.pending):
         return validator.HELD
     return validator.ACCEPTED if r.epoch in ch.receipts else validator.REJECTED
 
@@ -444,7 +444,7 @@ def status(node, gid: Optional[bytes] = None) -> dict:
             "head": None if head is None else {"epoch": head.epoch, "receipt_hash": head.receipt_hash.hex()},
             "discontinuities": [{"epoch": e, "statement_hash": rc.receipt_hash(st.raw).hex(), "signer": st.kid.hex()}
                                 for e, st in sorted(ch.statements.items()) if e in ch.discontinuities],
-            "held": len(ch.held) + len(ch.held_statements),
+            "held": len(ch.held) + len(ch.held_statements) + len(ch.pending),
             "attributed": [{"signer": k.hex(), "receipt": raw.hex()} for k, raw in ch.attributed],
             "equivocation": [{"kind": e.kind, "epoch": e.epoch, "receipts": [r.hex() for r in e.receipts]}
                              for e in ch.evidence],

@@ -54,6 +54,7 @@ from agent import inbox
 from agent.sequencer import receipts
 from agent.sequencer.core import EPOCH_LIMIT, MAX_EPOCH
 from agent.sequencer.framing import MAX_MESSAGE_BYTES, FramingError, parse_mls_message
+from agent.sequencer.member import UNSIGNED_CLAIM
 from agent.sequencer.recovery import MAX_OFFERED, MemberEvidence
 from agent.sequencer.queue_store import EVENTS_KEPT, KEPT_EVENTS, QueueStore  # noqa: F401 - the retention, for callers
 
@@ -560,22 +561,7 @@ class CommitClient:
         except (ValueError, IndexError, KeyError, TypeError, codec.DecodeError):
             return
         if parts[-1] != "accepted":
-            if type(epoch) is int and 0 <= epoch < EPOCH_LIMIT and self.q.keep_gap(gid, epoch):
-                self.q.record_event("discontinuity", {"group": gid.hex(), "epoch": epoch})
-            raw = body.get("statement") if isinstance(body, dict) else None
-            if isinstance(raw, bytes):
-                # the sequencer's signed statement of the gap: kept and handed to the mesh, where a
-                # member holding a receipt for that epoch holds proof against it (§22.6 step 4)
-                try:
-                    st = receipts.verify_statement(raw)
-                except receipts.ReceiptError:
-                    return
-                signer = self.signer_for(st.group_id, st.epoch)
-                if signer.key is not None and st.kid != signer.key:
-                    return          # not the bound sequencer's statement: the mesh attributes it
-                if st.group_id == gid and st.epoch == epoch and self.q.keep_statement(gid, epoch, st.raw) \
-                        and self.on_receipt:
-                    self.on_receipt(st.raw)
+            self._gap(gid, epoch, body.get("statement") if isinstance(body, dict) else None)
             return
         state = self.binding_state(gid)        # before the verdict (queue_store.keep_unsettled)
         try:
@@ -590,6 +576,34 @@ class CommitClient:
         if why:
             return
         self._head(r)
+
+    def _gap(self, gid: bytes, epoch, raw) -> None:
+        """A retained `discontinuity/E` record. §22.6: only a gap the sequencer recorded and signed
+        counts, so it is kept only with the bound sequencer's statement for that (group, epoch);
+        anything else (anyone allowed to publish on the topic could have written it) is neither a
+        gap nor evidence, and is surfaced as such (event `discontinuity_unsigned`)."""
+        if type(epoch) is not int or not 0 <= epoch < EPOCH_LIMIT:
+            return
+        st = None
+        if isinstance(raw, bytes):
+            try:
+                st = receipts.verify_statement(raw)
+            except receipts.ReceiptError:
+                st = None
+        if st is None or st.group_id != gid or st.epoch != epoch:
+            self.q.record_event(UNSIGNED_CLAIM, {"group": gid.hex(), "epoch": epoch,
+                                                 "detail": "a discontinuity record without the sequencer's signed "
+                                                           "statement of it: not a gap, not evidence"})
+            return
+        signer = self.signer_for(st.group_id, st.epoch)
+        if signer.key is not None and st.kid != signer.key:
+            return          # not the bound sequencer's statement: the mesh attributes it
+        if not signer.unresolved and self.q.keep_gap(gid, epoch):
+            self.q.record_event("discontinuity", {"group": gid.hex(), "epoch": epoch})
+        # kept and handed to the mesh, where a member holding a receipt for that epoch holds
+        # proof against it (§22.6 step 4); one whose binding does not resolve yet is held there
+        if self.q.keep_statement(gid, epoch, st.raw) and self.on_receipt:
+            self.on_receipt(st.raw)
 
     def _lost(self, group_hex: str, payload: bytes, now: Optional[float] = None) -> None:
         """The sequencer's `lost` record: the runs of epochs whose receipts its restored state

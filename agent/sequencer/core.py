@@ -17,7 +17,9 @@ witnesses), so its sender can fetch the canonical Commit, process it, rebuild an
 
 Bootstrap (§22.6): a group is created by explicit registration with its initial epoch, or by the
 first Commit-bearing message observed for an unknown group_id, which initialises tracking at that
-Commit's epoch and is accepted. Either starts a fresh chain (previous_receipt_hash null,
+Commit's epoch and is accepted. A group the sequencer has a record of is not unknown: a retired
+one (its recovery did not resume it) is refused, never bootstrapped at an asserted epoch.
+Registration and bootstrap start a fresh chain (previous_receipt_hash null,
 wire-profile.md §6).
 """
 from __future__ import annotations
@@ -38,6 +40,7 @@ MIGRATED = "migrated"                # the group was handed to another sequencer
 EPOCH_OUT_OF_RANGE = "epoch_out_of_range"  # beyond what the store's signed 64-bit integers hold
 DISK_FULL = "disk_full"              # the home's filesystem is short of the space signing needs: retry later
 GROUP_LIMIT = "group_limit"          # a new group beyond the groups the operator lets it track (`run --max-groups`)
+GROUP_RETIRED = "group_retired"      # state lost and not recovered here: never bootstrapped again (§22.6, §22.10)
 
 # The framing's epoch is a uint64; the sequencer's SQLite state holds signed 64-bit integers and
 # must be able to store E+1 after accepting E.
@@ -100,14 +103,20 @@ def register(existing: Optional[GroupState], group_id: bytes, epoch: int) -> Gro
     return GroupState(group_id, epoch, None, "registered")
 
 
-def decide(state: Optional[GroupState], framing: Framing, commit_hash: bytes) -> Decision:
-    """The first-Commit-wins decision for one framed message (§22.5)."""
+def decide(state: Optional[GroupState], framing: Framing, commit_hash: bytes, retired: bool = False) -> Decision:
+    """The first-Commit-wins decision for one framed message (§22.5). ``retired``: this sequencer
+    has a record of the group and no state for it (a recovery that did not resume it)."""
     gid = framing.group_id
     if not framing.is_commit:
         name = CONTENT_TYPE_NAMES.get(framing.content_type, str(framing.content_type))
         return _reject(NOT_COMMIT, gid, state, f"content_type {name}: only Commits are sequenced")
     if framing.epoch > MAX_EPOCH:
         return _reject(EPOCH_OUT_OF_RANGE, gid, state, f"epoch {framing.epoch} > {MAX_EPOCH}")
+    if state is None and retired:
+        # §22.6: never resumed from a naked epoch assertion, which a Commit's framing epoch is;
+        # §22.10: a genesis reset starts a new group_id
+        return _reject(GROUP_RETIRED, gid, None, "this sequencer lost this group's state and recovery did not "
+                                                 "resume it: only a recovery that converges brings it back")
     if state is None:
         # §22.6: the first Commit-bearing message for an unknown group initialises its tracking
         return Accept(gid, framing.epoch, commit_hash, None, bootstrap=True)

@@ -126,8 +126,22 @@ CREATE TABLE IF NOT EXISTS statements (
 CREATE TABLE IF NOT EXISTS events (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, detail TEXT NOT NULL);
 """
 
+# Version 2: the groups this sequencer has a record of and no state for (§22.6: a recovery that
+# ended in genesis reset or did not converge). Such a group is never bootstrapped by a Commit nor
+# registered again; only a recovery that converges brings it back (§22.10: a reset uses a new group_id).
+STATE_V2 = """
+CREATE TABLE retired (group_id BLOB PRIMARY KEY, outcome TEXT NOT NULL);
+"""
+
+
+def _state_v2(conn: sqlite3.Connection) -> None:
+    for stmt in statements(STATE_V2):
+        conn.execute(stmt)
+
+
 STATE = Layout("sequencer state", "groups", [
     (1, "the released layout (groups, pending, receipts, discontinuities, statements, events)", _base(STATE_V1)),
+    (2, "the retired groups (a recovery that did not resume them)", _state_v2),
 ])
 
 

@@ -2,23 +2,28 @@
 
 A member keeps every valid receipt for its group (``ReceiptChain``), compares receipt heads it
 hears from other members (gossip through the control group or the broker: the transport is the
-caller's), and collects **equivocation evidence**:
+caller's), and collects **equivocation evidence**, a pure function of the set of valid receipts
+and signed statements it holds, whatever order they arrived in (§22.5):
 
 - two valid receipts for one (group_id, epoch) that are not the same bytes (different commit
-  hashes, or one Commit signed twice: either way two chains fork there, §22.5);
-- a receipt whose previous_receipt_hash is not the hash of the last receipt the member holds
-  before it, where the epochs between are not all recorded discontinuities (divergent chains);
-- a discontinuity claimed for an epoch the member holds a valid receipt for (§22.6: the claim is
-  falsified by that receipt; accepting it would accept an assertion over cryptographic proof).
+  hashes, or one Commit signed twice: either way two chains fork there), whether each was taken
+  into the chain or held for its predecessor;
+- a receipt whose previous_receipt_hash is not the hash of a receipt held at the epoch below it,
+  where the epochs between are all recorded discontinuities (divergent chains);
+- a discontinuity the sequencer signed for an epoch the member holds a valid receipt for (§22.6:
+  the claim is falsified by that receipt). The member keeps its receipt; the claim is evidence.
 
-A discontinuity arrives as the sequencer's signed statement (``add_statement``; receipts.py), from
-the sequencer, the broker or relayed by any member over the mesh: it is checked like a receipt
-(signature, the sequencer bound at its epoch) before it counts as recorded by the sequencer.
+A discontinuity counts only as the sequencer's signed statement (``add_statement``; receipts.py),
+from the sequencer, the broker or relayed by any member over the mesh: it is checked like a
+receipt (signature, the sequencer bound at its epoch). A gap claimed without one
+(``claim_discontinuity``) is neither a gap nor evidence (§22.6: "the gap is one the sequencer
+recorded"): kept in ``unsigned`` for the caller to surface as UNSIGNED_CLAIM.
 
-A recorded discontinuity is accepted as a durability gap only where the sequencer recorded it and
-the chain is continuous on both sides: the first receipt after the gap names the last receipt
-before it. A receipt signed by a key other than the bound sequencer's is not applied; it is
-retained for attribution (§22.6 singularity).
+The chain (``receipts``) takes a receipt only where its predecessor is known: the last receipt
+below it, every epoch between a recorded gap, is the one it names. A link whose predecessor is
+unknown is held (``pending``; §22.6, chained-records §11) and still counts as evidence. A receipt
+signed by a key other than the bound sequencer's is not applied; it is retained for attribution
+(§22.6 singularity).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from typing import Optional
 from agent.sequencer.receipts import Receipt, ReceiptError, Statement, receipt_hash, verify_receipt, verify_statement
 
 ACCEPTED, DUPLICATE, EQUIVOCATION, REJECTED, HELD = "accepted", "duplicate", "equivocation", "rejected", "held"
+UNSIGNED_CLAIM = "discontinuity_unsigned"     # a gap claimed without the sequencer's signed statement
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,9 @@ class ReceiptChain:
     binding_forks: list[tuple[int, bytes, bytes]] = field(default_factory=list)
     statements: dict[int, Statement] = field(default_factory=dict)   # signed discontinuity statements
     held_statements: list[bytes] = field(default_factory=list)
+    valid: dict[int, list[Receipt]] = field(default_factory=dict)   # every valid receipt, by epoch
+    pending: list[Receipt] = field(default_factory=list)             # valid, predecessor unknown
+    unsigned: list[int] = field(default_factory=list)                # epochs of unsigned gap claims
 
     def __post_init__(self) -> None:
         if self.sequencer_key is not None and 0 not in self.bindings:
@@ -91,6 +100,10 @@ class ReceiptChain:
     def head(self) -> Optional[Receipt]:
         return self.receipts[max(self.receipts)] if self.receipts else None
 
+    def top_epoch(self) -> Optional[int]:
+        """The highest epoch any valid receipt is held for, in the chain or held for its predecessor."""
+        return max((e for e, rs in self.valid.items() if rs), default=None)
+
     def add(self, raw: bytes) -> str:
         """Keep one receipt (from the sequencer or gossiped by a member)."""
         try:
@@ -103,27 +116,43 @@ class ReceiptChain:
         if bound is None:
             # §22.6: the binding in force at this link's generation cannot be resolved: hold the
             # link, neither apply nor reject it (and manufacture no equivocation verdict)
-            self.held.append(r.raw)
+            if r.raw not in self.held:
+                self.held.append(r.raw)
             return HELD
         if r.kid != bound:
             self.attributed.append((r.kid, r.raw))  # §22.6: rejected and retained for attribution
             return REJECTED
-        held = self.receipts.get(r.epoch)
-        if held is not None:
-            if held.raw == r.raw:
-                return DUPLICATE
-            self._evidence("double_receipt", r.epoch, (held.raw, r.raw),
-                           "two valid receipts for one (group_id, epoch)")
-            return EQUIVOCATION
-        if r.epoch in self.discontinuities:
-            st = self.statements.get(r.epoch)
-            self._evidence("discontinuity_contradicted", r.epoch, (r.raw,) + (() if st is None else (st.raw,)),
+        same = self.valid.setdefault(r.epoch, [])
+        if any(o.raw == r.raw for o in same):
+            return DUPLICATE
+        before = len(self.evidence)
+        # §22.5: every valid receipt counts as evidence, taken into the chain or held for its
+        # predecessor, so the verdict does not depend on which of two arrived first
+        for o in same:
+            self._evidence("double_receipt", r.epoch, (o.raw, r.raw), "two valid receipts for one (group_id, epoch)")
+        excluded = bool(same)
+        same.append(r)
+        st = self.statements.get(r.epoch)
+        if st is not None:
+            # §22.6: the receipt falsifies the claim: the member keeps its receipt, and the claim
+            # is evidence, not a gap
+            self.discontinuities.discard(r.epoch)
+            self._evidence("discontinuity_contradicted", r.epoch, (r.raw, st.raw),
                            "a valid receipt for an epoch the sequencer declared a discontinuity")
+        lower = self._adjacent_below(r.epoch)
+        if lower and r.previous_receipt_hash not in {q.receipt_hash for q in lower}:
+            self._evidence("divergent_chain", r.epoch, (lower[0].raw, r.raw),
+                           f"previous_receipt_hash does not name the receipt for epoch {lower[0].epoch}")
+            excluded = True
+        seen = len(self.evidence)
+        self._check_above(r.epoch, same)
+        if excluded or len(self.evidence) > seen:
+            return EQUIVOCATION         # kept as evidence, not taken into the chain
+        self.pending.append(r)
+        self._settle(r)
+        if len(self.evidence) > before:
             return EQUIVOCATION
-        verdict = self._check_links(r)
-        if verdict == ACCEPTED:
-            self.receipts[r.epoch] = r
-        return verdict
+        return ACCEPTED if self.receipts.get(r.epoch) is r else HELD
 
     def observe_head(self, raw: bytes) -> str:
         """A receipt head gossiped by another member: contradicts ours, or is simply kept."""
@@ -142,7 +171,8 @@ class ReceiptChain:
             return REJECTED
         bound = self.bound_key(st.epoch)
         if bound is None:
-            self.held_statements.append(st.raw)
+            if st.raw not in self.held_statements:
+                self.held_statements.append(st.raw)
             return HELD
         if st.kid != bound:
             self.attributed.append((st.kid, st.raw))
@@ -155,68 +185,109 @@ class ReceiptChain:
                            "two different discontinuity statements for one (group_id, epoch)")
             return EQUIVOCATION
         self.statements[st.epoch] = st
-        return self.claim_discontinuity(st.epoch, st)
+        return self._record_gap(st)
 
-    def claim_discontinuity(self, epoch: int, statement: Optional[Statement] = None) -> str:
-        """The sequencer's stated gap at ``epoch`` (surfaced to every member alike, §22.6 step 4).
-        A member holding a valid receipt for that epoch does not accept it: the claim is
-        falsified by the receipt, equivocation evidence (with both byte strings when signed)."""
-        held = self.receipts.get(epoch)
-        if held is not None:
-            self._evidence("discontinuity_contradicted", epoch,
-                           (held.raw,) + (() if statement is None else (statement.raw,)),
+    def claim_discontinuity(self, epoch: int) -> str:
+        """A gap claimed without the sequencer's signed statement (a member's word, a broker
+        record): §22.6 counts only a gap the sequencer recorded, so it is neither a gap nor
+        evidence. Kept in ``unsigned`` to be surfaced (UNSIGNED_CLAIM)."""
+        if epoch not in self.unsigned:
+            self.unsigned.append(epoch)
+        return REJECTED
+
+    def _record_gap(self, st: Statement) -> str:
+        before = len(self.evidence)
+        here = self.valid.get(st.epoch, [])
+        for r in here:
+            # §22.6: a member holding a valid receipt for the epoch does not accept the claim
+            self._evidence("discontinuity_contradicted", st.epoch, (r.raw, st.raw),
                            "the sequencer declared a discontinuity for an epoch this member holds a receipt for")
+        if here:
             return EQUIVOCATION
-        if statement is not None and statement.previous_receipt_hash is not None:
-            # the statement names the last receipt before the gap: it must be the one this member
-            # holds there (every epoch between a recorded gap), or the chains diverge
-            below = [e for e in self.receipts if e < epoch]
-            if below:
-                p = max(below)
-                if all(e in self.discontinuities for e in range(p + 1, epoch)) and \
-                        self.receipts[p].receipt_hash != statement.previous_receipt_hash:
-                    self._evidence("divergent_chain", epoch, (self.receipts[p].raw, statement.raw),
-                                   f"the statement of the gap does not name the receipt for epoch {p}")
-                    return EQUIVOCATION
-        self.discontinuities.add(epoch)
-        # a receipt already kept after the gap must chain across it to the last one before it
-        later = [e for e in self.receipts if e > epoch]
-        if later and self._check_links(self.receipts[min(later)], replace=True) == EQUIVOCATION:
-            return EQUIVOCATION
-        waiting, self.held = self.held, []
-        for raw in waiting:          # receipts held for want of this record
-            if self.add(raw) == EQUIVOCATION:
-                return EQUIVOCATION
-        return ACCEPTED
+        lower = self._adjacent_below(st.epoch)
+        if lower and st.previous_receipt_hash is not None and \
+                st.previous_receipt_hash not in {q.receipt_hash for q in lower}:
+            # the statement names the last receipt before the gap: it must be the one held there
+            self._evidence("divergent_chain", st.epoch, (lower[0].raw, st.raw),
+                           f"the statement of the gap does not name the receipt for epoch {lower[0].epoch}")
+        self.discontinuities.add(st.epoch)
+        if lower:
+            self._check_above(st.epoch, lower)     # the gap joins what is below it to what is above
+        self._settle()
+        return EQUIVOCATION if len(self.evidence) > before else ACCEPTED
 
-    def _check_links(self, r: Receipt, replace: bool = False) -> str:
-        # the predecessor: the last receipt below r.epoch, every epoch between a recorded gap
-        below = [e for e in self.receipts if e < r.epoch]
-        if below:
-            p = max(below)
-            gaps_ok = all(e in self.discontinuities for e in range(p + 1, r.epoch))
-            expected = self.receipts[p].receipt_hash
-            if gaps_ok and r.previous_receipt_hash != expected:
-                self._evidence("divergent_chain", r.epoch, (self.receipts[p].raw, r.raw),
-                               f"previous_receipt_hash does not name the receipt for epoch {p}")
-                return EQUIVOCATION
-            if not gaps_ok and r.previous_receipt_hash == expected and not replace:
-                # it chains over epochs that are neither receipted nor (yet) recorded gaps: held
-                # until the sequencer's discontinuity record arrives (a gap is stated, not inferred)
-                self.held.append(r.raw)
-                return HELD
-        above = [e for e in self.receipts if e > r.epoch]
-        if above and not replace:
-            n = min(above)
-            if all(e in self.discontinuities for e in range(r.epoch + 1, n)) and \
-                    self.receipts[n].previous_receipt_hash != r.receipt_hash:
-                self._evidence("divergent_chain", n, (r.raw, self.receipts[n].raw),
-                               f"the receipt for epoch {n} does not name this one")
-                return EQUIVOCATION
-        return ACCEPTED
+    def _adjacent_below(self, epoch: int) -> Optional[list[Receipt]]:
+        """The valid receipts at the nearest epoch below ``epoch`` holding any, every epoch between
+        a recorded gap; [] when only gaps (or nothing) lie below epoch 0; None when an epoch
+        between has neither (the predecessor is unknown)."""
+        e = epoch - 1
+        while e >= 0:
+            if self.valid.get(e):
+                return self.valid[e]
+            if e not in self.discontinuities:
+                return None
+            e -= 1
+        return []
+
+    def _check_above(self, epoch: int, below: list[Receipt]) -> None:
+        """What is above ``epoch`` across recorded gaps only must name one of ``below`` (the valid
+        receipts at ``epoch``, or the last below a new gap): a gap's statement and the next receipt."""
+        names = {q.receipt_hash for q in below}
+        e = epoch + 1
+        while True:
+            if self.valid.get(e):
+                for u in self.valid[e]:
+                    if u.previous_receipt_hash not in names:
+                        self._evidence("divergent_chain", e, (below[0].raw, u.raw),
+                                       f"the receipt for epoch {e} does not name the one for epoch {below[0].epoch}")
+                return
+            if e not in self.discontinuities:
+                return
+            st = self.statements[e]
+            if st.previous_receipt_hash is not None and st.previous_receipt_hash not in names:
+                self._evidence("divergent_chain", e, (below[0].raw, st.raw),
+                               f"the statement of the gap does not name the receipt for epoch {below[0].epoch}")
+            e += 1
+
+    def _settle(self, new: Optional[Receipt] = None) -> None:
+        """Move held links into the chain while one's predecessor is there (§22.6: a link whose
+        predecessor is unknown is held). ``new``: only that link changed, so the others are looked
+        at again only once it joined the chain."""
+        if new is not None:
+            if not self._join(new):
+                return
+        moved = True
+        while moved and self.pending:
+            moved = False
+            for r in sorted(self.pending, key=lambda x: (x.epoch, x.raw)):
+                moved = self._join(r) or moved
+
+    def _join(self, r: Receipt) -> bool:
+        """Take ``r`` into the chain if it links: the last receipt below it in the chain, every
+        epoch between a recorded gap, is the one it names; below the chain's lowest receipt, a
+        link the chain reaches across recorded gaps only anchors it lower."""
+        if r.epoch in self.receipts:
+            return False
+        low = min(self.receipts) if self.receipts else None
+        if low is None or r.epoch < low:
+            e = r.epoch + 1
+            while low is not None and e < low and e in self.discontinuities:
+                e += 1
+            ok = low is None or e == low
+        else:
+            e = r.epoch - 1
+            while e not in self.receipts and e in self.discontinuities:
+                e -= 1
+            ok = e in self.receipts and self.receipts[e].receipt_hash == r.previous_receipt_hash
+        if ok:
+            self.receipts[r.epoch] = r
+            self.pending.remove(r)
+        return ok
 
     def _evidence(self, kind: str, epoch: int, raws: tuple[bytes, ...], detail: str) -> None:
-        self.evidence.append(Evidence(kind, self.group_id, epoch, raws, detail))
+        ev = Evidence(kind, self.group_id, epoch, raws, detail)
+        if ev not in self.evidence:
+            self.evidence.append(ev)
 
 
 def chain_hash(raw: bytes) -> bytes:

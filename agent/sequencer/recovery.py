@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from agent.sequencer.core import EPOCH_LIMIT
-from agent.sequencer.member import Evidence, ReceiptChain
+from agent.sequencer.member import UNSIGNED_CLAIM, Evidence, ReceiptChain
 from agent.sequencer.receipts import (Receipt, ReceiptError, Statement, parse_receipt, parse_statement,
                                       verify_receipt, verify_statement)
 
@@ -43,8 +43,9 @@ class MemberEvidence:
     member: str
     receipts: tuple[bytes, ...]
     attested_epoch: int                     # the member's current MLS epoch
-    discontinuities: tuple[int, ...] = ()   # gaps the sequencer recorded and surfaced
-    statements: tuple[bytes, ...] = ()      # the sequencer's signed statements of those gaps (§22.6 step 4)
+    discontinuities: tuple[int, ...] = ()   # gaps the member says the sequencer recorded: a claim only
+    # the sequencer's signed statements of those gaps (§22.6 step 4): what makes a gap count
+    statements: tuple[bytes, ...] = ()
 
 
 BAD_EVIDENCE = "bad_evidence"
@@ -123,22 +124,26 @@ class Resume:
     discontinuities: tuple[int, ...]
     unusable: tuple[str, ...] = ()          # members whose evidence was not usable, and why
     statements: dict = field(default_factory=dict)   # gap epoch -> the bound sequencer's signed statement
+    unsigned: tuple[tuple[str, int], ...] = ()   # (member, epoch): gap claims with no signed statement
 
 
 @dataclass(frozen=True)
 class FailClosed:
     evidence: tuple[Evidence, ...]
+    unsigned: tuple[tuple[str, int], ...] = ()   # (member, epoch): gap claims with no signed statement
 
 
 @dataclass(frozen=True)
 class NotConverged:
     reason: str
     unusable: tuple[str, ...] = ()
+    unsigned: tuple[tuple[str, int], ...] = ()   # (member, epoch): gap claims with no signed statement
 
 
 @dataclass(frozen=True)
 class GenesisReset:
     unusable: tuple[str, ...] = ()
+    unsigned: tuple[tuple[str, int], ...] = ()   # (member, epoch): gap claims with no signed statement
 
 
 @dataclass(frozen=True)
@@ -168,48 +173,55 @@ Outcome = Union[Resume, FailClosed, NotConverged, GenesisReset]
 def assess(group_id: bytes, evidence: list[MemberEvidence], bindings: dict[int, bytes]) -> Outcome:
     union = ReceiptChain(group_id, bindings=dict(bindings))
     unusable: list[str] = []
+    claims: list[tuple[str, int]] = []
     heads: list[int] = []
+
+    def unsigned() -> tuple[tuple[str, int], ...]:
+        # §22.6: only a gap the sequencer recorded and signed counts; a member's word for one is
+        # neither a gap nor evidence, and is named as such (UNSIGNED_CLAIM)
+        return tuple((m, e) for m, e in claims if e not in union.statements)
     for ev in evidence:
         own = ReceiptChain(group_id, bindings=dict(bindings))
-        for e in ev.discontinuities:
-            own.claim_discontinuity(e)
-            union.claim_discontinuity(e)
         for raw in ev.receipts:
             own.add(raw)
             union.add(raw)
         for raw in ev.statements:
             # checked as a member checks a relayed statement: signature, the sequencer bound at its
             # epoch (a stranger's is not adopted), one statement per gap, the receipt it names
-            # (after the receipts: it must name the last one before the gap)
             own.add_statement(raw)
             union.add_statement(raw)
+        claims += [(ev.member, e) for e in sorted(set(ev.discontinuities))]
         if union.equivocation or own.equivocation:
-            return FailClosed(tuple(union.evidence) + tuple(own.evidence))
-        if not own.receipts:
+            return FailClosed(tuple(union.evidence) + tuple(own.evidence), unsigned())
+        top_own = own.top_epoch()
+        if top_own is None:
             # step 2 / "never a naked epoch assertion": no verifiable receipt, no evidence
             unusable.append(f"{ev.member}: no receipt verifies under the bound sequencer")
             continue
-        head = own.head()
-        if head.epoch + 1 != ev.attested_epoch:
-            unusable.append(f"{ev.member}: head epoch {head.epoch} inconsistent with attested epoch "
+        if top_own + 1 != ev.attested_epoch:
+            unusable.append(f"{ev.member}: head epoch {top_own} inconsistent with attested epoch "
                             f"{ev.attested_epoch}")
             continue
-        heads.append(head.epoch)
+        heads.append(top_own)
     if not heads:
-        return GenesisReset(tuple(unusable))
-    top = union.head()
+        return GenesisReset(tuple(unusable), unsigned())
+    # every valid receipt, in the chain or held for a predecessor below the members' heads: with
+    # no evidence, one a epoch, each linked to its neighbours wherever they are both known
+    held = {e: rs[0] for e, rs in union.valid.items() if rs}
+    top = held[max(held)]
     # continuity: from the lowest usable head to the top, every epoch has a receipt or a recorded gap
     low = min(heads)
-    missing = [e for e in range(low, top.epoch + 1) if e not in union.receipts and e not in union.discontinuities]
+    missing = [e for e in range(low, top.epoch + 1) if e not in held and e not in union.discontinuities]
     if missing:
         return NotConverged(f"epochs {missing[:5]} between the members' heads have neither a receipt nor "
-                            "a recorded discontinuity", tuple(unusable))
+                            "a recorded discontinuity", tuple(unusable), unsigned())
     if top.epoch not in heads:
-        return NotConverged(f"no member attests the highest receipt (epoch {top.epoch})", tuple(unusable))
-    chain = tuple(union.receipts[e] for e in sorted(union.receipts))
+        return NotConverged(f"no member attests the highest receipt (epoch {top.epoch})", tuple(unusable),
+                            unsigned())
+    chain = tuple(held[e] for e in sorted(held))
     gaps = tuple(sorted(union.discontinuities))
-    stated = {e: union.statements[e].raw for e in gaps if e in union.statements}
-    return Resume(top, top.epoch + 1, chain, gaps, tuple(unusable), stated)
+    stated = {e: union.statements[e].raw for e in gaps}
+    return Resume(top, top.epoch + 1, chain, gaps, tuple(unusable), stated, unsigned())
 
 
 def refill(group_id: bytes, lost: list[tuple[int, int]], held: dict[int, bytes], stated: dict[int, bytes],
@@ -311,6 +323,14 @@ def answer(group_id: bytes, out) -> dict:
     """The JSON `sequencer recover` prints for an outcome, and `sequencer run` answers an
     ``evidence`` request with (docs/sequencer.md "Recovery after state loss")."""
     g = group_id.hex()
+    doc = _answer(g, out)
+    if getattr(out, "unsigned", ()):
+        # §22.6: named, never counted as a gap nor as evidence
+        doc["unsigned_claims"] = [{"member": m, "epoch": e, "reason": UNSIGNED_CLAIM} for m, e in out.unsigned[:50]]
+    return doc
+
+
+def _answer(g: str, out) -> dict:
     if isinstance(out, Refilled):
         # a group that kept its state but lost receipts (`receipts_lost`): what members gave back
         r = out.refill

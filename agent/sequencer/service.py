@@ -45,6 +45,7 @@ from agent.core.frozen import fast_init
 from agent.sequencer import core, receipts
 from agent.sequencer.framing import FramingError, parse_mls_message
 from agent.sequencer.store import STATE_PAGE_BYTES, STATE_WAL_CHECKPOINT_PAGES, Store
+from agent.sequencer.witness import ReceiptWitness
 
 log = logging.getLogger("ssp_agent.sequencer")
 
@@ -285,6 +286,7 @@ class Sequencer:
                                      "initialised with: wrong token or device attached")
             self.bridge = SigningBridge(ks, str(self.home / JOURNAL_NAME), fault_hook=fault_hook)
             self._compacted_at = 0          # the journal's size after its last compaction
+            self.witness = ReceiptWitness(self.public_key)
             self._resume()
             if self.bridge.journal_stats()["bytes"] > JOURNAL_OPEN_COMPACT_BYTES:
                 self.compact_journal()
@@ -293,6 +295,8 @@ class Sequencer:
             raise
 
     def close(self) -> None:
+        if getattr(self, "witness", None) is not None:
+            self.witness.close()
         if self.bridge is not None:
             self.bridge.close()
             self.bridge.keystore.close()
@@ -330,6 +334,10 @@ class Sequencer:
 
     # -- verbs -----------------------------------------------------------------------------
     def register(self, group_id: bytes, epoch: int) -> None:
+        if self.store.group(group_id) is None and self.store.retired(group_id) is not None:
+            # §22.6: a group whose state was lost comes back only by a recovery that converges
+            raise SequencerRefused(f"{core.GROUP_RETIRED}: group {group_id.hex()} lost its state here and recovery "
+                                   "did not resume it; a genesis reset uses a new group_id (§22.10)")
         try:
             state = core.register(self.store.group(group_id), group_id, epoch)
         except ValueError as e:
@@ -436,10 +444,14 @@ class Sequencer:
                 "evidence": [{"kind": ev.kind, "epoch": ev.epoch, "receipts": [r.hex() for r in ev.receipts]}
                              for ev in out.evidence]})
         else:
-            self.store.record_event("recovery_refused", {
-                "group": group_id.hex(), "outcome": type(out).__name__,
-                "reason": getattr(out, "reason", "no usable receipt evidence: domain genesis reset (§22.10)"),
-                "unusable": list(out.unusable)})
+            detail = {"group": group_id.hex(), "outcome": type(out).__name__,
+                      "reason": getattr(out, "reason", "no usable receipt evidence: domain genesis reset (§22.10)"),
+                      "unusable": list(out.unusable)}
+            if state is None:
+                # §22.6: a record of the group stays, so no Commit bootstraps it at an asserted epoch
+                self.store.retire(group_id, type(out).__name__, detail)
+            else:
+                self.store.record_event("recovery_refused", detail)
         return out
 
     def lost(self, group_id: bytes) -> list[tuple[int, int, int]]:
@@ -620,7 +632,30 @@ class Sequencer:
                 continue        # nothing the journal knows is ahead: the state is not read (nor cached)
             self._settle_group(gid, pend.get(gid, {}), run, forgotten.get(gid))
         run.finish(all_pending=bool(pend))
+        self._resume_witness(epochs)
         self._sign_statements()
+
+    def _resume_witness(self, epochs: dict[bytes, int]) -> None:
+        """§22.5 cl. 2 and §22.6 "a restore from backup", after the journal had its say: a group
+        whose state is at or below an epoch the witness outside the home holds a receipt for was
+        restored with its whole home (the journal too). That receipt was released, and so may be
+        every one below it that this home lacks: the group moves past it, chained to it, and the
+        epochs between are lost (asked back from members, `receipts_lost`), never signed again
+        nor stated absent (a member may hold them). ``epochs``: each group's epoch before this open."""
+        for gid, (w, raw) in sorted(self.witness.top.items()):
+            state = self.store.group(gid)
+            if state is not None and (state.current_epoch > w or state.failed_closed or state.migrated):
+                continue
+            got = receipts.parse_receipt(raw)
+            lost_from = epochs.get(gid, 0)      # the gaps this open recorded above it go too
+            new = core.GroupState(gid, w + 1, core.Head(w, receipts.receipt_hash(raw)),
+                                  "restored" if state is None else state.origin)
+            log.warning("group %s: this home is behind the receipt it released for epoch %d (a restored "
+                        "home?); resuming past it", gid.hex(), w)
+            self.store.skip_witnessed(new, got.commit_hash, raw, lost_from if lost_from < w else None, {
+                "group": gid.hex(), "from": lost_from, "to": w - 1, "witness_epoch": w,
+                "store_epoch": None if state is None else state.current_epoch})
+            self._unsigned = True       # any gap recorded there keeps its statement round
 
     def _resume_behind_the_floor(self, epochs: dict[bytes, int]) -> dict:
         """§22.6 step 1 for a state restored from a copy older than the signing journal's
@@ -1031,6 +1066,9 @@ class GroupCommit:
             rh = receipt_hash(raw)
             done.append((accepted(state, d, rh), d.epoch, ch, raw, rh, m))
             out.append((tag, Accepted(d.group_id, d.epoch, raw)))
+        # outside the home, durable before any of them is released (a restore of the whole home
+        # must not sign these pairs again, §22.5 cl. 2)
+        seq.witness.note([raw for _n, _e, _c, raw, _h, _m in done])
         if done or accepts:
             # §22.5 cl. 3 for the finished batch; the next batch's pending rows before its intents
             rows = seq.store.commit_step(done, [(d.group_id, d.epoch, ch, m, d.bootstrap) for _t, m, ch, _s, d in accepts],
@@ -1096,7 +1134,7 @@ class GroupCommit:
                 break
             self.queued_bytes -= len(m)     # decided now, whatever the outcome (the rest stays in ``later``)
             state = group(f.group_id)
-            d = decide(state, f, ch)
+            d = decide(state, f, ch, state is None and seq.store.retired(f.group_id) is not None)
             if type(d) is not core.Accept:
                 out.append((tag, seq._rejected(d)))
                 continue

@@ -311,6 +311,26 @@ class Store:
             self._dirty[gid] = None                      # re-read after commit (its gaps)
             self._event("receipts_lost", detail)
 
+    def skip_witnessed(self, new: GroupState, commit_hash: bytes, receipt: bytes, lost_from: Optional[int],
+                       detail: dict) -> None:
+        """§22.5 cl. 2 after a restore of the whole home, one transaction a group: the receipt the
+        witness outside the home holds (``new.head``) is taken back byte for byte and the epoch
+        moves past it; the epochs from ``lost_from`` below it were released by a copy that is gone:
+        no gap is stated for them (a member may hold their receipts: they are asked back,
+        ``receipts_lost``), and a gap this open recorded there without a signed statement goes."""
+        gid, w = new.group_id, new.head.epoch
+        with self._tx():
+            if lost_from is not None:
+                self.conn.execute("DELETE FROM discontinuities WHERE group_id = ? AND epoch BETWEEN ? AND ? AND NOT "
+                                  "EXISTS (SELECT 1 FROM statements s WHERE s.group_id = discontinuities.group_id "
+                                  "AND s.epoch = discontinuities.epoch)", (gid, lost_from, w))
+            self.conn.execute("INSERT OR REPLACE INTO receipts VALUES (?, ?, ?, ?, ?, NULL)",
+                              (gid, w, commit_hash, receipt, new.head.receipt_hash))
+            self.conn.execute(_UPSERT_GROUP, _group_row(new))
+            self.conn.execute("DELETE FROM pending WHERE group_id = ? AND epoch <= ?", (gid, w))
+            self._dirty[gid] = None                      # re-read after commit (its gaps)
+            self._event("receipts_lost" if lost_from is not None and lost_from < w else "witness_ahead", detail)
+
     def lost_stretches(self, group_id: Optional[bytes] = None) -> dict[bytes, list[tuple[int, int]]]:
         """The epochs a resume named lost (events ``receipts_lost``: a state restored past the
         journal's compaction floor), group -> [(first, last)]; first 0 where the copy never knew
@@ -381,8 +401,21 @@ class Store:
                                   (state.group_id, epoch))
             for epoch, raw in (statements or {}).items():
                 self.conn.execute("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)", (state.group_id, epoch, raw))
+            self.conn.execute("DELETE FROM retired WHERE group_id = ?", (state.group_id,))
             self._put_group(state, -1)
             self._event(kind, detail)
+
+    def retire(self, group_id: bytes, outcome: str, detail: dict) -> None:
+        """§22.6: a group whose state this sequencer lost and whose recovery did not resume it
+        (``outcome``): never bootstrapped nor registered again, with the event, in one transaction."""
+        with self._tx():
+            self.conn.execute("INSERT OR REPLACE INTO retired VALUES (?, ?)", (group_id, outcome))
+            self._event("recovery_refused", detail)
+
+    def retired(self, group_id: bytes) -> Optional[str]:
+        """How the group's recovery ended, for a group retired here; None otherwise."""
+        row = self.conn.execute("SELECT outcome FROM retired WHERE group_id = ?", (group_id,)).fetchone()
+        return None if row is None else row[0]
 
     def fail_closed(self, group_id: bytes, current_epoch: int, detail: dict) -> None:
         """§22.6 step 4: equivocation evidence freezes the group for audit and migration."""

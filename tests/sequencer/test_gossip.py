@@ -131,9 +131,11 @@ def test_a_malicious_sequencer_double_signs_then_declares_a_discontinuity_flagge
         sequencing.gossip(n2, raw, NOW)
     t = converge([n0, n1], [(0, 1)], NOW + 1000)        # n2 not yet: n1 has never seen B
     ev = sequencing.status(n1, G)["groups"][0]["equivocation"]
+    # n1 keeps A in its chain, so epoch 4 (naming epoch 2 across the claimed gap) diverges from it too
     assert [(e["kind"], e["epoch"], set(e["receipts"])) for e in ev] == \
-        [("discontinuity_contradicted", 3, {a.hex(), stmt.hex()})], ev
-    assert [s["reason"] for s in surfaced(n1, "sequencer_equivocation")] == ["discontinuity_contradicted"]
+        [("discontinuity_contradicted", 3, {a.hex(), stmt.hex()}), ("divergent_chain", 4, {a.hex(), after.hex()})], ev
+    assert [s["reason"] for s in surfaced(n1, "sequencer_equivocation")] == ["discontinuity_contradicted",
+                                                                             "divergent_chain"]
     converge(nodes, [(0, 1), (0, 2)], t + 1000)
     for n in nodes:
         ev = sequencing.status(n, G)["groups"][0]["equivocation"]

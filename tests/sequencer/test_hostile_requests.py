@@ -154,18 +154,21 @@ def test_out_of_range_numbers_on_the_command_line_are_refused(tmp_path, argv):
 
 def test_a_member_keeps_no_gap_for_a_negative_epoch(tmp_path):
     """A `discontinuity/E` record is retained on the broker by whoever may publish there: an epoch
-    no sequencer can state (negative, or a boolean) is not kept as a gap."""
+    no sequencer can state (negative, or a boolean) is not kept as a gap; nor is one without the
+    sequencer's signed statement (§22.6); a signed one for 7 is."""
     import cbor2
 
     from agent.sequencer import client
+    from tests.sequencer.test_member import RogueSequencer
+    stated = RogueSequencer().statement(7, None, G)
     q = client.open_queue(tmp_path / "m")
     try:
         q.enqueue(encode_private_message(G, 3))
         c = client.CommitClient(q, serve.BrokerSettings("127.0.0.1", 1))
         c._followed[G] = 1
-        for epoch in (-5, True, 2 ** 63 - 1 + 1, 7):
+        for epoch, st in ((-5, None), (True, None), (2 ** 63 - 1 + 1, None), (8, None), (7, stated)):
             try:
-                body = cbor2.dumps({"epoch": epoch, "commit": None, "statement": None})
+                body = cbor2.dumps({"epoch": epoch, "commit": None, "statement": st})
             except Exception:   # noqa: BLE001 - cbor2 may refuse to encode it at all
                 continue
             c._handle(msg(f"sovm-seq/{G.hex()}/discontinuity/{epoch}", body))

@@ -49,8 +49,9 @@ def test_an_honest_chain_is_accepted_in_any_order_and_duplicates_are_quiet():
     rx = rs.chain(6)
     c = chain_of(rs)
     for raw in [rx[3], rx[0], rx[5], rx[1], rx[2], rx[4], rx[2]]:
-        assert c.add(raw) in (member.ACCEPTED, member.DUPLICATE)
-    assert not c.equivocation and c.head().raw == rx[5]
+        # a link whose predecessor has not arrived yet is held, then taken when it has
+        assert c.add(raw) in (member.ACCEPTED, member.DUPLICATE, member.HELD)
+    assert not c.equivocation and c.head().raw == rx[5] and sorted(c.receipts) == list(range(6)) and not c.pending
 
 
 def test_receipts_from_a_real_sequencer(seq):
@@ -99,12 +100,15 @@ def test_a_recorded_discontinuity_continuous_on_both_sides_is_a_durability_gap()
     c = chain_of(rs)
     c.add(r0)
     assert c.add(r2) == member.HELD                        # a gap is stated, not inferred
-    assert c.claim_discontinuity(1) == member.ACCEPTED
-    assert not c.equivocation and c.head().raw == r2 and c.held == []
+    # §22.6: a gap claimed without the sequencer's signed statement is neither a gap nor evidence
+    assert c.claim_discontinuity(1) == member.REJECTED and c.unsigned == [1]
+    assert 1 not in c.discontinuities and not c.equivocation and 2 not in c.receipts
+    assert c.add_statement(rs.statement(1, receipts.receipt_hash(r0))) == member.ACCEPTED
+    assert not c.equivocation and c.head().raw == r2 and c.held == [] and not c.pending
     # a gap the chain does not respect: the receipt after it names something else
     c2 = chain_of(rs)
     c2.add(r0)
-    c2.claim_discontinuity(1)
+    c2.add_statement(rs.statement(1, receipts.receipt_hash(r0)))
     bad = rs.sign(2, b"c2", receipts.receipt_hash(rs.sign(1, b"c1", receipts.receipt_hash(r0))))
     assert c2.add(bad) == member.EQUIVOCATION
 
@@ -124,12 +128,15 @@ def test_malicious_sequencer_double_signs_then_declares_a_discontinuity():
             c.add(raw)
     set_a.add(a)
     set_b.add(b)
+    st = rs.statement(3, receipts.receipt_hash(base[2]))
     for c in (set_a, set_b, bystander):
-        c.claim_discontinuity(3)
+        c.add_statement(st)
         c.add(after)
     assert set_a.equivocation and set_a.evidence[0].kind == "discontinuity_contradicted"
     assert set_b.equivocation and set_b.evidence[0].kind == "discontinuity_contradicted"
     assert not bystander.equivocation and bystander.head().raw == after
+    # §22.6: the members holding A or B keep their receipt for 3 in the chain; the claim is evidence
+    assert set_a.receipts[3].raw == a and 3 not in set_a.discontinuities
     # gossip of heads: the bystander later hears B from a member of set_b
     assert bystander.observe_head(b) == member.EQUIVOCATION
 
@@ -182,7 +189,7 @@ def test_malicious_sequencer_chaining_from_one_copy(variant):
             c.add(raw)
         if name != "none":
             c.add(a if name == "a" else b)
-        c.claim_discontinuity(3)
+        c.add_statement(rs.statement(3, receipts.receipt_hash(base[2])))
         c.add(after)
     assert holders["a"].equivocation and holders["b"].equivocation
     assert holders["none"].equivocation     # the receipt after the gap does not name the last before it

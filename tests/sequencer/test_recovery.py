@@ -81,8 +81,12 @@ def test_divergent_chains_fail_closed():
 def test_a_discontinuity_claimed_over_a_held_receipt_fails_closed():
     rs = RogueSequencer()
     a = rs.chain(4)
-    out = recovery.assess(G, [ev("a", a, 4), ev("b", [a[0], a[1]], 2, gaps=[2])], {0: rs.kid})
+    stated = rs.statement(2, receipts.receipt_hash(a[1]))
+    out = recovery.assess(G, [ev("a", a, 4), ev("b", [a[0], a[1]], 2, gaps=[2], statements=[stated])], {0: rs.kid})
     assert isinstance(out, recovery.FailClosed) and out.evidence[0].kind == "discontinuity_contradicted"
+    # §22.6: a claim without the sequencer's signed statement is neither a gap nor evidence: named
+    out = recovery.assess(G, [ev("a", a, 4), ev("b", [a[0], a[1]], 2, gaps=[2])], {0: rs.kid})
+    assert isinstance(out, recovery.Resume) and out.current_epoch == 4 and out.unsigned == (("b", 2),)
 
 
 def test_recorded_gap_continuous_on_both_sides_resumes():
@@ -90,8 +94,11 @@ def test_recorded_gap_continuous_on_both_sides_resumes():
     r0 = rs.sign(0, b"c0", None)
     r1 = rs.sign(1, b"c1", receipts.receipt_hash(r0))
     r3 = rs.sign(3, b"c3", receipts.receipt_hash(r1))        # epoch 2: receipt absent, recorded
-    out = recovery.assess(G, [ev("a", [r0, r1, r3], 4, gaps=[2]), ev("b", [r1, r3], 4, gaps=[2])], {0: rs.kid})
+    gap = rs.statement(2, receipts.receipt_hash(r1))
+    out = recovery.assess(G, [ev("a", [r0, r1, r3], 4, gaps=[2], statements=[gap]), ev("b", [r1, r3], 4, gaps=[2])],
+                          {0: rs.kid})
     assert isinstance(out, recovery.Resume) and out.current_epoch == 4 and out.discontinuities == (2,)
+    assert out.statements == {2: gap} and out.unsigned == ()      # b's claim is the gap a holds the statement of
 
 
 def test_a_recovered_gap_keeps_the_old_sequencers_signed_statement(tmp_path):
