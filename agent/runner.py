@@ -161,6 +161,7 @@ class Runner:
         self._released_acks = ReleasedAcks()  # records released, served again to a replay of the same body
         self._next_body: tuple | None = None  # (payload, its parse) of the body named to the node next
         self._pulled_on = 0  # the link connection (generation) `run` last pulled its peers on
+        self._denied_told = False  # the broker's refusal of our publishes was logged
         # Writes before this runner started are the batch cycle's; realtime pushes follow new ones.
         self._scanned = self._local_top = eventlog.top(node.conn)
         self.schedule = Schedule(self.cfg, self._local_top)
@@ -227,6 +228,11 @@ class Runner:
         now = time.monotonic()
         if self.link.losses:
             self._surface_losses()
+        if self.link.denied and not self._denied_told:
+            self._denied_told = True   # once: it needs a human (docs/mqtt.md, the ACLs)
+            log.warning("the broker refuses this node's publishes (Not authorized) as %s: nothing it sends is "
+                        "delivered; a device logs in as its own site_id %s (docs/mqtt.md)",
+                        self.settings.username or "anonymous", self.node.site_id.hex())
         self._expire(now)
         if self._pull_due():
             self.pull_all()

@@ -86,6 +86,8 @@ UNACKED_ITEMS = 1024
 _GENERATIONS = itertools.count(1)
 
 
+NOT_AUTHORIZED = 0x87  # an MQTT v5 PUBACK reason code: the broker's ACL refused the publish
+
 PRESENT_LIMIT = 1024  # presence payloads kept (MqttLink.present); the oldest go first
 PRESENCE_MAX_BYTES = 4096  # a presence payload is cut to this (a handshake is ~150 bytes; a cut one is refused)
 
@@ -305,6 +307,9 @@ class MqttLink:
         # what was sent before its connection began (docs/mqtt.md "A waking device").
         self.conn_id = ""
         self.received = 0
+        # Publishes the broker refused as `Not authorized` (network thread): the login was accepted
+        # but the ACL denies this account our own topics (another device's account).
+        self.denied = 0
         self.last_error: str | None = None
         self.connects = 0
         # What the Runner surfaces in `ssp-agent events` (kind `link_lost`, reason `broker_lost`):
@@ -608,6 +613,8 @@ class MqttLink:
         self.wake()
 
     def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        if getattr(reason_code, "value", 0) == NOT_AUTHORIZED:
+            self.denied += 1
         self.unacked.acked(mid)
         self._probe_puback(client, userdata, mid, reason_code, properties)
 
