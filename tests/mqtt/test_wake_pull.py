@@ -37,10 +37,11 @@ def _pair(tmp_path, n_events: int) -> tuple[Node, Node]:
     return g, d
 
 
-def _start_gateway(home, url: str) -> subprocess.Popen:
+def _start_gateway(home, url: str, env: dict | None = None) -> subprocess.Popen:
     # a batch cycle every second: rows written while the device sleeps go to its broker session
     return subprocess.Popen([*agent_cmd(), "--home", str(home), "run", "--broker", url, "--cadence", "1"],
-                            env=agent_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env={**agent_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -74,10 +75,10 @@ def _wait(cond, proc: subprocess.Popen, what: str, ceiling_s: float = 120.0) -> 
     raise AssertionError(f"never happened: {what}")
 
 
-def _wake(home, url: str) -> dict:
+def _wake(home, url: str, env: dict | None = None) -> dict:
     """One wake of the device: a real `sync --once` (a generous bound on the wait for answers)."""
     p = subprocess.run([*agent_cmd(), "--home", str(home), "sync", "--broker", url, "--once", "--timeout", "60"],
-                       capture_output=True, text=True, timeout=300, env=agent_env())
+                       capture_output=True, text=True, timeout=300, env={**agent_env(), **(env or {})})
     assert p.returncode == 0, p.stderr[-2000:]
     return json.loads(p.stdout)
 
@@ -90,10 +91,10 @@ def _ids(home) -> set[bytes]:
         n.close()
 
 
-def _wake_until_has(home, url: str, want: set[bytes]) -> list[dict]:
+def _wake_until_has(home, url: str, want: set[bytes], env: dict | None = None) -> list[dict]:
     outs = []
     for _ in range(WAKES):
-        outs.append(_wake(home, url))
+        outs.append(_wake(home, url, env))
         if want <= _ids(home):
             return outs
     have = _ids(home)
@@ -115,12 +116,12 @@ def _gateway_present(url: str, site: bytes) -> bool:
         link.abort()
 
 
-def _scenario(tmp_path, url: str, n_events: int):
-    g, d = _pair(tmp_path, n_events)
+def _scenario(tmp_path, url: str, n_events: int, pair=None, env: dict | None = None):
+    g, d = pair or _pair(tmp_path, n_events)
     want, hg, hd, d_site, g_site = event_ids(g), g.home, d.home, d.site_id, g.site_id
     g.close()
     d.close()
-    gw = _start_gateway(hg, url)
+    gw = _start_gateway(hg, url, env)
     # The gateway offered the device its window while the device had no broker session.
     _wait(lambda: _sent_to(hg, d_site) > 0, gw, "the gateway sends the device a window")
     return gw, want, hg, hd, d_site, g_site
@@ -174,3 +175,23 @@ def test_a_broker_restarted_without_persistence_while_the_device_sleeps(tmp_path
         if gw is not None:
             _stop(gw)
         b.close()
+
+
+def test_a_device_on_another_cluster_node_than_its_gateway(tmp_path):
+    """A broker cluster (two ejabberd nodes) does not carry retained messages across nodes: the
+    device never sees the gateway's presence, nor the gateway the device's. The device's pull
+    still reaches the gateway, which sends: the device has the rows within the bounded wakes."""
+    from tests.mqtt.ejabberd_cluster import EjabberdCluster
+    g, d = _pair(tmp_path, 40)
+    pw = {g.site_id.hex(): "gw-secret", d.site_id.hex(): "dev-secret"}
+    cluster = EjabberdCluster(tmp_path / "ejabberd", pw).start()
+    gw = None
+    try:
+        genv = {"SSP_MQTT_USERNAME": g.site_id.hex(), "SSP_MQTT_PASSWORD": pw[g.site_id.hex()]}
+        denv = {"SSP_MQTT_USERNAME": d.site_id.hex(), "SSP_MQTT_PASSWORD": pw[d.site_id.hex()]}
+        gw, want, _hg, hd, _d, _g = _scenario(tmp_path, cluster.url(0), 40, pair=(g, d), env=genv)
+        _wake_until_has(hd, cluster.url(1), want, denv)
+    finally:
+        if gw is not None:
+            _stop(gw)
+        cluster.close()
