@@ -41,6 +41,11 @@ gaps) in the `ssp-meta` user property so that an authenticated receiver can infe
   every device and its ACLs pin the sender segment of inbox topics to the device (docs/mqtt.md).
   Then received streams advance the node's applied watermarks and the peers' reports are kept
   (used to skip re-offers and to tell how far behind a peer is). Otherwise nothing moves them.
+- **Pulls** (docs/mqtt.md "A waking device"): once what waited for it is taken in, a `sync
+  --once` wake (and `run`, once per connection) pulls every peer; a peer answers a pull by giving
+  up on what it sent before the puller's connection began and is unanswered (lost: no session
+  yet, or a broker restart), sending again from its durable cursor, and only then answering. The
+  wake waits for online peers' answers, so it takes in what they hold for it.
 - **Eviction**: `run` runs the profile's eviction job every `eviction_interval_s`.
 - **Widening backfill** (scope §2): a batch body carries, after the live tail, the next rows of the
   peer's backfill jobs as the sync layer selects them (`Offer.n_backfill` events at the end, meta
