@@ -1,6 +1,7 @@
 """`ssp-agent sync --broker mqtt://HOST:PORT [--once]` and `ssp-agent run` (cli-contract.md).
 
-Without --broker, a private mosquitto is started on a free loopback port for the duration of
+Without --broker (nor SSP_MQTT_BROKER, nor [mqtt] broker), `sync --once` is refused (it would
+sync with nobody); `run` starts a private mosquitto on a free loopback port for the duration of
 the command (useful on a single machine and in the demo; a device normally names its gateway).
 TLS and credentials: --ca-file/--cert-file/--key-file/--username, password from
 $SSP_MQTT_PASSWORD or --password-file (never on the command line). The node's device profile
@@ -22,8 +23,9 @@ def _add_common(s) -> None:
                         "run: repeat it to serve several lines, and give --broker to serve MQTT too (a gateway)")
     s.add_argument("--baud", type=positive_int_arg, default=None,
                    help="--serial: line rate in bits per second (default: the device profile's [serial] baud)")
-    s.add_argument("--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT (default: a private mosquitto "
-                                    "on a free loopback port, started and stopped with this command)")
+    s.add_argument("--broker", help="mqtt://HOST:PORT or mqtts://HOST:PORT (default: SSP_MQTT_BROKER, then "
+                                    "[mqtt] broker in agent.toml; `sync --once` without one is refused, `run` "
+                                    "starts a private mosquitto on a free loopback port for its own duration)")
     s.add_argument("--cadence", type=interval_arg, default=None,
                    help="seconds between batch cycles (default: the device profile's cadence_s)")
     s.add_argument("--no-realtime", action="store_true", help="advertise supports_realtime: false; batch only")
@@ -103,10 +105,14 @@ def _settings(args):
 def _go(args, once: bool) -> int:
     if args.serial:
         return _go_serial(args, once)
-    from .cli import EXIT_OK, Fault, _open, emit
+    from .cli import EXIT_OK, Fault, Refused, _open, emit
     from .metrics import count_sync_run
     broker = None
     args.broker = _from(args, "broker", "SSP_MQTT_BROKER")   # flag, environment, /etc/ssp-agent/agent.toml
+    if once and not args.broker:
+        # a private broker would have nobody to sync with: exit 0 would say it synced
+        raise Refused("sync --once needs a broker: give --broker mqtt://HOST:PORT (or mqtts://), set "
+                      "SSP_MQTT_BROKER, or set [mqtt] broker in /etc/ssp-agent/agent.toml (docs/mqtt.md)")
     # the home first: a refused home must not leave a private mosquitto running behind it
     node = _open(args)
     try:
@@ -126,6 +132,9 @@ def _go(args, once: bool) -> int:
                 except BaseException:
                     count_sync_run(node, "failed", args)
                     raise
+                if r.link.denied:
+                    count_sync_run(node, "refused", args)
+                    raise Refused(denied_message(r.link.denied, r.settings.username, node.site_id))
                 count_sync_run(node, "ok", args)
                 emit(summary)
                 return refused_bodies_told(r, summary)
@@ -225,6 +234,15 @@ def refused_bodies_told(r, summary: dict) -> int:
         return EXIT_REFUSED
     print(f"ssp-agent: sync --once refused {n} of {got} bodies received: {reasons}{see}", file=sys.stderr)
     return EXIT_OK
+
+
+def denied_message(n: int, username: str | None, site: bytes) -> str:
+    """What a device is told when the broker accepted its login but refused its publishes."""
+    who = f"account {username}" if username else "anonymous login"
+    return (f"the broker accepted the {who} but refused {n} publish(es) of this device (Not authorized): "
+            f"nothing it sent was delivered. This device is {site.hex()}; under the per-device ACLs "
+            f"(docs/mqtt.md) it must log in as its own site_id with its own password: set mqtt.username to "
+            f"{site.hex()} and its password (or fix the broker's ACL)")
 
 
 def run_runtime(args, node, runner=None, ports=()) -> int:

@@ -101,8 +101,10 @@ def check_keystore(node) -> dict:
     return line("keystore", WARN, f"keystore kind {kind!r} not checked", "ssp-agent keystore show")
 
 
-def probe_broker(settings, client_id: str, timeout: float) -> tuple[str, str]:
-    """Connect once (clean session, no subscription). ('ok'|'refused'|'unreachable', detail)."""
+def probe_broker(settings, client_id: str, timeout: float, topic: str | None = None) -> tuple[str, str]:
+    """Connect once (clean session, no subscription), and with `topic` publish one empty message
+    there that expires at once. ('ok'|'refused'|'denied'|'unreachable', detail): 'denied' is a
+    login the broker accepts but whose publish its ACL refuses."""
     import ssl
 
     import paho.mqtt.client as paho
@@ -118,10 +120,17 @@ def probe_broker(settings, client_id: str, timeout: float) -> tuple[str, str]:
         except (OSError, ssl.SSLError, ValueError) as e:
             return "unreachable", f"TLS set-up failed: {e}"
 
+    published = threading.Event()
+
     def on_connect(client, userdata, flags, reason_code, properties):
         res["rc"] = reason_code
         done.set()
+
+    def on_publish(client, userdata, mid, reason_code, properties):
+        res["pub"] = reason_code
+        published.set()
     c.on_connect = on_connect
+    c.on_publish = on_publish
     try:
         c.connect(settings.host, settings.port, keepalive=10, clean_start=True)
     except (OSError, ssl.SSLError) as e:
@@ -131,20 +140,43 @@ def probe_broker(settings, client_id: str, timeout: float) -> tuple[str, str]:
         if not done.wait(timeout):
             return "unreachable", f"no CONNACK within {timeout:g} s"
         rc = res["rc"]
-        return ("refused", str(rc)) if rc.is_failure else ("ok", "connected")
+        if rc.is_failure:
+            return "refused", str(rc)
+        if topic is None:
+            return "ok", "connected"
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        from .transport.mqtt import NOT_AUTHORIZED
+        props = Properties(PacketTypes.PUBLISH)
+        props.MessageExpiryInterval = 1   # never waits for a sleeping node; a running one takes it as a probe
+        c.publish(topic, b"", qos=1, properties=props)
+        if not published.wait(timeout):
+            return "unreachable", f"no PUBACK within {timeout:g} s"
+        pub = res["pub"]
+        return ("denied", str(pub)) if getattr(pub, "value", 0) == NOT_AUTHORIZED else ("ok", "connected")
     finally:
         c.disconnect()
         c.loop_stop()
 
 
-def check_broker(settings, site_id: bytes | None, timeout: float) -> dict:
+def check_broker(settings, site_id: bytes | None, timeout: float, mesh_id: bytes | None = None) -> dict:
     if settings is None:
         return line("broker", WARN, "no broker configured (no --broker, SSP_MQTT_BROKER or [mqtt] broker in "
                     "/etc/ssp-agent/agent.toml)", "configure one (docs/systemd.md), or ignore on a mailbox-only node")
     where = f"{'mqtts' if settings.tls else 'mqtt'}://{settings.host}:{settings.port}"
     cid = f"{site_id.hex() if site_id else 'ssp'}-check-{uuid.uuid4().hex[:8]}"
-    outcome, detail = probe_broker(settings, cid, timeout)
+    # The node's own inbox under its own name: the one topic the per-device ACLs let it publish to
+    # that nobody else reads (a running node's link takes it as its delivery probe).
+    from .transport.mqtt import Topics
+    topic = Topics(mesh_id, settings.prefix).requests(site_id, site_id) if site_id and mesh_id else None
+    outcome, detail = probe_broker(settings, cid, timeout, topic)
     who = f" as {settings.username}" if settings.username else " (anonymous)"
+    if outcome == "denied":
+        return line("broker", FAIL, f"{where} accepts the login{who} but refuses this node's publishes under its own "
+                    f"name ({detail}): nothing it sends is delivered; this node is {site_id.hex()}",
+                    f"under the per-device ACLs (docs/mqtt.md) each device logs in as its own site_id: set "
+                    f"mqtt.username to {site_id.hex()} and its password, or fix the broker's ACL")
     if outcome == "ok":
         return line("broker", OK, f"{where} accepts this node's credentials{who}")
     if outcome == "refused":
@@ -268,7 +300,7 @@ def run_checks(home: Path, broker_settings, timeout: float = 5.0, now_ms: int | 
         return lines
     try:
         lines.append(check_keystore(node))
-        lines.append(check_broker(broker_settings, node.site_id, timeout))
+        lines.append(check_broker(broker_settings, node.site_id, timeout, node.mesh_id))
         lines.append(check_clock(node, now_ms))
         lines.append(check_disk(node))
         lines.extend(check_peers(node, now_ms))

@@ -77,7 +77,7 @@ def render(node, run_stats: dict | None = None, now_s: float | None = None) -> s
     o.metric("ssp_store_budget_bytes", "gauge", "The profile's disk budget for the store.", [({}, budget)])
     o.metric("ssp_store_budget_ratio", "gauge", "Store size over its budget (1: at the budget).",
              [({}, round(used / budget, 6) if budget else 0)])
-    o.metric("ssp_sync_runs_total", "counter", "`sync --once` runs, by outcome (ok, unreachable, failed).",
+    o.metric("ssp_sync_runs_total", "counter", "`sync --once` runs, by outcome (ok, unreachable, refused, failed).",
              [({"outcome": k}, n) for k, n in sorted(counters.read(node.conn, "sync_runs").items())])
     if run_stats is not None:
         for key, name, help_ in (("batch_cycles", "ssp_run_batch_cycles_total", "Batch cycles of this `run` process."),

@@ -41,6 +41,11 @@ gaps) in the `ssp-meta` user property so that an authenticated receiver can infe
   every device and its ACLs pin the sender segment of inbox topics to the device (docs/mqtt.md).
   Then received streams advance the node's applied watermarks and the peers' reports are kept
   (used to skip re-offers and to tell how far behind a peer is). Otherwise nothing moves them.
+- **Pulls** (docs/mqtt.md "A waking device"): once what waited for it is taken in, a `sync
+  --once` wake (and `run`, once per connection) pulls every peer; a peer answers a pull by giving
+  up on what it sent before the puller's connection began and is unanswered (lost: no session
+  yet, or a broker restart), sending again from its durable cursor, and only then answering. The
+  wake waits for online peers' answers, so it takes in what they hold for it.
 - **Eviction**: `run` runs the profile's eviction job every `eviction_interval_s`.
 - **Widening backfill** (scope §2): a batch body carries, after the live tail, the next rows of the
   peer's backfill jobs as the sync layer selects them (`Offer.n_backfill` events at the end, meta
@@ -58,12 +63,13 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .core.exchange import (GIVE_UP_DOUBLINGS, PRESENCE_LIMIT, BodyLimits, Exchange, ExchangeConfig, InFlight,
-                            Presence, Schedule, SurfaceBudget, not_surfaced)
+from .core.exchange import (GIVE_UP_DOUBLINGS, KIND_PULL, PRESENCE_LIMIT, BodyLimits, Exchange, ExchangeConfig,
+                            InFlight, Presence, Schedule, SurfaceBudget, not_surfaced)
 from .core.binding import MAX_ACKS_LOOKED_AT  # noqa: F401 - re-exported (tests, benches)
-from .core.binding import (P_ACK, Intake, OnceWake, ReleasedAcks, ack_due, ack_wait,  # noqa: F401 - P_ACK re-exported
-                           answer_properties, answer_proof, asks_signed_ack, body_fit, next_due, refusal_properties,
-                           request_properties, request_refusal, signed_ack_owed)
+from .core.binding import (P_ACK, P_CONN, P_MORE, Intake, OnceWake, ReleasedAcks, ack_due,  # noqa: F401 - P_ACK
+                           ack_wait, answer_properties, answer_proof, asks_signed_ack, body_fit, next_due,
+                           pull_answer_properties, refusal_properties, request_properties, request_refusal,
+                           signed_ack_owed)
 from .core.messages import ProtocolError, parse_body
 from .core.records import MAX_ACK_ANSWERS, AckAnswer, record_hash as body_hash
 from .core.sending import PeerLimit  # noqa: F401 - the too-large back-off (pure); re-exported
@@ -118,6 +124,9 @@ REFUSAL_WINDOW_S = 60.0
 LOSSES_SURFACED_PER_WINDOW = 20
 LOSS_WINDOW_S = 60.0
 PUMP_BUDGET_S = 0.25  # a pump call returns after about this long of handling (Runner.pump)
+# How long a pull waits in a sleeping peer's broker session before the broker drops it
+# (docs/mqtt.md "A waking device"): pulls do not pile up for a peer that sleeps for days.
+PULL_EXPIRY_S = 600
 
 
 
@@ -156,6 +165,8 @@ class Runner:
         self._last_ack: dict[bytes, float] = {}  # sender -> when its last acknowledgement was signed
         self._released_acks = ReleasedAcks()  # records released, served again to a replay of the same body
         self._next_body: tuple | None = None  # (payload, its parse) of the body named to the node next
+        self._pulled_on = 0  # the link connection (generation) `run` last pulled its peers on
+        self._denied_told = False  # the broker's refusal of our publishes was logged
         # Writes before this runner started are the batch cycle's; realtime pushes follow new ones.
         self._scanned = self._local_top = eventlog.top(node.conn)
         self.schedule = Schedule(self.cfg, self._local_top)
@@ -222,7 +233,14 @@ class Runner:
         now = time.monotonic()
         if self.link.losses:
             self._surface_losses()
+        if self.link.denied and not self._denied_told:
+            self._denied_told = True   # once: it needs a human (docs/mqtt.md, the ACLs)
+            log.warning("the broker refuses this node's publishes (Not authorized) as %s: nothing it sends is "
+                        "delivered; a device logs in as its own site_id %s (docs/mqtt.md)",
+                        self.settings.username or "anonymous", self.node.site_id.hex())
         self._expire(now)
+        if self._pull_due():
+            self.pull_all()
         if self.schedule.batch_due(now, self.link.connected.is_set()):
             self.batch_cycle()
         if self.cfg.realtime:
@@ -339,6 +357,8 @@ class Runner:
         self._note_link(m)
         if m.kind == "req":
             self._on_request(m)
+        elif m.kind == "ans" and m.correlation in self.ex.pulls:
+            self._on_pull_answer(m)
         elif m.kind == "ans":
             was = self.ex.is_in_flight(m.sender, m.correlation)
             self._on_answer(m)
@@ -423,7 +443,63 @@ class Runner:
         except Exception as e:  # noqa: BLE001 - a row not written (a full disk) must never stop the loop
             log.warning("could not surface a broker loss: %s", e)
 
+    def _on_pull(self, m: Inbound) -> None:
+        """A peer pulls (docs/mqtt.md "A waking device"): it has taken in and answered what waited
+        for it. What was sent to it before its connection began and is still unanswered was lost:
+        given up on (`Exchange.pulled`) and sent again from the durable cursor (SQLite is the
+        outbox), then the pull is answered, after those bodies (the broker keeps one publisher's
+        order), saying whether more follows."""
+        peer = m.sender
+        if peer is None or peer not in self.node.keyring or peer == self.node.site_id:
+            self.stats["pulls_ignored"] += 1
+            self.link.ack(m)
+            return
+        self.stats["pulls_answered"] += 1
+        if self.ex.pulled(peer, m.props.get(P_CONN), m.seq, time.monotonic()):
+            self._gave_up(peer)
+        if peer in self.sync.peers():
+            self.offer(peer, KIND_BATCH)
+        self._answer(m, b"", pull_answer_properties(self.ex.room(peer) <= 0), courtesy=False)
+
+    def _on_pull_answer(self, m: Inbound) -> None:
+        """The answer to our pull: the peer's bodies for us came before it. Earlier bodies to it
+        still unanswered were lost (`Exchange.pull_answered`): sent again."""
+        self.link.ack(m)
+        ok, upto = self.ex.pull_answered(m.correlation, m.sender, m.props.get(P_MORE) == "1")
+        if not ok:
+            return
+        self.stats["pull_answers"] += 1
+        if upto is not None:
+            self._gave_up(m.sender, upto)
+            self.offer(m.sender, KIND_BATCH)
+
+    def pull_all(self) -> None:
+        """Pull every peer (docs/mqtt.md "A waking device"): after this connection's intake, so that
+        a peer under `run` sends again what this node missed while it had no session, or what the
+        broker lost."""
+        self._pulled_on = self.link.generation
+        self.ex.pulls.clear()   # an earlier connection's pulls: their answers no longer matter
+        for peer in self.sync.peers():
+            self.ex.pull_sent(self.link.pull(peer, PULL_EXPIRY_S), peer)
+        self.stats["pulls_sent"] += 1
+
+    def _pull_due(self) -> bool:
+        """`run`: pull once per connection, once what the broker held for us (everything before
+        our presence came back) has been handled and answered."""
+        link = self.link
+        return (link.generation != self._pulled_on and link.connected.is_set() and link.presence_echo.is_set()
+                and not self.intake.waiting() and link.inbound.empty() and not self._owed)
+
+    def _repull(self) -> None:
+        """A `sync --once` wake pulls again from a peer that said it holds more, once the bodies it
+        sent before its answer are answered (their answers then precede the pull)."""
+        for peer in sorted(self.ex.repull):
+            if not self.intake.members.get(peer) and peer not in self._owed:
+                self.ex.pull_sent(self.link.pull(peer, PULL_EXPIRY_S), peer)
+
     def _on_request(self, m: Inbound) -> None:
+        if m.props.get(P_KIND) == KIND_PULL:
+            return self._on_pull(m)   # no body: nothing to apply
         self.stats["bodies_received"] += 1
         if m.dup:
             self.stats["redelivered"] += 1
@@ -619,6 +695,8 @@ class Runner:
         self.ex.note_message(m.kind, who, time.monotonic(), member=member, empty=not m.payload, dup=m.dup,
                              advertised=parse_body_limit(m.props.get(P_BODY_LIMIT)) if member else None,
                              told_too_large=m.props.get(P_REASON) == "too_large" and P_BODY_LIMIT in m.props)
+        if member and m.kind != "presence":
+            self.ex.note_conn(who, m.props.get(P_CONN), m.seq)
 
     def _note_answered(self, m: Inbound) -> None:
         """After an answer to a body in flight was handled (`Exchange.answered`); when it shows the
@@ -714,7 +792,8 @@ class Runner:
         corr = self.link.push(peer, body, user)
         off.token = self.sync.keyed(off.token, corr)  # its answer confirms it, in this process or a later one
         self.ex.sent(corr, InFlight(peer, kind, off.start, off.end, off.seqs, time.monotonic(),
-                                    off.n_backfill, off.backfill, off.token, len(body), off.body_hash))
+                                    off.n_backfill, off.backfill, off.token, len(body), off.body_hash,
+                                    heard=self.link.received))
         self.stats["backfill_events_pushed"] += off.n_backfill
         self.stats["bodies_pushed"] += 1
         self.stats["events_pushed"] += len(off.events)
@@ -778,7 +857,7 @@ class Runner:
         while True:
             now = time.monotonic()
             step = wake.next(now, echoed=self.link.presence_echo.is_set(), took=took,
-                             waiting=bool(self.ex.waiting_on()))
+                             waiting=bool(self.ex.waiting_on()) or self.ex.pulls_waiting())
             took = 0
             if step == OnceWake.DONE:
                 break
@@ -786,10 +865,12 @@ class Runner:
                 for peer in self.ex.lost_while_away():  # (quiet links) made durable here
                     self._gave_up(peer)
                 self.batch_cycle()
+                self.pull_all()
                 continue
             took = self.pump(wake.wait)
             if step == OnceWake.AWAIT:
                 self._expire(time.monotonic())
+                self._repull()
         return self.summary()
 
     def summary(self) -> dict[str, Any]:

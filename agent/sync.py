@@ -868,7 +868,10 @@ class PortAdapter:
         self.conn = node.conn
 
     def peers(self) -> list[bytes]:
-        return sorted(s for s in self.node.keyring if s != self.node.site_id)
+        """The sites this node syncs with: its keyring but itself and the authorities' record keys
+        (`reports.record_keys`: they sign records and never sync, docs/operations.md §0)."""
+        keys = reports.record_keys(self.conn)
+        return sorted(s for s in self.node.keyring if s != self.node.site_id and s not in keys)
 
     def have_max(self) -> tuple[int, int]:
         return self.driver.have_max_hlc()

@@ -30,7 +30,7 @@ from collections import Counter, deque
 from typing import Any, Callable, Iterable, Sequence
 
 from . import numbers, reasons
-from .exchange import KIND_BATCH, KIND_REALTIME, PRESENCE_LIMIT, Exchange, InFlight, Schedule
+from .exchange import KIND_BATCH, KIND_PULL, KIND_REALTIME, PRESENCE_LIMIT, Exchange, InFlight, Schedule
 from .messages import ProtocolError, parse_body
 from .records import MAX_ACK_ANSWERS, AckAnswer, RecordError, is_ack, verify_ack
 from .sending import first_body
@@ -88,6 +88,12 @@ P_META = "ssp-meta"  # the frame meta (docs/protocol.md §1) as compact JSON: {s
 # acknowledgement (`sovm/ssp-ack-v1`, docs/protocol.md §5) in its answer. Stripping it only makes
 # the sender's cursor stay (fail closed); adding it only costs the receiver a grouped signature.
 P_ACK = "ssp-ack"
+# On everything a node publishes: a random name of its current broker connection (transport
+# metadata, no authority). A receiver takes the first message of a connection as where it starts
+# (a pull, docs/mqtt.md "A waking device").
+P_CONN = "ssp-conn"
+# On the answer to a pull: "1" when the answerer holds more for the puller than it just sent.
+P_MORE = "ssp-more"
 
 # The body size estimate (`body_fit`): the answer-independent envelope of a body beyond its empty
 # encoding (CBOR headers of the events array and of each event, counted generously), and the JSON
@@ -167,6 +173,11 @@ def answer_properties(request: dict, counts: Counter | dict, processed: int, n_o
     return user
 
 
+def pull_answer_properties(more: bool) -> dict[str, str]:
+    """The user properties of the answer to a pull, published after the bodies it caused."""
+    return {P_STATUS: "ok", P_MORE: "1" if more else "0"}
+
+
 def refusal_properties(request: dict, reason: str) -> dict[str, str]:
     """The user properties of the answer refusing `request` (nothing of it processed)."""
     return {P_STATUS: "rejected", P_REASON: reason, P_PROCESSED: "0",
@@ -199,14 +210,17 @@ class OnceWake:
     2. OFFER, once: give up on the bodies an earlier wake sent that were lost while away
        (`Exchange.lost_while_away`), then the batch cycle.
     3. AWAIT (take messages for `wait` seconds, expire) while bodies are in flight to present peers.
-    4. LAST_LOOK: take what is already here without waiting; then DONE. What arrives later waits in
-       the broker for the next wake (the session is persistent).
-    `timeout_s` bounds the intake and the wait for answers; the offer and the last look always run."""
+    4. LAST_LOOK: take what is already here without waiting, until a look takes nothing (what a
+       peer sent before answering our pull is all here once the answer is: it is handled before the
+       wake ends); then DONE. What arrives later waits in the broker for the next wake (the session
+       is persistent).
+    `timeout_s` bounds the intake and the wait for answers; the offer and the last look always run
+    (the last look for at most another `timeout_s`)."""
     TAKE, DRAIN, OFFER, AWAIT, LAST_LOOK, DONE = "take", "drain", "offer", "await", "last_look", "done"
     INTAKE_WAIT_S, ANSWER_WAIT_S = 0.01, 0.05
 
     def __init__(self, now: float, settle_s: float = 0.5, timeout_s: float = 20.0) -> None:
-        self.settle_s = settle_s
+        self.settle_s, self.timeout_s = settle_s, timeout_s
         self.deadline = now + timeout_s
         self.idle_since = now
         self.phase = self.TAKE
@@ -233,8 +247,10 @@ class OnceWake:
             self.phase, self._pumped = self.AWAIT, False
         if self.phase == self.AWAIT:
             if (self._pumped and not waiting) or now >= self.deadline:
-                return self._go(self.LAST_LOOK)
+                return self._go(self.LAST_LOOK, pump=True)
             return self._go(self.AWAIT, self.ANSWER_WAIT_S)
+        if self.phase == self.LAST_LOOK and self._pumped and took and now < self.deadline + self.timeout_s:
+            return self._go(self.LAST_LOOK, pump=True)
         self.phase = self.DONE
         return self.DONE
 
@@ -291,7 +307,7 @@ def request_refusal(size: int, body_limit: int, kind: str, sender: bytes | None,
     error). The reason codes are agent/core/reasons.py's."""
     if size > body_limit:
         return reasons.TOO_LARGE, f"{size} bytes > body limit {body_limit}"
-    if kind not in (KIND_BATCH, KIND_REALTIME):
+    if kind not in (KIND_BATCH, KIND_REALTIME, KIND_PULL):
         return reasons.UNKNOWN_KIND, kind[:40]
     if sender is None:
         return reasons.BAD_TOPIC, "an inbox topic must name its sender"
@@ -457,6 +473,7 @@ class Intake:
 __all__ = ["NEVER", "next_due", "expiry_due", "OnceWake", "body_fit", "ack_requested", "asks_signed_ack",
            "request_properties", "answer_properties", "refusal_properties", "encode_meta", "meta_cost",
            "encode_indices", "decode_indices", "P_KIND", "P_FROM", "P_START", "P_END", "P_COUNT", "P_PART",
-           "P_STATUS", "P_REASON", "P_PROCESSED", "P_REJECTED_AT", "P_META", "P_ACK", "KIND_BATCH",
+           "P_STATUS", "P_REASON", "P_PROCESSED", "P_REJECTED_AT", "P_META", "P_ACK", "P_CONN", "P_MORE", "KIND_BATCH",
+           "KIND_PULL", "pull_answer_properties",
            "MAX_ACKS_LOOKED_AT", "answer_proof", "request_refusal", "signed_ack_owed", "ack_due", "ack_wait",
            "ReleasedAcks", "Intake"]

@@ -51,6 +51,9 @@ from .records import AckAnswer
 from .sending import MIN_BODY_LIMIT, PeerLimit
 
 KIND_BATCH, KIND_REALTIME = "batch", "rt"  # a request's `ssp-kind` (docs/mqtt.md)
+# A waking peer's pull (docs/mqtt.md "A waking device"): no body; "I have taken in what waited
+# for me: send what you hold for me now".
+KIND_PULL = "pull"
 
 
 @dataclass
@@ -85,6 +88,7 @@ class InFlight:
     token: Any = None  # the sync layer's confirmation token (live range and backfill rows)
     size: int = 0  # bytes of the body (0: unknown, a body recalled from an earlier process)
     body_hash: bytes | None = None  # BLAKE3 of the body's exact bytes: what a signed acknowledgement names
+    heard: int = -1  # messages the link had received when it was sent (-1: an earlier process's body)
 
     @property
     def total(self) -> int:
@@ -409,6 +413,17 @@ class Exchange:
     silent_since: dict[bytes, float] = field(default_factory=dict)  # per peer: reachable since, bodies unanswered
     give_ups: Counter = field(default_factory=Counter)  # per peer: give-ups since its last answer
     heard: set[bytes] = field(default_factory=set)  # peers a request came from in this process
+    # Pulls (docs/mqtt.md "A waking device"). As the receiver: per peer, its current connection
+    # (`ssp-conn`) and the link's receipt number of the first message of it; the settled answers
+    # and the last give-up a pull caused (a forged pull without ACLs gets at most one per wait).
+    conn_first: dict[bytes, tuple[str, int]] = field(default_factory=dict)
+    settled: Counter = field(default_factory=Counter)
+    pull_gave_up: dict[bytes, tuple[int, float]] = field(default_factory=dict)
+    # As the puller: correlation -> peer of each pull not answered yet, peers that answered one
+    # (online now), and peers that said they hold more (pulled again once their bodies are answered).
+    pulls: dict[bytes, bytes] = field(default_factory=dict)
+    pull_live: set[bytes] = field(default_factory=set)
+    repull: set[bytes] = field(default_factory=set)
 
     # ------------------------------------------------------------ the window
     def in_flight(self, peer: bytes) -> int:
@@ -662,7 +677,70 @@ class Exchange:
         self.heard.add(peer)
         self.silent_since.pop(peer, None)
         self.give_ups[peer] = 0
+        self.settled[peer] += 1
         return upto
+
+    # ------------------------------------------------------------ pulls (docs/mqtt.md "A waking device")
+    def note_conn(self, peer: bytes, conn: str | None, seq: int) -> None:
+        """A message from keyring peer `peer` on its connection `conn` (`ssp-conn`), the link's
+        `seq`-th: the first one of a connection marks where that connection starts."""
+        if conn and self.conn_first.get(peer, ("",))[0] != conn:
+            self.conn_first[peer] = (conn[:64], seq)
+
+    def pulled(self, peer: bytes, conn: str | None, seq: int, now: float) -> bool:
+        """`peer` pulled: it has taken in everything that waited for it, and answered it (its
+        answers precede its pull; one publisher's messages reach this node in order). A body in
+        flight to it that was sent before this node received the first message of the peer's
+        current connection, or by an earlier process, was then lost (sent while the peer had no
+        session, or lost with a broker restart): give up on the window (True; the caller makes
+        it durable and offers again). A body sent since is on its way. Without ACLs a forged pull
+        gives up at most once per `answer_timeout_s` unless the peer settled an answer since."""
+        first = self.conn_first.get(peer)
+        cut = first[1] if first is not None and conn and first[0] == conn else seq
+        lost = bool(self.earlier.get(peer)) or any(p.peer == peer and p.heard < cut for p in self.pending.values())
+        if not lost:
+            return False
+        last = self.pull_gave_up.get(peer)
+        if (not self.cfg.secure and last is not None and last[0] == self.settled[peer]
+                and now - last[1] < self.cfg.answer_timeout_s):
+            self.stats["pull_give_up_held"] += 1
+            return False
+        self.pull_gave_up[peer] = (self.settled[peer], now)
+        self.stats["unanswered"] += 1
+        self.stats["pull_give_ups"] += 1
+        self.give_up(peer)
+        return True
+
+    def pull_sent(self, corr: bytes, peer: bytes) -> None:
+        self.pulls[corr] = peer
+        self.repull.discard(peer)
+
+    def pull_answered(self, corr: bytes | None, sender: bytes | None, more: bool) -> tuple[bool, int | None]:
+        """An answer to a pull: (whether it answers one of ours, a sent_bodies id up to which the
+        bodies an earlier process sent the peer are given up, as in `answered`: the peer answered
+        this process's pull after every body sent before it, so those still unanswered were
+        lost). `more`: it holds more for us than it just sent (pull again once they are in)."""
+        peer = self.pulls.get(corr) if corr is not None else None
+        if peer is None or peer != sender:
+            return False, None
+        del self.pulls[corr]
+        self.pull_live.add(peer)
+        if more:
+            self.repull.add(peer)
+        upto = None
+        if self.earlier.get(peer):
+            self.stats["unanswered"] += 1
+            self.earlier.pop(peer)
+            self.sent_upto.pop(peer, None)
+            upto = self.earlier_top.get(peer, 0)
+        self.heard.add(peer)
+        return True, upto
+
+    def pulls_waiting(self) -> bool:
+        """A wake waits for the answer to its pull from a peer that is online (present, or it
+        answered a pull already), and to pull again from one that holds more."""
+        live = set(self.presence.caps) | self.pull_live
+        return bool(self.repull) or any(p in live for p in self.pulls.values())
 
     def waiting_on(self, present: Iterable[bytes] | None = None) -> list[bytes]:
         """Peers with bodies in flight from this process that are present (a wake waits for them)."""
@@ -670,5 +748,5 @@ class Exchange:
 
 
 __all__ = ["Exchange", "ExchangeConfig", "Schedule", "SurfaceBudget", "OfferPlan",
-           "KIND_BATCH", "KIND_REALTIME", "InFlight", "Settled", "BodyLimits", "Presence", "answered_progress",
+           "KIND_BATCH", "KIND_REALTIME", "KIND_PULL", "InFlight", "Settled", "BodyLimits", "Presence", "answered_progress",
            "PRESENCE_LIMIT", "GIVE_UP_DOUBLINGS", "MIN_BODY_LIMIT"]

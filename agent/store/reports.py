@@ -4,6 +4,7 @@ peer has not confirmed. (All SQL lives in agent/store/, docs/architecture.md.)""
 from __future__ import annotations
 
 import contextlib
+import json
 import sqlite3
 from pathlib import Path
 
@@ -41,9 +42,28 @@ def ignored_columns(conn: sqlite3.Connection) -> list[tuple[str, str, int]]:
 
 # ---------------------------------------------------------------------- the keyring
 def member_peers(conn: sqlite3.Connection) -> list[bytes]:
-    """The keyring's sites other than this node, not retired, in site order."""
+    """The keyring's sites other than this node, not retired, in site order, that sync: a record
+    key (`record_keys`) is no peer."""
+    keys = record_keys(conn)
     return [bytes(r[0]) for r in conn.execute(
-        "SELECT site_id FROM keyring WHERE source != 'self' AND retired_p IS NULL ORDER BY site_id")]
+        "SELECT site_id FROM keyring WHERE source != 'self' AND retired_p IS NULL ORDER BY site_id")
+        if bytes(r[0]) not in keys]
+
+
+def record_keys(conn: sqlite3.Connection) -> set[bytes]:
+    """Mesh authorities whose key was provisioned as an authority's (the manifest's [[peers]] next
+    to `authorities`, or `authority add`): a key that signs control records, never a node that
+    syncs, so nobody offers it events or waits for its confirmations (docs/operations.md §0). An
+    authority also added as a node (`peer add`, a vouch) stays a peer."""
+    r = conn.execute("SELECT value FROM meta WHERE key='authorities'").fetchone()
+    try:
+        auths = {bytes.fromhex(a) for a in json.loads(r[0])} if r and r[0] else set()
+    except (ValueError, TypeError):
+        return set()
+    if not auths:
+        return set()
+    return {bytes(s) for s, src in conn.execute("SELECT site_id, source FROM keyring WHERE source IN "
+                                                "('manifest', 'authority')") if bytes(s) in auths}
 
 
 def keyring_key(conn: sqlite3.Connection, site: bytes) -> bytes | None:

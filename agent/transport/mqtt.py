@@ -51,9 +51,9 @@ from paho.mqtt.properties import Properties
 # agent/core/binding.py; re-exported here for the link's users.
 from .. import inbox, outbox
 from ..core import numbers
-from ..core.binding import (P_COUNT, P_END, P_FROM, P_KIND, P_META, P_PART, P_PROCESSED,  # noqa: F401
-                            P_REASON, P_REJECTED_AT, P_START, P_STATUS, decode_indices)
-from ..core.exchange import KIND_BATCH, KIND_REALTIME  # noqa: F401 - a request's kinds (the exchange decides on them)
+from ..core.binding import (P_CONN, P_COUNT, P_END, P_FROM, P_KIND, P_META, P_MORE, P_PART,  # noqa: F401
+                            P_PROCESSED, P_REASON, P_REJECTED_AT, P_START, P_STATUS, decode_indices)
+from ..core.exchange import KIND_BATCH, KIND_PULL, KIND_REALTIME  # noqa: F401 - a request's kinds (the exchange decides)
 from ..core.sending import split_sizes  # noqa: F401 - body splitting is pure; re-exported for the runner, benches, tests
 
 log = logging.getLogger("ssp_agent.mqtt")
@@ -85,6 +85,8 @@ UNACKED_ITEMS = 1024
 
 _GENERATIONS = itertools.count(1)
 
+
+NOT_AUTHORIZED = 0x87  # an MQTT v5 PUBACK reason code: the broker's ACL refused the publish
 
 PRESENT_LIMIT = 1024  # presence payloads kept (MqttLink.present); the oldest go first
 PRESENCE_MAX_BYTES = 4096  # a presence payload is cut to this (a handshake is ~150 bytes; a cut one is refused)
@@ -235,6 +237,7 @@ class Inbound:
     sender: bytes | None = None  # inbox: the publisher the topic names (pinned by the broker's ACL, if any)
     oversize: int = 0  # a body over the node's body limit: its size (its payload was not kept)
     received: float = field(default_factory=time.monotonic)
+    seq: int = 0  # the link's receipt number of this message (`MqttLink.received`)
 
 
 def inbound_size(m: "Inbound") -> int:
@@ -299,6 +302,14 @@ class MqttLink:
         # persistent session, retained presence) has been delivered (`Runner.sync_once`).
         self.presence_echo = threading.Event()
         self.session_present = False
+        # A random name of the current connection, on everything published (`P_CONN`), and the
+        # number of messages received so far: a body sent records it, so a peer's pull can tell
+        # what was sent before its connection began (docs/mqtt.md "A waking device").
+        self.conn_id = ""
+        self.received = 0
+        # Publishes the broker refused as `Not authorized` (network thread): the login was accepted
+        # but the ACL denies this account our own topics (another device's account).
+        self.denied = 0
         self.last_error: str | None = None
         self.connects = 0
         # What the Runner surfaces in `ssp-agent events` (kind `link_lost`, reason `broker_lost`):
@@ -524,6 +535,7 @@ class MqttLink:
         self.generation = next(_GENERATIONS)  # unique across links: an ack never crosses connections
         self.connects += 1
         self.session_present = bool(getattr(flags, "session_present", False))
+        self.conn_id = os.urandom(8).hex()
         mps = getattr(properties, "MaximumPacketSize", None) if properties is not None else None
         self.broker_max_packet = int(mps) if mps else None
         # Usable once the broker confirmed our subscriptions (SUBACK), not at CONNACK: a peer's
@@ -560,6 +572,7 @@ class MqttLink:
             return
         where = self.topics.classify(msg.topic)
         props = getattr(msg, "properties", None)
+        self.received += 1
         if where is None:
             self._ack_now(msg)
             return
@@ -580,7 +593,7 @@ class MqttLink:
                     del self.present[next(iter(self.present))]
                     self.present_evicted += 1
             self.inbound.put(Inbound("presence", site, payload, _user_props(props), None, None, msg.mid, msg.qos,
-                                     bool(msg.dup), bool(msg.retain), self.generation))
+                                     bool(msg.dup), bool(msg.retain), self.generation, seq=self.received))
             self.wake()
             return
         if site != self.site_id:
@@ -596,10 +609,12 @@ class MqttLink:
         self.inbound.put(Inbound("req" if kind == "inbox/req" else "ans", site, bytes(payload),
                                  _user_props(props), bytes(corr) if corr is not None else None, rt,
                                  msg.mid, msg.qos, bool(msg.dup), bool(msg.retain), self.generation, sender,
-                                 oversize=oversize))
+                                 oversize=oversize, seq=self.received))
         self.wake()
 
     def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
+        if getattr(reason_code, "value", 0) == NOT_AUTHORIZED:
+            self.denied += 1
         self.unacked.acked(mid)
         self._probe_puback(client, userdata, mid, reason_code, properties)
 
@@ -622,7 +637,7 @@ class MqttLink:
 
     def _own_meta(self) -> dict[str, str]:
         """User properties on everything this node publishes to peers: its own body limit."""
-        return {P_BODY_LIMIT: str(int(self.s.body_limit_bytes))}
+        return {P_BODY_LIMIT: str(int(self.s.body_limit_bytes)), P_CONN: self.conn_id}
 
     def max_payload(self) -> int:
         """The largest body this link may send: the profile's body limit, under the broker's
@@ -639,6 +654,18 @@ class MqttLink:
         props = _publish_props({P_FROM: self.site_id.hex(), **self._own_meta(), **user}, corr,
                                self.topics.answers(self.site_id, peer))
         self._publish(self.topics.requests(peer, self.site_id), body, properties=props)
+        return corr
+
+    def pull(self, peer: bytes, expiry_s: int) -> bytes:
+        """Ask `peer` for what it holds for us (docs/mqtt.md "A waking device"): a request with no
+        body, answered like a push. The broker drops it after `expiry_s` in a sleeping peer's
+        session (a pull from a wake long over only costs that peer an answer). Returns its
+        correlation data."""
+        corr = os.urandom(16)
+        props = _publish_props({P_FROM: self.site_id.hex(), **self._own_meta(), P_KIND: KIND_PULL}, corr,
+                               self.topics.answers(self.site_id, peer))
+        props.MessageExpiryInterval = max(1, int(expiry_s))
+        self._publish(self.topics.requests(peer, self.site_id), b"", properties=props)
         return corr
 
     def answer(self, m: Inbound, body: bytes, user: dict[str, str]) -> bool:

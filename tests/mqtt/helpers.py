@@ -55,6 +55,13 @@ def step_until(runners, cond, timeout: float = 20.0) -> bool:
     return False
 
 
+def pulls_answered(runners) -> bool:
+    """Every runner pulled its peers on connecting and each of the others answered (docs/mqtt.md
+    "A waking device"): what that exchange sends is over, so timing-sensitive steps start after it."""
+    sites = {r.node.site_id for r in runners}
+    return all(r.stats["pulls_sent"] >= 1 and not (set(r.ex.pulls.values()) & sites) for r in runners)
+
+
 def write(node: Node, i: int, device: str = "d") -> bytes:
     return node.write(T, {"device": device, "seq": i}, {"temp": float(i), "note": f"{device}{i}"})
 

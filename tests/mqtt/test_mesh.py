@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from .helpers import event_ids, make_nodes, runner, step_until, write
+from .helpers import event_ids, make_nodes, pulls_answered, runner, step_until, write
 
 
 def _close(rs, nodes):
@@ -88,11 +88,11 @@ def test_broker_sigkill_mid_sync(broker, tmp_path):
         want = event_ids(a) | event_ids(b) | event_ids(c)
         assert step_until(rs, lambda: all(event_ids(n) == want for n in nodes), 60)
         assert a.dump() == b.dump() == c.dump()
-        # cursors never advanced past what a peer answered for
+        # cursors never advanced past what a peer answered for (an answer to a body sent again
+        # after a loss may come after the cursor passed it: it moves nothing)
         for (_me, _peer), moves in answered.items():
             for before, after, start, end, processed, n in moves:
-                assert after == before or start <= before
-                assert after <= end
+                assert after == before or (start <= before and after <= end)
         for r in rs:
             for p in r.sync.peers():
                 assert r.sync.cursor(p) <= r.node.conn.execute("SELECT max(seq) FROM events").fetchone()[0]
@@ -105,6 +105,7 @@ def test_realtime_push_without_waiting_for_batch(broker, tmp_path):
     ra, rb = runner(a, broker, cadence_s=3600), runner(b, broker, cadence_s=3600)
     try:
         assert step_until([ra, rb], lambda: b.site_id in ra.caps and a.site_id in rb.caps, 5)
+        assert step_until([ra, rb], lambda: pulls_answered([ra, rb]), 30)
         for r in (ra, rb):
             r.step(0.01)  # the first batch cycle runs at start; the next one is an hour away
         t0 = time.monotonic()
@@ -125,6 +126,7 @@ def test_no_unsolicited_push_without_capability(broker, tmp_path):
     rc = runner(c, broker, cadence_s=3600)
     try:
         assert step_until([ra, rb, rc], lambda: {b.site_id, c.site_id} <= set(ra.caps), 5)
+        assert step_until([ra, rb, rc], lambda: pulls_answered([ra, rb, rc]), 30)
         assert ra.caps[b.site_id].supports_realtime is False
         eid = write(a, 1, "x")
         assert step_until([ra, rb, rc], lambda: eid in event_ids(c), 5)  # c has realtime: pushed

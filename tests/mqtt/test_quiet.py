@@ -22,8 +22,8 @@ from agent.node import Node
 from agent.runner import RunConfig
 from agent.simpeer import SimPeer
 from agent.store import sync_state as st
-from agent.transport.mqtt import (ADVERTISED_FLOOR, P_BODY_LIMIT, P_COUNT, P_END, P_START, MqttLink, Topics,
-                                  _publish_props)
+from agent.transport.mqtt import (ADVERTISED_FLOOR, KIND_PULL, P_BODY_LIMIT, P_COUNT, P_END, P_KIND, P_START,
+                                  MqttLink, Topics, _publish_props)
 
 from .helpers import MESH, T, event_ids, make_nodes, runner, settings, step_until, write
 from tests.cli_cmd import agent_cmd, agent_env
@@ -81,9 +81,10 @@ def test_idle_step_work_does_not_grow_with_the_store(broker, tmp_path):
 
 
 # ------------------------------------------------------------------ an offline peer's broker queue
-def _queued_for(broker, node, sender: bytes, idle_s: float = 1.5) -> list:
+def _queued_for(broker, node, sender: bytes, idle_s: float = 1.5, pulls: list | None = None) -> list:
     """Connect as `node` (its own client id: its persistent session) with a bare link that
-    processes nothing, and take everything the broker had queued for it from `sender`."""
+    processes nothing, and take the bodies the broker had queued for it from `sender`; its pulls
+    (no body, docs/mqtt.md "A waking device") go to `pulls`."""
     link = MqttLink(settings(broker), MESH, node.site_id).start()
     assert link.wait_connected(10), link.last_error
     got = []
@@ -94,6 +95,10 @@ def _queued_for(broker, node, sender: bytes, idle_s: float = 1.5) -> list:
             except queue.Empty:
                 break
             if m.kind == "req" and m.sender == sender:
+                if m.props.get(P_KIND) == KIND_PULL:
+                    if pulls is not None:
+                        pulls.append(m)
+                    continue
                 got.append(m)
     finally:
         link.abort()
@@ -159,8 +164,10 @@ def test_wakes_of_a_sleeper_do_not_pile_bodies_for_an_offline_peer(broker, tmp_p
         _sync_once(homes[0], broker.url)
     b = Node.open(homes[1])
     try:
-        got = _queued_for(broker, b, a.site_id)
+        pulls: list = []
+        got = _queued_for(broker, b, a.site_id, pulls=pulls)
         _assert_one_window(got, window)
+        assert len(pulls) <= 4 and all(not m.payload for m in pulls)  # one pull per wake, no body
         assert got and sum(int(m.props[P_COUNT]) for m in got) <= window * per_body
     finally:
         b.close()

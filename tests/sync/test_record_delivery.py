@@ -211,6 +211,7 @@ class _FakeLink:
         self.other: "_FakeLink | None" = None
         self.drop_answers = 0
         self._n = 0
+        self.received = 0   # MqttLink's count of messages received (a body sent records it)
         self.losses: "collections.deque" = collections.deque()   # MqttLink's noted connection losses: none here
 
     def max_payload(self) -> int:
