@@ -459,7 +459,10 @@ class Runner:
             self._gave_up(peer)
         if peer in self.sync.peers():
             self.offer(peer, KIND_BATCH)
-        self._answer(m, b"", pull_answer_properties(self.ex.room(peer) <= 0), courtesy=False)
+        # The answer carries our presence (the §31 handshake): a peer that never receives our
+        # retained presence (a broker cluster's other node, docs/scale.md) learns it from traffic.
+        self._answer(m, self.sync.handshake(self.cfg.realtime), pull_answer_properties(self.ex.room(peer) <= 0),
+                     courtesy=False)
 
     def _on_pull_answer(self, m: Inbound) -> None:
         """The answer to our pull: the peer's bodies for us came before it. Earlier bodies to it
@@ -469,6 +472,10 @@ class Runner:
         if not ok:
             return
         self.stats["pull_answers"] += 1
+        if m.payload:
+            # the answerer's presence, from an answer to this connection's pull: it is online now,
+            # whether or not its retained presence reaches us
+            self._on_presence(m, m.sender)
         if upto is not None:
             self._gave_up(m.sender, upto)
             self.offer(m.sender, KIND_BATCH)
@@ -635,13 +642,15 @@ class Runner:
         keyring = self.node.keyring
         return answer_proof(p, payload, self.node.mesh_id, self.node.site_id, keyring.get, self.stats)
 
-    def _on_presence(self, m: Inbound) -> None:
-        """A retained presence reaches every node at every start: a payload its boundary refuses is
-        surfaced (once per site and payload in this process) and the site counts as absent. The
-        link acknowledged it on arrival (presence is never redelivered by a nack)."""
-        e = self.ex.presence.received(m.site, m.payload, self.node.keyring.__contains__)
+    def _on_presence(self, m: Inbound, site: bytes | None = None) -> None:
+        """A retained presence reaches every node at every start, and a pull's answer carries the
+        answerer's: a payload its boundary refuses is surfaced (once per site and payload in this
+        process) and the site counts as absent. The link acknowledged it on arrival (presence is
+        never redelivered by a nack)."""
+        site = m.site if site is None else site
+        e = self.ex.presence.received(site, m.payload, self.node.keyring.__contains__)
         if e is not None:
-            self._surface_refusal("presence", e.reason, e.detail, m.site)
+            self._surface_refusal("presence", e.reason, e.detail, site)
 
     # -------------------------------------------------------------- sending
     # Quiet links (issue 12 item 6, docs/mqtt.md "Quiet links"). A body sent to a peer stays in
