@@ -305,8 +305,76 @@ def storage_fault(exc: BaseException, store: Path) -> StoreError | None:
     return None
 
 
+# ---------------------------------------------------------------- the WAL index, allocated for real
+# SQLite's unix VFS grows the WAL index (store.sqlite-shm) by writing one byte per 4 KiB page into
+# a sparse file, then maps it. On a filesystem whose blocks are smaller than a page (ext4 with 1 KiB
+# blocks, mke2fs's default below 512 MiB) the rest of each page has no block yet; touching it on a
+# nearly full disk kills the process with SIGBUS. So the index file's blocks are allocated for real
+# (fallocate) before SQLite maps it; where they cannot be, the connection keeps the index in heap
+# memory (exclusive locking mode) and maps nothing (docs/reliability.md "Full disk").
+WAL_INDEX_BYTES = 512 << 10   # 32 KiB per 4 096 WAL frames: a WAL of about 256 MiB
+_SHM_DMS = 128                # the unix VFS's "dead man switch" byte: every -shm user holds a read lock on it
+_F_OFD_SETLK = 37             # Linux: a lock of this file description, seen by this process's own POSIX locks
+_FALLOC_KEEP_SIZE = 1
+
+
+def _fallocate(fd: int, keep_size: bool, offset: int, length: int) -> None:
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    r = libc.fallocate(ctypes.c_int(fd), ctypes.c_int(_FALLOC_KEEP_SIZE if keep_size else 0),
+                       ctypes.c_longlong(offset), ctypes.c_longlong(length))
+    if r != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def allocate_wal_index(store: Path, size: int = WAL_INDEX_BYTES) -> bool:
+    """Give the store's WAL index file real blocks for its first `size` bytes (and for all it
+    holds), before SQLite maps it: True if they are there. When no process has the index open,
+    SQLite's first opener truncates it to 3 bytes (freeing blocks past them): then it is emptied
+    here and the blocks are allocated past its end (FALLOC_FL_KEEP_SIZE), which a growing
+    truncate keeps. When others have it open it is only filled in (no size or byte changes)."""
+    import fcntl
+    import struct
+    shm = Path(str(store) + "-shm")
+    try:
+        mode = os.stat(store).st_mode & 0o666
+        fd = os.open(str(shm), os.O_RDWR | os.O_CREAT, mode)
+    except OSError:
+        return False
+    try:
+        unused = False
+        try:   # a write lock on the switch byte: granted only if no connection, ours included, uses the index
+            fcntl.fcntl(fd, _F_OFD_SETLK, struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, _SHM_DMS, 1, 0))
+            unused = True
+        except OSError:
+            pass
+        if unused:
+            os.ftruncate(fd, 0)
+        cur = os.fstat(fd).st_size
+        if cur:
+            _fallocate(fd, False, 0, cur)              # the holes SQLite's one-byte writes left
+        if size > cur:
+            _fallocate(fd, True, cur, size - cur)      # what it grows into, allocated ahead
+        return True
+    except OSError:
+        if unused:   # give back what a partial allocation took (a truncate frees blocks past the end)
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass
+        return False
+    finally:
+        os.close(fd)   # also drops the lock (nothing of SQLite's: it held none on this byte)
+
+
 def connect(path: Path) -> sqlite3.Connection:
+    heap_index = not allocate_wal_index(path)
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+    if heap_index:
+        # No blocks for the WAL index (a full disk): keep it in heap memory, set before WAL is
+        # first used. This connection then holds the store alone until it closes.
+        conn.execute("PRAGMA locking_mode=EXCLUSIVE")
     # Before WAL: switching to WAL writes the file header, after which auto_vacuum no longer takes
     # and eviction's freed pages would never go back to the filesystem (an existing store is
     # converted by eviction: convert_to_incremental_vacuum).
@@ -356,19 +424,21 @@ def scrub_superseded(conn: sqlite3.Connection, mode: str) -> None:
 def connect_readonly(path: Path) -> sqlite3.Connection:
     """A connection for the read verbs (status, dump, log, events) that writes nothing, so they
     work on a full disk. A read-only WAL reader still needs the -shm index file; on a full disk
-    it cannot be created or sized (SQLITE_IOERR_SHMSIZE). Then read in exclusive locking mode,
+    it cannot be created or sized (SQLITE_IOERR_SHMSIZE), or given real blocks (allocate_wal_index).
+    Then read in exclusive locking mode,
     where SQLite keeps the WAL index in heap memory and needs no -shm at all (it still reads any
     committed frames from the -wal file); `query_only` keeps this connection from writing."""
-    uri = "file:" + urllib.parse.quote(str(path)) + "?mode=ro"
-    conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
-    try:
-        conn.execute("PRAGMA busy_timeout=10000")
-        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        return conn
-    except sqlite3.OperationalError as e:
-        conn.close()
-        if (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF not in (_IOERR, _CANTOPEN, _FULL):
-            raise
+    if allocate_wal_index(path):   # else a shared index could kill this reader (SIGBUS): see above
+        uri = "file:" + urllib.parse.quote(str(path)) + "?mode=ro"
+        conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute("PRAGMA busy_timeout=10000")
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return conn
+        except sqlite3.OperationalError as e:
+            conn.close()
+            if (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF not in (_IOERR, _CANTOPEN, _FULL):
+                raise
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA locking_mode=EXCLUSIVE")
     conn.execute("PRAGMA query_only=1")
