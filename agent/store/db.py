@@ -401,11 +401,29 @@ def reclaim_free_pages(conn: sqlite3.Connection) -> bool:
         except sqlite3.OperationalError as e:
             if (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF != _FULL:
                 raise
+    # A step at a time, the WAL truncated after each: a step's WAL (the pages it moves) must fit
+    # in the home's reserve on a full disk, whatever the number of free pages.
     # executescript steps the pragma to completion: the sqlite3 module's execute() stops after the
     # first step of a statement without result columns, and each step frees one page.
-    conn.executescript("PRAGMA incremental_vacuum;")
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    free = conn.execute("PRAGMA freelist_count").fetchone()[0]
+    while free:
+        conn.executescript(f"PRAGMA incremental_vacuum({RECLAIM_STEP_PAGES});")
+        checkpoint(conn)
+        left = conn.execute("PRAGMA freelist_count").fetchone()[0]
+        if left >= free:
+            break
+        free = left
+    checkpoint(conn)
     return converted
+
+
+RECLAIM_STEP_PAGES = 256
+
+
+def checkpoint(conn: sqlite3.Connection) -> None:
+    """Copy the WAL into the store and truncate it (its blocks back to the filesystem); a reader
+    holding an old snapshot only makes it partial."""
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
 
 _SECURE_DELETE = {"on": "ON", "fast": "FAST", "off": "OFF"}   # names: "=2" reads as a boolean (on)

@@ -176,7 +176,8 @@ def test_runs_eviction_job_is_deferred_without_a_trustworthy_clock(tmp_path, mon
         assert [e["reason"] for e in node.surfaced(100) if e["kind"] == "clock"] == ["clock_untrusted"]
         assert node.status()["tables"]["app.readings"]["horizon"] == "0.0"
         flag.write_text("")
-        rep = runner.evict()
-        assert rep["tables"]["app.readings"]["events_deleted"] == 1
+        rep = runner.evict()      # it runs; the node's own write, which no peer acknowledged, stays
+        assert rep is not None and runner.stats["evictions"] == 1
+        assert rep["tables"]["app.readings"]["events_deleted"] == 0
     finally:
         node.close()
