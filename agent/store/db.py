@@ -183,6 +183,15 @@ def note_unseal_failure(msg: str) -> None:
     _unseal_failure.msg = msg
 
 
+def no_inodes(path: Path) -> bool:
+    """Has the filesystem holding `path` no inode left for an unprivileged file?"""
+    try:
+        st = os.statvfs(str(path))
+    except OSError:
+        return False
+    return st.f_files > 0 and st.f_favail == 0
+
+
 def free_bytes(path: Path) -> int | None:
     try:
         st = os.statvfs(str(path))
@@ -270,8 +279,12 @@ def storage_fault(exc: BaseException, store: Path) -> StoreError | None:
         todo = "Free space there, then retry; read verbs (status, receipt) still work"
     full_msg = (f"the filesystem holding {home} is full ({free if free is not None else '?'} bytes free): nothing "
                 f"was changed. {todo}")
+    # No inode left (blocks may be free): a new file (the WAL, its index, a journal's
+    # replacement) cannot be made, which SQLite reports as a file it cannot open.
+    inodes_msg = (f"the filesystem holding {home} has no free inode left (too many files; blocks may be free): "
+                  f"nothing was changed. Remove files there (df -i shows it), then retry; read verbs still work")
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StoreError(full_msg)
+        return StoreError(inodes_msg if no_inodes(home) else full_msg)
     if isinstance(exc, OSError) and exc.errno in (errno.EIO, errno.EROFS):
         return StoreError(f"{exc.filename or home}: {exc.strerror}; the medium is failing or read-only: check it "
                           "(dmesg), keep a copy of the home, then retry")
@@ -299,6 +312,8 @@ def storage_fault(exc: BaseException, store: Path) -> StoreError | None:
                           "of the home, then retry")
     if code in (_BUSY, _LOCKED):
         return StoreError(f"store {store} is busy ({name}): another process holds it; retry when it is done")
+    if code in (_READONLY, _CANTOPEN) and no_inodes(home):
+        return StoreError(inodes_msg)
     if code in (_READONLY, _CANTOPEN):
         return StoreError(f"store {store} cannot be opened for writing ({exc}, {name}): check the permissions "
                           "and that the filesystem is mounted read-write")
@@ -458,9 +473,21 @@ def connect_readonly(path: Path) -> sqlite3.Connection:
             if (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF not in (_IOERR, _CANTOPEN, _FULL):
                 raise
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-    conn.execute("PRAGMA locking_mode=EXCLUSIVE")
-    conn.execute("PRAGMA query_only=1")
-    conn.execute("PRAGMA busy_timeout=10000")
+    try:
+        conn.execute("PRAGMA locking_mode=EXCLUSIVE")
+        conn.execute("PRAGMA query_only=1")
+        conn.execute("PRAGMA busy_timeout=10000")
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return conn
+    except sqlite3.OperationalError as e:
+        conn.close()
+        wal = Path(str(path) + "-wal")
+        if (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF != _CANTOPEN or wal.exists():
+            raise
+    # No -wal file can be made (no inode left) and none exists: the store file holds everything
+    # committed and nothing has it open for writing (a writer keeps a -wal), so read it as it is.
+    uri = "file:" + urllib.parse.quote(str(path)) + "?mode=ro&immutable=1"
+    conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
     conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
     return conn
 

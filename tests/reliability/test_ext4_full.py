@@ -11,7 +11,7 @@ import pytest
 
 from agent.simpeer import SimPeer, manifest_text, readings_table
 
-from .ext4img import cli, ext4, leave_free, unavailable, verbs_at
+from .ext4img import cli, ext4, leave_free, unavailable, verbs_at, verdict
 
 MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 T = "app.readings"
@@ -160,3 +160,21 @@ def test_evict_auto_on_a_full_disk_frees_a_store_larger_than_the_reserve(tmp_pat
         assert json.loads(p.stdout)["tables"][T]["events_deleted"] == 8 * 400
         log = {json.loads(x)["event_id"] for x in cli(home, "log").stdout.splitlines()}
         assert {e.hex() for e in own} <= log and len(log) == len(own) + 1     # and the peer's fresh one
+
+
+def test_inodes_exhausted_say_so(tmp_path):
+    """With no inode left (the blocks free), every verb said "check the permissions". A write
+    says the filesystem has no inode left; the read verbs work."""
+    from .ext4img import exhaust_inodes
+    with ext4(tmp_path / "img", "24M", 1024, inodes=256) as fs:
+        home = make_home(fs, tmp_path)
+        many = exhaust_inodes(fs)
+        p = cli(home, "write", T, "--key", '{"device": "d", "seq": 50}', "--set", '{"temp": 1.5}')
+        assert verdict(p) is None and p.returncode == 1, p.stderr
+        assert "inode" in p.stderr and "permissions" not in p.stderr, p.stderr
+        for verb in ("status", "dump", "events"):
+            q = cli(home, verb)
+            assert q.returncode == 0, (verb, q.stderr)
+        import shutil
+        shutil.rmtree(many)
+        assert cli(home, "write", T, "--key", '{"device": "d", "seq": 50}', "--set", '{"temp": 1.5}').returncode == 0
