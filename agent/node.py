@@ -1291,7 +1291,13 @@ class Node:
         st = clockstate.assess(self, now)
         if st["trusted"]:
             self.record_clock_evidence(now, defer=defer)
-        return clock_signing_time(now, self.clock_evidence, st["trusted"])
+        evidence = self.clock_evidence
+        if not st["trusted"] and evidence is None:
+            # Never a trustworthy reading here (a device that never synchronised): the time its
+            # peers vouch for is evidence too, so a bad boot ten years ahead does not stamp events
+            # every peer rejects (§12 step 2) and the HLC cannot come back from.
+            evidence = sync_state.peer_time_evidence(self.conn, self.site_id, self.keyring, self.tables)
+        return clock_signing_time(now, evidence, st["trusted"])
 
     def note_clock(self, now: int | None = None) -> dict:
         """Assess the clock and, when it is trustworthy, keep the reading as evidence (throttled):

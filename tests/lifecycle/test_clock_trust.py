@@ -224,3 +224,33 @@ def test_a_synchronised_clock_ten_years_ahead_evicts_nothing_undelivered(tmp_pat
     assert res["rejected"] == 0, res
     rows = {(r["key"]["device"], r["key"]["seq"]) for r in cli.j(B, "dump")["app.readings"]}
     assert {("a", 0), ("a", 1), ("a", 2)} <= rows
+
+
+def test_a_node_that_never_synchronised_and_boots_ten_years_ahead_stays_deliverable(tmp_path):
+    """A device that never had a synchronised clock (no evidence of its own) booted ten years
+    ahead stamped its writes ten years ahead and went on doing so after the clock was corrected
+    (its HLC never goes back): its peers rejected them (`clock_skew`) and they reached no one. The
+    time its peers vouch for (events it holds from them) now caps its signing time as evidence does."""
+    cli = Cli(tmp_path)
+    cli.synced(True)
+    b = cli.j(tmp_path / "b", "init", "--manifest", _manifest(tmp_path, "mb", []))
+    cli.synced(False)                                        # A's clock never synchronised
+    a = cli.j(tmp_path / "a", "init", "--manifest", _manifest(tmp_path, "ma", [b]))
+    A, B = tmp_path / "a", tmp_path / "b"
+    assert cli.j(A, "status")["clock"]["evidence_ms"] is None
+    cli.synced(True)
+    cli(B, "peer", "add", "--site-id", a["site_id"], "--public-key", a["public_key"])
+    cli(B, "write", "app.readings", "--key", json.dumps({"device": "b", "seq": 1}), "--set", '{"temp": 1.5}')
+    f = tmp_path / "b-to-a.body"
+    cli(B, "mailbox", "export", "--peer", a["site_id"], "--out", f)
+    assert cli.j(A, "mailbox", "import", f)["applied"] == 1
+    cli.synced(False)
+    for i in range(3):                                       # a boot ten years ahead, then corrected
+        cli(A, "write", "app.readings", "--key", json.dumps({"device": "a", "seq": i}), "--set", '{"temp": 2.5}',
+            fake="+3650d" if i < 2 else None)
+    stamps = [_p(e["hlc"]) for e in cli.log(A) if e["site_id"] == a["site_id"]]
+    assert len(stamps) == 3 and max(stamps) <= int(time.time() * 1000) + SKEW_MS, stamps
+    f = tmp_path / "a-to-b.body"
+    cli(A, "mailbox", "export", "--peer", b["site_id"], "--out", f)
+    res = cli.j(B, "mailbox", "import", f)
+    assert res["applied"] == 3 and res["rejected"] == 0, res
