@@ -331,12 +331,18 @@ WAL_INDEX_BYTES = 512 << 10   # 32 KiB per 4 096 WAL frames: a WAL of about 256 
 _SHM_DMS = 128                # the unix VFS's "dead man switch" byte: every -shm user holds a read lock on it
 _F_OFD_SETLK = 37             # Linux: a lock of this file description, seen by this process's own POSIX locks
 _FALLOC_KEEP_SIZE = 1
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+_libc = None
 
 
 def _fallocate(fd: int, keep_size: bool, offset: int, length: int) -> None:
+    global _libc
     import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    r = libc.fallocate(ctypes.c_int(fd), ctypes.c_int(_FALLOC_KEEP_SIZE if keep_size else 0),
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    r = _libc.fallocate(ctypes.c_int(fd), ctypes.c_int(_FALLOC_KEEP_SIZE if keep_size else 0),
                        ctypes.c_longlong(offset), ctypes.c_longlong(length))
     if r != 0:
         err = ctypes.get_errno()
@@ -345,7 +351,9 @@ def _fallocate(fd: int, keep_size: bool, offset: int, length: int) -> None:
 
 def allocate_wal_index(store: Path, size: int = WAL_INDEX_BYTES) -> bool:
     """Give the store's WAL index file real blocks for its first `size` bytes (and for all it
-    holds), before SQLite maps it: True if they are there. When no process has the index open,
+    holds), before SQLite maps it: False only when the filesystem has no room for them (else
+    SQLite goes on as it would: a filesystem without fallocate, a file this user cannot write).
+    When no process has the index open,
     SQLite's first opener truncates it to 3 bytes (freeing blocks past them): then it is emptied
     here and the blocks are allocated past its end (FALLOC_FL_KEEP_SIZE), which a growing
     truncate keeps. When others have it open it is only filled in (no size or byte changes)."""
@@ -355,8 +363,8 @@ def allocate_wal_index(store: Path, size: int = WAL_INDEX_BYTES) -> bool:
     try:
         mode = os.stat(store).st_mode & 0o666
         fd = os.open(str(shm), os.O_RDWR | os.O_CREAT, mode)
-    except OSError:
-        return False
+    except OSError as e:
+        return e.errno not in _NO_ROOM
     try:
         unused = False
         try:   # a write lock on the switch byte: granted only if no connection, ours included, uses the index
@@ -372,13 +380,13 @@ def allocate_wal_index(store: Path, size: int = WAL_INDEX_BYTES) -> bool:
         if size > cur:
             _fallocate(fd, True, cur, size - cur)      # what it grows into, allocated ahead
         return True
-    except OSError:
+    except OSError as e:
         if unused:   # give back what a partial allocation took (a truncate frees blocks past the end)
             try:
                 os.ftruncate(fd, 0)
             except OSError:
                 pass
-        return False
+        return e.errno not in _NO_ROOM
     finally:
         os.close(fd)   # also drops the lock (nothing of SQLite's: it held none on this byte)
 
