@@ -3,9 +3,12 @@ anything released to the outside (signed events, the HLC ceiling, cursor advance
 The database is the only source of truth; every cache is rebuilt from it on open."""
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
 import os
 import sqlite3
+import struct
 import threading
 import urllib.parse
 from pathlib import Path
@@ -337,12 +340,15 @@ _NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 _libc = None
 
 
-def _fallocate(fd: int, keep_size: bool, offset: int, length: int) -> None:
+def _libc_handle():
     global _libc
-    import ctypes
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
-    r = _libc.fallocate(ctypes.c_int(fd), ctypes.c_int(_FALLOC_KEEP_SIZE if keep_size else 0),
+    return _libc
+
+
+def _fallocate(fd: int, keep_size: bool, offset: int, length: int) -> None:
+    r = _libc_handle().fallocate(ctypes.c_int(fd), ctypes.c_int(_FALLOC_KEEP_SIZE if keep_size else 0),
                        ctypes.c_longlong(offset), ctypes.c_longlong(length))
     if r != 0:
         err = ctypes.get_errno()
@@ -353,21 +359,35 @@ def allocate_wal_index(store: Path, size: int = WAL_INDEX_BYTES) -> bool:
     """Give the store's WAL index file real blocks for its first `size` bytes (and for all it
     holds), before SQLite maps it: False only when the filesystem has no room for them (else
     SQLite goes on as it would: a filesystem without fallocate, a file this user cannot write).
-    When no process has the index open,
-    SQLite's first opener truncates it to 3 bytes (freeing blocks past them): then it is emptied
-    here and the blocks are allocated past its end (FALLOC_FL_KEEP_SIZE), which a growing
-    truncate keeps. When others have it open it is only filled in (no size or byte changes)."""
-    import fcntl
-    import struct
-    shm = Path(str(store) + "-shm")
+    Done in a forked child: closing any descriptor of the file drops every POSIX lock this process
+    holds on it, SQLite's included (a connection already open here would lose its hold on the index)."""
+    _libc_handle()
+    pid = os.fork()
+    if pid == 0:   # the child: system calls only, then _exit (no cleanup of the parent's state)
+        code = 0
+        try:
+            code = 0 if _allocate(str(store), size) else 1
+        except BaseException:   # noqa: BLE001 - the parent goes on as SQLite would
+            code = 0
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) != 1
+
+
+def _allocate(store: str, size: int) -> bool:
+    """allocate_wal_index's work. When no process has the index open, SQLite's first opener
+    truncates it to 3 bytes (freeing blocks past them): then it is emptied here and the blocks are
+    allocated past its end (FALLOC_FL_KEEP_SIZE), which a growing truncate keeps. When others
+    have it open it is only filled in (no size or byte changes)."""
+    shm = store + "-shm"
     try:
         mode = os.stat(store).st_mode & 0o666
-        fd = os.open(str(shm), os.O_RDWR | os.O_CREAT, mode)
+        fd = os.open(shm, os.O_RDWR | os.O_CREAT, mode)
     except OSError as e:
         return e.errno not in _NO_ROOM
+    unused = False
     try:
-        unused = False
-        try:   # a write lock on the switch byte: granted only if no connection, ours included, uses the index
+        try:   # a write lock on the switch byte: granted only if no connection uses the index
             fcntl.fcntl(fd, _F_OFD_SETLK, struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, _SHM_DMS, 1, 0))
             unused = True
         except OSError:
@@ -388,7 +408,7 @@ def allocate_wal_index(store: Path, size: int = WAL_INDEX_BYTES) -> bool:
                 pass
         return e.errno not in _NO_ROOM
     finally:
-        os.close(fd)   # also drops the lock (nothing of SQLite's: it held none on this byte)
+        os.close(fd)
 
 
 def connect(path: Path) -> sqlite3.Connection:
