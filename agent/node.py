@@ -1579,7 +1579,7 @@ class Node:
         tables = {}
         # A clock that says it is synchronised may still lie: no horizon passes the newest time the
         # mesh vouches for, so a peer's later writes (its HLC only rises) stay above it, and with
-        # no such evidence no horizon moves (docs/apply.md "Eviction").
+        # no such evidence no horizon moves (docs/apply.md "What eviction never does").
         vouched = sync_state.peer_time_evidence(self.conn, self.site_id, self.keyring, self.tables)
         for q, t in sorted(self.tables.items()):
             keep_ms = self.profile.horizons_ms.get(t.tdef.retention) if t.tdef.retention else None
@@ -1600,7 +1600,7 @@ class Node:
         """Delete the retained events below the table's horizon, a batch per transaction with
         the WAL truncated between them, so the space it needs is one batch's (docs/reliability.md
         "Full disk"). This node's own events that no peer acknowledged stay (their watermarks say
-        which, §14.2): they may be all there is of them (docs/apply.md "Eviction")."""
+        which, §14.2): they may be all there is of them (docs/apply.md "What eviction never does")."""
         h = self.tables[table].horizon
         if h is None:
             return 0

@@ -170,14 +170,6 @@ def newest_evictable_own(conn: sqlite3.Connection, site: bytes, table: str, h: t
     return newest_below(conn, site, table, min(h, (acked[0], acked[1] + 1)))
 
 
-def unacked_own_below(conn: sqlite3.Connection, site: bytes, table: str, h: tuple[int, int],
-                      acked: tuple[int, int] | None) -> int:
-    """How many of `site`'s events on `table` below `h` no peer acknowledged (kept by eviction)."""
-    a = acked if acked is not None else (-1, 0)
-    return conn.execute(f"SELECT count(*) FROM events WHERE {_BELOW} AND {_UNACKED}",
-                        (table, h[0], h[0], h[1], site, a[0], a[0], a[1])).fetchone()[0]
-
-
 # ---------------------------------------------------------------------- held events
 def held_tables(conn: sqlite3.Connection) -> list[str]:
     """The tables some held event waits for."""
