@@ -259,17 +259,22 @@ def cmd_log(args) -> int:
     return EXIT_OK
 
 
+def use_reserve(home, who: str) -> None:
+    """Opening a home writes (WAL index, journal compaction): on a disk full to the last block
+    eviction, the way to free space, could not even open it. `evict` and `run` (whose eviction
+    job frees it) release the home's reserve first (docs/reliability.md "Full disk")."""
+    from .store import db
+    free = db.free_bytes(Path(home))
+    if free is not None and free < db.LOW_SPACE_BYTES:
+        freed = db.release_reserve(Path(home))
+        if freed:
+            print(f"ssp-agent: the disk is full: {who} uses the {freed} bytes the home reserves for it",
+                  file=sys.stderr)
+
+
 def cmd_evict(args) -> int:
     if not _served:
-        # Opening a home writes (WAL index, journal compaction): on a disk full to the last block
-        # eviction, the way to free space, could not even open it. Use the reserve (issue 16 item 2).
-        from .store import db
-        free = db.free_bytes(Path(args.home))
-        if free is not None and free < db.LOW_SPACE_BYTES:
-            freed = db.release_reserve(Path(args.home))
-            if freed:
-                print(f"ssp-agent: the disk is full: eviction uses the {freed} bytes the home reserves for it",
-                      file=sys.stderr)
+        use_reserve(args.home, "eviction")
     if args.auto:
         if args.table or args.horizon:
             raise Refused("--auto takes no table or horizon: it uses the profile's horizons for every evictable table")

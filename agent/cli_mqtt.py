@@ -105,7 +105,7 @@ def _settings(args):
 def _go(args, once: bool) -> int:
     if args.serial:
         return _go_serial(args, once)
-    from .cli import EXIT_OK, Fault, Refused, _open, emit
+    from .cli import EXIT_OK, Fault, Refused, _open, emit, use_reserve
     from .metrics import count_sync_run
     broker = None
     args.broker = _from(args, "broker", "SSP_MQTT_BROKER")   # flag, environment, /etc/ssp-agent/agent.toml
@@ -114,6 +114,8 @@ def _go(args, once: bool) -> int:
         raise Refused("sync --once needs a broker: give --broker mqtt://HOST:PORT (or mqtts://), set "
                       "SSP_MQTT_BROKER, or set [mqtt] broker in /etc/ssp-agent/agent.toml (docs/mqtt.md)")
     # the home first: a refused home must not leave a private mosquitto running behind it
+    if not once:
+        use_reserve(args.home, "run")   # its first turn evicts
     node = _open(args)
     try:
         if not args.broker:
@@ -155,8 +157,9 @@ def _go_serial(args, once: bool) -> int:
     from . import cli_serial
     if once:
         return cli_serial.sync_once(args)
-    from .cli import _open
+    from .cli import _open, use_reserve
     cli_serial.check(args, once=False)
+    use_reserve(args.home, "run")   # its first turn evicts
     node = _open(args)
     try:
         ports = cli_serial.open_ports(args, node, once=False)

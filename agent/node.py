@@ -43,6 +43,9 @@ EVENT_KEY = "events"  # the key name of the node's event-signing key in its keys
 # not fit is rejected (surfaced; the sender re-offers it later), never dropped.
 HELD_LIMIT_PER_SIGNER = 10_000
 HELD_LIMIT_TOTAL = 100_000
+# Events one eviction transaction deletes: its WAL (about a page per event it touches) must fit in
+# the space the home reserves (db.RESERVE_BYTES) whatever the store's size.
+EVICT_BATCH = 1000
 JOURNAL_COMPACT_BYTES = 4 * 2**20  # compact the signing journal when it grew this much since the last time
 JOURNAL_OPEN_COMPACT_BYTES = 64 * 2**10  # on open, compact only a journal larger than this (or after a recovery)
 
@@ -1317,7 +1320,13 @@ class Node:
         st = clockstate.assess(self, now)
         if st["trusted"]:
             self.record_clock_evidence(now, defer=defer)
-        return clock_signing_time(now, self.clock_evidence, st["trusted"])
+        evidence = self.clock_evidence
+        if not st["trusted"] and evidence is None:
+            # Never a trustworthy reading here (a device that never synchronised): the time its
+            # peers vouch for is evidence too, so a bad boot ten years ahead does not stamp events
+            # every peer rejects (§12 step 2) and the HLC cannot come back from.
+            evidence = sync_state.peer_time_evidence(self.conn, self.site_id, self.keyring, self.tables)
+        return clock_signing_time(now, evidence, st["trusted"])
 
     def note_clock(self, now: int | None = None) -> dict:
         """Assess the clock and, when it is trustworthy, keep the reading as evidence (throttled):
@@ -1597,12 +1606,16 @@ class Node:
     def _run_eviction(self, now: int) -> dict:
         before = self.store_bytes()
         tables = {}
+        # A clock that says it is synchronised may still lie: no horizon passes the newest time the
+        # mesh vouches for, so a peer's later writes (its HLC only rises) stay above it, and with
+        # no such evidence no horizon moves (docs/apply.md "What eviction never does").
+        vouched = sync_state.peer_time_evidence(self.conn, self.site_id, self.keyring, self.tables)
         for q, t in sorted(self.tables.items()):
             keep_ms = self.profile.horizons_ms.get(t.tdef.retention) if t.tdef.retention else None
             if keep_ms is None:
                 continue  # not declared evictable, or this profile keeps that class in full
-            target = (max(0, now - keep_ms), 0)
-            if t.horizon is None or target > t.horizon:
+            target = (max(0, min(now - keep_ms, vouched)), 0) if vouched is not None else (0, 0)
+            if target > (t.horizon or (0, 0)):
                 self.raise_horizon(q, target, now)
             h = t.horizon or (0, 0)
             tables[q] = {"horizon": f"{h[0]}.{h[1]}", "events_deleted": self._delete_below_horizon(q)}
@@ -1613,14 +1626,26 @@ class Node:
         return report
 
     def _delete_below_horizon(self, table: str) -> int:
+        """Delete the retained events below the table's horizon, a batch per transaction with
+        the WAL truncated between them, so the space it needs is one batch's (docs/reliability.md
+        "Full disk"). This node's own events that no peer acknowledged stay (their watermarks say
+        which, §14.2): they may be all there is of them (docs/apply.md "What eviction never does")."""
         h = self.tables[table].horizon
         if h is None:
             return 0
+        keep = (self.site_id, sync_state.acked_by_any(self.conn, self.site_id, table))
         with _txn(self.conn):
-            own = eventlog.newest_below(self.conn, self.site_id, table, h)
+            own = eventlog.newest_evictable_own(self.conn, self.site_id, table, h, keep[1])
             if own is not None:  # our own history below it is gone from here: say so to receivers (§14.2)
                 self._raise_own_floor(table, own)
-            return eventlog.delete_below(self.conn, table, h)
+        total = 0
+        while True:
+            with _txn(self.conn):
+                n = eventlog.delete_below(self.conn, table, h, EVICT_BATCH, keep)
+            total += n
+            if n < EVICT_BATCH:
+                return total
+            db.checkpoint(self.conn)
 
     def _reclaim(self) -> None:
         # auto_vacuum=INCREMENTAL returns freed pages to the filesystem (an older store is converted once).

@@ -39,12 +39,13 @@ from typing import Any, Callable
 from . import jobs, sdnotify
 from .control import ControlServer
 from .metrics import write_metrics_file
-from .store import eventlog
+from .store import db, eventlog
 
 # Longest sleep of one turn. Nothing needs it (every timer is a deadline, everything that arrives
 # wakes the loop): it bounds what a deadline forgotten in `next_due` could cost.
 MAX_WAIT_S = 30.0
 _EVERY_LINK = object()
+LOW_DISK_EVICT_S = 60.0  # at most this often when the disk is nearly full
 CLOCK_S = 60.0  # clock evidence (docs/apply.md "Clocks without an RTC")
 
 
@@ -200,8 +201,9 @@ class Runtime:
     # ------------------------------------------------------------------ between the steps
     def _jobs(self) -> None:
         now = time.monotonic()
-        if self.eviction_interval_s and now >= self._next_evict:
+        if self.eviction_interval_s and (now >= self._next_evict or self._disk_low(now)):
             self._next_evict = now + self.eviction_interval_s
+            self._last_low_evict = now
             rep = jobs.evict(self.node, self.stats)
             if rep is not None:
                 self.last_eviction = rep
@@ -211,6 +213,17 @@ class Runtime:
         if self.metrics_file and now >= self._next_metrics:
             write_metrics_file(self.node, self.metrics_file, self._run_stats())
             self._next_metrics = now + self.metrics_interval_s
+
+    _last_low_evict = 0.0
+
+    def _disk_low(self, now: float) -> bool:
+        """A disk nearly full (below db.LOW_SPACE_BYTES free) brings
+        the eviction job forward, at most once a minute: a node whose disk fills frees its own
+        space without waiting for the interval (docs/reliability.md "Full disk")."""
+        if now < self._last_low_evict + LOW_DISK_EVICT_S:
+            return False
+        free = db.free_bytes(self.node.home)
+        return free is not None and free < db.LOW_SPACE_BYTES
 
     def _run_stats(self) -> Counter | None:
         return self.stats if self.runner is not None else None

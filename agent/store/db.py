@@ -3,9 +3,12 @@ anything released to the outside (signed events, the HLC ceiling, cursor advance
 The database is the only source of truth; every cache is rebuilt from it on open."""
 from __future__ import annotations
 
+import ctypes
 import errno
+import fcntl
 import os
 import sqlite3
+import struct
 import threading
 import urllib.parse
 from pathlib import Path
@@ -183,6 +186,15 @@ def note_unseal_failure(msg: str) -> None:
     _unseal_failure.msg = msg
 
 
+def no_inodes(path: Path) -> bool:
+    """Has the filesystem holding `path` no inode left for an unprivileged file?"""
+    try:
+        st = os.statvfs(str(path))
+    except OSError:
+        return False
+    return st.f_files > 0 and st.f_favail == 0
+
+
 def free_bytes(path: Path) -> int | None:
     try:
         st = os.statvfs(str(path))
@@ -270,8 +282,12 @@ def storage_fault(exc: BaseException, store: Path) -> StoreError | None:
         todo = "Free space there, then retry; read verbs (status, receipt) still work"
     full_msg = (f"the filesystem holding {home} is full ({free if free is not None else '?'} bytes free): nothing "
                 f"was changed. {todo}")
+    # No inode left (blocks may be free): a new file (the WAL, its index, a journal's
+    # replacement) cannot be made, which SQLite reports as a file it cannot open.
+    inodes_msg = (f"the filesystem holding {home} has no free inode left (too many files; blocks may be free): "
+                  f"nothing was changed. Remove files there (df -i shows it), then retry; read verbs still work")
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StoreError(full_msg)
+        return StoreError(inodes_msg if no_inodes(home) else full_msg)
     if isinstance(exc, OSError) and exc.errno in (errno.EIO, errno.EROFS):
         return StoreError(f"{exc.filename or home}: {exc.strerror}; the medium is failing or read-only: check it "
                           "(dmesg), keep a copy of the home, then retry")
@@ -299,14 +315,109 @@ def storage_fault(exc: BaseException, store: Path) -> StoreError | None:
                           "of the home, then retry")
     if code in (_BUSY, _LOCKED):
         return StoreError(f"store {store} is busy ({name}): another process holds it; retry when it is done")
+    if code in (_READONLY, _CANTOPEN) and no_inodes(home):
+        return StoreError(inodes_msg)
     if code in (_READONLY, _CANTOPEN):
         return StoreError(f"store {store} cannot be opened for writing ({exc}, {name}): check the permissions "
                           "and that the filesystem is mounted read-write")
     return None
 
 
+# ---------------------------------------------------------------- the WAL index, allocated for real
+# SQLite's unix VFS grows the WAL index (store.sqlite-shm) by writing one byte per 4 KiB page into
+# a sparse file, then maps it. On a filesystem whose blocks are smaller than a page (ext4 with 1 KiB
+# blocks, mke2fs's default below 512 MiB) the rest of each page has no block yet; touching it on a
+# nearly full disk kills the process with SIGBUS. So the index file's blocks are allocated for real
+# (fallocate) before SQLite maps it; where they cannot be, the connection keeps the index in heap
+# memory (exclusive locking mode) and maps nothing (docs/reliability.md "Full disk").
+WAL_INDEX_BYTES = 512 << 10   # 32 KiB per 4 096 WAL frames: a WAL of about 256 MiB
+_SHM_DMS = 128                # the unix VFS's "dead man switch" byte: every -shm user holds a read lock on it
+_F_OFD_SETLK = 37             # Linux: a lock of this file description, seen by this process's own POSIX locks
+_FALLOC_KEEP_SIZE = 1
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+_libc = None
+
+
+def _libc_handle():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc
+
+
+def _fallocate(fd: int, keep_size: bool, offset: int, length: int) -> None:
+    r = _libc_handle().fallocate(ctypes.c_int(fd), ctypes.c_int(_FALLOC_KEEP_SIZE if keep_size else 0),
+                       ctypes.c_longlong(offset), ctypes.c_longlong(length))
+    if r != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def allocate_wal_index(store: Path, size: int = WAL_INDEX_BYTES) -> bool:
+    """Give the store's WAL index file real blocks for its first `size` bytes (and for all it
+    holds), before SQLite maps it: False only when the filesystem has no room for them (else
+    SQLite goes on as it would: a filesystem without fallocate, a file this user cannot write).
+    Done in a forked child: closing any descriptor of the file drops every POSIX lock this process
+    holds on it, SQLite's included (a connection already open here would lose its hold on the index)."""
+    _libc_handle()
+    pid = os.fork()
+    if pid == 0:   # the child: system calls only, then _exit (no cleanup of the parent's state)
+        code = 0
+        try:
+            code = 0 if _allocate(str(store), size) else 1
+        except BaseException:   # noqa: BLE001 - the parent goes on as SQLite would
+            code = 0
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) != 1
+
+
+def _allocate(store: str, size: int) -> bool:
+    """allocate_wal_index's work. When no process has the index open, SQLite's first opener
+    truncates it to 3 bytes (freeing blocks past them): then it is emptied here and the blocks are
+    allocated past its end (FALLOC_FL_KEEP_SIZE), which a growing truncate keeps. When others
+    have it open it is only filled in (no size or byte changes)."""
+    shm = store + "-shm"
+    try:
+        mode = os.stat(store).st_mode & 0o666
+        fd = os.open(shm, os.O_RDWR | os.O_CREAT, mode)
+    except OSError as e:
+        return e.errno not in _NO_ROOM
+    unused = False
+    try:
+        try:   # a write lock on the switch byte: granted only if no connection uses the index
+            fcntl.fcntl(fd, _F_OFD_SETLK, struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, _SHM_DMS, 1, 0))
+            unused = True
+        except OSError:
+            pass
+        if unused:
+            os.ftruncate(fd, 0)
+        cur = os.fstat(fd).st_size
+        if cur:
+            _fallocate(fd, False, 0, cur)              # the holes SQLite's one-byte writes left
+        if size > cur:
+            _fallocate(fd, True, cur, size - cur)      # what it grows into, allocated ahead
+        return True
+    except OSError as e:
+        if unused:   # give back what a partial allocation took (a truncate frees blocks past the end)
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass
+        return e.errno not in _NO_ROOM
+    finally:
+        os.close(fd)
+
+
 def connect(path: Path) -> sqlite3.Connection:
+    heap_index = not allocate_wal_index(path)
     conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+    if heap_index:
+        # No blocks for the WAL index (a full disk): keep it in heap memory, set before WAL is
+        # first used. This connection then holds the store alone until it closes.
+        conn.execute("PRAGMA locking_mode=EXCLUSIVE")
     # Before WAL: switching to WAL writes the file header, after which auto_vacuum no longer takes
     # and eviction's freed pages would never go back to the filesystem (an existing store is
     # converted by eviction: convert_to_incremental_vacuum).
@@ -333,11 +444,29 @@ def reclaim_free_pages(conn: sqlite3.Connection) -> bool:
         except sqlite3.OperationalError as e:
             if (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF != _FULL:
                 raise
+    # A step at a time, the WAL truncated after each: a step's WAL (the pages it moves) must fit
+    # in the home's reserve on a full disk, whatever the number of free pages.
     # executescript steps the pragma to completion: the sqlite3 module's execute() stops after the
     # first step of a statement without result columns, and each step frees one page.
-    conn.executescript("PRAGMA incremental_vacuum;")
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    free = conn.execute("PRAGMA freelist_count").fetchone()[0]
+    while free:
+        conn.executescript(f"PRAGMA incremental_vacuum({RECLAIM_STEP_PAGES});")
+        checkpoint(conn)
+        left = conn.execute("PRAGMA freelist_count").fetchone()[0]
+        if left >= free:
+            break
+        free = left
+    checkpoint(conn)
     return converted
+
+
+RECLAIM_STEP_PAGES = 256
+
+
+def checkpoint(conn: sqlite3.Connection) -> None:
+    """Copy the WAL into the store and truncate it (its blocks back to the filesystem); a reader
+    holding an old snapshot only makes it partial."""
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
 
 
 _SECURE_DELETE = {"on": "ON", "fast": "FAST", "off": "OFF"}   # names: "=2" reads as a boolean (on)
@@ -356,23 +485,37 @@ def scrub_superseded(conn: sqlite3.Connection, mode: str) -> None:
 def connect_readonly(path: Path) -> sqlite3.Connection:
     """A connection for the read verbs (status, dump, log, events) that writes nothing, so they
     work on a full disk. A read-only WAL reader still needs the -shm index file; on a full disk
-    it cannot be created or sized (SQLITE_IOERR_SHMSIZE). Then read in exclusive locking mode,
+    it cannot be created or sized (SQLITE_IOERR_SHMSIZE), or given real blocks (allocate_wal_index).
+    Then read in exclusive locking mode,
     where SQLite keeps the WAL index in heap memory and needs no -shm at all (it still reads any
     committed frames from the -wal file); `query_only` keeps this connection from writing."""
-    uri = "file:" + urllib.parse.quote(str(path)) + "?mode=ro"
-    conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+    if allocate_wal_index(path):   # else a shared index could kill this reader (SIGBUS): see above
+        uri = "file:" + urllib.parse.quote(str(path)) + "?mode=ro"
+        conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+        try:
+            conn.execute("PRAGMA busy_timeout=10000")
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            return conn
+        except sqlite3.OperationalError as e:
+            conn.close()
+            if (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF not in (_IOERR, _CANTOPEN, _FULL):
+                raise
+    conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
     try:
+        conn.execute("PRAGMA locking_mode=EXCLUSIVE")
+        conn.execute("PRAGMA query_only=1")
         conn.execute("PRAGMA busy_timeout=10000")
         conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
         return conn
     except sqlite3.OperationalError as e:
         conn.close()
-        if (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF not in (_IOERR, _CANTOPEN, _FULL):
+        wal = Path(str(path) + "-wal")
+        if (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF != _CANTOPEN or wal.exists():
             raise
-    conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-    conn.execute("PRAGMA locking_mode=EXCLUSIVE")
-    conn.execute("PRAGMA query_only=1")
-    conn.execute("PRAGMA busy_timeout=10000")
+    # No -wal file can be made (no inode left) and none exists: the store file holds everything
+    # committed and nothing has it open for writing (a writer keeps a -wal), so read it as it is.
+    uri = "file:" + urllib.parse.quote(str(path)) + "?mode=ro&immutable=1"
+    conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
     conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
     return conn
 

@@ -144,9 +144,30 @@ def newest_below(conn: sqlite3.Connection, site: bytes, table: str, h: tuple[int
     return None if r is None else (r[0], r[1])
 
 
-def delete_below(conn: sqlite3.Connection, table: str, h: tuple[int, int]) -> int:
-    """Evict `table`'s events below the horizon `h` from the log; returns how many went."""
-    return conn.execute(f"DELETE FROM events WHERE {_BELOW}", (table, h[0], h[0], h[1])).rowcount
+# `site`'s own events above what some peer acknowledged (`acked`; None: nothing) are not evictable.
+_UNACKED = "site_id=? AND (hlc_p > ? OR (hlc_p = ? AND hlc_l > ?))"
+
+
+def delete_below(conn: sqlite3.Connection, table: str, h: tuple[int, int], limit: int = -1,
+                 keep: tuple[bytes, tuple[int, int] | None] | None = None) -> int:
+    """Evict `table`'s events below the horizon `h` from the log, at most `limit` (-1: all);
+    `keep` = (site, acked) spares that site's events above `acked`. Returns how many went."""
+    where, args = _BELOW, [table, h[0], h[0], h[1]]
+    if keep is not None:
+        site, acked = keep
+        a = acked if acked is not None else (-1, 0)
+        where += f" AND NOT ({_UNACKED})"
+        args += [site, a[0], a[0], a[1]]
+    return conn.execute(f"DELETE FROM events WHERE seq IN (SELECT seq FROM events WHERE {where} LIMIT ?)",
+                        (*args, limit)).rowcount
+
+
+def newest_evictable_own(conn: sqlite3.Connection, site: bytes, table: str, h: tuple[int, int],
+                         acked: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The newest of `site`'s own events on `table` that `delete_below(keep=(site, acked))` removes."""
+    if acked is None:
+        return None
+    return newest_below(conn, site, table, min(h, (acked[0], acked[1] + 1)))
 
 
 # ---------------------------------------------------------------------- held events

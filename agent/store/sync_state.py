@@ -524,6 +524,28 @@ def peer_watermarks(conn: sqlite3.Connection, peer: bytes) -> dict[tuple[bytes, 
             conn.execute("SELECT site_id, qualified, hlc_p, hlc_l FROM peer_watermarks WHERE peer=?", (peer,))}
 
 
+def acked_by_any(conn: sqlite3.Connection, site: bytes, table: str) -> tuple[int, int] | None:
+    """The highest watermark any peer reported for `site`'s events on `table` (None: none did)."""
+    if not has_schema(conn):
+        return None
+    r = conn.execute("SELECT hlc_p, hlc_l FROM peer_watermarks WHERE site_id=? AND qualified=? "
+                     "ORDER BY hlc_p DESC, hlc_l DESC LIMIT 1", (site, table)).fetchone()
+    return None if r is None else (r[0], r[1])
+
+
+def peer_time_evidence(conn: sqlite3.Connection, site: bytes, others: Iterable[bytes],
+                       tables: Iterable[str]) -> int | None:
+    """The latest physical time the mesh vouches for: the newest HLC this node holds or applied
+    from another site (`others`), or of its own that a peer acknowledged (a peer accepted it
+    within its skew bound, §12 step 2). None when there is none."""
+    found = [conn.execute("SELECT max(hlc_p) FROM watermarks WHERE site_id != ?", (site,)).fetchone()[0]]
+    found += [conn.execute("SELECT max(hlc_p) FROM events WHERE site_id = ? AND qualified = ?", (s, q)).fetchone()[0]
+              for s in others if s != site for q in tables]   # one index probe each (events_group)
+    if has_schema(conn):
+        found.append(conn.execute("SELECT max(hlc_p) FROM peer_watermarks WHERE site_id = ?", (site,)).fetchone()[0])
+    return max((f for f in found if f is not None), default=None)
+
+
 def set_peer_watermarks(conn: sqlite3.Connection, peer: bytes, wms: Iterable[tuple[bytes, str, tuple[int, int]]]) -> None:
     """The peer's latest report replaces the previous one (a peer restored from a backup reports
     less, and must be offered again what it lost)."""

@@ -176,7 +176,81 @@ def test_runs_eviction_job_is_deferred_without_a_trustworthy_clock(tmp_path, mon
         assert [e["reason"] for e in node.surfaced(100) if e["kind"] == "clock"] == ["clock_untrusted"]
         assert node.status()["tables"]["app.readings"]["horizon"] == "0.0"
         flag.write_text("")
-        rep = runner.evict()
-        assert rep["tables"]["app.readings"]["events_deleted"] == 1
+        rep = runner.evict()      # it runs; the node's own write, which no peer acknowledged, stays
+        assert rep is not None and runner.stats["evictions"] == 1
+        assert rep["tables"]["app.readings"]["events_deleted"] == 0
     finally:
         node.close()
+
+
+def test_a_synchronised_clock_ten_years_ahead_evicts_nothing_undelivered(tmp_path):
+    """A time source that claims synchronisation while the clock reads ten years ahead: `evict
+    --auto` deleted the node's own writes no peer had received, and set a horizon ten years up, so
+    the peer's later writes landed "below horizon" and were never stored. Eviction now keeps own
+    events no peer acknowledged, and no horizon passes the newest time the peers vouch for. Across
+    restarts (each command a process; the bad clock in one of them), then a corrected clock."""
+    cli = Cli(tmp_path)
+    cli.synced(True)
+    b = cli.j(tmp_path / "b", "init", "--manifest", _manifest(tmp_path, "mb", []))
+    a = cli.j(tmp_path / "a", "init", "--manifest", _manifest(tmp_path, "ma", [b]))
+    A, B = tmp_path / "a", tmp_path / "b"
+    cli(B, "peer", "add", "--site-id", a["site_id"], "--public-key", a["public_key"])
+    key = lambda d, n: json.dumps({"device": d, "seq": n})  # noqa: E731
+
+    def deliver(src, dst, peer_site):
+        f = tmp_path / "x.body"
+        cli(src, "mailbox", "export", "--peer", peer_site, "--out", f)
+        return cli.j(dst, "mailbox", "import", f)
+
+    cli(B, "write", "app.readings", "--key", key("b", 1), "--set", '{"temp": 1.5}')
+    assert deliver(B, A, a["site_id"])["applied"] == 1
+    mine = [cli(A, "write", "app.readings", "--key", key("a", i), "--set", '{"temp": 2.5}').stdout.strip()
+            for i in range(3)]                               # never delivered to anyone yet
+
+    ten_years = "+3650d"                                     # the source still says "synchronised"
+    rep = cli.j(A, "evict", "--auto", fake=ten_years)
+    assert {e["event_id"] for e in cli.log(A)} >= set(mine)  # nothing of its own lost
+    h = _p(rep["tables"]["app.readings"]["horizon"])
+    assert h <= int(time.time() * 1000) + SKEW_MS, rep       # not ten years up
+
+    # The clock is right again: the peer's later write is stored, and the own writes reach the peer.
+    time.sleep(0.01)
+    cli(B, "write", "app.readings", "--key", key("b", 2), "--set", '{"temp": 3.5}')
+    res = deliver(B, A, a["site_id"])
+    assert res["applied"] == 1 and res["dropped"] == 0, res
+    rows = {(r["key"]["device"], r["key"]["seq"]) for r in cli.j(A, "dump")["app.readings"]}
+    assert ("b", 2) in rows
+    res = deliver(A, B, b["site_id"])
+    assert res["rejected"] == 0, res
+    rows = {(r["key"]["device"], r["key"]["seq"]) for r in cli.j(B, "dump")["app.readings"]}
+    assert {("a", 0), ("a", 1), ("a", 2)} <= rows
+
+
+def test_a_node_that_never_synchronised_and_boots_ten_years_ahead_stays_deliverable(tmp_path):
+    """A device that never had a synchronised clock (no evidence of its own) booted ten years
+    ahead stamped its writes ten years ahead and went on doing so after the clock was corrected
+    (its HLC never goes back): its peers rejected them (`clock_skew`) and they reached no one. The
+    time its peers vouch for (events it holds from them) now caps its signing time as evidence does."""
+    cli = Cli(tmp_path)
+    cli.synced(True)
+    b = cli.j(tmp_path / "b", "init", "--manifest", _manifest(tmp_path, "mb", []))
+    cli.synced(False)                                        # A's clock never synchronised
+    a = cli.j(tmp_path / "a", "init", "--manifest", _manifest(tmp_path, "ma", [b]))
+    A, B = tmp_path / "a", tmp_path / "b"
+    assert cli.j(A, "status")["clock"]["evidence_ms"] is None
+    cli.synced(True)
+    cli(B, "peer", "add", "--site-id", a["site_id"], "--public-key", a["public_key"])
+    cli(B, "write", "app.readings", "--key", json.dumps({"device": "b", "seq": 1}), "--set", '{"temp": 1.5}')
+    f = tmp_path / "b-to-a.body"
+    cli(B, "mailbox", "export", "--peer", a["site_id"], "--out", f)
+    assert cli.j(A, "mailbox", "import", f)["applied"] == 1
+    cli.synced(False)
+    for i in range(3):                                       # a boot ten years ahead, then corrected
+        cli(A, "write", "app.readings", "--key", json.dumps({"device": "a", "seq": i}), "--set", '{"temp": 2.5}',
+            fake="+3650d" if i < 2 else None)
+    stamps = [_p(e["hlc"]) for e in cli.log(A) if e["site_id"] == a["site_id"]]
+    assert len(stamps) == 3 and max(stamps) <= int(time.time() * 1000) + SKEW_MS, stamps
+    f = tmp_path / "a-to-b.body"
+    cli(A, "mailbox", "export", "--peer", b["site_id"], "--out", f)
+    res = cli.j(B, "mailbox", "import", f)
+    assert res["applied"] == 3 and res["rejected"] == 0, res

@@ -154,15 +154,24 @@ def test_full_disk_read_verbs_work_and_writes_fail_with_one_line(small_fs):
     lg = cli(home, "log")
     assert lg.returncode == 0 and len(lg.stdout.splitlines()) == 4, lg.stderr
     assert cli(home, "events").returncode == 0
-    line = one_line_fault(write(home, 9))
+    # A write may still fit in blocks the home already holds (the dead writer's WAL, checkpointed
+    # in place; the WAL index kept in memory, docs/reliability.md "Full disk"); the disk runs out
+    # within a few, and that write is one line.
+    stored = []
+    for seq in range(9, 40):
+        p = write(home, seq)
+        if p.returncode != 0:
+            break
+        stored.append(seq)
+    line = one_line_fault(p)
     assert "is full" in line and "Free space" in line
     filler.unlink()
-    assert write(home, 9).returncode == 0                    # space back: writes go on
+    assert write(home, seq).returncode == 0                    # space back: writes go on
     # Whether the refused write got as far as the bridge's release depends on a page of slack in the
     # journal file (the store's layout moves it): a released event the store lacks is applied by the
-    # next writing open (persist-before-release, docs/keystore.md), so seq 9 may be there twice.
+    # next writing open (persist-before-release, docs/keystore.md), so it may be there twice.
     seqs = [json.loads(x)["row_key"]["seq"] for x in cli(home, "log").stdout.splitlines()]
-    assert seqs in ([0, 1, 2, 3, 9], [0, 1, 2, 3, 9, 9]), seqs
+    assert seqs in ([0, 1, 2, 3, *stored, seq], [0, 1, 2, 3, *stored, seq, seq]), seqs
 
 
 # ---------------------------------------------------------------- a corrupt store

@@ -154,14 +154,16 @@ def _old_store_without_auto_vacuum(tmp_path):
     big = "x" * 400
     n.apply_batch([a.event(R, {"device": "d", "seq": s}, {"temp": float(s), "note": big}, (T0 + s, 0))
                    for s in range(2000)], T0 + DAY)
-    return n
+    return n, a
 
 
 def test_eviction_converts_an_older_store_and_then_shrinks_it(tmp_path):
-    n = _old_store_without_auto_vacuum(tmp_path)
+    n, a = _old_store_without_auto_vacuum(tmp_path)
     n.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
     before = n.store_bytes()
     n.profile = n.profile.__class__.from_dict({**n.profile.as_dict(), "horizons_ms": {"telemetry": DAY}})
+    # the signer's clock now: the evidence of time a horizon needs (docs/apply.md "Eviction")
+    n.apply_batch([a.event(R, {"device": "d", "seq": 5000}, {"temp": 0.5}, (T0 + 2 * DAY, 0))], T0 + 2 * DAY)
     report = n.run_eviction(now=T0 + 2 * DAY + 10)
     assert report["tables"][R]["events_deleted"] == 2000
     assert n.conn.execute("PRAGMA auto_vacuum").fetchone()[0] == 2

@@ -48,6 +48,14 @@ def _write(home, seq):
     return cli(home, "write", T, "--key", json.dumps({"device": "d", "seq": seq}), "--set", '{"temp": 1.5}')
 
 
+def _vouch_for_now(home, peer: SimPeer, tmp_path) -> None:
+    """One event of the peer's of now: the evidence of time a horizon needs (docs/apply.md "Eviction")."""
+    f = tmp_path / "now.ssp"
+    f.write_bytes(_body(peer, [5000], 10_000))
+    p = cli(home, "mailbox", "import", str(f))
+    assert p.returncode == 0 and json.loads(p.stdout)["applied"] == 1, p.stderr
+
+
 def test_full_disk_imports_fail_cleanly_eviction_runs_and_the_node_resumes(mid_fs, tmp_path):
     peer = _peer()
     home = mid_fs / "h"
@@ -65,6 +73,7 @@ def test_full_disk_imports_fail_cleanly_eviction_runs_and_the_node_resumes(mid_f
     assert p.returncode == 0 and json.loads(p.stdout)["applied"] == 300, p.stderr
     fresh = tmp_path / "fresh.ssp"
     fresh.write_bytes(_body(peer, range(1000, 1020), 1000))
+    _vouch_for_now(home, peer, tmp_path)
     filler = fill(mid_fs)
 
     # writes and imports: one line, exit 1 (a local fault), nothing applied
@@ -86,7 +95,7 @@ def test_full_disk_imports_fail_cleanly_eviction_runs_and_the_node_resumes(mid_f
     log = [json.loads(x) for x in cli(home, "log").stdout.splitlines()]
     assert {e["event_id"] for e in log} >= set(acked)
     rows = json.loads(cli(home, "dump").stdout)[T]
-    assert sum(r["key"]["device"] == "peer" for r in rows) == 300
+    assert sum(r["key"]["device"] == "peer" for r in rows) == 301
 
     # space back: writes and imports go on
     filler.unlink()
@@ -94,7 +103,7 @@ def test_full_disk_imports_fail_cleanly_eviction_runs_and_the_node_resumes(mid_f
     p = cli(home, "mailbox", "import", str(fresh))
     assert p.returncode == 0 and json.loads(p.stdout)["applied"] == 20, p.stderr
     rows = json.loads(cli(home, "dump").stdout)[T]
-    assert sum(r["key"]["device"] == "peer" for r in rows) == 320
+    assert sum(r["key"]["device"] == "peer" for r in rows) == 321
 
 
 def test_the_running_nodes_eviction_job_runs_on_a_full_disk(mid_fs, tmp_path):
@@ -114,6 +123,7 @@ def test_the_running_nodes_eviction_job_runs_on_a_full_disk(mid_fs, tmp_path):
         old = tmp_path / "old.ssp"
         old.write_bytes(_body(peer, range(300), 8 * DAY_MS))
         assert import_mailbox_body(node, read_file(old))["applied"] == 300
+        assert import_mailbox_body(node, _body(peer, [5000], 10_000))["applied"] == 1   # the peer's clock now
         filler = fill(mid_fs)
         with pytest.raises(Exception) as e:
             node.write(T, {"device": "d", "seq": 99}, {"temp": 0.5})
