@@ -12,6 +12,7 @@ import pytest
 from agent.transport.broker import Broker
 from agent.transport.mqtt import (Backoff, MqttLink, MqttSettings, Topics, split_sizes, wait_for,
                                   _publish_props)
+from tests.waiting import HANG_S
 
 MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 
@@ -139,12 +140,12 @@ def test_unacked_body_is_redelivered_after_reconnect(broker):
 def test_offline_node_mailbox_and_presence_will(broker):
     a, b = os.urandom(16), os.urandom(16)
     la, lb = link(broker, a, hs=b"A"), link(broker, b, hs=b"B")
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + HANG_S
     while b not in la.present and time.monotonic() < deadline:
         time.sleep(0.02)
     assert la.present.get(b) == b"B"
     lb.abort()  # vanishes without DISCONNECT: the will clears its retained presence
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_S
     while b in la.present and time.monotonic() < deadline:
         time.sleep(0.05)
     assert b not in la.present
