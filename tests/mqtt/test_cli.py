@@ -88,7 +88,7 @@ def test_run_stops_cleanly_on_sigterm_and_sync_once_resumes(tmp_path, capsys):
                 break
         assert n_b == 8 and got["peers"][b.site_id.hex()]["present"]
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=15)
+        out, err = proc.communicate(timeout=HANG_S)
         assert proc.returncode == 0, err.decode()[-2000:]
         summary = json.loads(out)
         assert summary["applied"] == 5 and summary["pushed"] >= 3
