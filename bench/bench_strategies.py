@@ -17,7 +17,8 @@ Strategies (`STRATEGIES`):
                     at most 8 unanswered (about what an honest window allows).
 - replay_flood      the same with up to 200 unanswered: a member flooding bodies, ignoring any window.
 - dropping_relay    A and B never meet; M and C relay. M drops every event of A (answers as if applied).
-- signer_flood      M, a trusted signer, writes `--flood` valid events as fast as it can while A writes.
+- signer_flood      M, a trusted signer, writes `--flood` valid events as fast as it can while A writes
+                    (all of them, however long that takes; the run ends once B holds them too).
 
 Every node's loop runs in its own thread (the harness touches a node only under its lock), so one
 node's fsyncs do not stall another's loop; they still share the GIL and the machine's cores.
@@ -234,14 +235,17 @@ BINDINGS = ("secure", "signed-ack")   # RunConfig.secure True / False (the defau
 
 
 def run(strategy: str, attack: bool, root: Path, events: int = 200, attack_s: float = 6.0, flood: int = 3000,
-        timeout_s: float = 120.0, binding: str = "secure", poll_s: float = 0.02) -> dict:
+        timeout_s: float = 120.0, binding: str = "secure", poll_s: float = 0.02, min_attack_bytes: int = 0) -> dict:
     """One run of `strategy` (attack=False: M honest) on `binding`. Returns the figures for B.
 
     Times from A's first write (t0): `held_s` B holds every event of A; `watermark_s` B's own
     applied watermark for A's stream covers A's newest (secure binding only: elsewhere nothing
     moves it); `acked_s` A's cursor for B covers A's newest (A has B's answers for all of it: on
     the default binding signed acknowledgements). `converged_s`: held and, where A's stream reaches
-    B directly, watermark (secure) or acked (default binding)."""
+    B directly, watermark (secure) or acked (default binding).
+
+    The attack lasts `attack_s` and, however slow the machine, until M has published
+    `min_attack_bytes` (a count, not a rate); `timeout_s` only catches a run that never ends."""
     secure = binding == "secure"
     relay = strategy == "dropping_relay"
     names = ["a", "b", "m"] + (["c"] if relay else [])
@@ -274,12 +278,12 @@ def run(strategy: str, attack: bool, root: Path, events: int = 200, attack_s: fl
             else:
                 r = Runner(nodes[k], settings, RunConfig(**cfg), port=Topology(nodes[k], topo[k], path="mqtt",
                                                                                  secure=secure))
-            assert r.start(10), r.link.last_error
+            assert r.start(60), r.link.last_error
             runners[k] = r
         bp = NodeProc(b_home, br.url, cfg, topo["b"], ids["a"])
         try:
             out.update(_drive(strategy, attack, root, nodes, runners, bp, ids, events, attack_s, flood, timeout_s,
-                              secure, relay, poll_s))
+                              secure, relay, poll_s, min_attack_bytes))
         finally:
             for r in runners.values():
                 r.close()
@@ -302,7 +306,7 @@ def run(strategy: str, attack: bool, root: Path, events: int = 200, attack_s: fl
 
 
 def _drive(strategy, attack, root, nodes, runners, bp: NodeProc, ids, events, attack_s, flood, timeout_s, secure,
-           relay, poll_s) -> dict:
+           relay, poll_s, min_attack_bytes) -> dict:
     a, m = nodes["a"], nodes["m"]
     out: dict = {}
     # Each node's loop in its own thread (as on its own device: one node's fsyncs do not stall
@@ -338,8 +342,10 @@ def _drive(strategy, attack, root, nodes, runners, bp: NodeProc, ids, events, at
                                                          False) for i in range(20)]))
             old = on("a", lambda: [a.write(T, {"device": "old", "seq": i}, {"temp": 0.0, "note": "o"})
                                    for i in range(20)])
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and not set(old) <= on("m", lambda: _ids(m)):
+            deadline = time.monotonic() + timeout_s   # a ceiling for a hang: M replays all of them
+            while not set(old) <= on("m", lambda: _ids(m)):
+                if time.monotonic() > deadline or failed:
+                    raise RuntimeError(f"M did not get A's {len(old)} old events in {timeout_s} s: {failed}")
                 time.sleep(0.01)
             raws = on("m", lambda: [bytes(r[0]) for r in m.conn.execute(
                 "SELECT unseal(event_id, raw) FROM events WHERE site_id=?", (ids["a"],))])
@@ -352,6 +358,7 @@ def _drive(strategy, attack, root, nodes, runners, bp: NodeProc, ids, events, at
         sent0 = runners["m"].sent_bytes
         t0 = time.monotonic()
         flood_left = flood if (attack and strategy == "signer_flood") else 0
+        flooded = 0   # events M wrote in the flood: B must hold them all before the run ends
         written: list[bytes] = []
         held = wm = acked = None
         attack_until = t0 + attack_s
@@ -363,10 +370,11 @@ def _drive(strategy, attack, root, nodes, runners, bp: NodeProc, ids, events, at
                 n0 = len(written)
                 written += on("a", lambda: a.write_many([(T, {"device": "a", "seq": n0 + j},
                                                           {"temp": 1.0, "note": "a"}, False) for j in range(20)]))
-            if flood_left and now < attack_until:
+            if flood_left:   # the whole flood, however long it takes to write (a count, not a rate)
                 k, f0 = min(100, flood_left), flood - flood_left
-                on("m", lambda: m.write_many([(T, {"device": "flood", "seq": f0 + j}, {"temp": 2.0, "note": "f" * 40},
-                                               False) for j in range(k)]))
+                flooded += len(on("m", lambda: m.write_many([(T, {"device": "flood", "seq": f0 + j},
+                                                                  {"temp": 2.0, "note": "f" * 40}, False)
+                                                                 for j in range(k)])))
                 flood_left -= k
             time.sleep(0.005)
             if len(written) >= events and now >= next_poll:
@@ -382,7 +390,10 @@ def _drive(strategy, attack, root, nodes, runners, bp: NodeProc, ids, events, at
                     acked = t
             progress = None if relay else (wm if secure else acked)
             done = held is not None and (relay or progress is not None)
-            if done and now >= attack_until:
+            attacked = (now >= attack_until and not flood_left
+                        and runners["m"].sent_bytes - sent0 >= min_attack_bytes
+                        and st_b["events"] >= len(written) + flooded)
+            if done and attacked:
                 break
             if now - t0 > timeout_s or failed:
                 break

@@ -14,19 +14,24 @@ from firmware_bridge import (DeviceTimeout, KeystoreError, KeystoreUnavailable, 
                              SigningBridge, Status, open_keystore)
 
 from bridge_helpers import in_thread, receipt_item, receipt_protected, receipt_requests, softhsm_token
+from tests.waiting import HANG_S
 
 GROUP = b"group-pk11-deadline"
 
 
 def reqs(lo, n):
     return receipt_requests(GROUP, lo, n)
-DEADLINE_S = 1.0
-JOIN_S = 30          # far above the deadline: a join that runs out means "hung"
+DEADLINE_S = 1.0     # once the worker is stopped: it never answers, so any deadline is missed
+JOIN_S = HANG_S      # far above the deadline: a join that runs out means "hung"
 
 
 @pytest.fixture
 def ks(tmp_path):
-    k = open_keystore(dict(softhsm_token(tmp_path, "deadline"), timeout_s=DEADLINE_S))
+    # A token that answers, however slowly the machine runs it (open, key generation, the
+    # signatures before the stop), has the hang ceiling as its deadline: DEADLINE_S is set when
+    # the worker is stopped (stopped()), where nothing slow can miss it.
+    k = open_keystore(dict(softhsm_token(tmp_path, "deadline"), timeout_s=HANG_S))
+    assert k.timeout_s == HANG_S     # the profile's deadline is the keystore's
     k.generate_key("seq", "p256")
     pid = k._proc.pid
     yield k
@@ -38,9 +43,11 @@ def ks(tmp_path):
 
 
 def stopped(ks):
-    """Stop the worker (SIGSTOP): alive, its pipes open, it answers nothing."""
+    """Stop the worker (SIGSTOP): alive, its pipes open, it answers nothing; from now on the
+    reply deadline is DEADLINE_S."""
     pid = ks._proc.pid
     os.kill(pid, signal.SIGSTOP)
+    ks.timeout_s = DEADLINE_S
     return pid
 
 

@@ -25,6 +25,7 @@ from firmware_bridge.verify_worker import ANSWER, encode_items, encode_key
 
 from bridge_helpers import (cose_parts, in_thread, parse_journal, receipt_item, receipt_protected, receipt_requests,
                             sig_structure, softhsm_token)
+from tests.waiting import HANG_S, scaled, timed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -170,7 +171,7 @@ def test_many_outstanding_chunks_do_not_deadlock(tmp_path, here_counts):
         return [w() for w in waits]
     pid = ks._proc.pid
     try:
-        done, got = in_thread(run, 120)
+        done, got = in_thread(run, HANG_S)
         if not done:
             os.kill(pid, signal.SIGKILL)
         assert done, "deadlocked"
@@ -218,8 +219,8 @@ def test_the_verifier_exits_with_its_parent_and_loads_no_pkcs11_library(tmp_path
     finally:
         parent.kill()                         # no close(): the parent just dies
         parent.wait()
-    for pid in (vpid, wpid):                  # both children follow within moments; 30 s is "never"
-        done, _ = in_thread(lambda: _wait_gone(pid), 30)
+    for pid in (vpid, wpid):                  # both children follow within moments; HANG_S is "never"
+        done, _ = in_thread(lambda: _wait_gone(pid), HANG_S)
         assert done, f"process {pid} outlived its parent"
 
 
@@ -297,19 +298,24 @@ def test_the_worker_and_the_verifier_run_this_firmware_bridge_whatever_the_worki
 
 def test_a_stopped_verifier_costs_one_deadline_then_this_process_verifies(tmp_path, here_counts):
     """A verifier that stops answering (SIGSTOP) never stops the token (the worker never waits for
-    it); after the reply deadline it is killed and the keystore verifies in its own process."""
+    it); after the reply deadline it is killed and the keystore verifies in its own process. The
+    deadline is scaled from the same batch signed just before, verifier running: the token meets
+    it however slow the machine, the stopped verifier cannot."""
     conf = softhsm_token(tmp_path, "stopped")
     env = dict(conf["env"], PYTHONPATH=HERE)
-    ks = FaultyKeystore(conf["module"], conf["token_label"], conf["pin"], env=env, timeout_s=1.0)
+    ks = FaultyKeystore(conf["module"], conf["token_label"], conf["pin"], env=env, timeout_s=HANG_S)
     try:
         ks.generate_key("seq", "p256")
         pub = ks.public_key("seq")
         first, failure = ks._sign_start(reqs(0, 10))()
         assert failure is None and here_counts[0] == 0
+        (_sigs, failure), took = timed(lambda: ks._sign_start(reqs(50, 2 * SIGN_MANY_CHUNK))())
+        assert failure is None and here_counts[0] == 0
+        ks.timeout_s = scaled(took)
         vpid = ks._verifier.pid
         os.kill(vpid, signal.SIGSTOP)
         r = reqs(100, 2 * SIGN_MANY_CHUNK)
-        done, got = in_thread(ks._sign_start(r), 30)
+        done, got = in_thread(ks._sign_start(r), HANG_S)
         assert done, "wait() hung on a stopped verifier"
         sigs, failure = got
         assert failure is None and all_verify(pub, r, sigs)

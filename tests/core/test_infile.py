@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from agent import infile
+from tests.waiting import HANG_S
 
 
 def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
@@ -24,7 +25,7 @@ def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
             err.append(str(e))
         done.set()
     threading.Thread(target=read, daemon=True).start()
-    assert done.wait(5), "read_text waited for a writer"
+    assert done.wait(HANG_S), "read_text waited for a writer"
     assert err and "FIFO" in err[0], err
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from ..cli_cmd import agent_cmd, agent_env
 from ..mqtt.helpers import MANIFEST
+from tests.waiting import HANG_S
 
 DEEP = "a = " + "[" * 3000 + "]" * 3000 + "\n"
 
@@ -79,7 +80,7 @@ def test_a_configuration_file_it_cannot_use_is_refused(tmp_path, fifo, what):
 
 
 def test_mailbox_import_of_a_fifo_is_refused_without_waiting(node_home, fifo):
-    refused(run(node_home, "mailbox", "import", str(fifo), timeout=20))
+    refused(run(node_home, "mailbox", "import", str(fifo), timeout=HANG_S))
 
 
 @pytest.mark.parametrize("text", ["[sync]\ncadence_s = nan", "[sync]\ncadence_s = inf", "[sync]\nbatch_limit = inf",
@@ -144,7 +145,7 @@ def test_service_install_refuses_a_password_file_it_cannot_use(tmp_path, fifo, s
         pw.write_bytes("caf\u00e9\n".encode("latin-1"))
     root = tmp_path / "root"
     p = run(tmp_path / "h", "service", "install", "--root", str(root), "--bin", "/usr/bin/ssp-agent",
-            "--password-file", str(pw), timeout=20)
+            "--password-file", str(pw), timeout=HANG_S)
     refused(p)
     assert len(p.stderr.strip().splitlines()) == 1 and "--password-file" in p.stderr, p.stderr
     assert not (root / "etc/ssp-agent/mqtt-password").exists()
@@ -161,7 +162,7 @@ def test_service_install_refuses_over_an_operator_password_file_that_is_not_utf8
     new = tmp_path / "pw"
     new.write_text("s3cret\n")
     p = run(tmp_path / "h", "service", "install", "--root", str(root), "--bin", "/usr/bin/ssp-agent",
-            "--password-file", str(new), timeout=20)
+            "--password-file", str(new), timeout=HANG_S)
     refused(p)
     assert len(p.stderr.strip().splitlines()) == 1 and "--force" in p.stderr, p.stderr
     assert installed.read_bytes() == "caf\u00e9\n".encode("latin-1")

@@ -23,6 +23,7 @@ from agent.sync import PortAdapter, SyncDriver
 from agent.transport.mqtt import MqttLink, MqttSettings, Topics, _publish_props
 
 from .poison import DEEP_META, MIXED_KEY_BODY, shared_events_body, sharing_bomb, watermark_body
+from tests.waiting import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 MESH = bytes.fromhex("5e5e0000000000000000000000000042")
@@ -79,7 +80,7 @@ def test_inbox_poison_is_refused_answered_acked_surfaced_and_not_redelivered(bro
     rogue.publish_raw(topics.requests(b.site_id, a.site_id), MIXED_KEY_BODY,
                       _publish_props({}, os.urandom(16), topics.answers(a.site_id, b.site_id)))
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S
         while len(rb.rejections) < 2 and time.monotonic() < deadline:
             rb.step(0.02)  # raised RecursionError, then TypeError, before the fix
         assert sorted(r for r, _ in rb.rejections) == ["bad_frame_meta", "bad_members"]

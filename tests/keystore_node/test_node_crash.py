@@ -188,7 +188,7 @@ def test_sigkill_during_node_writes(tmp_path, seed):
         kills, spent, recovered, chains = kills + k, spent + sp, recovered + rec, chains + 1
     print(f"node crash test: {kills} SIGKILLs over {chains} chain(s) of {TOTAL} writes, {spent} spent HLCs, "
           f"{recovered} released-but-unapplied events applied on open, {time.monotonic() - t0:.1f}s")
-    assert kills >= 30 and time.monotonic() - t0 < 60, (kills, chains, time.monotonic() - t0)
+    assert kills >= 30, (kills, chains, time.monotonic() - t0)
     assert spent + recovered > 0   # the kills really fell between intent, release and apply
 
 

@@ -9,6 +9,7 @@ from agent.node import Node
 from agent.simpeer import NOTES_TABLE, manifest_text, readings_table
 from agent.runner import RunConfig, Runner
 from agent.transport.mqtt import MqttSettings
+from tests.waiting import HANG_S
 
 MESH = bytes.fromhex("5e5e0000000000000000000000000042")
 T = "app.readings"
@@ -41,12 +42,14 @@ def runner(node: Node, broker, url: str | None = None, link: dict | None = None,
     base = dict(cadence_s=0.5, answer_timeout_s=3.0)
     base.update(cfg)
     r = Runner(node, settings(broker, url, **(link or {})), RunConfig(**base))
-    assert r.start(10), r.link.last_error
+    assert r.start(60), r.link.last_error
     return r
 
 
-def step_until(runners, cond, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
+def step_until(runners, cond, timeout: float = HANG_S) -> bool:
+    """Step the runners until ``cond()``: a wait for an event, so its ceiling only catches a hang
+    (at least tests/waiting.HANG_S whatever ``timeout`` says: a small machine is slow, not hung)."""
+    deadline = time.monotonic() + max(timeout, HANG_S)
     while time.monotonic() < deadline:
         for r in runners:
             r.step(0.01)
@@ -60,6 +63,14 @@ def pulls_answered(runners) -> bool:
     "A waking device"): what that exchange sends is over, so timing-sensitive steps start after it."""
     sites = {r.node.site_id for r in runners}
     return all(r.stats["pulls_sent"] >= 1 and not (set(r.ex.pulls.values()) & sites) for r in runners)
+
+
+def pump_for(runners, seconds: float) -> None:
+    """Step the runners for ``seconds`` (work that must not happen has had its chance)."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for r in runners:
+            r.step(0.01)
 
 
 def write(node: Node, i: int, device: str = "d") -> bytes:

@@ -16,6 +16,7 @@ from agent.simpeer import SimPeer
 from agent.transport.mqtt import MqttLink, MqttSettings, Topics, _publish_props, wait_for
 
 from .helpers import MESH, event_ids, make_nodes, runner, step_until, write
+from tests.waiting import HANG_S
 
 REPLAYS = 6
 
@@ -34,7 +35,7 @@ def test_a_replayed_body_costs_no_new_signature(broker, tmp_path):
     def publish_and_answer(payload: bytes):
         m.publish_raw(topics.requests(b.site_id, a.site_id), payload,
                       _publish_props({"ssp-ack": "1"}, os.urandom(16), topics.answers(a.site_id, b.site_id)))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S
         while time.monotonic() < deadline:
             rb.step(0.01)  # one pump per body: nothing is grouped with another replay
             got = wait_for(m.inbound, "ans", 0.05)

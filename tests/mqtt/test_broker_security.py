@@ -24,6 +24,7 @@ from agent.transport.broker import Broker, free_port, write_password_file
 from agent.transport.mqtt import MqttLink, MqttSettings, Topics, _publish_props
 
 from .helpers import MESH, T, event_ids, make_nodes, runner, step_until, write
+from tests.waiting import HANG_S
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "mqtt.md"
 
@@ -113,7 +114,7 @@ class RawClient:
         self.c.on_publish = lambda c, u, mid, rc, p: self.puback.__setitem__(mid, rc)
         self.c.connect("127.0.0.1", port)
         self.c.loop_start()
-        assert self.connected.wait(5)
+        assert self.connected.wait(HANG_S)
 
     def publish(self, topic: str, payload: bytes, props=None) -> None:
         self.c.publish(topic, payload, qos=1, properties=props).wait_for_publish(5)
@@ -155,7 +156,7 @@ def test_docs_acl_config_enforced_over_tls_with_passwords(tmp_path):
         # the read ACL per message: nothing of b's arrives, asserted below.)
         rogue.c.subscribe(topics.base(b.site_id) + "/inbox/#", qos=1)
         rogue.c.subscribe(topics.base(c.site_id) + "/inbox/#", qos=1)
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + HANG_S
         while len(rogue.suback) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         # c publishes as a: into b's inbox, and into its own inbox

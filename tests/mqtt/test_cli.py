@@ -11,7 +11,8 @@ from tests.cli_cmd import agent_cmd, agent_env, main
 from agent.node import Node
 from agent.transport.broker import Broker, free_port, write_password_file
 
-from .helpers import T, event_ids, make_nodes, write
+from .helpers import T, event_ids, make_nodes, step_until, write
+from tests.waiting import HANG_S
 
 
 def test_sync_once_between_sleeping_devices(broker, tmp_path, capsys):
@@ -76,7 +77,7 @@ def test_run_stops_cleanly_on_sigterm_and_sync_once_resumes(tmp_path, capsys):
         capsys.readouterr()  # a's session now exists at the broker
         proc = subprocess.Popen([*agent_cmd(), "--home", hb, "run", "--broker", br.url,
                                  "--cadence", "0.3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + HANG_S
         got = {}
         while time.monotonic() < deadline:  # a wakes a few times while b runs
             assert main(["--home", ha, "sync", "--broker", br.url, "--once", "--timeout", "2", *cred_a]) == 0
@@ -87,7 +88,7 @@ def test_run_stops_cleanly_on_sigterm_and_sync_once_resumes(tmp_path, capsys):
                 break
         assert n_b == 8 and got["peers"][b.site_id.hex()]["present"]
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=15)
+        out, err = proc.communicate(timeout=HANG_S)
         assert proc.returncode == 0, err.decode()[-2000:]
         summary = json.loads(out)
         assert summary["applied"] == 5 and summary["pushed"] >= 3
@@ -132,10 +133,8 @@ def test_profile_gives_the_defaults_and_run_evicts(broker, tmp_path, capsys):
     node = Node.open(tmp_path / "zero")
     r = runner(node, broker, eviction_interval_s=0.2)
     try:
-        t_end = time.monotonic() + 0.7
-        while time.monotonic() < t_end:
-            r.step(0.02)
-        assert r.stats["evictions"] >= 2 and "budget" in r.last_eviction
+        # two eviction runs, however long the machine takes to get there
+        assert step_until([r], lambda: r.stats["evictions"] >= 2 and "budget" in (r.last_eviction or {})), r.stats
     finally:
         r.close()
         node.close()

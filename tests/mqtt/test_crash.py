@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from .helpers import event_ids, make_nodes, runner, step_until, write
+from tests.waiting import HANG_S
 
 PROC = Path(__file__).with_name("node_proc.py")
 
@@ -35,7 +36,7 @@ def test_node_killed_mid_apply_gets_the_body_again(broker, tmp_path, mode):
         ids = {write(a, i, "k") for i in range(25)}
         ra.batch_cycle()
         marker = b_home / "hanging"
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + HANG_S
         while not marker.exists() and time.monotonic() < deadline:
             ra.step(0.02)
         assert marker.exists(), proc.stderr.read1().decode() if proc.poll() is not None else "no body arrived"

@@ -12,11 +12,12 @@ from agent.core.messages import Handshake, emit_handshake
 from agent.transport.mqtt import MqttLink, MqttSettings, Topics, _publish_props
 
 from .helpers import MESH, event_ids, make_nodes, runner, step_until, write
+from tests.waiting import HANG_S
 
 N_ROGUE, N_PRESENCE = 400, 120
 
 
-def _wait_queued(r, n: int, timeout: float = 20.0) -> bool:
+def _wait_queued(r, n: int, timeout: float = HANG_S) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if r.link.inbound.qsize() >= n:

@@ -108,10 +108,9 @@ def test_realtime_push_without_waiting_for_batch(broker, tmp_path):
         assert step_until([ra, rb], lambda: pulls_answered([ra, rb]), 30)
         for r in (ra, rb):
             r.step(0.01)  # the first batch cycle runs at start; the next one is an hour away
-        t0 = time.monotonic()
         eid = write(a, 1, "rt")
         assert step_until([ra, rb], lambda: eid in event_ids(b), 5)
-        assert time.monotonic() - t0 < 2.0
+        # pushed, not carried by a batch cycle (the next one is an hour away), however long it took
         assert ra.stats["pushed_rt"] >= 1 and ra.stats["batch_cycles"] == 1
         # answered like any push: the durable cursor advanced
         assert step_until([ra, rb], lambda: ra.sync.backlog(b.site_id) == 0, 5)

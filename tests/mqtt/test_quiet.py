@@ -27,6 +27,7 @@ from agent.transport.mqtt import (ADVERTISED_FLOOR, KIND_PULL, P_BODY_LIMIT, P_C
 
 from .helpers import MESH, T, event_ids, make_nodes, runner, settings, step_until, write
 from tests.cli_cmd import agent_cmd, agent_env
+from tests.waiting import HANG_S
 
 
 def _grow(node, producer: SimPeer, n: int) -> None:
@@ -405,7 +406,7 @@ def test_a_body_lost_before_the_peer_had_a_session_is_sent_again_on_the_next_wak
         b.close()
 
 
-def _wait_for_presence(broker, node, site: bytes, timeout: float = 30.0) -> bool:
+def _wait_for_presence(broker, node, site: bytes, timeout: float = HANG_S) -> bool:
     """Whether `site`'s retained presence shows up (its `run` is connected)."""
     link = MqttLink(settings(broker), MESH, os.urandom(16)).start()
     try:

@@ -15,6 +15,7 @@ from agent.transport.mqtt import MqttLink, MqttSettings, Topics, _publish_props,
 from tests.hostile.poison import DEEP_META, MIXED_KEY_BODY, shared_events_body, watermark_body
 
 from .helpers import MESH, T, event_ids, make_nodes, runner, step_until, write
+from tests.waiting import HANG_S
 
 
 def test_rogue_inbox_traffic(broker, tmp_path):
@@ -64,7 +65,7 @@ def test_rogue_inbox_traffic(broker, tmp_path):
                               _publish_props({"ssp-status": "ok", "ssp-processed": "999999"}, os.urandom(16)))
 
         answers = []
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + HANG_S
         while len(answers) < 5 and time.monotonic() < deadline:
             ra.step(0.01)
             rb.step(0.01)

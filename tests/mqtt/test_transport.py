@@ -12,6 +12,7 @@ import pytest
 from agent.transport.broker import Broker
 from agent.transport.mqtt import (Backoff, MqttLink, MqttSettings, Topics, split_sizes, wait_for,
                                   _publish_props)
+from tests.waiting import HANG_S, wait_until
 
 MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 
@@ -19,7 +20,7 @@ MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 def link(broker, site, hs=b"hs", **kw):
     s = MqttSettings.from_url(broker.url, backoff_min_s=0.05, backoff_max_s=0.5, **kw)
     lk = MqttLink(s, MESH, site, lambda: hs).start()
-    assert lk.wait_connected(5), lk.last_error
+    assert lk.wait_connected(HANG_S), lk.last_error
     return lk
 
 
@@ -28,13 +29,13 @@ def test_request_answer_correlation(broker):
     la, lb = link(broker, a), link(broker, b)
     try:
         corr = la.push(b, b"body", {"ssp-start": "3", "ssp-end": "9"})
-        m = wait_for(lb.inbound, "req", 3)
+        m = wait_for(lb.inbound, "req", HANG_S)
         assert m is not None and m.payload == b"body" and m.correlation == corr
         assert m.props["ssp-start"] == "3" and m.props["ssp-from"] == a.hex()
         assert m.response_topic == Topics(MESH).answers(a, b) and m.sender == a
         assert lb.answer(m, b"answer", {"ssp-processed": "7"})
         assert lb.ack(m)
-        ans = wait_for(la.inbound, "ans", 3)
+        ans = wait_for(la.inbound, "ans", HANG_S)
         assert ans.correlation == corr and ans.props["ssp-processed"] == "7" and ans.payload == b"answer"
     finally:
         la.close(); lb.close()
@@ -63,13 +64,13 @@ def test_only_the_network_thread_writes_the_socket(broker):
             la.push(b, b"body %d" % i, {})
         got = []
         while len(got) < 20:
-            m = wait_for(lb.inbound, "req", 5)
+            m = wait_for(lb.inbound, "req", HANG_S)
             assert m is not None, f"{len(got)} of 20 bodies arrived"
             got.append(m)
             assert lb.answer(m, b"answer", {}) and lb.ack(m)
         assert sorted(m.payload for m in got) == sorted(b"body %d" % i for i in range(20))
         for _ in range(20):
-            assert wait_for(la.inbound, "ans", 5) is not None
+            assert wait_for(la.inbound, "ans", HANG_S) is not None
         assert senders and senders <= {la._thread.ident, lb._thread.ident}
         assert threading.get_ident() not in senders
     finally:
@@ -104,15 +105,15 @@ def test_answer_refuses_foreign_response_topic(broker):
     la, lb = link(broker, a), link(broker, b)
     try:
         la.publish_raw(Topics(MESH).requests(b, a), b"x", _publish_props({}, b"c" * 16, "elsewhere/topic"))
-        m = wait_for(lb.inbound, "req", 3)
+        m = wait_for(lb.inbound, "req", HANG_S)
         assert m is not None and not lb.answer(m, b"a", {})
         la.publish_raw(Topics(MESH).requests(b, a), b"x", _publish_props({}, None, Topics(MESH).answers(a, b)))
-        m = wait_for(lb.inbound, "req", 3)
+        m = wait_for(lb.inbound, "req", HANG_S)
         assert m is not None and not lb.answer(m, b"a", {})  # no correlation data: nothing to answer
         c = os.urandom(16)  # an answer topic that is not the requester's, or does not name us
         for rt in (Topics(MESH).answers(c, b), Topics(MESH).answers(a, c)):
             la.publish_raw(Topics(MESH).requests(b, a), b"x", _publish_props({}, b"c" * 16, rt))
-            m = wait_for(lb.inbound, "req", 3)
+            m = wait_for(lb.inbound, "req", HANG_S)
             assert m is not None and not lb.answer(m, b"a", {})
     finally:
         la.close(); lb.close()
@@ -122,12 +123,12 @@ def test_unacked_body_is_redelivered_after_reconnect(broker):
     a, b = os.urandom(16), os.urandom(16)
     la, lb = link(broker, a), link(broker, b)
     la.push(b, b"first", {})
-    m = wait_for(lb.inbound, "req", 3)
+    m = wait_for(lb.inbound, "req", HANG_S)
     assert m.payload == b"first" and not m.dup
     lb.abort()  # killed before its transaction committed: never acked
     lb2 = link(broker, b)
     try:
-        m2 = wait_for(lb2.inbound, "req", 5)
+        m2 = wait_for(lb2.inbound, "req", HANG_S)
         assert m2 is not None and m2.payload == b"first" and m2.dup
         assert lb2.session_present
         assert lb2.ack(m2)
@@ -139,12 +140,12 @@ def test_unacked_body_is_redelivered_after_reconnect(broker):
 def test_offline_node_mailbox_and_presence_will(broker):
     a, b = os.urandom(16), os.urandom(16)
     la, lb = link(broker, a, hs=b"A"), link(broker, b, hs=b"B")
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + HANG_S
     while b not in la.present and time.monotonic() < deadline:
         time.sleep(0.02)
     assert la.present.get(b) == b"B"
     lb.abort()  # vanishes without DISCONNECT: the will clears its retained presence
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + HANG_S
     while b in la.present and time.monotonic() < deadline:
         time.sleep(0.05)
     assert b not in la.present
@@ -155,7 +156,7 @@ def test_offline_node_mailbox_and_presence_will(broker):
     try:
         got = []
         while len(got) < 5:
-            m = wait_for(lb2.inbound, "req", 5)
+            m = wait_for(lb2.inbound, "req", HANG_S)
             assert m is not None, got
             got.append(m.payload)
             lb2.ack(m)
@@ -169,13 +170,12 @@ def test_reconnect_after_broker_restart(broker):
     la, lb = link(broker, a), link(broker, b)
     try:
         broker.kill()
-        time.sleep(0.3)
-        assert not la.connected.is_set()
+        wait_until(lambda: not la.connected.is_set(), "the link saw the broker go")
         broker.start()
-        assert la.wait_connected(10) and lb.wait_connected(10)
+        assert la.wait_connected(HANG_S) and lb.wait_connected(HANG_S)
         assert la.connects >= 2
         corr = la.push(b, b"after", {})
-        m = wait_for(lb.inbound, "req", 5)
+        m = wait_for(lb.inbound, "req", HANG_S)
         assert m is not None and m.correlation == corr
     finally:
         la.close(); lb.close()

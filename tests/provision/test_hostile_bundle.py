@@ -22,6 +22,7 @@ import pytest
 from agent.simpeer import readings_table
 from tests.cli_cmd import agent_cmd, agent_env, run_cli
 from tests.provision.pi_image import install_os
+from tests.waiting import HANG_S
 
 MESH = "00112233445566778899aabbccddeeff"
 IMAGE_TOOLS = ("sfdisk", "mformat", "mcopy", "mtype", "mkfs.ext4", "debugfs")
@@ -207,7 +208,7 @@ def test_enrol_with_an_endless_clock_wait_is_refused_at_once(tmp_path, base_bund
     env = agent_env({"SSP_AGENT_CLOCK_SYNC": f"timesyncd:{tmp_path / 'no-such-flag'}"})
     env.pop("SSP_AGENT_CLOCK_TRUSTED", None)
     p = subprocess.run([*agent_cmd(), "provision", "enrol", "--bundle", str(b), "--root", str(tmp_path / "root"),
-                        "--boot", str(tmp_path / "boot")], capture_output=True, text=True, env=env, timeout=20)
+                        "--boot", str(tmp_path / "boot")], capture_output=True, text=True, env=env, timeout=HANG_S)
     assert_refused(p, "wait_clock_s")
     assert tree(tmp_path / "root") == []
 
@@ -230,7 +231,7 @@ def test_bundle_refuses_a_manifest_that_is_not_utf8(tmp_path, base_bundle):
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
     os.mkfifo(tmp_path / "fifo")
     p = run_cli("provision", "bundle", "--out", tmp_path / "b", "--manifest", tmp_path / "fifo",
-                "--wheelhouse", base_bundle / "wheelhouse", timeout=20)
+                "--wheelhouse", base_bundle / "wheelhouse", timeout=HANG_S)
     assert_refused(p, "FIFO")
 
 
@@ -239,7 +240,7 @@ def test_bundle_refuses_a_credential_that_is_not_a_regular_file(tmp_path, base_b
     m.write_text(f'mesh_id = "{MESH}"\n')
     os.mkfifo(tmp_path / "fifo")
     p = run_cli("provision", "bundle", "--out", tmp_path / "b", "--manifest", m, "--wheelhouse", base_bundle / "wheelhouse",
-                "--ca-file", tmp_path / "fifo", timeout=20)
+                "--ca-file", tmp_path / "fifo", timeout=HANG_S)
     assert_refused(p, "ca")
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
 

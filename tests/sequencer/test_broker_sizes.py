@@ -36,6 +36,7 @@ from agent.sequencer import framing
 from agent.sequencer.framing import FramingError, encode_private_message, parse_mls_message
 from test_run_broker import Member
 from tests.cli_cmd import agent_cmd, agent_env
+from tests.waiting import HANG_S
 
 G = bytes.fromhex("5e" * 16)
 HOSTILE = 48 << 20          # well above every limit, well below this machine's memory
@@ -201,8 +202,8 @@ def test_the_inbox_holds_at_most_its_budget_beyond_one_item():
     t = threading.Thread(target=third)
     t.start()
     assert not done.wait(0.3)
-    assert box.get(timeout=1) == b"x" * 60
-    assert done.wait(5)
+    assert box.get(timeout=HANG_S) == b"x" * 60
+    assert done.wait(HANG_S)
     t.join()
     assert box.held == 60
     assert box.get_nowait() == b"y" * 30 and box.get_nowait() == b"z" * 30 and box.held == 0
@@ -401,7 +402,7 @@ def test_a_closed_inbox_drops_what_the_network_thread_still_holds():
     t.start()
     assert not done.wait(0.2)
     box.close()
-    assert done.wait(5)
+    assert done.wait(HANG_S)
     t.join()
     box.put(b"z")
     assert box.qsize() == 1 and box.get_nowait() == b"x" * 10 and box.held == 0

@@ -20,6 +20,7 @@ from agent import inbox
 from agent.sequencer import receipts
 from agent.sequencer.framing import encode_private_message
 from tests.cli_cmd import agent_cmd, agent_env
+from tests.waiting import HANG_S
 
 G = bytes.fromhex("a7" * 16)
 
@@ -85,7 +86,7 @@ def test_run_serves_groups_through_the_broker(tmp_path, broker):
             p.CorrelationData = tag
             m.c.publish(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 5, ciphertext=tag * 8), qos=1,
                         properties=p)
-        answers = [m.answers.get(timeout=20)[1] for m in members]
+        answers = [m.answers.get(timeout=HANG_S)[1] for m in members]
         won = [a for a in answers if a["accepted"]]
         assert len(won) == 1
         for a in answers:
@@ -94,14 +95,14 @@ def test_run_serves_groups_through_the_broker(tmp_path, broker):
         r = receipts.verify_receipt(bytes.fromhex(won[0]["receipt"]), key)
         # every member sees the canonical Commit and its receipt published by the sequencer
         for m in members:
-            topic, body, _retain = m.published.get(timeout=20)
+            topic, body, _retain = m.published.get(timeout=HANG_S)
             pub = cbor2.loads(body)
             assert topic == f"sovm-seq/{G.hex()}/accepted" and pub["receipt"] == bytes.fromhex(won[0]["receipt"])
             assert receipts.commit_hash(pub["commit"]) == r.commit_hash and pub["epoch"] == 5
         # a member arriving later gets the retained head
         late = Member(broker.port, "dave")
         members.append(late)
-        topic, body, retain = late.published.get(timeout=20)
+        topic, body, retain = late.published.get(timeout=HANG_S)
         assert retain and cbor2.loads(body)["receipt"] == bytes.fromhex(won[0]["receipt"])
         # the member-side validator keeps the head it heard on the broker, without asking the sequencer
         from agent.sequencer import member as validator
@@ -162,7 +163,7 @@ def test_commits_queue_while_the_sequencer_is_down(tmp_path, broker):
             sent.append(tag)
         assert m.answers.empty()
         proc = start()
-        got = dict(m.answers.get(timeout=20) for _ in sent)
+        got = dict(m.answers.get(timeout=HANG_S) for _ in sent)
         assert got[b"first"]["accepted"] is True
         assert got[b"second"]["reason"] == "stale_epoch" and got[b"second"]["head"] == got[b"first"]["receipt"]
     finally:
@@ -201,7 +202,7 @@ def test_requests_handled_together_keep_their_arrival_order(tmp_path, broker):
                  msg(f"sovm-seq/{G.hex()}/receipt", b"3", b"rcpt"),
                  msg(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 4), b"next")]
         server.handle_many(batch)
-        got = dict(m.answers.get(timeout=20) for _ in batch)
+        got = dict(m.answers.get(timeout=HANG_S) for _ in batch)
         assert got[b"reg"] == {"group": G.hex(), "epoch": 3}
         assert got[b"win"]["accepted"] and got[b"win"]["epoch"] == 3
         assert got[b"lose"]["reason"] == "stale_epoch" and got[b"lose"]["head"] == got[b"win"]["receipt"]

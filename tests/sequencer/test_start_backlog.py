@@ -24,6 +24,7 @@ from agent import inbox
 from agent.sequencer.framing import encode_private_message
 from test_broker_sizes import agent, hostile_client, spawn
 from test_run_broker import Member
+from tests.waiting import HANG_S
 
 G = bytes.fromhex("5e" * 16)
 
@@ -51,11 +52,11 @@ def test_run_starts_with_more_waiting_than_its_inbox_holds(tmp_path, broker):
     proc = spawn(home, "sequencer", "run", "--broker", broker.url)
     m = None
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 20)
-        assert ready, "sequencer run did not start within 20 s"
+        ready, _, _ = select.select([proc.stdout], [], [], HANG_S)
+        assert ready, f"sequencer run did not start within {HANG_S} s"
         assert "serving" in json.loads(proc.stdout.readline())
         m = Member(broker.port, "alice")
-        assert m.request(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 0), timeout=30)["accepted"] is True
+        assert m.request(f"sovm-seq/{G.hex()}/submit", encode_private_message(G, 0), timeout=HANG_S)["accepted"] is True
     finally:
         if m is not None:
             m.close()

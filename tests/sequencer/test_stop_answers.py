@@ -20,6 +20,7 @@ from paho.mqtt.properties import Properties
 from agent.sequencer.framing import encode_private_message
 from test_broker_sizes import agent, spawn
 from test_run_broker import Member
+from tests.waiting import HANG_S
 
 
 def test_every_request_counted_at_stop_was_answered(tmp_path, broker):
@@ -39,7 +40,7 @@ def test_every_request_counted_at_stop_was_answered(tmp_path, broker):
             m.c.publish(f"sovm-seq/{g.hex()}/submit", encode_private_message(g, 0), qos=1, properties=p)
         time.sleep(1)
         proc.send_signal(signal.SIGCONT)
-        m.answers.get(timeout=30)   # run is answering the burst: stop it now
+        m.answers.get(timeout=HANG_S)   # run is answering the burst: stop it now
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
