@@ -108,11 +108,11 @@ def small_fs(tmp_path):
 def fill(fs: Path) -> Path:
     """Write zeros until the filesystem refuses: a full disk, for real."""
     f = fs / "filler"
-    with open(f, "wb") as out:
+    # unbuffered: a buffered file keeps the refused bytes and raises ENOSPC again when it closes
+    with open(f, "wb", buffering=0) as out:
         try:
             while True:
                 out.write(bytes(65536))
-                out.flush()
         except OSError as e:
             assert e.errno == 28, e
     assert os.statvfs(fs).f_bavail == 0
