@@ -11,7 +11,8 @@ import pytest
 # command -> the Debian package that provides it
 COMPONENTS = {"mosquitto": "mosquitto", "softhsm2-util": "softhsm2", "socat": "socat", "faketime": "faketime",
               "sfdisk": "fdisk", "mkfs.vfat": "dosfstools", "mcopy": "mtools", "mtype": "mtools",
-              "mkfs.ext4": "e2fsprogs", "debugfs": "e2fsprogs"}
+              "mkfs.ext4": "e2fsprogs", "debugfs": "e2fsprogs", "ejabberdctl": "ejabberd", "erl": "ejabberd",
+              "node": "nodejs", "npm": "npm"}
 
 
 @pytest.mark.parametrize("command", sorted(COMPONENTS))
@@ -20,3 +21,10 @@ def test_the_component_the_suite_starts_is_installed(command):
     assert shutil.which(command, path=path), (
         f"{command} is missing: run tools/setup.sh (apt-get install {COMPONENTS[command]}); "
         "the tests that need it would only be skipped")
+
+
+def test_ts_mls_is_installed():
+    """The ts-mls members of the sequencer tests (tools/setup.sh runs `npm ci` for them)."""
+    from pathlib import Path
+    here = Path(__file__).resolve().parent / "sequencer" / "ts_mls" / "node_modules" / "ts-mls"
+    assert here.is_dir(), "ts-mls is missing: run tools/setup.sh (npm ci --prefix tests/sequencer/ts_mls)"
