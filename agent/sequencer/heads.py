@@ -30,18 +30,25 @@ UNSIGNED_EVENTS_KEPT = 100          # its rows kept (the newest): a hostile clie
 def read(make_client: Callable, host: str, port: int, prefix: str, client_id: str,
          wait: float) -> Optional[dict[bytes, list[bytes]]]:
     """Every record the broker retains on ``PREFIX/+/accepted``: group_id -> [payload], or None
-    when they were not all read within ``wait`` seconds. One short connection (clean start);
-    a marker published to itself after the SUBACK comes back after the retained records (the
-    broker sends them in order on one connection, QoS 0), so its return means all were read."""
+    when they were not all read within ``wait`` seconds (or the broker refused the marker). One
+    short connection (CLIENT_ID-heads, clean start); a marker it publishes after the SUBACK to the
+    sequencer's probe topic (which broker ACLs already give `run`) comes back after the retained
+    records, which the broker sends first, in order, on that connection (QoS 0), so its return
+    means every one was read."""
     got: dict[bytes, list[bytes]] = {}
-    done = threading.Event()
-    marker = f"{prefix}/_probe/{client_id}/heads"
+    done, refused = threading.Event(), threading.Event()
+    marker = f"{prefix}/_probe/{client_id}"
     token = uuid.uuid4().bytes
     c = make_client(f"{client_id}-heads")
 
     def on_connect(client, userdata, flags, reason_code, properties) -> None:
         if not reason_code.is_failure:
             client.subscribe([(f"{prefix}/+/accepted", 0), (marker, 0)])
+
+    def on_publish(client, userdata, mid, reason_code, properties) -> None:
+        if getattr(reason_code, "is_failure", False):
+            refused.set()       # an ACL refusing the marker: it never comes back
+            done.set()
 
     def on_message(client, userdata, msg) -> None:
         if msg.topic == marker:
@@ -57,15 +64,26 @@ def read(make_client: Callable, host: str, port: int, prefix: str, client_id: st
             got.setdefault(gid, []).append(bytes(msg.payload))
 
     c.on_connect = on_connect
-    c.on_subscribe = lambda client, *a: client.publish(marker, token, qos=0)
+    def on_subscribe(client, userdata, mid, reason_codes, properties) -> None:
+        if any(getattr(rc, "is_failure", False) for rc in reason_codes):
+            refused.set()       # an ACL denying the heads (or the marker): nothing read proves anything
+            done.set()
+            return
+        client.publish(marker, token, qos=1)
+
+    c.on_subscribe = on_subscribe
+    c.on_publish = on_publish
     c.on_message = on_message
     c.connect_async(host, port, keepalive=30, clean_start=True)
     c.loop_start()
     try:
-        ok = done.wait(wait)
+        ok = done.wait(wait) and not refused.is_set()
     finally:
         c.disconnect()
         c.loop_stop()
+    if refused.is_set():
+        log.warning("the broker refused %s/+/accepted or the marker on %s (its ACL): the retained heads "
+                    "cannot be read", prefix, marker)
     return dict(got) if ok else None
 
 
