@@ -244,3 +244,45 @@ def test_a_commit_framed_ahead_after_a_resume_that_cannot_prove_its_state(tmp_pa
             assert chain.add(next(iter(released.seen[(G1, e)]))) is not None
     finally:
         alice.close()
+
+
+def test_heads_the_broker_will_not_give_stop_only_a_resume_the_witness_cannot_vouch_for(tmp_path):
+    """An ACL that lets `sequencer run` serve but refuses its probe topic (where the marker that
+    ends the read of the retained heads goes): the heads cannot be read. A resume the witness
+    vouches for serves on (event `heads_unread`); a home holding receipts whose witness is gone
+    exits 1, signing nothing: it cannot establish what was released (§22.5 cl. 2)."""
+    from agent.transport.broker import Broker, free_port, write_password_file
+    write_password_file(tmp_path / "passwd", {"seq": "s", "alice": "a"})
+    acl = ["user seq"] + [f"topic readwrite sovm-seq/+/{k}" for k in
+                          ("submit", "register", "receipt", "evidence", "accepted", "lost", "discontinuity/+")]
+    (tmp_path / "acl").write_text("\n".join(acl + ["topic write sovm-member/+/answers", "user alice",
+                                                   "topic readwrite #"]) + "\n")
+    port = free_port()
+    br = Broker(port=port, workdir=tmp_path / "broker", listener_conf=(
+        f"listener {port} 127.0.0.1\nallow_anonymous false\npassword_file {tmp_path / 'passwd'}\n"
+        f"acl_file {tmp_path / 'acl'}")).start()
+
+    class At:
+        url = f"mqtt://seq:s@127.0.0.1:{port}"
+
+    home = tmp_path / "seq"
+    key = bytes.fromhex(json.loads(cli(home, "init").stdout)["sequencer_key"])
+    released, alice = Released(key), Member(port, "alice", credentials=("alice", "a"))
+    try:
+        run = Run(home, At)
+        assert released.answer(submit(alice, G1, 0, b"0"))["accepted"] is True
+        run.stop()
+        assert [e for e in status(home)["events"] if e["kind"] == "heads_unread"] != []
+        run = Run(home, At)                 # the witness vouches for G1 at 0: served
+        assert released.answer(submit(alice, G1, 1, b"1"))["accepted"] is True
+        run.stop()
+        os.environ["SSP_AGENT_WITNESS_DIR"] = str(tmp_path / "new-machine-witness")
+        p = subprocess.run([*agent_cmd(), "--home", str(home), "sequencer", "run", "--broker", At.url],
+                           capture_output=True, text=True, env=agent_env(), timeout=WAIT)
+        assert p.returncode == 1 and "cannot establish what was released" in p.stderr, (p.stdout, p.stderr)
+        assert p.stdout == ""
+        drain(alice, released)
+        assert released.doubles() == []
+    finally:
+        alice.close()
+        br.close()
