@@ -201,6 +201,9 @@ class Server:
         # (`receipts_lost`), so fixed from here on; one dropped once nothing is missing
         self._lost_groups: set[bytes] = set(seq.store.lost_stretches())
         self.stats = {"submits": 0, "submit_batches": 0}
+        # the groups the receipt witness does not vouch for, as the resume left them (read before
+        # anything is served: a Commit accepted later moves the witness with the state)
+        self.unvouched = len(seq.unproven)
         service.tune_collector()
         self.gc = seq.group_commit()
         self._in_gc: dict[int, object] = {}      # tag -> the submit request in the group commit

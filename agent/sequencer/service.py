@@ -290,7 +290,7 @@ class Sequencer:
             self._resume()
             # groups members' evidence showed behind (§22.5 cl. 2): not served until recovered
             self.held: set[bytes] = set(self.store.held())
-            self.unproven = self._unproven()
+            self._unproven_at_resume: Optional[set[bytes]] = None
             if self.bridge.journal_stats()["bytes"] > JOURNAL_OPEN_COMPACT_BYTES:
                 self.compact_journal()
         except BaseException:
@@ -521,6 +521,14 @@ class Sequencer:
                     "run `sequencer recover` with members' evidence", group_id.hex(), evidence)
         self.store.hold(group_id, core.STATE_BEHIND, {"group": group_id.hex(), "evidence": evidence, **detail})
         self.held.add(group_id)
+
+    @property
+    def unproven(self) -> set[bytes]:
+        """``_unproven`` as it was after this open's resume: read once, when first needed (`run`
+        reads it before serving; a one-shot verb only on a Commit framed ahead)."""
+        if self._unproven_at_resume is None:
+            self._unproven_at_resume = self._unproven()
+        return self._unproven_at_resume
 
     def _unproven(self) -> set[bytes]:
         """The groups whose state the receipt witness does not vouch for after this resume: a
