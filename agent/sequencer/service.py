@@ -497,7 +497,9 @@ class Sequencer:
                                                                      held_from=state.current_epoch),
                                      statements=dict(out.statements))
             self.held.discard(group_id)
-            self.unproven.discard(group_id)
+            if head.kid == self.public_key:
+                # released by this key: the witness outside the home vouches for the head from here on
+                self.witness.note([head.raw])
         elif isinstance(out, recovery.FailClosed):
             top = max((ev.epoch for ev in out.evidence), default=0)
             self.store.fail_closed(group_id, max(top + 1, state.current_epoch), {
