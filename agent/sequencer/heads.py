@@ -29,7 +29,8 @@ UNSIGNED_EVENTS_KEPT = 100          # its rows kept (the newest): a hostile clie
 
 def read(make_client: Callable, host: str, port: int, prefix: str, client_id: str,
          wait: float) -> Optional[dict[bytes, list[bytes]]]:
-    """Every record the broker retains on ``PREFIX/+/accepted``: group_id -> [payload], or None
+    """Every record the broker retains on ``PREFIX/+/accepted``: group_id -> [its receipt bytes,
+    or b"" for a record of another shape] (``receipt_of``), or None
     when they were not all read within ``wait`` seconds (or the broker refused the marker). One
     short connection (CLIENT_ID-heads, clean start); a marker it publishes after the SUBACK to the
     sequencer's probe topic (which broker ACLs already give `run`) comes back after the retained
@@ -61,7 +62,9 @@ def read(make_client: Callable, host: str, port: int, prefix: str, client_id: st
         except (ValueError, IndexError):
             return
         if msg.retain and msg.payload and 1 <= len(gid) <= 255:
-            got.setdefault(gid, []).append(bytes(msg.payload))
+            # only the receipt is kept (a retained record carries its Commit too): b"" for a
+            # record that is not one of ours in shape
+            got.setdefault(gid, []).append(receipt_of(bytes(msg.payload)))
 
     c.on_connect = on_connect
     def on_subscribe(client, userdata, mid, reason_codes, properties) -> None:
@@ -87,8 +90,20 @@ def read(make_client: Callable, host: str, port: int, prefix: str, client_id: st
     return dict(got) if ok else None
 
 
+def receipt_of(payload: bytes) -> bytes:
+    """The receipt bytes of an `accepted` record (CBOR {"epoch", "commit", "receipt"}); b"" for
+    anything else a client retained there."""
+    try:
+        rec = cbor2.loads(payload)
+    except Exception:           # any bytes a client retained: not a record of ours
+        return b""
+    raw = rec.get("receipt") if isinstance(rec, dict) else None
+    return raw if isinstance(raw, bytes) else b""
+
+
 def judge(seq: "service.Sequencer", heads: dict[bytes, list[bytes]]) -> tuple[list[bytes], list[dict]]:
-    """Hold every group a retained head shows behind (``seq.hold``, core.BROKER_HEAD); returns
+    """Hold every group a retained head (``heads``, what ``read`` returns) shows behind
+    (``seq.hold``, core.BROKER_HEAD); returns
     (the groups held now, the records that are not this sequencer's receipt for their group).
     Only a head that would hold its group is verified (a signature check): one below the state's
     epoch that matches or cannot be compared changes nothing either way."""
@@ -99,13 +114,11 @@ def judge(seq: "service.Sequencer", heads: dict[bytes, list[bytes]]) -> tuple[li
             continue
         if state is None and seq.store.retired(gid) is not None:
             continue        # never served again without a recovery (§22.6)
-        for payload in payloads:
+        for raw in payloads:
             why = None
             try:
-                rec = cbor2.loads(payload)
-                raw = rec["receipt"] if isinstance(rec, dict) else None
-                r = receipts.parse_receipt(raw) if isinstance(raw, bytes) else None
-            except Exception:       # any bytes a client retained: not a record of ours
+                r = receipts.parse_receipt(raw) if raw else None
+            except receipts.ReceiptError:
                 r = None
             if r is None:
                 why = "not an accepted record"

@@ -25,6 +25,7 @@ from tests.sequencer.test_run_broker import Member, cli
 
 G1 = bytes.fromhex("b1" * 16)
 G2 = bytes.fromhex("b2" * 16)
+G3 = bytes.fromhex("b3" * 16)
 WAIT = 120          # a ceiling that only catches a hang
 
 
@@ -185,13 +186,16 @@ def test_a_forged_retained_head_does_not_freeze_a_group(tmp_path, broker):
         publish_retained(broker.port, f"sovm-seq/{G1.hex()}/accepted",
                          cbor2.dumps({"epoch": 9, "commit": f.read_bytes(), "receipt": foreign}))
         publish_retained(broker.port, f"sovm-seq/{G2.hex()}/accepted", b"\xff\x00 not cbor")
+        publish_retained(broker.port, f"sovm-seq/{G3.hex()}/accepted",
+                         cbor2.dumps({"epoch": 7, "commit": b"c", "receipt": b"\x84not a receipt"}))
         run = Run(home, broker)
         assert released.answer(submit(alice, G1, 1, b"1"))["accepted"] is True
         assert released.answer(submit(alice, G2, 1, b"1"))["accepted"] is True
+        assert released.answer(submit(alice, G3, 0, b"0"))["accepted"] is True      # a new group: bootstrapped
         run.stop()
         assert held(home) == {}
         unsigned = [e for e in status(home)["events"] if e["kind"] == "accepted_unsigned"]
-        assert {e["group"] for e in unsigned} == {G1.hex(), G2.hex()}, unsigned
+        assert {e["group"] for e in unsigned} == {G1.hex(), G2.hex(), G3.hex()}, unsigned
         assert released.doubles() == []
     finally:
         alice.close()
