@@ -730,6 +730,10 @@ class Sequencer:
                 continue        # nothing the journal knows is ahead: the state is not read (nor cached)
             self._settle_group(gid, pend.get(gid, {}), run, forgotten.get(gid))
         run.finish(all_pending=bool(pend))
+        # a receipt the journal held and the witness may not (a crash between the two): released
+        # or not, the witness holds it from now on, so it vouches for the group (§22.5 cl. 2)
+        self.witness.note([raw for gid, (e, raw) in sorted(run.taken.items())
+                           if (w := self.witness.top.get(gid)) is None or w[0] < e])
         self._resume_witness(epochs)
         self._sign_statements()
 
@@ -907,6 +911,8 @@ class _Settlement:
         self.events: list = []
         self.pending_done: list = []
         self.size = 0
+        # each group's highest receipt taken back from the journal: for the witness (``_resume``)
+        self.taken: dict[bytes, tuple[int, bytes]] = {}
 
     def start(self, state: core.GroupState) -> None:
         self.base[state.group_id] = state
@@ -918,6 +924,9 @@ class _Settlement:
     def receipt(self, gid: bytes, epoch: int, ch: bytes, raw: bytes, rh: bytes, message: Optional[bytes],
                 pending: bool) -> None:
         self.receipts.append((gid, epoch, ch, raw, rh, message))
+        top = self.taken.get(gid)
+        if top is None or epoch > top[0]:
+            self.taken[gid] = (epoch, raw)
         self._add(gid, epoch, rh, pending)
 
     def gap(self, gid: bytes, epoch: int, ch: Optional[bytes], message: Optional[bytes], cause: str,

@@ -290,3 +290,40 @@ def test_heads_the_broker_will_not_give_stop_only_a_resume_the_witness_cannot_vo
     finally:
         alice.close()
         br.close()
+
+
+def test_a_receipt_taken_back_from_the_journal_goes_into_the_witness(tmp_path):
+    """A crash after the receipt is durable in the signing journal and before the witness holds
+    it: the next open takes it back from the journal (§22.5 cl. 1) and notes it in the witness,
+    so the witness vouches for the group (a Commit framed ahead is then `future_epoch`, not a
+    hold) and a later whole-home restore still jumps past it."""
+    import pytest
+
+    from agent.sequencer import service
+
+    class Boom(Exception):
+        pass
+
+    def at_persist(point: str) -> None:
+        if point == "after_persist":
+            raise Boom(point)
+
+    home = tmp_path / "seq"
+    service.init(home)
+    with service.Sequencer(home) as s:
+        s.register(G1, 0)
+        assert isinstance(s.submit(encode_private_message(G1, 0, ciphertext=b"0" * 8)), service.Accepted)
+    s = service.Sequencer(home, fault_hook=at_persist)
+    try:
+        with pytest.raises(Boom):
+            s.submit(encode_private_message(G1, 1, ciphertext=b"1" * 8))
+        assert s.witness.top[G1][0] == 0            # the crash point: the journal holds r1, the witness not
+    finally:
+        s.close()
+    with service.Sequencer(home) as s:
+        assert s.store.group(G1).current_epoch == 2
+        assert s.witness.top[G1] == (1, s.store.receipt(G1, 1))
+        assert s.unproven == set()
+        ahead = s.submit(encode_private_message(G1, 5, ciphertext=b"5" * 8))
+        assert isinstance(ahead, service.Rejected) and ahead.reason == "future_epoch", ahead
+        assert s.held == set()
