@@ -231,6 +231,8 @@ def cmd_run(args) -> int:
     try:
         try:
             server.start(args.connect_timeout)
+            # §22.5 cl. 2: members' evidence (the heads the broker retains) before any group is served
+            server.check_heads(serve.HEADS_WAIT_S if args.heads_wait is None else args.heads_wait)
         except service.SequencerFault as e:
             raise Fault(str(e)) from None
         signal.signal(signal.SIGTERM, lambda *_: server.stop.set())
@@ -293,6 +295,9 @@ def register(sub, mailbox_sub) -> None:
     a.add_argument("--max-groups", type=count_arg, default=None, metavar="N",
                    help="track at most N groups: the first Commit (or a registration) of a new group beyond "
                         "them is refused `group_limit` (default 100000)")
+    a.add_argument("--heads-wait", type=seconds_arg, default=None, metavar="S",
+                   help="seconds to wait for the receipt heads the broker retains before serving (default 30; "
+                        "docs/sequencer.md \"Evidence from members on resume\")")
     a.set_defaults(fn=cmd_run)
     register_commits(sub)
     register_sequencing(sub)

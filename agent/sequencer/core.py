@@ -41,6 +41,10 @@ EPOCH_OUT_OF_RANGE = "epoch_out_of_range"  # beyond what the store's signed 64-b
 DISK_FULL = "disk_full"              # the home's filesystem is short of the space signing needs: retry later
 GROUP_LIMIT = "group_limit"          # a new group beyond the groups the operator lets it track (`run --max-groups`)
 GROUP_RETIRED = "group_retired"      # state lost and not recovered here: never bootstrapped again (§22.6, §22.10)
+STATE_BEHIND = "state_behind"        # members' evidence shows this state behind what was released: held (§22.5 cl. 2)
+# What showed it (the `held` entry of `sequencer status`)
+BROKER_HEAD = "broker_head"          # the broker retains a receipt of ours at or beyond the state's epoch
+COMMIT_AHEAD = "commit_ahead"        # a Commit framed above the epoch, after a resume the witness cannot vouch for
 
 # The framing's epoch is a uint64; the sequencer's SQLite state holds signed 64-bit integers and
 # must be able to store E+1 after accepting E.
@@ -103,15 +107,21 @@ def register(existing: Optional[GroupState], group_id: bytes, epoch: int) -> Gro
     return GroupState(group_id, epoch, None, "registered")
 
 
-def decide(state: Optional[GroupState], framing: Framing, commit_hash: bytes, retired: bool = False) -> Decision:
+def decide(state: Optional[GroupState], framing: Framing, commit_hash: bytes, retired: bool = False,
+           held: bool = False) -> Decision:
     """The first-Commit-wins decision for one framed message (§22.5). ``retired``: this sequencer
-    has a record of the group and no state for it (a recovery that did not resume it)."""
+    has a record of the group and no state for it (a recovery that did not resume it); ``held``:
+    members' evidence showed its state behind what was released."""
     gid = framing.group_id
     if not framing.is_commit:
         name = CONTENT_TYPE_NAMES.get(framing.content_type, str(framing.content_type))
         return _reject(NOT_COMMIT, gid, state, f"content_type {name}: only Commits are sequenced")
     if framing.epoch > MAX_EPOCH:
         return _reject(EPOCH_OUT_OF_RANGE, gid, state, f"epoch {framing.epoch} > {MAX_EPOCH}")
+    if held:
+        # §22.5 cl. 2: a pair it cannot establish was never released is treated as signed
+        return _reject(STATE_BEHIND, gid, state, "members' evidence shows this sequencer's state behind what it "
+                                                 "released: the group awaits `sequencer recover` (§22.6)")
     if state is None and retired:
         # §22.6: never resumed from a naked epoch assertion, which a Commit's framing epoch is;
         # §22.10: a genesis reset starts a new group_id

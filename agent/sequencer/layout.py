@@ -139,9 +139,23 @@ def _state_v2(conn: sqlite3.Connection) -> None:
         conn.execute(stmt)
 
 
+# Version 3: the groups held after a resume because members' evidence (a receipt head the broker
+# retains, a Commit framed ahead) shows this state is behind what was released (§22.5 cl. 2): not
+# served until `sequencer recover` resumes them from members' receipts (docs/sequencer.md).
+STATE_V3 = """
+CREATE TABLE held (group_id BLOB PRIMARY KEY, reason TEXT NOT NULL, detail TEXT NOT NULL);
+"""
+
+
+def _state_v3(conn: sqlite3.Connection) -> None:
+    for stmt in statements(STATE_V3):
+        conn.execute(stmt)
+
+
 STATE = Layout("sequencer state", "groups", [
     (1, "the released layout (groups, pending, receipts, discontinuities, statements, events)", _base(STATE_V1)),
     (2, "the retired groups (a recovery that did not resume them)", _state_v2),
+    (3, "the held groups (members' evidence shows the state behind what was released)", _state_v3),
 ])
 
 

@@ -54,7 +54,7 @@ from urllib.parse import unquote, urlparse
 
 from agent import inbox, outbox
 from agent.core import codec, numbers
-from agent.sequencer import core, framing, recovery, service
+from agent.sequencer import core, framing, heads, recovery, service
 from agent.sequencer.client import ANSWER_ROOT
 
 log = logging.getLogger("ssp.sequencer")
@@ -131,6 +131,10 @@ ANSWER_BACKLOG_BYTES = 8 << 20
 ANSWER_BACKLOG_ITEMS = 1024
 # On stopping, how long to wait for the broker to acknowledge the answers already published
 CLOSE_FLUSH_S = 10.0
+# On starting, how long to wait for the receipt heads the broker retains (`run --heads-wait`):
+# a normal restart reads them in one round trip; a broker that does not answer within it is
+# served past only where the receipt witness vouches for every group (``check_heads``)
+HEADS_WAIT_S = 30.0
 # Commits waiting in the group commit's queue, besides BACKLOG_BYTES: a flood of tiny Commits
 # (each ~0.3 KB resident beside its bytes) and the rejections one step answers stay bounded.
 BACKLOG_COMMITS = 2048
@@ -197,6 +201,9 @@ class Server:
         # (`receipts_lost`), so fixed from here on; one dropped once nothing is missing
         self._lost_groups: set[bytes] = set(seq.store.lost_stretches())
         self.stats = {"submits": 0, "submit_batches": 0}
+        # the groups the receipt witness does not vouch for, as the resume left them (read before
+        # anything is served: a Commit accepted later moves the witness with the state)
+        self.unvouched = len(seq.unproven)
         service.tune_collector()
         self.gc = seq.group_commit()
         self._in_gc: dict[int, object] = {}      # tag -> the submit request in the group commit
@@ -216,6 +223,7 @@ class Server:
         # requests arrive on the persistent session (its subscriptions, acknowledged after their
         # answer); answers and records leave on a second connection, whose thread never waits for
         # the inbox, so their PUBACKs are read while a flood of requests waits (agent/outbox.py)
+        self._make_client, self.client_id = client, client_id
         c = client(client_id, manual_ack=True)
         c.on_connect = self._on_connect
         c.on_subscribe = lambda *a: self.subscribed.set()
@@ -269,6 +277,24 @@ class Server:
         self._publish_discontinuities()
         for gid in sorted(self._lost_groups):
             self._publish_lost(gid)
+
+    def check_heads(self, wait: float = HEADS_WAIT_S) -> dict:
+        """Before serving (§22.5 cl. 2): the receipt heads the broker retains, read within ``wait``
+        seconds, hold every group they show behind (heads.judge). Not read in time: a resume the
+        witness vouches for serves on (event `heads_unread`); one it cannot vouch for for some
+        group (``Sequencer.unproven``) cannot establish what was released, and stops (a fault)."""
+        got = heads.read(self._make_client, self.s.host, self.s.port, self.s.prefix, self.client_id, wait)
+        if got is None:
+            if self.seq.unproven:
+                raise service.SequencerFault(
+                    f"the receipt heads retained on {self.s.host}:{self.s.port} were not read within {wait:g} s, and "
+                    f"the receipt witness does not vouch for {len(self.seq.unproven)} groups' state: cannot establish "
+                    "what was released (§22.5 cl. 2); run again once the broker answers (`--heads-wait`)")
+            log.warning("the receipt heads the broker retains were not read within %g s; serving on the witness", wait)
+            self.seq.store.record_event("heads_unread", {"wait_s": wait}, keep=STUCK_EVENTS_KEPT)
+            return {"heads": None, "held": [], "unsigned": 0}
+        held, unsigned = heads.judge(self.seq, got)
+        return {"heads": len(got), "held": [g.hex() for g in held], "unsigned": len(unsigned)}
 
     def serve_forever(self) -> None:
         while not self.stop.is_set():

@@ -288,6 +288,9 @@ class Sequencer:
             self._compacted_at = 0          # the journal's size after its last compaction
             self.witness = ReceiptWitness(self.public_key)
             self._resume()
+            # groups members' evidence showed behind (§22.5 cl. 2): not served until recovered
+            self.held: set[bytes] = set(self.store.held())
+            self._unproven_at_resume: Optional[set[bytes]] = None
             if self.bridge.journal_stats()["bytes"] > JOURNAL_OPEN_COMPACT_BYTES:
                 self.compact_journal()
         except BaseException:
@@ -334,6 +337,9 @@ class Sequencer:
 
     # -- verbs -----------------------------------------------------------------------------
     def register(self, group_id: bytes, epoch: int) -> None:
+        if group_id in self.held:
+            raise SequencerRefused(f"{core.STATE_BEHIND}: group {group_id.hex()} is held: members' evidence shows "
+                                   "this state behind what was released; run `sequencer recover` (§22.6)")
         if self.store.group(group_id) is None and self.store.retired(group_id) is not None:
             # §22.6: a group whose state was lost comes back only by a recovery that converges
             raise SequencerRefused(f"{core.GROUP_RETIRED}: group {group_id.hex()} lost its state here and recovery "
@@ -416,6 +422,8 @@ class Sequencer:
         adopted and CAS resumes at head.epoch + 1) and FailClosed (the group is frozen)."""
         from agent.sequencer import recovery
         state = self.store.group(group_id)
+        if group_id in self.held and state is not None and not (state.failed_closed or state.migrated):
+            return self._recover_held(group_id, state, evidence, bindings)
         if state is not None and not state.failed_closed:
             lost = self.store.lost_stretches(group_id).get(group_id)
             if lost:
@@ -427,6 +435,7 @@ class Sequencer:
             if state is not None:
                 raise SequencerRefused(f"group {group_id.hex()} is frozen on equivocation evidence: audit and "
                                        "migrate it (§22.6 step 4); evidence that converges now does not unfreeze it")
+            self.held.discard(group_id)         # a held group this home never knew: restore_group lifts it
             head = out.head
             new = core.GroupState(group_id, out.current_epoch, core.Head(head.epoch, head.receipt_hash),
                                   "recovered", out.discontinuities)
@@ -453,6 +462,95 @@ class Sequencer:
             else:
                 self.store.record_event("recovery_refused", detail)
         return out
+
+    def _recover_held(self, group_id: bytes, state: core.GroupState, evidence: list, bindings: dict[int, bytes]):
+        """§22.6 steps 1-5 for a group held on members' evidence (``hold``): this home's state is
+        behind what was released, so the members' chain is taken as for a lost state, and resumes
+        the group only where it reaches at least this home's epoch and agrees with every receipt
+        this home holds (one that differs is two receipts for one pair: failed closed, step 4)."""
+        from agent.sequencer import member, recovery
+        out = recovery.assess(group_id, evidence, bindings)
+        detail = {"group": group_id.hex(), "outcome": type(out).__name__, "unusable": list(out.unusable)}
+        if isinstance(out, recovery.Resume):
+            for r in out.receipts:
+                mine = self.store.receipt(group_id, r.epoch)
+                if mine is not None and mine != r.raw:
+                    ev = member.Evidence("double_receipt", group_id, r.epoch, (mine, r.raw),
+                                         "this home's receipt and the members' differ")
+                    self.store.fail_closed(group_id, state.current_epoch, {
+                        "group": group_id.hex(), "evidence": [{"kind": ev.kind, "epoch": ev.epoch,
+                                                               "receipts": [x.hex() for x in ev.receipts]}]})
+                    self.held.discard(group_id)
+                    return recovery.FailClosed((ev,), out.unsigned)
+            if out.current_epoch < state.current_epoch:
+                self.store.record_event("recovery_refused", dict(detail, reason="the members' head is behind "
+                                                                 "this home's own state: more evidence is needed"))
+                raise SequencerRefused(f"{core.STATE_BEHIND}: the evidence for group {group_id.hex()} reaches epoch "
+                                       f"{out.current_epoch}, behind this home's {state.current_epoch}: gather the "
+                                       "members whose receipts reach the head the broker retains")
+            head = out.head
+            gaps = tuple(sorted(set(state.discontinuities) | set(out.discontinuities)))
+            new = core.GroupState(group_id, out.current_epoch, core.Head(head.epoch, head.receipt_hash),
+                                  state.origin, gaps)
+            self.store.restore_group(new, [(r.epoch, r.commit_hash, r.raw, r.receipt_hash) for r in out.receipts],
+                                     list(out.discontinuities), dict(detail, head_epoch=head.epoch, members=len(evidence),
+                                                                     held_from=state.current_epoch),
+                                     statements=dict(out.statements))
+            self.held.discard(group_id)
+            if head.kid == self.public_key:
+                # released by this key: the witness outside the home vouches for the head from here on
+                self.witness.note([head.raw])
+        elif isinstance(out, recovery.FailClosed):
+            top = max((ev.epoch for ev in out.evidence), default=0)
+            self.store.fail_closed(group_id, max(top + 1, state.current_epoch), {
+                "group": group_id.hex(),
+                "evidence": [{"kind": ev.kind, "epoch": ev.epoch, "receipts": [r.hex() for r in ev.receipts]}
+                             for ev in out.evidence]})
+            self.held.discard(group_id)
+        else:
+            # still held: nothing here resumes it from a naked assertion (§22.6)
+            self.store.record_event("recovery_refused", dict(detail, reason=getattr(
+                out, "reason", "no usable receipt evidence: domain genesis reset (§22.10)")))
+        return out
+
+    def hold(self, group_id: bytes, evidence: str, detail: dict) -> None:
+        """§22.5 cl. 2: members' evidence (``evidence``: core.BROKER_HEAD or core.COMMIT_AHEAD)
+        shows this state behind what was released; the group is served nothing that signs until
+        `sequencer recover` resumes it from members' receipts (docs/sequencer.md)."""
+        if group_id in self.held:
+            return
+        log.warning("group %s held (%s): this state is behind what was released (a restored machine?); "
+                    "run `sequencer recover` with members' evidence", group_id.hex(), evidence)
+        self.store.hold(group_id, core.STATE_BEHIND, {"group": group_id.hex(), "evidence": evidence, **detail})
+        self.held.add(group_id)
+
+    @property
+    def unproven(self) -> set[bytes]:
+        """``_unproven`` as it was after this open's resume: read once, when first needed (`run`
+        reads it before serving; a one-shot verb only on a Commit framed ahead)."""
+        if self._unproven_at_resume is None:
+            self._unproven_at_resume = self._unproven()
+        return self._unproven_at_resume
+
+    def _unproven(self) -> set[bytes]:
+        """The groups whose state the receipt witness does not vouch for after this resume: a
+        released receipt (a head) the witness lacks or holds another of, or any group at all when
+        the witness holds nothing while this home holds receipts (a witness lost with the old
+        machine). The witness proves a home restore only: a whole-machine restore restores it too
+        (docs/sequencer.md "Evidence from members on resume")."""
+        top = self.witness.top
+        out, unreceipted, any_head = set(), set(), False
+        for s in self.store.iter_groups():
+            if s.failed_closed or s.migrated:
+                continue
+            if s.head is None:
+                unreceipted.add(s.group_id)
+                continue
+            any_head = True
+            w = top.get(s.group_id)
+            if w is None or w[0] != s.head.epoch or receipts.receipt_hash(w[1]) != s.head.receipt_hash:
+                out.add(s.group_id)
+        return out | unreceipted if any_head and not top else out
 
     def lost(self, group_id: bytes) -> list[tuple[int, int, int]]:
         """The stretches of ``group_id``'s receipts a resume named lost (`receipts_lost`) that still
@@ -632,6 +730,10 @@ class Sequencer:
                 continue        # nothing the journal knows is ahead: the state is not read (nor cached)
             self._settle_group(gid, pend.get(gid, {}), run, forgotten.get(gid))
         run.finish(all_pending=bool(pend))
+        # a receipt the journal held and the witness may not (a crash between the two): released
+        # or not, the witness holds it from now on, so it vouches for the group (§22.5 cl. 2)
+        self.witness.note([raw for gid, (e, raw) in sorted(run.taken.items())
+                           if (w := self.witness.top.get(gid)) is None or w[0] < e])
         self._resume_witness(epochs)
         self._sign_statements()
 
@@ -809,6 +911,8 @@ class _Settlement:
         self.events: list = []
         self.pending_done: list = []
         self.size = 0
+        # each group's highest receipt taken back from the journal: for the witness (``_resume``)
+        self.taken: dict[bytes, tuple[int, bytes]] = {}
 
     def start(self, state: core.GroupState) -> None:
         self.base[state.group_id] = state
@@ -820,6 +924,9 @@ class _Settlement:
     def receipt(self, gid: bytes, epoch: int, ch: bytes, raw: bytes, rh: bytes, message: Optional[bytes],
                 pending: bool) -> None:
         self.receipts.append((gid, epoch, ch, raw, rh, message))
+        top = self.taken.get(gid)
+        if top is None or epoch > top[0]:
+            self.taken[gid] = (epoch, raw)
         self._add(gid, epoch, rh, pending)
 
     def gap(self, gid: bytes, epoch: int, ch: Optional[bytes], message: Optional[bytes], cause: str,
@@ -907,7 +1014,9 @@ def _status(store: Store, stream: bool = False) -> dict:
     groups = _group_entries(store)
     return {"sequencer_key": store.get_meta("receipt_key")["public_key"],
             "groups": groups if stream else list(groups),
-            "events": store.events(), "layout_version": store.layout_version()}
+            "events": store.events(), "layout_version": store.layout_version(),
+            # groups members' evidence showed behind what was released: `sequencer recover` them
+            "held": [{"group": g.hex(), **d} for g, d in store.held().items()]}
 
 
 def _group_entries(store: Store) -> Iterator[dict]:
@@ -1134,8 +1243,14 @@ class GroupCommit:
                 break
             self.queued_bytes -= len(m)     # decided now, whatever the outcome (the rest stays in ``later``)
             state = group(f.group_id)
-            d = decide(state, f, ch, state is None and seq.store.retired(f.group_id) is not None)
+            d = decide(state, f, ch, state is None and seq.store.retired(f.group_id) is not None,
+                       f.group_id in seq.held)
             if type(d) is not core.Accept:
+                if d.reason == core.FUTURE_EPOCH and f.group_id in seq.unproven:
+                    # a member ahead of a state the witness cannot vouch for: evidence it is
+                    # behind what was released (§22.5 cl. 2), not a member to send away
+                    seq.hold(f.group_id, core.COMMIT_AHEAD, {"epoch": f.epoch, "current_epoch": state.current_epoch})
+                    d = decide(state, f, ch, False, True)
                 out.append((tag, seq._rejected(d)))
                 continue
             seen.add(f.group_id)

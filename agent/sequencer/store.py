@@ -402,6 +402,7 @@ class Store:
             for epoch, raw in (statements or {}).items():
                 self.conn.execute("INSERT OR IGNORE INTO statements VALUES (?, ?, ?)", (state.group_id, epoch, raw))
             self.conn.execute("DELETE FROM retired WHERE group_id = ?", (state.group_id,))
+            self.conn.execute("DELETE FROM held WHERE group_id = ?", (state.group_id,))
             self._put_group(state, -1)
             self._event(kind, detail)
 
@@ -416,6 +417,20 @@ class Store:
         """How the group's recovery ended, for a group retired here; None otherwise."""
         row = self.conn.execute("SELECT outcome FROM retired WHERE group_id = ?", (group_id,)).fetchone()
         return None if row is None else row[0]
+
+    def hold(self, group_id: bytes, reason: str, detail: dict) -> None:
+        """§22.5 cl. 2: members' evidence shows this state behind what was released: the group is
+        not served until a recovery resumes it (``restore_group`` lifts the hold), with the event."""
+        with self._tx():
+            self.conn.execute("INSERT OR REPLACE INTO held VALUES (?, ?, ?)", (group_id, reason, json.dumps(detail)))
+            self._event(reason, detail)
+
+    def held(self) -> dict[bytes, dict]:
+        """Every held group: group_id -> {"reason", **detail} (few: each is an operator's task)."""
+        if self.layout_version() < 3:
+            return {}           # a reader of a file no writer has migrated yet: nothing held
+        return {g: {"reason": r, **json.loads(d)} for g, r, d in
+                self.conn.execute("SELECT group_id, reason, detail FROM held ORDER BY group_id")}
 
     def fail_closed(self, group_id: bytes, current_epoch: int, detail: dict) -> None:
         """§22.6 step 4: equivocation evidence freezes the group for audit and migration."""

@@ -65,7 +65,7 @@ def test_sequencer_verbs_end_to_end(tmp_path):
     assert groups[G]["current_epoch"] == 4 and groups[G]["head"]["epoch"] == 3
     assert groups[G]["head"]["receipt_hash"] == receipts.receipt_hash(bytes.fromhex(a["receipt"])).hex()
     assert groups[other]["origin"] == "bootstrap" and groups[G]["discontinuities"] == []
-    assert st["layout_version"] == 2
+    assert st["layout_version"] == 3 and st["held"] == []
     assert st["journal"]["entries"] >= 2 and st["journal"]["bytes"] > 8   # the signing journal (compaction)
 
 

@@ -64,6 +64,17 @@ def test_failed_closed_group_accepts_nothing():
     assert isinstance(r, core.Reject) and r.reason == core.FAILED_CLOSED
 
 
+def test_a_held_group_accepts_nothing_known_or_not():
+    """§22.5 cl. 2: a group members' evidence showed behind what was released is not served, at
+    its epoch or any other, and an unknown held group is not bootstrapped by its first Commit."""
+    s = core.register(None, G, 3)
+    for e in (2, 3, 4):
+        r = core.decide(s, commit(e), b"c" * 32, held=True)
+        assert isinstance(r, core.Reject) and r.reason == core.STATE_BEHIND and r.current_epoch == 3
+    r = core.decide(None, commit(7), b"c" * 32, held=True)
+    assert isinstance(r, core.Reject) and r.reason == core.STATE_BEHIND and r.current_epoch is None
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 6)), max_size=60))
 def test_property_at_most_one_accept_per_group_epoch(submissions):

@@ -206,20 +206,22 @@ def test_a_state_file_of_the_release_before_versioning_opens_as_version_1_and_ke
     got = json.loads(agent(home, "sequencer", "receipt", "--group", G, "--epoch", "7", check=0).stdout)
     assert got == {"receipt": receipt.hex()}
     # the first writing open took it to the latest version (layout.py STATE_V2 adds the empty table
-    # of retired groups): every version-1 table and row as it was
-    assert user_version(db) == layout.STATE.latest == 2
+    # of retired groups, STATE_V3 that of held groups): every version-1 table and row as it was
+    assert user_version(db) == layout.STATE.latest == 3
     now = rows_of(db)
-    assert now.pop("retired") == [] and now == rows
+    assert now.pop("retired") == [] and now.pop("held") == [] and now == rows
     assert layout_of(db) - tables == {("table", "retired", "CREATE TABLE retired (group_id BLOB PRIMARY KEY, "
-                                                     "outcome TEXT NOT NULL)")}
+                                                     "outcome TEXT NOT NULL)"),
+                                      ("table", "held", "CREATE TABLE held (group_id BLOB PRIMARY KEY, "
+                                                  "reason TEXT NOT NULL, detail TEXT NOT NULL)")}
     assert tables <= layout_of(db)
     ro = Store(db, readonly=True)
     try:
-        assert layout.version(ro.conn, layout.STATE) == 2
+        assert layout.version(ro.conn, layout.STATE) == 3
     finally:
         ro.close()
     agent(home, "sequencer", "register", "--group", "c9" * 8, "--epoch", "0", check=0)
-    assert user_version(db) == 2
+    assert user_version(db) == 3
 
 
 def test_a_read_only_open_of_the_release_before_versioning_writes_nothing(tmp_path):
