@@ -426,7 +426,7 @@ def build_parser(modules: "set[str] | None" = None) -> argparse.ArgumentParser:
     ps = s.add_subparsers(dest="peer_verb", metavar="ACTION")
     ps.required = True
     a = ps.add_parser("add", help="trust a peer's Ed25519 key")
-    a.add_argument("--site-id", required=True)
+    a.add_argument("--site-id", required=True, help="the peer's site_id (32 hex characters)")
     a.add_argument("--public-key", required=True, help="64 hex characters")
     a.add_argument("--retired-after", help="retirement cutoff HLC: this peer's later events are dropped")
     a.add_argument("--replace", action="store_true",
@@ -435,11 +435,11 @@ def build_parser(modules: "set[str] | None" = None) -> argparse.ArgumentParser:
     a = ps.add_parser("list", help="the keyring as JSON: site_id, public_key, retired_after, source")
     a.set_defaults(fn=cmd_peer_list)
     a = ps.add_parser("remove", help="drop a manifest or operator peer from the keyring")
-    a.add_argument("--site-id", required=True)
+    a.add_argument("--site-id", required=True, help="the peer's site_id (32 hex characters)")
     a.set_defaults(fn=cmd_peer_remove)
 
     s = sub.add_parser("write", help="produce one signed local event and apply it")
-    s.add_argument("table", metavar="SCHEMA.TABLE")
+    s.add_argument("table", metavar="SCHEMA.TABLE", help="the table to write to, e.g. app.readings")
     s.add_argument("--key", required=True, help='row key as JSON, e.g. {"device":"d1","seq":1}')
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("--set", help='column values as JSON, e.g. {"temp":20.5}; {"$bytes":"hex"} for blobs')
@@ -447,14 +447,14 @@ def build_parser(modules: "set[str] | None" = None) -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_write)
 
     s = sub.add_parser("purge", help="refused: purge is not available in SSP/1 (exit 2)")
-    s.add_argument("rest", nargs="*")
+    s.add_argument("rest", nargs="*", help="anything: purge is refused whatever it is given")
     s.set_defaults(fn=cmd_purge)
 
     s = sub.add_parser("mailbox", help="store-and-forward sync bodies as files")
     ms = s.add_subparsers(dest="mailbox_verb", metavar="ACTION")
     ms.required = True
     a = ms.add_parser("import", help="apply every event of one sync body file")
-    a.add_argument("file")
+    a.add_argument("file", help="a sync body file made by `mailbox export`")
     a.set_defaults(fn=cmd_mailbox_import)
     _add_later_verbs(sub, ms, modules)
 
@@ -463,14 +463,14 @@ def build_parser(modules: "set[str] | None" = None) -> argparse.ArgumentParser:
     s = sub.add_parser("log", help="print the retained event log, one JSON object a line")
     s.set_defaults(fn=cmd_log)
     s = sub.add_parser("evict", help="raise a table's eviction horizon (never lowers it) and reclaim space")
-    s.add_argument("table", metavar="SCHEMA.TABLE", nargs="?")
+    s.add_argument("table", metavar="SCHEMA.TABLE", nargs="?", help="the table whose horizon --horizon raises")
     s.add_argument("--horizon", help="HLC, e.g. 1764669600000.0")
     s.add_argument("--auto", action="store_true",
                    help="run the eviction job: every evictable table to now minus its profile duration")
     _clock_flags(s)
     s.set_defaults(fn=cmd_evict)
     s = sub.add_parser("events", help="list what the node surfaced: drops, rejects, holds, partial rebuilds")
-    s.add_argument("--limit", type=count_arg, default=1000)
+    s.add_argument("--limit", type=count_arg, default=1000, help="list at most the newest N rows (default 1000)")
     s.add_argument("--ignored-columns", action="store_true", help="also list metered ignored payload columns")
     s.set_defaults(fn=cmd_events)
     s = sub.add_parser("status", help="identity, keystore, tables and horizons")
@@ -480,9 +480,9 @@ def build_parser(modules: "set[str] | None" = None) -> argparse.ArgumentParser:
     ts = s.add_subparsers(dest="table_verb", metavar="ACTION")
     ts.required = True
     a = ts.add_parser("add-column", help="add a value column and rebuild it from the retained log")
-    a.add_argument("table", metavar="SCHEMA.TABLE")
-    a.add_argument("--column", required=True)
-    a.add_argument("--type", required=True, choices=["integer", "real", "text", "blob"])
+    a.add_argument("table", metavar="SCHEMA.TABLE", help="the table to add the column to")
+    a.add_argument("--column", required=True, help="the new value column's name")
+    a.add_argument("--type", required=True, choices=["integer", "real", "text", "blob"], help="its type")
     a.set_defaults(fn=cmd_add_column)
     a = ts.add_parser("create", help="create a table (events held for it are then applied)")
     a.add_argument("--spec", required=True, help='JSON like a manifest [[tables]] entry')
@@ -492,7 +492,9 @@ def build_parser(modules: "set[str] | None" = None) -> argparse.ArgumentParser:
     is_ = s.add_subparsers(dest="identity_verb", metavar="ACTION")
     is_.required = True
     a = is_.add_parser("rebind", help="bind this identity to this machine (original device destroyed)")
-    a.add_argument("--confirm-original-destroyed", action="store_true")
+    a.add_argument("--confirm-original-destroyed", action="store_true",
+                   help="required: the device this identity was bound to is destroyed (two devices signing "
+                        "as one site corrupt the mesh)")
     a.set_defaults(fn=cmd_rebind)
     return p
 

@@ -39,7 +39,8 @@ def _add_common(s) -> None:
                         "credentials and ACLs that pin inbox topics to the device (docs/mqtt.md); then received "
                         "streams advance applied watermarks and peers' reports are used (also "
                         "SSP_MQTT_SECURE_BINDING=1)")
-    s.add_argument("--connect-timeout", type=seconds_arg, default=10.0)
+    s.add_argument("--connect-timeout", type=seconds_arg, default=10.0,
+                   help="seconds to wait for the broker to accept the connection (default 10)")
     s.add_argument("--metrics-file", metavar="PATH",
                    help="write metrics (Prometheus text format) here for node_exporter's textfile collector: "
                         "`run` every --metrics-interval seconds, `sync --once` after its cycle (replaced atomically)")
@@ -127,7 +128,7 @@ def _go(args, once: bool) -> int:
                     raise
                 count_sync_run(node, "ok", args)
                 emit(summary)
-                return EXIT_OK
+                return refused_bodies_told(r, summary)
             return run_runtime(args, node, runner=r)
         finally:
             r.close()
@@ -206,6 +207,24 @@ def open_runner(args, node, once: bool):
             raise Fault(f"broker unreachable: {err}")
         print(f"ssp-agent: broker unreachable ({err}); run keeps retrying", file=sys.stderr)
     return r
+
+
+def refused_bodies_told(r, summary: dict) -> int:
+    """`sync --once` names the bodies it refused on stderr (a wake's JSON is rarely read), and a
+    wake that refused every body it received is a refusal (exit 2), not a sync: a device whose
+    decoder could not read its peers' bodies refused each as `malformed_cbor` and exited 0."""
+    from .cli import EXIT_OK, EXIT_REFUSED
+    n, got = summary["refused_bodies"], summary["bodies_received"]
+    if not n:
+        return EXIT_OK
+    reasons = ", ".join(f"{k.split(':', 1)[1]} x{v}" if v > 1 else k.split(":", 1)[1]
+                        for k, v in sorted(r.stats.items()) if k.startswith("rejected:") and v)
+    see = "; `ssp-agent events` lists them"
+    if n >= got:
+        print(f"ssp-agent: sync --once refused every body it received ({n}): {reasons}{see}", file=sys.stderr)
+        return EXIT_REFUSED
+    print(f"ssp-agent: sync --once refused {n} of {got} bodies received: {reasons}{see}", file=sys.stderr)
+    return EXIT_OK
 
 
 def run_runtime(args, node, runner=None, ports=()) -> int:

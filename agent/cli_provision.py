@@ -127,7 +127,7 @@ def register(sub, mailbox_sub) -> None:
 
     a = ps.add_parser("flash", help="write a bundle onto a Raspberry Pi OS image file (boot + root partitions)")
     a.add_argument("--image", required=True, help="the .img file (MBR: FAT boot partition, ext4 root)")
-    a.add_argument("--bundle", required=True)
+    a.add_argument("--bundle", required=True, help="the bundle directory made by `provision bundle`")
     a.add_argument("--hook", choices=["auto", "firstrun", "cloud-init"], default="auto",
                    help="first-boot hook: firstrun.sh on cmdline.txt (Bookworm) or cloud-init user-data "
                         "(Trixie-based); auto: cloud-init when the boot partition has user-data or meta-data")

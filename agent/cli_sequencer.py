@@ -247,7 +247,7 @@ def cmd_run(args) -> int:
 
 def _group_epoch(a) -> None:
     a.add_argument("--group", required=True, help="group_id, hex")
-    a.add_argument("--epoch", required=True, type=count_arg)
+    a.add_argument("--epoch", required=True, type=count_arg, help="the group's epoch (an integer)")
 
 
 def register(sub, mailbox_sub) -> None:
@@ -262,7 +262,7 @@ def register(sub, mailbox_sub) -> None:
     _group_epoch(a)
     a.set_defaults(fn=cmd_register)
     a = ss.add_parser("submit", help="submit one MLSMessage file exactly as a member sent it")
-    a.add_argument("file")
+    a.add_argument("file", help="the MLSMessage (a Commit) as a file")
     a.set_defaults(fn=cmd_submit)
     a = ss.add_parser("receipt", help="the exact receipt released for (group, epoch), or a stated absence")
     _group_epoch(a)
@@ -280,7 +280,7 @@ def register(sub, mailbox_sub) -> None:
     a.add_argument("--out", help="also write the package to this file (0600)")
     a.set_defaults(fn=cmd_migrate)
     a = ss.add_parser("adopt", help="take over a group from a hand-off package made by `sequencer migrate`")
-    a.add_argument("file")
+    a.add_argument("file", help="the hand-off package file")
     a.set_defaults(fn=cmd_adopt)
     a = ss.add_parser("run", help="serve groups through an MQTT 5 broker until SIGTERM/SIGINT")
     a.add_argument("--broker", required=True, help="mqtt://HOST:PORT or mqtts://HOST:PORT")
@@ -288,7 +288,8 @@ def register(sub, mailbox_sub) -> None:
     a.add_argument("--ca-file", help="CA bundle for TLS (implies TLS)")
     a.add_argument("--username", help="broker username (password from --password-file)")
     a.add_argument("--password-file", help="file holding the broker password")
-    a.add_argument("--connect-timeout", type=seconds_arg, default=10.0)
+    a.add_argument("--connect-timeout", type=seconds_arg, default=10.0,
+                   help="seconds to wait for the broker to accept the connection (default 10)")
     a.add_argument("--max-groups", type=count_arg, default=None, metavar="N",
                    help="track at most N groups: the first Commit (or a registration) of a new group beyond "
                         "them is refused `group_limit` (default 100000)")
@@ -558,7 +559,7 @@ def register_commits(sub) -> None:
     ss = s.add_subparsers(dest="commits_verb", metavar="ACTION")
     ss.required = True
     a = ss.add_parser("queue", help="queue one Commit (an MLSMessage file); one outstanding per group")
-    a.add_argument("file")
+    a.add_argument("file", help="the MLSMessage (a Commit) as a file")
     a.add_argument("--sequencer-key", help="the sequencer's key (66 hex): receipts must be signed by it where the "
                    "node holds no binding record for the group (the binding records decide otherwise)")
     _keep_events_arg(a)

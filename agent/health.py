@@ -181,7 +181,7 @@ def check_clock(node, now_ms: int) -> dict:
 
 
 def check_disk(node) -> dict:
-    from .store.db import free_bytes
+    from .store.db import LOW_SPACE_BYTES, free_bytes
     used, budget = node.store_bytes(), node.profile.disk_budget_bytes
     frac = used / budget if budget else 0.0
     free = free_bytes(node.home)
@@ -191,6 +191,10 @@ def check_disk(node) -> dict:
     hint = "shorten the profile's horizons, run `ssp-agent evict --auto`, or move to a larger profile"
     if frac >= 1:
         return line("disk", FAIL, msg + ": over budget", hint, **detail)
+    # Below LOW_SPACE_BYTES a write fails as a full disk (events, answers, cursors): the node is down.
+    if free is not None and free < LOW_SPACE_BYTES:
+        return line("disk", FAIL, msg + ": the filesystem is full", "free space on the filesystem (`ssp-agent "
+                    "evict --auto` frees the store's own with its reserve)", **detail)
     if free is not None and free < max(budget - used, 0):
         return line("disk", WARN, msg + ": less free space than the budget still allows", "free space on the "
                     "filesystem or lower the budget", **detail)

@@ -29,6 +29,19 @@ class _Out:
             self.lines.append(f"{name}{{{lab}}} {value}" if lab else f"{name} {value}")
 
 
+def event_labels(counts: dict[str, int]) -> dict[tuple[str, str], int]:
+    """(origin, outcome) -> n from the `events` counter's `origin:outcome` keys. The outcome is
+    after the last colon; a store's `peer:<site_id>` origins (the log's tag, counted so before the
+    path was) are folded into `remote`: a label carries a documented value, never a site id."""
+    out: dict[tuple[str, str], int] = {}
+    for key, n in counts.items():
+        origin, _, outcome = key.rpartition(":")
+        if origin.startswith("peer:"):
+            origin = "remote"
+        out[(origin, outcome)] = out.get((origin, outcome), 0) + n
+    return out
+
+
 def render(node, run_stats: dict | None = None, now_s: float | None = None) -> str:
     """The node's metrics; `run_stats` (Runner.stats of a running `run`) adds the process's counters."""
     from .health import peer_lags
@@ -36,9 +49,10 @@ def render(node, run_stats: dict | None = None, now_s: float | None = None) -> s
     site = node.site_id.hex()
     ev = counters.read(node.conn, "events")
     o.metric("ssp_events_total", "counter",
-             "Events through the apply path, by origin (local; remote, mailbox...: the path they came by; released: held events applied once their "
-             "table appeared) and outcome (applied, duplicate, dropped, rejected, held).",
-             [({"origin": k.split(":", 1)[0], "outcome": k.split(":", 1)[1]}, n) for k, n in sorted(ev.items())])
+             "Events through the apply path, by origin (local; mqtt, serial, mailbox: the path they came by; released: "
+             "held events applied once their table appeared; remote: a peer's, path not recorded) and outcome "
+             "(applied, duplicate, dropped, rejected, held).",
+             [({"origin": o_, "outcome": k_}, n) for (o_, k_), n in sorted(event_labels(ev).items())])
     o.metric("ssp_events_retained", "gauge", "Events in the retained log.",
              [({}, db.log_count(node.conn))])
     o.metric("ssp_events_held", "gauge", "Events held for a table this node does not have (§13.6 row 1).",

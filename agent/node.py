@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import sqlite3
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -601,10 +602,12 @@ class Node:
 
     # ------------------------------------------------------------------ the apply path (§12)
     def apply_batch(self, raws: Iterable[bytes], now: int | None = None, origin: str = "remote",
-                    built: list | None = None) -> list[Outcome]:
+                    built: list | None = None, path: str | None = None) -> list[Outcome]:
         """Apply events in one transaction; each event is atomic on its own (a savepoint:
         log insert, clocks, row and metering commit together or not at all). `built`: for
-        local events only (`write_many`), each event's `checked` as `_local_checked` made it."""
+        local events only (`write_many`), each event's `checked` as `_local_checked` made it.
+        `path`: the transport the events came by, the metrics' origin label (`origin` is the
+        log's tag, `peer:<site_id>` under the secure binding: never a label value)."""
         now = now_ms() if now is None else now
         try:
             with _txn(self.conn):
@@ -615,7 +618,7 @@ class Node:
                 if new:
                     self._applied += new
                     db.set_meta(self.conn, "applied_count", self._applied)
-                counters.bump_outcomes(self.conn, origin, (o.status for o in out))   # the metrics (issue 12 item 4)
+                counters.bump_outcomes(self.conn, path or origin, (o.status for o in out))   # the metrics
                 due = self._write_due_meta()
         finally:
             self._next_raws = None   # a hint for the batch after this one only (`prepare_next`)
@@ -987,9 +990,9 @@ class Node:
         if tbl.tdef.category != SYNCABLE:
             log.info("dropped %s: table %s is %s (outside the floor)", eid.hex(), table, tbl.tdef.category)
             return self._surface(Outcome(DROPPED, "out_of_floor", **base), now, kind="logged")
-        bad_key = tbl.tdef.key_fits(e.row_key)
+        bad_key = tbl.tdef.key_misfit(e.row_key)
         if bad_key:
-            return self._surface(Outcome(DROPPED, bad_key, **base), now)
+            return self._surface(Outcome(DROPPED, bad_key[0], **base), now, detail=bad_key[2])
         # §3: below the table's eviction horizon counts as applied and writes nothing.
         if below(e.hlc, tbl.horizon):
             return Outcome(APPLIED, "below_horizon", **base)
@@ -1165,7 +1168,7 @@ class Node:
             return Outcome(HELD, "already_held", **base)
         return self._surface(Outcome(HELD, "table_missing", **base), now, kind="held")
 
-    def _surface(self, o: Outcome, now: int, kind: str | None = None) -> Outcome:
+    def _surface(self, o: Outcome, now: int, kind: str | None = None, detail: dict | None = None) -> Outcome:
         """Record what the spec says to surface (or log) where `ssp-agent events` lists it.
         The store bounds the record (the newest `surfaced_limit` rows are kept, evictions counted:
         agent/store/db.py), in every process: a hostile peer cannot fill the disk."""
@@ -1173,7 +1176,7 @@ class Node:
         self.conn.execute(reports.SURFACE_EVENT,
                           (now, kind, o.reason, o.event_id, o.site_id if o.verified else None, o.table,
                            json.dumps({"status": o.status, "claimed_kid": None if o.verified or o.site_id is None
-                                       else o.site_id.hex()})))
+                                       else o.site_id.hex(), **(detail or {})})))
         if kind != "logged":
             log.warning("%s %s: %s", o.status, o.event_id.hex() if o.event_id else "-", o.reason)
         return o
@@ -1225,9 +1228,11 @@ class Node:
             if tbl.tdef.category != SYNCABLE:
                 # §1.1: a producer emitting out-of-floor data has a bug that silence would hide.
                 raise NodeError(f"{table} is {tbl.tdef.category}: it never leaves this node and takes no events")
-            bad = tbl.tdef.key_fits(key) if isinstance(key, dict) else "row_key_columns"
+            if not isinstance(key, dict):
+                raise NodeError(f"--key must be a JSON object of the key columns {list(tbl.tdef.key)} (row_key_columns)")
+            bad = tbl.tdef.key_misfit(key)
             if bad:
-                raise NodeError(f"--key must give exactly the key columns {list(tbl.tdef.key)} with fitting types ({bad})")
+                raise NodeError(f"--key: {bad[1]} ({bad[0]})")
             if not delete:
                 if not isinstance(values, dict):
                     raise NodeError("--set must be a JSON object of column values")
@@ -1721,6 +1726,9 @@ class Node:
         return {"journal": path, "keystore": conf, "journal_state": journal_inspect(path)}
 
 
+CLOCK_WAIT_SAY_S = 5.0   # how often a wait for a synchronised clock says so
+
+
 def _require_trusted_clock(node, what: str, override: bool, wait_s: float, now: int | None = None,
                            strict: bool = False) -> dict:
     """Wait up to `wait_s` for a trustworthy clock. A clock the node has evidence against (behind
@@ -1733,10 +1741,18 @@ def _require_trusted_clock(node, what: str, override: bool, wait_s: float, now: 
     from . import clockstate
     strict = strict or wait_s > 0 or os.environ.get("SSP_AGENT_CLOCK_STRICT", "").strip().lower() in ("1", "true", "yes")
     deadline = time.monotonic() + max(0.0, wait_s)
+    say_at = time.monotonic()
     while True:
         st = clockstate.assess(node, now, trusted_override=override)
         if st["trusted"] or time.monotonic() >= deadline:
             break
+        if time.monotonic() >= say_at:
+            # A wait of up to `wait_s` (enrolment: 600 s) is never silent: the console and the
+            # journal say what it waits for.
+            say_at += CLOCK_WAIT_SAY_S
+            print(f"ssp-agent: {what} waits for a synchronised wall clock ({st['state']}: "
+                  f"{st['hint'].split(';')[0]}); {max(0.0, deadline - time.monotonic()):.0f} s left",
+                  file=sys.stderr, flush=True)
         time.sleep(1.0)
     if not st["trusted"] and not strict and st["state"] == "unsynced":
         log.warning("%s: the wall clock is not known to be synchronised (%s); proceeding", what, st["hint"])
@@ -1953,11 +1969,15 @@ def seal_keystore(home: Path, conn: sqlite3.Connection, ks):
 
 
 def _with_pin(conf: dict) -> dict:
-    """The keystore config with its PIN resolved (firmware_bridge.with_pin), as a refusal."""
+    """The keystore config with its PIN resolved (firmware_bridge.with_pin). A PIN that is not
+    there is a keystore fault (exit 1, as a token that is not there): the environment or the file
+    may be back on the next try, and the unit restarts on 1, never on a refusal's 2."""
     try:
         return with_pin(conf)
     except KeystoreUnavailable as e:
-        raise NodeError(f"{e}; restore it or re-provision") from None
+        todo = "set it in the environment of the command or the service (`systemctl edit ssp-agent`)" \
+            if "pin_env" in conf and "pin_file" not in conf else "restore it or re-provision"
+        raise KeystoreUnavailable(f"{e}; {todo}") from None
 
 
 def _write_identity_file(home: Path, site_id: bytes, public_key: bytes, mesh_id: bytes, ks: dict) -> None:

@@ -433,7 +433,7 @@ class SyncDriver:
             self.note_records_received(peer, path, body.records)
         # An authenticated peer's deliveries are tagged, so they are never offered back to it.
         origin = delivery.origin_tag(peer) if secure else "remote"
-        outcomes = self.node.apply_batch(body.events, now, origin=origin)
+        outcomes = self.node.apply_batch(body.events, now, origin=origin, path=path)
         k = delivery.first_rejected([_proc(o) for o in outcomes])
         rehydrate.note_body(self.conn, peer, outcomes, peer in self.node.keyring)
         self.stats["bodies_in"] += 1

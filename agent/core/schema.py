@@ -111,13 +111,26 @@ class TableDef:
         return True
 
     def key_fits(self, row_key: dict[str, Any]) -> str | None:
-        """wire-profile.md §2 Addressing: exactly the key columns, each of a fitting non-null type."""
+        """SSP/1 §2 Addressing: exactly the key columns, each of a fitting non-null type."""
+        m = self.key_misfit(row_key)
+        return m[0] if m else None
+
+    def key_misfit(self, row_key: dict[str, Any]) -> tuple[str, str, dict] | None:
+        """`key_fits`'s reason, a sentence naming the column(s), and the same as a detail."""
         if row_key.keys() != self.key_set:
-            return "row_key_columns"
+            missing = [k for k in self.key if k not in row_key]
+            # a peer's names, shortened and at most 8: the detail is stored (`ssp-agent events`)
+            extra = sorted(_short(k) for k in row_key if k not in self.key_set)[:8]
+            said = "; ".join(x for x in (f"missing {', '.join(missing)}" if missing else "",
+                                         f"not key columns: {', '.join(extra)}" if extra else "") if x)
+            return "row_key_columns", f"the key columns are {', '.join(self.key)} ({said})", \
+                {"missing": missing, "extra": extra}
         for k in self.key:
             v = row_key[k]
-            if v is None or not value_fits(self.columns[k], v):
-                return "row_key_type"
+            if v is None:
+                return "row_key_type", f"key column {k} ({self.columns[k]}) cannot be null", {"column": k}
+            if not value_fits(self.columns[k], v):
+                return "row_key_type", f"key column {k} is {self.columns[k]}; {_short(v)} does not fit", {"column": k}
         return None
 
 

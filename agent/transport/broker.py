@@ -82,8 +82,8 @@ def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
 class Broker:
     """start() / stop() / kill() / restart() a mosquitto bound to 127.0.0.1:port.
 
-    `message_size_limit` caps one PUBLISH payload (the broker rejects larger ones), which is
-    what a device learns as the maximum packet size; `extra_conf` is appended verbatim (ACLs,
+    `max_packet_size` caps one MQTT packet (mosquitto 2 disconnects a client that sends a larger
+    one and announces it to MQTT 5 clients at CONNACK); `extra_conf` is appended verbatim (ACLs,
     TLS listeners...). Persistence is on (a clean stop writes the snapshot, SIGKILL loses it).
     `listener_conf` replaces the default loopback listener and `allow_anonymous true` (a TLS
     listener, `allow_anonymous false` with a password file and an ACL file...); it must keep
@@ -92,7 +92,7 @@ class Broker:
     """
 
     def __init__(self, port: int | None = None, workdir: str | Path | None = None, *,
-                 message_size_limit: int | None = None, max_packet_size: int | None = None,
+                 max_packet_size: int | None = None,
                  extra_conf: str = "", persistence: bool = True, verbose: bool = False,
                  listener_conf: str | None = None, raw_conf: str | None = None) -> None:
         self.exe = find_mosquitto()
@@ -104,7 +104,6 @@ class Broker:
         self._own_dir = workdir is None
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="ssp-mosquitto-"))
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.message_size_limit = message_size_limit
         self.max_packet_size = max_packet_size
         self.extra_conf = extra_conf
         self.listener_conf = listener_conf
@@ -145,8 +144,6 @@ class Broker:
         ]
         if self.verbose:
             lines.append("log_type all")
-        if self.message_size_limit:
-            lines.append(f"message_size_limit {self.message_size_limit}")
         if self.max_packet_size:
             lines.append(f"max_packet_size {self.max_packet_size}")
         if os.geteuid() == 0:

@@ -435,7 +435,7 @@ class MqttLink:
                     self._connecting = True
                     self._connect_started = time.monotonic()
                 except (OSError, ssl.SSLError, ValueError) as e:
-                    self._connect_failed(f"cannot reach broker {self.s.host}:{self.s.port}: {e}")
+                    self._connect_failed(f"cannot reach broker {self.s.host}:{self.s.port}: {e}{self._tls_hint(e)}")
                     self._sleep(self._backoff.next())
                     continue
             attempting = self._connecting  # no CONNACK yet: a failure now is the attempt's, not a loss
@@ -464,6 +464,15 @@ class MqttLink:
 
     _connecting = False
     _connect_started = 0.0
+
+    def _tls_hint(self, e: Exception) -> str:
+        """A TLS handshake that a plain MQTT listener drops (a reset, an EOF, a record that is not
+        TLS) says nothing about TLS by itself: name the likely cause."""
+        if not self.s.tls or isinstance(e, ssl.SSLCertVerificationError) or \
+                not isinstance(e, (ConnectionResetError, ConnectionAbortedError, ssl.SSLError)):
+            return ""
+        return (f" (mqtts:// but the TLS handshake failed: is port {self.s.port} a TLS listener? a plain MQTT "
+                f"listener takes mqtt://{self.s.host}:{self.s.port})")
 
     @property
     def delivery_watch_off(self) -> bool:

@@ -139,3 +139,66 @@ def test_profile_gives_the_defaults_and_run_evicts(broker, tmp_path, capsys):
     finally:
         r.close()
         node.close()
+
+
+def _bad_body(broker, to: bytes, sender: bytes) -> None:
+    """One body b's decoder refuses (`malformed_cbor`), on b's inbox topic for `sender`, held by the
+    broker for b's persistent session (QoS 1)."""
+    import uuid
+    import paho.mqtt.client as paho
+    from paho.mqtt.enums import CallbackAPIVersion
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+    from agent.transport.mqtt import Topics
+    from .helpers import MESH
+    t = Topics(MESH)
+    c = paho.Client(CallbackAPIVersion.VERSION2, client_id=f"bad-{uuid.uuid4().hex[:8]}", protocol=paho.MQTTv5)
+    c.connect("127.0.0.1", broker.port)
+    c.loop_start()
+    p = Properties(PacketTypes.PUBLISH)
+    p.ResponseTopic = t.answers(sender, to)
+    p.CorrelationData = b"\x01" * 16
+    c.publish(t.requests(to, sender), b"\xff\x00", qos=1, properties=p).wait_for_publish(60)
+    c.loop_stop()
+    c.disconnect()
+
+
+def test_sync_once_that_refuses_every_body_is_not_a_success(broker, tmp_path, capsys):
+    """A device whose every received body is refused (a decoder that cannot read its peers' bodies
+    refused each as `malformed_cbor`) exits 2 and says what it refused; one that also took a body
+    exits 0 and still says so on stderr."""
+    a, b = make_nodes(tmp_path, 2)
+    ha, hb = str(a.home), str(b.home)
+    write(a, 1, "a")
+    a.close(); b.close()
+    once = ["sync", "--broker", broker.url, "--once", "--timeout", "3"]
+    assert main(["--home", hb, *once]) == 0      # b's persistent session
+    capsys.readouterr()
+    _bad_body(broker, b.site_id, a.site_id)
+    assert main(["--home", hb, *once]) == 2
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert out["bodies_received"] == out["refused_bodies"] == 1 and out["applied"] == 0
+    assert "refused every body it received (1): malformed_cbor" in cap.err, cap.err
+    assert main(["--home", ha, *once[:-1], "1"]) == 0   # a's body waits for b at the broker
+    _bad_body(broker, b.site_id, a.site_id)
+    capsys.readouterr()
+    assert main(["--home", hb, *once]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert out["applied"] == 1 and out["refused_bodies"] == 1
+    assert "refused 1 of 2 bodies received: malformed_cbor" in cap.err, cap.err
+
+
+def test_mqtts_against_a_plain_port_hints_at_tls(broker, tmp_path, capsys):
+    """`mqtts://` to a listener that speaks plain MQTT: the broker drops the TLS handshake
+    ("Connection reset by peer"); the one line says the port may not be a TLS listener."""
+    from .test_broker_security import make_pki
+    pki = make_pki(tmp_path / "pki", [])
+    (a,) = make_nodes(tmp_path, 1)
+    a.close()
+    rc = main(["--home", str(a.home), "sync", "--broker", f"mqtts://127.0.0.1:{broker.port}", "--once",
+               "--ca-file", str(pki["ca"]), "--connect-timeout", "5"])
+    err = capsys.readouterr().err
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert "mqtts://" in err and "TLS listener" in err and f"mqtt://127.0.0.1:{broker.port}" in err, err

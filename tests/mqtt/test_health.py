@@ -159,6 +159,29 @@ def test_check_a_clock_set_back_is_a_failure(tmp_path):
     assert p.returncode == 4
 
 
+def test_check_fails_on_a_full_disk(tmp_path):
+    """A filesystem with no room left is a FAIL (nothing can be written: no event, no answer, no
+    cursor), not a WARN; on a real tmpfs filled to the last block."""
+    from tests.lifecycle.test_damage import fill
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({p.stderr.strip()})")
+    try:
+        home = _home(mnt)
+        filler = fill(mnt)
+        rc, lines = check(home)
+        assert lines["disk"]["status"] == "FAIL" and "full" in lines["disk"]["message"], lines["disk"]
+        assert lines["disk"]["hint"] and rc == 4
+        filler.unlink()
+        _, lines = check(home)   # room again, though less than the 1 GiB budget allows: a WARN
+        assert lines["disk"]["status"] == "WARN" and "less free space" in lines["disk"]["message"], lines["disk"]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
 def test_check_disk_near_budget(tmp_path):
     prof = tmp_path / "tiny.toml"
     text = Path(__file__).resolve().parents[2].joinpath("agent/profiles/pi-zero-2w.toml").read_text()

@@ -1,6 +1,6 @@
 """One oversized message from a broker that lets it through (docs/mqtt.md "Memory bound").
 
-Before: a node announced no MQTT Maximum Packet Size, so a broker without `message_size_limit`
+Before: a node announced no MQTT Maximum Packet Size, so a broker without `max_packet_size`
 (mosquitto's own default allows 256 MiB) handed it any PUBLISH whole: paho read each into memory
 before the link could refuse it for its size. One 64 MiB body in a node's inbox, or one retained
 64 MiB presence message (delivered again to every node of the mesh on every connection), took a
