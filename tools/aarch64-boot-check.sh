@@ -79,9 +79,12 @@ if [ ! -e "$CACHE/root.complete" ]; then
   mount -t proc proc "$KROOT/proc"; MOUNTS+=("$KROOT/proc")
   mount --rbind /dev "$KROOT/dev"; MOUNTS+=("$KROOT/dev")
   mount --rbind /sys "$KROOT/sys"; MOUNTS+=("$KROOT/sys")
+  # the kernel last: its initramfs is then made once (made under emulation it takes ~25 minutes;
+  # installed together, udev's trigger makes it a second time)
   nice -n 10 chroot "$KROOT" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin DEBIAN_FRONTEND=noninteractive \
-    LANG=C.UTF-8 sh -c 'apt-get update && apt-get install -y --no-install-recommends linux-image-arm64 systemd \
-      systemd-sysv udev kmod initramfs-tools && apt-get clean'
+    LANG=C.UTF-8 sh -c 'apt-get update && apt-get install -y --no-install-recommends systemd systemd-sysv udev \
+      kmod initramfs-tools && apt-get install -y --no-install-recommends linux-image-arm64 && apt-get clean'
+  rm -rf "$KROOT/etc/resolv.conf" "$KROOT/opt/ssp-agent" "$KROOT/opt/wheelhouse" "$KROOT/var/tmp/ssp-check"
   cleanup
   ls "$KROOT"/boot/vmlinuz-* "$KROOT"/boot/initrd.img-* >/dev/null || fail "no kernel or initrd in $KROOT/boot"
   date -u +%FT%TZ > "$CACHE/root.complete"
