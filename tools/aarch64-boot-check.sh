@@ -10,10 +10,10 @@
 #           image only (ssp-boot-check.service) records `systemctl is-active ssp-agent` and does a
 #           `write` through the running agent's control socket, on the boot partition, then powers off.
 # The kernel command line of each boot is the image's cmdline.txt, as the Pi's firmware reads it.
-# Checked from outside after power-off (partitions mounted read-only through a loop device): the
-# enrolment file, the unit active under DynamicUser, the write applied by the service. An optional
-# check, not run by CI (root; ~15-60 min on a loaded machine once the roots are cached);
-# docs/platform.md records its last result.
+# Checked from outside after power-off (the root mounted read-only on a loop device, the boot
+# partition read with mtools): the enrolment file, the unit active under DynamicUser, the write
+# applied by the service. An optional check, not run by CI (root; minutes once the roots are
+# cached, ~30 min more to make the bootable root); docs/platform.md records its last result.
 #
 #   sudo tools/aarch64-boot-check.sh [--base DIR] [--cache DIR] [--work DIR] [--wheelhouse DIR]
 #                                    [--boot-timeout MIN] [--boots N]
@@ -39,7 +39,7 @@ while [ $# -gt 0 ]; do
     --wheelhouse) WH=$2; shift 2 ;;
     --boot-timeout) BOOT_TIMEOUT=$2; shift 2 ;;
     --boots) MAX_BOOTS=$2; shift 2 ;;
-    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "aarch64-boot-check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
