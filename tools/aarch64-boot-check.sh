@@ -52,12 +52,14 @@ fail() { echo "aarch64-boot-check: FAIL: $*" >&2; exit 1; }
 START=$(date +%s)
 
 MOUNTS=()
-LOOPS=()
+IMG=""
 cleanup() {
   for ((i=${#MOUNTS[@]}-1; i>=0; i--)); do umount -R "${MOUNTS[$i]}" 2>/dev/null || umount -lR "${MOUNTS[$i]}" 2>/dev/null || true; done
   MOUNTS=()
-  for l in "${LOOPS[@]}"; do losetup -d "$l" 2>/dev/null || true; done
-  LOOPS=()
+  # every loop device over the image (attach runs in command substitutions: no list survives them)
+  if [ -n "$IMG" ] && [ -e "$IMG" ]; then
+    for l in $(losetup -n -O NAME -j "$IMG"); do losetup -d "$l" 2>/dev/null || true; done
+  fi
 }
 trap cleanup EXIT
 
@@ -91,6 +93,8 @@ if [ ! -e "$CACHE/root.complete" ]; then
 fi
 step "bootable root $KROOT (made $(cat "$CACHE/root.complete"))"
 
+IMG=$WORK/pi.img
+cleanup   # a previous run's loop devices, if one was killed
 rm -rf "$WORK"; mkdir -p "$WORK"
 # The wheelhouse a Pi installs from, and the CLI of this checkout on the host (the technician's side).
 if [ -z "$WH" ]; then
@@ -121,7 +125,6 @@ step "bundle: $(cat "$WORK/bundle.json.out")"
 
 # The image, laid out as Raspberry Pi OS's: MBR with disk identifier, p1 FAT32 (256 MiB, the boot
 # partition at /boot/firmware), p2 ext4 root; fstab and cmdline.txt by PARTUUID, as Pi OS writes them.
-IMG=$WORK/pi.img
 DISKID=5e5e0001
 BOOT_START=8192; BOOT_SECTORS=524288; ROOT_START=$((BOOT_START + BOOT_SECTORS))
 truncate -s 3G "$IMG"
@@ -137,10 +140,7 @@ attach() {
   local off size ro=""
   if [ "$1" = 1 ]; then off=$((BOOT_START * 512)); size=$((BOOT_SECTORS * 512)); else off=$((ROOT_START * 512)); size=$((ROOT_SECTORS * 512)); fi
   [ "${2:-}" = ro ] && ro=-r
-  local dev
-  dev=$(losetup $ro -f --show -o "$off" --sizelimit "$size" "$IMG")
-  LOOPS+=("$dev")
-  echo "$dev"
+  losetup $ro -f --show -o "$off" --sizelimit "$size" "$IMG"
 }
 step "making the image $IMG"
 BOOTDEV=$(attach 1); ROOTDEV=$(attach 2)
