@@ -845,6 +845,8 @@ def _install_units(meta: dict, root: Path, conf: Path, username: str) -> list[st
     try:
         from . import cli_service  # noqa: F401
         argv = ["service", "install", "--root", str(root), "--bin", DEVICE_BIN]
+        if meta.get("clock_trusted"):   # the service trusts the clock as this enrolment's init did
+            argv += ["--clock-trusted"]
         if not (conf / "agent.toml").exists():   # written once; an enrolment run again keeps an edited one
             argv += ["--username", username]
             if mq.get("broker"):

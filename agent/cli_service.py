@@ -35,6 +35,9 @@ def register(sub, mailbox_sub) -> None:
                    help="write secure_binding = true to agent.toml: only when the broker enforces per-device "
                         "accounts and ACLs (docs/mqtt.md \"Authenticated or not\")")
     a.add_argument("--force", action="store_true", help="replace an existing agent.toml / mqtt-password")
+    a.add_argument("--clock-trusted", action="store_true",
+                   help="the device has a real-time clock: write SSP_AGENT_CLOCK_TRUSTED=1 to /etc/ssp-agent/environment, "
+                        "which the units read (docs/apply.md \"Clocks without an RTC\")")
     a.set_defaults(fn=cmd_install, home_optional=True)
 
 
@@ -120,6 +123,11 @@ def cmd_install(args) -> int:
     else:
         _write(conf, config_text(args), 0o644)   # no secret in it: the password has its own file
         written.append(str(conf))
+    if args.clock_trusted:
+        # the units' EnvironmentFile: the service trusts the clock as the enrolment's init did
+        env_file = conf_dir / "environment"
+        _write(env_file, "SSP_AGENT_CLOCK_TRUSTED=1\n", 0o644)
+        written.append(str(env_file))
     if secret is not None:
         _write(pw, secret + "\n", 0o600)
         written.append(str(pw))

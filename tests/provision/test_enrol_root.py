@@ -117,3 +117,45 @@ def test_bundle_secure_binding_field_is_checked(tmp_path):
     p = run_cli("provision", "device-setup", "--bundle", b, "--root", tmp_path / "r")
     assert p.returncode == 2 and "mqtt.secure_binding" in p.stderr, p.stderr
     assert not (tmp_path / "r").exists()
+
+
+def _enrolled_root(tmp_path: Path, bundle: Path) -> Path:
+    root = tmp_path / f"root-{bundle.name}"
+    for verb in ("device-setup", "enrol"):
+        p = run_cli("provision", verb, "--bundle", bundle, "--root", root, env={"PYTHONDONTWRITEBYTECODE": "1"})
+        assert p.returncode == 0, (verb, p.stderr)
+    return root
+
+
+def _service_env(root: Path, unit: str) -> dict:
+    """What systemd gives the unit: its Environment= lines, then each EnvironmentFile= read."""
+    env = {}
+    for line in (root / "etc/systemd/system" / unit).read_text().splitlines():
+        if line.startswith("Environment="):
+            k, _, v = line[len("Environment="):].partition("=")
+            env[k] = v
+        elif line.startswith("EnvironmentFile="):
+            path = line[len("EnvironmentFile="):].lstrip("-").replace("%E", "/etc")
+            f = root / path.lstrip("/")
+            if f.exists():
+                for kv in f.read_text().splitlines():
+                    if kv and not kv.startswith("#"):
+                        k, _, v = kv.partition("=")
+                        env[k] = v
+    return env
+
+
+def test_a_clock_trusted_bundle_reaches_the_service(tmp_path):
+    """A bundle made with --clock-trusted (a device with an RTC and no network) is trusted by the
+    running service too, not only by the enrolment's init: the units read the environment file
+    enrolment writes, so eviction does not wait for a sync source that never comes."""
+    trusted = _enrolled_root(tmp_path, make_bundle(tmp_path))
+    for unit in ("ssp-agent.service", "ssp-agent-sync.service"):
+        assert _service_env(trusted, unit).get("SSP_AGENT_CLOCK_TRUSTED") == "1", unit
+    plain = make_bundle(tmp_path)
+    meta = json.loads((plain / "bundle.json").read_text())
+    meta["clock_trusted"] = False    # a bundle made without --clock-trusted
+    (plain / "bundle.json").write_text(json.dumps(meta))
+    untrusted = _enrolled_root(tmp_path, plain)
+    for unit in ("ssp-agent.service", "ssp-agent-sync.service"):
+        assert "SSP_AGENT_CLOCK_TRUSTED" not in _service_env(untrusted, unit), unit
