@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -9,6 +11,7 @@ from agent.node import Node
 from agent.simpeer import NOTES_TABLE, manifest_text, readings_table
 from agent.runner import RunConfig, Runner
 from agent.transport.mqtt import MqttSettings
+from tests.cli_cmd import agent_cmd, agent_env, run_cli
 from tests.waiting import HANG_S
 
 MESH = bytes.fromhex("5e5e0000000000000000000000000042")
@@ -79,3 +82,32 @@ def write(node: Node, i: int, device: str = "d") -> bytes:
 
 def event_ids(node: Node) -> set[bytes]:
     return {bytes(r[0]) for r in node.conn.execute("SELECT event_id FROM events")}
+
+
+def start_run(home, broker, *extra: str) -> subprocess.Popen:
+    """`ssp-agent run` as a real process on `broker` (a cadence of 0.3 s unless `extra` says)."""
+    args = ["--broker", broker.url, "--cadence", "0.3"] if broker is not None else []
+    return subprocess.Popen([*agent_cmd(), "--home", str(home), "run", *args, *extra],
+                            env=agent_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_serving(home, proc, deadline_s: float = HANG_S) -> None:
+    """Until the running agent answers `status` through its socket (a ceiling that only catches a hang)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if (home / "control.sock").exists():
+            p = run_cli("--home", home, "status")
+            # answered by the agent itself ("run"), not by a read-only open past a stale socket
+            if p.returncode == 0 and "run" in json.loads(p.stdout):
+                return
+        time.sleep(0.1)
+    raise AssertionError("the running agent never answered on its control socket")
+
+
+def stop_run(proc) -> dict:
+    """SIGTERM, then its exit status 0 and its summary."""
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import signal
 import sqlite3
 import subprocess
 import time
@@ -24,7 +23,7 @@ import pytest
 from agent.node import Node
 
 from .ejabberd_cluster import EjabberdCluster
-from .helpers import MANIFEST, T
+from .helpers import MANIFEST, T, start_run, stop_run, wait_serving
 from tests.cli_cmd import agent_cmd, agent_env, run_cli
 
 CEILING = 300        # only catches a hang
@@ -70,29 +69,16 @@ def _write(home, i: int, device: str = "gw") -> None:
     assert p.returncode == 0, p.stderr
 
 
-def _serving(home, proc) -> None:
-    deadline = time.monotonic() + CEILING
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        if (home / "control.sock").exists():
-            p = run_cli("--home", home, "status")
-            if p.returncode == 0 and "run" in json.loads(p.stdout):
-                return
-        time.sleep(0.2)
-    raise AssertionError("the running agent never answered on its control socket")
+
+
+
+
 
 
 def _run(cluster, node: int, home, *extra) -> subprocess.Popen:
-    proc = subprocess.Popen([*agent_cmd(), "--home", str(home), "run", *_broker_args(cluster, node, home), *extra],
-                            env=agent_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _serving(home, proc)
+    proc = start_run(home, None, *_broker_args(cluster, node, home), *extra)
+    wait_serving(home, proc)
     return proc
-
-
-def _stop(proc) -> None:
-    proc.send_signal(signal.SIGTERM)
-    _out, err = proc.communicate(timeout=CEILING)
-    assert proc.returncode == 0, err[-3000:]
 
 
 def _wake(cluster, node: int, home) -> dict:
@@ -132,7 +118,7 @@ def test_gateway_and_devices_on_different_cluster_nodes(fleet):
             _until(lambda: ("gw", 100, "gw100") in _rows(homes["live"]),
                    "no realtime push reached the device on the other cluster node")
         finally:
-            _stop(live)
+            stop_run(live)
 
         # a persistent session resumed on the other node: written while the sleeper is away
         for i in range(200, 204):
@@ -143,4 +129,4 @@ def test_gateway_and_devices_on_different_cluster_nodes(fleet):
                 break
         assert {("gw", i, f"gw{i}") for i in range(200, 204)} <= _rows(homes["sleeper"])
     finally:
-        _stop(gateway)
+        stop_run(gateway)

@@ -7,52 +7,31 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import stat
 import subprocess
 import time
 
 from tests.cli_cmd import agent_cmd, agent_env, run_cli
 
-from .helpers import T, make_nodes
+from .helpers import T, make_nodes, start_run, stop_run, wait_serving
 
 READINGS = 25  # one every 0.2 s: five seconds of writing
 
 
-def _start_run(home, broker) -> subprocess.Popen:
-    return subprocess.Popen([*agent_cmd(), "--home", str(home), "run", "--broker", broker.url, "--cadence", "0.3"],
-                            env=agent_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_serving(home, proc, deadline_s: float = 60) -> None:
-    """Until the running agent answers `status` through its socket (it opens it once it runs)."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        if (home / "control.sock").exists():
-            p = run_cli("--home", home, "status")
-            # answered by the agent itself ("run"), not by a read-only open past a stale socket
-            if p.returncode == 0 and "run" in json.loads(p.stdout):
-                return
-        time.sleep(0.1)
-    raise AssertionError("the running agent never answered on its control socket")
 
 
-def _stop(proc) -> dict:
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err[-2000:]
-    return json.loads(out)
 
 
 def test_cli_verbs_reach_the_running_agent_and_writes_sync(broker, tmp_path):
     a, b = make_nodes(tmp_path, 2)
     ha, hb = a.home, b.home
     a.close(); b.close()
-    pa, pb = _start_run(ha, broker), _start_run(hb, broker)
+    pa, pb = start_run(ha, broker), start_run(hb, broker)
     try:
-        _wait_serving(ha, pa)
-        _wait_serving(hb, pb)
+        wait_serving(ha, pa)
+        wait_serving(hb, pb)
         assert stat.S_IMODE(os.stat(ha / "control.sock").st_mode) == 0o600
         st = json.loads(run_cli("--home", ha, "status").stdout)
         assert st["site_id"] == a.site_id.hex() and st["run"]["pid"] == pa.pid
@@ -87,7 +66,7 @@ def test_cli_verbs_reach_the_running_agent_and_writes_sync(broker, tmp_path):
                 break
             time.sleep(0.2)
         assert got == want
-        sa, sb = _stop(pa), _stop(pb)
+        sa, sb = stop_run(pa), stop_run(pb)
         assert sb["applied"] >= READINGS and sa["pushed"] >= READINGS
     finally:
         for p in (pa, pb):
@@ -104,9 +83,9 @@ def test_a_stale_socket_left_by_a_killed_agent_does_not_block(broker, tmp_path):
     (a,) = make_nodes(tmp_path, 1)
     ha = a.home
     a.close()
-    p = _start_run(ha, broker)
+    p = start_run(ha, broker)
     try:
-        _wait_serving(ha, p)
+        wait_serving(ha, p)
     finally:
         p.kill()  # SIGKILL: no chance to remove the socket
         p.wait()
@@ -114,12 +93,12 @@ def test_a_stale_socket_left_by_a_killed_agent_does_not_block(broker, tmp_path):
     q = run_cli("--home", ha, "write", T, "--key", '{"device": "d", "seq": 1}', "--set", '{"temp": 1.5}')
     assert q.returncode == 0, q.stderr
     # and a new `run` takes the home over, socket and all
-    p = _start_run(ha, broker)
+    p = start_run(ha, broker)
     try:
-        _wait_serving(ha, p)
+        wait_serving(ha, p)
         assert json.loads(run_cli("--home", ha, "status").stdout)["events"] == 1
     finally:
-        _stop(p)
+        stop_run(p)
 
 
 def test_run_keeps_retrying_a_broker_that_is_down_at_start(tmp_path):
@@ -137,14 +116,14 @@ def test_run_keeps_retrying_a_broker_that_is_down_at_start(tmp_path):
                           stderr=subprocess.PIPE, text=True)
     br = pb = None
     try:
-        _wait_serving(ha, pa)
+        wait_serving(ha, pa)
         p = run_cli("--home", ha, "write", T, "--key", '{"device": "early", "seq": 1}', "--set", '{"temp": 3.5}')
         assert p.returncode == 0, p.stderr
         assert pa.poll() is None  # still running, broker or not
         br = Broker(port=port, workdir=tmp_path / "broker").start()
         pb = subprocess.Popen([*agent_cmd(), "--home", str(hb), "run", "--broker", url, "--cadence", "0.3"],
                               env=agent_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        _wait_serving(hb, pb)
+        wait_serving(hb, pb)
         deadline = time.monotonic() + 60
         rows = []
         while time.monotonic() < deadline:
@@ -153,8 +132,8 @@ def test_run_keeps_retrying_a_broker_that_is_down_at_start(tmp_path):
                 break
             time.sleep(0.2)
         assert rows and rows[0]["values"]["temp"] == 3.5
-        _stop(pa)
-        _stop(pb)
+        stop_run(pa)
+        stop_run(pb)
     finally:
         for p in (pa, pb):
             if p is not None and p.poll() is None:

@@ -7,39 +7,18 @@ A real `run` on a real mosquitto, every verb through the CLI."""
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import time
 
 from agent.node import Node
-from tests.cli_cmd import agent_cmd, agent_env, run_cli
+from tests.cli_cmd import run_cli
 
-from .helpers import MANIFEST, make_nodes
-
-
-def start_run(home, broker) -> subprocess.Popen:
-    return subprocess.Popen([*agent_cmd(), "--home", str(home), "run", "--broker", broker.url, "--cadence", "0.3"],
-                            env=agent_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+from .helpers import MANIFEST, make_nodes, start_run, stop_run, wait_serving
 
 
-def wait_serving(home, proc, deadline_s: float = 120) -> None:
-    """Until the running agent answers `status` through its socket (a ceiling that only catches a hang)."""
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        if (home / "control.sock").exists():
-            p = run_cli("--home", home, "status")
-            if p.returncode == 0 and "run" in json.loads(p.stdout):
-                return
-        time.sleep(0.1)
-    raise AssertionError("the running agent never answered on its control socket")
 
 
-def stop_run(proc) -> dict:
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-2000:]
-    return json.loads(out)
+
+
 
 
 def ok(p) -> str:
