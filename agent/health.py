@@ -241,7 +241,7 @@ def peer_lags(node) -> list[dict]:
     from .store import reports, sync_state as st
     out = []
     try:
-        peers = reports.member_peers(node.conn)
+        peers = reports.member_peers(node.conn, node.keyring, node.site_id)
         counts = st.group_counts(node.conn) if peers else []   # one pass over the log for every peer
     except Exception:
         return out
