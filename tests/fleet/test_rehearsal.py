@@ -83,7 +83,7 @@ def test_fleet_rehearsal(tmp_path):
     pki = make_pki(tmp_path / "pki", [])
     (tmp_path / "mosquitto").mkdir()
     broker = docs_broker(tmp_path / "mosquitto", pki, {})   # no account yet: each is issued by the runbook
-    v = {"AUTH": tmp_path / "authority", "MESH": tmp_path / "mesh.toml", "BROKER": f"mqtts://127.0.0.1:{broker.port}",
+    v = {"AUTH": tmp_path / "authority", "MESH": tmp_path / "mesh.toml", "DEVICE_MESH": tmp_path / "device-mesh.toml", "BROKER": f"mqtts://127.0.0.1:{broker.port}",
          "CA": pki["ca"], "PASSWD": tmp_path / "mosquitto" / "ssp.passwd", "MOSQUITTO_PID": broker.proc.pid,
          "GW": tmp_path / "gw", "GW_PW": tmp_path / "gw.mqtt-password"}
     gw_proc = None
@@ -95,18 +95,19 @@ def test_fleet_rehearsal(tmp_path):
         v.update(GW_SITE=out["site_id"], GW_PK=out["public_key"])
         rb.run(4, **v)
         rb.run(5, **v)
-        gw_proc = rb.start(6, **v)
+        rb.run(6, **v)
+        gw_proc = rb.start(7, **v)
         _serving(rb, v["GW"], gw_proc)
 
         # three devices enrolled while the gateway runs
         devices = []
         for i in range(DEVICES):
             d = {"DEVICE": tmp_path / f"dev{i}", "DEVICE_PW": tmp_path / f"dev{i}.mqtt-password"}
-            out = _json(rb.run(7, **v, **d))
+            out = _json(rb.run(8, **v, **d))
             d.update(SITE=out["site_id"], PK=out["public_key"])
-            rb.run(8, **v, **d)
             rb.run(9, **v, **d)
             rb.run(10, **v, **d)
+            rb.run(11, **v, **d)
             devices.append(d)
 
         # wakes one at a time, a reading written before each wake in the first rounds
@@ -114,8 +115,8 @@ def test_fleet_rehearsal(tmp_path):
         for _ in range(WRITE_ROUNDS):
             seq += 1
             for d in devices:
-                rb.run(11, **v, **d, N=seq)
-                rb.run(12, **v, **d)
+                rb.run(12, **v, **d, N=seq)
+                rb.run(13, **v, **d)
         written = DEVICES * WRITE_ROUNDS
         rounds = 0
         while True:
@@ -127,7 +128,7 @@ def test_fleet_rehearsal(tmp_path):
                                         f"rows, devices behind it: {behind}"
             rounds += 1
             for d in devices:
-                rb.run(12, **v, **d)
+                rb.run(13, **v, **d)
         print(f"fleet converged {rounds} round(s) of wakes after the last write")
 
         # every node of the healthy fleet: check exits 0 (once every node's peers have reported
@@ -137,7 +138,7 @@ def test_fleet_rehearsal(tmp_path):
         while True:
             not_ok = {}
             for home, site, pw in nodes:
-                p = rb.run(13, check=False, **v, NODE=home, NODE_SITE=site, NODE_PW=pw)
+                p = rb.run(14, check=False, **v, NODE=home, NODE_SITE=site, NODE_PW=pw)
                 assert p.returncode in (0, 3), (home.name, p.returncode, p.stdout, p.stderr)
                 assert v["AUTH_SITE"][:8] not in p.stdout, p.stdout   # the authority is a key, not a peer
                 if p.returncode:
@@ -147,7 +148,7 @@ def test_fleet_rehearsal(tmp_path):
             assert quiet < MAX_ROUNDS, f"after {rounds} + {quiet} rounds of wakes, check is not 0 on: {not_ok}"
             quiet += 1
             for d in devices:
-                rb.run(12, **v, **d)
+                rb.run(13, **v, **d)
         print(f"check exits 0 on every node after {quiet} more round(s) of wakes")
 
         # the gateway's metrics file: parsed by Prometheus' own parser, every label documented
@@ -161,34 +162,40 @@ def test_fleet_rehearsal(tmp_path):
         had = {r for r in _rows(v["GW"]) if json.loads(r)["key"]["device"] == old["SITE"]}
         assert len(had) == WRITE_ROUNDS
         shutil.rmtree(old["DEVICE"])
-        cutoff = rb.run(14, **v, OLD=old["SITE"]).stdout.strip()
+        cutoff = rb.run(15, **v, OLD=old["SITE"]).stdout.strip()
         assert cutoff and "." in cutoff, cutoff
         new = {"DEVICE": tmp_path / "dev1-new", "DEVICE_PW": tmp_path / "dev1-new.mqtt-password"}
-        out = _json(rb.run(7, **v, **new))
+        out = _json(rb.run(8, **v, **new))
         new.update(SITE=out["site_id"], PK=out["public_key"])
         assert new["SITE"] != old["SITE"]
-        rb.run(8, **v, **new)
-        p = rb.run(15, **v, NEW=new["SITE"], NEW_PK=new["PK"], OLD=old["SITE"], CUTOFF=cutoff)
+        rb.run(9, **v, **new)
+        p = rb.run(16, **v, NEW=new["SITE"], NEW_PK=new["PK"], OLD=old["SITE"], CUTOFF=cutoff)
         # the two issued records, then `record list`: one line per record with its `head`
         recs = [r for r in map(json.loads, p.stdout.splitlines()) if "head" in r]
         assert any(r["kind"] == "vouch" and r["subject"] == new["SITE"] and r["head"] for r in recs), recs
         assert any(r["kind"] == "retire" and r["subject"] == old["SITE"] and r["head"] for r in recs), recs
-        rb.run(10, **v, **new)
-        rb.run(16, **v, **new)
-        outs = []
+        rb.run(11, **v, **new)
+        rb.run(17, **v, **new)
+        # caught up: the source has nothing left to send to NEW (the new device cannot know that
+        # from a quiet source: its `remaining` says to ask the source, docs/operations.md §4)
+        outs, serving = [], None
         for wakes in range(1, MAX_REHYDRATE_WAKES + 1):
-            outs.append(_json(rb.run(12, **v, **new)))
-            st = _json(rb.run(17, **v, NODE=new["DEVICE"]))["rehydrating"]
-            if st["caught_up"] and had <= _rows(new["DEVICE"]):
+            outs.append(_json(rb.run(13, **v, **new)))
+            st = _json(rb.run(18, **v, NODE=new["DEVICE"]))["rehydrating"]
+            gw_st = _json(rb.run(18, **v, NODE=v["GW"]))
+            serving = [s for s in gw_st["serving"] if s["subject"] == new["SITE"]]
+            if (st["source_trusted"] and serving and serving[0]["remaining_events"] == 0
+                    and had <= _rows(new["DEVICE"])):
                 break
         else:
-            raise AssertionError(f"the new device did not catch up in {MAX_REHYDRATE_WAKES} wakes: {st}; wakes: {outs}")
-        print(f"replacement caught up after {wakes} wake(s)")
-        assert _json(rb.run(17, **v, NODE=v["GW"]))["site_id"] == v["GW_SITE"]
+            raise AssertionError(f"the new device did not catch up in {MAX_REHYDRATE_WAKES} wakes: {st}; "
+                                 f"the gateway serving it: {serving}; wakes: {outs}")
+        print(f"replacement caught up after {wakes} wake(s): bodies received {[o['bodies_received'] for o in outs]}")
+        assert st["from"] == v["GW_SITE"] and st["rows_received"] == len(_rows(v["GW"])), st
         # every row the old device had synced is back, and the new device holds what the gateway holds
-        new_rows = _rows(None, rb.run(18, NODE=new["DEVICE"]))
+        new_rows = _rows(None, rb.run(19, NODE=new["DEVICE"]))
         assert had <= new_rows
-        assert new_rows == _rows(None, rb.run(18, NODE=v["GW"]))
+        assert new_rows == _rows(None, rb.run(19, NODE=v["GW"]))
         assert gw_proc.poll() is None, "the gateway's service stopped during the rehearsal"
         # every step of the doc ran, first in the doc's order (tests/fleet/test_runbook_steps.py)
         assert set(rb.ran) == set(rb.steps), sorted(set(rb.ran) ^ set(rb.steps))

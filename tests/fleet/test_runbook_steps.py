@@ -13,21 +13,22 @@ STEPS = [
     (1, "An authority, once per mesh (replacement §0)"),
     (2, "The mesh manifest names it, under authorities and [[peers]]"),
     (3, "The gateway's node"),
-    (4, "The gateway vouched by the authority, so devices trust it"),
-    (5, "The gateway's broker account"),
-    (6, "The gateway's service, for the rest of the rehearsal"),
-    (7, "A device: init (fleet §3, replacement §2)"),
-    (8, "Its broker password, made on the device; only the hash leaves it"),
-    (9, "Vouch for it on the live gateway (fleet §5, replacement §3)"),
-    (10, "Issue its broker account: append the hash line, reload mosquitto"),
-    (11, "A reading written on the device between wakes"),
-    (12, "A wake of the device"),
-    (13, "Every node of the healthy fleet is OK (fleet §6)"),
-    (14, "A device died: the retirement cutoff (replacement §1, on the live gateway)"),
-    (15, "Vouch for the new device, retire the old one (replacement §3, on the live gateway)"),
-    (16, "Rehydrate the new device from the gateway (replacement §4)"),
-    (17, "How far rehydration is, on the new device and on the live gateway"),
-    (18, "The new device holds every row the gateway holds (replacement §4 \"Check\")"),
+    (4, "The devices' manifest: the mesh's, naming the gateway as a peer too"),
+    (5, "The gateway vouched by the authority, so devices trust it"),
+    (6, "The gateway's broker account"),
+    (7, "The gateway's service, for the rest of the rehearsal"),
+    (8, "A device: init (fleet §3, replacement §2)"),
+    (9, "Its broker password, made on the device; only the hash leaves it"),
+    (10, "Vouch for it on the live gateway (fleet §5, replacement §3)"),
+    (11, "Issue its broker account: append the hash line, reload mosquitto"),
+    (12, "A reading written on the device between wakes"),
+    (13, "A wake of the device"),
+    (14, "Every node of the healthy fleet is OK (fleet §6)"),
+    (15, "A device died: the retirement cutoff (replacement §1, on the live gateway)"),
+    (16, "Vouch for the new device, retire the old one (replacement §3, on the live gateway)"),
+    (17, "Rehydrate the new device from the gateway (replacement §4)"),
+    (18, "How far rehydration is, on the new device and on the live gateway"),
+    (19, "The new device holds every row the gateway holds (replacement §4 \"Check\")"),
 ]
 
 REHEARSAL = Path(__file__).with_name("test_rehearsal.py")
@@ -65,10 +66,10 @@ def test_a_changed_doc_is_caught():
     from .runbook import DOCS
     text = DOCS.read_text()
     assert [(n, t) for n, t, _b in doc_steps(text.replace("### Step 3. The gateway's node", "### Step 3. Gw"))] != STEPS
-    broken = text.replace("### Step 5. The gateway's broker account\n\n```sh", "### Step 5. The gateway's broker account\n\n```")
+    broken = text.replace("### Step 6. The gateway's broker account\n\n```sh", "### Step 6. The gateway's broker account\n\n```")
     try:
         doc_steps(broken)
     except AssertionError as e:
-        assert "step 5" in str(e)
+        assert "step 6" in str(e)
     else:
         raise AssertionError("a step without its sh block went unnoticed")
