@@ -133,22 +133,7 @@ def test_fleet_rehearsal(tmp_path):
 
         # every node of the healthy fleet: check exits 0 (once every node's peers have reported
         # their watermarks: a sleeper's report to another sleeper waits in its broker session)
-        nodes = [(v["GW"], v["GW_SITE"], v["GW_PW"])] + [(d["DEVICE"], d["SITE"], d["DEVICE_PW"]) for d in devices]
-        quiet = 0
-        while True:
-            not_ok = {}
-            for home, site, pw in nodes:
-                p = rb.run(14, check=False, **v, NODE=home, NODE_SITE=site, NODE_PW=pw)
-                assert p.returncode in (0, 3), (home.name, p.returncode, p.stdout, p.stderr)
-                assert v["AUTH_SITE"][:8] not in p.stdout, p.stdout   # the authority is a key, not a peer
-                if p.returncode:
-                    not_ok[home.name] = [ln for ln in p.stdout.splitlines() if not ln.startswith("OK ")]
-            if not not_ok:
-                break
-            assert quiet < MAX_ROUNDS, f"after {rounds} + {quiet} rounds of wakes, check is not 0 on: {not_ok}"
-            quiet += 1
-            for d in devices:
-                rb.run(13, **v, **d)
+        quiet = _until_healthy(rb, v, devices, absent=v["AUTH_SITE"])
         print(f"check exits 0 on every node after {quiet} more round(s) of wakes")
 
         # the gateway's metrics file: parsed by Prometheus' own parser, every label documented
@@ -196,6 +181,15 @@ def test_fleet_rehearsal(tmp_path):
         new_rows = _rows(None, rb.run(19, NODE=new["DEVICE"]))
         assert had <= new_rows
         assert new_rows == _rows(None, rb.run(19, NODE=v["GW"]))
+        # the fleet is healthy again, every device writing its readings (the new one too): the
+        # retired device is no peer anywhere any more
+        devices[1] = new
+        seq += 1
+        for d in devices:
+            rb.run(12, **v, **d, N=seq)
+            rb.run(13, **v, **d)
+        quiet = _until_healthy(rb, v, devices, absent=old["SITE"])
+        print(f"after the replacement, check exits 0 on every node after {quiet} round(s) of wakes")
         assert gw_proc.poll() is None, "the gateway's service stopped during the rehearsal"
         # every step of the doc ran, first in the doc's order (tests/fleet/test_runbook_steps.py)
         assert set(rb.ran) == set(rb.steps), sorted(set(rb.ran) ^ set(rb.steps))
@@ -206,3 +200,22 @@ def test_fleet_rehearsal(tmp_path):
             err = _stop(gw_proc)
             assert "Traceback" not in err, err[-3000:]
         broker.close()
+
+
+def _until_healthy(rb: Runbook, v: dict, devices: list[dict], absent: str) -> int:
+    """Rounds of wakes (each device once, in turn) until `check` exits 0 on the gateway and every
+    device and none has a line for `absent` (a key that is no sync peer, or a retired device, once
+    its retirement reached every node). Returns the rounds needed."""
+    nodes = [(v["GW"], v["GW_SITE"], v["GW_PW"])] + [(d["DEVICE"], d["SITE"], d["DEVICE_PW"]) for d in devices]
+    for rounds in range(MAX_ROUNDS + 1):
+        not_ok = {}
+        for home, site, pw in nodes:
+            p = rb.run(14, check=False, **v, NODE=home, NODE_SITE=site, NODE_PW=pw)
+            assert p.returncode in (0, 3), (home.name, p.returncode, p.stdout, p.stderr)
+            if p.returncode or absent[:8] in p.stdout:
+                not_ok[home.name] = [ln for ln in p.stdout.splitlines() if not ln.startswith("OK ")]
+        if not not_ok:
+            return rounds
+        for d in devices:
+            rb.run(13, **v, **d)
+    raise AssertionError(f"after {MAX_ROUNDS} rounds of wakes, check is not 0 on: {not_ok}")
