@@ -14,11 +14,9 @@ import signal
 import subprocess
 import time
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.cli_cmd import run_cli
 from tests.mqtt.test_broker_security import docs_broker, make_pki
-from tests.mqtt.test_metrics_labels import SHAPES, documented
+from tests.mqtt.test_metrics_labels import documented_labels
 
 from .runbook import Runbook
 
@@ -40,7 +38,7 @@ def _rows(home, p: subprocess.CompletedProcess | None = None) -> set[str]:
     return {json.dumps(r, sort_keys=True) for r in json.loads(p.stdout).get(T, [])}
 
 
-def _serving(rb: Runbook, gw, proc: subprocess.Popen, ceiling_s: float = 180) -> None:
+def _serving(gw, proc: subprocess.Popen, ceiling_s: float = 180) -> None:
     """Until the gateway's service answers `status` through its control socket (a ceiling for a hang)."""
     deadline = time.monotonic() + ceiling_s
     while time.monotonic() < deadline:
@@ -63,21 +61,6 @@ def _stop(proc: subprocess.Popen) -> str:
     return proc.communicate()[1]
 
 
-def _labels_documented(text: str) -> set[tuple[str, str, str]]:
-    """Every sample of the metrics file carries exactly its documented labels, each with a documented value."""
-    docs, seen = documented(), set()
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            allowed = docs.get(s.name, docs.get(fam.name))
-            assert allowed is not None, f"{s.name} is not in docs/operations.md"
-            assert set(s.labels) == set(allowed), (s.name, s.labels, allowed)
-            for lab, v in s.labels.items():
-                ok = SHAPES[lab].match(v) if allowed[lab] is None else v in allowed[lab]
-                assert ok, f"{s.name}{{{lab}={v!r}}} is not a documented value"
-                seen.add((s.name, lab, v))
-    return seen
-
-
 def test_fleet_rehearsal(tmp_path):
     rb = Runbook(tmp_path)
     pki = make_pki(tmp_path / "pki", [])
@@ -97,7 +80,7 @@ def test_fleet_rehearsal(tmp_path):
         rb.run(5, **v)
         rb.run(6, **v)
         gw_proc = rb.start(7, **v)
-        _serving(rb, v["GW"], gw_proc)
+        _serving(v["GW"], gw_proc)
 
         # three devices enrolled while the gateway runs
         devices = []
@@ -136,8 +119,8 @@ def test_fleet_rehearsal(tmp_path):
         quiet = _until_healthy(rb, v, devices, absent=v["AUTH_SITE"])
         print(f"check exits 0 on every node after {quiet} more round(s) of wakes")
 
-        # the gateway's metrics file: parsed by Prometheus' own parser, every label documented
-        seen = _labels_documented((v["GW"] / "metrics.prom").read_text())
+        # the gateway's metrics file (`run --metrics-file`): Prometheus' own parser reads it, every label documented
+        seen = documented_labels((v["GW"] / "metrics.prom").read_text())
         assert ("ssp_events_total", "origin", "mqtt") in seen, seen
         assert {("ssp_peer_lag_events", "peer", d["SITE"]) for d in devices} <= seen, seen
         assert not any(lab == "peer" and val == v["AUTH_SITE"] for _n, lab, val in seen)
