@@ -41,13 +41,13 @@ def ignored_columns(conn: sqlite3.Connection) -> list[tuple[str, str, int]]:
 
 
 # ---------------------------------------------------------------------- the keyring
-def member_peers(conn: sqlite3.Connection) -> list[bytes]:
-    """The keyring's sites other than this node, not retired, in site order, that sync: a record
-    key (`record_keys`) is no peer."""
+def member_peers(conn: sqlite3.Connection, keyring: dict, self_site: bytes) -> list[bytes]:
+    """The sites of the effective keyring (`keyring`: site -> (key, cutoff), provisioned keys and
+    the vouched ones, sync_state.overlay_keyring) other than this node, not retired (no cutoff),
+    in site order, that sync: a record key (`record_keys`) is no peer. A fleet's devices are
+    vouched, not provisioned (docs/operations.md "Fleet rehearsal"): they count too."""
     keys = record_keys(conn)
-    return [bytes(r[0]) for r in conn.execute(
-        "SELECT site_id FROM keyring WHERE source != 'self' AND retired_p IS NULL ORDER BY site_id")
-        if bytes(r[0]) not in keys]
+    return sorted(s for s, (_pk, cutoff) in keyring.items() if s != self_site and cutoff is None and s not in keys)
 
 
 def record_keys(conn: sqlite3.Connection) -> set[bytes]:

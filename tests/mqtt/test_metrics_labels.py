@@ -41,6 +41,22 @@ def documented() -> dict[str, dict[str, set[str] | None]]:
     return out
 
 
+def documented_labels(text: str) -> set[tuple[str, str, str]]:
+    """Parse a metrics file with the Prometheus text-format parser and check that every sample
+    carries exactly its documented labels, each with a documented value; (metric, label, value) seen."""
+    docs, seen = documented(), set()
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            assert fam.name in docs or s.name in docs, f"{s.name} is not in docs/operations.md"
+            allowed = docs.get(s.name, docs.get(fam.name))
+            assert set(s.labels) == set(allowed), (s.name, s.labels, allowed)
+            for lab, v in s.labels.items():
+                ok = SHAPES[lab].match(v) if allowed[lab] is None else v in allowed[lab]
+                assert ok, f"{s.name}{{{lab}={v!r}}}: not a documented value ({allowed[lab] or SHAPES[lab].pattern})"
+                seen.add((s.name, lab, v))
+    return seen
+
+
 def test_every_label_has_a_documented_value(broker, tmp_path):
     gw, dev = make_nodes(tmp_path, 2)
     write(dev, 1, "dev")
@@ -73,17 +89,7 @@ def test_every_label_has_a_documented_value(broker, tmp_path):
         proc.terminate()
         proc.wait(timeout=60)
     assert remote >= 1, text
-    docs = documented()
-    seen = set()
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            assert fam.name in docs or s.name in docs, f"{s.name} is not in docs/operations.md"
-            allowed = docs.get(s.name, docs.get(fam.name))
-            assert set(s.labels) == set(allowed), (s.name, s.labels, allowed)
-            for lab, v in s.labels.items():
-                ok = SHAPES[lab].match(v) if allowed[lab] is None else v in allowed[lab]
-                assert ok, f"{s.name}{{{lab}={v!r}}}: not a documented value ({allowed[lab] or SHAPES[lab].pattern})"
-                seen.add((s.name, lab, v))
+    seen = documented_labels(text)
     assert {("ssp_events_total", "origin", o) for o in ("local", "mailbox", "mqtt")} <= seen
     assert ("ssp_peer_lag_seconds", "peer", dev_id) in seen
 
