@@ -82,7 +82,7 @@ def _round(d: Path, k: int, mode: str, sites, body: bytes, old_body: bytes, n: i
         node.close()
     node = _node(d, f"ev-{mode}-{k}", mode, sites)
     try:
-        assert import_mailbox_body(node, old_body)["applied"] == n
+        assert import_mailbox_body(node, old_body)["applied"] == n + 1
         node.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         rep = {}
         s, b, c = _timed(lambda: rep.update(node.run_eviction()))
@@ -103,8 +103,11 @@ def main() -> int:
     sites = [SimPeer(MESH) for _ in range(5)]
     body = sites[0].body(make_events(args.events, sites, rows=2000))
     now = time.time_ns() // 1_000_000
+    # the old events, and one of today: eviction moves a horizon only up to the time peers vouch for
+    # (docs/apply.md "What eviction never does"), so the body carries that evidence
     old = sites[1].body([sites[1].event(T, {"device": "old", "seq": i}, {"temp": 0.5, "note": "o" * 40},
-                                        (now - 8 * DAY_MS + i, 0)) for i in range(args.events)])
+                                        (now - 8 * DAY_MS + i, 0)) for i in range(args.events)]
+                        + [sites[1].event(T, {"device": "today", "seq": 0}, {"temp": 0.5}, (now, 0))])
     res: dict[str, list[dict]] = {m: [] for m in SECURE_DELETE_MODES}
     with tempfile.TemporaryDirectory(dir=args.dir) as d:
         for k in range(args.rounds):

@@ -11,7 +11,7 @@ from agent.core.codec import encode
 from agent.core.messages import Handshake, emit_handshake
 from agent.transport.mqtt import MqttLink, MqttSettings, Topics, _publish_props
 
-from .helpers import MESH, event_ids, make_nodes, runner, step_until, write
+from .helpers import MESH, event_ids, make_nodes, pulls_answered, runner, step_until, write
 from tests.waiting import HANG_S
 
 N_ROGUE, N_PRESENCE = 400, 120
@@ -39,6 +39,9 @@ def test_a_flood_does_not_hold_back_honest_bodies_and_costs_bounded_rows(broker,
     topics = Topics(MESH)
     try:
         assert step_until([ra, rb], lambda: a.site_id in rb.caps, 5)  # the honest peer is present
+        # the connect-time pulls answered first: the honest message the step must serve first is
+        # then the body, not a pull
+        assert step_until([ra, rb], lambda: pulls_answered([ra, rb]), 30)
         shapes = [b"\xff\x00garbage", encode([1, 2, 3]), encode({"ssp_version": 2, "from_site_id": "00" * 16})]
         for i in range(N_ROGUE):  # each from a fresh fictional sender, none in b's keyring
             s = os.urandom(16)
