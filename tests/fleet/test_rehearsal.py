@@ -17,6 +17,7 @@ import time
 from tests.cli_cmd import run_cli
 from tests.mqtt.test_broker_security import docs_broker, make_pki
 from tests.mqtt.test_metrics_labels import documented_labels
+from tests.waiting import wait_until
 
 from .runbook import Runbook
 
@@ -120,8 +121,12 @@ def test_fleet_rehearsal(tmp_path):
         print(f"check exits 0 on every node after {quiet} more round(s) of wakes")
 
         # the gateway's metrics file (`run --metrics-file`): Prometheus' own parser reads it, every label documented
-        seen = documented_labels((v["GW"] / "metrics.prom").read_text())
-        assert ("ssp_events_total", "origin", "mqtt") in seen, seen
+        # written every --metrics-interval (15 s) by the running gateway: the first write after its
+        # events arrived is waited for (a hang ceiling), then every label of it is checked
+        def counted():
+            got = documented_labels((v["GW"] / "metrics.prom").read_text())
+            return got if ("ssp_events_total", "origin", "mqtt") in got else None
+        seen = wait_until(counted, "the gateway's metrics file counting events received over MQTT", poll=0.5)
         assert {("ssp_peer_lag_events", "peer", d["SITE"]) for d in devices} <= seen, seen
         assert not any(lab == "peer" and val == v["AUTH_SITE"] for _n, lab, val in seen)
 
