@@ -27,7 +27,7 @@ from agent.profile import load_profile
 from serial_relay import Relay
 
 from ..cli_cmd import agent_cmd, agent_env, run_cli
-from ..mqtt.helpers import MANIFEST, T
+from ..mqtt.helpers import MANIFEST, T, wait_serving
 
 # dead_s 4: a link ends 4 s after its cable goes quiet; long enough that a loaded CI machine does
 # not end cable 1's link while the gateway applies a body (the "undisturbed" check below).
@@ -54,16 +54,6 @@ def spawn(home, *args):
                             stderr=subprocess.PIPE, text=True, env=agent_env())
 
 
-def wait_serving(home, proc):
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        if (home / "control.sock").exists():
-            p = run_cli("--home", home, "status")
-            if p.returncode == 0 and "run" in json.loads(p.stdout):
-                return
-        time.sleep(0.2)
-    raise AssertionError(f"{home.name}: the running agent never answered on its control socket")
 
 
 def stop(proc) -> dict:
