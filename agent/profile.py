@@ -1,6 +1,6 @@
 """Device profiles (agent/profiles/*.toml, package data found through importlib.resources so an
 install from the wheel has them): horizons per retention class, disk budget, sync limits and
-the keystore. A node records the profile it was initialised with in its store; README documents
+the keystore. A node records the profile it was initialised with in its store; docs/cli.md documents
 every key."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 environment a bench runs in, a process's CPU and memory from /proc, the one-thread raw verify
 denominator, the generated readings, nodes that trust each other, B served in its own thread
 while A catches it up, the median and range of rounds, and the result file a bench records
-(`record`: bench/results/<bench>.json, what bench/table.py renders into README's Performance table).
+(`record`: bench/results/<bench>.json, what bench/table.py renders into docs/performance.md's table).
 
 A bench imports it first (`python bench/x.py` puts bench/ on sys.path):
 
@@ -304,7 +304,7 @@ def record(figures: dict, denominators: dict, summary: str, *, parameters: dict 
     same run and the figures as named numbers (`of_rounds(xs)` where the bench runs rounds), and one
     short human line. Returns the file written, or None without `--record`.
 
-    README's Performance table is rendered from these files by bench/table.py."""
+    docs/performance.md's table is rendered from these files by bench/table.py."""
     figures, denominators = _checked("figure", figures), _checked("denominator", denominators)
     summary = " ".join(summary.split())
     if not summary:
@@ -336,5 +336,5 @@ def record(figures: dict, denominators: dict, summary: str, *, parameters: dict 
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
     tmp.replace(path)
-    print(f"recorded: {path} (render README's table with: python bench/table.py)")
+    print(f"recorded: {path} (render docs/performance.md's table with: python bench/table.py)")
     return path

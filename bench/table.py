@@ -1,15 +1,13 @@
-"""README's Performance table, rendered from the benches' result files (bench/results/*.json,
-written by `python bench/<bench>.py --record`: bench/_harness.py record).
+"""docs/performance.md's table of current figures, rendered from the benches' result files
+(bench/results/*.json, written by `python bench/<bench>.py --record`: bench/_harness.py record).
 
-    python bench/table.py            # rewrite README.md between the bench-table markers
-    python bench/table.py --check    # exit 1 if README.md differs from the rendering
+    python bench/table.py            # rewrite docs/performance.md between the bench-table markers
+    python bench/table.py --check    # exit 1 if docs/performance.md differs from the rendering
 
-One row per result file: what the bench measures (its docstring's first sentence, as recorded),
-its one human line, the figures and the denominators measured in the same run as named numbers
-(median and range where the bench runs rounds), and when, on what load and at which commit it
-ran. A figure in the table is therefore never typed by hand: tests/test_bench_table.py fails if
-README's table is not the rendering of bench/results/. The history of the figures, same-run A/B
-comparisons and the limits found are in docs/performance.md."""
+One compact row per result file: the bench as run, its one human line (figures against the
+denominators measured in the same run) and the commit it ran at. A figure in the table is never
+typed by hand: tests/test_bench_table.py fails if the table is not the rendering of bench/results/.
+Every other detail of a run (date, machine, load, each named figure) stays in its result file."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-README = ROOT / "README.md"
+DOC = ROOT / "docs" / "performance.md"
 BEGIN = "<!-- bench-table:begin -->"
 END = "<!-- bench-table:end -->"
 SCHEMA = 1
@@ -102,24 +100,6 @@ def load(results: Path = RESULTS) -> list[dict]:
     return sorted(out, key=lambda r: (rank.get(r["bench"], len(ORDER)), r["bench"], r["_file"]))
 
 
-def num(x) -> str:
-    """A number as the table prints it: thousands grouped by a space, three significant digits
-    below 100."""
-    if isinstance(x, int) or (abs(x) >= 100 and float(x).is_integer()) or abs(x) >= 1000:
-        s = f"{round(x):,}".replace(",", " ")
-        return s if abs(x) >= 10_000 else s.replace(" ", "")
-    if abs(x) >= 100:
-        return f"{x:.0f}"
-    return f"{x:.3g}" if abs(x) >= 1e-3 or x == 0 else f"{x:.2e}"
-
-
-def value(v) -> str:
-    if isinstance(v, dict):
-        return f"**{num(v['median'])}** ({num(v['min'])}–{num(v['max'])}, {v['n']} rounds)" if v["n"] > 1 \
-            else f"**{num(v['median'])}** (1 round)"
-    return f"**{num(v)}**"
-
-
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
@@ -128,57 +108,49 @@ def row(r: dict) -> str:
     script = f"bench/{r['bench']}.py"
     # the command as run (without `python` and `--record`): which sizes this row is
     label = " ".join(a for a in r["command"].split()[1:] if a != "--record") or script
-    what = f"[`{label}`]({script}): {r['measures']}"
+    what = f"[`{label}`](../{script})"
     if r["status"] == "not_run":
-        return f"| {_cell(what)} | not run here: {_cell(r['reason'])} | {_cell(r['date'][:10])} |"
-    figures = "; ".join(f"{k} {value(v)}" for k, v in r["figures"].items())
-    denominators = "; ".join(f"{k} {value(v)}" for k, v in r["denominators"].items())
-    result = f"{r['summary']}. Figures: {figures}." + (f" Same run's denominators: {denominators}." if denominators else "")
+        return f"| {_cell(what)} | not run here: {_cell(r['reason'])} | |"
     if r["status"] == "transcribed":
-        when = f"{r['date'][:10]}, transcribed: {r['source']}"
+        code = f"transcribed: {r['source']}"
     else:
-        la = r["load_average"]
-        m = r["machine"]
-        when = (f"{r['date'][:10]} {r['date'][11:16]} UTC, {num(r.get('duration_s', 0))} s; load average "
-                f"{la['start'][0]:.2f} → {la['end'][0]:.2f} (1 min) on {m['nproc']} CPUs; "
-                f"code at `{r['commit'][:7]}`{' (with uncommitted changes)' if r.get('dirty') else ''}")
-    return f"| {_cell(what)} | {_cell(result)} | {_cell(when)} |"
+        code = f"`{r['commit'][:7]}`{' (uncommitted changes)' if r.get('dirty') else ''}"
+    return f"| {_cell(what)} | {_cell(r['summary'])} | {_cell(code)} |"
 
 
 def render(results: list[dict]) -> str:
-    """The text between the markers: the table (one row per result file) and where its history is."""
-    lines = ["| benchmark as run: what it measures | result (the bench's line; figures; the denominators measured in the "
-             "same run) | measured: when, load, code |", "| --- | --- | --- |"]
+    """The text between the markers: one row per result file."""
+    lines = ["| bench as run | result (against the denominators of the same run) | code |", "| --- | --- | --- |"]
     lines += [row(r) for r in results]
     return "\n".join(lines) + "\n"
 
 
-def rewrite(readme: str, rendering: str) -> str:
-    """README's text with the rendering between the markers (each on a line of its own)."""
-    if readme.count(BEGIN) != 1 or readme.count(END) != 1 or readme.index(BEGIN) > readme.index(END):
-        raise SystemExit(f"README needs one {BEGIN} line before one {END} line")
-    head, rest = readme.split(BEGIN, 1)
+def rewrite(doc: str, rendering: str) -> str:
+    """The document's text with the rendering between the markers (each on a line of its own)."""
+    if doc.count(BEGIN) != 1 or doc.count(END) != 1 or doc.index(BEGIN) > doc.index(END):
+        raise SystemExit(f"the document needs one {BEGIN} line before one {END} line")
+    head, rest = doc.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{BEGIN}\n{rendering}{END}{tail}"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true", help="exit 1 if the README differs from the rendering")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the document differs from the rendering")
     ap.add_argument("--results", type=Path, default=RESULTS, help="the result files' directory")
-    ap.add_argument("--readme", type=Path, default=README)
+    ap.add_argument("--doc", type=Path, default=DOC, help="the document holding the table (default docs/performance.md)")
     args = ap.parse_args()
-    text = args.readme.read_text()
+    text = args.doc.read_text()
     new = rewrite(text, render(load(args.results)))
     if args.check:
         if new != text:
-            print(f"{args.readme}: the Performance table is not the rendering of {args.results} "
+            print(f"{args.doc}: the performance table is not the rendering of {args.results} "
                   f"(run: python bench/table.py)", file=sys.stderr)
             return 1
         return 0
     if new != text:
-        args.readme.write_text(new)
-        print(f"{args.readme}: table rewritten from {len(load(args.results))} result files")
+        args.doc.write_text(new)
+        print(f"{args.doc}: table rewritten from {len(load(args.results))} result files")
     return 0
 
 

@@ -1,5 +1,5 @@
 """The benchmarks still run end to end with tiny sizes, so they cannot rot between measurements.
-Figures are never asserted here: speed is measured by running bench/ itself (README, Performance).
+Figures are never asserted here: speed is measured by running bench/ itself (docs/performance.md).
 A run without `--record` writes no result file (bench/_harness.py record), so these tiny runs
 never overwrite a real result in bench/results/."""
 from __future__ import annotations

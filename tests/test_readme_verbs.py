@@ -1,6 +1,7 @@
-"""README.md stays true to the command: every verb and sub-verb the parser defines (agent/cli.py
-and the cli_*.py modules that register theirs) is named in README's verb table, and every document
-README's "Documentation" list names exists (and every document in docs/ is in that list)."""
+"""README.md and docs/cli.md stay true to the command: every verb and sub-verb the parser defines
+(agent/cli.py and the cli_*.py modules that register theirs) is named in README's verb table and
+in docs/cli.md's reference, and every document README's "Documentation" list names exists (and
+every document in docs/ is in that list)."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,7 @@ from agent.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+CLI_DOC = (ROOT / "docs" / "cli.md").read_text()
 
 
 def _verbs(p: argparse.ArgumentParser, prefix: tuple[str, ...] = ()):
@@ -55,6 +57,30 @@ def test_every_verb_and_sub_verb_is_in_the_readme_verb_table():
     assert spans, "README.md has no verb table"
     missing = [" ".join(v) for v in _verbs(build_parser()) if not _documented(v, spans)]
     assert not missing, f"verbs the CLI defines that README.md's verb table does not name: {missing}"
+
+
+def _cli_doc_spans() -> list[str]:
+    """The code spans that a bullet of docs/cli.md's "Verbs" section opens with: those before the
+    bullet's first ": " outside a code span (`- `peer add ...`, `peer list`: what they do`)."""
+    section = CLI_DOC.split("\n## Verbs\n", 1)[1].split("\n## ", 1)[0]
+    spans = []
+    for item in re.split(r"^- ", section, flags=re.M)[1:]:
+        parts = item.split("`")
+        head = []
+        for i, part in enumerate(parts):
+            if i % 2 == 0 and ": " in part:
+                head.append(part.split(": ", 1)[0])
+                break
+            head.append(part)
+        spans += [p for i, p in enumerate(head) if i % 2 == 1]
+    return spans
+
+
+def test_every_verb_and_sub_verb_is_in_the_cli_reference():
+    spans = _cli_doc_spans()
+    assert spans, "docs/cli.md has no verb list"
+    missing = [" ".join(v) for v in _verbs(build_parser()) if not _documented(v, spans)]
+    assert not missing, f"verbs the CLI defines that docs/cli.md's Verbs section does not name: {missing}"
 
 
 def test_the_matcher_sees_a_missing_sub_verb():

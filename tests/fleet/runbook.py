@@ -1,6 +1,7 @@
-"""docs/operations.md "Fleet rehearsal" as steps a test executes: each `### Step N. title` heading
-and the ```sh block under it, run with bash as written (the variables given, `ssp-agent` the
-command under test through tests/cli_cmd.py)."""
+"""A document's runbook section as steps a test executes: each `### Step N. title` heading under
+the section's `# ` heading and the ```sh block under it, run with bash as written (the variables
+given, `ssp-agent` the command under test through tests/cli_cmd.py). docs/operations.md "Fleet
+rehearsal" by default; docs/getting-started.md "Three nodes through one broker" too."""
 from __future__ import annotations
 
 import os
@@ -16,10 +17,10 @@ SECTION = "# Fleet rehearsal"
 _STEP = re.compile(r"^### Step (\d+)\. (.+)$")
 
 
-def doc_steps(text: str | None = None) -> list[tuple[int, str, str]]:
+def doc_steps(text: str | None = None, docs: Path = DOCS, section: str = SECTION) -> list[tuple[int, str, str]]:
     """[(number, title, the step's one sh block)] in the order the section gives them (headings
     are read outside fences only: a block's comment lines start with `#` too)."""
-    lines = (DOCS.read_text() if text is None else text).splitlines()
+    lines = (docs.read_text() if text is None else text).splitlines()
     steps: list[list] = []
     inside, fence, block = False, None, []
     for ln in lines:
@@ -35,7 +36,7 @@ def doc_steps(text: str | None = None) -> list[tuple[int, str, str]]:
             fence, block = ln[3:].strip(), []
             continue
         if ln.startswith("# "):
-            inside = ln.startswith(SECTION)
+            inside = ln.startswith(section)
             continue
         m = _STEP.match(ln)
         if inside and m:
@@ -48,8 +49,8 @@ def doc_steps(text: str | None = None) -> list[tuple[int, str, str]]:
 class Runbook:
     """Runs the doc's steps by number; `ssp-agent` on PATH is a wrapper for agent_cmd()."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.steps = {n: (t, b) for n, t, b in doc_steps()}
+    def __init__(self, tmp: Path, docs: Path = DOCS, section: str = SECTION) -> None:
+        self.steps = {n: (t, b) for n, t, b in doc_steps(docs=docs, section=section)}
         self.bin = tmp / "bin"
         self.bin.mkdir(parents=True, exist_ok=True)
         wrapper = self.bin / "ssp-agent"
