@@ -30,7 +30,10 @@ def test_node_killed_mid_apply_gets_the_body_again(broker, tmp_path, mode):
     a, b = make_nodes(tmp_path, 2)
     b_home = b.home
     b.close()
-    ra = runner(a, broker, cadence_s=3600, realtime=False)
+    # a waits for b's answer longer than any hang ceiling: what b gets must come from the broker's
+    # redelivery, not from a giving up on a slow answer and sending again (on a loaded machine b2
+    # can take longer than the default 3 s to answer)
+    ra = runner(a, broker, cadence_s=3600, realtime=False, answer_timeout_s=4 * HANG_S)
     proc = _spawn(b_home, broker.url, mode)
     try:
         ids = {write(a, i, "k") for i in range(25)}
