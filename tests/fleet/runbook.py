@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import subprocess
 from pathlib import Path
 
@@ -79,3 +80,14 @@ class Runbook:
         self.ran.append(n)
         return subprocess.Popen(self.argv(n), env=self.env(variables), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def stop_group(proc: subprocess.Popen) -> str:
+    """SIGTERM a step's process group (a service started by a runbook step), then its stderr."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            return proc.communicate(timeout=120)[1]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.communicate()[1]

@@ -6,9 +6,7 @@ are the docs'."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 from pathlib import Path
 
@@ -16,7 +14,7 @@ from agent.transport.broker import free_port, port_open
 from tests.mqtt.helpers import wait_serving
 from tests.waiting import wait_until
 
-from .runbook import Runbook, doc_steps
+from .runbook import Runbook, stop_group, doc_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "getting-started.md"
@@ -32,16 +30,6 @@ STEPS = [
     (8, "Every node holds both readings"),
 ]
 MAX_WAKES = 6   # the page says two or three
-
-
-def _stop(proc: subprocess.Popen) -> str:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            return proc.communicate(timeout=120)[1]
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return proc.communicate()[1]
 
 
 def _dumps(out: str) -> dict[str, dict]:
@@ -97,11 +85,11 @@ def test_getting_started(tmp_path):
         try:
             wait_serving(tmp_path / "app", app)
         finally:
-            err = _stop(app)
+            err = stop_group(app)
         assert "Traceback" not in err, err[-3000:]
     finally:
         if gateway is not None:
-            err = _stop(gateway)
+            err = stop_group(gateway)
             assert "Traceback" not in err, err[-3000:]
         if broker is not None:
-            _stop(broker)
+            stop_group(broker)

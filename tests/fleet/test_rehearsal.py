@@ -8,9 +8,7 @@ steps are this test's; the commands are the doc's."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import time
 
@@ -19,7 +17,7 @@ from tests.mqtt.test_broker_security import docs_broker, make_pki
 from tests.mqtt.test_metrics_labels import documented_labels
 from tests.waiting import wait_until
 
-from .runbook import Runbook
+from .runbook import Runbook, stop_group
 
 T = "app.readings"
 DEVICES = 3
@@ -50,16 +48,6 @@ def _serving(gw, proc: subprocess.Popen, ceiling_s: float = 180) -> None:
                 return
         time.sleep(0.2)
     raise AssertionError("the gateway's service never answered on its control socket")
-
-
-def _stop(proc: subprocess.Popen) -> str:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            return proc.communicate(timeout=120)[1]
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return proc.communicate()[1]
 
 
 def test_fleet_rehearsal(tmp_path):
@@ -185,7 +173,7 @@ def test_fleet_rehearsal(tmp_path):
         assert first == sorted(first), first
     finally:
         if gw_proc is not None:
-            err = _stop(gw_proc)
+            err = stop_group(gw_proc)
             assert "Traceback" not in err, err[-3000:]
         broker.close()
 
