@@ -256,8 +256,9 @@ def test_a_node_that_never_synchronised_and_boots_ten_years_ahead_stays_delivera
     assert res["applied"] == 3 and res["rejected"] == 0, res
 
 
-@pytest.mark.xfail(strict=True, reason="re-issuing stranded own writes needs the HLC to go back below them, "
-                   "which the signing journal's per-site floor forbids (see docs/apply.md 'Clocks without an RTC')")
+@pytest.mark.xfail(strict=True, reason="re-issuing stranded own writes needs the HLC to issue values below "
+                   "ones it released: a gap the clock and the signing journal (its per-site floor) cannot "
+                   "record yet (docs/apply.md 'Clocks without an RTC')")
 def test_writes_stamped_by_a_first_boot_ten_years_ahead_reach_the_peers(tmp_path):
     """A device that never had a synchronised clock and holds nothing from its peers boots ten
     years ahead: nothing bounds its signing time, so its writes are stamped ten years ahead; after
