@@ -133,6 +133,15 @@ def assess(node=None, now: int | None = None, *, trusted_override: bool = False)
     behind_ms = max(0, hlc[0] - now)
     ahead_ms = max(0, now - evidence) if evidence is not None else 0
     behind_evidence = evidence is not None and evidence - now > FAR_MS
+    # Evidence recorded while a source lied (synchronised, ten years ahead) would keep a right
+    # clock "behind" until that time came. A synchronised reading that the newest time the peers
+    # vouch for agrees with (within the §12 step 2 bound) outweighs it; a clock set back while
+    # the peers' time moved on still does not (their newer time contradicts the reading).
+    contradicted = False
+    if synced and behind_evidence and node is not None:
+        mesh = node.mesh_time()
+        contradicted = mesh is not None and abs(now - mesh) <= FAR_MS and evidence - mesh > FAR_MS
+        behind_evidence = not contradicted
     source = "override" if forced else next((k for k, v in sync.items() if v), None)
     trusted = forced or (synced and not behind_evidence)
     if not trusted and behind_evidence:
@@ -163,4 +172,5 @@ def assess(node=None, now: int | None = None, *, trusted_override: bool = False)
     cap = signing_time(now, evidence, trusted)
     return {"trusted": trusted, "state": state, "source": source, "sync": sync, "now_ms": now,
             "evidence_ms": evidence, "hlc": f"{hlc[0]}.{hlc[1]}", "behind_ms": behind_ms,
-            "ahead_ms": ahead_ms, "signing_cap_ms": cap if cap < now else None, "hint": hint}
+            "ahead_ms": ahead_ms, "signing_cap_ms": cap if cap < now else None, "hint": hint,
+            "evidence_contradicted": contradicted}

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 
+from .core import reasons
+
 # The runner's logger: operators' filters for eviction reports keep matching (docs/operations.md).
 log = logging.getLogger("ssp_agent.runner")
 
@@ -25,7 +27,7 @@ def evict(node, stats) -> dict | None:
         stats["evictions_deferred"] = stats.get("evictions_deferred", 0) + 1
         if stats["evictions_deferred"] == 1:
             log.warning("eviction deferred: %s", e)
-            node.surface_clock("clock_untrusted", {"deferred": "eviction", "message": str(e)})
+            node.surface_clock(reasons.CLOCK_UNTRUSTED, {"deferred": "eviction", "message": str(e)})
         return None
     except Exception as e:  # noqa: BLE001 - eviction must never stop the sync loop
         stats["eviction_failures"] += 1

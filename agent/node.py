@@ -24,7 +24,7 @@ from firmware_bridge.journal import inspect as journal_inspect
 
 from . import identity as ident
 from .clockstate import now_ms  # re-exported: callers read the wall clock as node.now_ms
-from .core import cose, events as ev, numbers
+from .core import cose, events as ev, numbers, reasons
 from .core.clock import Hlc, beyond_skew
 from .core.clock import signing_time as clock_signing_time
 from .core.codec import DecodeError, decode_strict
@@ -1319,13 +1319,13 @@ class Node:
         from . import clockstate
         st = clockstate.assess(self, now)
         if st["trusted"]:
-            self.record_clock_evidence(now, defer=defer)
+            self.record_clock_evidence(now, defer=defer, assessed=st)
         evidence = self.clock_evidence
         if not st["trusted"] and evidence is None:
             # Never a trustworthy reading here (a device that never synchronised): the time its
             # peers vouch for is evidence too, so a bad boot ten years ahead does not stamp events
             # every peer rejects (§12 step 2) and the HLC cannot come back from.
-            evidence = sync_state.peer_time_evidence(self.conn, self.site_id, self.keyring, self.tables)
+            evidence = self.mesh_time()
         return clock_signing_time(now, evidence, st["trusted"])
 
     def note_clock(self, now: int | None = None) -> dict:
@@ -1335,15 +1335,34 @@ class Node:
         now = now_ms() if now is None else now
         st = clockstate.assess(self, now)
         if st["trusted"]:
-            self.record_clock_evidence(now)
+            self.record_clock_evidence(now, assessed=st)
         return st
 
-    def record_clock_evidence(self, now: int, force: bool = False, defer: bool = False) -> None:
+    def mesh_time(self) -> int | None:
+        """The newest physical time the peers vouch for (events held from them, their
+        acknowledgements of ours): what outweighs evidence taken under a lying clock."""
+        return sync_state.peer_time_evidence(self.conn, self.site_id, self.keyring, self.tables)
+
+    def record_clock_evidence(self, now: int, force: bool = False, defer: bool = False,
+                              assessed: dict | None = None) -> None:
         """Keep the highest wall-clock reading taken while the clock was trustworthy (meta
         clock_evidence; only rises). Throttled to one store write a minute unless forced.
-        `defer`: written by the next transaction that commits anyway (`_write_due_meta`)."""
+        `defer`: written by the next transaction that commits anyway (`_write_due_meta`).
+        `assessed` (clockstate.assess) saying the evidence is contradicted by a synchronised
+        reading the peers agree with: the evidence is lowered to the reading, and surfaced."""
         from .clockstate import EVIDENCE_EVERY_MS
         cur = self.clock_evidence
+        if assessed is not None and assessed.get("evidence_contradicted") and not self.read_only \
+                and cur is not None and now < cur:
+            with _txn(self.conn):
+                db.set_meta(self.conn, "clock_evidence", now)
+                reports.surface(self.conn, now, "clock", reasons.CLOCK_EVIDENCE_RESET, json.dumps(
+                    {"evidence_ms": cur, "now_ms": now, "mesh_ms": self.mesh_time()}, sort_keys=True))
+            log.warning("clock: the evidence %d was taken under a wrong clock (a synchronised reading and "
+                        "the peers' time say %d); lowered to it", cur, now)
+            self.clock_evidence = now
+            self._evidence_due = None
+            return
         if self.read_only or (cur is not None and (now <= cur or (not force and now < cur + EVIDENCE_EVERY_MS))):
             return
         if defer:
@@ -1377,7 +1396,7 @@ class Node:
         trusted reading is recorded as evidence."""
         st = _require_trusted_clock(self, what, override, wait_s, now, strict)
         if st["trusted"]:
-            self.record_clock_evidence(st["now_ms"], force=True)
+            self.record_clock_evidence(st["now_ms"], force=True, assessed=st)
         return st
 
     def _tick(self, now: int) -> tuple[int, int]:

@@ -1,7 +1,8 @@
 """Full disks on real small ext4 filesystems, every figure (docs/reliability.md "Full disk"): as
 root, on loop images with 1 KiB and 4 KiB blocks, `write`, `mailbox import`, `status`, `dump` and
 `events` with every free-space figure from 0 to 64 KiB (each must succeed or fail with one line,
-never die by a signal), then `run` on a full home with stores of 1, 8 and 64 MB, which must evict
+never die by a signal), the same for the `sequencer` verbs on a sequencer home, then `run` on a
+full home with stores of 1, 8 and 64 MB, which must evict
 from the home's reserve and sync again by itself. CI runs a handful of these figures
 (tests/reliability/test_ext4_full.py); this runs them all.
 
@@ -24,7 +25,7 @@ def main() -> int:
     ap.add_argument("--max-kib", type=int, default=64)
     ap.add_argument("--stores", default="1,8,64", help="store sizes in MB for the `run` trials")
     args = ap.parse_args()
-    from tests.reliability.ext4img import ext4, unavailable, verbs_at
+    from tests.reliability.ext4img import cli, ext4, seq_verbs_at, unavailable, verbs_at
     from tests.reliability import test_ext4_full as t
     why = unavailable()
     if why:
@@ -47,7 +48,26 @@ def main() -> int:
                     wrong = {v: w for v, w in res.items() if w is not None}
                     bad += bool(wrong)
                     print(f"block {block} free {kib:2d} KiB: {'ok' if not wrong else wrong}", flush=True)
+        from agent.sequencer.framing import encode_private_message
         from agent.transport.broker import Broker
+        for block in (1024, 4096):
+            work = tmp / f"seq-{block}"
+            work.mkdir()
+            broker = Broker(workdir=work / "broker").start()
+            try:
+                with ext4(work, "48M", block) as fs:
+                    home = fs / "seq"
+                    assert cli(home, "sequencer", "init").returncode == 0
+                    f = work / "c0"
+                    f.write_bytes(encode_private_message(bytes.fromhex("ab" * 16), 0))
+                    assert cli(home, "sequencer", "submit", f).returncode == 0
+                    for kib in range(0, args.max_kib + 1):
+                        res = seq_verbs_at(fs, home, kib * 1024, work, 1 + kib, broker.url)
+                        wrong = {v: w for v, w in res.items() if w is not None}
+                        bad += bool(wrong)
+                        print(f"sequencer, block {block} free {kib:2d} KiB: {'ok' if not wrong else wrong}", flush=True)
+            finally:
+                broker.close()
         for mb in (int(x) for x in args.stores.split(",") if x):
             work = tmp / f"run-{mb}"
             work.mkdir()

@@ -53,6 +53,10 @@ BROKER_LOST = "broker_lost"
 # received message raised past it (the MQTT and serial loops' net, agent/faults.py)
 UNCLASSIFIED = "unclassified"
 
+# -- this node's own clock (kind `clock` in `ssp-agent events`, docs/apply.md "Clocks without an RTC")
+CLOCK_UNTRUSTED = "clock_untrusted"         # eviction or a horizon change waits for a trustworthy clock
+CLOCK_EVIDENCE_RESET = "clock_evidence_reset"  # evidence taken under a lying source, contradicted by the mesh
+
 ALL = frozenset(v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str))
 
 # Names used before one list existed, and the one name each violation has now (issue 13).

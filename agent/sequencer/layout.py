@@ -53,6 +53,7 @@ from typing import Callable
 
 from agent.sqlbind import bind_plainly
 from agent.sqlscript import statements
+from agent.walindex import open_connection
 
 bind_plainly()   # blobs, NULLs and booleans bound without the module's adaptation look-up
 
@@ -279,10 +280,9 @@ def open_file(path: Path, layout: Layout, *, readonly: bool = False,
     version is checked first, so a file from a newer release is refused (LayoutError) before
     anything is written (even journal_mode=WAL writes the header); then the forward-only steps
     run. ``readonly``: never written, never migrated (a reader sees committed state)."""
-    if readonly:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
-    else:
-        conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+    # The WAL index allocated before SQLite maps it, or kept in heap memory: on a nearly full
+    # filesystem with 1 KiB blocks a mapped sparse index kills the process by SIGBUS.
+    conn = open_connection(path, readonly=readonly)
     try:
         if busy_timeout_ms:
             conn.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")

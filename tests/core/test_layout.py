@@ -63,8 +63,9 @@ def test_key_file_is_private(tmp_path):
 # The blind Commit sequencer (issue 14) is its own service: it never imports the sync node. From
 # the agent it may use only its own package, the shared deterministic CBOR / COSE encoding, the one
 # reader of numbers from outside (agent/core/numbers.py) and the DDL splitter of the versioned
-# layouts (agent/sqlscript.py), the binding set-up (agent/sqlbind.py).
-SEQUENCER_AGENT_ALLOWED = {"agent.sequencer", "agent.core.codec", "agent.core.cose", "agent.core.frozen", "agent.core.numbers", "agent.sqlscript", "agent.sqlbind", "agent.inbox", "agent.outbox"}
+# layouts (agent/sqlscript.py), the binding set-up (agent/sqlbind.py), the WAL index allocated for
+# real (agent/walindex.py).
+SEQUENCER_AGENT_ALLOWED = {"agent.sequencer", "agent.core.codec", "agent.core.cose", "agent.core.frozen", "agent.core.numbers", "agent.sqlscript", "agent.sqlbind", "agent.inbox", "agent.outbox", "agent.walindex"}
 
 
 def _absolute_imports(path: Path, package: str):

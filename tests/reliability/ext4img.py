@@ -117,3 +117,32 @@ def verbs_at(fs: Path, home: Path, free: int, body_file: Path, seq: int) -> dict
         return out
     finally:
         filler.unlink()
+
+
+def seq_verbs_at(fs: Path, home: Path, free: int, work: Path, n: int, broker_url: str) -> dict[str, str | None]:
+    """With `free` bytes left on `fs`: the verdict of each `sequencer` verb on a sequencer home
+    there (register, submit, receipt, status, run). A submit refused `disk_full` (exit 2, its JSON
+    answer) is the designated refusal; `run` must serve and stop on SIGTERM, or exit 1 with one line."""
+    import signal
+    from agent.sequencer.framing import encode_private_message
+    msg = work / f"commit-{n}"
+    msg.write_bytes(encode_private_message(bytes([n % 256]) * 8 + bytes(8), 0))
+    filler = leave_free(fs, free)
+    try:
+        out = {}
+        out["register"] = verdict(cli(home, "sequencer", "register", "--group", f"{n:032x}", "--epoch", "5"))
+        p = cli(home, "sequencer", "submit", msg)
+        out["submit"] = None if p.returncode == 2 and '"disk_full"' in p.stdout else verdict(p)
+        out["receipt"] = verdict(cli(home, "sequencer", "receipt", "--group", "ab" * 16, "--epoch", "0"))
+        out["status"] = verdict(cli(home, "sequencer", "status"))
+        proc = subprocess.Popen([*agent_cmd(), "--home", str(home), "sequencer", "run", "--broker", broker_url,
+                                 "--heads-wait", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=agent_env())
+        first = proc.stdout.readline()            # {"serving": ...}, or nothing when it exits
+        if first:
+            proc.send_signal(signal.SIGTERM)
+        so, se = proc.communicate(timeout=600)
+        out["run"] = verdict(subprocess.CompletedProcess(proc.args, proc.returncode, first + so, se))
+        return out
+    finally:
+        filler.unlink()

@@ -11,7 +11,7 @@ import pytest
 
 from agent.simpeer import SimPeer, manifest_text, readings_table
 
-from .ext4img import cli, ext4, leave_free, unavailable, verbs_at, verdict
+from .ext4img import cli, ext4, leave_free, seq_verbs_at, unavailable, verbs_at, verdict
 
 MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 T = "app.readings"
@@ -178,3 +178,25 @@ def test_inodes_exhausted_say_so(tmp_path):
         import shutil
         shutil.rmtree(many)
         assert cli(home, "write", T, "--key", '{"device": "d", "seq": 50}', "--set", '{"temp": 1.5}').returncode == 0
+
+
+@pytest.mark.parametrize("block", [1024, 4096])
+def test_no_sequencer_verb_dies_by_a_signal_with_a_few_kib_free(tmp_path, broker, block):
+    """The sequencer's home on a small full ext4: each verb succeeds, refuses `disk_full`, or fails
+    with one line (exit 1); none dies by a signal (its state and journal are SQLite and mmap too)."""
+    from agent.sequencer.framing import encode_private_message
+    with ext4(tmp_path / "img", "48M", block) as fs:
+        home = fs / "seq"
+        assert cli(home, "sequencer", "init").returncode == 0
+        f = tmp_path / "c0"
+        for epoch in range(3):
+            f.write_bytes(encode_private_message(bytes.fromhex("ab" * 16), epoch))
+            assert cli(home, "sequencer", "submit", f).returncode == 0
+        bad = {}
+        for i, kib in enumerate(FREE_KIB):
+            for verb, what in seq_verbs_at(fs, home, kib * 1024, tmp_path, 1 + i, broker.url).items():
+                if what is not None:
+                    bad[(kib, verb)] = what
+        assert bad == {}, bad
+        f.write_bytes(encode_private_message(bytes.fromhex("ab" * 16), 3))   # space back: served
+        assert cli(home, "sequencer", "submit", f).returncode == 0
