@@ -5,7 +5,8 @@
 creates two pty pairs, prints `READY <port A> <port B>` and relays bytes between them: each end
 opens its port with pyserial as it would a USB-serial adapter. In-process, `Relay` does the same
 in a thread with `pull()` / `plug()` (a pulled cable: everything sent meanwhile is lost),
-`stall(ms)` (nothing delivered for a while, then all of it), and `unplug(i)` / `replug(i)` (the
+`stall(ms)` (nothing delivered for a while, then all of it), `inject(i, data)` (noise on the
+line: `data` reaches end i between two frames), and `unplug(i)` / `replug(i)` (the
 USB adapter at one end pulled from its computer: that end's pty is closed, so the program holding
 it reads end of file, and its name is gone until a new pty comes back under it; with `names`,
 the ports are symlinks, as /dev/serial/by-id/ names are).
@@ -131,6 +132,8 @@ class Relay:
         self._names = names
         self.ports = (self._name(0, a[2]), self._name(1, b[2]))
         self._plug_requests: deque = deque()  # (end, plugged?, done event): handled by the relay thread
+        self._injected: deque = deque()  # (end, bytes): noise handed to the relay thread
+        self.injected = [0, 0]  # noise bytes delivered to each end
         self._q: tuple[deque, deque] = (deque(), deque())  # bytes due at the far end: (due, data)
         self._free_at = [0.0, 0.0]
         self.sent = [0, 0]  # bytes written by each end (before faults)
@@ -201,6 +204,12 @@ class Relay:
                     self._name(i, name)
             done.set()
 
+    def inject(self, i: int, data: bytes) -> None:
+        """`data` reaches end i as if the line made it up, between two of the frames the far end
+        sent (the relay queues whole frames; with `baud`, 64-byte pieces of them, so it may land
+        inside a frame); nothing while end i is unplugged."""
+        self._injected.append((i, bytes(data)))
+
     def stall(self, ms: float) -> None:
         with self._lock:
             self._stall_until = time.monotonic() + ms / 1000
@@ -254,6 +263,11 @@ class Relay:
                 for i, q in enumerate(self._q):
                     while q and q[0][0] <= now and not stalled:
                         pending[1 - i] += q.popleft()[1]
+                while self._injected:
+                    j, noise = self._injected.popleft()
+                    if self._masters[j] is not None:
+                        pending[j] += noise
+                        self.injected[j] += len(noise)
             for j, fd in enumerate(self._masters):
                 if fd is None:
                     pending[j].clear()  # unplugged: nothing reaches that end

@@ -399,9 +399,10 @@ class Recording:
 
 
 def record(work: Path, *, events: int = 200, seed: int = 1, drop_sync: str | None = None,
-           shim: Path | None = None) -> Recording:
+           shim: Path | None = None, workload: str = "tests.reliability.powercut_workload") -> Recording:
     """Make a node (not traced: its files are the durable base), then run the workload under the
-    shim. `drop_sync`: the negative control (fsyncs of files whose path contains it are skipped)."""
+    shim. `drop_sync`: the negative control (fsyncs of files whose path contains it are skipped).
+    `workload`: the module run (its one argument the config file), e.g. powercut_mixed.py's."""
     import nacl.signing
 
     from agent.node import Node, now_ms
@@ -441,7 +442,7 @@ def record(work: Path, *, events: int = 200, seed: int = 1, drop_sync: str | Non
     if drop_sync:
         env["SSP_POWERCUT_DROP_SYNC"] = drop_sync
     start = now_ms()
-    p = subprocess.run([sys.executable, "-m", "tests.reliability.powercut_workload", str(work / "workload.json")],
+    p = subprocess.run([sys.executable, "-m", workload, str(work / "workload.json")],
                        env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         raise RuntimeError(f"workload failed ({p.returncode}): {p.stderr[-3000:]}")
