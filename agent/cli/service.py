@@ -88,12 +88,12 @@ def _holds_text(path: Path) -> bool:
     except FileNotFoundError:
         return False
     except OSError as e:
-        from .cli import Refused
+        from .common import Refused
         raise Refused(f"cannot read {path}: {e.strerror}") from None
 
 
 def cmd_install(args) -> int:
-    from .cli import EXIT_OK, PASSWORD_LIMIT, Refused, emit, read_input
+    from .common import EXIT_OK, PASSWORD_LIMIT, Refused, emit, read_input
     root = Path(args.root)
     bin_path = args.bin or default_bin()
     if not Path(bin_path).is_absolute():
