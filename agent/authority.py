@@ -40,7 +40,7 @@ class AuthorityError(Exception):
 def create(directory: Path, keystore: dict | None = None) -> dict:
     """Make an authority directory: a new site_id and a key generated inside the keystore
     (software by default). Returns the card (no secrets)."""
-    from .node import _keep_pin_out_of_store, _with_pin
+    from .node import keep_pin_out_of_store, resolve_pin
     directory = Path(directory)
     if directory.exists() and (not directory.is_dir() or (not _unfinished(directory) and any(directory.iterdir()))):
         raise AuthorityError(f"{directory} exists; an authority is never overwritten (choose a new, empty directory)")
@@ -51,9 +51,9 @@ def create(directory: Path, keystore: dict | None = None) -> dict:
     conf = dict(keystore or {"kind": "software"})
     if conf.get("kind") == "software":
         conf.setdefault("dir", str(directory / "keystore"))
-    conf = _keep_pin_out_of_store(directory, conf)
+    conf = keep_pin_out_of_store(directory, conf)
     try:
-        ks = open_keystore(_with_pin(conf))
+        ks = open_keystore(resolve_pin(conf))
         try:
             public_key, _ = keytag.generate_or_take_up(ks, KEY_NAME, "ed25519", directory / MARKER,
                                                       conf.get("kind", ""), keytag.own_directory(conf, directory))
@@ -83,13 +83,13 @@ class Authority:
 
     def __init__(self, directory: Path, *, fault_hook: Callable[[str], None] | None = None) -> None:
         """``fault_hook``: the bridge's test seam (named crash points); production passes none."""
-        from .node import NodeError, _with_pin
+        from .node import NodeError, resolve_pin
         self.directory = Path(directory)
         self.site_id, self.public_key, conf = _read_card(self.directory)
         conf = {k: str(self.directory / v) if k in ("dir", "pin_file") and not os.path.isabs(v) else v
                 for k, v in conf.items()}
         try:
-            self._ks = open_keystore(_with_pin(conf))
+            self._ks = open_keystore(resolve_pin(conf))
         except (KeystoreError, NodeError) as e:
             raise AuthorityError(f"{self.directory}: cannot open the authority's keystore: {e}") from None
         try:

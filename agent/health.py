@@ -64,10 +64,10 @@ def check_home(home: Path):
 
 
 def check_keystore(node) -> dict:
-    from .node import _home_paths
+    from .node import home_paths
     card = node._keystore_card()
     state = card.get("journal_state") or {}
-    conf = _home_paths(node.home, dict(card.get("keystore") or {}))
+    conf = home_paths(node.home, dict(card.get("keystore") or {}))
     kind = conf.get("kind")
     journal = (f"journal {state.get('records', 0)} record(s), {state.get('bytes', 0)} bytes"
                + (f", torn tail {state['torn_tail_bytes']} bytes (truncated by the next writing open)"

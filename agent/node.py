@@ -204,9 +204,9 @@ class Node:
         if ks_conf.get("kind") == "software":
             ks_conf["dir"] = str(Path(ks_conf.get("dir") or home / "keystore").absolute())
         wrote_pin = "pin" in ks_conf
-        ks_conf = _keep_pin_out_of_store(home, ks_conf)
+        ks_conf = keep_pin_out_of_store(home, ks_conf)
         try:
-            ks = open_keystore(_with_pin(ks_conf))
+            ks = open_keystore(resolve_pin(ks_conf))
             kind = ks_conf.get("kind", "")
             try:
                 public_key = ks.generate_key(EVENT_KEY, "ed25519", tag=made.generating(kind))
@@ -331,8 +331,8 @@ class Node:
             conn.close()
             raise
         db.ensure_reserve(home)   # a home made before it, or one whose reserve an eviction used
-        ks_conf = _home_paths(home, json.loads(db.get_meta(conn, "keystore")))
-        ks = open_keystore(_with_pin(ks_conf))
+        ks_conf = home_paths(home, json.loads(db.get_meta(conn, "keystore")))
+        ks = open_keystore(resolve_pin(ks_conf))
         try:
             # The event log, the held table and the journal's outputs are sealed at rest under the
             # store's data key, which only this keystore (or the one `keystore rewrap` moved the
@@ -365,7 +365,7 @@ class Node:
         conn = db.connect_readonly(home / cls.STORE_FILE)
         try:
             conf = atrest.seal_keystore_conf(conn) or json.loads(db.get_meta(conn, "keystore"))
-            ks = open_keystore(_with_pin(_home_paths(home, conf)))
+            ks = open_keystore(resolve_pin(home_paths(home, conf)))
             try:
                 seal = atrest.open_log(conn, ks, bytes(db.get_meta(conn, "site_id")), home, 0, create=False)
             finally:
@@ -1969,7 +1969,7 @@ def _check_keystore_conf(conf: dict) -> dict:
     return conf
 
 
-def _home_paths(home: Path, conf: dict) -> dict:
+def home_paths(home: Path, conf: dict) -> dict:
     """The keystore config with paths stored relative to the home resolved against it. (A home made
     before paths were stored this way by an `init` with a relative --home holds paths relative to
     the directory init ran in: those still resolve from there.)"""
@@ -1982,7 +1982,7 @@ def _home_paths(home: Path, conf: dict) -> dict:
     return conf
 
 
-def _keep_pin_out_of_store(home: Path, conf: dict) -> dict:
+def keep_pin_out_of_store(home: Path, conf: dict) -> dict:
     """A token PIN given at init goes to HOME/keystore.pin (0600), never into the store, which
     gets copied and backed up; the store keeps only where to find it (`pin_file`), or the name
     of an environment variable (`pin_env`) when the operator gave one."""
@@ -2008,7 +2008,7 @@ def seal_keystore(home: Path, conn: sqlite3.Connection, ks):
         yield ks
         return
     try:
-        other = open_keystore(_with_pin(_home_paths(home, conf)))
+        other = open_keystore(resolve_pin(home_paths(home, conf)))
     except (KeystoreError, NodeError) as e:
         raise atrest.unavailable(home, conf.get("kind", "?"), f"is not available ({e})") from None
     try:
@@ -2017,7 +2017,7 @@ def seal_keystore(home: Path, conn: sqlite3.Connection, ks):
         other.close()
 
 
-def _with_pin(conf: dict) -> dict:
+def resolve_pin(conf: dict) -> dict:
     """The keystore config with its PIN resolved (firmware_bridge.with_pin). A PIN that is not
     there is a keystore fault (exit 1, as a token that is not there): the environment or the file
     may be back on the next try, and the unit restarts on 1, never on a refusal's 2."""

@@ -187,10 +187,10 @@ class Runtime:
     # ------------------------------------------------------------------ realtime across links
     def _tell(self, exclude: Any = _EVERY_LINK) -> None:
         """Tell every link but `exclude` (a port, or None for MQTT) that there is something to push."""
-        from .transport.serial import _mono, _wall
+        from .transport.serial import mono_ms, wall_ms
         if self.runner is not None and exclude is not None:
             self.runner.notify_produced()
-        mono, wall = _mono(), _wall()
+        mono, wall = mono_ms(), wall_ms()
         for p in self.ports:
             if p is not exclude:
                 p.endpoint.local_events(mono, wall)

@@ -7,7 +7,8 @@ from .errors import (DeviceRefused, DeviceTimeout, JournalBusy, JournalCorrupt, 
                      KeystoreError, KeystoreUnavailable, OutcomeUnknown, ProtocolError, UnsupportedAlgorithm,
                      WrongPin)
 from .identity import DiscontinuityIdentity, EventIdentity, Identity, ReceiptIdentity
-from .keystore import ALGORITHMS, Keystore, open_keystore, with_pin
+from .keystore import ALGORITHMS, Keystore, with_pin
+from .opener import open_keystore
 from .verify import verify_ed25519, verify_p256
 
 __all__ = [

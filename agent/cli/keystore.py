@@ -111,10 +111,10 @@ def _retire(home: Path, conn, old: dict, new: dict | None) -> str:
     re-wrap is done."""
     from firmware_bridge import open_keystore
     from firmware_bridge.sealing import SEAL_KEY
-    from ..node import _home_paths
+    from ..node import home_paths
     from ..store import atrest
     if old.get("kind") == "software":
-        with open_keystore(_home_paths(home, old)) as ks:
+        with open_keystore(home_paths(home, old)) as ks:
             what = "deleted" if ks.delete_seal_key(SEAL_KEY) else "already gone"
     else:
         what = f"kept in its {old.get('kind')} keystore (useless without it; destroy it there if it is retired)"
@@ -135,7 +135,7 @@ def cmd_keystore_rewrap(args) -> int:
     keystore (a signing key never leaves a token, so it cannot follow). Run again after an
     interruption: before the store's one commit nothing changed, after it this finishes the job."""
     from firmware_bridge import open_keystore
-    from ..node import _home_paths, _with_pin, seal_keystore
+    from ..node import home_paths, resolve_pin, seal_keystore
     from ..store import atrest, db
     target = _target_conf(args.to)
     node = open_node(args)
@@ -144,18 +144,18 @@ def cmd_keystore_rewrap(args) -> int:
         home_conf = json.loads(db.get_meta(conn, "keystore"))
         stored_cur = atrest.seal_keystore_conf(conn)
         pending = atrest.rewrap_pending(conn)
-        if pending is not None and _identity(_home_paths(home, stored_cur or home_conf)) != _identity(target):
+        if pending is not None and _identity(home_paths(home, stored_cur or home_conf)) != _identity(target):
             # an earlier re-wrap, interrupted after its commit: destroy its predecessor's seal key
             # first (this one records only its own predecessor)
             _retire(home, conn, pending, stored_cur)
         current = stored_cur or home_conf
         n = 0
-        if _identity(_home_paths(home, current)) == _identity(target):
+        if _identity(home_paths(home, current)) == _identity(target):
             if atrest.rewrap_pending(conn) is None:
                 raise Refused("the event log's data keys are already sealed by that keystore; nothing was changed")
         else:
-            to_home = _identity(_home_paths(home, home_conf)) == _identity(target)
-            new_ks = open_keystore(_with_pin(target))
+            to_home = _identity(home_paths(home, home_conf)) == _identity(target)
+            new_ks = open_keystore(resolve_pin(target))
             try:
                 stored = None if to_home else _stored_form(home, target, stored_cur)
                 with seal_keystore(home, conn, node.bridge.keystore) as old_ks:

@@ -273,7 +273,6 @@ def cmd_authority_add(args) -> int:
     """Amend this node's mesh authorities (the manifest's `authorities`) after init: trust the
     authority's key for records and list it as an authority. Run on every node of the mesh."""
     from ..store import db
-    from ..sync import _txn
     try:
         site = parse_site_id(args.site_id, "--site-id")
         pk = parse_public_key(args.public_key) if args.public_key else None
@@ -288,7 +287,7 @@ def cmd_authority_add(args) -> int:
             else:
                 node.add_peer(site, pk, None, source="authority")
         auth = sorted({a.hex() for a in node.authorities} | {site.hex()})
-        with _txn(node.conn):
+        with db.transaction(node.conn):
             db.set_meta(node.conn, "authorities", json.dumps(auth))
         node.authorities = {bytes.fromhex(a) for a in auth}
         node.refresh_trust()  # records it issued that this node holds count now

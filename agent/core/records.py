@@ -95,7 +95,7 @@ def _uint(v: Any, limit: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= limit
 
 
-def _parse(raw) -> tuple[bytes, Any]:
+def parse_record(raw) -> tuple[bytes, Any]:
     """The strict COSE_Sign1 parse every record starts with (RecordError on failure)."""
     if not isinstance(raw, (bytes, bytearray)):
         raise RecordError("not_bytes")
@@ -132,7 +132,7 @@ def verify_record(raw: bytes, mesh_id: bytes, authorities: Iterable[bytes],
                   key_of: Callable[[bytes], bytes | None]) -> Record:
     """The authority record boundary. Verify one record on its own. Raises RecordError (dropped and surfaced) otherwise.
     `key_of(issuer)` gives the issuer's Ed25519 key from the trusted keyring (or None)."""
-    raw, s = _parse(raw)
+    raw, s = parse_record(raw)
     if s.content_type not in _MEMBERS:
         raise RecordError("unknown_record_type", s.content_type)
     p = authority_payload(s, mesh_id, authorities, key_of, _MEMBERS[s.content_type])
@@ -250,7 +250,7 @@ def verify_signed_by_site(raw: Any, mesh_id: bytes, ctype: str, label: str, memb
     records): the content type, the signer's keyring entry (`entry_of(kid)`: public key and
     retirement cutoff or None) known and not retired, the signature, and exactly `members` in the
     payload. Returns (raw, Sign1, payload); raises RecordError."""
-    raw, s = _parse(raw)
+    raw, s = parse_record(raw)
     if s.content_type != ctype:
         raise RecordError(f"not_a_{label}_record", s.content_type)
     entry = entry_of(s.kid)

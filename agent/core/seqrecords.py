@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, Optional
 from .classify import classified
 from .codec import encode
 from .cose import ALG_EDDSA, protected_header, sig_structure
-from .records import STORE_UINT_MAX, RecordError, _parse, authority_payload, record_hash, verify_signed_by_site
+from .records import STORE_UINT_MAX, RecordError, parse_record, authority_payload, record_hash, verify_signed_by_site
 
 RECEIPT_HEAD = "sovm/ssp-receipt-head-v1"
 BINDING = "sovm/ssp-sequencer-binding-v1"
@@ -148,7 +148,7 @@ def verify_binding(raw: bytes, mesh_id: bytes, authorities: Iterable[bytes],
                    key_of: Callable[[bytes], bytes | None]) -> Binding:
     """The binding boundary: issued by a mesh authority (its provisioned key), exactly the four
     members, a 33-byte compressed key, genesis iff no predecessor. Raises RecordError."""
-    raw, s = _parse(raw)
+    raw, s = parse_record(raw)
     if s.content_type != BINDING:
         raise RecordError("not_a_binding_record", s.content_type)
     p = authority_payload(s, mesh_id, authorities, key_of, BINDING_MEMBERS)

@@ -115,36 +115,36 @@ def decide(state: Optional[GroupState], framing: Framing, commit_hash: bytes, re
     gid = framing.group_id
     if not framing.is_commit:
         name = CONTENT_TYPE_NAMES.get(framing.content_type, str(framing.content_type))
-        return _reject(NOT_COMMIT, gid, state, f"content_type {name}: only Commits are sequenced")
+        return reject(NOT_COMMIT, gid, state, f"content_type {name}: only Commits are sequenced")
     if framing.epoch > MAX_EPOCH:
-        return _reject(EPOCH_OUT_OF_RANGE, gid, state, f"epoch {framing.epoch} > {MAX_EPOCH}")
+        return reject(EPOCH_OUT_OF_RANGE, gid, state, f"epoch {framing.epoch} > {MAX_EPOCH}")
     if held:
         # §22.5 cl. 2: a pair it cannot establish was never released is treated as signed
-        return _reject(STATE_BEHIND, gid, state, "members' evidence shows this sequencer's state behind what it "
+        return reject(STATE_BEHIND, gid, state, "members' evidence shows this sequencer's state behind what it "
                                                  "released: the group awaits `sequencer recover` (§22.6)")
     if state is None and retired:
         # §22.6: never resumed from a naked epoch assertion, which a Commit's framing epoch is;
         # §22.10: a genesis reset starts a new group_id
-        return _reject(GROUP_RETIRED, gid, None, "this sequencer lost this group's state and recovery did not "
+        return reject(GROUP_RETIRED, gid, None, "this sequencer lost this group's state and recovery did not "
                                                  "resume it: only a recovery that converges brings it back")
     if state is None:
         # §22.6: the first Commit-bearing message for an unknown group initialises its tracking
         return Accept(gid, framing.epoch, commit_hash, None, bootstrap=True)
     if state.migrated:
-        return _reject(MIGRATED, gid, state, "this group is bound to another sequencer now (§22.6 singularity)")
+        return reject(MIGRATED, gid, state, "this group is bound to another sequencer now (§22.6 singularity)")
     if state.failed_closed:
-        return _reject(FAILED_CLOSED, gid, state, "equivocation evidence: the group awaits audit and migration")
+        return reject(FAILED_CLOSED, gid, state, "equivocation evidence: the group awaits audit and migration")
     if framing.epoch < state.current_epoch:
-        return _reject(STALE_EPOCH, gid, state, f"a Commit was already accepted for epoch {framing.epoch}; "
+        return reject(STALE_EPOCH, gid, state, f"a Commit was already accepted for epoch {framing.epoch}; "
                                                 "process the canonical Commit, rebuild and resubmit")
     if framing.epoch > state.current_epoch:
-        return _reject(FUTURE_EPOCH, gid, state, f"epoch {framing.epoch} is ahead of the accepted epoch "
+        return reject(FUTURE_EPOCH, gid, state, f"epoch {framing.epoch} is ahead of the accepted epoch "
                                                  f"{state.current_epoch}")
     prev = state.head.receipt_hash if state.head is not None else None
     return Accept(gid, framing.epoch, commit_hash, prev)
 
 
-def _reject(reason: str, gid: bytes, state: Optional[GroupState], detail: str) -> Reject:
+def reject(reason: str, gid: bytes, state: Optional[GroupState], detail: str) -> Reject:
     if state is None:
         return Reject(reason, gid, None, None, detail)
     return Reject(reason, gid, state.current_epoch, state.head, detail)

@@ -1280,7 +1280,7 @@ class GroupCommit:
             if space is None:
                 space = seq.disk_room() - self.in_flight_need
             if need > space:
-                out.append((tag, seq._rejected(core._reject(
+                out.append((tag, seq._rejected(core.reject(
                     core.DISK_FULL, d.group_id, state, "the sequencer's disk is short of space: offer it again later"))))
                 continue
             space -= need

@@ -19,7 +19,7 @@ bind_plainly()   # blobs, NULLs and booleans bound without the module's adaptati
 
 SCHEMA_VERSION = 1   # the first release's layout; the current one is migrations.LATEST
 
-_DDL = """
+DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS tables (
   qualified TEXT PRIMARY KEY, schema_name TEXT NOT NULL, table_name TEXT NOT NULL,
@@ -64,7 +64,7 @@ CREATE TABLE IF NOT EXISTS watermarks (
 # apply path, record and rehydration handling, the disk-budget check...), and every row it evicts
 # is counted in meta `surfaced_evicted` (shown by `status`): never silently (issue 11 item 4).
 SURFACED_LIMIT = 100_000
-_BOUNDS_DDL = f"""
+BOUNDS_DDL = f"""
 CREATE TRIGGER IF NOT EXISTS surfaced_bound AFTER INSERT ON surfaced
 WHEN NEW.seq > coalesce((SELECT value FROM meta WHERE key='surfaced_limit'), {SURFACED_LIMIT})
 BEGIN
@@ -80,7 +80,7 @@ END
 def ensure_bounds(conn: sqlite3.Connection) -> None:
     """Install the store-enforced bounds in a home made before they existed (a writing open)."""
     if conn.execute("SELECT 1 FROM sqlite_master WHERE type='trigger' AND name='surfaced_bound'").fetchone() is None:
-        conn.execute(_BOUNDS_DDL)
+        conn.execute(BOUNDS_DDL)
 
 
 def surfaced_bounds(conn: sqlite3.Connection) -> dict:

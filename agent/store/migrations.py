@@ -36,12 +36,12 @@ from . import atrest, counters, db, sequencing, sync_state
 
 
 def _v1_base(conn: sqlite3.Connection) -> None:
-    for stmt in statements(db._DDL):
+    for stmt in statements(db.DDL):
         conn.execute(stmt)
 
 
 def _v2_bounds_sync_state(conn: sqlite3.Connection) -> None:
-    conn.execute(db._BOUNDS_DDL) if conn.execute(
+    conn.execute(db.BOUNDS_DDL) if conn.execute(
         "SELECT 1 FROM sqlite_master WHERE type='trigger' AND name='surfaced_bound'").fetchone() is None else None
     db.create_held_counts(conn)
     # An existing home gets its default policy now; a store being created gets it once `init`

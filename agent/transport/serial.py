@@ -334,11 +334,11 @@ class SerialEndpoint:
 
 
 # ---------------------------------------------------------------------- the port loop
-def _mono() -> int:
+def mono_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
-def _wall() -> int:
+def wall_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
@@ -384,7 +384,7 @@ class SerialPort:
         self.endpoint.name = port
         self.timeout_s = float(getattr(prof, "serial_timeout_s", 30.0))
         self._open()
-        self.endpoint.start(_mono())
+        self.endpoint.start(mono_ms())
         self._drain_writes()
 
     # ------------------------------------------------------------------ port
@@ -459,9 +459,9 @@ class SerialPort:
     def wait_s(self, cap: float) -> float:
         """Seconds until this port needs its loop: the link's or the session's next timer, or the
         next attempt to reopen a port that went away; at most `cap`."""
-        mono = _mono()
+        mono = mono_ms()
         ts = [cap]
-        t = self.endpoint.timer(mono, _wall())
+        t = self.endpoint.timer(mono, wall_ms())
         if t is not None:
             ts.append((t - mono) / 1000)
         if self._fd is None:
@@ -489,10 +489,10 @@ class SerialPort:
                 self._lost_port(OSError(errno.EIO, "hang-up"))
             elif data:
                 n = len(data)
-                self.endpoint.receive_bytes(data, _mono(), _wall())
+                self.endpoint.receive_bytes(data, mono_ms(), wall_ms())
         if self._pending:
             self._drain_writes()
-        self.endpoint.handle_timer(_mono(), _wall())
+        self.endpoint.handle_timer(mono_ms(), wall_ms())
         return n
 
     def step(self, max_wait_s: float = 0.2) -> None:

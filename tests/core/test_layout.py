@@ -136,21 +136,25 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def agent_import_graph() -> dict[str, set[str]]:
-    """module -> the agent modules it imports: absolute and relative imports, at module level and
-    inside functions (a lazy import is still a dependency: it only hides the circle until run)."""
-    files = {_module_name(p): p for p in (ROOT / "agent").rglob("*.py")}
+def import_graph(package: str) -> dict[str, set[str]]:
+    """module -> the modules of `package` it imports: absolute and relative imports, at module level
+    and inside functions (a lazy import is still a dependency: it only hides the circle until run)."""
+    files = {_module_name(p): p for p in (ROOT / package).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for mod, path in files.items():
-        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        parent = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         deps = set()
-        for dep in _absolute_imports(path, package):
+        for dep in _absolute_imports(path, parent):
             while dep and dep not in files:   # `from agent.x import name` -> agent.x
                 dep = dep.rpartition(".")[0]
-            if dep and dep != mod and dep != "agent":
+            if dep and dep != mod and dep != package:
                 deps.add(dep)
         graph[mod] = deps
     return graph
+
+
+def agent_import_graph() -> dict[str, set[str]]:
+    return import_graph("agent")
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -204,3 +208,71 @@ def test_no_import_cycles_among_agent_modules():
     returns an effect for its caller to act on."""
     cycles = import_cycles(agent_import_graph())
     assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_import_cycles_among_firmware_bridge_modules():
+    """The keystore interface (keystore.py) knows none of its kinds; opener.py opens them."""
+    g = import_graph("firmware_bridge")
+    assert "firmware_bridge.keystore" in g["firmware_bridge.software"]   # the graph sees this package
+    cycles = import_cycles(g)
+    assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+# A private (underscore) name is its module's business: another module that needs it gets a public
+# name, so a change inside one module never breaks another silently.
+OWN_PACKAGES = ("agent", "firmware_bridge")
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_names_imported(path: Path, root: Path = ROOT) -> list[str]:
+    """`from x import _y` and `x._y` (x a module of this tree, bound by an import) in one file."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    parent = parts[:-1]
+
+    def is_module(dotted: str) -> bool:
+        p = root / Path(*dotted.split("."))
+        return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
+
+    tree = ast.parse(path.read_text())
+    found, modules = [], {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom):
+            mod = n.module or ""
+            if n.level:
+                mod = ".".join(parent[:len(parent) - (n.level - 1)] + ([n.module] if n.module else []))
+            if mod.split(".")[0] not in OWN_PACKAGES:
+                continue
+            for a in n.names:
+                if _is_private(a.name):
+                    found.append(f"{path.relative_to(root)}:{n.lineno} from {mod} import {a.name}")
+                elif is_module(f"{mod}.{a.name}"):
+                    modules[a.asname or a.name] = f"{mod}.{a.name}"
+        elif isinstance(n, ast.Import):
+            for a in n.names:
+                if a.name.split(".")[0] in OWN_PACKAGES:
+                    modules[a.asname or a.name.split(".")[0]] = a.asname and a.name or a.name.split(".")[0]
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in modules \
+                and _is_private(n.attr):
+            found.append(f"{path.relative_to(root)}:{n.lineno} {modules[n.value.id]}.{n.attr}")
+    return found
+
+
+def test_the_private_name_check_sees_both_forms(tmp_path):
+    (tmp_path / "agent" / "sub").mkdir(parents=True)
+    (tmp_path / "agent" / "__init__.py").write_text("")
+    (tmp_path / "agent" / "sub" / "__init__.py").write_text("")
+    (tmp_path / "agent" / "sub" / "x.py").write_text("_y = 1\nz = 2\n")
+    f = tmp_path / "agent" / "sub" / "w.py"
+    f.write_text("import os\nfrom . import x\nfrom .x import z\n\ndef g():\n    from ..sub.x import _y\n"
+                 "    return x._y + os._exit.__name__\n")
+    assert private_names_imported(f, tmp_path) == ["agent/sub/w.py:6 from agent.sub.x import _y",
+                                                   "agent/sub/w.py:7 agent.sub.x._y"]
+
+
+def test_no_private_name_is_imported_across_modules():
+    found = [v for pkg in OWN_PACKAGES for f in sorted((ROOT / pkg).rglob("*.py")) for v in private_names_imported(f)]
+    assert not found, "private names used across modules: " + "; ".join(found)
