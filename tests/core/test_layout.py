@@ -276,3 +276,46 @@ def test_the_private_name_check_sees_both_forms(tmp_path):
 def test_no_private_name_is_imported_across_modules():
     found = [v for pkg in OWN_PACKAGES for f in sorted((ROOT / pkg).rglob("*.py")) for v in private_names_imported(f)]
     assert not found, "private names used across modules: " + "; ".join(found)
+
+
+def exception_classes(roots) -> dict[str, list[str]]:
+    """Every exception class defined under `roots` (a class whose bases lead, by name, to a builtin
+    exception): name -> where each is defined."""
+    import builtins
+    classes = []
+    for root in roots:
+        for p in sorted(root.rglob("*.py")):
+            for n in ast.walk(ast.parse(p.read_text())):
+                if isinstance(n, ast.ClassDef):
+                    bases = [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                             for b in n.bases]
+                    classes.append((n.name, bases, f"{p.relative_to(root.parent)}:{n.lineno}"))
+    known = {n for n in dir(builtins) if isinstance(getattr(builtins, n), type)
+             and issubclass(getattr(builtins, n), BaseException)}
+    grew = True
+    while grew:
+        grew = False
+        for name, bases, _ in classes:
+            if name not in known and any(b in known for b in bases):
+                known.add(name)
+                grew = True
+    out: dict[str, list[str]] = {}
+    for name, bases, where in classes:
+        if any(b in known for b in bases):
+            out.setdefault(name, []).append(where)
+    return out
+
+
+def test_the_exception_class_scan_sees_subclasses_of_subclasses(tmp_path):
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "a.py").write_text("class AError(ValueError):\n    pass\nclass B(AError):\n    pass\n"
+                                         "class C:\n    pass\n")
+    (tmp_path / "p" / "b.py").write_text("import x\nclass B(x.KeyError):\n    pass\n")
+    assert exception_classes([tmp_path / "p"]) == {"AError": ["p/a.py:1"], "B": ["p/a.py:3", "p/b.py:2"]}
+
+
+def test_one_name_per_exception_class():
+    """`except X` and a traceback name one class: two unrelated errors never share a name (the
+    SSP/1 message refusal is ProtocolError; the serial keystore's bad frame is DeviceProtocolError)."""
+    dup = {k: v for k, v in exception_classes([ROOT / "agent", ROOT / "firmware_bridge"]).items() if len(v) > 1}
+    assert not dup, f"exception classes sharing a name: {dup}"
