@@ -24,7 +24,7 @@ from firmware_bridge.journal import inspect as journal_inspect
 
 from . import identity as ident
 from .clockstate import now_ms  # re-exported: callers read the wall clock as node.now_ms
-from .core import cose, events as ev, numbers
+from .core import cose, events as ev, numbers, reasons as R
 from .core.clock import Hlc, beyond_skew
 from .core.clock import signing_time as clock_signing_time
 from .core.codec import DecodeError, decode_strict
@@ -641,7 +641,7 @@ class Node:
                 out = self._apply_in_txn(raws, now, origin) if built is None else \
                     self._apply_built(raws, built, now, origin)
                 self._persist_observed()
-                new = sum(1 for o in out if o.reason == "applied")
+                new = sum(1 for o in out if o.reason == R.APPLIED)
                 if new:
                     self._applied += new
                     db.set_meta(self.conn, "applied_count", self._applied)
@@ -687,7 +687,7 @@ class Node:
                     tbl.rows.prefetch(rks)
             for raw, checked in zip(raws, built):
                 o = self._apply_one(raw, now, origin, checked, since if checked is not None else None)
-                if o.status == APPLIED and o.reason == "applied":
+                if o.status == APPLIED and o.reason == R.APPLIED:
                     since[o.event_id] = "log"
                 out.append(o)
             for rs in stores:
@@ -722,7 +722,7 @@ class Node:
                 if o.event_id is not None:
                     if o.status == HELD:
                         since.setdefault(o.event_id, "held")
-                    elif o.status == DUPLICATE or (o.status == APPLIED and o.reason == "applied"):
+                    elif o.status == DUPLICATE or (o.status == APPLIED and o.reason == R.APPLIED):
                         since[o.event_id] = "log"
                 out.append(o)
                 if len(out) % 256 == 0 and sum(rs.pending() for rs in stores) > self.ROW_FLUSH:
@@ -952,7 +952,7 @@ class Node:
         holds what the batch made known after the chunk's one duplicate look-up found this event
         unknown."""
         if not isinstance(raw, (bytes, bytearray)):
-            return self._surface(Outcome(DROPPED, "not_bytes"), now)
+            return self._surface(Outcome(DROPPED, R.NOT_BYTES), now)
         raw = bytes(raw)
         eid = checked[4] if checked is not None else ev.event_id(raw)
         # Envelope: tag 18, empty unprotected map, deterministic bytes (wire-profile §2): else dropped.
@@ -964,18 +964,18 @@ class Node:
             except DecodeError as e:
                 return self._surface(Outcome(DROPPED, e.reason, eid), now)
         if sign1.content_type != ev.EVENT_CONTENT_TYPE:
-            return self._surface(Outcome(DROPPED, "not_an_event", eid), now)
+            return self._surface(Outcome(DROPPED, R.NOT_AN_EVENT, eid), now)
         kid = sign1.kid
         # §32.1 self-echo suppression, on every path (local writes are ours by construction).
         if origin != "local" and kid == self.site_id:
-            return Outcome(DROPPED, "self_echo", eid, kid)
+            return Outcome(DROPPED, R.SELF_ECHO, eid, kid)
         # Identical bytes were verified when first applied: a known event_id is a no-op (§12.4).
         # Whatever the batch size: the same bytes get the same outcome (issue 10 item 10).
         known = since.get(eid) if since is not None else self._known(eid)
         if known == "log":
-            return Outcome(DUPLICATE, "duplicate", eid, kid, verified=True)
+            return Outcome(DUPLICATE, R.DUPLICATE, eid, kid, verified=True)
         if known == "held":
-            return Outcome(HELD, "already_held", eid, kid, verified=True)
+            return Outcome(HELD, R.ALREADY_HELD, eid, kid, verified=True)
         # §12.1 signature verification: kid in the keyring, valid signature, retirement cutoff.
         entry = self.keyring.get(kid)
         if entry is None:
@@ -984,7 +984,7 @@ class Node:
             # sender re-offers it. Nothing is retained and no watermark is blocked (the event is
             # attributable to no group here); only the delivering link's cursor waits, which costs
             # whoever delivered it, and an honest sender holds it only if it trusts the kid.
-            return self._surface(Outcome(REJECTED, "unknown_kid", eid, kid), now)
+            return self._surface(Outcome(REJECTED, R.UNKNOWN_KID, eid, kid), now)
         if checked is not None and checked[1] == entry:
             sig_ok = checked[2]
         else:
@@ -992,7 +992,7 @@ class Node:
                 sign1, checked = cose.parse_sign1(raw), None
             sig_ok = cose.verify_ed25519(entry[0], sign1.sig_structure(self.mesh_id), sign1.signature)
         if not sig_ok:
-            return self._surface(Outcome(DROPPED, "bad_signature", eid, kid), now)
+            return self._surface(Outcome(DROPPED, R.BAD_SIGNATURE, eid, kid), now)
         decoded = checked[3] if checked is not None and checked[1] == entry else None
         if decoded is None:
             try:
@@ -1005,24 +1005,24 @@ class Node:
         table = e.table
         base = dict(event_id=eid, site_id=kid, table=table, hlc=e.hlc, verified=True)
         if entry[1] is not None and e.hlc > entry[1]:
-            return self._surface(Outcome(DROPPED, "retired_signer", **base), now)
+            return self._surface(Outcome(DROPPED, R.RETIRED_SIGNER, **base), now)
         # §12.2 skew bound: rejected and not retained; the sender re-offers it. A local event
         # carries our own clock, which may run ahead of a wall clock that jumped back.
         if origin != "local" and beyond_skew(e.hlc[0], now):
-            return self._surface(Outcome(REJECTED, "clock_skew", **base), now)
+            return self._surface(Outcome(REJECTED, R.CLOCK_SKEW, **base), now)
         # §12.3 scope: a missing table is held (§13.6 row 1); outside the floor is dropped and logged.
         tbl = self.tables.get(table)
         if tbl is None:
             return self._hold(e, now, base)
         if tbl.tdef.category != SYNCABLE:
             log.info("dropped %s: table %s is %s (outside the floor)", eid.hex(), table, tbl.tdef.category)
-            return self._surface(Outcome(DROPPED, "out_of_floor", **base), now, kind="logged")
+            return self._surface(Outcome(DROPPED, R.OUT_OF_FLOOR, **base), now, kind="logged")
         bad_key = tbl.tdef.key_misfit(e.row_key)
         if bad_key:
             return self._surface(Outcome(DROPPED, bad_key[0], **base), now, detail=bad_key[2])
         # §3: below the table's eviction horizon counts as applied and writes nothing.
         if below(e.hlc, tbl.horizon):
-            return Outcome(APPLIED, "below_horizon", **base)
+            return Outcome(APPLIED, R.BELOW_HORIZON, **base)
         # §12.4 idempotent insert keyed on event_id.
         rk = checked[5] if checked is not None and len(checked) > 5 and checked[5] is not None else \
             rowstore.row_key_bytes(e.row_key)
@@ -1030,11 +1030,11 @@ class Node:
             eventlog.INSERT_EVENT, (eid, kid, e.hlc[0], e.hlc[1], table, rk, e.operation,
                                             self.log_seal.seal(eid, raw), origin))
         if cur.rowcount == 0:
-            return Outcome(DUPLICATE, "duplicate", **base)
+            return Outcome(DUPLICATE, R.DUPLICATE, **base)
         # §12.5 HLC observe.
         self.clock.observe(e.hlc, now)
         self._materialize(tbl, e, rk, now)
-        return Outcome(APPLIED, "applied", eid, kid, table, e.hlc, True)
+        return Outcome(APPLIED, R.APPLIED, eid, kid, table, e.hlc, True)
 
     def _known_among(self, eids: list[bytes]) -> set[bytes]:
         """The event_ids among `eids` that the log or the held table holds (one query)."""
@@ -1188,12 +1188,12 @@ class Node:
         n_signer, n_total = db.held_count(self.conn, e.site_id)
         if n_signer >= HELD_LIMIT_PER_SIGNER or n_total >= HELD_LIMIT_TOTAL:
             # Retain nothing more; the sender moves past it and re-offers it later (agent/sync.py).
-            return self._surface(Outcome(REJECTED, "held_limit", **base), now)
+            return self._surface(Outcome(REJECTED, R.HELD_LIMIT, **base), now)
         cur = self.conn.execute(eventlog.HOLD_EVENT, (e.event_id, e.site_id, e.table, e.hlc[0], e.hlc[1],
                                                              self.log_seal.seal(e.event_id, e.raw), now))
         if cur.rowcount == 0:
-            return Outcome(HELD, "already_held", **base)
-        return self._surface(Outcome(HELD, "table_missing", **base), now, kind="held")
+            return Outcome(HELD, R.ALREADY_HELD, **base)
+        return self._surface(Outcome(HELD, R.TABLE_MISSING, **base), now, kind="held")
 
     def _surface(self, o: Outcome, now: int, kind: str | None = None, detail: dict | None = None) -> Outcome:
         """Record what the spec says to surface (or log) where `ssp-agent events` lists it.
@@ -1291,7 +1291,7 @@ class Node:
                 "writing command applies them once there is space, so do not write them again. Free space there, "
                 "or run `ssp-agent evict --auto` (it uses the space the home reserves for it)") from e
         for o in outs:
-            if o.status != APPLIED or o.reason != "applied":
+            if o.status != APPLIED or o.reason != R.APPLIED:
                 # A local write either lands in the log or fails (issue 10 item 6): never an id
                 # for an event stored and sent nowhere (e.g. below an eviction horizon).
                 raise NodeError(f"local event was not stored: {o.status} ({o.reason})")

@@ -36,6 +36,7 @@ from typing import Any
 
 from . import policy
 from .clockstate import now_ms
+from .core import reasons as R
 from .core.classify import classified
 from .core.codec import INT64_MAX, decode_strict, encode
 from .core.cose import ALG_EDDSA, assemble, content_type, parse_sign1, protected_header, sig_structure
@@ -257,8 +258,8 @@ _CRASH_HOOK = None
 def note_body(conn: sqlite3.Connection, sender: bytes, outcomes: list, source_trusted: bool) -> None:
     """Count what a body brought while a rehydration runs (called by SyncDriver after apply)."""
     verified = [o for o in outcomes if o.verified]
-    note_counts(conn, sender, len(verified), sum(1 for o in verified if o.status == "applied" and o.reason == "applied"),
-                sum(1 for o in verified if o.reason == "below_horizon"),
+    note_counts(conn, sender, len(verified), sum(1 for o in verified if o.status == "applied" and o.reason == R.APPLIED),
+                sum(1 for o in verified if o.reason == R.BELOW_HORIZON),
                 sum(1 for o in verified if o.status == "duplicate"), len(outcomes) - len(verified), source_trusted)
 
 

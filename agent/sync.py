@@ -29,7 +29,7 @@ from firmware_bridge.fsutil import atomic_write
 
 from . import mailbox, policy, rehydrate
 from .clockstate import now_ms
-from .core import delivery
+from .core import delivery, reasons as R
 from .core.binding import body_fit
 from .core.messages import SyncBody, Watermark, emit_body, parse_body, parse_body_streamed
 from .core.records import RecordError, resolve_chains  # noqa: F401 (resolve_chains: re-exported)
@@ -627,7 +627,7 @@ class SyncDriver:
             for o in outcomes:
                 result[o.status] += 1
                 tally["verified"] += o.verified
-                if o.reason != "applied":
+                if o.reason != R.APPLIED:
                     # Detail for what did not simply apply (reasons, event ids), the first
                     # MAILBOX_DETAIL_MAX of them: a file of 50 000 duplicates must not cost 50 000
                     # objects in memory and on stdout; the counts cover every event.
@@ -635,7 +635,7 @@ class SyncDriver:
                         detail.append(o.as_json())
                     else:
                         not_listed += 1
-                    if o.reason == "below_horizon":
+                    if o.reason == R.BELOW_HORIZON:
                         tally["below_horizon"] += 1
                     elif o.status == "duplicate":
                         tally["duplicate"] += 1

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import cose
+from . import cose, reasons
 from . import events as ev
 from .codec import DecodeError, encode_trusted
 
@@ -53,7 +53,7 @@ def prepare(raws: list[bytes], keyring: Keyring, mesh_id: bytes, decode: bool = 
             continue
         if s1.content_type != ev.EVENT_CONTENT_TYPE:
             # Not an event: the apply path drops it before looking at the payload.
-            append((s1.kid, s1.content_type, entry, True, "not_an_event", None))
+            append((s1.kid, s1.content_type, entry, True, reasons.NOT_AN_EVENT, None))
             continue
         if not decode:
             # The envelope ends with the payload's byte string and the 64-byte signature's

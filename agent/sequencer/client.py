@@ -52,7 +52,8 @@ from typing import Callable, Iterable, Optional
 
 from agent import inbox
 from agent.sequencer import receipts
-from agent.sequencer.core import EPOCH_LIMIT, MAX_EPOCH
+from agent.sequencer.core import (EPOCH_LIMIT, EPOCH_OUT_OF_RANGE, FUTURE_EPOCH, MAX_EPOCH, NOT_COMMIT, STALE_EPOCH,
+                                  UNPARSEABLE)
 from agent.sequencer.framing import MAX_MESSAGE_BYTES, FramingError, parse_mls_message
 from agent.sequencer.member import UNSIGNED_CLAIM
 from agent.sequencer.recovery import MAX_OFFERED, MemberEvidence
@@ -61,7 +62,7 @@ from agent.sequencer.queue_store import EVENTS_KEPT, KEPT_EVENTS, QueueStore  # 
 QUEUED, ACCEPTED, LOST, ABSENT, REFUSED = "queued", "accepted", "lost", "absent", "refused"
 # a refusal that ends the Commit; any other reason leaves it queued (migrated, failed_closed: the
 # group's relay is unavailable until the operator acts, §22.6)
-FINAL_REFUSALS = frozenset({"not_commit", "unparseable", "epoch_out_of_range", "future_epoch"})
+FINAL_REFUSALS = frozenset({NOT_COMMIT, UNPARSEABLE, EPOCH_OUT_OF_RANGE, FUTURE_EPOCH})
 ANSWER_ROOT = "sovm-member"
 OFFER_TAG = b"e"          # correlation data of an `evidence` request: the tag, then sha256(group_id)
 MAX_LOST_RUNS = 4096      # runs in a `lost` record a member reads (the sequencer publishes at most 256)
@@ -379,14 +380,14 @@ def submit_outcome(e: Entry, answer: dict, signer_for: SignerFor) -> Outcome:
             return Outcome(None, problem=why or "an acceptance whose receipt does not name this Commit at its epoch")
         return Outcome(ACCEPTED, None, r.raw)
     reason = answer.get("reason")
-    if reason == "stale_epoch":
+    if reason == STALE_EPOCH:
         head, why = _verified(answer.get("head"), e, signer_for)
         if head is not None and head.epoch == e.epoch and why in (HELD, ATTRIBUTED):
             return _unsettled(head, why)
         if head is not None and not why and head.epoch == e.epoch:
             # the head is this epoch's receipt: ours (an answer lost, then resubmitted) or the winner's
-            return Outcome(ACCEPTED if head.commit_hash == e.commit_hash else LOST, "stale_epoch", head.raw)
-        return Outcome(None, "stale_epoch", ask_receipt=True)     # the head moved on: look up our epoch
+            return Outcome(ACCEPTED if head.commit_hash == e.commit_hash else LOST, STALE_EPOCH, head.raw)
+        return Outcome(None, STALE_EPOCH, ask_receipt=True)     # the head moved on: look up our epoch
     if reason in FINAL_REFUSALS:
         return Outcome(REFUSED, reason)
     return Outcome(None, str(reason))                                # migrated, failed_closed, ...: wait
@@ -402,7 +403,7 @@ def receipt_outcome(e: Entry, answer: dict, signer_for: SignerFor) -> Outcome:
             return _unsettled(r, why)
         if r is None or why or r.epoch != e.epoch:
             return Outcome(None, problem=why or "a receipt for another epoch")
-        return Outcome(ACCEPTED if r.commit_hash == e.commit_hash else LOST, "stale_epoch", r.raw)
+        return Outcome(ACCEPTED if r.commit_hash == e.commit_hash else LOST, STALE_EPOCH, r.raw)
     if answer.get("absent") and answer.get("discontinuity"):
         return Outcome(ABSENT, "discontinuity")     # §22.6: a stated absence; MLS tells which Commit won
     # the sequencer holds no receipt nor gap for an epoch it says is past (a recovered suffix or a
@@ -743,7 +744,7 @@ class CommitClient:
             self.q.record_event("bad_answer", {"commit_hash": e.commit_hash.hex(), "problem": out.problem})
             return
         if out.ask_receipt:
-            self.q.note_reason(e.commit_hash, "stale_epoch")
+            self.q.note_reason(e.commit_hash, STALE_EPOCH)
             self._publish("receipt", e.group_id, str(e.epoch).encode(), b"r" + e.commit_hash)
             return
         if out.state is None:
