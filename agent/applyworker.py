@@ -1,6 +1,6 @@
 """A worker process that runs the verify-ahead part of the apply path (agent/core/prepare.py:
 envelope parse, Ed25519 verification, strict payload decode) on another core, while the thread
-that holds SQLite applies the events before them (issue 15 item 1, docs/apply.md "Speed").
+that holds SQLite applies the events before them (docs/apply.md "Speed").
 
 Why a process and not threads: the verification releases the GIL, but everything around it does
 not, and the thread holding SQLite releases and re-takes the GIL at every SQLite and libsodium
@@ -100,11 +100,11 @@ class ApplyWorker:
 
     def __init__(self) -> None:
         # Imported here, not at the top: the worker process imports this module too, and every
-        # module it loads is resident memory (issue 15 item 2).
+        # module it loads is resident memory.
         import json
         import subprocess
         from pathlib import Path
-        # `-S`: no site initialisation (about 5 MB less resident, issue 15 item 2); the worker gets
+        # `-S`: no site initialisation (about 5 MB less resident); the worker gets
         # this process's module path instead, this package's own tree first, so both run the same code.
         paths = [str(Path(__file__).resolve().parents[1])] + [p for p in sys.path if p]
         self.proc = subprocess.Popen([sys.executable, "-S", "-c", "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "

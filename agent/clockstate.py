@@ -1,4 +1,4 @@
-"""Is this node's wall clock trustworthy? (issue 12 item 5; docs/apply.md "Clocks without an RTC").
+"""Is this node's wall clock trustworthy? (docs/apply.md "Clocks without an RTC").
 
 A Raspberry Pi has no real-time clock: it boots at fake-hwclock's last saved time, or anywhere,
 until NTP syncs. The node trusts its wall clock when one of its sync sources says it is

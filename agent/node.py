@@ -39,7 +39,7 @@ log = logging.getLogger("ssp_agent")
 
 EVENT_KEY = "events"  # the key name of the node's event-signing key in its keystore
 # Held events (§13.6 row 1) are bounded per signer and in total, so neither fictional tables nor
-# one signer can fill the disk or crowd out another signer's holds (issue 10 item 4). What does
+# one signer can fill the disk or crowd out another signer's holds. What does
 # not fit is rejected (surfaced; the sender re-offers it later), never dropped.
 HELD_LIMIT_PER_SIGNER = 10_000
 HELD_LIMIT_TOTAL = 100_000
@@ -162,7 +162,7 @@ class Node:
         """Create a node: identity, keystore key, store, manifest tables. Returns (node, public_key).
         The profile (agent/profiles/*.toml) sets horizons, limits and the default keystore."""
         # Absolute: what the store records (keystore dir, PIN file) must not depend on the directory
-        # `init` ran in; a systemd unit or cron starts the node from elsewhere (issue 12 item 9).
+        # `init` ran in; a systemd unit or cron starts the node from elsewhere.
         home = Path(home).absolute()
         interrupted = _Made.interrupted(home)
         if interrupted is not None:
@@ -286,7 +286,7 @@ class Node:
             raise NodeError(f"{home} holds no node; create one with `ssp-agent --home {home} init --manifest FILE`")
         conn = db.connect_readonly(path) if read_only else db.connect(path)
         try:
-            # The layout version (issue 12 item 8): a newer store is refused by both kinds of open;
+            # The layout version: a newer store is refused by both kinds of open;
             # a writing open migrates an older one forward (below, once the identity checks pass,
             # so a refused open changes nothing), a read view reads it as it is.
             migrations.refuse_newer(conn, path)
@@ -508,8 +508,8 @@ class Node:
         rehydrate.abandon_unreleased(self)   # a rehydration start killed before its release
         # Compaction rewrites the journal (two fsyncs: the new file, its directory). On open only
         # after a recovery or once the journal outgrew JOURNAL_OPEN_COMPACT_BYTES: a `write` per
-        # process would otherwise pay both for the one entry the previous one left (issue 15 item
-        # 3). The entries that wait are read by every open (above), which the bound keeps cheap.
+        # process would otherwise pay both for the one entry the previous one left. The entries that wait are
+        # read by every open (above), which the bound keeps cheap.
         if missing or records or self.bridge.journal_stats()["bytes"] > JOURNAL_OPEN_COMPACT_BYTES:
             self.compact_journal()
 
@@ -811,7 +811,7 @@ class Node:
 
     def _chunks(self, raws, worker: bool) -> list[list]:
         """A batch's chunks: at most _CHUNK events and _CHUNK_BYTES bytes, so the prepare-ahead
-        window (_AHEAD chunks) is bounded in bytes as well as in events (issue 15). With a worker
+        window (_AHEAD chunks) is bounded in bytes as well as in events. With a worker
         the first chunks are smaller (_FIRST_CHUNK, doubling up to _CHUNK): this thread waits for
         the first chunk's answer before applying anything, and a run receives a body of 1 000
         events at a time, so that wait came back at every body (measured on the receiving `run` of
@@ -970,7 +970,7 @@ class Node:
         if origin != "local" and kid == self.site_id:
             return Outcome(DROPPED, R.SELF_ECHO, eid, kid)
         # Identical bytes were verified when first applied: a known event_id is a no-op (§12.4).
-        # Whatever the batch size: the same bytes get the same outcome (issue 10 item 10).
+        # Whatever the batch size: the same bytes get the same outcome.
         known = since.get(eid) if since is not None else self._known(eid)
         if known == "log":
             return Outcome(DUPLICATE, R.DUPLICATE, eid, kid, verified=True)
@@ -979,7 +979,7 @@ class Node:
         # §12.1 signature verification: kid in the keyring, valid signature, retirement cutoff.
         entry = self.keyring.get(kid)
         if entry is None:
-            # Rejected, not dropped (issue 10 item 5, docs/protocol.md §5 Trust): the one
+            # Rejected, not dropped (docs/protocol.md §5 Trust): the one
             # verification failure that may resolve (a vouch or `peer add` may still come), so the
             # sender re-offers it. Nothing is retained and no watermark is blocked (the event is
             # attributable to no group here); only the delivering link's cursor waits, which costs
@@ -1091,7 +1091,7 @@ class Node:
     def _counts(self, stamp: tuple[int, int, bytes]) -> bool:
         """Whether a retained event with this stamp still passes §12.1 under the current trust:
         its signer is trusted and its HLC is not above the signer's cutoff. The log keeps the
-        events that do not; they no longer count (issue 10 item 5)."""
+        events that do not; they no longer count."""
         entry = self.keyring.get(stamp[2])
         return entry is not None and (entry[1] is None or stamp[:2] <= entry[1])
 
@@ -1116,7 +1116,7 @@ class Node:
     def _reconcile_trust(self, now: int) -> dict | None:
         """Inside the caller's transaction, after `_load_caches`: make the rows the merge of the
         retained events that count under the current trust (materialized state is a function of
-        the delivered events and records, issue 10 item 5). `meta.materialized_trust` records the
+        the delivered events and records). `meta.materialized_trust` records the
         keyring the rows reflect. Against it: for a signer trusted less now (cutoff lowered, key no
         longer trusted) every row with a clock owned by one of its events that no longer counts is
         rebuilt without them (`merge.rebuild_without`); for a signer trusted more now (a vouch
@@ -1212,7 +1212,7 @@ class Node:
         self.conn.execute(reports.SURFACE_EVENT,
                           (now, kind, reason, e.event_id, e.site_id, e.table, json.dumps(detail, sort_keys=True)))
 
-    # ------------------------------------------------------------------ refused messages (issue 11)
+    # ------------------------------------------------------------------ refused messages
     def surface_clock(self, reason: str, detail: dict) -> None:
         """Surface a clock condition (kind `clock`), e.g. eviction deferred for an untrusted clock."""
         with _txn(self.conn):
@@ -1292,7 +1292,7 @@ class Node:
                 "or run `ssp-agent evict --auto` (it uses the space the home reserves for it)") from e
         for o in outs:
             if o.status != APPLIED or o.reason != R.APPLIED:
-                # A local write either lands in the log or fails (issue 10 item 6): never an id
+                # A local write either lands in the log or fails: never an id
                 # for an event stored and sent nowhere (e.g. below an eviction horizon).
                 raise NodeError(f"local event was not stored: {o.status} ({o.reason})")
         self._logged.update(b[6] for b in built)
@@ -1315,7 +1315,7 @@ class Node:
         """The wall-clock input of the next ticks (core/clock.signing_time): bounded by the
         evidence while the clock is not trustworthy; while it is, the reading is new evidence.
         `defer` (local writes): the evidence is written by the write's next transaction (a due
-        ceiling's, else the apply's) instead of one of its own: one fsync fewer (issue 15 item 3)."""
+        ceiling's, else the apply's) instead of one of its own: one fsync fewer."""
         from . import clockstate
         st = clockstate.assess(self, now)
         if st["trusted"]:
@@ -1372,7 +1372,7 @@ class Node:
 
     def require_trusted_clock(self, what: str, *, override: bool = False, wait_s: float = 0,
                               now: int | None = None, strict: bool = False) -> dict:
-        """Eviction and horizon changes need a trustworthy wall clock (issue 12 item 5): wait up
+        """Eviction and horizon changes need a trustworthy wall clock: wait up
         to `wait_s` for one, else refuse (ClockUntrusted). Returns the clock's assessment; a
         trusted reading is recorded as evidence."""
         st = _require_trusted_clock(self, what, override, wait_s, now, strict)
@@ -1439,7 +1439,7 @@ class Node:
         """What the apply path would compute for each freshly released local event (the
         `checked` of `_apply_one`: envelope, keyring entry, signature valid, decoded event, event_id),
         taken from what we built it from instead of parsing, verifying and decoding it again
-        (issue 15 item 4: a local write is not verified twice). It holds because the bytes are
+        (a local write is not verified twice). It holds because the bytes are
         exactly `assemble(protected, payload, signature)` of our own encoding (its prefix compared here;
         otherwise None: the full path), and the signature is valid under our keyring key: the
         bridge releases only signatures that verify under the keystore's public key (it checks
@@ -1548,7 +1548,7 @@ class Node:
 
     def reset_horizons_in_txn(self) -> dict[str, str]:
         """`reset_horizons` inside the caller's transaction (rehydration resets the horizons and
-        the watermarks that described them as one commitment: issue 10 item 7). The in-memory
+        the watermarks that described them as one commitment). The in-memory
         horizons follow once the caller committed (`_load_caches` on failure is not needed:
         they are only lowered, and a rolled-back lowering is re-read on the next open)."""
         old = {q: f"{t.horizon[0]}.{t.horizon[1]}" for q, t in self.tables.items() if t.horizon}
@@ -1574,7 +1574,7 @@ class Node:
     def _with_reserve(self, work):
         """Run an eviction; on a full disk, release the space the home reserves for it and run it
         once more (it is idempotent: horizons only rise, deletions below them repeat as no-ops).
-        Afterwards take the reserve back if there is room (agent/store/db.py, issue 16 item 2)."""
+        Afterwards take the reserve back if there is room (agent/store/db.py)."""
         try:
             out = work()
         except Exception as e:

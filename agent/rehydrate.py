@@ -82,7 +82,7 @@ def verify(raw: bytes, mesh_id: bytes, keyring: dict) -> dict:
     subj, gen, prev, at = p["subject_site_id"], p["generation"], p["previous_record_hash"], p["requested_at"]
     if subj != s.kid:
         raise RehydrateRecordError("not_self_signed")
-    # generation and requested_at reach the store: bounded by SQLite's signed 64-bit (issue 11 item 3)
+    # generation and requested_at reach the store: bounded by SQLite's signed 64-bit
     if not isinstance(gen, int) or isinstance(gen, bool) or not 0 <= gen <= INT64_MAX:
         raise RehydrateRecordError("bad_generation")
     if prev is not None and not (isinstance(prev, bytes) and len(prev) == 32):

@@ -1,6 +1,6 @@
 """The node's MQTT loop: `ssp-agent run` (always on) and `ssp-agent sync --once` (wake, sync, sleep).
 
-A thin adapter (issue 13 item 1): the protocol decisions described below (the window of bodies
+A thin adapter: the protocol decisions described below (the window of bodies
 in flight, giving up, body limits, presence, when and what to send) are the pure exchange state
 machine's, `agent/core/exchange.py` (with `core.sending` and `core.delivery.answer_moves`), the
 same on every link; what only the MQTT binding adds around it is `agent/core/binding.py`'s (the
@@ -115,7 +115,7 @@ class RunConfig(ExchangeConfig):
 _Pending = InFlight  # a body in flight (agent/core/exchange.py); the old name, for benches and tests
 
 
-# Flood bounds (issue 11 item 4, docs/apply.md "Bounds"): refusals surfaced (and logged) per
+# Flood bounds (docs/apply.md "Bounds"): refusals surfaced (and logged) per
 # (source, reason) in each window; the rest are counted and summed up in one row when the window ends.
 REFUSALS_SURFACED_PER_WINDOW = 20
 REFUSAL_WINDOW_S = 60.0
@@ -371,7 +371,7 @@ class Runner:
     # -------------------------------------------------------------- receiving
     def _reject(self, m: Inbound, reason: str, detail: str = "") -> None:
         """Refuse a request: surfaced with its reason (`ssp-agent events`, kind `refused`), answered,
-        and acknowledged, so the broker never redelivers it (issue 11: a poison message redelivered
+        and acknowledged, so the broker never redelivers it (a poison message redelivered
         after every restart kept a node down)."""
         self.stats["rejected_bodies"] += 1
         self.stats[f"rejected:{reason}"] += 1
@@ -653,7 +653,7 @@ class Runner:
             self._surface_refusal("presence", e.reason, e.detail, site)
 
     # -------------------------------------------------------------- sending
-    # Quiet links (issue 12 item 6, docs/mqtt.md "Quiet links"). A body sent to a peer stays in
+    # Quiet links (docs/mqtt.md "Quiet links"). A body sent to a peer stays in
     # flight (it waits in the peer's broker session, or at the peer) until the peer answers it or
     # there is evidence that it never will: the peer was reachable after the body was sent (its
     # presence is live, or a message from it arrived) and `answer_timeout_s` passed without the
@@ -729,7 +729,7 @@ class Runner:
     def backfill_in_flight(self, peer: bytes) -> bool:
         return self.ex.backfill_in_flight(peer)
 
-    # The peer's body limit (issue 12 item 6, docs/mqtt.md "Size limits"): `exchange.BodyLimits`
+    # The peer's body limit (docs/mqtt.md "Size limits"): `exchange.BodyLimits`
     # decides; the store keeps what it learned (peer_links), so restarts and sleepers' next wakes
     # start from it.
     def _load_limits(self) -> None:
@@ -822,7 +822,7 @@ class Runner:
         return self.ex.realtime_peers(self.node.keyring.__contains__)
 
     def _local_max(self) -> int:
-        """The seq of the node's newest own write, found without reading the log (issue 12 item 6):
+        """The seq of the node's newest own write, found without reading the log:
         `max(seq)` is one look-up of the rowid tree, and only rows appended since the last call
         are examined for `origin='local'`. The scan of the whole log this replaced ran 20 times a
         second and made idle CPU grow with the store (bench/bench_idle.py)."""
@@ -854,7 +854,7 @@ class Runner:
         """One full cycle: take in everything waiting for this node, offer every peer what its
         cursor selects (until it is answered, for peers that are present), then return.
 
-        No fixed sleeps (issue 15 item 3): it waits on the events that matter. `start` returned at
+        No fixed sleeps: it waits on the events that matter. `start` returned at
         the SUBACK; everything the broker held for us then (the persistent session's queued bodies,
         retained presence) is delivered before our own presence, published right after SUBSCRIBE,
         comes back to us (the broker delivers to one client in order), so that echo ends the

@@ -1,5 +1,5 @@
 """A member node's side of the blind Commit sequencer, over the sync plane's `records`
-(SOVM §22.5-§22.6; issue 14 items 4 and 7; docs/protocol.md §12, docs/sequencer.md "Gossip").
+(SOVM §22.5-§22.6; docs/protocol.md §12, docs/sequencer.md "Gossip").
 
 - **Receipt heads.** A member gossips each sequencing receipt it holds as a receipt-head record
   (`gossip`); records travel to every peer and are relayed on, so a member that never talks to the

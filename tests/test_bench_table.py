@@ -1,4 +1,4 @@
-"""README's Performance table is the rendering of the benches' result files (issue 15: "the
+"""README's Performance table is the rendering of the benches' result files ("the
 README's performance table is regenerated from the benches"), never figures typed by hand; the
 result files hold what bench/_harness.py record writes; every bench has a result (or says why not).
 Figures are never asserted: the benches measure, the table only shows what they recorded."""

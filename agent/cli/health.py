@@ -1,4 +1,4 @@
-"""`ssp-agent check` and `ssp-agent metrics --out PATH` (issue 12 item 4; agent/health.py,
+"""`ssp-agent check` and `ssp-agent metrics --out PATH` (agent/health.py,
 agent/metrics.py). Both read the home through a read view: they write nothing to it and work
 beside a running `run`."""
 from __future__ import annotations

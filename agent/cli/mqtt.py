@@ -119,7 +119,7 @@ def _go(args, once: bool) -> int:
     node = open_node(args)
     try:
         if not args.broker:
-            from ..transport.broker import Broker, BrokerError   # only for a private mosquitto (start-up, issue 15)
+            from ..transport.broker import Broker, BrokerError   # only for a private mosquitto (start-up)
             try:
                 broker = Broker().start()
             except BrokerError as e:

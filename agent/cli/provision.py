@@ -1,4 +1,4 @@
-"""Provisioning and flashing field devices (issue 12 item 7; docs/operations.md "Fleet workflow").
+"""Provisioning and flashing field devices (docs/operations.md "Fleet workflow").
 
 - `ssp-agent provision bundle --out DIR ...`: a provisioning bundle for a device: the manifest, the
   profile and keystore choice, broker URL, CA and credentials, the systemd units shipped in the

@@ -1,6 +1,6 @@
 """`ssp-agent service install [--root DIR]`: the systemd units shipped inside the package
 (agent/systemd/, package data) and /etc/ssp-agent/ configuration, written for this installed
-command (issue 12 item 3, docs/systemd.md). It only writes files; enabling a unit is the
+command (docs/systemd.md). It only writes files; enabling a unit is the
 operator's `systemctl` step (printed). Units are ours and rewritten; the configuration and the
 password file are the operator's and kept unless --force."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""What the MQTT binding's loop decides beside the exchange itself, sans-I/O (issue 13 leftovers:
-what kept agent/runner.py more than a thin adapter).
+"""What the MQTT binding's loop decides beside the exchange itself, sans-I/O (what kept agent/runner.py more
+than a thin adapter).
 
 - **The wire of a request and of its answer** (docs/mqtt.md): the user property names, the frame
   meta (`encode_meta`), what a request carries (`request_properties`, including whether it asks
@@ -80,8 +80,8 @@ def expiry_due(ex: Exchange, now: float) -> float:
 # user property names (all values are text)
 P_KIND, P_FROM, P_START, P_END, P_COUNT, P_PART = "ssp-kind", "ssp-from", "ssp-start", "ssp-end", "ssp-count", "ssp-part"
 P_STATUS, P_REASON, P_PROCESSED = "ssp-status", "ssp-reason", "ssp-processed"
-# The indices of the answered body's events the receiver rejected, comma-separated (issue 10
-# item 4); absent when none was. A sender that gets it counts every other event as processed.
+# The indices of the answered body's events the receiver rejected, comma-separated; absent when none was. A
+# sender that gets it counts every other event as processed.
 P_REJECTED_AT = "ssp-rejected-at"
 P_META = "ssp-meta"  # the frame meta (docs/protocol.md §1) as compact JSON: {s, e, d, g, x}
 # A request property (transport metadata, no authority): "1" asks the receiver for a signed
@@ -338,8 +338,8 @@ def ack_wait(last_signed: Iterable[float], now: float, interval_s: float) -> flo
 
 
 class ReleasedAcks:
-    """Acknowledgement records already released, kept to answer a replay (docs/protocol.md §5,
-    issue 16 item 3). A record states, for each body it names, the BLAKE3 of the exact bytes
+    """Acknowledgement records already released, kept to answer a replay (docs/protocol.md §5). A record
+    states, for each body it names, the BLAKE3 of the exact bytes
     received, the processed count and the rejected indices. When the same sender sends the same
     bytes again and this node's processing of them comes out the same (`AckAnswer` equal: same
     hash, processed, count and rejected indices), the record already released states exactly what
@@ -387,7 +387,7 @@ class ReleasedAcks:
 
 
 class Intake:
-    """The order in which what arrived is handled (issue 11 item 4, issue 16 item 3, docs/apply.md
+    """The order in which what arrived is handled (docs/apply.md
     "Bounds"). Answers, and presence of keyring sites, are handled at once. Requests from keyring
     sites wait in one queue per sender and are handled one per sender in turn (`turn`), so a body
     never waits behind more than one body of each other member already here (a member keeping 200

@@ -153,7 +153,7 @@ def answer_moves(start: int, seqs: list[int] | tuple[int, ...], end: int, reoffe
     `processed`: events it processed to a final state before the first rejected one.
     `rejected` (peers that report it): the indices of every event it rejected; then everything
     else counts as processed, the live cursor moves past the rejected events and they are
-    re-offered (issue 10 item 4: one rejected event cannot pin the stream behind it). Backfill
+    re-offered (one rejected event cannot pin the stream behind it). Backfill
     rows commit whole only, up to the first one not fully processed."""
     n_live, n_ro = len(seqs), len(reoffer_seqs)
     total = n_live + n_ro + sum(sum(c) for c, _done in bf_counts)

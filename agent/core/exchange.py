@@ -1,5 +1,4 @@
-"""The exchange state machine, sans-I/O: one set of rules for every link (issue 13 item 1:
-"one session, every link").
+"""The exchange state machine, sans-I/O: one set of rules for every link ("one session, every link").
 
 What a node decides about its exchanges with its peers, with no byte, clock or store in sight,
 transport-neutral: the window, the cursor's movement on answers, the body limits. Two drivers
@@ -106,8 +105,8 @@ def answered_progress(total: int, proof: AckAnswer | None, processed_text: str |
                       rejected: list[int] | None) -> tuple[int, list[int] | None]:
     """(processed, rejected) an `ok` answer to a body of `total` events proves: what the peer
     signed when there is a proof (never the unauthenticated properties then), else the answer's
-    `ssp-processed` and `ssp-rejected-at`. Every event but the rejected ones reached a final state
-    (issue 10 item 4): with the list, everything counts as processed (the cursor moves past the
+    `ssp-processed` and `ssp-rejected-at`. Every event but the rejected ones reached a final state:
+    with the list, everything counts as processed (the cursor moves past the
     rejected ones, which are re-offered later); without it, `processed` is a prefix."""
     if proof is not None:
         processed = min(total, proof.processed)
@@ -289,7 +288,7 @@ class Presence:
 
 
 class SurfaceBudget:
-    """A flood bound on surfaced rows (issue 11 item 4, docs/apply.md "Bounds"): at most
+    """A flood bound on surfaced rows (docs/apply.md "Bounds"): at most
     `per_window` per key (source, reason) in each `window` (in the caller's time unit); each
     surfaced row is a transaction of its own (an fsync), and a hostile sender can provoke
     refusals at will. The rest are counted and told in one row when the key's next window starts
@@ -526,7 +525,7 @@ class Exchange:
         An absent peer's bodies wait in its broker session: its absence is no evidence of a loss.
 
         A broker drops, without a word, a PUBLISH larger than the Maximum Packet Size the peer
-        announced (issue 11 item 4): silence from a reachable peer may mean our bodies are too
+        announced: silence from a reachable peer may mean our bodies are too
         large for it. So a give-up also halves, provisionally like a refusal, what it gets, when
         its bodies were larger than the advertised floor."""
         out = []

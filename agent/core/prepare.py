@@ -1,4 +1,4 @@
-"""The verify-ahead part of the one apply path (§12, issue 15 item 1), as a pure function: what
+"""The verify-ahead part of the one apply path (§12), as a pure function: what
 `Node._apply_one` would compute for an event before it touches the store, computed early and in
 bulk, so that it can run on another core (agent/applyworker.py) while the thread that holds
 SQLite applies the events before it.

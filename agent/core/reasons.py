@@ -56,7 +56,7 @@ UNCLASSIFIED = "unclassified"
 # Every code above: a refused message or a lost link (the apply outcomes below are not in it).
 ALL = frozenset(v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str))
 
-# Names used before one list existed, and the one name each violation has now (issue 13).
+# Names used before one list existed, and the one name each violation has now.
 RENAMED = {"from_site_mismatch": SENDER_MISMATCH, "unsolicited_body": REALTIME_NOT_ESTABLISHED,
            "wrong_peer": HANDSHAKE_SITE_MISMATCH, "presence_site_mismatch": HANDSHAKE_SITE_MISMATCH}
 

@@ -21,7 +21,7 @@ from .cose import ALG_EDDSA, assemble, content_type, parse_sign1, protected_head
 from .ids import UINT32_MAX
 
 # Generations, horizons, cutoffs and times reach the store: bounded by what SQLite holds (signed
-# 64-bit), not the wire's uint64 (issue 11 item 3; the strict decoder refuses more first).
+# 64-bit), not the wire's uint64 (the strict decoder refuses more first).
 STORE_UINT_MAX = INT64_MAX
 
 ROLE, VOUCH, RETIRE = "sovm/ssp-role-v1", "sovm/ssp-vouch-v1", "sovm/ssp-retire-v1"
@@ -364,7 +364,7 @@ def resolve_trust(records: Iterable[Record], provisioned: dict[bytes, tuple[byte
 
 # ---------------------------------------------------------------- acknowledgements on MQTT (docs/protocol.md §5)
 # An answer to a sync body is not authenticated on a binding without broker ACLs: a reader of the
-# inbox topics sees the correlation data and can answer first (issue 11 item 5). So on such a
+# inbox topics sees the correlation data and can answer first. So on such a
 # binding the answering node signs, about its own processing, which bodies it received (BLAKE3 of
 # their exact bytes) and what became of their events; the sender moves its cursor only on that.
 # Issued by the answering node (kid = issuer), addressed to the body's author (subject).

@@ -1,5 +1,5 @@
 """The per-link SSP/1 session (§31-§33), sans-I/O: the one state machine of the serial and
-in-memory links, on the exchange rules MQTT runs (issue 13 item 1, "one session, every link").
+in-memory links, on the exchange rules MQTT runs ("one session, every link").
 
 A session never reads a clock, a socket or a database. Bytes come in through `receive(data,
 now)`, bytes to send come out of `data_to_send()`, the next deadline is `timer()` and the
@@ -129,7 +129,7 @@ MAX_META_CHARS = 65_535  # an MQTT user property value cannot be longer (a UTF-8
 def parse_meta_text(text: Any) -> dict:
     """The meta property boundary (MQTT `ssp-meta`, docs/mqtt.md): the JSON text of a frame meta
     as a dict with the {s, e, d, g, x} members, or ProtocolError `bad_frame_meta`. Deep nesting
-    (5 000 `[` made the JSON parser raise RecursionError, issue 11 item 1) is refused before
+    (5 000 `[` made the JSON parser raise RecursionError) is refused before
     parsing: a meta nests two deep. `StreamMeta.from_wire` checks it against the body."""
     if not isinstance(text, str) or len(text) > MAX_META_CHARS:
         raise ProtocolError("bad_frame_meta", "ssp-meta is not text of at most 65 535 characters")
@@ -173,7 +173,7 @@ _FRAME_MEMBERS = {"hello": {"t", "b", "r"}, "body": {"t", "c", "b", "m"}, "answe
                   "ack": {"t", "c", "k"}, "push": {"t", "c", "b", "m"}, "push_ack": {"t", "c", "k"},
                   "refused": {"t", "c", "f", "r"}, "error": {"t", "r"}}
 # j: the indices of the answered body's events the peer rejected (every other one reached a final
-# state). Optional: a peer that omits it is read by `k` alone (issue 10 item 4). l: the sender's
+# state). Optional: a peer that omits it is read by `k` alone. l: the sender's
 # body limit (bytes of `b` it takes), advertised in its hello as MQTT's `ssp-body-limit` is.
 _FRAME_OPTIONAL = {"answer": {"j"}, "ack": {"j"}, "push_ack": {"j"}, "hello": {"l"}}
 REFUSABLE = ("body", "answer", "push")  # the frames a `refused` names (f): the ones that carry a body

@@ -1,5 +1,5 @@
 """The member side of Commit submission: a durable queue of membership Commits and the client that
-submits them to the sequencer through the broker (SOVM §22.5, §22.7; issue 14 item 8;
+submits them to the sequencer through the broker (SOVM §22.5, §22.7;
 docs/sequencer.md "Member side: the Commit queue").
 
 §22.7: while the sequencer (or its broker) is unreachable, membership-changing Commits *queue* on

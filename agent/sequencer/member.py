@@ -1,4 +1,4 @@
-"""The member side of sequencing receipts (SOVM §22.5-§22.6; issue 14 item 7). Pure: no I/O.
+"""The member side of sequencing receipts (SOVM §22.5-§22.6). Pure: no I/O.
 
 A member keeps every valid receipt for its group (``ReceiptChain``), compares receipt heads it
 hears from other members (gossip through the control group or the broker: the transport is the

@@ -764,7 +764,7 @@ class Sequencer:
         compaction floor: every epoch of a group up to its floor is spent in the journal, and
         what it was (a receipt released to members, or a stated gap) was recorded in the copy
         that is gone. Stating those epochs absent would contradict the receipts members hold
-        (equivocation evidence against an honest sequencer, issue 14 item 7), and signing them
+        (equivocation evidence against an honest sequencer), and signing them
         again is forbidden (§22.5 cl. 1-2): the group jumps to the floor + 1, one transaction a
         group, with the gaps whose statements the journal kept (those bytes, nothing newly
         stated), and the `receipts_lost` event names the epochs it can no longer serve (members

@@ -1,4 +1,4 @@
-"""At-rest protection of the retained event log (issue 16 item 4; seed 000 §13.6: the log holds
+"""At-rest protection of the retained event log (seed 000 §13.6: the log holds
 column values that appear in no local table; docs/reliability.md "At rest", docs/apply.md
 "Store format").
 

@@ -1,4 +1,4 @@
-"""Versioned store layout (issue 12 item 8): the store's schema version is `PRAGMA user_version`
+"""Versioned store layout: the store's schema version is `PRAGMA user_version`
 (the SQLite file header, read without touching any table). Migrations run forward only, on a
 writing open, each in its own transaction together with the version it reaches, so a crash or a
 full disk leaves the store at the previous version, never between two. A store newer than this
@@ -12,14 +12,14 @@ Version history:
      counted from what is held), the durable sync state (agent/store/sync_state.py) with the default
      policy rows, truncation records (the serving side of rehydration)
   3  durable counters for the metrics (agent/store/counters.py): apply outcomes, sync runs
-  4  sequencing records (agent/store/sequencing.py): receipt heads and sequencer bindings (issue 14)
+  4  sequencing records (agent/store/sequencing.py): receipt heads and sequencer bindings
   5  per-peer link state (sync_state.peer_links): which sent bodies still count as in flight,
-     the peer's advertised body limit and the provisional reduction after refusals (issue 12 item 6)
+     the peer's advertised body limit and the provisional reduction after refusals
   6  at-rest sealing of the event log (agent/store/atrest.py): the data-key table; a store that
      holds events gets a re-seal job (meta atrest_job), which the next writing open runs in
      batches with the keystore (this step has none), resuming where it stopped
   7  the log's event count (db.log_count), kept by triggers, counted from the log once here:
-     `status` reads one row instead of counting the log (issue 15 item 6)
+     `status` reads one row instead of counting the log
 
 To change the layout: append a step (version LATEST + 1) below. Never edit a released step.
 The ensure_* functions stay idempotent and keep working on their own (they are also called where

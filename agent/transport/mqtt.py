@@ -69,7 +69,7 @@ PACKET_OVERHEAD = 1024  # topic, packet id, properties: generous, so a body neve
 # peer's advertised limit), never below ADVERTISED_FLOOR, whoever wrote it (docs/mqtt.md "Size limits").
 P_BODY_LIMIT = "ssp-body-limit"
 ADVERTISED_FLOOR = 16 * 1024
-# In-flight memory bound (issue 11 item 4): the broker may have at most ReceiveMaximum unacknowledged
+# In-flight memory bound: the broker may have at most ReceiveMaximum unacknowledged
 # PUBLISHes out to this node, each at most its Maximum Packet Size (own body limit + PACKET_OVERHEAD).
 RECEIVE_BUDGET_BYTES = 64 * 1024 * 1024
 RECEIVE_MAXIMUM_MIN, RECEIVE_MAXIMUM_MAX = 16, 1000
@@ -291,7 +291,7 @@ class MqttLink:
         # (agent/runtime.py) that also waits on serial ports is woken by it, not by a poll.
         self.wake: Callable[[], None] = lambda: None
         self.present: dict[bytes, bytes] = {}  # peer site -> its retained presence payload (handshake bytes)
-        # Bounded: anyone with broker access can publish presence for made-up sites (issue 11 item 4).
+        # Bounded: anyone with broker access can publish presence for made-up sites.
         self.present_limit = PRESENT_LIMIT
         self.present_evicted = 0  # oldest entries dropped past present_limit
         self.broker_max_packet: int | None = None
@@ -369,7 +369,7 @@ class MqttLink:
     def _connect_props(self) -> Properties:
         p = Properties(PacketTypes.CONNECT)
         p.SessionExpiryInterval = int(self.s.session_expiry_s)
-        # Issue 11 item 4: at most ReceiveMaximum unacknowledged PUBLISHes are out to us, and the
+        # At most ReceiveMaximum unacknowledged PUBLISHes are out to us, and the
         # link keeps no payload over the body limit (`_on_message`): what waits in memory is at
         # most receive_maximum x max_packet_size (64 MiB), whatever a flood sends.
         if self.s.announce_max_packet:

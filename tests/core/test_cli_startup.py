@@ -1,4 +1,4 @@
-"""Start-up of the short-lived verbs (issue 15 item 3): a verb imports what it uses. `write` and
+"""Start-up of the short-lived verbs: a verb imports what it uses. `write` and
 the read verbs never load cryptography (P-256 only), paho (MQTT only), pyserial, or the modules of
 other verbs; `sync --broker --once` loads paho but not cryptography. Checked in a fresh
 interpreter by the modules it holds after the verb ran (never by time)."""

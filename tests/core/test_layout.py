@@ -60,7 +60,7 @@ def test_key_file_is_private(tmp_path):
         assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
 
 
-# The blind Commit sequencer (issue 14) is its own service: it never imports the sync node. From
+# The blind Commit sequencer is its own service: it never imports the sync node. From
 # the agent it may use only its own package, the shared deterministic CBOR / COSE encoding, the one
 # reader of numbers from outside (agent/core/numbers.py) and the DDL splitter of the versioned
 # layouts (agent/sqlscript.py), the binding set-up (agent/sqlbind.py).
@@ -319,3 +319,23 @@ def test_one_name_per_exception_class():
     SSP/1 message refusal is ProtocolError; the serial keystore's bad frame is DeviceProtocolError)."""
     dup = {k: v for k, v in exception_classes([ROOT / "agent", ROOT / "firmware_bridge"]).items() if len(v) > 1}
     assert not dup, f"exception classes sharing a name: {dup}"
+
+
+# Code says why with the spec § or the doc section it follows, never a tracker number: the reader
+# has the repository, not the tracker. Recorded results (bench/results) and store fixtures are data.
+ISSUE_REF = __import__("re").compile(r"\b[Ii]ssues?[ \t]+\d")
+SOURCE_SUFFIXES = {".py", ".sh", ".c", ".toml"}
+
+
+def test_no_tracker_numbers_in_code_tests_tools_or_benches():
+    assert ISSUE_REF.search("as Issue" + " 12 said") and not ISSUE_REF.search("an issue; 12 of them")
+    found = []
+    for top in ("agent", "tests", "tools", "bench"):
+        for p in sorted((ROOT / top).rglob("*")):
+            rel = p.relative_to(ROOT)
+            if p.suffix not in SOURCE_SUFFIXES or rel.parts[:2] in (("bench", "results"),) or "fixtures" in rel.parts:
+                continue
+            for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+                if ISSUE_REF.search(line):
+                    found.append(f"{rel}:{i}")
+    assert not found, "tracker references: " + ", ".join(found)

@@ -41,7 +41,7 @@ def test_every_refusal_uses_a_code_from_the_one_list():
 
 
 def test_a_violation_has_one_name():
-    """The names the session and the MQTT runner gave the same violation (issue 13) appear
+    """The names the session and the MQTT runner gave the same violation appear
     nowhere in agent/ any more, except in the list that records the renaming."""
     old = set(reasons.RENAMED)
     for path in (ROOT / "agent").rglob("*.py"):
