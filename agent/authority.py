@@ -1,20 +1,12 @@
-"""A standalone mesh authority (docs/operations.md §0): its own site_id and an Ed25519 key that was
-generated inside a keystore, in a directory kept offline like a CA.
+"""A standalone mesh authority (docs/operations.md §0): its own site_id and an Ed25519 key generated
+inside a keystore, in a directory kept offline like a CA.
 
 Records it issues are signed through the keystore bridge like every other signature in the agent
 (persist-before-release, SOVM §22.5; docs/keystore.md): the directory holds the keystore, the
-bridge's journal and a card naming them, never a raw secret the agent reads. A record released
-before a crash is in the journal; the next issuance stores it on the node first, so the chain
-continues from it instead of forking.
-
-Layout of the directory (mode 0700):
-  authority.json   {"format": "ssp-authority-v2", "site_id", "public_key", "keystore": {...}}
-  keystore/        the software keystore's key file (0600), when the keystore is software
-  keystore.pin     a PKCS#11 PIN given at creation (0600), never in the card
-  authority.incomplete  only while `create` runs, or after one was cut short: the key it makes
-                   (firmware_bridge/keytag.py), so the same command completes the directory
-  sign-journal     the bridge's journal: every record this authority released, exact bytes
-"""
+bridge's journal and a card naming them (authority.json), never a raw secret the agent reads. A
+record released before a crash is in the journal; the next issuance stores it on the node first,
+so the chain continues from it instead of forking. `authority.incomplete` exists only while
+`create` runs or after one was cut short, so the same command completes the directory."""
 from __future__ import annotations
 
 import json

@@ -1,57 +1,18 @@
-"""The node's MQTT loop: `ssp-agent run` (always on) and `ssp-agent sync --once` (wake, sync, sleep).
+"""The node's MQTT loop: `ssp-agent run` (always on) and `ssp-agent sync --once` (wake, sync, sleep);
+docs/mqtt.md says what it does on the wire.
 
-A thin adapter: the protocol decisions described below (the window of bodies
-in flight, giving up, body limits, presence, when and what to send) are the pure exchange state
-machine's, `agent/core/exchange.py` (with `core.sending` and `core.delivery.answer_moves`), the
-same on every link; what only the MQTT binding adds around it is `agent/core/binding.py`'s (the
-request and answer properties, refusals before parsing, what an answer's signed acknowledgement
-proves, whether one is owed and when it is signed, records released for replays, the order of
-intake, how many events fit a body, the order of a `sync --once` wake, when the loop is next
-due); this module moves messages (MqttLink), time
-(`time.monotonic`, passed in) and rows (sync_state, through `agent.sync.PortAdapter`) in and out
-of them. `agent/runtime.py` drives it through `step` and sleeps until `next_due`.
+A thin adapter: the protocol decisions (the window of bodies in flight, giving up, body limits,
+presence, when and what to send) are the pure exchange state machine's (agent/core/exchange.py),
+the same on every link, and what only the MQTT binding adds is agent/core/binding.py's. This
+module moves messages (MqttLink), time (passed in) and rows (sync_state, through
+`agent.sync.PortAdapter` on the path `mqtt`) in and out of them; agent/runtime.py drives it
+through `step` and sleeps until `next_due`.
 
-One thread owns the node (SQLite); the MQTT link's network thread only enqueues what arrives.
-Everything sent and received goes through the sync layer (`agent.sync.PortAdapter` on the
-transport path `mqtt`): durable per-(peer, path) cursors in sync_state, selection filtered by
-policy, self-echo, peer origin and the peer's reported watermarks, the control records not yet
-delivered to the peer (within a quarter of its body limit, docs/protocol.md §5) and the node's
-applied watermarks in every body, and the frame meta (cursor range, seq deltas, policy
-gaps) in the `ssp-meta` user property so that an authenticated receiver can infer watermarks.
-
-- **Batch** (§32): every `cadence_s`, for every peer in the keyring, offer what the durable
-  per-peer cursor selects, split into bodies under the broker's packet size and the body limit,
-  a window of bodies in flight at once. Each body is a request; the cursor advances only when
-  the peer's answer arrives, by the number of events it processed to a final state
-  (`cursor_after`), and only contiguously. Without `secure`, only an answer carrying the peer's
-  signed acknowledgement of that exact body counts (`sovm/ssp-ack-v1`, docs/protocol.md §5).
-  Unanswered bodies are re-offered (the peer absorbs duplicates). Every body sent is kept in `sync_state.sent_bodies` until answered, so an answer
-  that waited in the broker while this process was gone (a `sync --once` device asleep, a
-  restart) still moves the cursor when the next process takes it. A range with nothing for the peer (all filtered) still goes out as an empty body,
-  so the cursor moves only on an answer and the peer's stream position stays in step.
-- **Realtime** (§33): when this node produces events, peers that are present (retained
-  presence) and advertised `supports_realtime` (as we do) get a push at once, coalesced over
-  `coalesce_s`, or on a fixed cadence (`flush_cadence_s`, §33.3). Pushes are answered like
-  batch bodies, so they can advance the cursor; batch keeps running underneath (§33.1). On this
-  binding a push is a window body sent early: same selection, same meta, answered.
-- **Receiving**: a body is checked (size, realtime mode, sender named by the topic, strict
-  parse), applied in one SQLite transaction through the node's one apply path, answered, and only
-  then acked to the broker.
-- **Secure binding** (`RunConfig.secure`, `--secure-binding`): only when the broker authenticates
-  every device and its ACLs pin the sender segment of inbox topics to the device (docs/mqtt.md).
-  Then received streams advance the node's applied watermarks and the peers' reports are kept
-  (used to skip re-offers and to tell how far behind a peer is). Otherwise nothing moves them.
-- **Pulls** (docs/mqtt.md "A waking device"): once what waited for it is taken in, a `sync
-  --once` wake (and `run`, once per connection) pulls every peer; a peer answers a pull by giving
-  up on what it sent before the puller's connection began and is unanswered (lost: no session
-  yet, or a broker restart), sending again from its durable cursor, and only then answering. The
-  wake waits for online peers' answers, so it takes in what they hold for it.
-- **Eviction**: `run` runs the profile's eviction job every `eviction_interval_s`.
-- **Widening backfill** (scope §2): a batch body carries, after the live tail, the next rows of the
-  peer's backfill jobs as the sync layer selects them (`Offer.n_backfill` events at the end, meta
-  `x`); at most one such body is in flight per peer, and its answer commits the job's row cursor
-  (`PortAdapter.advance` with the body's token). Realtime pushes carry none.
-"""
+One thread owns the node (SQLite); the MQTT link's network thread only enqueues what arrives. A
+received body is applied in one transaction through the one apply path, answered, and only then
+acked to the broker. Sent bodies are kept in `sync_state.sent_bodies` until answered, so an answer
+that waited in the broker while this process was gone still moves the cursor. Received streams
+move watermarks only on a secure binding (`--secure-binding`, docs/mqtt.md)."""
 from __future__ import annotations
 
 import json

@@ -1,22 +1,15 @@
 """The node-side sync driver: wires sans-I/O sessions (agent/core/session.py) to a Node.
 
-It builds bodies from the durable per-(peer, path) cursor (filtered by policy, self-echo and
-the peer's reported watermarks), applies received bodies through the node's one apply path
+It builds bodies from the durable per-(peer, path) cursor (filtered by policy, self-echo and the
+peer's reported watermarks), applies received bodies through the node's one apply path
 (`Node.apply_batch`), advances cursors only on the peer's answer, and advances the node's own
-applied watermarks only from what a live, authenticated, stream-continuous body demonstrates.
-See docs/protocol.md for the design and why it is sound.
+applied watermarks only from what a live, authenticated, stream-continuous body demonstrates
+(docs/protocol.md says why that is sound).
 
-For a transport: make one `SyncDriver` per open Node, then one session per link:
-
-    drv = SyncDriver(node)
-    s = drv.session(path="mqtt", peer=site_id_or_None, secure=binding_authenticated,
-                    binding_unsolicited=True, realtime_capable=True)
-    s.start(now)                       # queues the handshake
-    ... s.receive(frame_bytes, now)    # every frame from the peer
-    ... for f in s.data_to_send(): transmit(f)
-    ... if s.timer() <= now: s.handle_timer(now)
-    ... after a local write: s.local_events(now)   (realtime push, coalesced)
-"""
+A transport makes one `SyncDriver` per open Node and one session per link
+(`drv.session(path=..., peer=..., secure=...)`), then feeds it: `start(now)`, `receive(bytes,
+now)` for every frame, `data_to_send()` to transmit, `handle_timer(now)` when `timer()` passes,
+and `local_events(now)` after a local write (a realtime push, coalesced)."""
 from __future__ import annotations
 
 import json

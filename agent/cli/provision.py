@@ -1,23 +1,15 @@
 """Provisioning and flashing field devices (docs/operations.md "Fleet workflow").
 
-- `ssp-agent provision bundle --out DIR ...`: a provisioning bundle for a device: the manifest, the
-  profile and keystore choice, broker URL, CA and credentials, the systemd units shipped in the
-  package (agent/systemd/), the offline wheelhouse (tools/wheelhouse.sh) and the first-boot script.
-- `ssp-agent provision flash --image IMG --bundle DIR`: writes the bundle onto a Raspberry Pi OS
-  image file: the bundle into the root filesystem (/opt/ssp-agent/bundle, debugfs) and the first-boot
-  hook onto the boot FAT partition (mtools): firstrun.sh named on cmdline.txt by systemd.run=
-  (Bookworm) or a cloud-init user-data runcmd (Trixie-based images). No loop device, no mount.
-- On the device (run by firstboot.sh from the installed venv): `provision device-setup` (the
-  /etc/ssp-agent files and the enrolment unit) and `provision enrol` (`init` inside the keystore,
-  the service units, and the site_id, public key and broker password hash written to the boot
-  partition for the technician).
+- `provision bundle`: a device's bundle: manifest, profile, keystore choice, broker URL, CA and
+  credentials, the packaged systemd units, the offline wheelhouse and the first-boot script.
+- `provision flash`: writes a bundle onto a Raspberry Pi OS image file (debugfs into the root
+  filesystem, mtools onto the boot partition; no loop device, no mount).
+- On the device, from firstboot.sh: `provision device-setup` and `provision enrol` (`init` inside
+  the keystore, the service units, and the site_id, public key and broker password hash written
+  to the boot partition for the technician).
 
 The device's identity is made on the device, inside its keystore: no key is in the bundle or the
-image. Broker credentials name the site_id, which exists only after first boot: by default the
-device makes its own broker password and publishes only its hash (mosquitto's password_file line
-for user name = site_id), so the broker account is issued after enrolment without touching the
-image again.
-"""
+image; the broker account is issued after enrolment from the published password hash."""
 from __future__ import annotations
 
 import argparse

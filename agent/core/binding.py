@@ -1,28 +1,18 @@
-"""What the MQTT binding's loop decides beside the exchange itself, sans-I/O (what kept agent/runner.py more
-than a thin adapter).
+"""What the MQTT binding's loop decides beside the exchange itself, sans-I/O (docs/mqtt.md), so that
+agent/runner.py stays a thin adapter:
 
-- **The wire of a request and of its answer** (docs/mqtt.md): the user property names, the frame
-  meta (`encode_meta`), what a request carries (`request_properties`, including whether it asks
-  for a signed acknowledgement: `ack_requested`) and what an answer or a refusal says
-  (`answer_properties`, `refusal_properties`).
-- **Body size** (`body_fit`): how many of the selected events fit one body under the peer's limit,
-  counting the empty body, the meta and the records it carries.
-- **A `sync --once` wake** (`OnceWake`): what is done first (take in what waited, until our own
-  presence comes back or a quiet settle), then give up on what was lost while away and offer, then
-  wait for present peers' answers, then one last look; when the one-shot exchange is complete.
+- **The wire of a request and of its answer**: user property names, the frame meta, what a
+  request carries and what an answer or a refusal says (`request_properties`, `answer_properties`).
+- **Body size** (`body_fit`): how many selected events fit one body under the peer's limit.
+- **A `sync --once` wake** (`OnceWake`): take in what waited, offer, wait for present peers'
+  answers, one last look; when the one-shot exchange is complete.
 - **Answers and what they prove** (`answer_proof`, docs/protocol.md §5): the peer's signed
-  acknowledgement of the exact body sent, the only evidence on a binding without the broker's
-  ACLs; `agent/core/exchange.py` (the transport-neutral window) takes the result as `proof`.
-- **Receiving** (docs/mqtt.md, docs/apply.md "Bounds"): refusals before a request is parsed
-  (`request_refusal`), whether a signed acknowledgement is owed and when it is signed
-  (`signed_ack_owed`, `ack_due`, `ack_wait`), acknowledgement records served again to a replay
-  (`ReleasedAcks`), and the order in which what arrived is handled (`Intake`).
-- **When the loop is next due** (`next_due`): the earliest of the exchange's own deadlines (the
-  batch cycle, a coalesced or fixed-cadence realtime push, the answer timeout of a reachable
-  peer, grouped acknowledgements) and the runner's periodic jobs. The runtime loop
-  (agent/runtime.py) sleeps until then unless something arrives (a message, a control request,
-  serial bytes, the log growing), instead of looking every 50 ms.
-"""
+  acknowledgement, the only evidence on a binding without the broker's ACLs.
+- **Receiving** (docs/apply.md "Bounds"): refusals before parsing (`request_refusal`), signed
+  acknowledgements owed and when they are signed, released ones served again (`ReleasedAcks`),
+  and the order in which what arrived is handled (`Intake`).
+- **When the loop is next due** (`next_due`): the earliest of the exchange's deadlines and the
+  runner's periodic jobs; the runtime loop sleeps until then unless something arrives."""
 from __future__ import annotations
 
 import json

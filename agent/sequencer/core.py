@@ -1,27 +1,16 @@
 """The blind Commit sequencer's pure core (SOVM §22.5–§22.6): no I/O, no clock, no signing.
 
-Per opaque group_id the state is the current accepted epoch — the epoch a Commit must be built
-in to be accepted — and the head of the group's receipt chain. The first-Commit-wins rule of
-§22.5:
-
-    accept iff content_type == commit
-           AND commit.epoch == current_epoch(group_id)
-           AND no commit has already been accepted for that epoch
-
-The third condition is implied by the second because acceptance advances current_epoch in the
-same atomic commitment that makes the receipt durable (§22.5 cl. 3; agent/sequencer/store.py):
-once a Commit is accepted for E, current_epoch is E+1 and every other Commit for E is stale.
-
-A stale Commit is answered with the current head (the conflict answer of transparency-log
-witnesses), so its sender can fetch the canonical Commit, process it, rebuild and retry.
+Per opaque group_id the state is the current accepted epoch (the epoch a Commit must be built in)
+and the head of the group's receipt chain. First-Commit-wins (§22.5): accept iff the content is a
+Commit built in the current epoch; acceptance advances the epoch in the same atomic commitment
+that makes the receipt durable (§22.5 cl. 3; agent/sequencer/store.py), so every other Commit for
+that epoch is stale, and is answered with the current head, so its sender can fetch the canonical
+Commit, process it, rebuild and retry.
 
 Bootstrap (§22.6): a group is created by explicit registration with its initial epoch, or by the
-first Commit-bearing message observed for an unknown group_id, which initialises tracking at that
-Commit's epoch and is accepted. A group the sequencer has a record of is not unknown: a retired
-one (its recovery did not resume it) is refused, never bootstrapped at an asserted epoch.
-Registration and bootstrap start a fresh chain (previous_receipt_hash null,
-wire-profile.md §6).
-"""
+first Commit observed for an unknown group_id, accepted at its epoch. A group the sequencer has a
+record of is not unknown: a retired one is refused, never bootstrapped at an asserted epoch.
+Registration and bootstrap start a fresh chain (previous_receipt_hash null)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace

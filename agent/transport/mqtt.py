@@ -1,31 +1,18 @@
-"""The MQTT binding of SSP/1 (paho-mqtt 2.x, VERSION2 callbacks, MQTT v5). See docs/mqtt.md.
+"""The MQTT binding of SSP/1 (paho-mqtt 2.x, VERSION2 callbacks, MQTT v5); docs/mqtt.md has the
+topic layout, the ACLs and the properties.
 
-Topic layout, per mesh and per node (`PREFIX` defaults to `ssp`; ids are lowercase hex):
+Each node has an inbox per sender (`PREFIX/<mesh>/<site>/inbox/req/<from>`, answers on
+`inbox/ans/<from>`) and a retained presence (§31 handshake; the last will clears it). The last
+segment names the publisher, so a broker ACL can pin it to the authenticated device; only under
+such ACLs may the node treat the binding as authenticated (`--secure-binding`).
 
-    PREFIX/<mesh_id>/<site_id>/inbox/req/<from>   sync bodies addressed to <site_id> by <from>: batch and realtime
-    PREFIX/<mesh_id>/<site_id>/inbox/ans/<from>   answers by <from> to <site_id>'s pushes
-    PREFIX/<mesh_id>/<site_id>/presence           retained §31 handshake while online; the last will clears it
+A push is one QoS 1 PUBLISH of a §32 body with a Response Topic and Correlation Data; it succeeds
+only when the peer answers (a broker's PUBACK means nothing: mosquitto loses queued messages on
+SIGKILL). The receiver acks an inbound PUBLISH to the broker (`manual_ack`) only after the SQLite
+transaction that absorbed it committed, so a node killed mid-apply gets the body again.
 
-The last segment names the publisher, so a broker ACL can pin it to the authenticated device
-(`pattern write PREFIX/<mesh>/+/inbox/req/%u`); a receiver refuses a body whose `from_site_id`
-differs from it (`sender_mismatch`). Only under such ACLs may the node treat the binding as
-authenticated (`--secure-binding`), see docs/mqtt.md.
-
-A push is one PUBLISH (QoS 1) of a §32 sync body to the peer's `inbox/req/<us>`, with the MQTT v5
-Response Topic (our `inbox/ans/<peer>`) and random Correlation Data. It is successful only
-when the peer answers: the answer carries, in user properties, how many events of the body were
-processed to a final state before the first rejected one (`ssp-processed`), and the answer's
-payload is a §32 body with no events carrying the answerer's applied watermarks. A broker's
-PUBACK means nothing here (mosquitto loses queued messages on SIGKILL): the sender's durable
-cursor advances only on the answer, and anything unanswered is re-offered by the next cycle.
-
-The receiver acknowledges an inbound PUBLISH to the broker (`manual_ack`) only after the SQLite
-transaction that absorbed it has committed, so a node killed mid-apply gets the body again
-(redelivered with the DUP flag on reconnect) and absorbs it idempotently.
-
-This module moves bytes and metadata; it parses no sync body (the runner and the sync driver
-do). Everything paho calls back runs on the link's network thread and only enqueues.
-"""
+This module moves bytes and metadata; it parses no sync body. Everything paho calls back runs on
+the link's network thread and only enqueues."""
 from __future__ import annotations
 
 import itertools

@@ -1,20 +1,15 @@
 """Sync over a serial line (docs/serial.md): the one session (agent/core/session.py, through
 `SyncDriver.session(path="serial")`) over the reliable link (serial_link.py) over a port.
 
-Two parts:
-- `SerialEndpoint`, sans I/O: joins one SerialLink and one Session. A link incarnation that
-  comes up gets a fresh session (handshake first); one that goes down drops its session, and
-  what no answer confirmed is offered again by the next one (cursors move only on answers,
-  §14.1: at-least-once, idempotent apply absorbs the duplicates). The tests drive it over a
-  simulated line; `SerialPort` drives it over a real one.
-- `SerialPort`: one pyserial port (non-blocking reads and writes) driving its endpoint: `service`
-  after a wait, as `ssp-agent run`'s one loop (agent/runtime.py) calls it for every port it
-  serves, or `step` and `sync_once` on its own. A port that disappears (a USB adapter pulled,
-  end of file on the tty) is closed and opened again by its name every REOPEN_S.
+- `SerialEndpoint`, sans I/O: joins one SerialLink and one Session. A link incarnation that comes
+  up gets a fresh session; one that goes down drops it, and what no answer confirmed is offered
+  again by the next (cursors move only on answers, §14.1).
+- `SerialPort`: one pyserial port driving its endpoint, from `ssp-agent run`'s loop (`service`)
+  or on its own (`step`, `sync_once`). A port that disappears (a USB adapter pulled) is opened
+  again by its name every REOPEN_S.
 
 Two clocks: the link's timers run on a monotonic clock (a clock step must not end a link); the
-session and the apply path get wall-clock milliseconds (HLCs, the skew bound).
-"""
+session and the apply path get wall-clock milliseconds (HLCs, the skew bound)."""
 from __future__ import annotations
 
 import errno

@@ -339,3 +339,15 @@ def test_no_tracker_numbers_in_code_tests_tools_or_benches():
                 if ISSUE_REF.search(line):
                     found.append(f"{rel}:{i}")
     assert not found, "tracker references: " + ", ".join(found)
+
+
+def test_module_docstrings_in_agent_are_at_most_15_lines():
+    """A module docstring says what the module decides and points to docs/ for the rest; a longer
+    one drifts from the code it describes."""
+    assert len("a\nb".splitlines()) == 2
+    long = []
+    for p in sorted((ROOT / "agent").rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(p.read_text()), clean=False)
+        if doc is not None and len(doc.splitlines()) > 15:
+            long.append(f"{p.relative_to(ROOT)} ({len(doc.splitlines())} lines)")
+    assert not long, "module docstrings over 15 lines: " + ", ".join(long)
