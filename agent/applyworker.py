@@ -1,22 +1,13 @@
 """A worker process that runs the verify-ahead part of the apply path (agent/core/prepare.py:
 envelope parse, Ed25519 verification, strict payload decode) on another core, while the thread
-that holds SQLite applies the events before them (issue 15 item 1, docs/apply.md "Speed").
+that holds SQLite applies the events before them (docs/apply.md "Speed").
 
-Why a process and not threads: the verification releases the GIL, but everything around it does
-not, and the thread holding SQLite releases and re-takes the GIL at every SQLite and libsodium
-call; measured on 2 cores, two verify threads made the import no faster than verifying on the
-apply thread itself (the threads and the apply thread queue for the GIL and for the cores).
-
-The protocol is private to this module: frames of an 8-byte length and a pickle, over the
-worker's stdin and stdout. A request is (keyring or None when unchanged, mesh_id, raws, decode); its answer is
-(the list `prepare` returns, how many events, the worker's CPU seconds for them). Requests are answered in order. The worker reads requests on a thread of its
-own, so its blocked write of an answer never stops it from taking the next request: the parent
-may send several chunks ahead and read their answers later without a deadlock. The parent
-bounds how many chunks are in flight, so this costs a few chunks of memory at most.
-
-Only public data crosses: signed event bytes and public keys (no data key, no signing key).
-If the worker fails or dies, the parent falls back to preparing on its own thread: the results
-are the same, only later."""
+A process, not threads: everything around the verification holds the GIL, and on 2 cores two
+verify threads made the import no faster. The protocol is private to this module: frames of an
+8-byte length and a pickle over the worker's stdin and stdout, answered in order; the worker reads
+requests on a thread of its own, so the parent may send a bounded number of chunks ahead without
+a deadlock. Only public data crosses (signed event bytes, public keys). If the worker fails or
+dies, the parent prepares on its own thread: the same results, only later."""
 from __future__ import annotations
 
 import os
@@ -100,11 +91,11 @@ class ApplyWorker:
 
     def __init__(self) -> None:
         # Imported here, not at the top: the worker process imports this module too, and every
-        # module it loads is resident memory (issue 15 item 2).
+        # module it loads is resident memory.
         import json
         import subprocess
         from pathlib import Path
-        # `-S`: no site initialisation (about 5 MB less resident, issue 15 item 2); the worker gets
+        # `-S`: no site initialisation (about 5 MB less resident); the worker gets
         # this process's module path instead, this package's own tree first, so both run the same code.
         paths = [str(Path(__file__).resolve().parents[1])] + [p for p in sys.path if p]
         self.proc = subprocess.Popen([sys.executable, "-S", "-c", "import sys, json; sys.path[:0] = json.loads(sys.argv[1]); "

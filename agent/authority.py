@@ -1,20 +1,12 @@
-"""A standalone mesh authority (docs/operations.md §0): its own site_id and an Ed25519 key that was
-generated inside a keystore, in a directory kept offline like a CA.
+"""A standalone mesh authority (docs/operations.md §0): its own site_id and an Ed25519 key generated
+inside a keystore, in a directory kept offline like a CA.
 
 Records it issues are signed through the keystore bridge like every other signature in the agent
 (persist-before-release, SOVM §22.5; docs/keystore.md): the directory holds the keystore, the
-bridge's journal and a card naming them, never a raw secret the agent reads. A record released
-before a crash is in the journal; the next issuance stores it on the node first, so the chain
-continues from it instead of forking.
-
-Layout of the directory (mode 0700):
-  authority.json   {"format": "ssp-authority-v2", "site_id", "public_key", "keystore": {...}}
-  keystore/        the software keystore's key file (0600), when the keystore is software
-  keystore.pin     a PKCS#11 PIN given at creation (0600), never in the card
-  authority.incomplete  only while `create` runs, or after one was cut short: the key it makes
-                   (firmware_bridge/keytag.py), so the same command completes the directory
-  sign-journal     the bridge's journal: every record this authority released, exact bytes
-"""
+bridge's journal and a card naming them (authority.json), never a raw secret the agent reads. A
+record released before a crash is in the journal; the next issuance stores it on the node first,
+so the chain continues from it instead of forking. `authority.incomplete` exists only while
+`create` runs or after one was cut short, so the same command completes the directory."""
 from __future__ import annotations
 
 import json
@@ -40,7 +32,7 @@ class AuthorityError(Exception):
 def create(directory: Path, keystore: dict | None = None) -> dict:
     """Make an authority directory: a new site_id and a key generated inside the keystore
     (software by default). Returns the card (no secrets)."""
-    from .node import _keep_pin_out_of_store, _with_pin
+    from .node import keep_pin_out_of_store, resolve_pin
     directory = Path(directory)
     if directory.exists() and (not directory.is_dir() or (not _unfinished(directory) and any(directory.iterdir()))):
         raise AuthorityError(f"{directory} exists; an authority is never overwritten (choose a new, empty directory)")
@@ -51,9 +43,9 @@ def create(directory: Path, keystore: dict | None = None) -> dict:
     conf = dict(keystore or {"kind": "software"})
     if conf.get("kind") == "software":
         conf.setdefault("dir", str(directory / "keystore"))
-    conf = _keep_pin_out_of_store(directory, conf)
+    conf = keep_pin_out_of_store(directory, conf)
     try:
-        ks = open_keystore(_with_pin(conf))
+        ks = open_keystore(resolve_pin(conf))
         try:
             public_key, _ = keytag.generate_or_take_up(ks, KEY_NAME, "ed25519", directory / MARKER,
                                                       conf.get("kind", ""), keytag.own_directory(conf, directory))
@@ -83,13 +75,13 @@ class Authority:
 
     def __init__(self, directory: Path, *, fault_hook: Callable[[str], None] | None = None) -> None:
         """``fault_hook``: the bridge's test seam (named crash points); production passes none."""
-        from .node import NodeError, _with_pin
+        from .node import NodeError, resolve_pin
         self.directory = Path(directory)
         self.site_id, self.public_key, conf = _read_card(self.directory)
         conf = {k: str(self.directory / v) if k in ("dir", "pin_file") and not os.path.isabs(v) else v
                 for k, v in conf.items()}
         try:
-            self._ks = open_keystore(_with_pin(conf))
+            self._ks = open_keystore(resolve_pin(conf))
         except (KeystoreError, NodeError) as e:
             raise AuthorityError(f"{self.directory}: cannot open the authority's keystore: {e}") from None
         try:

@@ -1,23 +1,12 @@
-"""Is this node's wall clock trustworthy? (issue 12 item 5; docs/apply.md "Clocks without an RTC").
+"""Is this node's wall clock trustworthy? (docs/apply.md "Clocks without an RTC").
 
 A Raspberry Pi has no real-time clock: it boots at fake-hwclock's last saved time, or anywhere,
 until NTP syncs. The node trusts its wall clock when one of its sync sources says it is
-synchronised and the clock is not behind the node's own evidence:
-
-- `kernel`: the kernel's NTP state, read with adjtimex(2) (modes 0: a read, no privilege);
-  synchronised when STA_UNSYNC is clear and the call does not answer TIME_ERROR. timesyncd,
-  chrony and ntpd all clear it once they have set the clock.
-- `timesyncd[:PATH]`: systemd-timesyncd's flag file, /run/systemd/timesync/synchronized.
-
-`SSP_AGENT_CLOCK_SYNC` lists the sources (default `kernel,timesyncd`). `SSP_AGENT_CLOCK_TRUSTED=1`
-declares the wall clock trustworthy whatever they say (a device with a battery-backed RTC or a
-GPS clock); `--clock-trusted` on `init` and `evict` does it for one command.
-
-The node's evidence: `meta.clock_evidence`, the highest wall-clock reading taken while the clock
-was trustworthy (recorded at `init`, by eviction and horizon changes, by writes at most once
-a minute, and by `run` every minute), and the highest HLC it holds (`clock.current()`, which is above the observed mark
-`meta.clock_observed` and the witness).
-"""
+synchronised (`SSP_AGENT_CLOCK_SYNC`, default `kernel,timesyncd`: adjtimex(2)'s STA_UNSYNC, or
+systemd-timesyncd's flag file) and the clock is not behind the node's own evidence: the highest
+wall-clock reading taken while the clock was trustworthy (`meta.clock_evidence`) and the highest
+HLC it holds. `SSP_AGENT_CLOCK_TRUSTED=1` (or `--clock-trusted` for one command) declares the wall
+clock trustworthy whatever the sources say (a battery-backed RTC, a GPS clock)."""
 from __future__ import annotations
 
 import os

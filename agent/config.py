@@ -1,4 +1,4 @@
-"""The agent's configuration file (issue 12 item 3): /etc/ssp-agent/agent.toml, so a service's
+"""The agent's configuration file: /etc/ssp-agent/agent.toml, so a service's
 broker URL and credentials are not on every command line. Where it is: $SSP_AGENT_CONFIG, else
 $CONFIGURATION_DIRECTORY/agent.toml (systemd's ConfigurationDirectory=), else
 /etc/ssp-agent/agent.toml. A missing file is an empty configuration.

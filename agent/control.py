@@ -1,22 +1,15 @@
-"""The running agent's control socket: while `ssp-agent run` holds a home, the verbs in
-`FORWARDED` given for that home (status, dump, events, log, write, the operator's verbs of the
-runbooks) are forwarded to it and executed on its own node, by the loop thread that owns the
-node's SQLite connection and signing bridge. So a sensor script can write while the service syncs
-and an operator can inspect it, and there is still one writer: every forwarded write goes through
-the same bridge (persist before release) and the one apply path as any other local write.
+"""The running agent's control socket: while `ssp-agent run` holds a home, the verbs in `FORWARDED`
+given for that home are forwarded to it and executed on its own node, by the loop thread that
+owns the node's SQLite connection and signing bridge. So a sensor script can write while the
+service syncs, and there is still one writer (docs/operations.md).
 
-- **Where**: `HOME/control.sock`, a Unix stream socket, mode 0600 inside the 0700 home. File
-  permissions are the only access rule: whoever may open it may do what the CLI may do with the
-  home, which is what owning the home's files already allows.
-- **Protocol**: the client sends one JSON line `{"argv": [...]}` (the command line after the
-  program name) and reads one JSON line `{"exit": n, "stdout": "...", "stderr": "..."}`; the
-  server closes the connection. Exit statuses are the CLI's (0 done, 1 fault, 2 refused).
-  `"not_run": true` in the answer: the agent stopped before its loop took the request, which
-  therefore never ran; the client then waits for the home like any other command.
-- **Staleness**: a socket file nobody listens on (an agent killed with SIGKILL) is ignored by the
-  client (the verb opens the home itself) and replaced by the next `run`, which holds the home's
-  journal lock before it binds, so it can never take over a live agent's socket.
-"""
+- **Where**: `HOME/control.sock`, mode 0600 inside the 0700 home; file permissions are the only
+  access rule (whoever may open it may already do what the CLI may do with the home).
+- **Protocol**: one JSON line `{"argv": [...]}` in, one `{"exit": n, "stdout", "stderr"}` out,
+  with the CLI's exit statuses; `"not_run": true`: the agent stopped before running it, and the
+  client waits for the home like any other command.
+- **Staleness**: a socket nobody listens on is ignored by the client and replaced by the next
+  `run`, which holds the home's journal lock before it binds."""
 from __future__ import annotations
 
 import contextlib

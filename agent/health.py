@@ -1,4 +1,4 @@
-"""`ssp-agent check` (issue 12 item 4), in the spirit of `iotedge check`: one line per check with
+"""`ssp-agent check`, in the spirit of `iotedge check`: one line per check with
 OK, WARN or FAIL, what was found and, when not OK, a hint saying what to do. It reads the home
 through a read view (it writes nothing, works beside a running `run` and on a full disk) and opens
 one short MQTT connection of its own (a different client id, so a running agent keeps its
@@ -64,10 +64,10 @@ def check_home(home: Path):
 
 
 def check_keystore(node) -> dict:
-    from .node import _home_paths
+    from .node import home_paths
     card = node._keystore_card()
     state = card.get("journal_state") or {}
-    conf = _home_paths(node.home, dict(card.get("keystore") or {}))
+    conf = home_paths(node.home, dict(card.get("keystore") or {}))
     kind = conf.get("kind")
     journal = (f"journal {state.get('records', 0)} record(s), {state.get('bytes', 0)} bytes"
                + (f", torn tail {state['torn_tail_bytes']} bytes (truncated by the next writing open)"
@@ -188,7 +188,7 @@ def check_broker(settings, site_id: bytes | None, timeout: float, mesh_id: bytes
 
 
 def check_clock(node, now_ms: int) -> dict:
-    """The node's clock against the wall clock, as agent/clockstate.py judges it (issue 12 item 5):
+    """The node's clock against the wall clock, as agent/clockstate.py judges it:
     FAIL when the node's HLC is far ahead of the wall clock or the wall clock is behind the
     node's own evidence (it was set back: writes are stamped ahead of real time and fresh peers
     reject them); WARN when no sync source vouches for the wall clock."""

@@ -1,4 +1,4 @@
-"""How a node's identity is bound to its hardware (issue 2 item 2; docs/operations.md).
+"""How a node's identity is bound to its hardware (docs/operations.md).
 
 A home directory copied to a second device would make two devices sign as one site_id,
 and their HLCs would collide (§13.5 forbids reuse). At `init` the node records a hash of

@@ -1,29 +1,16 @@
-"""Mailbox files (cli-contract.md `mailbox`): one sync body per file, store-and-forward.
+"""Mailbox files (`mailbox export` and `mailbox import`): one sync body per file, store-and-forward.
 
 Export selects from the durable per-peer cursor of the `mailbox` path, filtered by policy and
-self-echo. The cursor does **not** move when the file is written: like every path (§14.1) it
-moves only on the peer's answer. A file cannot answer, so the answer travels in the peer's next
-mailbox files (to this node, or to any node, which relays it on: a ring of files), as a
-self-verifying signed record in the body's `records` member (wire-profile.md §5 "Extensions";
-docs/protocol.md §6):
+self-echo. The cursor does not move when the file is written: like every path (§14.1) it moves
+only on the peer's answer, which travels in the peer's next mailbox files (to this node or to any
+node that relays it: a ring of files) as a signed `sovm/ssp-mailbox-ack-v1` record naming the
+BLAKE3 of the file's exact bytes and how many of its events reached a final state
+(docs/protocol.md §6). So every export re-offers what is not yet acknowledged.
 
-    COSE_Sign1(protected = {1: -8, 3: "sovm/ssp-mailbox-ack-v1", 4: issuer site_id (the receiver)},
-               payload   = {subject_site_id: bstr16 (the exporter answered),
-                            answers: [+ [body_hash: bstr32, processed: uint]] (at most 16),
-                            issued_at: uint (ms)},
-               external_aad = mesh_id)            deterministic CBOR, exact member set
-
-`body_hash` is the BLAKE3 of a file's exact bytes as imported; `processed` is how many of its
-events reached a final state before the first rejected one (the MQTT answer's `ssp-processed`).
-The exporter keeps each file it wrote in `sync_state.sent_bodies` under that hash with its
-selection token, and confirms the token with `processed` (SyncDriver.confirm), so every export
-re-offers what is not yet acknowledged.
-
-Import parses the whole body strictly before anything touches the store (§32.2), then takes the
+Import parses the whole body strictly before anything touches the store (§32.2), takes the
 answers addressed to this node, verifies and stores the other control records, then applies the
 events through the node's one apply path. A file carries no authenticated stream, so mailbox
-bodies never move applied watermarks (docs/protocol.md §3).
-"""
+bodies never move applied watermarks (docs/protocol.md §3)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Metrics in the Prometheus text format (issue 12 item 4), written to a file for node_exporter's
+"""Metrics in the Prometheus text format, written to a file for node_exporter's
 textfile collector (no port is opened): `run --metrics-file PATH`, `sync --metrics-file PATH`,
 `ssp-agent metrics --out PATH`. The file is replaced atomically (a temporary file in the same
 directory, fsync, rename), so the collector never reads half of it; the temporary name does not

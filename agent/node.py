@@ -24,7 +24,7 @@ from firmware_bridge.journal import inspect as journal_inspect
 
 from . import identity as ident
 from .clockstate import now_ms  # re-exported: callers read the wall clock as node.now_ms
-from .core import cose, events as ev, numbers, reasons
+from .core import cose, events as ev, numbers, reasons as R
 from .core.clock import Hlc, beyond_skew
 from .core.clock import signing_time as clock_signing_time
 from .core.codec import DecodeError, decode_strict
@@ -39,7 +39,7 @@ log = logging.getLogger("ssp_agent")
 
 EVENT_KEY = "events"  # the key name of the node's event-signing key in its keystore
 # Held events (§13.6 row 1) are bounded per signer and in total, so neither fictional tables nor
-# one signer can fill the disk or crowd out another signer's holds (issue 10 item 4). What does
+# one signer can fill the disk or crowd out another signer's holds. What does
 # not fit is rejected (surfaced; the sender re-offers it later), never dropped.
 HELD_LIMIT_PER_SIGNER = 10_000
 HELD_LIMIT_TOTAL = 100_000
@@ -162,7 +162,7 @@ class Node:
         """Create a node: identity, keystore key, store, manifest tables. Returns (node, public_key).
         The profile (agent/profiles/*.toml) sets horizons, limits and the default keystore."""
         # Absolute: what the store records (keystore dir, PIN file) must not depend on the directory
-        # `init` ran in; a systemd unit or cron starts the node from elsewhere (issue 12 item 9).
+        # `init` ran in; a systemd unit or cron starts the node from elsewhere.
         home = Path(home).absolute()
         interrupted = _Made.interrupted(home)
         if interrupted is not None:
@@ -204,9 +204,9 @@ class Node:
         if ks_conf.get("kind") == "software":
             ks_conf["dir"] = str(Path(ks_conf.get("dir") or home / "keystore").absolute())
         wrote_pin = "pin" in ks_conf
-        ks_conf = _keep_pin_out_of_store(home, ks_conf)
+        ks_conf = keep_pin_out_of_store(home, ks_conf)
         try:
-            ks = open_keystore(_with_pin(ks_conf))
+            ks = open_keystore(resolve_pin(ks_conf))
             kind = ks_conf.get("kind", "")
             try:
                 public_key = ks.generate_key(EVENT_KEY, "ed25519", tag=made.generating(kind))
@@ -286,7 +286,7 @@ class Node:
             raise NodeError(f"{home} holds no node; create one with `ssp-agent --home {home} init --manifest FILE`")
         conn = db.connect_readonly(path) if read_only else db.connect(path)
         try:
-            # The layout version (issue 12 item 8): a newer store is refused by both kinds of open;
+            # The layout version: a newer store is refused by both kinds of open;
             # a writing open migrates an older one forward (below, once the identity checks pass,
             # so a refused open changes nothing), a read view reads it as it is.
             migrations.refuse_newer(conn, path)
@@ -331,8 +331,8 @@ class Node:
             conn.close()
             raise
         db.ensure_reserve(home)   # a home made before it, or one whose reserve an eviction used
-        ks_conf = _home_paths(home, json.loads(db.get_meta(conn, "keystore")))
-        ks = open_keystore(_with_pin(ks_conf))
+        ks_conf = home_paths(home, json.loads(db.get_meta(conn, "keystore")))
+        ks = open_keystore(resolve_pin(ks_conf))
         try:
             # The event log, the held table and the journal's outputs are sealed at rest under the
             # store's data key, which only this keystore (or the one `keystore rewrap` moved the
@@ -365,7 +365,7 @@ class Node:
         conn = db.connect_readonly(home / cls.STORE_FILE)
         try:
             conf = atrest.seal_keystore_conf(conn) or json.loads(db.get_meta(conn, "keystore"))
-            ks = open_keystore(_with_pin(_home_paths(home, conf)))
+            ks = open_keystore(resolve_pin(home_paths(home, conf)))
             try:
                 seal = atrest.open_log(conn, ks, bytes(db.get_meta(conn, "site_id")), home, 0, create=False)
             finally:
@@ -508,8 +508,8 @@ class Node:
         rehydrate.abandon_unreleased(self)   # a rehydration start killed before its release
         # Compaction rewrites the journal (two fsyncs: the new file, its directory). On open only
         # after a recovery or once the journal outgrew JOURNAL_OPEN_COMPACT_BYTES: a `write` per
-        # process would otherwise pay both for the one entry the previous one left (issue 15 item
-        # 3). The entries that wait are read by every open (above), which the bound keeps cheap.
+        # process would otherwise pay both for the one entry the previous one left. The entries that wait are
+        # read by every open (above), which the bound keeps cheap.
         if missing or records or self.bridge.journal_stats()["bytes"] > JOURNAL_OPEN_COMPACT_BYTES:
             self.compact_journal()
 
@@ -641,7 +641,7 @@ class Node:
                 out = self._apply_in_txn(raws, now, origin) if built is None else \
                     self._apply_built(raws, built, now, origin)
                 self._persist_observed()
-                new = sum(1 for o in out if o.reason == "applied")
+                new = sum(1 for o in out if o.reason == R.APPLIED)
                 if new:
                     self._applied += new
                     db.set_meta(self.conn, "applied_count", self._applied)
@@ -687,7 +687,7 @@ class Node:
                     tbl.rows.prefetch(rks)
             for raw, checked in zip(raws, built):
                 o = self._apply_one(raw, now, origin, checked, since if checked is not None else None)
-                if o.status == APPLIED and o.reason == "applied":
+                if o.status == APPLIED and o.reason == R.APPLIED:
                     since[o.event_id] = "log"
                 out.append(o)
             for rs in stores:
@@ -722,7 +722,7 @@ class Node:
                 if o.event_id is not None:
                     if o.status == HELD:
                         since.setdefault(o.event_id, "held")
-                    elif o.status == DUPLICATE or (o.status == APPLIED and o.reason == "applied"):
+                    elif o.status == DUPLICATE or (o.status == APPLIED and o.reason == R.APPLIED):
                         since[o.event_id] = "log"
                 out.append(o)
                 if len(out) % 256 == 0 and sum(rs.pending() for rs in stores) > self.ROW_FLUSH:
@@ -811,7 +811,7 @@ class Node:
 
     def _chunks(self, raws, worker: bool) -> list[list]:
         """A batch's chunks: at most _CHUNK events and _CHUNK_BYTES bytes, so the prepare-ahead
-        window (_AHEAD chunks) is bounded in bytes as well as in events (issue 15). With a worker
+        window (_AHEAD chunks) is bounded in bytes as well as in events. With a worker
         the first chunks are smaller (_FIRST_CHUNK, doubling up to _CHUNK): this thread waits for
         the first chunk's answer before applying anything, and a run receives a body of 1 000
         events at a time, so that wait came back at every body (measured on the receiving `run` of
@@ -952,7 +952,7 @@ class Node:
         holds what the batch made known after the chunk's one duplicate look-up found this event
         unknown."""
         if not isinstance(raw, (bytes, bytearray)):
-            return self._surface(Outcome(DROPPED, "not_bytes"), now)
+            return self._surface(Outcome(DROPPED, R.NOT_BYTES), now)
         raw = bytes(raw)
         eid = checked[4] if checked is not None else ev.event_id(raw)
         # Envelope: tag 18, empty unprotected map, deterministic bytes (wire-profile §2): else dropped.
@@ -964,27 +964,27 @@ class Node:
             except DecodeError as e:
                 return self._surface(Outcome(DROPPED, e.reason, eid), now)
         if sign1.content_type != ev.EVENT_CONTENT_TYPE:
-            return self._surface(Outcome(DROPPED, "not_an_event", eid), now)
+            return self._surface(Outcome(DROPPED, R.NOT_AN_EVENT, eid), now)
         kid = sign1.kid
         # §32.1 self-echo suppression, on every path (local writes are ours by construction).
         if origin != "local" and kid == self.site_id:
-            return Outcome(DROPPED, "self_echo", eid, kid)
+            return Outcome(DROPPED, R.SELF_ECHO, eid, kid)
         # Identical bytes were verified when first applied: a known event_id is a no-op (§12.4).
-        # Whatever the batch size: the same bytes get the same outcome (issue 10 item 10).
+        # Whatever the batch size: the same bytes get the same outcome.
         known = since.get(eid) if since is not None else self._known(eid)
         if known == "log":
-            return Outcome(DUPLICATE, "duplicate", eid, kid, verified=True)
+            return Outcome(DUPLICATE, R.DUPLICATE, eid, kid, verified=True)
         if known == "held":
-            return Outcome(HELD, "already_held", eid, kid, verified=True)
+            return Outcome(HELD, R.ALREADY_HELD, eid, kid, verified=True)
         # §12.1 signature verification: kid in the keyring, valid signature, retirement cutoff.
         entry = self.keyring.get(kid)
         if entry is None:
-            # Rejected, not dropped (issue 10 item 5, docs/protocol.md §5 Trust): the one
+            # Rejected, not dropped (docs/protocol.md §5 Trust): the one
             # verification failure that may resolve (a vouch or `peer add` may still come), so the
             # sender re-offers it. Nothing is retained and no watermark is blocked (the event is
             # attributable to no group here); only the delivering link's cursor waits, which costs
             # whoever delivered it, and an honest sender holds it only if it trusts the kid.
-            return self._surface(Outcome(REJECTED, "unknown_kid", eid, kid), now)
+            return self._surface(Outcome(REJECTED, R.UNKNOWN_KID, eid, kid), now)
         if checked is not None and checked[1] == entry:
             sig_ok = checked[2]
         else:
@@ -992,7 +992,7 @@ class Node:
                 sign1, checked = cose.parse_sign1(raw), None
             sig_ok = cose.verify_ed25519(entry[0], sign1.sig_structure(self.mesh_id), sign1.signature)
         if not sig_ok:
-            return self._surface(Outcome(DROPPED, "bad_signature", eid, kid), now)
+            return self._surface(Outcome(DROPPED, R.BAD_SIGNATURE, eid, kid), now)
         decoded = checked[3] if checked is not None and checked[1] == entry else None
         if decoded is None:
             try:
@@ -1005,24 +1005,24 @@ class Node:
         table = e.table
         base = dict(event_id=eid, site_id=kid, table=table, hlc=e.hlc, verified=True)
         if entry[1] is not None and e.hlc > entry[1]:
-            return self._surface(Outcome(DROPPED, "retired_signer", **base), now)
+            return self._surface(Outcome(DROPPED, R.RETIRED_SIGNER, **base), now)
         # §12.2 skew bound: rejected and not retained; the sender re-offers it. A local event
         # carries our own clock, which may run ahead of a wall clock that jumped back.
         if origin != "local" and beyond_skew(e.hlc[0], now):
-            return self._surface(Outcome(REJECTED, "clock_skew", **base), now)
+            return self._surface(Outcome(REJECTED, R.CLOCK_SKEW, **base), now)
         # §12.3 scope: a missing table is held (§13.6 row 1); outside the floor is dropped and logged.
         tbl = self.tables.get(table)
         if tbl is None:
             return self._hold(e, now, base)
         if tbl.tdef.category != SYNCABLE:
             log.info("dropped %s: table %s is %s (outside the floor)", eid.hex(), table, tbl.tdef.category)
-            return self._surface(Outcome(DROPPED, "out_of_floor", **base), now, kind="logged")
+            return self._surface(Outcome(DROPPED, R.OUT_OF_FLOOR, **base), now, kind="logged")
         bad_key = tbl.tdef.key_misfit(e.row_key)
         if bad_key:
             return self._surface(Outcome(DROPPED, bad_key[0], **base), now, detail=bad_key[2])
         # §3: below the table's eviction horizon counts as applied and writes nothing.
         if below(e.hlc, tbl.horizon):
-            return Outcome(APPLIED, "below_horizon", **base)
+            return Outcome(APPLIED, R.BELOW_HORIZON, **base)
         # §12.4 idempotent insert keyed on event_id.
         rk = checked[5] if checked is not None and len(checked) > 5 and checked[5] is not None else \
             rowstore.row_key_bytes(e.row_key)
@@ -1030,11 +1030,11 @@ class Node:
             eventlog.INSERT_EVENT, (eid, kid, e.hlc[0], e.hlc[1], table, rk, e.operation,
                                             self.log_seal.seal(eid, raw), origin))
         if cur.rowcount == 0:
-            return Outcome(DUPLICATE, "duplicate", **base)
+            return Outcome(DUPLICATE, R.DUPLICATE, **base)
         # §12.5 HLC observe.
         self.clock.observe(e.hlc, now)
         self._materialize(tbl, e, rk, now)
-        return Outcome(APPLIED, "applied", eid, kid, table, e.hlc, True)
+        return Outcome(APPLIED, R.APPLIED, eid, kid, table, e.hlc, True)
 
     def _known_among(self, eids: list[bytes]) -> set[bytes]:
         """The event_ids among `eids` that the log or the held table holds (one query)."""
@@ -1091,7 +1091,7 @@ class Node:
     def _counts(self, stamp: tuple[int, int, bytes]) -> bool:
         """Whether a retained event with this stamp still passes §12.1 under the current trust:
         its signer is trusted and its HLC is not above the signer's cutoff. The log keeps the
-        events that do not; they no longer count (issue 10 item 5)."""
+        events that do not; they no longer count."""
         entry = self.keyring.get(stamp[2])
         return entry is not None and (entry[1] is None or stamp[:2] <= entry[1])
 
@@ -1116,7 +1116,7 @@ class Node:
     def _reconcile_trust(self, now: int) -> dict | None:
         """Inside the caller's transaction, after `_load_caches`: make the rows the merge of the
         retained events that count under the current trust (materialized state is a function of
-        the delivered events and records, issue 10 item 5). `meta.materialized_trust` records the
+        the delivered events and records). `meta.materialized_trust` records the
         keyring the rows reflect. Against it: for a signer trusted less now (cutoff lowered, key no
         longer trusted) every row with a clock owned by one of its events that no longer counts is
         rebuilt without them (`merge.rebuild_without`); for a signer trusted more now (a vouch
@@ -1188,12 +1188,12 @@ class Node:
         n_signer, n_total = db.held_count(self.conn, e.site_id)
         if n_signer >= HELD_LIMIT_PER_SIGNER or n_total >= HELD_LIMIT_TOTAL:
             # Retain nothing more; the sender moves past it and re-offers it later (agent/sync.py).
-            return self._surface(Outcome(REJECTED, "held_limit", **base), now)
+            return self._surface(Outcome(REJECTED, R.HELD_LIMIT, **base), now)
         cur = self.conn.execute(eventlog.HOLD_EVENT, (e.event_id, e.site_id, e.table, e.hlc[0], e.hlc[1],
                                                              self.log_seal.seal(e.event_id, e.raw), now))
         if cur.rowcount == 0:
-            return Outcome(HELD, "already_held", **base)
-        return self._surface(Outcome(HELD, "table_missing", **base), now, kind="held")
+            return Outcome(HELD, R.ALREADY_HELD, **base)
+        return self._surface(Outcome(HELD, R.TABLE_MISSING, **base), now, kind="held")
 
     def _surface(self, o: Outcome, now: int, kind: str | None = None, detail: dict | None = None) -> Outcome:
         """Record what the spec says to surface (or log) where `ssp-agent events` lists it.
@@ -1212,7 +1212,7 @@ class Node:
         self.conn.execute(reports.SURFACE_EVENT,
                           (now, kind, reason, e.event_id, e.site_id, e.table, json.dumps(detail, sort_keys=True)))
 
-    # ------------------------------------------------------------------ refused messages (issue 11)
+    # ------------------------------------------------------------------ refused messages
     def surface_clock(self, reason: str, detail: dict) -> None:
         """Surface a clock condition (kind `clock`), e.g. eviction deferred for an untrusted clock."""
         with _txn(self.conn):
@@ -1291,8 +1291,8 @@ class Node:
                 "writing command applies them once there is space, so do not write them again. Free space there, "
                 "or run `ssp-agent evict --auto` (it uses the space the home reserves for it)") from e
         for o in outs:
-            if o.status != APPLIED or o.reason != "applied":
-                # A local write either lands in the log or fails (issue 10 item 6): never an id
+            if o.status != APPLIED or o.reason != R.APPLIED:
+                # A local write either lands in the log or fails: never an id
                 # for an event stored and sent nowhere (e.g. below an eviction horizon).
                 raise NodeError(f"local event was not stored: {o.status} ({o.reason})")
         self._logged.update(b[6] for b in built)
@@ -1315,7 +1315,7 @@ class Node:
         """The wall-clock input of the next ticks (core/clock.signing_time): bounded by the
         evidence while the clock is not trustworthy; while it is, the reading is new evidence.
         `defer` (local writes): the evidence is written by the write's next transaction (a due
-        ceiling's, else the apply's) instead of one of its own: one fsync fewer (issue 15 item 3)."""
+        ceiling's, else the apply's) instead of one of its own: one fsync fewer."""
         from . import clockstate
         st = clockstate.assess(self, now)
         if st["trusted"]:
@@ -1356,7 +1356,7 @@ class Node:
                 and cur is not None and now < cur:
             with _txn(self.conn):
                 db.set_meta(self.conn, "clock_evidence", now)
-                reports.surface(self.conn, now, "clock", reasons.CLOCK_EVIDENCE_RESET, json.dumps(
+                reports.surface(self.conn, now, "clock", R.CLOCK_EVIDENCE_RESET, json.dumps(
                     {"evidence_ms": cur, "now_ms": now, "mesh_ms": self.mesh_time()}, sort_keys=True))
             log.warning("clock: the evidence %d was taken under a wrong clock (a synchronised reading and "
                         "the peers' time say %d); lowered to it", cur, now)
@@ -1391,7 +1391,7 @@ class Node:
 
     def require_trusted_clock(self, what: str, *, override: bool = False, wait_s: float = 0,
                               now: int | None = None, strict: bool = False) -> dict:
-        """Eviction and horizon changes need a trustworthy wall clock (issue 12 item 5): wait up
+        """Eviction and horizon changes need a trustworthy wall clock: wait up
         to `wait_s` for one, else refuse (ClockUntrusted). Returns the clock's assessment; a
         trusted reading is recorded as evidence."""
         st = _require_trusted_clock(self, what, override, wait_s, now, strict)
@@ -1458,7 +1458,7 @@ class Node:
         """What the apply path would compute for each freshly released local event (the
         `checked` of `_apply_one`: envelope, keyring entry, signature valid, decoded event, event_id),
         taken from what we built it from instead of parsing, verifying and decoding it again
-        (issue 15 item 4: a local write is not verified twice). It holds because the bytes are
+        (a local write is not verified twice). It holds because the bytes are
         exactly `assemble(protected, payload, signature)` of our own encoding (its prefix compared here;
         otherwise None: the full path), and the signature is valid under our keyring key: the
         bridge releases only signatures that verify under the keystore's public key (it checks
@@ -1567,7 +1567,7 @@ class Node:
 
     def reset_horizons_in_txn(self) -> dict[str, str]:
         """`reset_horizons` inside the caller's transaction (rehydration resets the horizons and
-        the watermarks that described them as one commitment: issue 10 item 7). The in-memory
+        the watermarks that described them as one commitment). The in-memory
         horizons follow once the caller committed (`_load_caches` on failure is not needed:
         they are only lowered, and a rolled-back lowering is re-read on the next open)."""
         old = {q: f"{t.horizon[0]}.{t.horizon[1]}" for q, t in self.tables.items() if t.horizon}
@@ -1593,7 +1593,7 @@ class Node:
     def _with_reserve(self, work):
         """Run an eviction; on a full disk, release the space the home reserves for it and run it
         once more (it is idempotent: horizons only rise, deletions below them repeat as no-ops).
-        Afterwards take the reserve back if there is room (agent/store/db.py, issue 16 item 2)."""
+        Afterwards take the reserve back if there is room (agent/store/db.py)."""
         try:
             out = work()
         except Exception as e:
@@ -1988,7 +1988,7 @@ def _check_keystore_conf(conf: dict) -> dict:
     return conf
 
 
-def _home_paths(home: Path, conf: dict) -> dict:
+def home_paths(home: Path, conf: dict) -> dict:
     """The keystore config with paths stored relative to the home resolved against it. (A home made
     before paths were stored this way by an `init` with a relative --home holds paths relative to
     the directory init ran in: those still resolve from there.)"""
@@ -2001,7 +2001,7 @@ def _home_paths(home: Path, conf: dict) -> dict:
     return conf
 
 
-def _keep_pin_out_of_store(home: Path, conf: dict) -> dict:
+def keep_pin_out_of_store(home: Path, conf: dict) -> dict:
     """A token PIN given at init goes to HOME/keystore.pin (0600), never into the store, which
     gets copied and backed up; the store keeps only where to find it (`pin_file`), or the name
     of an environment variable (`pin_env`) when the operator gave one."""
@@ -2027,7 +2027,7 @@ def seal_keystore(home: Path, conn: sqlite3.Connection, ks):
         yield ks
         return
     try:
-        other = open_keystore(_with_pin(_home_paths(home, conf)))
+        other = open_keystore(resolve_pin(home_paths(home, conf)))
     except (KeystoreError, NodeError) as e:
         raise atrest.unavailable(home, conf.get("kind", "?"), f"is not available ({e})") from None
     try:
@@ -2036,7 +2036,7 @@ def seal_keystore(home: Path, conn: sqlite3.Connection, ks):
         other.close()
 
 
-def _with_pin(conf: dict) -> dict:
+def resolve_pin(conf: dict) -> dict:
     """The keystore config with its PIN resolved (firmware_bridge.with_pin). A PIN that is not
     there is a keystore fault (exit 1, as a token that is not there): the environment or the file
     may be back on the next try, and the unit restarts on 1, never on a refusal's 2."""

@@ -3,19 +3,12 @@ bounded in bytes and publishes (docs/sequencer.md "A flood of requests", docs/mq
 bound").
 
 paho keeps every QoS 1 publish in memory until the broker's PUBACK, which only that client's
-network thread reads. A loop that answers requests as fast as they come, on the connection whose
-thread also reads the requests, piles answers up faster than they leave, and it cannot wait for
-them to drain: that thread may be the one waiting for room in the loop's inbox (agent/inbox.py),
-so the PUBACKs are never read. So either the answers go out on a connection of their own, which
-reads nothing but acknowledgements, and the loop takes no new request while the outbox is
-``full`` (`sequencer run`: it waits on ``progress``); or, on the one connection, the loop never
-waits and leaves out what it may while ``full`` (a node's courtesy answers, agent/runner.py).
-
-The PUBACK of a publish may be handled before ``publish`` returns its mid (the network thread
-runs on); such an early mid is kept while a publish is under way, and only then, so the PUBACKs
-of publishes made past this class (a delivery probe's) leave nothing behind. paho calls
-``on_publish`` while it holds its own lock, so this class never calls paho while holding its lock.
-"""
+network thread reads, and that thread may be the one waiting for room in the loop's inbox. So
+either the answers go out on a connection of their own and the loop takes no new request while
+the outbox is ``full`` (`sequencer run`), or, on the one connection, the loop never waits and
+leaves out what it may while ``full`` (a node's courtesy answers, agent/runner.py). A PUBACK
+handled before ``publish`` returns its mid is kept while a publish is under way, and paho calls
+``on_publish`` under its own lock, so this class never calls paho while holding its lock."""
 from __future__ import annotations
 
 import threading

@@ -9,7 +9,7 @@ STATUSES = (APPLIED, DUPLICATE, DROPPED, REJECTED, HELD)
 
 class Outcome(NamedTuple):
     """One event's outcome (immutable). A NamedTuple rather than a frozen dataclass: the apply path
-    makes one per event, and a frozen dataclass's constructor costs several times more (issue 15)."""
+    makes one per event, and a frozen dataclass's constructor costs several times more."""
 
     status: str
     reason: str

@@ -1,32 +1,16 @@
-"""Rehydration: a node drops its eviction horizons back to zero and takes the history back from
-the peers that still hold it (scope excerpt §3, §13.5; docs/protocol.md §8).
+"""Rehydration: a node drops its eviction horizons back to zero and takes the history back from the
+peers that still hold it (scope excerpt §3, §13.5; docs/protocol.md §8).
 
-The trigger must reach a peer over every transport (in-memory sessions, mailbox files, MQTT) and
-make it re-offer history it has already sent, which its cursor has passed. SSP/1's strict message
-parsing forbids new members, so the trigger travels where extension is possible: the `records`
-member, as a **self-signed control record**
-
-    COSE_Sign1(protected = {alg: EdDSA, content type: "sovm/ssp-rehydrate-v1", kid: subject},
-               payload   = {subject_site_id: bstr16, generation: uint,
-                            previous_record_hash: bstr32 / null, requested_at: uint (ms)},
-               external_aad = mesh_id)
-
-A peer that verifies it (kid == subject, the subject's key trusted in its keyring and not
-retired, exact members, generation 0 exactly when there is no predecessor) and has not yet
-handled that generation for that subject, once per generation:
-
-- resets every one of its per-path cursors for the subject to genesis (live re-offer from seq 0,
-  which works unchanged on every path: the MQTT runner, the session driver and mailbox export all
-  select from those cursors);
-- forgets the watermarks the subject reported (they described the state before the reset);
-- stops filtering out, up to the reset point, events the subject itself once delivered to it
-  (the subject may have evicted them since);
-- keeps the record and forwards it in every body, so it reaches peers through relays.
+The trigger must make a peer re-offer history its cursor has passed, over every transport, and
+SSP/1's strict parsing forbids new message members, so it travels as a self-signed control record
+in `records` (`sovm/ssp-rehydrate-v1`: subject, generation, predecessor hash, requested_at). A
+peer that verifies it handles each generation of a subject once: it resets its per-path cursors
+for the subject to genesis, forgets the watermarks the subject reported, stops filtering out
+events the subject once delivered to it, and keeps and forwards the record so it reaches peers
+through relays.
 
 The subject's side (`start`) zeroes its horizons (`Node.reset_horizons`, the only way a horizon
-moves down), clears its own applied watermarks (they were claims about events it counted as
-applied below the horizon and did not keep), issues the record, and counts what arrives.
-"""
+moves down), clears its own applied watermarks, issues the record, and counts what arrives."""
 from __future__ import annotations
 
 import json
@@ -36,6 +20,7 @@ from typing import Any
 
 from . import policy
 from .clockstate import now_ms
+from .core import reasons as R
 from .core.classify import classified
 from .core.codec import INT64_MAX, decode_strict, encode
 from .core.cose import ALG_EDDSA, assemble, content_type, parse_sign1, protected_header, sig_structure
@@ -81,7 +66,7 @@ def verify(raw: bytes, mesh_id: bytes, keyring: dict) -> dict:
     subj, gen, prev, at = p["subject_site_id"], p["generation"], p["previous_record_hash"], p["requested_at"]
     if subj != s.kid:
         raise RehydrateRecordError("not_self_signed")
-    # generation and requested_at reach the store: bounded by SQLite's signed 64-bit (issue 11 item 3)
+    # generation and requested_at reach the store: bounded by SQLite's signed 64-bit
     if not isinstance(gen, int) or isinstance(gen, bool) or not 0 <= gen <= INT64_MAX:
         raise RehydrateRecordError("bad_generation")
     if prev is not None and not (isinstance(prev, bytes) and len(prev) == 32):
@@ -257,8 +242,8 @@ _CRASH_HOOK = None
 def note_body(conn: sqlite3.Connection, sender: bytes, outcomes: list, source_trusted: bool) -> None:
     """Count what a body brought while a rehydration runs (called by SyncDriver after apply)."""
     verified = [o for o in outcomes if o.verified]
-    note_counts(conn, sender, len(verified), sum(1 for o in verified if o.status == "applied" and o.reason == "applied"),
-                sum(1 for o in verified if o.reason == "below_horizon"),
+    note_counts(conn, sender, len(verified), sum(1 for o in verified if o.status == "applied" and o.reason == R.APPLIED),
+                sum(1 for o in verified if o.reason == R.BELOW_HORIZON),
                 sum(1 for o in verified if o.status == "duplicate"), len(outcomes) - len(verified), source_trusted)
 
 

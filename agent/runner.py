@@ -1,57 +1,18 @@
-"""The node's MQTT loop: `ssp-agent run` (always on) and `ssp-agent sync --once` (wake, sync, sleep).
+"""The node's MQTT loop: `ssp-agent run` (always on) and `ssp-agent sync --once` (wake, sync, sleep);
+docs/mqtt.md says what it does on the wire.
 
-A thin adapter (issue 13 item 1): the protocol decisions described below (the window of bodies
-in flight, giving up, body limits, presence, when and what to send) are the pure exchange state
-machine's, `agent/core/exchange.py` (with `core.sending` and `core.delivery.answer_moves`), the
-same on every link; what only the MQTT binding adds around it is `agent/core/binding.py`'s (the
-request and answer properties, refusals before parsing, what an answer's signed acknowledgement
-proves, whether one is owed and when it is signed, records released for replays, the order of
-intake, how many events fit a body, the order of a `sync --once` wake, when the loop is next
-due); this module moves messages (MqttLink), time
-(`time.monotonic`, passed in) and rows (sync_state, through `agent.sync.PortAdapter`) in and out
-of them. `agent/runtime.py` drives it through `step` and sleeps until `next_due`.
+A thin adapter: the protocol decisions (the window of bodies in flight, giving up, body limits,
+presence, when and what to send) are the pure exchange state machine's (agent/core/exchange.py),
+the same on every link, and what only the MQTT binding adds is agent/core/binding.py's. This
+module moves messages (MqttLink), time (passed in) and rows (sync_state, through
+`agent.sync.PortAdapter` on the path `mqtt`) in and out of them; agent/runtime.py drives it
+through `step` and sleeps until `next_due`.
 
-One thread owns the node (SQLite); the MQTT link's network thread only enqueues what arrives.
-Everything sent and received goes through the sync layer (`agent.sync.PortAdapter` on the
-transport path `mqtt`): durable per-(peer, path) cursors in sync_state, selection filtered by
-policy, self-echo, peer origin and the peer's reported watermarks, the control records not yet
-delivered to the peer (within a quarter of its body limit, docs/protocol.md §5) and the node's
-applied watermarks in every body, and the frame meta (cursor range, seq deltas, policy
-gaps) in the `ssp-meta` user property so that an authenticated receiver can infer watermarks.
-
-- **Batch** (§32): every `cadence_s`, for every peer in the keyring, offer what the durable
-  per-peer cursor selects, split into bodies under the broker's packet size and the body limit,
-  a window of bodies in flight at once. Each body is a request; the cursor advances only when
-  the peer's answer arrives, by the number of events it processed to a final state
-  (`cursor_after`), and only contiguously. Without `secure`, only an answer carrying the peer's
-  signed acknowledgement of that exact body counts (`sovm/ssp-ack-v1`, docs/protocol.md §5).
-  Unanswered bodies are re-offered (the peer absorbs duplicates). Every body sent is kept in `sync_state.sent_bodies` until answered, so an answer
-  that waited in the broker while this process was gone (a `sync --once` device asleep, a
-  restart) still moves the cursor when the next process takes it. A range with nothing for the peer (all filtered) still goes out as an empty body,
-  so the cursor moves only on an answer and the peer's stream position stays in step.
-- **Realtime** (§33): when this node produces events, peers that are present (retained
-  presence) and advertised `supports_realtime` (as we do) get a push at once, coalesced over
-  `coalesce_s`, or on a fixed cadence (`flush_cadence_s`, §33.3). Pushes are answered like
-  batch bodies, so they can advance the cursor; batch keeps running underneath (§33.1). On this
-  binding a push is a window body sent early: same selection, same meta, answered.
-- **Receiving**: a body is checked (size, realtime mode, sender named by the topic, strict
-  parse), applied in one SQLite transaction through the node's one apply path, answered, and only
-  then acked to the broker.
-- **Secure binding** (`RunConfig.secure`, `--secure-binding`): only when the broker authenticates
-  every device and its ACLs pin the sender segment of inbox topics to the device (docs/mqtt.md).
-  Then received streams advance the node's applied watermarks and the peers' reports are kept
-  (used to skip re-offers and to tell how far behind a peer is). Otherwise nothing moves them.
-- **Pulls** (docs/mqtt.md "A waking device"): once what waited for it is taken in, a `sync
-  --once` wake (and `run`, once per connection) pulls every peer; a peer answers a pull by giving
-  up on what it sent before the puller's connection began and is unanswered (lost: no session
-  yet, or a broker restart), sending again from its durable cursor, and only then answering. The
-  wake waits for online peers' answers, so it takes in what they hold for it.
-- **Eviction**: `run` runs the profile's eviction job every `eviction_interval_s`.
-- **Widening backfill** (scope §2): a batch body carries, after the live tail, the next rows of the
-  peer's backfill jobs as the sync layer selects them (`Offer.n_backfill` events at the end, meta
-  `x`); at most one such body is in flight per peer, and its answer commits the job's row cursor
-  (`PortAdapter.advance` with the body's token). Realtime pushes carry none.
-"""
+One thread owns the node (SQLite); the MQTT link's network thread only enqueues what arrives. A
+received body is applied in one transaction through the one apply path, answered, and only then
+acked to the broker. Sent bodies are kept in `sync_state.sent_bodies` until answered, so an answer
+that waited in the broker while this process was gone still moves the cursor. Received streams
+move watermarks only on a secure binding (`--secure-binding`, docs/mqtt.md)."""
 from __future__ import annotations
 
 import json
@@ -115,7 +76,7 @@ class RunConfig(ExchangeConfig):
 _Pending = InFlight  # a body in flight (agent/core/exchange.py); the old name, for benches and tests
 
 
-# Flood bounds (issue 11 item 4, docs/apply.md "Bounds"): refusals surfaced (and logged) per
+# Flood bounds (docs/apply.md "Bounds"): refusals surfaced (and logged) per
 # (source, reason) in each window; the rest are counted and summed up in one row when the window ends.
 REFUSALS_SURFACED_PER_WINDOW = 20
 REFUSAL_WINDOW_S = 60.0
@@ -371,7 +332,7 @@ class Runner:
     # -------------------------------------------------------------- receiving
     def _reject(self, m: Inbound, reason: str, detail: str = "") -> None:
         """Refuse a request: surfaced with its reason (`ssp-agent events`, kind `refused`), answered,
-        and acknowledged, so the broker never redelivers it (issue 11: a poison message redelivered
+        and acknowledged, so the broker never redelivers it (a poison message redelivered
         after every restart kept a node down)."""
         self.stats["rejected_bodies"] += 1
         self.stats[f"rejected:{reason}"] += 1
@@ -653,7 +614,7 @@ class Runner:
             self._surface_refusal("presence", e.reason, e.detail, site)
 
     # -------------------------------------------------------------- sending
-    # Quiet links (issue 12 item 6, docs/mqtt.md "Quiet links"). A body sent to a peer stays in
+    # Quiet links (docs/mqtt.md "Quiet links"). A body sent to a peer stays in
     # flight (it waits in the peer's broker session, or at the peer) until the peer answers it or
     # there is evidence that it never will: the peer was reachable after the body was sent (its
     # presence is live, or a message from it arrived) and `answer_timeout_s` passed without the
@@ -729,7 +690,7 @@ class Runner:
     def backfill_in_flight(self, peer: bytes) -> bool:
         return self.ex.backfill_in_flight(peer)
 
-    # The peer's body limit (issue 12 item 6, docs/mqtt.md "Size limits"): `exchange.BodyLimits`
+    # The peer's body limit (docs/mqtt.md "Size limits"): `exchange.BodyLimits`
     # decides; the store keeps what it learned (peer_links), so restarts and sleepers' next wakes
     # start from it.
     def _load_limits(self) -> None:
@@ -822,7 +783,7 @@ class Runner:
         return self.ex.realtime_peers(self.node.keyring.__contains__)
 
     def _local_max(self) -> int:
-        """The seq of the node's newest own write, found without reading the log (issue 12 item 6):
+        """The seq of the node's newest own write, found without reading the log:
         `max(seq)` is one look-up of the rowid tree, and only rows appended since the last call
         are examined for `origin='local'`. The scan of the whole log this replaced ran 20 times a
         second and made idle CPU grow with the store (bench/bench_idle.py)."""
@@ -854,7 +815,7 @@ class Runner:
         """One full cycle: take in everything waiting for this node, offer every peer what its
         cursor selects (until it is answered, for peers that are present), then return.
 
-        No fixed sleeps (issue 15 item 3): it waits on the events that matter. `start` returned at
+        No fixed sleeps: it waits on the events that matter. `start` returned at
         the SUBACK; everything the broker held for us then (the persistent session's queued bodies,
         retained presence) is delivered before our own presence, published right after SUBSCRIBE,
         comes back to us (the broker delivers to one client in order), so that echo ends the

@@ -1,33 +1,17 @@
 """`ssp-agent run`'s one loop, for every transport (docs/serial.md "A gateway", docs/mqtt.md).
 
-One thread owns the node (one writer, docs/operations.md) and drives, in one loop:
-- the MQTT Runner (agent/runner.py) when a broker is configured, through its public
-  `step(timeout)` / `summary()`;
-- any number of serial ports (agent/transport/serial.py `SerialPort`), each with its own link
-  and session, each reopened on its own when its adapter goes away;
-- between the steps: the verbs other commands forward through the control socket
-  (agent/control.py), the systemd watchdog, the metrics file, the profile's eviction job and
-  (without MQTT) the clock evidence (agent/jobs.py; the runner's step keeps its own clock check);
-- realtime (§33): after a local write every link is told at once; when the node serves more
-  than one link (a gateway), events that arrived over one link are pushed on the others at once
-  (each push selects from that peer's cursor; self-echo is filtered there), instead of waiting
-  for their next batch cycle.
+One thread owns the node (one writer, docs/operations.md) and drives the MQTT Runner when a broker
+is configured, any number of serial ports (each reopened on its own when its adapter goes away),
+and between the steps the forwarded verbs (agent/control.py), the systemd watchdog, the metrics
+file, the eviction job and the clock evidence (agent/jobs.py). After a local write every link is
+told at once, and on a gateway events that arrived over one link are pushed on the others (§33).
 
-Waiting (deadline-driven, no polling). Each turn sleeps in one poll() on every open port's
-descriptor and a wake-up pipe, until the earliest deadline of every link and job (`next_due`:
-the runner's batch cycle, coalesced pushes and answer timeouts from `core.binding.next_due`,
-each port's link and session timers or its reopen attempt, eviction, clock evidence, metrics,
-the systemd watchdog). What arrives wakes it at once: an MQTT message, connection or loss (the
-link's network thread writes the pipe), a control request (the control socket's threads), bytes
-on a port (its descriptor). After each link's work and each batch of control requests the loop
-asks the store whether the log grew (`store.eventlog.LogWatch`: a counter read unless this
-connection wrote): if so the other links are told (realtime, §33). No other process can append
-while `run` holds the home (the signing journal admits one bridge; other commands' writes are
-forwarded here), so there is no fallback check of the file. An idle gateway wakes for its
-keep-alives and its minute clock check, not 20 times a second (bench/bench_idle.py). Nothing
-in a turn blocks: a port that went away is retried on its timer, never by sleeping, so a pulled
-cable on one port does not hold up the others.
-"""
+No polling: each turn sleeps in one poll() on every open port and a wake-up pipe until the
+earliest deadline of every link and job (`next_due`); what arrives wakes it at once. After each
+link's work the loop asks the store whether the log grew (`store.eventlog.LogWatch`); no other
+process can append while `run` holds the home, so there is no fallback check of the file. Nothing
+in a turn blocks: a port that went away is retried on its timer, so a pulled cable on one port
+does not hold up the others."""
 from __future__ import annotations
 
 import os
@@ -187,10 +171,10 @@ class Runtime:
     # ------------------------------------------------------------------ realtime across links
     def _tell(self, exclude: Any = _EVERY_LINK) -> None:
         """Tell every link but `exclude` (a port, or None for MQTT) that there is something to push."""
-        from .transport.serial import _mono, _wall
+        from .transport.serial import mono_ms, wall_ms
         if self.runner is not None and exclude is not None:
             self.runner.notify_produced()
-        mono, wall = _mono(), _wall()
+        mono, wall = mono_ms(), wall_ms()
         for p in self.ports:
             if p is not exclude:
                 p.endpoint.local_events(mono, wall)

@@ -1,4 +1,4 @@
-"""sd_notify(3) in a few lines (issue 12 item 3): datagrams to $NOTIFY_SOCKET, no dependency.
+"""sd_notify(3) in a few lines: datagrams to $NOTIFY_SOCKET, no dependency.
 `run` says READY=1 once it serves (the runner started, the control socket open), pings the
 watchdog (WATCHDOG=1) from its loop every half of $WATCHDOG_USEC, and says STOPPING=1 on its
 way out. Outside systemd ($NOTIFY_SOCKET unset) every call does nothing."""

@@ -1,24 +1,17 @@
-"""A member node's side of the blind Commit sequencer, over the sync plane's `records`
-(SOVM §22.5-§22.6; issue 14 items 4 and 7; docs/protocol.md §12, docs/sequencer.md "Gossip").
+"""A member node's side of the blind Commit sequencer, over the sync plane's `records` (SOVM
+§22.5-§22.6; docs/protocol.md §12, docs/sequencer.md "Gossip").
 
-- **Receipt heads.** A member gossips each sequencing receipt it holds as a receipt-head record
-  (`gossip`); records travel to every peer and are relayed on, so a member that never talks to the
-  sequencer or its broker learns the chain, and one holding a contradicting receipt sees it.
-- **Discontinuities.** A member relays the sequencer's signed statement of a gap (§22.6 "epoch
-  advanced, receipt absent", step 4) as a discontinuity record, so every member sees the same
-  statement, and one holding a receipt for that epoch flags it (equivocation evidence).
-- **Bindings.** A mesh authority records which sequencer is bound to a group from which MLS epoch
-  (`bind`): the distributed binding record. Every node resolves the same binding chain from the
-  records it holds.
-- **Validation** (`chain`, `status`) is agent/sequencer/member.py's `ReceiptChain` over the
-  records held, a pure function of that set: receipts signed by a sequencer not bound at their
-  epoch are rejected and kept for attribution, receipts whose binding cannot be resolved (none
-  yet, or a forked binding record) are held, two receipts for one (group, epoch) or divergent
-  chains are equivocation evidence, surfaced (`sequencer_equivocation`) as they appear.
+- **Receipt heads** (`gossip`): each receipt a member holds travels to every peer and is relayed
+  on, so a member that never talks to the sequencer learns the chain, and one holding a
+  contradicting receipt sees it.
+- **Discontinuities**: the sequencer's signed statement of a gap (§22.6 step 4), relayed so every
+  member sees the same statement and one holding a receipt for that epoch flags it.
+- **Bindings** (`bind`): a mesh authority records which sequencer is bound to a group from which
+  MLS epoch; every node resolves the same binding chain from the records it holds.
+- **Validation** (`chain`, `status`): agent/sequencer/member.py's `ReceiptChain` over the records
+  held; equivocation evidence is surfaced (`sequencer_equivocation`) as it appears.
 
-Below the node: it reads a node's data (conn, site_id, mesh_id, authorities, keyring) and signs
-through `node.release_signed` (persist-before-release, like every record the node issues).
-"""
+Below the node: it reads a node's data and signs through `node.release_signed`."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,5 @@
 """`run`'s stop request (SIGTERM, SIGINT; docs/operations.md): one flag, set by the handler that
-`ssp-agent run` installs first thing (agent/cli.py `main`), read by every stage of its start-up
+`ssp-agent run` installs first thing (agent/cli/__init__.py `main`), read by every stage of its start-up
 (waiting for the home, connecting to the broker) and by its loop, which `wake` leaves at once.
 So a stop at any moment ends `run` cleanly, with its summary, never by the signal."""
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """The node-side sync driver: wires sans-I/O sessions (agent/core/session.py) to a Node.
 
-It builds bodies from the durable per-(peer, path) cursor (filtered by policy, self-echo and
-the peer's reported watermarks), applies received bodies through the node's one apply path
+It builds bodies from the durable per-(peer, path) cursor (filtered by policy, self-echo and the
+peer's reported watermarks), applies received bodies through the node's one apply path
 (`Node.apply_batch`), advances cursors only on the peer's answer, and advances the node's own
-applied watermarks only from what a live, authenticated, stream-continuous body demonstrates.
-See docs/protocol.md for the design and why it is sound.
+applied watermarks only from what a live, authenticated, stream-continuous body demonstrates
+(docs/protocol.md says why that is sound).
 
-For a transport: make one `SyncDriver` per open Node, then one session per link:
-
-    drv = SyncDriver(node)
-    s = drv.session(path="mqtt", peer=site_id_or_None, secure=binding_authenticated,
-                    binding_unsolicited=True, realtime_capable=True)
-    s.start(now)                       # queues the handshake
-    ... s.receive(frame_bytes, now)    # every frame from the peer
-    ... for f in s.data_to_send(): transmit(f)
-    ... if s.timer() <= now: s.handle_timer(now)
-    ... after a local write: s.local_events(now)   (realtime push, coalesced)
-"""
+A transport makes one `SyncDriver` per open Node and one session per link
+(`drv.session(path=..., peer=..., secure=...)`), then feeds it: `start(now)`, `receive(bytes,
+now)` for every frame, `data_to_send()` to transmit, `handle_timer(now)` when `timer()` passes,
+and `local_events(now)` after a local write (a realtime push, coalesced)."""
 from __future__ import annotations
 
 import json
@@ -29,7 +22,7 @@ from firmware_bridge.fsutil import atomic_write
 
 from . import mailbox, policy, rehydrate
 from .clockstate import now_ms
-from .core import delivery
+from .core import delivery, reasons as R
 from .core.binding import body_fit
 from .core.messages import SyncBody, Watermark, emit_body, parse_body, parse_body_streamed
 from .core.records import RecordError, resolve_chains  # noqa: F401 (resolve_chains: re-exported)
@@ -202,7 +195,7 @@ class SyncDriver:
     def _due_reoffers(self, peer: bytes, path: str, allowed, limit: int, now: int | None
                       ) -> tuple[list[tuple[int, bytes]], tuple[tuple[bytes, int], ...]]:
         """(seq, raw) of events `peer` rejected on `path` that are due again, at most a quarter of
-        the body (issue 10 item 4): they never crowd out the live tail, and the live tail never
+        the body: they never crowd out the live tail, and the live tail never
         starves them; and the rescans they include (`st.reoffer_due`). Policy and self-echo are
         re-checked now, like any selection."""
         if not st.has_schema(self.conn) or not st.reoffer_count(self.conn, peer, path):
@@ -383,7 +376,7 @@ class SyncDriver:
         """The peer answered a body: advance (§14.1). `processed`: events it processed to a final
         state before the first rejected one. `rejected` (peers that report it): the indices of
         every event it rejected; then everything else counts as processed, the live cursor moves
-        past the rejected events and they join the re-offer set (issue 10 item 4: one rejected
+        past the rejected events and they join the re-offer set (one rejected
         event cannot pin the stream behind it, and it is still re-offered, §13.6), unless that
         set is full, where the cursor stops at the first one that does not fit, as before.
         Backfill progress commits here too, whole rows only, after the live events and re-offers.
@@ -448,8 +441,8 @@ class SyncDriver:
         return k, outcomes
 
     def _note_rejections(self, outcomes: list) -> None:
-        """Rejected events are not retained (§13.6), but the sender moves past them now (issue 10
-        item 4) and re-offers them later: remember each (bounded per signer) so no watermark is
+        """Rejected events are not retained (§13.6), but the sender moves past them now and re-offers them
+        later: remember each (bounded per signer) so no watermark is
         inferred across it, and forget it once it reaches a final state here, on any path."""
         pins = [(o.site_id, o.table, o.hlc, o.event_id) for o in outcomes
                 if o.status == delivery.REJECTED and o.verified and o.table is not None and o.hlc is not None]
@@ -479,7 +472,7 @@ class SyncDriver:
         up = delivery.infer_watermarks(peer, live, current, st.held_min(self.conn, peer), gapped)
         st.raise_watermarks(self.conn, up)
         # Rejected events are pinned (`_note_rejections`), so the stream is complete past them: the
-        # sender's cursor moves past them too and re-offers them (issue 10 item 4).
+        # sender's cursor moves past them too and re-offers them.
         new = delivery.completed_after(meta.start, meta.end, list(meta.seqs), n_live)
         if new > completed:
             st.set_stream_completed(self.conn, peer, path, new)
@@ -588,7 +581,7 @@ class SyncDriver:
         now = now_ms() if now is None else now
         # The import is several transactions (records, answer records, one per window of events,
         # the answer owed, rehydration counts): a full disk in a later one must not be reported as
-        # "nothing was changed" (issue 16 item 2), so the steps that committed are tracked.
+        # "nothing was changed", so the steps that committed are tracked.
         done: dict[str, Any] = {"applied": 0, "processed": 0, "step": "records", "committed": False}
         try:
             return self._import_mailbox(data, now, body, done)
@@ -608,7 +601,7 @@ class SyncDriver:
         done["step"] = "acks"
         acked = self._take_mailbox_acks(sender, acks, now)  # after the records: a vouch admits its issuer
         done["step"], done["committed"] = "events", done["committed"] or bool(acks)
-        # The events go through the one apply path a window at a time (issue 15 item 2): a body
+        # The events go through the one apply path a window at a time: a body
         # parsed by `parse_body_streamed` yields them from its bytes, so at most one window of
         # events and of their outcomes is in memory; each window is a batch (one transaction),
         # and only the counts and what did not simply apply are kept.
@@ -627,7 +620,7 @@ class SyncDriver:
             for o in outcomes:
                 result[o.status] += 1
                 tally["verified"] += o.verified
-                if o.reason != "applied":
+                if o.reason != R.APPLIED:
                     # Detail for what did not simply apply (reasons, event ids), the first
                     # MAILBOX_DETAIL_MAX of them: a file of 50 000 duplicates must not cost 50 000
                     # objects in memory and on stdout; the counts cover every event.
@@ -635,7 +628,7 @@ class SyncDriver:
                         detail.append(o.as_json())
                     else:
                         not_listed += 1
-                    if o.reason == "below_horizon":
+                    if o.reason == R.BELOW_HORIZON:
                         tally["below_horizon"] += 1
                     elif o.status == "duplicate":
                         tally["duplicate"] += 1
@@ -688,7 +681,7 @@ def import_mailbox_body(node, data: bytes, now: int | None = None) -> dict:
     """Raises ProtocolError before anything is written (cli-contract.md: a refused body changes
     nothing): the strict parse runs before the driver is made, because making it creates the
     sync tables and the default policy rows of a home that has none yet. The events are read from
-    `data` as they apply (`parse_body_streamed`, issue 15 item 2)."""
+    `data` as they apply (`parse_body_streamed`)."""
     body = parse_body_streamed(data)
     return SyncDriver(node).import_mailbox(data, now, body=body)
 
@@ -714,7 +707,7 @@ def change_policy(node, change, now: int | None = None) -> list[tuple[str, str]]
 
 
 # The events a mailbox import applies per batch (one transaction each), by their bytes: bounds the
-# import's memory whatever the body holds (issue 15 item 2), and is large enough that the commit
+# import's memory whatever the body holds, and is large enough that the commit
 # per window costs little beside the window's verification.
 MAILBOX_WINDOW_BYTES = 1 << 20
 # `mailbox import` lists at most this many of the events that did not simply apply (the counts
@@ -757,7 +750,7 @@ class LinkProvider:
 
 # ---------------------------------------------------------------------- helpers
 def rejected_indices(outcomes: list) -> list[int]:
-    """The body indices of the events rejected here (the answer reports them: issue 10 item 4)."""
+    """The body indices of the events rejected here (the answer reports them)."""
     return [i for i, o in enumerate(outcomes) if o.status == delivery.REJECTED]
 
 

@@ -1,8 +1,8 @@
-"""Core benchmark (issues 2, 15): import one mailbox body of N valid events over ~5 sites and
+"""Core benchmark: import one mailbox body of N valid events over ~5 sites and
 ~2 000 rows through the one apply path, against the raw limits measured in the same run:
 PyNaCl Ed25519 verify of the same events, and raw SQLite inserts of the same rows.
 
-Peak RSS (issue 15 item 2) is measured in a fresh subprocess that opens a node and imports a
+Peak RSS is measured in a fresh subprocess that opens a node and imports a
 mailbox file, as `ssp-agent mailbox import` does: the body of N events, and a body of ~1 KiB
 events filling the 16 MiB message bound. Its VmHWM is the whole process's peak (the
 interpreter and every import included); the figure before the import is printed beside it. The

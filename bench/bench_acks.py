@@ -1,4 +1,4 @@
-"""Signed acknowledgements on MQTT (issue 11 item 5, docs/protocol.md §5): what they cost.
+"""Signed acknowledgements on MQTT (docs/protocol.md §5): what they cost.
 
     python bench/bench_acks.py [--events 2000] [--max-events 5] [--window 4]
 
@@ -8,7 +8,7 @@ journal fsyncs and a witness write per signature), so the receiver groups the an
 per sender into one record. A holds N events, B starts empty and catches up through a private
 mosquitto in bodies of `max-events` events (small, so that answers, not applies, dominate):
 
-- insecure binding *without* acknowledgements (the code before issue 11 item 5, emulated here by
+- insecure binding *without* acknowledgements (signed acknowledgements left out, emulated here by
   `_Unsigned`: answers answered unsigned and taken on their properties) = the baseline;
 - secure binding (no acknowledgement asked for: the ACL path, unchanged);
 - insecure binding, acknowledgements grouped per pump (as shipped);

@@ -1,4 +1,4 @@
-"""At-rest sealing overhead (issue 16 item 4; docs/reliability.md "At rest"): the same work with
+"""At-rest sealing overhead (docs/reliability.md "At rest"): the same work with
 the event log sealed (XChaCha20-Poly1305 under the store's data key, agent/store/atrest.py) and
 with the seal replaced by a pass-through (the values stored clear, everything else identical),
 in the same run, alternating rounds; the ratio is the median of the per-round ratios.

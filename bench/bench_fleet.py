@@ -1,4 +1,4 @@
-"""Fleet benchmark (issue 15 item 7): many simulated devices through one mosquitto to a gateway.
+"""Fleet benchmark: many simulated devices through one mosquitto to a gateway.
 
 What is real and what is simulated:
 - **real**: one mosquitto (`agent.transport.broker.Broker`, the project's private-broker config,

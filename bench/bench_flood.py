@@ -1,4 +1,4 @@
-"""Flood benchmark (issue 11 item 4): how much a rogue MQTT client with broker access delays honest
+"""Flood benchmark: how much a rogue MQTT client with broker access delays honest
 traffic, and what each hostile message and byte costs the receiving node. All figures are ratios
 against the no-flood run in the same process run.
 

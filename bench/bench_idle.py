@@ -1,4 +1,4 @@
-"""Idle cost of `ssp-agent run` against the store size (issue 12 item 6, "quiet links").
+"""Idle cost of `ssp-agent run` against the store size ("quiet links").
 
     python bench/bench_idle.py [--sizes 0,10000,100000] [--seconds 20] [--profile pi-zero-2w]
 

@@ -1,4 +1,4 @@
-"""Signed-and-persisted local writes per second through each keystore backend (issue 5, Benchmark).
+"""Signed-and-persisted local writes per second through each keystore backend.
 
 Denominators measured in the same run:
   raw_fsync             append a 300-byte record + fsync, no signing (the disk's flush rate)
@@ -15,7 +15,7 @@ Denominators measured in the same run:
                         keystore, group commit: HLC tick, bridge intent+sign+persist, witness, apply),
                         journal compaction included
 
-Issue 15 item 4: ``--rounds R`` repeats the write figures (raw two-core batch sign, bridge groups
+``--rounds R`` repeats the write figures (raw two-core batch sign, bridge groups
 of 256, Node.write_many of 256, core apply) R times and prints the median and range of
 Node.write_many / raw two-core batch sign rate (target >= 0.8); then the same rounds again in a
 child process whose every fsync/fdatasync (SQLite's, the journal's, the witness's) is followed by a
@@ -194,7 +194,7 @@ def bench_node(d: str, n: int, group: int) -> tuple[float, float]:
 
 
 def write_rounds(d: str, rounds: int, n: int) -> list[dict[str, float]]:
-    """Issue 15 item 4: per round, the raw two-core batch sign rate (no persistence), the bridge
+    """Per round, the raw two-core batch sign rate (no persistence), the bridge
     in groups of 256 and Node.write_many in groups of 256 (sign, persist, witness, apply), and
     the core apply rate, all in the same round."""
     out = []
@@ -224,7 +224,7 @@ def summarize_rounds(title: str, rows: list[dict[str, float]]) -> dict[str, floa
         if v:
             print(f"  {k:24s} median {_median(v):9.1f} us/write  range {min(v):.1f}-{max(v):.1f}")
     print(f"  Node.write_many (256) / raw two-core batch sign = median {_median(ratio):.3f} "
-          f"(range {min(ratio):.3f}-{max(ratio):.3f})  (issue 15 target: >= 0.8)")
+          f"(range {min(ratio):.3f}-{max(ratio):.3f})  (target >= 0.8)")
     print(f"  bridge group 256 / raw two-core batch sign      = median {_median(bridge):.3f} "
           f"(range {min(bridge):.3f}-{max(bridge):.3f})")
     return {"write_many_ratio_median": _median(ratio), "write_many_ratio_min": min(ratio),
@@ -258,7 +258,7 @@ def _print_figures(fig: dict[str, float]) -> None:
         print(f"{k:42s} {v:12.0f} {v / base:18.2f}")
     g = fig["bridge_software_group256"]
     print()
-    print(f"software group commit (256) / one-fsync-per-write = {g / base:.1f}x  (issue target: >= 20x)")
+    print(f"software group commit (256) / one-fsync-per-write = {g / base:.1f}x  (target >= 20x)")
     print(f"software group commit (256) / raw Ed25519 sign    = {g / fig['raw_sign_ed25519_software']:.2f}"
           "  (one signature at a time, one core)")
     print(f"software group commit (256) / bridge one write per call = "
@@ -267,9 +267,9 @@ def _print_figures(fig: dict[str, float]) -> None:
     print(f"raw Ed25519 batch sign / one-fsync-per-write      = {ceiling / base:.1f}x"
           f"  (upper bound on the achievable ratio on this disk with {os.cpu_count()} cores)")
     nw, na = fig["node_write_many_256"], fig["node_core_apply"]
-    print(f"Node.write_many (256, software) / core apply rate = {nw / na:.2f}  (issue 5 target: >= 0.5)")
+    print(f"Node.write_many (256, software) / core apply rate = {nw / na:.2f}  (target >= 0.5)")
     print(f"Node.write_many (256, software) / raw two-core batch sign = "
-          f"{nw / fig['raw_sign_ed25519_software_batch256']:.3f}  (issue 15 target: >= 0.8; rounds below)")
+          f"{nw / fig['raw_sign_ed25519_software_batch256']:.3f}  (target >= 0.8; rounds below)")
     print(f"Node.write_many (256, software) / one-fsync-per-write = {nw / base:.1f}x")
     if "raw_sign_ed25519_serial_emulator" in fig:
         print("serial emulator runs over a pty, which ignores baud: on a real 115200-baud line a SIGN "
@@ -325,7 +325,7 @@ def main() -> None:
                          "each round in child processes, on this disk and with the slow flush: before/after ratios "
                          "measured in the same run")
     ap.add_argument("--rounds-only", action="store_true",
-                    help="only the issue 15 item 4 rounds (this disk's flush, then the simulated slow flush)")
+                    help="only the --rounds rounds (this disk's flush, then the simulated slow flush)")
     args = ap.parse_args()
     s = 0.2 if args.quick else 1.0
     N = lambda k: max(50, int(k * s))  # noqa: E731

@@ -1,4 +1,4 @@
-"""Lifecycle benchmark (issue 6): a Pi Zero 2 W profile node over a simulated 30 days of sensor
+"""Lifecycle benchmark: a Pi Zero 2 W profile node over a simulated 30 days of sensor
 readings, store size and RSS over time with eviction on (the profile's job, every
 eviction.interval_s of simulated time) against the same stream with eviction off; then
 rehydration throughput from a gateway (a fresh node pulling the gateway's whole log over an

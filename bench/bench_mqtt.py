@@ -1,4 +1,4 @@
-"""MQTT benchmark (issue 4): events/s from node A to node B through a private mosquitto, against
+"""MQTT benchmark: events/s from node A to node B through a private mosquitto, against
 the apply-only rate and the raw paho QoS1 rate of the same bytes, all measured in this run.
 
     python bench/bench_mqtt.py [--events 50000] [--max-events 1000] [--window 4]

@@ -1,4 +1,4 @@
-"""Quiet links (issue 12 item 6): what a node sends a peer that is offline for an hour.
+"""Quiet links: what a node sends a peer that is offline for an hour.
 
     python bench/bench_quiet.py [--minutes 60] [--scale 0.02] [--root CHECKOUT]
 

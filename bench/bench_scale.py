@@ -1,4 +1,4 @@
-"""Cost grows as the work grows, and no faster (issue 15 item 6).
+"""Cost grows as the work grows, and no faster.
 
 One node's store is filled through the one apply path to each size in turn (10 000, 100 000 and,
 with --million, 1 000 000 events; 5 sites, one row per event up to 200 000 rows, then updates of

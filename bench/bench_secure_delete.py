@@ -1,4 +1,4 @@
-"""What zeroing superseded values costs (issue 16; docs/reliability.md "Superseded values"): the
+"""What zeroing superseded values costs (docs/reliability.md "Superseded values"): the
 profile's `[store] secure_delete` off / fast / on (agent/store/db.py `scrub_superseded`), on the
 same work, fresh nodes, rounds interleaved (the order rotates per round), on the filesystem of
 --dir (a real disk: tmpfs has no write-back to count):

@@ -1,4 +1,4 @@
-"""Commits sequenced per second with durable receipts (issue 14, Benchmark), as a ratio of the raw
+"""Commits sequenced per second with durable receipts (Benchmark), as a ratio of the raw
 ES256 signing rate of the same keystore measured in the same run.
 
   raw_es256_<ks>            receipt signatures/s straight from the keystore (its private _sign /

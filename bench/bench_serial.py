@@ -1,4 +1,4 @@
-"""Serial-link benchmark (issue 13): two nodes run `ssp-agent sync --serial --once` at the same
+"""Serial-link benchmark: two nodes run `ssp-agent sync --serial --once` at the same
 time on the two ends of a pty pair joined by the relay (tools/serial_relay.py) throttled to the
 line rate (115 200 baud, 8N1: 11 520 bytes/s each way), clean and at bit error rates. Node A
 holds N signed events, node B none.

@@ -1,4 +1,4 @@
-"""Start-up of the wake-sync-sleep verbs (issue 15 item 3): wall and CPU per call of `ssp-agent
+"""Start-up of the wake-sync-sleep verbs: wall and CPU per call of `ssp-agent
 write` and `ssp-agent sync --broker URL --once`, against `python -c pass` measured in the same
 rounds, their peak RSS, and the fsync/fdatasync calls each makes (SQLite's included).
 

@@ -1,4 +1,4 @@
-"""Hostile-peer strategies, measured (issue 16 item 3). Beyond the poison inputs of issue 11
+"""Hostile-peer strategies, measured. Beyond the poison inputs
 (tests/mqtt/test_rogue.py, bench/bench_flood.py): peers that are mesh members (their key is in the
 keyring, they publish only as themselves, as the broker ACLs of docs/mqtt.md enforce) and misbehave
 on purpose. Each strategy runs twice on a fresh private mosquitto: with the attacker, and with the

@@ -1,4 +1,4 @@
-"""Sync benchmark (issue 3): two nodes exchange N events in batches through the sans-I/O session
+"""Sync benchmark: two nodes exchange N events in batches through the sans-I/O session
 over the in-memory link. Prints events/s, bytes on the wire per event against the raw size of the
 COSE events (the protocol's overhead ratio), and the apply-only rate of the same events in
 batches of the same size, measured in the same run.

@@ -1,4 +1,4 @@
-"""Sync and rehydration against apply-only (issue 15 item 5), all in the same run.
+"""Sync and rehydration against apply-only, all in the same run.
 
 Per round, with the same N signed events (5 simulated producers, ~2 000 rows):
 

@@ -1,4 +1,4 @@
-/* An LD_PRELOAD shim for the benches only (issue 15 items 3 and 4): counts fsync/fdatasync calls
+/* An LD_PRELOAD shim for the benches only: counts fsync/fdatasync calls
  * of a process (SQLite's included, which Python cannot see) and can delay each one after the real
  * call returns, to simulate a slow flush (an SD card's ~1.6 ms) without touching the agent's code.
  *   SSP_FSYNC_DELAY_US=1600      delay after every fsync/fdatasync

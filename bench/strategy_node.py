@@ -1,5 +1,5 @@
 """The honest receiver B of bench/bench_strategies.py in its own process, so that its CPU and
-memory are its own (issue 16 item 3: per honest node, not the harness's whole process). An honest
+memory are its own (per honest node, not the harness's whole process). An honest
 `Runner` on the node at HOME (the same loop `ssp-agent run` has), driven by commands on stdin, one
 JSON line back on stdout for each:
 

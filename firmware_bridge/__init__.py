@@ -3,16 +3,17 @@
 Imports nothing from ``agent`` (architecture.md).  See docs/keystore.md.
 """
 from .bridge import SigningBridge, Status
-from .errors import (DeviceRefused, DeviceTimeout, JournalBusy, JournalCorrupt, JournalError, KeyExists, KeyNotFound,
-                     KeystoreError, KeystoreUnavailable, OutcomeUnknown, ProtocolError, UnsupportedAlgorithm,
+from .errors import (DeviceProtocolError, DeviceRefused, DeviceTimeout, JournalBusy, JournalCorrupt, JournalError,
+                     KeyExists, KeyNotFound, KeystoreError, KeystoreUnavailable, OutcomeUnknown, UnsupportedAlgorithm,
                      WrongPin)
 from .identity import DiscontinuityIdentity, EventIdentity, Identity, ReceiptIdentity
-from .keystore import ALGORITHMS, Keystore, open_keystore, with_pin
+from .keystore import ALGORITHMS, Keystore, with_pin
+from .opener import open_keystore
 from .verify import verify_ed25519, verify_p256
 
 __all__ = [
-    "ALGORITHMS", "DeviceRefused", "DiscontinuityIdentity", "DeviceTimeout", "EventIdentity", "Identity", "JournalBusy", "JournalCorrupt", "JournalError",
-    "KeyExists", "KeyNotFound", "Keystore", "KeystoreError", "KeystoreUnavailable", "OutcomeUnknown", "ProtocolError",
+    "ALGORITHMS", "DeviceProtocolError", "DeviceRefused", "DiscontinuityIdentity", "DeviceTimeout", "EventIdentity", "Identity", "JournalBusy", "JournalCorrupt", "JournalError",
+    "KeyExists", "KeyNotFound", "Keystore", "KeystoreError", "KeystoreUnavailable", "OutcomeUnknown",
     "ReceiptIdentity", "SigningBridge", "Status", "UnsupportedAlgorithm", "WrongPin", "open_keystore", "with_pin",
     "verify_ed25519", "verify_p256",
 ]

@@ -42,7 +42,7 @@ class DeviceTimeout(KeystoreError):
     """The serial keystore device, or the PKCS#11 token (its worker, then killed), did not answer in time."""
 
 
-class ProtocolError(KeystoreError):
+class DeviceProtocolError(KeystoreError):
     """Bytes from the device did not form a valid frame (CRC, framing, unexpected reply)."""
 
 

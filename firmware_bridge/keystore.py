@@ -213,32 +213,3 @@ def check_config(config: object) -> dict[str, Any]:
 def _type_name(want) -> str:
     names = {str: "a string", dict: "an object", int: "a whole number", (int, float): "a number"}
     return names.get(want, str(want))
-
-
-def open_keystore(config: dict[str, Any]) -> Keystore:
-    """Open the keystore a profile names.
-
-    ``{"kind": "software", "dir": PATH}``
-    ``{"kind": "pkcs11", "module": SO_PATH, "token_label": STR, "pin": STR[, "env": {..}][, "timeout_s": 60.0]}``
-    ``{"kind": "serial", "port": DEV, "baud": 115200, "timeout_s": 2.0}``
-    """
-    kind = config.get("kind") if isinstance(config, dict) else None
-    if kind == "software":
-        from .software import SoftwareKeystore
-        return SoftwareKeystore(_req(config, "dir"))
-    if kind == "pkcs11":
-        from .pkcs11_keystore import DEFAULT_TIMEOUT_S, Pkcs11Keystore
-        return Pkcs11Keystore(module=_req(config, "module"), token_label=_req(config, "token_label"),
-                              pin=_req(config, "pin"), env=config.get("env"),
-                              timeout_s=config.get("timeout_s", DEFAULT_TIMEOUT_S))
-    if kind == "serial":
-        from .serial_driver import SerialKeystore
-        return SerialKeystore(port=_req(config, "port"), baud=int(config.get("baud", 115200)),
-                              timeout_s=float(config.get("timeout_s", 2.0)))
-    raise KeystoreError(f"unknown keystore kind {kind!r}: set keystore.kind to software, pkcs11 or serial")
-
-
-def _req(config: dict[str, Any], key: str) -> Any:
-    if key not in config:
-        raise KeystoreError(f"keystore config of kind {config.get('kind')!r} lacks {key!r}")
-    return config[key]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import select
+import struct
 import time
 from typing import Optional
 
@@ -108,3 +109,10 @@ def read_before(fd: int, poller: "select.poll", deadline: float) -> bytes:
     if not got:
         raise EOFError
     return got
+
+
+def encode_request(datas: list[bytes]) -> bytes:
+    """A request to the signing process (sign_worker.py): u32 count, then count × (u32 length,
+    bytes), big-endian. Here, not in sign_worker.py, which imports the keystore that sends it."""
+    pack = struct.Struct(">I").pack
+    return b"".join([pack(len(datas))] + [p for d in datas for p in (pack(len(d)), d)])

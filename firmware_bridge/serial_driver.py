@@ -14,8 +14,8 @@ from typing import Any, Optional
 import serial
 
 from . import serial_protocol as sp
-from .errors import (DeviceRefused, DeviceTimeout, KeyExists, KeyNotFound, KeystoreError, KeystoreUnavailable,
-                     ProtocolError, UnsupportedAlgorithm)
+from .errors import (DeviceProtocolError, DeviceRefused, DeviceTimeout, KeyExists, KeyNotFound, KeystoreError,
+                     KeystoreUnavailable, UnsupportedAlgorithm)
 from .identity import Identity
 from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name, check_tag
 
@@ -55,7 +55,7 @@ class SerialKeystore(Keystore):
     # -- request / reply ----------------------------------------------------------------------
     def _request(self, op: int, body: bytes):
         """Send one request and return its reply, parsed by the reply boundary
-        (`serial_protocol.parse_reply`: a ProtocolError for anything malformed)."""
+        (`serial_protocol.parse_reply`: a DeviceProtocolError for anything malformed)."""
         with self._lock:
             self._req = (self._req + 1) & 0xFFFF or 1
             req_id = self._req
@@ -81,7 +81,7 @@ class SerialKeystore(Keystore):
                         raise self._refusal(reply.code, reply.message)
                     return reply
             if self._reader.rejected > rejected_before:
-                raise ProtocolError(f"serial keystore at {self.port}: reply rejected ({self._reader.last_error}); "
+                raise DeviceProtocolError(f"serial keystore at {self.port}: reply rejected ({self._reader.last_error}); "
                                     "line noise or a wrong baud rate — check the cable and the baud setting")
             raise DeviceTimeout(f"serial keystore at {self.port} did not answer within {self.timeout_s} s; "
                                 "check that the device is powered and running the keystore firmware")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Iterator, Union
 
 from . import framing
-from .errors import ProtocolError
+from .errors import DeviceProtocolError
 from .framing import FrameError, cobs_decode, cobs_encode  # noqa: F401 - this protocol's names for them
 
 VERSION = 1
@@ -185,7 +185,7 @@ class BodyReader:
 
 
 # -- replies (the host's boundary: every byte the device sends back) ---------------------------
-class ReplyError(ProtocolError):
+class ReplyError(DeviceProtocolError):
     """A reply frame that is not a valid answer to the request; `reason` is a stable code."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
@@ -235,7 +235,7 @@ _PUBLIC_KEY_LEN = {"ed25519": (32,), "p256": (33, 65)}  # SEC1 compressed or unc
 
 def parse_reply(op: int, frame: Frame) -> Reply:
     """The serial keystore reply boundary: the reply to request `op` in `frame`, parsed whole
-    (no trailing bytes), or ReplyError (a ProtocolError, a KeystoreError) with a stable reason.
+    (no trailing bytes), or ReplyError (a DeviceProtocolError, a KeystoreError) with a stable reason.
     Nothing else escapes, whatever the device or the line sends (issue 11)."""
     try:
         return _parse_reply(op, frame)

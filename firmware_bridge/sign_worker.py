@@ -28,11 +28,6 @@ MAX_COUNT = 1 << 20      # a request larger than this is not from our keystore: 
 MAX_DATA = 1 << 20
 
 
-def encode_request(datas: list[bytes]) -> bytes:
-    pack = struct.Struct(">I").pack
-    return b"".join([pack(len(datas))] + [p for d in datas for p in (pack(len(d)), d)])
-
-
 def main(argv: list[str]) -> int:
     directory, name = argv
     from cryptography.hazmat.primitives import hashes

@@ -456,8 +456,7 @@ class _SignProcess:
             self._fail()
 
     def send(self, datas: list[bytes]) -> Optional[int]:
-        from .pipes import write_draining
-        from .sign_worker import encode_request
+        from .pipes import encode_request, write_draining
         with self._lock:
             if self.dead:
                 return None

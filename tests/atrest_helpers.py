@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def downgrade_to_clear(home: Path):
-    """Make a home look as a release before sealing left it (issue 16 item 4): clear log and held
+    """Make a home look as a release before sealing left it: clear log and held
     values, clear journal outputs, no data-key table, the layout version before sealing. Returns the LogSeal that
     opened it (its sealer opens what was sealed)."""
     from agent.node import Node

@@ -1,7 +1,7 @@
 """The one way tests get the `ssp-agent` command.
 
 `SSP_AGENT_CMD` (set by tools/test.sh to the `ssp-agent` installed from the built wheel into a
-clean venv, issue 12 item 1) names the command; unset, it is this checkout's CLI under the
+clean venv) names the command; unset, it is this checkout's CLI under the
 running interpreter. Every CLI-level test uses `agent_cmd()` and `agent_env()` so that CI runs
 them against the installed command, not the checkout."""
 from __future__ import annotations

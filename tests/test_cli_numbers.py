@@ -5,7 +5,7 @@ OverflowError traceback from the socket layer (exit 1); `commits send --timeout 
 waited for ever; `--cadence nan`, `--metrics-interval -1` and `commits send --timeout -1` were
 taken; `sequencer receipt --epoch` and `commits status --limit` beyond 64 bits were a traceback
 (tests/sequencer/test_hostile_requests.py). Every numeric option now has an argparse type
-(agent/cliargs.py)."""
+(agent/cli/args.py)."""
 from __future__ import annotations
 
 import pytest

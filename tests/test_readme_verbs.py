@@ -1,6 +1,6 @@
 """README.md and docs/cli.md stay true to the command: every verb and sub-verb the parser defines
-(agent/cli.py and the cli_*.py modules that register theirs) is named in README's verb table and
-in docs/cli.md's reference, and every document README's "Documentation" list names exists (and
+(agent/cli/: the parser and the verb modules that register theirs) is named in README's verb table
+and in docs/cli.md's reference, and every document README's "Documentation" list names exists (and
 every document in docs/ is in that list)."""
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ SQL = re.compile(r"\b(SELECT\b[\s\S]*\bFROM|INSERT\s+(OR\s+\w+\s+)?INTO|UPDATE\s
 STORES = ("agent/store/", "agent/sequencer/store.py", "agent/sequencer/queue_store.py",
           "agent/sequencer/layout.py")
 
-# Still to move (issue 13 leftovers: each of these is a module's own piece of work). Empty: a
+# Still to move (each of these is a module's own piece of work). Empty: a
 # module outside STORES may hold no SQL at all.
 KNOWN_DEBT: dict[str, int] = {}
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Long fuzzing runs of every boundary (issue 11; CI runs the short Hypothesis version in
+# Long fuzzing runs of every boundary (CI runs the short Hypothesis version in
 # tests/hostile/test_fuzz.py). Usage: tools/fuzz.sh [SECONDS_PER_TARGET] [TARGET ...]
 #
 # With atheris (installed here if pip can): one coverage-guided libFuzzer run per target, corpus

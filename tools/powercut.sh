@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Power loss at every sync point, in full (issue 16 item 1; docs/reliability.md). CI runs a sample
+# Power loss at every sync point, in full (docs/reliability.md). CI runs a sample
 # (tests/reliability/test_powercut.py); this runs every sync point, every combination of unsynced
 # writes kept there (up to 64 per point), 1000 random cut points and 1000 with torn writes, then the
 # negative controls (skipped fsyncs, which must be caught). Needs gcc (the LD_PRELOAD shim is built

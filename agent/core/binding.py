@@ -1,28 +1,18 @@
-"""What the MQTT binding's loop decides beside the exchange itself, sans-I/O (issue 13 leftovers:
-what kept agent/runner.py more than a thin adapter).
+"""What the MQTT binding's loop decides beside the exchange itself, sans-I/O (docs/mqtt.md), so that
+agent/runner.py stays a thin adapter:
 
-- **The wire of a request and of its answer** (docs/mqtt.md): the user property names, the frame
-  meta (`encode_meta`), what a request carries (`request_properties`, including whether it asks
-  for a signed acknowledgement: `ack_requested`) and what an answer or a refusal says
-  (`answer_properties`, `refusal_properties`).
-- **Body size** (`body_fit`): how many of the selected events fit one body under the peer's limit,
-  counting the empty body, the meta and the records it carries.
-- **A `sync --once` wake** (`OnceWake`): what is done first (take in what waited, until our own
-  presence comes back or a quiet settle), then give up on what was lost while away and offer, then
-  wait for present peers' answers, then one last look; when the one-shot exchange is complete.
+- **The wire of a request and of its answer**: user property names, the frame meta, what a
+  request carries and what an answer or a refusal says (`request_properties`, `answer_properties`).
+- **Body size** (`body_fit`): how many selected events fit one body under the peer's limit.
+- **A `sync --once` wake** (`OnceWake`): take in what waited, offer, wait for present peers'
+  answers, one last look; when the one-shot exchange is complete.
 - **Answers and what they prove** (`answer_proof`, docs/protocol.md §5): the peer's signed
-  acknowledgement of the exact body sent, the only evidence on a binding without the broker's
-  ACLs; `agent/core/exchange.py` (the transport-neutral window) takes the result as `proof`.
-- **Receiving** (docs/mqtt.md, docs/apply.md "Bounds"): refusals before a request is parsed
-  (`request_refusal`), whether a signed acknowledgement is owed and when it is signed
-  (`signed_ack_owed`, `ack_due`, `ack_wait`), acknowledgement records served again to a replay
-  (`ReleasedAcks`), and the order in which what arrived is handled (`Intake`).
-- **When the loop is next due** (`next_due`): the earliest of the exchange's own deadlines (the
-  batch cycle, a coalesced or fixed-cadence realtime push, the answer timeout of a reachable
-  peer, grouped acknowledgements) and the runner's periodic jobs. The runtime loop
-  (agent/runtime.py) sleeps until then unless something arrives (a message, a control request,
-  serial bytes, the log growing), instead of looking every 50 ms.
-"""
+  acknowledgement, the only evidence on a binding without the broker's ACLs.
+- **Receiving** (docs/apply.md "Bounds"): refusals before parsing (`request_refusal`), signed
+  acknowledgements owed and when they are signed, released ones served again (`ReleasedAcks`),
+  and the order in which what arrived is handled (`Intake`).
+- **When the loop is next due** (`next_due`): the earliest of the exchange's deadlines and the
+  runner's periodic jobs; the runtime loop sleeps until then unless something arrives."""
 from __future__ import annotations
 
 import json
@@ -80,8 +70,8 @@ def expiry_due(ex: Exchange, now: float) -> float:
 # user property names (all values are text)
 P_KIND, P_FROM, P_START, P_END, P_COUNT, P_PART = "ssp-kind", "ssp-from", "ssp-start", "ssp-end", "ssp-count", "ssp-part"
 P_STATUS, P_REASON, P_PROCESSED = "ssp-status", "ssp-reason", "ssp-processed"
-# The indices of the answered body's events the receiver rejected, comma-separated (issue 10
-# item 4); absent when none was. A sender that gets it counts every other event as processed.
+# The indices of the answered body's events the receiver rejected, comma-separated; absent when none was. A
+# sender that gets it counts every other event as processed.
 P_REJECTED_AT = "ssp-rejected-at"
 P_META = "ssp-meta"  # the frame meta (docs/protocol.md §1) as compact JSON: {s, e, d, g, x}
 # A request property (transport metadata, no authority): "1" asks the receiver for a signed
@@ -338,8 +328,8 @@ def ack_wait(last_signed: Iterable[float], now: float, interval_s: float) -> flo
 
 
 class ReleasedAcks:
-    """Acknowledgement records already released, kept to answer a replay (docs/protocol.md §5,
-    issue 16 item 3). A record states, for each body it names, the BLAKE3 of the exact bytes
+    """Acknowledgement records already released, kept to answer a replay (docs/protocol.md §5). A record
+    states, for each body it names, the BLAKE3 of the exact bytes
     received, the processed count and the rejected indices. When the same sender sends the same
     bytes again and this node's processing of them comes out the same (`AckAnswer` equal: same
     hash, processed, count and rejected indices), the record already released states exactly what
@@ -387,7 +377,7 @@ class ReleasedAcks:
 
 
 class Intake:
-    """The order in which what arrived is handled (issue 11 item 4, issue 16 item 3, docs/apply.md
+    """The order in which what arrived is handled (docs/apply.md
     "Bounds"). Answers, and presence of keyring sites, are handled at once. Requests from keyring
     sites wait in one queue per sender and are handled one per sender in turn (`turn`), so a body
     never waits behind more than one body of each other member already here (a member keeping 200

@@ -68,7 +68,7 @@ def prescan(data: bytes, allowed_tags: frozenset[int] = frozenset(), *, max_dept
             max_items: int = MAX_ITEMS, max_bytes: int = MAX_BYTES, finite_floats: bool = True) -> None:
     """Walk the CBOR item heads of `data` (major type, additional info, argument) without
     building anything, in time linear in len(data), and refuse what SSP never carries before
-    cbor2 sees it (wire-profile.md §2 "a strict decoder"; issue 11 item 2):
+    cbor2 sees it (wire-profile.md §2 "a strict decoder"):
 
     - any tag not in `allowed_tags`, and an allowed tag anywhere but on the outermost item (so
       value sharing, tags 28/29, which turns a few hundred bytes into a graph walked as a tree
@@ -78,7 +78,7 @@ def prescan(data: bytes, allowed_tags: frozenset[int] = frozenset(), *, max_dept
       so nothing decoded can be larger than the input);
     - nesting deeper than `max_depth`, more than `max_items` items, more than `max_bytes`;
     - integers outside the signed 64-bit range (what SQLite stores: a value above it could pass
-      the parse and crash the store, issue 11 item 3);
+      the parse and crash the store);
     - map keys other than integers and text, simple values other than false/true/null, and
       non-finite floats;
     - trailing bytes after the one item.

@@ -39,7 +39,7 @@ def protected_header(alg: int, content_type: str, kid: bytes) -> bytes:
     return encode({HDR_ALG: alg, HDR_CTYPE: content_type, HDR_KID: kid})
 
 
-def _bstr(data: bytes) -> bytes:
+def bstr(data: bytes) -> bytes:
     """A deterministic CBOR byte string: major type 2, shortest length form (RFC 8949 §4.2.1)."""
     n = len(data)
     if n < 24:
@@ -63,19 +63,19 @@ _SIGN1_HEAD = b"\xd2\x84"
 def sig_structure(protected_bytes: bytes, external_aad: bytes, payload_bytes: bytes) -> bytes:
     """The deterministic encoding of ["Signature1", protected, external_aad, payload], built
     directly (it is on every signature and every verification; equal to `encode`, tested)."""
-    return b"".join((_SIG_STRUCTURE_HEAD, _bstr(protected_bytes), _bstr(external_aad), _bstr(payload_bytes)))
+    return b"".join((_SIG_STRUCTURE_HEAD, bstr(protected_bytes), bstr(external_aad), bstr(payload_bytes)))
 
 
 def assemble(protected_bytes: bytes, payload_bytes: bytes, signature: bytes) -> bytes:
     """The exact encoded COSE_Sign1 bytes for a signature (deterministic): tag 18,
     [protected, {}, payload, signature], built directly (equal to `encode`, tested)."""
-    return b"".join((_SIGN1_HEAD, _bstr(protected_bytes), b"\xa0", _bstr(payload_bytes), _bstr(signature)))
+    return b"".join((_SIGN1_HEAD, bstr(protected_bytes), b"\xa0", bstr(payload_bytes), bstr(signature)))
 
 
 def assemble_prefix(protected_bytes: bytes, payload_bytes: bytes) -> bytes:
     """`assemble(protected, payload, signature)` without its last 64 bytes, for a 64-byte
     signature (Ed25519, ES256): the COSE_Sign1 is this prefix followed by the signature."""
-    return b"".join((_SIGN1_HEAD, _bstr(protected_bytes), b"\xa0", _bstr(payload_bytes), b"\x58\x40"))
+    return b"".join((_SIGN1_HEAD, bstr(protected_bytes), b"\xa0", bstr(payload_bytes), b"\x58\x40"))
 
 
 def _bstr_at(data: bytes, i: int) -> tuple[int, int] | None:

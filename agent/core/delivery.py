@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from . import numbers
+from . import numbers, reasons
 
 APPLIED, DUPLICATE, DROPPED, REJECTED, HELD = "applied", "duplicate", "dropped", "rejected", "held"
 # Drops whose HLC is not authentic data (or whose signer's later history is void): they never
 # set a watermark value, and they never block one either (§13.6 signature row).
-UNVERIFIED_DROPS = frozenset({"retired_signer"})
+UNVERIFIED_DROPS = frozenset({reasons.RETIRED_SIGNER})
 
 Group = tuple[bytes, str]  # (site_id, "schema.table")
 Hlc = tuple[int, int]
@@ -68,7 +68,7 @@ def select(rows: Iterable[LogRow], start: int, peer: bytes, self_site: bytes, al
             break
         sel.end = r.seq
         if r.site_id == peer:
-            sel.skipped["self_echo"] = sel.skipped.get("self_echo", 0) + 1
+            sel.skipped[reasons.SELF_ECHO] = sel.skipped.get(reasons.SELF_ECHO, 0) + 1
             continue
         if counts is not None and not counts(r):
             sel.skipped["void"] = sel.skipped.get("void", 0) + 1
@@ -153,7 +153,7 @@ def answer_moves(start: int, seqs: list[int] | tuple[int, ...], end: int, reoffe
     `processed`: events it processed to a final state before the first rejected one.
     `rejected` (peers that report it): the indices of every event it rejected; then everything
     else counts as processed, the live cursor moves past the rejected events and they are
-    re-offered (issue 10 item 4: one rejected event cannot pin the stream behind it). Backfill
+    re-offered (one rejected event cannot pin the stream behind it). Backfill
     rows commit whole only, up to the first one not fully processed."""
     n_live, n_ro = len(seqs), len(reoffer_seqs)
     total = n_live + n_ro + sum(sum(c) for c, _done in bf_counts)

@@ -14,7 +14,7 @@ from .cose import ALG_EDDSA, Sign1, protected_header, sig_structure
 from .ids import UINT32_MAX
 
 # hlc_physical_ms reaches the store (events.hlc_p): bounded by SQLite's signed 64-bit, not the
-# wire's uint64 (issue 11 item 3; the strict decoder refuses larger integers first).
+# wire's uint64 (the strict decoder refuses larger integers first).
 HLC_PHYSICAL_MAX = INT64_MAX
 
 EVENT_CONTENT_TYPE = "sovm/ssp-event-v1"
@@ -130,7 +130,7 @@ def payload_bytes(schema: str, table: str, row_key: dict, operation: str, payloa
                   hlc: tuple[int, int], *, shape_checked: bool = False) -> bytes:
     """The deterministic encoding of an EventPayload. `shape_checked`: the caller has already
     checked what the shape check would (Node.write_many: the table's key and value columns with
-    fitting types, wire-profile §2), so it is not run twice on every local write (issue 15 item 4)."""
+    fitting types, wire-profile §2), so it is not run twice on every local write."""
     if not shape_checked:
         reason = check_payload_shape({
             "table_schema": schema,
@@ -145,7 +145,7 @@ def payload_bytes(schema: str, table: str, row_key: dict, operation: str, payloa
             raise ValueError(f"cannot build an event: {reason}")
     # The shape check makes every map text-keyed and every value a scalar (or None), so the
     # deterministic encoding can be put together from parts: equal to `encode(obj)` (tested:
-    # tests/core/test_events_encoding.py), about 3x cheaper on every local write (issue 15 item 4).
+    # tests/core/test_events_encoding.py), about 3x cheaper on every local write.
     return b"".join((_HEAD_PAYLOAD, b"\xf6" if payload is None else _text_map(payload), _KEY_ROW_KEY,
                      _text_map(row_key), _fixed(schema, table, operation), _uint(hlc[1]),
                      _KEY_SCHEMA, _text(schema), _KEY_PHYSICAL, _uint(hlc[0])))

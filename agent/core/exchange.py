@@ -1,44 +1,18 @@
-"""The exchange state machine, sans-I/O: one set of rules for every link (issue 13 item 1:
-"one session, every link").
+"""The exchange state machine, sans-I/O: one set of rules for every link. What a node decides about
+its exchanges with its peers, with no byte, clock or store in sight: the window, the cursor's
+movement on answers, the body limits. Two drivers call it: agent/runner.py on the MQTT binding
+(docs/mqtt.md), and agent/core/session.py on the serial and in-memory links (one `Exchange` per
+session, time passed in). What only the MQTT binding decides is agent/core/binding.py's.
 
-What a node decides about its exchanges with its peers, with no byte, clock or store in sight,
-transport-neutral: the window, the cursor's movement on answers, the body limits. Two drivers
-call it: agent/runner.py on the MQTT binding (every body a request answered on its own,
-docs/mqtt.md; messages, time and rows in sync_state moved in and out by the runner), and
-agent/core/session.py on the serial and in-memory links (one `Exchange` per session, for its one
-peer; time passed in as seconds). What only the MQTT binding decides (refusals before parsing,
-the proof a signed acknowledgement gives on a binding without ACLs, `answer_proof`; when this
-node's own acknowledgements are signed and which released ones are served again; the order of
-intake, `Intake`) is agent/core/binding.py's, beside this module; the runner passes the proof in
-(`Exchange.answer(..., proof=...)`). Bodies recalled from an earlier process (`earlier`) and
-retained presence parsed from topics (`Presence.received`) are here but only the runner feeds
-them.
+- **The window** (§32, docs/mqtt.md "Quiet links"): the bodies in flight to each peer (`pending`,
+  or `earlier` when restored from sync_state), where the next starts, how many more may go.
+- **Answers**: which answer settles which body, what it proves (`proof`, docs/protocol.md §5),
+  which cursor movement it carries (`Settled`, applied through `SyncDriver.confirm`).
+- **Giving up**: only on evidence that a body will not be answered; an absent peer gets one window.
+- **Body limits** (`BodyLimits`, docs/mqtt.md "Size limits") and **presence** (`Presence`, §31).
 
-- **The window** (§32, docs/mqtt.md "Quiet links"): which bodies are in flight to each peer (sent
-  by this process, `pending`; or by an earlier one and restored from sync_state, `earlier`), where
-  the next body starts (`start_at`), how many more may go (`room`), at most one body with backfill
-  rows in flight (`backfill_in_flight`, scope §2).
-- **Answers**: which answer settles which body, what it proves (the peer's signed acknowledgement
-  without the broker's ACLs, docs/protocol.md §5: checked by `binding.answer_proof`, passed in;
-  `answered_progress`), which cursor movement it
-  carries (`Settled.processed`, `Settled.rejected`: the live cursor and backfill rows then move
-  through agent/sync.py, `SyncDriver.confirm`, the one confirmation the in-memory and serial
-  session use too) and what follows (offer the next window, re-offer from the cursor).
-- **Giving up** (quiet links): a body is given up on only on evidence that it will not be answered
-  (the peer reachable and silent for the doubling answer timeout, or its later answers overtaking
-  it); an absent peer is sent one window and nothing more.
-- **Body limits** (`BodyLimits`, docs/mqtt.md "Size limits"): the peer's advertised limit, and the
-  provisional reduction after `too_large` refusals or silence (`sending.PeerLimit`).
-- **Presence** (`Presence`, §31): the present peers' handshakes (on MQTT their retained presence,
-  bounded against fictional sites; on a session link the peer's hello: the link is up).
-
-Pushes and the cursor, on every link (§33: "a sender advances its durable cursor only on a
-successful push, solicited or not; a push whose outcome the sender never observes is re-offered
-by the batch path"). A realtime push is a window body sent early and answered like any other
-(on MQTT its answer, on a session link a `push_ack` frame), so its answer moves the cursor
-exactly as a batch body's does, through one pure function, `core.delivery.answer_moves`
-(`SyncDriver.confirm`).
-"""
+A realtime push is a window body sent early and answered like any other (§33), so its answer
+moves the cursor exactly as a batch body's does (`core.delivery.answer_moves`)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -106,8 +80,8 @@ def answered_progress(total: int, proof: AckAnswer | None, processed_text: str |
                       rejected: list[int] | None) -> tuple[int, list[int] | None]:
     """(processed, rejected) an `ok` answer to a body of `total` events proves: what the peer
     signed when there is a proof (never the unauthenticated properties then), else the answer's
-    `ssp-processed` and `ssp-rejected-at`. Every event but the rejected ones reached a final state
-    (issue 10 item 4): with the list, everything counts as processed (the cursor moves past the
+    `ssp-processed` and `ssp-rejected-at`. Every event but the rejected ones reached a final state:
+    with the list, everything counts as processed (the cursor moves past the
     rejected ones, which are re-offered later); without it, `processed` is a prefix."""
     if proof is not None:
         processed = min(total, proof.processed)
@@ -289,7 +263,7 @@ class Presence:
 
 
 class SurfaceBudget:
-    """A flood bound on surfaced rows (issue 11 item 4, docs/apply.md "Bounds"): at most
+    """A flood bound on surfaced rows (docs/apply.md "Bounds"): at most
     `per_window` per key (source, reason) in each `window` (in the caller's time unit); each
     surfaced row is a transaction of its own (an fsync), and a hostile sender can provoke
     refusals at will. The rest are counted and told in one row when the key's next window starts
@@ -526,7 +500,7 @@ class Exchange:
         An absent peer's bodies wait in its broker session: its absence is no evidence of a loss.
 
         A broker drops, without a word, a PUBLISH larger than the Maximum Packet Size the peer
-        announced (issue 11 item 4): silence from a reachable peer may mean our bodies are too
+        announced: silence from a reachable peer may mean our bodies are too
         large for it. So a give-up also halves, provisionally like a refusal, what it gets, when
         its bodies were larger than the advertised floor."""
         out = []

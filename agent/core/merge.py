@@ -122,7 +122,7 @@ class TrustRebuild:
 def rebuild_without(table: TableDef, row: RowState, void: Callable[[Stamp], bool],
                     events: Iterable[tuple[Stamp, str, dict[str, Any] | None]],
                     horizon: tuple[int, int] | None) -> TrustRebuild:
-    """Remove from one row the effects of events that no longer count (issue 10 item 5: their
+    """Remove from one row the effects of events that no longer count (their
     signer was retired below their HLC, or its key is trusted no more), so the row equals the
     merge of the retained events that do count, whatever order events and records arrived in.
 

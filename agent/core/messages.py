@@ -63,7 +63,7 @@ def _site(v: Any, what: str) -> bytes:
 
 
 # Integers that reach the store are bounded by what SQLite holds (signed 64-bit), not by the
-# wire's uint64: an HLC of 2**63 would pass a uint64 check and crash the store (issue 11 item 3).
+# wire's uint64: an HLC of 2**63 would pass a uint64 check and crash the store.
 # The strict decoder refuses such integers first (`int_out_of_range`); these checks say it again
 # where the value is used. hlc_logical is a uint32 (wire-profile.md §1).
 HLC_PHYSICAL_MAX = INT64_MAX
@@ -144,7 +144,7 @@ def parse_handshake(data: bytes) -> Handshake:
 class BodyEvents:
     """The `events` of a body parsed by `parse_body_streamed`: the byte strings are read from the
     body's bytes one at a time, as the apply path takes them, instead of all being decoded into a
-    list first (issue 15 item 2: a 16 MiB body must import in 64 MB). Iterating yields `bytes`."""
+    list first (a 16 MiB body must import in 64 MB). Iterating yields `bytes`."""
 
     __slots__ = ("_data", "_start", "_n")
 
@@ -209,7 +209,7 @@ def _skip(data: bytes, i: int) -> int:
 @classified(ProtocolError)
 def parse_body_streamed(data: bytes) -> SyncBody:
     """`parse_body` with the same refusals and the same bounds (the whole body is prescanned
-    first, codec.prescan, issue 11), whose `events` is a `BodyEvents` read from `data` as the
+    first, codec.prescan), whose `events` is a `BodyEvents` read from `data` as the
     import goes instead of a decoded list. The members other than `events` are small and decoded
     strictly as before. Anything but a well-formed body takes the whole-body parse, so every
     refusal and its reason stay exactly `parse_body`'s."""

@@ -1,32 +1,18 @@
-"""The verify-ahead part of the one apply path (§12, issue 15 item 1), as a pure function: what
-`Node._apply_one` would compute for an event before it touches the store, computed early and in
-bulk, so that it can run on another core (agent/applyworker.py) while the thread that holds
-SQLite applies the events before it.
+"""The verify-ahead part of the one apply path (§12), as a pure function: what `Node._apply_one`
+would compute for an event before it touches the store, computed early and in bulk, so that it
+can run on another core (agent/applyworker.py) while the thread that holds SQLite applies the
+events before it.
 
 For each event it runs, in the apply path's order, the envelope parse (wire-profile §2), the
 keyring look-up and the signature verification (§12.1), and, only once the signature verified,
 the strict EventPayload decode and shape check. It decides nothing: `Node._apply_one` takes each
-result in order and runs every check itself (content type, self-echo, duplicate, kid, signature,
-shape, cutoff, skew, scope, key fit, horizon), using the result only for the values it would
-have computed, and only when the keyring entry it verified against is still the node's entry.
-
-A result is compact, so that it crosses a pipe cheaply (no envelope bytes, no payload bytes):
-    None                                       the envelope does not parse, or its kid is not in
-                                               the keyring: the apply path re-parses and answers
-    (kid, content_type, entry, False, None, None)                       the signature failed
-    (kid, content_type, entry, True, reason, None)                      verified; shape refused
-    (kid, content_type, entry, True, fields, row_key_bytes)             verified and decoded
-    (kid, content_type, entry, True, None, (start, end))   verified; not decoded (`decode=False`):
-                                               the payload is raw[start:end], for the apply path
-where `fields` are the Event's (table_schema, table_name, row_key, operation, payload, hlc).
-
-`decode=False` leaves the payload decode to the apply path: with one worker on two cores the
-work is split more evenly that way (docs/apply.md "Speed")."""
+result in order and runs every check itself, using the result only for the values it would have
+computed, and only when the keyring entry it verified against is still the node's entry."""
 from __future__ import annotations
 
 from typing import Any
 
-from . import cose
+from . import cose, reasons
 from . import events as ev
 from .codec import DecodeError, encode_trusted
 
@@ -34,7 +20,18 @@ Keyring = dict  # kid -> (public key, retirement cutoff or None)
 
 
 def prepare(raws: list[bytes], keyring: Keyring, mesh_id: bytes, decode: bool = True) -> list[Any]:
-    """One result per event of `raws` (each the exact received bytes), as described above."""
+    """One result per event of `raws` (each the exact received bytes), compact so that it crosses a
+    pipe cheaply (no envelope bytes, no payload bytes):
+        None                                       the envelope does not parse, or its kid is not in
+                                                   the keyring: the apply path re-parses and answers
+        (kid, content_type, entry, False, None, None)                       the signature failed
+        (kid, content_type, entry, True, reason, None)                      verified; shape refused
+        (kid, content_type, entry, True, fields, row_key_bytes)             verified and decoded
+        (kid, content_type, entry, True, None, (start, end))   verified; not decoded (`decode=False`):
+                                                   the payload is raw[start:end], for the apply path
+    where `fields` are the Event's (table_schema, table_name, row_key, operation, payload, hlc).
+    `decode=False` leaves the payload decode to the apply path: with one worker on two cores the
+    work is split more evenly that way (docs/apply.md "Speed")."""
     out: list[Any] = []
     append = out.append
     verify = cose.verify_ed25519
@@ -53,7 +50,7 @@ def prepare(raws: list[bytes], keyring: Keyring, mesh_id: bytes, decode: bool = 
             continue
         if s1.content_type != ev.EVENT_CONTENT_TYPE:
             # Not an event: the apply path drops it before looking at the payload.
-            append((s1.kid, s1.content_type, entry, True, "not_an_event", None))
+            append((s1.kid, s1.content_type, entry, True, reasons.NOT_AN_EVENT, None))
             continue
         if not decode:
             # The envelope ends with the payload's byte string and the 64-byte signature's

@@ -57,8 +57,29 @@ UNCLASSIFIED = "unclassified"
 CLOCK_UNTRUSTED = "clock_untrusted"         # eviction or a horizon change waits for a trustworthy clock
 CLOCK_EVIDENCE_RESET = "clock_evidence_reset"  # evidence taken under a lying source, contradicted by the mesh
 
+# Every code above: a refused message or a lost link (the apply outcomes below are not in it).
 ALL = frozenset(v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str))
 
-# Names used before one list existed, and the one name each violation has now (issue 13).
+# Names used before one list existed, and the one name each violation has now.
 RENAMED = {"from_site_mismatch": SENDER_MISMATCH, "unsolicited_body": REALTIME_NOT_ESTABLISHED,
            "wrong_peer": HANDSHAKE_SITE_MISMATCH, "presence_site_mismatch": HANDSHAKE_SITE_MISMATCH}
+
+# -- what applying one event came to: `Outcome.reason` (agent/outcomes.py), in the order of the §12
+# steps. The event decoder's codes (agent/core/events.py) and a row key's misfit (agent/core/schema.py)
+# are reasons too; these are the apply path's own.
+NOT_AN_EVENT = "not_an_event"               # a COSE_Sign1 of another content type: dropped
+SELF_ECHO = "self_echo"                     # this node's own event sent back (§32.1): dropped
+DUPLICATE = "duplicate"                     # this event_id is in the log already (§12.4)
+ALREADY_HELD = "already_held"               # this event_id is held already (§13.6)
+UNKNOWN_KID = "unknown_kid"                 # the signer is not in the keyring (§12.1): rejected, re-offered
+BAD_SIGNATURE = "bad_signature"             # the signature does not verify (§12.1): dropped
+RETIRED_SIGNER = "retired_signer"           # later than its signer's retirement cutoff (§12.1): dropped
+CLOCK_SKEW = "clock_skew"                   # its HLC is beyond the skew bound (§12.2): rejected, re-offered
+OUT_OF_FLOOR = "out_of_floor"               # its table is outside the floor (§12.3): dropped and logged
+TABLE_MISSING = "table_missing"             # its table is not in this node's schema (§13.6 row 1): held
+HELD_LIMIT = "held_limit"                   # the held events' budget is spent: rejected, re-offered
+BELOW_HORIZON = "below_horizon"             # under the table's eviction horizon (§3): applied, nothing written
+APPLIED = "applied"                         # merged into its row (§13)
+OUTCOME_REASONS = frozenset({NOT_BYTES, NOT_AN_EVENT, SELF_ECHO, DUPLICATE, ALREADY_HELD, UNKNOWN_KID, BAD_SIGNATURE,
+                             RETIRED_SIGNER, CLOCK_SKEW, OUT_OF_FLOOR, TABLE_MISSING, HELD_LIMIT, BELOW_HORIZON,
+                             APPLIED})

@@ -21,7 +21,7 @@ from .cose import ALG_EDDSA, assemble, content_type, parse_sign1, protected_head
 from .ids import UINT32_MAX
 
 # Generations, horizons, cutoffs and times reach the store: bounded by what SQLite holds (signed
-# 64-bit), not the wire's uint64 (issue 11 item 3; the strict decoder refuses more first).
+# 64-bit), not the wire's uint64 (the strict decoder refuses more first).
 STORE_UINT_MAX = INT64_MAX
 
 ROLE, VOUCH, RETIRE = "sovm/ssp-role-v1", "sovm/ssp-vouch-v1", "sovm/ssp-retire-v1"
@@ -95,7 +95,7 @@ def _uint(v: Any, limit: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= limit
 
 
-def _parse(raw) -> tuple[bytes, Any]:
+def parse_record(raw) -> tuple[bytes, Any]:
     """The strict COSE_Sign1 parse every record starts with (RecordError on failure)."""
     if not isinstance(raw, (bytes, bytearray)):
         raise RecordError("not_bytes")
@@ -132,7 +132,7 @@ def verify_record(raw: bytes, mesh_id: bytes, authorities: Iterable[bytes],
                   key_of: Callable[[bytes], bytes | None]) -> Record:
     """The authority record boundary. Verify one record on its own. Raises RecordError (dropped and surfaced) otherwise.
     `key_of(issuer)` gives the issuer's Ed25519 key from the trusted keyring (or None)."""
-    raw, s = _parse(raw)
+    raw, s = parse_record(raw)
     if s.content_type not in _MEMBERS:
         raise RecordError("unknown_record_type", s.content_type)
     p = authority_payload(s, mesh_id, authorities, key_of, _MEMBERS[s.content_type])
@@ -250,7 +250,7 @@ def verify_signed_by_site(raw: Any, mesh_id: bytes, ctype: str, label: str, memb
     records): the content type, the signer's keyring entry (`entry_of(kid)`: public key and
     retirement cutoff or None) known and not retired, the signature, and exactly `members` in the
     payload. Returns (raw, Sign1, payload); raises RecordError."""
-    raw, s = _parse(raw)
+    raw, s = parse_record(raw)
     if s.content_type != ctype:
         raise RecordError(f"not_a_{label}_record", s.content_type)
     entry = entry_of(s.kid)
@@ -364,7 +364,7 @@ def resolve_trust(records: Iterable[Record], provisioned: dict[bytes, tuple[byte
 
 # ---------------------------------------------------------------- acknowledgements on MQTT (docs/protocol.md §5)
 # An answer to a sync body is not authenticated on a binding without broker ACLs: a reader of the
-# inbox topics sees the correlation data and can answer first (issue 11 item 5). So on such a
+# inbox topics sees the correlation data and can answer first. So on such a
 # binding the answering node signs, about its own processing, which bodies it received (BLAKE3 of
 # their exact bytes) and what became of their events; the sender moves its cursor only on that.
 # Issued by the answering node (kid = issuer), addressed to the body's author (subject).

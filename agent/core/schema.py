@@ -87,7 +87,7 @@ class TableDef:
     def key_set(self) -> frozenset[str]:
         return frozenset(self.key)
 
-    @cached_property  # Node.write_many's check of every local write (issue 15 item 4)
+    @cached_property  # Node.write_many's check of every local write
     def python_types(self) -> dict[str, type]:
         """Column -> the one Python type its values take (wire-profile §2 Types, no coercion)."""
         return {c: _PY_TYPES[t] for c, t in self.columns.items() if t in _PY_TYPES}

@@ -1,4 +1,4 @@
-"""What the sender side of a sync link decides without I/O (issue 13 item 1: the runner's own
+"""What the sender side of a sync link decides without I/O (the runner's own
 state moving beside agent/core/session.py): how a selection is split into bodies that fit the
 peer's limit, and the per-peer body limit after `too_large` refusals. Pure: time is passed in.
 agent/core/exchange.py (the exchange state machine of every link) uses both."""
@@ -40,7 +40,7 @@ def first_body(sizes: Sequence[int], base_size: int, limit: int, max_events: int
 
 @dataclass
 class PeerLimit:
-    """The body size this node sends one peer after `too_large` refusals (issue 11 item 5).
+    """The body size this node sends one peer after `too_large` refusals.
 
     A refusal halves it. But an answer is not authenticated without the broker's ACLs: a client
     that reads inbox topics sees the correlation data and can answer first, so a refusal is no

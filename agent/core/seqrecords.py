@@ -1,48 +1,18 @@
-"""Sequencing records in the sync plane's `records` (SOVM §22.5-§22.6; wire-profile.md §3 and §5
-"Extensions"; docs/protocol.md §12). Pure: no I/O.
+"""Sequencing records in the sync plane's `records` (SOVM §22.5-§22.6; formats in docs/protocol.md
+§12). Pure: no I/O. They carry the sequencer's control plane between members over the
+mesh, so a member that never talks to the sequencer still learns the receipt chain and the binding
+in force, and sees a head that contradicts its own.
 
-Two record types carry the sequencer's control plane between members over the mesh, so a member
-that never talks to the sequencer (nor its broker) still learns the receipt chain and the binding
-in force, and sees a head that contradicts its own:
+- `sovm/ssp-receipt-head-v1`: a member's gossip of one receipt it holds; `sovm/ssp-discontinuity-v1`:
+  its relay of the sequencer's signed discontinuity statement (§22.6 step 4). Issued by any site
+  in the keyring, not chained; the bytes inside are self-verifying (checked by the caller,
+  agent/sequencing.py), and the record budget counts each against its issuer.
+- `sovm/ssp-sequencer-binding-v1`: a mesh authority binds a sequencer key to a group from an MLS
+  epoch (§22.6 singularity). Chained per group as §3 chains every record, its generation the MLS
+  epoch (strictly increasing, not contiguous); a fork makes the binding unresolved from the lowest
+  generation involved, and receipts there are held, neither applied nor rejected (§22.6).
 
-``sovm/ssp-receipt-head-v1`` — a member's gossip of one sequencing receipt it holds:
-
-    {"group_id": bstr 1..255, "receipt": bstr (the exact COSE_Sign1 ES256 receipt bytes)}
-
-  Issued by any site in the keyring (a member), kid = the issuer's site_id, EdDSA, external_aad =
-  mesh_id, like every control record (§3). The receipt inside is self-verifying (the sequencer's
-  ES256 signature; checked by the caller, agent/sequencing.py, with agent/sequencer/receipts.py);
-  the wrapper only says who spread it and bounds what a site may make others store (the record
-  budget counts it against its issuer). Not chained: each one is a fact, not a state; two
-  members gossiping one receipt are two records about the same bytes.
-
-``sovm/ssp-discontinuity-v1`` — a member's relay of the sequencer's signed discontinuity statement
-(§22.6 "epoch advanced, receipt absent", step 4: "surface it to the fleet ... Surfacing it to some
-members and not others does not satisfy this clause"):
-
-    {"group_id": bstr 1..255, "statement": bstr (the exact COSE_Sign1 ES256 statement bytes,
-                                                 agent/sequencer/receipts.py)}
-
-  Like a receipt head in every respect (issuer, signature, budget, not chained): the statement
-  inside is self-verifying, so the relaying member repeats the sequencer's signed claim, not its
-  own; a member holding a receipt for that epoch holds proof against it (equivocation evidence).
-
-``sovm/ssp-sequencer-binding-v1`` — the control-plane binding of a sequencer to a group (§22.6
-singularity: "MUST record the generation — the MLS epoch — from which the binding takes effect"):
-
-    {"group_id": bstr 1..255, "sequencer_key": bstr33 (compressed SEC1 P-256),
-     "generation": uint (the MLS epoch from which it takes effect), "previous_record_hash": bstr32 / null}
-
-  Issued by a mesh authority only (as vouch, retire and role records). Chained per group as §3
-  chains every record: genesis with a null predecessor, each later binding naming the exact
-  bytes of the one it follows; unlike §3's generation counter, a binding's generation is the MLS
-  epoch (§22.5: "its generation is the MLS epoch"), so it strictly increases along the chain
-  without being contiguous. Two records naming one predecessor (or two geneses) are a fork of
-  the binding record: surfaced, and from the lowest generation involved the binding cannot be
-  resolved, so receipts there are *held*, neither applied nor rejected (§22.6).
-
-A node that ignores both types still converges (§5): they carry no authority over data.
-"""
+A node that ignores these types still converges (§5): they carry no authority over data."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,7 +21,7 @@ from typing import Any, Callable, Iterable, Optional
 from .classify import classified
 from .codec import encode
 from .cose import ALG_EDDSA, protected_header, sig_structure
-from .records import STORE_UINT_MAX, RecordError, _parse, authority_payload, record_hash, verify_signed_by_site
+from .records import STORE_UINT_MAX, RecordError, parse_record, authority_payload, record_hash, verify_signed_by_site
 
 RECEIPT_HEAD = "sovm/ssp-receipt-head-v1"
 BINDING = "sovm/ssp-sequencer-binding-v1"
@@ -148,7 +118,7 @@ def verify_binding(raw: bytes, mesh_id: bytes, authorities: Iterable[bytes],
                    key_of: Callable[[bytes], bytes | None]) -> Binding:
     """The binding boundary: issued by a mesh authority (its provisioned key), exactly the four
     members, a 33-byte compressed key, genesis iff no predecessor. Raises RecordError."""
-    raw, s = _parse(raw)
+    raw, s = parse_record(raw)
     if s.content_type != BINDING:
         raise RecordError("not_a_binding_record", s.content_type)
     p = authority_payload(s, mesh_id, authorities, key_of, BINDING_MEMBERS)

@@ -1,44 +1,18 @@
-"""The per-link SSP/1 session (§31-§33), sans-I/O: the one state machine of the serial and
-in-memory links, on the exchange rules MQTT runs (issue 13 item 1, "one session, every link").
+"""The per-link SSP/1 session (§31-§33), sans-I/O: the one state machine of the serial and in-memory
+links, on the exchange rules MQTT runs.
 
-A session never reads a clock, a socket or a database. Bytes come in through `receive(data,
-now)`, bytes to send come out of `data_to_send()`, the next deadline is `timer()` and the
-caller calls `handle_timer(now)` when it passes. What a body contains and what happens to a
-received one is the `Provider`'s business (agent/sync.py wires it to a Node).
+A session never reads a clock, a socket or a database: bytes come in through `receive(data,
+now)`, bytes to send come out of `data_to_send()`, the next deadline is `timer()`, and the caller
+calls `handle_timer(now)` when it passes. What a body contains and what happens to a received one
+is the `Provider`'s business (agent/sync.py wires it to a Node). What it decides about what it
+sent is its `Exchange`'s (agent/core/exchange.py, the rules the MQTT runner follows too); the
+session maps those decisions onto frames, and its own rule beside them is `chain` (after an
+exchange that moved events, the next one at once: what ends a `sync --once` over a line).
 
-What it decides about what it sent is not its own: it holds an `Exchange` for its one peer
-(agent/core/exchange.py) and calls what the MQTT runner calls: `plan_offer`/`start_at` (a window
-of bodies in flight, each from where the previous one ended), `may_carry_backfill` (one backfill
-body in flight), `answer` (what an answer, a push's answer, an ack or a refusal proves; the
-cursor then moves through `SyncDriver.confirm` and `core.delivery.answer_moves`), `BodyLimits`
-(the peer's advertised limit, the too-large back-off), `expire` (giving up on a silent peer),
-`Schedule` and `binding.next_due` (when the batch cycle and a coalesced or fixed-cadence push
-are due, §32, §33.2, §33.3).
-The session maps those decisions onto frames; transports only move the frames' bytes. Its own
-rule beside them: `chain` (after an exchange this end started moved events, the next one at
-once, until one moves nothing: what ends a `sync --once` over a line), which a driver asks after
-handing in what arrived.
-
-Frames. The SSP/1 messages (handshake, sync body) travel inside a small transport frame that
-carries what the messages do not: the frame type, a correlation id (an answer and an ack name
-the body they answer) and the sender's stream positions. A binding with native metadata (MQTT
-v5: response topic + correlation data + user properties) may map these onto it; every other
-binding sends `encode_frame(...)` bytes as they are (docs/protocol.md §1).
-
-  hello    {t, b: handshake, r: reply wanted, l?: body limit}
-  body     {t, c, b: sync body, m: meta}          batch request (the initiator's events)
-  answer   {t, c, b: sync body, m: meta, k, j?}   the responder's events; k = events of `body`
-                                                   processed to a final state before the first
-                                                   rejected one, j = every rejected index
-  ack      {t, c, k, j?}                          k, j for `answer`
-  push     {t, c, b: sync body, m: meta}          realtime (§33): a window body sent early
-  push_ack {t, c, k, j?}                          the push's observed outcome: its cursor moves
-  refused  {t, c, f, r}                           the frame of type f under c refused (too_large)
-  error    {t, r: reason}                         a protocol error, surfaced on both sides
-
-meta = {s: start cursor, e: end position, d: seq deltas of the live events, g: tables whose own
-events the sender withheld by policy, x: number of backfill events after the live ones}.
-"""
+The SSP/1 messages travel inside a small transport frame that carries what they do not: the frame
+type, a correlation id and the sender's stream positions (hello, body, answer, ack, push,
+push_ack, refused, error: docs/protocol.md §1). A binding with native metadata (MQTT v5) maps
+them onto it; every other binding sends `encode_frame(...)` bytes as they are."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -129,7 +103,7 @@ MAX_META_CHARS = 65_535  # an MQTT user property value cannot be longer (a UTF-8
 def parse_meta_text(text: Any) -> dict:
     """The meta property boundary (MQTT `ssp-meta`, docs/mqtt.md): the JSON text of a frame meta
     as a dict with the {s, e, d, g, x} members, or ProtocolError `bad_frame_meta`. Deep nesting
-    (5 000 `[` made the JSON parser raise RecursionError, issue 11 item 1) is refused before
+    (5 000 `[` made the JSON parser raise RecursionError) is refused before
     parsing: a meta nests two deep. `StreamMeta.from_wire` checks it against the body."""
     if not isinstance(text, str) or len(text) > MAX_META_CHARS:
         raise ProtocolError("bad_frame_meta", "ssp-meta is not text of at most 65 535 characters")
@@ -173,7 +147,7 @@ _FRAME_MEMBERS = {"hello": {"t", "b", "r"}, "body": {"t", "c", "b", "m"}, "answe
                   "ack": {"t", "c", "k"}, "push": {"t", "c", "b", "m"}, "push_ack": {"t", "c", "k"},
                   "refused": {"t", "c", "f", "r"}, "error": {"t", "r"}}
 # j: the indices of the answered body's events the peer rejected (every other one reached a final
-# state). Optional: a peer that omits it is read by `k` alone (issue 10 item 4). l: the sender's
+# state). Optional: a peer that omits it is read by `k` alone. l: the sender's
 # body limit (bytes of `b` it takes), advertised in its hello as MQTT's `ssp-body-limit` is.
 _FRAME_OPTIONAL = {"answer": {"j"}, "ack": {"j"}, "push_ack": {"j"}, "hello": {"l"}}
 REFUSABLE = ("body", "answer", "push")  # the frames a `refused` names (f): the ones that carry a body

@@ -1,44 +1,18 @@
 """The member side of Commit submission: a durable queue of membership Commits and the client that
-submits them to the sequencer through the broker (SOVM §22.5, §22.7; issue 14 item 8;
-docs/sequencer.md "Member side: the Commit queue").
+submits them to the sequencer through the broker (SOVM §22.5, §22.7; docs/sequencer.md "Member
+side: the Commit queue"). The queue file's SQL is queue_store.py's; this module holds the protocol.
 
-§22.7: while the sequencer (or its broker) is unreachable, membership-changing Commits *queue* on
-the member; data sync goes on (this queue is its own SQLite file and its own client: nothing of
-the sync node waits on it). "Clients MUST NOT create divergent offline membership histories": a
-member keeps at most **one outstanding Commit per group** — a second is refused until the first
-has an outcome, so it is never tempted to build epoch E+1 on its own unconfirmed Commit for E.
+§22.7: while the sequencer is unreachable, Commits queue on the member and data sync goes on (its
+own SQLite file and client). A member keeps at most one outstanding Commit per group, so it never
+builds epoch E+1 on its own unconfirmed Commit for E. A Commit ends `accepted` (the receipt names
+it), `lost` (another won: process it and rebuild, §22.5), `absent` (a §22.6 discontinuity: MLS
+tells which won) or `refused`; a resubmitted Commit answered `stale_epoch` is compared with the
+receipt for its own epoch, since its first answer may have been lost.
 
-The queue file's SQL lives in queue_store.py (its storage adapter: tables, transactions, the
-versioned layout of layout.py ``QUEUE``); this module holds the protocol and calls its methods.
-
-Queue states (table ``commits``):
-
-  queued    waiting for an outcome; (re)submitted on every connection, byte for byte
-  accepted  the sequencer's receipt names this Commit (commit_hash) at its epoch: it is canonical
-  lost      another Commit won the epoch: ``receipt`` is the canonical one; process that Commit,
-            rebuild, enqueue the rebuilt one (§22.5: "MUST be rebuilt by its sender")
-  absent    the sequencer states the epoch's receipt absent (§22.6 discontinuity): which Commit
-            won is learnt from MLS, not from a receipt
-  refused   not sequenceable (not a Commit, unparseable, out of range, built ahead of the group)
-
-First-Commit-wins, with the answer lost: a Commit the sequencer accepted whose answer never
-reached the member (crash, disconnect) is resubmitted; the sequencer answers ``stale_epoch``
-(its epoch moved on). That is not a loss: if the head receipt names this Commit it is accepted;
-if the head is later, the receipt *for this Commit's epoch* is asked for and compared. Only a
-receipt naming another Commit makes it ``lost``.
-
-Every receipt is verified (signature, group, epoch, commit hash) before it decides anything; one
-that does not verify decides nothing (surfaced). Who may sign it (§22.6 singularity) is the
-caller's ``signer_for(group_id, epoch)``: the CLI resolves the sequencer bound at that generation
-from the member node's binding records, falling back to ``--sequencer-key`` only for a group with
-no binding record at all. A receipt signed by another key is rejected and retained for
-attribution; one whose binding does not resolve is held. Both stay in ``unsettled`` and are looked
-at again when the group's binding records change (a binding that arrives later decides them);
-neither decides the Commit meanwhile. Only a binding can change their verdicts, so the recheck
-(every 2 s) compares each group's binding state (``binding_state(group_id)``) with the one its
-receipts were last looked at under and reads a group's receipts only when it changed: an idle
-member reads none of them, however many it retains (docs/sequencer.md "Cost").
-"""
+Every receipt is verified before it decides anything. Who may sign it (§22.6 singularity) is the
+caller's `signer_for(group_id, epoch)`; a receipt signed by another key is rejected and kept for
+attribution, one whose binding does not resolve is held, and both are looked at again only when
+the group's binding records change (`binding_state`), so an idle member reads none of them."""
 from __future__ import annotations
 
 import hashlib
@@ -52,7 +26,8 @@ from typing import Callable, Iterable, Optional
 
 from agent import inbox
 from agent.sequencer import receipts
-from agent.sequencer.core import EPOCH_LIMIT, MAX_EPOCH
+from agent.sequencer.core import (EPOCH_LIMIT, EPOCH_OUT_OF_RANGE, FUTURE_EPOCH, MAX_EPOCH, NOT_COMMIT, STALE_EPOCH,
+                                  UNPARSEABLE)
 from agent.sequencer.framing import MAX_MESSAGE_BYTES, FramingError, parse_mls_message
 from agent.sequencer.member import UNSIGNED_CLAIM
 from agent.sequencer.recovery import MAX_OFFERED, MemberEvidence
@@ -61,7 +36,7 @@ from agent.sequencer.queue_store import EVENTS_KEPT, KEPT_EVENTS, QueueStore  # 
 QUEUED, ACCEPTED, LOST, ABSENT, REFUSED = "queued", "accepted", "lost", "absent", "refused"
 # a refusal that ends the Commit; any other reason leaves it queued (migrated, failed_closed: the
 # group's relay is unavailable until the operator acts, §22.6)
-FINAL_REFUSALS = frozenset({"not_commit", "unparseable", "epoch_out_of_range", "future_epoch"})
+FINAL_REFUSALS = frozenset({NOT_COMMIT, UNPARSEABLE, EPOCH_OUT_OF_RANGE, FUTURE_EPOCH})
 ANSWER_ROOT = "sovm-member"
 OFFER_TAG = b"e"          # correlation data of an `evidence` request: the tag, then sha256(group_id)
 MAX_LOST_RUNS = 4096      # runs in a `lost` record a member reads (the sequencer publishes at most 256)
@@ -379,14 +354,14 @@ def submit_outcome(e: Entry, answer: dict, signer_for: SignerFor) -> Outcome:
             return Outcome(None, problem=why or "an acceptance whose receipt does not name this Commit at its epoch")
         return Outcome(ACCEPTED, None, r.raw)
     reason = answer.get("reason")
-    if reason == "stale_epoch":
+    if reason == STALE_EPOCH:
         head, why = _verified(answer.get("head"), e, signer_for)
         if head is not None and head.epoch == e.epoch and why in (HELD, ATTRIBUTED):
             return _unsettled(head, why)
         if head is not None and not why and head.epoch == e.epoch:
             # the head is this epoch's receipt: ours (an answer lost, then resubmitted) or the winner's
-            return Outcome(ACCEPTED if head.commit_hash == e.commit_hash else LOST, "stale_epoch", head.raw)
-        return Outcome(None, "stale_epoch", ask_receipt=True)     # the head moved on: look up our epoch
+            return Outcome(ACCEPTED if head.commit_hash == e.commit_hash else LOST, STALE_EPOCH, head.raw)
+        return Outcome(None, STALE_EPOCH, ask_receipt=True)     # the head moved on: look up our epoch
     if reason in FINAL_REFUSALS:
         return Outcome(REFUSED, reason)
     return Outcome(None, str(reason))                                # migrated, failed_closed, ...: wait
@@ -402,7 +377,7 @@ def receipt_outcome(e: Entry, answer: dict, signer_for: SignerFor) -> Outcome:
             return _unsettled(r, why)
         if r is None or why or r.epoch != e.epoch:
             return Outcome(None, problem=why or "a receipt for another epoch")
-        return Outcome(ACCEPTED if r.commit_hash == e.commit_hash else LOST, "stale_epoch", r.raw)
+        return Outcome(ACCEPTED if r.commit_hash == e.commit_hash else LOST, STALE_EPOCH, r.raw)
     if answer.get("absent") and answer.get("discontinuity"):
         return Outcome(ABSENT, "discontinuity")     # §22.6: a stated absence; MLS tells which Commit won
     # the sequencer holds no receipt nor gap for an epoch it says is past (a recovered suffix or a
@@ -743,7 +718,7 @@ class CommitClient:
             self.q.record_event("bad_answer", {"commit_hash": e.commit_hash.hex(), "problem": out.problem})
             return
         if out.ask_receipt:
-            self.q.note_reason(e.commit_hash, "stale_epoch")
+            self.q.note_reason(e.commit_hash, STALE_EPOCH)
             self._publish("receipt", e.group_id, str(e.epoch).encode(), b"r" + e.commit_hash)
             return
         if out.state is None:

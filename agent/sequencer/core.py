@@ -1,27 +1,16 @@
 """The blind Commit sequencer's pure core (SOVM §22.5–§22.6): no I/O, no clock, no signing.
 
-Per opaque group_id the state is the current accepted epoch — the epoch a Commit must be built
-in to be accepted — and the head of the group's receipt chain. The first-Commit-wins rule of
-§22.5:
-
-    accept iff content_type == commit
-           AND commit.epoch == current_epoch(group_id)
-           AND no commit has already been accepted for that epoch
-
-The third condition is implied by the second because acceptance advances current_epoch in the
-same atomic commitment that makes the receipt durable (§22.5 cl. 3; agent/sequencer/store.py):
-once a Commit is accepted for E, current_epoch is E+1 and every other Commit for E is stale.
-
-A stale Commit is answered with the current head (the conflict answer of transparency-log
-witnesses), so its sender can fetch the canonical Commit, process it, rebuild and retry.
+Per opaque group_id the state is the current accepted epoch (the epoch a Commit must be built in)
+and the head of the group's receipt chain. First-Commit-wins (§22.5): accept iff the content is a
+Commit built in the current epoch; acceptance advances the epoch in the same atomic commitment
+that makes the receipt durable (§22.5 cl. 3; agent/sequencer/store.py), so every other Commit for
+that epoch is stale, and is answered with the current head, so its sender can fetch the canonical
+Commit, process it, rebuild and retry.
 
 Bootstrap (§22.6): a group is created by explicit registration with its initial epoch, or by the
-first Commit-bearing message observed for an unknown group_id, which initialises tracking at that
-Commit's epoch and is accepted. A group the sequencer has a record of is not unknown: a retired
-one (its recovery did not resume it) is refused, never bootstrapped at an asserted epoch.
-Registration and bootstrap start a fresh chain (previous_receipt_hash null,
-wire-profile.md §6).
-"""
+first Commit observed for an unknown group_id, accepted at its epoch. A group the sequencer has a
+record of is not unknown: a retired one is refused, never bootstrapped at an asserted epoch.
+Registration and bootstrap start a fresh chain (previous_receipt_hash null)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -115,36 +104,36 @@ def decide(state: Optional[GroupState], framing: Framing, commit_hash: bytes, re
     gid = framing.group_id
     if not framing.is_commit:
         name = CONTENT_TYPE_NAMES.get(framing.content_type, str(framing.content_type))
-        return _reject(NOT_COMMIT, gid, state, f"content_type {name}: only Commits are sequenced")
+        return reject(NOT_COMMIT, gid, state, f"content_type {name}: only Commits are sequenced")
     if framing.epoch > MAX_EPOCH:
-        return _reject(EPOCH_OUT_OF_RANGE, gid, state, f"epoch {framing.epoch} > {MAX_EPOCH}")
+        return reject(EPOCH_OUT_OF_RANGE, gid, state, f"epoch {framing.epoch} > {MAX_EPOCH}")
     if held:
         # §22.5 cl. 2: a pair it cannot establish was never released is treated as signed
-        return _reject(STATE_BEHIND, gid, state, "members' evidence shows this sequencer's state behind what it "
+        return reject(STATE_BEHIND, gid, state, "members' evidence shows this sequencer's state behind what it "
                                                  "released: the group awaits `sequencer recover` (§22.6)")
     if state is None and retired:
         # §22.6: never resumed from a naked epoch assertion, which a Commit's framing epoch is;
         # §22.10: a genesis reset starts a new group_id
-        return _reject(GROUP_RETIRED, gid, None, "this sequencer lost this group's state and recovery did not "
+        return reject(GROUP_RETIRED, gid, None, "this sequencer lost this group's state and recovery did not "
                                                  "resume it: only a recovery that converges brings it back")
     if state is None:
         # §22.6: the first Commit-bearing message for an unknown group initialises its tracking
         return Accept(gid, framing.epoch, commit_hash, None, bootstrap=True)
     if state.migrated:
-        return _reject(MIGRATED, gid, state, "this group is bound to another sequencer now (§22.6 singularity)")
+        return reject(MIGRATED, gid, state, "this group is bound to another sequencer now (§22.6 singularity)")
     if state.failed_closed:
-        return _reject(FAILED_CLOSED, gid, state, "equivocation evidence: the group awaits audit and migration")
+        return reject(FAILED_CLOSED, gid, state, "equivocation evidence: the group awaits audit and migration")
     if framing.epoch < state.current_epoch:
-        return _reject(STALE_EPOCH, gid, state, f"a Commit was already accepted for epoch {framing.epoch}; "
+        return reject(STALE_EPOCH, gid, state, f"a Commit was already accepted for epoch {framing.epoch}; "
                                                 "process the canonical Commit, rebuild and resubmit")
     if framing.epoch > state.current_epoch:
-        return _reject(FUTURE_EPOCH, gid, state, f"epoch {framing.epoch} is ahead of the accepted epoch "
+        return reject(FUTURE_EPOCH, gid, state, f"epoch {framing.epoch} is ahead of the accepted epoch "
                                                  f"{state.current_epoch}")
     prev = state.head.receipt_hash if state.head is not None else None
     return Accept(gid, framing.epoch, commit_hash, prev)
 
 
-def _reject(reason: str, gid: bytes, state: Optional[GroupState], detail: str) -> Reject:
+def reject(reason: str, gid: bytes, state: Optional[GroupState], detail: str) -> Reject:
     if state is None:
         return Reject(reason, gid, None, None, detail)
     return Reject(reason, gid, state.current_epoch, state.head, detail)

@@ -1,23 +1,14 @@
-"""The plaintext framing of an RFC 9420 MLSMessage, read blind (SOVM §22.5, wire-profile.md §6).
+"""The plaintext framing of an RFC 9420 MLSMessage, read blind (SOVM §22.5, wire-profile §6).
 
 The sequencer reads only what RFC 9420 §6 leaves unencrypted: version, wire_format, group_id,
 epoch and content_type. It never decrypts anything and never decides whether a Commit is
 semantically valid (§22.8): that is every member's job.
 
-Strictness (so that one byte string has one reading on every sequencer):
-- integers are big-endian (RFC 9420 §2.1, TLS presentation language);
-- variable-length vectors use the §2.1.2 length prefix: 1, 2 or 4 bytes chosen by the two top bits,
-  prefix 0b11 invalid, and the shortest form only (a non-minimal length is malformed);
-- a PrivateMessage (§6.3) is parsed to its end and nothing may follow it;
-- a PublicMessage (§6.2) carrying a Commit is walked to its end by lengths alone (the Commit's
-  proposals vector, the optional UpdatePath, the signature, confirmation_tag and, for a member
-  sender, membership_tag) and nothing may follow it. Walking is not reading: no field of the
-  Commit is interpreted. A PublicMessage carrying anything else is not a Commit and is refused
-  by the sequencer whatever follows its content_type, so it is not walked.
-
-Every failure is a ``FramingError`` with a stable ``reason`` code; no other exception escapes
-``parse_mls_message`` for any input bytes (tested with Hypothesis).
-"""
+Strict, so that one byte string has one reading on every sequencer: big-endian integers, §2.1.2
+length prefixes in their shortest form only, and a message parsed or (a PublicMessage carrying a
+Commit) walked by lengths alone to its end, with nothing after it; walking is not reading, no
+field of the Commit is interpreted. Every failure is a ``FramingError`` with a stable ``reason``
+code; no other exception escapes ``parse_mls_message`` for any input bytes."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,50 +1,18 @@
-"""Versioned layouts of the sequencer package's own SQLite files (docs/sequencer.md "State").
+"""Versioned layouts of the sequencer package's own SQLite files (docs/sequencer.md "State"): STATE
+(HOME/sequencer.db, store.py) and QUEUE (HOME/commit-queue.db, queue_store.py), each with its own
+version line in `PRAGMA user_version`. What each version added is said beside its step below.
 
-Two files, each with its own version line, kept in `PRAGMA user_version` (the SQLite file header,
-read without touching any table):
+As for the node's store (agent/store/migrations.py, which this package may not import):
+migrations run forward only, on a writing open, each in its own transaction with the version it
+reaches, so a crash or a full disk leaves the file at the previous version. A file newer than this
+agent is refused (LayoutError, CLI exit 1) before anything is written; a read-only open never
+migrates and refuses a newer file all the same.
 
-  STATE   HOME/sequencer.db       the sequencer's state (store.py)
-  QUEUE   HOME/commit-queue.db    a member's durable Commit queue (queue_store.py)
-
-As for the node's store (agent/store/migrations.py, which this package may not import: the
-sequencer never imports the sync node, tests/core/test_layout.py): migrations run forward only,
-on a writing open, each in its own transaction together with the version it reaches, so a crash
-or a full disk leaves the file at the previous version, never between two. A file newer than
-this agent is refused (LayoutError, a local fault: CLI exit 1) before anything is written — an
-older agent cannot know what the newer layout means, and `CREATE TABLE IF NOT EXISTS` would
-silently run it on tables it does not understand. A read-only open (`sequencer status` beside a
-running `sequencer run`) never migrates, and refuses a newer file all the same.
-
-Version history, STATE (sequencer.db):
-  0  an empty file (no table yet)
-  1  the layout released before versioning (store.py SCHEMA at 16b3ab7): meta, groups (with
-     failed_closed, migrated), pending, receipts, discontinuities, statements, events.
-     That release wrote no version (user_version 0): a file with its tables is version 1
-
-Version history, QUEUE (commit-queue.db):
-  0  an empty file (no table yet)
-  1  the layout released before versioning (client.py SCHEMA at 16b3ab7): meta, commits with the
-     partial unique index one_outstanding, events, heads, gaps, statements, gossiped, unsettled.
-     That release wrote no version (user_version 0): a file with its tables is version 1
-  2  what every pump step reads no longer grows with the history: the indexes commits_in_order
-     (queue order) and queued_in_order (the queued ones, partial), the tables followed (one row per group, filled from commits) and outbox (what
-     was kept and not yet gossiped, filled from what version 1 held and had not marked gossiped)
-  3  a member running for months: the 2 s recheck of held and attributed receipts reads only the
-     groups whose binding records changed (the index unsettled_by_group, the table
-     unsettled_groups: one row per group with receipts in `unsettled`, filled from it, with the
-     binding state its receipts were last looked at under, NULL: not yet), and the event log
-     keeps a bounded tail (the partial index events_routine over the events that may be pruned;
-     attribution records and discontinuities never are)
-
-A version-1 file as that release wrote it (user_version 0) gets step 1 on its first writing open:
-the step's DDL is `IF NOT EXISTS` throughout, so on such a file it changes nothing but the header's
-version (and completes a file whose creation was cut short: the release made it one statement at
-a time); the step then checks that every table has exactly the version-1 columns, so a file from
-a development build between releases is refused rather than labelled version 1.
-
-To change a layout: append a step (version latest + 1) to its list. Never edit a released step
-(the DDL text below is what the release wrote, and step 1 must stay idempotent on it).
-"""
+Version 1 is what the release before versioning wrote (user_version 0): its step is `IF NOT
+EXISTS` throughout, so on such a file it changes only the header (and completes a file whose
+creation was cut short), then checks every table has exactly the version-1 columns, so a file from
+a development build is refused rather than labelled version 1. To change a layout: append a step
+to its list; never edit a released one (step 1 must stay idempotent on the released DDL)."""
 from __future__ import annotations
 
 import sqlite3

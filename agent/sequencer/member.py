@@ -1,30 +1,17 @@
-"""The member side of sequencing receipts (SOVM §22.5-§22.6; issue 14 item 7). Pure: no I/O.
+"""The member side of sequencing receipts (SOVM §22.5-§22.6). Pure: no I/O.
 
 A member keeps every valid receipt for its group (``ReceiptChain``), compares receipt heads it
-hears from other members (gossip through the control group or the broker: the transport is the
-caller's), and collects **equivocation evidence**, a pure function of the set of valid receipts
-and signed statements it holds, whatever order they arrived in (§22.5):
+hears from other members, and collects equivocation evidence, a pure function of the set of valid
+receipts and signed statements it holds, whatever order they arrived in (§22.5): two receipts for
+one (group_id, epoch) that are not the same bytes; a receipt whose previous_receipt_hash is not the
+hash of the receipt below it across recorded gaps; a signed discontinuity for an epoch the member
+holds a valid receipt for.
 
-- two valid receipts for one (group_id, epoch) that are not the same bytes (different commit
-  hashes, or one Commit signed twice: either way two chains fork there), whether each was taken
-  into the chain or held for its predecessor;
-- a receipt whose previous_receipt_hash is not the hash of a receipt held at the epoch below it,
-  where the epochs between are all recorded discontinuities (divergent chains);
-- a discontinuity the sequencer signed for an epoch the member holds a valid receipt for (§22.6:
-  the claim is falsified by that receipt). The member keeps its receipt; the claim is evidence.
-
-A discontinuity counts only as the sequencer's signed statement (``add_statement``; receipts.py),
-from the sequencer, the broker or relayed by any member over the mesh: it is checked like a
-receipt (signature, the sequencer bound at its epoch). A gap claimed without one
-(``claim_discontinuity``) is neither a gap nor evidence (§22.6: "the gap is one the sequencer
-recorded"): kept in ``unsigned`` for the caller to surface as UNSIGNED_CLAIM.
-
-The chain (``receipts``) takes a receipt only where its predecessor is known: the last receipt
-below it, every epoch between a recorded gap, is the one it names. A link whose predecessor is
-unknown is held (``pending``; §22.6, chained-records §11) and still counts as evidence. A receipt
-signed by a key other than the bound sequencer's is not applied; it is retained for attribution
-(§22.6 singularity).
-"""
+A discontinuity counts only as the sequencer's signed statement (``add_statement``), checked like
+a receipt; a gap claimed without one is neither a gap nor evidence (kept in ``unsigned``, surfaced
+as UNSIGNED_CLAIM). The chain takes a receipt only where its predecessor is known; one whose
+predecessor is unknown is held (``pending``) and still counts as evidence. A receipt signed by a
+key other than the bound sequencer's is not applied; it is retained for attribution (§22.6)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

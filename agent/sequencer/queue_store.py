@@ -3,40 +3,12 @@ the queue; client.py keeps the protocol and calls these methods). docs/sequencer
 the Commit queue".
 
 SQLite, WAL, synchronous=FULL: an enqueued Commit or a kept receipt survives a power cut. The
-layout is versioned (``PRAGMA user_version``; layout.py ``QUEUE``: the DDL, the version history,
-the steps): every open runs the forward-only steps, and a queue from a newer release is refused
-(layout.LayoutError, CLI exit 1) before anything is written. Several processes may open one
-queue (`commits run` beside `commits queue|status`): every change is one ``BEGIN IMMEDIATE``
-transaction.
-
-Tables (version 1):
-  meta       key -> value (member_id, sequencer_key)
-  commits    one row per Commit queued: its bytes, state, reason, receipt, queue order, submissions;
-             the partial unique index ``one_outstanding``: at most one queued per group (§22.7)
-  heads      receipts heard on the broker (retained ``accepted``), kept (§22.5: keep receipts)
-  gaps       ``discontinuity/E`` records heard (§22.6 step 4)
-  statements the sequencer's signed discontinuity statements heard
-  gossiped   hashes of what was handed to the node's gossip
-  unsettled  receipts held (binding unresolved) or attributed (signer not bound), §22.6
-  events     what the queue surfaced (``commits status``)
-
-Version 2 (what runs on every pump step of `commits run` reads what it needs, never the history:
-settled Commits, heads and gossiped hashes are kept for good, the member's evidence, §22.6):
-  commits_in_order  index on the queue order (enqueue's next number, `entries` without a sort)
-  queued_in_order   partial index, the queued Commits in queue order (`outstanding`: those rows only)
-  followed          one row per group ever queued for (written with the Commit that adds it)
-  outbox            what was kept and not yet handed to gossip, in the order it was kept: written
-                    in the transaction that keeps it, removed when its hash goes into ``gossiped``
-
-Version 3 (a member running for months: what it does every 2 s and what its event log keeps do not
-grow with its history):
-  unsettled_by_group  index: a group's retained receipts (``unsettled_of``)
-  unsettled_groups    one row per group with receipts in ``unsettled``, written with them (gone with
-                      the group's last one), with the binding state they were last looked at under
-  events_routine      partial index over the events that may be pruned; every event added prunes
-                      them to the newest ``events_kept`` (meta, default EVENTS_KEPT) in its own
-                      transaction. Never pruned: KEPT_EVENTS (attribution records, discontinuities)
-"""
+layout is versioned (layout.py ``QUEUE``: the DDL of each version and why): every open runs the
+forward-only steps, and a queue from a newer release is refused before anything is written.
+Several processes may open one queue (`commits run` beside `commits queue|status`): every change
+is one ``BEGIN IMMEDIATE`` transaction. What runs on every pump step reads what it needs, never
+the history: settled Commits, heads and gossiped hashes are kept for good (the member's evidence,
+§22.6), and the event log keeps a bounded tail of routine events."""
 from __future__ import annotations
 
 import json

@@ -84,11 +84,11 @@ def payload_bytes(group_id: bytes, epoch: int, commit_hash_: bytes, previous: Op
     if not 0 <= epoch < 2**64:
         raise ValueError("epoch is a uint64")
     commit_hash_ = bytes(commit_hash_)
-    return b"".join((_HEAD_EPOCH, _uint(epoch), _K_GROUP, cose._bstr(bytes(group_id)),
-                     _K_COMMIT_32 + commit_hash_ if len(commit_hash_) == 32 else _K_COMMIT + cose._bstr(commit_hash_),
+    return b"".join((_HEAD_EPOCH, _uint(epoch), _K_GROUP, cose.bstr(bytes(group_id)),
+                     _K_COMMIT_32 + commit_hash_ if len(commit_hash_) == 32 else _K_COMMIT + cose.bstr(commit_hash_),
                      _K_PREV_NULL if previous is None else
                      _K_PREV_32 + previous if type(previous) is bytes and len(previous) == 32 else
-                     _K_PREV + cose._bstr(bytes(previous))))
+                     _K_PREV + cose.bstr(bytes(previous))))
 
 
 # the constant runs of every payload (a 32-byte hash's head is b"\x58\x20"), joined once
@@ -119,13 +119,13 @@ class Signing:
     __slots__ = ("_tbs_head", "_sign1_head")
 
     def __init__(self, protected: bytes) -> None:
-        pb = cose._bstr(bytes(protected))
+        pb = cose.bstr(bytes(protected))
         self._tbs_head = cose.sig_structure(protected, EXTERNAL_AAD, b"")[:-1]   # less the empty payload's head
         self._sign1_head = cose.assemble_prefix(protected, b"")[:-3]            # less b"\x40" + b"\x58\x40"
-        assert self._tbs_head.endswith(pb + cose._bstr(EXTERNAL_AAD)) and self._sign1_head.endswith(pb + b"\xa0")
+        assert self._tbs_head.endswith(pb + cose.bstr(EXTERNAL_AAD)) and self._sign1_head.endswith(pb + b"\xa0")
 
     def parts(self, payload: bytes):
-        pb = cose._bstr(payload)
+        pb = cose.bstr(payload)
         return self._tbs_head + pb, (self._sign1_head + pb + b"\x58\x40").__add__
 
 

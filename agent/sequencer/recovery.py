@@ -1,31 +1,17 @@
 """Recovery after sequencer state loss (SOVM §22.6 "State loss", steps 1-5). Pure: no I/O.
 
 A sequencer that lost its epoch state never resumes from a naked member epoch assertion. Members
-submit their retained receipt chains (or suffixes) with an attestation of their current MLS epoch
-(step 1). ``assess`` verifies every receipt's signature against the sequencer bound at its
-generation, hash-chain continuity and the consistency of each member's head with its attested
-epoch (step 2), and decides:
+submit their retained receipt chains with an attestation of their current MLS epoch (step 1);
+``assess`` verifies every receipt against the sequencer bound at its generation, the hash chain
+and each member's head against its attested epoch (step 2), and decides ``Resume`` (all evidence
+converges on one chain: resume at head.epoch + 1, step 3), ``FailClosed`` (proof of equivocation:
+frozen for audit and migration, step 4), ``NotConverged`` (a hole nobody recorded: nothing
+resumed) or ``GenesisReset`` (no usable evidence: the §22.10 reset, step 5).
 
-- ``Resume``: all usable evidence converges on one chain (every member's head lies on it and the
-  chain is continuous, across recorded discontinuities only, up to its highest receipt) — the
-  sequencer resumes CAS at head.epoch + 1 and chains its next receipt to that head (step 3);
-- ``FailClosed``: two receipts for one (group_id, epoch), divergent chains, or a discontinuity
-  contradicted by a receipt — proof of prior equivocation (step 4): the group is frozen for audit
-  and migration;
-- ``NotConverged``: the usable evidence does not reach one head without a hole nobody recorded;
-  nothing is resumed (ask more members, or rule on it);
-- ``GenesisReset``: no usable receipt evidence survives (step 5): the domain genesis reset of
-  §22.10, never invented history.
-
-``refill`` is the same evidence used the other way round, for a sequencer that kept its state but
-lost stretches of its receipts table (a state restored past the journal's compaction floor,
-docs/sequencer.md "Resume": event ``receipts_lost``): it takes back only receipts (and signed
-statements of gaps) that chain, link by link, to the receipts it still holds on either side of a
-lost stretch, and fails closed on any receipt or statement that contradicts them.
-
-How a member's epoch attestation is authenticated (MLS: e.g. an exported secret or a signed
-statement) is the caller's to check before evidence reaches ``assess``.
-"""
+``refill`` uses the same evidence for a sequencer that kept its state but lost stretches of its
+receipts (docs/sequencer.md "Resume"): it takes back only what chains, link by link, to the
+receipts it still holds, and fails closed on anything that contradicts them. How a member's epoch
+attestation is authenticated is the caller's to check before evidence reaches ``assess``."""
 from __future__ import annotations
 
 import json

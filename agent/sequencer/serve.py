@@ -1,44 +1,17 @@
-"""`ssp-agent sequencer run --broker URL`: the sequencer served through an MQTT 5 broker
-(SOVM §22.5-§22.7; docs/sequencer.md "Serving through the broker").
+"""`ssp-agent sequencer run --broker URL`: the sequencer served through an MQTT 5 broker (SOVM
+§22.5-§22.7; docs/sequencer.md "Serving through the broker" has the topics and payloads).
 
-Topics (PREFIX defaults to "sovm-seq"; GROUP is the group_id in lowercase hex):
+Requests (`submit`, `register`, `receipt`, `evidence`) carry a response topic and correlation
+data and are answered with the JSON the CLI prints for the same verb; the retained `accepted`,
+`discontinuity/E` and `lost` records surface the chain to every member alike (§22.6 step 4).
+Requests are acknowledged to the broker only after their answer is queued, so one the sequencer
+never finished (a crash) is redelivered and answered then.
 
-  PREFIX/GROUP/submit      request:  one MLSMessage exactly as the member sent it
-  PREFIX/GROUP/register    request:  the initial epoch as decimal text (§22.6 bootstrap)
-  PREFIX/GROUP/receipt     request:  an epoch as decimal text
-  PREFIX/GROUP/evidence    request:  a member's evidence (the `sequencer recover` file format, at
-                           most MAX_EVIDENCE_BYTES, recovery.MAX_OFFERED items) for receipts this
-                           sequencer lost (`receipts_lost`); answer: the `recover` JSON (refilled)
-  PREFIX/GROUP/lost        published, retained, QoS 1: CBOR {"missing": [[first, last], ...]}: the
-                           runs of epochs whose receipts a restored state lost and still misses
-                           (highest first, at most MAX_LOST_RUNS); an empty retained message once
-                           nothing is missing (members answer it with `evidence`)
-  PREFIX/GROUP/accepted    published, retained, QoS 1, after the receipt is durable: deterministic
-                           CBOR {"epoch": E, "commit": the canonical Commit, "receipt": its receipt}
-  PREFIX/GROUP/discontinuity/E   published, retained, QoS 1: CBOR {"epoch": E, "commit": bytes/null,
-                           "statement": the signed discontinuity statement's bytes / null}
-                           (§22.6 step 4: surfaced to every member alike, by the broker; members
-                           relay the statement over the mesh)
-
-A request carries an MQTT 5 response topic and correlation data; the answer is the JSON the CLI
-prints for the same verb (cli-contract.md). Requests are acknowledged to the broker only after
-their answer is queued, so a request the sequencer never finished (crash) is redelivered by the
-broker (persistent session) and answered then: a Commit that won before the crash is answered
-`stale_epoch` with its own receipt as head — its sender sees its commit_hash in it.
-
-Two connections: requests arrive on the persistent session; answers and the retained records
-leave on a second one (CLIENT_ID-out, clean start), whose network thread reads only their PUBACKs,
-so they drain while a flood of requests waits for room in the inbox; the loop takes nothing while
-the answers not yet acknowledged fill the outbox (agent/outbox.py, docs/sequencer.md "A flood of
-requests"), and on stopping waits for them (CLOSE_FLUSH_S) before disconnecting.
-
-One wildcard subscription per request kind: an idle group costs nothing (no per-group polling,
-no per-group subscription). Requests are handled on one thread (the Sequencer and its SQLite
-connection are not shared), in arrival order. Submits stream through the sequencer's pipelined
-group commit (service.GroupCommit): while the keystore signs one batch, the loop takes what has
-arrived meanwhile, commits the batch before and answers it; a register or receipt request first
-lets every submit that arrived before it finish.
-"""
+Answers leave on a second connection whose network thread reads only their PUBACKs, so they drain
+while a flood of requests waits; the loop takes nothing while the outbox is full (agent/outbox.py).
+One wildcard subscription per request kind: an idle group costs nothing. Requests are handled on
+one thread, in arrival order; submits stream through the pipelined group commit
+(service.GroupCommit), and a register or receipt request first lets earlier submits finish."""
 from __future__ import annotations
 
 import json

@@ -1,26 +1,17 @@
 """The sequencer: framing → core decision → receipt through the keystore bridge → atomic store
-commit → release (SOVM §22.5–§22.6, wire-profile.md §6, docs/sequencer.md).
+commit → release (SOVM §22.5–§22.6, docs/sequencer.md).
 
-Order of one acceptance and why each step is where it is:
+One acceptance, in this order: decide (first-Commit-wins on the stored state, core.py); make the
+accepted Commit's bytes durable before any signing intent, so that after a crash the sequencer
+knows which Commit an intent was for; release through the bridge (durable intent, sign, durable
+receipt: persist-before-release, §22.5 cl. 1-2); commit receipt, epoch E+1 and head in one SQLite
+transaction (cl. 3); only then do the receipt bytes leave.
 
-  1. decide     first-Commit-wins on the stored state (agent/sequencer/core.py)
-  2. pending    the accepted Commit's bytes, durable before any signing intent: after a crash the
-                sequencer knows which Commit an intent was for ("accept" crash point after it)
-  3. release    SigningBridge.release(ReceiptIdentity(group_id, E)): durable intent, sign,
-                durable receipt bytes (persist-before-release, §22.5 cl. 1-2; docs/keystore.md)
-  4. commit     receipt bytes + epoch E+1 + head in one SQLite transaction (§22.5 cl. 3)
-  5. return     only now do the receipt bytes leave (the CLI prints them)
-
-On open, before serving anything (§22.6 "epoch advanced, receipt absent", step 1), ``_resume``
-settles every pending acceptance against the bridge journal and checks every group's epoch
-against the journal's highest intended epoch:
-  - journal holds the receipt        → adopt exactly those bytes (never re-sign, cl. 1)
-  - journal holds only the intent    → the pair counts as signed (cl. 2): record a discontinuity,
-                                       advance, chain the next receipt across the gap
-  - journal never heard of it        → nothing was signed: the acceptance is dropped
-and a store behind its journal (restored from an older copy) is a rollback: surfaced, and every
-epoch the journal knows is adopted or recorded as a discontinuity, never signed again.
-"""
+On open, before serving (§22.6 "epoch advanced, receipt absent"), ``_resume`` settles every pending
+acceptance against the bridge journal: a receipt there is adopted byte for byte (never re-signed),
+an intent alone counts as signed (a recorded discontinuity), nothing there drops the acceptance;
+and a store behind its journal is a rollback: surfaced, and every epoch the journal knows is
+adopted or recorded as a discontinuity, never signed again."""
 from __future__ import annotations
 
 import fcntl
@@ -764,7 +755,7 @@ class Sequencer:
         compaction floor: every epoch of a group up to its floor is spent in the journal, and
         what it was (a receipt released to members, or a stated gap) was recorded in the copy
         that is gone. Stating those epochs absent would contradict the receipts members hold
-        (equivocation evidence against an honest sequencer, issue 14 item 7), and signing them
+        (equivocation evidence against an honest sequencer), and signing them
         again is forbidden (§22.5 cl. 1-2): the group jumps to the floor + 1, one transaction a
         group, with the gaps whose statements the journal kept (those bytes, nothing newly
         stated), and the `receipts_lost` event names the epochs it can no longer serve (members
@@ -1280,7 +1271,7 @@ class GroupCommit:
             if space is None:
                 space = seq.disk_room() - self.in_flight_need
             if need > space:
-                out.append((tag, seq._rejected(core._reject(
+                out.append((tag, seq._rejected(core.reject(
                     core.DISK_FULL, d.group_id, state, "the sequencer's disk is short of space: offer it again later"))))
                 continue
             space -= need

@@ -1,29 +1,17 @@
-"""The sequencer's own SQLite state (SOVM §22.5 cl. 3, §22.6): WAL, synchronous=FULL.
+"""The sequencer's own SQLite state (SOVM §22.5 cl. 3, §22.6): WAL, synchronous=FULL. Its tables and
+versions are layout.py's ``STATE``: a writing open runs the forward-only steps, a read-only one
+never does, and a file from a newer release is refused before anything is written.
 
-Tables:
-  meta             key -> value (the receipt key's name and public key, the keystore config)
-  groups           group_id -> current_epoch, head (epoch, receipt hash), origin, failed_closed
-  pending          the Commit accepted for (group_id, epoch) whose receipt is being signed: written
-                   (and fsynced) before the bridge records its signing intent, so that after a crash
-                   the sequencer knows which Commit an intent was for (§22.6: "finds stored MLS bytes")
-  receipts         (group_id, epoch) -> the exact receipt bytes, their hash, the Commit and its hash
-  discontinuities  (group_id, epoch) accepted whose receipt is absent (§22.6), stated, never inferred
-  statements       (group_id, epoch) -> the exact bytes of this sequencer's signed discontinuity
-                   statement (receipts.py; persisted by the bridge before release, §22.6 step 4)
-  events           what the sequencer surfaced: rollbacks detected, discontinuities recorded
+`pending` holds the Commit accepted for (group_id, epoch) whose receipt is being signed, written
+before the bridge records its signing intent (§22.6: "finds stored MLS bytes"); `discontinuities`
+are stated, never inferred; `statements` keep the exact bytes of this sequencer's signed
+discontinuity statements.
 
-The layout is versioned (``PRAGMA user_version``; layout.py ``STATE``: the DDL, the version
-history, the steps): a writing open runs the forward-only steps, a read-only one never does, and
-a file from a newer release is refused (layout.LayoutError, CLI exit 1) before anything is written.
-
-§22.5 clause 3: ``current_epoch`` only ever moves in the transaction that inserts the receipt
-bytes for the epoch it leaves (``commit_receipt``, ``commit_step``) or records that epoch's
-discontinuity (``commit_discontinuity``), or, on resume, every epoch it leaves
-(``commit_settled``), or, for a state restored past the journal's compaction floor, up to
-that floor (``skip_compacted``: the journal holds each of those epochs spent, and the copy
-that recorded their receipts is gone); there is no other UPDATE of it. So no committed state has an epoch
-ahead of a durable receipt or a stated gap, as seen by anyone, the sequencer itself included.
-"""
+§22.5 clause 3: ``current_epoch`` only ever moves in the transaction that inserts the receipt for
+the epoch it leaves (``commit_receipt``, ``commit_step``), records that epoch's discontinuity
+(``commit_discontinuity``), settles a resume (``commit_settled``) or skips epochs the journal holds
+as spent past its compaction floor (``skip_compacted``); there is no other UPDATE of it. So no
+committed state has an epoch ahead of a durable receipt or a stated gap."""
 from __future__ import annotations
 
 import functools

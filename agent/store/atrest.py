@@ -1,24 +1,17 @@
-"""At-rest protection of the retained event log (issue 16 item 4; seed 000 §13.6: the log holds
-column values that appear in no local table; docs/reliability.md "At rest", docs/apply.md
-"Store format").
+"""At-rest protection of the retained event log, which holds column values that appear in no local
+table (docs/reliability.md "At rest", docs/apply.md "Store format").
 
-What is sealed: the signed bytes of every event in `events.raw` and `held.raw` (and, through the
-bridge, the signing journal's outputs: firmware_bridge/journal.py type SEALED). Each value is a
-sealing.Sealer blob under the store's current data key, its associated data b"ssp-log\\0" |
-event_id, so a blob copied into another row does not open. What stays clear, because queries
-select on it and it is metadata rather than payload: seq, event_id, site_id, HLC, table name,
-row_key (the key columns, which the materialized row holds in clear anyway), operation, origin,
-received_ms. The materialized tables themselves are clear (they are the application's data).
+Sealed: the signed bytes of every event in `events.raw` and `held.raw`, each a sealing.Sealer blob
+under the store's current data key with associated data b"ssp-log\0" | event_id, so a blob copied
+into another row does not open. Clear, because queries select on it and it is metadata: seq,
+event_id, site_id, HLC, table, row_key, operation, origin, received_ms; and the materialized
+tables (the application's data).
 
-Data keys: `atrest_keys` holds each data key sealed by the keystore's seal key (`SEAL_KEY`),
-bound to this site and key id; meta `atrest_current` names the one new values are sealed under.
-A rotation (`rotate`) adds a key and starts the re-seal job; the job (`reseal`) rewrites every
-row not under the current key in batches, each batch one transaction with its cursor (meta
-`atrest_job`), so it resumes where a crash or a full disk stopped it; when it has passed every
-row the older keys are deleted. The same job seals a store written before this layout (v4).
-
-The read paths select `unseal(event_id, raw)` (an SQL function registered on the node's
-connection by `install`); the apply path seals before its insert (`LogSeal.seal`)."""
+Data keys (`atrest_keys`) are sealed by the keystore's seal key; meta `atrest_current` names the
+one new values use. A rotation (`rotate`) adds a key and starts the re-seal job (`reseal`), which
+rewrites older rows in batches, each one transaction with its cursor, so it resumes where a crash
+or a full disk stopped it. Reads select `unseal(event_id, raw)`, an SQL function `install`
+registers; the apply path seals before its insert (`LogSeal.seal`)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Durable counters for the metrics (issue 12 item 4): what the apply path decided, per origin and
+"""Durable counters for the metrics: what the apply path decided, per origin and
 outcome (applied, duplicate, dropped, rejected, held), and how `sync --once` runs ended. Kept in
 the store, so they count across processes (a timer's `sync --once` and `run` alike) and restarts;
 Prometheus treats them as counters (they only grow; a new home starts at zero)."""

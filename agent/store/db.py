@@ -17,7 +17,7 @@ bind_plainly()   # blobs, NULLs and booleans bound without the module's adaptati
 
 SCHEMA_VERSION = 1   # the first release's layout; the current one is migrations.LATEST
 
-_DDL = """
+DDL = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS tables (
   qualified TEXT PRIMARY KEY, schema_name TEXT NOT NULL, table_name TEXT NOT NULL,
@@ -60,9 +60,9 @@ CREATE TABLE IF NOT EXISTS watermarks (
 # The surfaced record (`ssp-agent events`) keeps the newest `surfaced_limit` rows (meta; set from the
 # profile at init). The bound is a trigger, so every process and every insert path honours it (the
 # apply path, record and rehydration handling, the disk-budget check...), and every row it evicts
-# is counted in meta `surfaced_evicted` (shown by `status`): never silently (issue 11 item 4).
+# is counted in meta `surfaced_evicted` (shown by `status`): never silently.
 SURFACED_LIMIT = 100_000
-_BOUNDS_DDL = f"""
+BOUNDS_DDL = f"""
 CREATE TRIGGER IF NOT EXISTS surfaced_bound AFTER INSERT ON surfaced
 WHEN NEW.seq > coalesce((SELECT value FROM meta WHERE key='surfaced_limit'), {SURFACED_LIMIT})
 BEGIN
@@ -78,7 +78,7 @@ END
 def ensure_bounds(conn: sqlite3.Connection) -> None:
     """Install the store-enforced bounds in a home made before they existed (a writing open)."""
     if conn.execute("SELECT 1 FROM sqlite_master WHERE type='trigger' AND name='surfaced_bound'").fetchone() is None:
-        conn.execute(_BOUNDS_DDL)
+        conn.execute(BOUNDS_DDL)
 
 
 def surfaced_bounds(conn: sqlite3.Connection) -> dict:
@@ -89,7 +89,7 @@ def surfaced_bounds(conn: sqlite3.Connection) -> dict:
 
 
 # Held events counted per signer and in total (site_id X'') by triggers, so the bound of
-# Node._hold costs one look-up whatever the store holds (issue 10 item 4, issue 11 item 4).
+# Node._hold costs one look-up whatever the store holds.
 _HELD_COUNTS = (
     "CREATE TABLE IF NOT EXISTS held_counts (site_id BLOB PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID",
     "CREATE INDEX IF NOT EXISTS held_site ON held (site_id)",
@@ -126,7 +126,7 @@ def held_count(conn: sqlite3.Connection, site_id: bytes) -> tuple[int, int]:
     return r.get(site_id, 0), r.get(b"", 0)
 
 
-# The number of events in the log, kept by triggers (issue 15 item 6): `status` and the metrics
+# The number of events in the log, kept by triggers: `status` and the metrics
 # read one row instead of counting a log of a million events (166 ms). Triggers, so the count is
 # exact through every path that adds or removes log rows (the apply path, eviction, rehydration,
 # whatever comes later) in the same transaction; they cost one row update per event applied.
@@ -201,7 +201,7 @@ def free_bytes(path: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-# ---------------------------------------------------------------- the space kept for eviction (issue 16 item 2)
+# ---------------------------------------------------------------- the space kept for eviction
 # Eviction and WAL truncation are how a device frees its own space, yet both write (the deletions
 # go through the WAL, the journal is compacted on open): on a disk filled to the last block they
 # failed like any write. The home keeps a reserve file, allocated while there is room; eviction

@@ -19,7 +19,7 @@ def top(conn: sqlite3.Connection) -> int:
 
 def newest_local(conn: sqlite3.Connection, after: int) -> int | None:
     """The seq of the newest event this node wrote itself (origin 'local') above `after`, or None:
-    only the rows appended since `after` are examined (issue 12 item 6: a scan of the whole log
+    only the rows appended since `after` are examined (a scan of the whole log
     made idle CPU grow with the store)."""
     return conn.execute("SELECT max(seq) FROM events WHERE seq > ? AND origin='local'", (after,)).fetchone()[0]
 

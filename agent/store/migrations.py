@@ -1,29 +1,13 @@
-"""Versioned store layout (issue 12 item 8): the store's schema version is `PRAGMA user_version`
-(the SQLite file header, read without touching any table). Migrations run forward only, on a
-writing open, each in its own transaction together with the version it reaches, so a crash or a
-full disk leaves the store at the previous version, never between two. A store newer than this
-agent is refused (StoreError, exit 1): an older agent cannot know what the newer layout means.
+"""Versioned store layout: the schema version is `PRAGMA user_version` (the SQLite file header, read
+without touching any table). Migrations run forward only, on a writing open, each in its own
+transaction together with the version it reaches, so a crash or a full disk leaves the store at
+the previous version, never between two. A store newer than this agent is refused (StoreError,
+exit 1): an older agent cannot know what the newer layout means. What each version added is said
+beside its step below.
 
-Version history:
-  0  an empty file (no table yet)
-  1  the first release's layout (agent/store/db.py at 45c23df): meta (schema_version=1 in meta,
-     user_version never set), tables, keyring, events, held, surfaced, ignored_columns, watermarks
-  2  the bound on the surfaced record (trigger), held counts per signer (table, index, triggers,
-     counted from what is held), the durable sync state (agent/store/sync_state.py) with the default
-     policy rows, truncation records (the serving side of rehydration)
-  3  durable counters for the metrics (agent/store/counters.py): apply outcomes, sync runs
-  4  sequencing records (agent/store/sequencing.py): receipt heads and sequencer bindings (issue 14)
-  5  per-peer link state (sync_state.peer_links): which sent bodies still count as in flight,
-     the peer's advertised body limit and the provisional reduction after refusals (issue 12 item 6)
-  6  at-rest sealing of the event log (agent/store/atrest.py): the data-key table; a store that
-     holds events gets a re-seal job (meta atrest_job), which the next writing open runs in
-     batches with the keystore (this step has none), resuming where it stopped
-  7  the log's event count (db.log_count), kept by triggers, counted from the log once here:
-     `status` reads one row instead of counting the log (issue 15 item 6)
-
-To change the layout: append a step (version LATEST + 1) below. Never edit a released step.
-The ensure_* functions stay idempotent and keep working on their own (they are also called where
-the tables are first used), but a home reaches a version only through this list."""
+To change the layout: append a step (version LATEST + 1). Never edit a released step. The
+ensure_* functions stay idempotent and keep working on their own (they are also called where the
+tables are first used), but a home reaches a version only through this list."""
 from __future__ import annotations
 
 import sqlite3
@@ -36,12 +20,12 @@ from . import atrest, counters, db, sequencing, sync_state
 
 
 def _v1_base(conn: sqlite3.Connection) -> None:
-    for stmt in statements(db._DDL):
+    for stmt in statements(db.DDL):
         conn.execute(stmt)
 
 
 def _v2_bounds_sync_state(conn: sqlite3.Connection) -> None:
-    conn.execute(db._BOUNDS_DDL) if conn.execute(
+    conn.execute(db.BOUNDS_DDL) if conn.execute(
         "SELECT 1 FROM sqlite_master WHERE type='trigger' AND name='surfaced_bound'").fetchone() is None else None
     db.create_held_counts(conn)
     # An existing home gets its default policy now; a store being created gets it once `init`
@@ -70,7 +54,9 @@ def _v7_log_count(conn: sqlite3.Connection) -> None:
     db.create_log_count(conn)
 
 
-# (version reached, what it does): applied in order, each in one transaction.
+# (version reached, what it does): applied in order, each in one transaction. Version 0 is an empty
+# file; 1 is the first release's layout (schema_version=1 in meta, user_version never set); 6 gives a
+# store that holds events a re-seal job (meta atrest_job), run by the next writing open with the keystore.
 MIGRATIONS: list[tuple[int, str, Callable[[sqlite3.Connection], None]]] = [
     (1, "base layout", _v1_base),
     (2, "surfaced bound, held counts, sync state, truncation records", _v2_bounds_sync_state),

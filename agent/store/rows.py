@@ -103,12 +103,12 @@ class RowStore:
         self._select_in = f"SELECT _rk, {cols} FROM {q(base_name(t))} WHERE _rk IN "   # + (?, ?, ...)
         self._upserts: dict[tuple[str, ...], str] = {}
         # Write-behind (`defer`/`flush`): a batch's rows held in memory between its writes, so a
-        # row touched by many events of one batch is read once and written once (issue 15: the
+        # row touched by many events of one batch is read once and written once (the
         # profile had a SELECT and an upsert per event). rk -> (row_key, state, column writes).
         self._pending: dict[bytes, tuple[dict[str, Any], RowState, dict[str, Any]]] | None = None
         # Rows read ahead by `prefetch` while deferred (rk -> state, None: no row), until written.
         self._read: dict[bytes, RowState | None] = {}
-        # Rows as the last committed batch left them (issue 15 item 5: a `run` applies a body of
+        # Rows as the last committed batch left them (a `run` applies a body of
         # 1 000 events per batch, and each body re-read the ~1 000 rows the one before wrote).
         # Kept only while nothing else can have changed them: `defer(version)` takes them when
         # the connection's `PRAGMA data_version` is the one they were kept under (no other
@@ -121,7 +121,7 @@ class RowStore:
         self._kept: dict[bytes, RowState | None] = {}
         self._kept_version: int | None = None
 
-    KEEP_ROWS = 2048   # at most this many rows kept between batches (memory, issue 15 item 2)
+    KEEP_ROWS = 2048   # at most this many rows kept between batches (memory)
 
     def defer(self, version: int | None = None) -> None:
         """Hold writes in memory until `flush` (inside the caller's transaction); `load` answers

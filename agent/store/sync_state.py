@@ -48,7 +48,7 @@ CREATE TABLE IF NOT EXISTS control_records (
   generation INTEGER NOT NULL, previous BLOB, value TEXT NOT NULL, raw BLOB NOT NULL) WITHOUT ROWID;
 -- Control records (any kind) this node knows a peer holds on a path: answered for, written to a
 -- mailbox file, or received from that peer. Bodies carry only the others (docs/protocol.md §5).
--- Sender side (issue 10 item 4): events a peer rejected on a path (skew, held limit). The
+-- Sender side: events a peer rejected on a path (skew, held limit). The
 -- cursor moves past them so one event cannot pin the stream behind it, and each is re-offered
 -- until the peer takes it (§13.6: rejecting leaves the event in the set the sender re-offers).
 CREATE TABLE IF NOT EXISTS reoffer (
@@ -180,7 +180,7 @@ def forget_sent_body(conn: sqlite3.Connection, path: str, key: bytes) -> None:
 
 
 # ---------------------------------------------------------------- per-peer link state (store layout v5)
-# Quiet links (issue 12 item 6): which of the bodies in sent_bodies still count as in flight to a
+# Quiet links: which of the bodies in sent_bodies still count as in flight to a
 # peer (those after `gave_up_id`: waiting in the broker or at the peer), and what this node learned
 # of the peer's body limit: the limit it advertised itself (presence, answers; transport metadata,
 # docs/mqtt.md "Size limits") and the provisional reduction after `too_large` refusals (runner
@@ -402,7 +402,7 @@ def held_min(conn: sqlite3.Connection, site: bytes) -> dict[tuple[bytes, str], t
     return out
 
 
-PINS_PER_SIGNER = 10_000  # rejected-event pins kept per signer (issue 10 item 4; docs/apply.md)
+PINS_PER_SIGNER = 10_000  # rejected-event pins kept per signer (docs/apply.md)
 
 
 def pin_rejected(conn: sqlite3.Connection, pins: list[tuple[bytes, str, tuple[int, int], bytes]]) -> int:
@@ -816,7 +816,7 @@ def rehydrate_generation(conn: sqlite3.Connection, subject: bytes) -> int | None
 # ---------------------------------------------------------------------- how far behind (watermarks)
 def group_counts(conn: sqlite3.Connection) -> list[tuple[bytes, str, int]]:
     """(site, table, events held) for every group: one pass over the log, shared by the peers of
-    one `check` (issue 15 item 6: the pass per peer made `check` cost peers x events)."""
+    one `check` (the pass per peer made `check` cost peers x events)."""
     return [(bytes(s), q, n) for s, q, n in conn.execute(
         "SELECT site_id, qualified, count(*) FROM events GROUP BY site_id, qualified").fetchall()]
 

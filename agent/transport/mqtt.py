@@ -1,31 +1,18 @@
-"""The MQTT binding of SSP/1 (paho-mqtt 2.x, VERSION2 callbacks, MQTT v5). See docs/mqtt.md.
+"""The MQTT binding of SSP/1 (paho-mqtt 2.x, VERSION2 callbacks, MQTT v5); docs/mqtt.md has the
+topic layout, the ACLs and the properties.
 
-Topic layout, per mesh and per node (`PREFIX` defaults to `ssp`; ids are lowercase hex):
+Each node has an inbox per sender (`PREFIX/<mesh>/<site>/inbox/req/<from>`, answers on
+`inbox/ans/<from>`) and a retained presence (§31 handshake; the last will clears it). The last
+segment names the publisher, so a broker ACL can pin it to the authenticated device; only under
+such ACLs may the node treat the binding as authenticated (`--secure-binding`).
 
-    PREFIX/<mesh_id>/<site_id>/inbox/req/<from>   sync bodies addressed to <site_id> by <from>: batch and realtime
-    PREFIX/<mesh_id>/<site_id>/inbox/ans/<from>   answers by <from> to <site_id>'s pushes
-    PREFIX/<mesh_id>/<site_id>/presence           retained §31 handshake while online; the last will clears it
+A push is one QoS 1 PUBLISH of a §32 body with a Response Topic and Correlation Data; it succeeds
+only when the peer answers (a broker's PUBACK means nothing: mosquitto loses queued messages on
+SIGKILL). The receiver acks an inbound PUBLISH to the broker (`manual_ack`) only after the SQLite
+transaction that absorbed it committed, so a node killed mid-apply gets the body again.
 
-The last segment names the publisher, so a broker ACL can pin it to the authenticated device
-(`pattern write PREFIX/<mesh>/+/inbox/req/%u`); a receiver refuses a body whose `from_site_id`
-differs from it (`sender_mismatch`). Only under such ACLs may the node treat the binding as
-authenticated (`--secure-binding`), see docs/mqtt.md.
-
-A push is one PUBLISH (QoS 1) of a §32 sync body to the peer's `inbox/req/<us>`, with the MQTT v5
-Response Topic (our `inbox/ans/<peer>`) and random Correlation Data. It is successful only
-when the peer answers: the answer carries, in user properties, how many events of the body were
-processed to a final state before the first rejected one (`ssp-processed`), and the answer's
-payload is a §32 body with no events carrying the answerer's applied watermarks. A broker's
-PUBACK means nothing here (mosquitto loses queued messages on SIGKILL): the sender's durable
-cursor advances only on the answer, and anything unanswered is re-offered by the next cycle.
-
-The receiver acknowledges an inbound PUBLISH to the broker (`manual_ack`) only after the SQLite
-transaction that absorbed it has committed, so a node killed mid-apply gets the body again
-(redelivered with the DUP flag on reconnect) and absorbs it idempotently.
-
-This module moves bytes and metadata; it parses no sync body (the runner and the sync driver
-do). Everything paho calls back runs on the link's network thread and only enqueues.
-"""
+This module moves bytes and metadata; it parses no sync body. Everything paho calls back runs on
+the link's network thread and only enqueues."""
 from __future__ import annotations
 
 import itertools
@@ -69,7 +56,7 @@ PACKET_OVERHEAD = 1024  # topic, packet id, properties: generous, so a body neve
 # peer's advertised limit), never below ADVERTISED_FLOOR, whoever wrote it (docs/mqtt.md "Size limits").
 P_BODY_LIMIT = "ssp-body-limit"
 ADVERTISED_FLOOR = 16 * 1024
-# In-flight memory bound (issue 11 item 4): the broker may have at most ReceiveMaximum unacknowledged
+# In-flight memory bound: the broker may have at most ReceiveMaximum unacknowledged
 # PUBLISHes out to this node, each at most its Maximum Packet Size (own body limit + PACKET_OVERHEAD).
 RECEIVE_BUDGET_BYTES = 64 * 1024 * 1024
 RECEIVE_MAXIMUM_MIN, RECEIVE_MAXIMUM_MAX = 16, 1000
@@ -291,7 +278,7 @@ class MqttLink:
         # (agent/runtime.py) that also waits on serial ports is woken by it, not by a poll.
         self.wake: Callable[[], None] = lambda: None
         self.present: dict[bytes, bytes] = {}  # peer site -> its retained presence payload (handshake bytes)
-        # Bounded: anyone with broker access can publish presence for made-up sites (issue 11 item 4).
+        # Bounded: anyone with broker access can publish presence for made-up sites.
         self.present_limit = PRESENT_LIMIT
         self.present_evicted = 0  # oldest entries dropped past present_limit
         self.broker_max_packet: int | None = None
@@ -369,7 +356,7 @@ class MqttLink:
     def _connect_props(self) -> Properties:
         p = Properties(PacketTypes.CONNECT)
         p.SessionExpiryInterval = int(self.s.session_expiry_s)
-        # Issue 11 item 4: at most ReceiveMaximum unacknowledged PUBLISHes are out to us, and the
+        # At most ReceiveMaximum unacknowledged PUBLISHes are out to us, and the
         # link keeps no payload over the body limit (`_on_message`): what waits in memory is at
         # most receive_maximum x max_packet_size (64 MiB), whatever a flood sends.
         if self.s.announce_max_packet:

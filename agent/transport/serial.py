@@ -1,20 +1,15 @@
 """Sync over a serial line (docs/serial.md): the one session (agent/core/session.py, through
 `SyncDriver.session(path="serial")`) over the reliable link (serial_link.py) over a port.
 
-Two parts:
-- `SerialEndpoint`, sans I/O: joins one SerialLink and one Session. A link incarnation that
-  comes up gets a fresh session (handshake first); one that goes down drops its session, and
-  what no answer confirmed is offered again by the next one (cursors move only on answers,
-  §14.1: at-least-once, idempotent apply absorbs the duplicates). The tests drive it over a
-  simulated line; `SerialPort` drives it over a real one.
-- `SerialPort`: one pyserial port (non-blocking reads and writes) driving its endpoint: `service`
-  after a wait, as `ssp-agent run`'s one loop (agent/runtime.py) calls it for every port it
-  serves, or `step` and `sync_once` on its own. A port that disappears (a USB adapter pulled,
-  end of file on the tty) is closed and opened again by its name every REOPEN_S.
+- `SerialEndpoint`, sans I/O: joins one SerialLink and one Session. A link incarnation that comes
+  up gets a fresh session; one that goes down drops it, and what no answer confirmed is offered
+  again by the next (cursors move only on answers, §14.1).
+- `SerialPort`: one pyserial port driving its endpoint, from `ssp-agent run`'s loop (`service`)
+  or on its own (`step`, `sync_once`). A port that disappears (a USB adapter pulled) is opened
+  again by its name every REOPEN_S.
 
 Two clocks: the link's timers run on a monotonic clock (a clock step must not end a link); the
-session and the apply path get wall-clock milliseconds (HLCs, the skew bound).
-"""
+session and the apply path get wall-clock milliseconds (HLCs, the skew bound)."""
 from __future__ import annotations
 
 import errno
@@ -334,11 +329,11 @@ class SerialEndpoint:
 
 
 # ---------------------------------------------------------------------- the port loop
-def _mono() -> int:
+def mono_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
-def _wall() -> int:
+def wall_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
@@ -384,7 +379,7 @@ class SerialPort:
         self.endpoint.name = port
         self.timeout_s = float(getattr(prof, "serial_timeout_s", 30.0))
         self._open()
-        self.endpoint.start(_mono())
+        self.endpoint.start(mono_ms())
         self._drain_writes()
 
     # ------------------------------------------------------------------ port
@@ -459,9 +454,9 @@ class SerialPort:
     def wait_s(self, cap: float) -> float:
         """Seconds until this port needs its loop: the link's or the session's next timer, or the
         next attempt to reopen a port that went away; at most `cap`."""
-        mono = _mono()
+        mono = mono_ms()
         ts = [cap]
-        t = self.endpoint.timer(mono, _wall())
+        t = self.endpoint.timer(mono, wall_ms())
         if t is not None:
             ts.append((t - mono) / 1000)
         if self._fd is None:
@@ -489,10 +484,10 @@ class SerialPort:
                 self._lost_port(OSError(errno.EIO, "hang-up"))
             elif data:
                 n = len(data)
-                self.endpoint.receive_bytes(data, _mono(), _wall())
+                self.endpoint.receive_bytes(data, mono_ms(), wall_ms())
         if self._pending:
             self._drain_writes()
-        self.endpoint.handle_timer(_mono(), _wall())
+        self.endpoint.handle_timer(mono_ms(), wall_ms())
         return n
 
     def step(self, max_wait_s: float = 0.2) -> None:

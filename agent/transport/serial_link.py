@@ -1,50 +1,18 @@
-"""A reliable link over one serial line, sans I/O (docs/serial.md "Link").
+"""A reliable link over one serial line, sans I/O (docs/serial.md "Link": packets, windows, timers).
 
-It carries opaque messages (the session frames of agent/core/session.py, `encode_frame` bytes)
-between the two ends of a cable, in order, each delivered at most once per link incarnation. Like
-the session, it never reads a clock, a port or the randomness source: bytes come in through
-`receive_bytes(data, now)`, bytes to write come out of `data_to_send()`, the next deadline is
-`timer()` and the caller calls `handle_timer(now)` when it passes (aioquic's shape). The only
-imports are the standard library, the shared framing (firmware_bridge/framing.py) and the one
-list of reason codes (agent/core/reasons.py: why an incarnation ended); the layout test keeps
-it that way.
+It carries opaque messages (session frames, `encode_frame` bytes) between the two ends of a cable,
+in order, each delivered at most once per link incarnation. Like the session, it never reads a
+clock, a port or the randomness source: bytes come in through `receive_bytes(data, now)`, bytes to
+write come out of `data_to_send()`, the next deadline is `timer()` and the caller calls
+`handle_timer(now)` when it passes (aioquic's shape); the layout test keeps its imports so.
 
-Packets (the payload of one COBS + CRC-32 frame, sent with a leading delimiter; docs/serial.md):
-
-  HELLO  01 | version u8 | nonce u32 | seen u32 | flags u8 (bit 0: up, bit 1: zlib) | max_payload u16 | window u32
-  DATA   02 | tag u16 | offset u64 | bytes                       (a slice of the message stream)
-  ACK    03 | tag u16 | cum u64 | credit u32 | n u8 | n x (start u32, end u32)   (SACK, relative to cum)
-  PING   04 | tag u16                                              (answered by an ACK)
-
-- Incarnations. Each end picks a nonce (the adapter passes one in; a new one after every loss of
-  the link). The HELLO exchange is done when both ends have seen each other's nonce (`seen`);
-  `tag` (both nonces folded to 16 bits) marks DATA/ACK/PING of that incarnation, so bytes from
-  a previous one (a re-plugged cable, a restarted process) are never taken as this one's. A
-  HELLO with a new nonce from the peer ends the incarnation on this side too.
-- The stream. Messages go into a byte stream per direction as `length u32 | bytes` (compressed
-  with zlib against a preset dictionary when both HELLOs offered it, marked in the length's top
-  bit); DATA frames carry slices of it cut when sent, so a retransmission can be cut smaller.
-- Reliability. The receiver keeps out-of-order bytes inside its window and acknowledges
-  cumulatively plus the lowest MAX_SACK ranges it holds; the sender resends only what is
-  missing: at once when data sent later was acknowledged (a serial line does not reorder),
-  otherwise when its timer runs out. Duplicates are suppressed by stream offset.
-- Efficiency under bit errors. The segment size follows the byte error rate estimated from
-  DATA frames lost and delivered (the size that carries the most stream bytes per line byte);
-  the frames in flight are capped so the expected holes fit in one ACK; ACKs are paced to this
-  end's line (one at a time, saying everything that arrived meanwhile).
-- Flow control. At most `window` bytes unacknowledged; the receiver's ACK grants `credit`:
-  bytes of delivered messages the node has not taken yet count against it, so a receiver busy
-  applying a body is not sent more than it can buffer. A sender held at zero credit probes
-  with PING.
-- Liveness. PING when the peer has been silent for `keepalive_ms`; silence for `dead_ms` ends
-  the incarnation ("down", a pulled cable or a peer gone); the HELLO exchange then restarts.
-- Timers account for the line: a frame's retransmission timer starts when the line will have
-  finished sending it (bytes queued ahead of it at `baud`), not when it was queued.
-
-What it does not do: deliver across incarnations. Messages not acknowledged when the link goes
-down are dropped; the session above is restarted and SSP re-offers what no answer confirmed
-(at-least-once; idempotent apply absorbs the duplicates, docs/serial.md "Guarantees").
-"""
+HELLO, DATA, ACK and PING packets travel in COBS + CRC-32 frames. Each incarnation has both ends'
+nonces (a tag on every packet, so bytes of a previous one are never taken as this one's); messages
+form a byte stream per direction (zlib against a preset dictionary when both ends offer it) cut
+into DATA slices, selectively acknowledged, resent only when missing, with credit-based flow
+control, a segment size that follows the measured error rate, and timers that account for the
+line's baud. Silence for `dead_ms` ends the incarnation; messages not acknowledged by then are
+dropped, and the session above re-offers what no answer confirmed (docs/serial.md "Guarantees")."""
 from __future__ import annotations
 
 import math

@@ -2,7 +2,7 @@
 
 The checker sees only (1) what the producer wrote to its stdout pipe and (2) the journal file,
 parsed by bridge_helpers.parse_journal (written from docs/keystore.md, not from the package).
-After every restart it asserts (issue 5, "Tests that must exist"):
+After every restart it asserts:
   - every released output is present durably with identical bytes;
   - no HLC was issued twice;
   - no identity has two different signed outputs (and none was released after being refused);

@@ -213,7 +213,7 @@ def _record_offsets(data: bytes) -> list[int]:
 
 @pytest.mark.parametrize("where", ["crc", "length", "zeroed"])
 def test_damage_followed_by_valid_records_is_refused_not_truncated(env, where):
-    """Issue 11 item 6: a bad record with valid records after it is damage to durable data, not a
+    """A bad record with valid records after it is damage to durable data, not a
     torn tail (a torn tail holds only bytes no completed fsync covered, so nothing valid follows
     it). Truncating there would silently drop every later record (3 of 3 released outputs lost):
     the journal refuses to open, names the damage and changes nothing."""

@@ -1,4 +1,4 @@
-"""PKCS#11 keystore against SoftHSM2 in a temporary token directory (issue 5 item 4).
+"""PKCS#11 keystore against SoftHSM2 in a temporary token directory.
 
 Needs the Debian package softhsm2 and the pip package python-pkcs11 (docs/keystore.md "Test
 set-up"); a missing one fails these tests with the command to run, it does not skip them."""

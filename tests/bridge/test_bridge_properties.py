@@ -66,7 +66,7 @@ def test_journal_recovers_from_any_truncation(tmp_path_factory, cut, n):
 @settings(max_examples=60, deadline=None)
 @given(at=st.integers(0, 10_000), xor=st.integers(1, 255), n=st.integers(2, 8))
 def test_journal_damage_is_refused_or_only_in_the_last_record(tmp_path_factory, at, xor, n):
-    """Issue 11 item 6: one damaged byte anywhere after the header either makes the journal refuse
+    """One damaged byte anywhere after the header either makes the journal refuse
     to open (JournalCorrupt, file unchanged), or lies in the last record, which is then truncated
     as a torn tail; never is a record before the damage lost, nor one after it silently dropped."""
     from firmware_bridge import JournalCorrupt

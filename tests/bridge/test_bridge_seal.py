@@ -1,4 +1,4 @@
-"""Seal keys in every keystore kind (issue 16 item 4; docs/keystore.md "Seal keys"): generated
+"""Seal keys in every keystore kind (docs/keystore.md "Seal keys"): generated
 inside the keystore (PKCS#11: sensitive, never extractable), a sealed secret opens only under
 the same keystore and the same associated data; and the journal keeps released outputs sealed
 when given a sealer (no output in clear in the file, the same bytes read back)."""

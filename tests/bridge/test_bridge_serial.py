@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from firmware_bridge import (DeviceRefused, DeviceTimeout, EventIdentity, KeyNotFound, KeystoreUnavailable,
-                             ProtocolError, ReceiptIdentity, SigningBridge, Status, open_keystore, verify_ed25519,
+from firmware_bridge import (DeviceProtocolError, DeviceRefused, DeviceTimeout, EventIdentity, KeyNotFound,
+                             KeystoreUnavailable, ReceiptIdentity, SigningBridge, Status, open_keystore, verify_ed25519,
                              verify_p256)
 from firmware_bridge import serial_protocol as sp
 
@@ -155,7 +155,7 @@ def test_line_noise_on_reply_is_rejected_by_crc(device, tmp_path):
     ks.generate_key("ev", "ed25519")
     ks.timeout_s = 0.5     # the corrupted reply is reported once the deadline passed without a good one
     bridge = SigningBridge(ks, str(tmp_path / "j"))
-    with pytest.raises(ProtocolError, match="CRC mismatch"):
+    with pytest.raises(DeviceProtocolError, match="CRC mismatch"):
         bridge.release(*ev(1, 0))
     assert bridge.released(ev(1, 0)[0]) is None
     # the device did sign: the bridge never asks again, and the device would refuse anyway

@@ -188,7 +188,7 @@ def test_the_signing_process_reads_requests_however_the_pipe_cuts_them(tmp_path)
     import sys
     import time
     from firmware_bridge.pipes import ReadAhead
-    from firmware_bridge.sign_worker import encode_request
+    from firmware_bridge.pipes import encode_request
     ks = SoftwareKeystore(str(tmp_path / "keys"))
     ks.generate_key("seq", "p256")
     pub = ks.public_key("seq")

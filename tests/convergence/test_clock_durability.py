@@ -1,4 +1,4 @@
-"""Issue 10 items 1, 2 and 6: a local HLC is above every HLC the node has applied or issued,
+"""A local HLC is above every HLC the node has applied or issued,
 in the same process or after a restart, a crash or a restore of the home (§12 step 5, §13.5,
 wire-profile §2), and a local write never vanishes below a horizon."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 10: one Hypothesis state machine over 3-5 nodes and adversarial histories: writes (some
+"""One Hypothesis state machine over 3-5 nodes and adversarial histories: writes (some
 through the real CLI `write` verb, a new process's worth of state each), partial exchanges over
 faulty in-memory links between random pairs (so events relay through third nodes), eviction on
 senders (the same horizon everywhere), process restarts (new Node objects on the same home),
@@ -217,7 +217,7 @@ class Histories(RuleBasedStateMachine):
     @rule(back=st.integers(0, 50))
     def retire_outsider(self, back):
         """The authority retires the outside site with a cutoff in the past: its events above the
-        cutoff stop counting everywhere, whenever the retire arrives (issue 10 item 5)."""
+        cutoff stop counting everywhere, whenever the retire arrives."""
         issue_record(self.nodes[0], "retire", self.outsider.site_id, ((self.t - back, 0), None), now=self.t)
         self.retired = True
 

@@ -1,4 +1,4 @@
-"""Issue 10: replays of convergence failures the Histories state machine found, as plain steps
+"""Replays of convergence failures the Histories state machine found, as plain steps
 (so they run on every test run, whatever Hypothesis' example database holds)."""
 from __future__ import annotations
 

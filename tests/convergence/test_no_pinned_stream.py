@@ -1,4 +1,4 @@
-"""Issue 10 item 4: no single event pins a stream. A rejected event (a relayed event stamped 20
+"""No single event pins a stream. A rejected event (a relayed event stamped 20
 minutes ahead, or one over the held limit) no longer stops the sender's cursor: everything
 behind it keeps flowing, the event is re-offered later and applies once it can, held storage
 is bounded per signer, and no watermark is inferred across a rejected event."""

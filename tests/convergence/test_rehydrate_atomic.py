@@ -1,4 +1,4 @@
-"""Issue 10 item 7: the rehydration start is one commitment. A process SIGKILLed at every named
+"""The rehydration start is one commitment. A process SIGKILLed at every named
 point leaves either the old horizons with the old watermarks, or zero horizons with none: never
 zero horizons with stale watermarks (serving peers would skip exactly the requested history)."""
 from __future__ import annotations

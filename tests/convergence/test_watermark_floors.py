@@ -1,4 +1,4 @@
-"""Issue 10 item 3: a watermark never claims history its holder did not get (§14.2 "MUST NOT
+"""A watermark never claims history its holder did not get (§14.2 "MUST NOT
 infer progress it cannot demonstrate"), when the sender evicted or lost (restore) its own old
 events. Three nodes: an evicting device D, a gateway G that synced D's history earlier, and a
 new or long-offline receiver R that must still get that history from G."""

@@ -65,7 +65,7 @@ def test_tampered_bytes_fail_signature(env):
 
 
 def test_unknown_kid_rejected_and_not_retained(env, tmp_path):
-    # Rejected, not dropped (issue 10 item 5): a vouch may still admit the kid, so the sender
+    # Rejected, not dropped: a vouch may still admit the kid, so the sender
     # re-offers it; nothing is retained meanwhile.
     node, _, _ = env
     stranger = SimPeer(MESH)
@@ -255,7 +255,7 @@ def test_non_bytes_and_garbage_dropped(env):
 
 
 def test_surfaced_record_is_bounded_against_a_flood(env):
-    """The store keeps the newest `surfaced_limit` rows and counts what it evicts (issue 11 item 4)."""
+    """The store keeps the newest `surfaced_limit` rows and counts what it evicts."""
     node, a, _ = env
     with db.transaction(node.conn):
         db.set_meta(node.conn, "surfaced_limit", 50)
@@ -464,7 +464,7 @@ def test_the_apply_worker_is_not_started_on_one_core_or_for_small_batches(tmp_pa
 
 @pytest.mark.parametrize("row_flush", [1, 4096])
 def test_rows_held_by_a_batch_give_the_state_one_by_one_application_gives(tmp_path, monkeypatch, row_flush):
-    """Issue 15: a batch holds its rows in memory and writes each once (agent/store/rows.py
+    """A batch holds its rows in memory and writes each once (agent/store/rows.py
     `defer`), flushing every ROW_FLUSH rows. Many events per row, deletes, resurrections (whose
     §13.4 rebuild reads the log), column clears and losing writes, in one batch, must leave the
     rows exactly as applying the same events one by one does, whether the batch flushes often or
@@ -498,7 +498,7 @@ def test_rows_held_by_a_batch_give_the_state_one_by_one_application_gives(tmp_pa
 
 
 def test_duplicate_check_is_the_same_whatever_the_batch_size(tmp_path):
-    """Issue 10 item 10: the duplicate look-up (§12.4) must not depend on the batch size. Events
+    """The duplicate look-up (§12.4) must not depend on the batch size. Events
     already in the log are duplicates whether they come back alone or in a batch of 64 or more
     (the verify-ahead path), even after the checks behind it would now answer otherwise (a horizon
     raised above them, a signer retired below them)."""

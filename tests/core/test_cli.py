@@ -157,13 +157,13 @@ def test_help_is_readable():
 
 
 def test_refusals_from_every_verb_module_exit_2(home, tmp_path):
-    """Verbs live in several modules (cli_sync, cli_mqtt, cli_keystore); a refusal in any of them is
+    """Verbs live in several modules (agent/cli/sync.py, mqtt.py, keystore.py); a refusal in any of them is
     exit 2 with one line on stderr, also when run as `python -m agent.cli`."""
     h, _, _, _ = home
-    cases = [("record", "issue-role", "--subject", "zz", "--role", "r"),                       # cli_sync
-             ("authority", "show", "--authority-key", str(tmp_path / "none")),                 # cli_sync
-             ("policy", "allow", "--peer", "*", "--table", "nope", "--layer", "user"),          # cli_sync
-             ("sync", "--broker", "ftp://x", "--once")]                                         # cli_mqtt
+    cases = [("record", "issue-role", "--subject", "zz", "--role", "r"),                       # agent/cli/sync.py
+             ("authority", "show", "--authority-key", str(tmp_path / "none")),                 # agent/cli/sync.py
+             ("policy", "allow", "--peer", "*", "--table", "nope", "--layer", "user"),          # agent/cli/sync.py
+             ("sync", "--broker", "ftp://x", "--once")]                                         # agent/cli/mqtt.py
     for args in cases:
         p = run(h, *args)
         assert p.returncode == 2, (args, p.returncode, p.stderr)

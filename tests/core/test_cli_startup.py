@@ -1,4 +1,4 @@
-"""Start-up of the short-lived verbs (issue 15 item 3): a verb imports what it uses. `write` and
+"""Start-up of the short-lived verbs: a verb imports what it uses. `write` and
 the read verbs never load cryptography (P-256 only), paho (MQTT only), pyserial, or the modules of
 other verbs; `sync --broker --once` loads paho but not cryptography. Checked in a fresh
 interpreter by the modules it holds after the verb ran (never by time)."""
@@ -18,8 +18,8 @@ from tests.cli_cmd import agent_cmd, agent_env, installed, installed_python
 
 MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-NEVER_FOR_WRITE = ("cryptography", "paho", "serial", "pkcs11", "importlib.metadata", "agent.cli_provision",
-                   "agent.cli_health", "agent.cli_sequencer", "agent.cli_service", "agent.runner", "agent.sync",
+NEVER_FOR_WRITE = ("cryptography", "paho", "serial", "pkcs11", "importlib.metadata", "agent.cli.provision",
+                   "agent.cli.health", "agent.cli.sequencer", "agent.cli.service", "agent.runner", "agent.sync",
                    "agent.transport.mqtt")
 
 
@@ -68,7 +68,7 @@ def test_sync_once_loads_paho_but_not_cryptography(home, tmp_path):
     rc, mods = _modules_after(["--home", str(h), "sync", "--broker", "mqtt://127.0.0.1:9", "--once",
                                "--connect-timeout", "0.5"], env, cwd)
     assert rc == 1 and "paho.mqtt.client" in mods
-    assert _loaded(mods, ("cryptography", "serial", "pkcs11", "agent.cli_provision", "agent.cli_sequencer")) == []
+    assert _loaded(mods, ("cryptography", "serial", "pkcs11", "agent.cli.provision", "agent.cli.sequencer")) == []
 
 
 def test_the_verb_table_names_the_module_that_registers_each_verb():
@@ -95,7 +95,7 @@ def test_the_verb_table_names_the_module_that_registers_each_verb():
     (["--home", "h", "write", "t"], "write"), (["--home=h", "-v", "sync", "--once"], "sync"),
     (["-v", "dump"], "dump"), (["--help"], None), (["--version"], None), (["--ho", "h", "write"], None), ([], None)])
 def test_the_verb_is_read_only_past_global_options_known_exactly(argv, verb):
-    assert cli._verb_of(argv) == verb
+    assert cli.verb_of(argv) == verb
 
 
 def test_a_verb_module_that_fails_to_import_is_not_dropped_silently(monkeypatch):
@@ -104,9 +104,9 @@ def test_a_verb_module_that_fails_to_import_is_not_dropped_silently(monkeypatch)
     import sys
 
     from agent import cli
-    monkeypatch.setitem(sys.modules, "agent.cli_health", None)  # import of it raises ImportError
+    monkeypatch.setitem(sys.modules, "agent.cli.health", None)  # import of it raises ImportError
     try:
         cli.build_parser()
     except ImportError:
         return
-    raise AssertionError("build_parser dropped agent.cli_health without a word")
+    raise AssertionError("build_parser dropped agent.cli.health without a word")

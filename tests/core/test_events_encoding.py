@@ -1,5 +1,5 @@
 """`events.payload_bytes` puts the deterministic encoding of an EventPayload together from parts
-(issue 15 item 4: it is on every local write); it must equal the generic deterministic encoder
+(it is on every local write); it must equal the generic deterministic encoder
 (`codec.encode`, wire-profile.md §2) for every value the shape check admits, or peers would drop
 our events as `non_deterministic`."""
 from hypothesis import given, settings, strategies as st
@@ -56,7 +56,7 @@ anything = st.one_of(st.none(), st.booleans(), scalars, st.lists(st.integers(), 
 @settings(max_examples=400, deadline=None)
 @given(cols=columns, data=st.data())
 def test_one_pass_check_of_a_local_write_agrees_with_the_column_checks(cols, data):
-    """`TableDef.fits_exactly` (Node.write_many's one-pass check, issue 15 item 4) is true exactly
+    """`TableDef.fits_exactly` (Node.write_many's one-pass check) is true exactly
     when `key_fits` and `value_fits` accept the key and every value column."""
     from agent.core.schema import TableDef, value_fits
     names = sorted(cols)

@@ -60,7 +60,7 @@ def test_key_file_is_private(tmp_path):
         assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
 
 
-# The blind Commit sequencer (issue 14) is its own service: it never imports the sync node. From
+# The blind Commit sequencer is its own service: it never imports the sync node. From
 # the agent it may use only its own package, the shared deterministic CBOR / COSE encoding, the one
 # reader of numbers from outside (agent/core/numbers.py) and the DDL splitter of the versioned
 # layouts (agent/sqlscript.py), the binding set-up (agent/sqlbind.py), the WAL index allocated for
@@ -137,21 +137,25 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def agent_import_graph() -> dict[str, set[str]]:
-    """module -> the agent modules it imports: absolute and relative imports, at module level and
-    inside functions (a lazy import is still a dependency: it only hides the circle until run)."""
-    files = {_module_name(p): p for p in (ROOT / "agent").rglob("*.py")}
+def import_graph(package: str) -> dict[str, set[str]]:
+    """module -> the modules of `package` it imports: absolute and relative imports, at module level
+    and inside functions (a lazy import is still a dependency: it only hides the circle until run)."""
+    files = {_module_name(p): p for p in (ROOT / package).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for mod, path in files.items():
-        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        parent = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         deps = set()
-        for dep in _absolute_imports(path, package):
+        for dep in _absolute_imports(path, parent):
             while dep and dep not in files:   # `from agent.x import name` -> agent.x
                 dep = dep.rpartition(".")[0]
-            if dep and dep != mod and dep != "agent":
+            if dep and dep != mod and dep != package:
                 deps.add(dep)
         graph[mod] = deps
     return graph
+
+
+def agent_import_graph() -> dict[str, set[str]]:
+    return import_graph("agent")
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -205,3 +209,146 @@ def test_no_import_cycles_among_agent_modules():
     returns an effect for its caller to act on."""
     cycles = import_cycles(agent_import_graph())
     assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_import_cycles_among_firmware_bridge_modules():
+    """The keystore interface (keystore.py) knows none of its kinds; opener.py opens them."""
+    g = import_graph("firmware_bridge")
+    assert "firmware_bridge.keystore" in g["firmware_bridge.software"]   # the graph sees this package
+    cycles = import_cycles(g)
+    assert not cycles, "import circles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+# A private (underscore) name is its module's business: another module that needs it gets a public
+# name, so a change inside one module never breaks another silently.
+OWN_PACKAGES = ("agent", "firmware_bridge")
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_names_imported(path: Path, root: Path = ROOT) -> list[str]:
+    """`from x import _y` and `x._y` (x a module of this tree, bound by an import) in one file."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    parent = parts[:-1]
+
+    def is_module(dotted: str) -> bool:
+        p = root / Path(*dotted.split("."))
+        return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
+
+    tree = ast.parse(path.read_text())
+    found, modules = [], {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom):
+            mod = n.module or ""
+            if n.level:
+                mod = ".".join(parent[:len(parent) - (n.level - 1)] + ([n.module] if n.module else []))
+            if mod.split(".")[0] not in OWN_PACKAGES:
+                continue
+            for a in n.names:
+                if _is_private(a.name):
+                    found.append(f"{path.relative_to(root)}:{n.lineno} from {mod} import {a.name}")
+                elif is_module(f"{mod}.{a.name}"):
+                    modules[a.asname or a.name] = f"{mod}.{a.name}"
+        elif isinstance(n, ast.Import):
+            for a in n.names:
+                if a.name.split(".")[0] in OWN_PACKAGES:
+                    modules[a.asname or a.name.split(".")[0]] = a.asname and a.name or a.name.split(".")[0]
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in modules \
+                and _is_private(n.attr):
+            found.append(f"{path.relative_to(root)}:{n.lineno} {modules[n.value.id]}.{n.attr}")
+    return found
+
+
+def test_the_private_name_check_sees_both_forms(tmp_path):
+    (tmp_path / "agent" / "sub").mkdir(parents=True)
+    (tmp_path / "agent" / "__init__.py").write_text("")
+    (tmp_path / "agent" / "sub" / "__init__.py").write_text("")
+    (tmp_path / "agent" / "sub" / "x.py").write_text("_y = 1\nz = 2\n")
+    f = tmp_path / "agent" / "sub" / "w.py"
+    f.write_text("import os\nfrom . import x\nfrom .x import z\n\ndef g():\n    from ..sub.x import _y\n"
+                 "    return x._y + os._exit.__name__\n")
+    assert private_names_imported(f, tmp_path) == ["agent/sub/w.py:6 from agent.sub.x import _y",
+                                                   "agent/sub/w.py:7 agent.sub.x._y"]
+
+
+def test_no_private_name_is_imported_across_modules():
+    found = [v for pkg in OWN_PACKAGES for f in sorted((ROOT / pkg).rglob("*.py")) for v in private_names_imported(f)]
+    assert not found, "private names used across modules: " + "; ".join(found)
+
+
+def exception_classes(roots) -> dict[str, list[str]]:
+    """Every exception class defined under `roots` (a class whose bases lead, by name, to a builtin
+    exception): name -> where each is defined."""
+    import builtins
+    classes = []
+    for root in roots:
+        for p in sorted(root.rglob("*.py")):
+            for n in ast.walk(ast.parse(p.read_text())):
+                if isinstance(n, ast.ClassDef):
+                    bases = [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
+                             for b in n.bases]
+                    classes.append((n.name, bases, f"{p.relative_to(root.parent)}:{n.lineno}"))
+    known = {n for n in dir(builtins) if isinstance(getattr(builtins, n), type)
+             and issubclass(getattr(builtins, n), BaseException)}
+    grew = True
+    while grew:
+        grew = False
+        for name, bases, _ in classes:
+            if name not in known and any(b in known for b in bases):
+                known.add(name)
+                grew = True
+    out: dict[str, list[str]] = {}
+    for name, bases, where in classes:
+        if any(b in known for b in bases):
+            out.setdefault(name, []).append(where)
+    return out
+
+
+def test_the_exception_class_scan_sees_subclasses_of_subclasses(tmp_path):
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "a.py").write_text("class AError(ValueError):\n    pass\nclass B(AError):\n    pass\n"
+                                         "class C:\n    pass\n")
+    (tmp_path / "p" / "b.py").write_text("import x\nclass B(x.KeyError):\n    pass\n")
+    assert exception_classes([tmp_path / "p"]) == {"AError": ["p/a.py:1"], "B": ["p/a.py:3", "p/b.py:2"]}
+
+
+def test_one_name_per_exception_class():
+    """`except X` and a traceback name one class: two unrelated errors never share a name (the
+    SSP/1 message refusal is ProtocolError; the serial keystore's bad frame is DeviceProtocolError)."""
+    dup = {k: v for k, v in exception_classes([ROOT / "agent", ROOT / "firmware_bridge"]).items() if len(v) > 1}
+    assert not dup, f"exception classes sharing a name: {dup}"
+
+
+# Code says why with the spec § or the doc section it follows, never a tracker number: the reader
+# has the repository, not the tracker. Recorded results (bench/results) and store fixtures are data.
+ISSUE_REF = __import__("re").compile(r"\b[Ii]ssues?[ \t]+\d")
+SOURCE_SUFFIXES = {".py", ".sh", ".c", ".toml"}
+
+
+def test_no_tracker_numbers_in_code_tests_tools_or_benches():
+    assert ISSUE_REF.search("as Issue" + " 12 said") and not ISSUE_REF.search("an issue; 12 of them")
+    found = []
+    for top in ("agent", "tests", "tools", "bench"):
+        for p in sorted((ROOT / top).rglob("*")):
+            rel = p.relative_to(ROOT)
+            if p.suffix not in SOURCE_SUFFIXES or rel.parts[:2] in (("bench", "results"),) or "fixtures" in rel.parts:
+                continue
+            for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+                if ISSUE_REF.search(line):
+                    found.append(f"{rel}:{i}")
+    assert not found, "tracker references: " + ", ".join(found)
+
+
+def test_module_docstrings_in_agent_are_at_most_15_lines():
+    """A module docstring says what the module decides and points to docs/ for the rest; a longer
+    one drifts from the code it describes."""
+    assert len("a\nb".splitlines()) == 2
+    long = []
+    for p in sorted((ROOT / "agent").rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(p.read_text()), clean=False)
+        if doc is not None and len(doc.splitlines()) > 15:
+            long.append(f"{p.relative_to(ROOT)} ({len(doc.splitlines())} lines)")
+    assert not long, "module docstrings over 15 lines: " + ", ".join(long)

@@ -192,7 +192,7 @@ def test_local_delete_hides_the_row(env):
 
 
 def test_sql_view_tells_a_never_materialized_column_from_a_cleared_one(env):
-    # §13.6: an unmaterialized column must not be presented as a cleared value (issue 10 item 10).
+    # §13.6: an unmaterialized column must not be presented as a cleared value.
     # The view "schema.table" carries, per value column C, "C$state": 'materialized' when C has a
     # column clock (its value, NULL included, is a real clocked write) and 'unmaterialized' when not.
     node, a, b = env

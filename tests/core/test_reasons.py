@@ -41,7 +41,7 @@ def test_every_refusal_uses_a_code_from_the_one_list():
 
 
 def test_a_violation_has_one_name():
-    """The names the session and the MQTT runner gave the same violation (issue 13) appear
+    """The names the session and the MQTT runner gave the same violation appear
     nowhere in agent/ any more, except in the list that records the renaming."""
     old = set(reasons.RENAMED)
     for path in (ROOT / "agent").rglob("*.py"):
@@ -51,3 +51,45 @@ def test_a_violation_has_one_name():
             if isinstance(n, ast.Constant) and isinstance(n.value, str):
                 assert n.value not in old, f"{path.relative_to(ROOT)}:{n.lineno} still says {n.value}"
     assert set(reasons.RENAMED.values()) <= reasons.ALL
+
+
+def _outcome_reason_literals():
+    """String literals an apply outcome's reason is made of or compared with, in agent/: the second
+    argument of `Outcome(...)`, and an outcome reason on either side of a comparison with `x.reason`."""
+    for path in (ROOT / "agent").rglob("*.py"):
+        if path.parts[-2] == "sequencer" or path.name == "reasons.py":
+            continue  # the sequencer's own Outcome is another class (agent/sequencer/client.py)
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "Outcome" and len(n.args) > 1:
+                sides = [n.args[1]]
+            elif isinstance(n, ast.Compare) and any(isinstance(s, ast.Attribute) and s.attr == "reason"
+                                                     for s in [n.left, *n.comparators]):
+                sides = [n.left, *n.comparators]
+            else:
+                continue
+            for s in sides:
+                if isinstance(s, ast.Constant) and isinstance(s.value, str) and \
+                        (isinstance(n, ast.Call) or s.value in reasons.OUTCOME_REASONS):
+                    yield f"{path.relative_to(ROOT)}:{n.lineno} {s.value!r}"
+
+
+def test_apply_outcome_reasons_come_from_the_one_list():
+    """What applying an event came to (§12, §13.6) is named by agent/core/reasons.py, never spelled
+    out where an outcome is made or read."""
+    assert reasons.APPLIED in reasons.OUTCOME_REASONS and reasons.NOT_BYTES in reasons.OUTCOME_REASONS
+    assert not (reasons.OUTCOME_REASONS - {reasons.NOT_BYTES}) & reasons.ALL   # refusals of messages are apart
+    stray = list(_outcome_reason_literals())
+    assert not stray, "apply outcome reasons spelled out: " + ", ".join(stray)
+
+
+def test_the_sequencer_member_reads_the_sequencers_codes_by_name():
+    """The Commit sequencer's refusal codes are one list, in agent/sequencer/core.py (its own
+    service: docs/sequencer.md); the member side that reads its answers names them from there."""
+    from agent.sequencer import core
+    codes = {getattr(core, n) for n in ("STALE_EPOCH", "FUTURE_EPOCH", "NOT_COMMIT", "UNPARSEABLE", "FAILED_CLOSED",
+                                        "MIGRATED", "EPOCH_OUT_OF_RANGE", "DISK_FULL", "GROUP_LIMIT", "GROUP_RETIRED",
+                                        "STATE_BEHIND")}
+    path = ROOT / "agent" / "sequencer" / "client.py"
+    spelled = [f"{n.lineno} {n.value!r}" for n in ast.walk(ast.parse(path.read_text()))
+               if isinstance(n, ast.Constant) and n.value in codes]
+    assert not spelled, f"{path.relative_to(ROOT)} spells the sequencer's codes: {spelled}"

@@ -1,4 +1,4 @@
-"""Issue 12 item 9: rough edges a technician hits, each through the command under test
+"""Rough edges a technician hits, each through the command under test
 (tests/cli_cmd.py): a relative --home, peer keyring management, a hint for integers in real
 columns, exit 2 for an unknown keystore kind, a typo'd retention class refused."""
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The poison inputs of issue 11, built byte by byte: the regression tests feed them to the
+"""The poison inputs (messages that crashed, hung or bloated a node), built byte by byte: the regression tests
+feed them to the
 boundaries, and tools/fuzz.sh seeds its corpus with them (`python3 -m tests.hostile.poison DIR`)."""
 from __future__ import annotations
 
@@ -55,14 +56,14 @@ def shared_events_body(n_refs: int = 40_000, event_bytes: int = 64 * 1024) -> by
     return out
 
 
-# issue 11 item 1: a body whose map has a non-text key (27 bytes) -> TypeError in messages.py
+# A body whose map has a non-text key (27 bytes) -> TypeError in messages.py
 MIXED_KEY_BODY = cbor2.dumps({"ssp_version": 1, "events": [], "x": 0, 7: 0})
-# issue 11 item 1: an `ssp-meta` user property of 5 000 `[` -> RecursionError in runner.py
+# An `ssp-meta` user property of 5 000 `[` -> RecursionError in runner.py
 DEEP_META = "[" * 5000
 
 
 def watermark_body(sender: bytes, hlc_physical_ms: int = 2**63) -> bytes:
-    """A well-formed body whose applied watermark HLC SQLite cannot store (issue 11 item 3)."""
+    """A well-formed body whose applied watermark HLC SQLite cannot store."""
     return cbor2.dumps({"ssp_version": 1, "from_site_id": sender.hex(),
                         "have_max_hlc": {"physical_ms": 0, "logical": 0}, "events": [], "records": [],
                         "applied_watermarks": [{"site_id": sender.hex(), "table_schema": "app",

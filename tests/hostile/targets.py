@@ -1,4 +1,4 @@
-"""One fuzz target per boundary (issue 11): each takes bytes from outside, feeds them through the
+"""One fuzz target per boundary: each takes bytes from outside, feeds them through the
 boundary's one classify function, and checks that the outcome is a designated one: a parsed
 value, or the boundary's refusal with a stable reason code (never `unclassified`, which would
 mean the parser's own net caught a bug). Anything else raised is a finding.

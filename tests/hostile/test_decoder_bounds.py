@@ -1,4 +1,4 @@
-"""The strict decoder's bounds (issue 11 item 2): refused from the item heads, before cbor2
+"""The strict decoder's bounds: refused from the item heads, before cbor2
 builds anything. Each poison input here decoded (for seconds to hours, or into gigabytes)
 before the prescan existed."""
 from __future__ import annotations

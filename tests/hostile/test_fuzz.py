@@ -1,4 +1,4 @@
-"""Fuzzing in CI (issue 11): generated and mutated bodies, handshakes, presence payloads, frame
+"""Fuzzing in CI: generated and mutated bodies, handshakes, presence payloads, frame
 metas, session frames, events, records, mailbox files and serial frames through each boundary's
 classify function, numbers written as text in every Unicode digit class through every reader of
 one, a serial session's frame meta on a real node, and whole MQTT messages (user properties,

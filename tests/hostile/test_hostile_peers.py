@@ -1,4 +1,4 @@
-"""Hostile-peer strategies (issue 16 item 3), each against a real mosquitto with real nodes:
+"""Hostile-peer strategies, each against a real mosquitto with real nodes:
 a mesh member that misbehaves on purpose (bench/bench_strategies.py holds the strategies and
 the measured comparison with an honest run, several rounds on both bindings; docs/reliability.md
 has the figures). Here, small runs with the attacker only, asserting what must hold whatever the
@@ -100,8 +100,8 @@ def test_a_trusted_signer_flood_delays_but_does_not_stop_honest_events(tmp_path)
 def test_a_member_flooding_bodies_does_not_stall_honest_bodies(tmp_path, binding):
     """M keeps 200 replayed bodies unanswered at all times (no window). B took its inbox in arrival
     order, so every body of A queued behind up to 200 of M's: A's bodies timed out, were re-offered
-    behind the next 200, and A's events did not reach B for as long as the flood lasted (issue 16
-    item 3; the harness gave up after 120 s). Now B serves the senders in its inbox in turn."""
+    behind the next 200, and A's events did not reach B for as long as the flood lasted (the harness gave up
+    after 120 s). Now B serves the senders in its inbox in turn."""
     r = attack("replay_flood", tmp_path, binding, min_attack_bytes=1_000_001)
     assert progressed(r), r
     assert r["b_stats"].get("duplicate", 0) > 0, r

@@ -1,4 +1,4 @@
-"""One regression test per poison input of issue 11 (items 1-3), each through the real part it
+"""One regression test per poison input (tests/hostile/poison.py), each through the real part it
 crashed, hung or bloated: a runner on a real mosquitto, the `ssp-agent` CLI in a subprocess, the
 sync driver on a real SQLite store. Each of these failed on the code before the fix (a raised
 RecursionError / TypeError / OverflowError, a traceback with exit 1, a decode that took seconds

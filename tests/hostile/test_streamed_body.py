@@ -1,4 +1,4 @@
-"""The streamed body parse (issue 15 item 2: a mailbox import reads the events from the body's
+"""The streamed body parse (a mailbox import reads the events from the body's
 bytes as they apply) is the whole-body parse: on generated, mutated and random bodies it returns
 the same body (the same events, in order) or refuses with the same reason."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every CLI-level test gets the command from tests/cli_cmd.py (issue 12 item 1), so that CI runs it
+"""Every CLI-level test gets the command from tests/cli_cmd.py, so that CI runs it
 against the `ssp-agent` installed from the wheel; a test that spawns the checkout's CLI itself
 would pass while the installed command is broken."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 12 item 1: the agent installed from its wheel into a clean (non-editable) venv works:
+"""The agent installed from its wheel into a clean (non-editable) venv works:
 `--version` prints the version and `init` with the default profile succeeds, because the
 profiles ship inside the package. tools/test.sh builds and installs the wheel once and sets
 SSP_AGENT_CMD; run alone, this test builds and installs one itself."""
@@ -104,7 +104,7 @@ def test_init_with_default_profile(wheel_cmd, tmp_path):
 
 
 def test_installed_wheel_has_the_systemd_units(wheel_cmd, tmp_path):
-    """Issue 12 item 3: the units are package data; `service install` from the wheel names the
+    """The units are package data; `service install` from the wheel names the
     installed command in ExecStart=."""
     cmd, _ = wheel_cmd
     p = _run(cmd, "service", "install", "--root", str(tmp_path / "root"), "--bin", cmd[0])

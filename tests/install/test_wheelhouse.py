@@ -1,4 +1,4 @@
-"""Issue 12 item 1: one command (tools/wheelhouse.sh) makes an offline wheelhouse for aarch64 and
+"""One command (tools/wheelhouse.sh) makes an offline wheelhouse for aarch64 and
 this host; a device installs from it with no index at all, and test-only packages are not in it."""
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from tests.crashpoint import hook_from_env  # noqa: E402
 
 atrest._CRASH_HOOK = hook_from_env("SSP_CRASH")
 from agent import cli  # noqa: E402
-from agent.cli_keystore import cmd_keystore_rewrap  # noqa: E402
+from agent.cli.keystore import cmd_keystore_rewrap  # noqa: E402
 
 args = cli.build_parser().parse_args(sys.argv[1:])
 assert args.fn is cmd_keystore_rewrap, "this producer runs `keystore rewrap` only"

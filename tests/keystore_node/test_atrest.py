@@ -1,4 +1,4 @@
-"""At-rest protection of the retained log (issue 16 item 4; docs/reliability.md "At rest").
+"""At-rest protection of the retained log (docs/reliability.md "At rest").
 
 A node on a real SoftHSM2 token writes events and imports others (one for a table it lacks: held;
 one carrying a column its schema lacks: the value lives only in the log, seed 000 §13.6). Its

@@ -1,4 +1,4 @@
-"""Issue 12 item 9: a PKCS#11 `init` that fails (wrong token label, wrong PIN) leaves no
+"""A PKCS#11 `init` that fails (wrong token label, wrong PIN) leaves no
 keystore.pin behind, and no half-made node: the technician can fix the argument and run it again."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Local writes (issue 15 item 4): `Node.write_many` applies the events it just built and released
+"""Local writes: `Node.write_many` applies the events it just built and released
 through the one apply path without parsing, verifying and decoding them again, and the journal's
 compaction knows they are logged without reading them back. What must not change: an event signed
 under a key that is not this node's keyring key is never stored (the apply path's check still

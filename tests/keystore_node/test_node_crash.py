@@ -1,4 +1,4 @@
-"""Agent-level crash test with real processes (issue 5, item 4 of the remaining work): a producer
+"""Agent-level crash test with real processes (item 4 of the remaining work): a producer
 subprocess does 1 000 signed writes through Node.write / Node.write_many and is SIGKILLed at
 seeded random times (>= 30 kills), restarted each time. The checker here is independent of the
 agent: it reads the producer's stdout (lines printed only after a write returned), the store's

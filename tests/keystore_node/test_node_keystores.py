@@ -1,6 +1,6 @@
 """A node initialised on each of the three keystores produces events through the signing bridge;
 a second node (software keystore) applies them after a mailbox import, signatures verified
-(issue 5 "Done when"). `ssp-agent keystore show` names the keystore and key, never secrets."""
+(docs/keystore.md). `ssp-agent keystore show` names the keystore and key, never secrets."""
 from __future__ import annotations
 
 import json

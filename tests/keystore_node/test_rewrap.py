@@ -1,4 +1,4 @@
-"""`ssp-agent keystore rewrap --to JSON` (issue 16 item 4, docs/reliability.md "At rest"): the
+"""`ssp-agent keystore rewrap --to JSON` (docs/reliability.md "At rest"): the
 data keys of a home's sealed log are sealed again by another keystore's seal key, here a real
 SoftHSM2 token taking over from the software keystore. Afterwards the log opens with the token
 only (the software keystore's seal key file is deleted, the old wrapped keys are nowhere in the

@@ -1,4 +1,4 @@
-"""Bounded storage for what peers send, enforced by the store (issue 11 item 4): the surfaced
+"""Bounded storage for what peers send, enforced by the store: the surfaced
 record keeps its newest `surfaced_limit` rows in every process and counts what it evicts; records
 from other issuers stop being stored at `records_limit` / `records_limit_bytes`, refused with a
 surfaced reason and counted; nothing in force is evicted (docs/apply.md "Bounds")."""

@@ -1,4 +1,4 @@
-"""Clocks on devices without an RTC (issue 12 item 5; docs/apply.md "Clocks without an RTC"), through
+"""Clocks on devices without an RTC (docs/apply.md "Clocks without an RTC"), through
 the real CLI as subprocesses and libfaketime for a bad boot.
 
 The sync source is systemd-timesyncd's flag file, redirected to a file of the test

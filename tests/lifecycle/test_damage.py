@@ -1,4 +1,4 @@
-"""Damage that must not pass silently (issue 11 item 6): a signing journal damaged in its middle,
+"""Damage that must not pass silently: a signing journal damaged in its middle,
 a full disk and a corrupt store. Driven through the real CLI (`python -m agent.cli`) as a
 subprocess: the contract is one line on stderr saying what is wrong and what to do, exit 1 (a
 local fault, never exit 2, which means a refused request)."""
@@ -124,7 +124,7 @@ def write(home, seq):
 
 
 def test_full_disk_read_verbs_work_and_writes_fail_with_one_line(small_fs):
-    """Issue 11 item 6: on a full disk even `status` and `dump` died with a traceback (the
+    """On a full disk even `status` and `dump` died with a traceback (the
     writable open sets up the WAL index and compacts the journal). Read verbs now open the store
     read-only and write nothing; a write is a local fault: one line, exit 1, nothing changed."""
     home = small_fs / "h"

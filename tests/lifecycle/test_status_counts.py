@@ -1,4 +1,4 @@
-"""`status` counts without counting (issue 15 item 6): the events in the log and the events held
+"""`status` counts without counting: the events in the log and the events held
 are maintained counts (agent/store/db.py log_count, held_counts), read as one row, so `status`
 costs the same at a million events as at ten. They must stay exactly what count(*) says through
 every path that adds or removes log rows: the apply path (local writes, sync, mailbox batches),

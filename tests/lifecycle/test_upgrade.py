@@ -1,4 +1,4 @@
-"""Upgrades (issue 12 item 8): the store's layout version (PRAGMA user_version) is read on every
+"""Upgrades: the store's layout version (PRAGMA user_version) is read on every
 open; a writing open runs the forward-only migrations (agent/store/migrations.py), each in one
 transaction; a read view writes nothing; a store written by a newer agent is refused (exit 1).
 

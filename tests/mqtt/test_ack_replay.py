@@ -1,5 +1,5 @@
 """A member replaying one body over and over on the default (non-secure) binding, asking for a
-signed acknowledgement each time (issue 16 item 3, docs/reliability.md "Hostile-peer
+signed acknowledgement each time (docs/reliability.md "Hostile-peer
 strategies"): each replay cost the receiver a fresh Ed25519 signature and its journal fsyncs
 (persist-before-release), so a cheap replay bought expensive work. Now a body whose exact bytes
 were already acknowledged to that sender, with the same outcome, is answered with the record

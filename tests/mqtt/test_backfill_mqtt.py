@@ -173,7 +173,7 @@ def test_rehydration_over_mqtt_brings_back_an_evicted_nodes_history(broker, tmp_
     try:
         assert step_until(rs, lambda: want.keys() <= event_ids(pi), 15)
         rows = pi.dump()[T]
-        # Everything it holds, up to its clock (a horizon above the clock is refused: issue 10 item 6).
+        # Everything it holds, up to its clock (a horizon above the clock is refused).
         pi.evict_table(T, (pi.clock.current()[0] + 1, 0), now=pi.clock.current()[0] + 1)
         assert raws(pi, T) == {}
         run_for(rs, 1.0)  # the gateway's cursor passed it: nothing comes back on its own

@@ -1,4 +1,4 @@
-"""A lost broker connection shows in `ssp-agent events` (issue 13: "every reason code reached
+"""A lost broker connection shows in `ssp-agent events` ("every reason code reached
 through every transport shows in events"), as a serial link loss does: kind `link_lost`, reason
 `broker_lost` from agent/core/reasons.py, source `link:mqtt`, paho's reason in the detail; and
 sync resumes once the broker is back. A real mosquitto is stopped under running runners."""

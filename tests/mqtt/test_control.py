@@ -1,4 +1,4 @@
-"""Issue 12 item 2: while `ssp-agent run` holds a home, `status`, `dump`, `events`, `log` and `write`
+"""While `ssp-agent run` holds a home, `status`, `dump`, `events`, `log` and `write`
 work, forwarded through the running agent's control socket (HOME/control.sock, 0600) and executed
 on its own node: one writer, the bridge's persist-before-release intact. A script writes a reading
 every 0.2 s through the CLI while the agent syncs with a second running node: none is lost and the
@@ -102,7 +102,7 @@ def test_a_stale_socket_left_by_a_killed_agent_does_not_block(broker, tmp_path):
 
 
 def test_run_keeps_retrying_a_broker_that_is_down_at_start(tmp_path):
-    """Issue 12 item 9: a device that boots before its gateway. `run` does not exit (systemd restarts
+    """A device that boots before its gateway. `run` does not exit (systemd restarts
     are the backstop, not the plan): it serves its control socket (writes keep working) and syncs
     once the broker comes up."""
     from agent.transport.broker import Broker, free_port

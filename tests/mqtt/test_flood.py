@@ -1,4 +1,4 @@
-"""Issue 11 item 4: a flood of rogue messages into a node's inbox stopped all honest progress (the
+"""A flood of rogue messages into a node's inbox stopped all honest progress (the
 honest bodies waited behind the whole flood, each rogue message refused, logged and surfaced in a
 transaction of its own, in arrival order) and grew the presence tables by one entry per fictional
 site. Measured by bench/bench_flood.py; here the bounded counts, over a real mosquitto."""

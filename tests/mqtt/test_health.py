@@ -1,4 +1,4 @@
-"""Issue 12 item 4: `ssp-agent check` (one line per check, OK/WARN/FAIL with a hint, --json, exit
+"""`ssp-agent check` (one line per check, OK/WARN/FAIL with a hint, --json, exit
 0/3/4 by the worst) and the metrics file (Prometheus text format for node_exporter's textfile
 collector) from `metrics --out`, `run --metrics-file` and `sync --once --metrics-file`. Every case
 drives the real command against real mosquitto brokers and real homes."""

@@ -38,7 +38,7 @@ _node.Node.write = _held
 # A `run` that holds the home (node open, control socket not yet served) until the test says so.
 HOLD_RUN_START = """
 import os, time
-import agent.cli_mqtt as _m
+import agent.cli.mqtt as _m
 _open_runner = _m.open_runner
 def _held(*a, **k):
     open(os.environ["T_HELD"], "w").close()

@@ -1,4 +1,4 @@
-"""Issue 10 item 4 over the link that ships: through a real mosquitto, one relayed event stamped
+"""No event pins a stream, over the link that ships: through a real mosquitto, one relayed event stamped
 20 minutes ahead does not stall the stream behind it; it is re-offered, not lost."""
 from __future__ import annotations
 

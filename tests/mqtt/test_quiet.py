@@ -1,4 +1,4 @@
-"""Quiet links (issue 12 item 6) and the memory bound of issue 11 item 4, on a real mosquitto.
+"""Quiet links and the in-flight memory bound (docs/mqtt.md), on a real mosquitto.
 
 - An idle `run` costs the same whatever the store holds: its step looked for the node's newest own
   write with `max(seq) ... WHERE origin='local'`, a scan of the whole log 20 times a second (about
@@ -113,7 +113,7 @@ def _assert_one_window(got: list, window: int) -> None:
 
 
 def test_an_offline_peer_gets_one_window_however_many_cadences_pass(broker, tmp_path):
-    """Issue 12 item 6: every cadence re-sent a window to every peer in the keyring, present or
+    """Every cadence re-sent a window to every peer in the keyring, present or
     not (a peer with 1 000 waiting events got 2 000 in 30 s, half duplicates). B's persistent
     session is offline for many cadences and answer timeouts of A; what waits for it is at most
     one window of distinct bodies, and B then catches up from it."""
@@ -197,7 +197,7 @@ def _fitted(ra, rb) -> None:
 
 
 def test_a_peers_body_limit_is_learned_from_its_presence_and_kept_across_restarts(broker, tmp_path):
-    """Issue 12 item 6: a gateway (256 KiB bodies) talking to a Pi Zero (64 KiB) sent bodies the
+    """A gateway (256 KiB bodies) talking to a Pi Zero (64 KiB) sent bodies the
     Pi refused (`too_large`) and halved its way down, over four wakes, and forgot it on restart.
     The Pi advertises its body limit (presence, bodies, answers: `ssp-body-limit`); the gateway
     uses it from its first body and keeps it in the store, so the Pi refuses nothing, also after
@@ -280,7 +280,7 @@ def test_a_forged_advertised_limit_is_floored_capped_and_replaced_by_the_peers_o
             n.close()
 
 
-# ------------------------------------------------------------------ issue 11 item 4: the memory bound
+# ------------------------------------------------------------------ the memory bound
 def _vm(pid: int, key: str) -> int:
     """A /proc/PID/status figure in KiB (VmRSS, VmHWM: the peak)."""
     for line in open(f"/proc/{pid}/status"):
@@ -293,7 +293,7 @@ RSS_BOUND_KB = 48 * 1024  # generous: oversized payloads are not kept; presence 
 
 
 def test_a_flood_of_oversized_messages_does_not_grow_the_nodes_memory(broker, tmp_path):
-    """Issue 11 item 4: oversized messages (1 MiB; the profile's body limit is 256 KiB) flooded
+    """Oversized messages (1 MiB; the profile's body limit is 256 KiB) flooded
     into a node's inbox, under fictional senders and under its honest peer's name, and as presence
     of fictional sites, were held whole in the node's memory while they waited (the presence table
     kept 1 024 payloads of any size). Now the link keeps no payload over the body limit (the size

@@ -52,7 +52,7 @@ def test_rogue_inbox_traffic(broker, tmp_path):
         send(stranger.body([forged, forged2]), as_=stranger.site_id)
         send(honest_body, as_=a.site_id, **{"ssp-kind": "rt"})  # unsolicited, b has no realtime
         send(honest_body, as_=a.site_id, **{"ssp-meta": "{not json"})
-        # issue 11: poison that crashed the node (RecursionError, TypeError, OverflowError on a
+        # Poison that crashed the node (RecursionError, TypeError, OverflowError on a
         # secure binding) and a retained poison presence every node receives at every start
         send(honest_body, as_=a.site_id, **{"ssp-meta": DEEP_META})
         send(MIXED_KEY_BODY, as_=a.site_id)
@@ -140,7 +140,7 @@ class _Forger:
 
 
 def test_forged_too_large_answers_cannot_shrink_bodies_for_good(broker, tmp_path):
-    """Issue 11 item 5: forged `too_large` answers halved a sender's body limit down to 1 KiB for
+    """Forged `too_large` answers halved a sender's body limit down to 1 KiB for
     good. Now a reduction is provisional (PeerLimit): once the forger stops, the limit probes
     back up to the link's maximum, and the events flow meanwhile."""
     a, b = nodes = make_nodes(tmp_path, 2)
@@ -168,7 +168,7 @@ def test_forged_too_large_answers_cannot_shrink_bodies_for_good(broker, tmp_path
 
 
 def test_forged_ok_answers_do_not_move_the_cursor(broker, tmp_path):
-    """Issue 11 item 5 (`ok`): without broker ACLs a client that reads B's inbox answers A's bodies
+    """Without broker ACLs a client that reads B's inbox answers A's bodies
     first with `ok` and the real correlation data. B never had a session, so the broker dropped
     the bodies: before the fix A's cursor moved past events B never got, and B never got them
     (until a rehydration). Now the cursor moves only on an answer carrying an acknowledgement

@@ -1,4 +1,4 @@
-"""Devices that are never online at the same time converge through the broker (issue 10 item 9).
+"""Devices that are never online at the same time converge through the broker.
 
 Each device wakes, runs `ssp-agent sync --once` as a real process against a real mosquitto, and
 sleeps; no two are ever online together. Everything between them travels through their

@@ -1,4 +1,4 @@
-"""Issue 12 item 3: systemd units shipped in the package, installed by `ssp-agent service install`;
+"""The systemd units shipped in the package, installed by `ssp-agent service install`;
 `systemd-analyze verify` on every unit; sd_notify READY=1 / WATCHDOG=1 / STOPPING=1 from a real
 `run` to a real AF_UNIX datagram socket given as NOTIFY_SOCKET; /etc/ssp-agent/agent.toml gives
 `run` and `sync` their broker and credentials when no flag does (flags win)."""

@@ -1,4 +1,4 @@
-"""Provisioning and flashing (issue 12 item 7; docs/operations.md "Fleet workflow").
+"""Provisioning and flashing (docs/operations.md "Fleet workflow").
 
 An image file with Raspberry Pi OS's layout is made here (MBR: a FAT32 boot partition type c with
 cmdline.txt, an ext4 root partition; sfdisk, mkfs.vfat, mkfs.ext4), the bundle is written onto it by

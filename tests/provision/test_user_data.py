@@ -18,7 +18,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-from agent.cli_provision import DEVICE_BUNDLE, add_runcmd  # noqa: E402
+from agent.cli.provision import DEVICE_BUNDLE, add_runcmd  # noqa: E402
 from agent.simpeer import readings_table  # noqa: E402
 from tests.cli_cmd import run_cli  # noqa: E402
 

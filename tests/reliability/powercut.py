@@ -1,4 +1,4 @@
-"""Power loss at every sync point (issue 16 item 1; docs/reliability.md).
+"""Power loss at every sync point (docs/reliability.md).
 
 1. `record`: a workload (tests/reliability/powercut_workload.py: CLI `write`s, `Node.write_many`,
    mailbox imports of a peer's bodies each answered by an export, eviction) runs with the C shim

@@ -1,4 +1,4 @@
-/* Power-loss trace shim (issue 16 item 1; docs/reliability.md "The harness").
+/* Power-loss trace shim (docs/reliability.md "The harness").
  *
  * LD_PRELOADed into every process of a workload, it records each operation that changes what a
  * power cut could leave on disk, for files under the traced roots (the node's home, its clock

@@ -1,4 +1,4 @@
-"""Superseded values in the store's free space (issue 16 item 4; docs/reliability.md "At rest",
+"""Superseded values in the store's free space (docs/reliability.md "At rest",
 "Superseded values"). The log is sealed, but the materialized tables are clear by design: the
 current value is the application's data, a value it has overwritten or deleted is not, and must
 not stay readable in the raw files of the home (a pulled card) once the node has checkpointed it.

@@ -1,5 +1,5 @@
-"""A full disk (issue 16 item 2), on a real small tmpfs, through the real CLI. Extends
-tests/lifecycle/test_damage.py (issue 11 item 6: read verbs work, a write fails with one line and
+"""A full disk, on a real small tmpfs, through the real CLI. Extends
+tests/lifecycle/test_damage.py (read verbs work, a write fails with one line and
 works again once space is freed) with imports, what was acknowledged before, and eviction and WAL
 truncation, which must still run on a full disk: they are how a device frees its own space."""
 from __future__ import annotations
@@ -274,7 +274,7 @@ def test_an_import_whose_answer_hits_the_full_disk_says_what_was_applied(mid_fs,
 
 def test_an_import_stopped_by_the_full_disk_between_windows_says_what_was_applied(mid_fs, tmp_path, capsys,
                                                                                   monkeypatch):
-    """A file applied a window at a time (one transaction each, issue 15 item 2) whose second
+    """A file applied a window at a time (one transaction each) whose second
     window finds the disk full: the first window's events are kept, and the line says so (before:
     "nothing was changed"); importing the file again applies the rest."""
     from agent import sync

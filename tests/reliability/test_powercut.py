@@ -1,4 +1,4 @@
-"""Power loss at every sync point (issue 16 item 1), the CI sample. The harness is
+"""Power loss at every sync point, the CI sample. The harness is
 tests/reliability/powercut.py (model and findings: docs/reliability.md); `tools/powercut.sh` runs
 every sync point and thousands of random cut points. Here: the 200-event workload recorded once
 under the LD_PRELOAD shim, then 100 sync points (all unsynced writes lost), 100 random cut points

@@ -51,7 +51,8 @@ def test_a_full_disk_under_a_sequencer_verb_says_what_to_do_for_a_sequencer(tmp_
     import errno
     from pathlib import Path
 
-    from agent import cli, cli_sequencer
+    from agent import cli
+    from agent.cli import sequencer as cli_sequencer
     from agent.store.db import storage_fault
 
     def full(args):

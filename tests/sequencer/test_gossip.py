@@ -1,5 +1,5 @@
 """Receipt heads and sequencer bindings in the sync plane's `records` (agent/sequencing.py,
-agent/core/seqrecords.py; SOVM §22.5-§22.6; issue 14 items 4 and 7): real Nodes (real SQLite,
+agent/core/seqrecords.py; SOVM §22.5-§22.6): real Nodes (real SQLite,
 real sessions) syncing, a real Sequencer for honest receipts, a rogue P-256 signer for dishonest
 ones (an honest sequencer cannot be made to double-sign)."""
 from __future__ import annotations
@@ -405,7 +405,7 @@ def test_a_head_record_released_but_not_stored_is_stored_on_open(nodes):
 
 
 def test_commits_run_feeds_every_receipt_into_the_nodes_gossip_without_a_cli_step(tmp_path):
-    """Issue 14: the member's `commits run` hands each receipt it gets to its node's gossip
+    """The member's `commits run` hands each receipt it gets to its node's gossip
     records by itself — opening the node while no agent holds the home, and through the running
     agent's control socket while `ssp-agent run` holds it. No `sequencing gossip` is called; the
     node's `sequencing status` shows the receipts under the binding."""
@@ -504,7 +504,7 @@ def test_commits_run_feeds_every_receipt_into_the_nodes_gossip_without_a_cli_ste
 
 
 def test_the_queue_checks_receipts_against_the_sequencer_bound_at_their_generation(tmp_path):
-    """Issue 14 / §22.6 singularity, through the member's Commit queue with real processes: the
+    """§22.6 singularity, through the member's Commit queue with real processes: the
     node's binding records bind S1 to G from epoch 0 and S2 from epoch 1 (a hand-off). A copy of
     S1 restored from before the hand-off keeps serving G on the broker: its receipt for epoch 1 is
     rejected and retained for attribution, and the Commit stays queued (before, the queue took any

@@ -1,4 +1,4 @@
-"""The member-side validator (agent/sequencer/member.py; SOVM §22.5-§22.6, issue 14 item 7),
+"""The member-side validator (agent/sequencer/member.py; SOVM §22.5-§22.6),
 including the malicious sequencer that double-signs for two member sets and then declares a
 discontinuity. The malicious sequencer signs with its own P-256 key outside any bridge (test-only:
 an honest sequencer cannot be made to do this)."""

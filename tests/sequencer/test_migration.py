@@ -1,4 +1,4 @@
-"""Migration between two sequencers (SOVM §22.6 singularity; issue 14 item 4): the hand-off carries
+"""Migration between two sequencers (SOVM §22.6 singularity): the hand-off carries
 the accepted epoch, the chain head and the recorded discontinuities; the new sequencer's first
 receipt chains to the old one's last; the old one refuses the group afterwards; a rotated-out
 sequencer that keeps signing (here: its state restored from before the hand-off) is rejected by

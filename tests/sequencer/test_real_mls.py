@@ -1,4 +1,4 @@
-"""Real MLS clients (rfc9420 1.3.0) racing Commits through the sequencer (issue 14 item 1 and the
+"""Real MLS clients (rfc9420 1.3.0) racing Commits through the sequencer (the
 test "concurrent Commits for one epoch from several members"): every member builds a competing
 Commit for the same epoch; they are submitted at once, each by its own `ssp-agent sequencer submit`
 process; exactly one is accepted, every other sender is told to rebuild (stale, with the winner's

@@ -1,4 +1,4 @@
-"""Recovery after sequencer state loss (SOVM §22.6 steps 1-5; issue 14 item 5): converging
+"""Recovery after sequencer state loss (SOVM §22.6 steps 1-5): converging
 evidence resumes; divergent chains and double receipts fail closed; no evidence goes to the
 genesis reset; a naked epoch assertion is never enough."""
 from __future__ import annotations

@@ -7,7 +7,7 @@ epochs were. They were receipts released to members (or gaps with released state
 journal keeps). Before the fix the resume stated each of them absent, a gap with a signed
 statement of absence: every member holding one of those receipts then holds a receipt and a
 signed statement that contradict each other, equivocation evidence against an honest sequencer
-(§22.6 step 4, the member rule of issue 14 item 7); and a group the copy never knew was not looked
+(§22.6 step 4, the member rule, docs/sequencer.md); and a group the copy never knew was not looked
 at, so its next Commit bootstrapped a second chain beside the one members hold (§22.6 bootstrap,
 §22.5 cl. 1-2).
 

@@ -1,5 +1,5 @@
 """SIGKILL a real sequencer process at every named point of accept → sign → persist → release, and
-at seeded random times (SOVM §22.5 cl. 1-3, §22.6; issue 14 "Tests that must exist").
+at seeded random times (SOVM §22.5 cl. 1-3, §22.6).
 
 The checker is independent of the package: it reads the producer's stdout (every byte string the
 sequencer let out, printed before anything else saw it), the journal with the parser written

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from contextlib import redirect_stdout
 
-from agent import cli_sequencer
+from agent.cli import sequencer as cli_sequencer
 from agent.sequencer import receipts, service
 from agent.sequencer.framing import encode_private_message
 from tests.cli_cmd import agent_cmd, agent_env

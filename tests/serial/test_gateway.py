@@ -1,4 +1,4 @@
-"""Issue 13 "done when": two nodes and a gateway sync and rehydrate over pty serial links and MQTT
+"""Two nodes and a gateway sync and rehydrate over pty serial links and MQTT
 together. Real `ssp-agent` processes (the installed command, tests/cli_cmd.py), a real mosquitto,
 real pseudo-terminals through the relay (tools/serial_relay.py):
 

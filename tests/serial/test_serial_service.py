@@ -1,4 +1,4 @@
-"""Issue 12 items 3 and 4 over a serial line: `run --serial` under systemd tells it READY=1 and
+"""systemd and metrics over a serial line: `run --serial` under systemd tells it READY=1 and
 pings the watchdog (a real datagram socket as NOTIFY_SOCKET), and writes its metrics file;
 `sync --serial --once --metrics-file` counts its run."""
 from __future__ import annotations

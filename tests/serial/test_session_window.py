@@ -1,4 +1,4 @@
-"""One session, every link (issue 13 item 1), over the serial link: the endpoint's session runs
+"""One session, every link, over the serial link: the endpoint's session runs
 the exchange rules MQTT runs (agent/core/exchange.py). Each test failed on the session that kept
 its own rules: a push never moved the cursor, one body at a time whatever the window, and a body
 larger than the link carries was retried at the same size for ever."""

@@ -63,7 +63,7 @@ def _good_body(tmp_path, env, home: Path) -> bytes:
 
 @pytest.mark.parametrize("case", ["not_a_map", "trailing_bytes", "version_2", "events_not_bytes"])
 def test_a_refused_import_changes_nothing_in_a_fresh_home(tmp_path, env, case):
-    """Issue 10: a refused `mailbox import` created the sync tables and the default policy rows
+    """A refused `mailbox import` created the sync tables and the default policy rows
     before the strict parser refused the body. The refusal must come before any write."""
     home = tmp_path / "a"
     init(home, env)
@@ -111,7 +111,7 @@ def _mailbox_state(home: Path, peer: bytes) -> tuple:
 
 
 def test_export_onto_a_full_filesystem_fails_and_moves_nothing(tmp_path, env, small_fs):
-    """Issue 10 item 8: an export onto a full USB stick wrote a truncated file, exited 0 and moved
+    """An export onto a full USB stick wrote a truncated file, exited 0 and moved
     the cursor. It must exit 1 with one line, leave no file, and move nothing."""
     from agent.node import Node
     homes = [tmp_path / "a", tmp_path / "b"]
@@ -148,7 +148,7 @@ def _events_in(path: Path) -> list[bytes]:
 
 
 def test_a_lost_file_is_offered_again(tmp_path):
-    """Issue 10 item 8: export advanced the cursor when the file was written, so a file lost on the
+    """Export advanced the cursor when the file was written, so a file lost on the
     way was never offered again on the mailbox path."""
     from agent.sync import SyncDriver
     from .helpers import NOW, mesh
@@ -344,7 +344,7 @@ def test_a_file_from_a_stranger_is_owed_no_answer(tmp_path):
     f = tmp_path / "from-stranger"
     SyncDriver(stranger).export_mailbox(a.site_id, f)
     res = SyncDriver(a).import_mailbox(f.read_bytes(), NOW + 1)
-    # an unknown kid is rejected, not dropped (issue 10 item 5: a vouch may still admit it); not applied
+    # an unknown kid is rejected, not dropped (a vouch may still admit it); not applied
     assert (res["rejected"], res["applied"]) == (1, 0)
     assert a.conn.execute("SELECT count(*) FROM mailbox_owed").fetchone()[0] == 0
     g = tmp_path / "a-to-b"

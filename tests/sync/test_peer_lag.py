@@ -1,6 +1,6 @@
 """`sync_state.peer_lag` (what `check` and the runner report as a peer's backlog) counts the events above
-the peer's reported watermarks; with the per-group counts shared across peers (issue 15 item 6:
-`check` made one pass over the log per peer) it must give what counting every event by hand gives."""
+the peer's reported watermarks; with the per-group counts shared across peers (`check` made one pass over the
+log per peer) it must give what counting every event by hand gives."""
 from __future__ import annotations
 
 from agent.store.sync_state import group_counts, peer_lag

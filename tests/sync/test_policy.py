@@ -130,7 +130,7 @@ def test_receiver_cannot_widen_its_own_feed(tmp_path):
 
 
 def test_an_incomparable_denial_is_surfaced_where_events_shows_it(tmp_path):
-    # scope §1.2 rule 4: "deny and log" (issue 10 item 10: it left no trace by default). Surfaced
+    # scope §1.2 rule 4: "deny and log" (it left no trace by default). Surfaced
     # once per (peer, table, reason) while that entry is kept, however many bodies hit it.
     a, b = mesh(tmp_path, 2)
     da = SyncDriver(a)

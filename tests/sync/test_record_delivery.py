@@ -292,8 +292,8 @@ def test_runner_resends_records_whose_answer_was_lost(tmp_path):
         _pump([ra, rb])
         assert set(held) <= set(st.record_raws(b.conn))  # b has them, but a never heard back
         assert ra.sync.records_pending(b.site_id) and ra.in_flight(b.site_id)
-        # The answer timeout gives up only on a peer that is reachable and silent (issue 12 item 6:
-        # an absent peer's bodies wait in its broker session): b's presence is there.
+        # The answer timeout gives up only on a peer that is reachable and silent (an absent peer's bodies
+        # wait in its broker session): b's presence is there.
         from agent.core.messages import Handshake
         ra.caps[b.site_id] = Handshake(b.site_id, (0, 0), False, False, None)
         ra._expire(0.0)

@@ -1,6 +1,6 @@
 """A transaction SQLite already rolled back (a COMMIT or a statement on a full disk, an I/O
 error) must surface its own error: a hand-written `except: ROLLBACK` then raised "cannot rollback -
-no transaction is active" instead, which hid what happened (issue 13 loose end; the same flaw
+no transaction is active" instead, which hid what happened (the same flaw
 agent/store/db.py `transaction` was fixed for). The rolled-back state is made by SQLite itself: a
 temporary trigger whose `RAISE(ROLLBACK, ...)` ends the whole transaction and fails the statement,
 as a full disk does."""

@@ -168,7 +168,7 @@ def test_handshake_value_not_understood_falls_back_to_batch(two):
     ("rtt_ms", -5),
 ])
 def test_any_unknown_handshake_value_falls_back_to_batch_not_rejection(two, member, value):
-    # §31: "A receiver MUST fail closed to batch mode on any unknown member value" (issue 10 item 10).
+    # §31: "A receiver MUST fail closed to batch mode on any unknown member value".
     a, b, da, db_ = two
     s = db_.session("memory", a.site_id, secure=True, realtime_capable=True, binding_unsolicited=True)
     s.start(NOW)

@@ -1,4 +1,4 @@
-"""The chain rule in the session (issue 13 item 1: one session, every link): after an exchange
+"""The chain rule in the session (one session, every link): after an exchange
 this end started moved events, the next one starts at once, until one moves nothing (what ends a
 `sync --once` over a serial line). It lived in agent/transport/serial.py; `Session.chain` is the
 one decision the serial port and the in-memory link both run."""

@@ -1,4 +1,4 @@
-"""One session, every link (issue 13 item 1): the in-memory session runs the same exchange rules
+"""One session, every link: the in-memory session runs the same exchange rules
 as MQTT (agent/core/exchange.py): answered pushes move the cursor (§33 "a sender advances its
 durable cursor only on a successful push"), a window of bodies in flight, the too-large back-off.
 Each test here failed on the session that kept its own rules (one body in flight, one-way pushes,

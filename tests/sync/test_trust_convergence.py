@@ -1,4 +1,4 @@
-"""Issue 10 item 5: trust changes converge whatever order they arrive in.
+"""Trust changes converge whatever order they arrive in.
 
 Materialized state is a function of the delivered events *and* control records (vouch, retire,
 role): a retire record removes the effects of its subject's events above the cutoff whenever it

@@ -1,6 +1,6 @@
 """CLI verbs `ssp-agent --home DIR sequencer ...` (cli-contract.md, sequencer section; SOVM
 §22.5-§22.7; docs/sequencer.md). The sequencer has its own home, separate from any node's.
-Registered into agent/cli.py's parser by `register(sub, mailbox_sub)`."""
+Registered into agent/cli/__init__.py's parser by `register(sub, mailbox_sub)`."""
 from __future__ import annotations
 
 import argparse
@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import EXIT_OK, EXIT_REFUSED, PASSWORD_LIMIT, Fault, Refused, _json_arg, emit, read_input
-from .cliargs import count_arg, seconds_arg
+from .common import EXIT_OK, EXIT_REFUSED, PASSWORD_LIMIT, Fault, Refused, json_arg, emit, read_input
+from .args import count_arg, seconds_arg
 
 # Files handed to the sequencer verbs (agent/infile.py): a Commit is at most framing's 1 MiB (one
 # more byte is read, so an oversized one is refused `too_large` by the framing); an evidence file or
@@ -21,7 +21,7 @@ PACKAGE_LIMIT = 64 * 1024 * 1024
 def _read_message(path: str) -> bytes:
     """An MLSMessage file (`sequencer submit`, `commits queue`): past framing's limit only its
     first MAX_MESSAGE_BYTES + 1 bytes are read, and the framing refuses it (`too_large`)."""
-    from .sequencer.framing import MAX_MESSAGE_BYTES
+    from ..sequencer.framing import MAX_MESSAGE_BYTES
     return read_input(path, MAX_MESSAGE_BYTES, "message file", cut=True)
 
 
@@ -64,10 +64,10 @@ def _group(text: str) -> bytes:
     return gid
 
 
-def _open(args, *, reader_ok: bool = False, serve: bool = False):
+def open_node(args, *, reader_ok: bool = False, serve: bool = False):
     """The sequencer, resumed (§22.6 step 1). While a `sequencer run` holds the home, reads
     (``reader_ok``) go to its committed state read-only; writes are refused (use the broker)."""
-    from .sequencer import layout, service
+    from ..sequencer import layout, service
     try:
         try:
             return service.Sequencer(Path(args.home), serve=serve)
@@ -83,13 +83,13 @@ def _open(args, *, reader_ok: bool = False, serve: bool = False):
 
 
 def cmd_init(args) -> int:
-    from .sequencer import service
+    from ..sequencer import service
     keystore = None
     if args.keystore:
-        keystore = _json_arg(args.keystore, "--keystore")
+        keystore = json_arg(args.keystore, "--keystore")
         if not isinstance(keystore, dict):
             raise Refused("--keystore must be a JSON object, e.g. {\"kind\": \"software\", \"dir\": \"/path\"}")
-    from .sequencer import layout
+    from ..sequencer import layout
     try:
         public = service.init(Path(args.home), keystore)
     except service.SequencerRefused as e:
@@ -101,9 +101,9 @@ def cmd_init(args) -> int:
 
 
 def cmd_register(args) -> int:
-    from .sequencer import service
+    from ..sequencer import service
     gid = _group(args.group)
-    with _open(args) as s:
+    with open_node(args) as s:
         try:
             s.register(gid, args.epoch)
         except service.SequencerRefused as e:
@@ -113,9 +113,9 @@ def cmd_register(args) -> int:
 
 
 def cmd_submit(args) -> int:
-    from .sequencer import service
+    from ..sequencer import service
     message = _read_message(args.file)
-    with _open(args) as s:
+    with open_node(args) as s:
         ans = s.submit(message)
     if isinstance(ans, service.Accepted):
         _print({"accepted": True, "group": ans.group_id.hex(), "epoch": ans.epoch, "receipt": ans.receipt.hex()})
@@ -129,9 +129,9 @@ def cmd_submit(args) -> int:
 
 
 def cmd_receipt(args) -> int:
-    from .sequencer import service
+    from ..sequencer import service
     gid = _group(args.group)
-    with _open(args, reader_ok=True) as s:
+    with open_node(args, reader_ok=True) as s:
         try:
             got = s.receipt(gid, args.epoch)
         except service.SequencerRefused as e:
@@ -144,7 +144,7 @@ def cmd_receipt(args) -> int:
 
 
 def cmd_status(args) -> int:
-    with _open(args, reader_ok=True) as s:
+    with open_node(args, reader_ok=True) as s:
         _print_streamed(s.status(stream=True))
     return EXIT_OK
 
@@ -166,7 +166,7 @@ def _bindings(items: list[str]) -> dict[int, bytes]:
 
 
 def cmd_recover(args) -> int:
-    from .sequencer import recovery
+    from ..sequencer import recovery
     gid = _group(args.group)
     bindings = _bindings(args.binding)
     evidence = []
@@ -176,11 +176,11 @@ def cmd_recover(args) -> int:
         except recovery.EvidenceError as e:
             raise Refused(f"evidence file {path}: {e}; expected JSON {{\"member\", \"receipts\": [hex], "
                           "\"attested_epoch\", \"discontinuities\": [epochs], \"statements\": [hex]}") from None
-    with _open(args) as s:
+    with open_node(args) as s:
         try:
             out = s.recover(gid, evidence, bindings)
         except Exception as e:
-            from .sequencer import service
+            from ..sequencer import service
             if isinstance(e, service.SequencerRefused):
                 raise Refused(str(e)) from None
             raise
@@ -189,9 +189,9 @@ def cmd_recover(args) -> int:
 
 
 def cmd_migrate(args) -> int:
-    from .sequencer import service
+    from ..sequencer import service
     gid = _group(args.group)
-    with _open(args) as s:
+    with open_node(args) as s:
         try:
             package = s.handoff(gid)
         except service.SequencerRefused as e:
@@ -202,7 +202,7 @@ def cmd_migrate(args) -> int:
 
 
 def cmd_adopt(args) -> int:
-    from .sequencer import service
+    from ..sequencer import service
     text = read_input(args.file, PACKAGE_LIMIT, "hand-off package", text=True)
     try:
         package = json.loads(text)
@@ -210,7 +210,7 @@ def cmd_adopt(args) -> int:
         raise Refused(f"cannot read the hand-off package {args.file}: {e}") from None
     except RecursionError:
         raise Refused(f"the hand-off package {args.file} is nested too deeply") from None
-    with _open(args) as s:
+    with open_node(args) as s:
         try:
             st = s.adopt(package)
         except service.SequencerRefused as e:
@@ -223,9 +223,9 @@ def cmd_adopt(args) -> int:
 
 def cmd_run(args) -> int:
     import signal
-    from .sequencer import serve, service
+    from ..sequencer import serve, service
     settings = _broker_settings(args)
-    seq = _open(args, serve=True)
+    seq = open_node(args, serve=True)
     seq.max_groups = serve.DEFAULT_MAX_GROUPS if args.max_groups is None else args.max_groups
     server = serve.Server(seq, settings)
     try:
@@ -321,7 +321,7 @@ def _queue(args):
 def _open_queue(home: Path, key=None, events_kept=None):
     """The member's Commit queue; a file it cannot use (a newer release's layout: left untouched,
     layout.py) is a local fault, exit 1."""
-    from .sequencer import client, layout
+    from ..sequencer import client, layout
     try:
         return client.open_queue(home, key, events_kept)
     except layout.LayoutError as e:
@@ -331,7 +331,7 @@ def _open_queue(home: Path, key=None, events_kept=None):
 
 
 def cmd_commits_queue(args) -> int:
-    from .sequencer import client
+    from ..sequencer import client
     message = _read_message(args.file)
     q = _queue(args)
     try:
@@ -350,7 +350,7 @@ def cmd_commits_status(args) -> int:
     unsettled receipt and discontinuity; ``omitted`` counts what was left out."""
     q = _queue(args)
     try:
-        from .sequencer import client
+        from ..sequencer import client
         _print(q.status(None if args.all else (client.STATUS_TAIL if args.limit is None else args.limit)))
     finally:
         q.close()
@@ -359,7 +359,7 @@ def cmd_commits_status(args) -> int:
 
 def _broker_settings(args):
     """The broker of `sequencer run` and of a member's `commits` verbs, from the same flags."""
-    from .sequencer import serve
+    from ..sequencer import serve
     password = None
     if args.password_file:
         password = read_input(args.password_file, PASSWORD_LIMIT, "--password-file", text=True).strip()
@@ -371,9 +371,9 @@ def _broker_settings(args):
 
 
 def _client(args, q):
-    from . import sequencing
-    from .node import Node
-    from .sequencer import client
+    from .. import sequencing
+    from ..node import Node
+    from ..sequencer import client
     home = Path(args.home)
     store = home / Node.STORE_FILE
     return client.CommitClient(q, _broker_settings(args), signer_for=_signer_for(home, q.sequencer_key),
@@ -387,9 +387,9 @@ def _signer_for(home: Path, fallback):
     (``fallback``) counts only for a group no binding record names at all — a member without a
     node, or a group whose binding has not been issued yet; without either, any valid signature
     is taken (the broker's ACLs decide who may answer, docs/mqtt.md)."""
-    from . import sequencing
-    from .node import Node
-    from .sequencer import client
+    from .. import sequencing
+    from ..node import Node
+    from ..sequencer import client
     path = Path(home) / Node.STORE_FILE
 
     def signer_for(gid: bytes, epoch: int):
@@ -408,8 +408,8 @@ def _binding_state(home: Path, fallback):
     fallback key for a group with none): the queue looks at its held and attributed receipts again
     only when this changed (client.py recheck). An unreadable store is a state of its own (every
     link held meanwhile, as ``_signer_for`` says)."""
-    from . import sequencing
-    from .node import Node
+    from .. import sequencing
+    from ..node import Node
     states = sequencing.BindingStates(Path(home) / Node.STORE_FILE)   # one data_version question while idle
     prefix = b"fallback:" + (fallback or b"") + b";"
 
@@ -434,7 +434,7 @@ class GossipFeeder:
     FIRST_S, MAX_S = 1.0, 30.0
 
     def __init__(self, home: Path, q) -> None:
-        from .node import Node
+        from ..node import Node
         self.home, self.q = Path(home).resolve(), q
         self.store = self.home / Node.STORE_FILE
         self.next_at, self.wait = 0.0, self.FIRST_S
@@ -458,8 +458,8 @@ class GossipFeeder:
         self.wait = min(2 * self.wait, self.MAX_S)
 
     def _deliver(self, raws: list[bytes]) -> tuple[bool, str]:
-        from . import control, sequencing
-        from .node import Node, now_ms
+        from .. import control, sequencing
+        from ..node import Node, now_ms
         res = control.forward(self.home, ["--home", str(self.home), "sequencing", "gossip", *[r.hex() for r in raws]])
         if res is not None:
             rc, _out, err = res
@@ -545,8 +545,8 @@ def _keep_events_arg(a) -> None:
 def cmd_commits_evidence(args) -> int:
     """This member's receipts, gaps and statements for one group, as the JSON evidence file
     `sequencer recover` reads (§22.6 step 1; docs/sequencer.md)."""
-    from . import sequencing
-    from .node import Node
+    from .. import sequencing
+    from ..node import Node
     gid = _group(args.group)
     q = _queue(args)
     try:
@@ -615,7 +615,7 @@ def _receipt_bytes(text: str) -> bytes:
 def _gossip_raws(args) -> list[bytes]:
     raws = [_receipt_bytes(t) for t in args.receipt]
     if args.from_queue:
-        from .sequencer import client
+        from ..sequencer import client
         if client.queue_path(Path(args.home)).exists():
             q = _open_queue(Path(args.home))
             try:
@@ -637,11 +637,11 @@ def _bind_argv(args) -> list[str]:
 
 
 def cmd_sequencing_gossip(args) -> int:
-    from . import sequencing
-    from .cli import _open
-    from .node import now_ms
+    from .. import sequencing
+    from .common import open_node
+    from ..node import now_ms
     raws = _gossip_raws(args)
-    node = _open(args)
+    node = open_node(args)
     try:
         out = []
         for raw in raws:
@@ -656,18 +656,18 @@ def cmd_sequencing_gossip(args) -> int:
 
 
 def cmd_sequencing_bind(args) -> int:
-    from . import sequencing
-    from .cli import _open
-    from .cli_sync import _load_authority
-    from .node import now_ms
+    from .. import sequencing
+    from .common import open_node
+    from .sync import load_authority
+    from ..node import now_ms
     gid = _group(args.group)
     try:
         key = bytes.fromhex(args.sequencer_key)
     except ValueError:
         raise Refused("--sequencer-key must be hex") from None
-    authority = _load_authority(args.authority_key) if args.authority_key else None
+    authority = load_authority(args.authority_key) if args.authority_key else None
     try:
-        node = _open(args)
+        node = open_node(args)
         try:
             _print(sequencing.bind(node, gid, key, args.generation, now_ms(), authority))
         except sequencing.SequencingRefused as e:
@@ -681,9 +681,9 @@ def cmd_sequencing_bind(args) -> int:
 
 
 def cmd_sequencing_status(args) -> int:
-    from . import sequencing
-    from .cli import _open
-    node = _open(args, read_only=True)
+    from .. import sequencing
+    from .common import open_node
+    node = open_node(args, read_only=True)
     try:
         _print(sequencing.status(node, _group(args.group) if args.group else None))
     finally:

@@ -1,6 +1,6 @@
 """`ssp-agent sync --serial PORT [--baud N] [--once]` and the serial ports of `ssp-agent run
 --serial PORT [--serial PORT ...] [--broker URL ...]` (cli-contract.md "sync over a serial line";
-docs/serial.md). The parser and `run` are cli_mqtt's (`sync` and `run` take --broker and
+docs/serial.md). The parser and `run` are agent/cli/mqtt.py's (`sync` and `run` take --broker and
 --serial; `run` goes through the one runtime loop, agent/runtime.py, whatever it serves: one
 line, several (a gateway), and MQTT beside them when --broker is given); this module checks the
 serial flags, opens the ports and runs `sync --serial --once`."""
@@ -11,7 +11,7 @@ _MQTT_ONLY = ("broker", "ca_file", "cert_file", "key_file", "username", "passwor
 
 def check(args, once: bool) -> None:
     """Refused (exit 2) before anything opens: flags that do not go with --serial."""
-    from .cli import Refused
+    from .common import Refused
     names = list(args.serial)
     given = [f"--{k.replace('_', '-')}" for k in _MQTT_ONLY if getattr(args, k, None)]
     if once:
@@ -30,8 +30,8 @@ def check(args, once: bool) -> None:
 
 def open_ports(args, node, once: bool) -> list:
     """A SerialPort per --serial, opened; Fault (exit 1) naming the first that cannot be."""
-    from .cli import Fault
-    from .transport.serial import SerialError, SerialPort
+    from .common import Fault
+    from ..transport.serial import SerialError, SerialPort
     baud = args.baud or int(node.profile.serial_baud)
     ports: list = []
     try:
@@ -47,11 +47,11 @@ def open_ports(args, node, once: bool) -> list:
 
 def sync_once(args) -> int:
     """`sync --serial PORT --once`: one full exchange in both directions, its summary printed."""
-    from .cli import EXIT_OK, Fault, _open, emit
-    from .metrics import count_sync_run
-    from .transport.serial import SerialError
+    from .common import EXIT_OK, Fault, open_node, emit
+    from ..metrics import count_sync_run
+    from ..transport.serial import SerialError
     check(args, once=True)
-    node = _open(args)
+    node = open_node(args)
     try:
         (port,) = open_ports(args, node, once=True)
         try:

@@ -1,6 +1,6 @@
 """`ssp-agent service install [--root DIR]`: the systemd units shipped inside the package
 (agent/systemd/, package data) and /etc/ssp-agent/ configuration, written for this installed
-command (issue 12 item 3, docs/systemd.md). It only writes files; enabling a unit is the
+command (docs/systemd.md). It only writes files; enabling a unit is the
 operator's `systemctl` step (printed). Units are ours and rewritten; the configuration and the
 password file are the operator's and kept unless --force."""
 from __future__ import annotations
@@ -88,12 +88,12 @@ def _holds_text(path: Path) -> bool:
     except FileNotFoundError:
         return False
     except OSError as e:
-        from .cli import Refused
+        from .common import Refused
         raise Refused(f"cannot read {path}: {e.strerror}") from None
 
 
 def cmd_install(args) -> int:
-    from .cli import EXIT_OK, PASSWORD_LIMIT, Refused, emit, read_input
+    from .common import EXIT_OK, PASSWORD_LIMIT, Refused, emit, read_input
     root = Path(args.root)
     bin_path = args.bin or default_bin()
     if not Path(bin_path).is_absolute():

@@ -1,23 +1,23 @@
 """CLI verbs of the sync layer (cli-contract.md): `mailbox export`, `policy`, `record`.
-Registered into agent/cli.py's parser by `register(sub, mailbox_sub)`."""
+Registered into agent/cli/__init__.py's parser by `register(sub, mailbox_sub)`."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
-from .cli import EXIT_OK, Fault, Refused, _open, emit
-from .hometurn import HeldByService
-from .core.ids import IdFormatError, parse_hlc, parse_public_key, parse_site_id
+from .common import EXIT_OK, Fault, Refused, open_node, emit
+from ..hometurn import HeldByService
+from ..core.ids import IdFormatError, parse_hlc, parse_public_key, parse_site_id
 
 
 def cmd_mailbox_export(args) -> int:
-    from .sync import export_mailbox_body
+    from ..sync import export_mailbox_body
     try:
         peer = parse_site_id(args.peer, "--peer")
     except IdFormatError as e:
         raise Refused(str(e)) from None
-    node = _open(args)
+    node = open_node(args)
     try:
         if peer == node.site_id:
             raise Refused("--peer is this node's own site_id; export for another node")
@@ -36,7 +36,7 @@ def cmd_mailbox_export(args) -> int:
 
 
 def _policy_row(args, effect: str):
-    from .core.scope import PolicyRow
+    from ..core.scope import PolicyRow
     peer = args.peer
     if peer != "*":
         try:
@@ -50,11 +50,11 @@ def _policy_row(args, effect: str):
 
 
 def cmd_policy_set(args) -> int:
-    from .core.scope import PolicyError, check_row
-    from .store import sync_state as st
-    from .sync import change_policy
+    from ..core.scope import PolicyError, check_row
+    from ..store import sync_state as st
+    from ..sync import change_policy
     effect = args.policy_verb
-    node = _open(args)
+    node = open_node(args)
     try:
         row = _policy_row(args, effect)
         try:
@@ -72,9 +72,9 @@ def cmd_policy_set(args) -> int:
 
 
 def cmd_policy_remove(args) -> int:
-    from .store import sync_state as st
-    from .sync import change_policy
-    node = _open(args)
+    from ..store import sync_state as st
+    from ..sync import change_policy
+    node = open_node(args)
     try:
         row = _policy_row(args, "allow")
         removed = []
@@ -88,8 +88,8 @@ def cmd_policy_remove(args) -> int:
 
 
 def cmd_policy_list(args) -> int:
-    from .store import sync_state as st
-    node = _open(args)
+    from ..store import sync_state as st
+    node = open_node(args)
     try:
         st.ensure_schema(node.conn)
         for r in sorted(st.policy_rows(node.conn), key=lambda r: (r.schema, r.table, r.peer, r.layer, r.role)):
@@ -101,8 +101,8 @@ def cmd_policy_list(args) -> int:
 
 
 def cmd_record_issue(args) -> int:
-    from .core.scope import PolicyError, check_role
-    from .sync import issue_record
+    from ..core.scope import PolicyError, check_role
+    from ..sync import issue_record
     try:
         subject = parse_site_id(args.subject, "--subject")
         if args.record_verb == "issue-vouch":
@@ -116,10 +116,10 @@ def cmd_record_issue(args) -> int:
             kind, value = "role", check_role(args.role)   # one a policy row can name
     except (IdFormatError, PolicyError) as e:
         raise Refused(str(e)) from None
-    authority = _load_authority(args.authority_key) if getattr(args, "authority_key", None) else None
+    authority = load_authority(args.authority_key) if getattr(args, "authority_key", None) else None
     try:
         try:
-            node, store = _open(args), None
+            node, store = open_node(args), None
         except HeldByService:
             if authority is None:
                 raise      # forwarded whole (`_record_argv`): not reached unless the service went away
@@ -127,7 +127,7 @@ def cmd_record_issue(args) -> int:
             # (the service may not reach it: a sandboxed unit), reading the chains from a read view
             # (SQLite WAL: a reader beside the writer), and hand the records to the service, which
             # verifies and stores them as any it receives (`record import`, one writer).
-            node, store = _open(args, read_only=True), lambda raws: _import_live(args, raws)
+            node, store = open_node(args, read_only=True), lambda raws: _import_live(args, raws)
         try:
             raw, info = issue_record(node, kind, subject, value, authority=authority, store=store)
             if args.out:
@@ -142,7 +142,7 @@ def cmd_record_issue(args) -> int:
 
 
 def _import_live(args, raws: list[bytes]) -> dict:
-    from . import control
+    from .. import control
     res = control.forward(Path(args.home), ["--home", str(Path(args.home).resolve()), "record", "import",
                                             *[r.hex() for r in raws]])
     if res is None:
@@ -159,7 +159,7 @@ RECORD_FILE_LIMIT = 64 * 1024   # one control record: a few hundred bytes
 
 def _record_bytes(text: str) -> bytes:
     """A record given as a file (raw bytes, as `issue-* --out` writes it) or as hex."""
-    from .cli import read_input
+    from .common import read_input
     p = Path(text)
     try:
         is_file = p.is_file()
@@ -174,8 +174,8 @@ def _record_bytes(text: str) -> bytes:
 
 
 def _records_of(args) -> list[bytes]:
-    from .core.cose import content_type
-    from .core.records import KINDS
+    from ..core.cose import content_type
+    from ..core.records import KINDS
     raws = [_record_bytes(t) for t in args.record]
     for t, raw in zip(args.record, raws):
         if content_type(raw) not in KINDS:
@@ -190,10 +190,10 @@ def _import_argv(args) -> list[str]:
 
 def cmd_record_import(args) -> int:
     """Verify and store control records as received ones are (a bad one is dropped and surfaced)."""
-    from .node import now_ms
-    from .sync import SyncDriver
+    from ..node import now_ms
+    from ..sync import SyncDriver
     raws = _records_of(args)
-    with _open(args) as node:
+    with open_node(args) as node:
         emit(SyncDriver(node).apply_records(raws, now_ms()))
     return EXIT_OK
 
@@ -215,8 +215,8 @@ def _record_argv(args) -> list[str] | None:
     return out + ([f"--out={Path(args.out).resolve()}"] if args.out else [])
 
 
-def _load_authority(path: str):
-    from .authority import Authority, AuthorityError
+def load_authority(path: str):
+    from ..authority import Authority, AuthorityError
     try:
         return Authority(Path(path))
     except AuthorityError as e:
@@ -229,7 +229,7 @@ def cmd_authority_create(args) -> int:
     before any node exists, so its id can go into every node's manifest (`authorities` and `peers`).
     Records are then issued from any node with `record issue-* --authority-key DIR`, signed through
     the directory's keystore bridge."""
-    from .authority import AuthorityError, create
+    from ..authority import AuthorityError, create
     conf = None
     if args.keystore:
         try:
@@ -252,10 +252,10 @@ def cmd_authority_show(args) -> int:
     """An authority directory's identity, keystore and released records (never secrets); exit 1
     when its keystore holds another key than the card names (wrong token or device)."""
     from collections import Counter
-    from .authority import KEY_NAME
-    from .core.cose import content_type
-    from .core.records import KINDS
-    a = _load_authority(args.authority_key)
+    from ..authority import KEY_NAME
+    from ..core.cose import content_type
+    from ..core.records import KINDS
+    a = load_authority(args.authority_key)
     try:
         released = a.released()
         kinds = Counter(KINDS.get(ct, ct) for ct in map(content_type, released))
@@ -272,14 +272,13 @@ def cmd_authority_show(args) -> int:
 def cmd_authority_add(args) -> int:
     """Amend this node's mesh authorities (the manifest's `authorities`) after init: trust the
     authority's key for records and list it as an authority. Run on every node of the mesh."""
-    from .store import db
-    from .sync import _txn
+    from ..store import db
     try:
         site = parse_site_id(args.site_id, "--site-id")
         pk = parse_public_key(args.public_key) if args.public_key else None
     except IdFormatError as e:
         raise Refused(str(e)) from None
-    node = _open(args)
+    node = open_node(args)
     try:
         if site != node.site_id:
             if pk is None:
@@ -288,7 +287,7 @@ def cmd_authority_add(args) -> int:
             else:
                 node.add_peer(site, pk, None, source="authority")
         auth = sorted({a.hex() for a in node.authorities} | {site.hex()})
-        with _txn(node.conn):
+        with db.transaction(node.conn):
             db.set_meta(node.conn, "authorities", json.dumps(auth))
         node.authorities = {bytes.fromhex(a) for a in auth}
         node.refresh_trust()  # records it issued that this node holds count now
@@ -299,10 +298,10 @@ def cmd_authority_add(args) -> int:
 
 
 def cmd_rehydrate(args) -> int:
-    from . import rehydrate
+    from .. import rehydrate
     if bool(args.status) == bool(args.from_peer):
         raise Refused("give --from PEER (start) or --status")
-    node = _open(args)
+    node = open_node(args)
     try:
         if args.status:
             emit(rehydrate.status(node))
@@ -320,8 +319,8 @@ def cmd_rehydrate(args) -> int:
 
 
 def cmd_record_list(args) -> int:
-    from .store import sync_state as st
-    node = _open(args)
+    from ..store import sync_state as st
+    node = open_node(args)
     try:
         st.ensure_schema(node.conn)
         recs = st.records(node.conn)

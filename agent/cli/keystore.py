@@ -1,7 +1,7 @@
 """CLI verbs `keystore show`, `rotate-data-key` and `rewrap`: which keystore and key this node
 signs with (docs/keystore.md), and the keys its event log is sealed under at rest
 (docs/reliability.md "At rest").
-Registered into agent/cli.py's parser by `register(sub, mailbox_sub)`. Never prints secrets
+Registered into agent/cli/__init__.py's parser by `register(sub, mailbox_sub)`. Never prints secrets
 (no PIN, no key material): only the keystore's own `describe()` and public values."""
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import json
 import os
 from pathlib import Path
 
-from .cli import EXIT_OK, Fault, Refused, _json_arg, _open, emit
+from .common import EXIT_OK, Fault, Refused, json_arg, open_node, emit
 
 
 def cmd_keystore_show(args) -> int:
-    from .node import EVENT_KEY
-    from .store import atrest, db
-    node = _open(args)
+    from ..node import EVENT_KEY
+    from ..store import atrest, db
+    node = open_node(args)
     try:
         if node.bridge is None:
             raise Fault("this node was opened without a keystore bridge")
@@ -44,15 +44,15 @@ def cmd_keystore_rotate(args) -> int:
     """A new data key for the sealed log (docs/reliability.md "At rest", Key rotation): recorded with
     its re-seal job, which the reopen right after runs (every row and the journal's outputs under
     the new key, then the older keys deleted; an interrupted job resumes on the next writing open)."""
-    from .node import now_ms, seal_keystore
-    from .store import atrest
-    node = _open(args)
+    from ..node import now_ms, seal_keystore
+    from ..store import atrest
+    node = open_node(args)
     try:
         with seal_keystore(node.home, node.conn, node.bridge.keystore) as ks:   # wraps the new data key
             kid = atrest.rotate(node.conn, ks, node.site_id, now_ms())
     finally:
         node.close()
-    node = _open(args)
+    node = open_node(args)
     try:
         emit({"data_key": kid, "at_rest": atrest.status(node.conn)})
     finally:
@@ -74,7 +74,7 @@ def _identity(conf: dict) -> tuple:
 
 
 def _target_conf(text: str) -> dict:
-    conf = _json_arg(text, "--to")
+    conf = json_arg(text, "--to")
     kind = conf.get("kind") if isinstance(conf, dict) else None
     if kind not in _NAMES:
         raise Refused("--to must be a keystore config: a JSON object whose kind is software, pkcs11 or serial "
@@ -111,10 +111,10 @@ def _retire(home: Path, conn, old: dict, new: dict | None) -> str:
     re-wrap is done."""
     from firmware_bridge import open_keystore
     from firmware_bridge.sealing import SEAL_KEY
-    from .node import _home_paths
-    from .store import atrest
+    from ..node import home_paths
+    from ..store import atrest
     if old.get("kind") == "software":
-        with open_keystore(_home_paths(home, old)) as ks:
+        with open_keystore(home_paths(home, old)) as ks:
             what = "deleted" if ks.delete_seal_key(SEAL_KEY) else "already gone"
     else:
         what = f"kept in its {old.get('kind')} keystore (useless without it; destroy it there if it is retired)"
@@ -135,27 +135,27 @@ def cmd_keystore_rewrap(args) -> int:
     keystore (a signing key never leaves a token, so it cannot follow). Run again after an
     interruption: before the store's one commit nothing changed, after it this finishes the job."""
     from firmware_bridge import open_keystore
-    from .node import _home_paths, _with_pin, seal_keystore
-    from .store import atrest, db
+    from ..node import home_paths, resolve_pin, seal_keystore
+    from ..store import atrest, db
     target = _target_conf(args.to)
-    node = _open(args)
+    node = open_node(args)
     try:
         home, conn = node.home, node.conn
         home_conf = json.loads(db.get_meta(conn, "keystore"))
         stored_cur = atrest.seal_keystore_conf(conn)
         pending = atrest.rewrap_pending(conn)
-        if pending is not None and _identity(_home_paths(home, stored_cur or home_conf)) != _identity(target):
+        if pending is not None and _identity(home_paths(home, stored_cur or home_conf)) != _identity(target):
             # an earlier re-wrap, interrupted after its commit: destroy its predecessor's seal key
             # first (this one records only its own predecessor)
             _retire(home, conn, pending, stored_cur)
         current = stored_cur or home_conf
         n = 0
-        if _identity(_home_paths(home, current)) == _identity(target):
+        if _identity(home_paths(home, current)) == _identity(target):
             if atrest.rewrap_pending(conn) is None:
                 raise Refused("the event log's data keys are already sealed by that keystore; nothing was changed")
         else:
-            to_home = _identity(_home_paths(home, home_conf)) == _identity(target)
-            new_ks = open_keystore(_with_pin(target))
+            to_home = _identity(home_paths(home, home_conf)) == _identity(target)
+            new_ks = open_keystore(resolve_pin(target))
             try:
                 stored = None if to_home else _stored_form(home, target, stored_cur)
                 with seal_keystore(home, conn, node.bridge.keystore) as old_ks:

@@ -1,4 +1,4 @@
-"""`ssp-agent check` and `ssp-agent metrics --out PATH` (issue 12 item 4; agent/health.py,
+"""`ssp-agent check` and `ssp-agent metrics --out PATH` (agent/health.py,
 agent/metrics.py). Both read the home through a read view: they write nothing to it and work
 beside a running `run`."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .cliargs import seconds_arg
-from .health import EXIT
+from .args import seconds_arg
+from ..health import EXIT
 
 
 def register(sub, mailbox_sub) -> None:
@@ -30,19 +30,19 @@ def register(sub, mailbox_sub) -> None:
 
 
 def cmd_check(args) -> int:
-    from .cli_mqtt import _from, _settings
-    from .health import render_text, run_checks, to_json, worst
-    args.broker = _from(args, "broker", "SSP_MQTT_BROKER")
-    settings = _settings(args) if args.broker else None
+    from .mqtt import config_from, mqtt_settings
+    from ..health import render_text, run_checks, to_json, worst
+    args.broker = config_from(args, "broker", "SSP_MQTT_BROKER")
+    settings = mqtt_settings(args) if args.broker else None
     lines = run_checks(Path(args.home).absolute(), settings, timeout=args.timeout)
     sys.stdout.write(to_json(lines) + "\n" if args.json else render_text(lines))
     return EXIT[worst(lines)]
 
 
 def cmd_metrics(args) -> int:
-    from .cli import EXIT_OK
-    from .metrics import render, write_atomic
-    from .node import Node
+    from .common import EXIT_OK
+    from ..metrics import render, write_atomic
+    from ..node import Node
     node = Node.open(Path(args.home), read_only=True)
     try:
         text = render(node)

@@ -13,8 +13,8 @@ import logging
 import os
 import sys
 
-from . import stopsignal
-from .cliargs import interval_arg, positive_int_arg, seconds_arg
+from .. import stopsignal
+from .args import interval_arg, positive_int_arg, seconds_arg
 
 
 def _add_common(s) -> None:
@@ -64,8 +64,8 @@ def register(sub, mailbox_sub) -> None:
 
 def _config(args) -> dict:
     """The configuration file's [mqtt] table (agent/config.py), read once per command."""
-    from .cli import Refused
-    from .config import ConfigError, load
+    from .common import Refused
+    from ..config import ConfigError, load
     if not hasattr(args, "_config"):
         try:
             args._config = load()
@@ -74,15 +74,15 @@ def _config(args) -> dict:
     return args._config["mqtt"]
 
 
-def _from(args, flag: str, env: str):
+def config_from(args, flag: str, env: str):
     """A setting: the flag, else the environment, else the configuration file (flags win)."""
     return getattr(args, flag, None) or os.environ.get(env) or _config(args).get(flag)
 
 
-def _settings(args):
-    from .cli import Refused
-    from .config import credential_password
-    from .runner import settings_from_env
+def mqtt_settings(args):
+    from .common import Refused
+    from ..config import credential_password
+    from ..runner import settings_from_env
     password = None
     password_file = args.password_file
     if not password_file and not os.environ.get("SSP_MQTT_PASSWORD"):
@@ -90,14 +90,14 @@ def _settings(args):
         if password is None:
             password_file = _config(args).get("password_file")
     if password_file:
-        from .cli import PASSWORD_LIMIT, read_input
+        from .common import PASSWORD_LIMIT, read_input
         password = read_input(password_file, PASSWORD_LIMIT, "the password file", text=True).strip()
     try:
-        return settings_from_env(args.broker, ca_file=_from(args, "ca_file", "SSP_MQTT_CA_FILE"),
-                                 cert_file=_from(args, "cert_file", "SSP_MQTT_CERT_FILE"),
-                                 key_file=_from(args, "key_file", "SSP_MQTT_KEY_FILE"),
-                                 username=_from(args, "username", "SSP_MQTT_USERNAME"), password=password,
-                                 prefix=_from(args, "prefix", "SSP_MQTT_PREFIX"))
+        return settings_from_env(args.broker, ca_file=config_from(args, "ca_file", "SSP_MQTT_CA_FILE"),
+                                 cert_file=config_from(args, "cert_file", "SSP_MQTT_CERT_FILE"),
+                                 key_file=config_from(args, "key_file", "SSP_MQTT_KEY_FILE"),
+                                 username=config_from(args, "username", "SSP_MQTT_USERNAME"), password=password,
+                                 prefix=config_from(args, "prefix", "SSP_MQTT_PREFIX"))
     except ValueError as e:
         raise Refused(str(e)) from None
 
@@ -105,10 +105,10 @@ def _settings(args):
 def _go(args, once: bool) -> int:
     if args.serial:
         return _go_serial(args, once)
-    from .cli import EXIT_OK, Fault, Refused, _open, emit, use_reserve
-    from .metrics import count_sync_run
+    from .common import EXIT_OK, Fault, Refused, open_node, emit, use_reserve
+    from ..metrics import count_sync_run
     broker = None
-    args.broker = _from(args, "broker", "SSP_MQTT_BROKER")   # flag, environment, /etc/ssp-agent/agent.toml
+    args.broker = config_from(args, "broker", "SSP_MQTT_BROKER")   # flag, environment, /etc/ssp-agent/agent.toml
     if once and not args.broker:
         # a private broker would have nobody to sync with: exit 0 would say it synced
         raise Refused("sync --once needs a broker: give --broker mqtt://HOST:PORT (or mqtts://), set "
@@ -116,10 +116,10 @@ def _go(args, once: bool) -> int:
     # the home first: a refused home must not leave a private mosquitto running behind it
     if not once:
         use_reserve(args.home, "run")   # its first turn evicts
-    node = _open(args)
+    node = open_node(args)
     try:
         if not args.broker:
-            from .transport.broker import Broker, BrokerError   # only for a private mosquitto (start-up, issue 15)
+            from ..transport.broker import Broker, BrokerError   # only for a private mosquitto (start-up)
             try:
                 broker = Broker().start()
             except BrokerError as e:
@@ -154,15 +154,15 @@ def _go_serial(args, once: bool) -> int:
     the lines, and MQTT beside them only when --broker is given on the command line (a device
     whose configuration file names a broker and that is told to sync over a cable syncs over the
     cable)."""
-    from . import cli_serial
+    from . import serial as serial_verbs
     if once:
-        return cli_serial.sync_once(args)
-    from .cli import _open, use_reserve
-    cli_serial.check(args, once=False)
+        return serial_verbs.sync_once(args)
+    from .common import open_node, use_reserve
+    serial_verbs.check(args, once=False)
     use_reserve(args.home, "run")   # its first turn evicts
-    node = _open(args)
+    node = open_node(args)
     try:
-        ports = cli_serial.open_ports(args, node, once=False)
+        ports = serial_verbs.open_ports(args, node, once=False)
         try:
             logging.getLogger("ssp_agent.serial").setLevel(logging.INFO)  # ports lost and back
             runner = open_runner(args, node, once=False) if args.broker else None
@@ -182,10 +182,10 @@ def open_runner(args, node, once: bool):
     """The MQTT Runner for `sync --once` or `run` (alone or beside serial ports), started: connected,
     or for `run` retrying a broker that is down. Fault (exit 1) when the broker refuses us, or
     for `--once` when it does not answer."""
-    from .cli import Fault
-    from .metrics import count_sync_run
-    from .runner import RunConfig, Runner
-    from .transport.mqtt import TransportError
+    from .common import Fault
+    from ..metrics import count_sync_run
+    from ..runner import RunConfig, Runner
+    from ..transport.mqtt import TransportError
     prof = node.profile
     secure = args.secure_binding if args.secure_binding is not None else \
         os.environ.get("SSP_MQTT_SECURE_BINDING", "").lower() in ("1", "true", "yes") \
@@ -197,7 +197,7 @@ def open_runner(args, node, once: bool):
     cfg.eviction_interval_s = None
     if not once:
         logging.getLogger("ssp_agent.runner").setLevel(logging.INFO)  # eviction reports, refused bodies
-    settings = _settings(args)
+    settings = mqtt_settings(args)
     settings.body_limit_bytes = int(prof.body_limit_bytes)
     settings.session_expiry_s = int(prof.session_expiry_s)
     settings.max_events = int(prof.batch_limit)
@@ -225,7 +225,7 @@ def refused_bodies_told(r, summary: dict) -> int:
     """`sync --once` names the bodies it refused on stderr (a wake's JSON is rarely read), and a
     wake that refused every body it received is a refusal (exit 2), not a sync: a device whose
     decoder could not read its peers' bodies refused each as `malformed_cbor` and exited 0."""
-    from .cli import EXIT_OK, EXIT_REFUSED
+    from .common import EXIT_OK, EXIT_REFUSED
     n, got = summary["refused_bodies"], summary["bodies_received"]
     if not n:
         return EXIT_OK
@@ -251,8 +251,9 @@ def denied_message(n: int, username: str | None, site: bytes) -> str:
 def run_runtime(args, node, runner=None, ports=()) -> int:
     """`run`: the one runtime loop (agent/runtime.py) over the runner and the serial ports until
     SIGTERM/SIGINT; prints the summary."""
-    from .cli import EXIT_OK, emit, run_forwarded
-    from .runtime import Runtime
+    from . import run_forwarded
+    from .common import EXIT_OK, emit
+    from ..runtime import Runtime
     stopsignal.catch()   # installed by `main` already; again for a caller that dispatches `run` itself
     interval = float(getattr(node.profile, "eviction_interval_s", 0) or 0) or None
     rt = Runtime(node, runner=runner, ports=ports, broker_url=args.broker if runner is not None else None,
@@ -273,8 +274,8 @@ def cmd_sync(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from .cli import EXIT_OK, emit
-    from .hometurn import Stopped
+    from .common import EXIT_OK, emit
+    from ..hometurn import Stopped
     args.should_stop = stopsignal.requested   # waiting for the home ends on SIGTERM too
     try:
         return _go(args, False)

@@ -1,23 +1,15 @@
-"""Provisioning and flashing field devices (issue 12 item 7; docs/operations.md "Fleet workflow").
+"""Provisioning and flashing field devices (docs/operations.md "Fleet workflow").
 
-- `ssp-agent provision bundle --out DIR ...`: a provisioning bundle for a device: the manifest, the
-  profile and keystore choice, broker URL, CA and credentials, the systemd units shipped in the
-  package (agent/systemd/), the offline wheelhouse (tools/wheelhouse.sh) and the first-boot script.
-- `ssp-agent provision flash --image IMG --bundle DIR`: writes the bundle onto a Raspberry Pi OS
-  image file: the bundle into the root filesystem (/opt/ssp-agent/bundle, debugfs) and the first-boot
-  hook onto the boot FAT partition (mtools): firstrun.sh named on cmdline.txt by systemd.run=
-  (Bookworm) or a cloud-init user-data runcmd (Trixie-based images). No loop device, no mount.
-- On the device (run by firstboot.sh from the installed venv): `provision device-setup` (the
-  /etc/ssp-agent files and the enrolment unit) and `provision enrol` (`init` inside the keystore,
-  the service units, and the site_id, public key and broker password hash written to the boot
-  partition for the technician).
+- `provision bundle`: a device's bundle: manifest, profile, keystore choice, broker URL, CA and
+  credentials, the packaged systemd units, the offline wheelhouse and the first-boot script.
+- `provision flash`: writes a bundle onto a Raspberry Pi OS image file (debugfs into the root
+  filesystem, mtools onto the boot partition; no loop device, no mount).
+- On the device, from firstboot.sh: `provision device-setup` and `provision enrol` (`init` inside
+  the keystore, the service units, and the site_id, public key and broker password hash written
+  to the boot partition for the technician).
 
 The device's identity is made on the device, inside its keystore: no key is in the bundle or the
-image. Broker credentials name the site_id, which exists only after first boot: by default the
-device makes its own broker password and publishes only its hash (mosquitto's password_file line
-for user name = site_id), so the broker account is issued after enrolment without touching the
-image again.
-"""
+image; the broker account is issued after enrolment from the published password hash."""
 from __future__ import annotations
 
 import argparse
@@ -37,9 +29,9 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from . import infile
-from .cli import PASSWORD_LIMIT, Refused, _json_arg, read_input
-from .cliargs import MAX_SECONDS, seconds_arg
+from .. import infile
+from .common import PASSWORD_LIMIT, Refused, json_arg, read_input
+from .args import MAX_SECONDS, seconds_arg
 
 BUNDLE_FORMAT = 1
 DEVICE_BUNDLE = "/opt/ssp-agent/bundle"      # where the bundle lives on the device's root filesystem
@@ -148,8 +140,8 @@ def register(sub, mailbox_sub) -> None:
 
 # ---------------------------------------------------------------- bundle (technician's machine)
 def cmd_bundle(args) -> int:
-    from .cli import EXIT_OK, emit, version
-    from .profile import ProfileError, load_profile
+    from .common import EXIT_OK, emit, version
+    from ..profile import ProfileError, load_profile
     out = Path(args.out)
     if out.exists():
         raise Refused(f"{out} exists; a bundle is written into a new directory")
@@ -166,7 +158,7 @@ def cmd_bundle(args) -> int:
             raise Refused(str(e)) from None
     keystore = None
     if args.keystore:
-        keystore = _json_arg(args.keystore, "--keystore")
+        keystore = json_arg(args.keystore, "--keystore")
         if not isinstance(keystore, dict) or "kind" not in keystore:
             raise Refused('--keystore must be a JSON object with a "kind"')
         _check_keystore(keystore, "--keystore")
@@ -249,7 +241,7 @@ def cmd_bundle(args) -> int:
 
 # ---------------------------------------------------------------- flash (technician's machine)
 def _run(cmd: list[str], what: str, input: bytes | None = None) -> subprocess.CompletedProcess:
-    from .cli import Fault
+    from .common import Fault
     try:
         p = subprocess.run(cmd, capture_output=True, input=input, timeout=600)
     except FileNotFoundError:
@@ -290,7 +282,7 @@ class Fat:
             p = subprocess.Popen(["mtype", "-i", self.spec, f"::{name}"], stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL)
         except FileNotFoundError:
-            from .cli import Fault
+            from .common import Fault
             raise Fault("mtype is not installed (Debian: apt-get install mtools e2fsprogs fdisk)") from None
         with p:
             data = p.stdout.read(limit + 1)
@@ -376,7 +368,7 @@ def image_platform(root: Ext4) -> tuple[tuple[int, int], str, tuple[int, int] | 
 def check_wheels(bundle: Path, version: tuple[int, int], arch: str, glibc: tuple[int, int] | None) -> None:
     """Every wheel in the bundle installs on the image (its Python, architecture and glibc), or a refusal
     naming those that do not and the wheelhouse to build instead."""
-    from .wheeltags import fits
+    from ..wheeltags import fits
     bad = sorted(w.name for w in (bundle / "wheelhouse").glob("*.whl") if not fits(w.name, version, arch, glibc))
     if bad:
         py = f"{version[0]}.{version[1]}"
@@ -452,7 +444,7 @@ def _yaml():
     try:
         import yaml
     except ImportError:
-        from .cli import Fault
+        from .common import Fault
         raise Fault("editing the image's cloud-init user-data needs PyYAML: pip install 'ssp-agent[provision]' "
                     "(or give --hook firstrun for a Bookworm image)") from None
     return yaml
@@ -508,7 +500,7 @@ def add_runcmd(user_data: str | None) -> str:
     out = "\n".join(header) + "\n" + yaml.dump(doc, Dumper=Dumper, sort_keys=False, default_flow_style=False,
                                                allow_unicode=True, width=1 << 16)
     if yaml.safe_load(out) != doc:   # what cloud-init will read is exactly what was meant
-        from .cli import Fault
+        from .common import Fault
         raise Fault("the image's user-data could not be written back unchanged (please report this file)")
     return out
 
@@ -516,7 +508,7 @@ def add_runcmd(user_data: str | None) -> str:
 def cmd_flash(args) -> int:
     """The bundle and the image's boot files are checked, and the new boot files made, before the
     image is written: a refusal leaves the image as it was."""
-    from .cli import EXIT_OK, emit
+    from .common import EXIT_OK, emit
     image, bundle = Path(args.image), Path(args.bundle)
     check_bundle(bundle, flash=True)
     if not image.is_file():
@@ -599,7 +591,7 @@ def _read_text(path: Path, limit: int, what: str) -> str:
 
 def _manifest(text: str, origin: str) -> None:
     """The manifest parses (what init does with it), or a refusal naming it."""
-    from .core.schema import ManifestError, parse_manifest
+    from ..core.schema import ManifestError, parse_manifest
     try:
         parse_manifest(text)
     except ManifestError as e:   # every wrong shape and depth (core/schema.py): anything else is a bug
@@ -607,7 +599,7 @@ def _manifest(text: str, origin: str) -> None:
 
 
 def _profile(text: str, origin: str):
-    from .profile import ProfileError, parse_profile
+    from ..profile import ProfileError, parse_profile
     try:
         return parse_profile(text, origin)
     except ProfileError as e:    # every wrong shape, depth and number (profile.py): anything else is a bug
@@ -654,7 +646,7 @@ def check_bundle(path: Path, flash: bool = False) -> tuple[dict, dict[str, bytes
     bj = path / "bundle.json"
     if not bj.exists() and not bj.is_symlink():
         raise Refused(f"{path} is not a provisioning bundle (no bundle.json; make one with `provision bundle`)")
-    meta = _json_arg(_read_text(bj, BUNDLE_JSON_LIMIT, "bundle.json"), f"{bj}")
+    meta = json_arg(_read_text(bj, BUNDLE_JSON_LIMIT, "bundle.json"), f"{bj}")
     if not isinstance(meta, dict):
         raise Refused(f"{bj} must hold a JSON object, not {type(meta).__name__}")
 
@@ -746,7 +738,7 @@ def check_bundle(path: Path, flash: bool = False) -> tuple[dict, dict[str, bytes
 def cmd_device_setup(args) -> int:
     """/etc/ssp-agent (the manifest, CA, credentials) and the enrolment unit, enabled. The whole
     bundle is checked first: a bad one is refused with nothing written."""
-    from .cli import EXIT_OK, emit
+    from .common import EXIT_OK, emit
     bundle, root = Path(args.bundle), Path(args.root)
     meta, files = check_bundle(bundle)
     conf = root / "etc/ssp-agent"
@@ -764,7 +756,7 @@ def cmd_device_setup(args) -> int:
 
 def mosquitto_password_line(username: str, password: str) -> str:
     """mosquitto_passwd's password_file line for this account ($7$: PBKDF2-HMAC-SHA512)."""
-    from .transport.broker import password_hash
+    from ..transport.broker import password_hash
     return f"{username}:{password_hash(password)}"
 
 
@@ -772,8 +764,8 @@ def cmd_enrol(args) -> int:
     """init (the key is made inside the keystore and never leaves it), the broker password (made
     here; only its hash is published), the service units, and the enrolment file on the boot partition.
     The bundle, and what device-setup put in /etc/ssp-agent, are checked before anything is made."""
-    from .cli import EXIT_OK, emit, version
-    from .node import Node
+    from .common import EXIT_OK, emit, version
+    from ..node import Node
     bundle, root, boot = Path(args.bundle), Path(args.root), _boot(args)
     meta, files = check_bundle(bundle)
     conf = root / "etc/ssp-agent"
@@ -843,7 +835,7 @@ def _install_units(meta: dict, root: Path, conf: Path, username: str) -> list[st
         _write(conf / "mqtt-password", "", 0o600)
     units = list(meta.get("units") or [])
     try:
-        from . import cli_service  # noqa: F401
+        from . import service  # noqa: F401
         argv = ["service", "install", "--root", str(root), "--bin", DEVICE_BIN]
         if meta.get("clock_trusted"):   # the service trusts the clock as this enrolment's init did
             argv += ["--clock-trusted"]
@@ -856,7 +848,7 @@ def _install_units(meta: dict, root: Path, conf: Path, username: str) -> list[st
                     argv += [flag, f"/etc/ssp-agent/{mq[k]}"]
             if mq.get("secure_binding"):   # absent in a bundle.json that predates it: off (fail closed)
                 argv += ["--secure-binding"]
-        from . import cli
+        from .. import cli
         err = io.StringIO()
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             rc = cli.dispatch(cli.build_parser().parse_args(argv))
