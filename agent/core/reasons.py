@@ -53,10 +53,6 @@ BROKER_LOST = "broker_lost"
 # received message raised past it (the MQTT and serial loops' net, agent/faults.py)
 UNCLASSIFIED = "unclassified"
 
-# -- this node's own clock (kind `clock` in `ssp-agent events`, docs/apply.md "Clocks without an RTC")
-CLOCK_UNTRUSTED = "clock_untrusted"         # eviction or a horizon change waits for a trustworthy clock
-CLOCK_EVIDENCE_RESET = "clock_evidence_reset"  # evidence taken under a lying source, contradicted by the mesh
-
 # Every code above: a refused message or a lost link (the apply outcomes below are not in it).
 ALL = frozenset(v for k, v in dict(globals()).items() if k.isupper() and isinstance(v, str))
 
@@ -83,3 +79,8 @@ APPLIED = "applied"                         # merged into its row (§13)
 OUTCOME_REASONS = frozenset({NOT_BYTES, NOT_AN_EVENT, SELF_ECHO, DUPLICATE, ALREADY_HELD, UNKNOWN_KID, BAD_SIGNATURE,
                              RETIRED_SIGNER, CLOCK_SKEW, OUT_OF_FLOOR, TABLE_MISSING, HELD_LIMIT, BELOW_HORIZON,
                              APPLIED})
+
+# -- this node's own clock (kind `clock` in `ssp-agent events`, docs/apply.md "Clocks without an RTC")
+CLOCK_UNTRUSTED = "clock_untrusted"         # eviction or a horizon change waits for a trustworthy clock
+CLOCK_EVIDENCE_RESET = "clock_evidence_reset"  # evidence taken under a lying source, contradicted by the mesh
+CLOCK_REASONS = frozenset({CLOCK_UNTRUSTED, CLOCK_EVIDENCE_RESET})   # not refusals: apart from ALL
