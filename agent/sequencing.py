@@ -11,7 +11,7 @@
 - **Validation** (`chain`, `status`): agent/sequencer/member.py's `ReceiptChain` over the records
   held; equivocation evidence is surfaced (`sequencer_equivocation`) as it appears.
 
-Below the node: it reads a node's data and signs through `node.release_signed`."""
+Below the node: it reads a node's data and signs through `produce.issue_record`."""
 from __future__ import annotations
 
 import json

@@ -959,7 +959,7 @@ class PortAdapter:
     def sign_ack(self, subject: bytes, answers) -> bytes:
         """This node's acknowledgement of `subject`'s bodies (`core.records.AckAnswer`s), signed with
         its event key through the keystore bridge under a fresh HLC identity (persist-before-release,
-        `Node.release_signed`). Not stored: a lost one costs a re-offer, and the journal drops it at
+        `produce.issue_record`). Not stored: a lost one costs a re-offer, and the journal drops it at
         the next compaction (Node._record_held)."""
         from .core.records import ack_to_be_signed
         from .node import now_ms
