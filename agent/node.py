@@ -15,29 +15,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from firmware_bridge import (EventIdentity, KeyExists, KeystoreError, KeystoreUnavailable, OutcomeUnknown, SigningBridge,
+from firmware_bridge import (EventIdentity, KeyExists, KeystoreError, KeystoreUnavailable, SigningBridge,
                              open_keystore, with_pin)
 from firmware_bridge import keytag
 from firmware_bridge.errors import DeviceTimeout
 from firmware_bridge.fsutil import atomic_write, fsync_dir
 from firmware_bridge.journal import inspect as journal_inspect
 
-from . import identity as ident
+from . import identity as ident, produce
 from .clockstate import now_ms  # re-exported: callers read the wall clock as node.now_ms
 from .core import cose, events as ev, numbers, reasons as R
 from .core.clock import Hlc, beyond_skew
-from .core.clock import signing_time as clock_signing_time
 from .core.codec import DecodeError, decode_strict
 from .core.merge import Effects, RowState, below, merge_delete, merge_upsert, rebuild_columns, rebuild_without
 from .core.schema import SYNCABLE, ManifestError, TableDef, fold, parse_manifest, table_def_from
 from .profile import Profile, ProfileError, load_profile
 from .outcomes import to_json
 from .outcomes import APPLIED, DROPPED, DUPLICATE, HELD, REJECTED, Outcome
+from .errors import NodeError  # re-exported: raised and caught as node.NodeError
+from .produce import EVENT_KEY  # re-exported
 from .store import atrest, counters, db, eventlog, migrations, reports, rows as rowstore, sync_state
 
 log = logging.getLogger("ssp_agent")
 
-EVENT_KEY = "events"  # the key name of the node's event-signing key in its keystore
 # Held events (§13.6 row 1) are bounded per signer and in total, so neither fictional tables nor
 # one signer can fill the disk or crowd out another signer's holds. What does
 # not fit is rejected (surfaced; the sender re-offers it later), never dropped.
@@ -48,10 +48,6 @@ HELD_LIMIT_TOTAL = 100_000
 EVICT_BATCH = 1000
 JOURNAL_COMPACT_BYTES = 4 * 2**20  # compact the signing journal when it grew this much since the last time
 JOURNAL_OPEN_COMPACT_BYTES = 64 * 2**10  # on open, compact only a journal larger than this (or after a recovery)
-
-
-class NodeError(RuntimeError):
-    """A refusal the operator must see (exit 2 in the CLI); the message says what to do."""
 
 
 class ClockUntrusted(NodeError):
@@ -646,12 +642,12 @@ class Node:
                     self._applied += new
                     db.set_meta(self.conn, "applied_count", self._applied)
                 counters.bump_outcomes(self.conn, path or origin, (o.status for o in out))   # the metrics
-                due = self._write_due_meta()
+                due = self.write_due_meta()
         finally:
             self._next_raws = None   # a hint for the batch after this one only (`prepare_next`)
         for t in self.tables.values():
             t.rows.committed()   # the rows this batch left are the store's (RowStore `defer`)
-        self._due_meta_committed(due)
+        self.due_meta_committed(due)
         if new:
             self.witness.note_applied(self._applied)
         return out
@@ -1275,7 +1271,7 @@ class Node:
                         raise NodeError(f"column {c} is {tbl.tdef.columns[c]}; {v!r} does not fit{hint}")
             payloads.append((tbl.tdef, key, None if delete else values, "delete" if delete else "upsert"))
         built: list = []
-        raws = self._sign_events(payloads, self._signing_now(now, defer=True), built)
+        raws = produce.issue_events(self, payloads, produce.signing_now(self, now, defer=True), built)
         try:
             outs = self.apply_batch(raws, now, origin="local", built=self._local_checked(raws, built))
         except Exception as e:
@@ -1296,37 +1292,17 @@ class Node:
                 # for an event stored and sent nowhere (e.g. below an eviction horizon).
                 raise NodeError(f"local event was not stored: {o.status} ({o.reason})")
         self._logged.update(b[6] for b in built)
-        if self.bridge.journal_stats()["bytes"] > getattr(self, "_journal_base", 0) + JOURNAL_COMPACT_BYTES:
-            self.compact_journal()
+        self.compact_journal_if_grown()
         return [o.event_id for o in outs]
 
     def release_signed(self, tbs: bytes, assemble, now: int) -> bytes:
-        """Sign one control record (rehydrate, truncation, mailbox answer, authority records) under a fresh HLC
-        identity through the bridge (persist-before-release), then witness the HLC before the
-        record can leave the node."""
-        hlc = self._tick(self._signing_now(now))
-        raw = self.bridge.release(EventIdentity(self.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs, assemble)
-        self._witness(hlc)
-        if self.bridge.journal_stats()["bytes"] > getattr(self, "_journal_base", 0) + JOURNAL_COMPACT_BYTES:
-            self.compact_journal()  # MQTT acknowledgements are signed per answer and stored nowhere else
-        return raw
+        """Sign one control record under a fresh HLC identity (`produce.release_signed`)."""
+        return produce.release_signed(self, tbs, assemble, now)
 
-    def _signing_now(self, now: int, defer: bool = False) -> int:
-        """The wall-clock input of the next ticks (core/clock.signing_time): bounded by the
-        evidence while the clock is not trustworthy; while it is, the reading is new evidence.
-        `defer` (local writes): the evidence is written by the write's next transaction (a due
-        ceiling's, else the apply's) instead of one of its own: one fsync fewer."""
-        from . import clockstate
-        st = clockstate.assess(self, now)
-        if st["trusted"]:
-            self.record_clock_evidence(now, defer=defer, assessed=st)
-        evidence = self.clock_evidence
-        if not st["trusted"] and evidence is None:
-            # Never a trustworthy reading here (a device that never synchronised): the time its
-            # peers vouch for is evidence too, so a bad boot ten years ahead does not stamp events
-            # every peer rejects (§12 step 2) and the HLC cannot come back from.
-            evidence = self.mesh_time()
-        return clock_signing_time(now, evidence, st["trusted"])
+    def compact_journal_if_grown(self) -> None:
+        """Compact the signing journal once it grew JOURNAL_COMPACT_BYTES since the last time."""
+        if self.bridge.journal_stats()["bytes"] > getattr(self, "_journal_base", 0) + JOURNAL_COMPACT_BYTES:
+            self.compact_journal()
 
     def note_clock(self, now: int | None = None) -> dict:
         """Assess the clock and, when it is trustworthy, keep the reading as evidence (throttled):
@@ -1347,7 +1323,7 @@ class Node:
                               assessed: dict | None = None) -> None:
         """Keep the highest wall-clock reading taken while the clock was trustworthy (meta
         clock_evidence; only rises). Throttled to one store write a minute unless forced.
-        `defer`: written by the next transaction that commits anyway (`_write_due_meta`).
+        `defer`: written by the next transaction that commits anyway (`write_due_meta`).
         `assessed` (clockstate.assess) saying the evidence is contradicted by a synchronised
         reading the peers agree with: the evidence is lowered to the reading, and surfaced."""
         from .clockstate import EVIDENCE_EVERY_MS
@@ -1374,16 +1350,16 @@ class Node:
 
     _evidence_due: int | None = None
 
-    def _write_due_meta(self) -> int | None:
+    def write_due_meta(self) -> int | None:
         """Inside the caller's transaction: the deferred evidence reading, if any. Returns it, for
-        `_due_meta_committed` once the transaction committed."""
+        `due_meta_committed` once the transaction committed."""
         due = self._evidence_due
         if due is not None and (self.clock_evidence is None or due > self.clock_evidence):
             db.set_meta(self.conn, "clock_evidence", due)
             return due
         return None
 
-    def _due_meta_committed(self, due: int | None) -> None:
+    def due_meta_committed(self, due: int | None) -> None:
         if due is not None:
             self.clock_evidence = max(due, self.clock_evidence or 0)
             if self._evidence_due is not None and self._evidence_due <= due:
@@ -1398,61 +1374,6 @@ class Node:
         if st["trusted"]:
             self.record_clock_evidence(st["now_ms"], force=True, assessed=st)
         return st
-
-    def _tick(self, now: int) -> tuple[int, int]:
-        """Issue the next local HLC (the durable in-home ceiling first). Callers release what
-        they sign with it through the bridge, then `_witness` it before it can leave the node."""
-        need = self.clock.needs_ceiling(now)
-        if need is not None:
-            # Persist the ceiling (and its witness outside the home) before issuing past it; a
-            # deferred evidence reading rides in the same commit.
-            with _txn(self.conn):
-                db.set_meta(self.conn, "clock_ceiling", need)
-                due = self._write_due_meta()
-            self._due_meta_committed(due)
-            self.clock.set_ceiling(need)
-        return self.clock.tick(now)
-
-    def _witness(self, hlc: tuple[int, int]) -> None:
-        """Record a released HLC in the witness outside the home before anything signed with it
-        leaves the node (it leaves only from the log or the record store, written after this).
-        A crash before this write leaves it in the journal, which the clock resumes above; so the
-        witness is above the home's own history only when the home lost some: a restore."""
-        self.witness.advance(hlc)
-
-    def _sign_events(self, payloads: list[tuple[TableDef, dict, dict | None, str]], now: int,
-                     built: list | None = None) -> list[bytes]:
-        """Sign and persist one group (one `release_many`). `built`, when given, receives what
-        each event was built from: (protected, payload bytes, table, key, values, operation, hlc,
-        the COSE_Sign1's bytes before its signature)."""
-        assert self.bridge is not None, "node opened without a keystore bridge"
-        site, mesh = self.site_id, self.mesh_id
-        protected = cose.protected_header(cose.ALG_EDDSA, ev.EVENT_CONTENT_TYPE, site)
-        payload_bytes, sig_structure, prefix_of, tick = ev.payload_bytes, cose.sig_structure, cose.assemble_prefix, \
-            self._tick
-        for _attempt in range(8):
-            items = []
-            parts = []
-            for t, key, values, op in payloads:
-                hlc = tick(now)
-                # write_many checked the key and values against the table (the shape check's questions)
-                pb = payload_bytes(t.schema, t.name, key, op, values, hlc, shape_checked=True)
-                prefix = prefix_of(protected, pb)   # the COSE_Sign1 up to its signature: assemble = prefix + sig
-                items.append((EventIdentity(site, hlc[0], hlc[1]), EVENT_KEY, sig_structure(protected, mesh, pb),
-                              prefix.__add__))
-                parts.append((protected, pb, t, key, values, op, hlc, prefix))
-            try:
-                raws = self.bridge.release_many(items)
-                self._witness(max((i[0].physical_ms, i[0].logical) for i in items))
-                if built is not None:
-                    built[:] = parts
-                return raws
-            except OutcomeUnknown:
-                # wire-profile §2: an HLC whose release is unknown is spent; tick past it and sign anew.
-                hi = self.bridge.max_event_hlc(self.site_id)
-                if hi is not None:
-                    self.clock.observe(hi, now)
-        raise NodeError("the keystore journal keeps reporting unknown outcomes; check the keystore")
 
     def _local_checked(self, raws: list[bytes], built: list) -> list:
         """What the apply path would compute for each freshly released local event (the

@@ -18,12 +18,12 @@ import logging
 import sqlite3
 from typing import Any
 
-from . import policy
+from . import policy, produce
 from .clockstate import now_ms
 from .core import reasons as R
 from .core.classify import classified
 from .core.codec import INT64_MAX, decode_strict, encode
-from .core.cose import ALG_EDDSA, assemble, content_type, parse_sign1, protected_header, sig_structure
+from .core.cose import ALG_EDDSA, content_type, parse_sign1, protected_header, sig_structure
 from .core.records import RecordError, record_hash, verify_signed_by_site
 from .store import db
 from .store import rehydration as rs
@@ -186,9 +186,8 @@ def start(node, from_peer: bytes | None, now: int | None = None, *, reset: bool 
     with db.transaction(node.conn):
         db.set_meta(node.conn, _PENDING_KEY, json.dumps(p, sort_keys=True))
     _crash_point("noted")
-    protected, payload, tbs = to_be_signed(node.site_id, node.mesh_id, gen, prev_hash, now)
     # A fresh signing identity: persist-before-release, like any release.
-    raw = node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now)
+    raw = produce.issue_record(node, to_be_signed(node.site_id, node.mesh_id, gen, prev_hash, now), now)
     _crash_point("released")
     try:
         with db.transaction(node.conn):
@@ -369,9 +368,9 @@ def issue_truncations(node, subject: bytes, tables: list[str] | None = None, now
         tdef = node.tables[q].tdef
         keys = [decode_strict(rk) for rk in rks]
         for i in range(0, len(keys), rec.MAX_TRUNCATED_ROWS):
-            protected, payload, tbs = rec.truncation_to_be_signed(
-                node.site_id, node.mesh_id, subject, tdef.schema, tdef.name, h, keys[i:i + rec.MAX_TRUNCATED_ROWS], now)
-            raws.append(node.release_signed(tbs, lambda sig, pr=protected, pl=payload: assemble(pr, pl, sig), now))
+            raws.append(produce.issue_record(node, rec.truncation_to_be_signed(
+                node.site_id, node.mesh_id, subject, tdef.schema, tdef.name, h, keys[i:i + rec.MAX_TRUNCATED_ROWS], now),
+                now))
     own = bytes(db.get_meta(node.conn, "public_key"))
     with db.transaction(node.conn):
         _ensure_trunc(node.conn)

@@ -11,7 +11,7 @@
 - **Validation** (`chain`, `status`): agent/sequencer/member.py's `ReceiptChain` over the records
   held; equivocation evidence is surfaced (`sequencer_equivocation`) as it appears.
 
-Below the node: it reads a node's data and signs through `node.release_signed`."""
+Below the node: it reads a node's data and signs through `produce.issue_record`."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,8 @@ from typing import Optional
 
 from .core import seqrecords as sr
 from .core.codec import DecodeError, decode_strict
-from .core.cose import ALG_ES256, assemble, content_type, parse_sign1
+from . import produce
+from .core.cose import ALG_ES256, content_type, parse_sign1
 from .core.records import RecordError, record_hash
 from .records_in import issuer_key, surface
 from .sequencer import member as validator
@@ -319,8 +320,7 @@ def gossip(node, receipt: bytes, now: int) -> dict:
     if store.has_receipt(node.conn, r.receipt_hash):
         verdict = "duplicate" if r.epoch in before.receipts and before.receipts[r.epoch].raw == r.raw else "held"
         return {"group": r.group_id.hex(), "epoch": r.epoch, "gossiped": False, "verdict": verdict}
-    protected, payload, tbs = sr.head_to_be_signed(node.site_id, node.mesh_id, r.group_id, r.raw)
-    raw = node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now)
+    raw = produce.issue_record(node, sr.head_to_be_signed(node.site_id, node.mesh_id, r.group_id, r.raw), now)
     res = node.apply_records([raw], now)
     after = chain(node, r.group_id)
     return {"group": r.group_id.hex(), "epoch": r.epoch, "gossiped": True,
@@ -345,8 +345,7 @@ def _gossip_statement(node, raw: bytes, now: int) -> dict:
     out = {"group": st.group_id.hex(), "epoch": st.epoch, "discontinuity": True}
     if store.has_receipt(node.conn, rc.receipt_hash(raw), "discontinuity"):
         return dict(out, gossiped=False, verdict=_statement_verdict(chain(node, st.group_id), st))
-    protected, payload, tbs = sr.discontinuity_to_be_signed(node.site_id, node.mesh_id, st.group_id, raw)
-    rec = node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now)
+    rec = produce.issue_record(node, sr.discontinuity_to_be_signed(node.site_id, node.mesh_id, st.group_id, raw), now)
     res = node.apply_records([rec], now)
     return dict(out, gossiped=True, record_hash=record_hash(rec).hex(),
                 stored=res.get("sequencing", {}).get("stored", 0),
@@ -399,11 +398,8 @@ def bind(node, gid: bytes, sequencer_key: bytes, generation: int, now: int, auth
             raise SequencingRefused(f"group {gid.hex()} is bound from generation {top} already; a new binding takes "
                                     "effect from a later MLS epoch")
         prev = _binding_hash(node, gid, top)
-    protected, payload, tbs = sr.binding_to_be_signed(issuer, node.mesh_id, gid, sequencer_key, generation, prev)
-    if authority is not None:
-        raw = authority.sign(tbs, lambda sig: assemble(protected, payload, sig), now)
-    else:
-        raw = node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now)
+    raw = produce.issue_record(node, sr.binding_to_be_signed(issuer, node.mesh_id, gid, sequencer_key, generation, prev),
+                               now, authority=authority)
     res = node.apply_records([raw], now)
     if res.get("sequencing", {}).get("stored") != 1:
         raise SequencingRefused(f"the binding record did not verify here: {res.get('sequencing')}")

@@ -20,7 +20,7 @@ from typing import Any
 
 from firmware_bridge.fsutil import atomic_write
 
-from . import mailbox, policy, rehydrate
+from . import mailbox, policy, produce, rehydrate
 from .clockstate import now_ms
 from .core import delivery, reasons as R
 from .core.binding import body_fit
@@ -522,7 +522,6 @@ class SyncDriver:
         """The answer record to `peer`'s files imported here (the newest 16), signed through the
         keystore bridge under a fresh identity (persist-before-release, like every record this node
         issues) and stored; the held one is re-used while the answers are unchanged."""
-        from .core.cose import assemble
         answers = st.owed_mailbox_answers(self.conn, peer)
         if not answers:
             return None
@@ -530,8 +529,7 @@ class SyncDriver:
         if raw is not None:
             return raw
         node = self.node
-        protected, payload, tbs = mailbox.ack_to_be_signed(node.site_id, node.mesh_id, peer, answers, now)
-        raw = node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now)
+        raw = produce.issue_record(node, mailbox.ack_to_be_signed(node.site_id, node.mesh_id, peer, answers, now), now)
         with _txn(self.conn):
             st.put_mailbox_ack(self.conn, delivery_hash(raw), peer, answers, raw, now)
         return raw
@@ -792,7 +790,6 @@ def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = 
     bodies to it, until it answers one: docs/protocol.md §5). `store(raws)`: how records are
     verified and stored (default: here; a node read beside its running service hands them to it)."""
     from .core import records as rec
-    from .core.cose import assemble
     from .node import NodeError
     issuer = node.site_id if authority is None else authority.site_id
     if issuer not in node.authorities:
@@ -819,11 +816,8 @@ def issue_record(node, kind: str, subject: bytes, value: Any, now: int | None = 
             log.warning("storing %d record(s) the authority released before but this node does not hold", len(earlier))
             store(earlier)
     gen, prev = _chain_position(node, kind, subject)
-    protected, payload, tbs = rec.to_be_signed(kind, issuer, node.mesh_id, subject, value, gen, prev)
-    if authority is not None:
-        raw = authority.sign(tbs, lambda sig: assemble(protected, payload, sig), now)
-    else:
-        raw = node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now)
+    raw = produce.issue_record(node, rec.to_be_signed(kind, issuer, node.mesh_id, subject, value, gen, prev), now,
+                               authority=authority)
     res = store([raw])
     if res["stored"] != 1 and res["known"] != 1:
         hint = " (is the authority's public key in this node's keyring?)" if authority is not None else ""
@@ -965,14 +959,12 @@ class PortAdapter:
     def sign_ack(self, subject: bytes, answers) -> bytes:
         """This node's acknowledgement of `subject`'s bodies (`core.records.AckAnswer`s), signed with
         its event key through the keystore bridge under a fresh HLC identity (persist-before-release,
-        `Node.release_signed`). Not stored: a lost one costs a re-offer, and the journal drops it at
+        `produce.issue_record`). Not stored: a lost one costs a re-offer, and the journal drops it at
         the next compaction (Node._record_held)."""
-        from .core.cose import assemble
         from .core.records import ack_to_be_signed
         from .node import now_ms
         node = self.node
-        protected, payload, tbs = ack_to_be_signed(node.site_id, node.mesh_id, subject, list(answers))
-        return node.release_signed(tbs, lambda sig: assemble(protected, payload, sig), now_ms())
+        return produce.issue_record(node, ack_to_be_signed(node.site_id, node.mesh_id, subject, list(answers)), now_ms())
 
     def body(self, events=(), peer: bytes | None = None, token=None, extra_records: tuple = ()) -> bytes:
         """A sync body for `peer` carrying `events`, control records and this node's applied

@@ -352,3 +352,47 @@ def test_module_docstrings_in_agent_are_at_most_15_lines():
         if doc is not None and len(doc.splitlines()) > 15:
             long.append(f"{p.relative_to(ROOT)} ({len(doc.splitlines())} lines)")
     assert not long, "module docstrings over 15 lines: " + ", ".join(long)
+
+
+# Producing (agent/produce.py) is the only place that ticks this node's HLC and signs with its event
+# key (persist-before-release, then the witness): every other module issues through it. Two other
+# signers keep their own bridge, key and journal: the standalone authority (agent/authority.py) and
+# the sequencer's receipts (agent/sequencer/, which never imports the node).
+OWN_SIGNERS = ("agent/produce.py", "agent/authority.py", "agent/sequencer/")
+BRIDGE_RELEASES = {"release", "release_many", "release_pipelined"}
+
+
+def signing_calls(path: Path, root: Path = ROOT) -> list[str]:
+    """Calls in one file that sign or tick outside producing: a bridge release (a `release*` call
+    with arguments: a lock's `release()` has none), `release_signed` on anything but the produce
+    module (the node's delegating method calls it there), and a tick of a clock."""
+    where = path.relative_to(root)
+    found = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+            continue
+        name, recv = n.func.attr, n.func.value
+        recv_name = recv.id if isinstance(recv, ast.Name) else recv.attr if isinstance(recv, ast.Attribute) else ""
+        if (name in BRIDGE_RELEASES and (n.args or n.keywords)) or \
+                (name == "release_signed" and recv_name != "produce") or (name == "tick" and recv_name == "clock"):
+            found.append((n.lineno, f"{where}:{n.lineno} {name}"))
+    return [c for _, c in sorted(found)]
+
+
+def test_the_signing_check_sees_releases_ticks_and_release_signed(tmp_path):
+    (tmp_path / "agent").mkdir()
+    f = tmp_path / "agent" / "w.py"
+    f.write_text("def g(node, lock, produce):\n    lock.release()\n    produce.release_signed(node, b'', None, 0)\n"
+                 "    node.bridge.release(1, 'events', b'', None)\n    node.release_signed(b'', None, 0)\n"
+                 "    node.clock.tick(0)\n    b = node.bridge\n    b.release_many([])\n")
+    assert signing_calls(f, tmp_path) == ["agent/w.py:4 release", "agent/w.py:5 release_signed",
+                                          "agent/w.py:6 tick", "agent/w.py:8 release_many"]
+
+
+def test_only_producing_ticks_and_signs():
+    files = sorted((ROOT / "agent").rglob("*.py"))
+    assert ROOT / "agent" / "produce.py" in files
+    found = [c for f in files if not str(f.relative_to(ROOT)).startswith(OWN_SIGNERS) for c in signing_calls(f)]
+    assert not found, "signing outside agent/produce.py: " + "; ".join(found)
+    # and producing does sign: the check looks where the calls are
+    assert [c.split()[1] for c in signing_calls(ROOT / "agent" / "produce.py")] == ["release", "release_many", "tick"]

@@ -1,0 +1,120 @@
+"""Producing what this node signs: the only place that ticks its HLC and signs with its event key.
+
+Every event and record the node issues gets a fresh HLC identity (the durable in-home ceiling
+first), is released through the keystore bridge (durable intent, signature, persisted output:
+persist-before-release, SOVM §22.5) and its HLC is witnessed outside the home before it can leave
+the node. Applying what was issued stays with the caller. The functions take the node as their
+state (its conn, clock, bridge, witness and ids); the node's own housekeeping (clock evidence,
+journal compaction) is reached through its public methods.
+"""
+from __future__ import annotations
+
+from firmware_bridge import EventIdentity, OutcomeUnknown
+
+from . import clockstate
+from .core import cose, events as ev
+from .core.clock import signing_time as clock_signing_time
+from .errors import NodeError
+from .store import db
+
+EVENT_KEY = "events"  # the key name of the node's event-signing key in its keystore
+
+
+def issue_record(node, to_be_signed: tuple[bytes, bytes, bytes], now: int, authority=None) -> bytes:
+    """One control record (`to_be_signed` = its protected header, payload and Sig_structure, as
+    the record's `*_to_be_signed` builds them), signed and persisted before it is returned: by this
+    node under a fresh HLC identity, or by a standalone `authority` (agent/authority.py) through its
+    own bridge. The caller stores or applies it."""
+    protected, payload, tbs = to_be_signed
+
+    def assemble(sig: bytes) -> bytes:
+        return cose.assemble(protected, payload, sig)
+
+    if authority is not None:
+        return authority.sign(tbs, assemble, now)
+    return release_signed(node, tbs, assemble, now)
+
+
+def release_signed(node, tbs: bytes, assemble, now: int) -> bytes:
+    """Sign one control record (rehydrate, truncation, mailbox answer, authority records) under a fresh HLC
+    identity through the bridge (persist-before-release), then witness the HLC before the
+    record can leave the node."""
+    hlc = tick(node, signing_now(node, now))
+    raw = node.bridge.release(EventIdentity(node.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs, assemble)
+    witness(node, hlc)
+    node.compact_journal_if_grown()  # MQTT acknowledgements are signed per answer and stored nowhere else
+    return raw
+
+
+def issue_events(node, payloads: list[tuple], now: int, built: list | None = None) -> list[bytes]:
+    """Sign and persist one group of local events (one `release_many`): `payloads` are (table
+    definition, key, values or None, operation), checked by the caller. `built`, when given,
+    receives what each event was built from: (protected, payload bytes, table, key, values,
+    operation, hlc, the COSE_Sign1's bytes before its signature)."""
+    assert node.bridge is not None, "node opened without a keystore bridge"
+    site, mesh = node.site_id, node.mesh_id
+    protected = cose.protected_header(cose.ALG_EDDSA, ev.EVENT_CONTENT_TYPE, site)
+    payload_bytes, sig_structure, prefix_of = ev.payload_bytes, cose.sig_structure, cose.assemble_prefix
+    for _attempt in range(8):
+        items = []
+        parts = []
+        for t, key, values, op in payloads:
+            hlc = tick(node, now)
+            # write_many checked the key and values against the table (the shape check's questions)
+            pb = payload_bytes(t.schema, t.name, key, op, values, hlc, shape_checked=True)
+            prefix = prefix_of(protected, pb)   # the COSE_Sign1 up to its signature: assemble = prefix + sig
+            items.append((EventIdentity(site, hlc[0], hlc[1]), EVENT_KEY, sig_structure(protected, mesh, pb),
+                          prefix.__add__))
+            parts.append((protected, pb, t, key, values, op, hlc, prefix))
+        try:
+            raws = node.bridge.release_many(items)
+            witness(node, max((i[0].physical_ms, i[0].logical) for i in items))
+            if built is not None:
+                built[:] = parts
+            return raws
+        except OutcomeUnknown:
+            # wire-profile §2: an HLC whose release is unknown is spent; tick past it and sign anew.
+            hi = node.bridge.max_event_hlc(node.site_id)
+            if hi is not None:
+                node.clock.observe(hi, now)
+    raise NodeError("the keystore journal keeps reporting unknown outcomes; check the keystore")
+
+
+def signing_now(node, now: int, defer: bool = False) -> int:
+    """The wall-clock input of the next ticks (core/clock.signing_time): bounded by the
+    evidence while the clock is not trustworthy; while it is, the reading is new evidence.
+    `defer` (local writes): the evidence is written by the write's next transaction (a due
+    ceiling's, else the apply's) instead of one of its own: one fsync fewer."""
+    st = clockstate.assess(node, now)
+    if st["trusted"]:
+        node.record_clock_evidence(now, defer=defer, assessed=st)
+    evidence = node.clock_evidence
+    if not st["trusted"] and evidence is None:
+        # Never a trustworthy reading here (a device that never synchronised): the time its
+        # peers vouch for is evidence too, so a bad boot ten years ahead does not stamp events
+        # every peer rejects (§12 step 2) and the HLC cannot come back from.
+        evidence = node.mesh_time()
+    return clock_signing_time(now, evidence, st["trusted"])
+
+
+def tick(node, now: int) -> tuple[int, int]:
+    """Issue the next local HLC (the durable in-home ceiling first). Callers release what
+    they sign with it through the bridge, then `witness` it before it can leave the node."""
+    need = node.clock.needs_ceiling(now)
+    if need is not None:
+        # Persist the ceiling (and its witness outside the home) before issuing past it; a
+        # deferred evidence reading rides in the same commit.
+        with db.transaction(node.conn):
+            db.set_meta(node.conn, "clock_ceiling", need)
+            due = node.write_due_meta()
+        node.due_meta_committed(due)
+        node.clock.set_ceiling(need)
+    return node.clock.tick(now)
+
+
+def witness(node, hlc: tuple[int, int]) -> None:
+    """Record a released HLC in the witness outside the home before anything signed with it
+    leaves the node (it leaves only from the log or the record store, written after this).
+    A crash before this write leaves it in the journal, which the clock resumes above; so the
+    witness is above the home's own history only when the home lost some: a restore."""
+    node.witness.advance(hlc)
