@@ -1,4 +1,4 @@
-"""Waiting one's turn for a home (docs/operations.md "A running service other commands can talk to").
+"""Waiting one's turn for a home (docs/operations.md "Operations: a running service other commands can talk to").
 
 A home admits one writing process at a time: its signing journal's exclusive lock (one signer per
 site, §13.5). A verb that finds the home held by a one-shot command (a `write`, a `sync --once`, a

@@ -88,7 +88,7 @@ _SLOT = struct.Struct("<QIQI")
 
 class ClockWitness:
     """The highest HLC this site may have released, kept outside its home and made durable
-    (fdatasync) before every release (docs/apply.md "Clock durability"). `None` from `read`
+    (fdatasync) before every release (docs/apply.md "The clock and identity (§13.5)"). `None` from `read`
     means no witness survives (first start, or the witness directory was lost)."""
 
     def __init__(self, site_id: bytes) -> None:

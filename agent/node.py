@@ -455,7 +455,7 @@ class Node:
         """Per table ("*": every table), the highest own HLC this node may have released and no
         longer holds (evicted, or lost to a restored home). A receiver infers no watermark for
         this node's stream across it unless it already holds everything up to it (§14.2;
-        docs/protocol.md "Watermarks under eviction and restores")."""
+        docs/protocol.md "3. Applied watermarks (§14.2, §34)")."""
         raw = db.get_meta(self.conn, "own_history_floors")
         return {q: (v[0], v[1]) for q, v in json.loads(raw).items()} if raw else {}
 

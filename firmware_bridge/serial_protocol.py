@@ -1,4 +1,4 @@
-"""Serial keystore protocol, sans I/O (docs/keystore.md "Serial protocol"; issue 5 item 4).
+"""Serial keystore protocol, sans I/O (docs/keystore.md "Serial keystore protocol (v1)"; issue 5 item 4).
 
 Frame on the wire:   COBS( payload | CRC-32(payload) as 4 bytes big-endian ) | 0x00   (framing.py)
 payload:             version (u8 = 1) | kind (u8) | request id (u16) | body

@@ -86,3 +86,43 @@ def test_the_checks_can_fail(tmp_path):
     doc = tmp_path / "b.md"
     assert broken_links(doc, "[a](a.md) [web](https://example.org) [here](#x)") == []
     assert broken_links(doc, "[gone](gone.md#part) and `docs/gone.md`") == ["gone.md#part", "docs/gone.md"]
+
+
+# A cited section: `docs/x.md "Heading"` (also `x.md "Heading"`), in code, tests, tools and the docs.
+_CITED = re.compile(r'\b([\w-]+\.md)"? "([^"\n]{3,80})"')
+_CITING = ("agent", "firmware_bridge", "tests", "tools", "bench", "docs")
+
+
+def anchors(text: str) -> list[str]:
+    """What a citation may name in a document: its headings and its bold labels (`**Label.**`)."""
+    heads = [m.group(1).strip() for m in re.finditer(r"^#+\s+(.+)$", text, flags=re.M)]
+    return heads + [b.strip(" .:") for b in re.findall(r"\*\*([^*\n]+)\*\*", text)]
+
+
+def unresolved(text: str, docs: dict[str, list[str]]) -> list[str]:
+    """Citations of a section of one of `docs` ({file name: anchors}) that name none of its anchors
+    (a heading that starts with or contains the cited words counts)."""
+    bad = []
+    for i, line in enumerate(text.splitlines(), 1):
+        for name, cited in _CITED.findall(line):
+            if name in docs and not any(cited.lower() in a.lower() for a in docs[name]):
+                bad.append(f"{i}: {name} \"{cited}\"")
+    return bad
+
+
+def test_every_cited_section_exists():
+    docs = {p.name: anchors(p.read_text()) for p in FILES}
+    bad = []
+    for top in _CITING:
+        for p in sorted((ROOT / top).rglob("*")):
+            rel = p.relative_to(ROOT).parts
+            if p.suffix not in (".py", ".md", ".sh") or "node_modules" in rel or rel[:2] == ("bench", "results"):
+                continue
+            bad += [f"{_rel(p)}:{b}" for b in unresolved(p.read_text(errors="replace"), docs)]
+    assert not bad, "sections cited that the document does not have: " + "; ".join(bad)
+
+
+def test_a_missing_section_is_found():
+    docs = {"x.md": anchors("# Title\n## Full disk\n**Files handed to the CLI** are read...\n")}
+    assert unresolved('see docs/x.md "Full disk" and x.md "Files handed to the CLI"', docs) == []
+    assert unresolved('see docs/x.md "On a small ext4 partition"', docs) == ['1: x.md "On a small ext4 partition"']

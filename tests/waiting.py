@@ -1,4 +1,4 @@
-"""Waiting in tests without betting on the machine's speed (docs/testing.md "Speed"): a wait is
+"""Waiting in tests without betting on the machine's speed (docs/testing.md "The rule"): a wait is
 for an event, and its ceiling only catches a hang; a deadline a test sets on purpose is scaled
 from a baseline measured in the same run."""
 from __future__ import annotations

@@ -189,7 +189,7 @@ def body_fit(events: Sequence[bytes], start: int, seqs: Sequence[int], n_backfil
 
 # ---------------------------------------------------------------------- a one-shot wake
 class OnceWake:
-    """The order of a `sync --once` wake (docs/mqtt.md "Sleeping devices"), driven by the caller:
+    """The order of a `sync --once` wake (docs/mqtt.md "A waking device"), driven by the caller:
     `next(now, ...)` says what to do now, the caller does it and asks again, until DONE.
 
     1. TAKE (wait `wait` seconds for messages) until what the broker held for this node is in:

@@ -12,7 +12,7 @@ form a byte stream per direction (zlib against a preset dictionary when both end
 into DATA slices, selectively acknowledged, resent only when missing, with credit-based flow
 control, a segment size that follows the measured error rate, and timers that account for the
 line's baud. Silence for `dead_ms` ends the incarnation; messages not acknowledged by then are
-dropped, and the session above re-offers what no answer confirmed (docs/serial.md "Guarantees")."""
+dropped, and the session above re-offers what no answer confirmed (docs/serial.md "What the link guarantees, and what it leaves to SSP")."""
 from __future__ import annotations
 
 import math

@@ -1,7 +1,7 @@
 """`ssp-agent rehydrate` SIGKILLed after its request is signed and persisted (it will be served:
 the journal's recovery stores it on the next open) and before the horizons are reset: the next
 open finishes the start, so the history the peers re-send is restored, without running
-`rehydrate` again (docs/operations.md "Rehydration")."""
+`rehydrate` again (docs/operations.md "4. Rehydrate the new device from the gateway")."""
 from __future__ import annotations
 
 import subprocess
