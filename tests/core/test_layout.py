@@ -117,6 +117,17 @@ def test_provisioning_never_imports_the_cli():
                     f"{f.relative_to(ROOT)} imports {mod}: provisioning is below the CLI"
 
 
+def test_nothing_below_the_cli_imports_it():
+    """The CLI (agent/cli/) parses, calls and prints: what it calls never calls back up into it."""
+    g = agent_import_graph()
+    assert "agent.provision.bundle" in g["agent.cli.provision"]      # the graph sees the CLI's calls down
+
+    def in_cli(m: str) -> bool:
+        return m == "agent.cli" or m.startswith("agent.cli.")
+    up = sorted(f"{m} -> {d}" for m, deps in g.items() if not in_cli(m) for d in deps if in_cli(d))
+    assert not up, "imports of the CLI from below it: " + ", ".join(up)
+
+
 def test_sequencer_core_is_sans_io():
     for mod, level in _imports(ROOT / "agent" / "sequencer" / "core.py"):
         if level:
