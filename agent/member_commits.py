@@ -27,24 +27,24 @@ def signer_for(home: Path, fallback):
     is taken (the broker's ACLs decide who may answer, docs/mqtt.md)."""
     from . import sequencing
     from .node import Node
-    from .sequencer import client
+    from .sequencer.answers import Signer
     path = Path(home) / Node.STORE_FILE
 
     def signer(gid: bytes, epoch: int):
         try:
             has, key = sequencing.bound_signer(path, gid, epoch)
         except Exception:  # noqa: BLE001 - the node store unreadable right now: decide nothing, hold
-            return client.Signer(None, unresolved=True)
+            return Signer(None, unresolved=True)
         if not has:
-            return client.Signer(fallback)
-        return client.Signer(key, unresolved=key is None)
+            return Signer(fallback)
+        return Signer(key, unresolved=key is None)
     return signer
 
 
 def binding_state(home: Path, fallback):
     """What decides ``signer_for``'s answers for a group (its binding records as resolved, and the
     fallback key for a group with none): the queue looks at its held and attributed receipts again
-    only when this changed (client.py recheck). An unreadable store is a state of its own (every
+    only when this changed (client.py's recheck). An unreadable store is a state of its own (every
     link held meanwhile, as ``signer_for`` says)."""
     from . import sequencing
     from .node import Node

@@ -305,7 +305,7 @@ def register(sub, mailbox_sub) -> None:
     register_sequencing(sub)
 
 
-# -- the member side: the Commit queue (§22.7; agent/sequencer/client.py) ----------------------
+# -- the member side: the Commit queue (§22.7; agent/sequencer/commit_queue.py) ----------------
 def _queue(args):
     """The queue, with --sequencer-key and --keep-events (the event log's retention) kept in it
     when given."""
@@ -323,9 +323,9 @@ def _queue(args):
 def _open_queue(home: Path, key=None, events_kept=None):
     """The member's Commit queue; a file it cannot use (a newer release's layout: left untouched,
     layout.py) is a local fault, exit 1."""
-    from ..sequencer import client, layout
+    from ..sequencer import commit_queue, layout
     try:
-        return client.open_queue(home, key, events_kept)
+        return commit_queue.open_queue(home, key, events_kept)
     except layout.LayoutError as e:
         raise Fault(str(e)) from None
     except Exception as e:  # noqa: BLE001 - sqlite3 errors: the queue file is unusable
@@ -333,12 +333,12 @@ def _open_queue(home: Path, key=None, events_kept=None):
 
 
 def cmd_commits_queue(args) -> int:
-    from ..sequencer import client
+    from ..sequencer import commit_queue
     message = _read_message(args.file)
     q = _queue(args)
     try:
         e = q.enqueue(message)
-    except client.QueueRefused as e:
+    except commit_queue.QueueRefused as e:
         raise Refused(str(e)) from None
     finally:
         q.close()
@@ -352,8 +352,8 @@ def cmd_commits_status(args) -> int:
     unsettled receipt and discontinuity; ``omitted`` counts what was left out."""
     q = _queue(args)
     try:
-        from ..sequencer import client
-        _print(q.status(None if args.all else (client.STATUS_TAIL if args.limit is None else args.limit)))
+        from ..sequencer import commit_queue
+        _print(q.status(None if args.all else (commit_queue.STATUS_TAIL if args.limit is None else args.limit)))
     finally:
         q.close()
     return EXIT_OK
@@ -515,8 +515,8 @@ def _receipt_bytes(text: str) -> bytes:
 def _gossip_raws(args) -> list[bytes]:
     raws = [_receipt_bytes(t) for t in args.receipt]
     if args.from_queue:
-        from ..sequencer import client
-        if client.queue_path(Path(args.home)).exists():
+        from ..sequencer import commit_queue
+        if commit_queue.queue_path(Path(args.home)).exists():
             q = _open_queue(Path(args.home))
             try:
                 raws += q.receipts_held()
