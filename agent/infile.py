@@ -20,6 +20,8 @@ PathLike = Union[str, Path]
 # What a text input (a manifest, a profile, agent.toml, a bundle's JSON) may hold: far above any
 # real one (a 20 000-peer manifest is about 3 MB), far below what a Pi Zero 2 W can spare.
 TEXT_LIMIT = 16 * 1024 * 1024
+# A password file (a broker's, --password-file): one line.
+PASSWORD_LIMIT = 64 * 1024
 
 
 class InputRefused(ValueError):

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .. import infile
 from ..outcomes import to_json
 
 EXIT_OK, EXIT_FAULT, EXIT_REFUSED = 0, 1, 2
@@ -101,8 +102,7 @@ def open_node(args, read_only: bool = False, check_machine: bool = True):
         raise Fault(str(e)) from None
 
 
-# A password file (a broker's, --password-file): one line
-PASSWORD_LIMIT = 64 * 1024
+PASSWORD_LIMIT = infile.PASSWORD_LIMIT   # a password file (a broker's, --password-file)
 
 
 def read_input(path, limit: int, what: str, *, text: bool = False, cut: bool = False):
@@ -110,7 +110,6 @@ def read_input(path, limit: int, what: str, *, text: bool = False, cut: bool = F
     text strictly UTF-8; ``cut``: past the limit its first limit + 1 bytes, for a parser that
     refuses it in its own words). Anything else is a refusal (exit 2, one line), and so is a file
     missing or unreadable, or a NUL in its name."""
-    from .. import infile
     try:
         return infile.read_text(path, limit, what) if text else infile.read_bytes(path, limit, what, cut=cut)
     except OSError as e:

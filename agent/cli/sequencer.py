@@ -1,5 +1,7 @@
-"""CLI verbs `ssp-agent --home DIR sequencer ...` (cli-contract.md, sequencer section; SOVM
-§22.5-§22.7; docs/sequencer.md). The sequencer has its own home, separate from any node's.
+"""CLI verbs `ssp-agent --home DIR sequencer ...`, `commits ...` and `sequencing ...` (SOVM
+§22.5-§22.7; docs/sequencer.md): their arguments, the calls and what they print. The sequencer
+(agent/sequencer/) has its own home, separate from any node's; a member's Commit client beside its
+node is agent/member_commits.py, its node's receipts and bindings agent/sequencing.py.
 Registered into agent/cli/__init__.py's parser by `register(sub, mailbox_sub)`."""
 from __future__ import annotations
 
@@ -303,7 +305,7 @@ def register(sub, mailbox_sub) -> None:
     register_sequencing(sub)
 
 
-# -- the member side: the Commit queue (§22.7; agent/sequencer/client.py) ----------------------
+# -- the member side: the Commit queue (§22.7; agent/sequencer/commit_queue.py) ----------------
 def _queue(args):
     """The queue, with --sequencer-key and --keep-events (the event log's retention) kept in it
     when given."""
@@ -321,9 +323,9 @@ def _queue(args):
 def _open_queue(home: Path, key=None, events_kept=None):
     """The member's Commit queue; a file it cannot use (a newer release's layout: left untouched,
     layout.py) is a local fault, exit 1."""
-    from ..sequencer import client, layout
+    from ..sequencer import commit_queue, layout
     try:
-        return client.open_queue(home, key, events_kept)
+        return commit_queue.open_queue(home, key, events_kept)
     except layout.LayoutError as e:
         raise Fault(str(e)) from None
     except Exception as e:  # noqa: BLE001 - sqlite3 errors: the queue file is unusable
@@ -331,12 +333,12 @@ def _open_queue(home: Path, key=None, events_kept=None):
 
 
 def cmd_commits_queue(args) -> int:
-    from ..sequencer import client
+    from ..sequencer import commit_queue
     message = _read_message(args.file)
     q = _queue(args)
     try:
         e = q.enqueue(message)
-    except client.QueueRefused as e:
+    except commit_queue.QueueRefused as e:
         raise Refused(str(e)) from None
     finally:
         q.close()
@@ -350,8 +352,8 @@ def cmd_commits_status(args) -> int:
     unsettled receipt and discontinuity; ``omitted`` counts what was left out."""
     q = _queue(args)
     try:
-        from ..sequencer import client
-        _print(q.status(None if args.all else (client.STATUS_TAIL if args.limit is None else args.limit)))
+        from ..sequencer import commit_queue
+        _print(q.status(None if args.all else (commit_queue.STATUS_TAIL if args.limit is None else args.limit)))
     finally:
         q.close()
     return EXIT_OK
@@ -371,112 +373,8 @@ def _broker_settings(args):
 
 
 def _client(args, q):
-    from .. import sequencing
-    from ..node import Node
-    from ..sequencer import client
-    home = Path(args.home)
-    store = home / Node.STORE_FILE
-    return client.CommitClient(q, _broker_settings(args), signer_for=_signer_for(home, q.sequencer_key),
-                               binding_state=_binding_state(home, q.sequencer_key),
-                               node_held=lambda gid: sequencing.held_of(store, gid))
-
-
-def _signer_for(home: Path, fallback):
-    """§22.6: the queue checks a receipt against the sequencer bound to the group at the receipt's
-    generation, from the member node's binding records (agent/sequencing.py). ``--sequencer-key``
-    (``fallback``) counts only for a group no binding record names at all — a member without a
-    node, or a group whose binding has not been issued yet; without either, any valid signature
-    is taken (the broker's ACLs decide who may answer, docs/mqtt.md)."""
-    from .. import sequencing
-    from ..node import Node
-    from ..sequencer import client
-    path = Path(home) / Node.STORE_FILE
-
-    def signer_for(gid: bytes, epoch: int):
-        try:
-            has, key = sequencing.bound_signer(path, gid, epoch)
-        except Exception:  # noqa: BLE001 - the node store unreadable right now: decide nothing, hold
-            return client.Signer(None, unresolved=True)
-        if not has:
-            return client.Signer(fallback)
-        return client.Signer(key, unresolved=key is None)
-    return signer_for
-
-
-def _binding_state(home: Path, fallback):
-    """What decides ``_signer_for``'s answers for a group (its binding records as resolved, and the
-    fallback key for a group with none): the queue looks at its held and attributed receipts again
-    only when this changed (client.py recheck). An unreadable store is a state of its own (every
-    link held meanwhile, as ``_signer_for`` says)."""
-    from .. import sequencing
-    from ..node import Node
-    states = sequencing.BindingStates(Path(home) / Node.STORE_FILE)   # one data_version question while idle
-    prefix = b"fallback:" + (fallback or b"") + b";"
-
-    def binding_state(gid: bytes):
-        try:
-            return prefix + states(gid)
-        except Exception:  # noqa: BLE001 - as _signer_for: decide nothing, hold
-            return b"unreadable"
-    return binding_state
-
-
-class GossipFeeder:
-    """Hands every receipt (and signed discontinuity statement) the member's queue gets to its
-    node's gossip — receipt-head and discontinuity records in `records` (agent/sequencing.py) —
-    with no CLI step between (§22.5: "clients retain receipts ... and gossip current receipt
-    heads"). While `ssp-agent run` holds the home, through its control socket (the verb runs on
-    the agent's node, one writer); otherwise the node is opened here for the moment it takes.
-    What was handed over is marked in the queue file, so a crash in between hands it over again
-    (a receipt some record already carries is not wrapped twice). A home with no node (a
-    sequencer-only member) has nothing to feed. A failure is retried, backing off to 30 s."""
-
-    FIRST_S, MAX_S = 1.0, 30.0
-
-    def __init__(self, home: Path, q) -> None:
-        from ..node import Node
-        self.home, self.q = Path(home).resolve(), q
-        self.store = self.home / Node.STORE_FILE
-        self.next_at, self.wait = 0.0, self.FIRST_S
-
-    def flush(self) -> None:
-        import time
-        if time.monotonic() < self.next_at or not self.store.exists():
-            return
-        raws = self.q.ungossiped()
-        if not raws:
-            return
-        ok, how = self._deliver(raws)
-        if ok:
-            self.q.mark_gossiped(raws)
-            self.q.record_event("gossiped", {"receipts": len(raws), "via": how})
-            self.wait = self.FIRST_S
-            return
-        if self.wait == self.FIRST_S:
-            self.q.record_event("gossip_deferred", {"receipts": len(raws), "why": how[-500:]})
-        self.next_at = time.monotonic() + self.wait
-        self.wait = min(2 * self.wait, self.MAX_S)
-
-    def _deliver(self, raws: list[bytes]) -> tuple[bool, str]:
-        from .. import control, sequencing
-        from ..node import Node, now_ms
-        res = control.forward(self.home, ["--home", str(self.home), "sequencing", "gossip", *[r.hex() for r in raws]])
-        if res is not None:
-            rc, _out, err = res
-            return rc == 0, "agent" if rc == 0 else err.strip()
-        try:
-            node = Node.open(self.home)
-        except Exception as e:  # noqa: BLE001 - busy (an agent starting), unusable: try again later
-            return False, str(e)
-        try:
-            for raw in raws:
-                try:
-                    sequencing.gossip(node, raw, now_ms())
-                except sequencing.SequencingRefused:
-                    continue            # verified by the queue; nothing to spread if the node says no
-        finally:
-            node.close()
-        return True, "node"
+    from ..member_commits import commit_client
+    return commit_client(Path(args.home), q, _broker_settings(args))
 
 
 def cmd_commits_send(args) -> int:
@@ -484,10 +382,11 @@ def cmd_commits_send(args) -> int:
     queued (exit 1: the sequencer or its broker is unreachable; run it again, or `commits run`)."""
     import threading
     import time
+    from .. import member_commits
     q = _queue(args)
     try:
         c = _client(args, q)
-        feeder = GossipFeeder(Path(args.home), q)
+        feeder = member_commits.GossipFeeder(Path(args.home), q)
         c.start()
         try:
             c.run(threading.Event(), until_settled=True, deadline=time.monotonic() + args.timeout)
@@ -509,11 +408,12 @@ def cmd_commits_run(args) -> int:
     """Keep submitting: every queued Commit on every (re)connection, new ones as they are queued."""
     import signal
     import threading
+    from .. import member_commits
     q = _queue(args)
     stop = threading.Event()
     try:
         c = _client(args, q)
-        feeder = GossipFeeder(Path(args.home), q)
+        feeder = member_commits.GossipFeeder(Path(args.home), q)
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
         c.start()
@@ -615,8 +515,8 @@ def _receipt_bytes(text: str) -> bytes:
 def _gossip_raws(args) -> list[bytes]:
     raws = [_receipt_bytes(t) for t in args.receipt]
     if args.from_queue:
-        from ..sequencer import client
-        if client.queue_path(Path(args.home)).exists():
+        from ..sequencer import commit_queue
+        if commit_queue.queue_path(Path(args.home)).exists():
             q = _open_queue(Path(args.home))
             try:
                 raws += q.receipts_held()

@@ -1,18 +1,8 @@
-"""The member side of Commit submission: a durable queue of membership Commits and the client that
-submits them to the sequencer through the broker (SOVM §22.5, §22.7; docs/sequencer.md "Member
-side: the Commit queue"). The queue file's SQL is queue_store.py's; this module holds the protocol.
-
-§22.7: while the sequencer is unreachable, Commits queue on the member and data sync goes on (its
-own SQLite file and client). A member keeps at most one outstanding Commit per group, so it never
-builds epoch E+1 on its own unconfirmed Commit for E. A Commit ends `accepted` (the receipt names
-it), `lost` (another won: process it and rebuild, §22.5), `absent` (a §22.6 discontinuity: MLS
-tells which won) or `refused`; a resubmitted Commit answered `stale_epoch` is compared with the
-receipt for its own epoch, since its first answer may have been lost.
-
-Every receipt is verified before it decides anything. Who may sign it (§22.6 singularity) is the
-caller's `signer_for(group_id, epoch)`; a receipt signed by another key is rejected and kept for
-attribution, one whose binding does not resolve is held, and both are looked at again only when
-the group's binding records change (`binding_state`), so an idle member reads none of them."""
+"""The member's client of the Commit sequencer (SOVM §22.5, §22.7; docs/sequencer.md "Member
+side: the Commit queue"): it submits the queue's Commits (commit_queue.py) through an MQTT 5 broker
+and records what the answers mean (answers.py). It follows each group's retained head, signed
+discontinuities and `lost` record, offers the evidence the sequencer lost, and looks at held and
+attributed receipts again when a group's binding records change."""
 from __future__ import annotations
 
 import hashlib
@@ -20,23 +10,18 @@ import json
 import secrets
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 from agent import inbox
 from agent.sequencer import receipts
-from agent.sequencer.core import (EPOCH_LIMIT, EPOCH_OUT_OF_RANGE, FUTURE_EPOCH, MAX_EPOCH, NOT_COMMIT, STALE_EPOCH,
-                                  UNPARSEABLE)
-from agent.sequencer.framing import MAX_MESSAGE_BYTES, FramingError, parse_mls_message
+from agent.sequencer.answers import (ATTRIBUTED, HELD, BindingState, SignerFor, check_receipt, fixed_signer,
+                                     fixed_state, receipt_outcome, submit_outcome)
+from agent.sequencer.commit_queue import QUEUED, CommitQueue
+from agent.sequencer.core import EPOCH_LIMIT, STALE_EPOCH
+from agent.sequencer.framing import MAX_MESSAGE_BYTES
 from agent.sequencer.member import UNSIGNED_CLAIM
-from agent.sequencer.recovery import MAX_OFFERED, MemberEvidence
-from agent.sequencer.queue_store import EVENTS_KEPT, KEPT_EVENTS, QueueStore  # noqa: F401 - the retention, for callers
+from agent.sequencer.recovery import MAX_OFFERED
 
-QUEUED, ACCEPTED, LOST, ABSENT, REFUSED = "queued", "accepted", "lost", "absent", "refused"
-# a refusal that ends the Commit; any other reason leaves it queued (migrated, failed_closed: the
-# group's relay is unavailable until the operator acts, §22.6)
-FINAL_REFUSALS = frozenset({NOT_COMMIT, UNPARSEABLE, EPOCH_OUT_OF_RANGE, FUTURE_EPOCH})
 ANSWER_ROOT = "sovm-member"
 OFFER_TAG = b"e"          # correlation data of an `evidence` request: the tag, then sha256(group_id)
 MAX_LOST_RUNS = 4096      # runs in a `lost` record a member reads (the sequencer publishes at most 256)
@@ -50,342 +35,8 @@ MAX_PACKET_BYTES = MAX_MESSAGE_BYTES + inbox.PACKET_OVERHEAD
 OFFER_INTERVAL_S = 5.0
 MAX_RETRY_AFTER_S = 3600   # a sequencer's `retry_after` beyond this is not honoured (the record's next change is)
 RESUBMIT_FIRST_S, RESUBMIT_MAX_S = 2.0, 60.0     # an unanswered Commit is sent again, backing off
-STATUS_TAIL = 50          # `commits status` prints this many recent Commits, heads a group, events (--all: every one)
 
 
-class QueueRefused(Exception):
-    """An enqueue refused (CLI exit 2): not a Commit, or the group already has one outstanding."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    commit_hash: bytes
-    group_id: bytes
-    epoch: int
-    message: bytes
-    state: str
-    reason: Optional[str]
-    receipt: Optional[bytes]
-    submissions: int
-
-    def as_json(self) -> dict:
-        return {"commit_hash": self.commit_hash.hex(), "group": self.group_id.hex(), "epoch": self.epoch,
-                "state": self.state, "reason": self.reason,
-                "receipt": None if self.receipt is None else self.receipt.hex(), "submissions": self.submissions}
-
-
-class CommitQueue:
-    """The durable queue: the protocol's view of the queue file (queue_store.py holds its SQL)."""
-
-    def __init__(self, path: Path, sequencer_key: Optional[bytes] = None, events_kept: Optional[int] = None) -> None:
-        self.path = Path(path)
-        self.store = QueueStore(self.path)
-        try:
-            # the client's own name on the broker (persistent session, answer topic); the event
-            # log's retention, kept in the file when given (queue_store.EVENTS_KEPT otherwise)
-            self.store.init_meta(secrets.token_hex(8), None if sequencer_key is None else sequencer_key.hex(),
-                                 events_kept)
-        except BaseException:
-            self.store.close()
-            raise
-
-    def close(self) -> None:
-        self.store.close()
-
-    @property
-    def member_id(self) -> str:
-        return str(self.store.meta("member_id"))
-
-    @property
-    def sequencer_key(self) -> Optional[bytes]:
-        v = self.store.meta("sequencer_key")
-        return None if v is None else bytes.fromhex(v)
-
-    # -- the queue -------------------------------------------------------------------------
-    def enqueue(self, message: bytes) -> Entry:
-        message = bytes(message)
-        try:
-            f = parse_mls_message(message)
-        except FramingError as e:
-            raise QueueRefused(f"not an MLSMessage: {e}") from None
-        if not f.is_commit:
-            raise QueueRefused("only Commits are sequenced (content_type is not commit)")
-        if f.epoch > MAX_EPOCH:      # the sequencer refuses it (epoch_out_of_range); the store cannot hold it
-            raise QueueRefused(f"epoch {f.epoch} is beyond what a sequencer sequences (at most {MAX_EPOCH})")
-        ch = receipts.commit_hash(message)
-        out = self.store.add_queued(ch, f.group_id, f.epoch, message)   # the same bytes again: one entry
-        if out is not None:
-            raise QueueRefused(f"group {f.group_id.hex()} already has a Commit outstanding (epoch {out}): "
-                               "wait for its outcome (§22.7: no divergent offline membership histories)")
-        return self.entry(ch)
-
-    def entry(self, commit_hash: bytes) -> Optional[Entry]:
-        row = self.store.commit(commit_hash)
-        return None if row is None else _entry(row)
-
-    def outstanding(self) -> list[Entry]:
-        return [_entry(r) for r in self.store.outstanding()]
-
-    def entries(self) -> list[Entry]:
-        return [_entry(r) for r in self.store.commits()]
-
-    def events(self) -> list[dict]:
-        return self.store.events()
-
-    def status(self, limit: Optional[int] = STATUS_TAIL) -> dict:
-        """What `commits status` prints: every queued Commit and the ``limit`` most recent ones,
-        each group's ``limit`` most recent heads, the ``limit`` most recent events (None: all of
-        each), every retained unsettled receipt (attribution evidence, §22.6) and discontinuity;
-        ``omitted`` says how many were left out of each list."""
-        commits, oc = self.store.commits_tail(limit)
-        heads, oh = self.store.heads_tail(limit)
-        events, oe = self.store.events_tail(limit)
-        return {"member_id": self.member_id, "commits": [_entry(r).as_json() for r in commits],
-                "unsettled": [{"verdict": v, "receipt": r.hex()} for r, v in self.unsettled()],
-                "heads": [{"group": g.hex(), "epoch": e, "receipt": r.hex()} for g, e, r in heads],
-                "discontinuities": [{"group": g.hex(), "epoch": e} for g, e in self.gaps()], "events": events,
-                "omitted": {"commits": oc, "heads": oh, "events": oe}}
-
-    def note_submitted(self, commit_hash: bytes) -> None:
-        self.store.note_submitted(commit_hash)
-
-    def settle(self, commit_hash: bytes, state: str, reason: Optional[str], receipt: Optional[bytes]) -> bool:
-        """Record an outcome for a queued Commit (only a queued one: an outcome is final)."""
-        return self.store.settle(commit_hash, state, reason, receipt)
-
-    def note_reason(self, commit_hash: bytes, reason: str) -> None:
-        self.store.note_reason(commit_hash, reason)
-
-    # -- what the broker publishes for the member's groups -----------------------------------
-    def groups(self) -> list[bytes]:
-        """The groups this member follows: every group it ever queued a Commit for."""
-        return self.store.groups()
-
-    def keep_head(self, group_id: bytes, epoch: int, receipt: bytes) -> bool:
-        return self.store.keep_head(group_id, epoch, receipt)
-
-    def keep_gap(self, group_id: bytes, epoch: int) -> bool:
-        return self.store.keep_gap(group_id, epoch)
-
-    def keep_statement(self, group_id: bytes, epoch: int, statement: bytes) -> bool:
-        return self.store.keep_statement(group_id, epoch, statement)
-
-    def statements(self) -> list[tuple[bytes, int, bytes]]:
-        return self.store.statements()
-
-    def heads(self) -> list[tuple[bytes, int, bytes]]:
-        return self.store.heads()
-
-    def gaps(self) -> list[tuple[bytes, int]]:
-        return self.store.gaps()
-
-    def receipts_held(self) -> list[bytes]:
-        """Every receipt this member holds: its Commits' outcomes and the heads it heard, then the
-        sequencer's signed discontinuity statements it heard (§22.6 step 4)."""
-        out = self.store.receipts() + [r for _g, _e, r in self.heads()]
-        out += [r for _g, _e, r in self.statements()]
-        return list(dict.fromkeys(out))
-
-    def evidence(self, group_id: bytes, attested_epoch: Optional[int] = None, also: Iterable[bytes] = ()) -> dict:
-        """This member's evidence for one group, in the file format `sequencer recover` reads
-        (docs/sequencer.md "Recovery after state loss"): every receipt it holds for the group, the
-        gaps it recorded, the signed statements it heard. ``also``: receipts and statements held
-        elsewhere (the member node's, agent/sequencing.held_of), merged in. ``attested_epoch``:
-        the member's current MLS epoch (its MLS client knows it); None: one above the highest
-        receipt held."""
-        rx, gaps, stated = self.store.held_of(group_id)
-        rx = {raw: e for e, raw in rx}
-        stated = {raw: None for raw in stated}
-        for raw in map(bytes, also):
-            got = _epoch_of(raw)
-            if got is not None:
-                (stated if got[1] else rx).setdefault(raw, got[0])
-        if attested_epoch is None:
-            attested_epoch = max(rx.values(), default=-1) + 1
-        ordered = sorted(rx.items(), key=lambda kv: (kv[1], kv[0]))
-        return {"member": self.member_id, "group": group_id.hex(), "receipts": [r.hex() for r, _e in ordered],
-                "attested_epoch": attested_epoch, "discontinuities": gaps, "statements": [r.hex() for r in stated]}
-
-    def offer(self, group_id: bytes, stretches: list[tuple[int, int]], limit: int,
-              also: Iterable[bytes] = ()) -> Optional["MemberEvidence"]:
-        """What this member holds in the stretches the sequencer lost (its ``lost`` record): at
-        most ``limit`` receipts and statements, the highest epochs first (the sequencer walks down
-        from the receipt above a stretch; what it takes, it stops asking for). ``also``: receipts
-        and statements held elsewhere (the member node's, agent/sequencing.held_of). None when it
-        holds nothing there."""
-        held: list[bytes] = []
-        gaps: list[int] = []
-        for first, last in stretches:
-            r, g, s = self.store.held_in(group_id, first, last, limit)
-            held += r + s
-            gaps += g
-        ranked = []
-        for raw in dict.fromkeys([*held, *map(bytes, also)]):
-            got = _epoch_of(raw)
-            if got is not None and any(a <= got[0] <= b for a, b in stretches):
-                ranked.append((got[0], got[1], raw))
-        ranked = sorted(ranked, key=lambda x: (-x[0], x[1], x[2]))[:limit]
-        if not ranked:
-            return None
-        top = self.store.top_held(group_id)    # attested as `evidence` does by default: one above it
-        return MemberEvidence(self.member_id, tuple(raw for _e, st, raw in ranked if not st),
-                              (-1 if top is None else top) + 1, tuple(sorted(set(gaps))),
-                              tuple(raw for _e, st, raw in ranked if st))
-
-    def ungossiped(self) -> list[bytes]:
-        """What the member holds and has not yet handed to its node's gossip, in the order it was
-        kept (read after every pump step: the store's outbox, never the whole history)."""
-        return self.store.ungossiped()
-
-    def mark_gossiped(self, raws: list[bytes]) -> None:
-        self.store.mark_gossiped(raws)
-
-    def keep_unsettled(self, r: receipts.Receipt, verdict: str, decided_under: Optional[bytes] = None) -> bool:
-        """A receipt held (binding unresolved) or attributed (signer not bound): retained, surfaced
-        once per verdict (§22.6: rejected and retained for attribution / held). ``decided_under``:
-        the group's binding state read before the verdict (queue_store.keep_unsettled)."""
-        return self.store.keep_unsettled(r.raw, r.group_id, r.epoch, verdict, r.kid, decided_under)
-
-    def unsettled(self) -> list[tuple[bytes, str]]:
-        return self.store.unsettled()
-
-    def drop_unsettled(self, raw: bytes) -> None:
-        self.store.drop_unsettled(raw)
-
-    def unsettled_groups(self) -> list[tuple[bytes, Optional[bytes]]]:
-        return self.store.unsettled_groups()
-
-    def unsettled_of(self, group_id: bytes) -> list[tuple[bytes, str]]:
-        return self.store.unsettled_of(group_id)
-
-    def note_rechecked(self, group_id: bytes, seen: Optional[bytes], bindings: bytes) -> None:
-        self.store.note_rechecked(group_id, seen, bindings)
-
-    def record_event(self, kind: str, detail: dict) -> None:
-        self.store.record_event(kind, detail)
-
-
-def _entry(row) -> Entry:
-    ch, g, e, m, st, reason, rc, n = row
-    return Entry(bytes(ch), bytes(g), e, bytes(m), st, reason, None if rc is None else bytes(rc), n)
-
-
-# -- who may sign (§22.6 singularity) --------------------------------------------------------
-HELD, ATTRIBUTED = "held", "attributed"
-
-
-@dataclass(frozen=True)
-class Signer:
-    """Who may sign a group's link at one generation (MLS epoch)."""
-    key: Optional[bytes]                # the bound sequencer's key; None: any valid signature
-    unresolved: bool = False            # a binding exists and does not resolve here: hold the link
-
-
-SignerFor = Callable[[bytes, int], Signer]
-# What decides a SignerFor's answers for one group, as bytes: equal bytes, equal answers at every
-# generation (the CLI: the group's resolved binding records and the fallback key). None: unknown.
-BindingState = Callable[[bytes], Optional[bytes]]
-
-
-def fixed_signer(key: Optional[bytes]) -> SignerFor:
-    """One key for every group and epoch (``--sequencer-key``), or any valid signature (None)."""
-    return lambda _g, _e: Signer(key)
-
-
-def fixed_state(key: Optional[bytes]) -> BindingState:
-    """The binding state of ``fixed_signer(key)``: never changes."""
-    return lambda _g: b"fixed:" + (key or b"")
-
-
-def check_receipt(raw: bytes, signer_for: SignerFor) -> tuple[Optional[receipts.Receipt], str]:
-    """(receipt, "") when valid and signed by the sequencer allowed at its epoch; else (receipt or
-    None, why): HELD (binding unresolved), ATTRIBUTED (another signer), or a problem."""
-    try:
-        r = receipts.verify_receipt(raw)
-    except receipts.ReceiptError as ex:
-        return None, f"receipt does not verify: {ex}"
-    s = signer_for(r.group_id, r.epoch)
-    if s.unresolved:
-        return r, HELD
-    if s.key is not None and r.kid != s.key:
-        return r, ATTRIBUTED
-    return r, ""
-
-
-# -- outcomes (pure but for ``signer_for``) -----------------------------------------------------
-@dataclass(frozen=True)
-class Outcome:
-    state: Optional[str]                # a final state, or None: still queued
-    reason: Optional[str] = None
-    receipt: Optional[bytes] = None
-    ask_receipt: bool = False           # ask the sequencer for the receipt of the Commit's epoch
-    problem: Optional[str] = None       # an answer that decided nothing, and why (surfaced)
-    unsettled: Optional[tuple[receipts.Receipt, str]] = None   # held or attributed: retained, decides nothing
-
-
-def _verified(raw_hex: Optional[str], e: Entry, signer_for: SignerFor) -> tuple[Optional[receipts.Receipt], str]:
-    if not raw_hex:
-        return None, "no receipt"
-    if not isinstance(raw_hex, str):     # an answer is bytes from outside: anything may stand here
-        return None, "receipt does not verify: not hex text"
-    try:
-        raw = bytes.fromhex(raw_hex)
-    except ValueError as ex:
-        return None, f"receipt does not verify: {ex}"
-    r, why = check_receipt(raw, signer_for)
-    if r is not None and r.group_id != e.group_id:
-        return None, "receipt for another group"
-    return r, why
-
-
-def _unsettled(r: receipts.Receipt, why: str) -> Outcome:
-    return Outcome(None, "binding_unresolved" if why == HELD else "signer_not_bound", unsettled=(r, why))
-
-
-def submit_outcome(e: Entry, answer: dict, signer_for: SignerFor) -> Outcome:
-    """What a `submit` answer (the JSON of cli-contract.md) means for queued Commit ``e``."""
-    if "error" in answer:
-        return Outcome(None, problem=f"the sequencer answered an error: {answer['error']}")
-    if answer.get("accepted") is True:
-        r, why = _verified(answer.get("receipt"), e, signer_for)
-        if r is not None and why in (HELD, ATTRIBUTED):
-            return _unsettled(r, why)
-        if r is None or why or r.epoch != e.epoch or r.commit_hash != e.commit_hash:
-            return Outcome(None, problem=why or "an acceptance whose receipt does not name this Commit at its epoch")
-        return Outcome(ACCEPTED, None, r.raw)
-    reason = answer.get("reason")
-    if reason == STALE_EPOCH:
-        head, why = _verified(answer.get("head"), e, signer_for)
-        if head is not None and head.epoch == e.epoch and why in (HELD, ATTRIBUTED):
-            return _unsettled(head, why)
-        if head is not None and not why and head.epoch == e.epoch:
-            # the head is this epoch's receipt: ours (an answer lost, then resubmitted) or the winner's
-            return Outcome(ACCEPTED if head.commit_hash == e.commit_hash else LOST, STALE_EPOCH, head.raw)
-        return Outcome(None, STALE_EPOCH, ask_receipt=True)     # the head moved on: look up our epoch
-    if reason in FINAL_REFUSALS:
-        return Outcome(REFUSED, reason)
-    return Outcome(None, str(reason))                                # migrated, failed_closed, ...: wait
-
-
-def receipt_outcome(e: Entry, answer: dict, signer_for: SignerFor) -> Outcome:
-    """What a `receipt` answer for the Commit's own epoch means, after a stale answer."""
-    if "error" in answer:
-        return Outcome(None, problem=f"the sequencer answered an error: {answer['error']}")
-    if answer.get("receipt"):
-        r, why = _verified(answer["receipt"], e, signer_for)
-        if r is not None and r.epoch == e.epoch and why in (HELD, ATTRIBUTED):
-            return _unsettled(r, why)
-        if r is None or why or r.epoch != e.epoch:
-            return Outcome(None, problem=why or "a receipt for another epoch")
-        return Outcome(ACCEPTED if r.commit_hash == e.commit_hash else LOST, STALE_EPOCH, r.raw)
-    if answer.get("absent") and answer.get("discontinuity"):
-        return Outcome(ABSENT, "discontinuity")     # §22.6: a stated absence; MLS tells which Commit won
-    # the sequencer holds no receipt nor gap for an epoch it says is past (a recovered suffix or a
-    # migration that started there): nothing here says this Commit won
-    return Outcome(LOST, "no_receipt")
-
-
-# -- the client ------------------------------------------------------------------------------
 class CommitClient:
     """Submits the queue's Commits to `sequencer run` through an MQTT 5 broker and records the
     outcomes. One persistent session (client id from the member id, clean_start false): answers
@@ -728,18 +379,6 @@ class CommitClient:
             self.on_receipt(out.receipt)
 
 
-def _epoch_of(raw: bytes) -> Optional[tuple[int, bool]]:
-    """(epoch, is a statement) of a receipt or a discontinuity statement; None: neither."""
-    try:
-        return receipts.parse_receipt(raw).epoch, False
-    except receipts.ReceiptError:
-        pass
-    try:
-        return receipts.parse_statement(raw).epoch, True
-    except receipts.ReceiptError:
-        return None
-
-
 def parse_lost(payload: bytes) -> Optional[list[tuple[int, int]]]:
     """The boundary for a `lost` record from the broker: CBOR {"missing": [[first, last], ...]}
     (0 <= first <= last < EPOCH_LIMIT, at most MAX_LOST_RUNS runs); b"" (cleared): []. None: not one."""
@@ -759,13 +398,3 @@ def parse_lost(payload: bytes) -> Optional[list[tuple[int, int]]]:
             return None
         out.append((r[0], r[1]))
     return out
-
-
-def queue_path(home: Path) -> Path:
-    return Path(home) / "commit-queue.db"
-
-
-def open_queue(home: Path, sequencer_key: Optional[bytes] = None, events_kept: Optional[int] = None) -> CommitQueue:
-    home = Path(home)
-    home.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return CommitQueue(queue_path(home), sequencer_key, events_kept)

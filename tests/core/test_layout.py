@@ -99,6 +99,35 @@ def test_sequencer_never_imports_the_sync_node():
                     f"{f.relative_to(ROOT)} imports {mod}: the sequencer never imports the sync node"
 
 
+# Provisioning (images, bundles, enrolment) sits below the CLI, which only parses, calls it and
+# prints: it never imports agent.cli (enrolment is handed the `service install` verb). From the
+# agent it uses the bounded file reader, the manifest and profile parsers, the node (enrolment's
+# init), the broker's password hash and the wheel tags.
+PROVISION_AGENT_ALLOWED = {"agent.provision", "agent.infile", "agent.core.schema", "agent.profile", "agent.node",
+                           "agent.transport.broker", "agent.wheeltags"}
+
+
+def test_provisioning_never_imports_the_cli():
+    files = list((ROOT / "agent" / "provision").rglob("*.py"))
+    assert len(files) > 1
+    for f in files:
+        for mod in _absolute_imports(f, "agent.provision"):
+            if mod == "agent" or mod.startswith("agent."):
+                assert any(mod == a or mod.startswith(a + ".") for a in PROVISION_AGENT_ALLOWED), \
+                    f"{f.relative_to(ROOT)} imports {mod}: provisioning is below the CLI"
+
+
+def test_nothing_below_the_cli_imports_it():
+    """The CLI (agent/cli/) parses, calls and prints: what it calls never calls back up into it."""
+    g = agent_import_graph()
+    assert "agent.provision.bundle" in g["agent.cli.provision"]      # the graph sees the CLI's calls down
+
+    def in_cli(m: str) -> bool:
+        return m == "agent.cli" or m.startswith("agent.cli.")
+    up = sorted(f"{m} -> {d}" for m, deps in g.items() if not in_cli(m) for d in deps if in_cli(d))
+    assert not up, "imports of the CLI from below it: " + ", ".join(up)
+
+
 def test_sequencer_core_is_sans_io():
     for mod, level in _imports(ROOT / "agent" / "sequencer" / "core.py"):
         if level:

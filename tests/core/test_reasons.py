@@ -58,7 +58,7 @@ def _outcome_reason_literals():
     argument of `Outcome(...)`, and an outcome reason on either side of a comparison with `x.reason`."""
     for path in (ROOT / "agent").rglob("*.py"):
         if path.parts[-2] == "sequencer" or path.name == "reasons.py":
-            continue  # the sequencer's own Outcome is another class (agent/sequencer/client.py)
+            continue  # the sequencer's own Outcome is another class (agent/sequencer/answers.py)
         for n in ast.walk(ast.parse(path.read_text())):
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "Outcome" and len(n.args) > 1:
                 sides = [n.args[1]]
@@ -89,7 +89,8 @@ def test_the_sequencer_member_reads_the_sequencers_codes_by_name():
     codes = {getattr(core, n) for n in ("STALE_EPOCH", "FUTURE_EPOCH", "NOT_COMMIT", "UNPARSEABLE", "FAILED_CLOSED",
                                         "MIGRATED", "EPOCH_OUT_OF_RANGE", "DISK_FULL", "GROUP_LIMIT", "GROUP_RETIRED",
                                         "STATE_BEHIND")}
-    path = ROOT / "agent" / "sequencer" / "client.py"
-    spelled = [f"{n.lineno} {n.value!r}" for n in ast.walk(ast.parse(path.read_text()))
-               if isinstance(n, ast.Constant) and n.value in codes]
-    assert not spelled, f"{path.relative_to(ROOT)} spells the sequencer's codes: {spelled}"
+    for name in ("client.py", "answers.py", "commit_queue.py"):
+        path = ROOT / "agent" / "sequencer" / name
+        spelled = [f"{n.lineno} {n.value!r}" for n in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(n, ast.Constant) and n.value in codes]
+        assert not spelled, f"{path.relative_to(ROOT)} spells the sequencer's codes: {spelled}"

@@ -213,6 +213,13 @@ def test_enrol_with_an_endless_clock_wait_is_refused_at_once(tmp_path, base_bund
     assert tree(tmp_path / "root") == []
 
 
+def test_a_bundle_waits_for_the_clock_as_long_as_the_cli_lets_it():
+    """bundle.json's wait_clock_s is bounded as `provision bundle --wait-clock` is."""
+    from agent.cli.args import MAX_SECONDS
+    from agent.provision.bundle import MAX_WAIT_CLOCK_S
+    assert MAX_WAIT_CLOCK_S == MAX_SECONDS
+
+
 def test_a_good_bundle_still_sets_up_and_enrols(tmp_path, base_bundle):
     b = bundle_with(tmp_path, base_bundle)
     for verb in ("device-setup", "enrol"):

@@ -18,7 +18,8 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-from agent.cli.provision import DEVICE_BUNDLE, add_runcmd  # noqa: E402
+from agent.provision.bundle import DEVICE_BUNDLE  # noqa: E402
+from agent.provision.image import add_runcmd  # noqa: E402
 from agent.simpeer import readings_table  # noqa: E402
 from tests.cli_cmd import run_cli  # noqa: E402
 
@@ -60,8 +61,8 @@ def test_user_data_shapes():
     ("#!/bin/sh\necho a user-data script\n", "#cloud-config"),
 ])
 def test_user_data_that_cannot_be_edited_is_refused(text, why):
-    from agent.cli import Refused
-    with pytest.raises(Refused, match=why):
+    from agent.provision.files import ProvisionRefused
+    with pytest.raises(ProvisionRefused, match=why):
         add_runcmd(text)
 
 

@@ -158,10 +158,10 @@ def test_a_member_keeps_no_gap_for_a_negative_epoch(tmp_path):
     sequencer's signed statement (§22.6); a signed one for 7 is."""
     import cbor2
 
-    from agent.sequencer import client
+    from agent.sequencer import client, commit_queue
     from tests.sequencer.test_member import RogueSequencer
     stated = RogueSequencer().statement(7, None, G)
-    q = client.open_queue(tmp_path / "m")
+    q = commit_queue.open_queue(tmp_path / "m")
     try:
         q.enqueue(encode_private_message(G, 3))
         c = client.CommitClient(q, serve.BrokerSettings("127.0.0.1", 1))
@@ -194,7 +194,7 @@ def test_member_fuzz_nothing_from_the_broker_raises():
 
     import cbor2
 
-    from agent.sequencer import client
+    from agent.sequencer import client, commit_queue
 
     @settings(max_examples=300, deadline=None)
     @given(st.sampled_from(["accepted", "discontinuity/3", "lost", "answer-c", "answer-r", "answer-e"]),
@@ -205,7 +205,7 @@ def test_member_fuzz_nothing_from_the_broker_raises():
     @example("answer-c", b'{"accepted": false, "reason": "stale_epoch", "head": ["00"]}')
     def one(where, payload):
         with tempfile.TemporaryDirectory() as d:
-            q = client.open_queue(Path(d))
+            q = commit_queue.open_queue(Path(d))
             try:
                 e = q.enqueue(encode_private_message(G, 3))
                 c = client.CommitClient(q, serve.BrokerSettings("127.0.0.1", 1))

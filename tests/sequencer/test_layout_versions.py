@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from agent.sequencer import layout
-from agent.sequencer.client import CommitQueue
+from agent.sequencer.commit_queue import CommitQueue
 from agent.sequencer.framing import encode_private_message
 from agent.sequencer.store import Store
 from tests.cli_cmd import agent_cmd, agent_env
@@ -269,7 +269,7 @@ def test_a_version_1_commit_queue_with_rows_migrates_to_2_keeping_them(tmp_path,
     the versioned release did, 1) keeps every row; `followed` gets its groups and the outbox
     exactly what version 1 would have handed to gossip next, in its order."""
     from agent.sequencer import receipts
-    from agent.sequencer.client import ACCEPTED
+    from agent.sequencer.commit_queue import ACCEPTED
     db = tmp_path / "commit-queue.db"
     g, h = bytes.fromhex(G), bytes.fromhex("b8" * 16)
     ca, cb, cc = (encode_private_message(gid, ep, ciphertext=t) for gid, ep, t in ((g, 3, b"a"), (g, 4, b"b"),
@@ -333,7 +333,7 @@ def test_a_version_2_commit_queue_migrates_to_3_keeping_every_row_and_a_read_onl
     the prunable events indexed. A version-2 file keeps every row; the first recheck looks at every
     retained receipt once, the next at none; the first event added prunes the routine ones to the
     retention and keeps every attribution record."""
-    from agent.sequencer import client, receipts, serve
+    from agent.sequencer import answers, client, commit_queue, receipts, serve
     from tests.sequencer.test_member import RogueSequencer
     db = tmp_path / "commit-queue.db"
     g, h = bytes.fromhex(G), bytes.fromhex("b8" * 16)
@@ -370,7 +370,7 @@ def test_a_version_2_commit_queue_migrates_to_3_keeping_every_row_and_a_read_onl
 
         def signer_for(gid, epoch):
             looked.append(gid)
-            return client.Signer(s2.kid) if gid == h else client.Signer(None, unresolved=True)
+            return answers.Signer(s2.kid) if gid == h else answers.Signer(None, unresolved=True)
         c = client.CommitClient(q, serve.BrokerSettings.from_url("mqtt://127.0.0.1:1"), signer_for=signer_for,
                                 binding_state=lambda gid: b"h:s2" if gid == h else b"g:none")
         try:
@@ -384,7 +384,7 @@ def test_a_version_2_commit_queue_migrates_to_3_keeping_every_row_and_a_read_onl
         assert sorted(q.unsettled()) == sorted([(r, "held") for r in held] + [(r, "attributed") for r in attributed])
         q.record_event("gossiped", {"receipts": 1, "via": "node"})
         kinds = [e["kind"] for e in q.events()]
-        assert kinds.count("gossiped") == client.EVENTS_KEPT and kinds.count("receipt_attributed") == 2
+        assert kinds.count("gossiped") == commit_queue.EVENTS_KEPT and kinds.count("receipt_attributed") == 2
         assert q.events()[-1]["seq"] == 1103
     finally:
         q.close()

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.sequencer import client, receipts, recovery, serve, service
+from agent.sequencer import client, commit_queue, receipts, recovery, serve, service
 from test_restore_past_compaction import BACKUP_AT, GROUPS, LAST, compacted_history, msg
 from test_run_broker import Member
 from tests.cli_cmd import agent_cmd, agent_env
@@ -100,7 +100,7 @@ def test_parse_lost_fuzz_never_raises(data):
 def test_a_member_offers_only_what_it_holds_in_the_lost_stretches_top_first(tmp_path, monkeypatch):
     home, got, _ = compacted_history(tmp_path, monkeypatch)
     g = GROUPS[1]
-    q = client.open_queue(tmp_path / "member")
+    q = commit_queue.open_queue(tmp_path / "member")
     try:
         for e in range(0, LAST + 1):
             q.keep_head(g, e, got[(g, e)])
@@ -186,7 +186,7 @@ def test_members_give_lost_receipts_back_over_the_broker(tmp_path, monkeypatch, 
     with service.Sequencer(home) as s:
         key = s.public_key
     member_home = tmp_path / "member"
-    q = client.open_queue(member_home, key)
+    q = commit_queue.open_queue(member_home, key)
     try:
         for e in range(0, LAST + 1):
             if e != 40:
@@ -342,7 +342,7 @@ def _member_node_heard(tmp_path, monkeypatch):
             assert sequencing.gossip(node, got[(g, e)], now + e)["gossiped"]
     finally:
         node.close()
-    q = client.open_queue(member_home, key)
+    q = commit_queue.open_queue(member_home, key)
     try:
         q.enqueue(msg(g, LAST + 1))                     # follows group 1; its queue holds no receipt
         assert q.offer(g, [(BACKUP_AT, LAST - 1)], 100) is None
@@ -403,7 +403,7 @@ def member_holding_every_head(tmp_path, monkeypatch) -> Iterator[tuple[client.Co
     from test_hostile_requests import FakeClient
     _home, got, _ = compacted_history(tmp_path, monkeypatch)
     g = GROUPS[1]
-    q = client.open_queue(tmp_path / "member")
+    q = commit_queue.open_queue(tmp_path / "member")
     try:
         for e in range(LAST + 1):
             q.keep_head(g, e, got[(g, e)])

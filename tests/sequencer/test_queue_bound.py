@@ -25,7 +25,7 @@ import sqlite3
 
 import pytest
 
-from agent.sequencer import client, receipts, serve
+from agent.sequencer import answers, client, commit_queue, receipts, serve
 from tests.sequencer.test_commit_queue import agent
 from tests.sequencer.test_member import RogueSequencer
 from tests.sequencer.test_queue_cost import GROUPS, SLACK, _commit, instructions
@@ -43,30 +43,30 @@ class Bindings:
         self.bound = {H: S2.kid}          # G: records exist, none resolves (held)
         self.lookups = 0
 
-    def signer_for(self, gid: bytes, epoch: int) -> client.Signer:
+    def signer_for(self, gid: bytes, epoch: int) -> answers.Signer:
         self.lookups += 1
         if gid in self.bound:
-            return client.Signer(self.bound[gid])
-        return client.Signer(None, unresolved=True)
+            return answers.Signer(self.bound[gid])
+        return answers.Signer(None, unresolved=True)
 
     def state(self, gid: bytes) -> bytes:
         return self.bound.get(gid, b"unresolved")
 
 
-def queue_with_unsettled(path, n: int) -> client.CommitQueue:
+def queue_with_unsettled(path, n: int) -> commit_queue.CommitQueue:
     """``n`` receipts by S1 retained: half held for G, half attributed for H (S2 is bound there)."""
-    q = client.CommitQueue(path)
+    q = commit_queue.CommitQueue(path)
     q.store.conn.execute("PRAGMA synchronous=OFF")      # building history fast; the counts are the point
     for i in range(n):
         gid = G if i % 2 == 0 else H
         raw = S1.sign(i, b"c%d" % i, None, gid=gid)
         r = receipts.verify_receipt(raw)
-        assert q.keep_unsettled(r, client.HELD if gid == G else client.ATTRIBUTED)
+        assert q.keep_unsettled(r, answers.HELD if gid == G else answers.ATTRIBUTED)
     q.enqueue(_commit(G, n + 1, b"out"))                 # one Commit outstanding (a pump has work)
     return q
 
 
-def make_client(q: client.CommitQueue, b: Bindings) -> client.CommitClient:
+def make_client(q: commit_queue.CommitQueue, b: Bindings) -> client.CommitClient:
     return client.CommitClient(q, serve.BrokerSettings.from_url("mqtt://127.0.0.1:1"),
                                signer_for=b.signer_for, binding_state=b.state)
 
@@ -94,7 +94,7 @@ def test_a_recheck_while_no_binding_changed_reads_no_retained_receipt(two):
         # nothing changed: every receipt still retained with its verdict
         got = q.unsettled()
         assert len(got) == len(two[0].unsettled()) * (len(got) // len(two[0].unsettled()))
-        assert {v for _r, v in got} == {client.HELD, client.ATTRIBUTED}
+        assert {v for _r, v in got} == {answers.HELD, answers.ATTRIBUTED}
     assert lookups == [0, 0], f"receipts checked again with no binding changed: {lookups}"
     assert cost[1] <= cost[0] + SLACK, \
         f"a recheck: {cost[0]} SQLite instructions with {SMALL} retained receipts, {cost[1]} with {BIG}"
@@ -130,7 +130,7 @@ def test_a_binding_that_arrives_settles_its_groups_held_receipts_and_attributed_
         # only G's ten held receipts were looked at again: settled, kept as heads
         assert b.lookups == 10
         left = q.unsettled()
-        assert len(left) == 10 and {v for _r, v in left} == {client.ATTRIBUTED}
+        assert len(left) == 10 and {v for _r, v in left} == {answers.ATTRIBUTED}
         assert all(receipts.parse_receipt(r).group_id == H for r, _v in left)
         assert sorted(e for g, e, _r in q.heads() if g == G) == list(range(0, 20, 2))
         assert sum(e["kind"] == "receipt_settled" for e in q.events()) == 10
@@ -138,7 +138,7 @@ def test_a_binding_that_arrives_settles_its_groups_held_receipts_and_attributed_
         del b.bound[H]
         b.lookups = 0
         c.recheck()
-        assert b.lookups == 10 and {v for _r, v in q.unsettled()} == {client.HELD}
+        assert b.lookups == 10 and {v for _r, v in q.unsettled()} == {answers.HELD}
     finally:
         c.client.loop_stop()
         q.close()
@@ -153,7 +153,7 @@ def test_a_recheck_after_a_restart_reads_nothing_when_no_binding_changed(tmp_pat
     c.recheck()
     c.client.loop_stop()
     q.close()
-    q = client.CommitQueue(tmp_path / "q.db")
+    q = commit_queue.CommitQueue(tmp_path / "q.db")
     c = make_client(q, b)
     try:
         b.lookups = 0
@@ -168,20 +168,20 @@ def test_a_recheck_after_a_restart_reads_nothing_when_no_binding_changed(tmp_pat
 KEEP = 50
 
 
-def queue_with_outcomes(path, outcomes: int, keep: int | None = KEEP, attributed: int = 3) -> client.CommitQueue:
+def queue_with_outcomes(path, outcomes: int, keep: int | None = KEEP, attributed: int = 3) -> commit_queue.CommitQueue:
     """``outcomes`` Commits settled, each receipt handed to gossip (an event each), and
     ``attributed`` receipts from an unbound signer among them; a discontinuity heard."""
-    q = client.CommitQueue(path, events_kept=keep)
+    q = commit_queue.CommitQueue(path, events_kept=keep)
     q.store.conn.execute("PRAGMA synchronous=OFF")
     for i in range(outcomes):
         g, epoch = GROUPS[i % len(GROUPS)], i // len(GROUPS)
         e = q.enqueue(_commit(g, epoch, b"h%d" % i))
-        q.settle(e.commit_hash, client.ACCEPTED, None, b"\xd2receipt %d" % i)
+        q.settle(e.commit_hash, commit_queue.ACCEPTED, None, b"\xd2receipt %d" % i)
         q.mark_gossiped(q.ungossiped())
         q.record_event("gossiped", {"receipts": 1, "via": "node"})
         if i % (outcomes // attributed) == 0 and i // (outcomes // attributed) < attributed:
             r = receipts.verify_receipt(S1.sign(epoch, b"x%d" % i, None, gid=g))
-            q.keep_unsettled(r, client.ATTRIBUTED)
+            q.keep_unsettled(r, answers.ATTRIBUTED)
         if i == 1:
             q.keep_gap(g, epoch)
             q.record_event("discontinuity", {"group": g.hex(), "epoch": epoch})
@@ -212,20 +212,20 @@ def test_the_event_log_keeps_a_bounded_tail_and_every_attribution_record(tmp_pat
     assert routine[-1] == last and routine == list(range(routine[0], last + 1))[-len(routine):]
     assert len(routine) == KEEP
     # what the events told is still in the tables: every Commit, its receipt, the gap
-    q = client.CommitQueue(path)
+    q = commit_queue.CommitQueue(path)
     try:
         assert len(q.entries()) == 600 and all(e.receipt for e in q.entries())
         assert len(q.gaps()) == 1
-        assert [v for _r, v in q.unsettled()] == [client.ATTRIBUTED] * 3
+        assert [v for _r, v in q.unsettled()] == [answers.ATTRIBUTED] * 3
     finally:
         q.close()
 
 
 def test_the_default_retention_bounds_the_log_too(tmp_path):
     path = tmp_path / "q.db"
-    q = queue_with_outcomes(path, client.EVENTS_KEPT + 200, keep=None)
+    q = queue_with_outcomes(path, commit_queue.EVENTS_KEPT + 200, keep=None)
     q.close()
-    assert len(events_rows(path)) <= client.EVENTS_KEPT + 4
+    assert len(events_rows(path)) <= commit_queue.EVENTS_KEPT + 4
 
 
 def test_adding_an_event_does_not_grow_with_the_evidence_kept(tmp_path):
@@ -233,7 +233,7 @@ def test_adding_an_event_does_not_grow_with_the_evidence_kept(tmp_path):
     skips (they are never pruned)."""
     cost = []
     for n in (SMALL, BIG):
-        q = client.CommitQueue(tmp_path / f"e{n}.db", events_kept=10)
+        q = commit_queue.CommitQueue(tmp_path / f"e{n}.db", events_kept=10)
         q.store.conn.execute("PRAGMA synchronous=OFF")
         try:
             for i in range(n):
@@ -262,7 +262,7 @@ def test_commits_status_prints_a_bounded_recent_tail_and_more_on_request(tmp_pat
         return json.loads(p.stdout), len(p.stdout)
 
     st, size = status()
-    n = client.STATUS_TAIL
+    n = commit_queue.STATUS_TAIL
     assert [e["seq"] for e in st["events"]] == [e["seq"] for e in every[-n:]]
     assert st["events"][-1] == every[-1]                 # the same format, the latest last
     # every queued Commit, then the most recent settled ones, in queue order
@@ -280,10 +280,10 @@ def test_commits_status_prints_a_bounded_recent_tail_and_more_on_request(tmp_pat
     assert full["omitted"] == {"commits": 0, "heads": 0, "events": 0}
     assert size < full_size / 3, (size, full_size)
     # bounded: many more outcomes, the same default output size
-    q = client.CommitQueue(home / "commit-queue.db")
+    q = commit_queue.CommitQueue(home / "commit-queue.db")
     for i in range(200):
         e = q.enqueue(_commit(GROUPS[2], 9000 + i, b"more%d" % i))
-        q.settle(e.commit_hash, client.ACCEPTED, None, b"\xd2receipt more %d" % i)
+        q.settle(e.commit_hash, commit_queue.ACCEPTED, None, b"\xd2receipt more %d" % i)
     q.close()
     later, later_size = status()
     # the queued Commit is older than the 50 most recent now, and still printed, first
@@ -369,11 +369,11 @@ def test_a_receipt_kept_under_other_bindings_than_its_group_was_last_looked_at_u
         c.recheck()
         b.lookups = 0
         r = receipts.verify_receipt(S1.sign(100, b"late", None, gid=G))
-        q.keep_unsettled(r, client.HELD, b.state(G))          # decided under the state noted
+        q.keep_unsettled(r, answers.HELD, b.state(G))          # decided under the state noted
         c.recheck()
         assert b.lookups == 0
         r = receipts.verify_receipt(S1.sign(101, b"later", None, gid=G))
-        q.keep_unsettled(r, client.HELD, b"an older state")    # decided before a binding changed
+        q.keep_unsettled(r, answers.HELD, b"an older state")    # decided before a binding changed
         c.recheck()
         assert b.lookups == 5                                  # G's five held receipts, once
         b.lookups = 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.sequencer import client, receipts, serve
+from agent.sequencer import client, commit_queue, receipts, serve
 from agent.sequencer.framing import encode_private_message
 
 GROUPS = [bytes([0x40 + i]) * 16 for i in range(4)]
@@ -26,16 +26,16 @@ def _commit(gid: bytes, epoch: int, tag: bytes) -> bytes:
     return encode_private_message(gid, epoch, ciphertext=tag * 4)
 
 
-def queue_with_history(path, settled: int) -> client.CommitQueue:
+def queue_with_history(path, settled: int) -> commit_queue.CommitQueue:
     """``settled`` Commits accepted across GROUPS, each receipt also kept as the group's head and
     handed to gossip; then one Commit outstanding in each of the first two groups."""
-    q = client.CommitQueue(path)
+    q = commit_queue.CommitQueue(path)
     q.store.conn.execute("PRAGMA synchronous=OFF")      # building history fast; the counts are the point
     for i in range(settled):
         g, epoch = GROUPS[i % len(GROUPS)], i // len(GROUPS)
         e = q.enqueue(_commit(g, epoch, b"h%d" % i))
         raw = b"\xd2receipt %d" % i
-        assert q.settle(e.commit_hash, client.ACCEPTED, None, raw)
+        assert q.settle(e.commit_hash, commit_queue.ACCEPTED, None, raw)
         q.keep_head(g, epoch, raw)
     q.mark_gossiped(q.ungossiped())
     top = settled // len(GROUPS) + 1
@@ -60,7 +60,7 @@ def count_instructions(conn, call) -> int:
     return n[0]
 
 
-def instructions(q: client.CommitQueue, call) -> int:
+def instructions(q: commit_queue.CommitQueue, call) -> int:
     return count_instructions(q.store.conn, call)
 
 
@@ -72,7 +72,7 @@ def queues(tmp_path):
     big.close()
 
 
-def _enqueue_next(q: client.CommitQueue) -> None:
+def _enqueue_next(q: commit_queue.CommitQueue) -> None:
     q.enqueue(_commit(GROUPS[3], 10_000, b"new"))
 
 
@@ -122,12 +122,12 @@ def test_the_gossip_outbox_still_hands_over_each_receipt_once(tmp_path):
     """What the incremental read must keep: a receipt held twice (a Commit's outcome that is also
     the group's head) is handed over once; one already handed over is not handed over again when it
     is heard again; a statement is handed over too."""
-    q = client.CommitQueue(tmp_path / "q.db")
+    q = commit_queue.CommitQueue(tmp_path / "q.db")
     try:
         g = GROUPS[0]
         e = q.enqueue(_commit(g, 0, b"a"))
         raw = b"\xd2receipt a"
-        q.settle(e.commit_hash, client.ACCEPTED, None, raw)
+        q.settle(e.commit_hash, commit_queue.ACCEPTED, None, raw)
         q.keep_head(g, 0, raw)
         assert q.ungossiped() == [raw]
         q.mark_gossiped([raw])

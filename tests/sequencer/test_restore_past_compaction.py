@@ -409,12 +409,12 @@ def test_a_members_queue_exports_the_evidence_that_refills_the_sequencer(tmp_pat
     import json
     import subprocess
 
-    from agent.sequencer import client
+    from agent.sequencer import commit_queue
     from tests.cli_cmd import agent_cmd, agent_env
     home, got, _ = compacted_history(tmp_path, monkeypatch)
     g = GROUPS[1]
     member_home = tmp_path / "member"
-    q = client.open_queue(member_home)
+    q = commit_queue.open_queue(member_home)
     try:
         for e in range(0, LAST + 1):
             if e != 40:                       # the member missed one head: a hole

@@ -11,7 +11,7 @@ import sqlite3
 import pytest
 
 from agent.runner import _adopt_private_cursors
-from agent.sequencer.client import CommitQueue
+from agent.sequencer.commit_queue import CommitQueue
 from agent.sequencer.store import Store
 
 from tests.mqtt.helpers import make_nodes
