@@ -28,6 +28,7 @@ from .errors import KeystoreError, OutcomeUnknown, UnsupportedAlgorithm
 from .identity import DiscontinuityIdentity, EventIdentity, Identity, ReceiptIdentity, decode_identity
 from .journal import INTENT, RELEASED, FileOps, Journal
 from .keystore import Keystore
+from .sealing import Sealer
 from .verify import verify_ed25519, verify_p256
 
 Assemble = Callable[[bytes], bytes]
@@ -65,7 +66,8 @@ class SigningBridge:
     """Persist-before-release around a Keystore.  Thread-safe; concurrent callers share fsyncs."""
 
     def __init__(self, keystore: Keystore, journal_path: str, *,
-                 fault_hook: Optional[Hook] = None, file_ops: Optional[FileOps] = None, sealer=None) -> None:
+                 fault_hook: Optional[Hook] = None, file_ops: Optional[FileOps] = None,
+                 sealer: Optional[Sealer] = None) -> None:
         """``fault_hook`` and ``file_ops`` are test seams (named crash points, lost-fsync shims);
         production passes neither. ``sealer`` (sealing.Sealer): the journal keeps its outputs
         sealed at rest (docs/reliability.md "At rest"); the bytes returned are the clear ones."""
@@ -216,9 +218,10 @@ class SigningBridge:
                     t = self._claim(list(items))
                 except BaseException as exc:
                     failure = failure or exc
-            records = [(RELEASED, ident, out) for ident, out in done]
+            records: list[tuple[int, bytes, bytes | str]] = [(RELEASED, ident, out) for ident, out in done]
             intents = t is not None and bool(t.todo) and failure is None
             if intents:
+                assert t is not None  # `intents` says so
                 records += [(INTENT, t.idents[k], t.items[k][1]) for k in t.todo]
             if records:
                 self._journal.commit(records)
@@ -231,6 +234,7 @@ class SigningBridge:
                 finish.results.update(done)
                 outs = [finish.results[i] for i in finish.idents]
             if intents:
+                assert t is not None
                 self._fire("after_intent")
                 # sign in identity order (a serial device refuses identities at/below its last one)
                 t.order = sorted(t.todo, key=lambda k: t.idents[k])

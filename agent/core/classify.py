@@ -11,7 +11,7 @@ message can never crash the loop that received it, nor crash it again when redel
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, cast
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -21,7 +21,8 @@ UNCLASSIFIED = "unclassified"
 def classified(refusal: Callable[[str, str], BaseException], *designated: type[BaseException]) -> Callable[[F], F]:
     """Decorate a boundary parser: it returns its value or raises one of `designated` (by
     default the type `refusal` builds); any other Exception becomes `refusal(UNCLASSIFIED, what)`."""
-    kinds = designated or (refusal,)  # type: ignore[assignment]
+    # without `designated`, `refusal` is the exception class itself
+    kinds: tuple[type[BaseException], ...] = designated or (cast("type[BaseException]", refusal),)
 
     def deco(fn: F) -> F:
         @functools.wraps(fn)

@@ -96,7 +96,7 @@ def floor_entry(table: str, hlc: Hlc) -> str:
     return f"{table}@{hlc[0]}.{hlc[1]}"
 
 
-def split_gaps(entries) -> tuple[set[str], dict[str, Hlc]]:
+def split_gaps(entries: Iterable[str]) -> tuple[set[str], dict[str, Hlc]]:
     """The meta's gap list as (tables withheld by policy, own-history floors). An entry that
     looks like a floor but does not parse is kept as a policy gap: it can only stop inference."""
     gaps: set[str] = set()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from . import numbers
 
@@ -22,13 +23,13 @@ class IdFormatError(ValueError):
     """A text id or HLC that does not have its wire-profile.md §1 form."""
 
 
-def parse_site_id(text: str, what: str = "site_id") -> bytes:
+def parse_site_id(text: Any, what: str = "site_id") -> bytes:
     if not isinstance(text, str) or not _HEX32.match(text):
         raise IdFormatError(f"{what} must be 32 lowercase hex characters, got {text!r}")
     return bytes.fromhex(text)
 
 
-def parse_mesh_id(text: str) -> bytes:
+def parse_mesh_id(text: Any) -> bytes:
     return parse_site_id(text, "mesh_id")
 
 

@@ -5,7 +5,7 @@ rejected with a stable reason (§32.2: a malformed body never becomes an empty o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator, TypeVar
 
 from .classify import classified
 from .codec import INT64_MAX, DecodeError, decode_strict, encode, prescan
@@ -47,7 +47,7 @@ class Handshake:
 class SyncBody:
     from_site_id: bytes
     have_max_hlc: tuple[int, int]
-    events: tuple[bytes, ...] = ()
+    events: tuple[bytes, ...] | BodyEvents = ()  # BodyEvents: parsed by `parse_body_streamed`
     records: tuple[bytes, ...] = ()
     applied_watermarks: tuple[Watermark, ...] = field(default_factory=tuple)
 
@@ -154,15 +154,16 @@ class BodyEvents:
     def __len__(self) -> int:
         return self._n
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[bytes]:
         data, i = self._data, self._start
         for _ in range(self._n):
             s, i = _bstr_span(data, i)
             yield data[s:i]
 
-    def windows(self, max_bytes: int):
+    def windows(self, max_bytes: int) -> Iterator[list[bytes]]:
         """Consecutive lists of events of at most `max_bytes` together (at least one each)."""
-        out, size = [], 0
+        out: list[bytes] = []
+        size = 0
         for e in self:
             if out and size + len(e) > max_bytes:
                 yield out
@@ -251,7 +252,10 @@ def parse_body_streamed(data: bytes) -> SyncBody:
     return _expect(_message(obj), SyncBody, "not_a_body", "expected a sync body, got a handshake")
 
 
-def _expect(m, kind, reason: str, detail: str):
+_M = TypeVar("_M")
+
+
+def _expect(m: object, kind: type[_M], reason: str, detail: str) -> _M:
     if not isinstance(m, kind):
         raise ProtocolError(reason, detail)
     return m

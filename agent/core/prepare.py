@@ -82,6 +82,7 @@ def checked_from(result: Any, raw: bytes, eid: bytes, entry_now: Any) -> tuple |
         s1 = cose.Sign1(b"", cose.ALG_EDDSA, ctype, kid, raw[rk[0]:rk[1]], b"")
         return (s1, entry, ok, None, eid, None)
     s1 = cose.Sign1(b"", cose.ALG_EDDSA, ctype, kid, b"", b"")
+    decoded: ev.Event | DecodeError | None
     if not ok:
         decoded = None
     elif type(dec) is str:

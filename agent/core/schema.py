@@ -134,7 +134,7 @@ class TableDef:
         return None
 
 
-def check_ident(name: str, what: str) -> str:
+def check_ident(name: Any, what: str) -> str:
     if not isinstance(name, str) or not _IDENT.match(name) or name.lower().startswith("_ssp"):
         raise ManifestError(f"{what} {_short(name)} must be a letter followed by letters, digits or _ (max 63)")
     return name
