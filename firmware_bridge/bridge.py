@@ -15,7 +15,7 @@ return value of this class's methods, after (c); there is no public path to a ba
 the unsafe order cannot be written with this API.
 
 An identity with a durable intent and no durable output raises ``OutcomeUnknown`` for ever:
-events tick their HLC and sign a new identity (wire-profile.md §2); receipts take the §22.6
+events tick their HLC and sign a new identity (docs/protocol.md §0, "No re-signing"); receipts take the §22.6
 "epoch advanced, receipt absent" discontinuity path.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _unknown_message(identity: Identity) -> str:
                 "released and is never signed again: the sequencer signs the same statement under the next attempt.")
     return (f"{identity}: a signing intent was recorded but no event was persisted, or the journal was compacted "
             "past it (then its output, if any, was recorded by the agent). This HLC is spent: tick "
-            "the HLC above bridge.max_event_hlc(site_id) and sign a new event (wire-profile.md §2); "
+            "the HLC above bridge.max_event_hlc(site_id) and sign a new event (SSP/1 §13.5); "
             "never re-sign this one.")
 
 
@@ -140,7 +140,7 @@ class SigningBridge:
         return self._public(key_name)[1]
 
     def max_event_hlc(self, site_id: bytes) -> Optional[tuple[int, int]]:
-        """Highest HLC ever *intended* for ``site_id``: the clock resumes above it (wire-profile §2)."""
+        """Highest HLC ever *intended* for ``site_id``: the clock resumes above it (SSP/1 §13.5)."""
         return self._journal.max_event_hlc(site_id)
 
     def receipt_groups(self) -> dict:

@@ -1,4 +1,4 @@
-"""The abstract keystore interface (issue 5 item 1; architecture.md: the agent's `Signer`).
+"""The abstract keystore interface (docs/keystore.md "The interface").
 
 A keystore holds named keys that were generated inside it and never leave it.  It exports public
 keys and signs — but raw signing is the private ``_sign`` method: the only public way to obtain a
@@ -59,7 +59,8 @@ class Keystore(ABC):
 
     @abstractmethod
     def public_key(self, name: str) -> bytes:
-        """Ed25519: 32 raw bytes.  P-256: 33-byte compressed SEC1 (§22.5, wire-profile.md §6)."""
+        """Ed25519: 32 raw bytes.  P-256: 33-byte compressed SEC1 (SOVM §22.5, docs/protocol.md §0
+        "Sequencing receipts")."""
 
     @abstractmethod
     def algorithm(self, name: str) -> str:

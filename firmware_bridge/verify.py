@@ -1,8 +1,8 @@
 """Signature verification entry points with one accept set each.
 
-- Ed25519: libsodium ``crypto_sign_verify_detached`` semantics through PyNaCl (wire-profile.md §2,
+- Ed25519: libsodium ``crypto_sign_verify_detached`` semantics through PyNaCl (docs/protocol.md §13,
   "One accept set for signatures").
-- P-256 receipts (ES256, wire-profile.md §6): IEEE P1363 raw r||s, exactly 64 bytes, r and s in
+- P-256 receipts (ES256, docs/protocol.md §0 "Sequencing receipts"): IEEE P1363 raw r||s, exactly 64 bytes, r and s in
   [1, n-1]; public key as SEC1 compressed (33) or uncompressed (65) bytes.  Pinned by the
   Wycheproof ecdsa_secp256r1_sha256_p1363 vectors in tests/bridge.
 """

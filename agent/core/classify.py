@@ -1,4 +1,4 @@
-"""The catch-and-classify guard every boundary parser wears (architecture.md "Errors").
+"""The catch-and-classify guard every boundary parser wears (docs/protocol.md §11 "Boundaries and limits").
 
 A boundary parser turns bytes from outside (a sync body, a handshake, a presence payload, the
 frame meta, a mailbox file, an event, a control record, a session frame) into a value or refuses

@@ -1,11 +1,11 @@
-"""Delivery arithmetic (§14, §32, §34, wire-profile.md §5): cursor selection, cursor advance,
+"""Delivery arithmetic (§14, §32, §34, docs/protocol.md §2-§3): cursor selection, cursor advance,
 stream continuity and applied-watermark inference. Pure functions over values; the store and
 the driver (agent/sync.py) feed them rows and persist what they return.
 
 Positions are the sender's local append order (`events.seq`). A cursor value c means "every
 event with seq <= c has been dealt with for this peer on this path": selection takes seq > c,
 which is the inclusive bound of §32 on the append order, so an old event relayed late gets a
-new, higher seq and is still offered (wire-profile.md §5).
+new, higher seq and is still offered (docs/protocol.md §2, late relays).
 """
 from __future__ import annotations
 

@@ -117,7 +117,7 @@ class Settled:
 class BodyLimits:
     """The body size each peer gets (docs/mqtt.md "Size limits"). Every node advertises its own
     (`ssp-body-limit` on its retained presence, its bodies and its answers: transport metadata with
-    no authority, wire-profile §5); a sender uses min(its link's maximum, the peer's latest
+    no authority, SSP/1 §32); a sender uses min(its link's maximum, the peer's latest
     advertisement) from the first body, kept in the store (peer_links), so a Pi Zero behind a 1 MiB
     gateway refuses nothing, also after restarts and on sleepers' next wakes. Without ACLs anyone
     can forge an advertisement: one is never taken below `floor` (16 KiB) nor above the link's

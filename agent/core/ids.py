@@ -1,4 +1,4 @@
-"""Identifier text forms (wire-profile.md §1): site_id, mesh_id, event_id and HLC."""
+"""Identifier text forms (docs/protocol.md §0 "Identifiers"): site_id, mesh_id, event_id and HLC."""
 from __future__ import annotations
 
 import re
@@ -20,7 +20,7 @@ HLC_PHYSICAL_MAX = 2**63 - 1  # what the store (SQLite, signed 64-bit) holds of 
 
 
 class IdFormatError(ValueError):
-    """A text id or HLC that does not have its wire-profile.md §1 form."""
+    """A text id or HLC that does not have its docs/protocol.md §0 form."""
 
 
 def parse_site_id(text: Any, what: str = "site_id") -> bytes:

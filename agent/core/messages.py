@@ -1,4 +1,4 @@
-"""SSP/1 messages (§30-§34, wire-profile.md §4): strict parse, deterministic emit.
+"""SSP/1 messages (§30-§34, docs/protocol.md §0 "Messages"): strict parse, deterministic emit.
 
 A message is a handshake or a sync body according to its member set; anything else is
 rejected with a stable reason (§32.2: a malformed body never becomes an empty one)."""
@@ -65,7 +65,7 @@ def _site(v: Any, what: str) -> bytes:
 # Integers that reach the store are bounded by what SQLite holds (signed 64-bit), not by the
 # wire's uint64: an HLC of 2**63 would pass a uint64 check and crash the store.
 # The strict decoder refuses such integers first (`int_out_of_range`); these checks say it again
-# where the value is used. hlc_logical is a uint32 (wire-profile.md §1).
+# where the value is used. hlc_logical is a uint32 (docs/protocol.md §0 "Identifiers").
 HLC_PHYSICAL_MAX = INT64_MAX
 
 

@@ -1,4 +1,4 @@
-"""Control records (the sync body's `records` member; wire-profile.md §3, scope excerpt §1.3).
+"""Control records (the sync body's `records` member; docs/protocol.md §0 "Control records", scope §1.3).
 
 Role assignment, vouch and retire records: tagged COSE_Sign1, alg EdDSA, kid = issuer site_id,
 external_aad = mesh_id, deterministic CBOR payload, chained per (kind, subject) by `generation`
