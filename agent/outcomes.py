@@ -40,7 +40,7 @@ def counts(outcomes: list[Outcome]) -> dict[str, int]:
 
 
 def to_json(v: Any) -> Any:
-    """The JSON form used by every output (cli-contract.md dump): bytes as {"$bytes": hex}."""
+    """The JSON form used by every output (docs/cli.md, `dump`): bytes as {"$bytes": hex}."""
     if isinstance(v, (bytes, bytearray)):
         return {"$bytes": bytes(v).hex()}
     if isinstance(v, dict):

@@ -1,5 +1,5 @@
 """Simulated peers for the demo, tests and benchmarks: a site with a raw Ed25519 key that
-signs events exactly as a real producer does (wire-profile.md §2), without a keystore.
+signs events exactly as a real producer does (docs/protocol.md §0 "Change events"), without a keystore.
 Never used by a running node."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ NOTES_TABLE = '\n[[tables]]\nschema = "app"\nname = "notes"\ncategory = "syncabl
 
 
 def manifest_text(mesh_id: bytes, tables: str, peers: "list[SimPeer]" = ()) -> str:
-    """A provisioning manifest (cli-contract.md `init`) for `tables`, trusting `peers`."""
+    """A provisioning manifest (docs/cli.md "The manifest") for `tables`, trusting `peers`."""
     return f'mesh_id = "{mesh_id.hex()}"\n' + "".join(p.manifest_peer() for p in peers) + tables
 
 

@@ -1,6 +1,6 @@
 """Hardware keystore bridge: keystores behind one interface, and persist-before-release.
 
-Imports nothing from ``agent`` (architecture.md).  See docs/keystore.md.
+Imports nothing from ``agent`` (tests/core/test_layout.py).  See docs/keystore.md.
 """
 from .bridge import SigningBridge, Status
 from .errors import (DeviceProtocolError, DeviceRefused, DeviceTimeout, JournalBusy, JournalCorrupt, JournalError,

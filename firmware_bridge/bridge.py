@@ -15,7 +15,7 @@ return value of this class's methods, after (c); there is no public path to a ba
 the unsafe order cannot be written with this API.
 
 An identity with a durable intent and no durable output raises ``OutcomeUnknown`` for ever:
-events tick their HLC and sign a new identity (wire-profile.md §2); receipts take the §22.6
+events tick their HLC and sign a new identity (docs/protocol.md §0, "No re-signing"); receipts take the §22.6
 "epoch advanced, receipt absent" discontinuity path.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ from .errors import KeystoreError, OutcomeUnknown, UnsupportedAlgorithm
 from .identity import DiscontinuityIdentity, EventIdentity, Identity, ReceiptIdentity, decode_identity
 from .journal import INTENT, RELEASED, FileOps, Journal
 from .keystore import Keystore
+from .sealing import Sealer
 from .verify import verify_ed25519, verify_p256
 
 Assemble = Callable[[bytes], bytes]
@@ -53,7 +54,7 @@ def _unknown_message(identity: Identity) -> str:
                 "released and is never signed again: the sequencer signs the same statement under the next attempt.")
     return (f"{identity}: a signing intent was recorded but no event was persisted, or the journal was compacted "
             "past it (then its output, if any, was recorded by the agent). This HLC is spent: tick "
-            "the HLC above bridge.max_event_hlc(site_id) and sign a new event (wire-profile.md §2); "
+            "the HLC above bridge.max_event_hlc(site_id) and sign a new event (SSP/1 §13.5); "
             "never re-sign this one.")
 
 
@@ -65,7 +66,8 @@ class SigningBridge:
     """Persist-before-release around a Keystore.  Thread-safe; concurrent callers share fsyncs."""
 
     def __init__(self, keystore: Keystore, journal_path: str, *,
-                 fault_hook: Optional[Hook] = None, file_ops: Optional[FileOps] = None, sealer=None) -> None:
+                 fault_hook: Optional[Hook] = None, file_ops: Optional[FileOps] = None,
+                 sealer: Optional[Sealer] = None) -> None:
         """``fault_hook`` and ``file_ops`` are test seams (named crash points, lost-fsync shims);
         production passes neither. ``sealer`` (sealing.Sealer): the journal keeps its outputs
         sealed at rest (docs/reliability.md "At rest"); the bytes returned are the clear ones."""
@@ -138,7 +140,7 @@ class SigningBridge:
         return self._public(key_name)[1]
 
     def max_event_hlc(self, site_id: bytes) -> Optional[tuple[int, int]]:
-        """Highest HLC ever *intended* for ``site_id``: the clock resumes above it (wire-profile §2)."""
+        """Highest HLC ever *intended* for ``site_id``: the clock resumes above it (SSP/1 §13.5)."""
         return self._journal.max_event_hlc(site_id)
 
     def receipt_groups(self) -> dict:
@@ -216,9 +218,10 @@ class SigningBridge:
                     t = self._claim(list(items))
                 except BaseException as exc:
                     failure = failure or exc
-            records = [(RELEASED, ident, out) for ident, out in done]
+            records: list[tuple[int, bytes, bytes | str]] = [(RELEASED, ident, out) for ident, out in done]
             intents = t is not None and bool(t.todo) and failure is None
             if intents:
+                assert t is not None  # `intents` says so
                 records += [(INTENT, t.idents[k], t.items[k][1]) for k in t.todo]
             if records:
                 self._journal.commit(records)
@@ -231,6 +234,7 @@ class SigningBridge:
                 finish.results.update(done)
                 outs = [finish.results[i] for i in finish.idents]
             if intents:
+                assert t is not None
                 self._fire("after_intent")
                 # sign in identity order (a serial device refuses identities at/below its last one)
                 t.order = sorted(t.todo, key=lambda k: t.idents[k])

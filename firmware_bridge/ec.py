@@ -1,6 +1,6 @@
 """P-256 helpers shared by the backends: point compression and signature re-encoding.
 
-wire-profile.md §6 / SOVM §22.5: the sequencer key is registered and compared only as the
+docs/protocol.md §0 "Sequencing receipts" / SOVM §22.5: the sequencer key is registered and compared only as the
 33-byte compressed SEC1 point; receipt signatures are COSE ES256, i.e. raw r||s (64 bytes).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One exception hierarchy for every keystore and bridge fault (architecture.md "Errors").
+"""One exception hierarchy for every keystore and bridge fault (docs/keystore.md "The interface").
 
 Local faults have their own types, never mixed with protocol errors from peers.  Every message
 says what was wrong and what to do about it, and never contains key material or a PIN.

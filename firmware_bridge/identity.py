@@ -1,7 +1,7 @@
 """Signing identities and their canonical byte encoding.
 
-An event's identity is (site_id, HLC) (wire-profile.md §1/§2); a receipt's identity is
-(group_id, epoch) (SOVM §22.5, wire-profile.md §6).  The same byte encoding is used as the
+An event's identity is (site_id, HLC) (docs/protocol.md §0 "Identifiers", "Change events"); a receipt's identity is
+(group_id, epoch) (SOVM §22.5, docs/protocol.md §0).  The same byte encoding is used as the
 journal key and on the serial line, so the device can enforce its own refusal (§22.5 clause 2).
 
 Encoding (big-endian):
@@ -21,7 +21,7 @@ _U32 = (1 << 32) - 1
 
 @dataclass(frozen=True, order=True)
 class EventIdentity:
-    """A change event: the producer's site_id and the HLC it signs under (wire-profile.md §2)."""
+    """A change event: the producer's site_id and the HLC it signs under (docs/protocol.md §0 "Change events")."""
 
     site_id: bytes
     physical_ms: int
@@ -29,7 +29,7 @@ class EventIdentity:
 
     def __post_init__(self) -> None:
         if not isinstance(self.site_id, bytes) or len(self.site_id) != 16:
-            raise ValueError("EventIdentity.site_id must be exactly 16 bytes (wire-profile.md §1)")
+            raise ValueError("EventIdentity.site_id must be exactly 16 bytes (docs/protocol.md §0)")
         if not (isinstance(self.physical_ms, int) and 0 <= self.physical_ms <= _U64):
             raise ValueError("EventIdentity.physical_ms must be a uint64")
         if not (isinstance(self.logical, int) and 0 <= self.logical <= _U32):

@@ -54,12 +54,12 @@ import sys
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, cast
 
 from .errors import JournalBusy, JournalCorrupt, JournalError
 from .fsutil import fsync_dir
-from .identity import EventIdentity, ReceiptIdentity, decode_identity, encode_receipt_identity
-from .sealing import key_id_of
+from .identity import DiscontinuityIdentity, EventIdentity, ReceiptIdentity, decode_identity, encode_receipt_identity
+from .sealing import Sealer, key_id_of
 
 MAGIC = b"SSPJRNL1"
 INTENT = 1
@@ -67,6 +67,10 @@ RELEASED = 2
 FLOOR = 3
 SEALED = 4     # a RELEASED record whose output is sealed at rest (sealing.py)
 _RELEASED_TYPES = (RELEASED, SEALED)
+# where an output is in the file: (offset, length), with a third member (1) when it is sealed
+Loc = tuple[int, ...]
+Recorded = Callable[[EventIdentity], bool]           # ``compact``'s ``recorded``
+ReceiptsBelow = Callable[[bytes], Optional[int]]     # ``compact``'s ``receipts_below``
 _HDR = struct.Struct(">II")
 _BH = struct.Struct(">BH")
 _I = struct.Struct(">I")
@@ -199,7 +203,7 @@ def _receipt_parts(ident: bytes) -> Optional[tuple[bytes, int]]:
 
 
 @contextlib.contextmanager
-def _mapped(fd: int, size: int, path: str):
+def _mapped(fd: int, size: int, path: str) -> Iterator[memoryview]:
     """The first ``size`` bytes of ``fd`` (the journal at ``path``) as a memoryview, mapped
     read-only (the page cache, not a copy on the heap: a journal is megabytes); read into memory
     where the file cannot be mapped (a file shorter than ``size`` cannot: JournalError)."""
@@ -340,7 +344,7 @@ class Journal:
     """Durable intents and released bytes, indexed in memory by identity encoding."""
 
     def __init__(self, path: str, *, ops: Optional[FileOps] = None, hook: Optional[Hook] = None,
-                 sealer=None) -> None:
+                 sealer: Optional[Sealer] = None) -> None:
         """``sealer`` (sealing.Sealer): outputs are written sealed (type SEALED) and opened on
         read; without it, clear (RELEASED), and a SEALED record cannot be read (JournalError)."""
         self.path = os.path.abspath(path)
@@ -351,7 +355,7 @@ class Journal:
         self._cond = threading.Condition(self._lock)
         # ident -> None (intent only) or (offset, length) of the released COSE bytes, or
         # (offset, length, 1) of their sealed form
-        self._index: dict[bytes, Optional[tuple[int, int]]] = {}
+        self._index: dict[bytes, Optional[Loc]] = {}
         self._max_hlc: dict[bytes, tuple[int, int]] = {}
         self._max_epoch: dict[bytes, int] = {}
         self._floor: dict[bytes, tuple[int, int]] = {}   # site_id -> HLC floor (FLOOR records)
@@ -441,7 +445,7 @@ class Journal:
         self._tail = pos
         return fd
 
-    def _apply(self, rtype: int, ident: bytes, loc: Optional[tuple[int, int]], key: Optional[str] = None) -> None:
+    def _apply(self, rtype: int, ident: bytes, loc: Optional[Loc], key: Optional[str] = None) -> None:
         if rtype == INTENT:
             self._index.setdefault(ident, None)
             self._key_of.setdefault(ident, sys.intern(key or ""))
@@ -496,7 +500,7 @@ class Journal:
             pos += rlen
 
     # -- group commit -----------------------------------------------------------------------
-    def commit(self, records: Iterable[tuple[int, bytes, object]]) -> None:
+    def commit(self, records: Iterable[tuple[int, bytes, Any]]) -> None:
         """Durably append records [(type, ident, key_name | cose)]; return once fsynced."""
         records = list(records)
         if self._sealer is not None:
@@ -507,14 +511,15 @@ class Journal:
                 blobs = self._sealer.seal_many([sealed_ad(i) for _, i, _ in released], [o for _, _, o in released])
                 for (k, ident, _), blob in zip(released, blobs):
                     records[k] = (SEALED, ident, blob)
-        recs, effs = [], []
+        recs: list[bytes] = []
+        effs: list[tuple[int, bytes, int, Optional[int], Optional[str]]] = []
         for rtype, ident, arg in records:
             if rtype == INTENT:
-                rec = encode_intent(ident, arg)  # type: ignore[arg-type]
+                rec = encode_intent(ident, arg)
                 effs.append((rtype, ident, len(rec), None, arg))
             else:
-                rec = encode_output(rtype, ident, arg)  # type: ignore[arg-type]
-                effs.append((rtype, ident, len(rec), len(arg), None))  # type: ignore[arg-type]
+                rec = encode_output(rtype, ident, arg)
+                effs.append((rtype, ident, len(rec), len(arg), None))
             recs.append(rec)
         with self._cond:
             self._check()
@@ -668,6 +673,7 @@ class Journal:
             with _mapped(old_fd, old_size, self.path) as view:
                 dropped = stale = 0
                 if tail is not None:
+                    assert base is not None and receipts_below is not None  # _tail_after: a tail has both
                     try:
                         parts, new_index, new_keys, intents, receipts_dropped, stale = self._rewrite_tail(
                             view, old_size, base, tail, index, key_of, busy, receipts_below, receipt_floors)
@@ -733,8 +739,8 @@ class Journal:
                 "bytes_before": old_size, "bytes_after": size, "full": tail is None}
 
     @staticmethod
-    def _tail_after(base: Optional[_Base], idents: list, size: int, recorded, receipts_below,
-                    floors: dict[bytes, int]) -> Optional[list]:
+    def _tail_after(base: Optional[_Base], idents: list, size: int, recorded: Optional[Recorded],
+                    receipts_below: Optional[ReceiptsBelow], floors: dict[bytes, int]) -> Optional[list]:
         """The identities added since the last compaction, when only they are to be rewritten:
         receipts only (no events to weigh), the base written by a compaction since this open (so
         with every output under this journal's data key, where it has one: a full rewrite seals
@@ -748,12 +754,13 @@ class Journal:
         moving = {i[3:-8] for i in tail if i[0] == 0x52}
         return tail if base.stale + sum(g in floors for g in moving) <= STALE_SHARE * base.count else None
 
-    def _rewrite_all(self, view, old_size: int, idents: list, index: dict, key_of: dict, busy: set,
-                     recorded, receipts_below, floors: dict, receipt_floors: dict) -> tuple:
+    def _rewrite_all(self, view: memoryview, old_size: int, idents: list, index: dict, key_of: dict, busy: set,
+                     recorded: Optional[Recorded], receipts_below: Optional[ReceiptsBelow], floors: dict,
+                     receipt_floors: dict) -> tuple:
         """The whole file anew: MAGIC, the floors, every kept identity (``compact``). Also returns
         the identities it wrote with an intent and no output (the new base's)."""
         out = bytearray(MAGIC)
-        new_index: dict[bytes, Optional[tuple[int, int]]] = {}
+        new_index: dict[bytes, Optional[Loc]] = {}
         new_keys: dict[bytes, str] = {}
         if recorded is not None:
             for site, hlc in sorted(floors.items()):
@@ -772,6 +779,7 @@ class Journal:
                 continue
             loc = index[ident]
             if recorded is not None and ident[:1] == b"E":
+                # a b"E" identity decodes to an EventIdentity
                 keep = (ident in busy) if loc is None else not recorded(decode_identity(ident))  # type: ignore[arg-type]
                 if not keep:
                     dropped += 1
@@ -780,8 +788,8 @@ class Journal:
         intents = self._write_entries(view, old_size, out, 0, entries, key_of, new_index, new_keys, True)
         return out, new_index, new_keys, intents, dropped, len(drop_receipts)
 
-    def _rewrite_tail(self, view, old_size: int, base: _Base, tail: list, index: dict, key_of: dict, busy: set,
-                      receipts_below, receipt_floors: dict) -> tuple:
+    def _rewrite_tail(self, view: memoryview, old_size: int, base: _Base, tail: list, index: dict, key_of: dict,
+                      busy: set, receipts_below: ReceiptsBelow, receipt_floors: dict) -> tuple:
         """The base byte for byte, then the floors that rose and what is kept of the identities
         added since (``compact``): its cost follows what came since the last compaction, not every
         group ever signed for. The base's entries of groups that moved on stay in the file and the
@@ -829,7 +837,7 @@ class Journal:
         intents += self._write_entries(view, old_size, out, base.end, kept, key_of, new_index, new_keys, True)
         return (head, bytes(out)), new_index, new_keys, intents, len(drop), stale
 
-    def _write_entries(self, view, old_size: int, out: bytearray, origin: int, entries: list, key_of: dict,
+    def _write_entries(self, view: memoryview, old_size: int, out: bytearray, origin: int, entries: list, key_of: dict,
                        new_index: dict, new_keys: dict, with_intent: bool) -> list:
         """Append each (identity, location) entry's intent record (``with_intent``) and its output
         record to ``out`` (which starts at offset ``origin`` of the new file), setting its new
@@ -919,14 +927,14 @@ class Journal:
     def sealed(self) -> bool:
         return self._sealer is not None
 
-    def released_items(self) -> list[tuple[bytes, tuple[int, int]]]:
+    def released_items(self) -> list[tuple[bytes, Loc]]:
         """[(ident, (offset, length))] of every durable output, in journal (= persist) order.
         Offsets are only valid until the next compaction: read through ``read_released``."""
         with self._lock:
             items = [(i, loc) for i, loc in self._index.items() if loc is not None]
         return sorted(items, key=lambda x: x[1][0])
 
-    def read_at(self, loc: tuple[int, int]) -> bytes:
+    def read_at(self, loc: Loc) -> bytes:
         """The stored bytes at ``loc`` (sealed ones as stored: read through ``read_released``)."""
         with self._lock:
             self._check()
@@ -954,7 +962,7 @@ class Journal:
                 if parts is not None:
                     held.setdefault(parts[0], []).append(parts[1])
             elif i[0] == 0x44:          # b"D": a discontinuity statement (identity.py)
-                d = decode_identity(i)
+                d = cast(DiscontinuityIdentity, decode_identity(i))  # what a b"D" identity decodes to
                 stated.setdefault(d.group_id, {}).setdefault(d.epoch, []).append(d.attempt)
         out = {}
         for gid in set(held) | set(stated) | set(floors):

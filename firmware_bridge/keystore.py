@@ -1,4 +1,4 @@
-"""The abstract keystore interface (issue 5 item 1; architecture.md: the agent's `Signer`).
+"""The abstract keystore interface (docs/keystore.md "The interface").
 
 A keystore holds named keys that were generated inside it and never leave it.  It exports public
 keys and signs — but raw signing is the private ``_sign`` method: the only public way to obtain a
@@ -10,7 +10,7 @@ import os
 import re
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Generator, Optional, Sequence
 
 from .errors import KeystoreError, KeystoreUnavailable, UnsupportedAlgorithm
 from .identity import Identity
@@ -59,7 +59,8 @@ class Keystore(ABC):
 
     @abstractmethod
     def public_key(self, name: str) -> bytes:
-        """Ed25519: 32 raw bytes.  P-256: 33-byte compressed SEC1 (§22.5, wire-profile.md §6)."""
+        """Ed25519: 32 raw bytes.  P-256: 33-byte compressed SEC1 (SOVM §22.5, docs/protocol.md §0
+        "Sequencing receipts")."""
 
     @abstractmethod
     def algorithm(self, name: str) -> str:
@@ -95,7 +96,7 @@ class Keystore(ABC):
                 return sigs, exc
         return sigs, None
 
-    def _sign_chunks(self, requests: Sequence[tuple[str, Identity, bytes]]) -> Iterator[list[bytes]]:
+    def _sign_chunks(self, requests: Sequence[tuple[str, Identity, bytes]]) -> Generator[list[bytes], None, None]:
         """``_sign_many`` as it goes: the signatures of ``requests`` in order, in consecutive
         chunks; a failure is raised after the chunks of the prefix before it. A backend that signs
         in another process yields one chunk while that process makes the next, so the bridge checks
@@ -178,7 +179,8 @@ class KeystoreConfigError(ValueError):
 
 # the fields each kind needs, and the type of every field a kind reads (docs/keystore.md)
 _NEEDS = {"software": (), "pkcs11": ("module", "token_label"), "serial": ("port",)}
-_TYPES: dict[str, type | tuple] = {"dir": str, "module": str, "token_label": str, "pin": str, "pin_env": str,
+_TYPES: dict[str, Any] = {  # a type or a tuple of types: what isinstance takes
+   "dir": str, "module": str, "token_label": str, "pin": str, "pin_env": str,
                                    "pin_file": str, "port": str, "env": dict, "baud": int, "timeout_s": (int, float)}
 
 
@@ -210,6 +212,6 @@ def check_config(config: object) -> dict[str, Any]:
     return dict(config)
 
 
-def _type_name(want) -> str:
+def _type_name(want: type | tuple) -> str:
     names = {str: "a string", dict: "an object", int: "a whole number", (int, float): "a number"}
     return names.get(want, str(want))

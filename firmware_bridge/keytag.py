@@ -16,10 +16,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from .errors import DeviceTimeout, KeyExists, KeystoreError, KeystoreUnavailable
 from .fsutil import atomic_write
+
+if TYPE_CHECKING:
+    from .keystore import Keystore
 
 TAG_BYTES = 16
 
@@ -82,7 +85,7 @@ def read_record(path: Path) -> Optional[dict[str, Any]]:
     return got if valid(got) else None
 
 
-def generate_or_take_up(ks, name: str, alg: str, path: Path, kind: str,
+def generate_or_take_up(ks: Keystore, name: str, alg: str, path: Path, kind: str,
                         own_directory: bool = False) -> tuple[bytes, bool]:
     """Key ``name`` for an init whose record file is ``path`` (a file of its own; the node keeps
     its record inside its init marker instead): the record written first (or the one a cut-short

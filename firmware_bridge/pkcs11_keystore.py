@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Generator, Optional, Sequence
 
 import cbor2
 
@@ -251,6 +251,7 @@ class Pkcs11Keystore(Keystore):
         if proc is not None:
             proc.kill()
             proc.wait()
+            assert proc.stdin is not None  # a pipe
             try:
                 proc.stdin.close()
             except OSError:
@@ -327,7 +328,7 @@ class Pkcs11Keystore(Keystore):
             chunks.close()
         return sigs, None
 
-    def _sign_chunks(self, requests: Sequence[tuple[str, Identity, bytes]]) -> Iterator[list[bytes]]:
+    def _sign_chunks(self, requests: Sequence[tuple[str, Identity, bytes]]) -> Generator[list[bytes], None, None]:
         """A group commit's signatures in round trips of up to SIGN_MANY_CHUNK to the worker (the
         pipe round trip costs about as much as a SoftHSM2 signature); the token signs in order.
         The next chunk is sent before this one is verified and yielded, so the token signs it
@@ -582,6 +583,7 @@ class Pkcs11Keystore(Keystore):
             proc.kill()
             proc.wait()
             for f in (proc.stdin, proc.stdout):
+                assert f is not None  # pipes
                 try:
                     f.close()
                 except OSError:

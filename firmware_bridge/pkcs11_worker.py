@@ -233,12 +233,14 @@ class Worker:
         from .verify_worker import encode_items
         body = encode_items(items)
         data = memoryview(struct.pack(">IQQ", len(body) + 16, seq, batch) + body)
+        copies = self.copies
+        assert copies is not None  # a copy is made only with the pipe
         try:
             while data:
-                data = data[os.write(self.copies, data):]
+                data = data[os.write(copies, data):]
             return True
         except OSError:   # BlockingIOError, BrokenPipeError
-            os.close(self.copies)
+            os.close(copies)
             self.copies = None
             return False
 

@@ -62,7 +62,7 @@ def is_sealed(blob: bytes) -> bool:
     return len(blob) >= OVERHEAD and blob[0] == VERSION
 
 
-def key_id_of(blob: bytes) -> int:
+def key_id_of(blob: bytes | memoryview) -> int:
     return HEADER.unpack_from(blob, 0)[1]
 
 

@@ -53,9 +53,10 @@ class SerialKeystore(Keystore):
         self.device_id = hello.device_id.hex()
 
     # -- request / reply ----------------------------------------------------------------------
-    def _request(self, op: int, body: bytes):
+    def _request(self, op: int, body: bytes) -> Any:
         """Send one request and return its reply, parsed by the reply boundary
-        (`serial_protocol.parse_reply`: a DeviceProtocolError for anything malformed)."""
+        (`serial_protocol.parse_reply`: a DeviceProtocolError for anything malformed); Any: the
+        reply class `parse_reply` gives is the one of `op`."""
         with self._lock:
             self._req = (self._req + 1) & 0xFFFF or 1
             req_id = self._req

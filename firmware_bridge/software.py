@@ -13,7 +13,7 @@ import json
 import os
 import stat
 import threading
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import nacl.bindings
 import nacl.exceptions
@@ -23,6 +23,11 @@ from .errors import KeyExists, KeyNotFound, KeystoreError, KeystoreUnavailable
 from .fsutil import fsync_dir
 from .identity import Identity
 from .keystore import MAX_SEAL_BYTES, Keystore, check_alg, check_key_name, check_tag
+
+if TYPE_CHECKING:   # imported where first used: an Ed25519-only node never loads them
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 _SUFFIX = ".key"
 # link(2) refused by a filesystem without hard links (FAT, exFAT: an authority on a USB stick)
@@ -69,7 +74,7 @@ class _Key:
         return f"<key {self.alg}>"
 
 
-def _p256_private(secret: bytes):
+def _p256_private(secret: bytes) -> ec.EllipticCurvePrivateKey:
     # cryptography only where P-256 is used (issue 15 item 3: an Ed25519-only node never loads it)
     from cryptography.hazmat.primitives.asymmetric import ec
     return ec.derive_private_key(int.from_bytes(secret, "big"), ec.SECP256R1())
@@ -249,7 +254,7 @@ class KeyDir:
         return secret
 
 
-def _read_private(path: str, what: str, name: str, limit: int, missing) -> bytes:
+def _read_private(path: str, what: str, name: str, limit: int, missing: Callable[[], str]) -> bytes:
     """A key file's bytes: never through a symlink, refused when group or others can reach it
     (the file is the key); `missing()` says what to do when it is absent."""
     try:
@@ -296,7 +301,7 @@ class SoftwareKeystore(Keystore):
     def __init__(self, directory: str, *, sign_threads: Optional[int] = None) -> None:
         self._keys = KeyDir(directory)
         self._threads = max(1, min(4, os.cpu_count() or 1) if sign_threads is None else sign_threads)
-        self._pool = None   # a ThreadPoolExecutor, made for the first large batch
+        self._pool: Optional[ThreadPoolExecutor] = None   # made for the first large batch
         self._pool_lock = threading.Lock()
         self._workers: dict[str, "_SignProcess"] = {}   # P-256 signing processes, per key name
 
@@ -400,7 +405,7 @@ class SoftwareKeystore(Keystore):
             return sigs, None
         return wait
 
-    def _worker_pool(self):
+    def _worker_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
                 from concurrent.futures import ThreadPoolExecutor
@@ -447,6 +452,7 @@ class _SignProcess:
             self._proc = subprocess.Popen([sys.executable, "-m", "firmware_bridge.sign_worker", directory, name],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=root,
                                           close_fds=True)
+            assert self._proc.stdin is not None and self._proc.stdout is not None  # pipes
             self._wfd = self._proc.stdin.fileno()
             self._rfd = self._proc.stdout.fileno()
             if os.read(self._rfd, 1) != b"R":
@@ -505,6 +511,7 @@ class _SignProcess:
         if proc is None:
             return
         for f in (proc.stdin, proc.stdout):
+            assert f is not None  # pipes
             try:
                 f.close()
             except OSError:

@@ -1,20 +1,24 @@
 """Signature verification entry points with one accept set each.
 
-- Ed25519: libsodium ``crypto_sign_verify_detached`` semantics through PyNaCl (wire-profile.md §2,
+- Ed25519: libsodium ``crypto_sign_verify_detached`` semantics through PyNaCl (docs/protocol.md §13,
   "One accept set for signatures").
-- P-256 receipts (ES256, wire-profile.md §6): IEEE P1363 raw r||s, exactly 64 bytes, r and s in
+- P-256 receipts (ES256, docs/protocol.md §0 "Sequencing receipts"): IEEE P1363 raw r||s, exactly 64 bytes, r and s in
   [1, n-1]; public key as SEC1 compressed (33) or uncompressed (65) bytes.  Pinned by the
   Wycheproof ecdsa_secp256r1_sha256_p1363 vectors in tests/bridge.
 """
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING, Callable
 
 import nacl.exceptions
 import nacl.signing
 
 # cryptography is imported on the first P-256 verification only: a node that signs and verifies
 # Ed25519 events never loads it (issue 15 item 3, start-up of `write` and `sync --once`).
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric import ec
+
 P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
 
 
@@ -70,7 +74,7 @@ def verify_p256_digest(public_key: bytes, digest: bytes, signature: bytes) -> bo
 
 
 @lru_cache(maxsize=1)
-def _prehashed():
+def _prehashed() -> tuple[type[Exception], Callable[[int, int], bytes], ec.ECDSA]:
     """What verify_p256_digest needs from cryptography, imported once (it runs in a loop)."""
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives import hashes
@@ -80,7 +84,7 @@ def _prehashed():
 
 
 @lru_cache(maxsize=256)
-def _p256_key(public_key: bytes):
+def _p256_key(public_key: bytes) -> ec.EllipticCurvePublicKey:
     """Decoding a point costs about a third of a verification; a sequencer's or a member's checks
     are under a handful of keys. A point that does not decode raises (never cached)."""
     from cryptography.hazmat.primitives.asymmetric import ec

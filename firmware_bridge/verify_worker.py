@@ -35,6 +35,7 @@ import os
 import select
 import struct
 import sys
+from typing import Iterable
 
 from .fsutil import write_all
 from .pipes import read_exact
@@ -49,7 +50,7 @@ def encode_key(name: str, key: bytes) -> bytes:
     return bytes([len(n)]) + n + bytes([len(key)]) + key
 
 
-def encode_items(items) -> bytes:
+def encode_items(items: Iterable[tuple[bytes, bytes, bytes]]) -> bytes:
     """The body of a copy from (name bytes, digest, signature) triples (the worker sends it; the
     keystore's process hashes the same body to bind a verdict to its own data)."""
     pack = struct.Struct(">H").pack

@@ -55,7 +55,7 @@ SERIAL_CODES = SESSION_CODES - {R.TOO_LARGE}
 # MQTT v5 properties) and no handshake-before-body order (presence is retained, not a step).
 MQTT_CODES = MESSAGE_CODES | {R.TOO_LARGE, R.SENDER_MISMATCH, R.REALTIME_NOT_ESTABLISHED, R.BAD_FRAME_META,
                               R.UNKNOWN_KIND, R.HANDSHAKE_SITE_MISMATCH, R.NOT_A_HANDSHAKE}
-# Mailbox files: refused on stderr with exit 2 and nothing stored (cli-contract.md "mailbox import").
+# Mailbox files: refused on stderr with exit 2 and nothing stored (docs/protocol.md §6, docs/cli.md exit status 2).
 MAILBOX_CODES = MESSAGE_CODES | {R.TOO_LARGE}
 # A serial link incarnation that ends (docs/serial.md "State machine"): kind `link_lost`, not a
 # refused message; the session on it is dropped and the next incarnation starts a new one.

@@ -1,4 +1,4 @@
-"""All SQL lives in agent/store/ (docs/architecture.md "Layers"): a guard that fails when SQL
+"""All SQL lives in agent/store/: a guard that fails when SQL
 statement text appears in a module outside it.
 
 SQL is recognised in string literals (f-string parts included, docstrings excluded) by the shape

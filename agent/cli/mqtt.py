@@ -1,4 +1,4 @@
-"""`ssp-agent sync --broker mqtt://HOST:PORT [--once]` and `ssp-agent run` (cli-contract.md).
+"""`ssp-agent sync --broker mqtt://HOST:PORT [--once]` and `ssp-agent run` (docs/cli.md "Sync").
 
 Without --broker (nor SSP_MQTT_BROKER, nor [mqtt] broker), `sync --once` is refused (it would
 sync with nobody); `run` starts a private mosquitto on a free loopback port for the duration of

@@ -1,5 +1,5 @@
 """`ssp-agent sync --serial PORT [--baud N] [--once]` and the serial ports of `ssp-agent run
---serial PORT [--serial PORT ...] [--broker URL ...]` (cli-contract.md "sync over a serial line";
+--serial PORT [--serial PORT ...] [--broker URL ...]` (docs/cli.md "Sync";
 docs/serial.md). The parser and `run` are agent/cli/mqtt.py's (`sync` and `run` take --broker and
 --serial; `run` goes through the one runtime loop, agent/runtime.py, whatever it serves: one
 line, several (a gateway), and MQTT beside them when --broker is given); this module checks the

@@ -1,4 +1,4 @@
-"""CLI verbs of the sync layer (cli-contract.md): `mailbox export`, `policy`, `record`.
+"""CLI verbs of the sync layer (docs/cli.md "Sync", "Trust and policy"): `mailbox export`, `policy`, `record`.
 Registered into agent/cli/__init__.py's parser by `register(sub, mailbox_sub)`."""
 from __future__ import annotations
 

@@ -353,7 +353,9 @@ class ReleasedAcks:
     def get(self, sender: bytes, answer: AckAnswer, key: Any) -> bytes | None:
         self._check_key(key)
         kept = self._by_sender.get(sender)
-        raw = kept.pop(answer, None) if kept else None
+        if not kept:
+            return None
+        raw = kept.pop(answer, None)
         if raw is not None:
             kept[answer] = raw  # most recently used last
         return raw
@@ -416,6 +418,7 @@ class Intake:
         """Queue `item`, or return True: handle it now. `from_member`: the request's sender (the
         presence's site) is in the keyring."""
         if kind == "req" and from_member:
+            assert sender is not None  # a keyring site
             self.members.setdefault(sender, deque()).append(item)
             self.held += self._size(item)
             return False

@@ -1,4 +1,4 @@
-"""The catch-and-classify guard every boundary parser wears (architecture.md "Errors").
+"""The catch-and-classify guard every boundary parser wears (docs/protocol.md §11 "Boundaries and limits").
 
 A boundary parser turns bytes from outside (a sync body, a handshake, a presence payload, the
 frame meta, a mailbox file, an event, a control record, a session frame) into a value or refuses
@@ -11,7 +11,7 @@ message can never crash the loop that received it, nor crash it again when redel
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, cast
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -21,7 +21,8 @@ UNCLASSIFIED = "unclassified"
 def classified(refusal: Callable[[str, str], BaseException], *designated: type[BaseException]) -> Callable[[F], F]:
     """Decorate a boundary parser: it returns its value or raises one of `designated` (by
     default the type `refusal` builds); any other Exception becomes `refusal(UNCLASSIFIED, what)`."""
-    kinds = designated or (refusal,)  # type: ignore[assignment]
+    # without `designated`, `refusal` is the exception class itself
+    kinds: tuple[type[BaseException], ...] = designated or (cast("type[BaseException]", refusal),)
 
     def deco(fn: F) -> F:
         @functools.wraps(fn)

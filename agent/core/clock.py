@@ -1,4 +1,4 @@
-"""Hybrid logical clock (§13.1 order, §13.5 no-reuse, wire-profile.md §1-§2).
+"""Hybrid logical clock (§13.1 order, §13.5 no-reuse, docs/protocol.md §0).
 
 Pure: the wall clock is always passed in as `now_ms`. Durability is expressed as a
 *ceiling*: the clock never issues a physical component above `ceiling` without the
@@ -15,7 +15,7 @@ SKEW_BOUND_MS = 300_000  # §12 step 2
 CEILING_WINDOW_MS = 10_000  # how far ahead one durable ceiling write lets the clock run
 
 # A clock value with its tiebreak: (physical_ms, logical, site_id). Tuples compare
-# lexicographically, which is exactly the §13.1 total order (wire-profile.md §1).
+# lexicographically, which is exactly the §13.1 total order (docs/protocol.md §0 "Identifiers").
 Stamp = tuple[int, int, bytes]
 
 

@@ -1,4 +1,4 @@
-"""Deterministic CBOR (RFC 8949 §4.2.1) and the one strict decoder (wire-profile.md §2).
+"""Deterministic CBOR (RFC 8949 §4.2.1) and the one strict decoder (docs/protocol.md §0 "Change events").
 
 Every map in our wire formats has keys of one kind (all text or all unsigned
 integers), where cbor2's length-first canonical order equals the bytewise order of
@@ -68,7 +68,7 @@ def prescan(data: bytes, allowed_tags: frozenset[int] = frozenset(), *, max_dept
             max_items: int = MAX_ITEMS, max_bytes: int = MAX_BYTES, finite_floats: bool = True) -> None:
     """Walk the CBOR item heads of `data` (major type, additional info, argument) without
     building anything, in time linear in len(data), and refuse what SSP never carries before
-    cbor2 sees it (wire-profile.md §2 "a strict decoder"):
+    cbor2 sees it (docs/protocol.md §0, "strict decoder"):
 
     - any tag not in `allowed_tags`, and an allowed tag anywhere but on the outermost item (so
       value sharing, tags 28/29, which turns a few hundred bytes into a graph walked as a tree

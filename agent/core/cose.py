@@ -1,4 +1,4 @@
-"""COSE_Sign1 (RFC 9052 §4.2) exactly as wire-profile.md §2: tag 18, empty unprotected
+"""COSE_Sign1 (RFC 9052 §4.2) exactly as docs/protocol.md §0 "Change events": tag 18, empty unprotected
 map, Sig_structure = ["Signature1", protected, external_aad = mesh_id, payload]."""
 from __future__ import annotations
 
@@ -184,7 +184,7 @@ def content_type(raw: Any) -> str | None:
 
 
 def verify_ed25519(public_key: bytes, message: bytes, signature: bytes) -> bool:
-    """libsodium crypto_sign_verify_detached semantics (wire-profile.md §2: one accept set)."""
+    """libsodium crypto_sign_verify_detached semantics (docs/protocol.md §13: one accept set)."""
     if len(public_key) != 32 or len(signature) != 64:
         return False
     try:

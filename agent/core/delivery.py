@@ -1,11 +1,11 @@
-"""Delivery arithmetic (§14, §32, §34, wire-profile.md §5): cursor selection, cursor advance,
+"""Delivery arithmetic (§14, §32, §34, docs/protocol.md §2-§3): cursor selection, cursor advance,
 stream continuity and applied-watermark inference. Pure functions over values; the store and
 the driver (agent/sync.py) feed them rows and persist what they return.
 
 Positions are the sender's local append order (`events.seq`). A cursor value c means "every
 event with seq <= c has been dealt with for this peer on this path": selection takes seq > c,
 which is the inclusive bound of §32 on the append order, so an old event relayed late gets a
-new, higher seq and is still offered (wire-profile.md §5).
+new, higher seq and is still offered (docs/protocol.md §2, late relays).
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def floor_entry(table: str, hlc: Hlc) -> str:
     return f"{table}@{hlc[0]}.{hlc[1]}"
 
 
-def split_gaps(entries) -> tuple[set[str], dict[str, Hlc]]:
+def split_gaps(entries: Iterable[str]) -> tuple[set[str], dict[str, Hlc]]:
     """The meta's gap list as (tables withheld by policy, own-history floors). An entry that
     looks like a floor but does not parse is kept as a policy gap: it can only stop inference."""
     gaps: set[str] = set()

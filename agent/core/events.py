@@ -1,4 +1,4 @@
-"""Change events (wire-profile.md §2): building the signed form and the EventPayload shape check."""
+"""Change events (docs/protocol.md §0): building the signed form and the EventPayload shape check."""
 from __future__ import annotations
 
 import math
@@ -28,7 +28,7 @@ Scalar = int | float | str | bytes
 
 
 def event_id(raw: bytes) -> bytes:
-    """BLAKE3-256 of the exact received COSE_Sign1 bytes (wire-profile.md §1)."""
+    """BLAKE3-256 of the exact received COSE_Sign1 bytes (docs/protocol.md §0 "Identifiers")."""
     return blake3.blake3(raw).digest()
 
 
@@ -57,7 +57,7 @@ class Event(NamedTuple):
 
 def is_scalar(v: Any) -> bool:
     """Scalar = int (signed 64-bit) / float (finite) / tstr / bstr. Exact types: bool is an int
-    subclass in Python and is refused (wire-profile.md §2), as is anything cbor2 decoded from
+    subclass in Python and is refused (docs/protocol.md §0, Shape), as is anything cbor2 decoded from
     a semantic tag."""
     t = type(v)
     if t is int:
@@ -130,7 +130,7 @@ def payload_bytes(schema: str, table: str, row_key: dict, operation: str, payloa
                   hlc: tuple[int, int], *, shape_checked: bool = False) -> bytes:
     """The deterministic encoding of an EventPayload. `shape_checked`: the caller has already
     checked what the shape check would (Node.write_many: the table's key and value columns with
-    fitting types, wire-profile §2), so it is not run twice on every local write."""
+    fitting types, docs/protocol.md §0), so it is not run twice on every local write."""
     if not shape_checked:
         reason = check_payload_shape({
             "table_schema": schema,

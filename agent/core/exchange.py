@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TypeAlias
 
 from . import numbers
 from .messages import Handshake, ProtocolError, parse_presence
@@ -28,6 +28,8 @@ KIND_BATCH, KIND_REALTIME = "batch", "rt"  # a request's `ssp-kind` (docs/mqtt.m
 # A waking peer's pull (docs/mqtt.md "A waking device"): no body; "I have taken in what waited
 # for me: send what you hold for me now".
 KIND_PULL = "pull"
+# What names a body in flight: MQTT's correlation data, or a session link's (direction, counter)
+Corr: TypeAlias = bytes | tuple[str, int]
 
 
 @dataclass
@@ -115,7 +117,7 @@ class Settled:
 class BodyLimits:
     """The body size each peer gets (docs/mqtt.md "Size limits"). Every node advertises its own
     (`ssp-body-limit` on its retained presence, its bodies and its answers: transport metadata with
-    no authority, wire-profile §5); a sender uses min(its link's maximum, the peer's latest
+    no authority, SSP/1 §32); a sender uses min(its link's maximum, the peer's latest
     advertisement) from the first body, kept in the store (peer_links), so a Pi Zero behind a 1 MiB
     gateway refuses nothing, also after restarts and on sleepers' next wakes. Without ACLs anyone
     can forge an advertisement: one is never taken below `floor` (16 KiB) nor above the link's
@@ -380,8 +382,8 @@ class Exchange:
     presence: Presence = field(default_factory=Presence)
     stats: Counter = field(default_factory=Counter)
 
-    pending: dict[bytes, InFlight] = field(default_factory=dict)  # correlation -> body sent by this process
-    earlier: dict[bytes, dict[bytes, int]] = field(default_factory=dict)  # per peer: corr -> end, earlier process
+    pending: dict[Corr, InFlight] = field(default_factory=dict)  # correlation -> body sent by this process
+    earlier: dict[bytes, dict[Corr, int]] = field(default_factory=dict)  # per peer: corr -> end, earlier process
     earlier_top: dict[bytes, int] = field(default_factory=dict)  # per peer: the highest sent_bodies id among those
     sent_upto: dict[bytes, int] = field(default_factory=dict)  # per peer: highest seq offered in flight
     silent_since: dict[bytes, float] = field(default_factory=dict)  # per peer: reachable since, bodies unanswered
@@ -408,7 +410,7 @@ class Exchange:
         the durable row cursor, which moves only when that body is answered."""
         return any(p.peer == peer and p.backfill for p in self.pending.values())
 
-    def is_in_flight(self, peer: bytes, corr: bytes | None) -> bool:
+    def is_in_flight(self, peer: bytes, corr: Corr | None) -> bool:
         p = self.pending.get(corr) if corr is not None else None
         return (p is not None and p.peer == peer) or corr in self.earlier.get(peer, ())
 
@@ -462,7 +464,7 @@ class Exchange:
             self.sent_upto.pop(peer, None)
         return self.cfg.window - out
 
-    def sent(self, corr: bytes, body: InFlight) -> None:
+    def sent(self, corr: Corr, body: InFlight) -> None:
         self.pending[corr] = body
         self.sent_upto[body.peer] = body.end
 
@@ -559,7 +561,7 @@ class Exchange:
             self.silent_since.pop(who, None)  # it left: what it did not answer waits in its session
 
     # ------------------------------------------------------------ answers
-    def lookup(self, corr: bytes | None, recalled: dict | None = None) -> tuple[InFlight | None, bool]:
+    def lookup(self, corr: Corr | None, recalled: dict | None = None) -> tuple[InFlight | None, bool]:
         """The body an answer names: sent by this process, else `recalled` from the store (an
         earlier process, or one this process gave up on). (body or None, whether earlier)."""
         p = self.pending.get(corr) if corr else None
@@ -567,7 +569,7 @@ class Exchange:
             return InFlight.recalled(recalled), True
         return p, False
 
-    def answer(self, corr: bytes | None, sender: bytes | None, body: InFlight | None, earlier: bool, *,
+    def answer(self, corr: Corr | None, sender: bytes | None, body: InFlight | None, earlier: bool, *,
                status: str | None, reason: str | None, processed_text: str | None,
                rejected: list[int] | None, proof: Callable[[InFlight], AckAnswer | None], now: float,
                link_max: int) -> Settled:
@@ -591,6 +593,7 @@ class Exchange:
                 self.stats["answers_unproven"] += 1
                 return Settled("answers_unproven", body, earlier)
         if not earlier:
+            assert corr is not None  # `body` is what `lookup` found in flight under it
             del self.pending[corr]
         else:
             self.stats["earlier_answers"] += 1
@@ -622,7 +625,7 @@ class Exchange:
                 then = "offer"  # keep the window full while there is more (catch-up)
         return Settled(None, body, earlier, processed=processed, rejected=rej, then=then)
 
-    def answered(self, peer: bytes | None, corr: bytes | None, *, still_recorded: bool,
+    def answered(self, peer: bytes | None, corr: Corr | None, *, still_recorded: bool,
                  refused: bool) -> int | None:
         """After an answer to a body in flight was handled: a body it settled (taken as proven, or
         refused) is out of flight, and the peer is not silent. An answer that was ignored (unproven,
@@ -694,7 +697,9 @@ class Exchange:
         bodies an earlier process sent the peer are given up, as in `answered`: the peer answered
         this process's pull after every body sent before it, so those still unanswered were
         lost). `more`: it holds more for us than it just sent (pull again once they are in)."""
-        peer = self.pulls.get(corr) if corr is not None else None
+        if corr is None:
+            return False, None
+        peer = self.pulls.get(corr)
         if peer is None or peer != sender:
             return False, None
         del self.pulls[corr]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 T = TypeVar("T")
 
@@ -22,7 +22,7 @@ def fast_init(cls: type[T]) -> type[T]:
     params = getattr(cls, "__dataclass_params__", None)
     if params is None or not params.frozen or hasattr(cls, "__slots__"):
         raise TypeError(f"fast_init is for frozen dataclasses with an instance __dict__, not {cls.__name__}")
-    fields = dataclasses.fields(cls)
+    fields = dataclasses.fields(cast(Any, cls))  # a dataclass: `__dataclass_params__` says so
     generated = list(inspect.signature(cls.__init__).parameters.values())[1:]
     if [p.name for p in generated] != [f.name for f in fields] or \
             any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in generated):
@@ -34,7 +34,7 @@ def fast_init(cls: type[T]) -> type[T]:
     while any(n.startswith(prefix) for n in names):
         prefix += "_"
     store, missing = prefix + "dict", prefix + "missing"
-    namespace: dict[str, object] = {missing: dataclasses.MISSING}
+    namespace: dict[str, Any] = {missing: dataclasses.MISSING}
     args, body = [], [f"    {store} = self.__dict__"]
     for f in fields:
         if not f.init:
@@ -53,9 +53,9 @@ def fast_init(cls: type[T]) -> type[T]:
         body.append("    self.__post_init__()")
     exec(f"def __init__(self, {', '.join(args)}) -> None:\n" + "\n".join(body) + "\n", namespace)  # noqa: S102
     init = namespace["__init__"]
-    init.__qualname__ = f"{cls.__qualname__}.__init__"     # type: ignore[attr-defined]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
     init.__doc__ = cls.__init__.__doc__
-    init.fast_init = True                                   # type: ignore[attr-defined]
-    cls.__init__ = init                                     # type: ignore[misc]
+    init.fast_init = True
+    cls.__init__ = init  # type: ignore[method-assign]  # replacing the generated __init__ is the point
     return cls

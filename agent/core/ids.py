@@ -1,7 +1,8 @@
-"""Identifier text forms (wire-profile.md §1): site_id, mesh_id, event_id and HLC."""
+"""Identifier text forms (docs/protocol.md §0 "Identifiers"): site_id, mesh_id, event_id and HLC."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from . import numbers
 
@@ -19,16 +20,16 @@ HLC_PHYSICAL_MAX = 2**63 - 1  # what the store (SQLite, signed 64-bit) holds of 
 
 
 class IdFormatError(ValueError):
-    """A text id or HLC that does not have its wire-profile.md §1 form."""
+    """A text id or HLC that does not have its docs/protocol.md §0 form."""
 
 
-def parse_site_id(text: str, what: str = "site_id") -> bytes:
+def parse_site_id(text: Any, what: str = "site_id") -> bytes:
     if not isinstance(text, str) or not _HEX32.match(text):
         raise IdFormatError(f"{what} must be 32 lowercase hex characters, got {text!r}")
     return bytes.fromhex(text)
 
 
-def parse_mesh_id(text: str) -> bytes:
+def parse_mesh_id(text: Any) -> bytes:
     return parse_site_id(text, "mesh_id")
 
 

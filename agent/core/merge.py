@@ -40,7 +40,7 @@ def merge_upsert(table: TableDef, row: RowState, stamp: Stamp, payload: dict[str
     value_cols = table.value_column_set
     for col, value in payload.items():
         if col not in value_cols or not value_fits(table.columns[col], value):
-            # §13.6 / wire-profile §2: unknown, ill-typed or key-column entries are ignored,
+            # §13.6 / docs/protocol.md §0: unknown, ill-typed or key-column entries are ignored,
             # clock untouched, and metered; the rest of the event applies.
             fx.ignored.append(col)
             continue
@@ -60,7 +60,7 @@ def merge_upsert(table: TableDef, row: RowState, stamp: Stamp, payload: dict[str
 def merge_delete(table: TableDef, row: RowState, stamp: Stamp) -> Effects:
     fx = Effects(state=RowState(row.exists, row.exist_clock, row.tomb_clock, dict(row.cells)))
     st = fx.state
-    # §13.3 / wire-profile §2a: winning or losing, clear every value column it beats
+    # §13.3 / docs/apply.md "Materialization": winning or losing, clear every value column it beats
     # (a column with no clock yet is beaten) to a null clocked at the delete.
     for col in table.value_columns:
         if beats(stamp, st.cells.get(col)):
@@ -89,7 +89,7 @@ def rebuild_columns(table: TableDef, columns: Iterable[str], tomb_clock: Stamp |
                     horizon: tuple[int, int] | None) -> Rebuild:
     """§13.4 / §13.6 last paragraphs: each column from the highest-HLC retained upsert that
     carries it (with a fitting type), beats the tombstone clock and is not below the horizon.
-    No candidate: the delete's clocked null (wire-profile §2a), or no clock if never deleted."""
+    No candidate: the delete's clocked null (docs/apply.md "Materialization"), or no clock if never deleted."""
     cols = list(columns)
     best: dict[str, tuple[Any, Stamp]] = {}
     for stamp, payload in candidates:
@@ -130,7 +130,7 @@ def rebuild_without(table: TableDef, row: RowState, void: Callable[[Stamp], bool
     stamp is re-derived from the events that count and are not below the horizon (§13.4's
     candidate rule): the tombstone clock from the highest delete; existence from the highest
     upsert or delete; a column from the highest upsert carrying it (fitting type) that beats the
-    tombstone clock, or else the highest delete's clocked null (wire-profile §2a). A clock owned
+    tombstone clock, or else the highest delete's clocked null (docs/apply.md "Materialization"). A clock owned
     by an event that counts stays: it is already the maximum over those events, and lowering the
     tombstone clock cannot unseat it. A re-derived clock found among candidates at or above the
     horizon is exact (anything evicted lies below it); one that finds no candidate while the

@@ -1,11 +1,11 @@
-"""SSP/1 messages (§30-§34, wire-profile.md §4): strict parse, deterministic emit.
+"""SSP/1 messages (§30-§34, docs/protocol.md §0 "Messages"): strict parse, deterministic emit.
 
 A message is a handshake or a sync body according to its member set; anything else is
 rejected with a stable reason (§32.2: a malformed body never becomes an empty one)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator, TypeVar
 
 from .classify import classified
 from .codec import INT64_MAX, DecodeError, decode_strict, encode, prescan
@@ -47,7 +47,7 @@ class Handshake:
 class SyncBody:
     from_site_id: bytes
     have_max_hlc: tuple[int, int]
-    events: tuple[bytes, ...] = ()
+    events: tuple[bytes, ...] | BodyEvents = ()  # BodyEvents: parsed by `parse_body_streamed`
     records: tuple[bytes, ...] = ()
     applied_watermarks: tuple[Watermark, ...] = field(default_factory=tuple)
 
@@ -65,7 +65,7 @@ def _site(v: Any, what: str) -> bytes:
 # Integers that reach the store are bounded by what SQLite holds (signed 64-bit), not by the
 # wire's uint64: an HLC of 2**63 would pass a uint64 check and crash the store.
 # The strict decoder refuses such integers first (`int_out_of_range`); these checks say it again
-# where the value is used. hlc_logical is a uint32 (wire-profile.md §1).
+# where the value is used. hlc_logical is a uint32 (docs/protocol.md §0 "Identifiers").
 HLC_PHYSICAL_MAX = INT64_MAX
 
 
@@ -154,15 +154,16 @@ class BodyEvents:
     def __len__(self) -> int:
         return self._n
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[bytes]:
         data, i = self._data, self._start
         for _ in range(self._n):
             s, i = _bstr_span(data, i)
             yield data[s:i]
 
-    def windows(self, max_bytes: int):
+    def windows(self, max_bytes: int) -> Iterator[list[bytes]]:
         """Consecutive lists of events of at most `max_bytes` together (at least one each)."""
-        out, size = [], 0
+        out: list[bytes] = []
+        size = 0
         for e in self:
             if out and size + len(e) > max_bytes:
                 yield out
@@ -251,7 +252,10 @@ def parse_body_streamed(data: bytes) -> SyncBody:
     return _expect(_message(obj), SyncBody, "not_a_body", "expected a sync body, got a handshake")
 
 
-def _expect(m, kind, reason: str, detail: str):
+_M = TypeVar("_M")
+
+
+def _expect(m: object, kind: type[_M], reason: str, detail: str) -> _M:
     if not isinstance(m, kind):
         raise ProtocolError(reason, detail)
     return m

@@ -3,7 +3,7 @@ would compute for an event before it touches the store, computed early and in bu
 can run on another core (agent/applyworker.py) while the thread that holds SQLite applies the
 events before it.
 
-For each event it runs, in the apply path's order, the envelope parse (wire-profile §2), the
+For each event it runs, in the apply path's order, the envelope parse (docs/protocol.md §0), the
 keyring look-up and the signature verification (§12.1), and, only once the signature verified,
 the strict EventPayload decode and shape check. It decides nothing: `Node._apply_one` takes each
 result in order and runs every check itself, using the result only for the values it would have
@@ -82,6 +82,7 @@ def checked_from(result: Any, raw: bytes, eid: bytes, entry_now: Any) -> tuple |
         s1 = cose.Sign1(b"", cose.ALG_EDDSA, ctype, kid, raw[rk[0]:rk[1]], b"")
         return (s1, entry, ok, None, eid, None)
     s1 = cose.Sign1(b"", cose.ALG_EDDSA, ctype, kid, b"", b"")
+    decoded: ev.Event | DecodeError | None
     if not ok:
         decoded = None
     elif type(dec) is str:

@@ -1,13 +1,13 @@
-"""One list of the reason codes a message from outside is refused with (architecture.md
-"Errors": one `ProtocolError` for everything from outside, one list of reason codes, what
+"""One list of the reason codes a message from outside is refused with (docs/protocol.md
+§11: one `ProtocolError` for everything from outside, one list of reason codes, what
 `ssp-agent events` shows). One name per violation, whatever the transport: the in-memory and
 serial sessions, MQTT and mailbox files refuse the same violation with the same code.
 
 Each code is a stable string; `tests/core/test_reasons.py` fails when any `ProtocolError`,
 MQTT refusal or session check in agent/ uses a code that is not here, and
 `tests/sync/test_reasons_surface.py` drives every code each transport can reach through it and
-finds it in `ssp-agent events` (mailbox: on stderr, as cli-contract.md requires a refused file to
-change nothing in the store)."""
+finds it in `ssp-agent events` (mailbox: on stderr with exit 2, which docs/cli.md says changes
+nothing in the store)."""
 from __future__ import annotations
 
 # -- bytes and CBOR (agent/core/messages.py parse_message, the SSP/1 message boundary, §30, §32.2)

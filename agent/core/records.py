@@ -1,4 +1,4 @@
-"""Control records (the sync body's `records` member; wire-profile.md §3, scope excerpt §1.3).
+"""Control records (the sync body's `records` member; docs/protocol.md §0 "Control records", scope §1.3).
 
 Role assignment, vouch and retire records: tagged COSE_Sign1, alg EdDSA, kid = issuer site_id,
 external_aad = mesh_id, deterministic CBOR payload, chained per (kind, subject) by `generation`
@@ -17,7 +17,7 @@ import blake3
 
 from .classify import classified
 from .codec import INT64_MAX, DecodeError, decode_strict, encode
-from .cose import ALG_EDDSA, assemble, content_type, parse_sign1, protected_header, sig_structure, verify_ed25519
+from .cose import ALG_EDDSA, Sign1, assemble, content_type, parse_sign1, protected_header, sig_structure, verify_ed25519
 from .ids import UINT32_MAX
 
 # Generations, horizons, cutoffs and times reach the store: bounded by what SQLite holds (signed
@@ -95,7 +95,7 @@ def _uint(v: Any, limit: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= limit
 
 
-def parse_record(raw) -> tuple[bytes, Any]:
+def parse_record(raw: Any) -> tuple[bytes, Any]:
     """The strict COSE_Sign1 parse every record starts with (RecordError on failure)."""
     if not isinstance(raw, (bytes, bytearray)):
         raise RecordError("not_bytes")
@@ -107,7 +107,7 @@ def parse_record(raw) -> tuple[bytes, Any]:
 
 
 @classified(RecordError)
-def authority_payload(s, mesh_id: bytes, authorities: Iterable[bytes], key_of: Callable[[bytes], bytes | None],
+def authority_payload(s: Sign1, mesh_id: bytes, authorities: Iterable[bytes], key_of: Callable[[bytes], bytes | None],
                       members: frozenset | set) -> dict:
     """The payload map of a parsed record that a mesh authority issued, checked in this order:
     issuer is an authority, its key is known, the signature holds, the payload is strict CBOR

@@ -1,4 +1,4 @@
-"""The provisioning manifest (cli-contract.md `init`) and the local table schema, including
+"""The provisioning manifest (docs/cli.md "The manifest") and the local table schema, including
 the floor of scope excerpt §1.1. Pure: parses text, touches no file."""
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ class ManifestError(ValueError):
 
 
 def value_fits(col_type: str, v: Any) -> bool:
-    """wire-profile.md §2 Types: integer<->int, real<->float, text<->tstr, blob<->bstr, no coercion."""
+    """docs/protocol.md §0 "Change events", Types: integer<->int, real<->float, text<->tstr,
+    blob<->bstr, no coercion."""
     if v is None:
         return True
     if not is_scalar(v):
@@ -89,7 +90,7 @@ class TableDef:
 
     @cached_property  # Node.write_many's check of every local write
     def python_types(self) -> dict[str, type]:
-        """Column -> the one Python type its values take (wire-profile §2 Types, no coercion)."""
+        """Column -> the one Python type its values take (docs/protocol.md §0 Types, no coercion)."""
         return {c: _PY_TYPES[t] for c, t in self.columns.items() if t in _PY_TYPES}
 
     def fits_exactly(self, row_key: dict[str, Any], values: dict[str, Any] | None) -> bool:
@@ -134,7 +135,7 @@ class TableDef:
         return None
 
 
-def check_ident(name: str, what: str) -> str:
+def check_ident(name: Any, what: str) -> str:
     if not isinstance(name, str) or not _IDENT.match(name) or name.lower().startswith("_ssp"):
         raise ManifestError(f"{what} {_short(name)} must be a letter followed by letters, digits or _ (max 63)")
     return name

@@ -19,7 +19,7 @@ from typing import Optional, Union
 from agent.core.frozen import fast_init
 from agent.sequencer.framing import CONTENT_TYPE_NAMES, Framing
 
-# Stable reason codes of a refusal (cli-contract.md, `sequencer submit`).
+# Stable reason codes of a refusal (docs/sequencer.md, `sequencer submit`).
 STALE_EPOCH = "stale_epoch"          # built in an epoch a Commit was already accepted for: rebuild
 FUTURE_EPOCH = "future_epoch"        # built in an epoch the sequencer has not reached
 NOT_COMMIT = "not_commit"            # a proposal or application message: nothing to sequence

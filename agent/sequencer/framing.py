@@ -1,4 +1,4 @@
-"""The plaintext framing of an RFC 9420 MLSMessage, read blind (SOVM §22.5, wire-profile §6).
+"""The plaintext framing of an RFC 9420 MLSMessage, read blind (SOVM §22.5, docs/protocol.md §0).
 
 The sequencer reads only what RFC 9420 §6 leaves unencrypted: version, wire_format, group_id,
 epoch and content_type. It never decrypts anything and never decides whether a Commit is

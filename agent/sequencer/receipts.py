@@ -1,4 +1,4 @@
-"""Sequencing receipts: COSE_Sign1 ES256 exactly as wire-profile.md §6 (SOVM §22.5).
+"""Sequencing receipts: COSE_Sign1 ES256 exactly as docs/protocol.md §0 "Sequencing receipts" (SOVM §22.5).
 
     18([ protected   = bstr .cbor {1: -7, 3: "sovm/sequencing-receipt-v1", 4: kid (33 bytes)},
          unprotected = {},
@@ -21,7 +21,7 @@ from agent.core import codec, cose
 from firmware_bridge.verify import verify_p256
 
 RECEIPT_CONTENT_TYPE = "sovm/sequencing-receipt-v1"
-EXTERNAL_AAD = b""                          # wire-profile §6: a sequencer serves groups, not one mesh
+EXTERNAL_AAD = b""                          # docs/protocol.md §0: a sequencer serves groups, not one mesh
 KID_LEN = 33
 _FIELDS = frozenset({"group_id", "epoch", "commit_hash", "previous_receipt_hash"})
 
@@ -49,7 +49,7 @@ class Receipt:
 
 
 def commit_hash(mls_message: bytes) -> bytes:
-    """BLAKE3 of the whole MLSMessage exactly as the member sent it (wire-profile §6)."""
+    """BLAKE3 of the whole MLSMessage exactly as the member sent it (docs/protocol.md §0)."""
     return blake3.blake3(bytes(mls_message)).digest()
 
 
@@ -79,7 +79,7 @@ def _uint(n: int) -> bytes:
 
 def payload_bytes(group_id: bytes, epoch: int, commit_hash_: bytes, previous: Optional[bytes]) -> bytes:
     """The deterministic CBOR of {"group_id", "epoch", "commit_hash", "previous_receipt_hash"}
-    (wire-profile §6)."""
+    (docs/protocol.md §0)."""
     epoch = int(epoch)
     if not 0 <= epoch < 2**64:
         raise ValueError("epoch is a uint64")
@@ -99,14 +99,14 @@ _K_COMMIT_32, _K_PREV_32, _K_PREV_NULL = _K_COMMIT + b"\x58\x20", _K_PREV + b"\x
 def to_be_signed(kid: bytes, payload: bytes) -> tuple[bytes, bytes]:
     """(protected header bytes, Sig_structure) for a receipt payload under ``kid``."""
     if len(kid) != KID_LEN:
-        raise ValueError("kid must be the 33-byte compressed SEC1 P-256 public key (wire-profile §6)")
+        raise ValueError("kid must be the 33-byte compressed SEC1 P-256 public key (docs/protocol.md §0)")
     protected = cose.protected_header(cose.ALG_ES256, RECEIPT_CONTENT_TYPE, kid)
     return protected, cose.sig_structure(protected, EXTERNAL_AAD, payload)
 
 
 def protected_header(kid: bytes) -> bytes:
     if len(kid) != KID_LEN:
-        raise ValueError("kid must be the 33-byte compressed SEC1 P-256 public key (wire-profile §6)")
+        raise ValueError("kid must be the 33-byte compressed SEC1 P-256 public key (docs/protocol.md §0)")
     return cose.protected_header(cose.ALG_ES256, RECEIPT_CONTENT_TYPE, bytes(kid))
 
 
@@ -239,7 +239,7 @@ def statement_payload(group_id: bytes, epoch: int, commit_hash_: Optional[bytes]
 
 def statement_protected(kid: bytes) -> bytes:
     if len(kid) != KID_LEN:
-        raise ValueError("kid must be the 33-byte compressed SEC1 P-256 public key (wire-profile §6)")
+        raise ValueError("kid must be the 33-byte compressed SEC1 P-256 public key (docs/protocol.md §0)")
     return cose.protected_header(cose.ALG_ES256, DISCONTINUITY_CONTENT_TYPE, bytes(kid))
 
 

@@ -27,7 +27,7 @@ CREATE TABLE IF NOT EXISTS tables (
 CREATE TABLE IF NOT EXISTS keyring (
   site_id BLOB PRIMARY KEY, public_key BLOB NOT NULL,
   retired_p INTEGER, retired_l INTEGER, source TEXT NOT NULL) WITHOUT ROWID;
--- The retained event log in local append order (seq): what cursors walk (wire-profile §5).
+-- The retained event log in local append order (seq): what cursors walk (docs/protocol.md §2).
 CREATE TABLE IF NOT EXISTS events (
   seq INTEGER PRIMARY KEY AUTOINCREMENT, event_id BLOB NOT NULL UNIQUE, site_id BLOB NOT NULL,
   hlc_p INTEGER NOT NULL, hlc_l INTEGER NOT NULL, qualified TEXT NOT NULL, row_key BLOB NOT NULL,

@@ -1,11 +1,11 @@
 """Reads of the event log's position (the `events` table's seq), for the loops that follow it.
 
-`LogWatch` is the signal a running node gives its links when its log grew (docs/architecture.md
-"The runtime loop"): every append in a `run` process happens on the loop thread (the links'
-applies, forwarded `write`s; no other process can write while `run` holds the home: the signing
-journal admits one bridge), so the loop asks once per turn, after the turn's work, and the
-question costs a C attribute read (`Connection.total_changes`) unless this connection changed
-something since the last look; only then is the top of the rowid tree looked up."""
+`LogWatch` is the signal a running node gives its links when its log grew: every append in a
+`run` process happens on the loop thread (the links' applies, forwarded `write`s; no other
+process can write while `run` holds the home: the signing journal admits one bridge), so the
+loop asks once per turn, after the turn's work, and the question costs a C attribute read
+(`Connection.total_changes`) unless this connection changed something since the last look; only
+then is the top of the rowid tree looked up."""
 from __future__ import annotations
 
 import sqlite3

@@ -1,5 +1,5 @@
 """The store side of rehydration and truncation records (agent/rehydrate.py, docs/protocol.md §8; all SQL
-lives in agent/store/, docs/architecture.md "Layers"): the rehydrate records
+lives in agent/store/, tests/test_sql_in_store.py): the rehydrate records
 held (`rehydrate_records`), what this node served (`rehydrate_served`, the subject's cursors and
 watermarks reset), the truncation records (`truncation_records`), the surfaced rows they cause,
 and what `rehydrate --status` counts. Every function runs inside the caller's transaction (or

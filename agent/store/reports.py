@@ -1,6 +1,6 @@
 """What the node surfaces and reports (`ssp-agent events`, `check`, the metrics file): the
 `surfaced` record, the §13.6 ignored-columns meter, the keyring's members, the oldest own event a
-peer has not confirmed. (All SQL lives in agent/store/, docs/architecture.md.)"""
+peer has not confirmed. (All SQL lives in agent/store/: tests/test_sql_in_store.py.)"""
 from __future__ import annotations
 
 import contextlib

@@ -45,7 +45,7 @@ def row_key_bytes(row_key: dict[str, Any]) -> bytes:
 
 
 def create_table(conn: sqlite3.Connection, t: TableDef) -> None:
-    # Columns carry no declared type: SQLite then never coerces (wire-profile §2: no coercion).
+    # Columns carry no declared type: SQLite then never coerces (docs/protocol.md §0: no coercion).
     cols = [q(c) for c in t.key] + [q(c) for c in t.value_columns]
     cols += ["_ex INTEGER NOT NULL DEFAULT 0", "_ex_c BLOB", "_tomb_c BLOB", "_rk BLOB PRIMARY KEY"]
     cols += [q("_c_" + c) + " BLOB" for c in t.value_columns]
@@ -249,7 +249,7 @@ class RowStore:
 
     def dump(self) -> list[dict[str, Any]]:
         """The rows that exist, sorted by key; `values` holds only columns with a clock
-        (cli-contract.md dump: an unmaterialized column is absent, never a default)."""
+        (docs/cli.md `dump`: an unmaterialized column is absent, never a default)."""
         if self._pending:   # a reader of the table itself sees the held writes
             self.flush()
         sel = ", ".join([q(c) for c in self.t.key] + [q(c) for c in self.vcols] + [q("_c_" + c) for c in self.vcols])

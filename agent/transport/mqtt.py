@@ -52,8 +52,9 @@ DEFAULT_MAX_EVENTS = 1000
 PACKET_OVERHEAD = 1024  # topic, packet id, properties: generous, so a body never trips the limit
 
 # The publisher's own body limit (bytes), on its presence, its bodies and its answers: transport
-# metadata that carries no authority (wire-profile §5). A sender uses min(its link's maximum, the
-# peer's advertised limit), never below ADVERTISED_FLOOR, whoever wrote it (docs/mqtt.md "Size limits").
+# metadata that carries no authority (the §32 body keeps its six members). A sender uses min(its
+# link's maximum, the peer's advertised limit), never below ADVERTISED_FLOOR, whoever wrote it
+# (docs/mqtt.md "Size limits").
 P_BODY_LIMIT = "ssp-body-limit"
 ADVERTISED_FLOOR = 16 * 1024
 # In-flight memory bound: the broker may have at most ReceiveMaximum unacknowledged

@@ -505,7 +505,7 @@ class SerialPort:
         self.service(bool(r), bool(w))
 
     def sync_once(self, timeout_s: float | None = None, linger_s: float = 0.3) -> dict:
-        """One full exchange in both directions (cli-contract.md "sync over a serial line"):
+        """One full exchange in both directions (`sync --serial`, docs/serial.md):
         handshake, this node's body answered (and following full bodies), the peer's bodies
         answered and acknowledged, every byte acknowledged by the link; then a short quiet
         linger for a body the other end is about to send. SerialError when the other end never

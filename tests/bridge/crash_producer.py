@@ -53,7 +53,7 @@ def emit(line: str) -> None:
 
 
 class DurableHlc:
-    """Minimal durable HLC: a persisted physical-time ceiling, reserved ahead (wire-profile.md §2:
+    """Minimal durable HLC: a persisted physical-time ceiling, reserved ahead (SSP/1 §13.5:
     persist the clock's high-water mark before issuing anything above it)."""
 
     RESERVE_MS = 1000

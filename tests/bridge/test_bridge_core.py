@@ -1,4 +1,4 @@
-"""SigningBridge and journal behaviour in one process (SOVM §22.5, wire-profile.md §2)."""
+"""SigningBridge and journal behaviour in one process (SOVM §22.5, docs/protocol.md §0 "Change events")."""
 import os
 import threading
 import time

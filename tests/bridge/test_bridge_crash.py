@@ -2,7 +2,7 @@
 
 Producer: crash_producer.py (a subprocess).  Independent checker: crash_harness.Checker, which
 reads only the producer's stdout pipe and the journal file.  SOVM §22.5 clauses 1-2,
-wire-profile.md §2 (HLC never reused).
+SSP/1 §13.5 (HLC never reused).
 """
 from concurrent.futures import ThreadPoolExecutor
 

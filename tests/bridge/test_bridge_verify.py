@@ -1,4 +1,4 @@
-"""Wycheproof vectors through the verification entry points (wire-profile.md §2, §6)."""
+"""Wycheproof vectors through the verification entry points (docs/protocol.md §13, §0 "Sequencing receipts")."""
 import json
 import os
 

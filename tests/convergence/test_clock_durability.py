@@ -1,6 +1,6 @@
 """A local HLC is above every HLC the node has applied or issued,
 in the same process or after a restart, a crash or a restore of the home (§12 step 5, §13.5,
-wire-profile §2), and a local write never vanishes below a horizon."""
+docs/protocol.md §0), and a local write never vanishes below a horizon."""
 from __future__ import annotations
 
 import shutil

@@ -1,4 +1,4 @@
-"""The CLI contract (cli-contract.md) driven as a subprocess."""
+"""The CLI contract (docs/cli.md) driven as a subprocess."""
 from __future__ import annotations
 
 import json

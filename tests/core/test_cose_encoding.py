@@ -1,5 +1,5 @@
 """The hot-path COSE encodings built byte by byte (agent/core/cose.py) must equal the deterministic
-CBOR encoding of the same structures (wire-profile.md §2), at every length boundary."""
+CBOR encoding of the same structures (docs/protocol.md §0), at every length boundary."""
 import cbor2
 from hypothesis import given, settings, strategies as st
 

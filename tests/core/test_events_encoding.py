@@ -1,6 +1,6 @@
 """`events.payload_bytes` puts the deterministic encoding of an EventPayload together from parts
 (it is on every local write); it must equal the generic deterministic encoder
-(`codec.encode`, wire-profile.md §2) for every value the shape check admits, or peers would drop
+(`codec.encode`, docs/protocol.md §0) for every value the shape check admits, or peers would drop
 our events as `non_deterministic`."""
 from hypothesis import given, settings, strategies as st
 

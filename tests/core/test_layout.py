@@ -232,7 +232,7 @@ def test_import_graph_sees_relative_and_lazy_imports():
 
 
 def test_no_import_cycles_among_agent_modules():
-    """The layers are acyclic (docs/architecture): core and store at the bottom, the node and the
+    """The layers are acyclic: core and store at the bottom, the node and the
     records processing above them, the sync driver above the node, transports and runners above
     that, the CLI on top. A lower module that needs something from above gets it as an argument or
     returns an effect for its caller to act on."""

@@ -1,4 +1,4 @@
-"""wire-profile.md §2: one accept set (libsodium semantics), pinned with Wycheproof and edge cases,
+"""docs/protocol.md §13: one accept set (libsodium semantics), pinned with Wycheproof and edge cases,
 through the agent's own verify entry point and through the full apply path."""
 from __future__ import annotations
 

@@ -61,7 +61,7 @@ def test_lying_watermarks_and_have_max_cost_only_the_liar(tmp_path, binding):
     assert progressed(r), r
     # have_max_hlc 2^62 is advisory (docs/protocol.md §2): B's clock is not dragged ahead.
     assert r["b_clock_ahead_ms"] < 60_000, r
-    # wire-profile.md §5: a peer advertising a false watermark loses only its own data. On the
+    # docs/protocol.md §3 (SSP/1 §14.2): a peer advertising a false watermark loses only its own data. On the
     # secure binding A kept the lie (and skips what it claims for M) while B converged untouched;
     # on the default binding reports are not authenticated and are ignored altogether.
     assert r["a_kept_lie"] is (binding == "secure"), r

@@ -1,4 +1,4 @@
-"""`ssp-agent sync --broker ... --once` (cli-contract.md): devices that wake, sync and sleep."""
+"""`ssp-agent sync --broker ... --once` (docs/cli.md "Sync"): devices that wake, sync and sleep."""
 from __future__ import annotations
 
 import json

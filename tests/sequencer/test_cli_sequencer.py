@@ -1,4 +1,4 @@
-"""`ssp-agent --home DIR sequencer ...` exactly as cli-contract.md's sequencer section, driven as
+"""`ssp-agent --home DIR sequencer ...` exactly as docs/cli.md "Sequencer" and docs/sequencer.md say, driven as
 subprocesses (real SQLite, real software keystore, real concurrent processes)."""
 from __future__ import annotations
 

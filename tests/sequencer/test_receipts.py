@@ -1,4 +1,5 @@
-"""Receipts exactly per wire-profile.md §6, and the verification entry point (Wycheproof P1363)."""
+"""Receipts exactly per docs/protocol.md §0 "Sequencing receipts", and the verification entry point
+(Wycheproof P1363)."""
 from __future__ import annotations
 
 import json

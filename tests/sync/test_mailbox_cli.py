@@ -1,4 +1,4 @@
-"""The mailbox round trip through the CLI between three homes (cli-contract.md `mailbox`,
+"""The mailbox round trip through the CLI between three homes (docs/cli.md `mailbox`,
 `policy`), as an operator carrying files between sites would run it."""
 from __future__ import annotations
 

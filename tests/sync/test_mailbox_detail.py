@@ -2,7 +2,7 @@
 (helper 52's probe: 50 000 copies of one valid event in one file, imported again, took the import
 to 92 MB and printed 11.7 MB, one detail object per event, all of them kept to the end). Now the
 detail lists at most sync.MAILBOX_DETAIL_MAX of them, in order; the counts cover every event and
-`events_not_listed` says how many more there were (cli-contract.md: the counts, plus detail)."""
+`events_not_listed` says how many more there were (docs/cli.md `mailbox import`: the counts, plus detail)."""
 from __future__ import annotations
 
 from agent import sync

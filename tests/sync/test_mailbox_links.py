@@ -332,7 +332,7 @@ def test_a_ring_of_files_moves_every_cursor(tmp_path):
 
 def test_a_file_from_a_stranger_is_owed_no_answer(tmp_path):
     """A well-formed file from a site this node does not trust (a stranger, another mesh) is
-    imported (cli-contract.md: exit 0, its events dropped), but owes no answer: nothing is signed
+    imported (docs/cli.md `mailbox import`: exit 0, its events dropped), but owes no answer: nothing is signed
     for it and no file carries an answer to it."""
     from agent import mailbox
     from agent.core.messages import parse_body

@@ -1,6 +1,6 @@
 """Every reason code a transport can reach shows in `ssp-agent events` under its one name
 (agent/core/reasons.py): the shipped session over the in-memory link and over the serial link
-state machine, and mailbox files (refused on stderr, nothing stored: cli-contract.md). MQTT:
+state machine, and mailbox files (refused on stderr, nothing stored: docs/protocol.md §6). MQTT:
 tests/mqtt/test_reasons_mqtt.py. The catalogue of inputs: tests/reasons_catalogue.py."""
 from __future__ import annotations
 

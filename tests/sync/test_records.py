@@ -1,4 +1,4 @@
-"""Control records (wire-profile.md §3, scope §1.3): verified alone, chained per subject, forks
+"""Control records (docs/protocol.md §0 "Control records", scope §1.3): verified alone, chained per subject, forks
 surfaced and treated as absent, authorities only, vouch and retire changing the keyring."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Two-, three- and four-node simulations over the in-memory link: faults, crashes, late relays,
-lying peers, self-echo (§14, §32.1, §34, wire-profile.md §5)."""
+lying peers, self-echo (§14, §32.1, §34, docs/protocol.md §2-§3)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -147,7 +147,7 @@ def handshake(p, now):
 
 def test_old_event_relayed_late_is_not_skipped(tmp_path):
     """B's cursor toward A has passed HLC h; an event of C with an HLC far below h reaches B only
-    later, relayed by D. B must still offer it to A (wire-profile.md §5)."""
+    later, relayed by D. B must still offer it to A (docs/protocol.md §2, late relays)."""
     a, b, c, d = mesh(tmp_path, 4)
     da, dbb, dc, dd = (SyncDriver(x) for x in (a, b, c, d))
     c.write(T, {"device": "old", "seq": 1}, {"temp": 1.0}, now=NOW - 200_000)  # old HLC, not yet sent
