@@ -951,7 +951,7 @@ class Node:
             return self._surface(Outcome(DROPPED, R.NOT_BYTES), now)
         raw = bytes(raw)
         eid = checked[4] if checked is not None else ev.event_id(raw)
-        # Envelope: tag 18, empty unprotected map, deterministic bytes (wire-profile §2): else dropped.
+        # Envelope: tag 18, empty unprotected map, deterministic bytes (docs/protocol.md §0 "Change events"): else dropped.
         if checked is not None:
             sign1 = checked[0]
         else:
@@ -1266,7 +1266,7 @@ class Node:
                     if not value_fits(tbl.tdef.columns[c], v):
                         hint = ""
                         if tbl.tdef.columns[c] == "real" and type(v) is int:
-                            # wire-profile §2: no coercion; say how to write it rather than convert silently
+                            # no coercion (docs/protocol.md §0); say how to write it rather than convert silently
                             hint = f" (an integer is not a real; write {float(v)!r})"
                         raise NodeError(f"column {c} is {tbl.tdef.columns[c]}; {v!r} does not fit{hint}")
             payloads.append((tbl.tdef, key, None if delete else values, "delete" if delete else "upsert"))
@@ -1725,7 +1725,7 @@ def _require_trusted_clock(node, what: str, override: bool, wait_s: float, now: 
     known to be synchronised (no sync source, no contrary evidence: containers, devices without a
     time service) is refused only in strict mode — `strict`, a `--wait-clock`, or
     SSP_AGENT_CLOCK_STRICT=1, which first-boot enrolment and the automatic eviction job use — and
-    otherwise accepted with a warning, so the command-line contract (cli-contract.md: `init`,
+    otherwise accepted with a warning, so the command-line contract (docs/cli.md "The manifest": `init`,
     `evict --horizon`) holds on machines that cannot say."""
     from . import clockstate
     strict = strict or wait_s > 0 or os.environ.get("SSP_AGENT_CLOCK_STRICT", "").strip().lower() in ("1", "true", "yes")

@@ -73,7 +73,7 @@ def issue_events(node, payloads: list[tuple], now: int, built: list | None = Non
                 built[:] = parts
             return raws
         except OutcomeUnknown:
-            # wire-profile §2: an HLC whose release is unknown is spent; tick past it and sign anew.
+            # §13.5 (docs/protocol.md §0): an HLC whose release is unknown is spent; tick past it and sign anew.
             hi = node.bridge.max_event_hlc(node.site_id)
             if hi is not None:
                 node.clock.observe(hi, now)

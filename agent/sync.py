@@ -676,7 +676,7 @@ def _partial_import_line(home: Path, total: int, done: dict) -> str:
 
 # The mailbox verbs (agent/mailbox.py holds the file and answer-record pieces below this layer).
 def import_mailbox_body(node, data: bytes, now: int | None = None) -> dict:
-    """Raises ProtocolError before anything is written (cli-contract.md: a refused body changes
+    """Raises ProtocolError before anything is written (docs/cli.md "Exit status": a refused body changes
     nothing): the strict parse runs before the driver is made, because making it creates the
     sync tables and the default policy rows of a home that has none yet. The events are read from
     `data` as they apply (`parse_body_streamed`)."""

@@ -17,9 +17,10 @@ SQL = re.compile(r"\b(SELECT\b[\s\S]*\bFROM|INSERT\s+(OR\s+\w+\s+)?INTO|UPDATE\s
                  r"REPLACE\s+INTO|CREATE\s+(TABLE|INDEX|TRIGGER|VIEW|UNIQUE)|DROP\s+(TABLE|INDEX)|ALTER\s+TABLE|"
                  r"PRAGMA\s+\w+)\b")
 # the node's store; the sequencer service's own, a member's Commit queue's, and the versioned
-# layouts of the sequencer's files (its state and the queue), which may not import agent/store/
+# layouts of the sequencer's files (its state and the queue), which may not import agent/store/; and
+# the opener both share, which gives a file's WAL index real blocks before SQLite maps it
 STORES = ("agent/store/", "agent/sequencer/store.py", "agent/sequencer/queue_store.py",
-          "agent/sequencer/layout.py")
+          "agent/sequencer/layout.py", "agent/walindex.py")
 
 # Still to move (each of these is a module's own piece of work). Empty: a
 # module outside STORES may hold no SQL at all.

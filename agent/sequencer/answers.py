@@ -92,7 +92,7 @@ def _unsettled(r: receipts.Receipt, why: str) -> Outcome:
 
 
 def submit_outcome(e: Entry, answer: dict, signer_for: SignerFor) -> Outcome:
-    """What a `submit` answer (the JSON of cli-contract.md) means for queued Commit ``e``."""
+    """What a `submit` answer (the JSON docs/sequencer.md describes) means for queued Commit ``e``."""
     if "error" in answer:
         return Outcome(None, problem=f"the sequencer answered an error: {answer['error']}")
     if answer.get("accepted") is True:
