@@ -1,4 +1,4 @@
-"""SigningBridge: the only way to obtain signed bytes (SOVM §22.5 clauses 1-2; issue 5 item 2).
+"""SigningBridge: the only way to obtain signed bytes (SOVM §22.5 clauses 1-2).
 
 Order inside ``release`` / ``release_many`` (docs/keystore.md "The order of steps"):
 

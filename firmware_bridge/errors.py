@@ -57,7 +57,7 @@ class JournalBusy(JournalError):
 class JournalCorrupt(JournalError):
     """Damage inside the journal's durable part: a record that does not parse, with valid records
     after it.  Unlike a torn tail (truncated on open) this cannot come from an interrupted write;
-    the journal refuses to open and changes nothing (issue 11 item 6; docs/keystore.md)."""
+    the journal refuses to open and changes nothing (docs/keystore.md)."""
 
     def __init__(self, message: str, offset: int, records_after: int, released_after: int) -> None:
         super().__init__(message)

@@ -435,7 +435,7 @@ class Journal:
                 # Valid records follow the bad one: the bad bytes were followed by later, complete
                 # writes, so they are not a torn tail but damage to durable data. Truncating would
                 # silently drop every later record (released outputs among them): refuse, and
-                # change nothing (issue 11 item 6).
+                # change nothing.
                 os.close(fd)
                 raise _corrupt(self.path, pos, after)
             # torn tail: never covered by a completed fsync, so never acted upon (module docstring)
@@ -553,7 +553,7 @@ class Journal:
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT) and self._cut_back(self._tail):
                     # No space for this batch (write() refused, no fsync failed): its partial bytes
-                    # are cut off, its callers fail, the journal goes on (issue 16 item 2: `run`
+                    # are cut off, its callers fail, the journal goes on (`run`
                     # signs again once eviction or the operator freed space).
                     with self._cond:
                         self._refused.append((taken, upto))

@@ -1,4 +1,4 @@
-"""PKCS#11 keystore (python-pkcs11), e.g. SoftHSM2 or a hardware token (issue 5 item 4).
+"""PKCS#11 keystore (python-pkcs11), e.g. SoftHSM2 or a hardware token.
 
 Keys are generated on the token (CKA_SENSITIVE, not CKA_EXTRACTABLE) and never leave it.  Ed25519
 via CKM_EC_EDWARDS_KEY_PAIR_GEN / CKM_EDDSA; P-256 via CKM_ECDSA_SHA256 or CKM_ECDSA over a

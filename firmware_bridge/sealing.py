@@ -1,4 +1,4 @@
-"""At-rest sealing of stored signed outputs (issue 16 item 4; docs/reliability.md "At rest").
+"""At-rest sealing of stored signed outputs (docs/reliability.md "At rest").
 
 A *data key* (32 random bytes, XChaCha20-Poly1305) seals each stored copy of a signed event: in
 the agent's event log and held table, and in this package's signing journal. The data key is

@@ -1,4 +1,4 @@
-"""Serial keystore protocol, sans I/O (docs/keystore.md "Serial keystore protocol (v1)"; issue 5 item 4).
+"""Serial keystore protocol, sans I/O (docs/keystore.md "Serial keystore protocol (v1)").
 
 Frame on the wire:   COBS( payload | CRC-32(payload) as 4 bytes big-endian ) | 0x00   (framing.py)
 payload:             version (u8 = 1) | kind (u8) | request id (u16) | body
@@ -236,7 +236,7 @@ _PUBLIC_KEY_LEN = {"ed25519": (32,), "p256": (33, 65)}  # SEC1 compressed or unc
 def parse_reply(op: int, frame: Frame) -> Reply:
     """The serial keystore reply boundary: the reply to request `op` in `frame`, parsed whole
     (no trailing bytes), or ReplyError (a DeviceProtocolError, a KeystoreError) with a stable reason.
-    Nothing else escapes, whatever the device or the line sends (issue 11)."""
+    Nothing else escapes, whatever the device or the line sends."""
     try:
         return _parse_reply(op, frame)
     except ReplyError:

@@ -1,4 +1,4 @@
-"""Software keystore: one key file per key in a directory (issue 5 item 4, "software").
+"""Software keystore: one key file per key in a directory ("software").
 
 For development and devices without hardware.  Key files are written whole under a temporary
 name and linked into place (never over an existing one, never seen half-written), mode 0600, the
@@ -75,7 +75,7 @@ class _Key:
 
 
 def _p256_private(secret: bytes) -> ec.EllipticCurvePrivateKey:
-    # cryptography only where P-256 is used (issue 15 item 3: an Ed25519-only node never loads it)
+    # cryptography only where P-256 is used (an Ed25519-only node never loads it)
     from cryptography.hazmat.primitives.asymmetric import ec
     return ec.derive_private_key(int.from_bytes(secret, "big"), ec.SECP256R1())
 

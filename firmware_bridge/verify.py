@@ -15,7 +15,7 @@ import nacl.exceptions
 import nacl.signing
 
 # cryptography is imported on the first P-256 verification only: a node that signs and verifies
-# Ed25519 events never loads it (issue 15 item 3, start-up of `write` and `sync --once`).
+# Ed25519 events never loads it (the start-up of `write` and `sync --once`).
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric import ec
 

@@ -360,7 +360,7 @@ SOURCE_SUFFIXES = {".py", ".sh", ".c", ".toml"}
 def test_no_tracker_numbers_in_code_tests_tools_or_benches():
     assert ISSUE_REF.search("as Issue" + " 12 said") and not ISSUE_REF.search("an issue; 12 of them")
     found = []
-    for top in ("agent", "tests", "tools", "bench"):
+    for top in ("agent", "firmware_bridge", "tests", "tools", "bench"):
         for p in sorted((ROOT / top).rglob("*")):
             rel = p.relative_to(ROOT)
             if p.suffix not in SOURCE_SUFFIXES or rel.parts[:2] in (("bench", "results"),) or "fixtures" in rel.parts:
