@@ -8,7 +8,7 @@ ES256 signing rate of the same keystore measured in the same run.
                             fsyncs (intent, receipt) and a state commit per Commit
   seq_stream<G>_<ks>        the pipelined group commit as `sequencer run` drives it (the headline):
                             G groups, each a closed loop — its next Commit is put when the answer to
-                            its last one is released; batches of up to service.CHUNK distinct groups,
+                            its last one is released; batches of up to pipeline.CHUNK distinct groups,
                             one signing in the keystore (the software keystore: its own process)
                             while this process commits the batch before and prepares the next
   seq_stream<G>_<ks>_idle   the same with 10 000 idle groups registered, each of which committed
@@ -413,7 +413,7 @@ def main() -> None:
                     help="also the stream over groups holding DEPTH receipts each (the receipts table's growth)")
     ap.add_argument("--one-round", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    # the collector as `sequencer run` sets it when it starts serving (service.GC_THRESHOLDS); a
+    # the collector as `sequencer run` sets it when it starts serving (pipeline.GC_THRESHOLDS); a
     # tree measured with --against that predates it keeps the default
     getattr(service, "tune_collector", lambda: None)()
     if a.one_round:

@@ -8,7 +8,7 @@
 
 kid is the sequencer's 33-byte compressed SEC1 public key; external_aad is the empty byte
 string; everything is deterministically encoded. Pure functions: the signature itself comes from
-the keystore bridge (agent/sequencer/service.py), never from here.
+the keystore bridge (agent/sequencer/pipeline.py, resume.py), never from here.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ Answers leave on a second connection whose network thread reads only their PUBAC
 while a flood of requests waits; the loop takes nothing while the outbox is full (agent/outbox.py).
 One wildcard subscription per request kind: an idle group costs nothing. Requests are handled on
 one thread, in arrival order; submits stream through the pipelined group commit
-(service.GroupCommit), and a register or receipt request first lets earlier submits finish."""
+(pipeline.GroupCommit), and a register or receipt request first lets earlier submits finish."""
 from __future__ import annotations
 
 import json

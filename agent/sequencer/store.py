@@ -29,7 +29,7 @@ from agent.sequencer.core import GroupState, Head
 # ~256 index pages; a longer WAL rewrites a page several times before a checkpoint copies it once.
 # With 300 receipts a group (1 024 groups) the COMMIT took 14.3-16.3 us of CPU a Commit at 1 000,
 # 9.6-11.0 at 4 000 (8.2-10.3 at 8 000); with a short history no change (2.8-3.1). The WAL file
-# reaches about this many pages (16 MiB) and is reused: service.DISK_RESERVE_BYTES keeps room for it.
+# reaches about this many pages (16 MiB) and is reused: home.DISK_RESERVE_BYTES keeps room for it.
 STATE_WAL_CHECKPOINT_PAGES = 4000
 STATE_PAGE_BYTES = 4096     # SQLite's default page size, which this file keeps
 
@@ -38,7 +38,7 @@ class Store:
     def __init__(self, path: Path, *, readonly: bool = False) -> None:
         """``readonly``: a reader beside a running `sequencer run` (WAL: it sees committed state)."""
         self.path = Path(path)
-        # The writer holds the home's flock (service.py), so it may cache every group's state: the
+        # The writer holds the home's flock (home.py), so it may cache every group's state: the
         # cache changes only after the transaction that changed the rows committed.
         self._cache: Optional[dict[bytes, Optional[GroupState]]] = None if readonly else {}
         self._dirty: dict[bytes, Optional[GroupState]] = {}

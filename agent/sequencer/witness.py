@@ -5,7 +5,7 @@ Everything the home holds about what it signed (`sequencer.db`, the signing jour
 with a restore of the whole home (a VM snapshot, a backup). The witness does not: it lives beside
 the node's clock witness (``SSP_AGENT_WITNESS_DIR``, agent/identity.py), one file per receipt key,
 and a receipt is appended to it and made durable (fdatasync) before it is released. On open the
-sequencer compares it with its state (service.py ``_resume_witness``): a group whose state is at
+sequencer compares it with its state (resume.py ``Settler.resume``): a group whose state is at
 or below an epoch the witness holds a receipt for is behind what it released, and jumps past it,
 never signing that pair again.
 

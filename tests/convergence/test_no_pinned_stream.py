@@ -8,7 +8,7 @@ import pytest
 
 from agent import node as node_mod
 from agent.simpeer import NOTES_TABLE, readings_table
-from agent.store import sync_state as st
+from agent.store import sync_progress, sync_state as st
 from agent.sync import SyncDriver
 
 from ..sync.helpers import NOW, T, Signer, mesh, sync
@@ -112,7 +112,7 @@ def test_a_flood_past_the_reoffer_bound_is_rescanned_not_lost(tmp_path, monkeypa
     sender keeps one rescan marker for that signer; honest events flow meanwhile, and once the
     peer can take them every flood event arrives (overflow re-offered later, not lost)."""
     monkeypatch.setattr(node_mod, "HELD_LIMIT_PER_SIGNER", 10)
-    monkeypatch.setattr(st, "REOFFER_PER_SIGNER", 20)
+    monkeypatch.setattr(sync_progress, "REOFFER_PER_SIGNER", 20)
     s, r = mesh(tmp_path, 2, TABLES)
     h, y = Signer(), Signer()
     for n in (s, r):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.store.sync_state import SENT_BODIES_KEPT
+from agent.store.sync_links import SENT_BODIES_KEPT
 from agent.transport.broker import find_mosquitto
 from tests.waiting import HANG_S
 

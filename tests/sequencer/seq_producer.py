@@ -24,7 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from agent.sequencer import receipts, service  # noqa: E402
+from agent.sequencer import home as seq_home, receipts, resume as seq_resume, service  # noqa: E402
 from agent.sequencer.framing import encode_private_message  # noqa: E402
 from tests.crashpoint import hook_from_env  # noqa: E402
 
@@ -45,9 +45,9 @@ def main() -> None:
     ap.add_argument("--compact-bytes", type=int, default=0, help="compact the signing journal whenever it grew "
                                                                  "this much (and on open above it)")
     ap.add_argument("--settle-chunk", type=int, default=0, help="epochs per transaction of resume's settlement "
-                                                                "(service.SETTLE_CHUNK)")
+                                                                "(seq_resume.SETTLE_CHUNK)")
     ap.add_argument("--statement-batch", type=int, default=0, help="statements of absence per bridge call "
-                                                                   "(service.STATEMENT_BATCH)")
+                                                                   "(seq_resume.STATEMENT_BATCH)")
     ap.add_argument("--idle", type=int, default=0, help="this many more groups, taken to epoch 2 first and "
                                                         "then left alone: the journal's compactions keep their "
                                                         "entries as they are and rewrite what came since")
@@ -66,12 +66,12 @@ def main() -> None:
                                   (group_id, epoch + 1))
         Store._put_pending_rows = put_pending_rows
     if a.settle_chunk:
-        service.SETTLE_CHUNK = a.settle_chunk
+        seq_resume.SETTLE_CHUNK = a.settle_chunk
     if a.statement_batch:
-        service.STATEMENT_BATCH = a.statement_batch
+        seq_resume.STATEMENT_BATCH = a.statement_batch
     if a.compact_bytes:
-        service.JOURNAL_COMPACT_BYTES = service.JOURNAL_OPEN_COMPACT_BYTES = a.compact_bytes
-        service.JOURNAL_COMPACT_KEPT_RATIO = 0      # every compact_bytes: its crash points come often
+        seq_home.JOURNAL_COMPACT_BYTES = seq_home.JOURNAL_OPEN_COMPACT_BYTES = a.compact_bytes
+        seq_home.JOURNAL_COMPACT_KEPT_RATIO = 0      # every compact_bytes: its crash points come often
     hook = hook_from_env("SEQ_CRASH")
     rng = random.Random(a.seed)
     out = sys.stdout

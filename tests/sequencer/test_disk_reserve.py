@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 
-from agent.sequencer import core, service
+from agent.sequencer import core, home as seq_home, service
 from agent.sequencer.framing import encode_private_message
 
 G = bytes.fromhex("5e" * 16)
@@ -25,7 +25,7 @@ def test_commits_are_refused_before_signing_when_the_disk_is_short(tmp_path, mon
     home = tmp_path / "seq"
     service.init(home)
     free = {"bytes": 10 << 30}
-    monkeypatch.setattr(service.shutil, "disk_usage", lambda p: Usage(1 << 40, 0, free["bytes"]))
+    monkeypatch.setattr(seq_home.shutil, "disk_usage", lambda p: Usage(1 << 40, 0, free["bytes"]))
     with service.Sequencer(home) as s:
         assert isinstance(s.submit(encode_private_message(G, 0)), service.Accepted)
         commit = encode_private_message(G, 1, ciphertext=b"x" * 100_000)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from firmware_bridge import KeystoreError, ReceiptIdentity, Status
-from agent.sequencer import receipts, service
+from agent.sequencer import home as seq_home, receipts, service
 from agent.sequencer.framing import encode_private_message
 
 
@@ -88,7 +88,7 @@ def in_flight_of(gc) -> tuple[set, int]:
     GroupCommit.in_flight and in_flight_need keep as batches come and go)."""
     batches = [batch for batch, _tk, _r in gc.signing] + [gc.prepared]
     return ({d.group_id for batch in batches for _t, _m, _ch, _s, d in batch},
-            sum(service._disk_need(m) for batch in batches for _t, m, _ch, _s, _d in batch))
+            sum(seq_home.disk_need(m) for batch in batches for _t, m, _ch, _s, _d in batch))
 
 
 def test_a_stream_chains_each_groups_receipts(tmp_path):

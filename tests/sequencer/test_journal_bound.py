@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from agent.sequencer import receipts, service
+from agent.sequencer import home as seq_home, receipts, service
 from agent.sequencer.framing import encode_private_message
 from bridge_helpers import parse_journal
 from firmware_bridge import ReceiptIdentity, Status
@@ -38,7 +38,7 @@ def outputs(home) -> list:
 
 
 def test_journal_holds_a_bounded_number_of_entries_and_every_receipt_is_reserved(tmp_path, monkeypatch):
-    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", 8 * 1024)
+    monkeypatch.setattr(seq_home, "JOURNAL_COMPACT_BYTES", 8 * 1024)
     home = tmp_path / "s"
     service.init(home)
     with service.Sequencer(home) as s:
@@ -93,7 +93,7 @@ def test_negative_control_a_journal_that_forgets_its_floor_resigns(tmp_path, mon
 
 
 def rolled_back_past_a_compaction(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", 4 * 1024)
+    monkeypatch.setattr(seq_home, "JOURNAL_COMPACT_BYTES", 4 * 1024)
     home = tmp_path / "s"
     service.init(home)
     with service.Sequencer(home) as s:
@@ -137,7 +137,7 @@ def test_opening_a_compact_journal_does_not_rewrite_it(tmp_path):
         for g in many:
             s.register(g, 0)
         s.submit_many([msg(g, 0) for g in many])
-        assert s.bridge.journal_stats()["bytes"] > service.JOURNAL_OPEN_COMPACT_BYTES
+        assert s.bridge.journal_stats()["bytes"] > seq_home.JOURNAL_OPEN_COMPACT_BYTES
     before = (home / "sign-journal").stat()
     with service.Sequencer(home) as s:
         assert s.bridge.journal_stats()["compactions"] == 0
@@ -194,7 +194,7 @@ def test_compaction_waits_for_the_journal_to_grow_by_what_it_keeps(tmp_path, mon
     before; now about one a round, as the journal grows by its kept size each round. The journal
     stays within twice what it keeps plus the step."""
     step = 4 * 1024
-    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", step)
+    monkeypatch.setattr(seq_home, "JOURNAL_COMPACT_BYTES", step)
     groups = [i.to_bytes(16, "big") for i in range(200)]
     home = tmp_path / "s"
     service.init(home)
@@ -214,7 +214,7 @@ def test_compaction_waits_for_the_journal_to_grow_by_what_it_keeps(tmp_path, mon
 
 
 def test_a_serving_process_collects_its_youngest_generation_less_often(tmp_path):
-    """`sequencer run` sets service.GC_THRESHOLDS when it starts serving (its Server), so the
+    """`sequencer run` sets pipeline.GC_THRESHOLDS when it starts serving (its Server), so the
     group commit's batches in flight are not walked by the collector every 700 allocations."""
     import gc
     from agent.sequencer import serve, service

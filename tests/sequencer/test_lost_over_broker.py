@@ -382,7 +382,7 @@ def test_a_frozen_group_takes_no_more_offers_and_its_lost_record_is_cleared(tmp_
         # a second receipt for lost epoch 30 under this sequencer's own key (signed here through
         # the bridge under another identity: what an equivocating sequencer would have released)
         prev = receipts.parse_receipt(got[(g, 29)]).receipt_hash
-        tbs, assemble = s._signing.parts(receipts.payload_bytes(g, 30, b"\x07" * 32, prev))
+        tbs, assemble = s.signing.parts(receipts.payload_bytes(g, 30, b"\x07" * 32, prev))
         other = s.bridge.release_many([(ReceiptIdentity(b"\x99" + g, 30), service.RECEIPT_KEY, tbs, assemble)])[0]
         offer = json.dumps({"member": "m", "receipts": [got[(g, e)].hex() for e in range(LAST - 1, 30, -1)]
                             + [other.hex()], "attested_epoch": LAST + 1}).encode()

@@ -22,7 +22,7 @@ import shutil
 
 import pytest
 
-from agent.sequencer import member, receipts, service
+from agent.sequencer import home as seq_home, member, receipts, service
 from agent.sequencer.framing import encode_private_message
 from bridge_helpers import parse_journal
 from firmware_bridge import DiscontinuityIdentity, ReceiptIdentity, Status
@@ -79,7 +79,7 @@ def compacted_history(tmp_path, monkeypatch, *, gap: bool = False):
     """Every group through epochs 0..LAST, the state copied at BACKUP_AT, the journal compacted
     past it. ``gap``: group 0's epoch 10 is an unknown outcome (an intent, no output: a crash
     between intent and persist), so a stated gap with its signed statement."""
-    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", 4 * 1024)
+    monkeypatch.setattr(seq_home, "JOURNAL_COMPACT_BYTES", 4 * 1024)
     home = tmp_path / "s"
     service.init(home)
     got: dict = {}
@@ -156,7 +156,7 @@ def test_a_statement_the_journal_kept_is_adopted_and_nothing_else_is_stated(tmp_
 def journal_only_group(tmp_path, monkeypatch, last: int, *, compact: bool):
     """A home whose state is restored from a copy taken before group x was registered; x then ran
     epochs 0..last (the journal compacted past them when ``compact``). -> (home, x, receipts)."""
-    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", 4 * 1024 if compact else 1 << 30)
+    monkeypatch.setattr(seq_home, "JOURNAL_COMPACT_BYTES", 4 * 1024 if compact else 1 << 30)
     home = tmp_path / "s"
     service.init(home)
     with service.Sequencer(home) as s:

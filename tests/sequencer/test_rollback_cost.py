@@ -22,7 +22,7 @@ from __future__ import annotations
 import shutil
 from collections import Counter
 
-from agent.sequencer import layout, receipts, service
+from agent.sequencer import home as seq_home, layout, receipts, resume as seq_resume, service
 from agent.sequencer.framing import encode_private_message
 from bridge_helpers import parse_journal
 from firmware_bridge import DiscontinuityIdentity, ReceiptIdentity, Status
@@ -82,8 +82,8 @@ def rolled_back_home(tmp_path, monkeypatch, last: int = LAST, gap_groups: int = 
     (intent, no output): each group's epoch ``last`` + 1 and epoch 0 of ``gap_groups`` groups
     registered in the copy. Returns the home, the receipts released after the copy, the gap
     groups and the journal's records at the restore."""
-    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", NEVER)
-    monkeypatch.setattr(service, "JOURNAL_OPEN_COMPACT_BYTES", NEVER)
+    monkeypatch.setattr(seq_home, "JOURNAL_COMPACT_BYTES", NEVER)
+    monkeypatch.setattr(seq_home, "JOURNAL_OPEN_COMPACT_BYTES", NEVER)
     home = tmp_path / "s"
     service.init(home)
     gaps = [gap_group(i) for i in range(gap_groups)]
@@ -156,8 +156,8 @@ def test_resume_after_a_deep_rollback_costs_a_bounded_number_of_commits(tmp_path
     # of `pending`, whatever the depth of the rollback (4 228 epochs settled, 1 028 of them gaps).
     # Before: one transaction per settled epoch and one per statement (~5 300 commits), two
     # journal fsyncs per statement (~2 000), one read of `pending` per settled epoch (~4 200).
-    settle_tx = -(-settled // service.SETTLE_CHUNK)           # 2
-    batches = -(-gaps // service.STATEMENT_BATCH)             # 2
+    settle_tx = -(-settled // seq_resume.SETTLE_CHUNK)           # 2
+    batches = -(-gaps // seq_resume.STATEMENT_BATCH)             # 2
     print("resume work after a rollback over", settled, "epochs,", gaps, "gaps:", work)
     assert settle_tx == 2 and batches == 2, "the settlement and the statements must each take more than one batch"
     assert work["commits"] <= settle_tx + batches, work

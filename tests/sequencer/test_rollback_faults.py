@@ -17,7 +17,7 @@ import sqlite3
 
 import pytest
 
-from agent.sequencer import receipts, service
+from agent.sequencer import receipts, resume as seq_resume, service
 from agent.sequencer.store import Store
 from bridge_helpers import parse_journal
 from firmware_bridge import DiscontinuityIdentity, ReceiptIdentity
@@ -94,8 +94,8 @@ def settled_epochs(epochs: dict) -> int:
 
 def test_faults_inside_the_batched_resume_leave_a_state_the_next_resume_completes(tmp_path, monkeypatch):
     home, got, gap_groups, before = rolled_back_home(tmp_path, monkeypatch, LAST, GAP_GROUPS)
-    monkeypatch.setattr(service, "SETTLE_CHUNK", CHUNK)
-    monkeypatch.setattr(service, "STATEMENT_BATCH", CHUNK)
+    monkeypatch.setattr(seq_resume, "SETTLE_CHUNK", CHUNK)
+    monkeypatch.setattr(seq_resume, "STATEMENT_BATCH", CHUNK)
     progress = []
     # after the 3rd settle transaction; after the 2nd (of the next resume); in the 2nd statement
     # batch between its intents and outputs (its 100 attempts spent); between a batch's

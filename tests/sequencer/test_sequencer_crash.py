@@ -34,7 +34,7 @@ from bridge_helpers import cose_parts, parse_journal
 from firmware_bridge import verify_p256
 from firmware_bridge.identity import DiscontinuityIdentity, decode_identity
 
-from agent.sequencer import receipts, service
+from agent.sequencer import home as seq_home, receipts, service
 from tests.waiting import HANG_S
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -385,8 +385,8 @@ def test_rollback_resume_named_crash_points(tmp_path, monkeypatch):
     import shutil
     from firmware_bridge.identity import ReceiptIdentity
     from firmware_bridge.journal import INTENT, Journal
-    monkeypatch.setattr(service, "JOURNAL_COMPACT_BYTES", NEVER)      # this process's opens too
-    monkeypatch.setattr(service, "JOURNAL_OPEN_COMPACT_BYTES", NEVER)
+    monkeypatch.setattr(seq_home, "JOURNAL_COMPACT_BYTES", NEVER)      # this process's opens too
+    monkeypatch.setattr(seq_home, "JOURNAL_OPEN_COMPACT_BYTES", NEVER)
     main = dict(START)
     home = str(tmp_path / "s")
     service.init(home)

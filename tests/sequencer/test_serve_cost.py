@@ -66,7 +66,7 @@ def test_a_gap_is_published_once_its_statement_is_signed_and_only_once(tmp_path)
         s.store.commit_discontinuity(s.store.group(G).__class__(G, 1), 0, None, None, "signing_failed")
         srv._publish_discontinuities()       # not signed yet: not published
         assert not [t for t, _ in srv.client.published if "/discontinuity/" in t]
-        s._sign_statements()
+        s.sign_statements()
         srv._publish_discontinuities()
         srv._publish_discontinuities()
         gaps = [(t, p) for t, p in srv.client.published if "/discontinuity/" in t]

@@ -61,7 +61,7 @@ def test_the_streamed_status_is_the_status_byte_for_byte(tmp_path):
         # gaps for two groups, one signed (the resume path states them; written here directly)
         s.store.commit_discontinuity(s.store.group(groups[1]).__class__(groups[1], 2), 1, None, None, "signing_failed")
         s.store.commit_discontinuity(s.store.group(groups[2]).__class__(groups[2], 3), 2, None, None, "signing_failed")
-        s._sign_statements()
+        s.sign_statements()
         whole = json.dumps(s.status()) + "\n"
         buf = io.StringIO()
         with redirect_stdout(buf):
