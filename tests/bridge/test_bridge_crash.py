@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from crash_harness import CheckFailed, drive_chain, random_schedule
+from tests.soak import sample
 
 EVENT_POINTS = ["after_pending", "after_intent", "after_sign", "before_persist", "journal_torn_write",
                 "journal_before_fsync", "after_persist", "after_print"]
@@ -70,9 +71,10 @@ def _random_kills(tmp_path, seed, target, mode, batch, max_delay):
 
 @pytest.mark.parametrize("seed", [20261202])
 def test_random_kills_events(tmp_path, seed):
-    k = _parallel([(_random_kills, tmp_path, seed, 70, "event", 1, 0.02),
-                   (_random_kills, tmp_path, seed + 1, 70, "event", 16, 0.02)])
-    assert sum(k) >= 140, k
+    n = sample(30, 70)
+    k = _parallel([(_random_kills, tmp_path, seed, n, "event", 1, 0.02),
+                   (_random_kills, tmp_path, seed + 1, n, "event", 16, 0.02)])
+    assert sum(k) >= 2 * n, k
 
 
 @pytest.mark.parametrize("seed", [77])

@@ -35,6 +35,7 @@ from firmware_bridge import verify_p256
 from firmware_bridge.identity import DiscontinuityIdentity, decode_identity
 
 from agent.sequencer import home as seq_home, receipts, service
+from tests.soak import sample
 from tests.waiting import HANG_S
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -301,10 +302,11 @@ def test_random_kills(tmp_path):
     """With the signing journal compacted every ~4 KiB (a dozen receipts): kills land in and
     around compactions too (docs/sequencer.md "Journal compaction")."""
     rng = random.Random(1414)
-    sched = [round(rng.uniform(0.05, 0.9), 3) for _ in range(120)]
-    checker, kills = drive(str(tmp_path / "s"), sched, target=20, seed=2, compact=4096, min_released=150)
+    sched = [round(rng.uniform(0.05, 0.9), 3) for _ in range(sample(50, 120))]
+    want = sample(100, 150)
+    checker, kills = drive(str(tmp_path / "s"), sched, target=20, seed=2, compact=4096, min_released=want)
     assert kills >= len(sched)
-    assert len(checker.released) >= 150
+    assert len(checker.released) >= want
     assert checker.compacted > 0 and checker.forgotten
 
 
@@ -317,7 +319,7 @@ def test_group_commit_named_crash_points_and_random_kills(tmp_path):
     rng = random.Random(2828)
     sched = [f"{p}:{h}" for p in POINTS for h in (1, 4, 9)] + \
         [f"{p}:{h}" for p in COMPACTION_POINTS for h in (1, 2, 3)] + \
-        [round(rng.uniform(0.05, 0.9), 3) for _ in range(117)]
+        [round(rng.uniform(0.05, 0.9), 3) for _ in range(sample(40, 117))]
     checker, kills = drive(str(tmp_path / "s"), sched, target=120, seed=4, batch=True, chunk=1, compact=4096,
                            min_released=300)
     assert kills >= len(sched)
@@ -332,7 +334,7 @@ def test_kills_in_compactions_that_keep_the_base(tmp_path):
     random times, through the pipelined group commit; the same checker holds."""
     rng = random.Random(4242)
     sched = [f"{p}:{h}" for p in COMPACTION_POINTS for h in (1, 2, 3)] + \
-        [round(rng.uniform(0.05, 0.9), 3) for _ in range(30)]
+        [round(rng.uniform(0.05, 0.9), 3) for _ in range(sample(12, 30))]
     checker, kills = drive(str(tmp_path / "s"), sched, target=150, seed=7, batch=True, chunk=1, compact=4096,
                            extra=("--idle", "12"), min_released=300)
     assert kills >= len(sched)

@@ -24,6 +24,7 @@ from agent.store import sync_state as sst
 from agent.sync import SyncDriver
 
 from .helpers import MESH, NOW, T
+from tests.soak import sample
 
 AUTH1, AUTH2 = SimPeer(MESH), SimPeer(MESH)
 S1, S2, S3 = SimPeer(MESH), SimPeer(MESH), SimPeer(MESH)  # S1 provisioned; S2, S3 vouched by records
@@ -158,13 +159,13 @@ def _run(data, horizon=None, replicas=3):
     assert states_after == states
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=sample(25, 60), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
 def test_events_and_records_in_any_order_converge(data):
     _run(data)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=sample(12, 30), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
 def test_events_and_records_in_any_order_converge_with_equal_horizons(data):
     _run(data, horizon=(NOW + 2, 0))
