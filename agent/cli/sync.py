@@ -89,7 +89,12 @@ def cmd_policy_remove(args) -> int:
 
 def cmd_policy_list(args) -> int:
     from ..store import sync_state as st
-    node = open_node(args)
+    # a read view when the policy tables are there (a full disk must not stop a read verb); the
+    # first listing of an older home creates them and the default rows
+    node = open_node(args, read_only=True)
+    if not st.schema_ready(node.conn):
+        node.close()
+        node = open_node(args)
     try:
         st.ensure_schema(node.conn)
         for r in sorted(st.policy_rows(node.conn), key=lambda r: (r.schema, r.table, r.peer, r.layer, r.role)):

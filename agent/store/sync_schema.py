@@ -100,12 +100,17 @@ def _has_lifecycle_tables(conn: sqlite3.Connection) -> bool:
                         ).fetchone()[0] == len(_LATER_TABLES)
 
 
+def schema_ready(conn: sqlite3.Connection) -> bool:
+    """The tables and the default policy rows are there: a read view can list them as they are."""
+    return bool(has_schema(conn) and _has_lifecycle_tables(conn) and
+                conn.execute("SELECT 1 FROM meta WHERE key='policy_defaults'").fetchone())
+
+
 def ensure_schema(conn: sqlite3.Connection) -> None:
     """Create the tables (idempotent) and, once per home, the default policy rows: a `system`
     layer allow for every peer and every schema holding a syncable table (`peer * SCHEMA.*`), so a
     fresh mesh syncs. Operators narrow it with higher layers (docs/protocol.md)."""
-    if has_schema(conn) and _has_lifecycle_tables(conn) and \
-            conn.execute("SELECT 1 FROM meta WHERE key='policy_defaults'").fetchone():
+    if schema_ready(conn):
         return
     with transaction(conn):   # rolls back only an open transaction: a full disk's error survives
         create_schema(conn)

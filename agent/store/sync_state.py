@@ -6,7 +6,7 @@ every public function of the parts. The bounds (SENT_BODIES_KEPT, PINS_PER_SIGNE
 REOFFER_PER_SIGNER, MAILBOX_*, RECORDS_LIMIT*) are named only in the part that reads them."""
 from __future__ import annotations
 
-from .sync_schema import (has_schema, ensure_schema, create_schema, TRUNCATION_DDL)
+from .sync_schema import (has_schema, schema_ready, ensure_schema, create_schema, TRUNCATION_DDL)
 from .sync_links import (cursor, advance_cursor, put_sent_body, sent_body, forget_sent_body, PEER_LINKS_DDL,
                          peer_link, give_up_sent_bodies, bodies_in_flight, set_advertised_limit, set_limit_state,
                          schedule_backfill, backfill_jobs, advance_backfill, drop_backfill, peers_with_cursors,
@@ -24,7 +24,7 @@ from .sync_records import (policy_rows, put_policy_row, delete_policy_row, recor
                            holds_signed_record, authorities, trust, overlay_keyring, current_roles, rehydrate_upto,
                            rehydrate_generation)
 
-__all__ = ["has_schema", "ensure_schema", "create_schema", "TRUNCATION_DDL", "cursor", "advance_cursor",
+__all__ = ["has_schema", "schema_ready", "ensure_schema", "create_schema", "TRUNCATION_DDL", "cursor", "advance_cursor",
            "put_sent_body", "sent_body", "forget_sent_body", "PEER_LINKS_DDL", "peer_link", "give_up_sent_bodies",
            "bodies_in_flight", "set_advertised_limit", "set_limit_state", "schedule_backfill", "backfill_jobs",
            "advance_backfill", "drop_backfill", "peers_with_cursors", "adopt_meta_cursors", "stream_completed",

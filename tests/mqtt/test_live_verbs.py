@@ -77,7 +77,11 @@ def test_runbook_verbs_work_on_a_live_gateway(broker, tmp_path):
         q = run_cli("--home", hg, "mailbox", "export", "--peer", dev_site, "--out", tmp_path / "body.ssp")
         assert q.returncode == 2 and "stop" in q.stderr and f"pid {p.pid}" in q.stderr, (q.returncode, q.stderr)
         assert not (tmp_path / "body.ssp").exists()
-        for argv in (["policy", "list"], ["identity", "rebind", "--confirm-original-destroyed"],
+        # a read verb reads the store beside the service
+        q = run_cli("--home", hg, "policy", "list")
+        assert q.returncode == 0 and '"effect": "allow"' in q.stdout, (q.returncode, q.stdout, q.stderr)
+        for argv in (["policy", "deny", "--peer", dev_site, "--table", "app.*", "--layer", "user"],
+                     ["identity", "rebind", "--confirm-original-destroyed"],
                      ["keystore", "rotate-data-key"], ["table", "add-column", "app.readings", "--column", "x",
                                                        "--type", "text"]):
             q = run_cli("--home", hg, *argv)
