@@ -45,3 +45,27 @@ def _stop_leaked_apply_workers(monkeypatch):
         pool, n._pool = getattr(n, "_pool", None), None
         if pool:
             pool.close()
+
+
+# The longest files first: pytest-xdist (--dist loadfile, tools/test.sh) hands files to workers in
+# collection order, so a long file collected late runs alone at the end while the other worker
+# idles. Listed from the suite's --durations, longest first; every other file keeps its order.
+LONG_FIRST = (
+    "tests/sequencer/test_sequencer_crash.py",
+    "tests/sync/test_trust_convergence.py",
+    "tests/reliability/test_powercut.py",
+    "tests/bridge/test_bridge_crash.py",
+    "tests/mqtt/test_rogue.py",
+    "tests/sync/test_state_machine.py",
+    "tests/provision/test_flash.py",
+    "tests/lifecycle/test_replacement_cli.py",
+    "tests/convergence/test_histories.py",
+    "tests/sequencer/test_gossip.py",
+    "tests/core/test_convergence_property.py",
+    "tests/hostile/test_fuzz.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {f: i for i, f in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))   # stable
