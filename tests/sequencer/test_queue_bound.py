@@ -29,6 +29,7 @@ from agent.sequencer import answers, client, commit_queue, receipts, serve
 from tests.sequencer.test_commit_queue import agent
 from tests.sequencer.test_member import RogueSequencer
 from tests.sequencer.test_queue_cost import GROUPS, SLACK, _commit, instructions
+from tests.waiting import HANG_S
 
 SMALL, BIG = 40, 400            # retained unsettled receipts
 G, H = GROUPS[0], GROUPS[1]     # G: held (its binding is not resolvable yet); H: attributed
@@ -412,7 +413,7 @@ def test_a_running_commits_run_settles_a_held_receipt_when_the_missing_binding_a
         assert p.returncode == 0, (args, p.stdout, p.stderr)
         return json.loads(p.stdout.splitlines()[-1]) if p.stdout.strip() else None
 
-    def until(home, test, limit=90.0):
+    def until(home, test, limit=HANG_S):
         end = time.monotonic() + limit
         while True:
             st = j(home, "commits", "status")
@@ -464,7 +465,8 @@ def test_a_running_commits_run_settles_a_held_receipt_when_the_missing_binding_a
     try:
         seqp, _ = spawn(s, "sequencer", "run", "--broker", broker.url)
         member, _ = spawn(b, "commits", "run", "--broker", broker.url)
-        st = until(b, lambda st: st["unsettled"])
+        # the held receipt and the Commit's reason are two writes of the member: wait for both
+        st = until(b, lambda st: st["unsettled"] and st["commits"][0]["reason"] == "binding_unresolved")
         assert [u["verdict"] for u in st["unsettled"]] == ["held"], st
         assert st["commits"][0]["state"] == "queued" and st["commits"][0]["reason"] == "binding_unresolved"
         # the recheck has looked at it under the bindings b holds now (so what follows is the

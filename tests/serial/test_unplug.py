@@ -126,5 +126,6 @@ def test_garbage_and_unplugs_mid_body_converge(tmp_path):
         relay.close()
     for k, s in outs.items():
         assert s["rejected"] == 0, (k, s)                 # nothing corrupted reached the apply path
-        assert s["link"]["incarnations"] >= 2, (k, s)    # the unplugs ended a link and a new one started
+        # (whether an end saw its link end depends on how long the cable was out against its
+        # timers, i.e. on the machine's pace: the transfer cut short is asserted above instead)
         assert s["link"]["frames_rejected"] > 0, (k, s)  # the noise arrived and was refused as frames
