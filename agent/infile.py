@@ -10,6 +10,7 @@ caller's, as before.
 """
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -70,3 +71,13 @@ def decode_text(data: bytes, what: str) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InputRefused("not_utf8", f"{what} is not UTF-8 text (byte {e.start}: {data[e.start:e.start + 1].hex()})") from None
+
+
+def parse_json(text: str, what: str):
+    """``text`` as JSON, refused (``not_json``) naming ``what``: a syntax error, or nesting too deep."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputRefused("not_json", f"{what} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InputRefused("not_json", f"{what} is nested too deeply") from None

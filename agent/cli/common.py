@@ -122,11 +122,9 @@ def read_input(path, limit: int, what: str, *, text: bool = False, cut: bool = F
 
 def json_arg(text: str, what: str) -> Any:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise Refused(f"{what} is not valid JSON: {e}") from None
-    except RecursionError:
-        raise Refused(f"{what} is nested too deeply") from None
+        return infile.parse_json(text, what)
+    except infile.InputRefused as e:
+        raise Refused(str(e)) from None
 
 
 def use_reserve(home, who: str) -> None:

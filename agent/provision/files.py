@@ -3,7 +3,6 @@
 writes under a device's root directory."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -39,11 +38,9 @@ def read_text(path: Path, limit: int, what: str) -> str:
 
 def json_doc(text: str, what: str) -> Any:
     try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ProvisionRefused(f"{what} is not valid JSON: {e}") from None
-    except RecursionError:
-        raise ProvisionRefused(f"{what} is nested too deeply") from None
+        return infile.parse_json(text, what)
+    except infile.InputRefused as e:
+        raise ProvisionRefused(str(e)) from None
 
 
 def under(root: Path, path: str) -> Path:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import time
 
 from tests.cli_cmd import run_cli
 from tests.mqtt.test_broker_security import docs_broker, make_pki
 from tests.mqtt.test_metrics_labels import documented_labels
+from tests.mqtt.helpers import wait_serving
 from tests.waiting import wait_until
 
 from .runbook import Runbook, stop_group
@@ -37,19 +37,6 @@ def _rows(home, p: subprocess.CompletedProcess | None = None) -> set[str]:
     return {json.dumps(r, sort_keys=True) for r in json.loads(p.stdout).get(T, [])}
 
 
-def _serving(gw, proc: subprocess.Popen, ceiling_s: float = 180) -> None:
-    """Until the gateway's service answers `status` through its control socket (a ceiling for a hang)."""
-    deadline = time.monotonic() + ceiling_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        if (gw / "control.sock").exists():
-            p = run_cli("--home", gw, "status")
-            if p.returncode == 0 and "run" in json.loads(p.stdout):
-                return
-        time.sleep(0.2)
-    raise AssertionError("the gateway's service never answered on its control socket")
-
-
 def test_fleet_rehearsal(tmp_path):
     rb = Runbook(tmp_path)
     pki = make_pki(tmp_path / "pki", [])
@@ -69,7 +56,7 @@ def test_fleet_rehearsal(tmp_path):
         rb.run(5, **v)
         rb.run(6, **v)
         gw_proc = rb.start(7, **v)
-        _serving(v["GW"], gw_proc)
+        wait_serving(v["GW"], gw_proc)
 
         # three devices enrolled while the gateway runs
         devices = []
