@@ -8,11 +8,13 @@ either the answers go out on a connection of their own and the loop takes no new
 the outbox is ``full`` (`sequencer run`), or, on the one connection, the loop never waits and
 leaves out what it may while ``full`` (a node's courtesy answers, agent/runner.py). A PUBACK
 handled before ``publish`` returns its mid is kept while a publish is under way, and paho calls
-``on_publish`` under its own lock, so this class never calls paho while holding its lock."""
+``on_publish`` under its own lock, so this class never calls paho while holding its lock. What
+must wait for the broker to hold a publish (acknowledging the request it answers) is its ``then``."""
 from __future__ import annotations
 
 import threading
 import time
+from typing import Callable, Optional
 
 __all__ = ["ITEM_OVERHEAD", "Outbox", "PROPERTIES_OVERHEAD"]
 
@@ -35,6 +37,7 @@ class Outbox:
         self.held = 0                      # bytes published and not acknowledged
         self._held: dict[int, int] = {}    # mid -> its bytes
         self._early: set[int] = set()      # mids acknowledged while a publish was under way
+        self._then: dict[int, Callable[[], object]] = {}   # mid -> what runs once it is acknowledged
         self._publishing = 0               # publish() calls under way
         self._lock = threading.Lock()
         self.progress = threading.Event()  # set on every acknowledgement
@@ -42,8 +45,11 @@ class Outbox:
         if own_on_publish:
             client.on_publish = lambda _c, _u, mid, *_rest: self.acked(mid)
 
-    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, properties=None):
-        """paho's publish, counted; returns paho's MQTTMessageInfo."""
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False, properties=None,
+                then: Optional[Callable[[], object]] = None):
+        """paho's publish, counted; returns paho's MQTTMessageInfo. ``then`` runs once the broker
+        has acknowledged it (on paho's network thread, or here if that came first); never for a
+        publish paho refused outright."""
         with self._lock:
             self._publishing += 1
         info = None
@@ -52,21 +58,27 @@ class Outbox:
             return info
         finally:
             self._published(info, qos, len(payload) + len(topic) + ITEM_OVERHEAD
-                            + (PROPERTIES_OVERHEAD if properties is not None else 0))
+                            + (PROPERTIES_OVERHEAD if properties is not None else 0), then)
 
-    def _published(self, info, qos: int, n: int) -> None:
+    def _published(self, info, qos: int, n: int, then: Optional[Callable[[], object]] = None) -> None:
         # counted only if paho will report it: a QoS 1 publish while disconnected is kept and sent
         # on the next connection; one refused outright (QoS 0 disconnected, paho's queue full) is not
         kept = info is not None and (info.rc == self._ok or (qos > 0 and info.rc == self._no_conn))
+        now = None
         with self._lock:
             self._publishing -= 1
             if kept and info.mid in self._early:
                 self._early.discard(info.mid)      # acknowledged already
+                now = then
             elif kept:
                 self._held[info.mid] = n
                 self.held += n
+                if then is not None:
+                    self._then[info.mid] = then
             if not self._publishing:
                 self._early.clear()
+        if now is not None:
+            now()
 
     def acked(self, mid: int) -> None:
         """paho's on_publish (the network thread): the broker acknowledged ``mid`` (or paho wrote it)."""
@@ -76,6 +88,9 @@ class Outbox:
                 self.held -= n
             elif self._publishing:
                 self._early.add(mid)
+            then = self._then.pop(mid, None)
+        if then is not None:
+            then()
         self.progress.set()
 
     def full(self) -> bool:

@@ -4,8 +4,8 @@
 Requests (`submit`, `register`, `receipt`, `evidence`) carry a response topic and correlation
 data and are answered with the JSON the CLI prints for the same verb; the retained `accepted`,
 `discontinuity/E` and `lost` records surface the chain to every member alike (§22.6 step 4).
-Requests are acknowledged to the broker only after their answer is queued, so one the sequencer
-never finished (a crash) is redelivered and answered then.
+Requests are acknowledged to the broker only once the broker holds their answer, so one the
+sequencer never finished or whose answer a crash lost is redelivered and answered then.
 
 Answers leave on a second connection whose network thread reads only their PUBACKs, so they drain
 while a flood of requests waits; the loop takes nothing while the outbox is full (agent/outbox.py).
@@ -384,9 +384,7 @@ class Server:
                 self._publish_accepted(ans.group_id, ans.epoch, bytes(msg.payload), ans.receipt)
         self._publish_discontinuities()
         for msg, ans in done:
-            self._reply(msg, answer_json(ans))
-            if msg.qos > 0:
-                self.client.ack(msg.mid, msg.qos)   # only now: an unanswered request is redelivered
+            self._respond(msg, answer_json(ans))
 
     def handle(self, msg) -> None:
         parts = msg.topic.split("/")
@@ -410,9 +408,14 @@ class Server:
             body = {"error": str(e)}
             if getattr(e, "reason", None):
                 body["reason"] = e.reason          # a stable code (group_limit)
-        self._reply(msg, body)
-        if msg.qos > 0:
-            self.client.ack(msg.mid, msg.qos)   # only now: an unanswered request is redelivered
+        self._respond(msg, body)
+
+    def _respond(self, msg, body: dict) -> None:
+        """Answer ``msg``, and acknowledge it to the broker once the broker holds the answer: a
+        kill before then has the request redelivered and answered again (its answer is durable)."""
+        ack = (lambda: self.client.ack(msg.mid, msg.qos)) if msg.qos > 0 else None
+        if not self._reply(msg, body, then=ack) and ack is not None:
+            ack()                               # nothing to answer on: acknowledged now
 
     def _submit(self, gid: Optional[bytes], payload: bytes) -> dict:
         # the framing, not the topic, names the group (§22.5: the sequencer reads the framing)
@@ -470,15 +473,17 @@ class Server:
         return recovery.answer(gid, out)
 
     # -- publications ------------------------------------------------------------------------
-    def _reply(self, msg, body: dict) -> None:
+    def _reply(self, msg, body: dict, then=None) -> bool:
+        """Publish the answer; ``then`` runs once the broker acknowledged it. False: not answered."""
         from paho.mqtt.packettypes import PacketTypes
         from paho.mqtt.properties import Properties
         if not answer_topic_ok(msg.response_topic):
-            return      # none, or not a member's (`feed` refused it already)
+            return False    # none, or not a member's (`feed` refused it already)
         out = Properties(PacketTypes.PUBLISH)
         if msg.correlation is not None:
             out.CorrelationData = msg.correlation
-        self.out.publish(msg.response_topic, json.dumps(body).encode(), qos=1, properties=out)
+        self.out.publish(msg.response_topic, json.dumps(body).encode(), qos=1, properties=out, then=then)
+        return True
 
     def _publish_accepted(self, gid: bytes, epoch: int, commit: bytes, receipt: bytes) -> None:
         body = codec.encode({"epoch": epoch, "commit": commit, "receipt": receipt})

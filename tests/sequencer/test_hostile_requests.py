@@ -58,7 +58,7 @@ def server(seq: service.Sequencer) -> tuple[serve.Server, list]:
     srv.client = FakeClient()
     srv.out = outbox.Outbox(srv.client, serve.ANSWER_BACKLOG_BYTES, serve.ANSWER_BACKLOG_ITEMS)
     answers: list = []
-    srv._reply = lambda msg, body: answers.append(body)
+    srv._reply = lambda msg, body, then=None: answers.append(body)
     return srv, answers
 
 

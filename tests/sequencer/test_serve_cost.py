@@ -88,7 +88,7 @@ def test_a_flood_of_submits_waits_in_the_inbox_not_in_the_group_commit(tmp_path)
     s = service.Sequencer(home)
     try:
         srv, answers = server(s)
-        srv._reply = lambda msg, body: None
+        srv._reply = lambda msg, body, then=None: None
         srv.inbound.budget = 1 << 30     # this test fills the inbox itself, as a flood would
         commit = encode_private_message(bytes(16), 0, ciphertext=b"\x00" * 4000)
         size = len(commit)
