@@ -216,6 +216,7 @@ class Client:
 
     def _watch_socket(self, s, tables, since, idle_s, raw) -> Iterator[dict]:
         sock, rfile = s
+        cursor = since or 0
         try:
             sock.sendall(json.dumps({"op": "watch", "tables": tables, "since": since}).encode() + b"\n")
             head = json.loads(rfile.readline() or b"{}")

@@ -7,15 +7,20 @@ import json
 import socket
 from pathlib import Path
 
-from tests.mqtt.helpers import N, T, make_nodes, start_run, stop_run, wait_serving  # noqa: F401 - shared
+from agent.simpeer import manifest_text
+from tests.core.helpers import READINGS
+from tests.mqtt.helpers import MESH, N, T, make_nodes, start_run, stop_run, wait_serving  # noqa: F401 - shared
 from tests.waiting import HANG_S
 
 
+BLOBS = manifest_text(MESH, READINGS)   # app.readings with a blob column, raw
+
+
 @contextlib.contextmanager
-def running(tmp: Path, broker, env: dict | None = None):
+def running(tmp: Path, broker, env: dict | None = None, manifest: str | None = None):
     """One node's home served by `ssp-agent run` on `broker`; yields the home."""
     import os
-    node, = make_nodes(tmp, 1)
+    node, = make_nodes(tmp, 1, *([manifest] if manifest else []))
     home = node.home
     node.close()
     old = {k: os.environ.get(k) for k in (env or {})}
