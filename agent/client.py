@@ -193,6 +193,18 @@ class Client:
             raise RequestRefused(f"{table} has no value column {column!r}")
         return row.value(column)
 
+    def head(self) -> int:
+        """The feed's newest cursor now: watch from it to see only what comes next."""
+        r = self._call({"op": "head"})
+        if r is not None:
+            return r["cursor"]
+        from agent.store import feed
+        conn = self._reader()
+        try:
+            return feed.bounds(conn)[1]
+        finally:
+            conn.close()
+
     def _reader(self):
         from agent.store import db
         path = self.home / STORE_FILE

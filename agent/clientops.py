@@ -165,6 +165,11 @@ class Session:
                 raise Malformed("read needs a table")
             self.send({**tag, **read_row(self.reads(), req["table"], _columns(req.get("key"), "key"))})
             return True
+        if op == "head":
+            from .store import feed
+            pruned, head = feed.bounds(self.reads())
+            self.send({**tag, "ok": True, "cursor": head, "oldest": pruned})
+            return True
         if op == "ping":
             self.send({**tag, "ok": True})
             return True
@@ -193,7 +198,8 @@ class Session:
         self.send({**tag, "ok": True, "cursor": cursor})
         self.conn.settimeout(stall_s())
         srv = self.server
-        srv.watchers += 1
+        with srv.watchers_lock:
+            srv.watchers += 1
         try:
             while not srv.closed():
                 recs = feed.after(rc, cursor, tables, BATCH)
@@ -214,7 +220,8 @@ class Session:
                 if not self._quiet():
                     return
         finally:
-            srv.watchers -= 1
+            with srv.watchers_lock:
+                srv.watchers -= 1
 
     def _quiet(self) -> bool:
         """The client sent nothing in its subscription stream (False: it closed it or broke it)."""

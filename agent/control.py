@@ -167,6 +167,7 @@ class ControlServer:
         # watchers wait on this; `serve()` (every loop turn, after the turn applied) notifies
         self.changed = threading.Condition()
         self.watchers = 0
+        self.watchers_lock = threading.Lock()
         self.paths = [self.path]
         self.socks = [self._bind(self.path, 0o600, None)]
         extra = os.environ.get(SOCKET_ENV, "").strip()
@@ -214,9 +215,12 @@ class ControlServer:
                     return
                 conn.setblocking(True)
                 self._slots.acquire()
-                threading.Thread(target=self._handle, args=(conn,), name="ssp-control-conn", daemon=True).start()
+                # the extra socket serves applications only: the CLI's verbs (peer, authority,
+                # keystore...) stay with whoever may open the home's own socket
+                threading.Thread(target=self._handle, args=(conn, sock is self.socks[0]), name="ssp-control-conn",
+                                 daemon=True).start()
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _handle(self, conn: socket.socket, verbs: bool = True) -> None:
         try:
             conn.settimeout(10.0)
             reader = LineReader(conn, MAX_REQUEST)
@@ -237,6 +241,10 @@ class ControlServer:
                 Session(self, conn, reader).run(req)
                 return
             argv = req.get("argv")
+            if not verbs:
+                self._reply(conn, (2, "", "ssp-agent: this socket serves applications (agent.client), not "
+                                          "the CLI's verbs\n"), error="refused")
+                return
             if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
                 self._reply(conn, MALFORMED, error="malformed")
                 return
@@ -308,10 +316,16 @@ class ControlServer:
                     (1, "", f"ssp-agent: internal error in the running agent: {e}\n")
             r.done.set()
             n += 1
-        if self.watchers:
-            with self.changed:   # after the turn's apply and these writes: watchers read the feed
-                self.changed.notify_all()
+        if self.watchers and self.node is not None:
+            from .store import feed
+            head = feed.bounds(self.node.conn)[1]
+            if head != self._head:   # after the turn's apply and these writes: watchers read the feed
+                self._head = head
+                with self.changed:
+                    self.changed.notify_all()
         return n
+
+    _head = -1
 
     def close(self) -> None:
         self._closed.set()

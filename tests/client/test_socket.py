@@ -111,6 +111,14 @@ def test_a_named_group_connects_through_the_extra_socket(broker, tmp_path):
         st = os.stat(extra)
         assert st.st_mode & 0o777 == 0o660 and st.st_gid == os.getgid()
         assert os.stat(home / "control.sock").st_mode & 0o777 == 0o600
+        # applications only: the CLI's verbs stay with the home's own socket
+        import socket as so
+        s = so.socket(so.AF_UNIX, so.SOCK_STREAM)
+        s.connect(str(extra))
+        s.sendall(json.dumps({"argv": ["--home", str(home), "peer", "list"]}).encode() + b"\n")
+        ans = json.loads(s.makefile("rb").readline())
+        s.close()
+        assert ans["exit"] == 2 and ans["error"] == "refused" and ans["stdout"] == ""
         with Client(socket_path=extra) as c:
             c.write(T, {"device": "g", "seq": 1}, set={"temp": 2.5})
             assert c.value(T, {"device": "g", "seq": 1}, "temp") == (2.5, "materialized")
