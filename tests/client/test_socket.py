@@ -52,6 +52,12 @@ def test_hostile_requests_end_their_connection_not_the_agent(broker, tmp_path):
                 r.s.shutdown(1)
             got = r.rest()
             assert [x.get("error") for x in got] == [err], got
+        # a request cut short: the client closes its side halfway through the line
+        r = Raw(home)
+        assert r.hello()["ok"] is True
+        r.send(b'{"op": "write_many", "writes": [{"table": "app.rea')
+        r.s.shutdown(1)
+        assert [x.get("error") for x in r.rest()] == ["malformed"]
         # a request inside a subscription stream
         r = Raw(home)
         assert r.hello()["ok"] is True
