@@ -39,7 +39,10 @@ SOCKET_NAME = "control.sock"
 FORWARDED = ("status", "dump", "events", "log", "write", "sequencing", "peer", "record", "rehydrate", "evict",
              "keystore show", "authority add")
 CLIENT_TIMEOUT_S = 120.0  # a forwarded verb waits at most this long for the loop to run it
-MAX_CLIENTS = 32  # connections served at once (a watcher holds one); more wait in the listen backlog
+MAX_CLIENTS = 256  # connections served at once; more wait in the listen backlog
+# sessions held open at once (a watcher or an application's persistent session holds one); past it
+# a hello is answered "busy": held sessions never use up the connections the CLI's verbs need
+MAX_SESSIONS = 64
 SOCKET_ENV, GROUP_ENV = "SSP_AGENT_CONTROL_SOCKET", "SSP_AGENT_CONTROL_GROUP"
 
 log = logging.getLogger("ssp_agent.control")
@@ -163,6 +166,7 @@ class ControlServer:
         self.wake = wake or (lambda: None)
         self.requests: queue.Queue[Request] = queue.Queue()
         self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        self.sessions = threading.BoundedSemaphore(MAX_SESSIONS)
         self._closed = threading.Event()
         # watchers wait on this; `serve()` (every loop turn, after the turn applied) notifies
         self.changed = threading.Condition()
@@ -194,7 +198,7 @@ class ControlServer:
             import grp
             os.chown(path, -1, grp.getgrnam(group).gr_gid)   # KeyError: no such group, `run` refuses
         os.chmod(path, mode)
-        sock.listen(MAX_CLIENTS)
+        sock.listen(64)
         sock.setblocking(False)
         return sock
 
@@ -238,7 +242,15 @@ class ControlServer:
                 return
             if "hello" in req:
                 from .clientops import Session
-                Session(self, conn, reader).run(req)
+                if not self.sessions.acquire(blocking=False):
+                    with contextlib.suppress(OSError):
+                        conn.sendall(json.dumps({"error": "busy", "message": f"{MAX_SESSIONS} sessions are open "
+                                                 "already; try again later"}).encode() + b"\n")
+                    return
+                try:
+                    Session(self, conn, reader).run(req)
+                finally:
+                    self.sessions.release()
                 return
             argv = req.get("argv")
             if not verbs:

@@ -149,3 +149,22 @@ def test_the_cli_and_sessions_share_the_socket(broker, tmp_path):
         assert results == [20] * 4
         dump = json.loads(run_cli("--home", home, "dump").stdout)[T]
         assert len(dump) == 81
+
+
+def test_sessions_held_open_never_lock_out_the_cli(broker, tmp_path):
+    from agent.control import MAX_SESSIONS
+    with running(tmp_path, broker) as home:
+        held = []
+        for _ in range(MAX_SESSIONS):
+            r = Raw(home)
+            assert r.hello()["ok"] is True
+            held.append(r)
+        extra = Raw(home)
+        ans = extra.hello()
+        assert ans["error"] == "busy" and extra.rest() == []
+        _cli_serving = run_cli("--home", home, "status")
+        assert _cli_serving.returncode == 0 and "run" in json.loads(_cli_serving.stdout)
+        held.pop().close()
+        _serving(home)
+        for r in held:
+            r.close()
