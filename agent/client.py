@@ -71,11 +71,15 @@ def _from_wire(v: Any) -> Any:
 
 
 def _decoded(rec: dict) -> dict:
-    """A feed record with its key and column values as Python values (bytes for blobs)."""
+    """A feed record with its key and column values as Python values (bytes for blobs), and each
+    written column's clock (site, hlc) given in full (the stored record names only those that are
+    not the event's own)."""
     if "key" in rec:
         rec["key"] = {k: _from_wire(v) for k, v in rec["key"].items()}
     for c in rec.get("columns", {}).values():
         c["value"] = _from_wire(c["value"])
+        if "state" not in c and "site" not in c:
+            c["site"], c["hlc"] = rec["site"], rec["hlc"]
     return rec
 
 

@@ -24,17 +24,22 @@ def _hlc(s) -> str:
 
 def note_change(conn, tdef, e, existed: bool, fx, writes: dict, partial: bool | None, horizon) -> None:
     """One applied event's effect on its row (`writes`: column -> (value, stamp), or None for a
-    column a rebuild left without any clock)."""
+    column a rebuild left without any clock). A column's clock is the event's own unless it says
+    otherwise (a rebuild's): stored once, so the record adds little to the apply transaction."""
+    own = e.stamp
     cols: dict[str, Any] = {}
     for c, w in writes.items():
         if w is None:
             cols[c] = {"value": None, "state": "unmaterialized"}
         else:
-            cols[c] = {"value": value_json(w[0]), "site": w[1][2].hex(), "hlc": _hlc(w[1])}
+            v = w[0]
+            if type(v) is bytes:
+                v = {"$bytes": v.hex()}
+            cols[c] = {"value": v} if w[1] == own else {"value": v, "site": w[1][2].hex(), "hlc": _hlc(w[1])}
     rec: dict[str, Any] = {"kind": "change", "table": tdef.qualified,
                            "key": {k: value_json(v) for k, v in e.row_key.items()},
-                           "op": e.operation, "event_id": e.event_id.hex(), "site": e.site_id.hex(),
-                           "hlc": _hlc(e.hlc), "existed": existed, "exists": fx.state.exists, "columns": cols}
+                           "op": e.operation, "event_id": e.event_id.hex(), "site": own[2].hex(),
+                           "hlc": f"{own[0]}.{own[1]}", "existed": existed, "exists": fx.state.exists, "columns": cols}
     if fx.ignored:
         rec["ignored"] = sorted(fx.ignored)   # §13.6 MUST NOT: never presented as a default
     if fx.resurrected:
@@ -43,7 +48,10 @@ def note_change(conn, tdef, e, existed: bool, fx, writes: dict, partial: bool | 
             # §13.4 MUST: name the row and the horizon that truncated its rebuild
             t = fx.state.tomb_clock
             rec["partial"] = {"horizon": _hlc(horizon), "tombstone": _hlc(t)}
-    store.append(conn, tdef.qualified, json.dumps(rec, separators=(",", ":")))
+    store.append(conn, tdef.qualified, _dumps(rec))
+
+
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def note_signal(conn, kind: str, o, detail: dict | None) -> None:
