@@ -1,7 +1,8 @@
 """Applications through agent.client against a running agent: batched client writes against
 `Node.write_many` in this process, one client write against one `ssp-agent write` (wall and CPU per
 write, the agent's included), and the change feed's latency from a write to the record reaching a
-watcher with 1 and 10 watchers, and the write rate with 10 watchers against none.
+watcher with 1 and 10 watchers, the write rate with 10 watchers against none, and what recording
+the feed costs the apply path (a peer's events applied with and without it).
 
 Each measurement runs in one temporary directory with a private mosquitto and one `ssp-agent run`
 holding the client's home; `Node.write_many` runs on a second home of the same manifest, in this
@@ -80,6 +81,33 @@ def collect(ps: list[subprocess.Popen], upto: int) -> list[dict[int, int]]:
         out.append(seen)
         stop(p)
     return out
+
+
+def feed_cost(tmp: Path, man: str, rounds: int, n: int = 6000) -> float:
+    from agent import feed
+    from agent.node import Node
+    from agent.simpeer import SimPeer, manifest_text, readings_table
+    peer = SimPeer(MESH)
+    man = manifest_text(MESH, readings_table(), [peer])
+    now = int(time.time() * 1000) - 60_000
+    evs = [peer.event(T, {"device": "p", "seq": i}, {"temp": float(i), "note": f"n{i}"}, (now, i)) for i in range(n)]
+    real = feed.note_change
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    os.environ["SSP_AGENT_APPLY_WORKERS"] = "0"   # the applying thread alone: what the record adds to it
+    try:
+        for rnd in range(rounds):
+            for on in (False, True):
+                feed.note_change = real if on else (lambda *a, **k: None)
+                node = Node.init(tmp / f"apply-{rnd}-{on}", man)[0]
+                t = time.perf_counter()
+                for i in range(0, n, 1000):
+                    node.apply_batch(evs[i:i + 1000])
+                rates[on].append(n / (time.perf_counter() - t))
+                node.close()
+    finally:
+        feed.note_change = real
+        os.environ.pop("SSP_AGENT_APPLY_WORKERS", None)
+    return median(rates[True]) / median(rates[False])
 
 
 def main() -> None:
@@ -191,6 +219,10 @@ def main() -> None:
         fig["client_batched_rows_per_s_10_watchers"] = round(median(rates10), 1)
         fig["ratio_rate_10_watchers_to_none"] = round(median(rates10) / median(rates0), 3)
         c.close()
+
+        # 5. what recording the feed costs the apply path: a peer's events applied here with the
+        # record and with it left out (feed.note_change stubbed), alternating rounds, one thread
+        fig["ratio_apply_with_feed_to_without"] = round(feed_cost(tmp, man, args.rounds), 3)
     finally:
         stop(run)
         local.close()
@@ -199,11 +231,11 @@ def main() -> None:
         print(f"{k:45s} {v}")
     record(fig, den,
            f"batched {fig['ratio_client_batched_to_node']:.2f} of Node.write_many; one write "
-           f"{fig['client_write_wall_ms']:.0f} ms, {fig['client_write_cpu_ms']:.1f} ms CPU = 1/{fig['ratio_cli_to_client_cpu']:.0f} "
-           f"of `ssp-agent write`'s; feed median/p99 {fig['feed_latency_ms_1_watchers_median']:.0f}/"
-           f"{fig['feed_latency_ms_1_watchers_p99']:.0f} ms (1 watcher), {fig['feed_latency_ms_10_watchers_median']:.0f}/"
-           f"{fig['feed_latency_ms_10_watchers_p99']:.0f} ms (10); rate with 10 watchers "
-           f"{fig['ratio_rate_10_watchers_to_none']:.2f} of none", parameters=vars(args))
+           f"{fig['client_write_wall_ms']:.0f} ms, {fig['client_write_cpu_ms']:.1f} ms CPU (1/{fig['ratio_cli_to_client_cpu']:.0f} "
+           f"of the CLI's); feed {fig['feed_latency_ms_1_watchers_median']:.0f}/"
+           f"{fig['feed_latency_ms_1_watchers_p99']:.0f} ms median/p99 (1 watcher), {fig['feed_latency_ms_10_watchers_median']:.0f}/"
+           f"{fig['feed_latency_ms_10_watchers_p99']:.0f} (10); rate with 10 watchers "
+           f"{fig['ratio_rate_10_watchers_to_none']:.2f}; apply with the feed {fig['ratio_apply_with_feed_to_without']:.2f}", parameters=vars(args))
 
 
 if __name__ == "__main__":
