@@ -111,9 +111,9 @@ class Session:
 
     def reads(self):
         if self._rconn is None:
-            from .store import db
+            from .store import feed
             node = self.server.node
-            self._rconn = db.connect_readonly(node.home / node.STORE_FILE)
+            self._rconn = feed.reader(node.home / node.STORE_FILE)
         return self._rconn
 
     def run(self, hello: dict) -> None:

@@ -33,6 +33,16 @@ def append(conn: sqlite3.Connection, qualified: str | None, record: str) -> int:
     return seq
 
 
+def reader(path) -> sqlite3.Connection:
+    """A read-only connection beside the running agent, which allocated the WAL index already;
+    never the exclusive-mode fallback of db.connect_readonly, which would lock out its writer."""
+    import urllib.parse
+    conn = sqlite3.connect("file:" + urllib.parse.quote(str(path)) + "?mode=ro", uri=True, isolation_level=None,
+                           check_same_thread=False)
+    conn.execute("PRAGMA busy_timeout=10000")
+    return conn
+
+
 def _has_feed(conn: sqlite3.Connection) -> bool:
     return conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='feed'").fetchone() is not None
 
