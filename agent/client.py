@@ -77,7 +77,8 @@ def _decoded(rec: dict) -> dict:
     if "key" in rec:
         rec["key"] = {k: _from_wire(v) for k, v in rec["key"].items()}
     for c in rec.get("columns", {}).values():
-        c["value"] = _from_wire(c["value"])
+        if "value" in c:
+            c["value"] = _from_wire(c["value"])
         if "state" not in c and "site" not in c:
             c["site"], c["hlc"] = rec["site"], rec["hlc"]
     return rec
@@ -274,9 +275,8 @@ class Client:
                 recs = feed.after(conn, cursor, tables, 256)
                 if recs and feed.bounds(conn)[0] > recs[0][0] - 1:
                     raise FellBehind(f"records after cursor {cursor} were pruned while this watcher read", cursor)
-                for seq, rec in recs:
-                    cursor = seq
-                    r = json.loads(feed.with_cursor(seq, rec))
+                for r in feed.resolved(conn, recs):
+                    cursor = r["cursor"]
                     yield r if raw else _decoded(r)
                 if recs:
                     last = time.monotonic()

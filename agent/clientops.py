@@ -204,7 +204,8 @@ class Session:
             while not srv.closed():
                 recs = feed.after(rc, cursor, tables, BATCH)
                 if recs:
-                    out = b"".join(feed.with_cursor(seq, rec).encode() + b"\n" for seq, rec in recs)
+                    out = b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n"
+                                   for r in feed.resolved(rc, recs))
                     try:
                         self.conn.sendall(out)
                     except socket.timeout:

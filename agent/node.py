@@ -1066,7 +1066,7 @@ class Node:
             else:
                 self._record("resurrection", "resurrected", e, now, {"row_key": to_json(e.row_key)})
         tbl.rows.save(rk, e.row_key, fx.state, writes)
-        feed.note_change(self.conn, tbl.tdef, e, state.exists, fx, writes, partial, tbl.horizon)  # same transaction
+        feed.note_change(self.conn, tbl.tdef, e, rk, state.exists, fx, writes, partial, tbl.horizon)  # same transaction
         if fx.ignored:
             # §13.6: meter ignored columns per (site, table, column).
             self.conn.executemany(

@@ -1,7 +1,8 @@
 """Follow a table a gateway writes and act on each change (docs/client.md "Examples"): a setpoint
 per zone. Its cursor is kept in a file, so a restart resumes where it stopped and misses nothing.
 A resurrection (a row a delete had removed, brought back by a later write, SSP/1 §13.2) and a
-partial rebuild (history below the eviction horizon is gone, §13.4) are said, not hidden."""
+partial rebuild (history below the eviction horizon is gone, §13.4) are said, not hidden; a value
+replaced since (catching up) is skipped, the record that replaced it follows."""
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,10 @@ def act(rec: dict) -> str | None:
     zone = rec["key"].get("zone")
     if not rec["exists"]:
         return f"zone {zone}: setpoint removed, back to the default"
-    target = rec["columns"].get("target", {}).get("value")
+    col = rec["columns"].get("target", {})
+    if col.get("superseded"):
+        return None   # replaced since: a later record carries the setpoint now in force
+    target = col.get("value")
     note = ""
     if rec.get("partial"):
         note = f" (resurrected; history below horizon {rec['partial']['horizon']} is evicted: partial)"

@@ -1,32 +1,35 @@
 """The change feed's store (docs/client.md): one row per change to a row or per signal about an
 event, appended by the apply transaction itself, so a record exists exactly when its change
-committed. `seq` is the durable cursor. The newest RETAIN records are kept; the highest seq ever
-pruned is kept in meta so that a cursor below it is told it expired, never silently skipped.
+committed. `seq` is the durable cursor. Values are not kept here but read from the row when a
+record is read (`resolved`). The newest RETAIN records are kept; the highest seq ever pruned is in meta so that a cursor below it is told it expired, never silently skipped.
 Also the applications' reads of one row with each value's state (materialized, cleared by a
 delete, never materialized), on any connection: the running agent's reader or a read-only open."""
 from __future__ import annotations
 
+import json
 import sqlite3
+import struct
 from typing import Any
 
 from .db import get_meta, set_meta
 
-DDL = ("CREATE TABLE IF NOT EXISTS feed (seq INTEGER PRIMARY KEY AUTOINCREMENT, qualified TEXT, "
+# `rk`: the row's address in its base table (agent/store/rows.py), where a reader finds the values
+DDL = ("CREATE TABLE IF NOT EXISTS feed (seq INTEGER PRIMARY KEY AUTOINCREMENT, qualified TEXT, rk BLOB, "
        "record TEXT NOT NULL)")
 RETAIN = 100_000   # records kept: at a few hundred bytes each, tens of MB at most
 PRUNE_EVERY = 1024  # appends between two prunes (a DELETE of the oldest by primary key)
 PRUNED = "feed_pruned_through"
 
-_INSERT = "INSERT INTO feed (qualified, record) VALUES (?, ?)"
+_INSERT = "INSERT INTO feed (qualified, rk, record) VALUES (?, ?, ?)"
 
 
 def create_schema(conn: sqlite3.Connection) -> None:
     conn.execute(DDL)
 
 
-def append(conn: sqlite3.Connection, qualified: str | None, record: str) -> int:
+def append(conn: sqlite3.Connection, qualified: str | None, rk: bytes | None, record: str) -> int:
     """Inside the apply transaction: one record; returns its cursor."""
-    seq = conn.execute(_INSERT, (qualified, record)).lastrowid
+    seq = conn.execute(_INSERT, (qualified, rk, record)).lastrowid
     if seq % PRUNE_EVERY == 0 and seq > RETAIN:
         conn.execute("DELETE FROM feed WHERE seq <= ?", (seq - RETAIN,))
         set_meta(conn, PRUNED, seq - RETAIN)
@@ -55,22 +58,55 @@ def bounds(conn: sqlite3.Connection) -> tuple[int, int]:
     return int(get_meta(conn, PRUNED, 0) or 0), int(head[0]) if head else 0
 
 
-def after(conn: sqlite3.Connection, cursor: int, tables: list[str] | None, limit: int) -> list[tuple[int, str]]:
-    """Up to `limit` records past `cursor` (seq, record JSON), for `tables` only when given; a
-    record about an event whose table is unknown (NULL) goes to every watcher."""
+def after(conn: sqlite3.Connection, cursor: int, tables: list[str] | None, limit: int) -> list[tuple]:
+    """Up to `limit` records past `cursor` (seq, table, rk, record JSON), for `tables` only when
+    given; a record about an event whose table is unknown (NULL) goes to every watcher."""
     if not _has_feed(conn):
         return []
     if not tables:
-        return conn.execute("SELECT seq, record FROM feed WHERE seq > ? ORDER BY seq LIMIT ?",
+        return conn.execute("SELECT seq, qualified, rk, record FROM feed WHERE seq > ? ORDER BY seq LIMIT ?",
                             (cursor, limit)).fetchall()
     marks = ", ".join("?" * len(tables))
-    return conn.execute(f"SELECT seq, record FROM feed WHERE seq > ? AND (qualified IN ({marks}) OR qualified IS NULL) "
-                        "ORDER BY seq LIMIT ?", (cursor, *tables, limit)).fetchall()
+    return conn.execute(f"SELECT seq, qualified, rk, record FROM feed WHERE seq > ? AND (qualified IN ({marks}) "
+                        "OR qualified IS NULL) ORDER BY seq LIMIT ?", (cursor, *tables, limit)).fetchall()
 
 
-def with_cursor(seq: int, record: str) -> str:
-    """The record as the feed shows it: its cursor first (records are stored as JSON objects)."""
-    return '{"cursor":%d,%s' % (seq, record[1:])
+def _stamp(hlc: str, site: str) -> bytes:
+    p, l = hlc.split(".")
+    return struct.pack(">QI", int(p), int(l)) + bytes.fromhex(site)
+
+
+def resolved(conn: sqlite3.Connection, rows: list[tuple]) -> list[dict]:
+    """The records of `after` as the feed shows them, with their cursor and each written column's
+    value. Values are not kept in the feed (docs/reliability.md "Superseded values": a value
+    replaced is in no file of the home): read from the row, where the column still carries the
+    clock the record names; else `superseded` (a later record carries what replaced it)."""
+    out, shapes = [], {}
+    for seq, qualified, rk, text in rows:
+        rec = json.loads(text)
+        rec = {"cursor": seq, **rec}
+        if rec.get("kind") == "change" and rk is not None:
+            if qualified not in shapes:
+                cols = table_columns(conn, qualified)
+                vals = cols[1] if cols else []
+                shown = ", ".join([_q(c) for c in vals] + [_q("_c_" + c) for c in vals]) or "_ex"
+                shapes[qualified] = ({c: i for i, c in enumerate(vals)}, len(vals),
+                                     f"SELECT {shown} FROM {_q('_ssp_rows.' + qualified)} WHERE _rk = ?")
+            idx, n, sql = shapes[qualified]
+            row = conn.execute(sql, (rk,)).fetchone()
+            for c, w in rec["columns"].items():
+                if w.get("state") == "unmaterialized":
+                    w["value"] = None
+                    continue
+                i = idx.get(c)
+                if row is not None and i is not None and row[n + i] == _stamp(w.get("hlc", rec["hlc"]),
+                                                                              w.get("site", rec["site"])):
+                    v = row[i]
+                    w["value"] = {"$bytes": v.hex()} if isinstance(v, bytes) else v
+                else:
+                    w["superseded"] = True
+        out.append(rec)
+    return out
 
 
 def data_version(conn: sqlite3.Connection) -> int:

@@ -44,7 +44,9 @@ def _exercise(c: Client) -> None:
         c.write(T, k1)
     recs = list(c.watch([T], since=0, idle_s=1))
     assert [(r["key"]["seq"], r["op"]) for r in recs] == [(1, "upsert"), (2, "upsert"), (1, "delete"), (3, "upsert")]
-    assert recs[0]["event_id"] == eid and recs[0]["columns"]["note"]["value"] == "one"
+    assert recs[0]["event_id"] == eid and recs[1]["columns"]["temp"]["value"] == 2.5
+    # the row's first values were cleared by its delete since: kept nowhere, said so
+    assert recs[0]["columns"]["note"] == {"superseded": True, "site": recs[0]["site"], "hlc": recs[0]["hlc"]}
 
 
 def test_without_a_running_agent_the_client_opens_the_home_itself(tmp_path):

@@ -57,8 +57,8 @@ def test_follow_setpoint_acts_on_each_change_and_resumes_from_its_cursor(tmp_pat
         node.raise_horizon(S, (NOW + 100, 0))   # zone a's tombstone and history now below the horizon
         first = [json.loads(x) for x in example("follow_setpoint.py", node.home, "--cursor-file", cursor,
                                                 "--idle", 0)]
-        assert [x["action"] for x in first] == ["zone a: setpoint 21.0", "zone b: setpoint 19.0",
-                                                "zone b: setpoint removed, back to the default",
+        # catching up: the setpoints replaced since (21.0, 19.0) are skipped, what replaced them acted on
+        assert [x["action"] for x in first] == ["zone b: setpoint removed, back to the default",
                                                 "zone b: setpoint 18.5 (resurrected)",
                                                 "zone a: setpoint removed, back to the default"]
         node.apply_batch([gw.event(S, {"zone": "a"}, {"target": 22.0}, (NOW + 200, 0))], NOW + 300)

@@ -50,6 +50,10 @@ def test_resurrection_and_a_partial_rebuild_name_the_row_and_the_horizon(env):
     assert last["columns"]["raw"] == {"value": b"r", "site": a.site_id.hex(), "hlc": f"{NOW + 200}.0"}
     # the delete's clocked nulls (§13.3), not values from below the horizon
     assert last["columns"]["temp"]["value"] is None and last["columns"]["temp"]["hlc"] == f"{NOW}.7"
+    # what later changes replaced is not kept in the feed (docs/reliability.md "Superseded values")
+    assert recs[0]["columns"]["note"] == {"superseded": True, "site": a.site_id.hex(), "hlc": f"{NOW}.1"}
+    node.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    assert not any(b"kept" in f.read_bytes() for f in node.home.glob("store.sqlite*"))
 
 
 def test_ignored_columns_holds_drops_and_rejections_arrive_inline(env, tmp_path):
@@ -82,6 +86,8 @@ def replay(recs: list[dict]) -> dict[str, list]:
         for c, w in r["columns"].items():
             if w.get("state") == "unmaterialized":
                 row["values"].pop(c, None)
+            elif w.get("superseded"):
+                row["values"][c] = "SUPERSEDED"   # a later record must replace it
             else:
                 row["values"][c] = w["value"]
     out: dict[str, list] = {}
