@@ -17,6 +17,7 @@ from typing import Any
 
 VERSIONS = (1,)   # the session protocol versions this agent speaks
 BATCH = 256   # feed records read per query: bounds a watcher's memory whatever its lag
+CACHE = 4096   # resolved record lines the server keeps for all its watchers
 STALL_ENV = "SSP_AGENT_WATCH_STALL_S"
 STALL_S = 30.0   # a watcher whose socket takes nothing for this long is disconnected (told "behind")
 IDLE_S = 600.0   # a session with no request for this long is closed (the client reconnects)
@@ -204,8 +205,7 @@ class Session:
             while not srv.closed():
                 recs = feed.after(rc, cursor, tables, BATCH)
                 if recs:
-                    out = b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n"
-                                   for r in feed.resolved(rc, recs))
+                    out = b"".join(self.lines(rc, recs))
                     try:
                         self.conn.sendall(out)
                     except socket.timeout:
@@ -223,6 +223,25 @@ class Session:
         finally:
             with srv.watchers_lock:
                 srv.watchers -= 1
+
+    def lines(self, rc, recs: list[tuple]) -> list[bytes]:
+        """The stream's lines for these records, each resolved once for every watcher (a value read
+        from its row): the server keeps the newest CACHE, so ten watchers cost the apply path's
+        thread about what one does."""
+        from .store import feed
+        srv = self.server
+        with srv.watchers_lock:
+            cache = srv.resolved_lines
+            have = {r[0]: cache.get(r[0]) for r in recs}
+        todo = [r for r in recs if have[r[0]] is None]
+        if todo:
+            made = {r["cursor"]: json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in feed.resolved(rc, todo)}
+            have.update(made)
+            with srv.watchers_lock:
+                cache.update(made)
+                while len(cache) > CACHE:
+                    del cache[next(iter(cache))]
+        return [have[r[0]] for r in recs]
 
     def _quiet(self) -> bool:
         """The client sent nothing in its subscription stream (False: it closed it or broke it)."""

@@ -172,6 +172,7 @@ class ControlServer:
         self.changed = threading.Condition()
         self.watchers = 0
         self.watchers_lock = threading.Lock()
+        self.resolved_lines: dict[int, bytes] = {}   # feed records as streamed, shared by the watchers
         self.paths = [self.path]
         self.socks = [self._bind(self.path, 0o600, None)]
         extra = os.environ.get(SOCKET_ENV, "").strip()
