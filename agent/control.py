@@ -1,13 +1,15 @@
 """The running agent's control socket: while `ssp-agent run` holds a home, the verbs in `FORWARDED`
-given for that home are forwarded to it and executed on its own node, by the loop thread that
-owns the node's SQLite connection and signing bridge. So a sensor script can write while the
-service syncs, and there is still one writer (docs/operations.md).
+and the applications' requests (agent/client.py) are served by it; whatever touches the node runs on
+the loop thread that owns its SQLite connection and signing bridge (one writer, docs/operations.md).
 
-- **Where**: `HOME/control.sock`, mode 0600 inside the 0700 home; file permissions are the only
-  access rule (whoever may open it may already do what the CLI may do with the home).
-- **Protocol**: one JSON line `{"argv": [...]}` in, one `{"exit": n, "stdout", "stderr"}` out,
-  with the CLI's exit statuses; `"not_run": true`: the agent stopped before running it, and the
-  client waits for the home like any other command.
+- **Where**: `HOME/control.sock`, 0600 in the 0700 home; file permissions are the only access rule.
+  `SSP_AGENT_CONTROL_SOCKET` adds a second socket (0660, group `SSP_AGENT_CONTROL_GROUP`) for
+  applications running as another user (docs/client.md "Access").
+- **Protocol**: a first line `{"argv": [...]}` is the CLI's one verb (one `{"exit", "stdout", "stderr"}`
+  line back; `"not_run": true`: the agent stopped before running it); a first line `{"hello":
+  "ssp-agent", "version": 1}` opens a session of many requests (agent/clientops.py, docs/client.md).
+  Every line is bounded (MAX_REQUEST); anything malformed is answered with an error and ends that
+  connection, never the agent.
 - **Staleness**: a socket nobody listens on is ignored by the client and replaced by the next
   `run`, which holds the home's journal lock before it binds."""
 from __future__ import annotations
@@ -23,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from .controlframe import MAX_REQUEST, LineReader, TooLarge, drain
+
 SOCKET_NAME = "control.sock"
 # the verbs a running agent serves (a verb, or "verb action" for one action of it): every verb the
 # runbooks use on a live gateway or device (docs/operations.md); `sequencing` so a member's
@@ -34,9 +38,12 @@ SOCKET_NAME = "control.sock"
 # keystore) or move files: they need the home to themselves.
 FORWARDED = ("status", "dump", "events", "log", "write", "sequencing", "peer", "record", "rehydrate", "evict",
              "keystore show", "authority add")
-MAX_REQUEST = 1 << 20  # a command line, not data: a megabyte is plenty
 CLIENT_TIMEOUT_S = 120.0  # a forwarded verb waits at most this long for the loop to run it
-MAX_CLIENTS = 16  # connections served at once; more wait in the listen backlog
+MAX_CLIENTS = 256  # connections served at once; more wait in the listen backlog
+# sessions held open at once (a watcher or an application's persistent session holds one); past it
+# a hello is answered "busy": held sessions never use up the connections the CLI's verbs need
+MAX_SESSIONS = 64
+SOCKET_ENV, GROUP_ENV = "SSP_AGENT_CONTROL_SOCKET", "SSP_AGENT_CONTROL_GROUP"
 
 log = logging.getLogger("ssp_agent.control")
 
@@ -130,102 +137,176 @@ def _read_all(s: socket.socket, limit: int | None = None) -> bytes:
 
 
 # ---------------------------------------------------------------- server
-class _Request:
-    def __init__(self, argv: list[str]) -> None:
+class Request:
+    def __init__(self, argv: list[str], op: dict | None = None) -> None:
         self.argv = argv
+        self.op = op   # an application's request (agent/clientops.py), else a CLI command line
         self.done = threading.Event()
-        self.result: tuple[int, str, str] = (1, "", "ssp-agent: the running agent stopped before it ran this; "
-                                                    "try again\n")
+        self.result: tuple[int, str, str] | dict = (1, "", "ssp-agent: the running agent stopped before it ran "
+                                                          "this; try again\n")
         # set when the agent stops with this request never taken by its loop: the client is told
         # so, and waits for the home instead of failing (a service restarting around a write)
         self.not_run = False
 
 
+MALFORMED = (2, "", "ssp-agent: malformed control request\n")
+
+
 class ControlServer:
     """Accepts connections on a thread; requests wait in a queue until the loop thread, which owns
-    the node, calls `serve()` (between its steps) and runs them with `execute`."""
+    the node, calls `serve()` (between its steps) and runs them with `execute` (a CLI command
+    line) or agent/clientops.py (an application's write, with `node`)."""
 
     def __init__(self, home: Path, execute: Callable[[list[str]], tuple[int, str, str]],
-                 wake: Callable[[], None] | None = None) -> None:
+                 wake: Callable[[], None] | None = None, node=None) -> None:
+        self.home = Path(home)
         self.path = socket_path(home)
         self.execute = execute
+        self.node = node
         self.wake = wake or (lambda: None)
-        self.requests: queue.Queue[_Request] = queue.Queue()
+        self.requests: queue.Queue[Request] = queue.Queue()
         self._slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        self.sessions = threading.BoundedSemaphore(MAX_SESSIONS)
         self._closed = threading.Event()
-        # Only an agent that holds the home (its journal lock) gets here, so a socket file already
-        # there was left by one that died: replace it.
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # created 0600: file permissions are the only access rule
-        try:
-            with _addr(self.path) as addr:
-                self.sock.bind(addr)
-        finally:
-            os.umask(old)
-        os.chmod(self.path, 0o600)
-        self.sock.listen(MAX_CLIENTS)
-        self.sock.settimeout(0.5)  # so close() stops the accept loop promptly
+        # watchers wait on this; `serve()` (every loop turn, after the turn applied) notifies
+        self.changed = threading.Condition()
+        self.watchers = 0
+        self.watchers_lock = threading.Lock()
+        self.resolved_lines: dict[int, bytes] = {}   # feed records as streamed, shared by the watchers
+        self.paths = [self.path]
+        self.socks = [self._bind(self.path, 0o600, None)]
+        extra = os.environ.get(SOCKET_ENV, "").strip()
+        if extra:
+            self.paths.append(Path(extra))
+            self.socks.append(self._bind(Path(extra), 0o660, os.environ.get(GROUP_ENV, "").strip() or None))
         self._thread = threading.Thread(target=self._accept_loop, name="ssp-control", daemon=True)
         self._thread.start()
 
+    @staticmethod
+    def _bind(path: Path, mode: int, group: str | None) -> socket.socket:
+        # Only an agent that holds the home (its journal lock) gets here, so a socket file already
+        # there was left by one that died: replace it.
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # created 0600: file permissions are the only access rule
+        try:
+            with _addr(path) as addr:
+                sock.bind(addr)
+        finally:
+            os.umask(old)
+        if group is not None:
+            import grp
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)   # KeyError: no such group, `run` refuses
+        os.chmod(path, mode)
+        sock.listen(64)
+        sock.setblocking(False)
+        return sock
+
     # accept thread and its per-connection threads: never touch the node
     def _accept_loop(self) -> None:
+        import select
         while not self._closed.is_set():
             try:
-                conn, _ = self.sock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
+                ready, _, _ = select.select(self.socks, [], [], 0.5)   # so close() stops it promptly
+            except (OSError, ValueError):
                 return  # closed
-            self._slots.acquire()
-            threading.Thread(target=self._handle, args=(conn,), name="ssp-control-conn", daemon=True).start()
+            for sock in ready:
+                try:
+                    conn, _ = sock.accept()
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    return
+                conn.setblocking(True)
+                self._slots.acquire()
+                # the extra socket serves applications only: the CLI's verbs (peer, authority,
+                # keystore...) stay with whoever may open the home's own socket
+                threading.Thread(target=self._handle, args=(conn, sock is self.socks[0]), name="ssp-control-conn",
+                                 daemon=True).start()
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _handle(self, conn: socket.socket, verbs: bool = True) -> None:
         try:
             conn.settimeout(10.0)
+            reader = LineReader(conn, MAX_REQUEST)
             try:
-                req = json.loads(_read_all(conn, MAX_REQUEST))
-                argv = req["argv"]
-                if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+                first = reader.line()
+                req = json.loads(first) if first is not None else None
+                if not isinstance(req, dict):
                     raise ValueError
-            except (ValueError, KeyError, TypeError, OSError):
-                self._reply(conn, (2, "", "ssp-agent: malformed control request\n"))
+            except TooLarge:
+                self._reply(conn, MALFORMED, error="too_large")
+                drain(conn)
                 return
-            r = _Request(argv)
-            if self._closed.is_set():
-                r.not_run = True
-                self._reply(conn, r.result, r.not_run)
+            except (ValueError, OSError, UnicodeDecodeError):
+                self._reply(conn, MALFORMED, error="malformed")
                 return
-            self.requests.put(r)
-            self.wake()
-            deadline = time.monotonic() + CLIENT_TIMEOUT_S
-            while not r.done.wait(0.5) and time.monotonic() < deadline:
-                if self._closed.is_set():
-                    # closed by the loop thread once its loop ended: a request queued after close()
-                    # took the waiting ones is never taken either
-                    r.not_run = True
-                    break
+            if "hello" in req:
+                from .clientops import Session
+                if not self.sessions.acquire(blocking=False):
+                    with contextlib.suppress(OSError):
+                        conn.sendall(json.dumps({"error": "busy", "message": f"{MAX_SESSIONS} sessions are open "
+                                                 "already; try again later"}).encode() + b"\n")
+                    return
+                try:
+                    Session(self, conn, reader).run(req)
+                finally:
+                    self.sessions.release()
+                return
+            argv = req.get("argv")
+            if not verbs:
+                self._reply(conn, (2, "", "ssp-agent: this socket serves applications (agent.client), not "
+                                          "the CLI's verbs\n"), error="refused")
+                return
+            if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+                self._reply(conn, MALFORMED, error="malformed")
+                return
+            r = self.submit(Request(argv))
             self._reply(conn, r.result, r.not_run)
         finally:
             conn.close()
             self._slots.release()
 
+    def submit(self, r: Request) -> Request:
+        """Queue `r` for the loop thread and wait until it ran (or the agent stopped without it)."""
+        if self._closed.is_set():
+            r.not_run = True
+            return r
+        self.requests.put(r)
+        self.wake()
+        deadline = time.monotonic() + CLIENT_TIMEOUT_S
+        while not r.done.wait(0.5) and time.monotonic() < deadline:
+            if self._closed.is_set():
+                # closed by the loop thread once its loop ended: a request queued after close()
+                # took the waiting ones is never taken either
+                r.not_run = True
+                break
+        return r
+
+    def submit_op(self, op: dict) -> Request:
+        """An application's write request (agent/clientops.py), run on the loop thread."""
+        return self.submit(Request([], op))
+
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
     def _not_run(self, conn: socket.socket) -> None:
         with contextlib.suppress(OSError, ValueError):
             conn.settimeout(2.0)
             _read_all(conn, MAX_REQUEST)   # read first: unread data would reset the reply
-            self._reply(conn, _Request([]).result, True)
+            self._reply(conn, Request([]).result, True)
         conn.close()
 
     @staticmethod
-    def _reply(conn: socket.socket, result: tuple[int, str, str], not_run: bool = False) -> None:
+    def _reply(conn: socket.socket, result: tuple[int, str, str], not_run: bool = False,
+               error: str | None = None) -> None:
+        """A CLI answer; `error`: the first line was malformed, said so to either kind of client."""
         rc, out, err = result
         with contextlib.suppress(OSError):
             conn.settimeout(CLIENT_TIMEOUT_S)
             conn.sendall(json.dumps({"exit": rc, "stdout": out, "stderr": err,
-                                     **({"not_run": True} if not_run else {})}).encode() + b"\n")
+                                     **({"not_run": True} if not_run else {}),
+                                     **({"error": error, "message": err.strip()} if error else {})}).encode() + b"\n")
 
     # the loop thread
     def serve(self, max_items: int = 64) -> int:
@@ -237,28 +318,46 @@ class ControlServer:
             except queue.Empty:
                 break
             try:
-                r.result = self.execute(r.argv)
+                if r.op is not None:
+                    from .clientops import execute
+                    r.result = execute(self.node, r.op)
+                else:
+                    r.result = self.execute(r.argv)
             except Exception as e:  # noqa: BLE001 - a request must never stop the service
-                log.exception("control request %s failed", r.argv[:1])
-                r.result = (1, "", f"ssp-agent: internal error in the running agent: {e}\n")
+                log.exception("control request %s failed", r.argv[:1] or r.op.get("op"))
+                r.result = {"error": "internal", "message": str(e)} if r.op is not None else \
+                    (1, "", f"ssp-agent: internal error in the running agent: {e}\n")
             r.done.set()
             n += 1
+        if self.watchers and self.node is not None:
+            from .store import feed
+            head = feed.bounds(self.node.conn)[1]
+            if head != self._head:   # after the turn's apply and these writes: watchers read the feed
+                self._head = head
+                with self.changed:
+                    self.changed.notify_all()
         return n
+
+    _head = -1
 
     def close(self) -> None:
         self._closed.set()
         # No new client finds the socket once its name is gone; those already in the listen
         # backlog are answered "not run" (closing the socket would reset them, and their verb
         # would fail where it can simply take its turn after this agent)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        with contextlib.suppress(OSError):
-            self.sock.setblocking(False)
-            while True:
-                conn, _ = self.sock.accept()
-                self._not_run(conn)
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        for path in self.paths:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        for sock in self.socks:
+            with contextlib.suppress(OSError):
+                while True:
+                    conn, _ = sock.accept()
+                    conn.setblocking(True)
+                    self._not_run(conn)
+            with contextlib.suppress(OSError):
+                sock.close()
+        with self.changed:
+            self.changed.notify_all()
         while True:  # whoever still waits is told the agent stopped without running theirs
             try:
                 r = self.requests.get_nowait()

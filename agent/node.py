@@ -22,7 +22,7 @@ from firmware_bridge.errors import DeviceTimeout
 from firmware_bridge.fsutil import atomic_write, fsync_dir
 from firmware_bridge.journal import inspect as journal_inspect
 
-from . import identity as ident, produce
+from . import feed, identity as ident, produce
 from .clockstate import now_ms  # re-exported: callers read the wall clock as node.now_ms
 from .core import cose, events as ev, numbers, reasons as R
 from .core.clock import Hlc, beyond_skew
@@ -1049,10 +1049,11 @@ class Node:
         else:
             fx = merge_upsert(tbl.tdef, state, e.stamp, e.payload or {})
         writes: dict[str, Any] = dict(fx.writes)
+        partial = None
         if fx.resurrected:
             rb = rebuild_columns(tbl.tdef, tbl.tdef.value_columns, fx.state.tomb_clock,
                                  self._candidates(tbl.tdef, rk), tbl.horizon)
-            writes = rb.writes
+            writes, partial = rb.writes, rb.partial
             row_txt = json.dumps(to_json(e.row_key), sort_keys=True)
             if rb.partial:
                 # §13.4 MUST: never present a partial rebuild as complete; name row and horizon.
@@ -1065,6 +1066,7 @@ class Node:
             else:
                 self._record("resurrection", "resurrected", e, now, {"row_key": to_json(e.row_key)})
         tbl.rows.save(rk, e.row_key, fx.state, writes)
+        feed.note_change(self.conn, tbl.tdef, e, rk, state.exists, fx, writes, partial, tbl.horizon)  # same transaction
         if fx.ignored:
             # §13.6: meter ignored columns per (site, table, column).
             self.conn.executemany(
@@ -1200,6 +1202,7 @@ class Node:
                           (now, kind, o.reason, o.event_id, o.site_id if o.verified else None, o.table,
                            json.dumps({"status": o.status, "claimed_kid": None if o.verified or o.site_id is None
                                        else o.site_id.hex(), **(detail or {})})))
+        feed.note_signal(self.conn, kind, o, detail)   # the application's change feed, same transaction
         if kind != "logged":
             log.warning("%s %s: %s", o.status, o.event_id.hex() if o.event_id else "-", o.reason)
         return o

@@ -91,7 +91,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ the loop
     def run(self, should_stop: Callable[[], bool]) -> dict[str, Any]:
-        server = self._server = ControlServer(self.node.home, self._execute, wake=self.wake)
+        server = self._server = ControlServer(self.node.home, self._execute, wake=self.wake, node=self.node)
         watchdog = self._watchdog = sdnotify.Watchdog()
         # Type=notify: ready once the control socket serves and the links are started (an MQTT
         # broker that is down is retried by its link: the service is up either way).

@@ -31,6 +31,8 @@ CASES = [
     (["bench/bench_atrest.py", "--events", "300", "--rounds", "1"], "at-rest overhead ratio (apply, offer)"),
     (["bench/bench_secure_delete.py", "--events", "300", "--writes", "200", "--rounds", "1"],
      "secure_delete cost ratios to off"),
+    (["bench/client.py", "--writes", "100", "--singles", "5", "--latency", "5", "--rounds", "1"],
+     "ratio_client_batched_to_node"),
     (["bench/bench_strategies.py", "never_answers", "--rounds", "1", "--events", "40", "--attack-s", "1"],
      "per attacker byte (median)"),
 ]

@@ -38,6 +38,7 @@ VERB_MODULES = {
     "service": "agent.cli.service",
     "provision": "agent.cli.provision",
     "check": "agent.cli.health", "metrics": "agent.cli.health",
+    "watch": "agent.cli.watch",
 }
 CORE_VERBS = frozenset({"init", "peer", "write", "purge", "dump", "log", "evict", "events", "status", "table",
                         "identity"})
@@ -83,7 +84,7 @@ def build_parser(modules: "set[str] | None" = None) -> argparse.ArgumentParser:
 def _add_later_verbs(sub, mailbox_sub, modules: "set[str] | None" = None) -> None:
     """Verbs whose implementations live in other modules register themselves here."""
     for mod in ("agent.cli.sync", "agent.cli.mqtt", "agent.cli.keystore", "agent.cli.sequencer", "agent.cli.service",
-                "agent.cli.provision", "agent.cli.health"):
+                "agent.cli.provision", "agent.cli.health", "agent.cli.watch"):
         if modules is not None and mod not in modules:
             continue
         # Every one ships in the package: an import error is a broken install, said loudly, never

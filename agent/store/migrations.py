@@ -16,7 +16,7 @@ from typing import Callable
 
 from agent.sqlscript import statements  # noqa: F401 - also this module's name for it
 
-from . import atrest, counters, db, sequencing, sync_state
+from . import atrest, counters, db, feed, sequencing, sync_state
 
 
 def _v1_base(conn: sqlite3.Connection) -> None:
@@ -54,6 +54,10 @@ def _v7_log_count(conn: sqlite3.Connection) -> None:
     db.create_log_count(conn)
 
 
+def _v8_feed(conn: sqlite3.Connection) -> None:
+    feed.create_schema(conn)
+
+
 # (version reached, what it does): applied in order, each in one transaction. Version 0 is an empty
 # file; 1 is the first release's layout (schema_version=1 in meta, user_version never set); 6 gives a
 # store that holds events a re-seal job (meta atrest_job), run by the next writing open with the keystore.
@@ -65,6 +69,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[sqlite3.Connection], None]]] = [
     (5, "per-peer link state: bodies in flight, learned body limits", _v5_peer_links),
     (6, "at-rest sealing of the event log", _v6_atrest),
     (7, "the log's event count", _v7_log_count),
+    (8, "the applications' change feed", _v8_feed),
 ]
 LATEST = MIGRATIONS[-1][0]
 

@@ -1,0 +1,266 @@
+"""What the control socket's sessions serve (docs/client.md "Protocol"): the versioned handshake,
+then requests one JSON line each, answered in order: `write` / `write_many` run on the loop thread
+through `Node.write_many` (the one local write path: the bridge, persist before release, the one
+apply path); `read` and `watch` read the store on the connection's own thread through a read-only
+connection, so a reader or a slow watcher never holds up the loop. A watch turns the connection
+into a subscription stream of feed records (agent/feed.py) until the client closes it; a watcher
+that stops reading for STALL_S is told it fell behind and disconnected; it resumes from its cursor.
+Anything malformed is answered with an error and ends the connection, never the agent."""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import socket
+from typing import Any
+
+VERSIONS = (1,)   # the session protocol versions this agent speaks
+BATCH = 256   # feed records read per query: bounds a watcher's memory whatever its lag
+CACHE = 4096   # resolved record lines the server keeps for all its watchers
+STALL_ENV = "SSP_AGENT_WATCH_STALL_S"
+STALL_S = 30.0   # a watcher whose socket takes nothing for this long is disconnected (told "behind")
+IDLE_S = 600.0   # a session with no request for this long is closed (the client reconnects)
+
+
+class Malformed(ValueError):
+    """A request this protocol cannot read: answered, then the connection ends."""
+
+
+def _value(v: Any) -> Any:
+    if isinstance(v, dict):
+        if set(v) == {"$bytes"} and isinstance(v["$bytes"], str):
+            try:
+                return bytes.fromhex(v["$bytes"])
+            except ValueError:
+                raise Malformed('{"$bytes": ...} must hold hex') from None
+        raise Malformed('nested objects are not column values (use {"$bytes": "hex"} for bytes)')
+    if isinstance(v, list):
+        raise Malformed("arrays are not column values")
+    return v   # a bool is refused by the node's own check (SSP/1 has no bool type)
+
+
+def _columns(d: Any, what: str) -> dict:
+    if not isinstance(d, dict):
+        raise Malformed(f"{what} must be a JSON object")
+    return {str(k): _value(v) for k, v in d.items()}
+
+
+def writes_of(op: dict) -> list[tuple[str, dict, dict | None, bool]]:
+    """The (table, key, values, delete) list of a write or write_many request."""
+    items = op.get("writes") if op.get("op") == "write_many" else [op]
+    if not isinstance(items, list) or not items:
+        raise Malformed("writes must be a non-empty list")
+    out = []
+    for w in items:
+        if not isinstance(w, dict) or not isinstance(w.get("table"), str):
+            raise Malformed("each write needs a table")
+        delete = w.get("delete") is True
+        if delete == ("set" in w):
+            raise Malformed("each write has either set or delete: true")
+        out.append((w["table"], _columns(w.get("key"), "key"), None if delete else _columns(w["set"], "set"), delete))
+    return out
+
+
+def execute(node, op: dict) -> dict:
+    """On the loop thread: one write request on the running agent's node."""
+    from .errors import NodeError
+    from .store.db import StoreError
+    try:
+        ids = node.write_many(op["writes"])
+    except NodeError as e:
+        return {"error": "refused", "message": str(e)}
+    except StoreError as e:
+        return {"error": "fault", "message": str(e)}
+    return {"ok": True, "event_ids": [i.hex() for i in ids]}
+
+
+def read_row(conn, table: str, key: dict) -> dict:
+    """{"ok", "row"} or an error, from a read connection."""
+    from .feed import value_json
+    from .store import feed
+    try:
+        row = feed.read_row(conn, table, key)
+    except KeyError as e:
+        return {"error": "refused", "message": str(e.args[0])}
+    if row is None:
+        return {"error": "refused", "message": f"no table {table!r} on this node"}
+    row["values"] = {c: value_json(v) for c, v in row["values"].items()}
+    return {"ok": True, "row": row}
+
+
+def stall_s() -> float:
+    try:
+        return float(os.environ.get(STALL_ENV, "") or STALL_S)
+    except ValueError:
+        return STALL_S
+
+
+class Session:
+    """One connection after its hello: requests in order until it ends."""
+
+    def __init__(self, server, conn: socket.socket, reader) -> None:
+        self.server, self.conn, self.reader = server, conn, reader
+        self._rconn = None
+
+    def send(self, obj: dict) -> None:
+        self.conn.sendall(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+
+    def fail(self, error: str, message: str, rid: Any = None, **more) -> None:
+        with contextlib.suppress(OSError):
+            self.send({**({"id": rid} if rid is not None else {}), "error": error, "message": message, **more})
+
+    def reads(self):
+        if self._rconn is None:
+            from .store import feed
+            node = self.server.node
+            self._rconn = feed.reader(node.home / node.STORE_FILE)
+        return self._rconn
+
+    def run(self, hello: dict) -> None:
+        from .controlframe import MAX_REQUEST, TooLarge, drain
+        try:
+            if hello.get("hello") != "ssp-agent" or hello.get("version") not in VERSIONS:
+                self.fail("version", f"this agent speaks session protocol versions {list(VERSIONS)}",
+                          versions=list(VERSIONS))
+                return
+            self.send({"ok": True, "hello": "ssp-agent", "version": 1, "max_request": MAX_REQUEST})
+            self.conn.settimeout(IDLE_S)
+            while not self.server.closed():
+                try:
+                    line = self.reader.line()
+                except TooLarge:
+                    self.fail("too_large", f"a request is at most {MAX_REQUEST} bytes")
+                    drain(self.conn)
+                    return
+                if line is None:
+                    return
+                req = None
+                try:
+                    req = json.loads(line)
+                    if not isinstance(req, dict) or not isinstance(req.get("op"), str):
+                        raise Malformed("a request is a JSON object with an op")
+                    if not self.request(req):
+                        return
+                except (ValueError, UnicodeDecodeError) as e:   # Malformed is a ValueError
+                    self.fail("malformed", str(e) if isinstance(e, Malformed) else "not a JSON line",
+                              req.get("id") if isinstance(req, dict) else None)
+                    return
+        except OSError:
+            return   # the client went away (or its idle time ran out)
+        finally:
+            if self._rconn is not None:
+                self._rconn.close()
+
+    def request(self, req: dict) -> bool:
+        """Serve one request; False when the connection ends after it."""
+        op, rid = req["op"], req.get("id")
+        tag = {"id": rid} if rid is not None else {}
+        if op in ("write", "write_many"):
+            r = self.server.submit_op({"op": op, "writes": writes_of(req)})
+            self.send({**tag, **(r.result if not r.not_run else
+                                 {"error": "not_run", "message": "the agent stopped before it ran this"})})
+            return not r.not_run
+        if op == "read":
+            if not isinstance(req.get("table"), str):
+                raise Malformed("read needs a table")
+            self.send({**tag, **read_row(self.reads(), req["table"], _columns(req.get("key"), "key"))})
+            return True
+        if op == "head":
+            from .store import feed
+            pruned, head = feed.bounds(self.reads())
+            self.send({**tag, "ok": True, "cursor": head, "oldest": pruned})
+            return True
+        if op == "ping":
+            self.send({**tag, "ok": True})
+            return True
+        if op == "watch":
+            self.watch(req, tag)
+            return False
+        raise Malformed(f"unknown op {op!r}")
+
+    # ---------------------------------------------------------------- the subscription stream
+    def watch(self, req: dict, tag: dict) -> None:
+        from .store import feed
+        tables, since = req.get("tables"), req.get("since")
+        if tables is not None and (not isinstance(tables, list) or not all(isinstance(t, str) for t in tables)):
+            raise Malformed("tables must be a list of SCHEMA.TABLE names")
+        if since is not None and (type(since) is not int or since < 0):
+            raise Malformed("since must be a cursor (an integer >= 0)")
+        rc = self.reads()
+        pruned, head = feed.bounds(rc)
+        cursor = head if since is None else since
+        if cursor < pruned:
+            # the records after this cursor are gone: the application must re-read its tables
+            self.fail("cursor_expired", f"records after cursor {cursor} are no longer retained (oldest kept "
+                                        f"follows {pruned}): re-read the tables, then watch from {head}",
+                      req.get("id"), cursor=cursor, oldest=pruned, head=head)
+            return
+        self.send({**tag, "ok": True, "cursor": cursor})
+        self.conn.settimeout(stall_s())
+        srv = self.server
+        with srv.watchers_lock:
+            srv.watchers += 1
+        try:
+            while not srv.closed():
+                recs = feed.after(rc, cursor, tables, BATCH)
+                if recs:
+                    out = b"".join(self.lines(rc, recs))
+                    try:
+                        self.conn.sendall(out)
+                    except socket.timeout:
+                        self._behind(cursor)
+                        return
+                    cursor = recs[-1][0]
+                    if feed.bounds(rc)[0] > cursor:   # pruned past us while we sent
+                        self._behind(cursor)
+                        return
+                    continue
+                with srv.changed:
+                    srv.changed.wait(1.0)
+                if not self._quiet():
+                    return
+        finally:
+            with srv.watchers_lock:
+                srv.watchers -= 1
+
+    def lines(self, rc, recs: list[tuple]) -> list[bytes]:
+        """The stream's lines for these records, each resolved once for every watcher (a value read
+        from its row): the server keeps the newest CACHE, so ten watchers cost the apply path's
+        thread about what one does."""
+        from .store import feed
+        srv = self.server
+        with srv.watchers_lock:
+            cache = srv.resolved_lines
+            have = {r[0]: cache.get(r[0]) for r in recs}
+        todo = [r for r in recs if have[r[0]] is None]
+        if todo:
+            made = {r["cursor"]: json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in feed.resolved(rc, todo)}
+            have.update(made)
+            with srv.watchers_lock:
+                cache.update(made)
+                while len(cache) > CACHE:
+                    del cache[next(iter(cache))]
+        return [have[r[0]] for r in recs]
+
+    def _quiet(self) -> bool:
+        """The client sent nothing in its subscription stream (False: it closed it or broke it)."""
+        r, _, _ = select.select([self.conn], [], [], 0)
+        if not r and not self.reader.pending():
+            return True
+        with contextlib.suppress(OSError):
+            self.conn.setblocking(False)
+            data = self.conn.recv(65536)
+            self.conn.setblocking(True)
+            if not data and not self.reader.pending():
+                return False   # closed
+        self.fail("malformed", "a request in a subscription stream: a watch owns its connection")
+        return False
+
+    def _behind(self, cursor: int) -> None:
+        # best effort: a client that stopped reading may never see it; its library treats a cut
+        # stream the same way (docs/client.md "The change feed")
+        with contextlib.suppress(OSError):
+            self.conn.setblocking(False)
+            self.conn.send(json.dumps({"error": "behind", "cursor": cursor,
+                                       "message": "fell behind the feed: resume from this cursor"}).encode() + b"\n")

@@ -1,0 +1,62 @@
+"""The change feed's records (docs/client.md "The change feed"): what an application sees of each
+change the apply path made to a row, and of each event the node dropped, rejected or held. Built
+here from what `_materialize` and `_surface` computed, inside the apply transaction, and appended
+to the store (agent/store/feed.py) in that transaction: a record exists exactly when its change
+committed, in apply order. One record per change: the columns written with their values and
+clocks (site, HLC; their values are read from the row with the record), existence before and after, and the spec's application signals inline:
+resurrection (§13.2), partial rebuild with its horizon (§13.4), columns ignored as unknown (§13.6)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .store import feed as store
+
+
+def value_json(v: Any) -> Any:
+    """A column value in JSON (the CLI's form): bytes as {"$bytes": hex}."""
+    return {"$bytes": v.hex()} if isinstance(v, (bytes, bytearray)) else v
+
+
+def _hlc(s) -> str:
+    return f"{s[0]}.{s[1]}"
+
+
+def note_change(conn, tdef, e, rk: bytes, existed: bool, fx, writes: dict, partial: bool | None, horizon) -> None:
+    """One applied event's effect on its row (`writes`: column -> (value, stamp), or None for a
+    column a rebuild left without any clock). The columns written and their clocks, not their
+    values (read from the row with the record: a superseded value is kept nowhere); a column's clock
+    is named only when it is not the event's own (a rebuild's)."""
+    own = e.stamp
+    cols: dict[str, Any] = {}
+    for c, w in writes.items():
+        if w is None:
+            cols[c] = {"state": "unmaterialized"}
+        else:
+            cols[c] = {} if w[1] == own else {"site": w[1][2].hex(), "hlc": _hlc(w[1])}
+    rec: dict[str, Any] = {"kind": "change", "table": tdef.qualified,
+                           "key": {k: value_json(v) for k, v in e.row_key.items()},
+                           "op": e.operation, "event_id": e.event_id.hex(), "site": own[2].hex(),
+                           "hlc": f"{own[0]}.{own[1]}", "existed": existed, "exists": fx.state.exists, "columns": cols}
+    if fx.ignored:
+        rec["ignored"] = sorted(fx.ignored)   # §13.6 MUST NOT: never presented as a default
+    if fx.resurrected:
+        rec["resurrected"] = True   # §13.2 SHOULD surface
+        if partial:
+            # §13.4 MUST: name the row and the horizon that truncated its rebuild
+            t = fx.state.tomb_clock
+            rec["partial"] = {"horizon": _hlc(horizon), "tombstone": _hlc(t)}
+    store.append(conn, tdef.qualified, rk, _dumps(rec))
+
+
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def note_signal(conn, kind: str, o, detail: dict | None) -> None:
+    """An event the node dropped, rejected or held (kind as `ssp-agent events` names it)."""
+    rec: dict[str, Any] = {"kind": kind, "table": o.table, "reason": o.reason,
+                           "event_id": o.event_id.hex() if o.event_id else None,
+                           "site": o.site_id.hex() if o.site_id is not None and o.verified else None}
+    if detail:
+        rec["detail"] = detail
+    store.append(conn, o.table, None, json.dumps(rec, separators=(",", ":"), default=str))
