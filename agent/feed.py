@@ -1,6 +1,6 @@
 """The change feed's records (docs/client.md "The change feed"): what an application sees of each
 change the apply path made to a row, and of each event the node dropped, rejected or held. Built
-here from what `_materialize` and `_surface` computed, inside the apply transaction, and appended
+here from what `apply.materialize` and `apply.surface` computed, inside the apply transaction, and appended
 to the store (agent/store/feed.py) in that transaction: a record exists exactly when its change
 committed, in apply order. One record per change: the columns written with their values and
 clocks (site, HLC; their values are read from the row with the record), existence before and after, and the spec's application signals inline:

@@ -65,7 +65,7 @@ def check_home(home: Path):
 
 def check_keystore(node) -> dict:
     from .node import home_paths
-    card = node._keystore_card()
+    card = node.keystore_card()
     state = card.get("journal_state") or {}
     conf = home_paths(node.home, dict(card.get("keystore") or {}))
     kind = conf.get("kind")

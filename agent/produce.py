@@ -11,13 +11,18 @@ from __future__ import annotations
 
 from firmware_bridge import EventIdentity, OutcomeUnknown
 
-from . import clockstate
+from . import apply, clockstate, nodeclock
 from .core import cose, events as ev
 from .core.clock import signing_time as clock_signing_time
+from .core.records import is_ack, record_hash
+from .core.codec import DecodeError
+from .core.merge import below
 from .errors import NodeError
-from .store import db
+from .store import db, sync_state
 
 EVENT_KEY = "events"  # the key name of the node's event-signing key in its keystore
+JOURNAL_COMPACT_BYTES = 4 * 2**20  # compact the signing journal when it grew this much since the last time
+JOURNAL_OPEN_COMPACT_BYTES = 64 * 2**10  # on open, compact only a journal larger than this (or after a recovery)
 
 
 def issue_record(node, to_be_signed: tuple[bytes, bytes, bytes], now: int, authority=None) -> bytes:
@@ -42,7 +47,7 @@ def release_signed(node, tbs: bytes, assemble, now: int) -> bytes:
     hlc = tick(node, signing_now(node, now))
     raw = node.bridge.release(EventIdentity(node.site_id, hlc[0], hlc[1]), EVENT_KEY, tbs, assemble)
     witness(node, hlc)
-    node.compact_journal_if_grown()  # MQTT acknowledgements are signed per answer and stored nowhere else
+    compact_journal_if_grown(node)  # MQTT acknowledgements are signed per answer and stored nowhere else
     return raw
 
 
@@ -87,7 +92,7 @@ def signing_now(node, now: int, defer: bool = False) -> int:
     ceiling's, else the apply's) instead of one of its own: one fsync fewer."""
     st = clockstate.assess(node, now)
     if st["trusted"]:
-        node.record_clock_evidence(now, defer=defer, assessed=st)
+        nodeclock.record_clock_evidence(node, now, defer=defer, assessed=st)
     evidence = node.clock_evidence
     if not st["trusted"] and evidence is None:
         # Never a trustworthy reading here (a device that never synchronised): the time its
@@ -106,8 +111,8 @@ def tick(node, now: int) -> tuple[int, int]:
         # deferred evidence reading rides in the same commit.
         with db.transaction(node.conn):
             db.set_meta(node.conn, "clock_ceiling", need)
-            due = node.write_due_meta()
-        node.due_meta_committed(due)
+            due = nodeclock.write_due_meta(node)
+        nodeclock.due_meta_committed(node, due)
         node.clock.set_ceiling(need)
     return node.clock.tick(now)
 
@@ -118,3 +123,57 @@ def witness(node, hlc: tuple[int, int]) -> None:
     A crash before this write leaves it in the journal, which the clock resumes above; so the
     witness is above the home's own history only when the home lost some: a restore."""
     node.witness.advance(hlc)
+
+
+def compact_journal(st) -> dict | None:
+    """Drop from the signing journal our released events whose exact bytes the log holds (its
+    commits are durable: synchronous=FULL) or that count as applied below their table's
+    horizon; the bridge keeps a per-site floor so none of them is ever signed again. The
+    events `write_many` applied since the last compaction are known to be in the log without
+    reading them back (`logged`); any other entry is read from the journal and looked up."""
+    if st.bridge is None:
+        return None
+    logged = set(st.logged)
+    site = st.site_id
+
+    def recorded(identity) -> bool:
+        if not isinstance(identity, EventIdentity) or identity.site_id != site:
+            return False
+        if identity.hlc in logged:
+            return True
+        raw = st.bridge.released(identity)
+        return raw is not None and (
+            record_held(st, raw) if not is_event(raw) else
+            apply.known(st, ev.event_id(raw)) == "log" or below_own_horizon(st, raw))
+    stats = st.bridge.compact_events(recorded)
+    st.logged.difference_update(logged)
+    st.journal_base = stats["bytes_after"]
+    return stats
+
+
+def record_held(st, raw: bytes) -> bool:
+    """A control record this node signed through the bridge (rehydrate, truncation, mailbox answer, authority
+    records) that its store holds: done, like an event in the log."""
+    if is_ack(raw):
+        return True  # an MQTT acknowledgement is done once released: a lost one costs a re-offer
+    return sync_state.holds_signed_record(st.conn, record_hash(bytes(raw)))
+
+
+def below_own_horizon(st, raw: bytes) -> bool:
+    try:
+        e = ev.event_from_verified(raw, cose.parse_sign1(raw))
+    except DecodeError:
+        return False
+    tbl = st.tables.get(e.table)
+    return tbl is not None and below(e.hlc, tbl.horizon)
+
+
+def compact_journal_if_grown(st) -> None:
+    """Compact the signing journal once it grew JOURNAL_COMPACT_BYTES since the last time."""
+    if st.bridge.journal_stats()["bytes"] > st.journal_base + JOURNAL_COMPACT_BYTES:
+        compact_journal(st)
+
+
+def is_event(raw: bytes) -> bool:
+    """The bridge journal also holds control records this node signed: those are not events."""
+    return cose.content_type(raw) == ev.EVENT_CONTENT_TYPE

@@ -3,13 +3,13 @@ stored each on its own (docs/protocol.md §5), with what that changes returned a
 for the caller to act on, never by calling up into the node or the sync driver:
 
 - `trust_changed`: a record this node did not hold was stored; the keyring overlay and the rows
-  under the new trust must be rebuilt (`Node.apply_records` does it in the same transaction);
+  under the new trust must be rebuilt (`records_apply.apply_records` does it in the same transaction);
 - `widened`: (peer, table) pairs a role record widened; their backfill jobs are enqueued here,
   the truncation records they may need are the caller's (they sign through the keystore bridge);
 - `subjects_reset` (from agent/rehydrate.py `handle_records`): the peers whose cursors a
   rehydrate request reset.
 
-Below agent/node.py and agent/sync.py; it reads a node's data (conn, site_id, mesh_id,
+Below agent/records_apply.py and agent/sync.py; it reads the node's state (conn, site_id, mesh_id,
 authorities, keyring, tables) and calls none of its methods."""
 from __future__ import annotations
 

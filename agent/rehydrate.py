@@ -9,8 +9,9 @@ for the subject to genesis, forgets the watermarks the subject reported, stops f
 events the subject once delivered to it, and keeps and forwards the record so it reaches peers
 through relays.
 
-The subject's side (`start`) zeroes its horizons (`Node.reset_horizons`, the only way a horizon
-moves down), clears its own applied watermarks, issues the record, and counts what arrives."""
+The subject's side (`start`) zeroes its horizons (`eviction.reset_horizons_in_txn`, the only way a
+horizon moves down), clears its own applied watermarks, issues the record, and counts what arrives.
+Functions over the node's state (agent/nodestate.py): they call no method of the node."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ import logging
 import sqlite3
 from typing import Any
 
-from . import policy, produce
+from . import eviction, policy, produce
 from .clockstate import now_ms
 from .core import reasons as R
 from .core.classify import classified
@@ -92,7 +93,7 @@ def record_raws(conn: sqlite3.Connection) -> list[bytes]:
 
 def handle_records(node, raws: list, now: int) -> dict:
     """Verify rehydrate records (each on its own) and act on a new generation once. Runs inside
-    `Node.apply_records`, before the body's events. Its effect, the subjects whose cursors were
+    `records_apply.apply_records`, before the body's events. Its effect, the subjects whose cursors were
     reset (`subjects_reset`, hex), is returned for the caller to act on (truncation records)."""
     from .store import sync_state as st
     conn = node.conn
@@ -205,7 +206,7 @@ def _commit_start(node, r: dict, p: dict) -> dict:
     Apart, a request served under a standing horizon brings history that lands below it, and
     stale watermarks make serving peers skip exactly the requested history."""
     if p["reset"]:  # a restored home (`reset=False`) keeps its horizons and its consistent watermarks
-        node.reset_horizons_in_txn()
+        eviction.reset_horizons_in_txn(node)
         _crash_point("horizons_reset")
         rs.forget_own_watermarks(node.conn)
     _store(node.conn, r)

@@ -11,7 +11,8 @@
 - **Validation** (`chain`, `status`): agent/sequencer/member.py's `ReceiptChain` over the records
   held; equivocation evidence is surfaced (`sequencer_equivocation`) as it appears.
 
-Below the node: it reads a node's data and signs through `produce.issue_record`."""
+Below the node: it reads the node's state (agent/nodestate.py), signs through
+`produce.issue_record` and stores what it issued as it stores what it receives."""
 from __future__ import annotations
 
 import json
@@ -321,11 +322,18 @@ def gossip(node, receipt: bytes, now: int) -> dict:
         verdict = "duplicate" if r.epoch in before.receipts and before.receipts[r.epoch].raw == r.raw else "held"
         return {"group": r.group_id.hex(), "epoch": r.epoch, "gossiped": False, "verdict": verdict}
     raw = produce.issue_record(node, sr.head_to_be_signed(node.site_id, node.mesh_id, r.group_id, r.raw), now)
-    res = node.apply_records([raw], now)
+    res = _store_own(node, raw, now)
     after = chain(node, r.group_id)
     return {"group": r.group_id.hex(), "epoch": r.epoch, "gossiped": True,
             "record_hash": record_hash(raw).hex(), "stored": res.get("sequencing", {}).get("stored", 0),
             "verdict": _verdict(after, r)}
+
+
+def _store_own(node, raw: bytes, now: int) -> dict:
+    """A sequencing record just issued here, stored as any received one is (`store_records` in a
+    transaction of its own), in the shape `records_apply.apply_records` answers."""
+    with db.transaction(node.conn):
+        return {"sequencing": store_records(node, [raw], now)}
 
 
 def is_statement(raw: bytes) -> bool:
@@ -346,7 +354,7 @@ def _gossip_statement(node, raw: bytes, now: int) -> dict:
     if store.has_receipt(node.conn, rc.receipt_hash(raw), "discontinuity"):
         return dict(out, gossiped=False, verdict=_statement_verdict(chain(node, st.group_id), st))
     rec = produce.issue_record(node, sr.discontinuity_to_be_signed(node.site_id, node.mesh_id, st.group_id, raw), now)
-    res = node.apply_records([rec], now)
+    res = _store_own(node, rec, now)
     return dict(out, gossiped=True, record_hash=record_hash(rec).hex(),
                 stored=res.get("sequencing", {}).get("stored", 0),
                 verdict=_statement_verdict(chain(node, st.group_id), st))
@@ -400,7 +408,7 @@ def bind(node, gid: bytes, sequencer_key: bytes, generation: int, now: int, auth
         prev = _binding_hash(node, gid, top)
     raw = produce.issue_record(node, sr.binding_to_be_signed(issuer, node.mesh_id, gid, sequencer_key, generation, prev),
                                now, authority=authority)
-    res = node.apply_records([raw], now)
+    res = _store_own(node, raw, now)
     if res.get("sequencing", {}).get("stored") != 1:
         raise SequencingRefused(f"the binding record did not verify here: {res.get('sequencing')}")
     return {"group": gid.hex(), "sequencer_key": sequencer_key.hex(), "generation": generation,

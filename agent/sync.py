@@ -177,7 +177,7 @@ class SyncDriver:
             return delivery.Selection(end=start), None, start, ([], ())
         allowed = self._allowed_fn(peer)
         pwm = st.peer_watermarks(self.conn, peer)
-        counts = self.node._counts
+        counts = self.node.counts
         ro, scans = self._due_reoffers(peer, path, allowed, limit, now) if mode != "push" else ([], ())
         sel = delivery.select(self._rows_for(peer, start), start, peer, self.node.site_id, allowed, pwm,
                               limit - len(ro), lambda r: counts((r.hlc[0], r.hlc[1], r.site_id)))

@@ -1,11 +1,11 @@
-"""The verify-ahead part of the one apply path (§12), as a pure function: what `Node._apply_one`
+"""The verify-ahead part of the one apply path (§12), as a pure function: what `apply.apply_one`
 would compute for an event before it touches the store, computed early and in bulk, so that it
 can run on another core (agent/applyworker.py) while the thread that holds SQLite applies the
 events before it.
 
 For each event it runs, in the apply path's order, the envelope parse (docs/protocol.md §0), the
 keyring look-up and the signature verification (§12.1), and, only once the signature verified,
-the strict EventPayload decode and shape check. It decides nothing: `Node._apply_one` takes each
+the strict EventPayload decode and shape check. It decides nothing: `apply.apply_one` takes each
 result in order and runs every check itself, using the result only for the values it would have
 computed, and only when the keyring entry it verified against is still the node's entry."""
 from __future__ import annotations

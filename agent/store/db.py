@@ -89,7 +89,7 @@ def surfaced_bounds(conn: sqlite3.Connection) -> dict:
 
 
 # Held events counted per signer and in total (site_id X'') by triggers, so the bound of
-# Node._hold costs one look-up whatever the store holds.
+# apply.hold costs one look-up whatever the store holds.
 _HELD_COUNTS = (
     "CREATE TABLE IF NOT EXISTS held_counts (site_id BLOB PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID",
     "CREATE INDEX IF NOT EXISTS held_site ON held (site_id)",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent import node as node_mod
+from agent import apply as node_mod
 from agent.simpeer import NOTES_TABLE, readings_table
 from agent.store import sync_progress, sync_state as st
 from agent.sync import SyncDriver

@@ -6,6 +6,8 @@ import os
 import cbor2
 import pytest
 
+from agent import apply as apply_mod
+from agent.applypipeline import Pipeline
 from agent.core import events as ev
 from agent.core.codec import encode
 from agent.node import Node
@@ -295,7 +297,7 @@ def test_large_batches_verified_ahead_give_the_same_outcomes(tmp_path, monkeypat
     to one-by-one application, hostile inputs included."""
     if workers and len(os.sched_getaffinity(0)) < 2:
         pytest.skip("the apply worker needs 2 cores")
-    monkeypatch.setattr(Node, "WORKER_MIN_BATCH", 64 if workers else 10**9)
+    monkeypatch.setattr(Pipeline, "WORKER_MIN_BATCH", 64 if workers else 10**9)
     monkeypatch.setenv("SSP_AGENT_APPLY_WORKERS", str(max(1, workers)))
     if share is not None:
         from agent.applyworker import ApplyWorkers
@@ -325,7 +327,7 @@ def test_a_dead_apply_worker_leaves_the_apply_path_to_this_thread(tmp_path, monk
     """A worker process that dies (killed, out of memory) costs speed, never outcomes: the batch
     that finds it gone prepares its events on the applying thread, with the same results."""
     import signal
-    monkeypatch.setattr(Node, "WORKER_MIN_BATCH", 64)
+    monkeypatch.setattr(Pipeline, "WORKER_MIN_BATCH", 64)
     monkeypatch.setenv("SSP_AGENT_APPLY_WORKERS", "1")
     a, b = peers(2)
     big = make_node(tmp_path / "big", [a, b])
@@ -350,7 +352,7 @@ def test_a_dead_apply_worker_leaves_the_apply_path_to_this_thread(tmp_path, monk
 def test_the_apply_worker_starts_once_enough_events_came_in_batches(tmp_path, monkeypatch):
     """Not for a one-shot command applying one small body (its start-up would cost more than it
     saves), but for a long-running one once its bodies add up to WORKER_MIN_BATCH events."""
-    monkeypatch.setattr(Node, "WORKER_MIN_BATCH", 250)
+    monkeypatch.setattr(Pipeline, "WORKER_MIN_BATCH", 250)
     monkeypatch.delenv("SSP_AGENT_APPLY_WORKERS", raising=False)
     a, b = peers(2)
     node = make_node(tmp_path / "n", [a, b])
@@ -378,11 +380,11 @@ def test_a_long_running_node_starts_the_apply_worker_on_its_first_large_batch(tm
     node.long_running = True
     node.apply_batch(_mixed_events(a, b, 10), NOW)   # 100 events
     assert node._pool is None
-    node.apply_batch(_mixed_events(a, b, (Node.WORKER_RUN_BATCH + 9) // 10, base=50), NOW)
+    node.apply_batch(_mixed_events(a, b, (Pipeline.WORKER_RUN_BATCH + 9) // 10, base=50), NOW)
     assert node._pool
     node.close()
     other = make_node(tmp_path / "o", [a, b])        # not long-running: the same batch waits
-    other.apply_batch(_mixed_events(a, b, (Node.WORKER_RUN_BATCH + 9) // 10, base=50), NOW)
+    other.apply_batch(_mixed_events(a, b, (Pipeline.WORKER_RUN_BATCH + 9) // 10, base=50), NOW)
     assert other._pool is None
     other.close()
 
@@ -393,7 +395,7 @@ def test_the_apply_worker_prepares_against_the_current_keyring(tmp_path, monkeyp
     vouched or retired between batches must reach it, else the applying thread finds the entry
     changed and verifies every such event itself (correct, and slow). One-by-one application on
     a node without a worker is the reference."""
-    monkeypatch.setattr(Node, "WORKER_MIN_BATCH", 64)
+    monkeypatch.setattr(Pipeline, "WORKER_MIN_BATCH", 64)
     monkeypatch.setenv("SSP_AGENT_APPLY_WORKERS", "1")
     a, b, c = peers(3)
     big = make_node(tmp_path / "big", [a, b])
@@ -434,7 +436,7 @@ def test_the_apply_worker_prepares_against_the_current_keyring(tmp_path, monkeyp
 def test_nodes_of_one_process_share_its_worker_allowance(tmp_path, monkeypatch):
     """A process running many nodes (the fleet benchmark runs hundreds) starts at most as many
     workers as one node would: the others prepare on their own thread until workers are free."""
-    monkeypatch.setattr(Node, "WORKER_MIN_BATCH", 64)
+    monkeypatch.setattr(Pipeline, "WORKER_MIN_BATCH", 64)
     monkeypatch.setenv("SSP_AGENT_APPLY_WORKERS", "1")
     a, b = peers(2)
     first, second, ref = (make_node(tmp_path / n, [a, b]) for n in ("first", "second", "ref"))
@@ -455,7 +457,7 @@ def test_the_apply_worker_is_not_started_on_one_core_or_for_small_batches(tmp_pa
     node = make_node(tmp_path / "n", [a, b])
     node.apply_batch(_mixed_events(a, b, 10), NOW)   # 100 events: below WORKER_MIN_BATCH
     assert node._pool is None
-    monkeypatch.setattr(Node, "WORKER_MIN_BATCH", 64)
+    monkeypatch.setattr(Pipeline, "WORKER_MIN_BATCH", 64)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     node.apply_batch(_mixed_events(a, b, 10, base=50), NOW)
     assert node._pool is False
@@ -469,7 +471,7 @@ def test_rows_held_by_a_batch_give_the_state_one_by_one_application_gives(tmp_pa
     §13.4 rebuild reads the log), column clears and losing writes, in one batch, must leave the
     rows exactly as applying the same events one by one does, whether the batch flushes often or
     once at its end."""
-    monkeypatch.setattr(Node, "ROW_FLUSH", row_flush)
+    monkeypatch.setattr(apply_mod, "ROW_FLUSH", row_flush)
     a, b = peers(2)
     raws = []
     for i in range(300):
@@ -528,7 +530,7 @@ def test_a_batch_prepared_during_the_one_before_gives_the_same_outcomes(tmp_path
     key vouched or retired in between is checked against the entry the node holds when the batch
     applies, and a hint for a batch that does not come is dropped. One-by-one application on a
     node without a worker is the reference."""
-    monkeypatch.setattr(Node, "WORKER_MIN_BATCH", 64)
+    monkeypatch.setattr(Pipeline, "WORKER_MIN_BATCH", 64)
     monkeypatch.setenv("SSP_AGENT_APPLY_WORKERS", "1")
     from agent.applyworker import ApplyWorkers
     monkeypatch.setattr(ApplyWorkers, "FIRST_SHARE", share)
@@ -555,15 +557,15 @@ def test_a_batch_prepared_during_the_one_before_gives_the_same_outcomes(tmp_path
         seen.extend(o.reason for o in outs_big)
 
     step(first, hint=second)
-    assert big._carried is not None and big._carried[0] is second   # its first chunks went ahead
+    assert big.pipeline.carried is not None and big.pipeline.carried[0] is second   # its first chunks went ahead
     for n in (big, small):
         n.add_peer(c.site_id, c.public_key, None)           # c vouched between the two batches
         n.add_peer(a.site_id, a.public_key, (NOW, 120))     # a retired above (NOW, 120)
     step(second, hint=never)
-    assert big._carried is not None and big._carried[0] is never
+    assert big.pipeline.carried is not None and big.pipeline.carried[0] is never
     step(third, hint=fourth)                                 # `never` did not come: dropped
     step(fourth)
-    assert big._carried is None
+    assert big.pipeline.carried is None
     assert {"applied", "duplicate", "retired_signer", "bad_signature", "table_missing"} <= set(seen)
     assert sum(1 for r in seen if r == "applied") > 100
     assert big.dump() == small.dump()
@@ -605,20 +607,20 @@ def test_rows_kept_between_batches_give_the_state_one_by_one_application_gives(t
         n.add_peer(b.site_id, b.public_key, (NOW, 120))   # b's events above (NOW, 120) no longer count
     both(_row_events(a, b, 200))
     # a fault half-way through a batch rolls it back; the same events then apply whole
-    real, calls = Node._materialize, []
+    real, calls = apply_mod.materialize, []
 
-    def failing(self, *args):
+    def failing(*args):
         calls.append(1)
         if len(calls) == 20:
             raise RuntimeError("a local fault")
-        return real(self, *args)
+        return real(*args)
 
-    Node._materialize = failing
+    apply_mod.materialize = failing
     try:
         with pytest.raises(RuntimeError):
             big.apply_batch(_row_events(a, b, 300), NOW)
     finally:
-        Node._materialize = real
+        apply_mod.materialize = real
     both(_row_events(a, b, 300))
     both(_row_events(a, b, 400))
     big.close()

@@ -308,6 +308,78 @@ def test_no_private_name_is_imported_across_modules():
     assert not found, "private names used across modules: " + "; ".join(found)
 
 
+# The node is a thin facade (agent/node.py) over its state (agent/nodestate.py) and the jobs that
+# work on it, each a module of functions over that state: they never import the node (no call goes
+# back up), none reads another object's underscore attribute, and each stays a size one can read.
+NODE_JOBS = ("home", "nodestate", "recovery", "apply", "applypipeline", "records_apply", "records_in", "rehydrate",
+             "sequencing", "trust", "writes", "produce", "nodeclock", "eviction", "views")
+MODULE_LINES = 700
+
+
+def test_the_node_is_a_facade_over_modules_of_one_job():
+    over = {m: n for m in ("node", *NODE_JOBS)
+            if (n := len((ROOT / "agent" / f"{m}.py").read_text().splitlines())) > MODULE_LINES}
+    assert not over, f"modules over {MODULE_LINES} lines: {over}"
+    assert len((ROOT / "agent" / "node.py").read_text().splitlines()) < MODULE_LINES // 2
+
+
+def test_the_node_forwards_every_field_of_its_state():
+    """Callers above hand the node itself to the jobs (a record issued by the session driver): each
+    field a job reads or sets must reach the one state, never a copy on the node."""
+    from agent.node import Node
+    from agent.nodestate import NodeState
+    missing = [f for f in NodeState.FIELDS if not isinstance(getattr(Node, f, None), property)]
+    assert not missing, f"fields of the state the node does not forward: {missing}"
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for d in graph.get(todo.pop(), ()):
+            if d not in seen:
+                seen.add(d)
+                todo.append(d)
+    return seen
+
+
+def test_no_node_job_imports_the_node():
+    g = agent_import_graph()
+    assert "agent.node" in _reachable(g, "agent.cli")            # the check sees the CLI's use of the node
+    assert "agent.apply" in g["agent.node"]
+    up = sorted(f"agent.{m}" for m in NODE_JOBS if "agent.node" in _reachable(g, f"agent.{m}"))
+    assert not up, "job modules that reach agent.node: " + ", ".join(up)
+
+
+def private_attributes_read(path: Path, root: Path = ROOT, anywhere: bool = False) -> list[str]:
+    """`node._x` and `self.node._x` in one file (a node's internals read from outside it); with
+    `anywhere`, any `obj._x` whose object is not `self` or `cls` (the state `st._x` included)."""
+    found = []
+    for n in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(n, ast.Attribute) and _is_private(n.attr)):
+            continue
+        v = n.value
+        name = v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else None
+        if name == "node" or (anywhere and isinstance(v, ast.Name) and v.id not in ("self", "cls")):
+            found.append(f"{path.relative_to(root)}:{n.lineno} {name}.{n.attr}")
+    return found
+
+
+def test_the_private_attribute_check_sees_reads_through_a_node(tmp_path):
+    (tmp_path / "agent").mkdir()
+    f = tmp_path / "agent" / "w.py"
+    f.write_text("def g(self, node, st, o):\n    return node._a, self.node._b, st._c, o._d, self._e, node.f\n")
+    assert private_attributes_read(f, tmp_path) == ["agent/w.py:2 node._a", "agent/w.py:2 node._b"]
+    assert sorted(private_attributes_read(f, tmp_path, anywhere=True)) == \
+        ["agent/w.py:2 node._a", "agent/w.py:2 node._b", "agent/w.py:2 o._d", "agent/w.py:2 st._c"]
+
+
+def test_no_private_attribute_of_the_node_is_read_across_modules():
+    found = [v for f in sorted((ROOT / "agent").rglob("*.py")) for v in private_attributes_read(f)]
+    found += [v for m in ("node", *NODE_JOBS)
+              for v in private_attributes_read(ROOT / "agent" / f"{m}.py", anywhere=True)]
+    assert not found, "private attributes read across modules: " + "; ".join(found)
+
+
 def exception_classes(roots) -> dict[str, list[str]]:
     """Every exception class defined under `roots` (a class whose bases lead, by name, to a builtin
     exception): name -> where each is defined."""

@@ -1,4 +1,4 @@
-"""RowStore.rows_with_clock_of (the rows a trust change must rebuild, Node._rematerialize_trust)
+"""RowStore.rows_with_clock_of (the rows a trust change must rebuild, trust.reconcile_trust)
 bound one SQL variable per site and clock column: a node whose first trust record listed every
 signer of its log as shrunk (6 000 sites) with a table of 40 value columns asked SQLite for 252 000
 variables, past the limit of Debian's build (250 000; SQLite's own: 32 766), and the trust rebuild

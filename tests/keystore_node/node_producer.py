@@ -15,7 +15,8 @@ import sys
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-import agent.node as node_mod  # noqa: E402
+import agent.produce as node_mod  # noqa: E402
+import agent.recovery  # noqa: E402
 from agent.node import Node  # noqa: E402
 
 T = "app.readings"
@@ -34,7 +35,7 @@ def main() -> None:
                          "(so the negative control's window is hit, not left to the kill timing)")
     args = ap.parse_args()
     if args.no_recovery:
-        Node._recover_released = lambda self: None
+        agent.recovery.recover_released = lambda st: None
     if args.die_after_persist:
         import signal
         from firmware_bridge.bridge import SigningBridge

@@ -60,6 +60,7 @@ def test_an_init_cut_short_after_its_token_key_is_made_is_completed_by_the_next(
     ever. Now the key an unfinished init made (its public key is in HOME/init.incomplete) is
     taken up again by the next init of that home; any other key of that name is still refused."""
     import pytest
+    from agent import home as home_mod
     from agent.node import Node
     for k, v in softhsm_conf["env"].items():
         if k.startswith("SOFTHSM"):
@@ -71,7 +72,7 @@ def test_an_init_cut_short_after_its_token_key_is_made_is_completed_by_the_next(
     def full_disk(*a, **k):
         raise OSError(28, "No space left on device")
     with monkeypatch.context() as m:
-        m.setattr(Node, "_make_store", classmethod(lambda cls, *a, **k: full_disk()))
+        m.setattr(home_mod, "make_store", lambda *a, **k: full_disk())
         with pytest.raises(OSError):
             Node.init(h, manifest, dict(conf))
     node, pk = Node.init(h, manifest, dict(conf))

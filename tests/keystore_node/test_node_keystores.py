@@ -11,6 +11,7 @@ import pytest
 
 from agent.sync import export_mailbox_body, import_mailbox_body
 from agent.core import cose
+from agent import nodeclock
 from agent.node import EVENT_KEY, Node
 from agent.simpeer import manifest_text, readings_table
 from firmware_bridge import EventIdentity, Status
@@ -50,7 +51,7 @@ def _round_trip(tmp_path, ks_conf):
         hi = a.bridge.max_event_hlc(a.site_id)
         assert a.bridge.status(EventIdentity(a.site_id, *hi)) is Status.OUTCOME_UNKNOWN  # spent
         a.write(T, {"device": "d3", "seq": 0}, {"temp": 1.0})   # and writing goes on above the floor
-        assert a._max_own_hlc() > hi
+        assert nodeclock.max_own_hlc(a.state) > hi
     finally:
         a.close()
         b.close()
@@ -182,7 +183,7 @@ def test_released_but_unstored_records_are_stored_on_open(tmp_path, monkeypatch)
 
 
 def test_journal_compacts_past_its_threshold_and_in_eviction(tmp_path, monkeypatch):
-    import agent.node as node_mod
+    import agent.produce as node_mod
     monkeypatch.setattr(node_mod, "JOURNAL_COMPACT_BYTES", 20_000)
     a, _ = Node.init(tmp_path / "a", MANIFEST, {"kind": "software"})
     try:

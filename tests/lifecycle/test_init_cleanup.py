@@ -8,7 +8,7 @@ import sqlite3
 
 import pytest
 
-import agent.node as node_mod
+import agent.home as node_mod
 from agent.node import Node
 from agent.simpeer import manifest_text, readings_table
 
@@ -21,7 +21,7 @@ def _boom(*a, **k):
 
 
 STEPS = [("rowstore.create_table", lambda m: m.setattr(node_mod.rowstore, "create_table", _boom)),
-         ("identity file", lambda m: m.setattr(node_mod, "_write_identity_file", _boom)),
+         ("identity file", lambda m: m.setattr(node_mod, "write_identity_file", _boom)),
          ("claim", lambda m: m.setattr(node_mod.ident, "claim_home", _boom)),
          ("open", lambda m: m.setattr(Node, "open", classmethod(_boom)))]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-import agent.node as node_mod
+import agent.home as node_mod
 from agent.node import Node
 
 MESH = "00112233445566778899aabbccddeeff"

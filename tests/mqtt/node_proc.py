@@ -10,6 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from agent import apply  # noqa: E402
 from agent.node import Node  # noqa: E402
 from agent.runner import RunConfig, Runner  # noqa: E402
 from agent.transport.mqtt import MqttSettings  # noqa: E402
@@ -20,16 +21,16 @@ def main() -> None:
     marker = home / "hanging"
     node = Node.open(home)
     if mode == "hang_in_apply":
-        orig = node._apply_in_txn
+        orig = apply.apply_in_txn
 
-        def hang(raws, now, origin):
+        def hang(st, raws, now, origin):
             raws = list(raws)
-            out = orig(raws, now, origin)
+            out = orig(st, raws, now, origin)
             if origin == "remote" and raws:
                 marker.write_text("in-transaction")
                 time.sleep(120)
             return out
-        node._apply_in_txn = hang
+        apply.apply_in_txn = hang
     r = Runner(node, MqttSettings.from_url(url), RunConfig(cadence_s=3600, realtime=False))
     if mode == "hang_before_ack":
         orig_recv = r.sync.receive

@@ -597,6 +597,7 @@ def _verify(rec: Recording, state: dict, acked: list[dict], released: list[Relea
     from agent import cli
     from agent.core import cose, events as ev
     from agent.core.merge import below
+    from agent import apply, produce
     from agent.node import Node
     write_tree(rec.roots, state)
     found: list[Finding] = []
@@ -621,7 +622,7 @@ def _verify(rec: Recording, state: dict, acked: list[dict], released: list[Relea
             horizon = node.tables[T].horizon
 
             def held(eid_hex: str) -> bool:
-                if node._known(bytes.fromhex(eid_hex)) == "log":
+                if apply.known(node.state, bytes.fromhex(eid_hex)) == "log":
                     return True
                 h = hlc_of.get(eid_hex)
                 return h is not None and below(h, horizon)
@@ -635,7 +636,7 @@ def _verify(rec: Recording, state: dict, acked: list[dict], released: list[Relea
                     if not held(ev.event_id(r.raw).hex()):
                         finding("released_missing", f"event at HLC {r.hlc} released (journal fsync at op {r.at}), "
                                                     "not in the store after recovery")
-                elif not node._record_held(r.raw):
+                elif not produce.record_held(node.state, r.raw):
                     finding("released_missing", f"record at HLC {r.hlc} released (op {r.at}), not stored")
             floors = node.own_history_floors()
             restored = node.conn.execute("SELECT count(*) FROM surfaced WHERE kind='restored_home'").fetchone()[0]

@@ -13,9 +13,9 @@ from .helpers import mesh, reopen
 
 
 def test_released_acks_leave_the_journal_and_are_not_recovered(tmp_path, monkeypatch):
-    import agent.node
+    import agent.produce
     # compaction on open runs past this size or after a recovery (docs/keystore.md): here, always
-    monkeypatch.setattr(agent.node, "JOURNAL_OPEN_COMPACT_BYTES", 0)
+    monkeypatch.setattr(agent.produce, "JOURNAL_OPEN_COMPACT_BYTES", 0)
     a, b = mesh(tmp_path, 2)
     pa = PortAdapter(a)
     raws = [pa.sign_ack(b.site_id, [AckAnswer(os.urandom(32), 1, 2, (1,))]) for _ in range(3)]

@@ -275,10 +275,10 @@ def _journal(home):
 
 
 def test_answers_do_not_pile_up_in_the_signing_journal(tmp_path, monkeypatch):
-    import agent.node
+    import agent.produce
     from agent.sync import SyncDriver
     # compaction on open runs past this size or after a recovery (docs/keystore.md): here, always
-    monkeypatch.setattr(agent.node, "JOURNAL_OPEN_COMPACT_BYTES", 0)
+    monkeypatch.setattr(agent.produce, "JOURNAL_OPEN_COMPACT_BYTES", 0)
     from .helpers import NOW, mesh, reopen
     a, b = mesh(tmp_path, 2)
     for i in range(6):
