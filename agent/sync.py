@@ -24,6 +24,7 @@ from . import mailbox, policy, produce, rehydrate
 from .clockstate import now_ms
 from .core import delivery, reasons as R
 from .core.binding import body_fit
+from .core.incoming import split_records, sync_body
 from .core.messages import SyncBody, Watermark, emit_body, parse_body, parse_body_streamed
 from .core.records import RecordError, resolve_chains  # noqa: F401 (resolve_chains: re-exported)
 from .core.session import Outgoing, Session, StreamMeta
@@ -590,8 +591,7 @@ class SyncDriver:
 
     def _import_mailbox(self, data: bytes, now: int, body: SyncBody, done: dict) -> dict:
         sender = body.from_site_id
-        acks = [r for r in body.records if mailbox.is_ack(r)]
-        others = [r for r in body.records if not mailbox.is_ack(r)]
+        acks, others = split_records(body.records, [mailbox.ACK_CONTENT_TYPE])
         recs = self.apply_records(others, now) if others else None
         if others:
             done["step"], done["committed"] = "records_noted", True
@@ -943,10 +943,7 @@ class PortAdapter:
         (a body naming someone else is refused); `parsed`: `parse_body(data)` if the caller has it
         already (the Runner parses the next waiting body early, `Node.prepare_next`). Raises
         ProtocolError: nothing changed."""
-        from .core.messages import ProtocolError
-        body = parse_body(data) if parsed is None else parsed
-        if sender is not None and body.from_site_id != sender:
-            raise ProtocolError("sender_mismatch", f"from_site_id {body.from_site_id.hex()} sent by {sender.hex()}")
+        body = sync_body(data, sender, parsed=parsed)
         sm = StreamMeta.from_wire(meta, len(body.events)) if meta is not None else None
         k, outs = self.driver.receive(body.from_site_id, body, sm, "batch", now_ms(), self.path, self.secure)
         return body, outs, k
