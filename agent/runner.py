@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import queue
-import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -39,6 +38,7 @@ from .core.reasons import BROKER_LOST, UNCLASSIFIED
 from .faults import LOCAL_FAULTS, describe
 from .outcomes import counts
 from .store import db, eventlog, sync_state as st
+from .timesource import SYSTEM, Clock
 from .sync import Offer  # noqa: F401 - defined below the runner (no import circle); re-exported
 from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_KIND, P_META, P_REJECTED_AT, ADVERTISED_FLOOR,
                              P_BODY_LIMIT, P_REASON, P_STATUS, P_PROCESSED, Inbound, MqttLink, MqttSettings, inbound_size,
@@ -92,18 +92,23 @@ PULL_EXPIRY_S = 600
 
 
 class Runner:
-    def __init__(self, node, settings: MqttSettings, config: RunConfig | None = None, port=None) -> None:
+    def __init__(self, node, settings: MqttSettings, config: RunConfig | None = None, port=None,
+                 clock: Clock = SYSTEM) -> None:
         from .sync import PortAdapter
         self.node = node
+        # The one source of time (monotonic for the exchange's deadlines, wall for what is stored):
+        # neither this loop nor its link reads a clock of its own.
+        self.clock = clock
         node.long_running = True   # its first large body starts the apply worker (Node.WORKER_RUN_BATCH)
         self.cfg = config or RunConfig()
         self.settings = settings
         self.max_events = self.cfg.max_events or settings.max_events
         # The sync layer on path "mqtt"; `secure` only when the broker pins topics to devices.
-        self.sync = port or PortAdapter(node, path=PATH, secure=self.cfg.secure, batch_limit=self.max_events)
+        self.sync = port or PortAdapter(node, path=PATH, secure=self.cfg.secure, batch_limit=self.max_events,
+                                        now=clock.wall_ms)
         _adopt_private_cursors(node)
         self.link = MqttLink(settings, node.mesh_id, node.site_id,
-                             presence_payload=lambda: self.sync.handshake(self.cfg.realtime))
+                             presence_payload=lambda: self.sync.handshake(self.cfg.realtime), clock=clock)
         self._unsaved: list = []  # bodies published, not yet in sync_state.sent_bodies
         self.last_eviction: dict | None = None
         self._next_evict = 0.0
@@ -170,9 +175,9 @@ class Runner:
         self.link.start()
         if should_stop is None:
             return self.link.wait_connected(connect_timeout)
-        deadline = time.monotonic() + connect_timeout
-        while not self.link.wait_connected(max(0.0, min(0.2, deadline - time.monotonic()))):
-            if should_stop() or time.monotonic() >= deadline:
+        deadline = self.clock.mono() + connect_timeout
+        while not self.link.wait_connected(max(0.0, min(0.2, deadline - self.clock.mono()))):
+            if should_stop() or self.clock.mono() >= deadline:
                 return False
         return True
 
@@ -191,7 +196,7 @@ class Runner:
     def step(self, timeout: float = 0.05) -> None:
         """One turn: take in what arrived, expire unanswered bodies, run due cycles and pushes."""
         self.pump(timeout)
-        now = time.monotonic()
+        now = self.clock.mono()
         if self.link.losses:
             self._surface_losses()
         if self.link.denied and not self._denied_told:
@@ -257,10 +262,10 @@ class Runner:
         intake = self.intake
         wait = 0.0 if intake.waiting() else timeout
         if self._owed:  # answers wait for their grouped acknowledgement: not longer than its interval
-            wait = min(wait, ack_wait((self._last_ack.get(s, 0.0) for s in self._owed), time.monotonic(),
+            wait = min(wait, ack_wait((self._last_ack.get(s, 0.0) for s in self._owed), self.clock.mono(),
                                       self.cfg.ack_interval_s))
         keyring = self.node.keyring
-        budget_end = time.monotonic() + wait + PUMP_BUDGET_S
+        budget_end = self.clock.mono() + wait + PUMP_BUDGET_S
         while True:
             while got < max_items and not intake.full():
                 try:
@@ -278,7 +283,7 @@ class Runner:
             for m in intake.turn():
                 self._handle(m)
                 n += 1
-            if got >= max_items or time.monotonic() >= budget_end:
+            if got >= max_items or self.clock.mono() >= budget_end:
                 break  # the loop's other duties (expiry, cycles, eviction) run under any flood
         for o in intake.others_due(self.cfg.others_per_step):
             self._handle(o)
@@ -354,7 +359,7 @@ class Runner:
     def _answer_left_out(self) -> None:
         """Counted (`courtesy_answers_dropped`); logged at most once a window."""
         self.stats["courtesy_answers_dropped"] += 1
-        now = time.monotonic()
+        now = self.clock.mono()
         if now >= self._next_dropped_log:
             self._next_dropped_log = now + REFUSAL_WINDOW_S
             log.warning("answers to refused or unknown senders left out while %d publishes wait for the broker "
@@ -366,7 +371,7 @@ class Runner:
         each REFUSAL_WINDOW_S: each surfaced row is a transaction of its own (an fsync), which made
         a flood cost one fsync per hostile message and held honest bodies back. The rest are
         counted (`refusals_not_surfaced`) and surfaced as one row when the window ends."""
-        surface, told = self.refusal_budget.admit((source, reason), time.monotonic())
+        surface, told = self.refusal_budget.admit((source, reason), self.clock.mono())
         if told:
             self._surface_suppressed(source, reason, told)
         if not surface:
@@ -392,7 +397,7 @@ class Runner:
         while losses:
             wall, detail = losses.popleft()
             self.stats["broker_lost"] += 1
-            surface, told = self.loss_budget.admit(BROKER_LOST, time.monotonic())
+            surface, told = self.loss_budget.admit(BROKER_LOST, self.clock.mono())
             if told:
                 self._surface_loss(not_surfaced(told, LOSS_WINDOW_S), wall)
             if surface:
@@ -416,7 +421,7 @@ class Runner:
             self.link.ack(m)
             return
         self.stats["pulls_answered"] += 1
-        if self.ex.pulled(peer, m.props.get(P_CONN), m.seq, time.monotonic()):
+        if self.ex.pulled(peer, m.props.get(P_CONN), m.seq, self.clock.mono()):
             self._gave_up(peer)
         if peer in self.sync.peers():
             self.offer(peer, KIND_BATCH)
@@ -539,7 +544,7 @@ class Runner:
         (per MAX_ACK_ANSWERS bodies), so bodies that arrive faster than the node signs (honest, or
         forged in a trusted name) queue meanwhile and share the next one; `ack_interval_s` > 0
         also caps signatures per sender per second (its answers wait, already committed)."""
-        now = time.monotonic()
+        now = self.clock.mono()
         for sender in list(self._owed):
             items = self._owed[sender]
             if not ack_due(len(items), self._last_ack.get(sender, 0.0), now, self.cfg.ack_interval_s, force):
@@ -584,7 +589,7 @@ class Runner:
             rejected = decode_indices(m.props[P_REJECTED_AT], p.total)
         d = self.ex.answer(corr, m.sender, p, earlier, status=m.props.get(P_STATUS), reason=m.props.get(P_REASON),
                            processed_text=m.props.get(P_PROCESSED), rejected=rejected,
-                           proof=lambda body: self._proof(body, m.payload), now=time.monotonic(),
+                           proof=lambda body: self._proof(body, m.payload), now=self.clock.mono(),
                            link_max=self.link.max_payload())
         if d.forget:
             self.sync.forget(corr)
@@ -630,7 +635,7 @@ class Runner:
         """Bodies an earlier process sent and nobody answered yet (not given up, not older than a
         session lasts): the exchange decides which are in flight for this process too."""
         from .sync import token_from_json
-        since = int(time.time() * 1000) - int(self.settings.session_expiry_s) * 1000
+        since = self.clock.wall_ms() - int(self.settings.session_expiry_s) * 1000
         keyring = self.node.keyring
         for _id, corr, peer, text in st.bodies_in_flight(self.node.conn, PATH, since):
             if peer not in keyring:
@@ -662,7 +667,7 @@ class Runner:
         """What a message tells the send schedule (before it is handled): `Exchange.note_message`."""
         who = m.site if m.kind == "presence" else m.sender
         member = who is not None and who in self.node.keyring and who != self.node.site_id
-        self.ex.note_message(m.kind, who, time.monotonic(), member=member, empty=not m.payload, dup=m.dup,
+        self.ex.note_message(m.kind, who, self.clock.mono(), member=member, empty=not m.payload, dup=m.dup,
                              advertised=parse_body_limit(m.props.get(P_BODY_LIMIT)) if member else None,
                              told_too_large=m.props.get(P_REASON) == "too_large" and P_BODY_LIMIT in m.props)
         if member and m.kind != "presence":
@@ -694,7 +699,7 @@ class Runner:
     # decides; the store keeps what it learned (peer_links), so restarts and sleepers' next wakes
     # start from it.
     def _load_limits(self) -> None:
-        now, wall = time.monotonic(), int(time.time() * 1000)
+        now, wall = self.clock.mono(), self.clock.wall_ms()
         for peer in self.node.keyring:
             link = st.peer_link(self.node.conn, peer, PATH)
             self.ex.limits.restore(peer, link["advertised"], link["limit_state"], now, wall)
@@ -702,10 +707,10 @@ class Runner:
     def _save_links(self) -> None:
         """What was learned of peers' limits, in the store: at most once a minute (a flood of forged
         advertisements must not cost a transaction each), and when the runner closes."""
-        self._next_links_save = time.monotonic() + 60.0
+        self._next_links_save = self.clock.mono() + 60.0
         if not self.ex.limits.dirty:
             return
-        rows = self.ex.limits.take_dirty(time.monotonic(), int(time.time() * 1000))
+        rows = self.ex.limits.take_dirty(self.clock.mono(), self.clock.wall_ms())
         try:
             with db.transaction(self.node.conn):
                 for peer, adv, state in rows:
@@ -719,10 +724,10 @@ class Runner:
 
     def _limit(self, peer: bytes) -> int:
         """Bytes per body for `peer` now (`BodyLimits.limit`)."""
-        return self.ex.limits.limit(peer, time.monotonic(), self.link.max_payload())
+        return self.ex.limits.limit(peer, self.clock.mono(), self.link.max_payload())
 
     def _too_large(self, peer: bytes) -> None:
-        self.ex.limits.too_large(peer, time.monotonic(), self.link.max_payload())
+        self.ex.limits.too_large(peer, self.clock.mono(), self.link.max_payload())
 
     def offer(self, peer: bytes, kind: str = KIND_BATCH, bodies: int | None = None, force: bool = False) -> int:
         """Send up to `bodies` bodies to `peer` from where the in-flight window ends (or the
@@ -761,7 +766,7 @@ class Runner:
         off.body_hash = body_hash(body)
         corr = self.link.push(peer, body, user)
         off.token = self.sync.keyed(off.token, corr)  # its answer confirms it, in this process or a later one
-        self.ex.sent(corr, InFlight(peer, kind, off.start, off.end, off.seqs, time.monotonic(),
+        self.ex.sent(corr, InFlight(peer, kind, off.start, off.end, off.seqs, self.clock.mono(),
                                     off.n_backfill, off.backfill, off.token, len(body), off.body_hash,
                                     heard=self.link.received))
         self.stats["backfill_events_pushed"] += off.n_backfill
@@ -808,7 +813,7 @@ class Runner:
 
     def notify_produced(self) -> None:
         """In-process writers may call this; polling the log finds other processes' writes too."""
-        self.schedule.produced(time.monotonic())
+        self.schedule.produced(self.clock.mono())
 
     # -------------------------------------------------------------- one-shot
     def sync_once(self, settle_s: float = 0.5, timeout_s: float = 20.0) -> dict:
@@ -822,10 +827,10 @@ class Runner:
         intake. A broker that never echoes it (an ACL that drops our presence) falls back to
         `settle_s` of quiet. Then the answers of present peers end the offering; what arrives
         after that waits in the broker for the next wake (the session is persistent)."""
-        wake = OnceWake(time.monotonic(), settle_s, timeout_s)   # the order is the core's
+        wake = OnceWake(self.clock.mono(), settle_s, timeout_s)   # the order is the core's
         took = 0
         while True:
-            now = time.monotonic()
+            now = self.clock.mono()
             step = wake.next(now, echoed=self.link.presence_echo.is_set(), took=took,
                              waiting=bool(self.ex.waiting_on()) or self.ex.pulls_waiting())
             took = 0
@@ -839,7 +844,7 @@ class Runner:
                 continue
             took = self.pump(wake.wait)
             if step == OnceWake.AWAIT:
-                self._expire(time.monotonic())
+                self._expire(self.clock.mono())
                 self._repull()
         return self.summary()
 

@@ -16,7 +16,7 @@ import json
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from firmware_bridge.fsutil import atomic_write
 
@@ -359,6 +359,10 @@ class SyncDriver:
             raws.append(raw)
             used += cost
         return tuple(hashes), tuple(raws)
+
+    def backlog(self, peer: bytes, path: str) -> int:
+        """Events after the durable cursor on `path` for `peer` (offered or not, never answered for)."""
+        return eventlog.count_after(self.conn, st.cursor(self.conn, peer, path)[0], peer)
 
     def records_pending(self, peer: bytes, path: str) -> bool:
         """Whether `peer` has records to receive on `path` (not yet delivered there)."""
@@ -757,10 +761,6 @@ def delivery_hash(raw: bytes) -> bytes:
     return record_hash(bytes(raw))
 
 
-def _now_ms() -> int:
-    return now_ms()
-
-
 def _proc(o) -> delivery.Processed:
     return delivery.Processed(o.status, o.reason, o.site_id, o.table, o.hlc, o.verified)
 
@@ -849,8 +849,10 @@ class PortAdapter:
     A binding that does not authenticate the peer (`secure=False`, plain MQTT) gets no watermark
     inference and its reports are ignored. That is fail-closed and costs only re-offers."""
 
-    def __init__(self, node, path: str = "mqtt", secure: bool = False, batch_limit: int = DEFAULT_BATCH_LIMIT) -> None:
+    def __init__(self, node, path: str = "mqtt", secure: bool = False, batch_limit: int = DEFAULT_BATCH_LIMIT,
+                 now: Callable[[], int] = now_ms) -> None:
         self.node, self.path, self.secure = node, path, secure
+        self.now = now  # wall-clock ms, the runner's clock: what is stored and what the apply path checks
         self.driver = SyncDriver(node, batch_limit)
         self.conn = node.conn
 
@@ -891,7 +893,7 @@ class PortAdapter:
         return self.driver.records_pending(peer, self.path)
 
     def backlog(self, peer: bytes) -> int:
-        return eventlog.count_after(self.conn, self.cursor(peer), peer)
+        return self.driver.backlog(peer, self.path)
 
     def advance(self, peer: bytes, start: int, seqs: list[int], end: int, processed: int, token=None,
                 rejected: list[int] | None = None) -> bool:
@@ -911,7 +913,7 @@ class PortAdapter:
         """Bodies just published, as (correlation data, peer, kind, Offer): kept durably, so an
         answer that waits in the broker while this process is gone (a wake-sync-sleep device, a
         restart) still moves the cursor when a later process takes it (§14.1)."""
-        t = now_ms()
+        t = self.now()
         with _txn(self.conn):
             for corr, peer, kind, off in sent:
                 if isinstance(off.token, _Token):
@@ -945,7 +947,7 @@ class PortAdapter:
         ProtocolError: nothing changed."""
         body = sync_body(data, sender, parsed=parsed)
         sm = StreamMeta.from_wire(meta, len(body.events)) if meta is not None else None
-        k, outs = self.driver.receive(body.from_site_id, body, sm, "batch", now_ms(), self.path, self.secure)
+        k, outs = self.driver.receive(body.from_site_id, body, sm, "batch", self.now(), self.path, self.secure)
         return body, outs, k
 
     def answer_body(self, peer: bytes | None = None, extra_records: tuple = ()) -> bytes:
@@ -959,9 +961,8 @@ class PortAdapter:
         `produce.issue_record`). Not stored: a lost one costs a re-offer, and the journal drops it at
         the next compaction (Node._record_held)."""
         from .core.records import ack_to_be_signed
-        from .node import now_ms
         node = self.node
-        return produce.issue_record(node, ack_to_be_signed(node.site_id, node.mesh_id, subject, list(answers)), now_ms())
+        return produce.issue_record(node, ack_to_be_signed(node.site_id, node.mesh_id, subject, list(answers)), self.now())
 
     def body(self, events=(), peer: bytes | None = None, token=None, extra_records: tuple = ()) -> bytes:
         """A sync body for `peer` carrying `events`, control records and this node's applied
@@ -989,7 +990,7 @@ class PortAdapter:
         except Exception:  # noqa: BLE001 - a malformed answer is the runner's to surface
             return
         if b.records:  # records verify on their own (authority signatures): taken from any answer
-            self.driver.apply_records(b.records, now_ms())
+            self.driver.apply_records(b.records, self.now())
             self.driver.note_records_received(peer, self.path, b.records)
         if not self.secure:
             return

@@ -23,7 +23,6 @@ import random
 import re
 import ssl
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -42,6 +41,7 @@ from ..core.binding import (P_CONN, P_COUNT, P_END, P_FROM, P_KIND, P_META, P_MO
                             P_PROCESSED, P_REASON, P_REJECTED_AT, P_START, P_STATUS, decode_indices)
 from ..core.exchange import KIND_BATCH, KIND_PULL, KIND_REALTIME  # noqa: F401 - a request's kinds (the exchange decides)
 from ..core.sending import split_sizes  # noqa: F401 - body splitting is pure; re-exported for the runner, benches, tests
+from ..timesource import SYSTEM, Clock
 
 log = logging.getLogger("ssp_agent.mqtt")
 
@@ -224,7 +224,7 @@ class Inbound:
     generation: int  # the connection it arrived on: acks on a later connection are meaningless
     sender: bytes | None = None  # inbox: the publisher the topic names (pinned by the broker's ACL, if any)
     oversize: int = 0  # a body over the node's body limit: its size (its payload was not kept)
-    received: float = field(default_factory=time.monotonic)
+    received: float = 0.0  # when the link took it (its clock's monotonic time)
     seq: int = 0  # the link's receipt number of this message (`MqttLink.received`)
 
 
@@ -269,8 +269,9 @@ class MqttLink:
     thread, which acks each message after its transaction commits (`ack`)."""
 
     def __init__(self, settings: MqttSettings, mesh_id: bytes, site_id: bytes,
-                 presence_payload: Callable[[], bytes] | None = None) -> None:
+                 presence_payload: Callable[[], bytes] | None = None, clock: Clock = SYSTEM) -> None:
         self.s = settings
+        self.clock = clock  # connect timeouts and the delivery watch (monotonic), losses (wall)
         self.site_id, self.mesh_id = site_id, mesh_id
         self.topics = Topics(mesh_id, settings.prefix)
         self.presence_payload = presence_payload
@@ -432,7 +433,7 @@ class MqttLink:
                     else:
                         self._client.reconnect()
                     self._connecting = True
-                    self._connect_started = time.monotonic()
+                    self._connect_started = self.clock.mono()
                 except (OSError, ssl.SSLError, ValueError) as e:
                     self._connect_failed(f"cannot reach broker {self.s.host}:{self.s.port}: {e}{self._tls_hint(e)}")
                     self._sleep(self._backoff.next())
@@ -441,7 +442,7 @@ class MqttLink:
             rc = self._client.loop(timeout=0.05)
             if rc == MQTTErrorCode.MQTT_ERR_SUCCESS and self.connected.is_set():
                 self._watch_deliveries()
-            if self._connecting and time.monotonic() - self._connect_started > 10:
+            if self._connecting and self.clock.mono() - self._connect_started > 10:
                 rc = MQTTErrorCode.MQTT_ERR_CONN_LOST  # no CONNACK: start over
                 try:
                     self._client.disconnect()
@@ -481,7 +482,7 @@ class MqttLink:
     def _watch_deliveries(self) -> None:
         """The delivery watch's step (network thread): a probe after a quiet spell; a connection
         whose probe did not come back is dropped, and reconnecting frees the slots it held."""
-        act = self._prober.step(time.monotonic())
+        act = self._prober.step(self.clock.mono())
         if act == inbox.RECONNECT:
             self._lost(f"deliveries stuck: our probe was not back in {self._prober.watch.wait_s:g} s "
                        "(in-flight slots held for oversized messages the broker dropped); reconnecting")
@@ -509,7 +510,7 @@ class MqttLink:
     def _note_loss(self, detail: str) -> None:
         if self._stop.is_set():
             return  # our own close (`close`, `abort`): not a loss
-        self.losses.append((int(time.time() * 1000), detail))
+        self.losses.append((self.clock.wall_ms(), detail))
         self.wake()
 
     # -------------------------------------------------------------- paho callbacks (network thread)
@@ -581,7 +582,8 @@ class MqttLink:
                     del self.present[next(iter(self.present))]
                     self.present_evicted += 1
             self.inbound.put(Inbound("presence", site, payload, _user_props(props), None, None, msg.mid, msg.qos,
-                                     bool(msg.dup), bool(msg.retain), self.generation, seq=self.received))
+                                     bool(msg.dup), bool(msg.retain), self.generation, seq=self.received,
+                                     received=self.clock.mono()))
             self.wake()
             return
         if site != self.site_id:
@@ -597,7 +599,7 @@ class MqttLink:
         self.inbound.put(Inbound("req" if kind == "inbox/req" else "ans", site, bytes(payload),
                                  _user_props(props), bytes(corr) if corr is not None else None, rt,
                                  msg.mid, msg.qos, bool(msg.dup), bool(msg.retain), self.generation, sender,
-                                 oversize=oversize, seq=self.received))
+                                 oversize=oversize, seq=self.received, received=self.clock.mono()))
         self.wake()
 
     def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
@@ -704,11 +706,12 @@ def iter_ranges(items: Iterable, ranges: list[tuple[int, int]]) -> Iterable[list
         yield lst[a:b]
 
 
-def wait_for(q: "inbox.Inbox[Inbound]", kind: str, timeout: float, keep: list | None = None) -> Inbound | None:
+def wait_for(q: "inbox.Inbox[Inbound]", kind: str, timeout: float, keep: list | None = None,
+             clock: Clock = SYSTEM) -> Inbound | None:
     """Tests and tools: the next inbound of `kind`, others set aside in `keep` (or dropped)."""
-    deadline = time.monotonic() + timeout
+    deadline = clock.mono() + timeout
     while True:
-        left = deadline - time.monotonic()
+        left = deadline - clock.mono()
         if left <= 0:
             return None
         try:
