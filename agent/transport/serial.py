@@ -20,7 +20,7 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..core.exchange import SurfaceBudget, not_surfaced
+from ..core.budget import SurfaceBudget, not_surfaced
 from ..faults import LOCAL_FAULTS, describe
 from ..outcomes import STATUSES
 from ..timesource import SYSTEM, Clock

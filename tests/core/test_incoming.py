@@ -60,5 +60,5 @@ def test_the_sender_check_is_written_once():
             if isinstance(n, ast.Constant) and n.value == "sender_mismatch":
                 found.append(str(f.relative_to(ROOT)))
     assert found == ["agent/core/reasons.py"], found
-    for f in ("agent/sync.py", "agent/core/session.py"):
+    for f in ("agent/sync_port.py", "agent/core/session.py"):
         assert "sync_body(" in (ROOT / f).read_text(), f

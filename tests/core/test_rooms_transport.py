@@ -47,3 +47,21 @@ def test_transports_and_the_runner_read_no_clock():
         for n in ast.walk(ast.parse(p.read_text())):
             if isinstance(n, ast.Name) and n.id in ("now_ms", "monotonic"):
                 raise AssertionError(f"{p.name}:{n.lineno} reads a clock ({n.id})")
+
+
+# The session drivers and their transports, each module one job (the runner's loop, its signed
+# acknowledgements, its surfaced rows, its rows in sync_state; the sync driver, its MQTT port,
+# mailbox files, sent-body tokens; the exchange, its schedule, its budgets; the MQTT link and its
+# settings), none over ~700 lines.
+DRIVER_MODULES = ["agent/runner.py", "agent/runtime.py", "agent/sync.py", "agent/sync_port.py",
+                  "agent/sync_tokens.py", "agent/mailbox_sync.py", "agent/mqtt_acks.py", "agent/mqtt_config.py",
+                  "agent/mqtt_names.py", "agent/mqtt_rows.py", "agent/mqtt_surface.py", "agent/timesource.py",
+                  "agent/core/session.py", "agent/core/exchange.py", "agent/core/schedule.py",
+                  "agent/core/budget.py", "agent/core/incoming.py", "agent/core/binding.py"]
+MAX_LINES = 700
+
+
+def test_the_session_drivers_and_transports_stay_under_700_lines():
+    files = DRIVER_MODULES + [str(p.relative_to(ROOT)) for p in TRANSPORTS]
+    long = {f: n for f in files if (n := len((ROOT / f).read_text().splitlines())) > MAX_LINES}
+    assert not long, long
