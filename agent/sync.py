@@ -25,7 +25,7 @@ from .core.messages import SyncBody, Watermark, emit_body, parse_body_streamed
 from .core.records import resolve_chains  # noqa: F401 (resolve_chains: re-exported)
 from .core.session import Outgoing, Session, StreamMeta
 from .mailbox_sync import MAILBOX_DETAIL_MAX, MAILBOX_PATH, MAILBOX_WINDOW_BYTES  # noqa: F401 - re-exported
-from .store import db, eventlog, reports, sequencing as seqstore, sync_state as st
+from .store import db, eventlog, sequencing as seqstore, sync_state as st
 from .sync_tokens import Backfill, BfPart, Offer, Token, token_from_json, token_to_json  # noqa: F401 - re-exported
 
 log = logging.getLogger("ssp_agent.sync")
@@ -458,8 +458,10 @@ def change_policy(node, change, now: int | None = None) -> list[tuple[str, str]]
 
 
 class LinkProvider:
-    """The Provider a Session talks to: one per link (path + what the binding knows). The session
-    decides which range goes (the exchange's window, agent/core/exchange.py); this selects it."""
+    """The one provider of a link (its path and what the binding knows of the peer): a Session
+    talks to it (`core.session.Provider`), the MQTT runner to its extension `PortAdapter`
+    (agent/sync_port.py). The exchange decides which range goes (agent/core/exchange.py); this
+    selects it, applies what arrives and moves the cursor on answers."""
 
     def __init__(self, driver: SyncDriver, path: str, secure: bool) -> None:
         self.driver, self.path, self.secure = driver, path, secure
@@ -468,9 +470,11 @@ class LinkProvider:
         return self.driver.node.site_id, self.driver.have_max_hlc()
 
     def cursor(self, peer: bytes) -> int:
+        """The durable cursor on this link's path."""
         return st.cursor(self.driver.conn, peer, self.path)[0]
 
     def records_pending(self, peer: bytes) -> bool:
+        """Whether `peer` has control records not yet delivered to it on this path."""
         return self.driver.records_pending(peer, self.path)
 
     def outgoing(self, peer: bytes, mode: str, now: int, **kw: Any) -> Outgoing:

@@ -13,26 +13,27 @@ from .core.incoming import sync_body
 from .core.messages import SyncBody, Watermark, emit_body, parse_body
 from .core.session import StreamMeta
 from .store import db, reports, sync_state as st
-from .sync import DEFAULT_BATCH_LIMIT, SyncDriver
+from .sync import DEFAULT_BATCH_LIMIT, LinkProvider, SyncDriver
 from .sync_tokens import Offer, Token, token_from_json, token_to_json
 
 _txn = db.transaction
 
 
-class PortAdapter:
-    """The driver behind the interface agent/runner.py uses (peers, cursor, select, advance,
-    receive, body, answer_body, note_answer, handshake, have_max, backlog), so the MQTT runner gets
-    this layer's durable per-path cursors, policy, self-echo and peer-origin filters and control
-    records; the runner's default port is `PortAdapter(node, path="mqtt", secure=...)`.
+class PortAdapter(LinkProvider):
+    """The link's one provider (`LinkProvider`, what a Session talks to), with what only the MQTT
+    runner asks of it (peers, select, advance, receive, body, answer_body, note_answer, handshake,
+    have_max, backlog, the durable record of sent bodies), so the runner gets this layer's durable
+    per-path cursors, policy, self-echo and peer-origin filters and control records; the runner's
+    default port is `PortAdapter(node, path="mqtt", secure=...)`.
 
     A binding that does not authenticate the peer (`secure=False`, plain MQTT) gets no watermark
     inference and its reports are ignored. That is fail-closed and costs only re-offers."""
 
     def __init__(self, node, path: str = "mqtt", secure: bool = False, batch_limit: int = DEFAULT_BATCH_LIMIT,
                  now: Callable[[], int] = now_ms) -> None:
-        self.node, self.path, self.secure = node, path, secure
+        super().__init__(SyncDriver(node, batch_limit), path, secure)
+        self.node = node
         self.now = now  # wall-clock ms, the runner's clock: what is stored and what the apply path checks
-        self.driver = SyncDriver(node, batch_limit)
         self.conn = node.conn
 
     def peers(self) -> list[bytes]:
@@ -47,9 +48,6 @@ class PortAdapter:
     def handshake(self, supports_realtime: bool) -> bytes:
         from .core.messages import Handshake, emit_handshake
         return emit_handshake(Handshake(self.node.site_id, self.have_max(), supports_realtime, self.secure, None))
-
-    def cursor(self, peer: bytes) -> int:
-        return st.cursor(self.conn, peer, self.path)[0]
 
     def select(self, peer: bytes, start: int, limit: int, backfill: bool = False, record_budget: int | None = None):
         """At most `limit` events for `peer` after `start`, through the driver's one selection
@@ -66,10 +64,6 @@ class PortAdapter:
         recs = self.driver.select_records(peer, self.path, record_budget)
         return Offer(start, sel.end, list(sel.seqs), list(sel.events) + extra, sorted(sel.gaps),
                      len(extra), bf is not None, self.driver.token(peer, self.path, sel, bf, start, recs, ro))
-
-    def records_pending(self, peer: bytes) -> bool:
-        """Whether `peer` has control records not yet delivered to it on this path."""
-        return self.driver.records_pending(peer, self.path)
 
     def backlog(self, peer: bytes) -> int:
         return self.driver.backlog(peer, self.path)
