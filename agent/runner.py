@@ -5,7 +5,7 @@ A thin adapter: the protocol decisions (the window of bodies in flight, giving u
 presence, when and what to send) are the pure exchange state machine's (agent/core/exchange.py),
 the same on every link, and what only the MQTT binding adds is agent/core/binding.py's. This
 module moves messages (MqttLink), time (passed in) and rows (sync_state, through
-`agent.sync.PortAdapter` on the path `mqtt`) in and out of them; agent/runtime.py drives it
+`agent.sync_port.PortAdapter` on the path `mqtt`) in and out of them; agent/runtime.py drives it
 through `step` and sleeps until `next_due`.
 
 One thread owns the node (SQLite); the MQTT link's network thread only enqueues what arrives. A
@@ -15,31 +15,34 @@ that waited in the broker while this process was gone still moves the cursor. Re
 move watermarks only on a secure binding (`--secure-binding`, docs/mqtt.md)."""
 from __future__ import annotations
 
-import json
 import logging
-import os
 import queue
-import time
 from collections import Counter, deque
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from .core.exchange import (GIVE_UP_DOUBLINGS, KIND_PULL, PRESENCE_LIMIT, BodyLimits, Exchange, ExchangeConfig,
-                            InFlight, Presence, Schedule, SurfaceBudget, not_surfaced)
+from .core.exchange import (GIVE_UP_DOUBLINGS, KIND_PULL, PRESENCE_LIMIT, BodyLimits, Exchange,
+                            InFlight, Presence, Schedule)
 from .core.binding import MAX_ACKS_LOOKED_AT  # noqa: F401 - re-exported (tests, benches)
-from .core.binding import (P_ACK, P_CONN, P_MORE, Intake, OnceWake, ReleasedAcks, ack_due,  # noqa: F401 - P_ACK
-                           ack_wait, answer_properties, answer_proof, asks_signed_ack, body_fit, next_due,
+from .core.binding import (P_ACK, P_CONN, P_MORE, Intake, OnceWake,  # noqa: F401 - P_ACK
+                           answer_properties, answer_proof, asks_signed_ack, body_fit, next_due,
                            pull_answer_properties, refusal_properties, request_properties, request_refusal,
                            signed_ack_owed)
 from .core.messages import ProtocolError, parse_body
-from .core.records import MAX_ACK_ANSWERS, AckAnswer, record_hash as body_hash
+from .core.records import AckAnswer, record_hash as body_hash
 from .core.sending import PeerLimit  # noqa: F401 - the too-large back-off (pure); re-exported
 from .core.session import parse_meta_text
-from .core.reasons import BROKER_LOST, UNCLASSIFIED
+from .core.reasons import UNCLASSIFIED
 from .faults import LOCAL_FAULTS, describe
 from .outcomes import counts
-from .store import db, eventlog, sync_state as st
-from .sync import Offer  # noqa: F401 - defined below the runner (no import circle); re-exported
+from .store import eventlog, sync_state as st
+from .mqtt_acks import SignedAnswers
+from .mqtt_names import ExchangeNames
+from .mqtt_rows import RunnerRows
+from .mqtt_config import PULL_EXPIRY_S, PUMP_BUDGET_S, RunConfig, dumps_summary, settings_from_env  # noqa: F401
+from .mqtt_surface import (LOSS_WINDOW_S, LOSSES_SURFACED_PER_WINDOW, REFUSAL_WINDOW_S,  # noqa: F401 - re-exported
+                           REFUSALS_SURFACED_PER_WINDOW, Surfacing)
+from .timesource import SYSTEM, Clock
+from .sync_tokens import Offer  # noqa: F401 - defined below the runner (no import circle); re-exported
 from .transport.mqtt import (KIND_BATCH, KIND_REALTIME, P_KIND, P_META, P_REJECTED_AT, ADVERTISED_FLOOR,
                              P_BODY_LIMIT, P_REASON, P_STATUS, P_PROCESSED, Inbound, MqttLink, MqttSettings, inbound_size,
                              decode_indices, parse_body_limit)
@@ -49,61 +52,27 @@ PATH = "mqtt"  # the transport path: one durable cursor per (peer, path) in sync
 log = logging.getLogger("ssp_agent.runner")
 
 
-@dataclass
-class RunConfig(ExchangeConfig):
-    """The loop's settings; those of the exchange itself (cadence_s, realtime, coalesce_s,
-    flush_cadence_s, window, answer_timeout_s, secure, limit_probe_s, limit_probe_max_s) are
-    `core.exchange.ExchangeConfig`'s, read live by it."""
-    max_events: int | None = None  # events per body (default: the link settings' max_events)
-    eviction_interval_s: float | None = None  # run node.run_eviction() this often (None: never)
-    others_per_step: int = 256  # inbound messages per step from sites not in the keyring (flood bound, pump)
-    # Signed acknowledgements (docs/protocol.md §5): the answers taken in one pump are grouped per
-    # sender; a slow keystore groups more by itself (bodies queue while it signs). Above 0: at most
-    # one signature per sender this often (answers wait for it; bench/bench_acks.py: 25 ms halved
-    # answers/s on a software keystore, so the default is 0).
-    ack_interval_s: float = 0.0
-
-    @classmethod
-    def from_profile(cls, profile, **overrides) -> "RunConfig":
-        """The device profile's defaults (cadence, events per body, eviction interval); explicit
-        overrides that are not None win."""
-        base = dict(cadence_s=float(profile.cadence_s), max_events=int(profile.batch_limit),
-                    eviction_interval_s=float(profile.eviction_interval_s))
-        base.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**base)
-
-
 _Pending = InFlight  # a body in flight (agent/core/exchange.py); the old name, for benches and tests
 
 
-# Flood bounds (docs/apply.md "Bounds"): refusals surfaced (and logged) per
-# (source, reason) in each window; the rest are counted and summed up in one row when the window ends.
-REFUSALS_SURFACED_PER_WINDOW = 20
-REFUSAL_WINDOW_S = 60.0
-# Broker connections lost (kind `link_lost`, source `link:mqtt`): bounded as a serial link's
-# losses are (agent/transport/serial.py LOSSES_SURFACED_PER_WINDOW), with the same pure budget.
-LOSSES_SURFACED_PER_WINDOW = 20
-LOSS_WINDOW_S = 60.0
-PUMP_BUDGET_S = 0.25  # a pump call returns after about this long of handling (Runner.pump)
-# How long a pull waits in a sleeping peer's broker session before the broker drops it
-# (docs/mqtt.md "A waking device"): pulls do not pile up for a peer that sleeps for days.
-PULL_EXPIRY_S = 600
-
-
-
-class Runner:
-    def __init__(self, node, settings: MqttSettings, config: RunConfig | None = None, port=None) -> None:
-        from .sync import PortAdapter
+class Runner(ExchangeNames):
+    def __init__(self, node, settings: MqttSettings, config: RunConfig | None = None, port=None,
+                 clock: Clock = SYSTEM) -> None:
+        from .sync_port import PortAdapter
         self.node = node
+        # The one source of time (monotonic for the exchange's deadlines, wall for what is stored):
+        # neither this loop nor its link reads a clock of its own.
+        self.clock = clock
         node.long_running = True   # its first large body starts the apply worker (Node.WORKER_RUN_BATCH)
         self.cfg = config or RunConfig()
         self.settings = settings
         self.max_events = self.cfg.max_events or settings.max_events
         # The sync layer on path "mqtt"; `secure` only when the broker pins topics to devices.
-        self.sync = port or PortAdapter(node, path=PATH, secure=self.cfg.secure, batch_limit=self.max_events)
+        self.sync = port or PortAdapter(node, path=PATH, secure=self.cfg.secure, batch_limit=self.max_events,
+                                        now=clock.wall_ms)
         _adopt_private_cursors(node)
         self.link = MqttLink(settings, node.mesh_id, node.site_id,
-                             presence_payload=lambda: self.sync.handshake(self.cfg.realtime))
+                             presence_payload=lambda: self.sync.handshake(self.cfg.realtime), clock=clock)
         self._unsaved: list = []  # bodies published, not yet in sync_state.sent_bodies
         self.last_eviction: dict | None = None
         self._next_evict = 0.0
@@ -119,49 +88,27 @@ class Runner:
         self.rejections: deque = deque(maxlen=1000)  # (reason, detail) of refused inbound messages
         # the order what arrived is handled in (pump), bounded in bytes
         self.intake = Intake(PRESENCE_LIMIT, self.stats, size=inbound_size)
-        self.refusal_budget = SurfaceBudget(REFUSALS_SURFACED_PER_WINDOW, REFUSAL_WINDOW_S)  # (source, reason)
-        self.loss_budget = SurfaceBudget(LOSSES_SURFACED_PER_WINDOW, LOSS_WINDOW_S)  # the broker connection's losses
+        self.surfacing = Surfacing(node, self.stats, clock, PATH)  # refusals and broker losses, bounded
         self._next_dropped_log = 0.0  # answers left out are logged once a window (`_answer_left_out`)
-        self._owed: dict[bytes, list] = {}  # sender -> [(request, answer properties, AckAnswer)] not yet answered
-        self._last_ack: dict[bytes, float] = {}  # sender -> when its last acknowledgement was signed
-        self._released_acks = ReleasedAcks()  # records released, served again to a replay of the same body
+        self.acks = SignedAnswers(node, self.stats, clock, self.cfg)  # answers owed a signed acknowledgement
         self._next_body: tuple | None = None  # (payload, its parse) of the body named to the node next
         self._pulled_on = 0  # the link connection (generation) `run` last pulled its peers on
         self._denied_told = False  # the broker's refusal of our publishes was logged
         # Writes before this runner started are the batch cycle's; realtime pushes follow new ones.
         self._scanned = self._local_top = eventlog.top(node.conn)
         self.schedule = Schedule(self.cfg, self._local_top)
+        self.rows = RunnerRows(node.conn, clock, PATH)  # sent bodies and learned limits in sync_state
         self._load_in_flight()
         self._load_limits()
 
-    # The exchange's state under the names the benches and tests (and operators' scripts) use.
     @property
-    def pending(self) -> dict[bytes, InFlight]:
-        return self.ex.pending
+    def _owed(self) -> dict[bytes, list]:
+        """Answers waiting for their sender's signed acknowledgement (`SignedAnswers.owed`)."""
+        return self.acks.owed
 
-    @property
-    def sent_upto(self) -> dict[bytes, int]:
-        return self.ex.sent_upto
-
-    @property
-    def caps(self) -> dict:
-        return self.ex.presence.caps
-
-    @property
-    def presence_limit(self) -> int:
-        return self.ex.presence.limit
-
-    @presence_limit.setter
-    def presence_limit(self, n: int) -> None:
-        self.ex.presence.limit = self.intake.presence_limit = n
-
-    @property
-    def peer_limit(self) -> dict[bytes, PeerLimit]:
-        return self.ex.limits.peer_limit
-
-    @property
-    def advertised(self) -> dict[bytes, int]:
-        return self.ex.limits.advertised
+    @_owed.setter
+    def _owed(self, owed: dict[bytes, list]) -> None:
+        self.acks.owed = owed
 
     # -------------------------------------------------------------- lifecycle
     def start(self, connect_timeout: float = 10.0, should_stop=None) -> bool:
@@ -170,9 +117,9 @@ class Runner:
         self.link.start()
         if should_stop is None:
             return self.link.wait_connected(connect_timeout)
-        deadline = time.monotonic() + connect_timeout
-        while not self.link.wait_connected(max(0.0, min(0.2, deadline - time.monotonic()))):
-            if should_stop() or time.monotonic() >= deadline:
+        deadline = self.clock.mono() + connect_timeout
+        while not self.link.wait_connected(max(0.0, min(0.2, deadline - self.clock.mono()))):
+            if should_stop() or self.clock.mono() >= deadline:
                 return False
         return True
 
@@ -181,19 +128,16 @@ class Runner:
         if self._owed:
             self._answer_owed(force=True)  # applied and committed: answer before going
         self.link.close()
-        self._surface_losses()
-        for (source, reason), n in self.refusal_budget.drain():
-            self._surface_suppressed(source, reason, n)
-        for _key, n in self.loss_budget.drain():
-            self._surface_loss(not_surfaced(n, LOSS_WINDOW_S), None)
+        self.surfacing.losses(self.link.losses)
+        self.surfacing.close()
 
     # -------------------------------------------------------------- the loop
     def step(self, timeout: float = 0.05) -> None:
         """One turn: take in what arrived, expire unanswered bodies, run due cycles and pushes."""
         self.pump(timeout)
-        now = time.monotonic()
+        now = self.clock.mono()
         if self.link.losses:
-            self._surface_losses()
+            self.surfacing.losses(self.link.losses)
         if self.link.denied and not self._denied_told:
             self._denied_told = True   # once: it needs a human (docs/mqtt.md, the ACLs)
             log.warning("the broker refuses this node's publishes (Not authorized) as %s: nothing it sends is "
@@ -229,8 +173,7 @@ class Runner:
         others = [self._next_clock, self._next_evict if self.cfg.eviction_interval_s else None,
                   self._next_links_save if self.ex.limits.dirty else None]
         if self._owed:
-            others.append(now + ack_wait((self._last_ack.get(s, 0.0) for s in self._owed), now,
-                                         self.cfg.ack_interval_s))
+            others.append(now + self.acks.wait(now))
         return next_due(self.ex, self.schedule, now, connected=self.link.connected.is_set(), others=others)
 
     def evict(self) -> dict | None:
@@ -257,10 +200,9 @@ class Runner:
         intake = self.intake
         wait = 0.0 if intake.waiting() else timeout
         if self._owed:  # answers wait for their grouped acknowledgement: not longer than its interval
-            wait = min(wait, ack_wait((self._last_ack.get(s, 0.0) for s in self._owed), time.monotonic(),
-                                      self.cfg.ack_interval_s))
+            wait = min(wait, self.acks.wait(self.clock.mono()))
         keyring = self.node.keyring
-        budget_end = time.monotonic() + wait + PUMP_BUDGET_S
+        budget_end = self.clock.mono() + wait + PUMP_BUDGET_S
         while True:
             while got < max_items and not intake.full():
                 try:
@@ -278,7 +220,7 @@ class Runner:
             for m in intake.turn():
                 self._handle(m)
                 n += 1
-            if got >= max_items or time.monotonic() >= budget_end:
+            if got >= max_items or self.clock.mono() >= budget_end:
                 break  # the loop's other duties (expiry, cycles, eviction) run under any flood
         for o in intake.others_due(self.cfg.others_per_step):
             self._handle(o)
@@ -286,10 +228,6 @@ class Runner:
         if self._owed:
             self._answer_owed()
         return n
-
-    @property
-    def _others(self) -> deque:
-        return self.intake.others
 
     def _handle(self, m: Inbound) -> None:
         """Handle one message. Whatever its handling raises past the boundary parsers is this
@@ -311,7 +249,7 @@ class Runner:
         detail = describe(e)
         if m.kind == "req":
             return self._reject(m, UNCLASSIFIED, detail)
-        self._surface_refusal("mqtt_answer" if m.kind == "ans" else "presence", UNCLASSIFIED, detail,
+        self.surfacing.refusal("mqtt_answer" if m.kind == "ans" else "presence", UNCLASSIFIED, detail,
                               m.sender if m.kind == "ans" else m.site)
 
     def _dispatch(self, m: Inbound) -> None:
@@ -337,7 +275,7 @@ class Runner:
         self.stats["rejected_bodies"] += 1
         self.stats[f"rejected:{reason}"] += 1
         self.rejections.append((reason, detail))
-        self._surface_refusal("mqtt_request", reason, detail, m.sender)
+        self.surfacing.refusal("mqtt_request", reason, detail, m.sender)
         self._answer(m, b"", refusal_properties(m.props, reason), courtesy=True)
 
     def _answer(self, m: Inbound, body: bytes, user: dict[str, str], courtesy: bool) -> None:
@@ -354,55 +292,12 @@ class Runner:
     def _answer_left_out(self) -> None:
         """Counted (`courtesy_answers_dropped`); logged at most once a window."""
         self.stats["courtesy_answers_dropped"] += 1
-        now = time.monotonic()
+        now = self.clock.mono()
         if now >= self._next_dropped_log:
             self._next_dropped_log = now + REFUSAL_WINDOW_S
             log.warning("answers to refused or unknown senders left out while %d publishes wait for the broker "
                         "(%d so far; the requests are still acknowledged)",
                         self.link.unacked.pending(), self.stats["courtesy_answers_dropped"])
-
-    def _surface_refusal(self, source: str, reason: str, detail: str, sender: bytes | None) -> None:
-        """Log and surface a refusal, at most REFUSALS_SURFACED_PER_WINDOW per (source, reason) in
-        each REFUSAL_WINDOW_S: each surfaced row is a transaction of its own (an fsync), which made
-        a flood cost one fsync per hostile message and held honest bodies back. The rest are
-        counted (`refusals_not_surfaced`) and surfaced as one row when the window ends."""
-        surface, told = self.refusal_budget.admit((source, reason), time.monotonic())
-        if told:
-            self._surface_suppressed(source, reason, told)
-        if not surface:
-            self.stats["refusals_not_surfaced"] += 1
-            return
-        log.warning("refused %s (%s%s)", "a body in our inbox" if source == "mqtt_request" else source,
-                    reason, f": {detail}" if detail else "")
-        self.node.surface_refused(source, reason, detail, sender)
-
-    def _surface_suppressed(self, source: str, reason: str, n: int) -> None:
-        msg = not_surfaced(n, REFUSAL_WINDOW_S, "refusals")
-        log.warning("refused %s (%s): %s", source, reason, msg)
-        try:
-            self.node.surface_refused(source, reason, msg, None)
-        except Exception as e:  # noqa: BLE001 - a summary row must never stop the loop (or close)
-            log.warning("could not surface the refusal summary: %s", e)
-
-    def _surface_losses(self) -> None:
-        """The broker connection's losses and failed reconnects the link noted (`MqttLink.losses`)
-        in `ssp-agent events`: kind `link_lost`, reason `broker_lost`, source `link:mqtt`, as a
-        serial link's losses (agent/transport/serial.py), bounded by the same pure budget."""
-        losses = self.link.losses
-        while losses:
-            wall, detail = losses.popleft()
-            self.stats["broker_lost"] += 1
-            surface, told = self.loss_budget.admit(BROKER_LOST, time.monotonic())
-            if told:
-                self._surface_loss(not_surfaced(told, LOSS_WINDOW_S), wall)
-            if surface:
-                self._surface_loss(detail, wall)
-
-    def _surface_loss(self, detail: str, wall: int | None) -> None:
-        try:
-            self.node.surface_refused(f"link:{PATH}", BROKER_LOST, detail, None, wall, kind="link_lost")
-        except Exception as e:  # noqa: BLE001 - a row not written (a full disk) must never stop the loop
-            log.warning("could not surface a broker loss: %s", e)
 
     def _on_pull(self, m: Inbound) -> None:
         """A peer pulls (docs/mqtt.md "A waking device"): it has taken in and answered what waited
@@ -416,7 +311,7 @@ class Runner:
             self.link.ack(m)
             return
         self.stats["pulls_answered"] += 1
-        if self.ex.pulled(peer, m.props.get(P_CONN), m.seq, time.monotonic()):
+        if self.ex.pulled(peer, m.props.get(P_CONN), m.seq, self.clock.mono()):
             self._gave_up(peer)
         if peer in self.sync.peers():
             self.offer(peer, KIND_BATCH)
@@ -498,11 +393,11 @@ class Runner:
         extra: tuple = ()
         if signed_ack_owed(asks_signed_ack(m.props), m.sender, m.sender in self.node.keyring, self.node.site_id):
             answered = AckAnswer(body_hash(m.payload), processed, len(outs), tuple(rejected))
-            kept = self._released_acks.get(m.sender, answered, self._own_entry())
+            kept = self.acks.kept(m.sender, answered)
             if kept is None:
                 # Signing persists through the bridge, so the answers of this pump are grouped, one
                 # record per sender (`_answer_owed`).
-                self._owed.setdefault(m.sender, []).append((m, user, answered))
+                self.acks.owe(m.sender, m, user, answered)
                 return
             # The same bytes from the same sender, processed to the same outcome: the record
             # already released states exactly that (docs/protocol.md §5); no new signature.
@@ -532,42 +427,9 @@ class Runner:
         return parsed
 
     def _answer_owed(self, force: bool = False) -> None:
-        """Answer the bodies taken whose senders asked for a signed acknowledgement: one record per
-        sender and MAX_ACK_ANSWERS bodies, signed through the keystore bridge like every record
-        this node issues, carried in the `records` of each answer it covers; then ack them to the
-        broker. A signature costs two journal fsyncs and a witness write: a sender gets one per pump
-        (per MAX_ACK_ANSWERS bodies), so bodies that arrive faster than the node signs (honest, or
-        forged in a trusted name) queue meanwhile and share the next one; `ack_interval_s` > 0
-        also caps signatures per sender per second (its answers wait, already committed)."""
-        now = time.monotonic()
-        for sender in list(self._owed):
-            items = self._owed[sender]
-            if not ack_due(len(items), self._last_ack.get(sender, 0.0), now, self.cfg.ack_interval_s, force):
-                continue  # grouped with what arrives before the interval ends
-            del self._owed[sender]
-            self._last_ack[sender] = now
-            if len(self._last_ack) > 4 * len(self.node.keyring) + 16:
-                self._last_ack = {sender: now}  # senders are keyring sites: bounded, reset if it ever grows
-            for i in range(0, len(items), MAX_ACK_ANSWERS):
-                chunk = items[i:i + MAX_ACK_ANSWERS]
-                try:
-                    ack = self.sync.sign_ack(sender, [a for _m, _u, a in chunk])
-                    self.stats["acks_signed"] += 1
-                    self._released_acks.put(sender, [a for _m, _u, a in chunk], ack, self._own_entry())
-                except Exception as e:  # noqa: BLE001 - the keystore: answered unsigned, the body is re-offered
-                    ack = None
-                    self.stats["ack_sign_failures"] += 1
-                    log.warning("could not sign an acknowledgement for %s: %s", sender.hex(), e)
-                extra = (ack,) if ack is not None else ()
-                for m, user, _a in chunk:
-                    if self.link.answer(m, self.sync.answer_body(sender, extra), user):
-                        self.stats["answers_sent"] += 1
-                    self.link.ack(m)
-
-    def _own_entry(self):
-        """This node's keyring entry: the key its acknowledgements verify under (kept records are
-        dropped when it changes, `ReleasedAcks`)."""
-        return self.node.keyring.get(self.node.site_id)
+        """Answer the bodies taken whose senders asked for a signed acknowledgement, one record per
+        sender and MAX_ACK_ANSWERS bodies (`SignedAnswers.answer`), then ack them to the broker."""
+        self.acks.answer(self.link, self.sync, force)
 
     def _on_answer(self, m: Inbound) -> None:
         """An answer: acked to the broker, then what it proves is the exchange's to decide
@@ -584,7 +446,7 @@ class Runner:
             rejected = decode_indices(m.props[P_REJECTED_AT], p.total)
         d = self.ex.answer(corr, m.sender, p, earlier, status=m.props.get(P_STATUS), reason=m.props.get(P_REASON),
                            processed_text=m.props.get(P_PROCESSED), rejected=rejected,
-                           proof=lambda body: self._proof(body, m.payload), now=time.monotonic(),
+                           proof=lambda body: self._proof(body, m.payload), now=self.clock.mono(),
                            link_max=self.link.max_payload())
         if d.forget:
             self.sync.forget(corr)
@@ -611,7 +473,7 @@ class Runner:
         site = m.site if site is None else site
         e = self.ex.presence.received(site, m.payload, self.node.keyring.__contains__)
         if e is not None:
-            self._surface_refusal("presence", e.reason, e.detail, site)
+            self.surfacing.refusal("presence", e.reason, e.detail, site)
 
     # -------------------------------------------------------------- sending
     # Quiet links (docs/mqtt.md "Quiet links"). A body sent to a peer stays in
@@ -627,16 +489,8 @@ class Runner:
     GIVE_UP_DOUBLINGS = GIVE_UP_DOUBLINGS
 
     def _load_in_flight(self) -> None:
-        """Bodies an earlier process sent and nobody answered yet (not given up, not older than a
-        session lasts): the exchange decides which are in flight for this process too."""
-        from .sync import token_from_json
-        since = int(time.time() * 1000) - int(self.settings.session_expiry_s) * 1000
-        keyring = self.node.keyring
-        for _id, corr, peer, text in st.bodies_in_flight(self.node.conn, PATH, since):
-            if peer not in keyring:
-                continue
-            tok, _extra = token_from_json(text)
-            self.ex.restore(_id, corr, peer, tok.end, self.sync.cursor(peer), bool(_extra.get("bf")))
+        """Bodies an earlier process sent and nobody answered yet: in flight for this process too."""
+        self.rows.load_in_flight(self.ex, self.node.keyring, self.sync.cursor, self.settings.session_expiry_s)
 
     def _give_up(self, peer: bytes) -> None:
         """The bodies in flight to `peer` will not be answered: offer their ranges again (the next
@@ -645,14 +499,7 @@ class Runner:
         self._gave_up(peer)
 
     def _gave_up(self, peer: bytes, upto_id: int | None = None) -> None:
-        with db.transaction(self.node.conn):
-            st.give_up_sent_bodies(self.node.conn, peer, PATH, upto_id=upto_id)
-
-    def _reset_peer(self, peer: bytes) -> None:
-        self.ex.reset(peer)
-
-    def _wait(self, peer: bytes) -> float:
-        return self.ex.wait_s(peer)
+        self.rows.gave_up(peer, upto_id)
 
     def _expire(self, now: float) -> None:
         for peer in self.ex.expire(now, self.link.max_payload()):
@@ -662,7 +509,7 @@ class Runner:
         """What a message tells the send schedule (before it is handled): `Exchange.note_message`."""
         who = m.site if m.kind == "presence" else m.sender
         member = who is not None and who in self.node.keyring and who != self.node.site_id
-        self.ex.note_message(m.kind, who, time.monotonic(), member=member, empty=not m.payload, dup=m.dup,
+        self.ex.note_message(m.kind, who, self.clock.mono(), member=member, empty=not m.payload, dup=m.dup,
                              advertised=parse_body_limit(m.props.get(P_BODY_LIMIT)) if member else None,
                              told_too_large=m.props.get(P_REASON) == "too_large" and P_BODY_LIMIT in m.props)
         if member and m.kind != "presence":
@@ -684,45 +531,16 @@ class Runner:
     def _refused(m: Inbound) -> bool:
         return m.props.get(P_STATUS) not in (None, "ok")
 
-    def in_flight(self, peer: bytes) -> int:
-        return self.ex.in_flight(peer)
-
-    def backfill_in_flight(self, peer: bytes) -> bool:
-        return self.ex.backfill_in_flight(peer)
-
-    # The peer's body limit (docs/mqtt.md "Size limits"): `exchange.BodyLimits`
-    # decides; the store keeps what it learned (peer_links), so restarts and sleepers' next wakes
-    # start from it.
+    # The peer's body limit (docs/mqtt.md "Size limits"): `exchange.BodyLimits` decides; the store
+    # keeps what it learned (peer_links), so restarts and sleepers' next wakes start from it.
     def _load_limits(self) -> None:
-        now, wall = time.monotonic(), int(time.time() * 1000)
-        for peer in self.node.keyring:
-            link = st.peer_link(self.node.conn, peer, PATH)
-            self.ex.limits.restore(peer, link["advertised"], link["limit_state"], now, wall)
+        self.rows.load_limits(self.ex.limits, self.node.keyring)
 
     def _save_links(self) -> None:
-        """What was learned of peers' limits, in the store: at most once a minute (a flood of forged
-        advertisements must not cost a transaction each), and when the runner closes."""
-        self._next_links_save = time.monotonic() + 60.0
-        if not self.ex.limits.dirty:
-            return
-        rows = self.ex.limits.take_dirty(time.monotonic(), int(time.time() * 1000))
-        try:
-            with db.transaction(self.node.conn):
-                for peer, adv, state in rows:
-                    st.set_advertised_limit(self.node.conn, peer, PATH, adv)
-                    st.set_limit_state(self.node.conn, peer, PATH, state)
-        except Exception as e:  # noqa: BLE001 - a full disk: learned again from the next advertisement
-            log.warning("could not keep the peers' body limits: %s", e)
-
-    def _top(self, peer: bytes) -> int:
-        return self.ex.limits.top(peer, self.link.max_payload())
-
-    def _limit(self, peer: bytes) -> int:
-        """Bytes per body for `peer` now (`BodyLimits.limit`)."""
-        return self.ex.limits.limit(peer, time.monotonic(), self.link.max_payload())
-
-    def _too_large(self, peer: bytes) -> None:
-        self.ex.limits.too_large(peer, time.monotonic(), self.link.max_payload())
+        """At most once a minute (a flood of forged advertisements must not cost a transaction
+        each), and when the runner closes."""
+        self._next_links_save = self.clock.mono() + 60.0
+        self.rows.save_limits(self.ex.limits)
 
     def offer(self, peer: bytes, kind: str = KIND_BATCH, bodies: int | None = None, force: bool = False) -> int:
         """Send up to `bodies` bodies to `peer` from where the in-flight window ends (or the
@@ -761,7 +579,7 @@ class Runner:
         off.body_hash = body_hash(body)
         corr = self.link.push(peer, body, user)
         off.token = self.sync.keyed(off.token, corr)  # its answer confirms it, in this process or a later one
-        self.ex.sent(corr, InFlight(peer, kind, off.start, off.end, off.seqs, time.monotonic(),
+        self.ex.sent(corr, InFlight(peer, kind, off.start, off.end, off.seqs, self.clock.mono(),
                                     off.n_backfill, off.backfill, off.token, len(body), off.body_hash,
                                     heard=self.link.received))
         self.stats["backfill_events_pushed"] += off.n_backfill
@@ -778,9 +596,6 @@ class Runner:
             if room:
                 n += self.offer(peer, KIND_BATCH, bodies=room)
         return n
-
-    def realtime_peers(self) -> list[bytes]:
-        return self.ex.realtime_peers(self.node.keyring.__contains__)
 
     def _local_max(self) -> int:
         """The seq of the node's newest own write, found without reading the log:
@@ -808,7 +623,7 @@ class Runner:
 
     def notify_produced(self) -> None:
         """In-process writers may call this; polling the log finds other processes' writes too."""
-        self.schedule.produced(time.monotonic())
+        self.schedule.produced(self.clock.mono())
 
     # -------------------------------------------------------------- one-shot
     def sync_once(self, settle_s: float = 0.5, timeout_s: float = 20.0) -> dict:
@@ -822,10 +637,10 @@ class Runner:
         intake. A broker that never echoes it (an ACL that drops our presence) falls back to
         `settle_s` of quiet. Then the answers of present peers end the offering; what arrives
         after that waits in the broker for the next wake (the session is persistent)."""
-        wake = OnceWake(time.monotonic(), settle_s, timeout_s)   # the order is the core's
+        wake = OnceWake(self.clock.mono(), settle_s, timeout_s)   # the order is the core's
         took = 0
         while True:
-            now = time.monotonic()
+            now = self.clock.mono()
             step = wake.next(now, echoed=self.link.presence_echo.is_set(), took=took,
                              waiting=bool(self.ex.waiting_on()) or self.ex.pulls_waiting())
             took = 0
@@ -839,7 +654,7 @@ class Runner:
                 continue
             took = self.pump(wake.wait)
             if step == OnceWake.AWAIT:
-                self._expire(time.monotonic())
+                self._expire(self.clock.mono())
                 self._repull()
         return self.summary()
 
@@ -870,22 +685,3 @@ def _adopt_private_cursors(node) -> None:
     """Homes from before the runner used the sync layer kept their MQTT cursors in `meta`: moved
     into sync_state's per-(peer, path) cursors once (`sync_state.adopt_meta_cursors`)."""
     st.adopt_meta_cursors(node.conn, PATH)
-
-
-def settings_from_env(url: str, **kw) -> MqttSettings:
-    """Broker settings from a URL plus SSP_MQTT_* variables (TLS files, credentials) so that
-    secrets need not appear on a command line."""
-    env = os.environ
-    return MqttSettings.from_url(
-        url,
-        ca_file=kw.get("ca_file") or env.get("SSP_MQTT_CA_FILE"),
-        cert_file=kw.get("cert_file") or env.get("SSP_MQTT_CERT_FILE"),
-        key_file=kw.get("key_file") or env.get("SSP_MQTT_KEY_FILE"),
-        username=kw.get("username") or env.get("SSP_MQTT_USERNAME"),
-        password=kw.get("password") or env.get("SSP_MQTT_PASSWORD"),
-        prefix=kw.get("prefix") or env.get("SSP_MQTT_PREFIX"),
-    )
-
-
-def dumps_summary(d: dict) -> str:
-    return json.dumps(d, sort_keys=True)

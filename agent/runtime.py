@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import select
-import time
 from collections import Counter
 from typing import Any, Callable
 
@@ -24,6 +23,7 @@ from . import jobs, sdnotify
 from .control import ControlServer
 from .metrics import write_metrics_file
 from .store import db, eventlog
+from .timesource import SYSTEM, Clock
 
 # Longest sleep of one turn. Nothing needs it (every timer is a deadline, everything that arrives
 # wakes the loop): it bounds what a deadline forgotten in `next_due` could cost.
@@ -37,10 +37,11 @@ class Runtime:
     def __init__(self, node, *, runner=None, ports: list | tuple = (), broker_url: str | None = None,
                  forward: Callable[..., tuple[int, str, str]] | None = None,
                  eviction_interval_s: float | None = None, metrics_file: str | None = None,
-                 metrics_interval_s: float = 15.0) -> None:
+                 metrics_interval_s: float = 15.0, clock: Clock = SYSTEM) -> None:
         if runner is None and not ports:
             raise ValueError("a runtime needs a broker or at least one serial port")
         self.node, self.runner, self.ports = node, runner, list(ports)
+        self.clock = clock  # the loop's deadlines (monotonic) and the ports' session time (wall)
         self.broker_url = broker_url
         self.forward = forward
         self.eviction_interval_s = eviction_interval_s
@@ -140,7 +141,7 @@ class Runtime:
         every link that has work."""
         self.turns += 1
         r = self.runner
-        now = time.monotonic()
+        now = self.clock.mono()
         wait = max(0.0, self.next_due(now) - now)
         poller = select.poll()
         poller.register(self._wake_r, select.POLLIN)
@@ -155,7 +156,7 @@ class Runtime:
         except InterruptedError:
             ready = {}
         woken = self._wake_r in ready and self._drain_wake()
-        if r is not None and (woken or r.next_due(time.monotonic()) <= time.monotonic()):
+        if r is not None and (woken or r.next_due(self.clock.mono()) <= self.clock.mono()):
             r.step(0)
             if self._log.grew():
                 self._tell(exclude=None)   # events arrived over MQTT: on to the other links now
@@ -171,10 +172,9 @@ class Runtime:
     # ------------------------------------------------------------------ realtime across links
     def _tell(self, exclude: Any = _EVERY_LINK) -> None:
         """Tell every link but `exclude` (a port, or None for MQTT) that there is something to push."""
-        from .transport.serial import mono_ms, wall_ms
         if self.runner is not None and exclude is not None:
             self.runner.notify_produced()
-        mono, wall = mono_ms(), wall_ms()
+        mono, wall = self.clock.mono_ms(), self.clock.wall_ms()
         for p in self.ports:
             if p is not exclude:
                 p.endpoint.local_events(mono, wall)
@@ -184,7 +184,7 @@ class Runtime:
 
     # ------------------------------------------------------------------ between the steps
     def _jobs(self) -> None:
-        now = time.monotonic()
+        now = self.clock.mono()
         if self.eviction_interval_s and (now >= self._next_evict or self._disk_low(now)):
             self._next_evict = now + self.eviction_interval_s
             self._last_low_evict = now

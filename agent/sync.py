@@ -9,108 +9,31 @@ applied watermarks only from what a live, authenticated, stream-continuous body 
 A transport makes one `SyncDriver` per open Node and one session per link
 (`drv.session(path=..., peer=..., secure=...)`), then feeds it: `start(now)`, `receive(bytes,
 now)` for every frame, `data_to_send()` to transmit, `handle_timer(now)` when `timer()` passes,
-and `local_events(now)` after a local write (a realtime push, coalesced)."""
+and `local_events(now)` after a local write (a realtime push, coalesced). The MQTT runner's port
+is agent/sync_port.py, mailbox files agent/mailbox_sync.py, sent-body tokens agent/sync_tokens.py."""
 from __future__ import annotations
 
-import json
 import logging
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from firmware_bridge.fsutil import atomic_write
-
-from . import mailbox, policy, produce, rehydrate
+from . import mailbox_sync, policy, produce, rehydrate
 from .clockstate import now_ms
-from .core import delivery, reasons as R
+from .core import delivery
 from .core.binding import body_fit
-from .core.messages import SyncBody, Watermark, emit_body, parse_body, parse_body_streamed
-from .core.records import RecordError, resolve_chains  # noqa: F401 (resolve_chains: re-exported)
+from .core.messages import SyncBody, Watermark, emit_body, parse_body_streamed
+from .core.records import resolve_chains  # noqa: F401 (resolve_chains: re-exported)
 from .core.session import Outgoing, Session, StreamMeta
-from .outcomes import counts
-from .store import db, eventlog, reports, sequencing as seqstore, sync_state as st
+from .mailbox_sync import MAILBOX_DETAIL_MAX, MAILBOX_PATH, MAILBOX_WINDOW_BYTES  # noqa: F401 - re-exported
+from .store import db, eventlog, sequencing as seqstore, sync_state as st
+from .sync_tokens import Backfill, BfPart, Offer, Token, token_from_json, token_to_json  # noqa: F401 - re-exported
 
 log = logging.getLogger("ssp_agent.sync")
 
 DEFAULT_BATCH_LIMIT = 500
 SCAN_FACTOR = 20  # rows examined per body at most: limit * SCAN_FACTOR (a mostly-filtered log cannot stall a cycle)
-MAILBOX_PATH = "mailbox"
 MAX_RECORDS_PER_BODY = 128  # control records per body at most (and at most a quarter of the body limit)
 RECORD_OVERHEAD = 5  # CBOR bstr header, array growth: bytes a record costs in a body beyond its own
-
-
-@dataclass(frozen=True)
-class _BfPart:
-    """One backfill job's share of a body: whole rows, in row_key order, after `expect_from`."""
-    table: str
-    expect_from: bytes | None
-    row_keys: tuple[bytes, ...]
-    counts: tuple[int, ...]  # events sent for each row (0: nothing left to send for it)
-    done: bool  # the walk reached the table's end
-
-
-@dataclass(frozen=True)
-class _Token:
-    path: str
-    start: int
-    seqs: tuple[int, ...]
-    end: int
-    bf_parts: tuple[_BfPart, ...] = ()
-    rehydrate_gen: int | None = None  # a rehydration reset since selection voids the live advance
-    records: tuple[bytes, ...] = ()  # hashes of the control records the body carries (delivered on an answer)
-    record_raws: tuple[bytes, ...] = ()  # those records, in body order
-    sent_key: bytes | None = None  # the body's row in sync_state.sent_bodies (the key its answer names)
-    reoffer_seqs: tuple[int, ...] = ()  # re-offered events (after the live ones, before backfill)
-    rescans: tuple[tuple[bytes, int], ...] = ()  # rescan markers the re-offers advance (sync_state)
-
-
-@dataclass
-class Offer:
-    """A body selected for a peer (`PortAdapter.select`), kept by the runner until answered.
-    Here, below agent/runner.py: the runner imports the sync layer, never the other way round."""
-    start: int  # the cursor value the selection started from (seq > start)
-    end: int  # last seq examined
-    seqs: list[int] = field(default_factory=list)
-    events: list[bytes] = field(default_factory=list)
-    gaps: list[str] = field(default_factory=list)  # tables whose own events policy withheld in (start, end]
-    n_backfill: int = 0  # the last n_backfill of `events` are backfill rows' events (not in `seqs`)
-    backfill: bool = False  # carries backfill job progress (rows, or the end of a job's walk)
-    token: Any = None  # handed back to `advance` with the peer's answer
-    body_hash: bytes | None = None  # BLAKE3 of the body as published (set by Runner._send; §5 acknowledgements)
-
-
-@dataclass
-class Backfill:
-    events: list[bytes]
-    parts: list[_BfPart]
-
-
-def _hex(b: bytes | None) -> str | None:
-    return None if b is None else b.hex()
-
-
-def _unhex(h: str | None) -> bytes | None:
-    return None if h is None else bytes.fromhex(h)
-
-
-def token_to_json(tok: _Token, **extra: Any) -> str:
-    """A confirmation token as kept in `sent_bodies` (the record raws are not: the body is sent)."""
-    return json.dumps({"p": tok.path, "s": tok.start, "q": list(tok.seqs), "e": tok.end, "g": tok.rehydrate_gen,
-                       "r": [h.hex() for h in tok.records], "k": _hex(tok.sent_key),
-                       "b": [[b.table, _hex(b.expect_from), [k.hex() for k in b.row_keys], list(b.counts), b.done]
-                             for b in tok.bf_parts], "o": list(tok.reoffer_seqs),
-                       "z": [[site.hex(), upto] for site, upto in tok.rescans], **extra}, separators=(",", ":"))
-
-
-def token_from_json(text: str) -> tuple[_Token, dict]:
-    """The token and the extra members stored with it."""
-    d = json.loads(text)
-    parts = tuple(_BfPart(t, _unhex(x), tuple(bytes.fromhex(k) for k in rks), tuple(cs), bool(done))
-                  for t, x, rks, cs, done in d.pop("b"))
-    tok = _Token(d.pop("p"), d.pop("s"), tuple(d.pop("q")), d.pop("e"), parts, d.pop("g"),
-                 tuple(bytes.fromhex(h) for h in d.pop("r")), (), _unhex(d.pop("k", None)),
-                 reoffer_seqs=tuple(d.pop("o", ())), rescans=tuple((bytes.fromhex(x), u) for x, u in d.pop("z", ())))
-    return tok, d
 
 
 class SyncDriver:
@@ -209,11 +132,11 @@ class SyncDriver:
         return [(seq, raw) for seq, site, q, raw in due if seq not in stale], tuple(scans)
 
     def token(self, peer: bytes, path: str, sel: delivery.Selection, bf: Backfill | None, start: int,
-              records: tuple[tuple[bytes, ...], tuple[bytes, ...]] = ((), ()), ro=((), ())) -> _Token:
+              records: tuple[tuple[bytes, ...], tuple[bytes, ...]] = ((), ()), ro=((), ())) -> Token:
         """What `confirm` needs once the peer answers a body built from this selection.
         `records`: (hashes, raws) from `select_records`, the records the body carries; `ro`: the
         re-offers ((seq, raw), rescans) it carries after the live events."""
-        return _Token(path, start, tuple(sel.seqs), sel.end, tuple(bf.parts) if bf else (),
+        return Token(path, start, tuple(sel.seqs), sel.end, tuple(bf.parts) if bf else (),
                       st.rehydrate_generation(self.conn, peer), tuple(records[0]), tuple(records[1]),
                       reoffer_seqs=tuple(seq for seq, _raw in ro[0]), rescans=tuple(ro[1]))
 
@@ -255,7 +178,7 @@ class SyncDriver:
             return None
         rows_left = max(1, int(getattr(self.node.profile, "backfill_rows_per_cycle", 1000)))
         events: list[bytes] = []
-        parts: list[_BfPart] = []
+        parts: list[BfPart] = []
         for job in jobs:
             q = job["table"]
             if rows_left <= 0 or room - len(events) <= 0:
@@ -279,7 +202,7 @@ class SyncDriver:
                 cnts.append(len(chosen))
             rows_left -= len(rks)
             done = full and len(rows) < rows_left + len(rks)
-            parts.append(_BfPart(q, job["resume_after_row_key"], tuple(rks), tuple(cnts), done))
+            parts.append(BfPart(q, job["resume_after_row_key"], tuple(rks), tuple(cnts), done))
             if not full:
                 break
         return Backfill(events, parts) if parts else None
@@ -359,6 +282,10 @@ class SyncDriver:
             used += cost
         return tuple(hashes), tuple(raws)
 
+    def backlog(self, peer: bytes, path: str) -> int:
+        """Events after the durable cursor on `path` for `peer` (offered or not, never answered for)."""
+        return eventlog.count_after(self.conn, st.cursor(self.conn, peer, path)[0], peer)
+
     def records_pending(self, peer: bytes, path: str) -> bool:
         """Whether `peer` has records to receive on `path` (not yet delivered there)."""
         done = st.delivered_records(self.conn, peer, path)
@@ -371,7 +298,7 @@ class SyncDriver:
             with _txn(self.conn):
                 st.mark_records_delivered(self.conn, peer, path, hs)
 
-    def confirm(self, peer: bytes, tok: _Token, processed: int, contiguous: bool = False,
+    def confirm(self, peer: bytes, tok: Token, processed: int, contiguous: bool = False,
                 rejected: list[int] | None = None, now: int | None = None) -> bool:
         """The peer answered a body: advance (§14.1). `processed`: events it processed to a final
         state before the first rejected one. `rejected` (peers that report it): the indices of
@@ -493,186 +420,12 @@ class SyncDriver:
         log.warning("protocol error from %s on %s: %s %s", peer.hex() if peer else "?", path, reason, detail)
         self.node.surface_refused(f"session:{path}", reason, detail, peer, now)
 
-    # ------------------------------------------------------------------ mailbox
+    # ------------------------------------------------------------------ mailbox (agent/mailbox_sync.py)
     def export_mailbox(self, peer: bytes, out: Path) -> dict:
-        """One sync body for `peer` from the mailbox path's cursor, carrying this node's answer to
-        the files it imported from `peer` (agent/mailbox.py). Written whole and durably or not at
-        all: OSError, and nothing moved or kept. The cursor does not move here: it moves when
-        `peer`'s answer to this file comes back in one of its files (§14.1), so every export
-        re-offers what is not yet acknowledged."""
-        now = now_ms()
-        # This node's answers: to the peer's files first, then to every other node's (files may go
-        # round a ring, never straight back: the next node relays them on). Then the answers of
-        # other nodes that reached this node, the peer's first.
-        ack = self._mailbox_ack(peer, now)
-        others = [self._mailbox_ack(s, now) for s in st.mailbox_owed_peers(self.conn)
-                  if s != peer and s in self.node.keyring]
-        extra = tuple(r for r in [ack, *others] if r is not None) + tuple(st.relayed_mailbox_acks(self.conn, peer))
-        o = self.build(peer, MAILBOX_PATH, "batch", extra_records=extra)
-        _write_durably(Path(out), o.body)
-        h = mailbox.body_hash(o.body)
-        with _txn(self.conn):
-            st.put_sent_body(self.conn, MAILBOX_PATH, h, peer, "mailbox", token_to_json(replace(o.token, sent_key=h)),
-                             now)
-        return {"peer": peer.hex(), "events": o.n_events, "bytes": len(o.body), "file": str(out),
-                "body_hash": h.hex(), "answers": len(st.owed_mailbox_answers(self.conn, peer)) if ack else 0,
-                "cursor": st.cursor(self.conn, peer, MAILBOX_PATH)[0]}
-
-    def _mailbox_ack(self, peer: bytes, now: int) -> bytes | None:
-        """The answer record to `peer`'s files imported here (the newest 16), signed through the
-        keystore bridge under a fresh identity (persist-before-release, like every record this node
-        issues) and stored; the held one is re-used while the answers are unchanged."""
-        answers = st.owed_mailbox_answers(self.conn, peer)
-        if not answers:
-            return None
-        raw = st.mailbox_ack_saying(self.conn, peer, answers)
-        if raw is not None:
-            return raw
-        node = self.node
-        raw = produce.issue_record(node, mailbox.ack_to_be_signed(node.site_id, node.mesh_id, peer, answers, now), now)
-        with _txn(self.conn):
-            st.put_mailbox_ack(self.conn, delivery_hash(raw), peer, answers, raw, now)
-        return raw
-
-    def _take_mailbox_acks(self, sender: bytes, raws, now: int) -> dict:
-        """The answer records in a file from `sender`: each verified on its own (issuer's key in the
-        keyring, not retired; signature over mesh_id; exact members), else dropped and surfaced. One
-        addressed to this node counts for the files this node wrote for its issuer and has not had
-        answered (`sent_bodies`): the cursor then moves as the MQTT answer moves it (`confirm`,
-        §14.1). It may come from the issuer or through any node that relays it (the signature is
-        the issuer's); one addressed to a third node is kept and relayed to it in this node's files."""
-        out = {"bodies": 0, "events": 0, "relayed": 0}
-        node = self.node
-        for raw in raws:
-            try:
-                a = mailbox.verify_ack(raw, node.mesh_id, node.keyring.get)
-            except RecordError as e:
-                with _txn(self.conn):
-                    _surface(self.conn, now, "record_dropped", e.reason,
-                             {"type": mailbox.ACK_CONTENT_TYPE, "detail": e.detail})
-                continue
-            issuer, subject = a["issuer"], a["subject"]
-            if subject != node.site_id:
-                if issuer != node.site_id:
-                    with _txn(self.conn):
-                        out["relayed"] += st.relay_mailbox_ack(self.conn, subject, issuer, a["issued_at"], a["raw"])
-                continue
-            for h, k in a["answers"]:
-                r = st.sent_body(self.conn, MAILBOX_PATH, h)
-                if r is None or r[0] != issuer:
-                    continue  # answered already, forgotten, or not a file written for the issuer
-                tok, _extra = token_from_json(r[2])
-                n = max(0, min(k, len(tok.seqs) + sum(sum(p.counts) for p in tok.bf_parts)))
-                self.confirm(issuer, tok, n)
-                out["bodies"] += 1
-                out["events"] += n
-        return out
+        return mailbox_sync.export(self, peer, out)
 
     def import_mailbox(self, data: bytes, now: int | None = None, body: SyncBody | None = None) -> dict:
-        """Parse the whole body strictly first (nothing changes on a malformed one: the streamed
-        parse prescans and walks all of it before returning), then records,
-        then the answers to this node's files, then events through the one apply path; then owe
-        the sender an answer for this file (carried by the next export to it). Mailbox bodies never
-        move watermarks. `body`: the parse of `data` already made (agent/mailbox.py parses before
-        making a driver)."""
-        body = parse_body_streamed(data) if body is None else body
-        now = now_ms() if now is None else now
-        # The import is several transactions (records, answer records, one per window of events,
-        # the answer owed, rehydration counts): a full disk in a later one must not be reported as
-        # "nothing was changed", so the steps that committed are tracked.
-        done: dict[str, Any] = {"applied": 0, "processed": 0, "step": "records", "committed": False}
-        try:
-            return self._import_mailbox(data, now, body, done)
-        except Exception as e:
-            if not done["committed"] or not db.disk_full(e, self.node.home / self.node.STORE_FILE):
-                raise       # nothing committed yet: the generic full-disk line is true
-            raise db.StoreError(_partial_import_line(self.node.home, len(body.events), done)) from e
-
-    def _import_mailbox(self, data: bytes, now: int, body: SyncBody, done: dict) -> dict:
-        sender = body.from_site_id
-        acks = [r for r in body.records if mailbox.is_ack(r)]
-        others = [r for r in body.records if not mailbox.is_ack(r)]
-        recs = self.apply_records(others, now) if others else None
-        if others:
-            done["step"], done["committed"] = "records_noted", True
-            self.note_records_received(sender, MAILBOX_PATH, others)
-        done["step"] = "acks"
-        acked = self._take_mailbox_acks(sender, acks, now)  # after the records: a vouch admits its issuer
-        done["step"], done["committed"] = "events", done["committed"] or bool(acks)
-        # The events go through the one apply path a window at a time: a body
-        # parsed by `parse_body_streamed` yields them from its bytes, so at most one window of
-        # events and of their outcomes is in memory; each window is a batch (one transaction),
-        # and only the counts and what did not simply apply are kept.
-        tally: dict[str, Any] = {"received": 0, "applied": 0, "below_horizon": 0, "duplicate": 0, "verified": 0}
-        result: dict[str, Any] = counts([])
-        detail: list[dict] = []
-        not_listed = 0
-        k = None
-        events = body.events
-        windows = events.windows(MAILBOX_WINDOW_BYTES) if hasattr(events, "windows") else [events]
-        for window in windows:
-            outcomes = self.node.apply_batch(window, now, origin="mailbox")
-            if k is None:
-                i = delivery.first_rejected(outcomes)   # reads `status` only
-                k = None if i == len(outcomes) else tally["received"] + i
-            for o in outcomes:
-                result[o.status] += 1
-                tally["verified"] += o.verified
-                if o.reason != R.APPLIED:
-                    # Detail for what did not simply apply (reasons, event ids), the first
-                    # MAILBOX_DETAIL_MAX of them: a file of 50 000 duplicates must not cost 50 000
-                    # objects in memory and on stdout; the counts cover every event.
-                    if len(detail) < MAILBOX_DETAIL_MAX:
-                        detail.append(o.as_json())
-                    else:
-                        not_listed += 1
-                    if o.reason == R.BELOW_HORIZON:
-                        tally["below_horizon"] += 1
-                    elif o.status == "duplicate":
-                        tally["duplicate"] += 1
-                elif o.status == "applied":
-                    tally["applied"] += 1
-            tally["received"] += len(outcomes)
-            done["applied"], done["processed"], done["committed"] = tally["applied"], tally["received"], True
-            del outcomes
-        k = tally["received"] if k is None else k
-        if sender != self.node.site_id and sender in self.node.keyring:
-            # Owed only to a site this node trusts: a file naming any other sender (a stranger,
-            # another mesh) must not make this node sign and carry answers to it in every file.
-            done["step"] = "answer"
-            with _txn(self.conn):
-                st.owe_mailbox_answer(self.conn, sender, mailbox.body_hash(data), k, now)
-        done["step"] = "counts"
-        rehydrate.note_counts(self.conn, sender, tally["verified"], tally["applied"], tally["below_horizon"],
-                              tally["duplicate"], tally["received"] - tally["verified"], sender in self.node.keyring)
-        result["from_site_id"] = sender.hex()
-        result["events"] = detail
-        result["events_not_listed"] = not_listed
-        if recs is not None:
-            result["records"] = recs
-        result["acknowledged"] = acked
-        return result
-
-
-def _partial_import_line(home: Path, total: int, done: dict) -> str:
-    """The full-disk line of an import that committed some of its steps: what is kept, what is
-    not, and that importing the file again is safe (its applied events are then duplicates, its
-    records already held, and the answer is owed once it commits)."""
-    free = db.free_bytes(home)
-    failed = {
-        "records_noted": "the note of its records for their sender was not recorded",
-        "acks": "the answers it carries from peers were not taken",
-        "events": f"the other {total - done['processed']} event(s) were not processed",
-        "answer": "the answer owed to its sender was not recorded (the sender offers the events again until "
-                  "it has one)",
-        "counts": "the rehydration's progress counts were not recorded (its answer was)",
-    }[done["step"]]
-    return (f"the filesystem holding {home} is full ({free if free is not None else '?'} bytes free) during the "
-            f"import: {done['applied']} of {total} event(s) of the file were applied and are kept "
-            f"({done['processed']} processed), but {failed}. Importing the same file again "
-            "once there is space is safe (what was applied counts as duplicates) and completes it. Free space "
-            "there, or run `ssp-agent evict --auto` (it uses the space the home reserves for it)")
-
+        return mailbox_sync.import_body(self, data, now, body)
 
 # The mailbox verbs (agent/mailbox.py holds the file and answer-record pieces below this layer).
 def import_mailbox_body(node, data: bytes, now: int | None = None) -> dict:
@@ -704,18 +457,11 @@ def change_policy(node, change, now: int | None = None) -> list[tuple[str, str]]
     return [(p.hex(), q) for p, q in widened]
 
 
-# The events a mailbox import applies per batch (one transaction each), by their bytes: bounds the
-# import's memory whatever the body holds, and is large enough that the commit
-# per window costs little beside the window's verification.
-MAILBOX_WINDOW_BYTES = 1 << 20
-# `mailbox import` lists at most this many of the events that did not simply apply (the counts
-# cover them all; `events_not_listed` says how many more): what it holds and prints stays bounded
-MAILBOX_DETAIL_MAX = 1000
-
-
 class LinkProvider:
-    """The Provider a Session talks to: one per link (path + what the binding knows). The session
-    decides which range goes (the exchange's window, agent/core/exchange.py); this selects it."""
+    """The one provider of a link (its path and what the binding knows of the peer): a Session
+    talks to it (`core.session.Provider`), the MQTT runner to its extension `PortAdapter`
+    (agent/sync_port.py). The exchange decides which range goes (agent/core/exchange.py); this
+    selects it, applies what arrives and moves the cursor on answers."""
 
     def __init__(self, driver: SyncDriver, path: str, secure: bool) -> None:
         self.driver, self.path, self.secure = driver, path, secure
@@ -724,9 +470,11 @@ class LinkProvider:
         return self.driver.node.site_id, self.driver.have_max_hlc()
 
     def cursor(self, peer: bytes) -> int:
+        """The durable cursor on this link's path."""
         return st.cursor(self.driver.conn, peer, self.path)[0]
 
     def records_pending(self, peer: bytes) -> bool:
+        """Whether `peer` has control records not yet delivered to it on this path."""
         return self.driver.records_pending(peer, self.path)
 
     def outgoing(self, peer: bytes, mode: str, now: int, **kw: Any) -> Outgoing:
@@ -737,7 +485,7 @@ class LinkProvider:
         return k, rejected_indices(outs)
 
     def confirm(self, peer: bytes, token: Any, processed: int, rejected: list[int] | None, now: int) -> None:
-        if isinstance(token, _Token):
+        if isinstance(token, Token):
             # contiguous: with a window in flight, an answer moves the live cursor only when its
             # body started at or before it (the rule the MQTT answers follow, `PortAdapter.advance`)
             self.driver.confirm(peer, token, processed, contiguous=True, rejected=rejected, now=now)
@@ -757,21 +505,8 @@ def delivery_hash(raw: bytes) -> bytes:
     return record_hash(bytes(raw))
 
 
-def _now_ms() -> int:
-    return now_ms()
-
-
 def _proc(o) -> delivery.Processed:
     return delivery.Processed(o.status, o.reason, o.site_id, o.table, o.hlc, o.verified)
-
-
-def _surface(conn, now: int, kind: str, reason: str, detail: dict) -> None:
-    reports.surface(conn, now, kind, reason, json.dumps(detail, sort_keys=True))
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    """Written whole or not at all, and durable before the mailbox cursor moves."""
-    atomic_write(str(path), data, 0o644)
 
 
 _txn = db.transaction  # one transaction helper for every writer (agent/store/db.py)
@@ -839,162 +574,3 @@ def _chain_position(node, kind: str, subject: bytes):
         raise NodeError(f"this node holds {kind} records of {subject.hex()} without their genesis; sync first")
     return (0, None) if ch is None or ch.head is None else (ch.head.generation + 1, ch.head.record_hash)
 
-
-class PortAdapter:
-    """The driver behind the interface agent/runner.py uses (peers, cursor, select, advance,
-    receive, body, answer_body, note_answer, handshake, have_max, backlog), so the MQTT runner gets
-    this layer's durable per-path cursors, policy, self-echo and peer-origin filters and control
-    records; the runner's default port is `PortAdapter(node, path="mqtt", secure=...)`.
-
-    A binding that does not authenticate the peer (`secure=False`, plain MQTT) gets no watermark
-    inference and its reports are ignored. That is fail-closed and costs only re-offers."""
-
-    def __init__(self, node, path: str = "mqtt", secure: bool = False, batch_limit: int = DEFAULT_BATCH_LIMIT) -> None:
-        self.node, self.path, self.secure = node, path, secure
-        self.driver = SyncDriver(node, batch_limit)
-        self.conn = node.conn
-
-    def peers(self) -> list[bytes]:
-        """The sites this node syncs with: its keyring but itself and the authorities' record keys
-        (`reports.record_keys`: they sign records and never sync, docs/operations.md §0)."""
-        keys = reports.record_keys(self.conn)
-        return sorted(s for s in self.node.keyring if s != self.node.site_id and s not in keys)
-
-    def have_max(self) -> tuple[int, int]:
-        return self.driver.have_max_hlc()
-
-    def handshake(self, supports_realtime: bool) -> bytes:
-        from .core.messages import Handshake, emit_handshake
-        return emit_handshake(Handshake(self.node.site_id, self.have_max(), supports_realtime, self.secure, None))
-
-    def cursor(self, peer: bytes) -> int:
-        return st.cursor(self.conn, peer, self.path)[0]
-
-    def select(self, peer: bytes, start: int, limit: int, backfill: bool = False, record_budget: int | None = None):
-        """At most `limit` events for `peer` after `start`, through the driver's one selection
-        (`SyncDriver.select_for`): the live tail first, then, with `backfill`, whole rows of the
-        peer's backfill jobs in what is left (policy re-checked now). The runner asks for backfill
-        only when no backfill body is in flight to that peer: the next rows are selected from the
-        durable `resume_after_row_key`, which moves only on an answer. The offer's token also
-        names the control records the body will carry (`body(events, peer, token)`): those not yet
-        delivered to the peer on this path, at most `record_budget` bytes (default a quarter of the
-        profile's body limit)."""
-        sel, bf, start, ro = self.driver.select_for(peer, self.path, "batch", start=start, limit=limit,
-                                                    backfill=backfill)
-        extra = [raw for _seq, raw in ro[0]] + (list(bf.events) if bf else [])
-        recs = self.driver.select_records(peer, self.path, record_budget)
-        return Offer(start, sel.end, list(sel.seqs), list(sel.events) + extra, sorted(sel.gaps),
-                     len(extra), bf is not None, self.driver.token(peer, self.path, sel, bf, start, recs, ro))
-
-    def records_pending(self, peer: bytes) -> bool:
-        """Whether `peer` has control records not yet delivered to it on this path."""
-        return self.driver.records_pending(peer, self.path)
-
-    def backlog(self, peer: bytes) -> int:
-        return eventlog.count_after(self.conn, self.cursor(peer), peer)
-
-    def advance(self, peer: bytes, start: int, seqs: list[int], end: int, processed: int, token=None,
-                rejected: list[int] | None = None) -> bool:
-        """The peer answered a body: `processed` events (live first, then backfill) reached a final
-        state. The live cursor moves only contiguously; backfill rows commit, whole rows only, with
-        the body's `token` (`Offer.token`, see `SyncDriver.confirm`)."""
-        if token is None:
-            token = _Token(self.path, start, tuple(seqs), end, (), st.rehydrate_generation(self.conn, peer))
-        return self.driver.confirm(peer, token, processed, contiguous=True, rejected=rejected)
-
-    @staticmethod
-    def keyed(token, corr: bytes):
-        """The token of a body published under correlation data `corr` (its `sent_bodies` key)."""
-        return replace(token, sent_key=corr) if isinstance(token, _Token) else token
-
-    def remember(self, sent: list[tuple[bytes, bytes, str, Any]]) -> None:
-        """Bodies just published, as (correlation data, peer, kind, Offer): kept durably, so an
-        answer that waits in the broker while this process is gone (a wake-sync-sleep device, a
-        restart) still moves the cursor when a later process takes it (§14.1)."""
-        t = now_ms()
-        with _txn(self.conn):
-            for corr, peer, kind, off in sent:
-                if isinstance(off.token, _Token):
-                    h = getattr(off, "body_hash", None)  # what a signed acknowledgement names (§5)
-                    st.put_sent_body(self.conn, self.path, corr, peer, kind,
-                                     token_to_json(off.token, x=off.n_backfill, bf=off.backfill,
-                                                   **({"h": h.hex()} if h else {})), t)
-
-    def forget(self, corr: bytes) -> None:
-        """A body the peer refused (`ssp-status: rejected`): nothing to confirm later."""
-        with _txn(self.conn):
-            st.forget_sent_body(self.conn, self.path, corr)
-
-    def recall(self, corr: bytes) -> dict | None:
-        """A body an earlier process (or this one) sent under `corr` and nobody answered yet:
-        peer, kind, start, end, seqs, n_backfill, backfill, token. None if unknown."""
-        r = st.sent_body(self.conn, self.path, corr)
-        if r is None:
-            return None
-        peer, kind, text = r
-        tok, extra = token_from_json(text)
-        return {"peer": peer, "kind": kind, "start": tok.start, "end": tok.end, "seqs": list(tok.seqs),
-                "n_backfill": int(extra.get("x", 0)), "backfill": bool(extra.get("bf", False)), "token": tok,
-                "body_hash": bytes.fromhex(extra["h"]) if extra.get("h") else None}
-
-    def receive(self, data: bytes, meta: dict | None = None, sender: bytes | None = None,
-                parsed: SyncBody | None = None):
-        """`meta`: the frame meta as sent ({s, e, d, g, x}); `sender`: who the binding says sent it
-        (a body naming someone else is refused); `parsed`: `parse_body(data)` if the caller has it
-        already (the Runner parses the next waiting body early, `Node.prepare_next`). Raises
-        ProtocolError: nothing changed."""
-        from .core.messages import ProtocolError
-        body = parse_body(data) if parsed is None else parsed
-        if sender is not None and body.from_site_id != sender:
-            raise ProtocolError("sender_mismatch", f"from_site_id {body.from_site_id.hex()} sent by {sender.hex()}")
-        sm = StreamMeta.from_wire(meta, len(body.events)) if meta is not None else None
-        k, outs = self.driver.receive(body.from_site_id, body, sm, "batch", now_ms(), self.path, self.secure)
-        return body, outs, k
-
-    def answer_body(self, peer: bytes | None = None, extra_records: tuple = ()) -> bytes:
-        """An answer's body: this node's watermarks and the next undelivered records for `peer`,
-        after `extra_records` (a signed acknowledgement, docs/protocol.md §5)."""
-        return self.body((), peer, extra_records=extra_records)
-
-    def sign_ack(self, subject: bytes, answers) -> bytes:
-        """This node's acknowledgement of `subject`'s bodies (`core.records.AckAnswer`s), signed with
-        its event key through the keystore bridge under a fresh HLC identity (persist-before-release,
-        `produce.issue_record`). Not stored: a lost one costs a re-offer, and the journal drops it at
-        the next compaction (Node._record_held)."""
-        from .core.records import ack_to_be_signed
-        from .node import now_ms
-        node = self.node
-        return produce.issue_record(node, ack_to_be_signed(node.site_id, node.mesh_id, subject, list(answers)), now_ms())
-
-    def body(self, events=(), peer: bytes | None = None, token=None, extra_records: tuple = ()) -> bytes:
-        """A sync body for `peer` carrying `events`, control records and this node's applied
-        watermarks. Records: with `token` (`Offer.token`), the ones selected with the offer (they
-        count as delivered when the peer answers, `advance`/`note_answer` with that token); without
-        one (an answer body), the next ones not yet delivered to the peer, within the budget, not
-        tracked (an answer is not answered)."""
-        if isinstance(token, _Token):
-            raws = token.record_raws
-        else:
-            raws = self.driver.select_records(peer, self.path)[1] if peer is not None else ()
-        return emit_body(SyncBody(self.node.site_id, self.have_max(), tuple(events), tuple(extra_records) + tuple(raws),
-                                  tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items()))))
-
-    def note_answer(self, peer: bytes, data: bytes, token=None) -> None:
-        """`peer` answered a body: take the answer's records and (secure binding) reports. With the
-        body's `token`, the records that body carried count as delivered to the peer (unless it
-        asked for its history again since the body was selected)."""
-        if isinstance(token, _Token) and token.records:
-            with _txn(self.conn):
-                if st.rehydrate_generation(self.conn, peer) == token.rehydrate_gen:
-                    st.mark_records_delivered(self.conn, peer, self.path, token.records)
-        try:
-            b = parse_body(data)
-        except Exception:  # noqa: BLE001 - a malformed answer is the runner's to surface
-            return
-        if b.records:  # records verify on their own (authority signatures): taken from any answer
-            self.driver.apply_records(b.records, now_ms())
-            self.driver.note_records_received(peer, self.path, b.records)
-        if not self.secure:
-            return
-        with _txn(self.conn):
-            st.set_peer_watermarks(self.conn, peer, [(w.site_id, w.table, w.hlc) for w in b.applied_watermarks])

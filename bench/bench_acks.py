@@ -12,7 +12,7 @@ mosquitto in bodies of `max-events` events (small, so that answers, not applies,
   `_Unsigned`: answers answered unsigned and taken on their properties) = the baseline;
 - secure binding (no acknowledgement asked for: the ACL path, unchanged);
 - insecure binding, acknowledgements grouped per pump (as shipped);
-- insecure binding, one signature per answer (grouping off: `runner.MAX_ACK_ANSWERS = 1`);
+- insecure binding, one signature per answer (grouping off: `mqtt_acks.MAX_ACK_ANSWERS = 1`);
 - and the bridge alone: `Node.release_signed` per second.
 
 Each mode runs `--repeat` times, interleaved (the machine's load moves); the median is printed:
@@ -28,7 +28,7 @@ from pathlib import Path
 from _harness import bench_env, catch_up as timed_catch_up, introduce, record  # noqa: E402  (bench/: the shared set-up)
 
 bench_env()
-from agent import runner as runner_mod  # noqa: E402
+from agent import mqtt_acks as acks_mod  # noqa: E402
 from agent.core.records import AckAnswer  # noqa: E402
 from agent.node import Node  # noqa: E402
 from agent.runner import RunConfig, Runner  # noqa: E402
@@ -90,7 +90,7 @@ def catch_up(url: str, a: Node, b: Node, secure: bool, max_events: int, window: 
 
 def release_rate(root: Path, n: int) -> float:
     """Signatures per second through the bridge alone (persist-before-release, witness)."""
-    from agent.sync import PortAdapter
+    from agent.sync_port import PortAdapter
     a = Node.init(root / "sign", MANIFEST)[0]
     pa = PortAdapter(a)
     subject = os.urandom(16)
@@ -121,13 +121,13 @@ def main() -> None:
         for rep in range(args.repeat):
             for name, secure, group, unsigned in modes:
                 a, b = pair(root, f"r{rep}-{len(runs[name])}-{modes.index((name, secure, group, unsigned))}", args.events)
-                saved = runner_mod.MAX_ACK_ANSWERS
-                runner_mod.MAX_ACK_ANSWERS = saved if group else 1
+                saved = acks_mod.MAX_ACK_ANSWERS
+                acks_mod.MAX_ACK_ANSWERS = saved if group else 1
                 try:
                     runs[name].append(catch_up(br.url, a, b, secure, args.max_events, args.window,
                                                args.ack_interval, unsigned))
                 finally:
-                    runner_mod.MAX_ACK_ANSWERS = saved
+                    acks_mod.MAX_ACK_ANSWERS = saved
                 a.close(), b.close()
     sig = release_rate(root, args.signatures)
     med = {k: sorted(v, key=lambda r: r["answers_per_s"])[len(v) // 2] for k, v in runs.items()}

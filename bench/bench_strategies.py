@@ -52,7 +52,7 @@ from agent.outcomes import Outcome  # noqa: E402
 from agent.runner import KIND_BATCH, P_ACK, RunConfig, Runner  # noqa: E402
 from agent.simpeer import manifest_text, readings_table  # noqa: E402
 from agent.store import db, sync_state as st  # noqa: E402
-from agent.sync import PortAdapter  # noqa: E402
+from agent.sync_port import PortAdapter  # noqa: E402
 from agent.transport.broker import Broker  # noqa: E402
 from agent.transport.mqtt import P_COUNT, P_END, P_KIND, P_META, P_PART, P_START, MqttSettings  # noqa: E402
 

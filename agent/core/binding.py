@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterable, Sequence
 from . import numbers, reasons
 from .exchange import KIND_BATCH, KIND_PULL, KIND_REALTIME, PRESENCE_LIMIT, Exchange, InFlight, Schedule
 from .messages import ProtocolError, parse_body
-from .records import MAX_ACK_ANSWERS, AckAnswer, RecordError, is_ack, verify_ack
+from .incoming import split_records
+from .records import ACK, MAX_ACK_ANSWERS, AckAnswer, RecordError, verify_ack
 from .sending import first_body
 
 # What the intake (`Intake`) holds waiting before the runner takes nothing more from its link: the
@@ -270,7 +271,7 @@ def answer_proof(p: InFlight, payload: bytes, mesh_id: bytes, self_site: bytes,
     try:
         # An honest answer carries one: a few are looked at, so a forged answer stuffed with
         # records costs at most MAX_ACKS_LOOKED_AT signature checks.
-        raws = [r for r in parse_body(payload).records if is_ack(r)][:MAX_ACKS_LOOKED_AT]
+        raws = split_records(parse_body(payload).records, [ACK])[0][:MAX_ACKS_LOOKED_AT]
     except ProtocolError:
         return None
     for raw in raws:

@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterable, TypeAlias
 from . import numbers
 from .messages import Handshake, ProtocolError, parse_presence
 from .records import AckAnswer
+from .budget import SurfaceBudget, not_surfaced  # noqa: F401 - re-exported (the runner, the serial port)
+from .schedule import OfferPlan, Schedule  # noqa: F401 - re-exported (the drivers)
 from .sending import MIN_BODY_LIMIT, PeerLimit
 
 KIND_BATCH, KIND_REALTIME = "batch", "rt"  # a request's `ssp-kind` (docs/mqtt.md)
@@ -262,114 +264,6 @@ class Presence:
     def realtime(self, site: bytes) -> bool:
         hs = self.caps.get(site)
         return bool(hs is not None and hs.supports_realtime)
-
-
-class SurfaceBudget:
-    """A flood bound on surfaced rows (docs/apply.md "Bounds"): at most
-    `per_window` per key (source, reason) in each `window` (in the caller's time unit); each
-    surfaced row is a transaction of its own (an fsync), and a hostile sender can provoke
-    refusals at will. The rest are counted and told in one row when the key's next window starts
-    (`admit`) or the caller stops (`drain`)."""
-
-    def __init__(self, per_window: int, window: float) -> None:
-        self.per_window, self.window = per_window, window
-        self.windows: dict[Any, list] = {}  # key -> [window start, surfaced, not surfaced]
-
-    def admit(self, key: Any, now: float) -> tuple[bool, int]:
-        """(surface this one, refusals not surfaced in the key's window that just ended: 0 or
-        the count to tell in one row now)."""
-        w = self.windows.get(key)
-        told = 0
-        if w is None or now - w[0] >= self.window:
-            if w is not None:
-                told = w[2]
-            w = self.windows[key] = [now, 0, 0]
-        if w[1] >= self.per_window:
-            w[2] += 1
-            return False, told
-        w[1] += 1
-        return True, told
-
-    def drain(self) -> list[tuple[Any, int]]:
-        out = [(k, w[2]) for k, w in self.windows.items() if w[2]]
-        self.windows.clear()
-        return out
-
-
-def not_surfaced(count: int, window_s: float, what: str = "") -> str:
-    """The one row that tells what a SurfaceBudget's window did not surface (every link's);
-    ``what``: the rows' kind ("refusals"), when the row's own kind does not say it."""
-    return f"{count} more {what + ' ' if what else ''}not surfaced within {window_s:g} s (flood bound)"
-
-
-# ---------------------------------------------------------------------- when to send
-class Schedule:
-    """When the loop's sends are due: the batch cycle every `cadence_s` while connected (§32), and
-    realtime (§33) either a push `coalesce_s` after the node produced events (what is produced
-    meanwhile travels in the same push, §33.2) or a flush every `flush_cadence_s` (§33.3)."""
-
-    def __init__(self, cfg: ExchangeConfig, local_top: int = 0) -> None:
-        self.cfg = cfg
-        self.next_batch = 0.0
-        self.next_flush = 0.0
-        self.produced_at: float | None = None
-        self.last_local = local_top  # writes up to here are the batch cycle's
-
-    def batch_due(self, now: float, connected: bool) -> bool:
-        if now >= self.next_batch and connected:
-            self.next_batch = now + self.cfg.cadence_s
-            return True
-        return False
-
-    def produced(self, now: float) -> None:
-        """The node produced events (an in-process writer says so)."""
-        if self.produced_at is None:
-            self.produced_at = now
-
-    def realtime_due(self, now: float, local_top: int) -> str | None:
-        """"flush" (a fixed-cadence body to every realtime peer, even empty), "push" (what was
-        produced, coalesced) or None. `local_top`: the seq of the node's newest own write."""
-        if not self.cfg.realtime:
-            return None
-        if self.cfg.flush_cadence_s:
-            if now >= self.next_flush:
-                self.next_flush = now + self.cfg.flush_cadence_s
-                return "flush"
-            return None
-        if local_top > self.last_local and self.produced_at is None:
-            self.produced_at = now
-        if self.produced_at is not None and now - self.produced_at >= self.cfg.coalesce_s:
-            self.produced_at = None
-            self.last_local = max(self.last_local, local_top)
-            return "push"
-        return None
-
-
-@dataclass
-class OfferPlan:
-    """One offer to one peer (`Exchange.plan_offer`): where the bodies start, how many may go,
-    the records budget per body, and whether one goes even with nothing new. The caller selects
-    each body (agent/sync.py) and asks `worth_sending`; `sent` moves the start."""
-    peer: bytes
-    kind: str
-    start: int
-    bodies: int
-    limit: int  # bytes per body for this peer now
-    record_budget: int
-    force: bool
-
-    def worth_sending(self, end: int, backfill: bool) -> bool:
-        """A selection ending at `end` goes out if it reaches past the start (even with nothing for
-        the peer: an empty body, so the cursor moves only on an answer), carries backfill rows (or
-        the walk's end), or is forced (records the peer lacks; the fixed-cadence flush). Forcing
-        sends one body."""
-        if end <= self.start and not backfill and not self.force:
-            return False
-        self.force = False
-        return True
-
-    def sent(self, end: int) -> None:
-        self.start = end
 
 
 # ---------------------------------------------------------------------- the window

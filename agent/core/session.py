@@ -24,6 +24,7 @@ from . import reasons
 from .classify import classified
 from .codec import INT64_MAX, DecodeError, decode_strict, encode
 from .binding import NEVER, next_due
+from .incoming import ON_SESSION, sync_body
 from .exchange import KIND_BATCH, KIND_REALTIME, BodyLimits, Exchange, ExchangeConfig, InFlight, Schedule
 from .messages import Handshake, ProtocolError, SyncBody, emit_handshake, parse_message
 from .sending import MIN_BODY_LIMIT
@@ -383,12 +384,8 @@ class Session:
             raise ProtocolError("no_handshake", "a sync body before the capability handshake (§31)")
 
     def _body(self, f: dict) -> tuple[SyncBody, StreamMeta]:
-        msg = parse_message(f["b"])  # strict (§32.2)
-        if not isinstance(msg, SyncBody):
-            raise ProtocolError("not_a_body", "expected a sync body")
-        if msg.from_site_id != self.peer:
-            raise ProtocolError("sender_mismatch", f"from_site_id {msg.from_site_id.hex()} on a session with "
-                                                   f"{self.peer.hex() if self.peer else '?'}")
+        assert self.peer is not None  # ready: the handshake named it
+        msg = sync_body(f["b"], self.peer, said=ON_SESSION)  # strict (§32.2), the one sender check
         return msg, StreamMeta.from_wire(f["m"], len(msg.events))
 
     def _fits(self, f: dict, now: int) -> bool:

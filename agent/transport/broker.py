@@ -16,8 +16,9 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
+
+from ..timesource import SYSTEM, Clock
 
 CANDIDATES = ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto", "/usr/bin/mosquitto")
 
@@ -94,7 +95,8 @@ class Broker:
     def __init__(self, port: int | None = None, workdir: str | Path | None = None, *,
                  max_packet_size: int | None = None,
                  extra_conf: str = "", persistence: bool = True, verbose: bool = False,
-                 listener_conf: str | None = None, raw_conf: str | None = None) -> None:
+                 listener_conf: str | None = None, raw_conf: str | None = None, clock: Clock = SYSTEM) -> None:
+        self.clock = clock  # the waits for the port to open and close
         self.exe = find_mosquitto()
         if self.exe is None:
             raise BrokerError("mosquitto is not installed: `apt-get install mosquitto` (Debian/Raspberry Pi OS), "
@@ -159,13 +161,13 @@ class Broker:
         self.proc = subprocess.Popen([self.exe, "-c", str(self.conf_path)], stdout=err, stderr=err,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         err.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        deadline = self.clock.mono() + timeout
+        while self.clock.mono() < deadline:
             if self.proc.poll() is not None:
                 raise BrokerError(f"mosquitto exited with {self.proc.returncode} at start: {self._tail()}")
             if port_open(self.host, self.port):
                 return self
-            time.sleep(0.02)
+            self.clock.sleep(0.02)
         self.kill()
         raise BrokerError(f"mosquitto did not listen on {self.host}:{self.port} within {timeout}s: {self._tail()}")
 
@@ -207,9 +209,9 @@ class Broker:
         return self.start()
 
     def _wait_port_closed(self, timeout: float = 3.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and port_open(self.host, self.port, 0.05):
-            time.sleep(0.02)
+        deadline = self.clock.mono() + timeout
+        while self.clock.mono() < deadline and port_open(self.host, self.port, 0.05):
+            self.clock.sleep(0.02)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -19,15 +19,11 @@ import itertools
 import logging
 import os
 import queue
-import random
-import re
 import ssl
 import threading
-import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable
-from urllib.parse import unquote, urlparse
 
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
@@ -37,30 +33,18 @@ from paho.mqtt.properties import Properties
 # The wire of the binding (user property names, the frame meta, rejected indices) is pure:
 # agent/core/binding.py; re-exported here for the link's users.
 from .. import inbox, outbox
-from ..core import numbers
 from ..core.binding import (P_CONN, P_COUNT, P_END, P_FROM, P_KIND, P_META, P_MORE, P_PART,  # noqa: F401
                             P_PROCESSED, P_REASON, P_REJECTED_AT, P_START, P_STATUS, decode_indices)
 from ..core.exchange import KIND_BATCH, KIND_PULL, KIND_REALTIME  # noqa: F401 - a request's kinds (the exchange decides)
 from ..core.sending import split_sizes  # noqa: F401 - body splitting is pure; re-exported for the runner, benches, tests
+from ..timesource import SYSTEM, Clock
+from .mqtt_settings import (ADVERTISED_FLOOR, DEFAULT_BODY_LIMIT_BYTES, DEFAULT_MAX_EVENTS,  # noqa: F401 - re-exported
+                            DEFAULT_PREFIX, DEFAULT_SESSION_EXPIRY_S, P_BODY_LIMIT, PACKET_OVERHEAD,
+                            RECEIVE_BUDGET_BYTES, RECEIVE_MAXIMUM_MAX, RECEIVE_MAXIMUM_MIN, Backoff, MqttSettings,
+                            Topics, max_packet_size, parse_body_limit, receive_maximum)
 
 log = logging.getLogger("ssp_agent.mqtt")
 
-DEFAULT_PREFIX = "ssp"
-DEFAULT_SESSION_EXPIRY_S = 7 * 24 * 3600  # a device offline for a week still finds its mailbox
-DEFAULT_BODY_LIMIT_BYTES = 256 * 1024
-DEFAULT_MAX_EVENTS = 1000
-PACKET_OVERHEAD = 1024  # topic, packet id, properties: generous, so a body never trips the limit
-
-# The publisher's own body limit (bytes), on its presence, its bodies and its answers: transport
-# metadata that carries no authority (the §32 body keeps its six members). A sender uses min(its
-# link's maximum, the peer's advertised limit), never below ADVERTISED_FLOOR, whoever wrote it
-# (docs/mqtt.md "Size limits").
-P_BODY_LIMIT = "ssp-body-limit"
-ADVERTISED_FLOOR = 16 * 1024
-# In-flight memory bound: the broker may have at most ReceiveMaximum unacknowledged
-# PUBLISHes out to this node, each at most its Maximum Packet Size (own body limit + PACKET_OVERHEAD).
-RECEIVE_BUDGET_BYTES = 64 * 1024 * 1024
-RECEIVE_MAXIMUM_MIN, RECEIVE_MAXIMUM_MAX = 16, 1000
 # What the link holds between paho's network thread and the loop, in bytes (agent/inbox.py): Receive
 # Maximum counts no QoS 0 publish, so this, not the broker, bounds what a flood leaves in memory;
 # past it the network thread waits and TCP pushes back on the broker (docs/mqtt.md "Memory bound").
@@ -84,129 +68,6 @@ class TransportError(RuntimeError):
     """A local transport fault (broker unreachable, TLS files unreadable): never a protocol error."""
 
 
-# ---------------------------------------------------------------------------- settings
-@dataclass
-class MqttSettings:
-    host: str = "127.0.0.1"
-    port: int = 1883
-    tls: bool = False
-    ca_file: str | None = None
-    cert_file: str | None = None  # optional client certificate (mutual TLS)
-    key_file: str | None = None
-    username: str | None = None
-    password: str | None = None
-    keepalive: int = 30
-    session_expiry_s: int = DEFAULT_SESSION_EXPIRY_S
-    prefix: str = DEFAULT_PREFIX
-    body_limit_bytes: int = DEFAULT_BODY_LIMIT_BYTES  # the profile's body limit
-    max_events: int = DEFAULT_MAX_EVENTS  # events per body (the sender-enforced limit)
-    backoff_min_s: float = 0.5
-    backoff_max_s: float = 60.0
-    client_id: str | None = None  # default: the site_id in hex (a persistent session per device)
-    receive_maximum: int | None = None  # default: receive_maximum(body_limit_bytes) (the in-flight memory bound)
-    # Announce a Maximum Packet Size at CONNECT (body limit + PACKET_OVERHEAD) so the broker drops
-    # larger PUBLISHes: paho reads every PUBLISH whole before the link can refuse it, so without it
-    # one 64 MiB message costs a node hundreds of MB (docs/mqtt.md "Memory bound"). mosquitto 2.0.11
-    # keeps the in-flight slot of each PUBLISH it drops so; the link's delivery watch frees them.
-    announce_max_packet: bool = True
-
-    @classmethod
-    def from_url(cls, url: str, **kw) -> "MqttSettings":
-        """mqtt://[user[:password]@]HOST[:PORT] or mqtts://... (TLS, default port 8883)."""
-        u = urlparse(url)
-        if u.scheme not in ("mqtt", "mqtts", "tcp", "ssl"):
-            raise ValueError(f"broker URL must be mqtt://HOST:PORT or mqtts://HOST:PORT, got {url!r}")
-        if not u.hostname:
-            raise ValueError(f"broker URL {url!r} names no host")
-        tls = u.scheme in ("mqtts", "ssl")
-        try:
-            port = u.port or (8883 if tls else 1883)
-        except ValueError:
-            raise ValueError(f"broker URL {url!r} has a bad port") from None
-        s = cls(host=u.hostname, port=port, tls=tls)
-        if u.username:
-            s.username = unquote(u.username)
-        if u.password:
-            s.password = unquote(u.password)
-        for k, v in kw.items():
-            if v is not None:
-                setattr(s, k, v)
-        if s.ca_file or s.cert_file:
-            s.tls = True
-        return s
-
-
-class Topics:
-    def __init__(self, mesh_id: bytes, prefix: str = DEFAULT_PREFIX) -> None:
-        self.prefix, self.mesh = prefix, mesh_id.hex()
-        self._node = re.compile(rf"^{re.escape(prefix)}/{self.mesh}/([0-9a-f]{{32}})"
-                                rf"/(inbox/req|inbox/ans|presence)(?:/([0-9a-f]{{32}}))?$")
-
-    def base(self, site: bytes) -> str:
-        return f"{self.prefix}/{self.mesh}/{site.hex()}"
-
-    def requests(self, site: bytes, sender: bytes) -> str:
-        """Where `sender` publishes bodies for `site`."""
-        return self.base(site) + "/inbox/req/" + sender.hex()
-
-    def answers(self, site: bytes, sender: bytes) -> str:
-        """Where `sender` publishes its answers to `site`'s pushes."""
-        return self.base(site) + "/inbox/ans/" + sender.hex()
-
-    def inbox_filter(self, site: bytes) -> str:
-        return self.base(site) + "/inbox/#"
-
-    def presence(self, site: bytes) -> str:
-        return self.base(site) + "/presence"
-
-    def presence_filter(self) -> str:
-        return f"{self.prefix}/{self.mesh}/+/presence"
-
-    def classify(self, topic: str) -> tuple[bytes, str, bytes | None] | None:
-        """(site_id, 'inbox/req' | 'inbox/ans' | 'presence', sender or None), or None for a
-        foreign topic. Inbox topics must name their sender; presence must not."""
-        m = self._node.match(topic)
-        if m is None or (m.group(2) == "presence") != (m.group(3) is None):
-            return None
-        return bytes.fromhex(m.group(1)), m.group(2), bytes.fromhex(m.group(3)) if m.group(3) else None
-
-
-def parse_body_limit(text: str | None) -> int | None:
-    """An advertised body limit (`ssp-body-limit`) read by the one strict reader
-    (`core.numbers.uint`: ASCII digits, at most 10 of them); None for anything else (ignored, as
-    every member a node does not understand)."""
-    return numbers.uint(text, max_value=10**10 - 1)
-
-
-def max_packet_size(body_limit: int) -> int:
-    """The Maximum Packet Size this node announces at CONNECT: its body limit plus the topic and
-    properties (the sender counts `ssp-meta` inside the body limit; the rest fits PACKET_OVERHEAD)."""
-    return int(body_limit) + PACKET_OVERHEAD
-
-
-def receive_maximum(body_limit: int) -> int:
-    """Unacknowledged PUBLISHes the broker may have out to this node at once: as many of the
-    largest packets as RECEIVE_BUDGET_BYTES holds, between 16 and 1 000."""
-    return max(RECEIVE_MAXIMUM_MIN, min(RECEIVE_MAXIMUM_MAX, RECEIVE_BUDGET_BYTES // max_packet_size(body_limit)))
-
-
-class Backoff:
-    """Capped exponential backoff with jitter (half fixed, half random: never a zero wait, and
-    a fleet that lost its broker at the same moment does not come back in lockstep)."""
-
-    def __init__(self, base: float = 0.5, cap: float = 60.0, rng: random.Random | None = None) -> None:
-        self.base, self.cap, self.n = base, cap, 0
-        self.rng = rng or random.Random()
-
-    def next(self) -> float:
-        d = min(self.cap, self.base * (2 ** min(self.n, 30)))
-        self.n += 1
-        return d / 2 + self.rng.uniform(0, d / 2)
-
-    def reset(self) -> None:
-        self.n = 0
-
-
 # ---------------------------------------------------------------------------- the link
 @dataclass
 class Inbound:
@@ -224,7 +85,7 @@ class Inbound:
     generation: int  # the connection it arrived on: acks on a later connection are meaningless
     sender: bytes | None = None  # inbox: the publisher the topic names (pinned by the broker's ACL, if any)
     oversize: int = 0  # a body over the node's body limit: its size (its payload was not kept)
-    received: float = field(default_factory=time.monotonic)
+    received: float = 0.0  # when the link took it (its clock's monotonic time)
     seq: int = 0  # the link's receipt number of this message (`MqttLink.received`)
 
 
@@ -269,8 +130,9 @@ class MqttLink:
     thread, which acks each message after its transaction commits (`ack`)."""
 
     def __init__(self, settings: MqttSettings, mesh_id: bytes, site_id: bytes,
-                 presence_payload: Callable[[], bytes] | None = None) -> None:
+                 presence_payload: Callable[[], bytes] | None = None, clock: Clock = SYSTEM) -> None:
         self.s = settings
+        self.clock = clock  # connect timeouts and the delivery watch (monotonic), losses (wall)
         self.site_id, self.mesh_id = site_id, mesh_id
         self.topics = Topics(mesh_id, settings.prefix)
         self.presence_payload = presence_payload
@@ -432,7 +294,7 @@ class MqttLink:
                     else:
                         self._client.reconnect()
                     self._connecting = True
-                    self._connect_started = time.monotonic()
+                    self._connect_started = self.clock.mono()
                 except (OSError, ssl.SSLError, ValueError) as e:
                     self._connect_failed(f"cannot reach broker {self.s.host}:{self.s.port}: {e}{self._tls_hint(e)}")
                     self._sleep(self._backoff.next())
@@ -441,7 +303,7 @@ class MqttLink:
             rc = self._client.loop(timeout=0.05)
             if rc == MQTTErrorCode.MQTT_ERR_SUCCESS and self.connected.is_set():
                 self._watch_deliveries()
-            if self._connecting and time.monotonic() - self._connect_started > 10:
+            if self._connecting and self.clock.mono() - self._connect_started > 10:
                 rc = MQTTErrorCode.MQTT_ERR_CONN_LOST  # no CONNACK: start over
                 try:
                     self._client.disconnect()
@@ -481,7 +343,7 @@ class MqttLink:
     def _watch_deliveries(self) -> None:
         """The delivery watch's step (network thread): a probe after a quiet spell; a connection
         whose probe did not come back is dropped, and reconnecting frees the slots it held."""
-        act = self._prober.step(time.monotonic())
+        act = self._prober.step(self.clock.mono())
         if act == inbox.RECONNECT:
             self._lost(f"deliveries stuck: our probe was not back in {self._prober.watch.wait_s:g} s "
                        "(in-flight slots held for oversized messages the broker dropped); reconnecting")
@@ -509,7 +371,7 @@ class MqttLink:
     def _note_loss(self, detail: str) -> None:
         if self._stop.is_set():
             return  # our own close (`close`, `abort`): not a loss
-        self.losses.append((int(time.time() * 1000), detail))
+        self.losses.append((self.clock.wall_ms(), detail))
         self.wake()
 
     # -------------------------------------------------------------- paho callbacks (network thread)
@@ -581,7 +443,8 @@ class MqttLink:
                     del self.present[next(iter(self.present))]
                     self.present_evicted += 1
             self.inbound.put(Inbound("presence", site, payload, _user_props(props), None, None, msg.mid, msg.qos,
-                                     bool(msg.dup), bool(msg.retain), self.generation, seq=self.received))
+                                     bool(msg.dup), bool(msg.retain), self.generation, seq=self.received,
+                                     received=self.clock.mono()))
             self.wake()
             return
         if site != self.site_id:
@@ -597,7 +460,7 @@ class MqttLink:
         self.inbound.put(Inbound("req" if kind == "inbox/req" else "ans", site, bytes(payload),
                                  _user_props(props), bytes(corr) if corr is not None else None, rt,
                                  msg.mid, msg.qos, bool(msg.dup), bool(msg.retain), self.generation, sender,
-                                 oversize=oversize, seq=self.received))
+                                 oversize=oversize, seq=self.received, received=self.clock.mono()))
         self.wake()
 
     def _on_publish(self, client, userdata, mid, reason_code, properties) -> None:
@@ -704,11 +567,12 @@ def iter_ranges(items: Iterable, ranges: list[tuple[int, int]]) -> Iterable[list
         yield lst[a:b]
 
 
-def wait_for(q: "inbox.Inbox[Inbound]", kind: str, timeout: float, keep: list | None = None) -> Inbound | None:
+def wait_for(q: "inbox.Inbox[Inbound]", kind: str, timeout: float, keep: list | None = None,
+             clock: Clock = SYSTEM) -> Inbound | None:
     """Tests and tools: the next inbound of `kind`, others set aside in `keep` (or dropped)."""
-    deadline = time.monotonic() + timeout
+    deadline = clock.mono() + timeout
     while True:
-        left = deadline - time.monotonic()
+        left = deadline - clock.mono()
         if left <= 0:
             return None
         try:

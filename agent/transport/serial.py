@@ -16,14 +16,14 @@ import errno
 import logging
 import os
 import select
-import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..core.exchange import SurfaceBudget, not_surfaced
+from ..core.budget import SurfaceBudget, not_surfaced
 from ..faults import LOCAL_FAULTS, describe
 from ..outcomes import STATUSES
+from ..timesource import SYSTEM, Clock
 from .serial_link import LinkConfig, LinkError, SerialLink
 
 log = logging.getLogger("ssp_agent.serial")
@@ -217,12 +217,10 @@ class SerialEndpoint:
                          "down_reasons": sorted(self.events.down_reasons)}}
 
     def _unanswered(self) -> int | None:
-        from ..store import eventlog, sync_state as st
         peer = self.session.peer if self.session is not None else None
         if peer is None:
             return None
-        live = st.cursor(self.driver.conn, peer, PATH)[0]
-        return eventlog.count_after(self.driver.conn, live, peer)
+        return self.driver.backlog(peer, PATH)
 
     # ------------------------------------------------------------------ glue
     def _new_session(self, wall: int) -> None:
@@ -329,14 +327,6 @@ class SerialEndpoint:
 
 
 # ---------------------------------------------------------------------- the port loop
-def mono_ms() -> int:
-    return time.monotonic_ns() // 1_000_000
-
-
-def wall_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 def link_config(profile, baud: int) -> LinkConfig:
     g = lambda k, d: getattr(profile, k, d)  # noqa: E731 - profiles from before [serial] lack these
     return LinkConfig(baud=baud, max_payload=int(g("serial_frame_bytes", 1024)), window=int(g("serial_window_bytes", 8192)),
@@ -364,9 +354,11 @@ class SerialPort:
     """One node on one serial port."""
 
     def __init__(self, node, port: str, baud: int, *, realtime: bool = True, secure: bool = False,
-                 cadence_s: float | None = None, nonce: int | None = None, once: bool = False) -> None:
+                 cadence_s: float | None = None, nonce: int | None = None, once: bool = False,
+                 clock: Clock = SYSTEM) -> None:
         from ..sync import SyncDriver
         self.node, self.port, self.baud = node, port, baud
+        self.clock = clock  # the link's timers on its monotonic time, the session on its wall time
         prof = node.profile
         self.settings = session_settings(prof, baud, realtime=realtime, secure=secure, cadence_s=cadence_s, once=once)
         self.driver = SyncDriver(node, self.settings.batch_limit)
@@ -379,7 +371,7 @@ class SerialPort:
         self.endpoint.name = port
         self.timeout_s = float(getattr(prof, "serial_timeout_s", 30.0))
         self._open()
-        self.endpoint.start(mono_ms())
+        self.endpoint.start(clock.mono_ms())
         self._drain_writes()
 
     # ------------------------------------------------------------------ port
@@ -426,7 +418,7 @@ class SerialPort:
         # is reopened every REOPEN_S meanwhile, by its name (a /dev/serial/by-id/ link comes back).
         self._close_port()
         self._pending.clear()
-        self._reopen_at = time.monotonic() + REOPEN_S
+        self._reopen_at = self.clock.mono() + REOPEN_S
         self.endpoint.events.append(("port_lost", f"{e.strerror or e}"))
         log.warning("serial port %s lost (%s); reopening it every %g s", self.port, e.strerror or e, REOPEN_S)
 
@@ -434,7 +426,7 @@ class SerialPort:
         try:
             self._open()
         except SerialError:
-            self._reopen_at = time.monotonic() + REOPEN_S
+            self._reopen_at = self.clock.mono() + REOPEN_S
             return
         self.endpoint.events.append(("port_reopened", self.port))
         log.warning("serial port %s is back", self.port)
@@ -454,13 +446,13 @@ class SerialPort:
     def wait_s(self, cap: float) -> float:
         """Seconds until this port needs its loop: the link's or the session's next timer, or the
         next attempt to reopen a port that went away; at most `cap`."""
-        mono = mono_ms()
+        mono = self.clock.mono_ms()
         ts = [cap]
-        t = self.endpoint.timer(mono, wall_ms())
+        t = self.endpoint.timer(mono, self.clock.wall_ms())
         if t is not None:
             ts.append((t - mono) / 1000)
         if self._fd is None:
-            ts.append(self._reopen_at - time.monotonic())
+            ts.append(self._reopen_at - self.clock.mono())
         return max(0.0, min(ts))
 
     def service(self, readable: bool, writable: bool) -> int:
@@ -468,7 +460,7 @@ class SerialPort:
         write what the line takes, run the timers that are due. Returns the bytes read."""
         n = 0
         if self._fd is None:
-            if time.monotonic() >= self._reopen_at:
+            if self.clock.mono() >= self._reopen_at:
                 self._reopen()
         elif readable:
             try:
@@ -484,17 +476,17 @@ class SerialPort:
                 self._lost_port(OSError(errno.EIO, "hang-up"))
             elif data:
                 n = len(data)
-                self.endpoint.receive_bytes(data, mono_ms(), wall_ms())
+                self.endpoint.receive_bytes(data, self.clock.mono_ms(), self.clock.wall_ms())
         if self._pending:
             self._drain_writes()
-        self.endpoint.handle_timer(mono_ms(), wall_ms())
+        self.endpoint.handle_timer(self.clock.mono_ms(), self.clock.wall_ms())
         return n
 
     def step(self, max_wait_s: float = 0.2) -> None:
         wait = self.wait_s(max_wait_s)
         fd = self._fd
         if fd is None:
-            time.sleep(wait)
+            self.clock.sleep(wait)
             self.service(False, False)
             return
         try:
@@ -512,10 +504,10 @@ class SerialPort:
         answers within `timeout_s` (the profile's serial timeout)."""
         ep = self.endpoint
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        t0 = time.monotonic()
+        t0 = self.clock.mono()
         deadline = t0 + timeout_s
         while not ep.ready:
-            if time.monotonic() > deadline:
+            if self.clock.mono() > deadline:
                 raise SerialError(f"no answer on {self.port} within {timeout_s:g} s (link {ep.link.state}); "
                                   "check the cable, the baud rate and that the other end runs ssp-agent")
             self.step(0.1)
@@ -525,7 +517,7 @@ class SerialPort:
         # long enough that a body crawling through retransmissions is not taken for silence.
         fallback_s = max(3.0, 2 * ep.link.cfg.max_rto_ms / 1000)
         while True:
-            now = time.monotonic()
+            now = self.clock.mono()
             if ep.completed > 0 and now > deadline + self.settings.answer_timeout_ms / 1000:
                 break  # an exchange completed; the other end keeps sending (a busy `run`): enough
             done = ep.ready and ep.completed > 0 and not ep.busy()

@@ -19,7 +19,8 @@ from agent.core.records import truncation_to_be_signed
 from agent.rehydrate import to_be_signed as rehydrate_tbs
 from agent.runner import RunConfig, Runner
 from agent.simpeer import SimPeer
-from agent.sync import PortAdapter, SyncDriver
+from agent.sync import SyncDriver
+from agent.sync_port import PortAdapter
 from agent.transport.mqtt import MqttLink, MqttSettings, Topics, _publish_props
 
 from .poison import DEEP_META, MIXED_KEY_BODY, shared_events_body, sharing_bomb, watermark_body

@@ -277,8 +277,8 @@ def test_an_import_stopped_by_the_full_disk_between_windows_says_what_was_applie
     """A file applied a window at a time (one transaction each) whose second
     window finds the disk full: the first window's events are kept, and the line says so (before:
     "nothing was changed"); importing the file again applies the rest."""
-    from agent import sync
-    monkeypatch.setattr(sync, "MAILBOX_WINDOW_BYTES", 1)    # one event per window
+    from agent import mailbox_sync
+    monkeypatch.setattr(mailbox_sync, "MAILBOX_WINDOW_BYTES", 1)    # one event per window
     home, body, snapshot, acked = _partial_import_setup(mid_fs, tmp_path, 5)
     free, (rc, err, applied, owed) = _smallest_free_that_applies(mid_fs, home, snapshot, body, capsys)
     assert 0 < applied < 5 and owed == 0, (free, rc, err, applied)

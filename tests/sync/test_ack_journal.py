@@ -7,7 +7,7 @@ import os
 
 from agent.core.cose import content_type
 from agent.core.records import ACK, AckAnswer, verify_ack
-from agent.sync import PortAdapter
+from agent.sync_port import PortAdapter
 
 from .helpers import mesh, reopen
 

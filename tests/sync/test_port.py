@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from agent.core.messages import SyncBody, emit_body
 from agent.store import sync_state as st
-from agent.sync import PortAdapter
+from agent.sync_port import PortAdapter
 
 from .helpers import NOW, T, log_set, mesh
 

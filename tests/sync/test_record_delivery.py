@@ -11,7 +11,8 @@ from agent import rehydrate
 from agent.core import records as rec
 from agent.core.messages import parse_body
 from agent.store import sync_state as st
-from agent.sync import MAILBOX_PATH, MAX_RECORDS_PER_BODY, PortAdapter, SyncDriver, _txn, delivery_hash
+from agent.sync import MAILBOX_PATH, MAX_RECORDS_PER_BODY, SyncDriver, _txn, delivery_hash
+from agent.sync_port import PortAdapter
 
 from .helpers import MESH, NOW, T, Signer, mesh, sync
 
