@@ -43,6 +43,9 @@ class Keystore(ABC):
     """Named keys; Ed25519 ("ed25519") for events/records, ECDSA P-256 ("p256") for receipts."""
 
     kind: str = "abstract"
+    # Whether it signs an identity below the last one it signed (a serial device refuses: its
+    # firmware keeps identities monotonic); SigningBridge.open_event_gap needs it
+    signs_below_last: bool = True
 
     @abstractmethod
     def generate_key(self, name: str, alg: str, tag: Optional[bytes] = None) -> bytes:
