@@ -153,7 +153,7 @@ class SigningBridge:
         was ever intended (the caller's clock knows it: docs/apply.md "Clocks without an RTC"), so
         they may be signed although a compaction's FLOOR lies above them. Refused (KeystoreError)
         by a keystore that only signs identities above the last one it signed (serial firmware)."""
-        if not self._ks.signs_below_last:
+        if self._ks.upward_only:
             raise KeystoreError(f"the {self._ks.kind} keystore signs only identities above the last one it "
                                 "signed; it cannot sign in a gap below it")
         self._journal.open_gap(site_id, low, top)

@@ -43,9 +43,9 @@ class Keystore(ABC):
     """Named keys; Ed25519 ("ed25519") for events/records, ECDSA P-256 ("p256") for receipts."""
 
     kind: str = "abstract"
-    # Whether it signs an identity below the last one it signed (a serial device refuses: its
-    # firmware keeps identities monotonic); SigningBridge.open_event_gap needs it
-    signs_below_last: bool = True
+    # True: it refuses an identity at or below the last one it took (serial firmware keeps them
+    # monotonic), so SigningBridge.open_event_gap refuses a gap below it
+    upward_only: bool = False
 
     @abstractmethod
     def generate_key(self, name: str, alg: str, tag: Optional[bytes] = None) -> bytes:

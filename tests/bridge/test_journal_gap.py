@@ -101,11 +101,11 @@ def test_a_torn_gap_record_is_no_gap(env):
 def test_a_keystore_that_signs_only_upwards_refuses_a_gap(env):
     ks, bridge, path = env
     bridge.release(*ev_item(FUTURE, 0))
-    type(ks).signs_below_last = False
+    type(ks).upward_only = True
     try:
         with pytest.raises(KeystoreError, match="above the last one"):
             bridge.open_event_gap(SITE, (0, 0), (FUTURE, 0))
     finally:
-        del type(ks).signs_below_last
+        del type(ks).upward_only
     assert bridge.event_gap(SITE) is None
     assert struct.calcsize(">QI") == 12
