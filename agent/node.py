@@ -22,7 +22,7 @@ from firmware_bridge.errors import DeviceTimeout
 from firmware_bridge.fsutil import atomic_write, fsync_dir
 from firmware_bridge.journal import inspect as journal_inspect
 
-from . import identity as ident, produce
+from . import clockgap, identity as ident, produce
 from .clockstate import now_ms  # re-exported: callers read the wall clock as node.now_ms
 from .core import cose, events as ev, numbers, reasons as R
 from .core.clock import Hlc, beyond_skew
@@ -95,6 +95,7 @@ class Node:
         self._load_caches()
         self.witness = ident.ClockWitness(self.site_id)
         self.clock = self._resume_clock()
+        clockgap.resume(self)   # inside the gap a wrong clock left, if it issues there
         ev_ms = db.get_meta(conn, "clock_evidence")
         self.clock_evidence: int | None = int(ev_ms) if ev_ms is not None else None
         self._applied = int(db.get_meta(conn, "applied_count", 0))
@@ -129,6 +130,7 @@ class Node:
                     atrest.journal_resealed(conn)
                 atrest.drop_retired_keys(conn, log_seal)
             self._redeliver_if_restored()
+            clockgap.recover(self)   # own writes stamped ahead that reached no one: re-issued
 
     def _redeliver_if_restored(self) -> None:
         """A home restored from an older copy lost events it had applied, and its peers' cursors

@@ -15,7 +15,7 @@ from . import clockstate
 from .core import cose, events as ev
 from .core.clock import signing_time as clock_signing_time
 from .errors import NodeError
-from .store import db
+from .store import clockgaps, db
 
 EVENT_KEY = "events"  # the key name of the node's event-signing key in its keystore
 
@@ -73,8 +73,12 @@ def issue_events(node, payloads: list[tuple], now: int, built: list | None = Non
                 built[:] = parts
             return raws
         except OutcomeUnknown:
-            # §13.5 (docs/protocol.md §0): an HLC whose release is unknown is spent; tick past it and sign anew.
+            # §13.5 (docs/protocol.md §0): an HLC whose release is unknown is spent; tick past it and
+            # sign anew. Inside a gap, past the highest intended there (the journal's GAP low end).
             hi = node.bridge.max_event_hlc(node.site_id)
+            gap = node.bridge.event_gap(node.site_id) if node.clock.gap_top is not None else None
+            if gap is not None and gap[1] == node.clock.gap_top:
+                hi = gap[0]
             if hi is not None:
                 node.clock.observe(hi, now)
     raise NodeError("the keystore journal keeps reporting unknown outcomes; check the keystore")
@@ -103,9 +107,13 @@ def tick(node, now: int) -> tuple[int, int]:
     need = node.clock.needs_ceiling(now)
     if need is not None:
         # Persist the ceiling (and its witness outside the home) before issuing past it; a
-        # deferred evidence reading rides in the same commit.
+        # deferred evidence reading rides in the same commit, and the range a jump leaves unissued
+        # (a wrong clock's writes are re-issued there later: clockgap.py).
+        jump = node.clock.jump(now)
         with db.transaction(node.conn):
             db.set_meta(node.conn, "clock_ceiling", need)
+            if jump is not None:
+                clockgaps.add_hole(node.conn, *jump)
             due = node.write_due_meta()
         node.due_meta_committed(due)
         node.clock.set_ceiling(need)
