@@ -77,9 +77,6 @@ def _plan(node, now: int):
     st = clockstate.assess(node, now)
     if not st["trusted"]:
         return None          # a clock nobody vouches for proves nothing about the HLC
-    mesh = node.mesh_time()
-    if mesh is not None and mesh - now > SKEW_BOUND_MS:
-        return None          # the peers' time says this clock is behind, not the HLC ahead
     conn, site = node.conn, node.site_id
     bound = now + SKEW_BOUND_MS
     holes = [(b, a) for b, a in clockgaps.holes(conn) if b[0] <= bound < a[0]]
@@ -94,6 +91,10 @@ def _plan(node, now: int):
         if acked is not None and acked >= top:
             # A peer holds them: withdrawing would diverge from it, and its watermark covers the gap.
             return _stranded(node, now, "acknowledged", f"a peer acknowledged {q} up to {_s(acked)}")
+    mesh = node.mesh_time()
+    if mesh is not None and mesh - now > SKEW_BOUND_MS:
+        # The peers' time is ahead of this clock: it is the clock that is behind, not the HLC ahead.
+        return _stranded(node, now, "mesh_ahead", f"the peers vouch for {mesh}, the clock reads {now}")
     if any(h >= top for h in node.own_history_floors().values()):
         return _stranded(node, now, "evicted", "own events stamped ahead were evicted (a peer acknowledged them)")
     if node.bridge.keystore.upward_only:
