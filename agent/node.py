@@ -1314,6 +1314,7 @@ class Node:
         st = clockstate.assess(self, now)
         if st["trusted"]:
             self.record_clock_evidence(now, assessed=st)
+            clockgap.recover(self, now)   # own writes stamped ahead that reached no one: re-issued
         return st
 
     def mesh_time(self) -> int | None:

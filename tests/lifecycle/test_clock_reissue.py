@@ -204,3 +204,27 @@ def test_an_event_a_peer_acknowledged_is_not_withdrawn(tmp_path):
         assert node.clock.current() >= max(before)        # still above them: never reissued
     finally:
         node.close()
+
+
+def test_a_running_node_recovers_once_its_clock_is_synchronised(tmp_path, monkeypatch):
+    """`run` checks the clock every minute (Node.note_clock): a node whose clock ran ahead while
+    no source said it was synchronised re-issues its writes there once one does, without a restart."""
+    flag = tmp_path / "synchronized"
+    monkeypatch.delenv("SSP_AGENT_CLOCK_TRUSTED", raising=False)
+    monkeypatch.setenv("SSP_AGENT_CLOCK_SYNC", f"timesyncd:{flag}")
+    node, _ = Node.init(tmp_path / "a", _manifest(False))
+    try:
+        fut = int(time.time() * 1000) + TEN_YEARS_MS
+        node.write(T, {"device": "a", "seq": 0}, {"temp": 2.5}, now=fut)     # never synchronised: not capped
+        node.write(T, {"device": "a", "seq": 0}, {"temp": 7.5}, now=fut + 1)
+        assert not node.note_clock()["trusted"] and node.clock.current()[0] >= fut   # nothing done yet
+        flag.write_text("")
+        assert node.note_clock()["trusted"]
+        now = int(time.time() * 1000)
+        own = {(p, l) for e, s, p, l, *_ in eventlog.entries(node.conn) if bytes(s) == node.site_id}
+        assert len(own) == 2 and max(own)[0] <= now + SKEW_MS, own
+        assert _rows(node) == {0: 7.5}
+        node.write(T, {"device": "a", "seq": 1}, {"temp": 1.5})
+        assert node.clock.current()[0] <= int(time.time() * 1000) + SKEW_MS
+    finally:
+        node.close()
