@@ -14,7 +14,7 @@ import logging
 
 from firmware_bridge import JournalError, KeystoreError
 
-from . import clockstate, produce
+from . import clockstate, gapwitness, produce
 from .clockstate import now_ms
 from .core import cose, events as ev, reasons as R
 from .core.clock import SKEW_BOUND_MS, Hlc
@@ -44,6 +44,9 @@ def resume(node) -> None:
     own = clockgaps.newest_own_below(conn, node.site_id, top)
     if own is not None:
         start.append(own)
+    w = gapwitness.read(node.site_id)
+    if w is not None and w[0] == top:
+        start.append(w[1])     # released by a run this home (restored from an older copy) lost
     closed = _hlc(db.get_meta(conn, "clock_closed"))
     if closed is not None and closed[0] == ceiling and closed < top:
         start.append(closed)   # a clean close at `closed`: nothing issued past it (Node._lower_ceiling)
@@ -83,6 +86,9 @@ def _plan(node, now: int):
     if not holes:
         return _stranded(node, now, "no_gap", "no recorded range below the first write stamped ahead")
     low, top = max(holes)
+    w = gapwitness.read(site)
+    if w is not None and w[0] == top and w[1] > low:
+        low = w[1]             # a run this home lost (restored from an older copy) issued up to there
     above = clockgaps.own_above(conn, site, low)
     if any((p, l) < top for _e, p, l, _r in above):
         return _stranded(node, now, "gap_used", f"own events inside {_s(low)} .. {_s(top)}")

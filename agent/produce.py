@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from firmware_bridge import EventIdentity, OutcomeUnknown
 
-from . import clockstate
+from . import clockstate, gapwitness
 from .core import cose, events as ev
 from .core.clock import signing_time as clock_signing_time
 from .errors import NodeError
@@ -124,5 +124,10 @@ def witness(node, hlc: tuple[int, int]) -> None:
     """Record a released HLC in the witness outside the home before anything signed with it
     leaves the node (it leaves only from the log or the record store, written after this).
     A crash before this write leaves it in the journal, which the clock resumes above; so the
-    witness is above the home's own history only when the home lost some: a restore."""
+    witness is above the home's own history only when the home lost some: a restore. Inside a
+    clock gap the witness (the highest ever released) lies above it: the gap's own witness
+    records what the gap issued (agent/gapwitness.py)."""
     node.witness.advance(hlc)
+    top = node.clock.gap_top
+    if top is not None and hlc < top:
+        gapwitness.advance(node.site_id, top, hlc)

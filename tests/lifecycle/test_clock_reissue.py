@@ -228,3 +228,33 @@ def test_a_running_node_recovers_once_its_clock_is_synchronised(tmp_path, monkey
         assert node.clock.current()[0] <= int(time.time() * 1000) + SKEW_MS
     finally:
         node.close()
+
+
+def test_a_home_restored_from_before_the_reissue_reuses_no_hlc_of_the_run_it_lost(tmp_path):
+    """The clock witness outside the home holds the highest HLC ever released, which lies above
+    the gap; the gap's own witness (agent/gapwitness.py) holds what the gap issued, so a home
+    restored from a copy taken before the re-issue starts its own re-issue above what the lost run
+    issued, even at the same wall-clock time."""
+    import shutil
+    home, copy = tmp_path / "a", tmp_path / "copy"
+    site, writes = _ahead(home)
+    shutil.copytree(home, copy)
+    t = int(time.time() * 1000) + 100_000                   # within the skew bound, ahead of the reopen
+    node = Node.open(home)                                  # re-issues, then two writes at t
+    try:
+        node.write(T, {"device": "a", "seq": 5}, {"temp": 5.5}, now=t)
+        node.write(T, {"device": "a", "seq": 6}, {"temp": 6.5}, now=t)
+    finally:
+        node.close()
+    lost = _own(home, site)
+    assert {(t, 0), (t, 1)} <= set(lost)
+    shutil.rmtree(home)
+    shutil.copytree(copy, home)                             # the restore: the lost run is gone
+    node = Node.open(home)
+    try:
+        node.write(T, {"device": "a", "seq": 7}, {"temp": 7.5}, now=t)
+        assert _rows(node) == {0: 7.5, 1: 3.5, 7: 7.5}
+    finally:
+        node.close()
+    for hlc, eid in _own(home, site).items():
+        assert lost.get(hlc, eid) == eid, hlc                 # no HLC of the lost run reused
