@@ -196,9 +196,9 @@ def _rebuild(node, void_stamps: set) -> int:
 
 
 def _stranded(node, now: int, why: str, detail: str) -> None:
-    """Surface (once per cause) that writes stamped ahead stay as they are: kept and re-offered,
-    accepted by peers once real time reaches them."""
-    key = f"clock_stranded:{why}"
+    """Surface (once per cause and day of the HLC) that writes stamped ahead stay as they are:
+    kept and re-offered, accepted by peers once real time reaches them."""
+    key = f"{why}@{node.clock.current()[0] // 86_400_000}"
     if db.get_meta(node.conn, "clock_stranded") != key:
         with db.transaction(node.conn):
             db.set_meta(node.conn, "clock_stranded", key)
