@@ -121,6 +121,11 @@ def _enter(node, now: int, low, top, spent, ids: list[bytes]):
         clockgaps.set_pending(node.conn, ids, low)
         clockgaps.clear_holes(node.conn)        # ranges behind the gap, or inside what it leaves
         db.set_meta(node.conn, "clock_ceiling", low[0])
+        # The trustworthy reading `_plan` took is the evidence now (one taken under the clock that
+        # stamped the originals is as wrong as they are): it caps the re-issue's ticks should a
+        # later open finish it under a wrong clock again (produce.signing_now)
+        db.set_meta(node.conn, "clock_evidence", now)
+    node.clock_evidence = now
     resume(node)
     log.warning("clock: own writes stamped from %s on reached no peer; re-issuing %d of them above %s",
                 _s(top), len(ids), _s(low))
@@ -151,7 +156,7 @@ def _reissue(node, ids: list[bytes], start: tuple[int, int], now: int) -> dict:
             if tbl is None:
                 raise NodeError(f"cannot re-issue a write to {e.table}: the table is gone")
             payloads.append((tbl.tdef, e.row_key, e.payload, e.operation))
-        raws = produce.issue_events(node, payloads, now)
+        raws = produce.issue_events(node, payloads, produce.signing_now(node, now))
         outs = node.apply_batch(raws, now, origin="local")
         if any(o.status != APPLIED or o.reason != R.APPLIED for o in outs):
             raise NodeError(f"a re-issued event was not stored: {[(o.status, o.reason) for o in outs]}")

@@ -258,3 +258,27 @@ def test_a_home_restored_from_before_the_reissue_reuses_no_hlc_of_the_run_it_los
         node.close()
     for hlc, eid in _own(home, site).items():
         assert lost.get(hlc, eid) == eid, hlc                 # no HLC of the lost run reused
+
+
+def test_a_reissue_cut_short_and_finished_under_a_wrong_clock_again_stays_in_the_gap(tmp_path, monkeypatch):
+    """Killed after the withdrawal was recorded; the next open has the clock ten years ahead again
+    (a bad boot, no sync): the re-issue is finished with its ticks capped by the evidence the
+    trustworthy reading left, so nothing lands ahead."""
+    home = tmp_path / "a"
+    site, writes = _ahead(home)
+    p = subprocess.run([sys.executable, "-c", KILL, str(home), "before_sign"], capture_output=True, text=True,
+                       env=os.environ.copy(), timeout=120)
+    assert p.returncode == -9, p.stderr
+    flag = tmp_path / "synchronized"                       # absent: not synchronised
+    monkeypatch.delenv("SSP_AGENT_CLOCK_TRUSTED", raising=False)
+    monkeypatch.setenv("SSP_AGENT_CLOCK_SYNC", f"timesyncd:{flag}")
+    import agent.clockstate as cs
+    real = cs.now_ms
+    monkeypatch.setattr("agent.clockgap.now_ms", lambda: real() + TEN_YEARS_MS)
+    node = Node.open(home)
+    try:
+        own = _own(home, site)
+        assert len(own) == len(writes) and max(own)[0] <= real() + 2 * SKEW_MS, own
+        assert _rows(node) == {0: 7.5, 1: 3.5}
+    finally:
+        node.close()
