@@ -15,7 +15,7 @@ from typing import Any, Iterable
 
 from firmware_bridge import SigningBridge
 
-from . import (apply, eviction, home as homejob, identity as ident, nodeclock, produce, records_apply, recovery,
+from . import (apply, clockgap, eviction, home as homejob, identity as ident, nodeclock, produce, records_apply, recovery,
                trust, views, writes)
 from .clockstate import now_ms
 from .errors import NodeError
@@ -48,6 +48,7 @@ class Node:
     def __init__(self, home: Path, conn: sqlite3.Connection, bridge: SigningBridge | None, *,
                  read_only: bool = False, log_seal: atrest.LogSeal | None = None) -> None:
         self.state = recovery.start(home, conn, bridge, log_seal, read_only)
+        clockgap.recover(self)   # own writes stamped ahead that reached no one: re-issued
 
     home = _forward("home")
     conn = _forward("conn")
@@ -206,7 +207,10 @@ class Node:
 
     # ------------------------------------------------------------------ the clock
     def note_clock(self, now: int | None = None) -> dict:
-        return nodeclock.note_clock(self.state, now)
+        a = nodeclock.note_clock(self.state, now)
+        if a["trusted"]:
+            clockgap.recover(self, now)   # own writes stamped ahead that reached no one: re-issued
+        return a
 
     def mesh_time(self) -> int | None:
         return self.state.mesh_time()

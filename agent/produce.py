@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from firmware_bridge import EventIdentity, OutcomeUnknown
 
-from . import apply, clockstate, nodeclock
+from . import apply, clockstate, gapwitness, nodeclock
 from .core import cose, events as ev
 from .core.clock import signing_time as clock_signing_time
 from .core.records import is_ack, record_hash
 from .core.codec import DecodeError
 from .core.merge import below
 from .errors import NodeError
-from .store import db, sync_state
+from .store import clockgaps, db, sync_state
 
 EVENT_KEY = "events"  # the key name of the node's event-signing key in its keystore
 JOURNAL_COMPACT_BYTES = 4 * 2**20  # compact the signing journal when it grew this much since the last time
@@ -78,8 +78,12 @@ def issue_events(node, payloads: list[tuple], now: int, built: list | None = Non
                 built[:] = parts
             return raws
         except OutcomeUnknown:
-            # §13.5 (docs/protocol.md §0): an HLC whose release is unknown is spent; tick past it and sign anew.
+            # §13.5 (docs/protocol.md §0): an HLC whose release is unknown is spent; tick past it and
+            # sign anew. Inside a gap, past the highest intended there (the journal's GAP low end).
             hi = node.bridge.max_event_hlc(node.site_id)
+            gap = node.bridge.event_gap(node.site_id) if node.clock.gap_top is not None else None
+            if gap is not None and gap[1] == node.clock.gap_top:
+                hi = gap[0]
             if hi is not None:
                 node.clock.observe(hi, now)
     raise NodeError("the keystore journal keeps reporting unknown outcomes; check the keystore")
@@ -108,9 +112,13 @@ def tick(node, now: int) -> tuple[int, int]:
     need = node.clock.needs_ceiling(now)
     if need is not None:
         # Persist the ceiling (and its witness outside the home) before issuing past it; a
-        # deferred evidence reading rides in the same commit.
+        # deferred evidence reading rides in the same commit, and the range a jump leaves unissued
+        # (a wrong clock's writes are re-issued there later: clockgap.py).
+        jump = node.clock.jump(now)
         with db.transaction(node.conn):
             db.set_meta(node.conn, "clock_ceiling", need)
+            if jump is not None:
+                clockgaps.add_hole(node.conn, *jump)
             due = nodeclock.write_due_meta(node)
         nodeclock.due_meta_committed(node, due)
         node.clock.set_ceiling(need)
@@ -121,8 +129,13 @@ def witness(node, hlc: tuple[int, int]) -> None:
     """Record a released HLC in the witness outside the home before anything signed with it
     leaves the node (it leaves only from the log or the record store, written after this).
     A crash before this write leaves it in the journal, which the clock resumes above; so the
-    witness is above the home's own history only when the home lost some: a restore."""
+    witness is above the home's own history only when the home lost some: a restore. Inside a
+    clock gap the witness (the highest ever released) lies above it: the gap's own witness
+    records what the gap issued (agent/gapwitness.py)."""
     node.witness.advance(hlc)
+    top = node.clock.gap_top
+    if top is not None and hlc < top:
+        gapwitness.advance(node.site_id, top, hlc)
 
 
 def compact_journal(st) -> dict | None:

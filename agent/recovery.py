@@ -12,7 +12,7 @@ from pathlib import Path
 
 from firmware_bridge import EventIdentity
 
-from . import apply, identity as ident, nodeclock, produce, records_apply, rehydrate, trust
+from . import apply, clockgap, identity as ident, nodeclock, produce, records_apply, rehydrate, trust
 from .applypipeline import Pipeline
 from .clockstate import now_ms
 from .core import events as ev
@@ -33,6 +33,7 @@ def start(home: Path, conn, bridge, log_seal: atrest.LogSeal | None, read_only: 
     st.reload_caches()
     st.witness = ident.ClockWitness(st.site_id)
     st.clock = nodeclock.resume_clock(st)
+    clockgap.resume(st)   # inside the gap a wrong clock left, if it issues there
     if read_only:
         return st   # a read view: the repairs below write, and are left to the next writing open
     repair(st)

@@ -143,6 +143,21 @@ class SigningBridge:
         """Highest HLC ever *intended* for ``site_id``: the clock resumes above it (SSP/1 §13.5)."""
         return self._journal.max_event_hlc(site_id)
 
+    def event_gap(self, site_id: bytes) -> Optional[tuple[tuple[int, int], tuple[int, int]]]:
+        """(low, top): the site's recorded never-issued range (``open_event_gap``), low raised to the
+        highest identity intended inside it since; None without one."""
+        return self._journal.event_gap(site_id)
+
+    def open_event_gap(self, site_id: bytes, low: tuple[int, int], top: tuple[int, int]) -> None:
+        """Durably record that no event identity of ``site_id`` strictly between ``low`` and ``top``
+        was ever intended (the caller's clock knows it: docs/apply.md "Clocks without an RTC"), so
+        they may be signed although a compaction's FLOOR lies above them. Refused (KeystoreError)
+        by a keystore that only signs identities above the last one it signed (serial firmware)."""
+        if self._ks.upward_only:
+            raise KeystoreError(f"the {self._ks.kind} keystore signs only identities above the last one it "
+                                "signed; it cannot sign in a gap below it")
+        self._journal.open_gap(site_id, low, top)
+
     def receipt_groups(self) -> dict:
         """group_id -> journal.ReceiptGroup (floor, lowest and highest epoch held, statements held):
         what a resume compares a restored state with (§22.6 step 1)."""

@@ -15,6 +15,11 @@ File layout (all integers big-endian), documented in docs/keystore.md "Journal f
       type 4 SEALED:   as RELEASED, the bytes sealed (sealing.py, associated data
                        b"ssp-journal\0" | ident): written by a journal given a sealer, so the
                        card holds no signed event in clear (docs/reliability.md "At rest")
+      type 5 GAP:      rest = top HLC (u64 physical, u32 logical); ident is an event identity
+                       (site_id, low): no identity of that site strictly between low and top was
+                       ever intended but those this journal holds, whatever a FLOOR says; the
+                       clock issues there after a wrong clock (``open_gap``); a compaction
+                       rewrites it with low raised to the highest identity intended inside
 
 A record is durable once the fsync that follows its write has returned.  Writers append through
 ``commit``; concurrent callers share one write+fsync (leader/follower group commit): the first
@@ -66,6 +71,7 @@ INTENT = 1
 RELEASED = 2
 FLOOR = 3
 SEALED = 4     # a RELEASED record whose output is sealed at rest (sealing.py)
+GAP = 5        # a never-issued HLC range of one site below its FLOOR (``open_gap``)
 _RELEASED_TYPES = (RELEASED, SEALED)
 # where an output is in the file: (offset, length), with a third member (1) when it is sealed
 Loc = tuple[int, ...]
@@ -130,6 +136,11 @@ def encode_floor(ident: bytes) -> bytes:
     return _HDR.pack(len(body), zlib.crc32(body)) + body
 
 
+def encode_gap(ident: bytes, top: tuple[int, int]) -> bytes:
+    body = bytes([GAP]) + struct.pack(">H", len(ident)) + ident + _HLC.pack(*top)
+    return _HDR.pack(len(body), zlib.crc32(body)) + body
+
+
 def _parse_body(body: bytes) -> tuple[int, bytes, int, int]:
     """-> (type, ident, payload offset within body, payload length)."""
     rtype = body[0]
@@ -150,6 +161,10 @@ def _parse_body(body: bytes) -> tuple[int, bytes, int, int]:
         if pos != len(body) or not ((ilen == 29 and ident[:1] == b"E") or _receipt_parts(ident) is not None):
             raise ValueError("floor record malformed")
         return rtype, ident, pos, 0
+    if rtype == GAP:
+        if ilen != 29 or ident[:1] != b"E" or pos + _HLC.size != len(body):
+            raise ValueError("gap record malformed")
+        return rtype, ident, pos, _HLC.size
     raise ValueError("unknown record type")
 
 
@@ -360,6 +375,8 @@ class Journal:
         self._max_epoch: dict[bytes, int] = {}
         self._floor: dict[bytes, tuple[int, int]] = {}   # site_id -> HLC floor (FLOOR records)
         self._receipt_floor: dict[bytes, int] = {}       # group_id -> epoch floor (FLOOR records)
+        # site_id -> (low, top) of its GAP record, low raised by every intent inside (``open_gap``)
+        self._gap: dict[bytes, tuple[tuple[int, int], tuple[int, int]]] = {}
         self._key_of: dict[bytes, str] = {}   # ident -> key name of its intent (interned)
         self._pending = bytearray()
         # (tagged ident, record length, payload length or None, key name or None) of queued records
@@ -422,10 +439,13 @@ class Journal:
                 break
             rtype, ident, off, ln, end = got
             try:
-                self._apply(rtype, ident, (pos + _HDR.size + off, ln) if rtype == RELEASED else
-                            (pos + _HDR.size + off, ln, 1) if rtype == SEALED else None,
-                            data[pos + _HDR.size + off:pos + _HDR.size + off + ln].decode()
-                            if rtype == INTENT else None)
+                if rtype == GAP:
+                    self._apply_gap(ident, _HLC.unpack_from(data, pos + _HDR.size + off))
+                else:
+                    self._apply(rtype, ident, (pos + _HDR.size + off, ln) if rtype == RELEASED else
+                                (pos + _HDR.size + off, ln, 1) if rtype == SEALED else None,
+                                data[pos + _HDR.size + off:pos + _HDR.size + off + ln].decode()
+                                if rtype == INTENT else None)
             except (ValueError, IndexError, struct.error, UnicodeDecodeError):
                 break
             pos = end
@@ -454,6 +474,9 @@ class Journal:
                 cur = self._max_hlc.get(site)
                 if cur is None or hlc > cur:
                     self._max_hlc[site] = hlc
+                gap = self._gap.get(site) if self._gap else None
+                if gap is not None and gap[0] < hlc < gap[1]:
+                    self._gap[site] = (hlc, gap[1])   # the gap's low end rises with what is issued in it
                 return
             if ident[0] == 0x52 and ident[1] == 0 and ident[2] and len(ident) == 11 + ident[2]:
                 # b"R" | u16 len (1..255) | group_id | u64 epoch (identity.py): a receipt, the
@@ -486,6 +509,15 @@ class Journal:
                 raise ValueError("second released record for one identity")
             self._index[ident] = loc
 
+    def _apply_gap(self, ident: bytes, top: tuple[int, int]) -> None:
+        """A GAP record: the site's gap is (low, top), low raised above any intent the index holds
+        inside it (a GAP written by ``open_gap`` has none; one a compaction wrote, none either)."""
+        site, low = ident[1:17], _HLC.unpack_from(ident, 17)
+        top = (top[0], top[1])
+        inside = [h for i in self._index if len(i) == 29 and i[0] == 0x45 and i[1:17] == site
+                  and low < (h := _HLC.unpack_from(i, 17)) < top]
+        self._gap[site] = (max(inside, default=low), top)
+
     def _apply_flushed(self, effects: list, pos: int) -> None:
         """``_apply`` each record of a batch just made durable, written from offset ``pos`` on
         ((type, ident, record length, payload length or None, key name or None) each)."""
@@ -495,6 +527,8 @@ class Journal:
                 if index.get(ident) is not None:
                     raise ValueError("second released record for one identity")
                 index[ident] = (pos + rlen - plen, plen)
+            elif rtype == GAP:
+                self._apply_gap(ident, key)
             else:
                 apply(rtype, ident, None if plen is None else (pos + rlen - plen, plen, 1), key)
             pos += rlen
@@ -516,6 +550,9 @@ class Journal:
         for rtype, ident, arg in records:
             if rtype == INTENT:
                 rec = encode_intent(ident, arg)
+                effs.append((rtype, ident, len(rec), None, arg))
+            elif rtype == GAP:
+                rec = encode_gap(ident, arg)
                 effs.append((rtype, ident, len(rec), None, arg))
             else:
                 rec = encode_output(rtype, ident, arg)
@@ -765,6 +802,9 @@ class Journal:
         if recorded is not None:
             for site, hlc in sorted(floors.items()):
                 out += encode_floor(EventIdentity(site, *hlc).encode())
+        for site, (low, top) in sorted(self._gap.items()):
+            # after the FLOOR it sits below: the identities it dropped inside the gap are below `low`
+            out += encode_gap(EventIdentity(site, *low).encode(), top)
         drop_receipts: set = set()
         if receipts_below is not None:
             drop_receipts = _receipts_to_drop(idents, index, busy, receipts_below, receipt_floors)
@@ -880,8 +920,9 @@ class Journal:
             return "intent" if self._index[ident] is None else "released"
         if ident[:1] == b"E" and len(ident) == 29:
             floor = self._floor.get(ident[1:17])
-            if floor is not None and struct.unpack(">QI", ident[17:29]) <= floor:
-                return "spent"
+            if floor is not None and (hlc := struct.unpack(">QI", ident[17:29])) <= floor:
+                gap = self._gap.get(ident[1:17])
+                return "absent" if gap is not None and gap[0] < hlc < gap[1] else "spent"
         elif ident[:1] == b"R" and self._receipt_floor:
             parts = _receipt_parts(ident)
             if parts is not None and parts[1] <= self._receipt_floor.get(parts[0], -1):
@@ -943,6 +984,34 @@ class Journal:
     def max_event_hlc(self, site_id: bytes) -> Optional[tuple[int, int]]:
         with self._lock:
             return self._max_hlc.get(site_id)
+
+    def event_gap(self, site_id: bytes) -> Optional[tuple[tuple[int, int], tuple[int, int]]]:
+        """(low, top) of the site's gap (``open_gap``): no identity above low and below top was
+        ever intended; low is the highest intended inside since the gap was recorded. None: none."""
+        with self._lock:
+            return self._gap.get(site_id)
+
+    def open_gap(self, site_id: bytes, low: tuple[int, int], top: tuple[int, int]) -> None:
+        """Durably record that no event identity of ``site_id`` strictly between ``low`` and
+        ``top`` was ever intended, so they are signable although a FLOOR covers them (a clock that
+        ran ahead and was corrected issues there: docs/apply.md "Clocks without an RTC"). The
+        caller vouches for what the journal forgot (below a FLOOR); the journal refuses a range
+        holding an identity it knows, or a range below the one recorded (it only moves up)."""
+        low, top = (low[0], low[1]), (top[0], top[1])
+        if not low < top:
+            raise ValueError("a gap needs low < top")
+        ident = EventIdentity(site_id, *low).encode()
+        with self._lock:
+            cur = self._gap.get(site_id)
+            if cur is not None and low < cur[0]:
+                raise JournalError(f"journal {self.path}: a gap at or above {cur[0]} is recorded; it never moves down")
+            held = [i for i in self._index if len(i) == 29 and i[0] == 0x45 and i[1:17] == site_id
+                    and low < _HLC.unpack_from(i, 17) < top]
+            if held:
+                h = _HLC.unpack_from(held[0], 17)
+                raise JournalError(f"journal {self.path}: {h[0]}.{h[1]} was intended inside the gap "
+                                   f"{low[0]}.{low[1]} .. {top[0]}.{top[1]}; refusing it")
+        self.commit([(GAP, ident, top)])
 
     def max_receipt_epoch(self, group_id: bytes) -> Optional[int]:
         with self._lock:

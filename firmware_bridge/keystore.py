@@ -43,6 +43,9 @@ class Keystore(ABC):
     """Named keys; Ed25519 ("ed25519") for events/records, ECDSA P-256 ("p256") for receipts."""
 
     kind: str = "abstract"
+    # True: it refuses an identity at or below the last one it took (serial firmware keeps them
+    # monotonic), so SigningBridge.open_event_gap refuses a gap below it
+    upward_only: bool = False
 
     @abstractmethod
     def generate_key(self, name: str, alg: str, tag: Optional[bytes] = None) -> bytes:

@@ -31,6 +31,7 @@ _REFUSAL_HINT = {
 
 class SerialKeystore(Keystore):
     kind = "serial"
+    upward_only = True  # the firmware refuses identities at or below its last one (E_NOT_MONOTONIC)
     verify_signatures = True  # the line and the device are outside our process: check before persisting
 
     def __init__(self, port: str, baud: int = 115200, timeout_s: float = 2.0) -> None:

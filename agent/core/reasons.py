@@ -83,4 +83,6 @@ OUTCOME_REASONS = frozenset({NOT_BYTES, NOT_AN_EVENT, SELF_ECHO, DUPLICATE, ALRE
 # -- this node's own clock (kind `clock` in `ssp-agent events`, docs/apply.md "Clocks without an RTC")
 CLOCK_UNTRUSTED = "clock_untrusted"         # eviction or a horizon change waits for a trustworthy clock
 CLOCK_EVIDENCE_RESET = "clock_evidence_reset"  # evidence taken under a lying source, contradicted by the mesh
-CLOCK_REASONS = frozenset({CLOCK_UNTRUSTED, CLOCK_EVIDENCE_RESET})   # not refusals: apart from ALL
+CLOCK_REISSUED = "clock_reissued"           # own writes stamped ahead, received by no one, re-issued in the gap
+CLOCK_STRANDED = "clock_stranded"           # own writes stamped ahead that cannot be re-issued (detail says why)
+CLOCK_REASONS = frozenset({CLOCK_UNTRUSTED, CLOCK_EVIDENCE_RESET, CLOCK_REISSUED, CLOCK_STRANDED})   # not refusals

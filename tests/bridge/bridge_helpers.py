@@ -51,7 +51,7 @@ def cose_parts(cose: bytes) -> tuple[bytes, bytes, bytes]:
 
 def parse_journal(path: str) -> list[tuple[int, bytes, bytes]]:
     """[(type, ident, key_name-or-cose-or-b"")] of every complete, CRC-valid record (docs/keystore.md):
-    type 1 INTENT, 2 RELEASED, 3 FLOOR, 4 SEALED (a released output sealed at rest: the agent's
+    type 1 INTENT, 2 RELEASED, 3 FLOOR, 4 SEALED, 5 GAP (a released output sealed at rest: the agent's
     node journals, docs/keystore.md; open it with the home's data key)."""
     with open(path, "rb") as f:
         data = f.read()
@@ -70,6 +70,8 @@ def parse_journal(path: str) -> list[tuple[int, bytes, bytes]]:
             out.append((1, ident, rest[1:1 + rest[0]]))
         elif rtype == 3:   # FLOOR: ident is (site_id, HLC); rest is empty
             out.append((3, ident, b""))
+        elif rtype == 5:   # GAP: ident is (site_id, low HLC); rest is the top HLC (u64, u32)
+            out.append((5, ident, rest))
         else:
             (clen,) = struct.unpack_from(">I", rest, 0)
             out.append((4 if rtype == 4 else 2, ident, rest[4:4 + clen]))

@@ -280,7 +280,7 @@ def test_no_public_raw_signing():
     public_bridge = [n for n in dir(SigningBridge) if not n.startswith("_")]
     assert set(public_bridge) == {"release", "release_many", "release_pipelined", "released", "iter_released", "status", "max_event_hlc",
                                   "max_receipt_epoch", "keystore", "describe", "close", "compact_events", "compact_receipts",
-                                  "journal_stats", "public_key", "receipt_groups"}
+                                  "journal_stats", "public_key", "receipt_groups", "event_gap", "open_event_gap"}
 
 
 def test_parallel_software_signing_gives_the_sequential_bytes(tmp_path):

@@ -256,15 +256,13 @@ def test_a_node_that_never_synchronised_and_boots_ten_years_ahead_stays_delivera
     assert res["applied"] == 3 and res["rejected"] == 0, res
 
 
-@pytest.mark.xfail(strict=True, reason="re-issuing stranded own writes needs the HLC to issue values below "
-                   "ones it released: a gap the clock and the signing journal (its per-site floor) cannot "
-                   "record yet (docs/apply.md 'Clocks without an RTC')")
 def test_writes_stamped_by_a_first_boot_ten_years_ahead_reach_the_peers(tmp_path):
     """A device that never had a synchronised clock and holds nothing from its peers boots ten
-    years ahead: nothing bounds its signing time, so its writes are stamped ten years ahead; after
-    the clock is corrected its HLC stays there (never reissued), so the writes made after the
-    correction are too. Every peer with a right clock rejects them all (`clock_skew`). Each
-    command is its own process (restarts between the bad boot and the correction)."""
+    years ahead: nothing bounds its signing time, so its writes are stamped ten years ahead, and
+    every peer with a right clock would reject them (`clock_skew`). Once the clock is corrected and
+    synchronised, the writes no peer acknowledged are withdrawn and re-issued inside the range the
+    jump left unissued, where later writes are stamped too (`clock_reissued`): the peer takes them
+    all, the later write winning as it does here. Each command is its own process."""
     cli = Cli(tmp_path)
     cli.synced(True)
     b = cli.j(tmp_path / "b", "init", "--manifest", _manifest(tmp_path, "mb", []))
@@ -286,6 +284,11 @@ def test_writes_stamped_by_a_first_boot_ten_years_ahead_reach_the_peers(tmp_path
     rows = {r["key"]["seq"]: r["values"]["temp"] for r in cli.j(B, "dump")["app.readings"]}
     assert rows == {0: 7.5, 1: 3.5, 2: 4.5, 3: 9.5}, rows   # every write, the later one winning
     assert rows == {r["key"]["seq"]: r["values"]["temp"] for r in cli.j(A, "dump")["app.readings"]}
+    now = int(time.time() * 1000)
+    assert all(_p(e["hlc"]) <= now for e in cli.log(A)), cli.log(A)   # nothing left stamped ahead
+    surfaced = [json.loads(x) for x in cli(A, "events").stdout.splitlines() if x.strip()]
+    done = [e["detail"] for e in surfaced if e["kind"] == "clock" and e["reason"] == "clock_reissued"]
+    assert len(done) == 1 and done[0]["withdrawn"] == 3, surfaced
 
 
 def test_evidence_recorded_under_a_lying_clock_is_dropped_once_the_mesh_contradicts_it(tmp_path):
