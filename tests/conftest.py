@@ -51,18 +51,23 @@ def _stop_leaked_apply_workers(monkeypatch):
 # collection order, so a long file collected late runs alone at the end while the other worker
 # idles. Listed from the suite's --durations, longest first; every other file keeps its order.
 LONG_FIRST = (
+    "tests/sequencer/test_run_crash.py",
     "tests/sequencer/test_sequencer_crash.py",
-    "tests/sync/test_trust_convergence.py",
     "tests/reliability/test_powercut.py",
-    "tests/bridge/test_bridge_crash.py",
-    "tests/mqtt/test_rogue.py",
     "tests/sync/test_state_machine.py",
     "tests/provision/test_flash.py",
-    "tests/lifecycle/test_replacement_cli.py",
     "tests/convergence/test_histories.py",
-    "tests/sequencer/test_gossip.py",
+    "tests/mqtt/test_quiet.py",
+    "tests/bridge/test_bridge_crash.py",
+    "tests/test_bench_smoke.py",
     "tests/core/test_convergence_property.py",
-    "tests/hostile/test_fuzz.py",
+    "tests/sequencer/test_commit_queue.py",
+    "tests/sequencer/test_hostile_sequencer.py",
+    "tests/install/test_wheelhouse.py",
+    "tests/lifecycle/test_replacement_cli.py",
+    "tests/hostile/test_hostile_peers.py",
+    "tests/reliability/test_ext4_full.py",
+    "tests/sequencer/test_gossip.py",
 )
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tests.soak import sample
 from agent import cli
 from agent.simpeer import SimPeer  # noqa: I001
 from agent.store import sync_state as sst
@@ -250,5 +251,5 @@ def reopen_home(home):
 
 
 TestHistories = Histories.TestCase
-TestHistories.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
+TestHistories.settings = settings(max_examples=sample(15, 40), stateful_step_count=30, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

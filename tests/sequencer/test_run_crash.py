@@ -24,10 +24,12 @@ from paho.mqtt.properties import Properties
 from test_run_broker import Member
 from test_sequencer_crash import START, Checker
 from tests.cli_cmd import agent_cmd, agent_env
+from tests.soak import sample
 from tests.waiting import HANG_S
 
 GROUPS = list(START)
 BARREN = 3
+ROUNDS, KILLS = sample(40, 100), sample(10, 20)    # tools/soak.sh runs the whole trial
 
 
 def start(home, url):
@@ -57,7 +59,7 @@ def test_kill_run_while_members_race(tmp_path, broker):
         rounds = 0
         # Rounds until both the receipts and the kills are there (kills come by time, so a loaded
         # machine needs more rounds for the same number), bounded.
-        while (rounds < 100 or kills < 20) and rounds < 1000:
+        while (rounds < ROUNDS or kills < KILLS) and rounds < 10 * ROUNDS:
             rounds += 1
             sent = {}
             for g in GROUPS:
@@ -103,7 +105,7 @@ def test_kill_run_while_members_race(tmp_path, broker):
         proc.wait(20)
     checker.check_durable()
     print(f"run crash test: {kills} kills, {len(checker.released)} receipts released")
-    assert kills >= 20 and len(checker.released) >= 100
+    assert kills >= KILLS and len(checker.released) >= ROUNDS
     with service.Sequencer(home) as s:
         for (g, e), raw in checker.released.items():
             assert s.receipt(g, e) == raw

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from tests.soak import sample
 from agent.store import sync_state as sst
 from agent.sync import SyncDriver
 from agent.transport.memory import Faults
@@ -178,9 +179,9 @@ class MixedMesh(Mesh):
 
 
 TestMesh = Mesh.TestCase
-TestMesh.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
+TestMesh.settings = settings(max_examples=sample(15, 40), stateful_step_count=30, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 TestMixedMesh = MixedMesh.TestCase
-TestMixedMesh.settings = settings(max_examples=15, stateful_step_count=25, deadline=None,
+TestMixedMesh.settings = settings(max_examples=sample(6, 15), stateful_step_count=25, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
