@@ -32,7 +32,7 @@ class AuthorityError(Exception):
 def create(directory: Path, keystore: dict | None = None) -> dict:
     """Make an authority directory: a new site_id and a key generated inside the keystore
     (software by default). Returns the card (no secrets)."""
-    from .node import keep_pin_out_of_store, resolve_pin
+    from .home import keep_pin_out_of_store, resolve_pin
     directory = Path(directory)
     if directory.exists() and (not directory.is_dir() or (not _unfinished(directory) and any(directory.iterdir()))):
         raise AuthorityError(f"{directory} exists; an authority is never overwritten (choose a new, empty directory)")
@@ -75,7 +75,8 @@ class Authority:
 
     def __init__(self, directory: Path, *, fault_hook: Callable[[str], None] | None = None) -> None:
         """``fault_hook``: the bridge's test seam (named crash points); production passes none."""
-        from .node import NodeError, resolve_pin
+        from .errors import NodeError
+        from .home import resolve_pin
         self.directory = Path(directory)
         self.site_id, self.public_key, conf = _read_card(self.directory)
         conf = {k: str(self.directory / v) if k in ("dir", "pin_file") and not os.path.isabs(v) else v

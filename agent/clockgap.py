@@ -161,7 +161,7 @@ def _reissue(node, ids: list[bytes], start: tuple[int, int], now: int) -> dict:
         if any(o.status != APPLIED or o.reason != R.APPLIED for o in outs):
             raise NodeError(f"a re-issued event was not stored: {[(o.status, o.reason) for o in outs]}")
     # The journal forgets the originals while the log still holds them (its FLOOR keeps them spent),
-    # so no later open re-applies them from it as released-but-unapplied (Node._recover_released).
+    # so no later open re-applies them from it as released-but-unapplied (recovery.recover_released).
     node.compact_journal()
     stamps = {e.stamp for e in originals}
     with db.transaction(conn):

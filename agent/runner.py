@@ -63,7 +63,7 @@ class Runner(ExchangeNames):
         # The one source of time (monotonic for the exchange's deadlines, wall for what is stored):
         # neither this loop nor its link reads a clock of its own.
         self.clock = clock
-        node.long_running = True   # its first large body starts the apply worker (Node.WORKER_RUN_BATCH)
+        node.long_running = True   # its first large body starts the apply worker (applypipeline.Pipeline.WORKER_RUN_BATCH)
         self.cfg = config or RunConfig()
         self.settings = settings
         self.max_events = self.cfg.max_events or settings.max_events

@@ -132,7 +132,7 @@ class PortAdapter(LinkProvider):
         """This node's acknowledgement of `subject`'s bodies (`core.records.AckAnswer`s), signed with
         its event key through the keystore bridge under a fresh HLC identity (persist-before-release,
         `produce.issue_record`). Not stored: a lost one costs a re-offer, and the journal drops it at
-        the next compaction (Node._record_held)."""
+        the next compaction (produce.record_held)."""
         from .core.records import ack_to_be_signed
         node = self.node
         return produce.issue_record(node, ack_to_be_signed(node.site_id, node.mesh_id, subject, list(answers)), self.now())
