@@ -269,7 +269,8 @@ class Client:
         """Feed records after cursor `since` (None: from now) in apply order, for `tables` (None:
         all). Ends after `idle_s` seconds without a record (None: never). CursorExpired when
         `since` is older than what the node retains; FellBehind when this watcher was cut off
-        (watch again from its cursor). `raw`: values in their JSON form ({"$bytes": hex})."""
+        (it stopped consuming for the agent's stall time): watch again from its cursor. `raw`:
+        values in their JSON form ({"$bytes": hex})."""
         tables = list(tables) if tables is not None else None
         s = self._open_session()
         if s is not None:

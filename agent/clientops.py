@@ -227,6 +227,9 @@ class Session:
             full = len(sent.cursors) >= WINDOW or sent.size >= WINDOW_BYTES
             if not pending and not full:
                 recs = feed.after(rc, cursor, tables, min(BATCH, WINDOW - len(sent.cursors)))
+                if feed.bounds(rc)[0] > cursor:   # pruned past what was sent: that read may skip some
+                    self._behind(cursor)
+                    return
                 out = []
                 for r, line in zip(recs, self.lines(rc, recs)):
                     if out and sent.size + len(line) > WINDOW_BYTES:
@@ -234,9 +237,6 @@ class Session:
                     out.append(line)
                     sent.add(r[0], len(line))
                 pending, cursor = b"".join(out), sent.last
-                if recs and feed.bounds(rc)[0] > cursor:   # pruned past us as we read
-                    self._behind(cursor)
-                    return
             if pending:
                 try:
                     pending = pending[self.conn.send(pending):]
