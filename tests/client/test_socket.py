@@ -65,6 +65,13 @@ def test_hostile_requests_end_their_connection_not_the_agent(broker, tmp_path):
         assert r.line() == {"id": 1, "ok": True, "cursor": 0}
         r.send({"op": "ping"})
         assert [x.get("error") for x in r.rest()] == ["malformed"]
+        # ... and an acknowledgement of a record never sent
+        r = Raw(home)
+        assert r.hello()["ok"] is True
+        r.send({"op": "watch", "since": 0})
+        assert r.line()["ok"] is True
+        r.send({"ack": 10 ** 9})
+        assert [x.get("error") for x in r.rest()] == ["malformed"]
         # a session's refusal is an answer, and the session goes on
         r = Raw(home)
         r.hello()
