@@ -6,6 +6,7 @@ its turn (one writer, agent/hometurn.py), writes through `Node.write_many` and c
 and watches use a read-only connection. Either way a write takes the one local write path."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import socket
@@ -102,6 +103,51 @@ def _norm(w) -> dict:
     table, key, values = w
     return {"table": table, "key": key, "delete": True} if values is None else \
         {"table": table, "key": key, "set": values}
+
+
+class _Stream:
+    """A watch's lines off its socket, and its acknowledgements (docs/client.md "Protocol"): the
+    agent sends at most a window beyond the last one, so the application acknowledges what it
+    consumed: every half window, at least every quarter of the agent's stall time while it
+    consumes, and whenever it waits for more; one that stops consuming is cut off."""
+
+    def __init__(self, sock: socket.socket, window: dict) -> None:
+        self.sock, self.lines, self.tail = sock, collections.deque(), b""
+        self.every = max(1, int(window.get("records", 256)) // 2)
+        self.bytes = max(1, int(window.get("bytes", 1 << 20)) // 2)
+        self.every_s = float(window.get("stall_s", 30.0)) / 4
+        self.done = self.done_bytes = self.count = 0
+        self.acked_at, self.cursor = time.monotonic(), None
+
+    def line(self) -> bytes:
+        """The next line with its newline; at the stream's end what is left (b"" or a cut line)."""
+        while not self.lines:
+            self.ack()   # before waiting: the agent may be waiting for it
+            b = self.sock.recv(65536)
+            if not b:
+                tail, self.tail = self.tail, b""
+                return tail
+            *whole, self.tail = (self.tail + b).split(b"\n")
+            self.lines.extend(x + b"\n" for x in whole)
+        line = self.lines.popleft()
+        self.done_bytes += len(line)
+        return line
+
+    def consumed(self, cursor: int) -> None:
+        self.cursor, self.count = cursor, self.count + 1
+        if self.count >= self.every or self.done_bytes >= self.bytes or \
+                time.monotonic() - self.acked_at >= self.every_s:
+            self.ack()
+
+    def ack(self) -> None:
+        if not self.count:
+            return
+        self.count = self.done_bytes = 0
+        self.acked_at = time.monotonic()
+        try:
+            self.sock.sendall(b'{"ack":%d}\n' % self.cursor)
+        except OSError:
+            pass   # cut off already: what was sent before is still read, then the stream's end
 
 
 class Client:
@@ -223,7 +269,8 @@ class Client:
         """Feed records after cursor `since` (None: from now) in apply order, for `tables` (None:
         all). Ends after `idle_s` seconds without a record (None: never). CursorExpired when
         `since` is older than what the node retains; FellBehind when this watcher was cut off
-        (watch again from its cursor). `raw`: values in their JSON form ({"$bytes": hex})."""
+        (it stopped consuming for the agent's stall time): watch again from its cursor. `raw`:
+        values in their JSON form ({"$bytes": hex})."""
         tables = list(tables) if tables is not None else None
         s = self._open_session()
         if s is not None:
@@ -232,17 +279,20 @@ class Client:
         yield from self._watch_here(tables, since, idle_s, raw)
 
     def _watch_socket(self, s, tables, since, idle_s, raw) -> Iterator[dict]:
-        sock, rfile = s
+        sock, rfile, hello = s
+        rfile.close()   # the agent sends nothing unasked after its hello: the stream is read below
+        stream = _Stream(sock, hello.get("window") or {})
         cursor = since or 0
         try:
             sock.sendall(json.dumps({"op": "watch", "tables": tables, "since": since}).encode() + b"\n")
-            head = json.loads(rfile.readline() or b"{}")
+            head = json.loads(stream.line() or b"{}")
             self._raise_error(head)
             cursor = head.get("cursor", since or 0)
-            sock.settimeout(idle_s if idle_s is not None else None)
+            # a zero idle time still lets records already on their way arrive
+            sock.settimeout(max(idle_s, 0.1) if idle_s is not None else None)
             while True:
                 try:
-                    line = rfile.readline()
+                    line = stream.line()
                 except (socket.timeout, TimeoutError):
                     return   # idle
                 if not line.endswith(b"\n"):
@@ -253,12 +303,12 @@ class Client:
                     self._raise_error(rec)
                 cursor = rec["cursor"]
                 yield rec if raw else _decoded(rec)
+                stream.consumed(cursor)   # the application asked for the next: it has this one
         except (ConnectionError, OSError) as e:
             if isinstance(e, (socket.timeout, TimeoutError)):
                 return
             raise FellBehind(f"the watch ended at cursor {cursor}: {e}", cursor) from None
         finally:
-            rfile.close()
             sock.close()
 
     def _watch_here(self, tables, since, idle_s, raw) -> Iterator[dict]:
@@ -316,7 +366,7 @@ class Client:
             if not r or r.get("not_run"):
                 return None   # it stopped as we connected
             raise ClientError(f"the agent refused the session: {r.get('message', r)}")
-        return sock, rfile
+        return sock, rfile, r
 
     def _call(self, req: dict) -> dict | None:
         """One request over the persistent session; None when no agent runs (do it here)."""
@@ -326,7 +376,7 @@ class Client:
                 s = self._open_session()
                 if s is None:
                     return None
-                self._sock, self._rfile = s
+                self._sock, self._rfile, _ = s
             self._id += 1
             try:
                 self._sock.sendall(json.dumps({**req, "id": self._id}).encode() + b"\n")

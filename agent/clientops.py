@@ -3,23 +3,28 @@ then requests one JSON line each, answered in order: `write` / `write_many` run 
 through `Node.write_many` (the one local write path: the bridge, persist before release, the one
 apply path); `read` and `watch` read the store on the connection's own thread through a read-only
 connection, so a reader or a slow watcher never holds up the loop. A watch turns the connection
-into a subscription stream of feed records (agent/feed.py) until the client closes it; a watcher
-that stops reading for STALL_S is told it fell behind and disconnected; it resumes from its cursor.
+into a subscription stream of feed records (agent/feed.py) until the client closes it, sent no
+further than a window beyond the client's acknowledgements; a watcher that leaves its window full
+for STALL_S is told it fell behind and disconnected; it resumes from its cursor.
 Anything malformed is answered with an error and ends the connection, never the agent."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
 import select
 import socket
+import time
 from typing import Any
 
 VERSIONS = (1,)   # the session protocol versions this agent speaks
 BATCH = 256   # feed records read per query: bounds a watcher's memory whatever its lag
 CACHE = 4096   # resolved record lines the server keeps for all its watchers
 STALL_ENV = "SSP_AGENT_WATCH_STALL_S"
-STALL_S = 30.0   # a watcher whose socket takes nothing for this long is disconnected (told "behind")
+WINDOW = 256   # feed records a watch sends beyond the client's last acknowledgement
+WINDOW_BYTES = 1 << 20   # and their lines' bytes (a single record may exceed it alone)
+STALL_S = 30.0   # a watcher whose window stays full this long is disconnected (told "behind")
 IDLE_S = 600.0   # a session with no request for this long is closed (the client reconnects)
 
 
@@ -124,7 +129,8 @@ class Session:
                 self.fail("version", f"this agent speaks session protocol versions {list(VERSIONS)}",
                           versions=list(VERSIONS))
                 return
-            self.send({"ok": True, "hello": "ssp-agent", "version": 1, "max_request": MAX_REQUEST})
+            self.send({"ok": True, "hello": "ssp-agent", "version": 1, "max_request": MAX_REQUEST,
+                       "window": {"records": WINDOW, "bytes": WINDOW_BYTES, "stall_s": stall_s()}})
             self.conn.settimeout(IDLE_S)
             while not self.server.closed():
                 try:
@@ -197,32 +203,84 @@ class Session:
                       req.get("id"), cursor=cursor, oldest=pruned, head=head)
             return
         self.send({**tag, "ok": True, "cursor": cursor})
-        self.conn.settimeout(stall_s())
         srv = self.server
         with srv.watchers_lock:
             srv.watchers += 1
         try:
-            while not srv.closed():
-                recs = feed.after(rc, cursor, tables, BATCH)
-                if recs:
-                    out = b"".join(self.lines(rc, recs))
-                    try:
-                        self.conn.sendall(out)
-                    except socket.timeout:
-                        self._behind(cursor)
-                        return
-                    cursor = recs[-1][0]
-                    if feed.bounds(rc)[0] > cursor:   # pruned past us while we sent
-                        self._behind(cursor)
-                        return
-                    continue
-                with srv.changed:
-                    srv.changed.wait(1.0)
-                if not self._quiet():
-                    return
+            self.stream(rc, cursor, tables)
         finally:
             with srv.watchers_lock:
                 srv.watchers -= 1
+
+    def stream(self, rc, cursor: int, tables: list | None) -> None:
+        """Records after `cursor`, never more than the window beyond what the client acknowledged
+        (docs/client.md "Protocol"): what a watcher costs is bounded whatever the kernel buffers.
+        The socket is written without blocking, so acknowledgements are read while the client is
+        slow to take what was sent; no acknowledgement for stall_s while blocked ends the watch."""
+        from .store import feed
+        srv, sent, pending, stuck = self.server, Unacked(cursor), b"", None
+        self.conn.setblocking(False)
+        while not srv.closed():
+            acked = sent.acked
+            if not self.inbound(sent):
+                return
+            full = len(sent.cursors) >= WINDOW or sent.size >= WINDOW_BYTES
+            if not pending and not full:
+                recs = feed.after(rc, cursor, tables, min(BATCH, WINDOW - len(sent.cursors)))
+                if feed.bounds(rc)[0] > cursor:   # pruned past what was sent: that read may skip some
+                    self._behind(cursor)
+                    return
+                out = []
+                for r, line in zip(recs, self.lines(rc, recs)):
+                    if out and sent.size + len(line) > WINDOW_BYTES:
+                        break
+                    out.append(line)
+                    sent.add(r[0], len(line))
+                pending, cursor = b"".join(out), sent.last
+            if pending:
+                try:
+                    pending = pending[self.conn.send(pending):]
+                except BlockingIOError:
+                    pass
+                if not pending:
+                    stuck = None
+                    continue
+            elif not full:
+                stuck = None
+                with srv.changed:
+                    srv.changed.wait(1.0)
+                continue
+            # waiting for the client to take what was sent, or to acknowledge it
+            now = time.monotonic()
+            if stuck is None or sent.acked != acked:
+                stuck = now
+            if now - stuck >= stall_s():
+                if not pending:   # a notice only between whole lines
+                    self._behind(cursor)
+                return
+            select.select([self.conn], [self.conn] if pending else [], [], min(stall_s() - (now - stuck), 1.0))
+
+    def inbound(self, sent: "Unacked") -> bool:
+        """Read the acknowledgements the client sent, without waiting; False when it closed its
+        stream or sent anything else (a watch owns its connection: that is answered, then it ends)."""
+        from .controlframe import TooLarge
+        try:
+            lines, ended = self.reader.ready()
+        except TooLarge:
+            self.fail("too_large", "an acknowledgement is one short JSON line")
+            return False
+        for line in lines:
+            try:
+                ack = json.loads(line)
+            except (ValueError, UnicodeDecodeError):
+                ack = None
+            c = ack.get("ack") if isinstance(ack, dict) and len(ack) == 1 else None
+            if type(c) is not int or c > sent.last:
+                self.fail("malformed", "a subscription stream takes only {\"ack\": CURSOR} of a record sent: "
+                                       "a watch owns its connection")
+                return False
+            sent.ack(c)
+        return not ended
 
     def lines(self, rc, recs: list[tuple]) -> list[bytes]:
         """The stream's lines for these records, each resolved once for every watcher (a value read
@@ -243,20 +301,6 @@ class Session:
                     del cache[next(iter(cache))]
         return [have[r[0]] for r in recs]
 
-    def _quiet(self) -> bool:
-        """The client sent nothing in its subscription stream (False: it closed it or broke it)."""
-        r, _, _ = select.select([self.conn], [], [], 0)
-        if not r and not self.reader.pending():
-            return True
-        with contextlib.suppress(OSError):
-            self.conn.setblocking(False)
-            data = self.conn.recv(65536)
-            self.conn.setblocking(True)
-            if not data and not self.reader.pending():
-                return False   # closed
-        self.fail("malformed", "a request in a subscription stream: a watch owns its connection")
-        return False
-
     def _behind(self, cursor: int) -> None:
         # best effort: a client that stopped reading may never see it; its library treats a cut
         # stream the same way (docs/client.md "The change feed")
@@ -264,3 +308,25 @@ class Session:
             self.conn.setblocking(False)
             self.conn.send(json.dumps({"error": "behind", "cursor": cursor,
                                        "message": "fell behind the feed: resume from this cursor"}).encode() + b"\n")
+        with contextlib.suppress(OSError):
+            for _ in range(64):   # acknowledgements left unread would reset the stream (bounded)
+                if not self.conn.recv(65536):
+                    break
+
+
+class Unacked:
+    """The records sent in a watch and not yet acknowledged: their cursors and line sizes, in order."""
+
+    def __init__(self, cursor: int) -> None:
+        self.acked = self.last = cursor
+        self.cursors: collections.deque[tuple[int, int]] = collections.deque()
+        self.size = 0
+
+    def add(self, cursor: int, size: int) -> None:
+        self.cursors.append((cursor, size))
+        self.last, self.size = cursor, self.size + size
+
+    def ack(self, cursor: int) -> None:
+        while self.cursors and self.cursors[0][0] <= cursor:
+            self.size -= self.cursors.popleft()[1]
+        self.acked = max(self.acked, cursor)

@@ -4,6 +4,7 @@ refusal before the connection closes."""
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 
 MAX_REQUEST = 1 << 20  # a command line or a batch of writes: a megabyte per request line
@@ -35,6 +36,19 @@ class LineReader:
 
     def pending(self) -> bool:
         return bool(self.buf.strip())
+
+    def ready(self) -> tuple[list[bytes], bool]:
+        """The whole lines received so far, reading only what the socket already holds (never
+        waits), and whether the stream has ended."""
+        ended = False
+        if not self.buf.count(b"\n") and select.select([self.conn], [], [], 0)[0]:
+            b = self.conn.recv(65536)
+            ended = not b
+            self.buf += b
+        *lines, self.buf = self.buf.split(b"\n")
+        if len(self.buf) > self.limit or any(len(x) > self.limit for x in lines):
+            raise TooLarge
+        return [x for x in lines if x.strip()], ended
 
 
 def drain(conn: socket.socket, limit: int = 4 * MAX_REQUEST) -> None:

@@ -65,6 +65,13 @@ def test_hostile_requests_end_their_connection_not_the_agent(broker, tmp_path):
         assert r.line() == {"id": 1, "ok": True, "cursor": 0}
         r.send({"op": "ping"})
         assert [x.get("error") for x in r.rest()] == ["malformed"]
+        # ... and an acknowledgement of a record never sent
+        r = Raw(home)
+        assert r.hello()["ok"] is True
+        r.send({"op": "watch", "since": 0})
+        assert r.line()["ok"] is True
+        r.send({"ack": 10 ** 9})
+        assert [x.get("error") for x in r.rest()] == ["malformed"]
         # a session's refusal is an answer, and the session goes on
         r = Raw(home)
         r.hello()
@@ -80,7 +87,9 @@ def test_hostile_requests_end_their_connection_not_the_agent(broker, tmp_path):
 def test_a_watcher_that_stops_reading_is_cut_off_and_resumes_from_its_cursor(broker, tmp_path):
     with running(tmp_path, broker, {"SSP_AGENT_WATCH_STALL_S": "1"}) as home:
         stalled = Raw(home)
-        stalled.hello()
+        window = stalled.hello()["window"]
+        assert window["stall_s"] == 1.0 and 0 < window["records"] < 5000
+        # it never acknowledges: the agent sends at most its window, whatever the kernel buffers
         stalled.send({"op": "watch", "since": 0})
         assert stalled.line()["ok"] is True
         # far more than a socket buffer holds, while the stalled watcher reads nothing
@@ -100,11 +109,29 @@ def test_a_watcher_that_stops_reading_is_cut_off_and_resumes_from_its_cursor(bro
                 assert rec["error"] == "behind" and rec["cursor"] == (got[-1] if got else 0)
                 break
             got.append(rec["cursor"])
-        assert got == list(range(1, len(got) + 1)) and len(got) < 5000
-        # resuming from its cursor misses nothing
+        assert got == list(range(1, len(got) + 1)) and len(got) <= window["records"]
+        # resuming from its cursor misses nothing (through windows it acknowledges as it reads)
         with Client(home) as c:
             rest = [r["cursor"] for r in c.watch(since=got[-1] if got else 0, idle_s=2)]
         assert got + rest == list(range(1, 5001))
+
+
+def test_a_watcher_that_consumes_slowly_but_acknowledges_is_never_cut_off(broker, tmp_path):
+    import time
+    with running(tmp_path, broker, {"SSP_AGENT_WATCH_STALL_S": "1.5"}) as home:
+        with Client(home) as c:
+            raw = Raw(home)
+            window = raw.hello()["window"]["records"]
+            raw.close()
+            n = window + 50
+            c.write_many([(T, {"device": "slow", "seq": i}, {"temp": 1.0}) for i in range(n)])
+            # the agent fills the window at once; consuming half of it takes longer than the stall
+            # time, so only the acknowledgements made while consuming keep this watcher on
+            got = []
+            for r in c.watch([T], since=0, idle_s=3):
+                got.append(r["cursor"])
+                time.sleep(4.0 / window)   # half a window: 2 s
+        assert got == list(range(1, n + 1))
 
 
 def test_a_named_group_connects_through_the_extra_socket(broker, tmp_path):
