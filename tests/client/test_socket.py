@@ -118,7 +118,8 @@ def test_a_watcher_that_stops_reading_is_cut_off_and_resumes_from_its_cursor(bro
 
 def test_a_watcher_that_consumes_slowly_but_acknowledges_is_never_cut_off(broker, tmp_path):
     import time
-    with running(tmp_path, broker, {"SSP_AGENT_WATCH_STALL_S": "1.5"}) as home:
+    # a stall time the client's acknowledgements (every quarter of it) beat by 6 s on any machine
+    with running(tmp_path, broker, {"SSP_AGENT_WATCH_STALL_S": "8"}) as home:
         with Client(home) as c:
             raw = Raw(home)
             window = raw.hello()["window"]["records"]
@@ -130,7 +131,7 @@ def test_a_watcher_that_consumes_slowly_but_acknowledges_is_never_cut_off(broker
             got = []
             for r in c.watch([T], since=0, idle_s=3):
                 got.append(r["cursor"])
-                time.sleep(4.0 / window)   # half a window: 2 s
+                time.sleep(16.0 / window)   # half a window: 8 s
         assert got == list(range(1, n + 1))
 
 
