@@ -52,6 +52,21 @@ def note_change(conn, tdef, e, rk: bytes, existed: bool, fx, writes: dict, parti
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
+def note_rebuild(conn, tdef, key: dict, rk: bytes, existed: bool, exists: bool, writes: dict, cause: str,
+                 partial: Any = None) -> None:
+    """A row rebuilt without an event of its own (`cause`: `trust_change`, a signer's writes no
+    longer count; `column_added`, §13.6 rebuild from the log): op `rebuild`, each column written
+    with the clock it now carries (a rebuild's clocks are no event's)."""
+    cols: dict[str, Any] = {c: {"state": "unmaterialized"} if w is None else {"site": w[1][2].hex(), "hlc": _hlc(w[1])}
+                            for c, w in writes.items()}
+    rec: dict[str, Any] = {"kind": "change", "table": tdef.qualified, "key": {k: value_json(v) for k, v in key.items()},
+                           "op": "rebuild", "cause": cause, "event_id": None, "site": None, "hlc": None,
+                           "existed": existed, "exists": exists, "columns": cols}
+    if partial:
+        rec["partial"] = partial   # §13.4 MUST: the clocks the horizon left out
+    store.append(conn, tdef.qualified, rk, _dumps(rec))
+
+
 def note_signal(conn, kind: str, o, detail: dict | None) -> None:
     """An event the node dropped, rejected or held (kind as `ssp-agent events` names it)."""
     rec: dict[str, Any] = {"kind": kind, "table": o.table, "reason": o.reason,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 
-from . import apply
+from . import apply, feed
 from .clockstate import now_ms
 from .core import cose, events as ev
 from .core.merge import below, rebuild_without
@@ -86,6 +86,8 @@ def reconcile_trust(st, now: int) -> dict | None:
                 tbl.rows.delete(rk)  # nothing that counts ever touched it
             else:
                 tbl.rows.save(rk, key, new, rb.writes)
+            feed.note_rebuild(st.conn, tbl.tdef, key, rk, state.exists, new.exists, rb.writes, "trust_change",
+                              rb.partial)   # the application's change feed, same transaction
             summary["rows_rebuilt"] += 1
             if rb.partial:
                 summary["partial"] += 1

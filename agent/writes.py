@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from . import apply, home as homejob, produce
+from . import apply, feed, home as homejob, produce
 from .clockstate import now_ms
 from .core import cose, events as ev, reasons as R
 from .core.merge import rebuild_columns
@@ -148,6 +148,8 @@ def add_column(st, table: str, column: str, col_type: str) -> int:
             rb = rebuild_columns(newdef, [column], state.tomb_clock, apply.candidates(st, newdef, rk), tbl.horizon)
             if rb.writes[column] is not None:
                 rs.save(rk, key, state, {column: rb.writes[column]})
+                feed.note_rebuild(st.conn, newdef, key, rk, state.exists, state.exists, {column: rb.writes[column]},
+                                  "column_added")   # the application's change feed, same transaction
                 n += 1
     st.reload_caches()
     return n

@@ -144,3 +144,30 @@ def test_a_cursor_older_than_the_node_retains_is_refused(env, monkeypatch):
         records(node, since=0)
     assert e.value.oldest == 12 and e.value.head == 20 and e.value.cursor == 0
     assert [r["cursor"] for r in records(node, since=12)] == list(range(13, 21))
+
+
+def test_rows_a_trust_change_or_a_new_column_rebuilds_arrive_as_rebuild_records(env):
+    """A row rebuilt outside the apply of an event (a peer removed: its writes no longer count;
+    a column added: rebuilt from the log, §13.6) is a change the application must see too."""
+    node, a, b = env
+    K2 = {"device": "d", "seq": 2}
+    node.apply_batch([a.event(T, K, {"temp": 1.0}, (NOW, 1)), b.event(T, K, {"temp": 2.0}, (NOW, 2)),
+                      b.event(T, K2, {"note": "only b"}, (NOW, 3))], NOW)
+    head = records(node)[-1]["cursor"]
+    node.remove_peer(b.site_id)
+    recs = records(node, since=head)
+    by_key = {r["key"]["seq"]: r for r in recs if r["kind"] == "change"}
+    assert by_key[1]["op"] == "rebuild" and by_key[1]["cause"] == "trust_change"
+    assert by_key[1]["columns"]["temp"] == {"value": 1.0, "site": a.site_id.hex(), "hlc": f"{NOW}.1"}
+    assert (by_key[1]["existed"], by_key[1]["exists"]) == (True, True)
+    assert by_key[2]["op"] == "rebuild" and (by_key[2]["existed"], by_key[2]["exists"]) == (True, False)
+    assert replay(records(node)).get(T, []) == node.dump()[T]
+    head = records(node)[-1]["cursor"]
+    a_ev = a.event(T, K, {"temp": 3.0, "colour": "blue"}, (NOW, 9))
+    node.apply_batch([a_ev], NOW)
+    head = records(node)[-1]["cursor"]
+    node.add_column(T, "colour", "text")
+    recs = records(node, since=head)
+    assert [(r["op"], r["cause"], r["key"]) for r in recs] == [("rebuild", "column_added", K)]
+    assert recs[0]["columns"] == {"colour": {"value": "blue", "site": a.site_id.hex(), "hlc": f"{NOW}.9"}}
+    assert replay(records(node)).get(T, []) == node.dump()[T]
