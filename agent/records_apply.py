@@ -5,7 +5,7 @@ travelling with what it admits counts."""
 from __future__ import annotations
 
 from . import rehydrate, records_in, sequencing, trust
-from .core.cose import content_type
+from .core.incoming import split_records
 from .core.records import ACK as MQTT_ACK, TRUNCATED
 from .mailbox import ACK_CONTENT_TYPE
 from .store import db
@@ -19,17 +19,13 @@ def apply_records(st, raws, now: int) -> dict:
     trust rebuilt in the records' own transaction, then rehydrate requests
     (verified under the new keyring), then the truncation records a widening or a served
     rehydration calls for (signed through the bridge, outside any transaction)."""
-    kinds = [content_type(r) for r in raws]
     # MQTT acknowledgements speak to one node about one body: the runner takes them from the
-    # answer (Runner._proof); anywhere else (recovery from the journal included) they are inert.
-    raws = [r for r, k in zip(raws, kinds) if k != MQTT_ACK]
-    kinds = [k for k in kinds if k != MQTT_ACK]
-    rh = [r for r, k in zip(raws, kinds) if k == rehydrate.CONTENT_TYPE]
-    tr = [r for r, k in zip(raws, kinds) if k == TRUNCATED]
-    acks = [r for r, k in zip(raws, kinds) if k == ACK_CONTENT_TYPE]
-    sq = [r for r, k in zip(raws, kinds) if k in sequencing.CONTENT_TYPES]
-    raws = [r for r, k in zip(raws, kinds)
-            if k not in (rehydrate.CONTENT_TYPE, TRUNCATED, ACK_CONTENT_TYPE, *sequencing.CONTENT_TYPES)]
+    # answer (agent/mqtt_acks.py); anywhere else (recovery from the journal included) they are inert.
+    _, raws = split_records(raws, (MQTT_ACK,))
+    rh, raws = split_records(raws, (rehydrate.CONTENT_TYPE,))
+    tr, raws = split_records(raws, (TRUNCATED,))
+    acks, raws = split_records(raws, (ACK_CONTENT_TYPE,))
+    sq, raws = split_records(raws, sequencing.CONTENT_TYPES)
     if acks:
         # Mailbox answers are taken by the mailbox import only (they speak to one node about its
         # files). Here: this node's own, released before a crash and not stored (recovery).
