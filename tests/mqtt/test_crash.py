@@ -36,6 +36,9 @@ def test_node_killed_mid_apply_gets_the_body_again(broker, tmp_path, mode):
     ra = runner(a, broker, cadence_s=3600, realtime=False, answer_timeout_s=4 * HANG_S)
     proc = _spawn(b_home, broker.url, mode)
     try:
+        # b's pull at its start answered first: a body pushed before a heard anything of b's
+        # connection is, when b's pull then arrives, rightly taken as lost and sent again
+        assert step_until([ra], lambda: ra.stats["pulls_answered"] >= 1, 10), ra.stats
         ids = {write(a, i, "k") for i in range(25)}
         ra.batch_cycle()
         marker = b_home / "hanging"
