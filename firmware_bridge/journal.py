@@ -1,25 +1,6 @@
 """The persist-before-release journal: an append-only, CRC-framed, fsynced log (SOVM §22.5).
 
-File layout (all integers big-endian), documented in docs/keystore.md "Journal format":
-
-    header  = b"SSPJRNL1"
-    record  = body_len (u32) | crc32(body) (u32) | body
-    body    = type (u8) | ident_len (u16) | ident (identity.encode()) | rest
-      type 1 INTENT:   rest = key_name_len (u8) | key_name (utf-8)
-      type 2 RELEASED: rest = cose_len (u32) | exact COSE_Sign1 bytes
-      type 3 FLOOR:    rest = (empty); ident is an event identity (site_id, HLC): every event
-                       identity of that site at or below that HLC that the journal does not hold
-                       is spent; or a receipt identity (group_id, epoch): every receipt identity of
-                       that group at or below that epoch that the journal does not hold is spent
-                       (written by compaction, see ``compact``)
-      type 4 SEALED:   as RELEASED, the bytes sealed (sealing.py, associated data
-                       b"ssp-journal\0" | ident): written by a journal given a sealer, so the
-                       card holds no signed event in clear (docs/reliability.md "At rest")
-      type 5 GAP:      rest = top HLC (u64 physical, u32 logical); ident is an event identity
-                       (site_id, low): no identity of that site strictly between low and top was
-                       ever intended but those this journal holds, whatever a FLOOR says; the
-                       clock issues there after a wrong clock (``open_gap``); a compaction
-                       rewrites it with low raised to the highest identity intended inside
+The file format is firmware_bridge/journal_format.py's (docs/keystore.md "Journal format").
 
 A record is durable once the fsync that follows its write has returned.  Writers append through
 ``commit``; concurrent callers share one write+fsync (leader/follower group commit): the first
@@ -48,312 +29,59 @@ caller still needs.
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import itertools
-import mmap
 import os
 import struct
 import sys
 import threading
-import zlib
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Optional, cast
+from typing import Any, Callable, Iterable, Optional, cast
 
-from .errors import JournalBusy, JournalCorrupt, JournalError
-from .fsutil import fsync_dir
+from .errors import JournalBusy, JournalError
 from .identity import DiscontinuityIdentity, EventIdentity, ReceiptIdentity, decode_identity, encode_receipt_identity
 from .sealing import Sealer, key_id_of
 
-MAGIC = b"SSPJRNL1"
-INTENT = 1
-RELEASED = 2
-FLOOR = 3
-SEALED = 4     # a RELEASED record whose output is sealed at rest (sealing.py)
-GAP = 5        # a never-issued HLC range of one site below its FLOOR (``open_gap``)
-_RELEASED_TYPES = (RELEASED, SEALED)
-# where an output is in the file: (offset, length), with a third member (1) when it is sealed
-Loc = tuple[int, ...]
-Recorded = Callable[[EventIdentity], bool]           # ``compact``'s ``recorded``
-ReceiptsBelow = Callable[[bytes], Optional[int]]     # ``compact``'s ``receipts_below``
-_HDR = struct.Struct(">II")
-_BH = struct.Struct(">BH")
-_I = struct.Struct(">I")
-_HLC = struct.Struct(">QI")
-_Q = struct.Struct(">Q")
-MAX_RECORD = 1 << 24
-
-Hook = Callable[[str], None]
-
-
-class FileOps:
-    """The system calls the journal makes; a seam for lost-fsync and torn-write tests."""
-
-    def write(self, fd: int, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-
-    def fsync(self, fd: int) -> None:
-        os.fsync(fd)
-
-    def fsync_dir(self, path: str) -> None:
-        fsync_dir(path)
-
-    def replace(self, src: str, dst: str) -> None:
-        os.replace(src, dst)
-
-
-def encode_intent(ident: bytes, key_name: str) -> bytes:
-    kn = key_name.encode()
-    body = b"".join((_BH.pack(INTENT, len(ident)), ident, bytes((len(kn),)), kn))
-    return _HDR.pack(len(body), zlib.crc32(body)) + body
-
-
-def encode_output(rtype: int, ident: bytes, data: bytes) -> bytes:
-    """A RELEASED (clear COSE bytes) or SEALED (their sealed form) record."""
-    body = b"".join((_BH.pack(rtype, len(ident)), ident, _I.pack(len(data)), data))
-    return _HDR.pack(len(body), zlib.crc32(body)) + body
-
-
-def encode_released(ident: bytes, cose: bytes) -> bytes:
-    return encode_output(RELEASED, ident, cose)
-
-
-def encode_sealed(ident: bytes, sealed: bytes) -> bytes:
-    return encode_output(SEALED, ident, sealed)
-
-
-def sealed_ad(ident: bytes) -> bytes:
-    """What a sealed journal output is bound to: its identity (a record moved elsewhere does not open)."""
-    return b"ssp-journal\0" + ident
-
-
-def encode_floor(ident: bytes) -> bytes:
-    body = bytes([FLOOR]) + struct.pack(">H", len(ident)) + ident
-    return _HDR.pack(len(body), zlib.crc32(body)) + body
-
-
-def encode_gap(ident: bytes, top: tuple[int, int]) -> bytes:
-    body = bytes([GAP]) + struct.pack(">H", len(ident)) + ident + _HLC.pack(*top)
-    return _HDR.pack(len(body), zlib.crc32(body)) + body
-
-
-def _parse_body(body: bytes) -> tuple[int, bytes, int, int]:
-    """-> (type, ident, payload offset within body, payload length)."""
-    rtype = body[0]
-    (ilen,) = struct.unpack_from(">H", body, 1)
-    ident = bytes(body[3:3 + ilen])
-    pos = 3 + ilen
-    if rtype == INTENT:
-        klen = body[pos]
-        if pos + 1 + klen != len(body):
-            raise ValueError("intent length mismatch")
-        return rtype, ident, pos + 1, klen
-    if rtype in _RELEASED_TYPES:
-        (clen,) = struct.unpack_from(">I", body, pos)
-        if pos + 4 + clen != len(body):
-            raise ValueError("released length mismatch")
-        return rtype, ident, pos + 4, clen
-    if rtype == FLOOR:
-        if pos != len(body) or not ((ilen == 29 and ident[:1] == b"E") or _receipt_parts(ident) is not None):
-            raise ValueError("floor record malformed")
-        return rtype, ident, pos, 0
-    if rtype == GAP:
-        if ilen != 29 or ident[:1] != b"E" or pos + _HLC.size != len(body):
-            raise ValueError("gap record malformed")
-        return rtype, ident, pos, _HLC.size
-    raise ValueError("unknown record type")
-
-
-def _record_at(data: bytes, pos: int, size: int) -> Optional[tuple[int, bytes, int, int, int]]:
-    """The complete, CRC-valid, well-formed record at ``pos``: (type, ident, payload offset within
-    its body, payload length, end offset); None if the bytes there are not one."""
-    if pos + _HDR.size > size:
-        return None
-    blen, crc = _HDR.unpack_from(data, pos)
-    start = pos + _HDR.size
-    if blen == 0 or blen > MAX_RECORD or start + blen > size:
-        return None
-    body = data[start:start + blen]
-    if zlib.crc32(body) != crc:
-        return None
-    try:
-        rtype, ident, off, ln = _parse_body(body)
-    except (ValueError, IndexError, struct.error):
-        return None
-    return rtype, ident, off, ln, start + blen
-
-
-def _valid_records_after(data: bytes, bad: int, size: int) -> Optional[tuple[int, int, int]]:
-    """Is the region from ``bad`` to the end a torn tail? A torn tail is a prefix of writes no
-    fsync completed: an incomplete or damaged last record, possibly zeroed or garbage to the end,
-    with nothing valid after it. Look for a valid record starting at any later byte (a CRC-32 match
-    on garbage is a 2^-32 chance per offset, and a length must also fit); from the first found,
-    count the chain of valid records that follows it. None: nothing valid follows (a torn tail);
-    else (offset of the first valid record, records in its chain, released outputs among them)."""
-    for q in range(bad + 1, size - _HDR.size):
-        got = _record_at(data, q, size)
-        if got is None:
-            continue
-        records = released = 0
-        pos = q
-        while got is not None:
-            records += 1
-            released += got[0] in _RELEASED_TYPES
-            pos = got[4]
-            got = _record_at(data, pos, size)
-        return q, records, released
-    return None
-
-
-def _receipt_parts(ident: bytes) -> Optional[tuple[bytes, int]]:
-    """(group_id, epoch) of a receipt identity's encoding (identity.py), read in place; None for
-    anything else."""
-    if len(ident) < 12 or ident[:1] != b"R" or struct.unpack_from(">H", ident, 1)[0] != len(ident) - 11:
-        return None
-    return ident[3:-8], _Q.unpack_from(ident, len(ident) - 8)[0]
-
-
-@contextlib.contextmanager
-def _mapped(fd: int, size: int, path: str) -> Iterator[memoryview]:
-    """The first ``size`` bytes of ``fd`` (the journal at ``path``) as a memoryview, mapped
-    read-only (the page cache, not a copy on the heap: a journal is megabytes); read into memory
-    where the file cannot be mapped (a file shorter than ``size`` cannot: JournalError)."""
-    try:
-        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-    except (OSError, ValueError):
-        data = os.pread(fd, size, 0)
-        if len(data) != size:
-            raise JournalError(f"journal {path}: short read during compaction") from None
-        yield memoryview(data)
-        return
-    view = memoryview(mapped)
-    try:
-        yield view
-    finally:
-        view.release()
-        mapped.close()
-
-
-# A receipts-only compaction keeps the file the last one wrote (its "base") byte for byte and
-# rewrites only what came after it, unless more than this share of the new file's entries would
-# then be left behind (entries of groups that moved on since, at or below their new floor): then it
-# rewrites everything (``compact``; docs/keystore.md "Compaction")
-STALE_SHARE = 0.5
-
-
-@dataclass(frozen=True)
-class _Base:
-    """The file as the last compaction left it: its first ``end`` bytes, which stay as they are
-    until the next compaction (commits only append), and the first ``count`` identities of the
-    index (a dict: commits add identities after them, in file order, and never remove one)."""
-
-    end: int
-    count: int
-    stale: int                      # entries left behind by the compactions since the last full one
-    keys: int                       # the first ``keys`` entries of the key-name dict are the base's
-    intents: tuple                  # base identities with an intent and no output yet
-
-
-class _NothingToDrop(Exception):
-    """``compact`` of receipts found none to drop: the journal is left as it is."""
-
-
-class _RewriteAll(Exception):
-    """A compaction of what came since is not the one to make (nothing to drop since the base,
-    or it would leave more than STALE_SHARE behind): the whole file is rewritten instead."""
-
-
-def _receipts_to_drop(idents: list, index: dict, busy: set, receipts_below: Callable[[bytes], Optional[int]],
-                      floors: dict[bytes, int]) -> set:
-    """The receipt identities ``compact`` drops (see there): below the group's last released
-    receipt at or below the epoch before the caller's recorded one (so that receipt stays, with
-    the intents of the gaps after it: a state restored from an older copy adopts it as its head,
-    and the gaps' statements name it), not in flight; a group with no released receipt there
-    keeps everything. ``floors`` (group -> epoch) is raised to the epoch below the entry kept (a
-    group's epochs advance one at a time, each intended once, in order: §22.5). Comprehensions,
-    not a loop: this runs over every receipt signed since the last compaction."""
-    # b"R": only well-formed ones are indexed (_apply); each with its group's prefix, sliced once
-    receipts = [(i, i[:-8]) for i in idents if i[0] == 0x52]
-    # a group's identities share the prefix "R" | len | group_id and end in the big-endian epoch,
-    # so "epoch at or below E" is "identity at or below the group's identity at E", compared as bytes
-    threshold: dict[bytes, bytes] = {}
-    for prefix in {p for _i, p in receipts}:
-        below = receipts_below(prefix[3:])
-        if below is not None and below >= 1:
-            threshold[prefix] = prefix + _Q.pack(below - 1)
-    get = threshold.get
-    # each group's last released receipt at or below its threshold: the last one in the index's
-    # order wins, which is its epochs' order (a group's epochs are intended one at a time, in
-    # order: §22.5); were it not, a lower receipt would be kept and everything above it with it
-    keep = {p: i for i, p in receipts if i <= get(p, b"") and index[i] is not None}
-    kept = keep.get
-    drop = {i for i, p in receipts if i < kept(p, b"")} - busy
-    for prefix in {i[:-8] for i in drop}:
-        # at least the highest dropped; an epoch below the kept one that was never intended (a
-        # group adopted or recovered above it) reads spent too: it is never to be signed
-        floors[prefix[3:]] = max(floors.get(prefix[3:], -1), _Q.unpack(keep[prefix][-8:])[0] - 1)
-    return drop
-
-
-@dataclass(frozen=True)
-class ReceiptGroup:
-    """What the journal knows of one group's receipts (``Journal.receipt_groups``): ``floor``, the
-    compaction floor (every identity at or below it the journal does not hold is spent) or None;
-    ``lowest``/``top``, the lowest and highest epoch it holds an identity for (None: none held);
-    ``statements``, epoch -> the attempts of discontinuity statements it holds."""
-
-    floor: Optional[int]
-    lowest: Optional[int]
-    top: Optional[int]
-    statements: dict[int, tuple[int, ...]]
-
-
-def _corrupt(path: str, pos: int, after: tuple[int, int, int]) -> JournalCorrupt:
-    first, records, released = after
-    return JournalCorrupt(
-        f"signing journal {path} is damaged at byte {pos}: {first - pos} byte(s) there do not form a "
-        f"record, yet {records} valid record(s) follow ({released} released output(s) among them), so this "
-        "is not a torn tail but damage to durable data (disk fault or tampering). Nothing was changed. Stop "
-        "the agent, keep a copy of the file and check the medium; then restore the journal from a backup, "
-        "or move it aside to start without it (the clock resumes above the store's durable ceiling, but "
-        "released outputs the store lacks are then lost)", pos, records, released)
-
-
-def inspect(path: str) -> dict[str, int]:
-    """Read a journal without opening it for writing, taking its lock or repairing anything (for
-    read-only views such as ``ssp-agent status``, which must work on a full disk and beside a
-    running agent): {"bytes", "records", "released", "torn_tail_bytes"}. Raises JournalCorrupt
-    for damage in the middle (as opening would), JournalError for a file that is not a journal."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        return {"bytes": 0, "records": 0, "released": 0, "torn_tail_bytes": 0}
-    except OSError as exc:
-        raise JournalError(f"cannot read journal {path}: {exc.strerror}") from None
-    size = len(data)
-    if size < len(MAGIC):
-        return {"bytes": size, "records": 0, "released": 0, "torn_tail_bytes": size}
-    if data[:len(MAGIC)] != MAGIC:
-        raise JournalError(f"{path} is not a signing journal (bad magic); refusing to touch it")
-    pos, records, released = len(MAGIC), 0, 0
-    while pos < size:
-        got = _record_at(data, pos, size)
-        if got is None:
-            break
-        records += 1
-        released += got[0] in _RELEASED_TYPES
-        pos = got[4]
-    if pos < size:
-        after = _valid_records_after(data, pos, size)
-        if after is not None:
-            raise _corrupt(os.path.abspath(path), pos, after)
-    return {"bytes": size, "records": records, "released": released, "torn_tail_bytes": size - pos}
-
+from .journal_format import (  # noqa: F401 - the format's names are the journal's API too
+    MAGIC,
+    INTENT,
+    RELEASED,
+    FLOOR,
+    SEALED,
+    GAP,
+    RELEASED_TYPES,
+    Loc,
+    Recorded,
+    ReceiptsBelow,
+    HDR,
+    BH,
+    U32,
+    HLC,
+    U64,
+    MAX_RECORD,
+    Hook,
+    FileOps,
+    encode_intent,
+    encode_output,
+    encode_released,
+    encode_sealed,
+    sealed_ad,
+    encode_floor,
+    encode_gap,
+    parse_body,
+    record_at,
+    valid_records_after,
+    receipt_parts,
+    mapped,
+    STALE_SHARE,
+    Base,
+    NothingToDrop,
+    RewriteAll,
+    receipts_to_drop,
+    ReceiptGroup,
+    corrupt_error,
+    inspect,
+)
 
 class Journal:
     """Durable intents and released bytes, indexed in memory by identity encoding."""
@@ -392,7 +120,7 @@ class Journal:
         self.compactions = 0
         # what the last compaction wrote (None: none since this open): a receipts-only compaction
         # keeps it byte for byte and rewrites only what was appended after it (``compact``)
-        self._base: Optional[_Base] = None
+        self._base: Optional[Base] = None
         self._fd = self._open()
 
     @property
@@ -434,30 +162,30 @@ class Journal:
             raise JournalError(f"{self.path} is not a signing journal (bad magic); refusing to touch it")
         pos = len(MAGIC)
         while pos < size:
-            got = _record_at(data, pos, size)
+            got = record_at(data, pos, size)
             if got is None:
                 break
             rtype, ident, off, ln, end = got
             try:
                 if rtype == GAP:
-                    self._apply_gap(ident, _HLC.unpack_from(data, pos + _HDR.size + off))
+                    self._apply_gap(ident, HLC.unpack_from(data, pos + HDR.size + off))
                 else:
-                    self._apply(rtype, ident, (pos + _HDR.size + off, ln) if rtype == RELEASED else
-                                (pos + _HDR.size + off, ln, 1) if rtype == SEALED else None,
-                                data[pos + _HDR.size + off:pos + _HDR.size + off + ln].decode()
+                    self._apply(rtype, ident, (pos + HDR.size + off, ln) if rtype == RELEASED else
+                                (pos + HDR.size + off, ln, 1) if rtype == SEALED else None,
+                                data[pos + HDR.size + off:pos + HDR.size + off + ln].decode()
                                 if rtype == INTENT else None)
             except (ValueError, IndexError, struct.error, UnicodeDecodeError):
                 break
             pos = end
         if pos < size:
-            after = _valid_records_after(data, pos, size)
+            after = valid_records_after(data, pos, size)
             if after is not None:
                 # Valid records follow the bad one: the bad bytes were followed by later, complete
                 # writes, so they are not a torn tail but damage to durable data. Truncating would
                 # silently drop every later record (released outputs among them): refuse, and
                 # change nothing.
                 os.close(fd)
-                raise _corrupt(self.path, pos, after)
+                raise corrupt_error(self.path, pos, after)
             # torn tail: never covered by a completed fsync, so never acted upon (module docstring)
             self.truncated_bytes = size - pos
             os.ftruncate(fd, pos)
@@ -470,7 +198,7 @@ class Journal:
             self._index.setdefault(ident, None)
             self._key_of.setdefault(ident, sys.intern(key or ""))
             if len(ident) == 29 and ident[0] == 0x45:   # b"E": an event (identity.py), the hot path
-                site, hlc = ident[1:17], _HLC.unpack_from(ident, 17)
+                site, hlc = ident[1:17], HLC.unpack_from(ident, 17)
                 cur = self._max_hlc.get(site)
                 if cur is None or hlc > cur:
                     self._max_hlc[site] = hlc
@@ -481,7 +209,7 @@ class Journal:
             if ident[0] == 0x52 and ident[1] == 0 and ident[2] and len(ident) == 11 + ident[2]:
                 # b"R" | u16 len (1..255) | group_id | u64 epoch (identity.py): a receipt, the
                 # sequencer's hot path, read in place; anything else is decoded (and refused) in full
-                gid, epoch = ident[3:-8], _Q.unpack_from(ident, len(ident) - 8)[0]
+                gid, epoch = ident[3:-8], U64.unpack_from(ident, len(ident) - 8)[0]
             else:
                 identity = decode_identity(ident)
                 if not isinstance(identity, ReceiptIdentity):
@@ -512,10 +240,10 @@ class Journal:
     def _apply_gap(self, ident: bytes, top: tuple[int, int]) -> None:
         """A GAP record: the site's gap is (low, top), low raised above any intent the index holds
         inside it (a GAP written by ``open_gap`` has none; one a compaction wrote, none either)."""
-        site, low = ident[1:17], _HLC.unpack_from(ident, 17)
+        site, low = ident[1:17], HLC.unpack_from(ident, 17)
         top = (top[0], top[1])
         inside = [h for i in self._index if len(i) == 29 and i[0] == 0x45 and i[1:17] == site
-                  and low < (h := _HLC.unpack_from(i, 17)) < top]
+                  and low < (h := HLC.unpack_from(i, 17)) < top]
         self._gap[site] = (max(inside, default=low), top)
 
     def _apply_flushed(self, effects: list, pos: int) -> None:
@@ -707,14 +435,14 @@ class Journal:
         try:
             busy = in_flight()
             tail = self._tail_after(base, idents, old_size, recorded, receipts_below, receipt_floors)
-            with _mapped(old_fd, old_size, self.path) as view:
+            with mapped(old_fd, old_size, self.path) as view:
                 dropped = stale = 0
                 if tail is not None:
                     assert base is not None and receipts_below is not None  # _tail_after: a tail has both
                     try:
                         parts, new_index, new_keys, intents, receipts_dropped, stale = self._rewrite_tail(
                             view, old_size, base, tail, index, key_of, busy, receipts_below, receipt_floors)
-                    except _RewriteAll:
+                    except RewriteAll:
                         tail = None
                 if tail is None:
                     out, new_index, new_keys, intents, dropped, receipts_dropped = self._rewrite_all(
@@ -736,7 +464,7 @@ class Journal:
             self._fire("compact_after_rename")
             self._ops.fsync_dir(os.path.dirname(self.path))
             self._fire("compact_after_dirsync")
-        except _NothingToDrop:
+        except NothingToDrop:
             with self._cond:
                 self._flushing = False
                 self._cond.notify_all()
@@ -768,7 +496,7 @@ class Journal:
             self._floor = floors if recorded is not None else self._floor
             self._receipt_floor = receipt_floors
             self._tail = size
-            self._base = _Base(size, len(new_index), stale, len(new_keys), tuple(intents))
+            self._base = Base(size, len(new_index), stale, len(new_keys), tuple(intents))
             self.compactions += 1
             self._flushing = False
             self._cond.notify_all()
@@ -776,7 +504,7 @@ class Journal:
                 "bytes_before": old_size, "bytes_after": size, "full": tail is None}
 
     @staticmethod
-    def _tail_after(base: Optional[_Base], idents: list, size: int, recorded: Optional[Recorded],
+    def _tail_after(base: Optional[Base], idents: list, size: int, recorded: Optional[Recorded],
                     receipts_below: Optional[ReceiptsBelow], floors: dict[bytes, int]) -> Optional[list]:
         """The identities added since the last compaction, when only they are to be rewritten:
         receipts only (no events to weigh), the base written by a compaction since this open (so
@@ -807,9 +535,9 @@ class Journal:
             out += encode_gap(EventIdentity(site, *low).encode(), top)
         drop_receipts: set = set()
         if receipts_below is not None:
-            drop_receipts = _receipts_to_drop(idents, index, busy, receipts_below, receipt_floors)
+            drop_receipts = receipts_to_drop(idents, index, busy, receipts_below, receipt_floors)
             if recorded is None and not drop_receipts:
-                raise _NothingToDrop   # receipts only, and none to drop: no rewrite
+                raise NothingToDrop   # receipts only, and none to drop: no rewrite
         for gid, epoch in sorted(receipt_floors.items()):
             out += encode_floor(encode_receipt_identity(gid, epoch))
         dropped = 0
@@ -828,7 +556,7 @@ class Journal:
         intents = self._write_entries(view, old_size, out, 0, entries, key_of, new_index, new_keys, True)
         return out, new_index, new_keys, intents, dropped, len(drop_receipts)
 
-    def _rewrite_tail(self, view: memoryview, old_size: int, base: _Base, tail: list, index: dict, key_of: dict,
+    def _rewrite_tail(self, view: memoryview, old_size: int, base: Base, tail: list, index: dict, key_of: dict,
                       busy: set, receipts_below: ReceiptsBelow, receipt_floors: dict) -> tuple:
         """The base byte for byte, then the floors that rose and what is kept of the identities
         added since (``compact``): its cost follows what came since the last compaction, not every
@@ -839,9 +567,9 @@ class Journal:
         # the floors of the groups with receipts dropped, from nothing: only those are looked at
         # (not every group's: a sequencer may have served many more than move now)
         raised: dict[bytes, int] = {}
-        drop = _receipts_to_drop(tail, index, busy, receipts_below, raised)
+        drop = receipts_to_drop(tail, index, busy, receipts_below, raised)
         if not drop:
-            raise _RewriteAll        # what is droppable (if anything) is in the base
+            raise RewriteAll        # what is droppable (if anything) is in the base
         # the base's entries each group whose floor rises now leaves behind: those between its old
         # floor and its new one (identities of a group compare as their epochs: identity.py).
         # Counted before anything is written or changed: past STALE_SHARE of what the new file
@@ -859,7 +587,7 @@ class Journal:
                                  if (r := rose.get(i[:-8])) is not None and r[0] < i <= r[1])
         kept = [(i, index[i]) for i in tail if i not in drop]
         if stale > STALE_SHARE * (base.count + len(kept)):
-            raise _RewriteAll
+            raise RewriteAll
         # the base as it is, then what is new in a buffer of its own (appending to one of the
         # base's megabytes costs a reallocation each time)
         head, out = bytes(view[:base.end]), bytearray()
@@ -905,7 +633,7 @@ class Journal:
                 out += rec
                 continue
             # the record: its header, type and identity, the output's length, the output
-            start = at - (_HDR.size + _BH.size + len(ident) + _I.size)
+            start = at - (HDR.size + BH.size + len(ident) + U32.size)
             new_index[ident] = (origin + len(out) + at - start, size) + loc[2:]
             out += view[start:at + size]
         return intent_only
@@ -924,7 +652,7 @@ class Journal:
                 gap = self._gap.get(ident[1:17])
                 return "absent" if gap is not None and gap[0] < hlc < gap[1] else "spent"
         elif ident[:1] == b"R" and self._receipt_floor:
-            parts = _receipt_parts(ident)
+            parts = receipt_parts(ident)
             if parts is not None and parts[1] <= self._receipt_floor.get(parts[0], -1):
                 return "spent"
         return "absent"
@@ -1006,9 +734,9 @@ class Journal:
             if cur is not None and low < cur[0]:
                 raise JournalError(f"journal {self.path}: a gap at or above {cur[0]} is recorded; it never moves down")
             held = [i for i in self._index if len(i) == 29 and i[0] == 0x45 and i[1:17] == site_id
-                    and low < _HLC.unpack_from(i, 17) < top]
+                    and low < HLC.unpack_from(i, 17) < top]
             if held:
-                h = _HLC.unpack_from(held[0], 17)
+                h = HLC.unpack_from(held[0], 17)
                 raise JournalError(f"journal {self.path}: {h[0]}.{h[1]} was intended inside the gap "
                                    f"{low[0]}.{low[1]} .. {top[0]}.{top[1]}; refusing it")
         self.commit([(GAP, ident, top)])
@@ -1027,7 +755,7 @@ class Journal:
         stated: dict[bytes, dict[int, list]] = {}
         for i in idents:
             if i[0] == 0x52:
-                parts = _receipt_parts(i)
+                parts = receipt_parts(i)
                 if parts is not None:
                     held.setdefault(parts[0], []).append(parts[1])
             elif i[0] == 0x44:          # b"D": a discontinuity statement (identity.py)

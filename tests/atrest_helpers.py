@@ -11,7 +11,7 @@ def downgrade_to_clear(home: Path):
     opened it (its sealer opens what was sealed)."""
     from agent.node import Node
     from agent.store import atrest
-    from firmware_bridge.journal import MAGIC, SEALED, _HDR, _record_at, encode_released, sealed_ad
+    from firmware_bridge.journal import HDR, MAGIC, SEALED, encode_released, record_at, sealed_ad
     home = Path(home)
     conn, seal = Node.log_view(home)
     conn.close()
@@ -30,10 +30,10 @@ def downgrade_to_clear(home: Path):
     if path.exists():
         data = path.read_bytes()
         out, pos = bytearray(MAGIC), len(MAGIC)
-        while (got := _record_at(data, pos, len(data))) is not None:
+        while (got := record_at(data, pos, len(data))) is not None:
             rtype, ident, off, ln, end = got
             if rtype == SEALED:
-                body = data[pos + _HDR.size + off:pos + _HDR.size + off + ln]
+                body = data[pos + HDR.size + off:pos + HDR.size + off + ln]
                 out += encode_released(ident, seal.sealer.open(sealed_ad(ident), body))
             else:
                 out += data[pos:end]

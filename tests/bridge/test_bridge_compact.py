@@ -163,7 +163,7 @@ def test_receipt_compaction_writes_what_encoding_the_kept_entries_again_would(en
     identity's intent and its output encoded afresh, in the index's order. The intents and the
     outputs were written by separate commits, interleaved across groups, so a record's place in
     the old file says nothing of the new one; the mapping is also replaced by a plain read."""
-    from firmware_bridge import journal as J
+    from firmware_bridge import journal_format as J
     ks, bridge, path = env
     groups = [b"group-%04d" % g for g in range(7)]
     prot = receipt_protected(ks.public_key("seq"))

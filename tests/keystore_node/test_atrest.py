@@ -22,7 +22,7 @@ from agent.node import Node
 from agent.simpeer import SimPeer, manifest_text, readings_table
 from agent.store import atrest, db
 from agent.sync import export_mailbox_body, import_mailbox_body
-from firmware_bridge.journal import MAGIC, RELEASED, SEALED, _HDR, _record_at
+from firmware_bridge.journal import HDR, MAGIC, RELEASED, SEALED, record_at
 from tests.atrest_helpers import downgrade_to_clear
 from tests.cli_cmd import agent_cmd, agent_env
 
@@ -236,10 +236,10 @@ def test_rotation_reseals_every_row_and_the_journal_and_drops_the_old_key(tmp_pa
         a.close()
     data = (home / "sign-journal").read_bytes()
     pos = len(MAGIC)
-    while (got := _record_at(data, pos, len(data))) is not None:
+    while (got := record_at(data, pos, len(data))) is not None:
         assert got[0] != RELEASED
         if got[0] == SEALED:
-            body = data[pos + _HDR.size + got[2]:pos + _HDR.size + got[2] + got[3]]
+            body = data[pos + HDR.size + got[2]:pos + HDR.size + got[2] + got[3]]
             assert key_id_of(body) == new
         pos = got[4]
     assert json.loads(json.dumps(atrest.status(sqlite3.connect(home / "store.sqlite"))))["current"] == new

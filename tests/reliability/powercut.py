@@ -225,7 +225,7 @@ class Model:
         """A journal fsync (performed, or skipped by the negative control) returned: every RELEASED
         record it covers may now leave the bridge (firmware_bridge/journal.py format)."""
         from firmware_bridge.identity import EventIdentity, decode_identity
-        from firmware_bridge.journal import MAGIC, RELEASED, SEALED, _HDR as JHDR, _record_at, sealed_ad
+        from firmware_bridge.journal import HDR as JHDR, MAGIC, RELEASED, SEALED, record_at, sealed_ad
         buf = bytearray(ino.durable)
         for op in ino.pending:
             _apply(buf, op)
@@ -234,7 +234,7 @@ class Model:
         if pos > len(data):    # truncated (a torn tail cut off on open)
             pos = len(MAGIC)
         while True:
-            got = _record_at(data, pos, len(data))
+            got = record_at(data, pos, len(data))
             if got is None:
                 break
             rtype, ident, off, ln, end = got
