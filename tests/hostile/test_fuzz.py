@@ -3,7 +3,7 @@ metas, session frames, events, records, mailbox files and serial frames through 
 classify function, numbers written as text in every Unicode digit class through every reader of
 one, a serial session's frame meta on a real node, and whole MQTT messages (user properties,
 correlation data, response topics, retained presence) through a real node's MQTT loop on both
-bindings (tests/hostile/targets.py), asserting only designated outcomes, a wall-time
+bindings (tests/hostile/targets.py), asserting only designated outcomes, a CPU-time
 bound per input (targets.TIME_BOUND_S) and a memory bound (tracemalloc per input for the pure
 parsers; the process's peak RSS for the targets on a real node).
 
