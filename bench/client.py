@@ -28,7 +28,7 @@ from _harness import ROOT, bench_env, child_env, cli, median, proc_cpu_s, record
 MESH = bytes.fromhex("00112233445566778899aabbccddeeff")
 T = "app.readings"
 # A watcher as light as a reader of the protocol can be (docs/client.md "Protocol"): it notes each
-# record's arrival and its cursor, and prints them once it has seen `upto`, so what the figures
+# record's arrival and its cursor, acknowledges every 64th, and prints them once it has seen `upto`, so what the figures
 # show is the agent's side, not a watcher's JSON decoding (two cores are shared by all of it).
 WATCHER = """
 import json, socket, sys, time
@@ -42,8 +42,12 @@ assert json.loads(f.readline())["ok"]
 print("ready", flush=True)
 upto, seen = int(sys.argv[3]), []
 for line in f:
+    if not line.startswith(b'{"cursor":'):
+        raise SystemExit("watcher: " + line.decode()[:200])
     cur = int(line[10:line.index(b",")])   # {"cursor":N,...
     seen.append((cur, time.monotonic_ns()))
+    if len(seen) % 64 == 0:   # what it consumed: the agent sends at most a window beyond it
+        s.sendall(b'{"ack":%d}\\n' % cur)
     if cur >= upto:
         break
 print("\\n".join(f"{c} {t}" for c, t in seen), flush=True)
