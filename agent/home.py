@@ -144,6 +144,9 @@ def make_store(conn: sqlite3.Connection, home: Path, site_id: bytes, public_key:
             sync_state.put_keyring(conn, p.site_id, p.public_key, p.retired_after, "manifest")
         for t in manifest.tables:
             create_table_rows(conn, t)
+    # The sync state and its default policy now, not at a first sync: a read verb on a full disk
+    # (`policy list`, `record list`) must not be the one to create them.
+    sync_state.ensure_schema(conn)
     write_identity_file(home, site_id, public_key, manifest.mesh_id, ks_conf)
     db.ensure_reserve(home)   # the space eviction may use on a full disk (agent/store/db.py)
     ident.claim_home(site_id, home)

@@ -87,14 +87,20 @@ def cmd_policy_remove(args) -> int:
     return EXIT_OK
 
 
-def cmd_policy_list(args) -> int:
+def sync_state_view(args):
+    """A read view when the sync-state tables are there, so a full disk does not stop a read verb
+    (`policy list`, `record list`, `rehydrate --status`); an older home's first read creates them."""
     from ..store import sync_state as st
-    # a read view when the policy tables are there (a full disk must not stop a read verb); the
-    # first listing of an older home creates them and the default rows
     node = open_node(args, read_only=True)
     if not st.schema_ready(node.conn):
         node.close()
         node = open_node(args)
+    return node
+
+
+def cmd_policy_list(args) -> int:
+    from ..store import sync_state as st
+    node = sync_state_view(args)
     try:
         st.ensure_schema(node.conn)
         for r in sorted(st.policy_rows(node.conn), key=lambda r: (r.schema, r.table, r.peer, r.layer, r.role)):
@@ -306,7 +312,7 @@ def cmd_rehydrate(args) -> int:
     from .. import rehydrate
     if bool(args.status) == bool(args.from_peer):
         raise Refused("give --from PEER (start) or --status")
-    node = open_node(args)
+    node = sync_state_view(args) if args.status else open_node(args)
     try:
         if args.status:
             emit(rehydrate.status(node))
@@ -325,7 +331,7 @@ def cmd_rehydrate(args) -> int:
 
 def cmd_record_list(args) -> int:
     from ..store import sync_state as st
-    node = open_node(args)
+    node = sync_state_view(args)
     try:
         st.ensure_schema(node.conn)
         recs = st.records(node.conn)

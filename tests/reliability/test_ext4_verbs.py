@@ -61,3 +61,83 @@ def test_the_other_verbs_never_die_by_a_signal_on_a_nearly_full_disk(tmp_path, b
         # space back: the verbs that write work
         assert cli(home, "write", T, "--key", '{"device": "d", "seq": 999}', "--set", '{"temp": 1.5}').returncode == 0
         assert cli(home, "mailbox", "export", "--peer", site, "--out", tmp_path / "last.ssp").returncode == 0
+
+
+def run_verdict(home, broker_url: str) -> str | None:
+    """`run` on a nearly full disk: serves (its control socket answers `status`) and stops on
+    SIGTERM with exit 0, or exits 1 with one line; never dies by a signal nor hangs."""
+    import signal
+    import subprocess
+    import time
+    from tests.cli_cmd import agent_cmd, agent_env
+    proc = subprocess.Popen([*agent_cmd(), "--home", str(home), "run", "--broker", broker_url, "--cadence", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
+    try:
+        deadline = time.monotonic() + 600     # a hang, not a speed
+        while proc.poll() is None:
+            q = cli(home, "status")
+            if q.returncode == 0 and "run" in json.loads(q.stdout):
+                break
+            assert time.monotonic() < deadline, "run neither served nor exited"
+            time.sleep(0.3)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        so, se = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return verdict(subprocess.CompletedProcess(proc.args, proc.returncode, so, se))
+
+
+def test_record_table_rehydrate_and_run_never_die_by_a_signal_on_a_nearly_full_disk(tmp_path, broker):
+    """The verbs left: the authority's (`authority add`, `record issue-vouch`, `record import`,
+    `record list`), `table create`, `rehydrate --from` / `--status`, and `run` starting with a
+    few KiB free. Each succeeds or fails with one line; the read verbs succeed."""
+    from agent.simpeer import SimPeer
+    auth = json.loads(cli(tmp_path / "unused", "authority", "create", "--out", tmp_path / "auth").stdout)
+    with ext4(tmp_path, "48M", 1024) as fs:
+        home = make_home(fs, tmp_path)
+        issuer = tmp_path / "issuer"             # the operator's home, off the full disk
+        assert cli(issuer, "init", "--manifest", tmp_path / "m.toml").returncode == 0
+        for h in (issuer, home):
+            p = cli(h, "authority", "add", "--site-id", auth["site_id"], "--public-key", auth["public_key"])
+            assert p.returncode == 0, p.stderr
+        bad, ran = {}, 0
+        for kib in (0, 8, 64):
+            subject = SimPeer(bytes(16))
+            vouch = tmp_path / f"vouch-{kib}.cose"       # made with space, imported without
+            assert cli(issuer, "record", "issue-vouch", "--subject", subject.site_id.hex(),
+                       "--public-key", subject.key.verify_key.encode().hex(), "--authority-key",
+                       tmp_path / "auth", "--out", vouch).returncode == 0
+            spec = {"schema": "app", "name": f"t{kib}", "category": "syncable", "key": ["k"], "columns": {"k": "text"}}
+            verbs = {"authority add": ("authority", "add", "--site-id", auth["site_id"], "--public-key", auth["public_key"]),
+                     "record issue-vouch": ("record", "issue-vouch", "--subject", subject.site_id.hex(), "--public-key",
+                                            subject.key.verify_key.encode().hex(), "--authority-key", tmp_path / "auth",
+                                            "--out", fs / f"v-{kib}.cose"),
+                     "record import": ("record", "import", vouch),
+                     "record list": ("record", "list"),
+                     "table create": ("table", "create", "--spec", json.dumps(spec)),
+                     "rehydrate --from": ("rehydrate", "--from", peer().site_id.hex()),
+                     "rehydrate --status": ("rehydrate", "--status")}
+            filler = leave_free(fs, kib * 1024)
+            try:
+                for verb, args in verbs.items():
+                    p = cli(home, *args)
+                    ran += 1
+                    what = verdict(p)
+                    if what is None and verb in ("record list", "rehydrate --status") and p.returncode != 0:
+                        what = f"a read verb failed: {p.stderr.strip()[-300:]!r}"
+                    if what is not None:
+                        bad[(kib, verb)] = what
+                what = run_verdict(home, broker.url)
+                ran += 1
+                if what is not None:
+                    bad[(kib, "run")] = what
+            finally:
+                filler.unlink()
+        assert bad == {}, bad
+        assert ran == 3 * 8
+        # space back: the home works
+        assert cli(home, "write", T, "--key", '{"device": "d", "seq": 999}', "--set", '{"temp": 1.5}').returncode == 0
+        assert run_verdict(home, broker.url) is None
