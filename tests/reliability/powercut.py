@@ -399,10 +399,12 @@ class Recording:
 
 
 def record(work: Path, *, events: int = 200, seed: int = 1, drop_sync: str | None = None,
-           shim: Path | None = None, workload: str = "tests.reliability.powercut_workload") -> Recording:
+           shim: Path | None = None, workload: str = "tests.reliability.powercut_workload",
+           setup=None) -> Recording:
     """Make a node (not traced: its files are the durable base), then run the workload under the
     shim. `drop_sync`: the negative control (fsyncs of files whose path contains it are skipped).
-    `workload`: the module run (its one argument the config file), e.g. powercut_mixed.py's."""
+    `workload`: the module run (its one argument the config file), e.g. powercut_mixed.py's.
+    `setup(work, home)`: run on the made home before the base is taken; its dict joins the config."""
     import nacl.signing
 
     from agent.node import Node, now_ms
@@ -429,9 +431,10 @@ def record(work: Path, *, events: int = 200, seed: int = 1, drop_sync: str | Non
             os.environ.pop("SSP_AGENT_WITNESS_DIR", None)
         else:
             os.environ["SSP_AGENT_WITNESS_DIR"] = old
+    extra = setup(work, home) if setup else {}
     os.sync()
     base_state = read_tree([home, witness])
-    cfg = {"home": str(home), "mark": str(mark), "seed": seed, "events": events, "mesh_id": mesh.hex(),
+    cfg = {**extra, "home": str(home), "mark": str(mark), "seed": seed, "events": events, "mesh_id": mesh.hex(),
            "peer_site_id": peer.site_id.hex(), "peer_seed": seed_bytes.hex(), "mailbox_dir": str(work / "mbox")}
     (work / "workload.json").write_text(json.dumps(cfg))
     trace = work / "trace.bin"
