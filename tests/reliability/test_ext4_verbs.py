@@ -141,3 +141,54 @@ def test_record_table_rehydrate_and_run_never_die_by_a_signal_on_a_nearly_full_d
         # space back: the home works
         assert cli(home, "write", T, "--key", '{"device": "d", "seq": 999}', "--set", '{"temp": 1.5}').returncode == 0
         assert run_verdict(home, broker.url) is None
+
+
+def test_the_remaining_verbs_never_die_by_a_signal_on_a_nearly_full_disk(tmp_path):
+    """Every other verb of a device's home: the keyring's and the policy's writes, `evict` of one
+    table, `table add-column`, `keystore rotate-data-key`, `identity rebind`, the member's
+    sequencing reads, `watch`, and `init` of a new home on the full filesystem. Each succeeds or
+    fails with one line; the read verbs succeed; an `init` that failed leaves no home behind."""
+    from agent.simpeer import SimPeer
+    with ext4(tmp_path, "48M", 1024) as fs:
+        home = make_home(fs, tmp_path)
+        bad, ran = {}, 0
+        for kib in (0, 8, 64):
+            other = SimPeer(bytes(16))
+            verbs = {"peer add": ("peer", "add", "--site-id", other.site_id.hex(), "--public-key",
+                                  other.key.verify_key.encode().hex()),
+                     "peer remove": ("peer", "remove", "--site-id", peer().site_id.hex()),
+                     "policy allow": ("policy", "allow", "--peer", "*", "--table", T, "--layer", "user"),
+                     "policy deny": ("policy", "deny", "--peer", other.site_id.hex(), "--table", T, "--layer", "role",
+                                     "--role", "r"),
+                     "policy remove": ("policy", "remove", "--peer", "*", "--table", T, "--layer", "user"),
+                     "evict": ("evict", T, "--horizon", "1000.0"),
+                     "table add-column": ("table", "add-column", T, "--column", f"c{kib}", "--type", "text"),
+                     "keystore rotate-data-key": ("keystore", "rotate-data-key"),
+                     "identity rebind": ("identity", "rebind", "--confirm-original-destroyed"),
+                     "commits status": ("commits", "status"),
+                     "sequencing status": ("sequencing", "status"),
+                     "watch": ("watch", "--since", "0", "--idle", "0.5")}
+            filler = leave_free(fs, kib * 1024)
+            try:
+                for verb, args in verbs.items():
+                    p = cli(home, *args)
+                    ran += 1
+                    what = verdict(p)
+                    if what is None and verb in ("commits status", "sequencing status", "watch") and p.returncode:
+                        what = f"a read verb failed: {p.stderr.strip()[-300:]!r}"
+                    if what is not None:
+                        bad[(kib, verb)] = what
+                new = fs / f"new-{kib}"
+                p = cli(new, "init", "--manifest", tmp_path / "m.toml")
+                ran += 1
+                what = verdict(p)
+                if what is None and p.returncode and new.exists() and any(new.iterdir()):
+                    what = f"a failed init left {sorted(x.name for x in new.iterdir())}"
+                if what is not None:
+                    bad[(kib, "init")] = what
+            finally:
+                filler.unlink()
+        assert bad == {}, bad
+        assert ran == 3 * 13
+        assert cli(home, "write", T, "--key", '{"device": "d", "seq": 999}', "--set", '{"temp": 1.5}').returncode == 0
+        assert cli(home, "check").returncode in (0, 3), cli(home, "check").stdout
