@@ -302,16 +302,19 @@ def git_commit(root: str | os.PathLike = ROOT) -> dict:
 
 
 def record(figures: dict, denominators: dict, summary: str, *, parameters: dict | None = None,
-           bench: str | None = None) -> Path | None:
+           bench: str | None = None, points: list[dict] | None = None) -> Path | None:
     """A bench's result, recorded at its end (its output step) when it was run with `--record`:
     bench/results/<bench>.json (or $SSP_BENCH_RESULTS/) holding the bench's name and what it
     measures (its docstring's first sentence), the command line, the date (UTC), the commit, the
     load average at the start and at the end, the machine, the raw denominators measured in the
     same run and the figures as named numbers (`of_rounds(xs)` where the bench runs rounds), and one
-    short human line. Returns the file written, or None without `--record`.
+    short human line; `points`, a curve (bench_fleet's: one {devices, convergence_s,
+    gateway_cpu_s_per_device} per size, numbers or rounds), the plot bench/table.py draws from it.
+    Returns the file written, or None without `--record`.
 
     docs/performance.md's table is rendered from these files by bench/table.py."""
     figures, denominators = _checked("figure", figures), _checked("denominator", denominators)
+    points = [_checked("point", pt) for pt in points] if points else None
     summary = " ".join(summary.split())
     if not summary:
         raise ValueError("a result needs its one human line")
@@ -335,6 +338,7 @@ def record(figures: dict, denominators: dict, summary: str, *, parameters: dict 
                        if v is None or isinstance(v, (str, int, float, bool))},
         "denominators": denominators,
         "figures": figures,
+        **({"points": points} if points else {}),
         "summary": summary,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)

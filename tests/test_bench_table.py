@@ -246,3 +246,21 @@ def test_the_fleet_plot_reads_points_and_the_per_size_figures_alike():
     assert "<polyline" in svg and ">400<" in svg and 'stroke-width="3"' in svg
     assert t.validate(dict(r, points=[{"convergence_s": 1.0}]))          # a point without its devices
     assert t.validate(dict(r, points=[{"devices": 25, "convergence_s": "slow"}]))
+
+
+def test_record_writes_a_curve_the_renderer_accepts(tmp_path, monkeypatch):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import _harness
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    monkeypatch.setattr(_harness, "RECORD", True)
+    monkeypatch.setattr(_harness, "RESULTS", tmp_path)
+    pts = [{"devices": n, "convergence_s": _harness.of_rounds([n / 40, n / 30]), "gateway_cpu_s_per_device": 0.01}
+           for n in (25, 50)]
+    path = _harness.record({"x": 1.0}, {"devices_max": 50}, "a line", bench="bench_fleet", points=pts)
+    r = json.loads(path.read_text())
+    assert r["points"][1]["devices"] == 50 and r["points"][1]["convergence_s"]["n"] == 2
+    assert _table().validate(r) == []
+    with pytest.raises(ValueError):
+        _harness.record({"x": 1.0}, {}, "a line", bench="bench_fleet", points=[{"devices": 25, "convergence_s": "slow"}])
