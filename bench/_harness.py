@@ -418,10 +418,11 @@ def against(rev: str, rounds: int, argv: list[str], script: str | None = None) -
     commit = runs["rev"][0].get("commit", "")[:7]
     print(f"{script} {' '.join(argv)}: this checkout against {rev} ({commit}), {max(1, rounds)} round(s) each, "
           f"alternating; load average {load0} at the start, {load_average()} at the end")
-    print(f"{'':52s} {'this (median, range)':>26s} {'REV':>26s} {'this / REV':>22s}")
+    print(f"{'':48s} {'this: median (range)':>24s} {'REV: median (range)':>24s} {'this / REV':>22s}")
     for name, v in out.items():
+        fmt = "{:.0f}" if max(map(abs, v["this"] + v["rev"])) >= 1000 else "{:.4g}"
         ratio = med_range(v["ratio"], "{:.3f}") if v["ratio"] else "-"
-        print(f"{name:52s} {med_range(v['this'], '{:.4g}'):>26s} {med_range(v['rev'], '{:.4g}'):>26s} {ratio:>22s}")
+        print(f"{name:48s} {med_range(v['this'], fmt):>24s} {med_range(v['rev'], fmt):>24s} {ratio:>22s}")
     if RECORD:
         print("--against: nothing recorded (a result file holds one checkout's run)")
     return out
