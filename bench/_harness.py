@@ -363,6 +363,7 @@ def checkout(rev: str, root: str | os.PathLike = ROOT):
     p = subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "--quiet", str(d), rev],
                        capture_output=True, text=True)
     if p.returncode != 0:
+        shutil.rmtree(d.parent, ignore_errors=True)
         raise SystemExit(f"--against {rev}: cannot check it out: {p.stderr.strip()}")
     try:
         yield d

@@ -54,8 +54,13 @@ def test_a_bench_against_head_prints_both_sides_and_their_ratio(tmp_path):
 
 
 def test_against_a_revision_that_does_not_exist_fails_with_the_reason(tmp_path):
-    p = _run(tmp_path, "bench/bench_sync.py", "--events", "50", "--against", "no-such-revision-x")
+    env_tmp = tmp_path / "tmp"
+    env_tmp.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(env_tmp))
+    p = subprocess.run([sys.executable, "bench/bench_sync.py", "--events", "50", "--against", "no-such-revision-x"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode != 0 and "--against no-such-revision-x: cannot check it out" in p.stderr
+    assert list(env_tmp.iterdir()) == []      # nothing left behind
 
 
 def test_the_sequencer_against_head_prints_the_ratio_per_case(tmp_path):
