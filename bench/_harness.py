@@ -14,15 +14,21 @@ another checkout's agent (--root, --code), whose modules must be the first ones 
 Every bench accepts `--record`: importing this module takes it out of sys.argv (so no bench's own
 parser needs to know it) and notes the load average then, as the bench's start; the bench's output
 step calls `record(...)`, which writes its result file only when `--record` was given, so the
-smoke test's tiny runs (tests/test_bench_smoke.py) never overwrite a real result."""
+smoke test's tiny runs (tests/test_bench_smoke.py) never overwrite a real result.
+
+`parse_args(ap)` adds `--against REV` (and `--against-rounds N`) to a bench's parser: the bench
+then runs as a same-run A/B (`against`) of this checkout and REV checked out in a temporary git
+worktree, each tree's own bench script in child processes, rounds alternating."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -296,16 +302,19 @@ def git_commit(root: str | os.PathLike = ROOT) -> dict:
 
 
 def record(figures: dict, denominators: dict, summary: str, *, parameters: dict | None = None,
-           bench: str | None = None) -> Path | None:
+           bench: str | None = None, points: list[dict] | None = None) -> Path | None:
     """A bench's result, recorded at its end (its output step) when it was run with `--record`:
     bench/results/<bench>.json (or $SSP_BENCH_RESULTS/) holding the bench's name and what it
     measures (its docstring's first sentence), the command line, the date (UTC), the commit, the
     load average at the start and at the end, the machine, the raw denominators measured in the
     same run and the figures as named numbers (`of_rounds(xs)` where the bench runs rounds), and one
-    short human line. Returns the file written, or None without `--record`.
+    short human line; `points`, a curve (bench_fleet's: one {devices, convergence_s,
+    gateway_cpu_s_per_device} per size, numbers or rounds), the plot bench/table.py draws from it.
+    Returns the file written, or None without `--record`.
 
     docs/performance.md's table is rendered from these files by bench/table.py."""
     figures, denominators = _checked("figure", figures), _checked("denominator", denominators)
+    points = [_checked("point", pt) for pt in points] if points else None
     summary = " ".join(summary.split())
     if not summary:
         raise ValueError("a result needs its one human line")
@@ -329,6 +338,7 @@ def record(figures: dict, denominators: dict, summary: str, *, parameters: dict 
                        if v is None or isinstance(v, (str, int, float, bool))},
         "denominators": denominators,
         "figures": figures,
+        **({"points": points} if points else {}),
         "summary": summary,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -338,3 +348,105 @@ def record(figures: dict, denominators: dict, summary: str, *, parameters: dict 
     tmp.replace(path)
     print(f"recorded: {path} (render docs/performance.md's table with: python bench/table.py)")
     return path
+
+
+# -- same-run A/B (--against) ------------------------------------------------------------------
+
+@contextlib.contextmanager
+def checkout(rev: str, root: str | os.PathLike = ROOT):
+    """The tree of `rev`: a directory holding a checkout as it is, or a git revision of `root`'s
+    repository checked out (detached) into a temporary worktree, removed afterwards."""
+    if Path(rev).is_dir():
+        yield Path(rev).resolve()
+        return
+    d = Path(tempfile.mkdtemp(prefix="ssp-bench-against-")) / "tree"
+    p = subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "--quiet", str(d), rev],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        shutil.rmtree(d.parent, ignore_errors=True)
+        raise SystemExit(f"--against {rev}: cannot check it out: {p.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(d)], capture_output=True)
+        subprocess.run(["git", "-C", str(root), "worktree", "prune"], capture_output=True)
+        shutil.rmtree(d.parent, ignore_errors=True)
+
+
+def _one_run(tree: Path, script: str, argv: list[str], out: Path) -> dict:
+    """One run of `tree`'s own `script` with `argv`, recorded into `out` (its record step, which
+    every tree with bench/_harness.py has): the result it wrote."""
+    out.mkdir(parents=True)
+    env = {**os.environ, "SSP_BENCH_RESULTS": str(out), "PYTHONPATH": str(tree)}
+    p = subprocess.run([sys.executable, str(tree / script), *argv, "--record"], cwd=tree, env=env,
+                       capture_output=True, text=True)
+    files = sorted(out.glob("*.json"))
+    if p.returncode != 0 or not files:
+        raise SystemExit(f"--against: {script} in {tree} failed or recorded nothing:\n{p.stderr[-3000:]}")
+    return json.loads(files[0].read_text())
+
+
+def _medians(named: dict) -> dict[str, float]:
+    return {k: (v["median"] if isinstance(v, dict) else v) for k, v in named.items()
+            if isinstance(v, dict) or (isinstance(v, (int, float)) and not isinstance(v, bool))}
+
+
+def against(rev: str, rounds: int, argv: list[str], script: str | None = None) -> dict:
+    """Same-run A/B: `rounds` runs of this checkout's bench `script` (bench/<bench>.py, by default
+    the one running) with `argv` and as many of REV's own, alternating and the order swapped every
+    round, so a neighbour's load falls on both alike. Prints, for every figure and denominator
+    both record, each side's median with its range and the ratio this / REV per round pair (median
+    and range); returns {name: {"this": [..], "rev": [..], "ratio": [..]}}."""
+    script = script or Path(sys.argv[0]).resolve().relative_to(ROOT).as_posix()
+    load0 = load_average()
+    runs: dict[str, list[dict]] = {"this": [], "rev": []}
+    with checkout(rev) as tree, tempfile.TemporaryDirectory(prefix="ssp-bench-ab-") as d:
+        if not (tree / script).is_file():
+            raise SystemExit(f"--against {rev}: it has no {script}")
+        for k in range(max(1, rounds)):
+            for side in (("this", "rev") if k % 2 == 0 else ("rev", "this")):
+                print(f"--against: round {k + 1}, {'this checkout' if side == 'this' else rev} ...", flush=True)
+                runs[side].append(_one_run(ROOT if side == "this" else tree, script, argv, Path(d) / f"{side}{k}"))
+    out: dict[str, dict] = {}
+    for kind in ("figures", "denominators"):
+        this = [_medians(r[kind]) for r in runs["this"]]
+        old = [_medians(r[kind]) for r in runs["rev"]]
+        for name in this[0]:
+            if all(name in r for r in this + old):
+                a, b = [r[name] for r in this], [r[name] for r in old]
+                out[f"{kind[:-1]} {name}"] = {"this": a, "rev": b,
+                                              "ratio": [x / y for x, y in zip(a, b) if y]}
+    commit = runs["rev"][0].get("commit", "")[:7]
+    print(f"{script} {' '.join(argv)}: this checkout against {rev} ({commit}), {max(1, rounds)} round(s) each, "
+          f"alternating; load average {load0} at the start, {load_average()} at the end")
+    print(f"{'':48s} {'this: median (range)':>24s} {'REV: median (range)':>24s} {'this / REV':>22s}")
+    for name, v in out.items():
+        fmt = "{:.0f}" if max(map(abs, v["this"] + v["rev"])) >= 1000 else "{:.4g}"
+        ratio = med_range(v["ratio"], "{:.3f}") if v["ratio"] else "-"
+        print(f"{name:48s} {med_range(v['this'], fmt):>24s} {med_range(v['rev'], fmt):>24s} {ratio:>22s}")
+    if RECORD:
+        print("--against: nothing recorded (a result file holds one checkout's run)")
+    return out
+
+
+def parse_args(ap):
+    """`ap.parse_args()` with `--against REV` and `--against-rounds N` added; given --against,
+    the same-run A/B runs instead of the bench (`against`, with the rest of the command line)
+    and the process exits."""
+    ap.add_argument("--against", metavar="REV",
+                    help="same-run A/B: this checkout against REV (a git revision, or a checkout's directory), "
+                         "each tree's own bench with the other arguments, rounds alternating; ratios this / REV")
+    ap.add_argument("--against-rounds", type=int, default=3, metavar="N", help="--against: runs of each tree")
+    args = ap.parse_args()
+    if args.against:
+        argv, skip = [], 0
+        for a in COMMAND[1:]:
+            if skip:
+                skip -= 1
+            elif a in ("--against", "--against-rounds"):
+                skip = 1
+            elif not a.startswith(("--against=", "--against-rounds=")) and a != "--record":
+                argv.append(a)
+        against(args.against, args.against_rounds, argv)
+        raise SystemExit(0)
+    return args

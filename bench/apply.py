@@ -10,7 +10,7 @@ apply worker processes' peaks are added (an upper bound: pages the processes sha
 interpreter's and the libraries', count twice), and the sampled peak of the node's resident set
 plus the workers' private pages (each shared page once) is printed beside it.
 
-    python bench/apply.py [--events 50000] [--rounds 3] [--cpus 0] [--no-rss]
+    python bench/apply.py [--events 50000] [--rounds 3] [--cpus 0] [--no-rss] [--against REV]
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import bench_env, load_average, raw_verify, of_rounds, record  # noqa: E402  (bench/: the shared set-up)
+from _harness import bench_env, load_average, parse_args, raw_verify, of_rounds, record  # noqa: E402  (bench/: the shared set-up)
 from agent.sync import import_mailbox_body as import_body  # noqa: E402
 from agent.node import Node  # noqa: E402
 from agent.simpeer import SimPeer, manifest_text, readings_table  # noqa: E402
@@ -152,7 +152,7 @@ def main() -> int:
                     help="restrict this process (and the RSS subprocess) to the first N cores (0: all); "
                          "--cpus 1 shows what a single-core device gets")
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocess imports")
-    args = ap.parse_args()
+    args = parse_args(ap)   # --against REV: the same-run A/B (bench/_harness.py against)
     cpus = None
     if args.cpus:
         cpus = set(sorted(os.sched_getaffinity(0))[:args.cpus])

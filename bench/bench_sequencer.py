@@ -38,9 +38,10 @@ Each figure is the median of ``--rounds`` rounds with its range; every ratio is 
 raw rate measured just before and just after it.
 
     python bench/bench_sequencer.py [--quick] [--json] [--no-pkcs11] [--rounds N] [--batch G]
-    python bench/bench_sequencer.py --against OTHER_CHECKOUT [--rounds N] [--no-pkcs11] [--cases 256:0,1024:0]
+    python bench/bench_sequencer.py --against REV [--rounds N] [--no-pkcs11] [--cases 256:0,1024:0]
 
---against: same-run A/B, each case's rounds alternately from this checkout and the other one (one
+--against: same-run A/B, each case's rounds alternately from this checkout and REV's (a git
+revision checked out in a temporary worktree, or a checkout's directory; one
 child process per round, the order swapped every round), with the CPU figures beside the rates.
 """
 from __future__ import annotations
@@ -63,7 +64,7 @@ from agent.sequencer import receipts, service  # noqa: E402
 from agent.sequencer.framing import encode_private_message  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import of_rounds, rate, record  # noqa: E402  (bench/: the shared set-up)
+from _harness import checkout, of_rounds, rate, record  # noqa: E402  (bench/: the shared set-up)
 from bench_keystore import softhsm_config  # noqa: E402
 
 
@@ -406,7 +407,7 @@ def main() -> None:
     ap.add_argument("--broker", action="store_true", help="also through `sequencer run` on a real mosquitto")
     ap.add_argument("--broker-only", action="store_true", help="only the broker figure")
     ap.add_argument("--broker-pythonpath", help="run the served sequencer from this tree (compare a revision)")
-    ap.add_argument("--against", metavar="TREE", help="same-run A/B against another checkout (e.g. main's): "
+    ap.add_argument("--against", metavar="REV", help="same-run A/B against a git revision or a checkout's directory: "
                     "--rounds of each, alternating, at 256 and 1 024 groups and with 10 000 idle groups")
     ap.add_argument("--cases", default="256:0,1024:0,256:10000", help="--against: groups:idle cases")
     ap.add_argument("--history", type=int, default=0, metavar="DEPTH",
@@ -422,14 +423,20 @@ def main() -> None:
         return
     if a.against:
         load0 = os.getloadavg()
-        fig = against(a.against, a.rounds, ["software"] + ([] if a.no_pkcs11 else ["pkcs11"]), a.quick, a.cases)
+        with checkout(a.against) as tree:
+            fig = against(str(tree), a.rounds, ["software"] + ([] if a.no_pkcs11 else ["pkcs11"]), a.quick, a.cases)
         print(f"{a.rounds} rounds each, alternating; load average {load0[0]:.1f} at start, "
               f"{os.getloadavg()[0]:.1f} at end; median [min .. max]")
         for k, v in fig.items():
             fmt = "{:.3f}" if k.endswith("ratio") else "{:.1f}" if k.endswith("_us") else "{:.0f}"
             print(f"{k:40s} {fmt.format(statistics.median(v)):>8s}  [{fmt.format(min(v))} .. {fmt.format(max(v))}]")
+        # this / REV, round by round (the two runs of a round ran back to back)
+        ab = {k.replace("_this_", "_this/REV_", 1): [x / y for x, y in zip(v, fig[k.replace("_this_", "_other_", 1)]) if y]
+              for k, v in fig.items() if "_this_" in k}
+        for k, v in ab.items():
+            print(f"{k:40s} {statistics.median(v):8.3f}  [{min(v):.3f} .. {max(v):.3f}]")
         if a.json:
-            print(json.dumps({k: of_rounds(v) for k, v in fig.items()}))
+            print(json.dumps({k: of_rounds(v) for k, v in {**fig, **ab}.items()}))
         return
     n, batch, idle, stream = (512, 64, 1000, 128) if a.quick else (8192, 256, 10_000, 1024)
     batch = a.batch or batch

@@ -3,7 +3,7 @@ over the in-memory link. Prints events/s, bytes on the wire per event against th
 COSE events (the protocol's overhead ratio), and the apply-only rate of the same events in
 batches of the same size, measured in the same run.
 
-    python bench/bench_sync.py [--events 50000] [--batch 500]
+    python bench/bench_sync.py [--events 50000] [--batch 500] [--against REV]
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _harness import bench_env, introduce, readings_events, record  # noqa: E402  (bench/: the shared set-up)
+from _harness import bench_env, introduce, parse_args, readings_events, record  # noqa: E402  (bench/: the shared set-up)
 from agent.node import Node  # noqa: E402
 from agent.simpeer import SimPeer, readings_table  # noqa: E402
 from agent.sync import SyncDriver  # noqa: E402
@@ -29,7 +29,7 @@ def main() -> int:
     ap.add_argument("--events", type=int, default=50_000)
     ap.add_argument("--batch", type=int, default=500)
     ap.add_argument("--sites", type=int, default=5)
-    args = ap.parse_args()
+    args = parse_args(ap)   # --against REV: the same-run A/B (bench/_harness.py against)
     sites = [SimPeer(MESH) for _ in range(args.sites)]
     now = time.time_ns() // 1_000_000
     base = now - 3_600_000
