@@ -251,5 +251,5 @@ def reopen_home(home):
 
 
 TestHistories = Histories.TestCase
-TestHistories.settings = settings(max_examples=sample(15, 40), stateful_step_count=30, deadline=None,
+TestHistories.settings = settings(max_examples=sample(10, 40), stateful_step_count=30, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from agent.node import Node
 
 from .helpers import NOW, READINGS, T, manifest, peers
+from tests.soak import sample
 
 SITES = peers(3)
 TABLES = READINGS
@@ -88,13 +89,13 @@ def _run(data, horizon=None, replicas=3):
     return dumps
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=sample(20, 60), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
 def test_replicas_converge_whatever_the_delivery_order(data):
     _run(data)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=sample(15, 45), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
 def test_replicas_with_equal_nonzero_horizons_converge(data):
     # The horizon sits inside the drawn HLC range, so some events fall below it on every replica.

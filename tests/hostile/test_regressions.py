@@ -6,6 +6,7 @@ or produced 40 001 events)."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -110,8 +111,13 @@ def test_a_retained_poison_presence_does_not_kill_nodes_at_start(broker, tmp_pat
     try:
         for _ in range(2):  # and again after a restart
             ra, rb = _runner(a, broker), _runner(b, broker)
-            ra.sync_once(settle_s=0.5, timeout_s=10)  # the presence handler raised TypeError before the fix
-            rb.sync_once(settle_s=0.5, timeout_s=10)
+            # the presence handler raised TypeError before the fix; both at once, so each answers
+            # the other's pull instead of one waiting out its timeout on a peer not pumping
+            both = [threading.Thread(target=r.sync_once, kwargs={"settle_s": 0.5, "timeout_s": 10}) for r in (ra, rb)]
+            for t in both:
+                t.start()
+            for t in both:
+                t.join()
             assert ra.stats["refused_presence"] >= 1 and rogue_site not in ra.caps
             ra.close(); rb.close()
         refused = [s for s in a.surfaced() if s["kind"] == "refused"]

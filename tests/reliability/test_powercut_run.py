@@ -26,7 +26,7 @@ def _cli(home, *args, env=None):
     return p.stdout
 
 
-def recorded(tmp_path_factory, drop_sync=None):
+def recorded(tmp_path_factory, drop_sync=None, events=24):
     from agent.simpeer import manifest_text, readings_table
     from agent.transport.broker import Broker
     work = tmp_path_factory.mktemp("run")
@@ -47,7 +47,7 @@ def recorded(tmp_path_factory, drop_sync=None):
         return {"b_home": str(b), "b_witness": str(bw), "broker_url": broker.url}
 
     try:
-        return pc.record(work, events=24, seed=23, shim=pc.build_shim(tmp_path_factory.mktemp("shim")),
+        return pc.record(work, events=events, seed=23, shim=pc.build_shim(tmp_path_factory.mktemp("shim")),
                          workload=WORKLOAD, setup=setup, drop_sync=drop_sync)
     finally:
         broker.close()
@@ -79,7 +79,7 @@ def test_a_power_cut_while_run_syncs_loses_nothing_acknowledged(recording):
 def test_negative_control_an_answer_before_the_commit_is_durable_is_caught(tmp_path_factory):
     """The harness sees a peer's event answered but not durable: the shim skips the store's WAL
     fsyncs (SQLite's commits), so what `run` answered for is lost at some cut."""
-    rec = recorded(tmp_path_factory, drop_sync="store.sqlite-wal")
+    rec = recorded(tmp_path_factory, drop_sync="store.sqlite-wal", events=9)
     rep = pc.check(rec, pc.cut_points(rec, sample_syncs=40, random_points=10, seed=5))
     lost = [f.detail for f in rep.findings if f.kind == "lost_ack"]
     assert any(d.startswith("peer event") for d in lost), rep.summary()

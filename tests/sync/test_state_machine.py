@@ -179,9 +179,9 @@ class MixedMesh(Mesh):
 
 
 TestMesh = Mesh.TestCase
-TestMesh.settings = settings(max_examples=sample(15, 40), stateful_step_count=30, deadline=None,
+TestMesh.settings = settings(max_examples=sample(10, 40), stateful_step_count=30, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 TestMixedMesh = MixedMesh.TestCase
-TestMixedMesh.settings = settings(max_examples=sample(6, 15), stateful_step_count=25, deadline=None,
+TestMixedMesh.settings = settings(max_examples=sample(4, 15), stateful_step_count=25, deadline=None,
                                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
