@@ -58,22 +58,24 @@ def issue_events(node, payloads: list[tuple], now: int, built: list | None = Non
     """Sign and persist one group of local events (one `release_many`): `payloads` are (table
     definition, key, values or None, operation), checked by the caller. `built`, when given,
     receives what each event was built from: (protected, payload bytes, table, key, values,
-    operation, hlc, the COSE_Sign1's bytes before its signature)."""
+    operation, hlc, the COSE_Sign1's bytes before its signature, the row key's encoding)."""
     assert node.bridge is not None, "node opened without a keystore bridge"
     site, mesh = node.site_id, node.mesh_id
     protected = cose.protected_header(cose.ALG_EDDSA, ev.EVENT_CONTENT_TYPE, site)
     payload_bytes, sig_structure, prefix_of = ev.payload_bytes, cose.sig_structure, cose.assemble_prefix
+    text_map = ev.text_map
     for _attempt in range(8):
         items = []
         parts = []
         for t, key, values, op in payloads:
             hlc = tick(node, now)
+            rk = text_map(key)   # the row's address too (rows.row_key_bytes): encoded once
             # write_many checked the key and values against the table (the shape check's questions)
-            pb = payload_bytes(t.schema, t.name, key, op, values, hlc, shape_checked=True)
+            pb = payload_bytes(t.schema, t.name, key, op, values, hlc, shape_checked=True, row_key_bytes=rk)
             prefix = prefix_of(protected, pb)   # the COSE_Sign1 up to its signature: assemble = prefix + sig
             items.append((EventIdentity(site, hlc[0], hlc[1]), EVENT_KEY, sig_structure(protected, mesh, pb),
                           prefix.__add__))
-            parts.append((protected, pb, t, key, values, op, hlc, prefix))
+            parts.append((protected, pb, t, key, values, op, hlc, prefix, rk))
         top = max(p[6] for p in parts)
         overlap = WitnessAside(node, top) if len(items) >= WITNESS_ASIDE_MIN else None
         try:
