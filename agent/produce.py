@@ -9,6 +9,8 @@ journal compaction) is reached through its public methods.
 """
 from __future__ import annotations
 
+import threading
+
 from firmware_bridge import EventIdentity, OutcomeUnknown
 
 from . import apply, clockstate, gapwitness, nodeclock
@@ -23,6 +25,7 @@ from .store import clockgaps, db, sync_state
 EVENT_KEY = "events"  # the key name of the node's event-signing key in its keystore
 JOURNAL_COMPACT_BYTES = 4 * 2**20  # compact the signing journal when it grew this much since the last time
 JOURNAL_OPEN_COMPACT_BYTES = 64 * 2**10  # on open, compact only a journal larger than this (or after a recovery)
+WITNESS_ASIDE_MIN = 64  # a group this large signs longer than the witness's fdatasync: witnessed aside (WitnessAside)
 
 
 def issue_record(node, to_be_signed: tuple[bytes, bytes, bytes], now: int, authority=None) -> bytes:
@@ -55,25 +58,33 @@ def issue_events(node, payloads: list[tuple], now: int, built: list | None = Non
     """Sign and persist one group of local events (one `release_many`): `payloads` are (table
     definition, key, values or None, operation), checked by the caller. `built`, when given,
     receives what each event was built from: (protected, payload bytes, table, key, values,
-    operation, hlc, the COSE_Sign1's bytes before its signature)."""
+    operation, hlc, the COSE_Sign1's bytes before its signature, the row key's encoding)."""
     assert node.bridge is not None, "node opened without a keystore bridge"
     site, mesh = node.site_id, node.mesh_id
     protected = cose.protected_header(cose.ALG_EDDSA, ev.EVENT_CONTENT_TYPE, site)
     payload_bytes, sig_structure, prefix_of = ev.payload_bytes, cose.sig_structure, cose.assemble_prefix
+    text_map = ev.text_map
     for _attempt in range(8):
         items = []
         parts = []
         for t, key, values, op in payloads:
             hlc = tick(node, now)
+            rk = text_map(key)   # the row's address too (rows.row_key_bytes): encoded once
             # write_many checked the key and values against the table (the shape check's questions)
-            pb = payload_bytes(t.schema, t.name, key, op, values, hlc, shape_checked=True)
+            pb = payload_bytes(t.schema, t.name, key, op, values, hlc, shape_checked=True, row_key_bytes=rk)
             prefix = prefix_of(protected, pb)   # the COSE_Sign1 up to its signature: assemble = prefix + sig
             items.append((EventIdentity(site, hlc[0], hlc[1]), EVENT_KEY, sig_structure(protected, mesh, pb),
                           prefix.__add__))
-            parts.append((protected, pb, t, key, values, op, hlc, prefix))
+            parts.append((protected, pb, t, key, values, op, hlc, prefix, rk))
+        top = max(p[6] for p in parts)
+        overlap = WitnessAside(node, top) if len(items) >= WITNESS_ASIDE_MIN else None
         try:
-            raws = node.bridge.release_many(items)
-            witness(node, max((i[0].physical_ms, i[0].logical) for i in items))
+            try:
+                raws = node.bridge.release_many(items, *(() if overlap is None else (overlap.start,)))
+            finally:
+                if overlap is not None:
+                    overlap.join()
+            witness(node, top)   # written aside already (a no-op then), or now
             if built is not None:
                 built[:] = parts
             return raws
@@ -87,6 +98,33 @@ def issue_events(node, payloads: list[tuple], now: int, built: list | None = Non
             if hi is not None:
                 node.clock.observe(hi, now)
     raise NodeError("the keystore journal keeps reporting unknown outcomes; check the keystore")
+
+
+class WitnessAside:
+    """`witness` on a thread of its own, started once the batch's intents are durable (the
+    witness never lies above what the journal intended: a crash then is no restore), so its
+    fdatasync overlaps the signing instead of following it. Joined before anything is
+    released to the store; the caller then calls `witness` itself, a no-op unless this failed
+    (which it then raises in the caller's thread)."""
+
+    def __init__(self, node, hlc: tuple[int, int]) -> None:
+        self.node, self.hlc = node, hlc
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.run, name="ssp-witness", daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        try:
+            witness(self.node, self.hlc)
+        except BaseException:   # noqa: BLE001 - the caller's own `witness` call raises it again
+            pass
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
 
 
 def signing_now(node, now: int, defer: bool = False) -> int:

@@ -96,14 +96,14 @@ def local_checked(st, raws: list[bytes], built: list) -> list:
     site = st.site_id
     out = []
     Sign1, Event, event_id, alg, ctype = cose.Sign1, ev.Event, ev.event_id, cose.ALG_EDDSA, ev.EVENT_CONTENT_TYPE
-    for raw, (protected, pb, t, key, values, op, hlc, prefix) in zip(raws, built):
+    for raw, (protected, pb, t, key, values, op, hlc, prefix, rk) in zip(raws, built):
         if len(raw) != len(prefix) + 64 or not raw.startswith(prefix):   # not exactly prefix + signature
             out.append(None)
             continue
         sign1 = Sign1(protected, alg, ctype, site, pb, raw[-64:])
         e = Event(event_id(raw), raw, site, t.schema, t.name, dict(key), op,
                   None if values is None else dict(values), hlc)
-        out.append((sign1, entry, True, e, e.event_id))   # the `checked` tuple of `apply_one`
+        out.append((sign1, entry, True, e, e.event_id, rk))   # the `checked` tuple of `apply_one`, with the row key
     return out
 
 

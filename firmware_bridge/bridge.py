@@ -85,9 +85,12 @@ class SigningBridge:
         ``assemble(signature)`` bytes; or the bytes already persisted for ``identity``."""
         return self._release([(identity, key_name, tbs, assemble)])[0]
 
-    def release_many(self, items: Sequence[Item]) -> list[bytes]:
-        """Group commit: all intents in one fsync, all signatures, all outputs in one fsync."""
-        return self._release(list(items))
+    def release_many(self, items: Sequence[Item], intended: Optional[Callable[[], None]] = None) -> list[bytes]:
+        """Group commit: all intents in one fsync, all signatures, all outputs in one fsync.
+        ``intended``: called once the batch's intents are durable, before it is signed (not when
+        nothing is signed), so what must follow them (the agent's clock witness) can overlap the
+        signing; what it starts is the caller's to finish."""
+        return self._release(list(items)) if intended is None else self._release(list(items), intended)
 
     def released(self, identity: Identity) -> Optional[bytes]:
         """The exact persisted bytes for ``identity`` (for re-transmission), or None."""
@@ -197,11 +200,11 @@ class SigningBridge:
             self._pub[key_name] = got
         return got
 
-    def _release(self, items: list[Item]) -> list[bytes]:
+    def _release(self, items: list[Item], intended: Optional[Callable[[], None]] = None) -> list[bytes]:
         t = self._claim(items)
         try:
             if t.todo:
-                self._sign_and_persist(t.items, t.idents, t.todo, t.results)
+                self._sign_and_persist(t.items, t.idents, t.todo, t.results, intended)
             return [t.results[i] for i in t.idents]
         finally:
             self._unclaim(t)
@@ -322,10 +325,12 @@ class SigningBridge:
             t.done_event.set()
 
     def _sign_and_persist(self, items: list[Item], idents: list[bytes], todo: list[int],
-                          results: dict[bytes, bytes]) -> None:
+                          results: dict[bytes, bytes], intended: Optional[Callable[[], None]] = None) -> None:
         # (a) intents, one durable commit for the whole batch
         self._journal.commit([(INTENT, idents[k], items[k][1]) for k in todo])
         self._fire("after_intent")
+        if intended is not None:
+            intended()
         # (b) sign in identity order (a serial device refuses identities at/below its last one);
         # the keystore may sign a large batch on several cores, the outputs are the same
         order = sorted(todo, key=lambda k: idents[k])

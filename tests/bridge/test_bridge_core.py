@@ -376,3 +376,19 @@ def test_a_full_disk_on_append_fails_that_release_only(tmp_path):
     assert reopened.released(EventIdentity(SITE, 1, 0)) == first
     assert reopened.released(EventIdentity(SITE, 3, 0)) == after
     reopened.close()
+
+
+def test_intended_runs_once_the_intents_are_durable_and_before_signing(env, monkeypatch):
+    """release_many's `intended`: called after the batch's intent commit and before its first
+    signature; not called when nothing is signed (every identity released already)."""
+    ks, bridge, _, _, _ = env
+    steps = []
+    real_commit, real_many = bridge._journal.commit, ks._sign_many
+    monkeypatch.setattr(bridge._journal, "commit", lambda recs: steps.append(
+        "intents" if list(recs)[0][0] == INTENT else "outputs") or real_commit(recs))
+    monkeypatch.setattr(ks, "_sign_many", lambda reqs: steps.append("sign") or real_many(reqs))
+    items = [ev_item(1_000, i) for i in range(3)]
+    outs = bridge.release_many(items, lambda: steps.append("intended"))
+    assert steps == ["intents", "intended", "sign", "outputs"]
+    steps.clear()
+    assert bridge.release_many(items, lambda: steps.append("intended")) == outs and steps == []

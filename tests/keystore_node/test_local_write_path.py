@@ -142,3 +142,28 @@ def test_a_batch_over_existing_rows_equals_one_write_at_a_time(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+
+@pytest.mark.parametrize("n", [5, 200])
+def test_the_witness_follows_the_intents_and_precedes_the_log(tmp_path, monkeypatch, n):
+    """The clock witness is written once every intent of the group is durable (never above what
+    the journal intended) and before any event of it is in the log, whether it is written after
+    the signing (small groups) or beside it while the group is signed (large ones)."""
+    a, _ = Node.init(tmp_path / "a", MANIFEST, {"kind": "software"})
+    seen = []
+    real = a.witness.advance
+
+    def advance(hlc):
+        if a.witness.value is None or hlc > a.witness.value:   # written (else covered: a no-op)
+            seen.append((hlc, a.bridge.max_event_hlc(a.site_id),
+                         a.conn.execute("SELECT count(*) FROM events").fetchone()[0]))
+        return real(hlc)
+    monkeypatch.setattr(a.witness, "advance", advance)
+    try:
+        a.write_many(_writes(n))
+        (hlc, intended, logged), = seen
+        assert hlc == intended == a.clock.current() and logged == 0
+        assert a.conn.execute("SELECT count(*) FROM events").fetchone()[0] == n
+    finally:
+        a.close()
