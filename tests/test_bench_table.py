@@ -256,6 +256,10 @@ def test_record_writes_a_curve_the_renderer_accepts(tmp_path, monkeypatch):
         sys.path.remove(str(ROOT / "bench"))
     monkeypatch.setattr(_harness, "RECORD", True)
     monkeypatch.setattr(_harness, "RESULTS", tmp_path)
+    # record() names what the bench measures from its __main__'s docstring: a bench's, not the
+    # test runner's (which differs between pytest and an xdist worker)
+    import types
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("bench_fleet", "Fleet convergence curve."))
     pts = [{"devices": n, "convergence_s": _harness.of_rounds([n / 40, n / 30]), "gateway_cpu_s_per_device": 0.01}
            for n in (25, 50)]
     path = _harness.record({"x": 1.0}, {"devices_max": 50}, "a line", bench="bench_fleet", points=pts)
