@@ -187,7 +187,7 @@ def _compaction_run(tmp_path, seed, floorless=False):
     journal = str(tmp_path / "journal")
     ops = RenameMediumOps(journal)
     bridge = SigningBridge(ks, journal, file_ops=ops)
-    import firmware_bridge.journal as jmod
+    import firmware_bridge.journal_compact as jmod   # the compaction writes the FLOORs
     real_floor = jmod.encode_floor
     if floorless:   # NEGATIVE CONTROL: compaction that writes no FLOOR record
         jmod.encode_floor = lambda ident: b""

@@ -14,6 +14,7 @@ import pytest
 
 from firmware_bridge import OutcomeUnknown, ReceiptIdentity, SigningBridge, Status, open_keystore
 from firmware_bridge import journal as J
+from firmware_bridge import journal_compact as JC
 
 from bridge_helpers import assembler, parse_journal, receipt_payload, receipt_protected, sig_structure
 
@@ -64,8 +65,8 @@ def test_a_compaction_rewrites_what_came_since_the_last_one_not_every_group(env,
     advance(ks, bridge, ACTIVE, range(3, 9), released)
     below.update({g: 9 for g in ACTIVE})
     encoded = []
-    real = J.encode_intent
-    monkeypatch.setattr(J, "encode_intent", lambda i, k: encoded.append(i) or real(i, k))
+    real = JC.encode_intent
+    monkeypatch.setattr(JC, "encode_intent", lambda i, k: encoded.append(i) or real(i, k))
     second = bridge.compact_receipts(below.get)
     # only the active groups' entries since the last compaction: epochs 3-7 dropped, 8 kept (their
     # epoch 2 stays in the base, below the new floor)
