@@ -27,6 +27,26 @@ def create_schema(conn: sqlite3.Connection) -> None:
     conn.execute(DDL)
 
 
+# A home that held rows before it had the feed (store version 7 and older): a watcher from cursor 0
+# must re-read the tables rather than take an empty history for a complete one (docs/client.md)
+STARTED = ('{"kind":"rebuild","cause":"feed_started","table":null,"message":"the feed starts here: rows '
+           'written before it are in no record; re-read the tables"}')
+
+
+def note_started(conn: sqlite3.Connection) -> bool:
+    """In the migration after the feed's: the STARTED record, when the feed never held a record and
+    the home holds rows or events already (a fresh home has nothing to re-read). Whether it did."""
+    if conn.execute("SELECT 1 FROM sqlite_sequence WHERE name='feed'").fetchone() is not None:
+        return False
+    held = conn.execute("SELECT 1 FROM events LIMIT 1").fetchone() is not None or any(
+        conn.execute(f"SELECT 1 FROM {_q(name)} LIMIT 1").fetchone() is not None
+        for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name LIKE '\\_ssp\\_rows.%' "
+                                    "ESCAPE '\\'").fetchall())
+    if held:
+        append(conn, None, None, STARTED)
+    return held
+
+
 def append(conn: sqlite3.Connection, qualified: str | None, rk: bytes | None, record: str) -> int:
     """Inside the apply transaction: one record; returns its cursor."""
     seq = conn.execute(_INSERT, (qualified, rk, record)).lastrowid

@@ -171,3 +171,42 @@ def test_rows_a_trust_change_or_a_new_column_rebuilds_arrive_as_rebuild_records(
     assert [(r["op"], r["cause"], r["key"]) for r in recs] == [("rebuild", "column_added", K)]
     assert recs[0]["columns"] == {"colour": {"value": "blue", "site": a.site_id.hex(), "hlc": f"{NOW}.9"}}
     assert replay(records(node)).get(T, []) == node.dump()[T]
+
+
+def test_a_home_older_than_the_feed_tells_a_watcher_from_zero_to_re_read_the_tables(tmp_path):
+    """A home made at the store version before the feed (7) holds rows no record describes: a
+    watcher from cursor 0 is told to re-read the tables, never shown an empty history; a home
+    that had the feed from its start has no such record."""
+    import sqlite3
+
+    from agent.node import Node
+    from agent.store import migrations
+    a, = peers(1)
+    node = make_node(tmp_path / "old", [a])
+    node.apply_batch([a.event(T, K, {"temp": 1.0}, (NOW, 1))], NOW)
+    home = node.home
+    node.close()
+    conn = sqlite3.connect(home / "store.sqlite", isolation_level=None)
+    conn.execute("BEGIN")
+    conn.execute("DROP TABLE feed")
+    conn.execute("DELETE FROM sqlite_sequence WHERE name = 'feed'")
+    conn.execute("UPDATE meta SET value = 7 WHERE key = 'schema_version'")
+    conn.execute("COMMIT")
+    conn.execute("PRAGMA user_version = 7")
+    assert migrations.store_version(conn) == 7 and migrations.MIGRATIONS[7][0] == 8
+    conn.close()
+    node = Node.open(home)   # a writing open migrates
+    try:
+        node.apply_batch([a.event(T, {"device": "d", "seq": 2}, {"temp": 2.0}, (NOW, 2))], NOW)
+        recs = records(node)
+        assert [(r["kind"], r.get("cause"), r["table"]) for r in recs[:1]] == [("rebuild", "feed_started", None)]
+        assert [(r["kind"], r["key"]) for r in recs[1:]] == [("change", {"device": "d", "seq": 2})]
+        assert [r["cursor"] for r in records(node, tables=[T])] == [r["cursor"] for r in recs]
+    finally:
+        node.close()
+    fresh = make_node(tmp_path / "new", [a])
+    try:
+        fresh.apply_batch([a.event(T, K, {"temp": 1.0}, (NOW, 1))], NOW)
+        assert [r["kind"] for r in records(fresh)] == ["change"]
+    finally:
+        fresh.close()
