@@ -67,12 +67,42 @@ def writes_of(op: dict) -> list[tuple[str, dict, dict | None, bool]]:
     return out
 
 
+def request_id_of(req: dict) -> str | None:
+    """A write's request id: the same on each retry of one write (docs/client.md "Protocol")."""
+    rid = req.get("request_id")
+    if rid is not None and (not isinstance(rid, str) or not 0 < len(rid) <= 64):
+        raise Malformed("request_id must be a string of 1 to 64 characters")
+    return rid
+
+
+def write_once(node, writes: list, request_id: str | None) -> list[bytes]:
+    """`Node.write_many`, exactly once per request id: a request already answered gets the event
+    ids it signed then. The id is stored in the transaction after the write's, before the answer
+    leaves: only an agent killed between the two commits makes a retry of that write a second event."""
+    if request_id is None:
+        return node.write_many(writes)
+    import hashlib
+    from .errors import NodeError
+    from .store import db, requests
+    digest = hashlib.sha256(json.dumps([list(w) for w in writes], sort_keys=True,
+                                       default=lambda v: {"$bytes": bytes(v).hex()}).encode()).digest()
+    done = requests.answered(node.conn, request_id)
+    if done is not None:
+        if done[0] != digest:
+            raise NodeError(f"request id {request_id!r} was used for other writes")
+        return [bytes.fromhex(i) for i in done[1]]
+    ids = node.write_many(writes)
+    with db.transaction(node.conn):
+        requests.note(node.conn, request_id, digest, [i.hex() for i in ids])
+    return ids
+
+
 def execute(node, op: dict) -> dict:
     """On the loop thread: one write request on the running agent's node."""
     from .errors import NodeError
     from .store.db import StoreError
     try:
-        ids = node.write_many(op["writes"])
+        ids = write_once(node, op["writes"], op.get("request_id"))
     except NodeError as e:
         return {"error": "refused", "message": str(e)}
     except StoreError as e:
@@ -163,7 +193,7 @@ class Session:
         op, rid = req["op"], req.get("id")
         tag = {"id": rid} if rid is not None else {}
         if op in ("write", "write_many"):
-            r = self.server.submit_op({"op": op, "writes": writes_of(req)})
+            r = self.server.submit_op({"op": op, "writes": writes_of(req), "request_id": request_id_of(req)})
             self.send({**tag, **(r.result if not r.not_run else
                                  {"error": "not_run", "message": "the agent stopped before it ran this"})})
             return not r.not_run
