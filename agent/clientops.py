@@ -78,12 +78,13 @@ def request_id_of(req: dict) -> str | None:
 def write_once(node, writes: list, request_id: str | None) -> list[bytes]:
     """`Node.write_many`, exactly once per request id: a request already answered gets the event
     ids it signed then. The id is stored in the transaction after the write's, before the answer
-    leaves: only an agent killed between the two commits makes a retry of that write a second event."""
+    leaves (`requests.note`): only an agent killed between the two commits, or a power cut before
+    the next commit syncs the id, makes a retry of that write a second event."""
     if request_id is None:
         return node.write_many(writes)
     import hashlib
     from .errors import NodeError
-    from .store import db, requests
+    from .store import requests
     digest = hashlib.sha256(json.dumps([list(w) for w in writes], sort_keys=True,
                                        default=lambda v: {"$bytes": bytes(v).hex()}).encode()).digest()
     done = requests.answered(node.conn, request_id)
@@ -92,8 +93,7 @@ def write_once(node, writes: list, request_id: str | None) -> list[bytes]:
             raise NodeError(f"request id {request_id!r} was used for other writes")
         return [bytes.fromhex(i) for i in done[1]]
     ids = node.write_many(writes)
-    with db.transaction(node.conn):
-        requests.note(node.conn, request_id, digest, [i.hex() for i in ids])
+    requests.note(node.conn, request_id, digest, [i.hex() for i in ids])
     return ids
 
 

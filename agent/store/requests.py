@@ -26,9 +26,19 @@ def answered(conn: sqlite3.Connection, rid: str) -> tuple[bytes, list[str]] | No
 
 
 def note(conn: sqlite3.Connection, rid: str, digest: bytes, event_ids: list[str]) -> None:
-    """Inside the caller's transaction: request `rid` signed `event_ids`."""
-    create_schema(conn)
-    n = conn.execute("INSERT INTO client_requests (rid, digest, event_ids) VALUES (?, ?, ?)",
-                     (rid, digest, json.dumps(event_ids))).lastrowid
-    if n % PRUNE_EVERY == 0:
-        conn.execute("DELETE FROM client_requests WHERE n <= ?", (n - KEEP,))
+    """Request `rid` signed `event_ids`, in a transaction of its own committed without waiting
+    for the disk (synchronous=NORMAL, for this commit only): it survives the process at once
+    and a power cut from the next commit on, which syncs the WAL it is in; a write's answer
+    does not wait for a second sync."""
+    from .db import transaction
+    level = int(conn.execute("PRAGMA synchronous").fetchone()[0])
+    conn.execute("PRAGMA synchronous=NORMAL")
+    try:
+        with transaction(conn):
+            create_schema(conn)
+            n = conn.execute("INSERT INTO client_requests (rid, digest, event_ids) VALUES (?, ?, ?)",
+                             (rid, digest, json.dumps(event_ids))).lastrowid
+            if n % PRUNE_EVERY == 0:
+                conn.execute("DELETE FROM client_requests WHERE n <= ?", (n - KEEP,))
+    finally:
+        conn.execute(f"PRAGMA synchronous={level}")
