@@ -101,19 +101,26 @@ def resolved(conn: sqlite3.Connection, rows: list[tuple]) -> list[dict]:
     value. Values are not kept in the feed (docs/reliability.md "Superseded values": a value
     replaced is in no file of the home): read from the row, where the column still carries the
     clock the record names; else `superseded` (a later record carries what replaced it)."""
-    out, shapes = [], {}
+    shapes: dict = {}
+    found: dict = {}   # (table, rk) -> the row's values and clocks: one query per table and batch
+    for qualified in {q for _s, q, rk, _t in rows if rk is not None}:
+        cols = table_columns(conn, qualified)
+        vals = cols[1] if cols else []
+        shown = ", ".join(["_rk"] + [_q(c) for c in vals] + [_q("_c_" + c) for c in vals])
+        shapes[qualified] = ({c: i for i, c in enumerate(vals)}, len(vals))
+        rks = list({rk for _s, q, rk, _t in rows if q == qualified and rk is not None})
+        for i in range(0, len(rks), 500):
+            part = rks[i:i + 500]
+            for r in conn.execute(f"SELECT {shown} FROM {_q('_ssp_rows.' + qualified)} WHERE _rk IN "
+                                  f"({', '.join('?' * len(part))})", part):
+                found[(qualified, r[0])] = r[1:]
+    out = []
     for seq, qualified, rk, text in rows:
         rec = json.loads(text)
         rec = {"cursor": seq, **rec}
         if rec.get("kind") == "change" and rk is not None:
-            if qualified not in shapes:
-                cols = table_columns(conn, qualified)
-                vals = cols[1] if cols else []
-                shown = ", ".join([_q(c) for c in vals] + [_q("_c_" + c) for c in vals]) or "_ex"
-                shapes[qualified] = ({c: i for i, c in enumerate(vals)}, len(vals),
-                                     f"SELECT {shown} FROM {_q('_ssp_rows.' + qualified)} WHERE _rk = ?")
-            idx, n, sql = shapes[qualified]
-            row = conn.execute(sql, (rk,)).fetchone()
+            idx, n = shapes[qualified]
+            row = found.get((qualified, rk))
             for c, w in rec["columns"].items():
                 if w.get("state") == "unmaterialized":
                     w["value"] = None
