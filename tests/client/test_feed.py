@@ -210,3 +210,20 @@ def test_a_home_older_than_the_feed_tells_a_watcher_from_zero_to_re_read_the_tab
         assert [r["kind"] for r in records(fresh)] == ["change"]
     finally:
         fresh.close()
+
+
+def test_rows_rebuilt_when_writes_a_clock_stamped_ahead_are_reissued_arrive_as_rebuild_records(tmp_path):
+    """Own writes a clock ten years ahead stamped are withdrawn and re-issued on the next open
+    (docs/apply.md): their rows are rebuilt from what remains, a change the feed must carry."""
+    from agent.node import Node
+    from tests.lifecycle.test_clock_reissue import _ahead
+    home = tmp_path / "a"
+    _ahead(home)
+    node = Node.open(home)   # recovers: re-issues in the clock's gap, withdraws the originals
+    try:
+        recs = records(node)
+        assert any(r.get("cause") == "clock_reissued" for r in recs), [(r["op"], r.get("cause")) for r in recs]
+        rows = sorted(node.dump()[T], key=lambda r: repr(tuple(sorted(r["key"].items()))))
+        assert replay(recs).get(T, []) == rows
+    finally:
+        node.close()
