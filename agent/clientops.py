@@ -249,6 +249,7 @@ class Session:
         slow to take what was sent; no acknowledgement for stall_s while blocked ends the watch."""
         from .store import feed
         srv, sent, pending, stuck = self.server, Unacked(cursor), b"", None
+        seen, at_head = -1, False
         self.conn.setblocking(False)
         while not srv.closed():
             acked = sent.acked
@@ -256,17 +257,22 @@ class Session:
                 return
             full = len(sent.cursors) >= WINDOW or sent.size >= WINDOW_BYTES
             if not pending and not full:
-                recs = feed.after(rc, cursor, tables, min(BATCH, WINDOW - len(sent.cursors)))
-                if feed.bounds(rc)[0] > cursor:   # pruned past what was sent: that read may skip some
+                seen = srv.version   # before the read: a commit after it is not slept through
+                want = min(BATCH, WINDOW - len(sent.cursors))
+                recs = feed.seqs_after(rc, cursor, tables, want)
+                if feed.pruned_through(rc) > cursor:   # pruned past what was sent: that read may skip some
                     self._behind(cursor)
                     return
                 out = []
-                for r, line in zip(recs, self.lines(rc, recs)):
+                for seq, line in zip(recs, self.lines(rc, recs)):
+                    if line is None:   # pruned since it was listed: found below on the next read
+                        break
                     if out and sent.size + len(line) > WINDOW_BYTES:
                         break
                     out.append(line)
-                    sent.add(r[0], len(line))
+                    sent.add(seq, len(line))
                 pending, cursor = b"".join(out), sent.last
+                at_head = len(recs) < want and len(out) == len(recs)
             if pending:
                 try:
                     pending = pending[self.conn.send(pending):]
@@ -274,11 +280,14 @@ class Session:
                     pass
                 if not pending:
                     stuck = None
-                    continue
-            elif not full:
+                    if not at_head:
+                        continue
+            if not pending and not full:
+                # at the head as of `seen`: sleep until the loop tells of a later commit
                 stuck = None
                 with srv.changed:
-                    srv.changed.wait(1.0)
+                    if srv.version == seen:
+                        srv.changed.wait(1.0)
                 continue
             # waiting for the client to take what was sent, or to acknowledge it
             now = time.monotonic()
@@ -312,24 +321,29 @@ class Session:
             sent.ack(c)
         return not ended
 
-    def lines(self, rc, recs: list[tuple]) -> list[bytes]:
-        """The stream's lines for these records, each resolved once for every watcher (a value read
-        from its row): the server keeps the newest CACHE, so ten watchers cost the apply path's
-        thread about what one does."""
+    def lines(self, rc, seqs: list[int]) -> list[bytes]:
+        """The stream's lines for these cursors, each resolved once for every watcher (a value read
+        from its row): the server keeps the newest CACHE, and one watcher at a time resolves what
+        is missing while the others wait for it, so ten watchers cost the agent about what one does."""
         from .store import feed
         srv = self.server
         with srv.watchers_lock:
             cache = srv.resolved_lines
-            have = {r[0]: cache.get(r[0]) for r in recs}
-        todo = [r for r in recs if have[r[0]] is None]
-        if todo:
-            made = {r["cursor"]: json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in feed.resolved(rc, todo)}
-            have.update(made)
-            with srv.watchers_lock:
-                cache.update(made)
-                while len(cache) > CACHE:
-                    del cache[next(iter(cache))]
-        return [have[r[0]] for r in recs]
+            have = {s: cache.get(s) for s in seqs}
+        if None in have.values():
+            with srv.resolving:
+                with srv.watchers_lock:
+                    have.update({s: cache.get(s) for s, line in have.items() if line is None})
+                todo = [s for s, line in have.items() if line is None]
+                if todo:
+                    made = {r["cursor"]: json.dumps(r, separators=(",", ":")).encode() + b"\n"
+                            for r in feed.resolved(rc, feed.rows_at(rc, todo))}
+                    have.update(made)
+                    with srv.watchers_lock:
+                        cache.update(made)
+                        while len(cache) > CACHE:
+                            del cache[next(iter(cache))]
+        return [have[s] for s in seqs]   # None: pruned since it was listed
 
     def _behind(self, cursor: int) -> None:
         # best effort: a client that stopped reading may never see it; its library treats a cut

@@ -78,6 +78,11 @@ def bounds(conn: sqlite3.Connection) -> tuple[int, int]:
     return int(get_meta(conn, PRUNED, 0) or 0), int(head[0]) if head else 0
 
 
+def pruned_through(conn: sqlite3.Connection) -> int:
+    """The highest seq pruned (0: none): a cursor below it has lost records."""
+    return int(get_meta(conn, PRUNED, 0) or 0)
+
+
 def after(conn: sqlite3.Connection, cursor: int, tables: list[str] | None, limit: int) -> list[tuple]:
     """Up to `limit` records past `cursor` (seq, table, rk, record JSON), for `tables` only when
     given; a record about an event whose table is unknown (NULL) goes to every watcher."""
@@ -89,6 +94,24 @@ def after(conn: sqlite3.Connection, cursor: int, tables: list[str] | None, limit
     marks = ", ".join("?" * len(tables))
     return conn.execute(f"SELECT seq, qualified, rk, record FROM feed WHERE seq > ? AND (qualified IN ({marks}) "
                         "OR qualified IS NULL) ORDER BY seq LIMIT ?", (cursor, *tables, limit)).fetchall()
+
+
+def seqs_after(conn: sqlite3.Connection, cursor: int, tables: list[str] | None, limit: int) -> list[int]:
+    """The cursors `after` would return: a watcher served from lines already resolved reads no record."""
+    if not tables:
+        q = conn.execute("SELECT seq FROM feed WHERE seq > ? ORDER BY seq LIMIT ?", (cursor, limit))
+    else:
+        marks = ", ".join("?" * len(tables))
+        q = conn.execute(f"SELECT seq FROM feed WHERE seq > ? AND (qualified IN ({marks}) OR qualified IS NULL) "
+                         "ORDER BY seq LIMIT ?", (cursor, *tables, limit))
+    return [r[0] for r in q]
+
+
+def rows_at(conn: sqlite3.Connection, seqs: list[int]) -> list[tuple]:
+    """The records at these cursors (as `after` gives them), in cursor order; a pruned one is left out."""
+    marks = ", ".join("?" * len(seqs))
+    return conn.execute(f"SELECT seq, qualified, rk, record FROM feed WHERE seq IN ({marks}) ORDER BY seq",
+                        seqs).fetchall()
 
 
 def _stamp(hlc: str, site: str) -> bytes:
