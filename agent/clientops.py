@@ -85,8 +85,10 @@ def write_once(node, writes: list, request_id: str | None) -> list[bytes]:
     import hashlib
     from .errors import NodeError
     from .store import requests
-    digest = hashlib.sha256(json.dumps([list(w) for w in writes], sort_keys=True,
-                                       default=lambda v: {"$bytes": bytes(v).hex()}).encode()).digest()
+    # the rows and columns written, not their values: no file of the home keeps a fingerprint of a
+    # value a later write replaces (docs/reliability.md "Superseded values")
+    digest = hashlib.sha256(json.dumps([[t, k, None if d else sorted(v or ()), d] for t, k, v, d in writes],
+                                       sort_keys=True, default=lambda v: {"$bytes": bytes(v).hex()}).encode()).digest()
     done = requests.answered(node.conn, request_id)
     if done is not None:
         if done[0] != digest:

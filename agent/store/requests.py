@@ -1,5 +1,5 @@
 """The applications' write requests answered (docs/client.md "Protocol"): a request id with the
-event ids its write signed and a digest of the writes, so that a client's retry after a lost
+event ids its write signed and a digest of the rows and columns it wrote, so that a client's retry after a lost
 answer is answered with those events instead of signing them again (exactly once). Kept in the
 store, so a retry across a restart of `run` is recognized; the newest KEEP are kept."""
 from __future__ import annotations

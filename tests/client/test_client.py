@@ -146,6 +146,12 @@ def test_a_request_id_is_answered_once_and_only_for_its_own_writes(tmp_path):
         assert node.conn.execute("SELECT count(*) FROM events").fetchone()[0] == 1
         with pytest.raises(NodeError, match="other writes"):
             write_once(node, [(T, {"device": "r", "seq": 2}, {"temp": 1.0}, False)], "req-1")
+        # what it keeps of a write is no fingerprint of its values (docs/reliability.md)
+        import hashlib
+        import json
+        kept = node.conn.execute("SELECT digest FROM client_requests").fetchone()[0]
+        assert kept == hashlib.sha256(json.dumps([[T, {"device": "r", "seq": 1}, ["temp"], False]],
+                                                 sort_keys=True).encode()).digest()
         assert write_once(node, w, "req-2") != first
     finally:
         node.close()
