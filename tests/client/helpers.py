@@ -43,6 +43,21 @@ def running(tmp: Path, broker, env: dict | None = None, manifest: str | None = N
             proc.wait()
 
 
+def before_the_feed(home: Path) -> None:
+    """Take a closed home back to the store version before the feed (7): no feed table, as a home
+    an older agent made; the next writing open migrates it."""
+    import sqlite3
+    conn = sqlite3.connect(home / "store.sqlite", isolation_level=None)
+    conn.execute("BEGIN")
+    conn.execute("DROP TABLE feed")
+    conn.execute("DROP TABLE IF EXISTS client_requests")
+    conn.execute("DELETE FROM sqlite_sequence WHERE name = 'feed'")
+    conn.execute("UPDATE meta SET value = 7 WHERE key = 'schema_version'")
+    conn.execute("COMMIT")
+    conn.execute("PRAGMA user_version = 7")
+    conn.close()
+
+
 class Raw:
     """One raw connection to a running agent's control socket."""
 

@@ -15,6 +15,8 @@ from agent.simpeer import SimPeer
 from agent.store import feed as feedstore
 from tests.core.helpers import MESH, NOW, T, make_node, peers
 
+from .helpers import before_the_feed
+
 K = {"device": "d", "seq": 1}
 
 
@@ -186,13 +188,8 @@ def test_a_home_older_than_the_feed_tells_a_watcher_from_zero_to_re_read_the_tab
     node.apply_batch([a.event(T, K, {"temp": 1.0}, (NOW, 1))], NOW)
     home = node.home
     node.close()
-    conn = sqlite3.connect(home / "store.sqlite", isolation_level=None)
-    conn.execute("BEGIN")
-    conn.execute("DROP TABLE feed")
-    conn.execute("DELETE FROM sqlite_sequence WHERE name = 'feed'")
-    conn.execute("UPDATE meta SET value = 7 WHERE key = 'schema_version'")
-    conn.execute("COMMIT")
-    conn.execute("PRAGMA user_version = 7")
+    before_the_feed(home)
+    conn = sqlite3.connect(home / "store.sqlite")
     assert migrations.store_version(conn) == 7 and migrations.MIGRATIONS[7][0] == 8
     conn.close()
     node = Node.open(home)   # a writing open migrates
