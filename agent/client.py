@@ -320,6 +320,10 @@ class Client:
         from agent.store import feed
         conn = self._reader()
         try:
+            if not feed.exists(conn):
+                # no records is not an empty history here: the rows were written before any feed
+                raise ClientError(f"{self.home} has no change feed yet (made by an older agent): the next "
+                                  "writing open (`ssp-agent run`, `write`) adds it")
             pruned, head = feed.bounds(conn)
             cursor = head if since is None else since
             if cursor < pruned:

@@ -70,6 +70,11 @@ def _has_feed(conn: sqlite3.Connection) -> bool:
     return conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='feed'").fetchone() is not None
 
 
+def exists(conn: sqlite3.Connection) -> bool:
+    """Whether this home has the feed: not one an older agent made and no writing open migrated."""
+    return _has_feed(conn)
+
+
 def bounds(conn: sqlite3.Connection) -> tuple[int, int]:
     """(highest pruned seq, head seq): a cursor below the first has lost records."""
     if not _has_feed(conn):

@@ -224,3 +224,19 @@ def test_rows_rebuilt_when_writes_a_clock_stamped_ahead_are_reissued_arrive_as_r
         assert replay(recs).get(T, []) == rows
     finally:
         node.close()
+
+
+def test_a_home_no_agent_migrated_yet_is_said_to_have_no_feed(tmp_path):
+    """Read from a home an older agent made and nothing has opened for writing since: no records
+    is not an empty history, so the watch says there is no feed yet."""
+    from agent.client import ClientError
+    from tests.cli_cmd import run_cli
+    a, = peers(1)
+    node = make_node(tmp_path / "old", [a])
+    node.apply_batch([a.event(T, K, {"temp": 1.0}, (NOW, 1))], NOW)
+    node.close()
+    before_the_feed(tmp_path / "old")
+    with pytest.raises(ClientError, match="no change feed yet"):
+        list(Client(tmp_path / "old").watch(None, since=0, idle_s=0))
+    p = run_cli("--home", tmp_path / "old", "watch", "--since", "0", "--idle", "0")
+    assert p.returncode != 0 and "no change feed yet" in p.stderr and p.stdout == ""
