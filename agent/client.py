@@ -105,6 +105,13 @@ def _norm(w) -> dict:
         {"table": table, "key": key, "set": values}
 
 
+def _write_request(ws: list[dict], rid: str) -> dict:
+    return {"op": "write_many", "request_id": rid, "writes": [
+        {"table": w["table"], "key": {k: _to_wire(v) for k, v in w["key"].items()},
+         **({"delete": True} if w.get("delete") else {"set": {k: _to_wire(v) for k, v in w["set"].items()}})}
+        for w in ws]}
+
+
 class _Stream:
     """A watch's lines off its socket, and its acknowledgements (docs/client.md "Protocol"): the
     agent sends at most a window beyond the last one, so the application acknowledges what it
@@ -183,34 +190,32 @@ class Client:
         ws = [_norm(w) for w in writes]
         if not ws:
             return []
-        wire = [{"table": w["table"], "key": {k: _to_wire(v) for k, v in w["key"].items()},
-                 **({"delete": True} if w.get("delete") else {"set": {k: _to_wire(v) for k, v in w["set"].items()}})}
-                for w in ws]
-        r = self._call({"op": "write_many", "writes": wire})
+        # one id for every attempt of this write: a retry after a lost answer is answered with the
+        # events the first attempt signed, never signs them again (docs/client.md "Protocol")
+        rid = os.urandom(16).hex()
+        r = self._call(_write_request(ws, rid))
         if r is not None:
             return r["event_ids"]
-        return self._write_here(ws)
+        return self._write_here(ws, rid)
 
-    def _write_here(self, ws: list[dict]) -> list[str]:
+    def _write_here(self, ws: list[dict], rid: str) -> list[str]:
         from agent import hometurn
+        from agent.clientops import write_once
         from agent.errors import NodeError
         from agent.node import Node
         home = self.home
         try:
             node = hometurn.open_in_turn(home, lambda: Node.open(home), wait_s=hometurn.budget())
         except hometurn.HeldByService:
-            r = self._call({"op": "write_many", "writes": [
-                {"table": w["table"], "key": {k: _to_wire(v) for k, v in w["key"].items()},
-                 **({"delete": True} if w.get("delete") else {"set": {k: _to_wire(v) for k, v in w["set"].items()}})}
-                for w in ws]})
+            r = self._call(_write_request(ws, rid))
             if r is None:
                 raise ClientError(f"{home} is held by a running agent that does not answer") from None
             return r["event_ids"]
         except (hometurn.StillHeld, ValueError) as e:
             raise ClientError(str(e)) from None
         try:
-            ids = node.write_many([(w["table"], w["key"], None if w.get("delete") else w["set"], bool(w.get("delete")))
-                                   for w in ws])
+            ids = write_once(node, [(w["table"], w["key"], None if w.get("delete") else w["set"], bool(w.get("delete")))
+                                    for w in ws], rid)
         except NodeError as e:
             raise RequestRefused(str(e)) from None
         finally:
@@ -315,6 +320,10 @@ class Client:
         from agent.store import feed
         conn = self._reader()
         try:
+            if not feed.exists(conn):
+                # no records is not an empty history here: the rows were written before any feed
+                raise ClientError(f"{self.home} has no change feed yet (made by an older agent): the next "
+                                  "writing open (`ssp-agent run`, `write`) adds it")
             pruned, head = feed.bounds(conn)
             cursor = head if since is None else since
             if cursor < pruned:

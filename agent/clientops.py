@@ -67,12 +67,44 @@ def writes_of(op: dict) -> list[tuple[str, dict, dict | None, bool]]:
     return out
 
 
+def request_id_of(req: dict) -> str | None:
+    """A write's request id: the same on each retry of one write (docs/client.md "Protocol")."""
+    rid = req.get("request_id")
+    if rid is not None and (not isinstance(rid, str) or not 0 < len(rid) <= 64):
+        raise Malformed("request_id must be a string of 1 to 64 characters")
+    return rid
+
+
+def write_once(node, writes: list, request_id: str | None) -> list[bytes]:
+    """`Node.write_many`, exactly once per request id: a request already answered gets the event
+    ids it signed then. The id is stored in the transaction after the write's, before the answer
+    leaves (`requests.note`): only an agent killed between the two commits, or a power cut before
+    the next commit syncs the id, makes a retry of that write a second event."""
+    if request_id is None:
+        return node.write_many(writes)
+    import hashlib
+    from .errors import NodeError
+    from .store import requests
+    # the rows and columns written, not their values: no file of the home keeps a fingerprint of a
+    # value a later write replaces (docs/reliability.md "Superseded values")
+    digest = hashlib.sha256(json.dumps([[t, k, None if d else sorted(v or ()), d] for t, k, v, d in writes],
+                                       sort_keys=True, default=lambda v: {"$bytes": bytes(v).hex()}).encode()).digest()
+    done = requests.answered(node.conn, request_id)
+    if done is not None:
+        if done[0] != digest:
+            raise NodeError(f"request id {request_id!r} was used for other writes")
+        return [bytes.fromhex(i) for i in done[1]]
+    ids = node.write_many(writes)
+    requests.note(node.conn, request_id, digest, [i.hex() for i in ids])
+    return ids
+
+
 def execute(node, op: dict) -> dict:
     """On the loop thread: one write request on the running agent's node."""
     from .errors import NodeError
     from .store.db import StoreError
     try:
-        ids = node.write_many(op["writes"])
+        ids = write_once(node, op["writes"], op.get("request_id"))
     except NodeError as e:
         return {"error": "refused", "message": str(e)}
     except StoreError as e:
@@ -163,7 +195,7 @@ class Session:
         op, rid = req["op"], req.get("id")
         tag = {"id": rid} if rid is not None else {}
         if op in ("write", "write_many"):
-            r = self.server.submit_op({"op": op, "writes": writes_of(req)})
+            r = self.server.submit_op({"op": op, "writes": writes_of(req), "request_id": request_id_of(req)})
             self.send({**tag, **(r.result if not r.not_run else
                                  {"error": "not_run", "message": "the agent stopped before it ran this"})})
             return not r.not_run
@@ -219,6 +251,7 @@ class Session:
         slow to take what was sent; no acknowledgement for stall_s while blocked ends the watch."""
         from .store import feed
         srv, sent, pending, stuck = self.server, Unacked(cursor), b"", None
+        seen, at_head = -1, False
         self.conn.setblocking(False)
         while not srv.closed():
             acked = sent.acked
@@ -226,17 +259,22 @@ class Session:
                 return
             full = len(sent.cursors) >= WINDOW or sent.size >= WINDOW_BYTES
             if not pending and not full:
-                recs = feed.after(rc, cursor, tables, min(BATCH, WINDOW - len(sent.cursors)))
-                if feed.bounds(rc)[0] > cursor:   # pruned past what was sent: that read may skip some
+                seen = srv.version   # before the read: a commit after it is not slept through
+                want = min(BATCH, WINDOW - len(sent.cursors))
+                recs = feed.seqs_after(rc, cursor, tables, want)
+                if feed.pruned_through(rc) > cursor:   # pruned past what was sent: that read may skip some
                     self._behind(cursor)
                     return
                 out = []
-                for r, line in zip(recs, self.lines(rc, recs)):
+                for seq, line in zip(recs, self.lines(rc, recs)):
+                    if line is None:   # pruned since it was listed: found below on the next read
+                        break
                     if out and sent.size + len(line) > WINDOW_BYTES:
                         break
                     out.append(line)
-                    sent.add(r[0], len(line))
+                    sent.add(seq, len(line))
                 pending, cursor = b"".join(out), sent.last
+                at_head = len(recs) < want and len(out) == len(recs)
             if pending:
                 try:
                     pending = pending[self.conn.send(pending):]
@@ -244,11 +282,14 @@ class Session:
                     pass
                 if not pending:
                     stuck = None
-                    continue
-            elif not full:
+                    if not at_head:
+                        continue
+            if not pending and not full:
+                # at the head as of `seen`: sleep until the loop tells of a later commit
                 stuck = None
                 with srv.changed:
-                    srv.changed.wait(1.0)
+                    if srv.version == seen:
+                        srv.changed.wait(1.0)
                 continue
             # waiting for the client to take what was sent, or to acknowledge it
             now = time.monotonic()
@@ -282,24 +323,29 @@ class Session:
             sent.ack(c)
         return not ended
 
-    def lines(self, rc, recs: list[tuple]) -> list[bytes]:
-        """The stream's lines for these records, each resolved once for every watcher (a value read
-        from its row): the server keeps the newest CACHE, so ten watchers cost the apply path's
-        thread about what one does."""
+    def lines(self, rc, seqs: list[int]) -> list[bytes]:
+        """The stream's lines for these cursors, each resolved once for every watcher (a value read
+        from its row): the server keeps the newest CACHE, and one watcher at a time resolves what
+        is missing while the others wait for it, so ten watchers cost the agent about what one does."""
         from .store import feed
         srv = self.server
         with srv.watchers_lock:
             cache = srv.resolved_lines
-            have = {r[0]: cache.get(r[0]) for r in recs}
-        todo = [r for r in recs if have[r[0]] is None]
-        if todo:
-            made = {r["cursor"]: json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in feed.resolved(rc, todo)}
-            have.update(made)
-            with srv.watchers_lock:
-                cache.update(made)
-                while len(cache) > CACHE:
-                    del cache[next(iter(cache))]
-        return [have[r[0]] for r in recs]
+            have = {s: cache.get(s) for s in seqs}
+        if None in have.values():
+            with srv.resolving:
+                with srv.watchers_lock:
+                    have.update({s: cache.get(s) for s, line in have.items() if line is None})
+                todo = [s for s, line in have.items() if line is None]
+                if todo:
+                    made = {r["cursor"]: json.dumps(r, separators=(",", ":")).encode() + b"\n"
+                            for r in feed.resolved(rc, feed.rows_at(rc, todo))}
+                    have.update(made)
+                    with srv.watchers_lock:
+                        cache.update(made)
+                        while len(cache) > CACHE:
+                            del cache[next(iter(cache))]
+        return [have[s] for s in seqs]   # None: pruned since it was listed
 
     def _behind(self, cursor: int) -> None:
         # best effort: a client that stopped reading may never see it; its library treats a cut

@@ -14,7 +14,7 @@ import logging
 
 from firmware_bridge import JournalError, KeystoreError
 
-from . import clockstate, gapwitness, produce
+from . import clockstate, feed, gapwitness, produce
 from .clockstate import now_ms
 from .core import cose, events as ev, reasons as R
 from .core.clock import SKEW_BOUND_MS, Hlc
@@ -196,6 +196,8 @@ def _rebuild(node, void_stamps: set) -> int:
                 tbl.rows.delete(rk)
             else:
                 tbl.rows.save(rk, key, rb.state, rb.writes)
+            feed.note_rebuild(node.conn, tbl.tdef, key, rk, state.exists, rb.state.exists, rb.writes, "clock_reissued",
+                              rb.partial)   # the application's change feed, same transaction
             n += 1
     return n
 

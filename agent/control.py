@@ -170,9 +170,11 @@ class ControlServer:
         self._closed = threading.Event()
         # watchers wait on this; `serve()` (every loop turn, after the turn applied) notifies
         self.changed = threading.Condition()
+        self.version = 0   # counts those notices: a watcher sleeps only while it has seen the last
         self.watchers = 0
         self.watchers_lock = threading.Lock()
         self.resolved_lines: dict[int, bytes] = {}   # feed records as streamed, shared by the watchers
+        self.resolving = threading.Lock()   # one watcher resolves the records missing there at a time
         self.paths = [self.path]
         self.socks = [self._bind(self.path, 0o600, None)]
         extra = os.environ.get(SOCKET_ENV, "").strip()
@@ -335,6 +337,7 @@ class ControlServer:
             if head != self._head:   # after the turn's apply and these writes: watchers read the feed
                 self._head = head
                 with self.changed:
+                    self.version += 1
                     self.changed.notify_all()
         return n
 

@@ -2,7 +2,8 @@
 per zone. Its cursor is kept in a file, so a restart resumes where it stopped and misses nothing.
 A resurrection (a row a delete had removed, brought back by a later write, SSP/1 §13.2) and a
 partial rebuild (history below the eviction horizon is gone, §13.4) are said, not hidden; a value
-replaced since (catching up) is skipped, the record that replaced it follows."""
+replaced since (catching up) is skipped, the record that replaced it follows; on a home older
+than the feed, its first record says to re-read the table."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +16,9 @@ from agent.client import Client, CursorExpired, FellBehind
 
 def act(rec: dict) -> str | None:
     """What this program does with one record; here it says what it would do."""
+    if rec["kind"] == "rebuild":
+        # the home held rows before it had the feed: those are in no record
+        return "the feed starts here: re-read every setpoint"
     if rec["kind"] != "change":
         return f"{rec['kind']}: an event for {rec['table']} ({rec['reason']})"
     zone = rec["key"].get("zone")

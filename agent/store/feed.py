@@ -27,6 +27,26 @@ def create_schema(conn: sqlite3.Connection) -> None:
     conn.execute(DDL)
 
 
+# A home that held rows before it had the feed (store version 7 and older): a watcher from cursor 0
+# must re-read the tables rather than take an empty history for a complete one (docs/client.md)
+STARTED = ('{"kind":"rebuild","cause":"feed_started","table":null,"message":"the feed starts here: rows '
+           'written before it are in no record; re-read the tables"}')
+
+
+def note_started(conn: sqlite3.Connection) -> bool:
+    """In the migration after the feed's: the STARTED record, when the feed never held a record and
+    the home holds rows or events already (a fresh home has nothing to re-read). Whether it did."""
+    if conn.execute("SELECT 1 FROM sqlite_sequence WHERE name='feed'").fetchone() is not None:
+        return False
+    held = conn.execute("SELECT 1 FROM events LIMIT 1").fetchone() is not None or any(
+        conn.execute(f"SELECT 1 FROM {_q(name)} LIMIT 1").fetchone() is not None
+        for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table' AND name LIKE '\\_ssp\\_rows.%' "
+                                    "ESCAPE '\\'").fetchall())
+    if held:
+        append(conn, None, None, STARTED)
+    return held
+
+
 def append(conn: sqlite3.Connection, qualified: str | None, rk: bytes | None, record: str) -> int:
     """Inside the apply transaction: one record; returns its cursor."""
     seq = conn.execute(_INSERT, (qualified, rk, record)).lastrowid
@@ -50,12 +70,22 @@ def _has_feed(conn: sqlite3.Connection) -> bool:
     return conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='feed'").fetchone() is not None
 
 
+def exists(conn: sqlite3.Connection) -> bool:
+    """Whether this home has the feed: not one an older agent made and no writing open migrated."""
+    return _has_feed(conn)
+
+
 def bounds(conn: sqlite3.Connection) -> tuple[int, int]:
     """(highest pruned seq, head seq): a cursor below the first has lost records."""
     if not _has_feed(conn):
         return 0, 0
     head = conn.execute("SELECT seq FROM sqlite_sequence WHERE name='feed'").fetchone()
     return int(get_meta(conn, PRUNED, 0) or 0), int(head[0]) if head else 0
+
+
+def pruned_through(conn: sqlite3.Connection) -> int:
+    """The highest seq pruned (0: none): a cursor below it has lost records."""
+    return int(get_meta(conn, PRUNED, 0) or 0)
 
 
 def after(conn: sqlite3.Connection, cursor: int, tables: list[str] | None, limit: int) -> list[tuple]:
@@ -71,6 +101,24 @@ def after(conn: sqlite3.Connection, cursor: int, tables: list[str] | None, limit
                         "OR qualified IS NULL) ORDER BY seq LIMIT ?", (cursor, *tables, limit)).fetchall()
 
 
+def seqs_after(conn: sqlite3.Connection, cursor: int, tables: list[str] | None, limit: int) -> list[int]:
+    """The cursors `after` would return: a watcher served from lines already resolved reads no record."""
+    if not tables:
+        q = conn.execute("SELECT seq FROM feed WHERE seq > ? ORDER BY seq LIMIT ?", (cursor, limit))
+    else:
+        marks = ", ".join("?" * len(tables))
+        q = conn.execute(f"SELECT seq FROM feed WHERE seq > ? AND (qualified IN ({marks}) OR qualified IS NULL) "
+                         "ORDER BY seq LIMIT ?", (cursor, *tables, limit))
+    return [r[0] for r in q]
+
+
+def rows_at(conn: sqlite3.Connection, seqs: list[int]) -> list[tuple]:
+    """The records at these cursors (as `after` gives them), in cursor order; a pruned one is left out."""
+    marks = ", ".join("?" * len(seqs))
+    return conn.execute(f"SELECT seq, qualified, rk, record FROM feed WHERE seq IN ({marks}) ORDER BY seq",
+                        seqs).fetchall()
+
+
 def _stamp(hlc: str, site: str) -> bytes:
     p, l = hlc.split(".")
     return struct.pack(">QI", int(p), int(l)) + bytes.fromhex(site)
@@ -81,19 +129,26 @@ def resolved(conn: sqlite3.Connection, rows: list[tuple]) -> list[dict]:
     value. Values are not kept in the feed (docs/reliability.md "Superseded values": a value
     replaced is in no file of the home): read from the row, where the column still carries the
     clock the record names; else `superseded` (a later record carries what replaced it)."""
-    out, shapes = [], {}
+    shapes: dict = {}
+    found: dict = {}   # (table, rk) -> the row's values and clocks: one query per table and batch
+    for qualified in {q for _s, q, rk, _t in rows if rk is not None}:
+        cols = table_columns(conn, qualified)
+        vals = cols[1] if cols else []
+        shown = ", ".join(["_rk"] + [_q(c) for c in vals] + [_q("_c_" + c) for c in vals])
+        shapes[qualified] = ({c: i for i, c in enumerate(vals)}, len(vals))
+        rks = list({rk for _s, q, rk, _t in rows if q == qualified and rk is not None})
+        for i in range(0, len(rks), 500):
+            part = rks[i:i + 500]
+            for r in conn.execute(f"SELECT {shown} FROM {_q('_ssp_rows.' + qualified)} WHERE _rk IN "
+                                  f"({', '.join('?' * len(part))})", part):
+                found[(qualified, r[0])] = r[1:]
+    out = []
     for seq, qualified, rk, text in rows:
         rec = json.loads(text)
         rec = {"cursor": seq, **rec}
         if rec.get("kind") == "change" and rk is not None:
-            if qualified not in shapes:
-                cols = table_columns(conn, qualified)
-                vals = cols[1] if cols else []
-                shown = ", ".join([_q(c) for c in vals] + [_q("_c_" + c) for c in vals]) or "_ex"
-                shapes[qualified] = ({c: i for i, c in enumerate(vals)}, len(vals),
-                                     f"SELECT {shown} FROM {_q('_ssp_rows.' + qualified)} WHERE _rk = ?")
-            idx, n, sql = shapes[qualified]
-            row = conn.execute(sql, (rk,)).fetchone()
+            idx, n = shapes[qualified]
+            row = found.get((qualified, rk))
             for c, w in rec["columns"].items():
                 if w.get("state") == "unmaterialized":
                     w["value"] = None

@@ -16,7 +16,7 @@ from typing import Callable
 
 from agent.sqlscript import statements  # noqa: F401 - also this module's name for it
 
-from . import atrest, counters, db, feed, sequencing, sync_state
+from . import atrest, counters, db, feed, requests, sequencing, sync_state
 
 
 def _v1_base(conn: sqlite3.Connection) -> None:
@@ -58,6 +58,11 @@ def _v8_feed(conn: sqlite3.Connection) -> None:
     feed.create_schema(conn)
 
 
+def _v9_feed_started(conn: sqlite3.Connection) -> None:
+    feed.note_started(conn)
+    requests.create_schema(conn)
+
+
 # (version reached, what it does): applied in order, each in one transaction. Version 0 is an empty
 # file; 1 is the first release's layout (schema_version=1 in meta, user_version never set); 6 gives a
 # store that holds events a re-seal job (meta atrest_job), run by the next writing open with the keystore.
@@ -70,6 +75,8 @@ MIGRATIONS: list[tuple[int, str, Callable[[sqlite3.Connection], None]]] = [
     (6, "at-rest sealing of the event log", _v6_atrest),
     (7, "the log's event count", _v7_log_count),
     (8, "the applications' change feed", _v8_feed),
+    (9, "the feed's start on a home that held rows before it (a watcher from 0 re-reads); the "
+        "applications' write request ids (a retry is not a second event)", _v9_feed_started),
 ]
 LATEST = MIGRATIONS[-1][0]
 

@@ -43,6 +43,21 @@ def running(tmp: Path, broker, env: dict | None = None, manifest: str | None = N
             proc.wait()
 
 
+def before_the_feed(home: Path) -> None:
+    """Take a closed home back to the store version before the feed (7): no feed table, as a home
+    an older agent made; the next writing open migrates it."""
+    import sqlite3
+    conn = sqlite3.connect(home / "store.sqlite", isolation_level=None)
+    conn.execute("BEGIN")
+    conn.execute("DROP TABLE feed")
+    conn.execute("DROP TABLE IF EXISTS client_requests")
+    conn.execute("DELETE FROM sqlite_sequence WHERE name = 'feed'")
+    conn.execute("UPDATE meta SET value = 7 WHERE key = 'schema_version'")
+    conn.execute("COMMIT")
+    conn.execute("PRAGMA user_version = 7")
+    conn.close()
+
+
 class Raw:
     """One raw connection to a running agent's control socket."""
 
@@ -69,3 +84,59 @@ class Raw:
     def close(self) -> None:
         self.f.close()
         self.s.close()
+
+
+class SwallowingProxy:
+    """A socket in front of a running agent's control socket that passes sessions through, except
+    that on its first connection it swallows the answer to the first write (the agent applied it)
+    and cuts the connection: a client then sees a lost connection and retries. Each later
+    connection waits for `gate` before it reaches the agent (the test may restart `run` first)."""
+
+    def __init__(self, path: Path, upstream: Path) -> None:
+        import threading
+        self.path, self.upstream = path, upstream
+        self.gate = threading.Event()
+        self.gate.set()
+        self.swallowed = threading.Event()
+        self.connections = 0
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(8)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            first = self.connections == 0
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn, first), daemon=True).start()
+
+    def _serve(self, conn: socket.socket, first: bool) -> None:
+        import threading
+        if not first:
+            self.gate.wait(HANG_S)
+        up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        up.connect(str(self.upstream))
+
+        def pump_in() -> None:
+            with contextlib.suppress(OSError):
+                while (b := conn.recv(65536)):
+                    up.sendall(b)
+        threading.Thread(target=pump_in, daemon=True).start()
+        with contextlib.suppress(OSError):
+            for line in up.makefile("rb"):
+                if first and b'"event_ids"' in line:
+                    self.swallowed.set()   # applied by the agent; its answer never reaches the client
+                    break
+                conn.sendall(line)
+        for s in (conn, up):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def close(self) -> None:
+        self.sock.close()

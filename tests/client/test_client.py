@@ -83,3 +83,75 @@ def test_with_run_the_client_keeps_one_session_and_follows_changes(broker, tmp_p
         p = run_cli("--home", home, "watch", "--table", T, "--since", "4", "--idle", "1")
         assert p.returncode == 0, p.stderr
         assert [json.loads(x)["key"]["device"] for x in p.stdout.splitlines()] == ["w", "w"]
+
+
+def _events_of(home, device: str) -> list[dict]:
+    return [r for r in Client(home).watch([T], since=0, idle_s=0) if r["key"]["device"] == device]
+
+
+def test_a_write_retried_after_its_answer_was_lost_is_one_event(broker, tmp_path):
+    """The agent applied the write and the answer was lost with the connection: the client's retry
+    (the same request id) is answered with the first attempt's event ids, never signs a second
+    event; also when `run` restarted between the attempt and the retry."""
+    from .helpers import SwallowingProxy, start_run, stop_run, wait_serving
+    with running(tmp_path, broker) as home:
+        proxy = SwallowingProxy(tmp_path / "p.sock", home / "control.sock")
+        try:
+            with Client(socket_path=tmp_path / "p.sock") as c:
+                ids = c.write_many([(T, {"device": "once", "seq": 1}, {"temp": 1.0}),
+                                    (T, {"device": "once", "seq": 2}, {"temp": 2.0})])
+            assert proxy.swallowed.is_set() and proxy.connections == 2
+            recs = _events_of(home, "once")
+            assert [r["event_id"] for r in recs] == ids
+        finally:
+            proxy.close()
+    # the answer lost, then `run` restarted before the retry reaches it
+    node, = make_nodes(tmp_path / "again", 1)
+    home = node.home
+    node.close()
+    proc = start_run(home, broker)
+    proxy = SwallowingProxy(tmp_path / "q.sock", home / "control.sock")
+    try:
+        wait_serving(home, proc)
+        proxy.gate.clear()
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(Client(socket_path=tmp_path / "q.sock").write(
+            T, {"device": "twice", "seq": 1}, set={"temp": 3.0})))
+        t.start()
+        assert proxy.swallowed.wait(300)
+        stop_run(proc)
+        proc = start_run(home, broker)
+        wait_serving(home, proc)
+        proxy.gate.set()
+        t.join(timeout=300)
+        assert [r["event_id"] for r in _events_of(home, "twice")] == got
+        stop_run(proc)
+    finally:
+        proxy.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_request_id_is_answered_once_and_only_for_its_own_writes(tmp_path):
+    """The path a client takes when it opens the home itself (no agent): the same request id is
+    the same events; reused for other writes, it is refused."""
+    from agent.clientops import write_once
+    from agent.errors import NodeError
+    node, = make_nodes(tmp_path, 1)
+    try:
+        w = [(T, {"device": "r", "seq": 1}, {"temp": 1.0}, False)]
+        first = write_once(node, w, "req-1")
+        assert write_once(node, w, "req-1") == first
+        assert node.conn.execute("SELECT count(*) FROM events").fetchone()[0] == 1
+        with pytest.raises(NodeError, match="other writes"):
+            write_once(node, [(T, {"device": "r", "seq": 2}, {"temp": 1.0}, False)], "req-1")
+        # what it keeps of a write is no fingerprint of its values (docs/reliability.md)
+        import hashlib
+        import json
+        kept = node.conn.execute("SELECT digest FROM client_requests").fetchone()[0]
+        assert kept == hashlib.sha256(json.dumps([[T, {"device": "r", "seq": 1}, ["temp"], False]],
+                                                 sort_keys=True).encode()).digest()
+        assert write_once(node, w, "req-2") != first
+    finally:
+        node.close()

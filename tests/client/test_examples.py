@@ -13,7 +13,7 @@ from tests.cli_cmd import agent_env, installed_python
 from tests.core.helpers import NOW, make_node, peers
 from tests.waiting import HANG_S
 
-from .helpers import T, running
+from .helpers import T, before_the_feed, running
 
 ROOT = Path(__file__).resolve().parents[2]
 SETPOINTS = """
@@ -68,5 +68,22 @@ def test_follow_setpoint_acts_on_each_change_and_resumes_from_its_cursor(tmp_pat
         assert again == [f"zone a: setpoint 22.0 (resurrected; history below horizon {NOW + 100}.0 is evicted: "
                          "partial)"]
         assert cursor.read_text() == "6"
+    finally:
+        node.close()
+
+
+def test_follow_setpoint_on_a_home_older_than_the_feed_re_reads_the_setpoints(tmp_path):
+    from agent.node import Node
+    (gw,) = peers(1)
+    node = make_node(tmp_path / "n", [gw], tables=SETPOINTS)
+    node.apply_batch([gw.event(S, {"zone": "a"}, {"target": 21.0}, (NOW, 1))], NOW)
+    node.close()
+    before_the_feed(tmp_path / "n")
+    node = Node.open(tmp_path / "n")   # migrated: the feed starts with a record saying so
+    try:
+        node.apply_batch([gw.event(S, {"zone": "b"}, {"target": 19.0}, (NOW, 2))], NOW)
+        got = [json.loads(x)["action"] for x in example("follow_setpoint.py", node.home, "--cursor-file",
+                                                        tmp_path / "cursor", "--idle", 0)]
+        assert got == ["the feed starts here: re-read every setpoint", "zone b: setpoint 19.0"]
     finally:
         node.close()

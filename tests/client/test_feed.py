@@ -15,6 +15,8 @@ from agent.simpeer import SimPeer
 from agent.store import feed as feedstore
 from tests.core.helpers import MESH, NOW, T, make_node, peers
 
+from .helpers import before_the_feed
+
 K = {"device": "d", "seq": 1}
 
 
@@ -171,3 +173,70 @@ def test_rows_a_trust_change_or_a_new_column_rebuilds_arrive_as_rebuild_records(
     assert [(r["op"], r["cause"], r["key"]) for r in recs] == [("rebuild", "column_added", K)]
     assert recs[0]["columns"] == {"colour": {"value": "blue", "site": a.site_id.hex(), "hlc": f"{NOW}.9"}}
     assert replay(records(node)).get(T, []) == node.dump()[T]
+
+
+def test_a_home_older_than_the_feed_tells_a_watcher_from_zero_to_re_read_the_tables(tmp_path):
+    """A home made at the store version before the feed (7) holds rows no record describes: a
+    watcher from cursor 0 is told to re-read the tables, never shown an empty history; a home
+    that had the feed from its start has no such record."""
+    import sqlite3
+
+    from agent.node import Node
+    from agent.store import migrations
+    a, = peers(1)
+    node = make_node(tmp_path / "old", [a])
+    node.apply_batch([a.event(T, K, {"temp": 1.0}, (NOW, 1))], NOW)
+    home = node.home
+    node.close()
+    before_the_feed(home)
+    conn = sqlite3.connect(home / "store.sqlite")
+    assert migrations.store_version(conn) == 7 and migrations.MIGRATIONS[7][0] == 8
+    conn.close()
+    node = Node.open(home)   # a writing open migrates
+    try:
+        node.apply_batch([a.event(T, {"device": "d", "seq": 2}, {"temp": 2.0}, (NOW, 2))], NOW)
+        recs = records(node)
+        assert [(r["kind"], r.get("cause"), r["table"]) for r in recs[:1]] == [("rebuild", "feed_started", None)]
+        assert [(r["kind"], r["key"]) for r in recs[1:]] == [("change", {"device": "d", "seq": 2})]
+        assert [r["cursor"] for r in records(node, tables=[T])] == [r["cursor"] for r in recs]
+    finally:
+        node.close()
+    fresh = make_node(tmp_path / "new", [a])
+    try:
+        fresh.apply_batch([a.event(T, K, {"temp": 1.0}, (NOW, 1))], NOW)
+        assert [r["kind"] for r in records(fresh)] == ["change"]
+    finally:
+        fresh.close()
+
+
+def test_rows_rebuilt_when_writes_a_clock_stamped_ahead_are_reissued_arrive_as_rebuild_records(tmp_path):
+    """Own writes a clock ten years ahead stamped are withdrawn and re-issued on the next open
+    (docs/apply.md): their rows are rebuilt from what remains, a change the feed must carry."""
+    from agent.node import Node
+    from tests.lifecycle.test_clock_reissue import _ahead
+    home = tmp_path / "a"
+    _ahead(home)
+    node = Node.open(home)   # recovers: re-issues in the clock's gap, withdraws the originals
+    try:
+        recs = records(node)
+        assert any(r.get("cause") == "clock_reissued" for r in recs), [(r["op"], r.get("cause")) for r in recs]
+        rows = sorted(node.dump()[T], key=lambda r: repr(tuple(sorted(r["key"].items()))))
+        assert replay(recs).get(T, []) == rows
+    finally:
+        node.close()
+
+
+def test_a_home_no_agent_migrated_yet_is_said_to_have_no_feed(tmp_path):
+    """Read from a home an older agent made and nothing has opened for writing since: no records
+    is not an empty history, so the watch says there is no feed yet."""
+    from agent.client import ClientError
+    from tests.cli_cmd import run_cli
+    a, = peers(1)
+    node = make_node(tmp_path / "old", [a])
+    node.apply_batch([a.event(T, K, {"temp": 1.0}, (NOW, 1))], NOW)
+    node.close()
+    before_the_feed(tmp_path / "old")
+    with pytest.raises(ClientError, match="no change feed yet"):
+        list(Client(tmp_path / "old").watch(None, since=0, idle_s=0))
+    p = run_cli("--home", tmp_path / "old", "watch", "--since", "0", "--idle", "0")
+    assert p.returncode != 0 and "no change feed yet" in p.stderr and p.stdout == ""

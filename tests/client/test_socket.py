@@ -44,7 +44,9 @@ def test_hostile_requests_end_their_connection_not_the_agent(broker, tmp_path):
                                                      "malformed"),
                          (b"[" * (MAX_REQUEST + 1), "too_large"),
                          (json.dumps({"op": "write", "table": T, "key": {"device": "d", "seq": 1},
-                                      "set": {"temp": {"nested": 1}}}).encode() + b"\n", "malformed")):
+                                      "set": {"temp": {"nested": 1}}}).encode() + b"\n", "malformed"),
+                         (json.dumps({"op": "write", "table": T, "key": {"device": "d", "seq": 1},
+                                      "set": {"temp": 1.0}, "request_id": "x" * 65}).encode() + b"\n", "malformed")):
             r = Raw(home)
             assert r.hello()["ok"] is True
             r.send(bad)
