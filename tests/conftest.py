@@ -51,23 +51,27 @@ def _stop_leaked_apply_workers(monkeypatch):
 # collection order, so a long file collected late runs alone at the end while the other worker
 # idles. Listed from the suite's --durations, longest first; every other file keeps its order.
 LONG_FIRST = (
-    "tests/sequencer/test_run_crash.py",
     "tests/sequencer/test_sequencer_crash.py",
+    "tests/mqtt/test_quiet.py",
+    "tests/test_bench_smoke.py",
     "tests/reliability/test_powercut.py",
     "tests/sync/test_state_machine.py",
-    "tests/provision/test_flash.py",
-    "tests/convergence/test_histories.py",
-    "tests/mqtt/test_quiet.py",
     "tests/bridge/test_bridge_crash.py",
-    "tests/test_bench_smoke.py",
+    "tests/reliability/test_powercut_run.py",
     "tests/core/test_convergence_property.py",
-    "tests/sequencer/test_commit_queue.py",
-    "tests/sequencer/test_hostile_sequencer.py",
-    "tests/install/test_wheelhouse.py",
-    "tests/lifecycle/test_replacement_cli.py",
-    "tests/hostile/test_hostile_peers.py",
+    "tests/reliability/test_ext4_verbs.py",
+    "tests/fleet/test_rehearsal.py",
     "tests/reliability/test_ext4_full.py",
+    "tests/convergence/test_histories.py",
+    "tests/sequencer/test_broker_sizes.py",
+    "tests/lifecycle/test_replacement_cli.py",
+    "tests/lifecycle/test_init_killed.py",
     "tests/sequencer/test_gossip.py",
+    "tests/reliability/test_powercut_mixed.py",
+    "tests/mqtt/test_oversize.py",
+    "tests/install/test_wheelhouse_versions.py",
+    "tests/install/test_wheelhouse.py",
+    "tests/sequencer/test_run_crash.py",
 )
 
 
