@@ -182,9 +182,10 @@ def apply_one(st, raw: bytes, now: int, origin: str, checked=None, since: dict |
     if not sig_ok:
         return surface(st, Outcome(DROPPED, R.BAD_SIGNATURE, eid, kid), now)
     decoded = checked[3] if checked is not None and checked[1] == entry else None
+    rk = checked[5] if decoded is not None and len(checked) > 5 else None
     if decoded is None:
         try:
-            decoded = ev.event_from_verified(raw, sign1, eid)
+            decoded, rk = ev.decoded_event(raw, sign1, eid)
         except DecodeError as err:
             decoded = err
     if isinstance(decoded, DecodeError):
@@ -212,8 +213,8 @@ def apply_one(st, raw: bytes, now: int, origin: str, checked=None, since: dict |
     if below(e.hlc, tbl.horizon):
         return Outcome(APPLIED, R.BELOW_HORIZON, **base)
     # §12.4 idempotent insert keyed on event_id.
-    rk = checked[5] if checked is not None and len(checked) > 5 and checked[5] is not None else \
-        rowstore.row_key_bytes(e.row_key)
+    if rk is None:
+        rk = rowstore.row_key_bytes(e.row_key)
     cur = st.conn.execute(
         eventlog.INSERT_EVENT, (eid, kid, e.hlc[0], e.hlc[1], table, rk, e.operation,
                                         st.log_seal.seal(eid, raw), origin))
