@@ -84,6 +84,11 @@ class TableDef:
     def value_column_set(self) -> frozenset[str]:
         return frozenset(self.value_columns)
 
+    @cached_property  # merge_upsert's type test: value column -> its values' one Python type
+    def value_types(self) -> dict[str, type]:
+        """`object` for a type outside the four: no value is exactly of it (only a null fits)."""
+        return {c: _PY_TYPES.get(self.columns[c], object) for c in self.value_columns}
+
     @cached_property
     def key_set(self) -> frozenset[str]:
         return frozenset(self.key)
