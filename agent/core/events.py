@@ -141,10 +141,10 @@ def decoded_event(raw: bytes, sign1: Sign1, eid: bytes | None = None) -> tuple[E
 
 # The strict decode of an EventPayload without the generic decoder, for the payloads every
 # conforming signer produces: the seven members in deterministic order, maps of text keys and
-# scalar values. It reads the heads directly and proves the result by re-encoding it
-# (`payload_bytes`) and comparing with the input: equal bytes are the deterministic encoding
-# of the value read, which the generic path (prescan, cbor2, re-encode, shape check) would
-# return as well. Anything else (another layout, a shape error, a value out of range) returns
+# scalar values. It reads the heads directly and checks every deterministic rule on the way
+# (shortest heads, keys ordered and unique, shortest floats): the input is then the
+# deterministic encoding of the value read, which the generic path (prescan, cbor2, re-encode,
+# shape check) would return as well. Anything else (another layout, a shape error, a value out of range) returns
 # None and takes the generic path, which names what is wrong.
 _FLOAT = {0xF9: (struct.Struct(">e"), 3), 0xFA: (struct.Struct(">f"), 5), 0xFB: (struct.Struct(">d"), 9)}
 
@@ -155,13 +155,23 @@ def _head_arg(d: bytes, i: int) -> tuple[int, int]:
     if ai < 24:
         return ai, i + 1
     if ai == 24:
-        return d[i + 1], i + 2
+        n = d[i + 1]
+        if n < 24:   # not the shortest head (RFC 8949 §4.2.1)
+            raise IndexError
+        return n, i + 2
     if ai > 27:
         raise IndexError
-    j = i + 1 + (1 << (ai - 24))
+    w = 1 << (ai - 24)
+    j = i + 1 + w
     if j > len(d):
         raise IndexError
-    return int.from_bytes(d[i + 1:j], "big"), j
+    n = int.from_bytes(d[i + 1:j], "big")
+    if n < _SHORTEST[w]:
+        raise IndexError
+    return n, j
+
+
+_SHORTEST = {2: 0x100, 4: 0x10000, 8: 0x100000000}   # the least argument of a head of 2, 4, 8 bytes
 
 
 def _scalar_at(d: bytes, i: int) -> tuple[Any, int]:
@@ -190,9 +200,11 @@ def _scalar_at(d: bytes, i: int) -> tuple[Any, int]:
     if f is None:
         raise IndexError
     v = f[0].unpack_from(d, i + 1)[0]
-    if not math.isfinite(v):
+    j = i + f[1]
+    # finite, and in the shortest form that keeps the value (the encoder's own choice)
+    if not math.isfinite(v) or (ib != 0xF9 and _scalar(v) != d[i:j]):
         raise IndexError
-    return v, i + f[1]
+    return v, j
 
 
 def _text_map_at(d: bytes, i: int) -> tuple[dict, int]:
@@ -204,13 +216,32 @@ def _text_map_at(d: bytes, i: int) -> tuple[dict, int]:
     else:
         raise IndexError
     m = {}
-    scalar = _scalar_at
+    scalar, names = _scalar_at, _NAMES
+    last = b""
     for _ in range(n):
-        if d[i] >> 5 != 3:
+        ib = d[i]
+        if 0x60 <= ib < 0x78:   # a short text key: a column's name, read once (and one object to pickle)
+            j = i + 1 + ib - 0x60
+            enc = d[i:j]
+            k = names.get(enc)
+            if k is None:
+                k, j = scalar(d, i)
+                if len(names) < 4096:
+                    names[enc] = k
+        elif ib >> 5 == 3:
+            k, j = scalar(d, i)
+            enc = d[i:j]
+        else:
             raise IndexError
-        k, i = scalar(d, i)
-        m[k], i = scalar(d, i)
+        # keys in the deterministic order: encoded length, then bytewise; none twice
+        if len(enc) < len(last) or (len(enc) == len(last) and enc <= last):
+            raise IndexError
+        last = enc
+        m[k], i = scalar(d, j)
     return m, i
+
+
+_NAMES: dict[bytes, str] = {}   # encoded short text key -> the key
 
 
 def _text_at(d: bytes, i: int, key: bytes) -> tuple[str, int]:
@@ -251,8 +282,6 @@ def _well_formed_payload(d: bytes) -> tuple | None:
     # the shape check's rules (`check_payload_shape`), for what the layout does not fix already
     if i != len(d) or not schema or not table or not row_key or logical > UINT32_MAX or \
             None in row_key.values() or (payload is None) != (op == "delete") or op not in OPERATIONS:
-        return None
-    if payload_bytes(schema, table, row_key, op, payload, (physical, logical), shape_checked=True) != d:
         return None
     return schema, table, row_key, op, payload, (physical, logical), d[a:b]
 

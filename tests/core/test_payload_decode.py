@@ -81,3 +81,13 @@ def test_non_shortest_forms_and_edge_values():
     same(good.replace(b"\x61k\x01", b"\x61k\xc1\x01"))               # a tag
     same(good.replace(b"\x61x\x41\x00", b"\x61x\x5f\x41\x00\xff"))   # an indefinite byte string
     same(good.replace(b"\x61x", b"\x62\xff\xfe"))                    # invalid UTF-8 key
+    same(good.replace(b"\x61v", b"\x61z"))                            # keys out of order
+    same(good.replace(b"\x61w", b"\x61v"))                            # a key twice
+    same(good.replace(b"\x61x\x41", b"\x61x\x58\x01"))                # a non-shortest length
+    same(good.replace(b"\x61v", b"\x78\x01v"))                        # a non-shortest text head
+    same(good.replace(b"\xa4\x61v", b"\xb8\x04\x61v"))                # a non-shortest map head
+    same(good.replace(b"\xf9\x3e\x00", b"\xfa\x3f\xc0\x00\x00"))       # a single that fits a half
+    same(good.replace(b"\xf9\x3e\x00", b"\xf9\x80\x00"))              # -0.0
+    same(good.replace(b"\x61k\x01", b"\x61k\x3b" + (2**63 - 1).to_bytes(8, "big")))   # INT64_MIN
+    long_keys = {"k" * n: n for n in (1, 23, 24, 30, 300)}
+    same(ev.payload_bytes("s", "t", {"k": 1}, "upsert", long_keys, (2**40, 70000)))
