@@ -123,6 +123,14 @@ class TableDef:
 
     def key_misfit(self, row_key: dict[str, Any]) -> tuple[str, str, dict] | None:
         """`key_fits`'s reason, a sentence naming the column(s), and the same as a detail."""
+        if row_key.keys() == self.key_set:
+            # every key value of its column's one type (on every applied event): fits; else the reason below
+            types = self.python_types
+            for k, v in row_key.items():
+                if type(v) is not types.get(k) or not is_scalar(v):
+                    break
+            else:
+                return None
         if row_key.keys() != self.key_set:
             missing = [k for k in self.key if k not in row_key]
             # a peer's names, shortened and at most 8: the detail is stored (`ssp-agent events`)
