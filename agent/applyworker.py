@@ -238,8 +238,10 @@ class ApplyWorkers:
         self._here_n = 0                   # events prepared on the applying thread since the last answer
         self._mark: float | None = None   # the applying thread's CPU clock at the last answer
         self._mark_n = 0                   # events of that answer (the chunk applied since)
+        self._mine = self._theirs = (0.0, 0.0)   # (CPU, events) of each side, decaying
 
     FIRST_SHARE: float | None = None   # tests pin it (with STEP 0)
+    DECAY = 0.9   # an answer's weight in the averages (~10 answers of 256 events)
     FIRST_HERE = 0.0
     HERE_MAX = 0.5
     STEP = 0.125
@@ -271,10 +273,16 @@ class ApplyWorkers:
         out = w.result(n)
         now = time.thread_time()
         if self._mark is not None and self._mark_n and w.last_n:
-            # CPU an event of the batch on each side: this thread's over the events it applied
-            # (and prepared) since the last answer; the workers' over the events they prepare
-            mine = (now - self._mark) / (self._mark_n + self._here_n)
-            theirs = w.last_cpu / w.last_n / len(self.workers) * (1.0 - self.here)
+            # CPU an event on each side: this thread's over the events it applied (and prepared)
+            # since the last answer, the workers' over the events they prepared; both averaged
+            # over the last few thousand events (DECAY), so that what this thread does once a
+            # window (its rows written, the commit) counts for the events it serves, not only
+            # for the chunk it happened to follow.
+            d = self.DECAY
+            self._mine = (self._mine[0] * d + now - self._mark, self._mine[1] * d + self._mark_n + self._here_n)
+            self._theirs = (self._theirs[0] * d + w.last_cpu, self._theirs[1] * d + w.last_n)
+            mine = self._mine[0] / self._mine[1]
+            theirs = self._theirs[0] / self._theirs[1] / len(self.workers) * (1.0 - self.here)
             if mine > theirs:   # work moves to the workers: first what this thread verifies
                 if self.here > 0:
                     self.here = max(0.0, self.here - self.STEP)
