@@ -248,7 +248,17 @@ def _text_at(d: bytes, i: int, key: bytes) -> tuple[str, int]:
     if d[i:i + len(key)] != key:
         raise IndexError
     i += len(key)
-    if d[i] >> 5 != 3:
+    ib = d[i]
+    if 0x60 <= ib < 0x78:   # a short name (schema, table, operation): read once
+        j = i + 1 + ib - 0x60
+        name = _NAMES.get(d[i:j])
+        if name is not None:
+            return name, j
+        name, j = _scalar_at(d, i)
+        if len(_NAMES) < 4096:
+            _NAMES[d[i:j]] = name
+        return name, j
+    if ib >> 5 != 3:
         raise IndexError
     return _scalar_at(d, i)
 
