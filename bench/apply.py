@@ -155,14 +155,15 @@ class _Sections:
     def __init__(self) -> None:
         self.spent: dict[str, float] = {}
         self.entries: dict[str, int] = {}
+        self.nested: dict[str, int] = {}   # sections entered inside each one
         self.stack: list[list] = []
         self.inside = self.outside = 0.0
 
     def wrap(self, name: str, fn):
-        clock, spent, entries, stack = time.thread_time, self.spent, self.entries, self.stack
+        clock, spent, entries, nested, stack = time.thread_time, self.spent, self.entries, self.nested, self.stack
 
         def timed(*a, **k):
-            frame = [clock(), 0.0]
+            frame = [clock(), 0.0, 0]
             stack.append(frame)
             try:
                 return fn(*a, **k)
@@ -171,8 +172,10 @@ class _Sections:
                 dt = clock() - frame[0]
                 spent[name] = spent.get(name, 0.0) + dt - frame[1]
                 entries[name] = entries.get(name, 0) + 1
+                nested[name] = nested.get(name, 0) + frame[2]
                 if stack:
                     stack[-1][1] += dt
+                    stack[-1][2] += 1
         return timed
 
     def calibrate(self, n: int = 20_000) -> None:
@@ -192,10 +195,11 @@ class _Sections:
         self.outside = max(0.0, (total - bare) / n - self.inside)
 
     def spent_net(self) -> tuple[dict[str, float], float]:
-        """(section -> CPU seconds without the clock's cost, the clock's cost outside sections)."""
-        net = {k: max(0.0, v - self.entries[k] * self.inside) for k, v in self.spent.items()}
-        return net, sum(self.entries.values()) * (self.inside + self.outside) - \
-            sum(v - net[k] for k, v in self.spent.items())
+        """(section -> CPU seconds without the instrumentation's cost: its own clock reads, and the
+        wrappers of the sections nested in it; the instrumentation's whole cost)."""
+        net = {k: max(0.0, v - self.entries[k] * self.inside - self.nested[k] * self.outside)
+               for k, v in self.spent.items()}
+        return net, sum(self.entries.values()) * (self.inside + self.outside)
 
 
 class _TimedConn:
@@ -208,11 +212,13 @@ class _TimedConn:
         self._conn = conn
         by = {k: (sections.wrap(k, conn.execute), sections.wrap(k, conn.executemany))
               for k in [k for _, k in self.KINDS] + ["sql_other"]}
+        of: dict[str, tuple] = {}   # statement text -> its kind's timed pair (one look-up a call)
 
-        def kind(sql: str) -> str:
-            return next((k for prefix, k in self.KINDS if sql.startswith(prefix)), "sql_other")
-        self.execute = lambda sql, *a: by[kind(sql)][0](sql, *a)
-        self.executemany = lambda sql, *a: by[kind(sql)][1](sql, *a)
+        def kind(sql: str) -> tuple:
+            k = of[sql] = by[next((k for prefix, k in self.KINDS if sql.startswith(prefix)), "sql_other")]
+            return k
+        self.execute = lambda sql, *a: (of.get(sql) or kind(sql))[0](sql, *a)
+        self.executemany = lambda sql, *a: (of.get(sql) or kind(sql))[1](sql, *a)
 
     def __getattr__(self, name):
         return getattr(self._conn, name)
@@ -271,9 +277,9 @@ def breakdown(home: Path, manifest: str, body: bytes, n: int) -> dict:
             setattr(o, a, f)
         agent.core.prepare.prepare = prepare_here
     sec.calibrate()
-    net, clock_cost = sec.spent_net()
+    net, cost = sec.spent_net()
     us = {k: v / n * 1e6 for k, v in net.items()}
-    thread -= clock_cost   # the instrumentation's own cost
+    thread -= cost   # the instrumentation's own cost
     out = {k: us.get(k, 0.0) for k, _ in BREAKDOWN}
     out["rest"] = thread / n * 1e6 - sum(out.values())
     return {"thread": thread / n * 1e6, "workers": workers / n * 1e6, "sections": out,
