@@ -182,47 +182,49 @@ def apply_one(st, raw: bytes, now: int, origin: str, checked=None, since: dict |
     if not sig_ok:
         return surface(st, Outcome(DROPPED, R.BAD_SIGNATURE, eid, kid), now)
     decoded = checked[3] if checked is not None and checked[1] == entry else None
+    rk = checked[5] if decoded is not None and len(checked) > 5 else None
     if decoded is None:
         try:
-            decoded = ev.event_from_verified(raw, sign1, eid)
+            decoded, rk = ev.decoded_event(raw, sign1, eid)
         except DecodeError as err:
             decoded = err
     if isinstance(decoded, DecodeError):
         return surface(st, Outcome(DROPPED, decoded.reason, eid, kid, verified=True), now)
     e = decoded
     table = e.table
-    base = dict(event_id=eid, site_id=kid, table=table, hlc=e.hlc, verified=True)
-    if entry[1] is not None and e.hlc > entry[1]:
-        return surface(st, Outcome(DROPPED, R.RETIRED_SIGNER, **base), now)
+    hlc = e.hlc
+    # (the verified event's outcomes below carry event_id, site_id, table, hlc, verified=True)
+    if entry[1] is not None and hlc > entry[1]:
+        return surface(st, Outcome(DROPPED, R.RETIRED_SIGNER, eid, kid, table, hlc, True), now)
     # §12.2 skew bound: rejected and not retained; the sender re-offers it. A local event
     # carries our own clock, which may run ahead of a wall clock that jumped back.
-    if origin != "local" and beyond_skew(e.hlc[0], now):
-        return surface(st, Outcome(REJECTED, R.CLOCK_SKEW, **base), now)
+    if origin != "local" and beyond_skew(hlc[0], now):
+        return surface(st, Outcome(REJECTED, R.CLOCK_SKEW, eid, kid, table, hlc, True), now)
     # §12.3 scope: a missing table is held (§13.6 row 1); outside the floor is dropped and logged.
     tbl = st.tables.get(table)
     if tbl is None:
-        return hold(st, e, now, base)
+        return hold(st, e, now, dict(event_id=eid, site_id=kid, table=table, hlc=hlc, verified=True))
     if tbl.tdef.category != SYNCABLE:
         log.info("dropped %s: table %s is %s (outside the floor)", eid.hex(), table, tbl.tdef.category)
-        return surface(st, Outcome(DROPPED, R.OUT_OF_FLOOR, **base), now, kind="logged")
+        return surface(st, Outcome(DROPPED, R.OUT_OF_FLOOR, eid, kid, table, hlc, True), now, kind="logged")
     bad_key = tbl.tdef.key_misfit(e.row_key)
     if bad_key:
-        return surface(st, Outcome(DROPPED, bad_key[0], **base), now, detail=bad_key[2])
+        return surface(st, Outcome(DROPPED, bad_key[0], eid, kid, table, hlc, True), now, detail=bad_key[2])
     # §3: below the table's eviction horizon counts as applied and writes nothing.
-    if below(e.hlc, tbl.horizon):
-        return Outcome(APPLIED, R.BELOW_HORIZON, **base)
+    if below(hlc, tbl.horizon):
+        return Outcome(APPLIED, R.BELOW_HORIZON, eid, kid, table, hlc, True)
     # §12.4 idempotent insert keyed on event_id.
-    rk = checked[5] if checked is not None and len(checked) > 5 and checked[5] is not None else \
-        rowstore.row_key_bytes(e.row_key)
+    if rk is None:
+        rk = rowstore.row_key_bytes(e.row_key)
     cur = st.conn.execute(
-        eventlog.INSERT_EVENT, (eid, kid, e.hlc[0], e.hlc[1], table, rk, e.operation,
+        eventlog.INSERT_EVENT, (eid, kid, hlc[0], hlc[1], table, rk, e.operation,
                                         st.log_seal.seal(eid, raw), origin))
     if cur.rowcount == 0:
-        return Outcome(DUPLICATE, R.DUPLICATE, **base)
+        return Outcome(DUPLICATE, R.DUPLICATE, eid, kid, table, hlc, True)
     # §12.5 HLC observe.
-    st.clock.observe(e.hlc, now)
+    st.clock.observe(hlc, now)
     materialize(st, tbl, e, rk, now)
-    return Outcome(APPLIED, R.APPLIED, eid, kid, table, e.hlc, True)
+    return Outcome(APPLIED, R.APPLIED, eid, kid, table, hlc, True)
 
 
 def known_among(st, eids: list[bytes]) -> set[bytes]:
@@ -243,7 +245,7 @@ def materialize(st, tbl: Table, e: ev.Event, rk: bytes, now: int) -> None:
         fx = merge_delete(tbl.tdef, state, e.stamp)
     else:
         fx = merge_upsert(tbl.tdef, state, e.stamp, e.payload or {})
-    writes: dict[str, Any] = dict(fx.writes)
+    writes: dict[str, Any] = fx.writes   # fx is this event's own (the row store copies what it keeps)
     partial = None
     if fx.resurrected:
         rb = rebuild_columns(tbl.tdef, tbl.tdef.value_columns, fx.state.tomb_clock,

@@ -159,7 +159,7 @@ class Pipeline:
             return ids, known, todo
 
         def send(todo):
-            if worker is not None and self.pool:
+            if worker is not None and self.pool and not worker.prepares_here():
                 try:
                     return worker.submit(keyring, mesh, todo)
                 except Exception as e:  # noqa: BLE001 - any failure of the worker: prepare here
@@ -216,6 +216,8 @@ class Pipeline:
                     if looked_late:
                         todo = [bytes(r) for r, i in zip(chunk, ids) if i is not None and i not in known]
                     results = prepare(todo, keyring, mesh)
+                    if worker is not None and self.pool:
+                        worker.prepared_here(len(todo))
                 it = iter(results)
                 for raw, eid in zip(chunk, ids):
                     if eid is None:

@@ -229,11 +229,34 @@ class ApplyWorkers:
         # thread is the slower side, and they decode everything.
         self.share = self.FIRST_SHARE if self.FIRST_SHARE is not None else 1.0 if len(self.workers) > 1 else 0.5
         self._acc = 0.0
+        # Beyond that, when the workers are the slower side even decoding nothing (one worker
+        # verifying beside an applying thread that needs less than a verification an event), the
+        # share of chunks the applying thread prepares itself, verification included (`here`):
+        # then both cores verify.
+        self.here = self.FIRST_HERE
+        self._here_acc = 0.0
+        self._here_n = 0                   # events prepared on the applying thread since the last answer
         self._mark: float | None = None   # the applying thread's CPU clock at the last answer
         self._mark_n = 0                   # events of that answer (the chunk applied since)
+        self._mine = self._theirs = (0.0, 0.0)   # (CPU, events) of each side, decaying
 
     FIRST_SHARE: float | None = None   # tests pin it (with STEP 0)
+    DECAY = 0.9   # an answer's weight in the averages (~10 answers of 256 events)
+    FIRST_HERE = 0.0
+    HERE_MAX = 0.5
     STEP = 0.125
+
+    def prepares_here(self) -> bool:
+        """Whether the applying thread prepares the next chunk itself (the share `here`)."""
+        self._here_acc += self.here
+        if self._here_acc >= 1.0:
+            self._here_acc -= 1.0
+            return True
+        return False
+
+    def prepared_here(self, n: int) -> None:
+        """The applying thread prepared `n` events itself (its CPU for them is its own side's)."""
+        self._here_n += n
 
     def submit(self, keyring: dict, mesh_id: bytes, raws: list[bytes]) -> tuple:
         w = self.workers[self._next % len(self.workers)]
@@ -250,10 +273,26 @@ class ApplyWorkers:
         out = w.result(n)
         now = time.thread_time()
         if self._mark is not None and self._mark_n and w.last_n:
-            mine = (now - self._mark) / self._mark_n
-            theirs = w.last_cpu / w.last_n / len(self.workers)
-            self.share = min(1.0, self.share + self.STEP) if mine > theirs else max(0.0, self.share - self.STEP)
-        self._mark, self._mark_n = now, w.last_n
+            # CPU an event on each side: this thread's over the events it applied (and prepared)
+            # since the last answer, the workers' over the events they prepared; both averaged
+            # over the last few thousand events (DECAY), so that what this thread does once a
+            # window (its rows written, the commit) counts for the events it serves, not only
+            # for the chunk it happened to follow.
+            d = self.DECAY
+            self._mine = (self._mine[0] * d + now - self._mark, self._mine[1] * d + self._mark_n + self._here_n)
+            self._theirs = (self._theirs[0] * d + w.last_cpu, self._theirs[1] * d + w.last_n)
+            mine = self._mine[0] / self._mine[1]
+            theirs = self._theirs[0] / self._theirs[1] / len(self.workers) * (1.0 - self.here)
+            if mine > theirs:   # work moves to the workers: first what this thread verifies
+                if self.here > 0:
+                    self.here = max(0.0, self.here - self.STEP)
+                else:
+                    self.share = min(1.0, self.share + self.STEP)
+            elif self.share > 0:   # work moves here: first the decoding
+                self.share = max(0.0, self.share - self.STEP)
+            else:
+                self.here = min(self.HERE_MAX, self.here + self.STEP)
+        self._mark, self._mark_n, self._here_n = now, w.last_n, 0
         return out
 
     def drain(self) -> None:

@@ -8,6 +8,7 @@ resurrection (§13.2), partial rebuild with its horizon (§13.4), columns ignore
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from typing import Any
 
 from .store import feed as store
@@ -28,25 +29,50 @@ def note_change(conn, tdef, e, rk: bytes, existed: bool, fx, writes: dict, parti
     values (read from the row with the record: a superseded value is kept nowhere); a column's clock
     is named only when it is not the event's own (a rebuild's)."""
     own = e.stamp
-    cols: dict[str, Any] = {}
+    cols = []
     for c, w in writes.items():
         if w is None:
-            cols[c] = {"state": "unmaterialized"}
+            cols.append(_text(c) + ':{"state":"unmaterialized"}')
+        elif w[1] == own:
+            cols.append(_text(c) + ":{}")
         else:
-            cols[c] = {} if w[1] == own else {"site": w[1][2].hex(), "hlc": _hlc(w[1])}
-    rec: dict[str, Any] = {"kind": "change", "table": tdef.qualified,
-                           "key": {k: value_json(v) for k, v in e.row_key.items()},
-                           "op": e.operation, "event_id": e.event_id.hex(), "site": own[2].hex(),
-                           "hlc": f"{own[0]}.{own[1]}", "existed": existed, "exists": fx.state.exists, "columns": cols}
+            cols.append(_text(c) + ':{"site":"' + w[1][2].hex() + '","hlc":"' + _hlc(w[1]) + '"}')
+    # The record's text put together from parts (one per applied event): equal to
+    # `_dumps(record)` of the same members in this order (tests/core/test_feed_record.py).
+    parts = ['{"kind":"change","table":', _text(tdef.qualified), ',"key":', _key_text(rk, e.row_key),
+             ',"op":', _text(e.operation), ',"event_id":"', e.event_id.hex(), '","site":"', own[2].hex(),
+             '","hlc":"', str(own[0]), ".", str(own[1]), '","existed":', _BOOL[existed], ',"exists":',
+             _BOOL[fx.state.exists], ',"columns":{', ",".join(cols), "}"]
     if fx.ignored:
-        rec["ignored"] = sorted(fx.ignored)   # §13.6 MUST NOT: never presented as a default
+        parts += [',"ignored":', _dumps(sorted(fx.ignored))]   # §13.6 MUST NOT: never presented as a default
     if fx.resurrected:
-        rec["resurrected"] = True   # §13.2 SHOULD surface
+        parts.append(',"resurrected":true')   # §13.2 SHOULD surface
         if partial:
             # §13.4 MUST: name the row and the horizon that truncated its rebuild
             t = fx.state.tomb_clock
-            rec["partial"] = {"horizon": _hlc(horizon), "tombstone": _hlc(t)}
-    store.append(conn, tdef.qualified, rk, _dumps(rec))
+            parts += [',"partial":{"horizon":"', _hlc(horizon), '","tombstone":"', _hlc(t), '"}']
+    parts.append("}")
+    store.append(conn, tdef.qualified, rk, "".join(parts))
+
+
+_BOOL = {False: "false", True: "true"}
+
+
+@lru_cache(maxsize=1024)
+def _text(s: str) -> str:
+    return _dumps(s)
+
+
+_KEYS: dict[bytes, str] = {}   # row address -> its key's JSON text (a row key is its address's decode)
+
+
+def _key_text(rk: bytes, key: dict) -> str:
+    text = _KEYS.get(rk)
+    if text is None:
+        if len(_KEYS) >= 4096:
+            _KEYS.clear()
+        text = _KEYS[rk] = _dumps({k: value_json(v) for k, v in key.items()})
+    return text
 
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode

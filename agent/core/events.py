@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -9,7 +10,7 @@ import blake3
 import cbor2
 
 from .classify import classified
-from .codec import INT64_MAX, INT64_MIN, DecodeError, decode_strict, encode
+from .codec import INT64_MAX, INT64_MIN, MAX_ITEMS, DecodeError, decode_strict, encode
 from .cose import ALG_EDDSA, Sign1, protected_header, sig_structure
 from .ids import UINT32_MAX
 
@@ -109,12 +110,23 @@ def event_from_verified(raw: bytes, sign1: Sign1, eid: bytes | None = None) -> E
     """The event payload boundary (after the signature verified). Decode and shape-check the payload of a COSE_Sign1 whose signature verified.
     Raises DecodeError (reason) when it can never become a valid event. `eid`: `event_id(raw)`
     when the caller computed it already (the apply path hashes each event once)."""
+    return decoded_event(raw, sign1, eid)[0]
+
+
+@classified(DecodeError)
+def decoded_event(raw: bytes, sign1: Sign1, eid: bytes | None = None) -> tuple[Event, bytes]:
+    """`event_from_verified` and the event's row address (`text_map(row_key)`, the row store's key)."""
+    eid = event_id(raw) if eid is None else eid
+    fast = _well_formed_payload(sign1.payload_bytes)
+    if fast is not None:
+        schema, table, row_key, op, payload, hlc, rk = fast
+        return Event(eid, raw, sign1.kid, schema, table, row_key, op, payload, hlc), rk
     obj = decode_strict(sign1.payload_bytes, shape_checked=True)  # the shape check types every member
     reason = check_payload_shape(obj)
     if reason:
         raise DecodeError(reason, "EventPayload shape")
-    return Event(
-        event_id=event_id(raw) if eid is None else eid,
+    e = Event(
+        event_id=eid,
         raw=raw,
         site_id=sign1.kid,
         table_schema=obj["table_schema"],
@@ -124,6 +136,164 @@ def event_from_verified(raw: bytes, sign1: Sign1, eid: bytes | None = None) -> E
         payload=None if obj["payload"] is None else dict(obj["payload"]),
         hlc=(obj["hlc_physical_ms"], obj["hlc_logical"]),
     )
+    return e, _text_map(e.row_key)
+
+
+# The strict decode of an EventPayload without the generic decoder, for the payloads every
+# conforming signer produces: the seven members in deterministic order, maps of text keys and
+# scalar values. It reads the heads directly and checks every deterministic rule on the way
+# (shortest heads, keys ordered and unique, shortest floats): the input is then the
+# deterministic encoding of the value read, which the generic path (prescan, cbor2, re-encode,
+# shape check) would return as well. Anything else (another layout, a shape error, a value out of range) returns
+# None and takes the generic path, which names what is wrong.
+_FLOAT = {0xF9: (struct.Struct(">e"), 3), 0xFA: (struct.Struct(">f"), 5), 0xFB: (struct.Struct(">d"), 9)}
+
+
+def _head_arg(d: bytes, i: int) -> tuple[int, int]:
+    """(argument, next index) of the head at `i` (additional information < 28; IndexError when short)."""
+    ai = d[i] & 31
+    if ai < 24:
+        return ai, i + 1
+    if ai == 24:
+        n = d[i + 1]
+        if n < 24:   # not the shortest head (RFC 8949 §4.2.1)
+            raise IndexError
+        return n, i + 2
+    if ai > 27:
+        raise IndexError
+    w = 1 << (ai - 24)
+    j = i + 1 + w
+    if j > len(d):
+        raise IndexError
+    n = int.from_bytes(d[i + 1:j], "big")
+    if n < _SHORTEST[w]:
+        raise IndexError
+    return n, j
+
+
+_SHORTEST = {2: 0x100, 4: 0x10000, 8: 0x100000000}   # the least argument of a head of 2, 4, 8 bytes
+
+
+def _scalar_at(d: bytes, i: int) -> tuple[Any, int]:
+    """A scalar or null at `i` (IndexError for anything else)."""
+    ib = d[i]
+    if 0x60 <= ib < 0x78:   # the common case first: a short text
+        j = i + 1 + ib - 0x60
+        if j > len(d):
+            raise IndexError
+        return d[i + 1:j].decode(), j
+    major = ib >> 5
+    if major < 2:
+        n, i = _head_arg(d, i)
+        if n > INT64_MAX:
+            raise IndexError
+        return (n if major == 0 else -1 - n), i
+    if major < 4:
+        n, i = _head_arg(d, i)
+        j = i + n
+        if j > len(d):
+            raise IndexError
+        return (d[i:j] if major == 2 else d[i:j].decode()), j
+    if ib == 0xF6:
+        return None, i + 1
+    f = _FLOAT.get(ib)
+    if f is None:
+        raise IndexError
+    v = f[0].unpack_from(d, i + 1)[0]
+    j = i + f[1]
+    # finite, and in the shortest form that keeps the value (the encoder's own choice)
+    if not math.isfinite(v) or (ib != 0xF9 and _scalar(v) != d[i:j]):
+        raise IndexError
+    return v, j
+
+
+def _text_map_at(d: bytes, i: int) -> tuple[dict, int]:
+    ib = d[i]
+    if 0xA0 <= ib < 0xB8:
+        n, i = ib - 0xA0, i + 1
+    elif ib >> 5 == 5:
+        n, i = _head_arg(d, i)
+    else:
+        raise IndexError
+    m = {}
+    scalar, names = _scalar_at, _NAMES
+    last = b""
+    for _ in range(n):
+        ib = d[i]
+        if 0x60 <= ib < 0x78:   # a short text key: a column's name, read once (and one object to pickle)
+            j = i + 1 + ib - 0x60
+            enc = d[i:j]
+            k = names.get(enc)
+            if k is None:
+                k, j = scalar(d, i)
+                if len(names) < 4096:
+                    names[enc] = k
+        elif ib >> 5 == 3:
+            k, j = scalar(d, i)
+            enc = d[i:j]
+        else:
+            raise IndexError
+        # keys in the deterministic order: encoded length, then bytewise; none twice
+        if len(enc) < len(last) or (len(enc) == len(last) and enc <= last):
+            raise IndexError
+        last = enc
+        m[k], i = scalar(d, j)
+    return m, i
+
+
+_NAMES: dict[bytes, str] = {}   # encoded short text key -> the key
+
+
+def _text_at(d: bytes, i: int, key: bytes) -> tuple[str, int]:
+    if d[i:i + len(key)] != key:
+        raise IndexError
+    i += len(key)
+    ib = d[i]
+    if 0x60 <= ib < 0x78:   # a short name (schema, table, operation): read once
+        j = i + 1 + ib - 0x60
+        name = _NAMES.get(d[i:j])
+        if name is not None:
+            return name, j
+        name, j = _scalar_at(d, i)
+        if len(_NAMES) < 4096:
+            _NAMES[d[i:j]] = name
+        return name, j
+    if ib >> 5 != 3:
+        raise IndexError
+    return _scalar_at(d, i)
+
+
+def _uint_at(d: bytes, i: int, key: bytes) -> tuple[int, int]:
+    if d[i:i + len(key)] != key or d[i + len(key)] >> 5 != 0:
+        raise IndexError
+    return _scalar_at(d, i + len(key))
+
+
+def _well_formed_payload(d: bytes) -> tuple | None:
+    if len(d) > MAX_ITEMS or not d.startswith(_HEAD_PAYLOAD):
+        return None
+    try:
+        i = len(_HEAD_PAYLOAD)
+        if d[i] == 0xF6:
+            payload, i = None, i + 1
+        else:
+            payload, i = _text_map_at(d, i)
+        if d[i:i + len(_KEY_ROW_KEY)] != _KEY_ROW_KEY:
+            return None
+        a = i + len(_KEY_ROW_KEY)
+        row_key, b = _text_map_at(d, a)
+        op, i = _text_at(d, b, _KEY_OPERATION)
+        table, i = _text_at(d, i, _KEY_TABLE_NAME)
+        logical, i = _uint_at(d, i, _KEY_LOGICAL)
+        schema, i = _text_at(d, i, _KEY_SCHEMA)
+        physical, i = _uint_at(d, i, _KEY_PHYSICAL)
+    except (IndexError, UnicodeDecodeError, struct.error):
+        return None
+    # the shape check's rules (`check_payload_shape`), for what the layout does not fix already
+    if i != len(d) or not schema or not table or not row_key or logical > UINT32_MAX or \
+            None in row_key.values() or (payload is None) != (op == "delete") or op not in OPERATIONS:
+        return None
+    return schema, table, row_key, op, payload, (physical, logical), d[a:b]
 
 
 def payload_bytes(schema: str, table: str, row_key: dict, operation: str, payload: dict | None,
@@ -159,6 +329,9 @@ _HEAD_PAYLOAD = b"\xa7" + cbor2.dumps("payload")
 _KEY_ROW_KEY = cbor2.dumps("row_key")
 _KEY_SCHEMA = cbor2.dumps("table_schema")
 _KEY_PHYSICAL = cbor2.dumps("hlc_physical_ms")
+_KEY_OPERATION = cbor2.dumps("operation")
+_KEY_TABLE_NAME = cbor2.dumps("table_name")
+_KEY_LOGICAL = cbor2.dumps("hlc_logical")
 
 
 def _uint(n: int, major: int = 0) -> bytes:

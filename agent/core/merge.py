@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from .events import is_scalar
 from .schema import TableDef, value_fits
 
 Stamp = tuple[int, int, bytes]
@@ -35,26 +36,31 @@ class Effects:
 
 
 def merge_upsert(table: TableDef, row: RowState, stamp: Stamp, payload: dict[str, Any]) -> Effects:
-    fx = Effects(state=RowState(row.exists, row.exist_clock, row.tomb_clock, dict(row.cells)))
-    st = fx.state
-    value_cols = table.value_column_set
+    cells = dict(row.cells)
+    tomb = row.tomb_clock
+    writes: dict[str, tuple[Any, Stamp]] = {}
+    ignored: list[str] = []
+    types = table.value_types
+    # (`value_fits` inlined: this runs for every column of every applied event)
     for col, value in payload.items():
-        if col not in value_cols or not value_fits(table.columns[col], value):
+        t = types.get(col)
+        if t is None or (value is not None and (type(value) is not t or not is_scalar(value))):
             # §13.6 / docs/protocol.md §0: unknown, ill-typed or key-column entries are ignored,
             # clock untouched, and metered; the rest of the event applies.
-            fx.ignored.append(col)
+            ignored.append(col)
             continue
         # §13.1: written only if it beats both the column clock and the tombstone clock.
-        if beats(stamp, st.cells.get(col)) and beats(stamp, st.tomb_clock):
-            fx.writes[col] = (value, stamp)
-            st.cells[col] = stamp
+        c = cells.get(col)
+        if (c is None or stamp > c) and (tomb is None or stamp > tomb):
+            writes[col] = (value, stamp)
+            cells[col] = stamp
         # else: lost; the clock is left as it is (no-op for this column)
     # §13.2: existence by the highest-HLC existence event, independent of the columns.
-    if beats(stamp, st.exist_clock):
-        if not st.exists and st.exist_clock is not None:
-            fx.resurrected = True  # the previous winner was a delete
-        st.exists, st.exist_clock = True, stamp
-    return fx
+    exists, exist_clock, resurrected = row.exists, row.exist_clock, False
+    if exist_clock is None or stamp > exist_clock:
+        resurrected = not exists and exist_clock is not None  # the previous winner was a delete
+        exists, exist_clock = True, stamp
+    return Effects(writes, RowState(exists, exist_clock, tomb, cells), resurrected, ignored)
 
 
 def merge_delete(table: TableDef, row: RowState, stamp: Stamp) -> Effects:

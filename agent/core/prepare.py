@@ -14,7 +14,7 @@ from typing import Any
 
 from . import cose, reasons
 from . import events as ev
-from .codec import DecodeError, encode_trusted
+from .codec import DecodeError
 
 Keyring = dict  # kid -> (public key, retirement cutoff or None)
 
@@ -59,13 +59,12 @@ def prepare(raws: list[bytes], keyring: Keyring, mesh_id: bytes, decode: bool = 
             append((s1.kid, s1.content_type, entry, True, None, (end - len(s1.payload_bytes), end)))
             continue
         try:
-            e = ev.event_from_verified(raw, s1, b"")
+            e, rk = ev.decoded_event(raw, s1, b"")
         except DecodeError as err:
             append((s1.kid, s1.content_type, entry, True, err.reason, None))
             continue
         append((s1.kid, s1.content_type, entry, True,
-                (e.table_schema, e.table_name, e.row_key, e.operation, e.payload, e.hlc),
-                encode_trusted(e.row_key)))
+                (e.table_schema, e.table_name, e.row_key, e.operation, e.payload, e.hlc), rk))
     return out
 
 

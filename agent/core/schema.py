@@ -84,6 +84,11 @@ class TableDef:
     def value_column_set(self) -> frozenset[str]:
         return frozenset(self.value_columns)
 
+    @cached_property  # merge_upsert's type test: value column -> its values' one Python type
+    def value_types(self) -> dict[str, type]:
+        """`object` for a type outside the four: no value is exactly of it (only a null fits)."""
+        return {c: _PY_TYPES.get(self.columns[c], object) for c in self.value_columns}
+
     @cached_property
     def key_set(self) -> frozenset[str]:
         return frozenset(self.key)
@@ -118,6 +123,14 @@ class TableDef:
 
     def key_misfit(self, row_key: dict[str, Any]) -> tuple[str, str, dict] | None:
         """`key_fits`'s reason, a sentence naming the column(s), and the same as a detail."""
+        if row_key.keys() == self.key_set:
+            # every key value of its column's one type (on every applied event): fits; else the reason below
+            types = self.python_types
+            for k, v in row_key.items():
+                if type(v) is not types.get(k) or not is_scalar(v):
+                    break
+            else:
+                return None
         if row_key.keys() != self.key_set:
             missing = [k for k in self.key if k not in row_key]
             # a peer's names, shortened and at most 8: the detail is stored (`ssp-agent events`)

@@ -323,6 +323,29 @@ def test_large_batches_verified_ahead_give_the_same_outcomes(tmp_path, monkeypat
 
 
 @needs_two_cores
+def test_chunks_the_applying_thread_prepares_itself_give_the_same_outcomes(tmp_path, monkeypatch):
+    """With a share of the chunks prepared on the applying thread (`here`: both cores verify), the
+    rest by the worker, the outcomes and state are those of one-by-one application."""
+    monkeypatch.setattr(Pipeline, "WORKER_MIN_BATCH", 64)
+    monkeypatch.setenv("SSP_AGENT_APPLY_WORKERS", "1")
+    from agent.applyworker import ApplyWorkers
+    monkeypatch.setattr(ApplyWorkers, "FIRST_SHARE", 1.0)
+    monkeypatch.setattr(ApplyWorkers, "FIRST_HERE", 0.5)
+    monkeypatch.setattr(ApplyWorkers, "STEP", 0.0)
+    a, b = peers(2)
+    mixed = _mixed_events(a, b)
+    big = make_node(tmp_path / "big", [a, b])
+    small = make_node(tmp_path / "small", [a, b])
+    outs_big = big.apply_batch(mixed, NOW)
+    assert big._pool and big._pool.here == 0.5
+    outs_small = [small.apply_batch([r], NOW)[0] for r in mixed]
+    assert [(o.status, o.reason) for o in outs_big] == [(o.status, o.reason) for o in outs_small]
+    assert big.dump() == small.dump()
+    big.close()
+    small.close()
+
+
+@needs_two_cores
 def test_a_dead_apply_worker_leaves_the_apply_path_to_this_thread(tmp_path, monkeypatch):
     """A worker process that dies (killed, out of memory) costs speed, never outcomes: the batch
     that finds it gone prepares its events on the applying thread, with the same results."""
