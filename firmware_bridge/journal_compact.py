@@ -8,18 +8,44 @@ from __future__ import annotations
 import fcntl
 import itertools
 import os
-from typing import Callable, Optional
+import threading
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .errors import JournalError
 from .identity import EventIdentity, decode_identity, encode_receipt_identity
-from .journal_format import (BH, HDR, MAGIC, STALE_SHARE, U32, Base, Loc, NothingToDrop, ReceiptsBelow, Recorded,
+from .journal_format import (BH, HDR, MAGIC, FileOps, STALE_SHARE, U32, Base, Loc, NothingToDrop, ReceiptsBelow, Recorded,
                              RewriteAll, encode_floor, encode_gap, encode_intent, encode_sealed, mapped,
                              receipts_to_drop, sealed_ad)
-from .sealing import key_id_of
+from .sealing import Sealer, key_id_of
 
 
 class Compaction:
     """`Journal.compact` and its steps; the journal's file, index and lock are `Journal`'s."""
+
+    if TYPE_CHECKING:   # Journal's state and helpers, declared for the type checker only
+        path: str
+        compactions: int
+        _ops: FileOps
+        _cond: threading.Condition
+        _fd: int
+        _tail: int
+        _base: Optional[Base]
+        _sealer: Optional[Sealer]
+        _failed: Optional[BaseException]
+        _flushing: bool
+        _index: dict[bytes, Optional[Loc]]
+        _key_of: dict[bytes, str]
+        _max_hlc: dict[bytes, tuple[int, int]]
+        _floor: dict[bytes, tuple[int, int]]
+        _receipt_floor: dict[bytes, int]
+        _gap: dict[bytes, tuple[tuple[int, int], tuple[int, int]]]
+        _pending_effects: list[tuple[int, bytes, int, Optional[int], Optional[str]]]
+
+        @property
+        def tmp_path(self) -> str: ...
+        def _check(self) -> None: ...
+        def _fire(self, point: str) -> None: ...
+        def _opened(self, ident: bytes, loc: tuple, data: bytes) -> bytes: ...
 
     # -- compaction ---------------------------------------------------------------------------
     def compact_events(self, recorded: Callable[[EventIdentity], bool],
