@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 FILES = [ROOT / "README.md"] + DOCS
 README_MAX = 12 * 1024
-DOCS_MAX = 250 * 1024   # the reference for every command, format and job
+DOCS_MAX = 250_000   # the 250 KB (decimal): the reference for every command, format and job
 
 # What a diary says and reference does not (matched case-insensitively).
 MARKERS = [
