@@ -1,4 +1,4 @@
-"""The software keystore's P-256 signing process (docs/keystore.md "Pipelined P-256 signing").
+"""The software keystore's P-256 signing process (docs/keystore.md "Pipelined release and pipelined P-256 signing").
 
 `cryptography`'s P-256 ``sign`` holds the GIL, so a second thread never signs beside the first;
 a second *process* does. The software keystore starts one of these per P-256 key for pipelined

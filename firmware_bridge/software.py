@@ -379,7 +379,7 @@ class SoftwareKeystore(Keystore):
     def _sign_start(self, requests: Sequence[tuple[str, Identity, bytes]]) -> Callable[[], tuple[list[bytes], Optional[BaseException]]]:
         """A pipelined batch of P-256 requests for one key goes to that key's signing process
         (sign_worker.py), so the bridge's caller persists and commits the previous batch meanwhile
-        (docs/keystore.md "Pipelined P-256 signing"); anything else is signed now. RFC 6979: a
+        (docs/keystore.md "Pipelined release and pipelined P-256 signing"); anything else is signed now. RFC 6979: a
         batch the process could not sign is signed here with the same bytes."""
         names = {name for name, _, _ in requests}
         if (len(names) != 1 or len(requests) < PROCESS_MIN or self._threads < 2
@@ -428,7 +428,7 @@ def _sign_chunk(keys: list, datas: list[bytes]) -> list[bytes]:
 
 
 class _SignProcess:
-    """One sign_worker.py child for one P-256 key (docs/keystore.md "Pipelined P-256 signing").
+    """One sign_worker.py child for one P-256 key (docs/keystore.md "Pipelined release and pipelined P-256 signing").
     Batches may be queued behind each other; answers come back in request order. ``wait``
     returns None when the process failed or died, and the keystore then signs that batch itself
     (deterministic: the same bytes). A request is written without blocking while answers are

@@ -1,5 +1,5 @@
 """SigningBridge.release_pipelined and the software keystore's P-256 signing process
-(docs/keystore.md "Pipelined P-256 signing"; the sequencer's pipelined group commit)."""
+(docs/keystore.md "Pipelined release and pipelined P-256 signing"; the sequencer's pipelined group commit)."""
 from __future__ import annotations
 
 import os
