@@ -379,8 +379,8 @@ class SoftwareKeystore(Keystore):
     def _sign_start(self, requests: Sequence[tuple[str, Identity, bytes]]) -> Callable[[], tuple[list[bytes], Optional[BaseException]]]:
         """A pipelined batch of P-256 requests for one key goes to that key's signing process
         (sign_worker.py), so the bridge's caller persists and commits the previous batch meanwhile
-        (docs/keystore.md "Pipelined release and pipelined P-256 signing"); anything else is signed now. RFC 6979: a
-        batch the process could not sign is signed here with the same bytes."""
+        (docs/keystore.md "Pipelined release and pipelined P-256 signing"); anything else is signed
+        now. RFC 6979: a batch the process could not sign is signed here with the same bytes."""
         names = {name for name, _, _ in requests}
         if (len(names) != 1 or len(requests) < PROCESS_MIN or self._threads < 2
                 or type(self)._sign is not SoftwareKeystore._sign):
