@@ -10,7 +10,7 @@ from firmware_bridge.journal import inspect as journal_inspect
 
 from . import clockstate, eviction
 from .core.codec import decode_strict
-from .store import db, eventlog, migrations, reports, sync_state
+from .store import clockgaps, db, eventlog, migrations, reports, sync_state
 
 
 def keyring_entries(st) -> list[dict]:
@@ -68,7 +68,15 @@ def status(st) -> dict:
 
 
 def clock_status(st) -> dict:
-    return clockstate.assess(st)
+    """`clockstate.assess`, and the range the clock issues in after a wrong clock (`gap`: low and
+    top, and `spent_to`, the highest value the wrong clock issued above it), or None; and how many
+    own events wait to be re-issued."""
+    out = clockstate.assess(st)
+    g = clockgaps.gap(st.conn)
+    p = clockgaps.pending(st.conn)
+    out["gap"] = None if g is None else {k: f"{h[0]}.{h[1]}" for k, h in zip(("low", "top", "spent_to"), g)}
+    out["reissue_pending"] = len(p[0]) if p else 0
+    return out
 
 
 def bounds(st) -> dict:

@@ -282,3 +282,24 @@ def test_a_reissue_cut_short_and_finished_under_a_wrong_clock_again_stays_in_the
         assert _rows(node) == {0: 7.5, 1: 3.5}
     finally:
         node.close()
+
+
+def test_status_shows_the_gap_the_clock_issues_in(tmp_path):
+    """`status` says where the clock issues after a recovery (the gap: low, top, and the highest
+    value the wrong clock spent above it) and how many own events wait to be re-issued; a home
+    that never ran ahead shows none."""
+    home = tmp_path / "a"
+    site, writes = _ahead(home)
+    with Node.open(home, read_only=True) as n:
+        before = n.status()["clock"]
+    assert before["gap"] is None and before["reissue_pending"] == 0, before
+    with Node.open(home) as n:          # the writing open recovers
+        clock = n.status()["clock"]
+    low, top, spent = (tuple(map(int, clock["gap"][k].split("."))) for k in ("low", "top", "spent_to"))
+    assert low < top <= spent and clock["reissue_pending"] == 0, clock
+    own = _own(home, site)
+    assert all(low < h < top for h in own), (clock, own)    # every re-issue inside the gap
+    fresh = tmp_path / "b"
+    Node.init(fresh, _manifest(False))[0].close()
+    with Node.open(fresh, read_only=True) as n:
+        assert n.status()["clock"]["gap"] is None
