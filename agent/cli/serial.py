@@ -31,12 +31,13 @@ def check(args, once: bool) -> None:
 def open_ports(args, node, once: bool) -> list:
     """A SerialPort per --serial, opened; Fault (exit 1) naming the first that cannot be."""
     from .common import Fault
+    from ..sync import SyncDriver
     from ..transport.serial import SerialError, SerialPort
     baud = args.baud or int(node.profile.serial_baud)
     ports: list = []
     try:
         for name in args.serial:
-            ports.append(SerialPort(node, name, baud, realtime=not args.no_realtime,
+            ports.append(SerialPort(node, name, baud, SyncDriver, realtime=not args.no_realtime,
                                     secure=bool(args.secure_binding), cadence_s=args.cadence, once=once))
     except SerialError as e:
         for p in ports:

@@ -353,15 +353,16 @@ def session_settings(profile, baud: int, *, realtime: bool, secure: bool, cadenc
 class SerialPort:
     """One node on one serial port."""
 
-    def __init__(self, node, port: str, baud: int, *, realtime: bool = True, secure: bool = False,
-                 cadence_s: float | None = None, nonce: int | None = None, once: bool = False,
+    def __init__(self, node, port: str, baud: int, driver: Callable[[Any, int], Any], *, realtime: bool = True,
+                 secure: bool = False, cadence_s: float | None = None, nonce: int | None = None, once: bool = False,
                  clock: Clock = SYSTEM) -> None:
-        from ..sync import SyncDriver
+        """`driver(node, batch_limit)`: the session's node side (agent/sync.py's SyncDriver); passed
+        in so the transport moves bytes and imports nothing of the node's."""
         self.node, self.port, self.baud = node, port, baud
         self.clock = clock  # the link's timers on its monotonic time, the session on its wall time
         prof = node.profile
         self.settings = session_settings(prof, baud, realtime=realtime, secure=secure, cadence_s=cadence_s, once=once)
-        self.driver = SyncDriver(node, self.settings.batch_limit)
+        self.driver = driver(node, self.settings.batch_limit)
         link = SerialLink(link_config(prof, baud), nonce if nonce is not None else int.from_bytes(os.urandom(4), "big"))
         self._fd: int | None = None
         self._ser = None

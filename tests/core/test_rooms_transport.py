@@ -30,8 +30,25 @@ def imported(path: Path) -> set[str]:
 
 
 def test_the_check_sees_lazy_and_relative_imports(tmp_path):
-    assert "agent.sync" in imported(ROOT / "agent" / "transport" / "serial.py")   # lazy, relative
+    lazy = ROOT / "agent" / "transport" / "_probe_lazy.py"
+    lazy.write_text("def f():\n    from ..sync import SyncDriver\n")
+    try:
+        assert "agent.sync" in imported(lazy)                          # lazy, relative
+    finally:
+        lazy.unlink()
     assert "agent.store.eventlog" in imported(ROOT / "agent" / "runtime.py")
+
+
+# What a transport may use of the agent beyond the pure core and its own package: time passed in,
+# its inbox and outbox spools, the fault and outcome names it reports in. Never the node's side.
+TRANSPORT_MAY_IMPORT = {"agent", "agent.timesource", "agent.inbox", "agent.outbox", "agent.faults", "agent.outcomes"}
+
+
+def test_transports_import_nothing_of_the_node_s_side():
+    found = [(p.name, m) for p in TRANSPORTS for m in imported(p)
+             if m.startswith("agent") and not m.startswith(("agent.core", "agent.transport"))
+             and m not in TRANSPORT_MAY_IMPORT and m.rsplit(".", 1)[0] not in TRANSPORT_MAY_IMPORT - {"agent"}]
+    assert not found, found
 
 
 def test_transports_import_no_store():
