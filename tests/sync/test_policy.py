@@ -206,3 +206,20 @@ def test_selection_passes_over_quietly_denied_rows_in_sql(tmp_path, monkeypatch)
     top = a.conn.execute("SELECT max(seq) FROM events").fetchone()[0]
     assert len(sel.events) == 1 and sel.gaps == {T} and sel.end == top == 82
     assert len(seen) <= 2, len(seen)
+
+
+def test_roles_without_role_records_cost_no_trust_resolution(tmp_path, monkeypatch):
+    """Each selection resolved the whole trust (every keyring entry, every record) for the peers'
+    roles: a gateway with D devices in its keyring paid O(D) per selection and D selections per
+    cycle (bench_fleet, 200 devices: 40 % of the selection). A store holding no role record has
+    no roles, and says so without resolving anything."""
+    a, b = mesh(tmp_path, 2)
+    da = SyncDriver(a)
+    a.write(T, {"device": "d", "seq": 1}, {"temp": 1.0}, now=NOW)
+    calls = []
+    real = st.provisioned_keyring
+    monkeypatch.setattr(st, "provisioned_keyring", lambda conn: calls.append(1) or real(conn))
+    from agent.store import sync_records
+    monkeypatch.setattr(sync_records, "provisioned_keyring", lambda conn: calls.append(1) or real(conn))
+    sel, *_ = da.select_for(b.site_id, "memory")
+    assert len(sel.events) == 1 and st.current_roles(a.conn) == {} and calls == []
