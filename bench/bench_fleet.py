@@ -10,8 +10,10 @@ What is real and what is simulated:
 - **simulated**: the devices share this one process (one thread steps every device's runner in
   turn; each paho client keeps its own network thread) instead of one process per board, and
   their homes live on tmpfs (`/dev/shm` when present) instead of an SD card. A device's profile
-  is `pi-3-4` (cadence 30 s unless --device-cadence), realtime on, eviction off. The partition
-  drops every device's TCP connection without DISCONNECT (the last will clears its presence).
+  is `pi-3-4` (cadence 30 s unless --device-cadence, presence of its keyring only), realtime on,
+  eviction off. The partition drops every device's TCP connection without DISCONNECT (the last
+  will clears its presence). The devices' paho links wait on poll() rather than select(), which
+  refuses the descriptors past 1 024 that 400 devices' sockets in one process reach.
 
 Traffic: telemetry flows up (each device writes rows of its own in `app.readings`), configuration
 flows down (the gateway writes `app.config` through its control socket: `ssp-agent write`); the
@@ -28,9 +30,11 @@ Per fleet size (fresh broker, gateway and devices each time):
    broker's queue (`$SYS/broker/store/messages/count` and `/bytes`, and mosquitto's RSS) at the
    end, per offline device;
 4. heal: every device reconnects (a new runner on the same home, the persistent session
-   resumes); time until the fleet converges again, and the gateway's CPU seconds for it.
+   resumes); time until the fleet converges again, the gateway's CPU seconds for it, and the
+   messages each device's link took meanwhile. The result's `points` (one per size: devices,
+   convergence_s, gateway_cpu_s_per_device, ...) are the curve of docs/performance.md.
 
-    python bench/bench_fleet.py [--sizes 25,50,100,200] [--events 20] [--partition-s 30] [--idle-s 10]
+    python bench/bench_fleet.py [--sizes 25,50,100,200,400] [--events 20] [--partition-s 30] [--idle-s 10]
     python bench/bench_fleet.py --smoke       # 4 devices, short phases (tests/test_bench_smoke.py)
 """
 from __future__ import annotations
@@ -346,7 +350,7 @@ def one_size(n: int, args, base: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="25,50,100,200")
+    ap.add_argument("--sizes", default="25,50,100,200,400")
     ap.add_argument("--events", type=int, default=20, help="rows each device writes before, and again during, the partition")
     ap.add_argument("--config-writes", type=int, default=3, help="config rows the gateway writes during the partition")
     ap.add_argument("--partition-s", type=float, default=30.0)
