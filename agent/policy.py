@@ -38,6 +38,20 @@ def allowed_fn(conn, tables: dict, peer: bytes, rows=None, roles=None, surfaced:
     return allowed
 
 
+def quiet_denials(tables: dict, peer: bytes, rows, roles) -> tuple[str, ...]:
+    """The node's tables policy denies `peer` now with no denial to surface (scope §1.2: the floor,
+    no matching row, a deny row): a selection may pass over their rows unread. A denial that must
+    be logged is left to `allowed_fn`, which surfaces it when a row meets it."""
+    role, peer_hex = roles.get(peer), peer.hex()
+    out = []
+    for q, t in tables.items():
+        schema, name = q.split(".", 1)
+        d = resolve(rows, peer_hex, schema, name, t.tdef.category, role)
+        if not d.allow and not d.log:
+            out.append(q)
+    return tuple(sorted(out))
+
+
 def surface_denial(conn, peer: bytes, table: str, reason: str, surfaced: set | None = None) -> None:
     """Scope §1.2 rule 4 (incomparable maximal rows) and a forked role chain: "deny and log".
     Surfaced where `ssp-agent events` lists it, once per (peer, table, reason) while that entry

@@ -49,6 +49,7 @@ class Profile:
     body_limit_bytes: int = 256 * 1024
     backfill_rows_per_cycle: int = 1000
     session_expiry_s: int = 7 * 86400
+    presence: str = "mesh"              # [sync] whose MQTT presence to follow: "mesh" | "members" (docs/scale.md)
     keystore: dict = field(default_factory=lambda: {"kind": "software"})
     surfaced_limit: int = 100_000       # surfaced rows kept (store-enforced; docs/apply.md "Bounds")
     records_limit: int = 10_000         # control records stored from others, in total
@@ -138,6 +139,9 @@ def parse_profile(text: str, origin: str = "profile") -> Profile:
     secure_delete = store.get("secure_delete", "on")
     if secure_delete not in SECURE_DELETE_MODES:
         raise ProfileError(f"{origin}: store.secure_delete must be one of {', '.join(SECURE_DELETE_MODES)}")
+    presence = sync.get("presence", "mesh")
+    if presence not in ("mesh", "members"):
+        raise ProfileError(f"{origin}: sync.presence must be mesh or members")
     name = doc.get("name")
     if not isinstance(name, str) or not name:
         raise ProfileError(f"{origin}: name is required")
@@ -149,6 +153,7 @@ def parse_profile(text: str, origin: str = "profile") -> Profile:
         body_limit_bytes=num(sync, "body_limit_bytes", 256 * 1024, int, 1024),
         backfill_rows_per_cycle=num(sync, "backfill_rows_per_cycle", 1000, int, 1),
         session_expiry_s=num(sync, "session_expiry_s", 7 * 86400, int, 0, 2**32 - 1), keystore=dict(ks),
+        presence=presence,
         surfaced_limit=num(store, "surfaced_limit", 100_000, int, 1),
         records_limit=num(store, "records_limit", 10_000, int, 1),
         records_limit_bytes=int(num(store, "records_limit_mb", 16, float, 0.001) * 2**20), keep_full=keep_full,

@@ -72,7 +72,8 @@ class Runner(ExchangeNames):
                                         now=clock.wall_ms)
         _adopt_private_cursors(node)
         self.link = MqttLink(settings, node.mesh_id, node.site_id,
-                             presence_payload=lambda: self.sync.handshake(self.cfg.realtime), clock=clock)
+                             presence_payload=lambda: self.sync.handshake(self.cfg.realtime), clock=clock,
+                             members=lambda: list(self.node.keyring))
         self._unsaved: list = []  # bodies published, not yet in sync_state.sent_bodies
         self.last_eviction: dict | None = None
         self._next_evict = 0.0
@@ -143,6 +144,7 @@ class Runner(ExchangeNames):
             log.warning("the broker refuses this node's publishes (Not authorized) as %s: nothing it sends is "
                         "delivered; a device logs in as its own site_id %s (docs/mqtt.md)",
                         self.settings.username or "anonymous", self.node.site_id.hex())
+        self.link.follow_members()   # a keyring that grew: its new members' presence (settings.presence)
         self._expire(now)
         if self._pull_due():
             self.pull_all()

@@ -64,21 +64,12 @@ class SyncDriver:
         Each denial that must be logged is surfaced once per driver (agent/policy.py)."""
         return policy.allowed_fn(self.conn, self.node.tables, peer, rows, roles, self._denials_surfaced)
 
-    def _rows(self, after: int, upto: int | None):
-        """Log rows with seq > after (and <= upto), in append order, bounded by the scan budget."""
+    def _rows(self, after: int, skip_tables: tuple[str, ...] = ()) -> "LogScan":
+        """Log rows with seq > after, in append order, bounded by the scan budget; the rows of
+        `skip_tables` (quiet policy denials) this node did not sign are passed over in SQL."""
         budget = self.batch_limit * SCAN_FACTOR
-        chunk = max(64, min(self.batch_limit * 2, budget))
-        pos = after
-        while budget > 0:
-            # The payload is not read here: most rows examined are filtered (policy, self-echo,
-            # watermarks), and each payload is sealed at rest; `_open_selected` opens the offered ones.
-            rows = eventlog.rows_after(self.conn, pos, upto, min(chunk, budget))
-            if not rows:
-                return
-            for seq, s, t, p, l, raw, origin in rows:
-                yield delivery.LogRow(seq, bytes(s), t, (p, l), b"", origin)
-            pos = rows[-1][0]
-            budget -= len(rows)
+        return LogScan(self.conn, after, budget, max(64, min(self.batch_limit * 2, budget)), self.node.site_id,
+                       skip_tables)
 
     def _open_selected(self, seqs: list[int]) -> list[bytes]:
         """The signed bytes of the selected log rows, in `seqs` order: only what is offered is
@@ -98,12 +89,16 @@ class SyncDriver:
         limit = self.batch_limit if limit is None else limit
         if limit <= 0:  # an answer while the window is full: watermarks and records only
             return delivery.Selection(end=start), None, start, ([], ())
-        allowed = self._allowed_fn(peer)
+        prows, roles = st.policy_rows(self.conn), st.current_roles(self.conn)
+        allowed = self._allowed_fn(peer, prows, roles)
         pwm = st.peer_watermarks(self.conn, peer)
         counts = self.node.counts
         ro, scans = self._due_reoffers(peer, path, allowed, limit, now) if mode != "push" else ([], ())
-        sel = delivery.select(self._rows_for(peer, start), start, peer, self.node.site_id, allowed, pwm,
+        scan = self._rows(start, policy.quiet_denials(self.node.tables, peer, prows, roles))
+        sel = delivery.select(self._rows_for(peer, start, scan), start, peer, self.node.site_id, allowed, pwm,
                               limit - len(ro), lambda r: counts((r.hlc[0], r.hlc[1], r.site_id)))
+        if scan.done:  # every row up to the scan's end was examined, those passed over in SQL too
+            sel.end = max(sel.end, scan.end)
         sel.events = self._open_selected(sel.seqs)
         # Our own history we no longer hold (evicted, lost to a restore) travels with the stream as
         # floors, so no receiver infers a watermark across it (§14.2; docs/protocol.md §4).
@@ -140,16 +135,16 @@ class SyncDriver:
                       st.rehydrate_generation(self.conn, peer), tuple(records[0]), tuple(records[1]),
                       reoffer_seqs=tuple(seq for seq, _raw in ro[0]), rescans=tuple(ro[1]))
 
-    def _rows_for(self, peer: bytes, start: int):
-        """Log rows for `peer`; while this node serves a rehydration of `peer`, rows up to the
-        reset point lose their delivered-by-peer tag, so what the peer itself once relayed here
+    def _rows_for(self, peer: bytes, start: int, scan: "LogScan"):
+        """Log rows for `peer` (`scan`); while this node serves a rehydration of `peer`, rows up to
+        the reset point lose their delivered-by-peer tag, so what the peer itself once relayed here
         (and may have evicted since) is offered back to it (agent/rehydrate.py)."""
         upto = st.rehydrate_upto(self.conn, peer) if st.has_schema(self.conn) else 0
         if not upto or start >= upto:
-            return self._rows(start, None)
+            return scan
         tag = delivery.origin_tag(peer)
         return (delivery.LogRow(r.seq, r.site_id, r.table, r.hlc, r.raw, "") if r.origin == tag and r.seq <= upto else r
-                for r in self._rows(start, None))
+                for r in scan)
 
     # ------------------------------------------------------------------ widening backfill (scope §2)
     def covering_rows(self, table: str, after: bytes | None, limit: int) -> list[tuple[bytes, list]]:
@@ -455,6 +450,31 @@ def change_policy(node, change, now: int | None = None) -> list[tuple[str, str]]
         widened = policy.enqueue_widenings(node, snap, now)
     rehydrate.announce_truncations(node, widened, now)
     return [(p.hex(), q) for p, q in widened]
+
+
+class LogScan:
+    """The log rows one selection examines: seq > `after`, in append order, at most `budget` seqs
+    of the log (a mostly-filtered log cannot stall a cycle). Rows of `skip_tables` this node did
+    not sign (quiet policy denials) are passed over in SQL, unread: a gateway's log is mostly
+    telemetry no device is sent. Iterated to its end (`done`), every row up to `end` was examined."""
+
+    def __init__(self, conn, after: int, budget: int, chunk: int, own: bytes, skip_tables: tuple[str, ...]) -> None:
+        self.conn, self.after, self.budget, self.chunk = conn, after, budget, chunk
+        self.own, self.skip_tables = own, skip_tables
+        self.end, self.done = after, False
+
+    def __iter__(self):
+        top = min(eventlog.top(self.conn), self.after + self.budget)
+        pos = self.after
+        while pos < top:
+            rows = eventlog.rows_after(self.conn, pos, top, self.chunk, skip_tables=self.skip_tables, own=self.own)
+            # The payload is not read here: each is sealed at rest; `_open_selected` opens the offered ones.
+            for seq, s, t, p, l, _raw, origin in rows:
+                yield delivery.LogRow(seq, bytes(s), t, (p, l), b"", origin)
+            if len(rows) < self.chunk:
+                break
+            pos = rows[-1][0]
+        self.end, self.done = top, True
 
 
 class LinkProvider:

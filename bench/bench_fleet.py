@@ -10,8 +10,10 @@ What is real and what is simulated:
 - **simulated**: the devices share this one process (one thread steps every device's runner in
   turn; each paho client keeps its own network thread) instead of one process per board, and
   their homes live on tmpfs (`/dev/shm` when present) instead of an SD card. A device's profile
-  is `pi-3-4` (cadence 30 s unless --device-cadence), realtime on, eviction off. The partition
-  drops every device's TCP connection without DISCONNECT (the last will clears its presence).
+  is `pi-3-4` (cadence 30 s unless --device-cadence, presence of its keyring only), realtime on,
+  eviction off. The partition drops every device's TCP connection without DISCONNECT (the last
+  will clears its presence). The devices' paho links wait on poll() rather than select(), which
+  refuses the descriptors past 1 024 that 400 devices' sockets in one process reach.
 
 Traffic: telemetry flows up (each device writes rows of its own in `app.readings`), configuration
 flows down (the gateway writes `app.config` through its control socket: `ssp-agent write`); the
@@ -28,9 +30,11 @@ Per fleet size (fresh broker, gateway and devices each time):
    broker's queue (`$SYS/broker/store/messages/count` and `/bytes`, and mosquitto's RSS) at the
    end, per offline device;
 4. heal: every device reconnects (a new runner on the same home, the persistent session
-   resumes); time until the fleet converges again, and the gateway's CPU seconds for it.
+   resumes); time until the fleet converges again, the gateway's CPU seconds for it, and the
+   messages each device's link took meanwhile. The result's `points` (one per size: devices,
+   convergence_s, gateway_cpu_s_per_device, ...) are the curve of docs/performance.md.
 
-    python bench/bench_fleet.py [--sizes 25,50,100,200] [--events 20] [--partition-s 30] [--idle-s 10]
+    python bench/bench_fleet.py [--sizes 25,50,100,200,400] [--events 20] [--partition-s 30] [--idle-s 10]
     python bench/bench_fleet.py --smoke       # 4 devices, short phases (tests/test_bench_smoke.py)
 """
 from __future__ import annotations
@@ -55,6 +59,35 @@ from agent.profile import load_profile  # noqa: E402
 from agent.runner import RunConfig, Runner  # noqa: E402
 from agent.transport.broker import Broker  # noqa: E402
 from agent.transport.mqtt import MqttSettings  # noqa: E402
+
+class PollSelect:
+    """`select.select` over poll(), for the paho clients of this one process: select() refuses
+    descriptors >= FD_SETSIZE (1024), and 400 devices' links hold 1 200 sockets (their TCP
+    connection and paho's wake-up socket pair each); a board holds three."""
+    error = OSError
+
+    @staticmethod
+    def select(rlist, wlist, xlist, timeout=None):
+        import select as sel
+        objs, flags = {}, {}
+        for lst, flag in ((rlist, sel.POLLIN), (wlist, sel.POLLOUT)):
+            for o in lst:
+                if o is None:
+                    raise TypeError("not a socket")   # what select() raises; paho handles it
+                fd = o if isinstance(o, int) else o.fileno()
+                objs[fd] = o
+                flags[fd] = flags.get(fd, 0) | flag
+        p = sel.poll()
+        for fd, f in flags.items():
+            p.register(fd, f)                          # a closed socket (-1): ValueError, as select()
+        ready = p.poll(None if timeout is None else max(0.0, timeout) * 1000)
+        gone = sel.POLLHUP | sel.POLLERR | sel.POLLNVAL
+        r = [objs[fd] for fd, ev in ready if ev & (sel.POLLIN | gone) and flags[fd] & sel.POLLIN]
+        w = [objs[fd] for fd, ev in ready if ev & (sel.POLLOUT | gone) and flags[fd] & sel.POLLOUT]
+        return r, w, []
+
+
+paho.select = PollSelect   # paho's module-level `select`: the simulated devices' links only (this process)
 
 MESH = bytes.fromhex("f1ee7000000000000000000000000715")
 TABLES = ('\n[[tables]]\nschema = "app"\nname = "readings"\ncategory = "syncable"\nkey = ["device", "seq"]\n'
@@ -152,6 +185,7 @@ class Fleet:
         settings.body_limit_bytes = int(self.prof.body_limit_bytes)
         settings.max_events = int(self.prof.batch_limit)
         settings.session_expiry_s = int(self.prof.session_expiry_s)
+        settings.presence = self.prof.presence   # pi-3-4: its keyring's presence only (as `ssp-agent run`)
         t = time.perf_counter()
         self.runners = []
         # In waves: all devices' paho threads share this process's GIL, and a wave of 100 at once
@@ -302,6 +336,9 @@ def one_size(n: int, args, base: Path) -> dict:
             out["heal_reconnect_s"] = round(time.perf_counter() - t, 2)
             out["heal_converge_s"] = round(out["heal_reconnect_s"] + fleet.until_converged(args.timeout), 2)
             out["heal_gw_cpu_s"] = round(proc_cpu_s(pid) - c0, 2)
+            # what each device's link took from the broker from its reconnection to convergence
+            # (presence, bodies, answers): a constant when nothing a device takes grows with the fleet
+            out["heal_msgs_per_device"] = round(sum(r.link.received for r in fleet.runners) / n, 1)
             out["gw_peak_rss_mb"] = round(proc_mem_mb(pid, "VmHWM"), 1)
         finally:
             sysc.close()
@@ -313,7 +350,7 @@ def one_size(n: int, args, base: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="25,50,100,200")
+    ap.add_argument("--sizes", default="25,50,100,200,400")
     ap.add_argument("--events", type=int, default=20, help="rows each device writes before, and again during, the partition")
     ap.add_argument("--config-writes", type=int, default=3, help="config rows the gateway writes during the partition")
     ap.add_argument("--partition-s", type=float, default=30.0)
@@ -348,12 +385,12 @@ def main() -> int:
     shutil.rmtree(d, ignore_errors=True)
     print()
     print(f"{'devices':>7} {'first conv s':>12} {'gw idle %cpu':>12} {'/device':>8} {'gw RSS MB':>9} "
-          f"{'queue msgs/dev':>14} {'queue B/dev':>11} {'heal conv s':>11} {'heal gw cpu s/dev':>17}")
+          f"{'queue msgs/dev':>14} {'queue B/dev':>11} {'heal conv s':>11} {'heal gw cpu s/dev':>17} {'msgs/dev':>9}")
     for r in rows:
         n = r["devices"]
         print(f"{n:>7} {r['first_converge_s']:>12} {r['gw_idle_cpu_pct']:>12} {r['gw_idle_cpu_pct'] / n:>8.3f} "
               f"{r['gw_rss_mb']:>9} {r['queue_msgs_per_offline_device']:>14} {r['queue_bytes_per_offline_device']:>11} "
-              f"{r['heal_converge_s']:>11} {r['heal_gw_cpu_s'] / n:>17.3f}")
+              f"{r['heal_converge_s']:>11} {r['heal_gw_cpu_s'] / n:>17.3f} {r['heal_msgs_per_device']:>9}")
     if len(rows) > 1:
         a, b = rows[0], rows[-1]
         k = b["devices"] / a["devices"]
@@ -364,8 +401,8 @@ def main() -> int:
               f"x{b['queue_bytes_per_offline_device'] / max(1, a['queue_bytes_per_offline_device']):.2f}")
     print(f"load average after: {load_average()}")
     keys = ("gw_rss_mb", "gw_idle_cpu_pct", "queue_msgs_per_offline_device", "queue_bytes_per_offline_device",
-            "heal_converge_s", "heal_reconnect_s", "first_converge_s")
-    record({f"{k}_{r['devices']}_devices": r[k] for r in rows for k in keys if isinstance(r.get(k), (int, float))}
+            "heal_converge_s", "heal_reconnect_s", "first_converge_s", "heal_msgs_per_device")
+    path = record({f"{k}_{r['devices']}_devices": r[k] for r in rows for k in keys if isinstance(r.get(k), (int, float))}
            | {f"heal_gw_cpu_ms_per_device_{r['devices']}_devices": 1000 * r["heal_gw_cpu_s"] / r["devices"] for r in rows},
            {"devices_max": max(sizes), "events_per_device": args.events, "partition_s": args.partition_s},
            " / ".join(str(r["devices"]) for r in rows) + " devices: gateway RSS "
@@ -373,6 +410,15 @@ def main() -> int:
            + " / ".join(str(r["gw_idle_cpu_pct"]) for r in rows) + " % of a core; queue per offline device "
            + " / ".join(f"{r['queue_bytes_per_offline_device']}" for r in rows) + " B; convergence after the partition "
            + " / ".join(str(r["heal_converge_s"]) for r in rows) + " s", parameters=vars(args))
+    if path is not None:
+        # the curve (docs/performance.md's plot): one point per fleet size
+        doc = json.loads(path.read_text())
+        doc["points"] = [{"devices": r["devices"], "convergence_s": r["heal_converge_s"],
+                          "gateway_cpu_s_per_device": round(r["heal_gw_cpu_s"] / r["devices"], 4),
+                          "first_convergence_s": r["first_converge_s"], "reconnect_s": r["heal_reconnect_s"],
+                          "gateway_cpu_s": r["heal_gw_cpu_s"], "msgs_per_device": r["heal_msgs_per_device"],
+                          "gateway_rss_mb": r["gw_rss_mb"]} for r in rows]
+        path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
     return 0
 
 

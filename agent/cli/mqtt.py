@@ -201,6 +201,7 @@ def open_runner(args, node, once: bool):
     settings.body_limit_bytes = int(prof.body_limit_bytes)
     settings.session_expiry_s = int(prof.session_expiry_s)
     settings.max_events = int(prof.batch_limit)
+    settings.presence = getattr(prof, "presence", "mesh")
     try:
         r = Runner(node, settings, cfg)
     except TransportError as e:

@@ -45,15 +45,20 @@ class LogWatch:
 
 
 # ---------------------------------------------------------------------- what the sync layer reads
-def rows_after(conn: sqlite3.Connection, after: int, upto: int | None, limit: int) -> list[tuple]:
+def rows_after(conn: sqlite3.Connection, after: int, upto: int | None, limit: int, *,
+               skip_tables: tuple[str, ...] = (), own: bytes | None = None) -> list[tuple]:
     """Up to `limit` log rows with seq > `after` (and <= `upto`), in append order, without their
     payload (most rows a selection examines are filtered; each payload is sealed at rest):
-    (seq, site_id, qualified, hlc_p, hlc_l, None, origin)."""
+    (seq, site_id, qualified, hlc_p, hlc_l, None, origin). Rows of `skip_tables` not signed by
+    `own` are passed over here, in SQL."""
     q = "SELECT seq, site_id, qualified, hlc_p, hlc_l, NULL, origin FROM events WHERE seq > ?"
     args: list = [after]
     if upto is not None:
         q += " AND seq <= ?"
         args.append(upto)
+    if skip_tables:
+        q += f" AND (qualified NOT IN ({','.join('?' * len(skip_tables))}) OR site_id = ?)"
+        args += [*skip_tables, own]
     return conn.execute(q + " ORDER BY seq LIMIT ?", (*args, limit)).fetchall()
 
 

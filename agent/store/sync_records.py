@@ -247,6 +247,8 @@ def current_roles(conn: sqlite3.Connection) -> dict[bytes, object]:
     authority's do not)."""
     from ..core.scope import FORKED
     out: dict[bytes, object] = {}
+    if not has_schema(conn) or conn.execute("SELECT 1 FROM control_records WHERE kind='role' LIMIT 1").fetchone() is None:
+        return out   # no role record, no role: nothing to resolve (the keyring is every device of a fleet)
     for (kind, subject), ch in trust(conn).chains.items():
         if kind != "role":
             continue

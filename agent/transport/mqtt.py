@@ -39,7 +39,7 @@ from ..core.exchange import KIND_BATCH, KIND_PULL, KIND_REALTIME  # noqa: F401 -
 from ..core.sending import split_sizes  # noqa: F401 - body splitting is pure; re-exported for the runner, benches, tests
 from ..timesource import SYSTEM, Clock
 from .mqtt_settings import (ADVERTISED_FLOOR, DEFAULT_BODY_LIMIT_BYTES, DEFAULT_MAX_EVENTS,  # noqa: F401 - re-exported
-                            DEFAULT_PREFIX, DEFAULT_SESSION_EXPIRY_S, P_BODY_LIMIT, PACKET_OVERHEAD,
+                            DEFAULT_PREFIX, DEFAULT_SESSION_EXPIRY_S, P_BODY_LIMIT, PACKET_OVERHEAD, PRESENCE_TOPICS_MAX,
                             RECEIVE_BUDGET_BYTES, RECEIVE_MAXIMUM_MAX, RECEIVE_MAXIMUM_MIN, Backoff, MqttSettings,
                             Topics, max_packet_size, parse_body_limit, receive_maximum)
 
@@ -130,7 +130,8 @@ class MqttLink:
     thread, which acks each message after its transaction commits (`ack`)."""
 
     def __init__(self, settings: MqttSettings, mesh_id: bytes, site_id: bytes,
-                 presence_payload: Callable[[], bytes] | None = None, clock: Clock = SYSTEM) -> None:
+                 presence_payload: Callable[[], bytes] | None = None, clock: Clock = SYSTEM,
+                 members: Callable[[], Iterable[bytes]] | None = None) -> None:
         self.s = settings
         self.clock = clock  # connect timeouts and the delivery watch (monotonic), losses (wall)
         self.site_id, self.mesh_id = site_id, mesh_id
@@ -184,6 +185,10 @@ class MqttLink:
         self._probe_puback = self._client.on_publish
         self._client.on_publish = self._on_publish
         self._own_presence = self.topics.presence(site_id)
+        # settings.presence "members": the sites whose presence this node follows (its keyring),
+        # and the set subscribed on this connection (None: the mesh's wildcard)
+        self.members = members if settings.presence == "members" else None
+        self._followed: set[bytes] | None = None
 
     # -------------------------------------------------------------- setup
     def _make_client(self) -> paho.Client:
@@ -392,11 +397,47 @@ class MqttLink:
         # push must never race a subscription that is still on its way.
         self.presence_echo.clear()
         _rc, self._sub_mid = client.subscribe([(self.topics.inbox_filter(self.site_id), 1),
-                                               (self.topics.presence_filter(), 1)])
+                                               *((t, 1) for t in self._presence_topics())])
+        if self._followed is not None and self.session_present:
+            client.unsubscribe(self.topics.presence_filter())   # a resumed session may hold the wildcard
         self.publish_presence()
         self._prober.restart()
         self._backoff.reset()
         log.info("mqtt %s: connected (session present: %s)", self.site_id.hex()[:8], self.session_present)
+
+    def _presence_topics(self) -> list[str]:
+        """The presence subscriptions of a new connection: the mesh's wildcard, or (settings
+        `presence = "members"`) this node's and each member's topic, up to PRESENCE_TOPICS_MAX."""
+        with self._lock:
+            sites = None if self.members is None else {self.site_id, *self.members()}
+            if sites is None or len(sites) > PRESENCE_TOPICS_MAX:
+                self._followed = None
+                return [self.topics.presence_filter()]
+            self._followed = sites
+            return [self.topics.presence(s) for s in sorted(sites)]
+
+    def follow_members(self) -> None:
+        """A "members" node whose keyring grew subscribes to the new members' presence (loop
+        thread; paho only queues the packet, the network thread writes it); past
+        PRESENCE_TOPICS_MAX it moves to the wildcard. A member that left stays followed until the
+        next connection (its presence is ignored like a stranger's)."""
+        if self._followed is None or not self.connected.is_set():
+            return
+        with self._lock:   # taken briefly: paho's own locks are taken outside it (no order to keep)
+            followed = self._followed
+            new = [] if followed is None else [s for s in self.members() if s not in followed]
+            if not new:
+                return
+            wildcard = len(followed) + len(new) > PRESENCE_TOPICS_MAX
+            if wildcard:
+                self._followed = None
+            else:
+                followed.update(new)
+        if wildcard:
+            self._client.subscribe(self.topics.presence_filter(), 1)
+            self._client.unsubscribe([self.topics.presence(s) for s in sorted(followed)])
+        else:
+            self._client.subscribe([(self.topics.presence(s), 1) for s in new])
 
     def _on_subscribe(self, client, userdata, mid, reason_codes, properties) -> None:
         if mid == self._sub_mid:

@@ -27,6 +27,10 @@ ADVERTISED_FLOOR = 16 * 1024
 # PUBLISHes out to this node, each at most its Maximum Packet Size (own body limit + PACKET_OVERHEAD).
 RECEIVE_BUDGET_BYTES = 64 * 1024 * 1024
 RECEIVE_MAXIMUM_MIN, RECEIVE_MAXIMUM_MAX = 16, 1000
+# Presence topics a "members" node subscribes to one by one; past it, the mesh's wildcard is fewer
+# subscriptions and the same deliveries (such a node's peers are most of the mesh).
+PRESENCE_TOPICS_MAX = 64
+PRESENCE_SCOPES = ("mesh", "members")
 
 
 @dataclass
@@ -53,6 +57,11 @@ class MqttSettings:
     # one 64 MiB message costs a node hundreds of MB (docs/mqtt.md "Memory bound"). mosquitto 2.0.11
     # keeps the in-flight slot of each PUBLISH it drops so; the link's delivery watch frees them.
     announce_max_packet: bool = True
+    # Whose presence the node subscribes to (docs/scale.md "Presence"): "mesh" (the wildcard: every
+    # site's, strangers' included, so a forged or poisoned presence is seen and surfaced) or
+    # "members" (its keyring's, one topic each, up to PRESENCE_TOPICS_MAX, then the wildcard): a
+    # device that syncs with one gateway then takes one presence per reconnect, not the mesh's.
+    presence: str = "mesh"
 
     @classmethod
     def from_url(cls, url: str, **kw) -> "MqttSettings":

@@ -238,3 +238,35 @@ def test_settings_from_url():
     assert (s.port, s.tls) == (1884, False)
     with pytest.raises(ValueError):
         MqttSettings.from_url("http://x")
+
+
+def test_a_members_link_takes_only_its_members_presence(broker):
+    """settings.presence "members" (docs/scale.md "Presence"): the link subscribes to its own and
+    its members' presence topics, so a stranger's retained presence never reaches it (with the
+    mesh's wildcard every device took every device's presence at each reconnect: D² deliveries);
+    a member added later is followed from then on, and past PRESENCE_TOPICS_MAX the wildcard."""
+    me, peer, stranger = os.urandom(16), os.urandom(16), os.urandom(16)
+    lp, ls = link(broker, peer, hs=b"P"), link(broker, stranger, hs=b"S")
+    members = [peer]
+    s = MqttSettings.from_url(broker.url, backoff_min_s=0.05, backoff_max_s=0.5, presence="members")
+    lm = MqttLink(s, MESH, me, lambda: b"M", members=lambda: members).start()
+    lw = link(broker, os.urandom(16))   # the default: the mesh's wildcard
+    try:
+        assert lm.wait_connected(HANG_S), lm.last_error
+        # everything retained for its subscriptions is delivered before its own presence's echo
+        assert wait_until(lambda: lm.presence_echo.is_set(), "its own presence echoed")
+        assert lm.present.get(peer) == b"P" and stranger not in lm.present
+        assert wait_until(lambda: stranger in lw.present and peer in lw.present, "the wildcard link takes both")
+        members.append(stranger)
+        lm.follow_members()
+        assert wait_until(lambda: lm.present.get(stranger) == b"S", "the new member's presence")
+        members.extend(os.urandom(16) for _ in range(70))   # past PRESENCE_TOPICS_MAX: the wildcard
+        lm.follow_members()
+        late = link(broker, os.urandom(16), hs=b"L")
+        try:
+            assert wait_until(lambda: late.site_id in lm.present, "a presence through the wildcard")
+        finally:
+            late.close()
+    finally:
+        for lk in (lm, lw, lp, ls):
+            lk.close()

@@ -175,3 +175,51 @@ def test_selection_opens_only_the_sealed_events_it_offers(tmp_path):
     assert counting.opened == 1, counting.opened
     assert sel.events == [bytes(r[0]) for r in a.conn.execute(
         "SELECT unseal(event_id, raw) FROM events WHERE seq = ?", (sel.seqs[0],))]
+
+
+def test_selection_passes_over_quietly_denied_rows_in_sql(tmp_path, monkeypatch):
+    """A gateway's log is mostly its devices' telemetry, which policy sends no device: the
+    selection built a Python row for each of them, once per device per cycle (bench_fleet: 1.6 M
+    rows for 200 devices, the gateway's selection grew with devices x events). Rows of tables
+    policy denies the peer without a denial to surface are passed over in SQL; the cursor still
+    moves past them, and own denied rows still show as gaps."""
+    from agent import sync as syncmod
+
+    a, b, c = mesh(tmp_path, 3)
+    da, dc = SyncDriver(a), SyncDriver(c)
+    for i in range(80):
+        c.write(T, {"device": "c", "seq": i}, {"temp": 1.0}, now=NOW)
+    sync(dc, da, NOW)
+    with _txn(a.conn):
+        st.put_policy_row(a.conn, R(b.site_id.hex(), "readings", "user", "deny"))
+    a.write(T, {"device": "a", "seq": 1}, {"temp": 1.0}, now=NOW)     # its own, denied: a gap
+    a.write("app.notes", {"id": "n1"}, {"body": "x"}, now=NOW)        # the one event b may have
+    seen = []
+    real = syncmod.eventlog.rows_after
+
+    def counting(*args, **kw):
+        rows = real(*args, **kw)
+        seen.extend(rows)
+        return rows
+    monkeypatch.setattr(syncmod.eventlog, "rows_after", counting)
+    sel, *_ = da.select_for(b.site_id, "fresh")   # a path whose cursor is still 0: the whole log
+    top = a.conn.execute("SELECT max(seq) FROM events").fetchone()[0]
+    assert len(sel.events) == 1 and sel.gaps == {T} and sel.end == top == 82
+    assert len(seen) <= 2, len(seen)
+
+
+def test_roles_without_role_records_cost_no_trust_resolution(tmp_path, monkeypatch):
+    """Each selection resolved the whole trust (every keyring entry, every record) for the peers'
+    roles: a gateway with D devices in its keyring paid O(D) per selection and D selections per
+    cycle (bench_fleet, 200 devices: 40 % of the selection). A store holding no role record has
+    no roles, and says so without resolving anything."""
+    a, b = mesh(tmp_path, 2)
+    da = SyncDriver(a)
+    a.write(T, {"device": "d", "seq": 1}, {"temp": 1.0}, now=NOW)
+    calls = []
+    real = st.provisioned_keyring
+    monkeypatch.setattr(st, "provisioned_keyring", lambda conn: calls.append(1) or real(conn))
+    from agent.store import sync_records
+    monkeypatch.setattr(sync_records, "provisioned_keyring", lambda conn: calls.append(1) or real(conn))
+    sel, *_ = da.select_for(b.site_id, "memory")
+    assert len(sel.events) == 1 and st.current_roles(a.conn) == {} and calls == []
