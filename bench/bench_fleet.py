@@ -402,23 +402,20 @@ def main() -> int:
     print(f"load average after: {load_average()}")
     keys = ("gw_rss_mb", "gw_idle_cpu_pct", "queue_msgs_per_offline_device", "queue_bytes_per_offline_device",
             "heal_converge_s", "heal_reconnect_s", "first_converge_s", "heal_msgs_per_device")
-    path = record({f"{k}_{r['devices']}_devices": r[k] for r in rows for k in keys if isinstance(r.get(k), (int, float))}
+    # the curve (docs/performance.md's plot): one point per fleet size
+    points = [{"devices": r["devices"], "convergence_s": r["heal_converge_s"],
+               "gateway_cpu_s_per_device": round(r["heal_gw_cpu_s"] / r["devices"], 4),
+               "first_convergence_s": r["first_converge_s"], "reconnect_s": r["heal_reconnect_s"],
+               "gateway_cpu_s": r["heal_gw_cpu_s"], "msgs_per_device": r["heal_msgs_per_device"],
+               "gateway_rss_mb": r["gw_rss_mb"]} for r in rows]
+    record({f"{k}_{r['devices']}_devices": r[k] for r in rows for k in keys if isinstance(r.get(k), (int, float))}
            | {f"heal_gw_cpu_ms_per_device_{r['devices']}_devices": 1000 * r["heal_gw_cpu_s"] / r["devices"] for r in rows},
            {"devices_max": max(sizes), "events_per_device": args.events, "partition_s": args.partition_s},
            " / ".join(str(r["devices"]) for r in rows) + " devices: gateway RSS "
            + " / ".join(str(r["gw_rss_mb"]) for r in rows) + " MB; idle CPU "
            + " / ".join(str(r["gw_idle_cpu_pct"]) for r in rows) + " % of a core; queue per offline device "
            + " / ".join(f"{r['queue_bytes_per_offline_device']}" for r in rows) + " B; convergence after the partition "
-           + " / ".join(str(r["heal_converge_s"]) for r in rows) + " s", parameters=vars(args))
-    if path is not None:
-        # the curve (docs/performance.md's plot): one point per fleet size
-        doc = json.loads(path.read_text())
-        doc["points"] = [{"devices": r["devices"], "convergence_s": r["heal_converge_s"],
-                          "gateway_cpu_s_per_device": round(r["heal_gw_cpu_s"] / r["devices"], 4),
-                          "first_convergence_s": r["first_converge_s"], "reconnect_s": r["heal_reconnect_s"],
-                          "gateway_cpu_s": r["heal_gw_cpu_s"], "msgs_per_device": r["heal_msgs_per_device"],
-                          "gateway_rss_mb": r["gw_rss_mb"]} for r in rows]
-        path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+           + " / ".join(str(r["heal_converge_s"]) for r in rows) + " s", parameters=vars(args), points=points)
     return 0
 
 
