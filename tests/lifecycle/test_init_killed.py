@@ -24,8 +24,11 @@ def test_init_killed_anywhere_is_completed_by_the_next_init(tmp_path):
                           capture_output=True, text=True, env=agent_env())
     assert done.returncode == 0, done.stderr
     whole = time.monotonic() - t0
-    redone = 0
-    for i in range(TRIALS):
+    redone, i = 0, 0
+    # At least TRIALS kills, and on until a third of them fell inside an init: a kill that came
+    # after the init finished aims earlier next time (a busy machine's pace changes mid-test).
+    while i < TRIALS or (redone < TRIALS // 3 and i < 4 * TRIALS):
+        i += 1
         home = tmp_path / f"h{i}"
         p = subprocess.Popen([*agent_cmd(), "--home", str(home), "init", "--manifest", str(m)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=agent_env())
@@ -39,6 +42,8 @@ def test_init_killed_anywhere_is_completed_by_the_next_init(tmp_path):
         assert again.returncode == 0 or (again.returncode == 2 and "already holds a node" in again.stderr), \
             (i, again.stderr[-2000:])
         redone += again.returncode == 0
+        if again.returncode != 0:
+            whole *= 0.85
         st = subprocess.run([*agent_cmd(), "--home", str(home), "status"], capture_output=True, text=True,
                             env=agent_env())
         assert st.returncode == 0 and "Traceback" not in st.stderr, \
