@@ -12,7 +12,7 @@ the eviction-off figure scales the same way. Readings are upserts into a ring of
 sensor (key = sensor, slot), so the materialized table stays bounded and what grows is the log.
 Time is simulated (a generated clock); nothing sleeps.
 
-    python bench/bench_lifecycle.py [--days 30] [--sensors 2] [--period-s 30]
+    python bench/bench_lifecycle.py [--days 30] [--sensors 2] [--period-s 30] [--rehydrate-only]
 """
 from __future__ import annotations
 
@@ -133,11 +133,16 @@ def main() -> int:
     ap.add_argument("--sensors", type=int, default=2)
     ap.add_argument("--period-s", type=int, default=30)
     ap.add_argument("--rehydrate-events", type=int, default=50_000)
+    ap.add_argument("--rehydrate-only", action="store_true",
+                    help="run only the rehydration part, print it and record nothing (a result holds both parts)")
     ap.add_argument("--_mode", choices=["on", "off"])
     ap.add_argument("--_out")
     args = ap.parse_args()
     if args._mode:
         stream_run(args._mode == "on", args.days, args.sensors, args.period_s, args._out)
+        return 0
+    if args.rehydrate_only:
+        print("  " + json.dumps(rehydration(args.rehydrate_events)))
         return 0
     per_day = args.sensors * 86_400 // args.period_s
     print(f"stream: {args.days} simulated days, {args.sensors} sensors, 1 reading / {args.period_s} s each "
