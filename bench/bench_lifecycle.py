@@ -106,6 +106,9 @@ def rehydration(n_events: int) -> dict:
         ref.close()
         gw, _ = Node.init(Path(d) / "gw", man, profile="gateway")
         gw.apply_batch(events, now)
+        # The gateway runs in its own process in a deployment: its apply workers (agent/applyworker.py,
+        # at most one set per process) go, so the fresh node can start its own, as the apply-only side did.
+        gw.pipeline.close()
         new, _ = Node.init(Path(d) / "new", man, profile="pi-zero-2w")
         introduce(gw, new)
         dg, dn = SyncDriver(gw, batch_limit=gw.profile.batch_limit), SyncDriver(new, batch_limit=2000)
