@@ -229,9 +229,11 @@ class SyncDriver:
         recs = self.select_records(peer, path, record_budget)
         records = tuple(recs[1]) + tuple(extra_records)
         empty: int | None = None
+        sel = None
         while True:
-            sel, bf, start0, ro = self.select_for(peer, path, mode, start=start, limit=limit, backfill=backfill,
-                                                  now=now)
+            if sel is None:
+                sel, bf, start0, ro = self.select_for(peer, path, mode, start=start, limit=limit,
+                                                      backfill=backfill, now=now)
             extra = [raw for _seq, raw in ro[0]] + (list(bf.events) if bf else [])
             events = list(sel.events) + extra
             raw = emit_body(SyncBody(self.node.site_id, hmax, tuple(events), records, wms))
@@ -243,6 +245,9 @@ class SyncDriver:
                 empty = len(emit_body(SyncBody(self.node.site_id, hmax, (), records, wms)))
             n = body_fit(events, start0, sel.seqs, len(extra), sel.gaps, empty, max_bytes, limit)
             limit = max(1, min(len(events) - 1, n if n is not None else len(events) - 1))
+            # Live events alone: the first `limit` of them are what a selection with that limit
+            # takes (each body's rows are read and unsealed once, not once per try).
+            sel = sel.prefix(limit) if not extra and not ro[1] and bf is None and limit < len(sel.seqs) else None
         meta = StreamMeta(start0, sel.end, tuple(sel.seqs), tuple(sorted(sel.gaps)), len(extra))
         if asked is not None and start != asked:
             gen, _ = self._redo[(peer, path)]
