@@ -46,6 +46,7 @@ class SyncDriver:
         # per (peer, path): the rehydrate generation of the last body built, and where bodies
         # restart after a reset that landed with a window in flight (`_restart`)
         self._redo: dict[tuple[bytes, str], tuple[int | None, int | None]] = {}
+        self._fit: dict[tuple[bytes, str], int] = {}  # per (peer, path): events the last bodies fitted (`build`)
         self.stats = {"pushed_events": 0, "received_events": 0, "bodies_out": 0, "bodies_in": 0}
 
     # ------------------------------------------------------------------ sessions
@@ -229,6 +230,11 @@ class SyncDriver:
         recs = self.select_records(peer, path, record_budget)
         records = tuple(recs[1]) + tuple(extra_records)
         empty: int | None = None
+        # Under a byte limit, at first about what fitted last time (a quarter more, growing while
+        # the bodies fill it): the rows read and unsealed are the body's, not the batch limit's.
+        full = limit
+        if max_bytes is not None and limit > 0 and (peer, path) in self._fit:
+            limit = min(limit, self._fit[(peer, path)])
         sel = None
         while True:
             if sel is None:
@@ -249,6 +255,12 @@ class SyncDriver:
             # takes (each body's rows are read and unsealed once, not once per try).
             sel = sel.prefix(limit) if not extra and not ro[1] and bf is None and limit < len(sel.seqs) else None
         meta = StreamMeta(start0, sel.end, tuple(sel.seqs), tuple(sorted(sel.gaps)), len(extra))
+        if max_bytes is not None and full > 0 and len(events) >= limit:
+            grown = len(events) + len(events) // 4 + 1
+            if grown < full:
+                self._fit[(peer, path)] = grown
+            else:
+                self._fit.pop((peer, path), None)
         if asked is not None and start != asked:
             gen, _ = self._redo[(peer, path)]
             self._redo[(peer, path)] = (gen, sel.end if sel.end < asked else None)
