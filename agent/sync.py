@@ -43,6 +43,10 @@ class SyncDriver:
         self.batch_limit = batch_limit
         st.ensure_schema(self.conn)
         self._denials_surfaced: set[tuple[bytes, str, str]] = set()
+        # per (peer, path): the rehydrate generation of the last body built, and where bodies
+        # restart after a reset that landed with a window in flight (`_restart`)
+        self._redo: dict[tuple[bytes, str], tuple[int | None, int | None]] = {}
+        self._fit: dict[tuple[bytes, str], int] = {}  # per (peer, path): events the last bodies fitted (`build`)
         self.stats = {"pushed_events": 0, "received_events": 0, "bodies_out": 0, "bodies_in": 0}
 
     # ------------------------------------------------------------------ sessions
@@ -212,15 +216,25 @@ class SyncDriver:
         `extra_records`: records the body carries beyond the held ones (the mailbox path's answer
         record, agent/mailbox.py); never tracked as delivered."""
         limit = self.batch_limit if max_events is None else max_events
+        asked = start
+        if start is not None and limit > 0:
+            start = self._restart(peer, path, start)
         wms = tuple(Watermark(s, q, h) for (s, q), h in sorted(st.own_watermarks(self.conn).items()))
         # What does not depend on the events selected is read once, not again per re-selection.
         hmax = self.have_max_hlc()
         recs = self.select_records(peer, path, record_budget)
         records = tuple(recs[1]) + tuple(extra_records)
         empty: int | None = None
+        # Under a byte limit, at first about what fitted last time (a quarter more, growing while
+        # the bodies fill it): the rows read and unsealed are the body's, not the batch limit's.
+        full = limit
+        if max_bytes is not None and limit > 0 and (peer, path) in self._fit:
+            limit = min(limit, self._fit[(peer, path)])
+        sel = None
         while True:
-            sel, bf, start0, ro = self.select_for(peer, path, mode, start=start, limit=limit, backfill=backfill,
-                                                  now=now)
+            if sel is None:
+                sel, bf, start0, ro = self.select_for(peer, path, mode, start=start, limit=limit,
+                                                      backfill=backfill, now=now)
             extra = [raw for _seq, raw in ro[0]] + (list(bf.events) if bf else [])
             events = list(sel.events) + extra
             raw = emit_body(SyncBody(self.node.site_id, hmax, tuple(events), records, wms))
@@ -232,11 +246,36 @@ class SyncDriver:
                 empty = len(emit_body(SyncBody(self.node.site_id, hmax, (), records, wms)))
             n = body_fit(events, start0, sel.seqs, len(extra), sel.gaps, empty, max_bytes, limit)
             limit = max(1, min(len(events) - 1, n if n is not None else len(events) - 1))
+            # Live events alone: the first `limit` of them are what a selection with that limit
+            # takes (each body's rows are read and unsealed once, not once per try).
+            sel = sel.prefix(limit) if not extra and not ro[1] and bf is None and limit < len(sel.seqs) else None
         meta = StreamMeta(start0, sel.end, tuple(sel.seqs), tuple(sorted(sel.gaps)), len(extra))
+        if max_bytes is not None and full > 0 and len(events) >= limit:
+            grown = len(events) + len(events) // 4 + 1
+            if grown < full:
+                self._fit[(peer, path)] = grown
+            else:
+                self._fit.pop((peer, path), None)
+        if asked is not None and start != asked:
+            gen, _ = self._redo[(peer, path)]
+            self._redo[(peer, path)] = (gen, sel.end if sel.end < asked else None)
         tok = self.token(peer, path, sel, bf, start0, recs, ro)
         self.stats["bodies_out"] += 1
         self.stats["pushed_events"] += len(events)
         return Outgoing(raw, meta, tok, len(events), bf is not None)
+
+    def _restart(self, peer: bytes, path: str, start: int) -> int:
+        """Where a body asked to start at `start` starts. A rehydrate request that landed while a
+        window was in flight resets the cursor, and answers to that window never move it
+        (`confirm`): the bodies after it restart from the reset cursor, each from where the last
+        one ended, until they reach `start`, rather than the whole history going again once the
+        window drains."""
+        gen = st.rehydrate_generation(self.conn, peer)
+        last, redo = self._redo.get((peer, path), (gen, None))
+        if last != gen:
+            redo = st.cursor(self.conn, peer, path)[0]
+        self._redo[(peer, path)] = (gen, redo)
+        return start if redo is None or redo >= start else redo
 
     def _held_records(self, peer: bytes | None = None) -> list[tuple[bytes, bytes]]:
         """(record_hash, raw) of every record a body to `peer` could carry, in body order, hashes

@@ -48,6 +48,9 @@ def main() -> int:
         for i in range(0, len(events), args.batch):
             a.apply_batch(events[i:i + args.batch], now)
         apply_s = time.perf_counter() - t0
+        # Each node runs in its own process in a deployment: a's apply workers (at most one set per
+        # process, agent/applyworker.py) go, so b verifies on its own as a did.
+        a.pipeline.close()
 
         da, dbb = SyncDriver(a, batch_limit=args.batch), SyncDriver(b, batch_limit=args.batch)
         link = MemoryLink()

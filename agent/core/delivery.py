@@ -44,6 +44,16 @@ class Selection:
     end: int = 0  # last seq examined (the cursor value once everything is processed)
     gaps: set[str] = field(default_factory=set)  # tables whose *own* events were withheld by policy
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count (self_echo, policy, watermark)
+    gap_at: dict[str, int] = field(default_factory=dict)  # policy-gap table -> first seq withheld
+
+    def prefix(self, n: int) -> "Selection":
+        """The selection `select` makes of the same rows with `limit` n (1 <= n < the events): its
+        first n events, `end` at the last of them, the policy gaps withheld before it (`skipped`
+        stays the whole examination's)."""
+        end = self.seqs[n - 1]
+        gaps = {g for g in self.gaps if self.gap_at.get(g, -1) <= end}
+        return Selection(self.events[:n], self.seqs[:n], end, gaps, dict(self.skipped),
+                         {q: s for q, s in self.gap_at.items() if s <= end})
 
 
 def select(rows: Iterable[LogRow], start: int, peer: bytes, self_site: bytes, allowed: Callable[[str], bool],
@@ -80,6 +90,7 @@ def select(rows: Iterable[LogRow], start: int, peer: bytes, self_site: bytes, al
             sel.skipped["policy"] = sel.skipped.get("policy", 0) + 1
             if r.site_id == self_site:
                 sel.gaps.add(r.table)
+                sel.gap_at.setdefault(r.table, r.seq)
             continue
         wm = peer_watermarks.get((r.site_id, r.table))
         if wm is not None and r.hlc <= wm:

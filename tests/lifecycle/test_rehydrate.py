@@ -54,3 +54,26 @@ def test_a_forged_or_foreign_rehydrate_record_is_dropped(tmp_path):
     prot, payload, tbs = rehydrate.to_be_signed(b.site_id, a.mesh_id, 0, None, T0)
     raw = assemble(prot, payload, b_key.sign(tbs))
     assert SyncDriver(a).apply_records([raw], T0)["rehydrate"]["dropped"] == 1
+
+
+def test_a_window_in_flight_when_the_request_lands_is_not_sent_twice(tmp_path):
+    """The gateway's window was selected before the fresh node's rehydrate record reached it:
+    answers to it cannot move the reset cursor, so the next bodies start again from that cursor,
+    and the history goes once (plus what was in flight then, a window or two), not twice."""
+    from tests.sync.helpers import pair
+    gw, pi, other = mesh(tmp_path, 3, TABLES)
+    n, batch = 200, 5
+    for s in range(n):
+        other.write(R, {"device": "o", "seq": s}, {"temp": float(s)}, now=T0 + s)
+    dg, dp = SyncDriver(gw, batch_limit=batch), SyncDriver(pi, batch_limit=batch)
+    t = sync(SyncDriver(other), dg, T0 + 1000)
+    rehydrate.start(pi, gw.site_id, now=T0 + 2000)
+    p = pair(dg, dp)
+    p.start(t + 1)
+    t = p.run(t + 1, t + 60_000)
+    for _ in range(100):
+        if pi.conn.execute("SELECT count(*) FROM events").fetchone()[0] == n:
+            break
+        t = p.exchange(t + 1, t + 60_000)
+    assert pi.dump() == gw.dump()
+    assert dg.stats["pushed_events"] <= n + 10 * batch  # the window (4 bodies) in flight, resent

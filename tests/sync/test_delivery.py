@@ -157,3 +157,18 @@ def test_select_filters():
     assert sel.gaps == {"app.notes"} and sel.skipped == {"self_echo": 1, "policy": 1, "watermark": 1}
     sel = dl.select(rows, 2, peer, me, lambda t: True, {}, 1)
     assert sel.events == [b"c"] and sel.end == 3
+
+
+def test_a_prefix_is_the_selection_with_that_limit():
+    """`Selection.prefix(n)` (a body cut to fit its byte limit) is what `select` takes with limit n:
+    the same events, end and policy gaps (only those withheld before the cut)."""
+    me, peer, third = b"m" * 16, b"p" * 16, b"t" * 16
+    rows = [dl.LogRow(1, third, T, (1, 0), b"a"), dl.LogRow(2, third, T, (2, 0), b"b"),
+            dl.LogRow(3, me, "app.notes", (3, 0), b"c"), dl.LogRow(4, peer, T, (4, 0), b"d"),
+            dl.LogRow(5, third, T, (5, 0), b"e"), dl.LogRow(6, me, "app.x", (6, 0), b"f"),
+            dl.LogRow(7, me, T, (7, 0), b"g")]
+    allowed = lambda t: t == T  # noqa: E731
+    whole = dl.select(rows, 0, peer, me, allowed, {}, 10)
+    for n in range(1, len(whole.events)):
+        cut, again = whole.prefix(n), dl.select(rows, 0, peer, me, allowed, {}, n)
+        assert (cut.events, cut.seqs, cut.end, cut.gaps) == (again.events, again.seqs, again.end, again.gaps)
