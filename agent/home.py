@@ -135,6 +135,7 @@ def make_store(conn: sqlite3.Connection, home: Path, site_id: bytes, public_key:
         if clock["trusted"]:  # an unverified reading is no evidence (docs/apply.md)
             db.set_meta(conn, "clock_evidence", clock["now_ms"])
         db.set_meta(conn, "surfaced_limit", prof.surfaced_limit)
+        db.set_meta(conn, "feed_retain", prof.feed_retain)
         db.set_meta(conn, "records_limit", prof.records_limit)
         db.set_meta(conn, "records_limit_bytes", prof.records_limit_bytes)
         sync_state.put_keyring(conn, site_id, public_key, None, "self", replace=False)

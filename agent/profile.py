@@ -52,6 +52,7 @@ class Profile:
     presence: str = "mesh"              # [sync] whose MQTT presence to follow: "mesh" | "members" (docs/scale.md)
     keystore: dict = field(default_factory=lambda: {"kind": "software"})
     surfaced_limit: int = 100_000       # surfaced rows kept (store-enforced; docs/apply.md "Bounds")
+    feed_retain: int = 100_000          # change-feed records kept (docs/client.md)
     records_limit: int = 10_000         # control records stored from others, in total
     records_limit_bytes: int = 16 * 2**20
     keep_full: tuple[str, ...] = ()  # retention classes listed as "forever": known, never evicted
@@ -84,7 +85,7 @@ class Profile:
                 "eviction_interval_s": self.eviction_interval_s, "cadence_s": self.cadence_s,
                 "batch_limit": self.batch_limit, "body_limit_bytes": self.body_limit_bytes,
                 "backfill_rows_per_cycle": self.backfill_rows_per_cycle, "session_expiry_s": self.session_expiry_s,
-                "keystore": dict(self.keystore), "surfaced_limit": self.surfaced_limit,
+                "keystore": dict(self.keystore), "surfaced_limit": self.surfaced_limit, "feed_retain": self.feed_retain,
                 "records_limit": self.records_limit, "records_limit_bytes": self.records_limit_bytes,
                 "keep_full": list(self.keep_full), "secure_delete": self.secure_delete,
                 "serial_baud": self.serial_baud,
@@ -155,6 +156,7 @@ def parse_profile(text: str, origin: str = "profile") -> Profile:
         session_expiry_s=num(sync, "session_expiry_s", 7 * 86400, int, 0, 2**32 - 1), keystore=dict(ks),
         presence=presence,
         surfaced_limit=num(store, "surfaced_limit", 100_000, int, 1),
+        feed_retain=num(store, "feed_retain", 100_000, int, 1),
         records_limit=num(store, "records_limit", 10_000, int, 1),
         records_limit_bytes=int(num(store, "records_limit_mb", 16, float, 0.001) * 2**20), keep_full=keep_full,
         secure_delete=secure_delete,

@@ -1,7 +1,9 @@
 """The change feed's store (docs/client.md): one row per change to a row or per signal about an
 event, appended by the apply transaction itself, so a record exists exactly when its change
 committed. `seq` is the durable cursor. Values are not kept here but read from the row when a
-record is read (`resolved`). The newest RETAIN records are kept; the highest seq ever pruned is in meta so that a cursor below it is told it expired, never silently skipped.
+record is read (`resolved`). The newest `feed_retain` records are kept (meta, from the profile;
+RETAIN without it); the highest seq ever pruned is in meta so that a cursor below it is told it
+expired, never silently skipped.
 Also the applications' reads of one row with each value's state (materialized, cleared by a
 delete, never materialized), on any connection: the running agent's reader or a read-only open."""
 from __future__ import annotations
@@ -50,9 +52,11 @@ def note_started(conn: sqlite3.Connection) -> bool:
 def append(conn: sqlite3.Connection, qualified: str | None, rk: bytes | None, record: str) -> int:
     """Inside the apply transaction: one record; returns its cursor."""
     seq = conn.execute(_INSERT, (qualified, rk, record)).lastrowid
-    if seq % PRUNE_EVERY == 0 and seq > RETAIN:
-        conn.execute("DELETE FROM feed WHERE seq <= ?", (seq - RETAIN,))
-        set_meta(conn, PRUNED, seq - RETAIN)
+    if seq % PRUNE_EVERY == 0:
+        retain = int(get_meta(conn, "feed_retain", RETAIN))   # a small card keeps fewer (the profile)
+        if seq > retain:
+            conn.execute("DELETE FROM feed WHERE seq <= ?", (seq - retain,))
+            set_meta(conn, PRUNED, seq - retain)
     return seq
 
 

@@ -139,7 +139,8 @@ def test_replaying_the_feed_rebuilds_the_tables_for_random_delivery_orders(tmp_p
 
 def test_a_cursor_older_than_the_node_retains_is_refused(env, monkeypatch):
     node, a, _ = env
-    monkeypatch.setattr(feedstore, "RETAIN", 8)
+    from agent.store import db
+    db.set_meta(node.conn, "feed_retain", 8)      # the profile's [store] feed_retain, as init stores it
     monkeypatch.setattr(feedstore, "PRUNE_EVERY", 4)
     node.apply_batch([a.event(T, {"device": "d", "seq": i}, {"temp": 1.0}, (NOW, i)) for i in range(20)], NOW)
     with pytest.raises(CursorExpired) as e:
@@ -240,3 +241,26 @@ def test_a_home_no_agent_migrated_yet_is_said_to_have_no_feed(tmp_path):
         list(Client(tmp_path / "old").watch(None, since=0, idle_s=0))
     p = run_cli("--home", tmp_path / "old", "watch", "--since", "0", "--idle", "0")
     assert p.returncode != 0 and "no change feed yet" in p.stderr and p.stdout == ""
+
+
+def test_the_feed_keeps_what_the_profile_says_not_more(tmp_path, monkeypatch):
+    """A small card's profile keeps fewer feed records: the pi-zero-2w profile's `feed_retain`,
+    stored by `init`, bounds the feed (a record is a few hundred bytes: 100 000 of them were most of a
+    Pi Zero's store with eviction on); a home without it keeps RETAIN."""
+    from agent.node import Node
+    from agent.profile import load_profile
+    from agent.simpeer import SimPeer, manifest_text, readings_table
+    from agent.store import db
+    prof = load_profile("pi-zero-2w")
+    assert prof.feed_retain < feedstore.RETAIN
+    monkeypatch.setattr(feedstore, "PRUNE_EVERY", 16)
+    peer = SimPeer(bytes(16))
+    node, _ = Node.init(tmp_path / "z", manifest_text(bytes(16), readings_table(), [peer]), profile=prof)
+    try:
+        assert int(db.get_meta(node.conn, "feed_retain")) == prof.feed_retain
+        db.set_meta(node.conn, "feed_retain", 40)   # the same bound, small enough to fill here
+        node.apply_batch([peer.event(T, {"device": "d", "seq": i}, {"temp": 1.0}, (NOW, i)) for i in range(200)], NOW)
+        n = node.conn.execute("SELECT count(*) FROM feed").fetchone()[0]
+        assert 40 <= n <= 40 + 16, n
+    finally:
+        node.close()
