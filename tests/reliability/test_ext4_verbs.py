@@ -63,6 +63,18 @@ def test_the_other_verbs_never_die_by_a_signal_on_a_nearly_full_disk(tmp_path, b
         assert cli(home, "mailbox", "export", "--peer", site, "--out", tmp_path / "last.ssp").returncode == 0
 
 
+def verdicts(home, verbs: dict, reads: tuple) -> dict:
+    """verb -> what went wrong (None: succeeded, or failed with one line); `reads` must succeed."""
+    out = {}
+    for verb, args in verbs.items():
+        p = cli(home, *args)
+        what = verdict(p)
+        if what is None and verb in reads and p.returncode != 0:
+            what = f"a read verb failed: {p.stderr.strip()[-300:]!r}"
+        out[verb] = what
+    return out
+
+
 def run_verdict(home, broker_url: str) -> str | None:
     """`run` on a nearly full disk: serves (its control socket answers `status`) and stops on
     SIGTERM with exit 0, or exits 1 with one line; never dies by a signal nor hangs."""
@@ -122,14 +134,9 @@ def test_record_table_rehydrate_and_run_never_die_by_a_signal_on_a_nearly_full_d
                      "rehydrate --status": ("rehydrate", "--status")}
             filler = leave_free(fs, kib * 1024)
             try:
-                for verb, args in verbs.items():
-                    p = cli(home, *args)
-                    ran += 1
-                    what = verdict(p)
-                    if what is None and verb in ("record list", "rehydrate --status") and p.returncode != 0:
-                        what = f"a read verb failed: {p.stderr.strip()[-300:]!r}"
-                    if what is not None:
-                        bad[(kib, verb)] = what
+                got = verdicts(home, verbs, ("record list", "rehydrate --status"))
+                ran += len(got)
+                bad |= {(kib, v): w for v, w in got.items() if w is not None}
                 what = run_verdict(home, broker.url)
                 ran += 1
                 if what is not None:
@@ -170,14 +177,9 @@ def test_the_remaining_verbs_never_die_by_a_signal_on_a_nearly_full_disk(tmp_pat
                      "watch": ("watch", "--since", "0", "--idle", "0.5")}
             filler = leave_free(fs, kib * 1024)
             try:
-                for verb, args in verbs.items():
-                    p = cli(home, *args)
-                    ran += 1
-                    what = verdict(p)
-                    if what is None and verb in ("commits status", "sequencing status", "watch") and p.returncode:
-                        what = f"a read verb failed: {p.stderr.strip()[-300:]!r}"
-                    if what is not None:
-                        bad[(kib, verb)] = what
+                got = verdicts(home, verbs, ("commits status", "sequencing status", "watch"))
+                ran += len(got)
+                bad |= {(kib, v): w for v, w in got.items() if w is not None}
                 new = fs / f"new-{kib}"
                 p = cli(new, "init", "--manifest", tmp_path / "m.toml")
                 ran += 1
